@@ -1,0 +1,183 @@
+"""The open-loop run: one asyncio event loop sends every planned request at its scheduled
+absolute time, whatever the server is doing, and collects per-request records.
+
+Why open loop: a closed-loop client (N workers, each waiting for its previous reply) slows
+down with the server and so under-reports latency exactly when the server is overloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ttsbuild import __version__
+from ttsbuild.bench.client import Outcome, Timeouts, Trace, http_speech, split_words, ws_speech
+from ttsbuild.bench.metrics import RequestRecord, analyse, summarise
+from ttsbuild.bench.schedule import ArrivalProcess, PlannedRequest, plan_requests
+from ttsbuild.bench.target import Mode, Target
+
+# The first arrival is scheduled this long after the loop starts, so client set-up never
+# counts as dispatch lag.
+_START_LEAD_S = 0.05
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    target: Target
+    rate: float  # offered load, requests/second
+    duration_s: float  # measured window, after warmup
+    warmup_s: float  # sent, excluded from summaries
+    seed: int
+    arrival: ArrivalProcess
+    voices: tuple[str, ...]
+    word_interval_s: float  # WS mode: cadence of input.append messages
+    timeouts: Timeouts
+    max_connections: int  # HTTP connection pool size: must exceed peak concurrency
+    gpu_hour_usd: float | None
+    gpus: int
+    dataset: str  # path of the prompt file, for the record
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["target"] = self.target.to_json()
+        return data
+
+
+@dataclass
+class RunProgress:
+    """Counters a UI may poll while the run is going; only ever incremented by the loop."""
+
+    planned: int
+    sent: int = 0
+    finished: int = 0
+    not_ok: int = 0
+
+
+@dataclass
+class RunResult:
+    settings: RunSettings
+    records: list[RequestRecord]
+    summary: dict[str, Any]
+    started_unix: float
+    prompts_used: int = field(default=0)
+
+
+def plan(settings: RunSettings, prompts: list[str]) -> list[PlannedRequest]:
+    return plan_requests(
+        prompts,
+        list(settings.voices),
+        settings.rate,
+        settings.duration_s,
+        settings.warmup_s,
+        settings.seed,
+        settings.arrival,
+    )
+
+
+def run_benchmark(
+    settings: RunSettings, prompts: list[str], progress: RunProgress | None = None
+) -> RunResult:
+    """Run the whole schedule (blocking) and summarise the measured window."""
+    planned = plan(settings, prompts)
+    progress = progress or RunProgress(planned=len(planned))
+    started_unix = time.time()
+    records = asyncio.run(_run(settings, planned, progress))
+    summary = summarise(records, settings.duration_s, settings.gpu_hour_usd, settings.gpus)
+    return RunResult(settings, records, summary, started_unix, len(planned))
+
+
+async def _run(
+    settings: RunSettings, planned: list[PlannedRequest], progress: RunProgress
+) -> list[RequestRecord]:
+    import httpx
+
+    pool = httpx.Limits(
+        max_connections=settings.max_connections,
+        max_keepalive_connections=settings.max_connections,
+    )
+    timeout = httpx.Timeout(settings.timeouts.stall_s)
+    async with httpx.AsyncClient(limits=pool, timeout=timeout) as client:
+        loop = asyncio.get_running_loop()
+        # One origin on both clocks: the loop clock schedules, perf_counter timestamps.
+        origin_loop = loop.time() + _START_LEAD_S
+        origin_perf = time.perf_counter() + (origin_loop - loop.time())
+        tasks = []
+        for request in planned:
+            delay = origin_loop + request.send_at_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            scheduled_at = origin_perf + request.send_at_s
+            tasks.append(
+                asyncio.create_task(_one(client, settings, request, scheduled_at, progress))
+            )
+        return list(await asyncio.gather(*tasks))
+
+
+async def _one(
+    client: Any,
+    settings: RunSettings,
+    request: PlannedRequest,
+    scheduled_at: float,
+    progress: RunProgress,
+) -> RequestRecord:
+    progress.sent += 1
+    target = settings.target
+    try:
+        if target.mode is Mode.ws:
+            trace = await ws_speech(
+                target.url,
+                target.ws_session_config(request.voice),
+                split_words(request.text),
+                settings.word_interval_s,
+                target.headers,
+                settings.timeouts,
+            )
+        else:
+            trace = await http_speech(
+                client,
+                target.url,
+                target.http_body(request.text, request.voice),
+                target.headers,
+                settings.timeouts,
+            )
+    except Exception as err:  # a harness bug must cost one request, not the whole run
+        trace = Trace(sent_at=time.perf_counter(), outcome=Outcome.failed, error=repr(err))
+    record = analyse(request, scheduled_at, trace, target.body_format, target.sample_rate)
+    progress.finished += 1
+    progress.not_ok += record.outcome != Outcome.ok
+    return record
+
+
+def write_outputs(out_dir: Path, result: RunResult) -> dict[str, Path]:
+    """config.json (everything needed to replay the run), requests.jsonl (one record per
+    request, warmup included and flagged), summary.json (measured window only)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "config": out_dir / "config.json",
+        "requests": out_dir / "requests.jsonl",
+        "summary": out_dir / "summary.json",
+    }
+    config = {
+        "settings": result.settings.to_json(),
+        "requests_planned": result.prompts_used,
+        "started_unix": result.started_unix,
+        "ttsbuild_version": __version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    paths["config"].write_text(json.dumps(config, indent=2) + "\n")
+    with paths["requests"].open("w") as f:
+        for record in result.records:
+            f.write(json.dumps(record.to_json()) + "\n")
+    summary = {
+        "rate": result.settings.rate,
+        "mode": str(result.settings.target.mode),
+        **result.summary,
+    }
+    paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
+    return paths
