@@ -84,6 +84,10 @@ class _Builder:
         if bias:
             self.add(f"{name}.bias", (out_c,), "zeros")
 
+    def conv_transpose(self, name: str, in_c: int, out_c: int, k: int) -> None:
+        self.add(f"{name}.weight", (in_c, out_c, k))  # torch stores (in, out, k) here
+        self.add(f"{name}.bias", (out_c,), "zeros")
+
     def norm(self, name: str, dim: int, bias: bool = False) -> None:
         self.add(f"{name}.weight", (dim,), "ones")
         if bias:
@@ -260,7 +264,7 @@ def _codec_decoder(b: _Builder, prefix: str, d: dict) -> None:
     b.conv(f"{prefix}.pre_conv.conv", latent, cd, 3)
     for k, factor in enumerate(d["upsampling_ratios"]):
         p = f"{prefix}.upsample.{k}"
-        b.conv(f"{p}.0.conv", latent, latent, factor)  # ConvTranspose1d: (in, out, k)
+        b.conv_transpose(f"{p}.0.conv", latent, latent, factor)
         b.add(f"{p}.1.gamma", (latent,), "const", 1e-6)
         b.conv(f"{p}.1.dwconv.conv", latent, 1, 7)
         b.norm(f"{p}.1.norm", latent, bias=True)
@@ -274,7 +278,7 @@ def _codec_decoder(b: _Builder, prefix: str, d: dict) -> None:
         in_dim, out_dim = dd // 2**i, dd // 2 ** (i + 1)
         b.add(f"{p}.0.alpha", (in_dim,), "zeros")
         b.add(f"{p}.0.beta", (in_dim,), "zeros")
-        b.conv(f"{p}.1.conv", in_dim, out_dim, 2 * rate)  # ConvTranspose1d: (in, out, k)
+        b.conv_transpose(f"{p}.1.conv", in_dim, out_dim, 2 * rate)
         for j in range(3):
             u = f"{p}.{j + 2}"
             b.add(f"{u}.act1.alpha", (out_dim,), "zeros")
