@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -80,6 +83,7 @@ class FakeSpeechServer:
     def __init__(self, script: Script = instant_reply) -> None:
         self.script = script
         self.requests: list[dict[str, Any]] = []
+        self.request_headers: list[dict[str, str]] = []  # HTTP only, names lower-cased
         self.http_port = 0
         self.ws_port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -155,6 +159,7 @@ class FakeSpeechServer:
             return True
         request = json.loads(body or b"{}")
         self.requests.append(request)
+        self.request_headers.append(headers)
         reply = self.script(request)
         if reply.status != 200:
             _write_plain(writer, reply.status, reply.error_body)
@@ -220,3 +225,29 @@ def _write_plain(writer: asyncio.StreamWriter, status: int, body: bytes) -> None
         f"content-length: {len(body)}\r\n\r\n".encode("latin-1")
         + body
     )
+
+
+@contextmanager
+def serve_in_subprocess(script: Script = instant_reply) -> Iterator[tuple[str, str]]:
+    """Run a FakeSpeechServer in its own process and yield (http_url, ws_url). Used to measure
+    the harness alone: an in-process server would share the client's GIL and its work would
+    show up as client dispatch lag. `script` must be picklable (a module-level function)."""
+    context = multiprocessing.get_context("spawn")  # no inherited event loop or threads
+    ours, theirs = context.Pipe()
+    process = context.Process(target=_subprocess_main, args=(script, theirs), daemon=True)
+    process.start()
+    try:
+        if not ours.poll(30):
+            raise RuntimeError("fake server process did not start")
+        yield ours.recv()
+    finally:
+        ours.send("stop")
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+
+
+def _subprocess_main(script: Script, conn: Connection) -> None:
+    with FakeSpeechServer(script) as server:
+        conn.send((server.http_url, server.ws_url))
+        conn.recv()
