@@ -29,7 +29,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in SAFETENSORS_DTYPES.items()}
+ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in SAFETENSORS_DTYPES.items()}
 
 
 class OutputExistsError(FileExistsError):
@@ -53,7 +53,7 @@ def write_safetensors(
     header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for spec in specs:
-        size = spec.numel * _ITEMSIZE[spec.dtype]
+        size = spec.numel * ITEMSIZE[spec.dtype]
         header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
                              "data_offsets": [offset, offset + size]}
         offset += size
@@ -134,3 +134,91 @@ def atomic_output_dir(dst: str | Path, force: bool = False) -> Iterator[Path]:
             with contextlib.suppress(OSError):
                 p.rmdir()
         raise
+
+
+class SafetensorsFormatError(ValueError):
+    pass
+
+
+class SafetensorsReader:
+    """Reads a safetensors file's header eagerly and its tensors one at a time.
+
+    Unlike a memory map, each tensor is read into its own buffer and dropped after use, so
+    converting a checkpoint keeps one tensor in memory, not the whole file. The header is
+    checked for consistency (offsets contiguous, sizes matching shape x dtype, file not
+    truncated) and any problem raised as `SafetensorsFormatError` in plain words.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SafetensorsFormatError(f"{self.path} is truncated ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 100 << 20):
+                raise SafetensorsFormatError(
+                    f"{self.path} is corrupt or truncated (header length {n}, file {size} bytes)")
+            try:
+                header = json.loads(f.read(n).decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                raise SafetensorsFormatError(
+                    f"{self.path} is corrupt (header is not valid JSON)") from None
+        if not isinstance(header, dict):
+            raise SafetensorsFormatError(f"{self.path} is corrupt (header is not an object)")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.data_start = 8 + n
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        end = 0
+        for name, e in sorted(header.items(), key=lambda kv: _offsets(kv[1])):
+            try:
+                dtype, shape = e["dtype"], tuple(int(s) for s in e["shape"])
+                start, stop = (int(x) for x in e["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise SafetensorsFormatError(
+                    f"{self.path} is corrupt (bad header entry for {name})") from None
+            if dtype not in ITEMSIZE:
+                raise SafetensorsFormatError(f"{self.path}: {name} has unsupported dtype {dtype}")
+            nbytes = ITEMSIZE[dtype]
+            for s in shape:
+                nbytes *= s
+            if start != end or stop - start != nbytes:
+                raise SafetensorsFormatError(
+                    f"{self.path} is corrupt (data offsets of {name} are inconsistent)")
+            end = stop
+            self.entries[name] = (dtype, shape, start, stop)
+        if self.data_start + end > size:
+            raise SafetensorsFormatError(
+                f"{self.path} is truncated: header describes {self.data_start + end} bytes, "
+                f"file has {size}")
+        if self.data_start + end < size:
+            raise SafetensorsFormatError(
+                f"{self.path} is corrupt: {size - self.data_start - end} trailing bytes")
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def spec(self, name: str) -> tuple[str, tuple[int, ...]]:
+        dtype, shape, _, _ = self.entries[name]
+        return dtype, shape
+
+    def get(self, name: str) -> torch.Tensor:
+        dtype, shape, start, stop = self.entries[name]
+        buf = bytearray(stop - start)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + start)
+            got = f.readinto(buf)
+        if got != len(buf):
+            raise SafetensorsFormatError(f"{self.path} is truncated while reading {name}")
+        if not buf:
+            return torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype])
+        return torch.frombuffer(buf, dtype=SAFETENSORS_DTYPES[dtype]).reshape(shape)
+
+
+def _offsets(entry: object) -> tuple[int, int]:
+    try:
+        a, b = entry["data_offsets"]  # type: ignore[index]
+        return int(a), int(b)
+    except (KeyError, TypeError, ValueError):
+        return (-1, -1)

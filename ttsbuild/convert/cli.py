@@ -1,0 +1,104 @@
+"""Typer command functions for `ttsbuild convert` and `ttsbuild init-random`.
+
+Register them on the main app:
+    app.command("convert")(convert)
+    app.command("init-random")(init_random)
+Errors are printed in plain words (no traceback) and exit with code 1 (2 for bad usage).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from ttsbuild.convert.init_random import VARIANTS
+
+_err = Console(stderr=True)
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[label]}", style="dim"),
+        console=_err,
+        transient=False,
+    )
+
+
+def _runner(bar: Progress, description: str):
+    task = bar.add_task(description, total=None, label="")
+
+    def advance(nbytes: int, total: int, label: str) -> None:
+        bar.update(task, total=total, advance=nbytes, label=label[-60:])
+
+    return advance
+
+
+def convert(
+    src: Path = typer.Argument(..., help="Official Qwen3-TTS checkpoint directory."),
+    output: Path = typer.Option(..., "--output", "-o", help="Converted checkpoint directory."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+) -> None:
+    """Validate an official checkpoint and convert it to a ttsbuild checkpoint."""
+    from ttsbuild.convert.convert import ConversionError, convert_checkpoint
+    from ttsbuild.convert.io import OutputExistsError
+
+    try:
+        with _progress() as bar:
+            manifest = convert_checkpoint(src, output, force=force,
+                                          progress=_runner(bar, "converting"))
+    except (ConversionError, OutputExistsError) as exc:
+        _err.print(f"[red]error:[/red] {exc}", highlight=False, markup=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        _err.print("[red]interrupted[/red]: nothing was written")
+        raise typer.Exit(130) from None
+    v = manifest["variant"]
+    kind = " (random-weight stand-in)" if manifest["standin"] else ""
+    _err.print(f"[green]wrote[/green] {output}: {v['tts_model_type']} {v['tts_model_size']}"
+               f"{kind}, {len(manifest['speakers'])} speakers", highlight=False)
+
+
+def init_random(
+    dst: Path = typer.Argument(..., help="Directory to write the stand-in checkpoint to."),
+    variant: str = typer.Option("tiny", "--variant", help=f"One of: {', '.join(VARIANTS)}."),
+    seed: int = typer.Option(0, "--seed", help="Random seed (output is deterministic)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty directory."),
+) -> None:
+    """Write a random-weight stand-in checkpoint in the official Qwen3-TTS layout."""
+    from ttsbuild.convert.init_random import InitRandomError
+    from ttsbuild.convert.init_random import init_random as run
+    from ttsbuild.convert.io import OutputExistsError
+
+    if variant not in VARIANTS:
+        _err.print(f"[red]error:[/red] unknown variant {variant!r}; choose one of "
+                   f"{', '.join(VARIANTS)}", highlight=False)
+        raise typer.Exit(2)
+    try:
+        with _progress() as bar:
+            standin = run(dst, variant, seed=seed, force=force,
+                          progress=_runner(bar, f"init-random {variant}"))
+    except (InitRandomError, OutputExistsError) as exc:
+        _err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        _err.print("[red]interrupted[/red]: nothing was written")
+        raise typer.Exit(130) from None
+    rule = standin["length_rule"]
+    _err.print(f"[green]wrote[/green] {dst} ({variant}, seed {seed}); length rule: "
+               f"{rule['frames_per_text_token']} frames per text token, "
+               f"{rule['min_frames']}..{rule['max_frames']} frames", highlight=False)
