@@ -1,0 +1,1 @@
+"""Model definitions: our own PyTorch implementations of the Qwen3-TTS 12 Hz components."""
