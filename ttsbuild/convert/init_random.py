@@ -117,11 +117,20 @@ def _codec_decoder_state(st_config: dict, seed: int) -> tuple[dict[str, torch.Te
 
 def init_random(dst: str | Path, variant: str, seed: int = 0, force: bool = False,
                 progress=None) -> dict:
-    """Write a stand-in checkpoint to `dst` atomically. Returns the stand-in record.
+    """Write the shipped `variant` as a stand-in checkpoint to `dst` atomically.
 
-    `progress(advance_bytes, total_bytes, label)` is called as tensors are written.
+    Returns the stand-in record. `progress(advance_bytes, total_bytes, label)` is called as
+    tensors are written.
     """
     config, st_config, gen_config = load_variant(variant)
+    return write_random_checkpoint(dst, config, st_config, gen_config, seed=seed,
+                                   variant=variant, force=force, progress=progress)
+
+
+def write_random_checkpoint(dst: str | Path, config: dict, st_config: dict, gen_config: dict,
+                            seed: int = 0, variant: str = "custom", force: bool = False,
+                            progress=None) -> dict:
+    """Like `init_random` for any valid pair of configs (tests use custom sizes)."""
     problems = validate_config(config) + validate_speech_tokenizer_config(st_config)
     if problems:  # a shipped config is broken: a bug, not user error
         raise InitRandomError("; ".join(problems))
