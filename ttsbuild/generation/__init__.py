@@ -1,0 +1,1 @@
+"""Prompt layout, sampling and the frame-by-frame generation loop (reference path)."""
