@@ -36,8 +36,9 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 def run_table(summary: dict[str, Any], title: str) -> Table:
     """p50/p95/p99 of each timing, then counts, underruns, throughput and cost."""
     table = Table(title=title, title_justify="left")
-    for column in ("metric", "p50", "p95", "p99", "max", "n"):
-        table.add_column(column, justify="left" if column == "metric" else "right")
+    table.add_column("metric", no_wrap=True)
+    for column in ("p50", "p95", "p99", "max", "n"):
+        table.add_column(column, justify="right")
     for key, label, scale in _RUN_TIMINGS:
         stats = summary["timings"][key]
         if stats["count"] == 0:
@@ -146,15 +147,14 @@ def track(progress: Progress, description: str, counters: RunProgress) -> Iterat
     task = progress.add_task(description, total=counters.planned, status="")
     stop = threading.Event()
 
+    def refresh() -> None:
+        status = f"sent {counters.sent}, not ok {counters.not_ok}"
+        progress.update(task, completed=counters.finished, status=status)
+
     def poll() -> None:
-        while True:
-            progress.update(
-                task,
-                completed=counters.finished,
-                status=f"sent {counters.sent}, not ok {counters.not_ok}",
-            )
-            if stop.wait(_POLL_S):
-                return
+        refresh()
+        while not stop.wait(_POLL_S):
+            refresh()
 
     thread = threading.Thread(target=poll, name="bench-progress", daemon=True)
     thread.start()
@@ -163,4 +163,4 @@ def track(progress: Progress, description: str, counters: RunProgress) -> Iterat
     finally:
         stop.set()
         thread.join()
-        progress.update(task, completed=counters.finished)
+        refresh()

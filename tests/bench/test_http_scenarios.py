@@ -1,0 +1,145 @@
+"""Each metric against a known answer, through the real runner and a scripted local server.
+
+Timings are wall-clock, so comparisons allow a few milliseconds (TOL) of scheduling noise.
+"""
+
+import time
+
+import pytest
+
+from ttsbuild.bench.audio import BodyFormat
+from ttsbuild.bench.fakeserver import FakeSpeechServer, Reply, silence, tone, wav_header
+
+from .helpers import one_request
+
+TOL = 0.015  # s: loopback + event-loop jitter on a busy 2-core machine
+
+SCENARIOS = {
+    # 0.3 s of silence at once, then speech 0.1 s later: audible TTFA is the second chunk.
+    "silence-first": Reply(chunks=[(0.0, silence(0.3)), (0.1, tone(0.5))]),
+    # 0.1 s of audio, then the next chunk 0.3 s later: due at +0.1, 0.2 s stall; the third
+    # chunk (+0.35) is then due at +0.5: on time.
+    "late-chunk": Reply(chunks=[(0.0, tone(0.1)), (0.3, tone(0.2)), (0.05, tone(0.1))]),
+    "stalled": Reply(chunks=[(0.0, tone(0.1)), (3.0, tone(0.1))]),
+    "disconnect": Reply(chunks=[(0.0, tone(0.1)), (0.05, tone(0.1))], disconnect=True),
+    "too-many": Reply(status=429),
+    "unavailable": Reply(status=503),
+    "server-error": Reply(status=500),
+    # A streaming WAV at 16 kHz, its header split across two chunks: 0.2 s silence + 0.3 s tone.
+    "wav": Reply(
+        chunks=[
+            (0.0, wav_header(16_000)[:20]),
+            (0.05, wav_header(16_000)[20:] + silence(0.2, 16_000) + tone(0.3, sample_rate=16_000)),
+        ]
+    ),
+    "rate-header": Reply(
+        chunks=[(0.0, tone(1.0, sample_rate=16_000))], headers={"x-sample-rate": "16000"}
+    ),
+}
+
+
+def script(request):
+    return SCENARIOS[request["input"]]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeSpeechServer(script) as running:
+        yield running
+
+
+def test_leading_silence_delays_audible_ttfa_but_not_first_playable(server):
+    r = one_request(server.http_url, "silence-first")
+    assert r.outcome == "ok" and r.http_status == 200
+    assert 0 <= r.dispatch_lag_s < TOL
+    assert r.ttfb_s == pytest.approx(r.first_playable_s)
+    assert r.first_playable_s < TOL * 2
+    assert r.ttfa_s - r.first_playable_s == pytest.approx(0.1, abs=TOL)
+    assert r.leading_silence_s == pytest.approx(0.3, abs=1e-9)
+    assert r.audio_s == pytest.approx(0.8, abs=1e-9)
+    assert r.e2e_s == pytest.approx(r.ttfa_s, abs=TOL)
+    assert r.rtf == pytest.approx(r.e2e_s / 0.8)
+    assert r.underruns == 0 and r.stall_s == 0.0
+
+
+def test_late_chunk_is_one_underrun_with_known_stall(server):
+    r = one_request(server.http_url, "late-chunk")
+    assert r.outcome == "ok"
+    assert r.underruns == 1
+    assert r.stall_s == pytest.approx(0.2, abs=TOL)
+    assert r.audio_s == pytest.approx(0.4, abs=1e-9)
+    assert r.e2e_s - r.first_playable_s == pytest.approx(0.35, abs=TOL)
+
+
+def test_stalled_stream_times_out(server):
+    started = time.perf_counter()
+    r = one_request(server.http_url, "stalled", stall_s=0.3)
+    assert time.perf_counter() - started < 2.0  # gave up at the stall timeout, not at 3 s
+    assert r.outcome == "timeout"
+    assert r.e2e_s is None and r.ttfb_s is not None
+    assert r.audio_s == pytest.approx(0.1, abs=1e-9)
+
+
+def test_disconnect_mid_stream_is_a_failure(server):
+    r = one_request(server.http_url, "disconnect")
+    assert r.outcome == "failed"
+    assert "RemoteProtocolError" in r.error
+    assert r.audio_s == pytest.approx(0.2, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "outcome"),
+    [
+        ("too-many", 429, "rejected"),
+        ("unavailable", 503, "rejected"),
+        ("server-error", 500, "failed"),
+    ],
+)
+def test_error_statuses(server, case, status, outcome):
+    r = one_request(server.http_url, case)
+    assert (r.outcome, r.http_status) == (outcome, status)
+    assert "scripted error" in r.error
+    assert r.ttfa_s is None and r.underruns is None
+
+
+def test_streaming_wav_header_is_skipped_and_its_rate_used(server):
+    r = one_request(server.http_url, "wav")
+    assert r.outcome == "ok"
+    assert r.sample_rate == 16_000
+    assert r.audio_s == pytest.approx(0.5, abs=1e-9)
+    assert r.leading_silence_s == pytest.approx(0.2, abs=1e-9)
+    assert r.first_playable_s - r.ttfb_s == pytest.approx(0.05, abs=TOL)
+    assert r.underruns == 0
+
+
+def test_forced_pcm_format_treats_a_wav_header_as_audio(server):
+    r = one_request(server.http_url, "wav", body_format=BodyFormat.pcm)
+    assert r.sample_rate == 24_000
+    assert r.first_playable_s == pytest.approx(r.ttfb_s)  # header bytes count as samples
+
+
+def test_x_sample_rate_header_is_respected(server):
+    r = one_request(server.http_url, "rate-header")
+    assert r.sample_rate == 16_000
+    assert r.audio_s == pytest.approx(1.0, abs=1e-9)
+
+
+def test_request_body_and_headers_come_from_configuration(server):
+    before = len(server.requests)
+    one_request(
+        server.http_url,
+        "silence-first",
+        extra_fields={"response_format": "wav", "stream_format": "audio", "speed": 1.5},
+        headers={"x-foo": "bar", "authorization": "Bearer t"},
+    )
+    body, headers = server.requests[before], server.request_headers[before]
+    assert body == {
+        "model": "test-model",
+        "input": "silence-first",
+        "voice": "alice",
+        "response_format": "wav",
+        "stream": True,
+        "stream_format": "audio",
+        "speed": 1.5,
+    }
+    assert headers["x-foo"] == "bar" and headers["authorization"] == "Bearer t"

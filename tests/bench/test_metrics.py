@@ -1,0 +1,89 @@
+"""Nearest-rank percentiles, per-request metrics from hand-made traces, and the summary."""
+
+import pytest
+
+from ttsbuild.bench.audio import BodyFormat
+from ttsbuild.bench.client import Outcome, Trace
+from ttsbuild.bench.fakeserver import silence, tone
+from ttsbuild.bench.metrics import analyse, nearest_rank, summarise
+from ttsbuild.bench.schedule import PlannedRequest
+
+
+def test_nearest_rank_percentile():
+    values = [15, 20, 35, 40, 50]
+    assert nearest_rank(values, 5) == 15
+    assert nearest_rank(values, 30) == 20  # ceil(1.5) = 2nd
+    assert nearest_rank(values, 40) == 20  # ceil(2.0) = 2nd exactly
+    assert nearest_rank(values, 50) == 35
+    assert nearest_rank(values, 100) == 50
+    assert nearest_rank(list(range(1, 101)), 99) == 99
+    assert nearest_rank(list(range(1, 11)), 99) == 10  # p99 of 10 values: the largest
+    assert nearest_rank([3.0], 50) == 3.0
+    assert nearest_rank([], 50) is None
+    with pytest.raises(ValueError):
+        nearest_rank(values, 0)
+
+
+def planned(index=0, text="hello there", warmup=False):
+    return PlannedRequest(index=index, send_at_s=1.0, text=text, voice="v", warmup=warmup)
+
+
+def test_analyse_trace_with_silence_then_speech_and_one_late_chunk():
+    # Scheduled at t=100.0, sent 1 ms late. Chunks: 0.3 s silence at 100.2, 0.2 s tone at
+    # 100.4 (due 100.5: on time), 0.2 s tone at 100.9 (due 100.7: 0.2 s stall).
+    trace = Trace(sent_at=100.001)
+    trace.add_chunk(100.2, silence(0.3))
+    trace.add_chunk(100.4, tone(0.2))
+    trace.add_chunk(100.9, tone(0.2))
+    trace.finished_at = 101.0
+    r = analyse(planned(), 100.0, trace, BodyFormat.pcm, 24_000)
+    assert r.outcome == "ok"
+    assert r.dispatch_lag_s == pytest.approx(0.001)
+    assert r.ttfb_s == pytest.approx(0.2)
+    assert r.first_playable_s == pytest.approx(0.2)
+    assert r.ttfa_s == pytest.approx(0.4)
+    assert r.leading_silence_s == pytest.approx(0.3)
+    assert r.e2e_s == pytest.approx(1.0)
+    assert r.audio_s == pytest.approx(0.7)
+    assert r.rtf == pytest.approx(1.0 / 0.7)
+    assert r.underruns == 1
+    assert r.stall_s == pytest.approx(0.2)
+
+
+def test_analyse_rejected_and_corrupt_bodies():
+    rejected = Trace(sent_at=5.0, outcome=Outcome.rejected, http_status=429, error="HTTP 429")
+    r = analyse(planned(), 5.0, rejected, BodyFormat.auto, 24_000)
+    assert r.outcome == "rejected" and r.ttfa_s is None and r.audio_s == 0.0
+    truncated_wav = Trace(sent_at=5.0)
+    truncated_wav.add_chunk(5.1, b"RIFF\xff\xff\xff\xffWAVEfmt ")
+    truncated_wav.finished_at = 5.1
+    r = analyse(planned(), 5.0, truncated_wav, BodyFormat.auto, 24_000)
+    assert r.outcome == "failed" and "bad audio body" in r.error
+
+
+def record(index, outcome="ok", warmup=False, ttfa=0.1, underruns=0, chars=10, audio=1.0):
+    trace = Trace(sent_at=0.0, outcome=Outcome(outcome))
+    r = analyse(planned(index, "x" * chars, warmup), 0.0, trace, BodyFormat.pcm, 24_000)
+    r.ttfa_s, r.underruns, r.stall_s, r.audio_s = ttfa, underruns, 0.0, audio
+    return r
+
+
+def test_summary_counts_percentiles_underrun_rate_and_cost():
+    records = [record(0, warmup=True, ttfa=9.0, underruns=5)]  # warmup: ignored everywhere
+    records += [record(i, ttfa=0.01 * i, underruns=int(i % 4 == 0)) for i in range(1, 9)]
+    records += [record(9, "rejected"), record(10, "rejected"), record(11, "failed")]
+    records += [record(12, "timeout")]
+    s = summarise(records, measured_s=2.0, gpu_hour_usd=3.6, gpus=2)
+    assert s["requests"] == {
+        "sent": 12, "completed": 8, "failed": 1, "rejected": 2, "timed_out": 1,
+        "warmup_excluded": 1,
+    }  # fmt: skip
+    ttfa = s["timings"]["ttfa_s"]
+    assert ttfa["count"] == 8
+    assert (ttfa["p50"], ttfa["p95"], ttfa["p99"]) == pytest.approx((0.04, 0.08, 0.08))
+    assert s["underruns"] == {"total": 2, "requests_with_underrun": 2, "rate": 0.25}
+    assert s["throughput"]["chars_per_s"] == pytest.approx(8 * 10 / 2.0)
+    assert s["throughput"]["audio_s_per_s"] == pytest.approx(8 * 1.0 / 2.0)
+    # 2 GPUs at $3.60/h = $0.002/s; 40 chars/s -> $50 per 1M chars
+    assert s["cost"]["usd_per_1m_chars"] == pytest.approx(50.0)
+    assert summarise(records, 2.0, None, 1)["cost"] is None
