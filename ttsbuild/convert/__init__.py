@@ -2,7 +2,7 @@
 
 from ttsbuild.convert.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from ttsbuild.convert.convert import ConversionError, convert_checkpoint
-from ttsbuild.convert.init_random import VARIANTS, init_random
+from ttsbuild.convert.init_random import VARIANTS, write_random_checkpoint
 
 __all__ = [
     "VARIANTS",
@@ -10,6 +10,6 @@ __all__ = [
     "CheckpointError",
     "ConversionError",
     "convert_checkpoint",
-    "init_random",
     "load_checkpoint",
+    "write_random_checkpoint",
 ]
