@@ -1,0 +1,1 @@
+"""Loading models and running synthesis: the slot-based engine API the server drives."""

@@ -1,0 +1,345 @@
+"""The engine API: requests live in slots; the caller decides which slots run which stage.
+
+Stages (each batched over the slots given):
+  prefill(slots)       prompt -> talker KV cache, codebook-0 logits ready
+  frames(slots)        codebook 0 + code predictor (codebooks 1..15) + the next talker step;
+                       returns each slot's new frame, or marks it finished
+  audio(slots)         the codec on every frame not yet decoded -> PCM for each slot
+A request's frames never leave the engine between stages: `audio` reads them where
+`frames` wrote them. `EagerEngine` runs the reference modules eagerly on any device; the GPU
+runtime implements the same API with captured graphs.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from ttsbuild.convert.checkpoint import Checkpoint
+from ttsbuild.generation.generate import GenerationParams, LengthRule, ReferenceModel
+from ttsbuild.generation.prompt import (
+    ROLE_LEN,
+    TAIL_LEN,
+    Prompt,
+    PromptError,
+    PromptSpec,
+    assistant_text,
+    build_prompt,
+    instruct_text,
+)
+from ttsbuild.generation.sampling import SamplingBatch, SamplingParams
+from ttsbuild.model.codec import CodecConfig, CodecDecoder, CodecStream
+from ttsbuild.model.config import ModelConfig
+from ttsbuild.model.talker import CodePredictor, Talker
+from ttsbuild.runtime.request import RequestError, SynthesisRequest
+from ttsbuild.text.tokenizer import TextTokenizer
+
+SAMPLE_RATE = 24000
+
+
+class NoFreeSlot(RuntimeError):
+    """Every slot is busy: the caller should queue or reject (429)."""
+
+
+@dataclass
+class Models:
+    """Everything loaded from a checkpoint, on one device."""
+
+    cfg: ModelConfig
+    talker: Talker
+    code_predictor: CodePredictor
+    codec: CodecDecoder
+    codec_cfg: CodecConfig
+    tokenizer: TextTokenizer
+    generation_config: dict
+    length_rule: LengthRule | None
+    manifest: dict
+
+    @classmethod
+    def load(
+        cls, ckpt: Checkpoint, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> Models:
+        device = torch.device(device)
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        cfg = ModelConfig.from_official(ckpt.config)
+        codec_cfg = CodecConfig.from_official(ckpt.codec_config)
+        with torch.device("meta"):
+            talker, cp, codec = Talker(cfg), CodePredictor(cfg), CodecDecoder(codec_cfg)
+        talker.load_state_dict(ckpt.tensors("talker"), strict=True, assign=True)
+        cp.load_state_dict(ckpt.tensors("code_predictor"), strict=True, assign=True)
+        codec.load_state_dict(ckpt.tensors("codec"), strict=True, assign=True)
+        return cls(
+            cfg=cfg,
+            talker=talker.to(device=device, dtype=dtype).eval(),
+            code_predictor=cp.to(device=device, dtype=dtype).eval(),
+            # The codec runs in fp32: its conv stacks are sensitive and cheap next to the LM.
+            codec=codec.to(device=device, dtype=torch.float32).eval(),
+            codec_cfg=codec_cfg,
+            tokenizer=TextTokenizer.from_dir(ckpt.tokenizer_dir),
+            generation_config=ckpt.generation_config,
+            length_rule=LengthRule.from_standin(ckpt.standin),
+            manifest=ckpt.manifest,
+        )
+
+    @property
+    def voices(self) -> list[str]:
+        return sorted(self.cfg.speakers)
+
+    @property
+    def languages(self) -> list[str]:
+        return ["auto", *sorted(k for k in self.cfg.languages if "dialect" not in k)]
+
+    def default_non_streaming(self) -> bool:
+        # CustomVoice and VoiceDesign default to the non-streaming text mode; Base streams.
+        return self.cfg.tts_model_type != "base"
+
+    def generation_params(self, req: SynthesisRequest) -> GenerationParams:
+        base = GenerationParams.from_generation_config(self.generation_config)
+        s = req.sampling
+
+        def pick(value, default):
+            return default if value is None else value
+
+        try:
+            talker = SamplingParams(
+                do_sample=pick(s.do_sample, base.talker.do_sample),
+                temperature=pick(s.temperature, base.talker.temperature),
+                top_k=pick(s.top_k, base.talker.top_k),
+                top_p=pick(s.top_p, base.talker.top_p),
+                repetition_penalty=pick(s.repetition_penalty, base.talker.repetition_penalty),
+            )
+            cp = SamplingParams(
+                do_sample=pick(s.subtalker_do_sample, base.code_predictor.do_sample),
+                temperature=pick(s.subtalker_temperature, base.code_predictor.temperature),
+                top_k=pick(s.subtalker_top_k, base.code_predictor.top_k),
+                top_p=pick(s.subtalker_top_p, base.code_predictor.top_p),
+            )
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        max_frames = min(base.max_frames, req.max_frames or base.max_frames)
+        return replace(base, talker=talker, code_predictor=cp, max_frames=max_frames)
+
+    def prompt_spec(self, req: SynthesisRequest) -> PromptSpec:
+        voice = req.voice.lower() if req.voice else None
+        if self.cfg.tts_model_type == "voice_design":
+            voice = None  # VoiceDesign has no preset voices: the instruction describes one
+        elif self.cfg.tts_model_type == "custom_voice" and voice is None:
+            raise RequestError(f"a voice is required; known: {', '.join(self.voices)}")
+        elif self.cfg.tts_model_type == "base":
+            raise RequestError("voice cloning (Base checkpoints) is not supported yet")
+        instruct = req.instruct.strip() if req.instruct else None
+        return PromptSpec(
+            text_ids=self.tokenizer.encode(assistant_text(req.text)),
+            speaker=voice,
+            language=req.language,
+            instruct_ids=self.tokenizer.encode(instruct_text(instruct)) if instruct else None,
+            non_streaming=(
+                self.default_non_streaming() if req.non_streaming is None else req.non_streaming
+            ),
+        )
+
+
+@dataclass
+class SlotState:
+    request: SynthesisRequest
+    prompt: Prompt
+    params: GenerationParams
+    seed: int
+    frame_target: int | None  # stand-in length rule, else None
+    position: int = 0  # next talker position
+    frames: list[torch.Tensor] = field(default_factory=list)  # [groups] each
+    decoded_frames: int = 0  # frames already turned into audio
+    finished: bool = False
+    stopped_by: str | None = None
+    hidden: torch.Tensor | None = None  # [hidden] talker state that produces the next c0
+    logits: torch.Tensor | None = None  # [vocab]
+    history: torch.Tensor | None = None  # [vocab] bool
+
+
+@dataclass
+class FrameOutput:
+    slot: int
+    codes: torch.Tensor | None  # [groups], None when the request just finished (EOS)
+    finished: bool
+
+
+class EagerEngine:
+    """The reference implementation of the engine API (eager PyTorch, CPU or GPU)."""
+
+    def __init__(self, models: Models, num_slots: int = 8, max_len: int = 2048):
+        self.models = models
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.ref = ReferenceModel(models.talker, models.code_predictor, num_slots, max_len)
+        self.device = self.ref.device
+        self.slots: dict[int, SlotState] = {}
+        self._codec_streams: dict[int, CodecStream] = {}
+
+    # -- admission -------------------------------------------------------------------------
+    def free_slots(self) -> int:
+        return self.num_slots - len(self.slots)
+
+    def admit(self, req: SynthesisRequest) -> int:
+        """Validate and tokenize `req`, claim a slot. Raises RequestError or NoFreeSlot."""
+        spec = self.models.prompt_spec(req)
+        params = self.models.generation_params(req)
+        try:
+            prompt = build_prompt(self.models.talker, spec)
+        except PromptError as exc:
+            raise RequestError(str(exc)) from None
+        text_tokens = len(spec.text_ids) - ROLE_LEN - TAIL_LEN
+        rule = self.models.length_rule
+        target = rule.frames_for(text_tokens) if rule else None
+        if target is not None and req.max_frames is not None:
+            target = min(target, req.max_frames)
+        max_frames = target if target is not None else params.max_frames
+        if prompt.embeds.shape[0] + max_frames > self.max_len:
+            if target is not None or req.max_frames is not None:
+                raise RequestError(
+                    f"prompt ({prompt.embeds.shape[0]} positions) + {max_frames} frames exceeds "
+                    f"the engine's context of {self.max_len}"
+                )
+            params = replace(params, max_frames=self.max_len - prompt.embeds.shape[0])
+        free = [s for s in range(self.num_slots) if s not in self.slots]
+        if not free:
+            raise NoFreeSlot(f"all {self.num_slots} slots are busy")
+        slot = free[0]
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        self.slots[slot] = SlotState(req, prompt, params, seed, target)
+        stream = CodecStream(self.models.codec, 1)
+        self._codec_streams[slot] = stream
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.slots.pop(slot, None)
+        self._codec_streams.pop(slot, None)
+
+    def seed_of(self, slot: int) -> int:
+        return self.slots[slot].seed
+
+    # -- stages ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, slots: list[int]) -> None:
+        for slot in slots:
+            st = self.slots[slot]
+            st.hidden, st.logits = self.ref.prefill(slot, st.prompt)
+            st.position = st.prompt.embeds.shape[0]
+            st.history = torch.zeros(
+                self.models.cfg.codec_vocab_size, dtype=torch.bool, device=self.device
+            )
+
+    @torch.no_grad()
+    def frames(self, slots: list[int]) -> list[FrameOutput]:
+        """One frame for each slot (which must be prefilled and not finished)."""
+        if not slots:
+            return []
+        ref, cfg, dev = self.ref, self.models.cfg, self.device
+        states = [self.slots[s] for s in slots]
+        if any(st.finished or st.logits is None for st in states):
+            raise RuntimeError("frames() on a slot that is finished or not prefilled")
+        rows = torch.tensor(slots, device=dev)
+        seeds = torch.tensor([st.seed for st in states], dtype=torch.int64, device=dev)
+        frame_idx = torch.tensor([len(st.frames) for st in states], device=dev)
+        eos_allowed = torch.tensor(
+            [
+                len(st.frames) >= st.params.min_new_tokens and st.frame_target is None
+                for st in states
+            ],
+            device=dev,
+        )
+        talker_sampling = SamplingBatch.from_params([st.params.talker for st in states], dev)
+        cp_sampling = SamplingBatch.from_params([st.params.code_predictor for st in states], dev)
+        history = torch.stack([st.history for st in states])
+        c0 = ref.choose_codebook0(
+            torch.stack([st.logits for st in states]),
+            history,
+            eos_allowed,
+            talker_sampling,
+            seeds,
+            frame_idx,
+        )
+        codes = ref.complete_frames(
+            torch.stack([st.hidden for st in states]), c0, cp_sampling, seeds, frame_idx
+        )
+        out, continuing = [], []
+        for j, (slot, st) in enumerate(zip(slots, states, strict=True)):
+            st.history[c0[j]] = True
+            if int(c0[j]) == cfg.codec_ids.eos:
+                st.finished, st.stopped_by = True, "eos"
+                out.append(FrameOutput(slot, None, True))
+                continue
+            st.frames.append(codes[j])
+            limit = st.frame_target if st.frame_target is not None else st.params.max_frames
+            if len(st.frames) >= limit:
+                st.finished = True
+                st.stopped_by = "length_rule" if st.frame_target is not None else "max_frames"
+            else:
+                continuing.append(j)
+            out.append(FrameOutput(slot, codes[j], st.finished))
+        if continuing:
+            idx = torch.tensor(continuing, device=dev)
+            text = torch.stack(
+                [states[j].prompt.text_track(len(states[j].frames) - 1) for j in continuing]
+            )
+            inputs = ref.next_inputs(codes[idx], text.to(ref.dtype))
+            positions = torch.tensor([states[j].position for j in continuing], device=dev)
+            hidden, logits = ref.decode(rows[idx], positions, inputs)
+            for k, j in enumerate(continuing):
+                states[j].hidden, states[j].logits = hidden[k], logits[k]
+                states[j].position += 1
+        return out
+
+    @torch.no_grad()
+    def audio(self, slots: list[int], max_frames: int | None = None) -> dict[int, np.ndarray]:
+        """Decode each slot's frames not yet decoded (at most max_frames). float32 PCM."""
+        pcm = {}
+        for slot in slots:
+            st = self.slots[slot]
+            end = len(st.frames)
+            if max_frames is not None:
+                end = min(end, st.decoded_frames + max_frames)
+            if end <= st.decoded_frames:
+                pcm[slot] = np.zeros(0, dtype=np.float32)
+                continue
+            codes = torch.stack(st.frames[st.decoded_frames : end], dim=1)[None]  # [1, G, n]
+            wav = self._codec_streams[slot].step(codes.to(self.device))
+            st.decoded_frames = end
+            pcm[slot] = wav[0, 0].float().cpu().numpy()
+        return pcm
+
+    def pending_frames(self, slot: int) -> int:
+        st = self.slots[slot]
+        return len(st.frames) - st.decoded_frames
+
+    def is_finished(self, slot: int) -> bool:
+        return self.slots[slot].finished
+
+
+def synthesize(
+    engine: EagerEngine, req: SynthesisRequest, on_chunk=None
+) -> tuple[np.ndarray, dict]:
+    """Run one request to completion on a free slot. Returns (float32 PCM, stats)."""
+    slot = engine.admit(req)
+    try:
+        engine.prefill([slot])
+        chunks = []
+        while not engine.is_finished(slot):
+            engine.frames([slot])
+            if on_chunk is not None and engine.pending_frames(slot):
+                pcm = engine.audio([slot])[slot]
+                chunks.append(pcm)
+                on_chunk(pcm)
+        pcm = engine.audio([slot])[slot]
+        if pcm.size:
+            chunks.append(pcm)
+            if on_chunk is not None:
+                on_chunk(pcm)
+        st = engine.slots[slot]
+        stats = {"frames": len(st.frames), "stopped_by": st.stopped_by, "seed": st.seed}
+        return (np.concatenate(chunks) if chunks else np.zeros(0, np.float32)), stats
+    finally:
+        engine.release(slot)
