@@ -23,7 +23,7 @@ from rich.progress import (
 
 from ttsbuild.convert.init_random import VARIANTS
 
-_err = Console(stderr=True)
+_err = Console(stderr=True, soft_wrap=True)
 
 
 def _progress() -> Progress:
@@ -40,10 +40,12 @@ def _progress() -> Progress:
 
 
 def _runner(bar: Progress, description: str):
-    task = bar.add_task(description, total=None, label="")
+    tasks: list = []  # created on the first tensor, so validation errors print no bar
 
     def advance(nbytes: int, total: int, label: str) -> None:
-        bar.update(task, total=total, advance=nbytes, label=label[-60:])
+        if not tasks:
+            tasks.append(bar.add_task(description, total=total, label=""))
+        bar.update(tasks[0], total=total, advance=nbytes, label=label[-60:])
 
     return advance
 
