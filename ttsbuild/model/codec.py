@@ -279,6 +279,8 @@ class CausalConv1d(nn.Module):
         return self.conv(F.pad(x, (self.context, 0)))  # [B, Cout, T]
 
     def new_state(self, batch: int, device, dtype) -> tuple[Tensor, ...]:
+        if self.context == 0:
+            return ()
         shape = (batch, self.conv.in_channels, self.context)
         return (torch.zeros(shape, device=device, dtype=dtype),)
 
@@ -305,6 +307,8 @@ class CausalConvTranspose1d(nn.Module):
         return self.conv(x)[..., : x.shape[-1] * self.stride]  # [B, Cout, T * stride]
 
     def new_state(self, batch: int, device, dtype) -> tuple[Tensor, ...]:
+        if self.overlap == 0:
+            return ()
         shape = (batch, self.conv.out_channels, self.overlap)
         return (torch.zeros(shape, device=device, dtype=dtype),)
 
@@ -555,11 +559,11 @@ class PreTransformer(nn.Module):
         super().__init__()
         self.window = cfg.sliding_window
         self.cache_len = cfg.sliding_window - 1
-        self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
         self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
+        self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
 
     def forward(self, x: Tensor) -> Tensor:  # x: [B, T, latent]
         pos = torch.arange(x.shape[1], device=x.device)[None]  # [1, T]
@@ -649,9 +653,10 @@ class CodecDecoder(nn.Module):
         super().__init__()
         self.config = cfg
         latent = cfg.latent_dim
+        # Registration order = the official state_dict order.
+        self.pre_transformer = PreTransformer(cfg)
         self.quantizer = SplitQuantizer(cfg)
         self.pre_conv = CausalConv1d(cfg.codebook_dim, latent, 3)
-        self.pre_transformer = PreTransformer(cfg)
         self.upsample = nn.ModuleList(
             nn.ModuleList([CausalConvTranspose1d(latent, latent, r, r), ConvNeXtBlock(latent)])
             for r in cfg.upsampling_ratios
@@ -707,9 +712,10 @@ class CodecDecoder(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def codec_decoder_shapes(config: dict | CodecConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every decoder tensor, as stored under `decoder.` in the official file
-    (names here without that prefix)."""
+def decoder_state_shapes(config: dict | CodecConfig) -> dict[str, tuple[int, ...]]:
+    """`CodecDecoder.state_dict()` name -> shape, built on the meta device. These are the
+    official `decoder.*` tensors with the prefix stripped (`codec_schema.codec_decoder_shapes`
+    gives them with the prefix)."""
     cfg = config if isinstance(config, CodecConfig) else CodecConfig.from_official(config)
     with torch.device("meta"):
         model = CodecDecoder(cfg)
@@ -770,7 +776,7 @@ def random_codec_state(config: dict | CodecConfig, seed: int = 0) -> dict[str, T
     cfg = config if isinstance(config, CodecConfig) else CodecConfig.from_official(config)
     gen = torch.Generator().manual_seed(seed)
     state = {}
-    for name, shape in codec_decoder_shapes(cfg).items():
+    for name, shape in decoder_state_shapes(cfg).items():
         if name.endswith(".bias"):
             t = torch.zeros(shape)
         elif len(shape) == 1:
