@@ -107,6 +107,25 @@ def test_bpe_matches_transformers_fast_tokenizer_on_plain_text(ours, hf_fast):
         assert ours.encode(text) == hf_fast(text, add_special_tokens=False)["input_ids"], text
 
 
+def test_pre_tokenization_matches_qwen2_regex(ours, hf_slow):
+    # Independent of the vocabulary: the stand-in BPE has no merges across these boundaries,
+    # so compare the split itself with transformers' slow tokenizer (regex + byte map).
+    import unicodedata
+
+    from transformers.models.qwen2.tokenization_qwen2 import bytes_to_unicode
+
+    byte_map = bytes_to_unicode()
+    for text in _corpus():
+        want = []
+        for piece in hf_slow.tokens_trie.split(text):
+            if piece in hf_slow.added_tokens_encoder:
+                want.append(piece)
+                continue
+            for word in hf_slow.pat.findall(unicodedata.normalize("NFC", piece)):
+                want.append("".join(byte_map[b] for b in word.encode("utf-8")))
+        assert ours.pre_tokens(text) == want, text
+
+
 def test_decode_round_trips(ours, hf_slow):
     import unicodedata
 

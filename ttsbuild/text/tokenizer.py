@@ -187,6 +187,17 @@ class TextTokenizer:
             return
         yield from (p for p in self._split.split(text) if p)
 
+    def pre_tokens(self, text: str) -> list[str]:
+        """The byte-level pieces BPE runs on (after NFC and the Qwen2 split), for tests."""
+        out: list[str] = []
+        for piece in self._pieces(text):
+            if piece in self._added_by_content:
+                out.append(piece)
+            else:
+                normalized = self._bpe.normalizer.normalize_str(piece)
+                out += [p for p, _ in self._bpe.pre_tokenizer.pre_tokenize_str(normalized)]
+        return out
+
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
