@@ -1,0 +1,13 @@
+"""Custom decode kernels (Triton) with eager PyTorch references.
+
+Every public op here has a reference written in plain PyTorch in the same module and a
+`use_triton` switch: None (default) picks the Triton kernel for CUDA tensors when Triton
+imports, else the reference. Triton is imported lazily (only inside the `_tl` modules), so
+the package imports and its references run on machines without a GPU or Triton.
+
+- fp8_linear: weight-only FP8 (e4m3, per-output-channel fp32 scales) skinny GEMM/GEMV.
+- qk_norm_rope: per-head RMSNorm on q and k + rotate-half RoPE + K/V cache write.
+- decode_attention: single-query GQA attention over a slot-indexed cache, per-row lengths.
+- sampling: temperature / top-k / top-p / Gumbel-max draw, bit-identical to
+  `ttsbuild.generation.sampling.sample`, optionally with the repetition penalty.
+"""

@@ -1,0 +1,1 @@
+"""Triton kernels. Importing anything here imports triton: only the dispatchers do, lazily."""

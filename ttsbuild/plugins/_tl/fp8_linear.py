@@ -1,0 +1,236 @@
+"""Triton weight-only FP8 skinny GEMM / GEMV.
+
+out[m, n] = scale[n] * sum_k x[m, k] * float(w[n, k]), fp32 accumulation, bf16 output.
+
+- M == 1: GEMV. Each program owns BLOCK_N weight rows, streams [BLOCK_N, BLOCK_K] fp8
+  tiles (16-byte loads along K), multiplies by the broadcast activation in fp32 and
+  reduces once at the end.
+- M > 1: "swap AB" tensor-core tiles: acc[BLOCK_N, BLOCK_M] += w_tile @ x_tile^T, so the
+  weight tile fills the MMA's 64-row side and the few activation rows its narrow side
+  (BLOCK_M = 16/32/64 bucket of M).
+- Split-K (SPLIT_K > 1) for shapes with too few N tiles to fill the 132 SMs: each split
+  writes an fp32 partial, and the last split to arrive at a tile (an atomic counter that it
+  resets to 0) sums the partials in split order and writes the output: one launch,
+  deterministic. The counters are shared per device: one stream at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttsbuild.plugins._dispatch import interpret_mode
+
+_NUM_SMS: dict[int, int] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 1 << 16
+_MAX_SPLIT = 8
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else 0
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = (
+            torch.cuda.get_device_properties(idx).multi_processor_count
+            if device.type == "cuda"
+            else 132
+        )
+    return _NUM_SMS[idx]
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def _cfg(bn, bk, split, warps, stages):
+    return triton.Config(
+        {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=stages
+    )
+
+
+# Small config sets: the autotuner times each once per (N, K, M bucket).
+GEMV_CONFIGS = [
+    _cfg(16, 512, 1, 4, 3),
+    _cfg(32, 256, 1, 4, 4),
+    _cfg(8, 512, 1, 4, 4),
+    _cfg(16, 512, 2, 4, 3),
+    _cfg(16, 256, 4, 4, 4),
+    _cfg(8, 512, 4, 4, 4),
+]
+GEMM_CONFIGS = [
+    _cfg(64, 128, 1, 4, 4),
+    _cfg(64, 256, 1, 4, 3),
+    _cfg(128, 128, 1, 4, 4),
+    _cfg(64, 128, 2, 4, 4),
+    _cfg(64, 128, 4, 4, 4),
+    _cfg(128, 128, 4, 8, 3),
+]
+
+
+def _prune(configs, named_args, **kwargs):
+    n, k, m = named_args["N"], named_args["K"], named_args["M"]
+    block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
+    m_tiles = triton.cdiv(m, block_m)
+    sms = _num_sms(named_args["out_ptr"].device)
+    kept = []
+    for c in configs:
+        bn, bk, split = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]
+        if bk > k or k % (bk * split) != 0 and split > 1:
+            continue
+        tiles = triton.cdiv(n, bn) * m_tiles
+        if split > 1 and (tiles >= 2 * sms or tiles > _MAX_TILES):
+            continue  # enough tiles already: split-K only adds partial traffic
+        kept.append(c)
+    return kept or [configs[0]]
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    DOT_F32: tl.constexpr = False,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = k_lo + k_per_split  # the last split may run past K: masked below (not EVEN)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+
+    if BLOCK_M == 1:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                w = tl.load(w_rows + offs_k[None, :])
+                xv = tl.load(x_ptr + offs_k)
+            else:
+                k_mask = offs_k < K
+                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+            acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                w = tl.load(w_rows + offs_k[None, :])
+                xt = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :], other=0.0)
+            else:
+                k_mask = offs_k < K
+                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                xt = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+            if DOT_F32:  # the interpreter mis-multiplies bf16 converted from fp8
+                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+            else:
+                acc = tl.dot(w.to(tl.bfloat16), xt, acc)
+
+    scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    o_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, (acc * scale[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        ws_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tl.store(ws_ptr + pid_k * M * N + ws_offs, acc, mask=o_mask)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(ws_ptr + s * M * N + ws_offs, mask=o_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, (total * scale[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+def _even(args):
+    return args["K"] % (args["BLOCK_K"] * args["SPLIT_K"]) == 0 and args["N"] % args["BLOCK_N"] == 0
+
+
+_heur = triton.heuristics({"EVEN": _even})(_fp8_linear_kernel)
+_KEY = ["N", "K", "BLOCK_M"]
+_gemv = triton.autotune(GEMV_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(
+    _heur
+)
+_gemm = triton.autotune(GEMM_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune})(
+    _heur
+)
+
+
+def m_bucket(m: int) -> int:
+    """BLOCK_M for M rows: 1 (GEMV) or 16/32/64 (tensor-core tiles)."""
+    if m == 1:
+        return 1
+    return min(64, max(16, triton.next_power_of_2(m)))
+
+
+def fp8_linear_triton(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, config: dict | None = None
+) -> torch.Tensor:
+    """x [M, K] bf16 (row-major), w [N, K] fp8, scale [N] fp32 -> [M, N] in x's dtype.
+
+    config: optional fixed {BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages} (benchmarks).
+    """
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"x has K={K} but the weight is {tuple(w.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    w = w.contiguous()
+    scale = scale.contiguous()
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    block_m = m_bucket(M)
+    ws = torch.empty(_MAX_SPLIT * M * N, dtype=torch.float32, device=x.device)
+    cnt = _counters(x.device)
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, block_m), meta["SPLIT_K"])
+
+    args = (x, w, scale, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0))
+    if interpret_mode():
+        config = config or {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}
+        config = {**config, "DOT_F32": True}
+    if config is not None:
+        c = dict(config)
+        if block_m == 1 and "DOT_F32" in c:
+            c["BLOCK_N"] = min(c["BLOCK_N"], 16)
+        _heur[grid(c)](*args, BLOCK_M=block_m, **c)
+    else:
+        (_gemv if block_m == 1 else _gemm)[grid](*args, BLOCK_M=block_m)
+    return out
+
+
+def best_config(M: int, N: int, K: int) -> dict | None:
+    """The autotuner's pick for this shape (after a call), for reports."""
+    tuner = _gemv if m_bucket(M) == 1 else _gemm
+    for key, cfg in tuner.cache.items():
+        if tuple(key[:3]) == (N, K, m_bucket(M)):
+            return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return None
