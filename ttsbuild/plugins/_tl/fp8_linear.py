@@ -129,7 +129,9 @@ def _fp8_linear_kernel(
                 xv = tl.load(x_ptr + offs_k)
             else:
                 k_mask = offs_k < K
-                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(
+                    w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0
+                )
                 xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
             acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
@@ -143,8 +145,12 @@ def _fp8_linear_kernel(
                 xt = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :], other=0.0)
             else:
                 k_mask = offs_k < K
-                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                xt = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+                w = tl.load(
+                    w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0
+                )
+                xt = tl.load(
+                    x_cols + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0
+                )
             if DOT_F32:  # the interpreter mis-multiplies bf16 converted from fp8
                 acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
             else:
@@ -164,7 +170,9 @@ def _fp8_linear_kernel(
         if arrived == SPLIT_K - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
-                total += tl.load(ws_ptr + s * M * N + ws_offs, mask=o_mask, other=0.0, cache_modifier=".cg")
+                total += tl.load(
+                    ws_ptr + s * M * N + ws_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
+                )
             tl.store(out_ptrs, (total * scale[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
