@@ -1,7 +1,8 @@
 """The `ttsbuild` command: one verb per pipeline stage, each writing a named artifact.
 
-convert -> checkpoint dir, calibrate -> calibration file, compile -> engine dir, serve, bench.
-Each verb lives beside its stage and is only imported here, so `ttsbuild --help` stays fast.
+init-random -> official-layout stand-in, convert -> checkpoint dir, calibrate -> calibration
+file, compile -> engine dir, synth -> WAV, serve, bench. Each verb lives beside its stage;
+heavy imports happen inside the commands so `ttsbuild --help` stays fast.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import typer
 
 from ttsbuild.bench.cli import app as bench_app
+from ttsbuild.convert.cli import convert, init_random
+from ttsbuild.runtime.cli import synth
 
 app = typer.Typer(
     name="ttsbuild",
@@ -16,6 +19,9 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
 )
+app.command("init-random")(init_random)
+app.command("convert")(convert)
+app.command("synth")(synth)
 app.add_typer(bench_app, name="bench")
 
 

@@ -320,26 +320,26 @@ class EagerEngine:
 
 
 def synthesize(
-    engine: EagerEngine, req: SynthesisRequest, on_chunk=None
+    engine: EagerEngine, req: SynthesisRequest, on_frames=None, chunk_frames: int = 16
 ) -> tuple[np.ndarray, dict]:
-    """Run one request to completion on a free slot. Returns (float32 PCM, stats)."""
+    """Run one request to completion on a free slot. Returns (float32 PCM, stats).
+
+    Audio is decoded every `chunk_frames` frames (the codec is exact for any split);
+    on_frames(total_frames) is called after each frame.
+    """
     slot = engine.admit(req)
     try:
         engine.prefill([slot])
         chunks = []
         while not engine.is_finished(slot):
             engine.frames([slot])
-            if on_chunk is not None and engine.pending_frames(slot):
-                pcm = engine.audio([slot])[slot]
-                chunks.append(pcm)
-                on_chunk(pcm)
-        pcm = engine.audio([slot])[slot]
-        if pcm.size:
-            chunks.append(pcm)
-            if on_chunk is not None:
-                on_chunk(pcm)
+            if on_frames is not None:
+                on_frames(len(engine.slots[slot].frames))
+            if engine.pending_frames(slot) >= chunk_frames:
+                chunks.append(engine.audio([slot])[slot])
+        chunks.append(engine.audio([slot])[slot])
         st = engine.slots[slot]
         stats = {"frames": len(st.frames), "stopped_by": st.stopped_by, "seed": st.seed}
-        return (np.concatenate(chunks) if chunks else np.zeros(0, np.float32)), stats
+        return np.concatenate(chunks), stats
     finally:
         engine.release(slot)
