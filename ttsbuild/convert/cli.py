@@ -21,7 +21,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from ttsbuild.convert.init_random import VARIANTS
+from ttsbuild.convert.variants import VARIANTS
 
 _err = Console(stderr=True, soft_wrap=True)
 

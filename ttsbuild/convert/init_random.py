@@ -34,17 +34,8 @@ from ttsbuild.convert.schema import (
     validate_config,
     validate_speech_tokenizer_config,
 )
+from ttsbuild.convert.variants import VARIANTS
 from ttsbuild.text.standin import write_standin_tokenizer
-
-# variant -> (config file, speech tokenizer config file), both in ttsbuild/convert/variants.
-VARIANTS: dict[str, tuple[str, str]] = {
-    "tiny": ("tiny.json", "speech_tokenizer-tiny.json"),
-    "0.6b-customvoice": ("0.6b-customvoice.json", "speech_tokenizer-12hz.json"),
-    "0.6b-base": ("0.6b-base.json", "speech_tokenizer-12hz.json"),
-    "1.7b-customvoice": ("1.7b-customvoice.json", "speech_tokenizer-12hz.json"),
-    "1.7b-voicedesign": ("1.7b-voicedesign.json", "speech_tokenizer-12hz.json"),
-    "1.7b-base": ("1.7b-base.json", "speech_tokenizer-12hz.json"),
-}
 
 STANDIN_FILE = "ttsbuild_standin.json"
 STANDIN_FORMAT = 1
