@@ -1,0 +1,59 @@
+"""Single-query (decode) GQA attention over a slot-indexed KV cache with per-row lengths.
+
+q [B, Hq, D]; caches [slots, Hkv, S, D]; row b attends to positions [0, lengths[b]) of
+cache slot slots[b]. `max_len` bounds the lengths (a Python int: no host sync); the
+reference gathers [0, max_len) and masks, as the model does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ttsbuild.plugins._dispatch import want_triton
+
+
+def decode_attention_reference(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, S, D]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [B]
+    lengths: torch.Tensor,  # [B], 1 <= lengths <= max_len
+    max_len: int | None = None,
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = torch.float32,
+) -> torch.Tensor:
+    """SDPA over the gathered, masked cache (the model's path). compute_dtype None: in the
+    input dtype (the PyTorch baseline); float32/64: an upcast reference."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    S = k_cache.shape[2] if max_len is None else max_len
+    scale = D**-0.5 if scale is None else scale
+    dt = compute_dtype or q.dtype
+    keys = k_cache[slots, :, :S].to(dt).repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, S, D]
+    values = v_cache[slots, :, :S].to(dt).repeat_interleave(Hq // Hkv, dim=1)
+    mask = torch.arange(S, device=q.device)[None, :] < lengths[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(
+        q.to(dt)[:, :, None], keys, values, attn_mask=mask[:, None, None], scale=scale
+    )  # [B, Hq, 1, D]
+    return out[:, :, 0].to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len: int | None = None,
+    scale: float | None = None,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """[B, Hq, D] in q's dtype. Triton: one pass for short caches (the code predictor's 16
+    positions), flash-decoding splits + a combine kernel for long ones (the talker)."""
+    if not want_triton(q, use_triton):
+        return decode_attention_reference(q, k_cache, v_cache, slots, lengths, max_len, scale)
+    from ttsbuild.plugins._tl.decode_attention import decode_attention_triton
+
+    return decode_attention_triton(q, k_cache, v_cache, slots, lengths, max_len, scale)
