@@ -1,0 +1,131 @@
+"""Triton fused sampler: one program per row, the whole vocabulary in registers.
+
+Order keys: a float's bits, flipped so unsigned order = float order (-0.0 made +0.0 first
+so that it ties with +0.0 as in float compares). The k-th largest key is found bit by bit
+(largest t with #{key >= t} >= k); the top-p cut likewise (largest t with
+mass{key <= t} <= 1 - top_p; keep keys > t, and always the maximum).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.plugins._tl._math import exp_f32, log_f32
+
+
+@triton.jit
+def _hash32(x):
+    # lowbias32 on uint32 (wrapping multiplies), as generation.sampling.hash32
+    x = x ^ (x >> 16)
+    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, dosample_ptr,
+    seed_ptr, ctr_ptr, hist_ptr, stride_hist, pen_ptr, out_ptr,
+    BLOCK_V: tl.constexpr, HAS_PENALTY: tl.constexpr, IS_BF16: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_V)
+    vmask = offs < V
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=vmask, other=float("-inf"))
+    x = x.to(tl.float32)
+    if HAS_PENALTY:
+        pen = tl.load(pen_ptr + row)
+        if IS_BF16:
+            pen = pen.to(tl.bfloat16).to(tl.float32)
+        hist = tl.load(hist_ptr + row.to(tl.int64) * stride_hist + offs, mask=vmask, other=0)
+        pen_x = tl.where(x < 0, x * pen, tl.math.div_rn(x, pen + tl.zeros_like(x)))
+        if IS_BF16:
+            pen_x = pen_x.to(tl.bfloat16).to(tl.float32)
+        x = tl.where(hist != 0, pen_x, x)
+    greedy = tl.argmax(x, axis=0, tie_break_left=True)
+
+    temp = tl.load(temp_ptr + row)
+    scaled = tl.math.div_rn(x, temp + tl.zeros_like(x))
+    scaled = tl.where(scaled == 0.0, 0.0, scaled)  # -0.0 -> +0.0
+    bits = scaled.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    key = tl.where(vmask, key, 0)  # padding below every real value (-inf included)
+
+    # top-k: the k-th largest key (ties with it kept)
+    k = tl.load(topk_ptr + row).to(tl.int32)
+    k = tl.where((k <= 0) | (k > V), V, k)
+    kth = tl.zeros((), tl.uint32)
+    if k < V:
+        for i in tl.static_range(32):
+            cand = kth | (1 << (31 - i))
+            cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
+            kth = tl.where(cnt >= k, cand, kth)
+    keep = vmask & (key >= kth)
+
+    # top-p over what top-k kept
+    top_p = tl.load(topp_ptr + row)
+    if top_p < 1.0:
+        z = tl.where(keep, scaled, float("-inf"))
+        zmax = tl.max(z, axis=0)
+        e = tl.where(keep, exp_f32(z - zmax), 0.0)
+        total = tl.sum(e, axis=0)
+        budget = 1.0 - top_p
+        kmax = tl.max(tl.where(keep, key, 0), axis=0)
+        cut = tl.zeros((), tl.uint32)
+        for i in tl.static_range(32):
+            cand = cut | (1 << (31 - i))
+            mass = tl.sum(tl.where(key <= cand, e, 0.0), axis=0) / total
+            cut = tl.where(mass <= budget, cand, cut)
+        keep = keep & ((key > cut) | (key == kmax))
+
+    # Gumbel-max with the counter-based noise of generation.sampling.uniform_noise
+    seed = tl.load(seed_ptr + row)
+    ctr = tl.load(ctr_ptr + row)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    skey = _hash32(lo) ^ _hash32(hi ^ 0x68E31DA4)
+    stream = _hash32(skey ^ _hash32(((ctr + 0x1B873593) & 0xFFFFFFFF).to(tl.uint32)))
+    cols = _hash32(offs.to(tl.uint32) + 0x3C6EF372)
+    rbits = _hash32(stream ^ cols)
+    u = ((rbits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    gumbel = -log_f32(-log_f32(u))
+    score = tl.where(keep, scaled + gumbel, float("-inf"))
+    drawn = tl.argmax(score, axis=0, tie_break_left=True)
+    do_sample = tl.load(dosample_ptr + row)
+    tl.store(out_ptr + row, tl.where(do_sample != 0, drawn, greedy).to(tl.int64))
+
+
+def sample_triton(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+    history: torch.Tensor | None = None,
+) -> torch.Tensor:
+    B, V = logits.shape
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"logits must be fp32/bf16/fp16, got {logits.dtype}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    has_pen = history is not None
+    if has_pen:
+        hist = history if history.dtype != torch.bool else history.view(torch.uint8)
+        pen = batch.repetition_penalty.float()
+        hstride = hist.stride(0)
+    else:
+        hist, pen, hstride = out, out, 0
+    block_v = triton.next_power_of_2(V)
+    _sample_kernel[(B,)](
+        logits, logits.stride(0), V, batch.temperature.float(), batch.top_k, batch.top_p.float(),
+        batch.do_sample.view(torch.uint8) if batch.do_sample.dtype == torch.bool
+        else batch.do_sample,
+        seeds, counters, hist, hstride, pen, out,
+        BLOCK_V=block_v, HAS_PENALTY=has_pen, IS_BF16=logits.dtype == torch.bfloat16,
+        num_warps=8 if block_v >= 2048 else 4,
+    )  # fmt: skip
+    return out
