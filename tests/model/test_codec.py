@@ -88,8 +88,9 @@ test_state.__test__ = False  # a helper, not a test
 
 
 def our_decoder(cfg: CodecConfig, state: dict) -> CodecDecoder:
-    dec = CodecDecoder(cfg).eval()
-    dec.load_state_dict(state, strict=True)
+    with torch.device("meta"):  # skip the default init of ~114M parameters
+        dec = CodecDecoder(cfg).eval()
+    dec.load_state_dict(state, strict=True, assign=True)
     return dec
 
 
@@ -129,6 +130,11 @@ def official_real():
     config = core.Qwen3TTSTokenizerV2Config(**copy.deepcopy(REAL))
     model = core.Qwen3TTSTokenizerV2Model(config).eval()
     return model
+
+
+@pytest.fixture(scope="module")
+def real_state():
+    return test_state(CodecConfig.from_official(REAL), seed=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,16 +235,15 @@ def test_schema_matches_official_variant():
 # --------------------------------------------------------------------------------------------
 
 
-def test_parity_real_config(official_real):
+def test_parity_real_config(official_real, real_state):
     cfg = CodecConfig.from_official(REAL)
-    state = test_state(cfg, seed=0)
-    official_real.decoder.load_state_dict(state, strict=True)
-    ours = our_decoder(cfg, state)
-    codes = rand_codes(cfg, 1, 24, seed=1)
+    official_real.decoder.load_state_dict(real_state, strict=True)
+    ours = our_decoder(cfg, real_state)
+    codes = rand_codes(cfg, 1, 20, seed=1)
     with torch.no_grad():
         ref = official_real.decoder(codes)
         out = ours(codes)
-    assert ref.shape == out.shape == (1, 1, 24 * 1920)
+    assert ref.shape == out.shape == (1, 1, 20 * 1920)
     assert_audible(ref)
     err = (out - ref).abs().max().item()
     assert err <= PARITY_TOL, err
@@ -321,14 +326,14 @@ def test_stream_equals_full(small_long, splits):
     assert err <= STREAM_TOL, err
 
 
-def test_stream_real_config():
+def test_stream_real_config(real_state):
     cfg = CodecConfig.from_official(REAL)
-    dec = our_decoder(cfg, test_state(cfg, seed=7))
-    codes = rand_codes(cfg, 1, 10, seed=8)
+    dec = our_decoder(cfg, real_state)
+    codes = rand_codes(cfg, 1, 8, seed=8)
     with torch.no_grad():
         full = dec(codes)
     assert_audible(full)
-    err = (stream_decode(dec, codes, [1, 2, 3, 4]) - full).abs().max().item()
+    err = (stream_decode(dec, codes, [1, 3, 4]) - full).abs().max().item()
     assert err <= STREAM_TOL, err
 
 
@@ -404,5 +409,6 @@ def test_random_state_is_audible(which):
     db = 20 * torch.log10(torch.tensor(rms(wav))).item()
     assert -30 < db < -3, db
     assert_audible(wav)
-    again = random_codec_state(cfg, seed=14)
-    assert all(torch.equal(state[k], again[k]) for k in state)  # deterministic in the seed
+    if which == "small":
+        again = random_codec_state(cfg, seed=14)
+        assert all(torch.equal(state[k], again[k]) for k in state)  # deterministic in the seed

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -197,8 +197,6 @@ class CodecConfig:
         return d
 
 
-CODEC_CONFIG_FIELDS = tuple(f.name for f in fields(CodecConfig))
-
 # --------------------------------------------------------------------------------------------
 # Streaming state
 # --------------------------------------------------------------------------------------------
@@ -240,16 +238,22 @@ class CodecStream:
 
     @torch.no_grad()
     def reset(self, rows: Sequence[int] | Tensor | None = None) -> None:
-        """Zero the state of `rows` (indices or a bool mask; None = all) to start new requests."""
+        """Zero the state of `rows` to start new requests there; the other rows are untouched.
+
+        rows: row indices, a bool mask [B] (a device tensor mask needs no host sync and can be
+        captured in a graph), or None for all rows.
+        """
         if rows is None:
             for t in self.tensors():
                 t.zero_()
             return
         rows = torch.as_tensor(rows, device=self.pos.device)
         if rows.dtype == torch.bool:
-            rows = rows.nonzero().flatten()
-        for t in self.tensors():
-            t.index_fill_(0, rows, 0)
+            for t in self.tensors():
+                t.masked_fill_(rows.view(-1, *(1,) * (t.dim() - 1)), 0)
+        else:
+            for t in self.tensors():
+                t.index_fill_(0, rows, 0)
 
     @torch.no_grad()
     def step(self, codes: Tensor) -> Tensor:
