@@ -1,0 +1,146 @@
+"""CPU checks of the plugin references (no GPU, no Triton needed)."""
+
+import pytest
+import torch
+
+from ttsbuild.generation.sampling import SamplingBatch, sample
+from ttsbuild.model.config import DecoderStackConfig
+from ttsbuild.model.layers import Attention
+from ttsbuild.plugins.decode_attention import decode_attention, decode_attention_reference
+from ttsbuild.plugins.fp8_linear import (
+    FP8_MAX,
+    FP8Linear,
+    dequantize_weight_fp8,
+    fp8_linear,
+    fp8_linear_reference,
+    quantize_weight_fp8,
+)
+from ttsbuild.plugins.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from ttsbuild.plugins.sampling import fused_sample
+
+CFG = DecoderStackConfig(
+    hidden_size=256, intermediate_size=512, num_layers=1, num_heads=16, num_kv_heads=8,
+    head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+)  # fmt: skip
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_quantize_round_trip_bounds():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 320, generator=g) * torch.rand(96, 1, generator=g) * 0.2
+    w[3] = 0.0  # an all-zero row must not divide by zero
+    q, s = quantize_weight_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (96,)
+    assert torch.isfinite(q.float()).all()
+    # each row's amax maps to the largest e4m3 value
+    assert torch.allclose(q.float().abs().amax(1)[s > 1e-11], torch.full((95,), FP8_MAX))
+    deq = dequantize_weight_fp8(q, s)
+    # e4m3: 3 mantissa bits -> relative error <= 2^-4 for normals; subnormal step 2^-9 * s
+    bound = w.abs() * 2**-4 + s[:, None] * 2**-10 + 1e-12
+    assert ((deq - w).abs() <= bound * 1.0001).all()
+    assert _rel(deq, w) < 0.04
+    assert (deq[3] == 0).all()
+
+
+def test_fp8_linear_reference_and_module():
+    g = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(256, 192, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(192, 256, generator=g) * 0.05)
+    x = torch.randn(3, 5, 256, generator=g).bfloat16()
+    mod = FP8Linear.from_linear(lin)
+    out = mod(x)  # CPU: the reference
+    assert out.shape == (3, 5, 192) and out.dtype == torch.bfloat16
+    ref = x.double() @ dequantize_weight_fp8(mod.weight, mod.scale, torch.float64).t()
+    assert _rel(out, ref) < 1e-2
+    assert torch.equal(fp8_linear(x, mod.weight, mod.scale), fp8_linear_reference(x, *_qs(mod)))
+    # against the unquantised layer: quantisation error only
+    assert _rel(out, lin(x.float())) < 0.05
+
+
+def _qs(mod):
+    return mod.weight, mod.scale
+
+
+def _decode_inputs(seed, B=4, S=24, num_slots=6, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    D, Hq, Hkv = CFG.head_dim, CFG.num_heads, CFG.num_kv_heads
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, generator=g).to(dtype)
+    qw = (1 + 0.2 * torch.randn(D, generator=g)).to(dtype)
+    kw = (1 + 0.2 * torch.randn(D, generator=g)).to(dtype)
+    positions = torch.randint(0, S, (B,), generator=g)
+    slots = torch.randperm(num_slots, generator=g)[:B]
+    kc = torch.randn(num_slots, Hkv, S, D, generator=g).to(dtype)
+    vc = torch.randn(num_slots, Hkv, S, D, generator=g).to(dtype)
+    return qkv, qw, kw, positions, slots, kc, vc
+
+
+def test_qk_norm_rope_reference_matches_model_attention_fp32():
+    """reference norm+rope+cache write, then reference attention + o_proj == Attention."""
+    torch.manual_seed(3)
+    attn = Attention(CFG).float()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 else 0.0))
+    B, S, slots_n = 4, 24, 6
+    _, _, _, positions, slots, kc, vc = _decode_inputs(4, B, S, slots_n)
+    x = torch.randn(B, 1, CFG.hidden_size)
+    kc_model, vc_model = kc.clone(), vc.clone()
+    from ttsbuild.model.layers import rope_cos_sin
+
+    cos, sin = rope_cos_sin(positions[:, None], CFG.head_dim, CFG.rope_theta, torch.float32)
+    # the model attends over [0, kv_len) with a causal mask by absolute position
+    kv_len = int(positions.max()) + 1
+    out_model = attn(x, cos, sin, kc_model, vc_model, slots, positions[:, None], kv_len)
+
+    with torch.no_grad():
+        qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)[:, 0]
+        kw = dict(num_heads=16, num_kv_heads=8, eps=CFG.rms_norm_eps, theta=CFG.rope_theta)
+        q = qk_norm_rope_reference(
+            qkv, attn.q_norm.weight, attn.k_norm.weight, positions, slots, kc, vc, **kw
+        )
+        o = decode_attention_reference(q, kc, vc, slots, positions + 1, kv_len)
+        out = attn.o_proj(o.reshape(B, 1, -1))
+    assert (kc - kc_model).abs().max() < 1e-6 and torch.equal(vc, vc_model)
+    assert (out - out_model).abs().max() < 1e-6 * max(1.0, out_model.abs().max().item())
+    # dispatcher on CPU = reference
+    kc2, vc2 = kc.clone(), vc.clone()
+    q2 = qk_norm_rope(qkv, attn.q_norm.weight, attn.k_norm.weight, positions, slots, kc2, vc2, **kw)
+    assert torch.equal(q2, q) and torch.equal(kc2, kc)
+
+
+def test_decode_attention_reference_vs_float64_softmax():
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D, S = 3, 16, 8, 128, 40
+    q = torch.randn(B, Hq, D, generator=g)
+    kc = torch.randn(5, Hkv, S, D, generator=g)
+    vc = torch.randn(5, Hkv, S, D, generator=g)
+    slots = torch.tensor([4, 0, 2])
+    lengths = torch.tensor([40, 1, 17])
+    out = decode_attention(q, kc, vc, slots, lengths)
+    for b in range(B):
+        k = kc[slots[b], :, : lengths[b]].double().repeat_interleave(2, 0)  # [Hq, L, D]
+        v = vc[slots[b], :, : lengths[b]].double().repeat_interleave(2, 0)
+        w = torch.softmax((q[b].double()[:, None] * k).sum(-1) / D**0.5, -1)
+        ref = (w[..., None] * v).sum(1)
+        assert _rel(out[b], ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_sample_reference_on_cpu_is_sample(dtype):
+    g = torch.Generator().manual_seed(6)
+    B, V = 8, 100
+    logits = (torch.randn(B, V, generator=g) * 2).to(dtype)
+    batch = SamplingBatch(
+        do_sample=torch.tensor([True] * 6 + [False] * 2),
+        temperature=0.5 + torch.rand(B, generator=g),
+        top_k=torch.tensor([0, 1, 5, 50, 0, 3, 10, 0]),
+        top_p=torch.tensor([1.0, 0.9, 0.8, 1.0, 0.5, 1.0, 0.9, 1.0]),
+        repetition_penalty=torch.ones(B),
+    )
+    seeds = torch.randint(0, 2**62, (B,), generator=g)
+    ctr = torch.randint(0, 10**6, (B,), generator=g)
+    assert torch.equal(fused_sample(logits, batch, seeds, ctr), sample(logits, batch, seeds, ctr))
