@@ -20,6 +20,7 @@ from ttsbuild.model.codec import (  # noqa: E402
     CodecConfig,
     CodecDecoder,
     CodecStream,
+    audible_random_init_,
     decoder_state_shapes,
     random_codec_state,
 )
@@ -412,3 +413,24 @@ def test_random_state_is_audible(which):
     if which == "small":
         again = random_codec_state(cfg, seed=14)
         assert all(torch.equal(state[k], again[k]) for k in state)  # deterministic in the seed
+
+
+def test_audible_init_fixes_official_default_init():
+    """The official init decodes to silence (zero codebooks); after audible_random_init_ the
+    same state is audible, and the official decoder agrees with ours on it."""
+    cfg = small_config(sliding_window=8)
+    official = official_decoder(cfg, test_state(cfg, seed=16), "eager")
+    modeling, configuration = official_modules()
+    fresh = modeling.Qwen3TTSTokenizerV2Decoder(
+        configuration.Qwen3TTSTokenizerV2DecoderConfig(**cfg.to_official())
+    ).eval()
+    state = {k: v.detach().clone() for k, v in fresh.state_dict().items()}
+    codes = rand_codes(cfg, 1, 12, seed=17)
+    with torch.no_grad():
+        assert rms(our_decoder(cfg, state)(codes)) < 1e-6  # silent as initialised
+        audible_random_init_(state, torch.Generator().manual_seed(18))
+        official.load_state_dict(state, strict=True)
+        ref = official(codes)
+        out = our_decoder(cfg, state)(codes)
+    assert_audible(ref)
+    assert (out - ref).abs().max().item() <= PARITY_TOL
