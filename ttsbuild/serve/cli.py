@@ -1,0 +1,81 @@
+"""Typer command function for `ttsbuild serve`.
+
+Register it on the main app:
+    app.command("serve")(serve)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from ttsbuild.serve.config import PROFILES, ProfileName
+
+_err = Console(stderr=True, soft_wrap=True)
+
+
+def serve(
+    checkpoint: Path = typer.Argument(..., help="A `ttsbuild convert` checkpoint directory."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
+    port: int = typer.Option(8000, help="TCP port (0: pick a free one)."),
+    profile: ProfileName = typer.Option(
+        ProfileName.low_latency, help="Chunk schedule and deadline margins: low-latency "
+        "[1,2,4,8,12] frames, balanced [4,4,8,16,25], throughput [25]."
+    ),  # fmt: skip
+    device: str | None = typer.Option(None, help="cpu, cuda, cuda:1 (default: cuda if any)."),
+    slots: int = typer.Option(8, help="Engine slots: requests generating at once."),
+    max_len: int = typer.Option(2048, help="Positions per slot (prompt + frames)."),
+    max_queue: int = typer.Option(64, help="Requests waiting for a slot; more get 429."),
+    queue_timeout: float = typer.Option(2.0, help="Seconds a request may wait for a slot (429)."),
+    max_buffered: float = typer.Option(
+        120.0, help="Seconds of produced-but-unsent audio, all streams, above which new "
+        "requests get 503."
+    ),  # fmt: skip
+    drop_bootstrap_frame: bool | None = typer.Option(
+        None, "--drop-bootstrap-frame/--keep-bootstrap-frame",
+        help="Drop the silent first frame (default: drop for real checkpoints, keep stand-ins).",
+    ),  # fmt: skip
+    trim_onset: bool = typer.Option(
+        False, help="Also trim leading audio below -45 dBFS (real checkpoints only)."
+    ),
+    log_level: str = typer.Option("info", help="uvicorn log level."),
+) -> None:
+    """Serve a checkpoint: OpenAI-compatible streaming speech over HTTP and WebSocket."""
+    import uvicorn
+
+    from ttsbuild.runtime.loader import open_engine
+    from ttsbuild.serve.app import create_app
+    from ttsbuild.serve.config import SchedulerConfig, ServeConfig
+    from ttsbuild.serve.service import SpeechService
+
+    if not checkpoint.is_dir():
+        _err.print(f"[red]error:[/] {checkpoint} is not a directory")
+        raise typer.Exit(2)
+    config = ServeConfig(
+        scheduler=SchedulerConfig(
+            profile=PROFILES[profile],
+            num_slots=slots,
+            max_queue=max_queue,
+            queue_timeout_s=queue_timeout,
+            max_buffered_s=max_buffered,
+        ),
+        drop_bootstrap_frame=drop_bootstrap_frame,
+        trim_onset=trim_onset,
+    )
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        engine = open_engine(checkpoint, device=device, num_slots=slots, max_len=max_len)
+    except Exception as exc:  # a bad checkpoint is a message, not a traceback
+        _err.print(f"[red]error:[/] cannot load {checkpoint}: {exc}")
+        raise typer.Exit(1) from None
+    manifest = engine.models.manifest
+    _err.print(
+        f"loaded {checkpoint} ({engine.models.cfg.tts_model_type}, "
+        f"{'stand-in' if manifest.get('standin') else 'real weights'}) on {engine.device}; "
+        f"profile {profile.value}, {slots} slots"
+    )
+    service = SpeechService(engine, config)
+    uvicorn.run(create_app(service), host=host, port=port, log_level=log_level)

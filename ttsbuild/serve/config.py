@@ -1,0 +1,64 @@
+"""Every serving knob in one place, with its default and why.
+
+A profile fixes the chunk schedule (frames per audio chunk, ramping up so the first chunk is
+small and later chunks amortise the codec) and the scheduler's deadline margins. Unlike a
+captured-graph server the eager engine has no per-shape cost, so a profile is only policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+FRAME_SAMPLES = 1920  # 80 ms of 24 kHz audio per codec frame
+SAMPLE_RATE = 24_000
+FRAME_S = FRAME_SAMPLES / SAMPLE_RATE
+
+
+class ProfileName(StrEnum):
+    low_latency = "low-latency"
+    balanced = "balanced"
+    throughput = "throughput"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: ProfileName
+    chunk_schedule: tuple[int, ...]  # frames per chunk; the last entry repeats
+    urgent_slack_s: float  # a stream whose slack falls below this anchors the next batch
+    soon_slack_s: float  # ...below this it goes before round-robin work
+    safety_margin_s: float  # deadline = playback start + audio sent - this
+
+
+PROFILES = {
+    ProfileName.low_latency: Profile(ProfileName.low_latency, (1, 2, 4, 8, 12), 0.025, 1.0, 0.05),
+    ProfileName.balanced: Profile(ProfileName.balanced, (4, 4, 8, 16, 25), 0.05, 1.0, 0.1),
+    ProfileName.throughput: Profile(ProfileName.throughput, (25,), 0.1, 2.0, 0.2),
+}
+
+MAX_CHUNK_FRAMES = 64
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    profile: Profile = PROFILES[ProfileName.low_latency]
+    num_slots: int = 8  # engine slots (requests generating at once)
+    max_queue: int = 64  # requests waiting for a slot; one more is answered 429 at once
+    queue_timeout_s: float = 2.0  # a request that gets no slot within this is answered 429
+    max_batch: int = 64  # rows per stage call (the engine's slots bound it too)
+    max_buffered_s: float = 120.0  # audio produced but not yet sent, all streams: above it 503
+    stream_buffer_s: float = 20.0  # one stream's unsent audio above this pauses its generation
+    cost_ema: float = 0.2  # weight of the newest stage timing in the running estimate
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_body_bytes: int = 64 * 1024  # HTTP body and WebSocket message limit (413 / error)
+    drop_bootstrap_frame: bool | None = None  # None: drop for real checkpoints, keep stand-ins
+    trim_onset: bool = False  # also trim leading near-silence (real checkpoints only)
+    onset_dbfs: float = -45.0
+    warmup_text: str = "Warm up."
+    ws_max_text_chars: int = 64 * 1024  # whole WebSocket session
+    ws_flush_after_s: float = 0.3  # input stalled this long: synthesize what we have
+    model_name: str = "qwen3-tts"

@@ -1,0 +1,152 @@
+"""The composition root: engine + scheduler + engine thread + metrics, and the async handle
+through which a request handler receives its stream's events."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+from ttsbuild.runtime.request import RequestError, SynthesisRequest
+from ttsbuild.serve.audio import SilenceTrimmer, pcm16
+from ttsbuild.serve.config import FRAME_SAMPLES, ServeConfig
+from ttsbuild.serve.loop import Engine, EngineLoop, Runner
+from ttsbuild.serve.metrics import ServeMetrics
+from ttsbuild.serve.scheduler import Admitted, Chunk, Done, Event, Failed, Rejected, Scheduler
+from ttsbuild.serve.schema import ApiError
+
+log = logging.getLogger(__name__)
+
+
+class StreamHandle:
+    """One engine request seen from asyncio: events arrive on `queue` from the engine thread."""
+
+    def __init__(self, service: SpeechService, loop: asyncio.AbstractEventLoop):
+        self.service = service
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.stream_id: int | None = None
+        self.seed: int | None = None
+        self.stats: dict | None = None
+        self.closed = False
+
+    def sink(self, event: Event) -> None:
+        """Called on the engine thread: encode off the event loop, then hand over."""
+        if isinstance(event, Chunk):
+            event = Chunk(event.seq, pcm16(event.pcm))
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def admitted(self) -> None:
+        event = await self.queue.get()
+        if isinstance(event, Failed):
+            raise ApiError(event.status, event.message, code=event.reason,
+                           type=_error_type(event.status))  # fmt: skip
+        assert isinstance(event, Admitted), event
+        self.seed = event.seed
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """PCM16 chunks until the stream ends; each one acked once the caller resumes us."""
+        while True:
+            event = await self.queue.get()
+            if isinstance(event, Chunk):
+                yield event.pcm
+                self.service.loop.ack(self.stream_id, len(event.pcm) // 2)
+            elif isinstance(event, Done):
+                self.stats = event.stats
+                return
+            elif isinstance(event, Failed):
+                raise ApiError(event.status, event.message, code=event.reason)
+
+    def close(self) -> None:
+        if not self.closed and self.stream_id is not None:
+            self.closed = True
+            self.service.loop.close(self.stream_id)
+
+
+class SpeechService:
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServeConfig = ServeConfig(),
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.engine = engine
+        self.config = config
+        self.metrics = ServeMetrics()
+        models = engine.models
+        self.voices: list[str] = list(models.voices)
+        self.languages: list[str] = list(models.languages)
+        self.needs_voice = models.cfg.tts_model_type == "custom_voice"
+        self.standin = models.manifest.get("standin") is not None
+        drop = config.drop_bootstrap_frame
+        self.drop_bootstrap = (not self.standin) if drop is None else drop
+        self.trim_onset = config.trim_onset and not self.standin
+        sched_cfg = replace(config.scheduler, num_slots=min(config.scheduler.num_slots,
+                                                            engine.free_slots()))  # fmt: skip
+        self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
+        self.loop = EngineLoop(self.scheduler, Runner(engine, RequestError))
+        self.ready = False
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+    def chunk_schedule(self, requested: list[int] | None) -> tuple[int, ...]:
+        schedule = tuple(requested or self.config.scheduler.profile.chunk_schedule)
+        if self.drop_bootstrap:  # the first chunk carries the dropped frame too
+            schedule = (schedule[0] + 1, *schedule[1:])
+        return schedule
+
+    def _trimmer(self) -> SilenceTrimmer | None:
+        if not (self.drop_bootstrap or self.trim_onset):
+            return None
+        onset = self.config.onset_dbfs if self.trim_onset else None
+        return SilenceTrimmer(FRAME_SAMPLES if self.drop_bootstrap else 0, onset)
+
+    def submit(self, request: SynthesisRequest, chunk_schedule: list[int] | None = None):
+        """Queue a request without waiting; events (Admitted first) arrive on the handle."""
+        handle = StreamHandle(self, asyncio.get_running_loop())
+        try:
+            stream = self.loop.submit(
+                request, handle.sink, self.chunk_schedule(chunk_schedule), self._trimmer()
+            )
+        except Rejected as exc:
+            raise ApiError(exc.status, exc.message, code=exc.reason,
+                           type=_error_type(exc.status)) from None  # fmt: skip
+        handle.stream_id = stream.id
+        return handle
+
+    async def open(self, request: SynthesisRequest, chunk_schedule: list[int] | None = None):
+        """Queue a request and wait until it holds an engine slot (or is refused)."""
+        handle = self.submit(request, chunk_schedule)
+        try:
+            await handle.admitted()
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+    async def warm_up(self) -> None:
+        """One short request through the whole path; /ready turns true only after it."""
+        request = SynthesisRequest(
+            text=self.config.warmup_text,
+            voice=self.voices[0] if self.needs_voice else None,
+            seed=0,
+            max_frames=4,
+        )
+        handle = await self.open(request)
+        try:
+            async for _ in handle.chunks():
+                pass
+        finally:
+            handle.close()
+        self.ready = True
+        log.info("warm-up done: %s", handle.stats)
+
+
+def _error_type(status: int) -> str:
+    return {429: "rate_limit_error", 503: "server_overloaded"}.get(status, "invalid_request_error")
