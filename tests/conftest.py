@@ -5,3 +5,17 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "model"))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
+    """A converted tiny random-weight stand-in (official layout -> ttsbuild checkpoint)."""
+    from ttsbuild.convert.convert import convert_checkpoint
+    from ttsbuild.convert.init_random import init_random
+
+    root = tmp_path_factory.mktemp("tiny")
+    init_random(root / "src", "tiny", seed=0)
+    convert_checkpoint(root / "src", root / "ckpt")
+    return root / "ckpt"
