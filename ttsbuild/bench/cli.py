@@ -8,6 +8,7 @@ is written, so a bad flag leaves no partial output directory behind.
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from ttsbuild.bench.runner import RunSettings
 
 T = TypeVar("T")
+E = TypeVar("E", bound=StrEnum)
 
 app = typer.Typer(
     help="Open-loop load generation against a streaming speech endpoint, measuring what a "
@@ -92,6 +94,15 @@ def _parse(flag: str, parser: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise _bad(flag, str(err)) from None
 
 
+def _choice(flag: str, choices: type[E], value: str) -> E:
+    """An enum member by value, or a one-line error naming the valid values."""
+    try:
+        return choices(value)
+    except ValueError:
+        valid = ", ".join(member.value for member in choices)
+        raise _bad(flag, f"{value!r} is not one of: {valid}") from None
+
+
 def _check_output(output: Path) -> None:
     if output.exists() and not output.is_dir():
         raise _bad("--output", f"{str(output)!r} exists and is not a directory")
@@ -137,8 +148,8 @@ def _settings(
     )
     from ttsbuild.bench.units import parse_duration, parse_key_value
 
-    mode_value = _parse("--mode", Mode, mode)
-    arrival_value = _parse("--arrival", ArrivalProcess, arrival)
+    mode_value = _choice("--mode", Mode, mode)
+    arrival_value = _choice("--arrival", ArrivalProcess, arrival)
     endpoint = _parse("--url", endpoint_url, url, mode_value)
     file_config = (
         _parse("--target-config", load_target_config, target_config)
@@ -154,7 +165,7 @@ def _settings(
         key, value = _parse("--header", parse_key_value, item, json_values=False)
         headers[key] = str(value)
     if body_format is not None:
-        body_format_value = _parse("--body-format", BodyFormat, body_format)
+        body_format_value = _choice("--body-format", BodyFormat, body_format)
     else:
         body_format_value = file_config.body_format or BodyFormat.auto
     rate_hz = sample_rate or file_config.sample_rate or DEFAULT_SAMPLE_RATE
@@ -313,32 +324,23 @@ def selftest(
 ) -> None:
     """Measure the harness itself: run against a local fake server (its own process) that
     answers instantly with 0.1 s of audio; report dispatch lag (actual - scheduled send)."""
-    from ttsbuild.bench.units import parse_rate
+    from ttsbuild.bench.target import Mode
+    from ttsbuild.bench.units import parse_duration, parse_rate
 
     rate = _parse("--rps", parse_rate, rps)
+    duration_s = _parse("--duration", parse_duration, duration)
+    warmup_s = _parse("--warmup", parse_duration, warmup, allow_zero=True)
+    mode_value = _choice("--mode", Mode, mode)
     from rich.console import Console
 
-    from ttsbuild.bench.fakeserver import serve_in_subprocess
     from ttsbuild.bench.report import run_table
-    from ttsbuild.bench.runner import run_benchmark
+    from ttsbuild.bench.selftest import lag_line, run_selftest
 
+    result = run_selftest(rate, duration_s, warmup_s, mode_value, seed)
     console = Console()
-    with serve_in_subprocess() as (http_url, ws_url):
-        base = ws_url if mode == "ws" else http_url
-        settings, prompts = _settings(
-            url=base, rate=rate, duration=duration, warmup=warmup, seed=seed, dataset=None,
-            voice=["default"], model="fake", language=None, mode=mode, arrival="poisson",
-            word_interval="0ms", field=None, header=None, target_config=None, body_format=None,
-            sample_rate=None, request_timeout="10s", stall_timeout="5s", max_connections=1024,
-            gpu_hour_usd=None, gpus=1,
-        )  # fmt: skip
-        result = run_benchmark(settings, prompts)
     console.print(run_table(result.summary, f"selftest: instant fake server at {rate:g} req/s"))
+    console.print(lag_line(result))
     lag = result.summary["timings"]["dispatch_lag_s"]
-    console.print(
-        f"dispatch lag over {lag['count']} requests: p50 {lag['p50'] * 1e3:.2f} ms, "
-        f"p99 {lag['p99'] * 1e3:.2f} ms, max {lag['max'] * 1e3:.2f} ms"
-    )
     requests = result.summary["requests"]
     if requests["completed"] != requests["sent"]:
         console.print("[red]some requests against the instant server did not complete[/red]")

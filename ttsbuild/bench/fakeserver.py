@@ -14,8 +14,9 @@ import json
 import multiprocessing
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -237,11 +238,14 @@ def serve_in_subprocess(script: Script = instant_reply) -> Iterator[tuple[str, s
     process = context.Process(target=_subprocess_main, args=(script, theirs), daemon=True)
     process.start()
     try:
-        if not ours.poll(30):
-            raise RuntimeError("fake server process did not start")
+        deadline = time.monotonic() + 30
+        while not ours.poll(0.05):
+            if not process.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("fake server process did not start")
         yield ours.recv()
     finally:
-        ours.send("stop")
+        with suppress(OSError):  # the child may already be gone
+            ours.send("stop")
         process.join(timeout=10)
         if process.is_alive():
             process.kill()
