@@ -1,0 +1,315 @@
+"""`ttsbuild compile`: a converted checkpoint (+ calibration) -> a self-contained engine dir.
+
+Ahead of time, once: fuse q/k/v and gate/up; quantise the chosen weight groups to FP8 e4m3
+with per-output-channel scales (activation and KV scales from the calibration file, recorded
+for the runtime); fold the codec; export the codec step to ONNX and check it in onnxruntime;
+measure FP8 quality against the bf16 weights and refuse an engine below the gate. The output
+is built in a temp dir beside ENGINE and renamed into place only when complete.
+
+Engine layout:
+    manifest.json               see `engine_dir.EngineManifest`
+    talker.safetensors          packed (fused) talker; FP8 weights + *.weight_scale
+    code_predictor.safetensors  packed code predictor
+    codec.safetensors           FoldedCodec state (fp32)
+    codec.onnx                  the codec streaming step (batch 1, one frame)
+    config.json, generation_config.json, speech_tokenizer_config.json, tokenizer/
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import ttsbuild
+from ttsbuild.build.engine_dir import (
+    ENGINE_FORMAT,
+    ENGINE_VERSION,
+    MODULE_FILES,
+    EngineError,
+    device_arch,
+    parse_manifest,
+)
+from ttsbuild.build.pack import FP8_GROUPS, FUSED, calibrated_scales, fused_sizes, pack_state
+from ttsbuild.build.quality import MAX_KL, MIN_TOP1, QualityError
+from ttsbuild.convert.io import atomic_output_dir, sha256_file, write_json
+from ttsbuild.model.codec import CodecConfig
+from ttsbuild.plugins.fp8_linear import FP8_MAX, quantize_weight_fp8
+
+LM_MODULES = ("talker", "code_predictor")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Every choice `ttsbuild compile` makes; the manifest records all of them."""
+
+    precision: str = "fp8"  # "fp8": FP8 weight groups below; "bf16": no quantisation
+    # The code predictor is launch-bound (GPU.md: 0.31 ms per graph-replayed step against a
+    # 0.04 ms weight-read floor), so halving its weight bytes buys ~0.02 ms of 0.3 ms while
+    # costing accuracy on all 15 codebooks: bf16 unless asked.
+    fp8_code_predictor: bool = False
+    max_batch: int = 64  # streams decoded together at most
+    graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes
+    max_frames: int = 1536  # frames per request at most (~123 s of audio)
+    max_len: int = 2048  # talker KV positions per slot (prompt + frames)
+    quality_texts: int = 4  # calibration texts for the FP8 quality gate
+    quality_frames: int = 32  # frames per text generated for the gate
+    min_top1: float = MIN_TOP1
+    max_kl: float = MAX_KL
+    force_quality: bool = False  # write an engine that fails the gate (recorded as failed)
+    onnx: bool = True  # export the codec step to codec.onnx
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.precision not in ("fp8", "bf16"):
+            problems.append(f"precision must be fp8 or bf16, not {self.precision!r}")
+        if self.fp8_code_predictor and self.precision != "fp8":
+            problems.append("an FP8 code predictor needs --precision fp8")
+        buckets = list(self.graph_batches)
+        if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
+            problems.append(f"graph batches must be increasing positive sizes, got {buckets}")
+        elif buckets[-1] != self.max_batch:
+            problems.append(f"the largest graph batch ({buckets[-1]}) must equal the max batch "
+                            f"({self.max_batch}), so every batch size has a bucket")
+        if self.max_frames < 1 or self.max_len <= self.max_frames:
+            problems.append(f"need 1 <= max frames ({self.max_frames}) < max len "
+                            f"({self.max_len}): a prompt needs positions too")
+        if self.quality_texts < 1 or self.quality_frames < 2:
+            problems.append("the quality gate needs >= 1 text and >= 2 frames")
+        if problems:
+            raise ValueError("invalid build settings: " + "; ".join(problems))
+
+    def fp8_groups(self) -> list[str]:
+        if self.precision != "fp8":
+            return []
+        return ["talker.layers"] + (["code_predictor.layers"] if self.fp8_code_predictor else [])
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def quantize_groups(
+    packed: dict[str, dict[str, torch.Tensor]], groups: list[str], device: torch.device
+) -> dict[str, set[str]]:
+    """FP8 in place for the weights of `groups`; returns the quantised names per module."""
+    done: dict[str, set[str]] = {m: set() for m in packed}
+    for group in groups:
+        module, pattern = FP8_GROUPS[group]
+        for name in [n for n in packed[module] if pattern.match(n)]:
+            w8, scale = quantize_weight_fp8(packed[module][name].to(device))
+            packed[module][name] = w8.cpu()
+            packed[module][name.removesuffix(".weight") + ".weight_scale"] = scale.cpu()
+            done[module].add(name)
+    return done
+
+
+def _check_weight_amax(packed: dict[str, torch.Tensor], names: set[str], calib: dict,
+                       module: str) -> None:
+    """The calibration's per-tensor weight amax must be the weights' own (same checkpoint)."""
+    for name in names:
+        base = name.removesuffix(".weight")
+        ours = float(packed[base + ".weight_scale"].max()) * FP8_MAX
+        parts = next(
+            ([base[: -len(f)] + p for p in ps] for f, ps in FUSED.items() if base.endswith(f)),
+            [base],
+        )
+        theirs = max(calib["linears"][p]["weight_amax"] for p in parts)
+        if abs(ours - theirs) > 1e-2 * theirs:
+            raise ValueError(f"calibration weight amax of {module}.{base} is {theirs:.6g}, the "
+                             f"checkpoint's is {ours:.6g}: calibrated on other weights?")
+
+
+def _tensor_groups(cfg: BuildConfig, calibrated: bool) -> dict[str, dict]:
+    fp8 = set(cfg.fp8_groups())
+    groups = {}
+    for group, why_fp8, why_bf16 in (
+        ("talker.layers",
+         "decode is weight-read bound: 1 byte per weight instead of 2 (weight-only FP8 GEMV)",
+         "bf16 engine"),
+        ("code_predictor.layers",
+         "requested (--fp8-code-predictor)",
+         "launch-bound: FP8 would save ~0.02 ms of a ~0.3 ms step; not worth its error"),
+    ):
+        module, pattern = FP8_GROUPS[group]
+        q = group in fp8
+        groups[group] = {
+            "module": module,
+            "tensors": pattern.pattern,
+            "dtype": "float8_e4m3fn" if q else "bfloat16",
+            "weight_scale": "per_output_channel_fp32" if q else None,
+            "input_scale": "per_tensor_fp32" if q and calibrated else None,
+            "why": why_fp8 if q else why_bf16,
+        }
+    for module in LM_MODULES:
+        groups[f"{module}.other"] = {
+            "module": module,
+            "tensors": "embeddings, norms, text projection, heads, small_to_mtp_projection",
+            "dtype": "bfloat16",
+            "why": "off the decode hot path (prefill, embeddings) or logits heads kept exact",
+        }
+    groups["codec"] = {
+        "module": "codec", "tensors": "all (FoldedCodec)", "dtype": "float32",
+        "why": "the conv stacks are precision-sensitive and cheap next to the LM",
+    }
+    return groups
+
+
+def compile_engine_dir(
+    checkpoint: str | Path,
+    output: str | Path,
+    cfg: BuildConfig = BuildConfig(),
+    calibration: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    force: bool = False,
+    log=None,
+) -> dict:
+    """Build the engine; returns its manifest. log(message) reports the steps."""
+    from ttsbuild.build.codec_fold import fold_codec_state, load_folded_codec
+    from ttsbuild.calibration.calibrate import load_calibration
+    from ttsbuild.convert.checkpoint import load_checkpoint
+    from ttsbuild.convert.convert import MANIFEST_VERSION
+
+    log = log or (lambda msg: None)
+    device = torch.device(device)
+    ckpt = load_checkpoint(checkpoint)
+    ckpt_hash = sha256_file(Path(checkpoint) / "manifest.json")
+    calib = load_calibration(calibration) if calibration is not None else None
+    if calib is not None and calib["checkpoint"]["manifest_sha256"] != ckpt_hash:
+        raise ValueError(f"calibration file {calibration} was made for another checkpoint "
+                         "(its checkpoint manifest hash differs); re-run `ttsbuild calibrate`")
+    if cfg.precision == "fp8" and calib is None:
+        log("no calibration file: FP8 weights only, no activation or KV scales recorded")
+
+    log("packing fused projections")
+    packed = {m: pack_state({k: v.to(torch.bfloat16) for k, v in ckpt.tensors(m).items()})
+              for m in LM_MODULES}
+    sizes = {m: fused_sizes(ckpt.tensors(m)) for m in LM_MODULES}
+    fp8_names = quantize_groups(packed, cfg.fp8_groups(), device)
+    if calib is not None and cfg.precision == "fp8":
+        for m in LM_MODULES:
+            _check_weight_amax(packed[m], fp8_names[m], calib["modules"][m], m)
+            packed[m].update(calibrated_scales(packed[m], calib["modules"][m], fp8_names[m]))
+    codec_state = fold_codec_state(ckpt.tensors("codec"))
+
+    quality = None
+    if cfg.precision == "fp8":
+        quality = check_quality(ckpt, packed, sizes, cfg, device, log)
+
+    arch = device_arch(device) or "any"
+    model_cfg = ckpt.config["talker_config"]
+    with atomic_output_dir(output, force=force) as tmp:
+        for m in LM_MODULES:
+            save_file(packed[m], str(tmp / MODULE_FILES[m]), metadata={"format": "pt"})
+        save_file(codec_state, str(tmp / MODULE_FILES["codec"]), metadata={"format": "pt"})
+        for name in ("config.json", "generation_config.json", "speech_tokenizer_config.json"):
+            shutil.copyfile(ckpt.path / name, tmp / name)
+        shutil.copytree(ckpt.tokenizer_dir, tmp / "tokenizer")
+        onnx = None
+        if cfg.onnx:
+            from ttsbuild.build.onnx_codec import check_codec_onnx, export_codec_step
+
+            log("exporting the codec step to ONNX")
+            codec = load_folded_codec(CodecConfig.from_official(ckpt.codec_config), codec_state)
+            onnx = export_codec_step(codec, tmp / "codec.onnx")
+            onnx["max_abs_diff_vs_torch"] = check_codec_onnx(codec, tmp / "codec.onnx")
+        files = {p.relative_to(tmp).as_posix(): sha256_file(p)
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        cm = ckpt.manifest
+        manifest = {
+            "format": ENGINE_FORMAT,
+            "format_version": ENGINE_VERSION,
+            "variant": cm["variant"],
+            "precision": cfg.precision,
+            "tensor_groups": _tensor_groups(cfg, calib is not None),
+            "fused": {
+                m: {
+                    fused: {"parts": list(parts), "sizes": sizes[m][fused]}
+                    for fused, parts in FUSED.items()
+                }
+                for m in LM_MODULES
+            },
+            "shapes": {"max_batch": cfg.max_batch, "batch_buckets": list(cfg.graph_batches),
+                       "max_frames": cfg.max_frames, "max_len": cfg.max_len},
+            "kv_cache": {
+                "talker": _kv(model_cfg, cfg.max_len, calib is not None),
+                "code_predictor": _kv(model_cfg["code_predictor_config"],
+                                      cm["variant"]["num_code_groups"], calib is not None),
+            },
+            "codec": {"folded": True, "dtype": "float32", "onnx": onnx},
+            "target": {"arch": arch, "device_name": torch.cuda.get_device_name(device)
+                       if device.type == "cuda" else "cpu"},
+            "versions": {
+                "ttsbuild": ttsbuild.__version__, "torch": torch.__version__,
+                "triton": _version("triton"), "nvidia-modelopt":
+                    calib["method"]["modelopt_version"] if calib else None,
+                "onnx": _version("onnx") if onnx else None,
+                "onnxruntime": _version("onnxruntime") if onnx else None,
+            },
+            "source": {"checkpoint_manifest_sha256": ckpt_hash,
+                       "checkpoint_format_version": MANIFEST_VERSION},
+            "calibration": None if calib is None else {
+                "file_sha256": sha256_file(Path(calibration)),
+                "modelopt_version": calib["method"]["modelopt_version"],
+                "num_texts": len(calib["texts"]),
+                "frames": sum(calib["run"]["frames"]),
+                "algorithm": calib["method"]["algorithm"],
+            },
+            "quality": quality,
+            "speakers": cm["speakers"],
+            "languages": cm["languages"],
+            "special_ids": cm["special_ids"],
+            "sampling": cm["sampling"],
+            "standin": cm["standin"],
+            "files": files,
+        }
+        parse_manifest(manifest, "the new engine")  # the writer obeys the reader's schema
+        write_json(tmp / "manifest.json", manifest)
+    return manifest
+
+
+def _kv(stack: dict, max_len: int, calibrated: bool) -> dict:
+    return {
+        "layout": "[num_layers, num_slots, kv_heads, max_len, head_dim], k after k_norm + RoPE",
+        "dtype": "bfloat16",
+        "num_layers": stack["num_hidden_layers"],
+        "kv_heads": stack["num_key_value_heads"],
+        "head_dim": stack["head_dim"],
+        "max_len": max_len,
+        "scales": "per_layer_fp32" if calibrated else None,
+    }
+
+
+def check_quality(ckpt, packed, sizes, cfg: BuildConfig, device, log) -> dict:
+    """Teacher-forced FP8-vs-bf16 report; raises QualityError below the gate unless forced."""
+    from ttsbuild.build.engine_dir import lm_modules_from_packed
+    from ttsbuild.build.quality import measure_quality
+    from ttsbuild.calibration.corpus import generate_corpus, load_texts
+    from ttsbuild.runtime.engine import Models
+
+    log("measuring FP8 quality against bf16 (teacher forcing)")
+    reference = Models.load(ckpt, device=device)
+    dtype = reference.talker.codec_head.weight.dtype
+    talker, cp = lm_modules_from_packed(reference.cfg, packed, sizes, dtype, device)
+    candidate = replace(reference, talker=talker, code_predictor=cp)
+    items = generate_corpus(reference, load_texts(None, cfg.quality_texts), seed=cfg.seed,
+                            max_frames=cfg.quality_frames)
+    report = measure_quality(reference, candidate, items, cfg.min_top1, cfg.max_kl)
+    log(f"FP8 quality: {report.summary()}")
+    if not report.passed and not cfg.force_quality:
+        raise QualityError(
+            f"FP8 quality below the gate: {report.summary()}; no engine written "
+            "(--force-quality writes it anyway, recorded as failed)"
+        )
+    return report.to_dict()
+
+
+__all__ = ["BuildConfig", "EngineError", "QualityError", "compile_engine_dir"]

@@ -1,0 +1,310 @@
+"""The engine directory: its manifest schema, validation at load, and the eager CPU path.
+
+An engine describes itself (never inferred from file or directory names): manifest.json
+names the format and version, the variant, the precision and scale layout of every tensor
+group, the fused projections, the static shapes, the KV-cache layout, the target GPU
+architecture, the versions that built it, the sha256 of every file, the source checkpoint
+and the FP8 quality report. `load_engine_dir` checks all of it before any tensor is read
+and prints a summary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+from safetensors.torch import load_file
+
+from ttsbuild.convert.io import sha256_file
+
+ENGINE_FORMAT = "ttsbuild-engine"
+ENGINE_VERSION = 1
+MODULE_FILES = {
+    "talker": "talker.safetensors",
+    "code_predictor": "code_predictor.safetensors",
+    "codec": "codec.safetensors",
+}
+
+
+class EngineError(ValueError):
+    """An engine directory that is missing, malformed, altered, or built for another GPU."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorGroup(_Strict):
+    module: str
+    tensors: str  # which tensors, in words (a regex over packed names for FP8 groups)
+    dtype: Literal["float8_e4m3fn", "bfloat16", "float32"]
+    weight_scale: Literal["per_output_channel_fp32"] | None = None
+    input_scale: Literal["per_tensor_fp32"] | None = None
+    why: str
+
+
+class FusedProjection(_Strict):
+    parts: list[str]
+    sizes: list[int]
+
+
+class Shapes(_Strict):
+    max_batch: int
+    batch_buckets: list[int]
+    max_frames: int
+    max_len: int
+
+
+class KVCacheLayout(_Strict):
+    layout: str
+    dtype: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    max_len: int
+    scales: Literal["per_layer_fp32"] | None
+
+
+class OnnxCodec(_Strict):
+    file: str
+    kind: Literal["streaming_step", "full_decode"]
+    batch: int
+    frames_per_step: int
+    opset: int
+    exporter: str
+    state_inputs: int
+    max_abs_diff_vs_torch: float | None
+
+
+class CodecInfo(_Strict):
+    folded: bool
+    dtype: str
+    onnx: OnnxCodec | None
+
+
+class Target(_Strict):
+    arch: str  # "sm_90", or "any" for an engine compiled on CPU
+    device_name: str
+
+
+class Source(_Strict):
+    checkpoint_manifest_sha256: str
+    checkpoint_format_version: int
+
+
+class Calibration(_Strict):
+    file_sha256: str
+    modelopt_version: str
+    num_texts: int
+    frames: int
+    algorithm: str
+
+
+class EngineManifest(_Strict):
+    format: Literal["ttsbuild-engine"]
+    format_version: int
+    variant: dict
+    precision: Literal["fp8", "bf16"]
+    tensor_groups: dict[str, TensorGroup]
+    fused: dict[str, dict[str, FusedProjection]]
+    shapes: Shapes
+    kv_cache: dict[str, KVCacheLayout]
+    codec: CodecInfo
+    target: Target
+    versions: dict[str, str | None]
+    source: Source
+    calibration: Calibration | None
+    quality: dict | None
+    speakers: dict
+    languages: dict
+    special_ids: dict
+    sampling: dict
+    standin: dict | None
+    files: dict[str, str]
+
+
+@dataclass
+class EngineArtifact:
+    path: Path
+    manifest: EngineManifest
+    config: dict
+    codec_config: dict
+    generation_config: dict
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / "tokenizer"
+
+    def tensors(self, module: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        return load_file(self.path / MODULE_FILES[module], device=str(device))
+
+
+def device_arch(device: torch.device) -> str | None:
+    """"sm_XY" of a CUDA device, None for a CPU."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def check_target(manifest_arch: str, current: str | None) -> None:
+    """CPU runs accept any engine; a GPU needs an engine built for its architecture."""
+    if current is None or manifest_arch in ("any", current):
+        return
+    raise EngineError(f"engine built for {manifest_arch}, this GPU is {current}: "
+                      "recompile it on this GPU with `ttsbuild compile`")
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EngineError(f"{what} is missing ({path})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EngineError(f"{what} is not valid JSON ({path}: {exc})") from None
+    if not isinstance(value, dict):
+        raise EngineError(f"{what} must be a JSON object ({path})")
+    return value
+
+
+def parse_manifest(raw: dict, where: str) -> EngineManifest:
+    """Format, then version, then the strict schema (unknown keys rejected)."""
+    if raw.get("format") != ENGINE_FORMAT:
+        raise EngineError(f"{where} is not a ttsbuild engine (manifest format "
+                          f"{raw.get('format')!r}, expected {ENGINE_FORMAT!r})")
+    if raw.get("format_version") != ENGINE_VERSION:
+        raise EngineError(f"{where}: engine format version {raw.get('format_version')!r} is not "
+                          f"supported (this ttsbuild reads version {ENGINE_VERSION}); "
+                          "recompile it with `ttsbuild compile`")
+    try:
+        return EngineManifest.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for e in exc.errors():
+            loc = ".".join(str(p) for p in e["loc"])
+            msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+            lines.append(f"{loc}: {msg}")
+        raise EngineError(f"{where}: invalid manifest.json: " + "; ".join(lines)) from None
+
+
+def load_engine_dir(
+    path: str | Path, device: str | torch.device = "cpu", verify_hashes: bool = True,
+    console=None,
+) -> EngineArtifact:
+    """Open and validate an engine directory; prints the manifest summary (rich table)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise EngineError(f"engine directory {root} does not exist")
+    manifest = parse_manifest(_read_json(root / "manifest.json", "manifest.json"), str(root))
+    problems = []
+    for rel, digest in sorted(manifest.files.items()):
+        p = root / rel
+        if not p.is_file():
+            problems.append(f"{rel} is missing")
+        elif verify_hashes and sha256_file(p) != digest:
+            problems.append(f"{rel} does not match its sha256 in manifest.json "
+                            "(modified or corrupted)")
+    if problems:
+        raise EngineError(f"engine {root} is damaged: " + "; ".join(problems))
+    check_target(manifest.target.arch, device_arch(torch.device(device)))
+    artifact = EngineArtifact(
+        path=root,
+        manifest=manifest,
+        config=_read_json(root / "config.json", "config.json"),
+        codec_config=_read_json(root / "speech_tokenizer_config.json",
+                                "speech_tokenizer_config.json"),
+        generation_config=_read_json(root / "generation_config.json", "generation_config.json"),
+    )
+    print_summary(artifact, console)
+    return artifact
+
+
+def summary_table(artifact: EngineArtifact):
+    from rich.table import Table
+
+    m = artifact.manifest
+    v = m.variant
+    t = Table(title=f"engine {artifact.path}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    kind = " (random-weight stand-in)" if m.standin else ""
+    t.add_row("format", f"{m.format} v{m.format_version}")
+    t.add_row("variant", f"{v['tts_model_type']} {v['tts_model_size']}{kind}")
+    t.add_row("precision", m.precision)
+    for name, g in m.tensor_groups.items():
+        scales = ", ".join(s for s in (g.weight_scale, g.input_scale) if s) or "-"
+        t.add_row(f"  {name}", f"{g.dtype} (scales: {scales})")
+    t.add_row("batch buckets", f"{m.shapes.batch_buckets} (max batch {m.shapes.max_batch})")
+    t.add_row("max len / frames", f"{m.shapes.max_len} / {m.shapes.max_frames}")
+    t.add_row("target", f"{m.target.arch} ({m.target.device_name})")
+    t.add_row("codec", f"folded={m.codec.folded}, onnx="
+              f"{m.codec.onnx.kind if m.codec.onnx else 'none'}")
+    if m.quality:
+        q = m.quality
+        t.add_row("fp8 quality", f"c0 top-1 {q['codebook0_top1_agreement']:.3f}, "
+                  f"KL {q['codebook0_mean_kl']:.4f} ({'pass' if q['passed'] else 'FAIL'})")
+    t.add_row("versions", ", ".join(f"{k} {val}" for k, val in m.versions.items() if val))
+    return t
+
+
+def print_summary(artifact: EngineArtifact, console=None) -> None:
+    from rich.console import Console
+
+    (console or Console(stderr=True)).print(summary_table(artifact))
+
+
+def models_from_engine(
+    artifact: EngineArtifact, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+):
+    """`ttsbuild.runtime.engine.Models` for the eager path: weights unpacked to the module
+    layout, FP8 emulated by dequantising (fp32 on CPU, bf16 on CUDA by default)."""
+    from ttsbuild.build.codec_fold import load_folded_codec
+    from ttsbuild.generation.generate import LengthRule
+    from ttsbuild.model.codec import CodecConfig
+    from ttsbuild.model.config import ModelConfig
+    from ttsbuild.runtime.engine import Models
+    from ttsbuild.text.tokenizer import TextTokenizer
+
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    m = artifact.manifest
+    cfg = ModelConfig.from_official(artifact.config)
+    codec_cfg = CodecConfig.from_official(artifact.codec_config)
+    packed = {name: artifact.tensors(name) for name in ("talker", "code_predictor")}
+    sizes = {name: {f: p.sizes for f, p in m.fused[name].items()} for name in packed}
+    talker, code_predictor = lm_modules_from_packed(cfg, packed, sizes, dtype, device)
+    codec = load_folded_codec(codec_cfg, artifact.tensors("codec")).to(device, torch.float32)
+    return Models(
+        cfg=cfg,
+        talker=talker,
+        code_predictor=code_predictor,
+        codec=codec,
+        codec_cfg=codec_cfg,
+        tokenizer=TextTokenizer.from_dir(artifact.tokenizer_dir),
+        generation_config=artifact.generation_config,
+        length_rule=LengthRule.from_standin(m.standin),
+        manifest=m.model_dump(),
+    )
+
+
+def lm_modules_from_packed(cfg, packed: dict, sizes: dict, dtype: torch.dtype, device):
+    """(Talker, CodePredictor) from packed engine tensors, FP8 dequantised to `dtype`.
+
+    sizes[module][fused name, e.g. "self_attn.qkv_proj"] = output sizes of its parts.
+    """
+    from ttsbuild.build.pack import unpack_state
+    from ttsbuild.model.talker import CodePredictor, Talker
+
+    out = []
+    for name, cls in (("talker", Talker), ("code_predictor", CodePredictor)):
+        state = unpack_state(packed[name], sizes[name], dtype)
+        with torch.device("meta"):
+            module = cls(cfg)
+        module.load_state_dict(state, strict=True, assign=True)
+        out.append(module.to(device).eval())
+    return tuple(out)
