@@ -1,0 +1,64 @@
+"""Shared fixtures: one tiny stand-in checkpoint per session, real uvicorn servers on port 0."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from ttsbuild.serve.config import ServeConfig
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    from ttsbuild.convert.convert import convert_checkpoint
+    from ttsbuild.convert.init_random import init_random
+
+    root = tmp_path_factory.mktemp("serve")
+    init_random(root / "src", "tiny", seed=0)
+    convert_checkpoint(root / "src", root / "ckpt")
+    return root / "ckpt"
+
+
+@contextlib.contextmanager
+def running_server(ckpt: Path, config: ServeConfig = ServeConfig(), slots: int = 4):
+    """A real uvicorn server on 127.0.0.1:<free port> in a thread; yields (base_url, service)."""
+    import uvicorn
+
+    from ttsbuild.runtime.loader import open_engine
+    from ttsbuild.serve.app import create_app
+    from ttsbuild.serve.service import SpeechService
+
+    torch.set_num_threads(1)  # the engine thread and the test client share two cores
+    engine = open_engine(ckpt, "cpu", num_slots=slots, max_len=512)
+    service = SpeechService(engine, config)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    while httpx.get(f"{url}/ready").status_code != 200:
+        assert time.monotonic() < deadline, "server never became ready"
+        time.sleep(0.02)
+    try:
+        yield url, service
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    with running_server(tiny_ckpt) as (url, service):
+        yield url, service
