@@ -124,7 +124,7 @@ def test_streams_sharing_a_one_row_engine_never_underrun():
     for _ in range(2):  # staggered arrivals: ramp-ups overlap established streams
         streams.append(h.submit(frames=1000))
         start = h.clock.t
-        h.run_until(lambda: h.clock.t > start + 0.7)
+        h.run_until(lambda start=start: h.clock.t > start + 0.7)
     h.run_until(lambda: h.clock.t > 5.0)
     assert len(recorder.lateness) > 15 and max(recorder.lateness) <= 0
     leads = [s.samples_sent / 24000 - (h.clock.t - s.first_audio_at) for s in streams]

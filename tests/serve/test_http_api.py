@@ -1,0 +1,146 @@
+"""The HTTP contract against a real uvicorn server on the tiny stand-in (streaming path real)."""
+
+from __future__ import annotations
+
+import struct
+
+import httpx
+import pytest
+
+from ttsbuild.serve.config import FRAME_SAMPLES
+
+SPEECH = "/v1/audio/speech"
+GOOD = {"model": "qwen3-tts", "input": "Hi there.", "voice": "ryan", "seed": 7, "max_frames": 6}
+
+
+def post(url, body=None, **kw):
+    return httpx.post(url + SPEECH, json=body, timeout=60, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def assert_still_serving(url):
+    r = post(url, {**GOOD, "response_format": "pcm"})
+    assert r.status_code == 200 and len(r.content) == 6 * FRAME_SAMPLES * 2
+
+
+def test_streamed_pcm_is_frames_times_1920_samples(server):
+    url, _ = server
+    chunks = []
+    body = {**GOOD, "response_format": "pcm", "stream": True, "max_frames": 9}
+    with httpx.stream("POST", url + SPEECH, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["x-sample-rate"] == "24000" and r.headers["x-seed"] == "7"
+        assert r.headers["content-type"] == "audio/pcm"
+        chunks = [c for c in r.iter_raw() if c]
+    assert sum(map(len, chunks)) == 9 * FRAME_SAMPLES * 2
+    assert len(chunks) >= 3  # the low-latency ramp: 1, 2, 4, ... frames per chunk
+    assert len(chunks[0]) == FRAME_SAMPLES * 2
+
+
+def test_streamed_wav_has_an_open_ended_header(server):
+    url, _ = server
+    body = {**GOOD, "response_format": "wav", "stream": True}
+    with httpx.stream("POST", url + SPEECH, json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+        data = r.read()
+    assert data[:4] == b"RIFF" and data[8:16] == b"WAVEfmt "
+    assert struct.unpack("<I", data[4:8])[0] == 0xFFFFFFFF
+    assert struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF
+    assert len(data) - 44 == 6 * FRAME_SAMPLES * 2
+
+
+def test_whole_wav_file_is_valid_and_matches_the_stream(server):
+    url, _ = server
+    r = post(url, {**GOOD, "response_format": "wav", "stream": False})
+    assert r.status_code == 200 and r.headers["x-frames"] == "6"
+    data = r.content
+    riff, size, wave = struct.unpack("<4sI4s", data[:12])
+    assert (riff, wave, size) == (b"RIFF", b"WAVE", len(data) - 8)
+    fmt, n, tag, channels, rate, byte_rate, align, bits = struct.unpack("<4sIHHIIHH", data[12:36])
+    assert (fmt, n, tag, channels, rate, byte_rate, align, bits) == (
+        b"fmt ", 16, 1, 1, 24000, 48000, 2, 16
+    )
+    assert data[36:40] == b"data" and struct.unpack("<I", data[40:44])[0] == len(data) - 44
+    pcm = post(url, {**GOOD, "response_format": "pcm"}).content
+    assert data[44:] == pcm  # same seed, same bytes
+
+
+def test_names_match_case_insensitively_and_unknown_fields_are_ignored(server):
+    url, _ = server
+    body = {**GOOD, "voice": "RYAN", "language": "English", "stream_format": "audio",
+            "response_format": "PCM", "some_future_field": {"x": 1}}  # fmt: skip
+    assert post(url, body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({**GOOD, "input": ""}, 400, "input"),
+        ({**GOOD, "input": "   \n"}, 400, "input"),
+        ({**GOOD, "input": "x" * 5000}, 400, "input"),
+        ({**GOOD, "input": "nul \x00 inside"}, 400, "input"),
+        ({**GOOD, "input": "bell \x07"}, 400, "input"),
+        ({**GOOD, "voice": "nobody"}, 400, "voice"),
+        ({k: v for k, v in GOOD.items() if k != "voice"}, 400, "voice"),
+        ({**GOOD, "language": "klingon"}, 400, "language"),
+        ({**GOOD, "speed": 2}, 400, "speed"),
+        ({**GOOD, "speed": "fast"}, 400, "speed"),
+        ({**GOOD, "response_format": "mp3"}, 400, "response_format"),
+        ({**GOOD, "input": 42}, 400, "input"),
+        ({**GOOD, "stream": "yes"}, 400, "stream"),
+        ({**GOOD, "seed": "7"}, 400, "seed"),
+        ({**GOOD, "seed": -1}, 400, "seed"),
+        ({**GOOD, "temperature": "hot"}, 400, "temperature"),
+        ({**GOOD, "top_p": 2.0}, 400, "top_p"),
+        ({**GOOD, "max_frames": 0}, 400, "max_frames"),
+        ({**GOOD, "chunk_schedule": [0]}, 400, "chunk_schedule"),
+        ({k: v for k, v in GOOD.items() if k != "input"}, 400, "input"),
+    ],
+)
+def test_bad_fields_get_a_clear_400(server, body, status, param):
+    url, _ = server
+    assert_error(post(url, body), status, param)
+
+
+def test_bad_bodies_get_4xx_and_the_server_keeps_serving(server):
+    url, _ = server
+    assert_error(httpx.post(url + SPEECH, content=b"{not json", timeout=30), 400)
+    assert_error(httpx.post(url + SPEECH, content=b"[1, 2]", timeout=30), 400)
+    assert_error(httpx.post(url + SPEECH, content=b"\xff\xfe", timeout=30), 400)
+    assert_error(httpx.post(url + SPEECH, content=b"", timeout=30), 400)
+    huge = b'{"input": "' + b"a" * 200_000 + b'"}'
+    assert_error(httpx.post(url + SPEECH, content=huge, timeout=30), 413)
+    lone_surrogate = b'{"input": "bad \\ud800 text", "voice": "ryan"}'
+    assert_error(httpx.post(url + SPEECH, content=lone_surrogate, timeout=30), 400, "input")
+    assert_error(httpx.get(url + "/v1/nothing-here"), 404)
+    assert_still_serving(url)
+
+
+def test_odd_unicode_is_synthesized(server):
+    url, _ = server
+    for text in ["héllo wörld ✓", "你好，世界。", "emoji 🙂 and RTL שלום", "zero\u200bwidth"]:
+        r = post(url, {**GOOD, "input": text, "response_format": "pcm"})
+        assert r.status_code == 200 and len(r.content) == 6 * FRAME_SAMPLES * 2, text
+
+
+def test_voices_health_ready_metrics(server):
+    url, service = server
+    voices = httpx.get(url + "/v1/voices").json()
+    assert "ryan" in voices["voices"] and "english" in voices["languages"]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert httpx.get(url + "/ready").json() == {"ready": True}
+    post(url, {**GOOD, "voice": "nobody"})
+    text = httpx.get(url + "/metrics").text
+    for name in [
+        "tts_time_to_first_audio_seconds_bucket", "tts_chunk_lateness_seconds_bucket",
+        "tts_queue_depth", "tts_batch_size_bucket", "tts_active_streams", "tts_frames_total",
+        'tts_schedule_decisions_total{reason="first-audio"}', 'tts_requests_total{api="http"',
+    ]:  # fmt: skip
+        assert name in text, name
