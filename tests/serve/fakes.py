@@ -28,6 +28,13 @@ class FakeRequest:
     refuse: str | None = None  # admit raises FakeRequestError(refuse)
 
 
+class FakeModels:
+    voices = ["ryan"]
+    languages = ["auto", "english"]
+    manifest = {"standin": {"length_rule": {}}}
+    cfg = type("Cfg", (), {"tts_model_type": "custom_voice"})()
+
+
 @dataclass
 class _Slot:
     request: FakeRequest
@@ -43,14 +50,16 @@ class FakeEngine:
     cost_s: dict = field(default_factory=lambda: {"prefill": 0.01, "frames": 0.02, "audio": 0.01})
     slots: dict = field(default_factory=dict)
     calls: list = field(default_factory=list)  # (stage, slots)
-    models: object = None
+    models: object = field(default_factory=lambda: FakeModels())
 
     def free_slots(self) -> int:
         return self.num_slots - len(self.slots)
 
-    def admit(self, req: FakeRequest) -> int:
-        if req.refuse:
+    def admit(self, req) -> int:
+        if getattr(req, "refuse", None):
             raise FakeRequestError(req.refuse)
+        if not isinstance(req, FakeRequest):  # a SynthesisRequest from the service
+            req = FakeRequest(frames=req.max_frames or 10)
         free = [s for s in range(self.num_slots) if s not in self.slots]
         if not free:
             raise RuntimeError("no free slot: the scheduler over-admitted")

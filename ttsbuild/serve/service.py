@@ -88,8 +88,11 @@ class SpeechService:
         self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
         self.loop = EngineLoop(self.scheduler, Runner(engine, RequestError))
         self.ready = False
+        self.event_loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
+        """Start the engine thread; call from the event loop that will serve requests."""
+        self.event_loop = asyncio.get_running_loop()
         self.loop.start()
 
     def stop(self) -> None:

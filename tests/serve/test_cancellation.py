@@ -1,0 +1,122 @@
+"""Cancelled and disconnected requests leave no slot, scheduler entry, buffer or task behind."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+
+from ttsbuild.runtime.request import SynthesisRequest
+from ttsbuild.serve.config import SchedulerConfig, ServeConfig
+from ttsbuild.serve.scheduler import Chunk
+from ttsbuild.serve.service import SpeechService
+
+from .fakes import FakeClock, FakeEngine
+
+
+def assert_nothing_left(service: SpeechService) -> None:
+    assert service.loop.wait_idle(10)
+    s = service.scheduler
+    assert not (s.streams or s.queue or s.by_slot or s.to_release), vars(s)
+    assert s.unsent_samples() == 0
+
+
+def test_a_thousand_cancellations_through_the_service_leave_nothing_behind():
+    engine = FakeEngine(FakeClock(), num_slots=8, cost_s={"prefill": 0, "frames": 0, "audio": 0})
+    config = ServeConfig(scheduler=SchedulerConfig(num_slots=8, max_queue=2000,
+                                                   queue_timeout_s=60))  # fmt: skip
+    service = SpeechService(engine, config)
+    rng = random.Random(0)
+
+    async def one(i: int) -> None:
+        req = SynthesisRequest(text=f"request {i}", voice="ryan", seed=i, max_frames=50)
+        handle = service.submit(req)
+        try:
+            when = rng.choice(["queued", "admitted", "first-chunk", "mid-stream"])
+            if when == "queued":
+                return
+            await handle.admitted()
+            if when == "admitted":
+                return
+            seen = 0
+            async for _ in handle.chunks():
+                seen += 1
+                if when == "first-chunk" or seen == 3:
+                    return
+        finally:
+            handle.close()
+
+    async def main() -> None:
+        baseline = asyncio.all_tasks()
+        service.start()
+        try:
+            for wave in range(10):
+                await asyncio.gather(*(one(wave * 100 + i) for i in range(100)))
+            await asyncio.sleep(0.05)  # let the last call_soon_threadsafe callbacks land
+            assert service.loop.wait_idle(10)
+            assert asyncio.all_tasks() == baseline
+        finally:
+            service.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert_nothing_left(service)
+    assert engine.free_slots() == 8 and not engine.slots and service.loop.error is None
+
+
+def test_http_clients_that_disconnect_free_their_slots(server):
+    url, service = server
+    body = {"input": "A sentence long enough to still be speaking.", "voice": "ryan",
+            "response_format": "pcm", "stream": True, "max_frames": 200}  # fmt: skip
+
+    async def tasks_on_server() -> int:
+        return len(asyncio.all_tasks())
+
+    def server_tasks() -> int:
+        future = asyncio.run_coroutine_threadsafe(tasks_on_server(), service.event_loop)
+        return future.result(5)
+
+    baseline = server_tasks()
+
+    async def disconnect_after(chunks: int) -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", url + "/v1/audio/speech", json=body) as r:
+                assert r.status_code == 200
+                seen = 0
+                async for _ in r.aiter_raw():
+                    seen += 1
+                    if seen >= chunks:
+                        break
+
+    async def main() -> None:
+        await asyncio.gather(*(disconnect_after(1 + i % 3) for i in range(12)))
+
+    asyncio.run(asyncio.wait_for(main(), 90))
+    assert_nothing_left(service)
+    assert service.engine.free_slots() == 4
+    for _ in range(100):  # connection tasks wind down once uvicorn notices the closed sockets
+        if server_tasks() <= baseline:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert server_tasks() <= baseline
+    r = httpx.post(url + "/v1/audio/speech", json=body | {"stream": False, "max_frames": 3})
+    assert r.status_code == 200 and len(r.content) == 3 * 1920 * 2
+
+
+def test_chunks_carry_pcm16_bytes_to_the_event_loop():
+    engine = FakeEngine(FakeClock(), num_slots=1)
+    service = SpeechService(engine)
+
+    async def main():
+        service.start()
+        try:
+            handle = await service.open(SynthesisRequest(text="x", voice="ryan", max_frames=2))
+            event = await handle.queue.get()
+            handle.close()
+            return event
+        finally:
+            service.stop()
+
+    event = asyncio.run(main())
+    assert isinstance(event, Chunk) and isinstance(event.pcm, bytes)
+    assert len(event.pcm) == 1920 * 2
