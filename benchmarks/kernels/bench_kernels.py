@@ -104,7 +104,7 @@ def bench_fp8_linear(rows, sweep: bool):
         for _ in range(copies - 1):
             w_bf16.append(w_bf16[0].roll(1 + len(w_bf16), 0))  # distinct memory, same values
         q, s = quantize_weight_fp8(w_bf16[0])
-        qs = [(q.roll(i, 0).contiguous(), s.roll(i, 0).contiguous()) for i in range(copies)]
+        qs = [(q.view(torch.uint8).roll(i, 0).view(q.dtype), s.roll(i, 0)) for i in range(copies)]
         for M in BATCHES:
             x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
             out = fp8_linear(x, q, s, use_triton=True)  # autotunes (outside any graph)
