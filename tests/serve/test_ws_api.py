@@ -55,7 +55,8 @@ def test_text_in_pieces_gives_segments_of_audio_in_order(server):
     chunks = [e for e in events if e["type"] == "chunk"]
     assert [c["seq"] for c in chunks] == list(range(len(chunks)))
     done = events[-1]
-    assert done["type"] == "done" and done["segments"] == 2  # "Hello there, how are you?" "I am fine."
+    # segments: "Hello there, how are you?" and "I am fine."
+    assert done["type"] == "done" and done["segments"] == 2
     assert done["seeds"] == [3, 4]
     assert done["frames"] == 10 and len(audio) == 10 * FRAME_SAMPLES * 2
     assert sum(c["samples"] for c in chunks) * 2 == len(audio)

@@ -60,8 +60,10 @@ class SilenceTrimmer:
             return pcm
         start = self._onset(pcm)
         if start is None:
+            if len(pcm) > self.budget:  # trimmed enough: this is a quiet utterance, keep it
+                self.onset_found = True
+                return pcm
             self.budget -= len(pcm)
-            self.onset_found = self.budget <= 0
             return pcm[:0]
         self.onset_found = True
         return pcm[start:]
