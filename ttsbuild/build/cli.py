@@ -1,0 +1,99 @@
+"""Typer command function for `ttsbuild compile`.
+
+Register it on the main app:
+    app.command("compile")(compile_engine)
+Errors are printed in plain words (no traceback) and exit with code 1 (2 for bad usage).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+_err = Console(stderr=True, soft_wrap=True)
+
+
+def _buckets(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {value!r}",
+                                 param_hint="--graph-batches") from None
+
+
+def _default_buckets(max_batch: int) -> tuple[int, ...]:
+    return (*(2**i for i in range(max_batch.bit_length()) if 2**i < max_batch), max_batch)
+
+
+def compile_engine(
+    checkpoint: Path = typer.Argument(..., help="Converted checkpoint directory."),
+    output: Path = typer.Option(..., "--output", "-o", help="Engine directory to write."),
+    precision: str = typer.Option("fp8", "--precision", help="fp8 or bf16 weights."),
+    calib: Path = typer.Option(None, "--calib", help="Calibration file (`ttsbuild calibrate`)."),
+    fp8_code_predictor: bool = typer.Option(
+        False, "--fp8-code-predictor", help="FP8 code-predictor layers too (launch-bound)."
+    ),
+    max_batch: int = typer.Option(64, "--max-batch", min=1, help="Streams per batch at most."),
+    graph_batches: str = typer.Option(
+        None, "--graph-batches",
+        help="Captured batch sizes, ending at max batch (default: powers of 2, then max batch).",
+    ),
+    max_frames: int = typer.Option(1536, "--max-frames", min=1, help="Frames per request."),
+    max_len: int = typer.Option(2048, "--max-len", min=2, help="Talker KV positions per slot."),
+    quality_texts: int = typer.Option(4, "--quality-texts", min=1, help="Texts for the gate."),
+    quality_frames: int = typer.Option(32, "--quality-frames", min=2, help="Frames per text."),
+    force_quality: bool = typer.Option(
+        False, "--force-quality", help="Write the engine even below the FP8 quality gate."
+    ),
+    onnx: bool = typer.Option(True, "--onnx/--no-onnx", help="Export the codec step to ONNX."),
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+) -> None:
+    """Compile a checkpoint into a self-contained engine directory (FP8 or bf16)."""
+    import torch
+
+    from ttsbuild.build.compile import BuildConfig, QualityError, compile_engine_dir
+    from ttsbuild.build.engine_dir import EngineError
+    from ttsbuild.calibration.calibrate import CalibrationError
+    from ttsbuild.convert.checkpoint import CheckpointError
+    from ttsbuild.convert.io import OutputExistsError
+
+    try:
+        cfg = BuildConfig(
+            precision=precision, fp8_code_predictor=fp8_code_predictor, max_batch=max_batch,
+            graph_batches=_buckets(graph_batches) if graph_batches else _default_buckets(max_batch),
+            max_frames=max_frames, max_len=max_len,
+            quality_texts=quality_texts, quality_frames=quality_frames,
+            force_quality=force_quality, onnx=onnx,
+        )
+    except ValueError as exc:
+        _err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        with _err.status("compiling") as status:
+            def log(msg: str) -> None:
+                status.update(msg)
+                _err.print(f"  {msg}", highlight=False)
+
+            manifest = compile_engine_dir(checkpoint, output, cfg, calib, dev, force, log)
+    except (QualityError, CalibrationError, CheckpointError, EngineError, OutputExistsError,
+            ValueError) as exc:
+        _err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    except ImportError as exc:
+        _err.print(f"[red]error:[/red] {exc}; install the engine extra: "
+                   "pip install 'ttsbuild[engine]'", highlight=False)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        _err.print("[red]interrupted[/red]: nothing was written")
+        raise typer.Exit(130) from None
+    kind = " (random-weight stand-in)" if manifest["standin"] else ""
+    q = manifest["quality"]
+    verdict = "" if q is None else (" [green]quality pass[/green]" if q["passed"]
+                                    else " [red]quality FAILED (forced)[/red]")
+    _err.print(f"[green]wrote[/green] {output}{kind}: {manifest['precision']}, target "
+               f"{manifest['target']['arch']}, {len(manifest['files'])} files{verdict}",
+               highlight=False)
