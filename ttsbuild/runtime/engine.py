@@ -343,3 +343,57 @@ def synthesize(
         return np.concatenate(chunks), stats
     finally:
         engine.release(slot)
+
+
+def random_models(
+    variant: str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> Models:
+    """A random-weight stand-in of a shipped variant built directly in memory (no files).
+
+    For benchmarks: the real shapes, the stand-in tokenizer and length rule, weights drawn on
+    the target device (std 0.02 as `init-random`, with the audible codec init)."""
+    import tempfile
+
+    from ttsbuild.convert.init_random import LENGTH_RULE, load_variant
+    from ttsbuild.model.codec import random_codec_state
+    from ttsbuild.text.standin import write_standin_tokenizer
+
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    config, st_config, gen_config = load_variant(variant)
+    cfg, codec_cfg = ModelConfig.from_official(config), CodecConfig.from_official(st_config)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        talker, cp, codec = Talker(cfg), CodePredictor(cfg), CodecDecoder(codec_cfg)
+    with torch.no_grad():
+        for module in (talker, cp):
+            for name, p in module.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+    codec.load_state_dict(random_codec_state(codec_cfg, seed))
+    with tempfile.TemporaryDirectory() as tok_dir:
+        write_standin_tokenizer(tok_dir)
+        tokenizer = TextTokenizer.from_dir(tok_dir)
+    standin = {
+        "kind": "random-weight stand-in (in memory)",
+        "variant": variant,
+        "length_rule": dict(LENGTH_RULE),
+    }
+    return Models(
+        cfg=cfg,
+        talker=talker.to(dtype).eval(),
+        code_predictor=cp.to(dtype).eval(),
+        codec=codec.float().eval(),
+        codec_cfg=codec_cfg,
+        tokenizer=tokenizer,
+        generation_config=gen_config,
+        length_rule=LengthRule.from_standin(standin),
+        manifest={"standin": standin, "variant": {"name": variant}},
+    )
