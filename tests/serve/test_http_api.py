@@ -144,3 +144,16 @@ def test_voices_health_ready_metrics(server):
         'tts_schedule_decisions_total{reason="first-audio"}', 'tts_requests_total{api="http"',
     ]:  # fmt: skip
         assert name in text, name
+
+
+def test_dropping_the_bootstrap_frame_as_for_real_checkpoints(tiny_ckpt):
+    from ttsbuild.serve.config import ServeConfig
+
+    from .conftest import running_server
+
+    with running_server(tiny_ckpt, ServeConfig(drop_bootstrap_frame=True), slots=1) as (url, _):
+        body = {**GOOD, "response_format": "pcm", "stream": True}
+        with httpx.stream("POST", url + SPEECH, json=body, timeout=60) as r:
+            chunks = [c for c in r.iter_raw() if c]
+    assert sum(map(len, chunks)) == 5 * FRAME_SAMPLES * 2  # 6 frames made, the first not sent
+    assert len(chunks[0]) == FRAME_SAMPLES * 2  # the first chunk still carries one audible frame
