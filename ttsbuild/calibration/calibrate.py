@@ -90,8 +90,9 @@ class KVRange:
 
     def observe(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
         rows = slots[:, None].expand_as(positions)  # [B, T]
-        k = cache.k[:, rows, :, positions]  # [L, B, T, kv_heads, D]
-        v = cache.v[:, rows, :, positions]
+        # Advanced indices split by a slice go first: [B, T, L, kv_heads, D] -> [L, B, T, ...]
+        k = cache.k[:, rows, :, positions].movedim(2, 0)
+        v = cache.v[:, rows, :, positions].movedim(2, 0)
         self.k = torch.maximum(self.k, k.float().abs().flatten(1).amax(1).double().cpu())
         self.v = torch.maximum(self.v, v.float().abs().flatten(1).amax(1).double().cpu())
 
