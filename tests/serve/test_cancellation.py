@@ -120,3 +120,35 @@ def test_chunks_carry_pcm16_bytes_to_the_event_loop():
     event = asyncio.run(main())
     assert isinstance(event, Chunk) and isinstance(event.pcm, bytes)
     assert len(event.pcm) == 1920 * 2
+
+
+def test_an_engine_crash_fails_open_streams_instead_of_hanging_them():
+    import pytest
+
+    from ttsbuild.serve.schema import ApiError
+
+    engine = FakeEngine(FakeClock(), num_slots=2)
+
+    def broken(slots):
+        raise RuntimeError("device lost")
+
+    engine.frames = broken
+    service = SpeechService(engine)
+
+    async def main():
+        service.start()
+        try:
+            handle = await service.open(SynthesisRequest(text="x", voice="ryan", max_frames=2))
+            with pytest.raises(ApiError) as err:
+                async for _ in handle.chunks():
+                    pass
+            assert err.value.status == 500
+            handle.close()
+            with pytest.raises(ApiError) as err:
+                service.submit(SynthesisRequest(text="x", voice="ryan"))
+            assert err.value.status == 503
+        finally:
+            service.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert isinstance(service.loop.error, RuntimeError)

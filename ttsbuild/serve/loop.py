@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ttsbuild.serve.scheduler import Plan, Scheduler, Stage, StepResult
+from ttsbuild.serve.scheduler import Failed, Plan, Rejected, Scheduler, Stage, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +99,12 @@ class EngineLoop:
                 if not self.step():
                     self.wake.wait(self.idle_wait_s)
                     self.wake.clear()
-        except BaseException as exc:  # the server reports unhealthy rather than hanging
+        except Exception as exc:  # fail every stream and report unhealthy, never hang
             self.error = exc
             log.exception("engine loop crashed")
-            raise
+            with self.lock:
+                streams = list(self.scheduler.streams.values())
+            _deliver([(s.sink, Failed(500, "the engine failed", "engine_error")) for s in streams])
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
@@ -120,6 +122,8 @@ class EngineLoop:
 
     # -- asyncio side (any thread) -----------------------------------------------------------
     def submit(self, request: Any, sink, chunk_schedule: Sequence[int] | None = None, trimmer=None):
+        if self.error is not None:
+            raise Rejected(503, "engine_error", "the engine failed; see the server log")
         with self.lock:
             stream = self.scheduler.submit(request, sink, chunk_schedule, trimmer)
         self.wake.set()
