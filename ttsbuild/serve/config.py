@@ -36,7 +36,7 @@ PROFILES = {
     ProfileName.throughput: Profile(ProfileName.throughput, (25,), 0.1, 2.0, 0.2),
 }
 
-MAX_CHUNK_FRAMES = 64
+MAX_CHUNK_FRAMES = 48  # below the GPU engine's per-slot codec ring (64), bootstrap frame included
 
 
 @dataclass(frozen=True)
