@@ -10,8 +10,11 @@ from __future__ import annotations
 import typer
 
 from ttsbuild.bench.cli import app as bench_app
+from ttsbuild.build.cli import compile_engine
+from ttsbuild.calibration.cli import calibrate
 from ttsbuild.convert.cli import convert, init_random
 from ttsbuild.runtime.cli import synth
+from ttsbuild.serve.cli import serve
 
 app = typer.Typer(
     name="ttsbuild",
@@ -21,7 +24,10 @@ app = typer.Typer(
 )
 app.command("init-random")(init_random)
 app.command("convert")(convert)
+app.command("calibrate")(calibrate)
+app.command("compile")(compile_engine)
 app.command("synth")(synth)
+app.command("serve")(serve)
 app.add_typer(bench_app, name="bench")
 
 

@@ -1,6 +1,7 @@
 """`make demo`: the whole pipeline on the embedded default, a tiny random-weight stand-in.
 
-init-random (official layout) -> convert -> synth, each step through the real CLI verbs.
+init-random (official layout) -> convert -> calibrate (FP8, modelopt) -> compile (engine
+dir) -> synth through the engine, each step through the real CLI verbs.
 """
 
 from __future__ import annotations
@@ -30,30 +31,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out"), help="Working directory.")
     args = parser.parse_args()
     out: Path = args.out
-    for name in ("standin", "checkpoint"):
+    for name in ("standin", "checkpoint", "engine"):
         shutil.rmtree(out / name, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     run(["init-random", str(out / "standin"), "--variant", "tiny", "--seed", "0"])
-    run(["convert", str(out / "standin"), "-o", str(out / "checkpoint")])
-    wav = out / "demo.wav"
-    run(
-        [
-            "synth",
-            str(out / "checkpoint"),
-            DEMO_TEXT,
-            "--voice",
-            "ryan",
-            "--language",
-            "english",
-            "--seed",
-            "7",
-            "--device",
-            "cpu",
-            "-o",
-            str(wav),
-        ]
-    )
+    ckpt, engine, calib, wav = (out / n for n in ("checkpoint", "engine", "calib.json", "demo.wav"))
+    run(["convert", str(out / "standin"), "-o", str(ckpt)])
+    run(["calibrate", str(ckpt), "-o", str(calib), "--num-texts", "8", "--max-frames", "24"])
+    run(["compile", str(ckpt), "-o", str(engine), "--precision", "fp8", "--calib", str(calib),
+         "--max-batch", "8"])  # fmt: skip
+    run(["synth", str(engine), DEMO_TEXT, "--voice", "ryan", "--language", "english",
+         "--seed", "7", "-o", str(wav)])  # fmt: skip
     print(f"demo done in {time.perf_counter() - t0:.1f} s: {wav}")
 
 

@@ -348,3 +348,47 @@ def selftest(
     if max_p99_lag_ms is not None and lag["p99"] * 1e3 > max_p99_lag_ms:
         console.print(f"[red]dispatch-lag p99 is over {max_p99_lag_ms:g} ms[/red]")
         raise typer.Exit(1)
+
+
+@app.command()
+def engine(
+    path: Annotated[
+        Path | None,
+        typer.Argument(help="Checkpoint or compiled engine dir (omit with --random)."),
+    ] = None,
+    random: Annotated[
+        str | None,
+        typer.Option(help="Benchmark in-memory random weights of a variant instead of PATH, "
+                     "e.g. 1.7b-customvoice."),
+    ] = None,
+    batches: Annotated[str, typer.Option(help="Batch sizes, comma-separated.")] = "1,8,32,64",
+    precisions: Annotated[str, typer.Option(help="bf16,fp8 side by side.")] = "bf16,fp8",
+    iters: Annotated[int, typer.Option(min=3, help="Graph replays per measurement.")] = 50,
+    output: Annotated[Path | None, typer.Option(help="Directory for engine_bench.json.")] = None,
+) -> None:
+    """Microbenchmark an engine on the GPU: prefill, per-frame time split into talker, code
+    predictor and codec per batch size, first-chunk latency, weight-read bandwidth."""
+    if (path is None) == (random is None):
+        raise _bad("PATH/--random", "give exactly one of PATH or --random VARIANT")
+    batch_list = _parse("--batches", lambda s: tuple(int(b) for b in s.split(",")), batches)
+    if not batch_list or min(batch_list) < 1:
+        raise _bad("--batches", "batch sizes must be positive integers")
+    precision_list = tuple(p.strip() for p in precisions.split(","))
+    if not set(precision_list) <= {"bf16", "fp8"}:
+        raise _bad("--precisions", "choose from bf16, fp8")
+    import torch
+
+    if not torch.cuda.is_available():
+        typer.echo("error: the engine microbenchmark needs a CUDA GPU", err=True)
+        raise typer.Exit(1)
+    from ttsbuild.bench.engine_bench import run_engine_bench
+
+    if random is not None:
+        from ttsbuild.runtime.engine import random_models
+
+        models = random_models(random, device="cuda")
+    else:
+        from ttsbuild.runtime.artifact import load_models
+
+        models = load_models(path, device="cuda")
+    run_engine_bench(models, precision_list, batch_list, iters, output)

@@ -143,6 +143,7 @@ class GraphEngine:
         self.codes = zeros(S, G, rcfg.codec_ring, dtype=torch.int64)
         self.decoded = zeros(S, dtype=torch.int64)
         self.suppressed = codebook0_logits_mask(cfg, V, dev)
+        self.true = torch.ones((), dtype=torch.bool, device=dev)
         self.eos_onehot = torch.zeros(V, dtype=torch.bool, device=dev)
         self.eos_onehot[cfg.codec_ids.eos] = True
         with torch.no_grad():
@@ -208,7 +209,7 @@ class GraphEngine:
         codes = self._code_predictor(
             self.hidden[rows], c0, _gather_sampling(self.cp_sampling, rows), seeds, fi
         )
-        self.history[rows, c0] = True
+        self.history.index_put_((rows, c0), self.true)  # a device scalar: no host copy
         self.codes[rows, :, fi % self.rcfg.codec_ring] = codes
         self.frame_idx[rows] = fi + 1
 

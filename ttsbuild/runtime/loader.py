@@ -1,4 +1,4 @@
-"""Open an engine for serving or synthesis from a converted checkpoint directory."""
+"""Open an engine for serving or synthesis from a checkpoint dir or a compiled engine dir."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ from pathlib import Path
 
 import torch
 
-from ttsbuild.convert.checkpoint import load_checkpoint
-from ttsbuild.runtime.engine import EagerEngine, Models
+from ttsbuild.runtime.artifact import load_models
+from ttsbuild.runtime.engine import EagerEngine
+
+ENGINE_KINDS = ("auto", "graph", "eager")
 
 
 def default_device() -> torch.device:
@@ -19,8 +21,39 @@ def open_engine(
     device: str | torch.device | None = None,
     num_slots: int = 8,
     max_len: int = 2048,
-) -> EagerEngine:
-    """Load `path` (a `ttsbuild convert` output) into an engine with `num_slots` slots."""
+    kind: str = "auto",
+    precision: str | None = None,
+):
+    """Load `path` into an engine with `num_slots` slots.
+
+    kind: "graph" (slot buffers + CUDA graphs: the fast path), "eager" (the reference
+    modules), or "auto" (graph on CUDA, eager on CPU). precision (graph engines): "bf16" or
+    "fp8"; default: what a compiled engine's manifest says, bf16 for a checkpoint."""
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = torch.device(device) if device is not None else default_device()
-    models = Models.load(load_checkpoint(path), device=device)
-    return EagerEngine(models, num_slots=num_slots, max_len=max_len)
+    models = load_models(path, device=device)
+    if kind == "auto":
+        kind = "graph" if device.type == "cuda" else "eager"
+    if kind == "eager":
+        return EagerEngine(models, num_slots=num_slots, max_len=max_len)
+
+    from ttsbuild.runtime.graph_engine import GraphEngine, RuntimeConfig
+
+    if precision is None:
+        precision = models.manifest.get("precision", "bf16")
+    shapes = models.manifest.get("shapes")  # a compiled engine declares its static shapes
+    if shapes:
+        if num_slots > shapes["max_batch"] or max_len > shapes["max_len"]:
+            raise ValueError(
+                f"{path} was compiled for at most {shapes['max_batch']} streams and "
+                f"{shapes['max_len']} positions; asked for {num_slots} and {max_len} "
+                "(recompile with --max-batch/--max-len)"
+            )
+        buckets = tuple(b for b in shapes["batch_buckets"] if b < num_slots) + (num_slots,)
+    else:
+        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < num_slots) + (num_slots,)
+    rcfg = RuntimeConfig(
+        num_slots=num_slots, max_len=max_len, batch_buckets=buckets, precision=precision
+    )
+    return GraphEngine(models, rcfg)

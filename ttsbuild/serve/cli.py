@@ -18,7 +18,9 @@ _err = Console(stderr=True, soft_wrap=True)
 
 
 def serve(
-    checkpoint: Path = typer.Argument(..., help="A `ttsbuild convert` checkpoint directory."),
+    checkpoint: Path = typer.Argument(
+        ..., help="A `ttsbuild convert` checkpoint or a `ttsbuild compile` engine directory."
+    ),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
     port: int = typer.Option(8000, help="TCP port (0: pick a free one)."),
     profile: ProfileName = typer.Option(
@@ -28,6 +30,12 @@ def serve(
     device: str | None = typer.Option(None, help="cpu, cuda, cuda:1 (default: cuda if any)."),
     slots: int = typer.Option(8, help="Engine slots: requests generating at once."),
     max_len: int = typer.Option(2048, help="Positions per slot (prompt + frames)."),
+    engine_kind: str = typer.Option(
+        "auto", "--engine", help="graph (CUDA graphs), eager (reference), auto (graph on CUDA)."
+    ),
+    precision: str | None = typer.Option(
+        None, help="Graph engine linears: bf16 or fp8 (default: the engine manifest's)."
+    ),
     max_queue: int = typer.Option(64, help="Requests waiting for a slot; more get 429."),
     queue_timeout: float = typer.Option(2.0, help="Seconds a request may wait for a slot (429)."),
     max_buffered: float = typer.Option(
@@ -67,7 +75,10 @@ def serve(
     )
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        engine = open_engine(checkpoint, device=device, num_slots=slots, max_len=max_len)
+        engine = open_engine(
+            checkpoint, device=device, num_slots=slots, max_len=max_len, kind=engine_kind,
+            precision=precision,
+        )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint}: {exc}")
         raise typer.Exit(1) from None
@@ -75,7 +86,7 @@ def serve(
     _err.print(
         f"loaded {checkpoint} ({engine.models.cfg.tts_model_type}, "
         f"{'stand-in' if manifest.get('standin') else 'real weights'}) on {engine.device}; "
-        f"profile {profile.value}, {slots} slots"
+        f"{type(engine).__name__}; profile {profile.value}, {slots} slots"
     )
     service = SpeechService(engine, config)
     uvicorn.run(create_app(service), host=host, port=port, log_level=log_level)
