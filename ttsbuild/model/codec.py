@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ttsbuild.plugins.norm_act import snake_beta
+
 MODEL_TYPE = "qwen3_tts_tokenizer_12hz"
 
 # --------------------------------------------------------------------------------------------
@@ -336,6 +338,12 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:  # x: [B, C, T]
+        if x.is_cuda and not (
+            torch.is_grad_enabled()
+            and (x.requires_grad or self.alpha.requires_grad or self.beta.requires_grad)
+        ):
+            # One fused kernel (plugins.norm_act) when Triton imports, else the eager ops.
+            return snake_beta(x, self.alpha, self.beta)
         alpha = self.alpha.exp()[:, None]  # [C, 1]
         inv_beta = 1.0 / (self.beta.exp()[:, None] + 1e-9)
         return x + inv_beta * torch.sin(x * alpha).pow(2)

@@ -4,8 +4,10 @@ Same function as `ttsbuild.model` (checked against it in tests), organised for s
 q/k/v and gate/up are packed into one matrix each, linears are bf16 or FP8 weight-only
 (`plugins.fp8_linear`), q/k norm + RoPE + the cache write is one kernel
 (`plugins.qk_norm_rope`), decode attention reads the slot-indexed cache directly
-(`plugins.decode_attention`). Every function takes and returns tensors of fixed shape and
-never synchronises with the host, so a whole frame can be captured in one CUDA graph.
+(`plugins.decode_attention`), RMSNorm is one kernel fused with the residual add before it
+and silu(gate) * up one kernel (`plugins.norm_act`). Every function takes and returns
+tensors of fixed shape and never synchronises with the host, so a whole frame can be
+captured in one CUDA graph.
 On CPU the plugins fall back to their eager references.
 """
 
@@ -20,6 +22,7 @@ from ttsbuild.model.config import DecoderStackConfig
 from ttsbuild.model.layers import DecoderStack
 from ttsbuild.plugins.decode_attention import decode_attention
 from ttsbuild.plugins.fp8_linear import FP8_DTYPE, fp8_linear, quantize_weight_fp8
+from ttsbuild.plugins.norm_act import add_rms_norm, rms_norm, silu_mul
 from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
 
 
@@ -45,12 +48,6 @@ class Dense:
     def nbytes(self) -> int:
         extra = self.scale.numel() * self.scale.element_size() if self.scale is not None else 0
         return self.weight.numel() * self.weight.element_size() + extra
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 @dataclass
@@ -95,9 +92,27 @@ class PackedStack:
     def weight_bytes(self) -> int:
         return sum(d.nbytes() for p in self.layers for d in (p.qkv, p.o, p.gate_up, p.down))
 
-    def _mlp(self, p: PackedLayer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = p.gate_up(rms_norm(x, p.post_norm, self.cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return x + p.down(F.silu(gate) * up)
+    @staticmethod
+    def _mlp(p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
+        """The MLP's output (before the residual add) of the post-attention-normed h."""
+        return p.down(silu_mul(p.gate_up(h)))
+
+    def _run_layers(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """The pre-norm chain with the residual carried: each residual add is fused into
+        the norm after it (add_rms_norm), the last one into the final norm.
+        attend(i, p, h) -> the attention output (before o) of layer i for normed h."""
+        eps = self.cfg.rms_norm_eps
+        residual, delta = x, None
+        for i, p in enumerate(self.layers):
+            if delta is None:
+                h = rms_norm(residual, p.input_norm, eps)
+            else:
+                residual, h = add_rms_norm(delta, residual, p.input_norm, eps)
+            residual, h = add_rms_norm(p.o(attend(i, p, h)), residual, p.post_norm, eps)
+            delta = self._mlp(p, h)
+        if delta is None:
+            return rms_norm(residual, self.norm, eps)
+        return add_rms_norm(delta, residual, self.norm, eps)[1]
 
     def decode(
         self,
@@ -111,8 +126,8 @@ class PackedStack:
         c = self.cfg
         lengths = positions + 1
         max_len = k_cache.shape[3]
-        for i, p in enumerate(self.layers):
-            h = rms_norm(x, p.input_norm, c.rms_norm_eps)
+
+        def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
             q = qk_norm_rope(
                 p.qkv(h),
                 p.q_norm,
@@ -127,9 +142,9 @@ class PackedStack:
                 theta=c.rope_theta,
             )  # [B, Hq, D]
             attn = decode_attention(q, k_cache[i], v_cache[i], slots, lengths, max_len)
-            x = x + p.o(attn.reshape(x.shape[0], -1))
-            x = self._mlp(p, x)
-        return rms_norm(x, self.norm, c.rms_norm_eps)
+            return attn.reshape(h.shape[0], -1)
+
+        return self._run_layers(x, attend)
 
     def prefill(
         self,
@@ -147,8 +162,9 @@ class PackedStack:
         D = c.head_dim
         positions = torch.arange(T, device=x.device).repeat(B)  # [B * T]
         rows = slots.repeat_interleave(T)
-        for i, p in enumerate(self.layers):
-            h = rms_norm(x, p.input_norm, c.rms_norm_eps)
+        rep = c.num_heads // c.num_kv_heads
+
+        def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
             q = qk_norm_rope(
                 p.qkv(h).reshape(B * T, -1),
                 p.q_norm,
@@ -164,7 +180,6 @@ class PackedStack:
             )  # [B * T, Hq, D]
             k = k_cache[i][slots, :, :T]  # [B, Hkv, T, D]
             v = v_cache[i][slots, :, :T]
-            rep = c.num_heads // c.num_kv_heads
             attn = F.scaled_dot_product_attention(
                 q.reshape(B, T, c.num_heads, D).transpose(1, 2),
                 k.repeat_interleave(rep, dim=1),
@@ -172,6 +187,6 @@ class PackedStack:
                 is_causal=True,
                 scale=D**-0.5,
             )  # [B, Hq, T, D]
-            x = x + p.o(attn.transpose(1, 2).reshape(B, T, -1))
-            x = self._mlp(p, x)
-        return rms_norm(x, self.norm, c.rms_norm_eps)
+            return attn.transpose(1, 2).reshape(B, T, -1)
+
+        return self._run_layers(x, attend)
