@@ -148,6 +148,29 @@ def test_uniform_noise_is_uniform_in_open_interval():
     assert not torch.equal(u[0], u[1])
 
 
+# (seed, counter, column) whose 24 noise bits are all ones: the bin centre 1 - 2^-25 rounds
+# to 1.0 in float32 (found by the GPU sampler test, 2026-11-29).
+TOP_BIN = (2797625467267785684, 439565, 964)
+
+
+def test_uniform_noise_top_bin_is_below_one():
+    seed, ctr, col = TOP_BIN
+    u = uniform_noise(torch.tensor([seed]), torch.tensor([ctr]), col + 1)[0]
+    assert float(u[col]) == 1.0 - 2.0**-24
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_sample_never_draws_a_filtered_token_from_the_top_bin():
+    # Before the clamp, Gumbel noise +inf on a filtered-out token made its score NaN, and
+    # argmax drew it.
+    seed, ctr, col = TOP_BIN
+    logits = torch.zeros(1, 2048)
+    logits[0, 7] = 5.0
+    batch = SamplingBatch.from_params([SamplingParams(top_k=1)])
+    out = sample(logits, batch, torch.tensor([seed]), torch.tensor([ctr]))
+    assert int(out) == 7 and col != 7
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"temperature": 0}, {"top_k": -1}, {"top_p": 0}, {"top_p": 1.5}, {"repetition_penalty": 0}],

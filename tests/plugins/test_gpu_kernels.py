@@ -130,6 +130,30 @@ def test_fused_sample_token_identical(V, dtype, penalty):
     assert mismatches <= 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_sample_top_noise_bin(dtype):
+    # (seed, counter) whose noise at column 964 is the top bin (u rounds to 1.0 before the
+    # clamp): the reference drew the filtered-out 964 through a NaN score, the kernel did not.
+    seed, ctr, col = 2797625467267785684, 439565, 964
+    g = torch.Generator(device=DEV).manual_seed(3)
+    B, V = 4, 2048
+    logits = torch.randn(B, V, device=DEV, generator=g).to(dtype)
+    logits[:, col] = -30.0
+    batch = SamplingBatch(
+        do_sample=torch.ones(B, dtype=torch.bool, device=DEV),
+        temperature=torch.full((B,), 0.7, device=DEV),
+        top_k=torch.tensor([1, 50, 0, 0], device=DEV),
+        top_p=torch.tensor([1.0, 0.5, 0.9, 1.0], device=DEV),
+        repetition_penalty=torch.ones(B, device=DEV),
+    )
+    seeds = torch.full((B,), seed, dtype=torch.int64, device=DEV)
+    ctrs = torch.full((B,), ctr, dtype=torch.int64, device=DEV)
+    ref = fused_sample_reference(logits, batch, seeds, ctrs)
+    out = fused_sample(logits, batch, seeds, ctrs, use_triton=True)
+    assert torch.equal(out, ref)
+    assert (ref != col).all()  # filtered out in rows 0-2; kept in row 3, but finite noise
+
+
 def _top_p_gap(scaled: torch.Tensor, top_k: int, top_p: float) -> float:
     """Distance (float64) between 1 - top_p and the nearest cumulative mass of the kept set."""
     x = scaled.double().sort().values

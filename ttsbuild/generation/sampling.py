@@ -68,8 +68,11 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> to
     stream = hash32(key ^ hash32(counters.to(torch.int64) + 0x1B873593))  # [B]
     cols = hash32(torch.arange(width, device=seeds.device, dtype=torch.int64) + 0x3C6EF372)
     bits = hash32(stream[:, None] ^ cols[None, :])
-    # 24 random bits -> centre of one of 2^24 equal bins: never exactly 0 or 1.
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 24 random bits -> centre of one of 2^24 equal bins. The top bin's centre 1 - 2^-25 is
+    # no float32 and rounds to 1.0 (Gumbel noise +inf, and inf + -inf = NaN on a filtered-out
+    # logit, which argmax would draw): clamp it to the float below 1. Never 0 or 1.
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return u.clamp(max=1.0 - 2.0**-24)
 
 
 def apply_repetition_penalty(

@@ -92,6 +92,7 @@ def _sample_kernel(
     cols = _hash32(offs.to(tl.uint32) + 0x3C6EF372)
     rbits = _hash32(stream ^ cols)
     u = ((rbits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = tl.minimum(u, 0.999999940395355224609375)  # 1 - 2^-24: the top bin rounds to 1.0
     gumbel = -log_f32(-log_f32(u))
     score = tl.where(keep, scaled + gumbel, float("-inf"))
     drawn = tl.argmax(score, axis=0, tie_break_left=True)
