@@ -8,6 +8,7 @@ the package imports and its references run on machines without a GPU or Triton.
 - fp8_linear: weight-only FP8 (e4m3, per-output-channel fp32 scales) skinny GEMM/GEMV.
 - qk_norm_rope: per-head RMSNorm on q and k + rotate-half RoPE + K/V cache write.
 - decode_attention: single-query GQA attention over a slot-indexed cache, per-row lengths.
+- norm_act: RMSNorm, residual add + RMSNorm, silu(gate) * up, the codec's SnakeBeta.
 - sampling: temperature / top-k / top-p / Gumbel-max draw, bit-identical to
   `ttsbuild.generation.sampling.sample`, optionally with the repetition penalty.
 """
