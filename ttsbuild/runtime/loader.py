@@ -17,14 +17,16 @@ def default_device() -> torch.device:
 
 
 def open_engine(
-    path: str | Path,
+    path: str | Path | None,
     device: str | torch.device | None = None,
     num_slots: int = 8,
     max_len: int = 2048,
     kind: str = "auto",
     precision: str | None = None,
+    random_variant: str | None = None,
 ):
-    """Load `path` into an engine with `num_slots` slots.
+    """Load `path` into an engine with `num_slots` slots (or, for benchmarks, in-memory
+    random weights of `random_variant`, e.g. "1.7b-customvoice", when path is None).
 
     kind: "graph" (slot buffers + CUDA graphs: the fast path), "eager" (the reference
     modules), or "auto" (graph on CUDA, eager on CPU). precision (graph engines): "bf16" or
@@ -32,7 +34,14 @@ def open_engine(
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = torch.device(device) if device is not None else default_device()
-    models = load_models(path, device=device)
+    if (path is None) == (random_variant is None):
+        raise ValueError("give exactly one of a path or a random variant")
+    if random_variant is not None:
+        from ttsbuild.runtime.engine import random_models
+
+        models = random_models(random_variant, device=device)
+    else:
+        models = load_models(path, device=device)
     if kind == "auto":
         kind = "graph" if device.type == "cuda" else "eager"
     if kind == "eager":

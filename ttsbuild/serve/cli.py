@@ -18,9 +18,13 @@ _err = Console(stderr=True, soft_wrap=True)
 
 
 def serve(
-    checkpoint: Path = typer.Argument(
-        ..., help="A `ttsbuild convert` checkpoint or a `ttsbuild compile` engine directory."
+    checkpoint: Path | None = typer.Argument(
+        None, help="A `ttsbuild convert` checkpoint or a `ttsbuild compile` engine directory."
     ),
+    random: str | None = typer.Option(
+        None, help="Serve in-memory random weights of a variant (e.g. 1.7b-customvoice) "
+        "instead of CHECKPOINT: load tests of the real shapes without writing files."
+    ),  # fmt: skip
     host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
     port: int = typer.Option(8000, help="TCP port (0: pick a free one)."),
     profile: ProfileName = typer.Option(
@@ -59,7 +63,10 @@ def serve(
     from ttsbuild.serve.config import SchedulerConfig, ServeConfig
     from ttsbuild.serve.service import SpeechService
 
-    if not checkpoint.is_dir():
+    if (checkpoint is None) == (random is None):
+        _err.print("[red]error:[/] give exactly one of CHECKPOINT or --random VARIANT")
+        raise typer.Exit(2)
+    if checkpoint is not None and not checkpoint.is_dir():
         _err.print(f"[red]error:[/] {checkpoint} is not a directory")
         raise typer.Exit(2)
     config = ServeConfig(
@@ -77,14 +84,14 @@ def serve(
     try:
         engine = open_engine(
             checkpoint, device=device, num_slots=slots, max_len=max_len, kind=engine_kind,
-            precision=precision,
+            precision=precision, random_variant=random,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
-        _err.print(f"[red]error:[/] cannot load {checkpoint}: {exc}")
+        _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")
         raise typer.Exit(1) from None
     manifest = engine.models.manifest
     _err.print(
-        f"loaded {checkpoint} ({engine.models.cfg.tts_model_type}, "
+        f"loaded {checkpoint or random} ({engine.models.cfg.tts_model_type}, "
         f"{'stand-in' if manifest.get('standin') else 'real weights'}) on {engine.device}; "
         f"{type(engine).__name__}; profile {profile.value}, {slots} slots"
     )
