@@ -19,6 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors.torch import load_file
 
+from ttsbuild.build.pack import SCALE_SUFFIXES
 from ttsbuild.convert.io import sha256_file
 
 ENGINE_FORMAT = "ttsbuild-engine"
@@ -289,7 +290,20 @@ def models_from_engine(
         generation_config=artifact.generation_config,
         length_rule=LengthRule.from_standin(m.standin),
         manifest=m.model_dump(),
+        packed={name: _runtime_tensors(t, dtype, device) for name, t in packed.items()},
     )
+
+
+def _runtime_tensors(tensors: dict, dtype: torch.dtype, device) -> dict:
+    """Packed tensors for the graph engine: FP8 weights and fp32 scales as stored, the rest
+    in the runtime dtype, all on the device."""
+    from ttsbuild.plugins.fp8_linear import FP8_DTYPE
+
+    def convert(name: str, t: torch.Tensor) -> torch.Tensor:
+        keep = t.dtype == FP8_DTYPE or name.endswith(SCALE_SUFFIXES)
+        return t.to(device) if keep else t.to(device=device, dtype=dtype)
+
+    return {name: convert(name, t) for name, t in tensors.items()}
 
 
 def lm_modules_from_packed(cfg, packed: dict, sizes: dict, dtype: torch.dtype, device):

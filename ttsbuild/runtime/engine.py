@@ -57,6 +57,9 @@ class Models:
     generation_config: dict
     length_rule: LengthRule | None
     manifest: dict
+    # A compiled engine's talker / code-predictor tensors as stored (fused projections, FP8
+    # weights with their scales), for the graph engine; None for a checkpoint.
+    packed: dict[str, dict[str, torch.Tensor]] | None = None
 
     @classmethod
     def load(
@@ -318,9 +321,15 @@ class EagerEngine:
     def is_finished(self, slot: int) -> bool:
         return self.slots[slot].finished
 
+    def frames_of(self, slot: int) -> int:
+        return len(self.slots[slot].frames)
+
+    def stopped_by(self, slot: int) -> str | None:
+        return self.slots[slot].stopped_by
+
 
 def synthesize(
-    engine: EagerEngine, req: SynthesisRequest, on_frames=None, chunk_frames: int = 16
+    engine, req: SynthesisRequest, on_frames=None, chunk_frames: int = 16
 ) -> tuple[np.ndarray, dict]:
     """Run one request to completion on a free slot. Returns (float32 PCM, stats).
 
@@ -334,12 +343,15 @@ def synthesize(
         while not engine.is_finished(slot):
             engine.frames([slot])
             if on_frames is not None:
-                on_frames(len(engine.slots[slot].frames))
+                on_frames(engine.frames_of(slot))
             if engine.pending_frames(slot) >= chunk_frames:
                 chunks.append(engine.audio([slot])[slot])
         chunks.append(engine.audio([slot])[slot])
-        st = engine.slots[slot]
-        stats = {"frames": len(st.frames), "stopped_by": st.stopped_by, "seed": st.seed}
+        stats = {
+            "frames": engine.frames_of(slot),
+            "stopped_by": engine.stopped_by(slot),
+            "seed": engine.seed_of(slot),
+        }
         return np.concatenate(chunks), stats
     finally:
         engine.release(slot)

@@ -89,6 +89,35 @@ class PackedStack:
             )
         return cls(stack.cfg, layers, stack.norm.weight.detach())
 
+    @classmethod
+    def from_packed(cls, cfg: DecoderStackConfig, t: dict[str, torch.Tensor]) -> PackedStack:
+        """From an engine's packed tensors (`model.layers.N.self_attn.qkv_proj.weight`, ...),
+        used as compiled: FP8 weights come with their `weight_scale`, nothing is re-quantised."""
+
+        def dense(name: str) -> Dense:
+            return Dense(t[f"{name}.weight"], t.get(f"{name}.weight_scale"))
+
+        layers = []
+        for i in range(cfg.num_layers):
+            pre = f"model.layers.{i}"
+            layers.append(
+                PackedLayer(
+                    input_norm=t[f"{pre}.input_layernorm.weight"],
+                    qkv=dense(f"{pre}.self_attn.qkv_proj"),
+                    q_norm=t[f"{pre}.self_attn.q_norm.weight"],
+                    k_norm=t[f"{pre}.self_attn.k_norm.weight"],
+                    o=dense(f"{pre}.self_attn.o_proj"),
+                    post_norm=t[f"{pre}.post_attention_layernorm.weight"],
+                    gate_up=dense(f"{pre}.mlp.gate_up_proj"),
+                    down=dense(f"{pre}.mlp.down_proj"),
+                )
+            )
+        return cls(cfg, layers, t["model.norm.weight"])
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.layers[0].qkv.is_fp8
+
     def weight_bytes(self) -> int:
         return sum(d.nbytes() for p in self.layers for d in (p.qkv, p.o, p.gate_up, p.down))
 

@@ -104,9 +104,15 @@ class GraphEngine:
         self.scratch = rcfg.num_slots
 
         # -- weights ----------------------------------------------------------------------
-        self.talker_stack = PackedStack.from_module(talker.model, fp8)
+        packed = models.packed
+        if packed is not None:
+            # A compiled engine: its weights as compiled (the precision is the engine's).
+            self.talker_stack = PackedStack.from_packed(cfg.talker, packed["talker"])
+            self.cp_stack = PackedStack.from_packed(cfg.code_predictor, packed["code_predictor"])
+        else:
+            self.talker_stack = PackedStack.from_module(talker.model, fp8)
+            self.cp_stack = PackedStack.from_module(cp.model, rcfg.code_predictor_fp8)
         self.codec_head = Dense(talker.codec_head.weight.detach())
-        self.cp_stack = PackedStack.from_module(cp.model, rcfg.code_predictor_fp8)
         self.cp_heads = [Dense.make(h.weight.detach(), rcfg.code_predictor_fp8) for h in cp.lm_head]
         self.cp_proj = cp.small_to_mtp_projection
         self.codec_embedding = talker.model.codec_embedding.weight.detach()  # [V, H]
@@ -441,6 +447,9 @@ class GraphEngine:
 
     def frames_of(self, slot: int) -> int:
         return self.host[slot].frames
+
+    def stopped_by(self, slot: int) -> str | None:
+        return self.host[slot].stopped_by
 
 
 # -- helpers -------------------------------------------------------------------------------
