@@ -16,6 +16,24 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on; a clear error for one this machine does not have."""
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but this machine has no CUDA GPU")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"device {device!r} is not supported (use cpu or cuda)")
+    return dev
+
+
 def open_engine(
     path: str | Path | None,
     device: str | torch.device | None = None,
@@ -33,7 +51,7 @@ def open_engine(
     "fp8"; default: what a compiled engine's manifest says, bf16 for a checkpoint."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     if (path is None) == (random_variant is None):
         raise ValueError("give exactly one of a path or a random variant")
     if random_variant is not None:
