@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from ttsbuild.serve.config import ServeConfig
+from ttsbuild.serve.config import SchedulerConfig, ServeConfig
 
 
 @pytest.fixture(scope="session")
@@ -25,8 +25,14 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return root / "ckpt"
 
 
+# The tiny model on a shared CPU runs near real time: admission by measured capacity would
+# (rightly) refuse concurrent requests there. These servers test other properties; capacity
+# admission is tested on a fake clock in test_scheduler.
+NO_CAPACITY_ADMISSION = ServeConfig(scheduler=SchedulerConfig(admit_by_capacity=False))
+
+
 @contextlib.contextmanager
-def running_server(ckpt: Path, config: ServeConfig = ServeConfig(), slots: int = 4):
+def running_server(ckpt: Path, config: ServeConfig = NO_CAPACITY_ADMISSION, slots: int = 4):
     """A real uvicorn server on 127.0.0.1:<free port> in a thread; yields (base_url, service)."""
     import uvicorn
 

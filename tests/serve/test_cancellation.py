@@ -69,7 +69,9 @@ def test_http_clients_that_disconnect_free_their_slots(tiny_ckpt):
     # Queued requests wait for the slots the disconnects free: a generous queue timeout keeps
     # a slow (shared, 2-core) machine from turning that wait into 429s; admission is tested
     # in test_scheduler.
-    config = ServeConfig(scheduler=SchedulerConfig(num_slots=4, queue_timeout_s=120.0))
+    config = ServeConfig(
+        scheduler=SchedulerConfig(num_slots=4, queue_timeout_s=120.0, admit_by_capacity=False)
+    )
     with running_server(tiny_ckpt, config) as (url, service):
         _disconnect_and_check(url, service)
 

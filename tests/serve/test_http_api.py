@@ -9,6 +9,8 @@ import pytest
 
 from ttsbuild.serve.config import FRAME_SAMPLES
 
+from .conftest import NO_CAPACITY_ADMISSION
+
 SPEECH = "/v1/audio/speech"
 GOOD = {"model": "qwen3-tts", "input": "Hi there.", "voice": "ryan", "seed": 7, "max_frames": 6}
 
@@ -151,7 +153,8 @@ def test_dropping_the_bootstrap_frame_as_for_real_checkpoints(tiny_ckpt):
 
     from .conftest import running_server
 
-    with running_server(tiny_ckpt, ServeConfig(drop_bootstrap_frame=True), slots=1) as (url, _):
+    config = ServeConfig(drop_bootstrap_frame=True, scheduler=NO_CAPACITY_ADMISSION.scheduler)
+    with running_server(tiny_ckpt, config, slots=1) as (url, _):
         body = {**GOOD, "response_format": "pcm", "stream": True}
         with httpx.stream("POST", url + SPEECH, json=body, timeout=60) as r:
             chunks = [c for c in r.iter_raw() if c]

@@ -196,3 +196,48 @@ def test_profiles_declare_ramps():
     low = PROFILES[ProfileName.low_latency].chunk_schedule
     assert low[0] == 1 and list(low) == sorted(low)
     assert PROFILES[ProfileName.throughput].chunk_schedule == (25,)
+
+
+def _overload(admit_by_capacity: bool):
+    """Requests arriving every 0.1 s at an engine that can keep ~3 streams in real time
+    (one row per 20 ms frame step, 10 ms codec steps)."""
+    h = Harness(num_slots=16, max_batch=1, admit_by_capacity=admit_by_capacity,
+                queue_timeout_s=0.5, max_queue=64)  # fmt: skip
+    h.sched.observer = recorder = LatenessRecorder()
+    rejected, streams = 0, []
+    next_arrival = 0.0
+    while h.clock.t < 6.0:
+        if h.clock.t >= next_arrival:
+            next_arrival += 0.1
+            try:
+                streams.append(h.submit(frames=60))
+            except Rejected as err:
+                assert err.status == 429 and err.reason == "capacity"
+                rejected += 1
+        if h.step().is_empty:
+            h.clock.advance(0.005)
+    timed_out = sum(
+        1 for s in streams if any(isinstance(e, Failed) and e.status == 429 for e in h.events[s.id])
+    )
+    return recorder.lateness, rejected + timed_out, streams
+
+
+def test_at_capacity_new_requests_are_refused_and_admitted_streams_keep_up():
+    lateness, refused, streams = _overload(admit_by_capacity=True)
+    assert refused > 10  # excess load is turned away...
+    assert max(lateness) <= 0  # ...and the admitted streams stay on time
+    admitted = [s for s in streams if s.first_audio_at is not None]
+    assert len(admitted) >= 5
+
+
+def test_without_capacity_admission_every_stream_falls_behind():
+    lateness, _, _ = _overload(admit_by_capacity=False)
+    assert max(lateness) > 0.5  # the same load, admitted by free slots alone, underruns
+
+
+def test_an_idle_engine_is_never_saturated():
+    h = Harness(num_slots=4)
+    s = h.submit(frames=20)
+    h.run_until(lambda: s.status is Status.FINISHED)
+    h.clock.advance(2.0)
+    assert not h.sched.saturated(h.clock.t)

@@ -46,6 +46,10 @@ def serve(
         120.0, help="Seconds of produced-but-unsent audio, all streams, above which new "
         "requests get 503."
     ),  # fmt: skip
+    admit_by_capacity: bool = typer.Option(
+        True, help="Give new streams a slot only while the engine, as measured, keeps every "
+        "stream in real time; beyond that answer 429 at once."
+    ),  # fmt: skip
     drop_bootstrap_frame: bool | None = typer.Option(
         None, "--drop-bootstrap-frame/--keep-bootstrap-frame",
         help="Drop the silent first frame (default: drop for real checkpoints, keep stand-ins).",
@@ -76,6 +80,7 @@ def serve(
             max_queue=max_queue,
             queue_timeout_s=queue_timeout,
             max_buffered_s=max_buffered,
+            admit_by_capacity=admit_by_capacity,
         ),
         drop_bootstrap_frame=drop_bootstrap_frame,
         trim_onset=trim_onset,

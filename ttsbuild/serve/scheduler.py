@@ -17,6 +17,12 @@ and the estimate built from running averages of measured stage times.
 Admission: a full queue answers 429 at once, so does a request that gets no slot within
 queue_timeout_s; audio produced but unsent (slow or stalled clients) above max_buffered_s
 answers 503. A stream whose own unsent audio exceeds stream_buffer_s pauses (backpressure).
+Capacity: a free slot is not enough. Over the last capacity_window_s the engine's busy time
+and the audio it produced give the number of streams it keeps in real time; a queued request
+gets a slot only while that number, less a margin, exceeds the streams that need audio now
+(still generating, not paused, not already ahead_s ahead of playback). When it does not, the
+engine is saturated and requests beyond saturated_queue in the queue get 429 at once, so the
+admitted streams keep up instead of every stream falling behind.
 
 Pure Python: no torch, no threads. The engine thread calls plan() and commit() under a lock;
 the asyncio side calls submit(), ack() and close(). PCM is opaque here (only len() is used).
@@ -188,6 +194,7 @@ class Scheduler:
         self.cost_s = dict.fromkeys(Stage, initial_cost_s)  # running mean of each stage call
         self._ids = itertools.count()
         self._outbox: list[tuple[Sink, Event]] = []
+        self._steps: deque[tuple[float, float, int]] = deque()  # (end time, busy s, samples)
 
     # -- asyncio side ------------------------------------------------------------------------
     def submit(
@@ -204,6 +211,9 @@ class Scheduler:
         if self.unsent_samples() > cfg.max_buffered_s * SAMPLE_RATE:
             self._reject("buffered_audio")
             raise Rejected(503, "buffered_audio", "server overloaded: too much audio unsent")
+        if len(self.queue) >= cfg.saturated_queue and self.saturated(self.clock()):
+            self._reject("capacity")
+            raise Rejected(429, "capacity", "server at capacity: try again shortly")
         stream = Stream(
             id=next(self._ids),
             request=request,
@@ -237,11 +247,49 @@ class Scheduler:
     def unsent_samples(self) -> int:
         return sum(s.samples_unsent for s in self.streams.values())
 
+    def admissible(self, now: float) -> int | None:
+        """How many more streams the engine can keep in real time (None: no evidence yet).
+
+        rate = audio seconds produced per second of engine work over the last window: the
+        number of real-time streams the engine sustains at its current batching (more
+        streams batch better, so this errs on the safe side). Streams needing audio now: those
+        still generating, not paused, not already ahead_s ahead of playback."""
+        cfg = self.config
+        if not cfg.admit_by_capacity:
+            return None
+        while self._steps and self._steps[0][0] < now - cfg.capacity_window_s:
+            self._steps.popleft()
+        busy = sum(b for _, b, _ in self._steps)
+        produced = sum(n for _, _, n in self._steps) / SAMPLE_RATE
+        if busy < 0.05 * cfg.capacity_window_s or produced <= 0:
+            return None
+        need = sum(
+            1
+            for s in self.by_slot.values()
+            if not s.generation_done and not self._paused(s) and self._lead(s, now) < cfg.ahead_s
+        )
+        return max(0, int(produced / busy / (1 + cfg.capacity_margin)) - need)
+
+    def saturated(self, now: float) -> bool:
+        """No room for another real-time stream (see the module docstring)."""
+        room = self.admissible(now)
+        return room is not None and room <= len(self.queue)
+
+    @staticmethod
+    def _lead(s: Stream, now: float) -> float:
+        """Seconds of audio produced beyond the playback position (0 before first audio)."""
+        if s.first_audio_at is None:
+            return 0.0
+        return s.first_audio_at + s.samples_sent / SAMPLE_RATE - now
+
     # -- engine thread -----------------------------------------------------------------------
     def plan(self) -> Plan:
         now = self.clock()
         release, self.to_release = self.to_release, []
         free = self.config.num_slots - len(self.by_slot)
+        room = self.admissible(now) if self.queue else None
+        if room is not None:
+            free = min(free, room)  # more streams now would make every stream late
         admit = list(itertools.islice(self.queue, max(0, free)))
         ready = [
             (self._priority(s, stage, now), s, stage)
@@ -313,6 +361,8 @@ class Scheduler:
         stage = plan.stage
         a = self.config.cost_ema
         self.cost_s[stage] = (1 - a) * self.cost_s[stage] + a * result.elapsed_s
+        samples = sum(len(p) for p in result.pcm.values()) if stage is Stage.AUDIO else 0
+        self._steps.append((now, result.elapsed_s, samples))
         new_frames = 0
         for slot in plan.slots:
             s = self.by_slot.get(slot)
