@@ -56,6 +56,7 @@ class SchedulerConfig:
     capacity_window_s: float = 1.0
     capacity_margin: float = 0.3
     saturated_queue: int = 2
+    saturated_wait_s: float = 0.25  # while saturated, a queued request waits at most this (429)
     ahead_s: float = 5.0  # a stream with this much audio produced beyond playback needs none now
 
 

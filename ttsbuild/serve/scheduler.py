@@ -21,8 +21,9 @@ Capacity: a free slot is not enough. Over the last capacity_window_s the engine'
 and the audio it produced give the number of streams it keeps in real time; a queued request
 gets a slot only while that number, less a margin, exceeds the streams that need audio now
 (still generating, not paused, not already ahead_s ahead of playback). When it does not, the
-engine is saturated and requests beyond saturated_queue in the queue get 429 at once, so the
-admitted streams keep up instead of every stream falling behind.
+engine is saturated: requests beyond saturated_queue in the queue get 429 at once and queued
+ones wait at most saturated_wait_s, so the admitted streams keep up and start soon instead of
+every stream falling behind.
 
 Pure Python: no torch, no threads. The engine thread calls plan() and commit() under a lock;
 the asyncio side calls submit(), ack() and close(). PCM is opaque here (only len() is used).
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from ttsbuild.serve.config import SAMPLE_RATE, SchedulerConfig
+from ttsbuild.serve.config import FRAME_SAMPLES, SAMPLE_RATE, SchedulerConfig
 
 
 class Stage(StrEnum):
@@ -211,7 +212,8 @@ class Scheduler:
         if self.unsent_samples() > cfg.max_buffered_s * SAMPLE_RATE:
             self._reject("buffered_audio")
             raise Rejected(503, "buffered_audio", "server overloaded: too much audio unsent")
-        if len(self.queue) >= cfg.saturated_queue and self.saturated(self.clock()):
+        room = self.admissible(self.clock()) if len(self.queue) >= cfg.saturated_queue else None
+        if room is not None and room <= len(self.queue):  # the queue already fills the room
             self._reject("capacity")
             raise Rejected(429, "capacity", "server at capacity: try again shortly")
         stream = Stream(
@@ -250,7 +252,7 @@ class Scheduler:
     def admissible(self, now: float) -> int | None:
         """How many more streams the engine can keep in real time (None: no evidence yet).
 
-        rate = audio seconds produced per second of engine work over the last window: the
+        rate = audio seconds generated per second of engine work over the last window: the
         number of real-time streams the engine sustains at its current batching (more
         streams batch better, so this errs on the safe side). Streams needing audio now: those
         still generating, not paused, not already ahead_s ahead of playback."""
@@ -271,9 +273,8 @@ class Scheduler:
         return max(0, int(produced / busy / (1 + cfg.capacity_margin)) - need)
 
     def saturated(self, now: float) -> bool:
-        """No room for another real-time stream (see the module docstring)."""
-        room = self.admissible(now)
-        return room is not None and room <= len(self.queue)
+        """No room for one more real-time stream (see the module docstring)."""
+        return self.admissible(now) == 0
 
     @staticmethod
     def _lead(s: Stream, now: float) -> float:
@@ -361,8 +362,6 @@ class Scheduler:
         stage = plan.stage
         a = self.config.cost_ema
         self.cost_s[stage] = (1 - a) * self.cost_s[stage] + a * result.elapsed_s
-        samples = sum(len(p) for p in result.pcm.values()) if stage is Stage.AUDIO else 0
-        self._steps.append((now, result.elapsed_s, samples))
         new_frames = 0
         for slot in plan.slots:
             s = self.by_slot.get(slot)
@@ -380,6 +379,9 @@ class Scheduler:
                 self._commit_audio(s, result.pcm[slot], now)
             if s.generation_done and s.frames == s.decoded:
                 self._finish(s, now)
+        # Capacity is measured in frames generated (each is 80 ms of audio) per second of
+        # engine work, whatever the stage: every stage's time is part of the cost of a frame.
+        self._steps.append((now, result.elapsed_s, new_frames * FRAME_SAMPLES))
         self.observer.on_step(stage, len(plan.slots), result.elapsed_s, new_frames)
 
     def _commit_audio(self, s: Stream, pcm: Sequence[float], now: float) -> None:
@@ -417,12 +419,16 @@ class Scheduler:
         self._emit(s, Done(stats))
 
     def _expire_queue(self, now: float) -> None:
-        while self.queue and now - self.queue[0].arrived_at > self.config.queue_timeout_s:
+        # A saturated engine frees room only as streams finish: waiting long for it would only
+        # turn into a late first chunk, so the wait is cut short and the answer is 429.
+        timeout = self.config.queue_timeout_s
+        if self.queue and self.saturated(now):
+            timeout = min(timeout, self.config.saturated_wait_s)
+        while self.queue and now - self.queue[0].arrived_at > timeout:
             s = self.queue.popleft()
             s.status = Status.FAILED
             self._reject("no_slot")
-            self._emit(s, Failed(429, f"no free slot within {self.config.queue_timeout_s:g} s",
-                                 "no_slot"))  # fmt: skip
+            self._emit(s, Failed(429, f"no free slot within {timeout:g} s", "no_slot"))
 
     def _free_slot(self, s: Stream) -> None:
         if s.slot is not None and self.by_slot.get(s.slot) is s:
