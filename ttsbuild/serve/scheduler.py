@@ -196,6 +196,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._outbox: list[tuple[Sink, Event]] = []
         self._steps: deque[tuple[float, float, int]] = deque()  # (end time, busy s, samples)
+        self._last_stage_commit: float | None = None  # None: the loop idled since
 
     # -- asyncio side ------------------------------------------------------------------------
     def submit(
@@ -298,6 +299,8 @@ class Scheduler:
             if (stage := s.next_stage()) is not None and not self._paused(s)
         ]
         plan = Plan(release, admit, None, [])
+        if not ready and not admit:
+            self._last_stage_commit = None  # idle: the next step's cost starts fresh
         if ready:
             ready.sort(key=lambda r: r[0])
             (klass, _), anchor, stage = ready[0]
@@ -380,8 +383,14 @@ class Scheduler:
             if s.generation_done and s.frames == s.decoded:
                 self._finish(s, now)
         # Capacity is measured in frames generated (each is 80 ms of audio) per second of
-        # engine work, whatever the stage: every stage's time is part of the cost of a frame.
-        self._steps.append((now, result.elapsed_s, new_frames * FRAME_SAMPLES))
+        # engine work, whatever the stage: every stage's time is part of the cost of a frame,
+        # and so is the loop's own time between back-to-back steps (planning, committing,
+        # handing chunks over), which the stage timing alone does not see.
+        busy = result.elapsed_s
+        if self._last_stage_commit is not None:
+            busy = max(busy, now - self._last_stage_commit)
+        self._last_stage_commit = now
+        self._steps.append((now, busy, new_frames * FRAME_SAMPLES))
         self.observer.on_step(stage, len(plan.slots), result.elapsed_s, new_frames)
 
     def _commit_audio(self, s: Stream, pcm: Sequence[float], now: float) -> None:
