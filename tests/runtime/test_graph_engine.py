@@ -104,7 +104,7 @@ def test_requests_the_engine_cannot_hold_are_refused(models):
         models,
         RuntimeConfig(num_slots=1, max_len=64, max_text=4, batch_buckets=(1,), use_graphs=False),
     )
-    long_text = SynthesisRequest(text="word " * 40, voice="ryan", non_streaming=False)
+    long_text = SynthesisRequest(text="word " * 40, voice="ryan", non_streaming=False, max_frames=5)
     with pytest.raises(RequestError, match="too long"):
         engine.admit(long_text)
     with pytest.raises(RequestError, match="exceeds the engine's context"):

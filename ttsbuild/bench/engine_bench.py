@@ -54,7 +54,7 @@ def _time_graph(graph, iters: int) -> float:
 
 
 def bench_precision(models, precision: str, batches, iters: int, num_slots: int, log):
-    from ttsbuild.runtime.graph_engine import GraphEngine, RuntimeConfig, _capture, _gather_sampling
+    from ttsbuild.runtime.graph_engine import GraphEngine, RuntimeConfig, _capture
     from ttsbuild.runtime.request import SynthesisRequest
 
     buckets = tuple(sorted({1, 2, 4, 8, 16, 32, 64, *batches}))
@@ -103,7 +103,7 @@ def bench_precision(models, precision: str, batches, iters: int, num_slots: int,
             lambda rows=rows: engine._code_predictor(
                 engine.hidden[rows],
                 engine.codes[rows, 0, 0],
-                _gather_sampling(engine.cp_sampling, rows),
+                engine.cp_sampling.select(rows),
                 engine.seed[rows],
                 engine.frame_idx[rows],
             ),

@@ -235,13 +235,13 @@ def generate_codes(
             logits[rows],
             history[rows],
             eos_allowed,
-            _rows(talker_sampling, rows),
+            talker_sampling.select(rows),
             seed_t[rows],
             frame_idx,
         )
         history[rows, c0] = True
         codes = model.complete_frames(
-            hidden[rows], c0, _rows(cp_sampling, rows), seed_t[rows], frame_idx
+            hidden[rows], c0, cp_sampling.select(rows), seed_t[rows], frame_idx
         )
         still_active = []
         for j, r in enumerate(active):
@@ -271,13 +271,3 @@ def generate_codes(
         GenerationResult(torch.stack(f).cpu() if f else empty, stopped[i] or "eos")
         for i, f in enumerate(frames)
     ]
-
-
-def _rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
-    return SamplingBatch(
-        do_sample=batch.do_sample[rows],
-        temperature=batch.temperature[rows],
-        top_k=batch.top_k[rows],
-        top_p=batch.top_p[rows],
-        repetition_penalty=batch.repetition_penalty[rows],
-    )

@@ -117,6 +117,16 @@ class SamplingBatch:
     top_p: torch.Tensor  # [B] float32
     repetition_penalty: torch.Tensor  # [B] float32
 
+    def select(self, rows: torch.Tensor) -> SamplingBatch:
+        """The settings of `rows` (indices into this batch)."""
+        return SamplingBatch(
+            do_sample=self.do_sample[rows],
+            temperature=self.temperature[rows],
+            top_k=self.top_k[rows],
+            top_p=self.top_p[rows],
+            repetition_penalty=self.repetition_penalty[rows],
+        )
+
     @classmethod
     def from_params(cls, params: list[SamplingParams], device=None) -> SamplingBatch:
         return cls(

@@ -147,6 +147,44 @@ class Models:
 
 
 @dataclass
+class AdmissionPlan:
+    """What admitting a request means, decided once for every engine."""
+
+    prompt: Prompt
+    params: GenerationParams
+    frame_limit: int  # stop after this many frames (EOS may stop a real checkpoint sooner)
+    by_length_rule: bool  # a stand-in: the limit is its length rule and EOS is never sampled
+    seed: int
+
+
+def plan_admission(models: Models, req: SynthesisRequest, max_len: int) -> AdmissionPlan:
+    """Tokenize and lay out the prompt, resolve sampling, and fix how many frames the request
+    may generate within `max_len` positions. Raises RequestError (the client's fault)."""
+    spec = models.prompt_spec(req)
+    params = models.generation_params(req)
+    try:
+        prompt = build_prompt(models.talker, spec)
+    except PromptError as exc:
+        raise RequestError(str(exc)) from None
+    n_prompt = prompt.embeds.shape[0]
+    rule = models.length_rule
+    limit = params.max_frames
+    if rule is not None:
+        limit = rule.frames_for(len(spec.text_ids) - ROLE_LEN - TAIL_LEN)
+        if req.max_frames is not None:
+            limit = min(limit, req.max_frames)
+    if n_prompt + limit > max_len:
+        if rule is not None or req.max_frames is not None:
+            raise RequestError(
+                f"prompt ({n_prompt} positions) + {limit} frames exceeds the engine's "
+                f"context of {max_len}"
+            )
+        limit = max_len - n_prompt  # a real checkpoint: stop at the context if EOS is late
+    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    return AdmissionPlan(prompt, params, limit, rule is not None, seed)
+
+
+@dataclass
 class SlotState:
     request: SynthesisRequest
     prompt: Prompt
@@ -188,33 +226,15 @@ class EagerEngine:
 
     def admit(self, req: SynthesisRequest) -> int:
         """Validate and tokenize `req`, claim a slot. Raises RequestError or NoFreeSlot."""
-        spec = self.models.prompt_spec(req)
-        params = self.models.generation_params(req)
-        try:
-            prompt = build_prompt(self.models.talker, spec)
-        except PromptError as exc:
-            raise RequestError(str(exc)) from None
-        text_tokens = len(spec.text_ids) - ROLE_LEN - TAIL_LEN
-        rule = self.models.length_rule
-        target = rule.frames_for(text_tokens) if rule else None
-        if target is not None and req.max_frames is not None:
-            target = min(target, req.max_frames)
-        max_frames = target if target is not None else params.max_frames
-        if prompt.embeds.shape[0] + max_frames > self.max_len:
-            if target is not None or req.max_frames is not None:
-                raise RequestError(
-                    f"prompt ({prompt.embeds.shape[0]} positions) + {max_frames} frames exceeds "
-                    f"the engine's context of {self.max_len}"
-                )
-            params = replace(params, max_frames=self.max_len - prompt.embeds.shape[0])
+        plan = plan_admission(self.models, req, self.max_len)
         free = [s for s in range(self.num_slots) if s not in self.slots]
         if not free:
             raise NoFreeSlot(f"all {self.num_slots} slots are busy")
         slot = free[0]
-        seed = req.seed if req.seed is not None else secrets.randbits(63)
-        self.slots[slot] = SlotState(req, prompt, params, seed, target)
-        stream = CodecStream(self.models.codec, 1)
-        self._codec_streams[slot] = stream
+        target = plan.frame_limit if plan.by_length_rule else None
+        params = replace(plan.params, max_frames=plan.frame_limit)
+        self.slots[slot] = SlotState(req, plan.prompt, params, plan.seed, target)
+        self._codec_streams[slot] = CodecStream(self.models.codec, 1)
         return slot
 
     def release(self, slot: int) -> None:

@@ -20,18 +20,16 @@ CI checks against the reference engine.
 from __future__ import annotations
 
 import logging
-import secrets
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ttsbuild.generation.generate import codebook0_logits_mask
-from ttsbuild.generation.prompt import ROLE_LEN, TAIL_LEN, PromptError, build_prompt
 from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.model.codec import CodecStream
 from ttsbuild.plugins.sampling import fused_sample
-from ttsbuild.runtime.engine import FrameOutput, Models, NoFreeSlot
+from ttsbuild.runtime.engine import FrameOutput, Models, NoFreeSlot, plan_admission
 from ttsbuild.runtime.fast_model import Dense, PackedStack
 from ttsbuild.runtime.request import RequestError, SynthesisRequest
 
@@ -205,7 +203,7 @@ class GraphEngine:
         """One frame for `rows` (slots): returns the codes [B, G] (also left in the ring)."""
         G = self.cfg.num_code_groups
         fi, seeds = self.frame_idx[rows], self.seed[rows]
-        tsamp = _gather_sampling(self.talker_sampling, rows)
+        tsamp = self.talker_sampling.select(rows)
         logits = apply_repetition_penalty(
             self.logits[rows], self.history[rows], tsamp.repetition_penalty
         )
@@ -213,7 +211,7 @@ class GraphEngine:
         logits = logits.masked_fill(self.suppressed[None] | eos_banned, float("-inf"))
         c0 = fused_sample(logits, tsamp, seeds, fi * G)
         codes = self._code_predictor(
-            self.hidden[rows], c0, _gather_sampling(self.cp_sampling, rows), seeds, fi
+            self.hidden[rows], c0, self.cp_sampling.select(rows), seeds, fi
         )
         self.history.index_put_((rows, c0), self.true)  # a device scalar: no host copy
         self.codes[rows, :, fi % self.rcfg.codec_ring] = codes
@@ -289,35 +287,19 @@ class GraphEngine:
         return self.num_slots - len(self.host)
 
     def admit(self, req: SynthesisRequest) -> int:
-        m, r = self.models, self.rcfg
-        spec = m.prompt_spec(req)
-        params = m.generation_params(req)
-        try:
-            prompt = build_prompt(m.talker, spec)
-        except PromptError as exc:
-            raise RequestError(str(exc)) from None
+        plan = plan_admission(self.models, req, self.max_len)
+        prompt, params = plan.prompt, plan.params
         n_prompt, n_text = prompt.embeds.shape[0], prompt.trailing_text.shape[0]
-        if n_text > r.max_text:
-            raise RequestError(f"text is too long for this engine ({n_text} > {r.max_text} tokens)")
-        rule = m.length_rule
-        limit = params.max_frames
-        if rule is not None:
-            limit = rule.frames_for(len(spec.text_ids) - ROLE_LEN - TAIL_LEN)
-            if req.max_frames is not None:
-                limit = min(limit, req.max_frames)
-        if n_prompt + limit > self.max_len:
-            if rule is not None or req.max_frames is not None:
-                raise RequestError(
-                    f"prompt ({n_prompt} positions) + {limit} frames exceeds the engine's "
-                    f"context of {self.max_len}"
-                )
-            limit = self.max_len - n_prompt
+        if n_text > self.rcfg.max_text:
+            raise RequestError(
+                f"text is too long for this engine ({n_text} > {self.rcfg.max_text} tokens)"
+            )
         free = [s for s in range(self.num_slots) if s not in self.host]
         if not free:
             raise NoFreeSlot(f"all {self.num_slots} slots are busy")
         slot = free[0]
-        seed = req.seed if req.seed is not None else secrets.randbits(63)
-        self.host[slot] = HostSlot(req, seed, limit, rule is not None)
+        seed = plan.seed
+        self.host[slot] = HostSlot(req, seed, plan.frame_limit, plan.by_length_rule)
 
         dev = self.device
         self.position[slot] = n_prompt
@@ -325,7 +307,7 @@ class GraphEngine:
         self.decoded[slot] = 0
         self.history[slot] = False
         self.seed[slot] = seed
-        self.eos_min_frames[slot] = NEVER if rule is not None else params.min_new_tokens
+        self.eos_min_frames[slot] = NEVER if plan.by_length_rule else params.min_new_tokens
         _set_sampling(self.talker_sampling, slot, params.talker, dev)
         _set_sampling(self.cp_sampling, slot, params.code_predictor, dev)
         self.text_track[slot, :n_text] = prompt.trailing_text.to(self.dtype)
@@ -471,16 +453,6 @@ def _set_sampling(buf: SamplingBatch, slot: int, params, dev) -> None:
     buf.top_k[slot] = params.top_k
     buf.top_p[slot] = params.top_p
     buf.repetition_penalty[slot] = params.repetition_penalty
-
-
-def _gather_sampling(buf: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
-    return SamplingBatch(
-        do_sample=buf.do_sample[rows],
-        temperature=buf.temperature[rows],
-        top_k=buf.top_k[rows],
-        top_p=buf.top_p[rows],
-        repetition_penalty=buf.repetition_penalty[rows],
-    )
 
 
 def _capture(fn, pool) -> torch.cuda.CUDAGraph:
