@@ -10,7 +10,6 @@ and prints a summary.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 
 from ttsbuild.build.pack import SCALE_SUFFIXES
 from ttsbuild.convert.io import sha256_file
+from ttsbuild.validation import read_json_object
 
 ENGINE_FORMAT = "ttsbuild-engine"
 ENGINE_VERSION = 1
@@ -161,15 +161,7 @@ def check_target(manifest_arch: str, current: str | None) -> None:
 
 
 def _read_json(path: Path, what: str) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise EngineError(f"{what} is missing ({path})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EngineError(f"{what} is not valid JSON ({path}: {exc})") from None
-    if not isinstance(value, dict):
-        raise EngineError(f"{what} must be a JSON object ({path})")
-    return value
+    return read_json_object(path, what, EngineError)
 
 
 def parse_manifest(raw: dict, where: str) -> EngineManifest:

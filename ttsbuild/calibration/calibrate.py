@@ -279,16 +279,8 @@ def write_calibration(path: str | Path, doc: dict) -> None:
 
 
 def load_calibration(path: str | Path) -> dict:
-    import json
+    from ttsbuild.validation import read_json_object
 
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CalibrationError(f"calibration file {path} does not exist") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CalibrationError(f"calibration file {path} is not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise CalibrationError(f"calibration file {path} must hold a JSON object")
+    doc = read_json_object(path, "calibration file", CalibrationError)
     validate_calibration(doc, str(path))
     return doc

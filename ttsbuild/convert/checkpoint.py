@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from safetensors.torch import load_file
 
 from ttsbuild.convert.convert import MANIFEST_FORMAT, MANIFEST_VERSION, MODULE_NAMES
 from ttsbuild.convert.io import sha256_file
+from ttsbuild.validation import read_json_object
 
 
 class CheckpointError(ValueError):
@@ -53,15 +53,7 @@ class Checkpoint:
 
 
 def _load_json(path: Path, what: str) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{what} is missing ({path})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{what} is not valid JSON ({path}: {exc})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{what} must be a JSON object ({path})")
-    return value
+    return read_json_object(path, what, CheckpointError)
 
 
 def load_checkpoint(path: str | Path, verify_hashes: bool = True) -> Checkpoint:

@@ -21,7 +21,6 @@ Output layout (see `MANIFEST_FORMAT`):
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from ttsbuild.convert.schema import (
     validate_speech_tokenizer_config,
 )
 from ttsbuild.text.tokenizer import TOKENIZER_FILES, TextTokenizer, TokenizerError
+from ttsbuild.validation import read_json_object
 
 MANIFEST_FORMAT = "ttsbuild-checkpoint"
 MANIFEST_VERSION = 1
@@ -96,18 +96,11 @@ class _Source:
 
 
 def _read_json(path: Path, label: str, problems: list[str]) -> dict | None:
-    if not path.is_file():
-        problems.append(f"{label} is missing")
-        return None
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        problems.append(f"{label} is not valid JSON ({exc})")
+        return read_json_object(path, label)
+    except ValueError as exc:
+        problems.append(str(exc))
         return None
-    if not isinstance(value, dict):
-        problems.append(f"{label} must be a JSON object")
-        return None
-    return value
 
 
 def _open_tensors(path: Path, label: str, problems: list[str]) -> SafetensorsReader | None:

@@ -13,7 +13,6 @@ The BPE pipeline is the one Qwen2 uses: NFC normalisation, the Qwen2 pre-tokeniz
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,8 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
+
+from ttsbuild.validation import read_json_object
 
 # The Qwen2 pre-tokenizer pattern (contractions, letter runs, single digits, punctuation runs,
 # newline runs, whitespace). Digits are split one by one.
@@ -53,14 +54,8 @@ class AddedToken:
     special: bool
 
 
-def _read_json(path: Path) -> object:
-    try:
-        with path.open(encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise TokenizerError(f"tokenizer file {path} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TokenizerError(f"tokenizer file {path} is not valid JSON: {exc}") from None
+def _read_json(path: Path) -> dict:
+    return read_json_object(path, f"tokenizer file {path.name}", TokenizerError)
 
 
 def read_merges(path: Path) -> list[tuple[str, str]]:
