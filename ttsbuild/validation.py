@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -19,3 +20,24 @@ def read_json_object(path: str | Path, what: str, error: type[Exception] = Value
     if not isinstance(value, dict):
         raise error(f"{what} must be a JSON object ({path})")
     return value
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def damaged_files(root: Path, files: dict[str, str], verify_hashes: bool = True) -> list[str]:
+    """What is wrong with the files a manifest lists (relative path -> sha256), in words."""
+    problems = []
+    for rel, digest in sorted(files.items()):
+        p = root / rel
+        if not p.is_file():
+            problems.append(f"{rel} is missing")
+        elif verify_hashes and sha256_file(p) != digest:
+            problems.append(f"{rel} does not match its sha256 in manifest.json "
+                            "(modified or corrupted)")
+    return problems

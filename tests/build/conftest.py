@@ -11,14 +11,8 @@ QUICK = dict(quality_texts=2, quality_frames=6, max_batch=8, graph_batches=(1, 2
 
 
 @pytest.fixture(scope="session")
-def ckpt(tmp_path_factory) -> pathlib.Path:
-    from ttsbuild.convert.convert import convert_checkpoint
-    from ttsbuild.convert.init_random import init_random
-
-    d = tmp_path_factory.mktemp("build")
-    init_random(d / "src", "tiny", seed=0)
-    convert_checkpoint(d / "src", d / "ckpt")
-    return d / "ckpt"
+def ckpt(tiny_checkpoint) -> pathlib.Path:
+    return tiny_checkpoint  # the session's tiny stand-in (tests/conftest.py); read-only here
 
 
 @pytest.fixture(scope="session")

@@ -15,14 +15,8 @@ from ttsbuild.serve.config import SchedulerConfig, ServeConfig
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory) -> Path:
-    from ttsbuild.convert.convert import convert_checkpoint
-    from ttsbuild.convert.init_random import init_random
-
-    root = tmp_path_factory.mktemp("serve")
-    init_random(root / "src", "tiny", seed=0)
-    convert_checkpoint(root / "src", root / "ckpt")
-    return root / "ckpt"
+def tiny_ckpt(tiny_checkpoint) -> Path:
+    return tiny_checkpoint  # the session's tiny stand-in (tests/conftest.py); read-only here
 
 
 # The tiny model on a shared CPU runs near real time: admission by measured capacity would

@@ -19,8 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors.torch import load_file
 
 from ttsbuild.build.pack import SCALE_SUFFIXES
-from ttsbuild.convert.io import sha256_file
-from ttsbuild.validation import read_json_object
+from ttsbuild.validation import damaged_files, read_json_object
 
 ENGINE_FORMAT = "ttsbuild-engine"
 ENGINE_VERSION = 1
@@ -193,14 +192,7 @@ def load_engine_dir(
     if not root.is_dir():
         raise EngineError(f"engine directory {root} does not exist")
     manifest = parse_manifest(_read_json(root / "manifest.json", "manifest.json"), str(root))
-    problems = []
-    for rel, digest in sorted(manifest.files.items()):
-        p = root / rel
-        if not p.is_file():
-            problems.append(f"{rel} is missing")
-        elif verify_hashes and sha256_file(p) != digest:
-            problems.append(f"{rel} does not match its sha256 in manifest.json "
-                            "(modified or corrupted)")
+    problems = damaged_files(root, manifest.files, verify_hashes)
     if problems:
         raise EngineError(f"engine {root} is damaged: " + "; ".join(problems))
     check_target(manifest.target.arch, device_arch(torch.device(device)))

@@ -9,8 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from ttsbuild.convert.convert import MANIFEST_FORMAT, MANIFEST_VERSION, MODULE_NAMES
-from ttsbuild.convert.io import sha256_file
-from ttsbuild.validation import read_json_object
+from ttsbuild.validation import damaged_files, read_json_object
 
 
 class CheckpointError(ValueError):
@@ -73,14 +72,7 @@ def load_checkpoint(path: str | Path, verify_hashes: bool = True) -> Checkpoint:
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise CheckpointError(f"{root}: manifest.json lists no files")
-    problems = []
-    for rel, digest in sorted(files.items()):
-        p = root / rel
-        if not p.is_file():
-            problems.append(f"{rel} is missing")
-        elif verify_hashes and sha256_file(p) != digest:
-            problems.append(f"{rel} does not match its sha256 in manifest.json "
-                            "(modified or corrupted)")
+    problems = damaged_files(root, files, verify_hashes)
     if problems:
         raise CheckpointError(f"checkpoint {root} is damaged: " + "; ".join(problems))
     return Checkpoint(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ttsbuild.convert.schema import TensorSpec
+from ttsbuild.validation import sha256_file  # noqa: F401  (re-exported: callers import it here)
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
@@ -81,14 +81,6 @@ def write_safetensors(
                 on_tensor(spec)
         if next(it, None) is not None:
             raise ValueError(f"{path.name}: more tensors produced than declared")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_json(path: Path, obj: object) -> None:
