@@ -14,11 +14,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(if $(TORCH),$(PIP) install -q "$(TORCH)")
-	$(PIP) install -q -e .
+	$(PIP) install -q -e ".[engine]"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e ".[test,engine]"
+	$(PIP) install -q -e ".[test]"
 	# The official implementation, for parity tests only; --no-deps skips its UI extras.
 	$(PIP) install -q --no-deps qwen-tts==0.1.1
 	touch $@
