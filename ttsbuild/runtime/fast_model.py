@@ -121,6 +121,16 @@ class PackedStack:
     def weight_bytes(self) -> int:
         return sum(d.nbytes() for p in self.layers for d in (p.qkv, p.o, p.gate_up, p.down))
 
+    def _project_qk(self, p, qkv, positions, rows, k_cache, v_cache) -> torch.Tensor:
+        """q/k norm + RoPE of one layer's packed qkv [R, ...]; k and v go into the cache at
+        (rows, positions). Returns q [R, Hq, D]."""
+        c = self.cfg
+        return qk_norm_rope(
+            qkv, p.q_norm, p.k_norm, positions, rows, k_cache, v_cache,
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps,
+            theta=c.rope_theta,
+        )  # fmt: skip
+
     @staticmethod
     def _mlp(p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
         """The MLP's output (before the residual add) of the post-attention-normed h."""
@@ -152,24 +162,11 @@ class PackedStack:
         positions: torch.Tensor,  # [B]
     ) -> torch.Tensor:
         """One token per row at `positions`; returns the final-norm hidden [B, hidden]."""
-        c = self.cfg
         lengths = positions + 1
         max_len = k_cache.shape[3]
 
         def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
-            q = qk_norm_rope(
-                p.qkv(h),
-                p.q_norm,
-                p.k_norm,
-                positions,
-                slots,
-                k_cache[i],
-                v_cache[i],
-                num_heads=c.num_heads,
-                num_kv_heads=c.num_kv_heads,
-                eps=c.rms_norm_eps,
-                theta=c.rope_theta,
-            )  # [B, Hq, D]
+            q = self._project_qk(p, p.qkv(h), positions, slots, k_cache[i], v_cache[i])
             attn = decode_attention(q, k_cache[i], v_cache[i], slots, lengths, max_len)
             return attn.reshape(h.shape[0], -1)
 
@@ -194,19 +191,8 @@ class PackedStack:
         rep = c.num_heads // c.num_kv_heads
 
         def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
-            q = qk_norm_rope(
-                p.qkv(h).reshape(B * T, -1),
-                p.q_norm,
-                p.k_norm,
-                positions,
-                rows,
-                k_cache[i],
-                v_cache[i],
-                num_heads=c.num_heads,
-                num_kv_heads=c.num_kv_heads,
-                eps=c.rms_norm_eps,
-                theta=c.rope_theta,
-            )  # [B * T, Hq, D]
+            qkv = p.qkv(h).reshape(B * T, -1)
+            q = self._project_qk(p, qkv, positions, rows, k_cache[i], v_cache[i])
             k = k_cache[i][slots, :, :T]  # [B, Hkv, T, D]
             v = v_cache[i][slots, :, :T]
             attn = F.scaled_dot_product_attention(
