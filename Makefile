@@ -10,15 +10,17 @@ OUT    ?= out
 
 .PHONY: install install-test demo test lint clean
 
-$(VENV)/.installed: pyproject.toml
+# The C++ step driver (ttsbuild/csrc) is compiled here, against the torch just installed:
+# hence no build isolation (an isolated build would compile against another torch).
+$(VENV)/.installed: pyproject.toml setup.py ttsbuild/csrc/step_driver.cpp
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q --upgrade pip "setuptools>=68" wheel
 	$(if $(TORCH),$(PIP) install -q "$(TORCH)")
-	$(PIP) install -q -e ".[engine]"
+	$(PIP) install -q --no-build-isolation -e ".[engine]"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-build-isolation -e ".[test]"
 	# The official implementation, for parity tests only; --no-deps skips its UI extras.
 	$(PIP) install -q --no-deps qwen-tts==0.1.1
 	touch $@
@@ -38,4 +40,4 @@ test: install-test lint
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) $(OUT)
+	rm -rf $(VENV) $(OUT) build ttsbuild/_driver*.so

@@ -8,8 +8,9 @@ import pytest
 
 from ttsbuild.runtime.artifact import load_models
 from ttsbuild.runtime.engine import EagerEngine, synthesize
-from ttsbuild.runtime.graph_engine import GraphEngine, RuntimeConfig
+from ttsbuild.runtime.graph_engine import GraphEngine
 from ttsbuild.runtime.loader import open_engine
+from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.request import SynthesisRequest
 
 REQ = SynthesisRequest(text="The birch canoe slid on the smooth planks.", voice="ryan", seed=4,
@@ -20,11 +21,12 @@ REQ = SynthesisRequest(text="The birch canoe slid on the smooth planks.", voice=
 def test_graph_engine_runs_compiled_weights_as_compiled(which, request):
     path = request.getfixturevalue(which)
     models = load_models(path, "cpu")
-    fast = GraphEngine(models, RuntimeConfig(num_slots=1, max_len=256, max_text=64,
-                                             batch_buckets=(1,), use_graphs=False))  # fmt: skip
-    assert fast.talker_stack.is_fp8 == (which == "fp8_engine")
+    fast = GraphEngine(models, EnginePlan(num_slots=1, max_len=256, max_text=64,
+                                          batch_buckets=(1,), prefill_buckets=(32,)),
+                       use_graphs=False)  # fmt: skip
+    assert fast.backend.talker_stack.is_fp8 == (which == "fp8_engine")
     packed = models.packed["talker"]["model.layers.0.self_attn.qkv_proj.weight"]
-    assert fast.talker_stack.layers[0].qkv.weight is packed  # no copy, no re-quantisation
+    assert fast.backend.talker_stack.layers[0].qkv.weight is packed  # no copy, no re-quantisation
     reference, _ = synthesize(EagerEngine(models, 1, 256), REQ)
     got, stats = synthesize(fast, REQ)
     assert stats["frames"] == 10 and got.shape == reference.shape
@@ -33,4 +35,4 @@ def test_graph_engine_runs_compiled_weights_as_compiled(which, request):
 
 def test_open_engine_refuses_shapes_the_engine_was_not_compiled_for(fp8_engine):
     with pytest.raises(ValueError, match="compiled for at most"):
-        open_engine(fp8_engine, "cpu", num_slots=10_000, kind="graph")
+        open_engine(fp8_engine, "cpu", num_slots=200, kind="graph")

@@ -69,7 +69,7 @@ def test_same_seed_repeats_and_other_seeds_differ(models):
 
 
 def test_streamed_audio_equals_full_decode(models):
-    engine = EagerEngine(models, num_slots=1, max_len=512)
+    engine = EagerEngine(models, num_slots=1, max_len=512, keep_codes=True)
     slot = engine.admit(request(1))
     engine.prefill([slot])
     pieces, sizes = [], [1, 2, 4, 8, 3]
@@ -80,7 +80,7 @@ def test_streamed_audio_equals_full_decode(models):
             sizes = sizes[1:] or [5]
     pieces.append(engine.audio([slot])[slot])
     streamed = np.concatenate(pieces)
-    codes = torch.stack(engine.slots[slot].frames, dim=1)[None]  # [1, 16, n]
+    codes = engine.codes_of(slot).T[None]  # [1, 16, n]
     with torch.no_grad():
         full = models.codec(codes)[0, 0].numpy()
     assert streamed.shape == full.shape == (codes.shape[-1] * 1920,)

@@ -9,7 +9,8 @@ import torch
 
 from ttsbuild.convert.checkpoint import load_checkpoint
 from ttsbuild.runtime.engine import EagerEngine, Models
-from ttsbuild.runtime.graph_engine import GraphEngine, RuntimeConfig
+from ttsbuild.runtime.graph_engine import GraphEngine
+from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.request import RequestError, SynthesisRequest
 
 REQUESTS = [
@@ -65,15 +66,16 @@ def test_fast_engine_matches_reference_engine(models):
     reference = run_all(EagerEngine(models, num_slots=4, max_len=256), REQUESTS)
     fast = GraphEngine(
         models,
-        RuntimeConfig(
+        EnginePlan(
             num_slots=4,
             max_len=256,
             max_text=64,
             batch_buckets=(1, 2, 4),
+            prefill_buckets=(32, 64),
             codec_chunks=(1, 2, 4),
             codec_ring=8,
-            use_graphs=False,
         ),
+        use_graphs=False,
     )
     got = run_all(fast, REQUESTS)
     for (ref_codes, ref_pcm), (codes, pcm) in zip(reference, got, strict=True):
@@ -85,24 +87,27 @@ def test_fast_engine_matches_reference_engine(models):
 
 def test_fp8_engine_stays_close_to_bf16(models):
     """FP8 weights (emulated on CPU by dequantising) change logits by the rounding of e4m3."""
-    rc = dict(num_slots=1, max_len=256, max_text=64, batch_buckets=(1,), use_graphs=False)
-    exact = GraphEngine(models, RuntimeConfig(**rc))
-    fp8 = GraphEngine(models, RuntimeConfig(precision="fp8", code_predictor_fp8=True, **rc))
+    rc = dict(num_slots=1, max_len=256, max_text=64, batch_buckets=(1,), prefill_buckets=(32,))
+    exact = GraphEngine(models, EnginePlan(**rc), use_graphs=False)
+    fp8 = GraphEngine(
+        models, EnginePlan(precision="fp8", code_predictor_fp8=True, **rc), use_graphs=False
+    )
     req = REQUESTS[0]
     for engine in (exact, fp8):
         slot = engine.admit(req)
         engine.prefill([slot])
-    a, b = exact.logits[0], fp8.logits[0]
+    a, b = exact.backend.logits[0], fp8.backend.logits[0]
     rel = float((a - b).abs().max() / a.abs().max())
     assert 1e-6 < rel < 0.1  # different (really quantised) but close
     # One byte per weight instead of four (fp32 on CPU), plus one fp32 scale per channel.
-    assert fp8.talker_stack.weight_bytes() < exact.talker_stack.weight_bytes() / 3
+    assert fp8.backend.talker_stack.weight_bytes() < exact.backend.talker_stack.weight_bytes() / 3
 
 
 def test_requests_the_engine_cannot_hold_are_refused(models):
     engine = GraphEngine(
         models,
-        RuntimeConfig(num_slots=1, max_len=64, max_text=4, batch_buckets=(1,), use_graphs=False),
+        EnginePlan(num_slots=1, max_len=64, max_text=4, batch_buckets=(1,), prefill_buckets=(32,)),
+        use_graphs=False,
     )
     long_text = SynthesisRequest(text="word " * 40, voice="ryan", non_streaming=False, max_frames=5)
     with pytest.raises(RequestError, match="too long"):

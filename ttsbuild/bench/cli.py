@@ -383,12 +383,15 @@ def engine(
         raise typer.Exit(1)
     from ttsbuild.bench.engine_bench import run_engine_bench
 
+    plan = None
     if random is not None:
         from ttsbuild.runtime.engine import random_models
 
         models = random_models(random, device="cuda")
     else:
         from ttsbuild.runtime.artifact import load_models
+        from ttsbuild.runtime.plan import EnginePlan
 
-        models = load_models(path, device="cuda")
-    run_engine_bench(models, precision_list, batch_list, iters, output)
+        models = load_models(path, device="cuda", decoder_layers=False)
+        plan = EnginePlan.model_validate(models.manifest["plan"])
+    run_engine_bench(models, precision_list, batch_list, iters, output, plan=plan)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ttsbuild.runtime.plan import EnginePlan
+
 HBM_BYTES_PER_S = 4.0e12  # H200 weight-read floor used throughout GPU.md
 TEXT = (
     "The birch canoe slid on the smooth planks. Glue the sheet to the dark blue background. "
@@ -35,9 +37,16 @@ class PrecisionResult:
     talker_ms: dict[int, float] = field(default_factory=dict)
     code_predictor_ms: dict[int, float] = field(default_factory=dict)
     codec_ms: dict[int, float] = field(default_factory=dict)  # one new frame per row
-    frames_call_wall_ms: dict[int, float] = field(default_factory=dict)
-    first_chunk_ms: float = 0.0
+    frames_call_wall_ms: dict[int, float] = field(default_factory=dict)  # launch + read at once
+    # Pipelined steps (launch t+1, then read t): wall per step, GPU per step, their difference.
+    step_wall_ms: dict[int, float] = field(default_factory=dict)
+    step_gpu_ms: dict[int, float] = field(default_factory=dict)
+    host_overhead_ms: dict[int, float] = field(default_factory=dict)
+    first_chunk_ms: float = 0.0  # new request -> first 1-frame PCM chunk in host memory
     first_chunk_p90_ms: float = 0.0
+    first_chunk_gpu_ms: float = 0.0  # GPU time of its prefill + frame + codec
+    first_chunk_host_ms: float = 0.0  # median of (wall - GPU) per request
+    memory: dict[str, float] = field(default_factory=dict)  # GiB by kind, measured
 
 
 def _time_graph(graph, iters: int) -> float:
@@ -53,13 +62,33 @@ def _time_graph(graph, iters: int) -> float:
     return statistics.median(times)
 
 
-def bench_precision(models, precision: str, batches, iters: int, num_slots: int, log):
-    from ttsbuild.runtime.graph_engine import GraphEngine, RuntimeConfig, _capture
-    from ttsbuild.runtime.request import SynthesisRequest
+def _pipelined_steps(engine, slots: list[int], steps: int) -> tuple[float, float]:
+    """(wall ms per step, GPU ms per step) of `steps` frame steps launched one ahead of
+    reading, with the codec keeping up every 8 steps (as serving does)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    pending = None
+    for i in range(steps):
+        ticket = engine.launch_frames(slots)
+        if pending is not None:
+            engine.collect(pending)
+        pending = ticket
+        if i % 8 == 7:
+            engine.audio(slots)
+    engine.collect(pending)
+    end.record()
+    wall = (time.perf_counter() - t0) * 1e3
+    end.synchronize()
+    return wall / steps, start.elapsed_time(end) / steps
 
-    buckets = tuple(sorted({1, 2, 4, 8, 16, 32, 64, *batches}))
-    buckets = tuple(b for b in buckets if b <= num_slots)
-    rcfg = RuntimeConfig(
+
+def bench_plan(precision: str, batches) -> EnginePlan:
+    """The plan the benchmark runs random weights under: a bucket for every batch measured."""
+    num_slots = max(batches)
+    buckets = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, *batches) if b <= num_slots}))
+    return EnginePlan(
         num_slots=num_slots,
         max_len=1024,
         max_text=512,
@@ -67,50 +96,69 @@ def bench_precision(models, precision: str, batches, iters: int, num_slots: int,
         prefill_buckets=(32, 64, 128, 256),
         precision=precision,
     )
+
+
+def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_modules=False):
+    from ttsbuild.runtime.graph_engine import GraphEngine, _capture
+    from ttsbuild.runtime.request import SynthesisRequest
+
+    precision = plan.precision
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
-    engine = GraphEngine(models, rcfg)
+    engine = GraphEngine(models, plan, release_modules=release_modules)
+    be = engine.backend
     ready_s = time.perf_counter() - t0
-    log(f"[{precision}] engine ready: {len(engine.graphs)} graphs in {ready_s:.1f} s")
-    # Each of the 15 passes reads the whole stack and one head.
-    cp_bytes = (models.cfg.num_code_groups - 1) * engine.cp_stack.weight_bytes() + sum(
-        h.nbytes() for h in engine.cp_heads
-    )
+    torch.cuda.synchronize()
+    log(f"[{precision}] engine ready: {len(be.graphs)} graphs in {ready_s:.1f} s")
+    gib = 2.0**30
+    mem = be.memory_report()
     res = PrecisionResult(
         precision,
-        talker_weight_bytes=engine.talker_stack.weight_bytes() + engine.codec_head.nbytes(),
-        code_predictor_weight_bytes_per_frame=cp_bytes,
+        talker_weight_bytes=be.talker_stack.weight_bytes() + be.codec_head.nbytes(),
+        # Each of the 15 passes reads the whole stack and one head.
+        code_predictor_weight_bytes_per_frame=(models.cfg.num_code_groups - 1)
+        * be.cp_stack.weight_bytes()
+        + sum(h.nbytes() for h in be.cp_heads),
+        memory={
+            **{k: v / gib for k, v in mem.items()},
+            "engine_allocated": (torch.cuda.memory_allocated() - base) / gib,
+            "process_allocated": torch.cuda.memory_allocated() / gib,
+            "process_reserved": torch.cuda.memory_reserved() / gib,
+        },
     )
+    log(f"[{precision}] memory GiB: " + ", ".join(f"{k} {v:.2f}" for k, v in res.memory.items()))
     pool = torch.cuda.graph_pool_handle()
 
-    for t in rcfg.prefill_buckets:
-        res.prefill_ms[t] = _time_graph(engine.graphs[("prefill", t)], iters)
+    for t in plan.prefill_buckets:
+        res.prefill_ms[t] = _time_graph(be.graphs[("prefill", t)], iters)
 
-    req = SynthesisRequest(text=TEXT, voice="ryan", language="english", seed=1, max_frames=400)
+    req = SynthesisRequest(text=TEXT, voice="ryan", language="english", seed=1, max_frames=800)
     for b in batches:
         slots = [engine.admit(req) for _ in range(b)]
         engine.prefill(slots)
-        engine.rows_in[:b] = torch.tensor(slots, device=engine.device)
-        rows = engine.rows_in[:b]
-        res.frame_ms[b] = _time_graph(engine.graphs[("frame", b)], iters)
+        be.rows_in[:b] = torch.tensor(slots, device=be.device)
+        rows = be.rows_in[:b]
+        res.frame_ms[b] = _time_graph(be.graphs[("frame", b)], iters)
         talker = _capture(
-            lambda rows=rows: engine.talker_stack.decode(
-                engine.hidden[rows], engine.kv_k, engine.kv_v, rows, engine.position[rows]
+            lambda rows=rows: be.talker_stack.decode(
+                be.hidden[rows], be.kv_k, be.kv_v, rows, be.position[rows]
             ),
             pool,
         )
         res.talker_ms[b] = _time_graph(talker, iters)
         cp = _capture(
-            lambda rows=rows: engine._code_predictor(
-                engine.hidden[rows],
-                engine.codes[rows, 0, 0],
-                engine.cp_sampling.select(rows),
-                engine.seed[rows],
-                engine.frame_idx[rows],
+            lambda rows=rows: be._code_predictor(
+                be.hidden[rows],
+                be.codes[rows, 0, 0],
+                be.cp_sampling.select(rows),
+                be.seed[rows],
+                be.frame_idx[rows],
             ),
             pool,
         )
         res.code_predictor_ms[b] = _time_graph(cp, iters)
-        res.codec_ms[b] = _time_graph(engine.graphs[("codec", b, 1)], iters)
+        res.codec_ms[b] = _time_graph(be.graphs[("codec", b, 1)], iters)
         walls = []
         for _ in range(min(iters, 20)):
             t1 = time.perf_counter()
@@ -118,27 +166,46 @@ def bench_precision(models, precision: str, batches, iters: int, num_slots: int,
             walls.append((time.perf_counter() - t1) * 1e3)
             engine.audio(slots)
         res.frames_call_wall_ms[b] = statistics.median(walls)
+        pipelined = [_pipelined_steps(engine, slots, 40) for _ in range(5)]
+        pipelined.sort(key=lambda wg: wg[0] - wg[1])
+        wall, gpu = pipelined[len(pipelined) // 2]
+        res.step_wall_ms[b], res.step_gpu_ms[b] = wall, gpu
+        res.host_overhead_ms[b] = wall - gpu
         for s in slots:
             engine.release(s)
         log(
             f"[{precision}] batch {b}: frame {res.frame_ms[b]:.2f} ms "
             f"(talker {res.talker_ms[b]:.2f}, code predictor {res.code_predictor_ms[b]:.2f}), "
-            f"codec {res.codec_ms[b]:.2f} ms, frames() wall {res.frames_call_wall_ms[b]:.2f} ms"
+            f"codec {res.codec_ms[b]:.2f} ms, frames() wall {res.frames_call_wall_ms[b]:.2f} ms, "
+            f"pipelined step wall {wall:.3f} / GPU {gpu:.3f} ms (host {wall - gpu:+.3f})"
         )
 
-    firsts = []
+    firsts, gpus, hosts = [], [], []
     for i in range(20):
         torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t1 = time.perf_counter()
         slot = engine.admit(SynthesisRequest(text=TEXT[:60], voice="ryan", seed=i))
+        start.record()
         engine.prefill([slot])
-        engine.frames([slot])
-        engine.audio([slot], max_frames=1)  # returns host PCM: synchronised
-        firsts.append((time.perf_counter() - t1) * 1e3)
+        ticket = engine.launch_frames([slot])  # frame 0 cannot be EOS: the codec need not wait
+        audio = engine.launch_audio([slot], max_frames=1)
+        end.record()
+        pcm = engine.collect_audio(audio)[slot]  # in host memory on return
+        wall = (time.perf_counter() - t1) * 1e3
+        end.synchronize()
+        assert pcm.shape == (1920,), pcm.shape
+        engine.collect(ticket)
+        gpu = start.elapsed_time(end)
+        firsts.append(wall)
+        gpus.append(gpu)
+        hosts.append(wall - gpu)
         engine.release(slot)
     firsts.sort()
     res.first_chunk_ms = statistics.median(firsts)
     res.first_chunk_p90_ms = firsts[int(0.9 * (len(firsts) - 1))]
+    res.first_chunk_gpu_ms = statistics.median(gpus)
+    res.first_chunk_host_ms = statistics.median(hosts)
     return res
 
 
@@ -149,13 +216,18 @@ def run_engine_bench(
     iters: int = 50,
     out_dir: Path | None = None,
     log=print,
+    plan: EnginePlan | None = None,
 ) -> dict:
+    """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
+    its manifest): that engine only, its weights as compiled and never kept twice."""
     if not torch.cuda.is_available():
         raise RuntimeError("the engine microbenchmark needs a CUDA GPU")
-    num_slots = max(batches)
     results = []
-    for p in precisions:
-        results.append(bench_precision(models, p, batches, iters, num_slots, log))
+    if plan is not None:
+        batches = tuple(b for b in batches if b <= plan.max_batch)
+        results.append(bench_precision(models, plan, batches, iters, log, release_modules=True))
+    for p in precisions if plan is None else ():
+        results.append(bench_precision(models, bench_plan(p, batches), batches, iters, log))
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
     report = {
         "gpu": torch.cuda.get_device_name(),
@@ -174,8 +246,9 @@ def run_engine_bench(
 def format_table(results: list[PrecisionResult]) -> str:
     lines = [
         "| precision | batch | frame ms | talker ms | code pred. ms | codec ms (1 frame) "
-        "| frames() wall ms | weight GB/s (frame) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| frames() wall ms | pipelined step wall / GPU ms | host ms per step "
+        "| weight GB/s (frame) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         per_frame_bytes = r.talker_weight_bytes + r.code_predictor_weight_bytes_per_frame
@@ -184,7 +257,8 @@ def format_table(results: list[PrecisionResult]) -> str:
             lines.append(
                 f"| {r.precision} | {b} | {ms:.2f} | {r.talker_ms[b]:.2f} | "
                 f"{r.code_predictor_ms[b]:.2f} | {r.codec_ms[b]:.2f} | "
-                f"{r.frames_call_wall_ms[b]:.2f} | {gbs:.0f} |"
+                f"{r.frames_call_wall_ms[b]:.2f} | {r.step_wall_ms[b]:.3f} / "
+                f"{r.step_gpu_ms[b]:.3f} | {r.host_overhead_ms[b]:+.3f} | {gbs:.0f} |"
             )
     lines.append("")
     for r in results:
@@ -193,7 +267,9 @@ def format_table(results: list[PrecisionResult]) -> str:
         lines.append(
             f"{r.precision}: weight-read floor per frame {floor * 1e3:.2f} ms; prefill ms by "
             f"prompt bucket {{{pre}}}; new request -> first 1-frame PCM chunk "
-            f"{r.first_chunk_ms:.2f} ms (p90 {r.first_chunk_p90_ms:.2f})"
+            f"{r.first_chunk_ms:.2f} ms (p90 {r.first_chunk_p90_ms:.2f}; GPU "
+            f"{r.first_chunk_gpu_ms:.2f}, host beyond GPU {r.first_chunk_host_ms:.2f}); memory "
+            f"GiB {', '.join(f'{k} {v:.2f}' for k, v in r.memory.items())}"
         )
     return "\n".join(lines)
 
@@ -219,10 +295,18 @@ def main() -> None:
     p.add_argument("--precisions", default="bf16,fp8")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    p.add_argument("--engine-dir", type=Path, default=None, help="a compiled engine instead")
     a = p.parse_args()
     t0 = time.perf_counter()
-    models = random_models(a.variant, device="cuda")
-    print(f"random {a.variant} weights on the GPU in {time.perf_counter() - t0:.1f} s", flush=True)
+    plan = None
+    if a.engine_dir is not None:
+        from ttsbuild.runtime.artifact import load_models
+
+        models = load_models(a.engine_dir, device="cuda", decoder_layers=False)
+        plan = EnginePlan.model_validate(models.manifest["plan"])
+    else:
+        models = random_models(a.variant, device="cuda")
+    print(f"weights on the GPU in {time.perf_counter() - t0:.1f} s", flush=True)
     run_engine_bench(
         models,
         a.precisions.split(","),
@@ -230,6 +314,7 @@ def main() -> None:
         a.iters,
         a.out,
         log=lambda s: print(s, flush=True),
+        plan=plan,
     )
 
 

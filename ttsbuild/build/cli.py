@@ -15,16 +15,12 @@ from rich.console import Console
 _err = Console(stderr=True, soft_wrap=True)
 
 
-def _buckets(value: str) -> tuple[int, ...]:
+def _sizes(value: str, flag: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in value.split(",") if v.strip())
     except ValueError:
         raise typer.BadParameter(f"expected comma-separated integers, got {value!r}",
-                                 param_hint="--graph-batches") from None
-
-
-def _default_buckets(max_batch: int) -> tuple[int, ...]:
-    return (*(2**i for i in range(max_batch.bit_length()) if 2**i < max_batch), max_batch)
+                                 param_hint=flag) from None
 
 
 def compile_engine(
@@ -42,6 +38,17 @@ def compile_engine(
     ),
     max_frames: int = typer.Option(1536, "--max-frames", min=1, help="Frames per request."),
     max_len: int = typer.Option(2048, "--max-len", min=2, help="Talker KV positions per slot."),
+    slots: int = typer.Option(
+        None, "--slots", min=1, max=256, help="Concurrent requests (default: the max batch)."
+    ),
+    prefill_buckets: str = typer.Option(
+        None, "--prefill-buckets", help="Captured prompt lengths (default: 32..512 below max len)."
+    ),
+    codec_chunks: str = typer.Option(
+        "1,2,4,8,16", "--codec-chunks", help="Frames per captured codec step (must include 1)."
+    ),
+    codec_ring: int = typer.Option(64, "--codec-ring", min=1, help="Frames buffered per slot."),
+    max_text: int = typer.Option(1024, "--max-text", min=1, help="Text positions per slot."),
     quality_texts: int = typer.Option(4, "--quality-texts", min=1, help="Texts for the gate."),
     quality_frames: int = typer.Option(32, "--quality-frames", min=2, help="Frames per text."),
     force_quality: bool = typer.Option(
@@ -59,12 +66,18 @@ def compile_engine(
     from ttsbuild.calibration.calibrate import CalibrationError
     from ttsbuild.convert.checkpoint import CheckpointError
     from ttsbuild.convert.io import OutputExistsError
+    from ttsbuild.runtime.plan import power_of_two_buckets
 
     try:
         cfg = BuildConfig(
             precision=precision, fp8_code_predictor=fp8_code_predictor, max_batch=max_batch,
-            graph_batches=_buckets(graph_batches) if graph_batches else _default_buckets(max_batch),
-            max_frames=max_frames, max_len=max_len,
+            graph_batches=(_sizes(graph_batches, "--graph-batches") if graph_batches
+                           else power_of_two_buckets(max_batch)),
+            max_frames=max_frames, max_len=max_len, num_slots=slots or max_batch,
+            prefill_buckets=_sizes(prefill_buckets, "--prefill-buckets") if prefill_buckets
+            else None,
+            codec_chunks=_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
+            max_text=max_text,
             quality_texts=quality_texts, quality_frames=quality_frames,
             force_quality=force_quality, onnx=onnx,
         )

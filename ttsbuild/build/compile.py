@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from safetensors.torch import save_file
 
 import ttsbuild
@@ -39,6 +40,7 @@ from ttsbuild.build.quality import MAX_KL, MIN_TOP1, QualityError
 from ttsbuild.convert.io import atomic_output_dir, sha256_file, write_json
 from ttsbuild.model.codec import CodecConfig
 from ttsbuild.plugins.fp8_linear import FP8_MAX, quantize_weight_fp8
+from ttsbuild.runtime.plan import EnginePlan
 
 LM_MODULES = ("talker", "code_predictor")
 
@@ -56,6 +58,11 @@ class BuildConfig:
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes
     max_frames: int = 1536  # frames per request at most (~123 s of audio)
     max_len: int = 2048  # talker KV positions per slot (prompt + frames)
+    num_slots: int | None = None  # concurrent requests the engine holds (None: max batch)
+    prefill_buckets: tuple[int, ...] | None = None  # captured prompt lengths (None: 32..512)
+    codec_chunks: tuple[int, ...] = (1, 2, 4, 8, 16)  # frames per captured codec step
+    codec_ring: int = 64  # frames buffered per slot between the frame and codec stages
+    max_text: int = 1024  # trailing text positions per slot
     quality_texts: int = 4  # calibration texts for the FP8 quality gate
     quality_frames: int = 32  # frames per text generated for the gate
     min_top1: float = MIN_TOP1
@@ -81,8 +88,25 @@ class BuildConfig:
                             f"({self.max_len}): a prompt needs positions too")
         if self.quality_texts < 1 or self.quality_frames < 2:
             problems.append("the quality gate needs >= 1 text and >= 2 frames")
+        if not problems:
+            try:
+                self.runtime_plan()
+            except ValidationError as exc:
+                problems += [e["msg"].removeprefix("Value error, ") for e in exc.errors()]
         if problems:
             raise ValueError("invalid build settings: " + "; ".join(problems))
+
+    def runtime_plan(self) -> EnginePlan:
+        """The static plan the runtime obeys (written into the manifest)."""
+        return EnginePlan(
+            num_slots=self.num_slots or self.max_batch, batch_buckets=tuple(self.graph_batches),
+            prefill_buckets=tuple(
+                self.prefill_buckets or (t for t in (32, 64, 128, 256, 512) if t < self.max_len)
+            ), codec_chunks=tuple(self.codec_chunks),
+            codec_ring=self.codec_ring, max_len=self.max_len, max_text=self.max_text,
+            max_frames=self.max_frames, precision=self.precision,
+            code_predictor_fp8=self.fp8_code_predictor,
+        )  # fmt: skip
 
     def fp8_groups(self) -> list[str]:
         if self.precision != "fp8":
@@ -237,8 +261,7 @@ def compile_engine_dir(
                 }
                 for m in LM_MODULES
             },
-            "shapes": {"max_batch": cfg.max_batch, "batch_buckets": list(cfg.graph_batches),
-                       "max_frames": cfg.max_frames, "max_len": cfg.max_len},
+            "plan": cfg.runtime_plan().model_dump(mode="json"),
             "kv_cache": {
                 "talker": _kv(model_cfg, cfg.max_len, calib is not None),
                 "code_predictor": _kv(model_cfg["code_predictor_config"],

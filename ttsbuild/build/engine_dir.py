@@ -2,7 +2,7 @@
 
 An engine describes itself (never inferred from file or directory names): manifest.json
 names the format and version, the variant, the precision and scale layout of every tensor
-group, the fused projections, the static shapes, the KV-cache layout, the target GPU
+group, the fused projections, the static plan (`runtime.plan`), the KV-cache layout, the target GPU
 architecture, the versions that built it, the sha256 of every file, the source checkpoint
 and the FP8 quality report. `load_engine_dir` checks all of it before any tensor is read
 and prints a summary.
@@ -19,10 +19,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors.torch import load_file
 
 from ttsbuild.build.pack import SCALE_SUFFIXES
+from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.validation import damaged_files, read_json_object
 
 ENGINE_FORMAT = "ttsbuild-engine"
-ENGINE_VERSION = 1
+ENGINE_VERSION = 2  # 2: the manifest carries the runtime's whole static plan
 MODULE_FILES = {
     "talker": "talker.safetensors",
     "code_predictor": "code_predictor.safetensors",
@@ -50,13 +51,6 @@ class TensorGroup(_Strict):
 class FusedProjection(_Strict):
     parts: list[str]
     sizes: list[int]
-
-
-class Shapes(_Strict):
-    max_batch: int
-    batch_buckets: list[int]
-    max_frames: int
-    max_len: int
 
 
 class KVCacheLayout(_Strict):
@@ -111,7 +105,7 @@ class EngineManifest(_Strict):
     precision: Literal["fp8", "bf16"]
     tensor_groups: dict[str, TensorGroup]
     fused: dict[str, dict[str, FusedProjection]]
-    shapes: Shapes
+    plan: EnginePlan  # every shape the runtime captures or allocates
     kv_cache: dict[str, KVCacheLayout]
     codec: CodecInfo
     target: Target
@@ -223,8 +217,11 @@ def summary_table(artifact: EngineArtifact):
     for name, g in m.tensor_groups.items():
         scales = ", ".join(s for s in (g.weight_scale, g.input_scale) if s) or "-"
         t.add_row(f"  {name}", f"{g.dtype} (scales: {scales})")
-    t.add_row("batch buckets", f"{m.shapes.batch_buckets} (max batch {m.shapes.max_batch})")
-    t.add_row("max len / frames", f"{m.shapes.max_len} / {m.shapes.max_frames}")
+    p = m.plan
+    t.add_row("slots / batch buckets", f"{p.num_slots} / {list(p.batch_buckets)}")
+    t.add_row("prefill buckets", str(list(p.prefill_buckets)))
+    t.add_row("codec chunks / ring", f"{list(p.codec_chunks)} / {p.codec_ring}")
+    t.add_row("max len / text / frames", f"{p.max_len} / {p.max_text} / {p.max_frames}")
     t.add_row("target", f"{m.target.arch} ({m.target.device_name})")
     t.add_row("codec", f"folded={m.codec.folded}, onnx="
               f"{m.codec.onnx.kind if m.codec.onnx else 'none'}")
@@ -243,10 +240,15 @@ def print_summary(artifact: EngineArtifact, console=None) -> None:
 
 
 def models_from_engine(
-    artifact: EngineArtifact, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    artifact: EngineArtifact,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    decoder_layers: bool = True,
 ):
-    """`ttsbuild.runtime.engine.Models` for the eager path: weights unpacked to the module
-    layout, FP8 emulated by dequantising (fp32 on CPU, bf16 on CUDA by default)."""
+    """`ttsbuild.runtime.engine.Models` from an engine. decoder_layers=True (the eager path):
+    the layers unpacked to the module layout, FP8 emulated by dequantising (fp32 on CPU, bf16
+    on CUDA by default). decoder_layers=False (the graph path): only the packed tensors as
+    compiled; the modules keep embeddings, text projection and heads, no layer copies."""
     from ttsbuild.build.codec_fold import load_folded_codec
     from ttsbuild.generation.generate import LengthRule
     from ttsbuild.model.codec import CodecConfig
@@ -262,7 +264,9 @@ def models_from_engine(
     codec_cfg = CodecConfig.from_official(artifact.codec_config)
     packed = {name: artifact.tensors(name) for name in ("talker", "code_predictor")}
     sizes = {name: {f: p.sizes for f, p in m.fused[name].items()} for name in packed}
-    talker, code_predictor = lm_modules_from_packed(cfg, packed, sizes, dtype, device)
+    talker, code_predictor = lm_modules_from_packed(
+        cfg, packed, sizes, dtype, device, decoder_layers
+    )
     codec = load_folded_codec(codec_cfg, artifact.tensors("codec")).to(device, torch.float32)
     return Models(
         cfg=cfg,
@@ -290,19 +294,27 @@ def _runtime_tensors(tensors: dict, dtype: torch.dtype, device) -> dict:
     return {name: convert(name, t) for name, t in tensors.items()}
 
 
-def lm_modules_from_packed(cfg, packed: dict, sizes: dict, dtype: torch.dtype, device):
+def lm_modules_from_packed(
+    cfg, packed: dict, sizes: dict, dtype: torch.dtype, device, decoder_layers: bool = True
+):
     """(Talker, CodePredictor) from packed engine tensors, FP8 dequantised to `dtype`.
 
     sizes[module][fused name, e.g. "self_attn.qkv_proj"] = output sizes of its parts.
+    decoder_layers=False: modules without decoder layers (nothing of them is unpacked).
     """
     from ttsbuild.build.pack import unpack_state
     from ttsbuild.model.talker import CodePredictor, Talker
 
     out = []
     for name, cls in (("talker", Talker), ("code_predictor", CodePredictor)):
-        state = unpack_state(packed[name], sizes[name], dtype)
+        tensors = packed[name]
+        if not decoder_layers:
+            tensors = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
+        state = unpack_state(tensors, sizes[name], dtype)
         with torch.device("meta"):
             module = cls(cfg)
+        if not decoder_layers:
+            module.model.layers = torch.nn.ModuleList()
         module.load_state_dict(state, strict=True, assign=True)
         out.append(module.to(device).eval())
     return tuple(out)

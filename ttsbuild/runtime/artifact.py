@@ -21,11 +21,16 @@ def artifact_format(path: str | Path) -> str | None:
         return None
 
 
-def load_models(path: str | Path, device: str | torch.device = "cpu") -> Models:
-    """Models for the eager engine from a checkpoint dir or an engine dir (FP8 dequantised)."""
+def load_models(
+    path: str | Path, device: str | torch.device = "cpu", decoder_layers: bool = True
+) -> Models:
+    """Models from a checkpoint dir or an engine dir. decoder_layers=False (the graph engine,
+    engine dirs only): the packed tensors as compiled, no dequantised layer modules."""
     from ttsbuild.build.engine_dir import ENGINE_FORMAT, load_engine_dir, models_from_engine
     from ttsbuild.convert.checkpoint import load_checkpoint
 
     if artifact_format(path) == ENGINE_FORMAT:
-        return models_from_engine(load_engine_dir(path, device), device)
+        return models_from_engine(
+            load_engine_dir(path, device), device, decoder_layers=decoder_layers
+        )
     return Models.load(load_checkpoint(path), device=device)

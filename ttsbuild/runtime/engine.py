@@ -6,14 +6,17 @@ Stages (each batched over the slots given):
                        returns each slot's new frame, or marks it finished
   audio(slots)         the codec on every frame not yet decoded -> PCM for each slot
 A request's frames never leave the engine between stages: `audio` reads them where
-`frames` wrote them. `EagerEngine` runs the reference modules eagerly on any device; the GPU
-runtime implements the same API with captured graphs.
+`frames` wrote them. Both engines are one `runtime.core.EngineCore` (slot table, EOS and
+limits, the frame loop; `launch_frames` + `collect` for pipelined steps) over a backend:
+`EagerEngine` runs the reference modules eagerly on any device, `GraphEngine`
+(`runtime.graph_engine`) replays CUDA graphs. A request is resolved once, here, by
+`plan_admission` into a `SlotPlan` the engines trust.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -23,25 +26,29 @@ from ttsbuild.generation.generate import GenerationParams, LengthRule, Reference
 from ttsbuild.generation.prompt import (
     ROLE_LEN,
     TAIL_LEN,
-    Prompt,
     PromptError,
     PromptSpec,
     assistant_text,
     build_prompt,
     instruct_text,
 )
-from ttsbuild.generation.sampling import SamplingBatch, SamplingParams
-from ttsbuild.model.codec import CodecConfig, CodecDecoder, CodecStream
+from ttsbuild.generation.sampling import SamplingParams
+from ttsbuild.model.codec import CodecConfig, CodecDecoder
 from ttsbuild.model.config import ModelConfig
 from ttsbuild.model.talker import CodePredictor, Talker
+from ttsbuild.runtime.core import (  # noqa: F401  (re-exported: the engine API)
+    EagerBackend,
+    EngineCore,
+    FrameOutput,
+    NoFreeSlot,
+    SlotPlan,
+    run_to_completion,
+)
+from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.request import RequestError, SynthesisRequest
 from ttsbuild.text.tokenizer import TextTokenizer
 
 SAMPLE_RATE = 24000
-
-
-class NoFreeSlot(RuntimeError):
-    """Every slot is busy: the caller should queue or reject (429)."""
 
 
 @dataclass
@@ -87,6 +94,12 @@ class Models:
             length_rule=LengthRule.from_standin(ckpt.standin),
             manifest=ckpt.manifest,
         )
+
+    def drop_decoder_layers(self) -> None:
+        """Free the talker's and code predictor's decoder layers (a fast backend that packed
+        them keeps the only copy); the embeddings, text projection and heads stay."""
+        for module in (self.talker, self.code_predictor):
+            module.model.layers = torch.nn.ModuleList()
 
     @property
     def voices(self) -> list[str]:
@@ -146,210 +159,56 @@ class Models:
         )
 
 
-@dataclass
-class AdmissionPlan:
-    """What admitting a request means, decided once for every engine."""
-
-    prompt: Prompt
-    params: GenerationParams
-    frame_limit: int  # stop after this many frames (EOS may stop a real checkpoint sooner)
-    by_length_rule: bool  # a stand-in: the limit is its length rule and EOS is never sampled
-    seed: int
-
-
-def plan_admission(models: Models, req: SynthesisRequest, max_len: int) -> AdmissionPlan:
-    """Tokenize and lay out the prompt, resolve sampling, and fix how many frames the request
-    may generate within `max_len` positions. Raises RequestError (the client's fault)."""
+def plan_admission(models: Models, req: SynthesisRequest, plan: EnginePlan) -> SlotPlan:
+    """Resolve a request once, at the edge: tokenize and lay out the prompt, resolve
+    sampling, fix how many frames it may generate, and check it fits the engine's plan.
+    Every refusal is a RequestError (a 400 with this message)."""
     spec = models.prompt_spec(req)
     params = models.generation_params(req)
     try:
         prompt = build_prompt(models.talker, spec)
     except PromptError as exc:
         raise RequestError(str(exc)) from None
-    n_prompt = prompt.embeds.shape[0]
+    n_prompt, n_text = prompt.embeds.shape[0], prompt.trailing_text.shape[0]
     rule = models.length_rule
-    limit = params.max_frames
+    limit = min(params.max_frames, plan.max_frames)
     if rule is not None:
-        limit = rule.frames_for(len(spec.text_ids) - ROLE_LEN - TAIL_LEN)
-        if req.max_frames is not None:
-            limit = min(limit, req.max_frames)
-    if n_prompt + limit > max_len:
-        if rule is not None or req.max_frames is not None:
+        limit = min(rule.frames_for(len(spec.text_ids) - ROLE_LEN - TAIL_LEN), plan.max_frames)
+    if req.max_frames is not None:
+        if req.max_frames > plan.max_frames:
             raise RequestError(
-                f"prompt ({n_prompt} positions) + {limit} frames exceeds the engine's "
-                f"context of {max_len}"
+                f"max_frames {req.max_frames} exceeds this engine's limit of {plan.max_frames}"
             )
-        limit = max_len - n_prompt  # a real checkpoint: stop at the context if EOS is late
+        limit = min(limit, req.max_frames)
+    if n_prompt + limit > plan.max_len and rule is None and req.max_frames is None:
+        limit = plan.max_len - n_prompt  # a real checkpoint: stop at the context if EOS is late
+    try:
+        plan.check_prompt(n_prompt, n_text, max(limit, 1))
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
     seed = req.seed if req.seed is not None else secrets.randbits(63)
-    return AdmissionPlan(prompt, params, limit, rule is not None, seed)
+    return SlotPlan(prompt, replace(params, max_frames=limit), limit, rule is not None, seed)
 
 
-@dataclass
-class SlotState:
-    request: SynthesisRequest
-    prompt: Prompt
-    params: GenerationParams
-    seed: int
-    frame_target: int | None  # stand-in length rule, else None
-    position: int = 0  # next talker position
-    frames: list[torch.Tensor] = field(default_factory=list)  # [groups] each
-    decoded_frames: int = 0  # frames already turned into audio
-    finished: bool = False
-    stopped_by: str | None = None
-    hidden: torch.Tensor | None = None  # [hidden] talker state that produces the next c0
-    logits: torch.Tensor | None = None  # [vocab]
-    history: torch.Tensor | None = None  # [vocab] bool
-
-
-@dataclass
-class FrameOutput:
-    slot: int
-    codes: torch.Tensor | None  # [groups], None when the request just finished (EOS)
-    finished: bool
-
-
-class EagerEngine:
+class EagerEngine(EngineCore):
     """The reference implementation of the engine API (eager PyTorch, CPU or GPU)."""
 
-    def __init__(self, models: Models, num_slots: int = 8, max_len: int = 2048):
-        self.models = models
-        self.num_slots = num_slots
-        self.max_len = max_len
-        self.ref = ReferenceModel(models.talker, models.code_predictor, num_slots, max_len)
-        self.device = self.ref.device
-        self.slots: dict[int, SlotState] = {}
-        self._codec_streams: dict[int, CodecStream] = {}
-
-    # -- admission -------------------------------------------------------------------------
-    def free_slots(self) -> int:
-        return self.num_slots - len(self.slots)
-
-    def admit(self, req: SynthesisRequest) -> int:
-        """Validate and tokenize `req`, claim a slot. Raises RequestError or NoFreeSlot."""
-        plan = plan_admission(self.models, req, self.max_len)
-        free = [s for s in range(self.num_slots) if s not in self.slots]
-        if not free:
-            raise NoFreeSlot(f"all {self.num_slots} slots are busy")
-        slot = free[0]
-        target = plan.frame_limit if plan.by_length_rule else None
-        params = replace(plan.params, max_frames=plan.frame_limit)
-        self.slots[slot] = SlotState(req, plan.prompt, params, plan.seed, target)
-        self._codec_streams[slot] = CodecStream(self.models.codec, 1)
-        return slot
-
-    def release(self, slot: int) -> None:
-        self.slots.pop(slot, None)
-        self._codec_streams.pop(slot, None)
-
-    def seed_of(self, slot: int) -> int:
-        return self.slots[slot].seed
-
-    # -- stages ----------------------------------------------------------------------------
-    @torch.no_grad()
-    def prefill(self, slots: list[int]) -> None:
-        for slot in slots:
-            st = self.slots[slot]
-            st.hidden, st.logits = self.ref.prefill(slot, st.prompt)
-            st.position = st.prompt.embeds.shape[0]
-            st.history = torch.zeros(
-                self.models.cfg.codec_vocab_size, dtype=torch.bool, device=self.device
-            )
-
-    @torch.no_grad()
-    def frames(self, slots: list[int]) -> list[FrameOutput]:
-        """One frame for each slot (which must be prefilled and not finished)."""
-        if not slots:
-            return []
-        ref, cfg, dev = self.ref, self.models.cfg, self.device
-        states = [self.slots[s] for s in slots]
-        if any(st.finished or st.logits is None for st in states):
-            raise RuntimeError("frames() on a slot that is finished or not prefilled")
-        rows = torch.tensor(slots, device=dev)
-        seeds = torch.tensor([st.seed for st in states], dtype=torch.int64, device=dev)
-        frame_idx = torch.tensor([len(st.frames) for st in states], device=dev)
-        eos_allowed = torch.tensor(
-            [
-                len(st.frames) >= st.params.min_new_tokens and st.frame_target is None
-                for st in states
-            ],
-            device=dev,
-        )
-        talker_sampling = SamplingBatch.from_params([st.params.talker for st in states], dev)
-        cp_sampling = SamplingBatch.from_params([st.params.code_predictor for st in states], dev)
-        history = torch.stack([st.history for st in states])
-        c0 = ref.choose_codebook0(
-            torch.stack([st.logits for st in states]),
-            history,
-            eos_allowed,
-            talker_sampling,
-            seeds,
-            frame_idx,
-        )
-        codes = ref.complete_frames(
-            torch.stack([st.hidden for st in states]), c0, cp_sampling, seeds, frame_idx
-        )
-        out, continuing = [], []
-        for j, (slot, st) in enumerate(zip(slots, states, strict=True)):
-            st.history[c0[j]] = True
-            if int(c0[j]) == cfg.codec_ids.eos:
-                st.finished, st.stopped_by = True, "eos"
-                out.append(FrameOutput(slot, None, True))
-                continue
-            st.frames.append(codes[j])
-            limit = st.frame_target if st.frame_target is not None else st.params.max_frames
-            if len(st.frames) >= limit:
-                st.finished = True
-                st.stopped_by = "length_rule" if st.frame_target is not None else "max_frames"
-            else:
-                continuing.append(j)
-            out.append(FrameOutput(slot, codes[j], st.finished))
-        if continuing:
-            idx = torch.tensor(continuing, device=dev)
-            text = torch.stack(
-                [states[j].prompt.text_track(len(states[j].frames) - 1) for j in continuing]
-            )
-            inputs = ref.next_inputs(codes[idx], text.to(ref.dtype))
-            positions = torch.tensor([states[j].position for j in continuing], device=dev)
-            hidden, logits = ref.decode(rows[idx], positions, inputs)
-            for k, j in enumerate(continuing):
-                states[j].hidden, states[j].logits = hidden[k], logits[k]
-                states[j].position += 1
-        return out
-
-    @torch.no_grad()
-    def audio(self, slots: list[int], max_frames: int | None = None) -> dict[int, np.ndarray]:
-        """Decode each slot's frames not yet decoded (at most max_frames). float32 PCM."""
-        pcm = {}
-        for slot in slots:
-            st = self.slots[slot]
-            end = len(st.frames)
-            if max_frames is not None:
-                end = min(end, st.decoded_frames + max_frames)
-            if end <= st.decoded_frames:
-                pcm[slot] = np.zeros(0, dtype=np.float32)
-                continue
-            codes = torch.stack(st.frames[st.decoded_frames : end], dim=1)[None]  # [1, G, n]
-            wav = self._codec_streams[slot].step(codes.to(self.device))
-            st.decoded_frames = end
-            pcm[slot] = wav[0, 0].float().cpu().numpy()
-        return pcm
-
-    def pending_frames(self, slot: int) -> int:
-        st = self.slots[slot]
-        return len(st.frames) - st.decoded_frames
-
-    def is_finished(self, slot: int) -> bool:
-        return self.slots[slot].finished
-
-    def frames_of(self, slot: int) -> int:
-        return len(self.slots[slot].frames)
-
-    def stopped_by(self, slot: int) -> str | None:
-        return self.slots[slot].stopped_by
+    def __init__(
+        self,
+        models: Models,
+        num_slots: int = 8,
+        max_len: int = 2048,
+        plan: EnginePlan | None = None,
+        keep_codes: bool = False,
+    ):
+        plan = plan or EnginePlan.default(num_slots=num_slots, max_len=max_len)
+        ref = ReferenceModel(models.talker, models.code_predictor, plan.num_slots, plan.max_len)
+        super().__init__(EagerBackend(ref, models.codec), plan, models, keep_codes)
+        self.device = ref.device
 
 
 def synthesize(
-    engine, req: SynthesisRequest, on_frames=None, chunk_frames: int = 16
+    engine: EngineCore, req: SynthesisRequest, on_frames=None, chunk_frames: int = 16
 ) -> tuple[np.ndarray, dict]:
     """Run one request to completion on a free slot. Returns (float32 PCM, stats).
 
@@ -357,15 +216,16 @@ def synthesize(
     on_frames(total_frames) is called after each frame.
     """
     slot = engine.admit(req)
+    chunks = []
+
+    def on_step(outputs) -> None:
+        if on_frames is not None:
+            on_frames(engine.frames_of(slot))
+        if engine.pending_frames(slot) >= chunk_frames:
+            chunks.append(engine.audio([slot])[slot])
+
     try:
-        engine.prefill([slot])
-        chunks = []
-        while not engine.is_finished(slot):
-            engine.frames([slot])
-            if on_frames is not None:
-                on_frames(engine.frames_of(slot))
-            if engine.pending_frames(slot) >= chunk_frames:
-                chunks.append(engine.audio([slot])[slot])
+        run_to_completion(engine, [slot], on_step)
         chunks.append(engine.audio([slot])[slot])
         stats = {
             "frames": engine.frames_of(slot),

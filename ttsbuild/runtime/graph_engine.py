@@ -1,20 +1,23 @@
-"""The fast engine: every request's state lives in device buffers indexed by slot, and each
-stage is one CUDA graph per batch bucket.
+"""The fast backend: every request's state lives in device buffers indexed by slot, and each
+stage is one CUDA graph per bucket of the engine's plan (`runtime.plan.EnginePlan`).
 
 Per slot (slot `num_slots` is a scratch row that padding rows of a bucket point at):
   talker KV cache [L, slots, Hkv, max_len, D], next position, the talker hidden/logits that
   produce the next codebook 0, codebook-0 history (repetition penalty), frame counter,
-  seed and sampling settings, the trailing text track, a ring of generated codes, and the
-  codec's incremental state.
-Stages (graphs captured at load, replayed with the slots copied into a static index buffer):
+  seed, EOS gate and sampling settings, the trailing text track, a ring of generated codes,
+  and the codec's incremental state.
+Stages (graphs captured at load):
   prefill  (one request, padded to a length bucket)
   frame    (codebook 0 sampling + the 15-step code predictor with on-device sampling + the
             next talker step, for B rows: one graph per batch bucket; codes go straight
             into the ring the codec reads)
   codec    (n frames for B rows: gathers the rows' codec state, steps, scatters it back)
-The host reads back only the frame's codes (for the EOS check and the caller) and the PCM.
-Without CUDA (or with use_graphs=False) the same functions run eagerly: that is the path
-CI checks against the reference engine.
+Each step goes through the C++ step driver: the slot ids are staged in pinned host memory,
+the graph is replayed, and the step's codes / PCM are copied into pinned host memory on a
+copy stream behind an event, so the host can launch the next step before reading this one.
+Weights are the packed (bf16 or FP8) tensors only: the decoder layers are never kept twice.
+Without CUDA (or with use_graphs=False) the same bodies run eagerly through the same driver:
+that is the path CI checks against the reference backend.
 """
 
 from __future__ import annotations
@@ -29,77 +32,76 @@ from ttsbuild.generation.generate import codebook0_logits_mask
 from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.model.codec import CodecStream
 from ttsbuild.plugins.sampling import fused_sample
-from ttsbuild.runtime.engine import FrameOutput, Models, NoFreeSlot, plan_admission
+from ttsbuild.runtime.core import EngineCore, SlotPlan
+from ttsbuild.runtime.driver import make_driver
+from ttsbuild.runtime.engine import Models
 from ttsbuild.runtime.fast_model import Dense, PackedStack
-from ttsbuild.runtime.request import RequestError, SynthesisRequest
+from ttsbuild.runtime.plan import EnginePlan
 
 log = logging.getLogger(__name__)
 
 SAMPLES_PER_FRAME = 1920
-NEVER = 2**62  # a frame count no request reaches: EOS is never allowed (stand-ins)
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Static shapes of an engine: every captured graph is listed here."""
-
-    num_slots: int = 32
-    max_len: int = 2048  # talker positions per slot (prompt + frames)
-    max_text: int = 1024  # trailing text positions per slot (streaming text mode)
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)
-    codec_chunks: tuple[int, ...] = (1, 2, 4, 8, 16)  # frames per codec step
-    codec_ring: int = 64  # frames buffered per slot between frames() and audio()
-    precision: str = "bf16"  # talker linears: "bf16" | "fp8" (weight-only e4m3)
-    code_predictor_fp8: bool = False
-    use_graphs: bool | None = None  # None: on CUDA
-
-    def __post_init__(self):
-        if self.precision not in ("bf16", "fp8"):
-            raise ValueError(f"precision must be bf16 or fp8, got {self.precision!r}")
-        if max(self.batch_buckets) < 1 or sorted(self.batch_buckets) != list(self.batch_buckets):
-            raise ValueError("batch_buckets must be ascending positive sizes")
-        if max(self.codec_chunks) > self.codec_ring:
-            raise ValueError("codec_ring must hold the largest codec chunk")
-
-    def bucket(self, n: int) -> int:
-        for b in self.batch_buckets:
-            if b >= n:
-                return b
-        raise ValueError(f"batch of {n} exceeds the largest bucket {self.batch_buckets[-1]}")
+STAGING_DEPTH = 8  # steps that may be in flight (launched, not yet read) per stage
 
 
 @dataclass
-class HostSlot:
-    """What the host keeps per slot: request bookkeeping, no tensors."""
+class _Staged:
+    """One in-flight step: its driver ticket and where its outputs land on the host."""
 
-    request: SynthesisRequest
-    seed: int
-    frame_limit: int
-    is_standin_rule: bool
-    frames: int = 0
-    decoded: int = 0
-    finished: bool = False
-    stopped_by: str | None = None
+    ticket: int
+    out: torch.Tensor  # host view of the outputs
+    index: int  # staging ring entry
+    read: bool = False
 
 
-class GraphEngine:
-    """Engine API (admit / prefill / frames / audio / release) over slot-indexed buffers."""
+class _StagingRing:
+    """Host buffers (pinned on CUDA) for the inputs and outputs of in-flight steps: entry k is
+    reused only after its step was read, so an asynchronous copy never sees it change."""
 
-    def __init__(self, models: Models, rcfg: RuntimeConfig | None = None):
-        rcfg = rcfg or RuntimeConfig()
-        self.models, self.rcfg = models, rcfg
+    def __init__(self, inputs: tuple, outputs: tuple, pinned: bool):
+        def alloc(shape_dtype):
+            shape, dtype = shape_dtype
+            t = torch.zeros((STAGING_DEPTH, *shape), dtype=dtype)
+            return t.pin_memory() if pinned else t
+
+        self.inputs = alloc(inputs)
+        self.outputs = alloc(outputs)
+        self.owner: list[_Staged | None] = [None] * STAGING_DEPTH
+        self.next = 0
+
+    def take(self) -> int:
+        k = self.next
+        prev = self.owner[k]
+        if prev is not None and not prev.read:
+            raise RuntimeError(f"more than {STAGING_DEPTH} steps launched and not read")
+        self.next = (k + 1) % STAGING_DEPTH
+        return k
+
+
+class GraphBackend:
+    """The device side of the fast engine (see the module doc)."""
+
+    def __init__(
+        self,
+        models: Models,
+        plan: EnginePlan,
+        use_graphs: bool | None = None,
+        release_modules: bool = False,
+    ):
+        self.models, self.plan = models, plan
         cfg = self.cfg = models.cfg
         talker, cp = models.talker, models.code_predictor
         dev = self.device = talker.codec_head.weight.device
         self.dtype = talker.codec_head.weight.dtype
-        self.num_slots = rcfg.num_slots
-        self.max_len = rcfg.max_len
-        self.use_graphs = (dev.type == "cuda") if rcfg.use_graphs is None else rcfg.use_graphs
-        fp8 = rcfg.precision == "fp8"
+        self.num_slots = plan.num_slots
+        self.max_len = plan.max_len
+        self.use_graphs = (dev.type == "cuda") if use_graphs is None else use_graphs
+        self.num_code_groups = cfg.num_code_groups
+        self.eos_id = cfg.codec_ids.eos
+        fp8 = plan.precision == "fp8"
         G, V, H = cfg.num_code_groups, cfg.codec_vocab_size, cfg.talker.hidden_size
-        S = rcfg.num_slots + 1  # + the scratch slot
-        self.scratch = rcfg.num_slots
+        S = plan.num_slots + 1  # + the scratch slot
+        self.scratch = plan.num_slots
 
         # -- weights ----------------------------------------------------------------------
         packed = models.packed
@@ -109,9 +111,11 @@ class GraphEngine:
             self.cp_stack = PackedStack.from_packed(cfg.code_predictor, packed["code_predictor"])
         else:
             self.talker_stack = PackedStack.from_module(talker.model, fp8)
-            self.cp_stack = PackedStack.from_module(cp.model, rcfg.code_predictor_fp8)
+            self.cp_stack = PackedStack.from_module(cp.model, plan.code_predictor_fp8)
+        if release_modules:
+            models.drop_decoder_layers()  # the packed stacks are the only copy from here on
         self.codec_head = Dense(talker.codec_head.weight.detach())
-        self.cp_heads = [Dense.make(h.weight.detach(), rcfg.code_predictor_fp8) for h in cp.lm_head]
+        self.cp_heads = [Dense.make(h.weight.detach(), plan.code_predictor_fp8) for h in cp.lm_head]
         self.cp_proj = cp.small_to_mtp_projection
         self.codec_embedding = talker.model.codec_embedding.weight.detach()  # [V, H]
         # Codebooks 1..15 input embeddings stacked: [G - 1, codebook_size, H]
@@ -119,11 +123,11 @@ class GraphEngine:
 
         # -- per-slot state ---------------------------------------------------------------
         t = cfg.talker
-        kv_shape = (t.num_layers, S, t.num_kv_heads, rcfg.max_len, t.head_dim)
+        kv_shape = (t.num_layers, S, t.num_kv_heads, plan.max_len, t.head_dim)
         self.kv_k = torch.zeros(kv_shape, dtype=self.dtype, device=dev)
         self.kv_v = torch.zeros(kv_shape, dtype=self.dtype, device=dev)
         c = cfg.code_predictor
-        bmax = rcfg.batch_buckets[-1]
+        bmax = plan.max_batch
         cp_shape = (c.num_layers, bmax, c.num_kv_heads, G, c.head_dim)
         self.cp_k = torch.zeros(cp_shape, dtype=self.dtype, device=dev)
         self.cp_v = torch.zeros(cp_shape, dtype=self.dtype, device=dev)
@@ -142,9 +146,9 @@ class GraphEngine:
         self.seed = zeros(S, dtype=torch.int64)
         self.talker_sampling = _sampling_buffers(S, dev)
         self.cp_sampling = _sampling_buffers(S, dev)
-        self.text_track = zeros(S, rcfg.max_text, H, dtype=self.dtype)
+        self.text_track = zeros(S, plan.max_text, H, dtype=self.dtype)
         self.text_len = zeros(S, dtype=torch.int64)
-        self.codes = zeros(S, G, rcfg.codec_ring, dtype=torch.int64)
+        self.codes = zeros(S, G, plan.codec_ring, dtype=torch.int64)
         self.decoded = zeros(S, dtype=torch.int64)
         self.suppressed = codebook0_logits_mask(cfg, V, dev)
         self.true = torch.ones((), dtype=torch.bool, device=dev)
@@ -155,19 +159,26 @@ class GraphEngine:
 
         # The codec's incremental state for every slot, plus a work stream per batch bucket.
         self.codec_store = CodecStream(models.codec, S)
-        self.codec_work = {b: CodecStream(models.codec, b) for b in rcfg.batch_buckets}
+        self.codec_work = {b: CodecStream(models.codec, b) for b in plan.batch_buckets}
 
-        # -- static I/O of the graphs -----------------------------------------------------
+        # -- static I/O of the graphs, and host staging ---------------------------------------
         self.rows_in = torch.full((bmax,), self.scratch, dtype=torch.int64, device=dev)
         self.codes_out = zeros(bmax, G, dtype=torch.int64)
-        maxc = max(rcfg.codec_chunks)
+        maxc = plan.max_chunk
         self.pcm_out = zeros(bmax, maxc * SAMPLES_PER_FRAME)
-        pmax = rcfg.prefill_buckets[-1]
+        pmax = plan.prefill_buckets[-1]
         self.prefill_embeds = zeros(1, pmax, H, dtype=self.dtype)
         self.prefill_slot = torch.full((1,), self.scratch, dtype=torch.int64, device=dev)
         self.prefill_last = zeros(1, dtype=torch.int64)
+        pinned = dev.type == "cuda"
+        self.frame_staging = _StagingRing(
+            ((bmax,), torch.int64), ((bmax, G), torch.int64), pinned
+        )
+        self.codec_staging = _StagingRing(
+            ((bmax,), torch.int64), ((bmax, maxc * SAMPLES_PER_FRAME), torch.float32), pinned
+        )
+        self.driver = make_driver(dev)
 
-        self.host: dict[int, HostSlot] = {}
         self.pending_prompts: dict[int, torch.Tensor] = {}  # slot -> prompt embeds [T, H]
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         if self.use_graphs:
@@ -214,10 +225,10 @@ class GraphEngine:
             self.hidden[rows], c0, self.cp_sampling.select(rows), seeds, fi
         )
         self.history.index_put_((rows, c0), self.true)  # a device scalar: no host copy
-        self.codes[rows, :, fi % self.rcfg.codec_ring] = codes
+        self.codes[rows, :, fi % self.plan.codec_ring] = codes
         self.frame_idx[rows] = fi + 1
 
-        text_pos = fi.clamp(max=self.rcfg.max_text - 1)
+        text_pos = fi.clamp(max=self.plan.max_text - 1)
         text = torch.where(
             (fi < self.text_len[rows])[:, None], self.text_track[rows, text_pos], self.tts_pad
         )
@@ -243,7 +254,7 @@ class GraphEngine:
         store = self.codec_store
         for w, s in zip(work.tensors(), store.tensors(), strict=True):
             w.copy_(s[rows])
-        ring = self.rcfg.codec_ring
+        ring = self.plan.codec_ring
         idx = (self.decoded[rows][:, None] + torch.arange(n, device=rows.device)) % ring
         groups = torch.arange(self.cfg.num_code_groups, device=rows.device)
         codes = self.codes[rows[:, None, None], groups[None, :, None], idx[:, None, :]]
@@ -255,9 +266,9 @@ class GraphEngine:
 
     # -- graphs ----------------------------------------------------------------------------
     def capture(self) -> None:
-        """Capture every graph listed in the RuntimeConfig (warm-up runs hit the scratch slot)."""
+        """Capture every graph listed in the plan (warm-up runs hit the scratch slot)."""
         pool = torch.cuda.graph_pool_handle()
-        r = self.rcfg
+        r = self.plan
         for b in r.batch_buckets:
             rows = self.rows_in[:b]
             out = self.codes_out[:b]
@@ -282,53 +293,33 @@ class GraphEngine:
         for buf in (self.position, self.frame_idx, self.decoded, self.text_len):
             buf[s] = 0
 
-    # -- engine API --------------------------------------------------------------------------
-    def free_slots(self) -> int:
-        return self.num_slots - len(self.host)
-
-    def admit(self, req: SynthesisRequest) -> int:
-        plan = plan_admission(self.models, req, self.max_len)
+    # -- backend API (runtime.core.Backend) ---------------------------------------------------
+    def admit(self, slot: int, plan: SlotPlan) -> None:
         prompt, params = plan.prompt, plan.params
         n_prompt, n_text = prompt.embeds.shape[0], prompt.trailing_text.shape[0]
-        if n_text > self.rcfg.max_text:
-            raise RequestError(
-                f"text is too long for this engine ({n_text} > {self.rcfg.max_text} tokens)"
-            )
-        free = [s for s in range(self.num_slots) if s not in self.host]
-        if not free:
-            raise NoFreeSlot(f"all {self.num_slots} slots are busy")
-        slot = free[0]
-        seed = plan.seed
-        self.host[slot] = HostSlot(req, seed, plan.frame_limit, plan.by_length_rule)
-
         dev = self.device
         self.position[slot] = n_prompt
         self.frame_idx[slot] = 0
         self.decoded[slot] = 0
         self.history[slot] = False
-        self.seed[slot] = seed
-        self.eos_min_frames[slot] = NEVER if plan.by_length_rule else params.min_new_tokens
+        self.seed[slot] = plan.seed
+        self.eos_min_frames[slot] = plan.eos_from
         _set_sampling(self.talker_sampling, slot, params.talker, dev)
         _set_sampling(self.cp_sampling, slot, params.code_predictor, dev)
         self.text_track[slot, :n_text] = prompt.trailing_text.to(self.dtype)
         self.text_len[slot] = n_text
         self.codec_store.reset([slot])
         self.pending_prompts[slot] = prompt.embeds
-        return slot
 
     def release(self, slot: int) -> None:
-        self.host.pop(slot, None)
         self.pending_prompts.pop(slot, None)
-
-    def seed_of(self, slot: int) -> int:
-        return self.host[slot].seed
 
     @torch.no_grad()
     def prefill(self, slots: list[int]) -> None:
         for slot in slots:
             embeds = self.pending_prompts.pop(slot)
             n = embeds.shape[0]
-            bucket = next((t for t in self.rcfg.prefill_buckets if t >= n), None)
+            bucket = self.plan.prefill_bucket(n)
             self.prefill_slot.fill_(slot)
             self.prefill_last.fill_(n - 1)
             if self.use_graphs and bucket is not None:
@@ -344,94 +335,94 @@ class GraphEngine:
         self.hidden[self.prefill_slot] = last
         self.logits[self.prefill_slot] = self.codec_head(last).float()
 
-    @torch.no_grad()
-    def frames(self, slots: list[int]) -> list[FrameOutput]:
-        if not slots:
-            return []
-        if any(self.host[s].finished for s in slots):
-            raise RuntimeError("frames() on a finished slot")
+    def _launch(self, ring: _StagingRing, slots: list[int], step, outputs: torch.Tensor,
+                width: int) -> _Staged:
+        """Stage the slot ids, run `step` for the padded rows, copy the B rows' outputs out."""
         B = len(slots)
-        if self.use_graphs:
-            bucket = self.rcfg.bucket(B)
-            self.rows_in[:B] = torch.tensor(slots, device=self.device)
-            self.rows_in[B:bucket] = self.scratch
-            self.graphs[("frame", bucket)].replay()
-            codes = self.codes_out[:B].cpu()
-        else:
-            codes = self._frame_body(torch.tensor(slots, device=self.device)).cpu()
-        out = []
-        eos = self.cfg.codec_ids.eos
-        for j, slot in enumerate(slots):
-            st = self.host[slot]
-            if int(codes[j, 0]) == eos:
-                st.finished, st.stopped_by = True, "eos"
-                out.append(FrameOutput(slot, None, True))
-                continue
-            st.frames += 1
-            if st.frames >= st.frame_limit:
-                st.finished = True
-                st.stopped_by = "length_rule" if st.is_standin_rule else "max_frames"
-            out.append(FrameOutput(slot, codes[j], st.finished))
-        return out
+        rows = self.plan.bucket(B) if self.use_graphs else B
+        k = ring.take()
+        staged_rows = ring.inputs[k]
+        staged_rows[:B] = torch.as_tensor(slots, dtype=torch.int64)
+        staged_rows[B:rows] = self.scratch
+        host_out = ring.outputs[k, :B, :width]
+        ticket = self.driver.launch(
+            step(rows), [staged_rows[:rows]], [self.rows_in[:rows]], [outputs[:B, :width]],
+            [host_out],
+        )
+        staged = _Staged(ticket, host_out, k)
+        ring.owner[k] = staged
+        return staged
+
+    def _read(self, staged: _Staged) -> torch.Tensor:
+        self.driver.wait(staged.ticket)
+        staged.read = True
+        return staged.out
 
     @torch.no_grad()
-    def audio(self, slots: list[int], max_frames: int | None = None) -> dict[int, np.ndarray]:
-        """Decode each slot's pending frames (at most max_frames) in the chunk sizes listed
-        in the RuntimeConfig, batching slots that need the same chunk."""
-        pieces: dict[int, list[np.ndarray]] = {s: [] for s in slots}
-        todo = {}
-        for s in slots:
-            st = self.host[s]
-            n = st.frames - st.decoded
-            if max_frames is not None:
-                n = min(n, max_frames)
-            if n > self.rcfg.codec_ring:
-                raise RuntimeError(
-                    f"slot {s} has {n} undecoded frames; the ring holds "
-                    f"{self.rcfg.codec_ring}: call audio() more often"
-                )
-            todo[s] = n
-        for chunk in sorted(self.rcfg.codec_chunks, reverse=True):
-            while True:
-                ready = [s for s, n in todo.items() if n >= chunk]
-                if not ready:
-                    break
-                for i in range(0, len(ready), self.rcfg.batch_buckets[-1]):
-                    group = ready[i : i + self.rcfg.batch_buckets[-1]]
-                    pcm = self._run_codec(group, chunk)
-                    for j, s in enumerate(group):
-                        pieces[s].append(pcm[j])
-                        todo[s] -= chunk
-                        self.host[s].decoded += chunk
+    def launch_frames(self, slots: list[int]) -> _Staged:
+        G = self.cfg.num_code_groups
+
+        def step(rows: int):
+            if self.use_graphs:
+                return self.graphs[("frame", rows)]
+            return lambda: self.codes_out[:rows].copy_(self._frame_body(self.rows_in[:rows]))
+
+        return self._launch(self.frame_staging, slots, step, self.codes_out, G)
+
+    def read_frames(self, staged: _Staged) -> torch.Tensor:
+        return self._read(staged).clone()
+
+    @torch.no_grad()
+    def launch_codec(self, slots: list[int], n: int) -> _Staged:
+        width = n * SAMPLES_PER_FRAME
+
+        def step(rows: int):
+            if self.use_graphs:
+                return self.graphs[("codec", rows, n)]
+            if rows not in self.codec_work:
+                self.codec_work[rows] = CodecStream(self.models.codec, rows)
+            pcm = self.pcm_out[:rows, :width]
+            return lambda: pcm.copy_(self._codec_body(self.rows_in[:rows], n))
+
+        return self._launch(self.codec_staging, slots, step, self.pcm_out, width)
+
+    def read_codec(self, staged: _Staged) -> np.ndarray:
+        return self._read(staged).numpy().copy()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes on the device by kind (weights as stored, KV cache, per-slot state)."""
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        m = self.models
+        stacks = self.talker_stack.weight_bytes() + self.cp_stack.weight_bytes()
+        fp8_heads = sum(h.nbytes() for h in self.cp_heads if h.is_fp8)
+        # Module parameters still on the device: embeddings, text projection, heads (and the
+        # decoder layers too unless they were dropped: then they count twice, truthfully).
+        modules = nbytes(m.talker.parameters()) + nbytes(m.code_predictor.parameters())
         return {
-            s: np.concatenate(p) if p else np.zeros(0, dtype=np.float32) for s, p in pieces.items()
+            "weights_lm": stacks + fp8_heads + modules,
+            "weights_codec": nbytes(m.codec.parameters()),
+            "kv_cache": 2 * nbytes([self.kv_k]),
+            "stacked_embeddings": nbytes([self.cp_embeddings]),
         }
 
-    def _run_codec(self, slots: list[int], n: int) -> np.ndarray:
-        B = len(slots)
-        if self.use_graphs:
-            bucket = self.rcfg.bucket(B)
-            self.rows_in[:B] = torch.tensor(slots, device=self.device)
-            self.rows_in[B:bucket] = self.scratch
-            self.graphs[("codec", bucket, n)].replay()
-            return self.pcm_out[:B, : n * SAMPLES_PER_FRAME].cpu().numpy()
-        rows = torch.tensor(slots, device=self.device)
-        if B not in self.codec_work:
-            self.codec_work[B] = CodecStream(self.models.codec, B)
-        return self._codec_body(rows, n).float().cpu().numpy()
 
-    def pending_frames(self, slot: int) -> int:
-        st = self.host[slot]
-        return st.frames - st.decoded
+class GraphEngine(EngineCore):
+    """The engine API over `GraphBackend` (CUDA graphs on a GPU; the same code eagerly on CPU)."""
 
-    def is_finished(self, slot: int) -> bool:
-        return self.host[slot].finished
-
-    def frames_of(self, slot: int) -> int:
-        return self.host[slot].frames
-
-    def stopped_by(self, slot: int) -> str | None:
-        return self.host[slot].stopped_by
+    def __init__(
+        self,
+        models: Models,
+        plan: EnginePlan | None = None,
+        use_graphs: bool | None = None,
+        release_modules: bool = False,
+        keep_codes: bool = False,
+    ):
+        plan = plan or EnginePlan.default()
+        backend = GraphBackend(models, plan, use_graphs, release_modules)
+        super().__init__(backend, plan, models, keep_codes)
+        self.device = backend.device
 
 
 # -- helpers -------------------------------------------------------------------------------

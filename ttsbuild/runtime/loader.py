@@ -8,6 +8,7 @@ import torch
 
 from ttsbuild.runtime.artifact import load_models
 from ttsbuild.runtime.engine import EagerEngine
+from ttsbuild.runtime.plan import EnginePlan
 
 ENGINE_KINDS = ("auto", "graph", "eager")
 
@@ -37,50 +38,74 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def open_engine(
     path: str | Path | None,
     device: str | torch.device | None = None,
-    num_slots: int = 8,
-    max_len: int = 2048,
+    num_slots: int | None = None,
+    max_len: int | None = None,
     kind: str = "auto",
     precision: str | None = None,
     random_variant: str | None = None,
 ):
-    """Load `path` into an engine with `num_slots` slots (or, for benchmarks, in-memory
-    random weights of `random_variant`, e.g. "1.7b-customvoice", when path is None).
+    """Load `path` into an engine (or, for benchmarks, in-memory random weights of
+    `random_variant`, e.g. "1.7b-customvoice", when path is None).
 
+    A compiled engine runs under the plan in its manifest: num_slots / max_len may only ask
+    for less than it was compiled for (None: the plan's). A checkpoint runs under
+    `EnginePlan.default(num_slots, max_len, precision)`.
     kind: "graph" (slot buffers + CUDA graphs: the fast path), "eager" (the reference
-    modules), or "auto" (graph on CUDA, eager on CPU). precision (graph engines): "bf16" or
-    "fp8"; default: what a compiled engine's manifest says, bf16 for a checkpoint."""
+    modules), or "auto" (graph on CUDA, eager on CPU). precision (checkpoints, graph engines):
+    "bf16" or "fp8"; a compiled engine's is the one it was compiled with."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = resolve_device(device)
     if (path is None) == (random_variant is None):
         raise ValueError("give exactly one of a path or a random variant")
+    if kind == "auto":
+        kind = "graph" if device.type == "cuda" else "eager"
+    graph = kind == "graph"
     if random_variant is not None:
         from ttsbuild.runtime.engine import random_models
 
         models = random_models(random_variant, device=device)
     else:
-        models = load_models(path, device=device)
-    if kind == "auto":
-        kind = "graph" if device.type == "cuda" else "eager"
-    if kind == "eager":
-        return EagerEngine(models, num_slots=num_slots, max_len=max_len)
-
-    from ttsbuild.runtime.graph_engine import GraphEngine, RuntimeConfig
-
-    if precision is None:
-        precision = models.manifest.get("precision", "bf16")
-    shapes = models.manifest.get("shapes")  # a compiled engine declares its static shapes
-    if shapes:
-        if num_slots > shapes["max_batch"] or max_len > shapes["max_len"]:
+        models = load_models(path, device=device, decoder_layers=not graph)
+    compiled = models.manifest.get("plan")
+    if compiled is not None:
+        plan = plan_within(EnginePlan.model_validate(compiled), num_slots, max_len, path)
+        if precision is not None and precision != plan.precision:
             raise ValueError(
-                f"{path} was compiled for at most {shapes['max_batch']} streams and "
-                f"{shapes['max_len']} positions; asked for {num_slots} and {max_len} "
-                "(recompile with --max-batch/--max-len)"
+                f"{path} was compiled for {plan.precision}; recompile with --precision "
+                f"{precision}"
             )
-        buckets = tuple(b for b in shapes["batch_buckets"] if b < num_slots) + (num_slots,)
     else:
-        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < num_slots) + (num_slots,)
-    rcfg = RuntimeConfig(
-        num_slots=num_slots, max_len=max_len, batch_buckets=buckets, precision=precision
-    )
-    return GraphEngine(models, rcfg)
+        plan = EnginePlan.default(
+            num_slots=num_slots or 32, max_len=max_len or 2048, precision=precision or "bf16"
+        )
+    if not graph:
+        return EagerEngine(models, plan=plan)
+
+    from ttsbuild.runtime.graph_engine import GraphEngine
+
+    return GraphEngine(models, plan, release_modules=True)
+
+
+def plan_within(
+    plan: EnginePlan, num_slots: int | None, max_len: int | None, where
+) -> EnginePlan:
+    """The compiled plan, or a part of it: fewer slots (buckets above them dropped) or a
+    shorter context. Asking for more than was compiled is an error."""
+    num_slots = plan.num_slots if num_slots is None else num_slots
+    max_len = plan.max_len if max_len is None else max_len
+    if num_slots > plan.num_slots or max_len > plan.max_len:
+        raise ValueError(
+            f"{where} was compiled for at most {plan.num_slots} slots and {plan.max_len} "
+            f"positions; asked for {num_slots} and {max_len} (recompile with --slots/--max-len)"
+        )
+    if (num_slots, max_len) == (plan.num_slots, plan.max_len):
+        return plan
+    buckets = tuple(b for b in plan.batch_buckets if b <= num_slots) or (num_slots,)
+    prefill = tuple(t for t in plan.prefill_buckets if t < max_len) or (max_len - 1,)
+    return plan.model_copy(
+        update={
+            "num_slots": num_slots, "batch_buckets": buckets, "max_len": max_len,
+            "prefill_buckets": prefill, "max_frames": min(plan.max_frames, max_len - 1),
+        }
+    )  # fmt: skip

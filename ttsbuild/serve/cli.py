@@ -32,8 +32,13 @@ def serve(
         "[1,2,4,8,12] frames, balanced [4,4,8,16,25], throughput [25]."
     ),  # fmt: skip
     device: str | None = typer.Option(None, help="cpu, cuda, cuda:1 (default: cuda if any)."),
-    slots: int = typer.Option(8, help="Engine slots: requests generating at once."),
-    max_len: int = typer.Option(2048, help="Positions per slot (prompt + frames)."),
+    slots: int | None = typer.Option(
+        None, help="Engine slots: requests generating at once (default: a compiled engine's "
+        "plan, else 8)."
+    ),  # fmt: skip
+    max_len: int | None = typer.Option(
+        None, help="Positions per slot, prompt + frames (default: the plan's, else 2048)."
+    ),
     engine_kind: str = typer.Option(
         "auto", "--engine", help="graph (CUDA graphs), eager (reference), auto (graph on CUDA)."
     ),
@@ -76,7 +81,7 @@ def serve(
     config = ServeConfig(
         scheduler=SchedulerConfig(
             profile=PROFILES[profile],
-            num_slots=slots,
+            num_slots=256,  # bounded by the engine's plan below
             max_queue=max_queue,
             queue_timeout_s=queue_timeout,
             max_buffered_s=max_buffered,
@@ -88,7 +93,8 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         engine = open_engine(
-            checkpoint, device=device, num_slots=slots, max_len=max_len, kind=engine_kind,
+            checkpoint, device=device, num_slots=slots if slots or checkpoint is None else
+            (None if _is_engine(checkpoint) else 8), max_len=max_len, kind=engine_kind,
             precision=precision, random_variant=random,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
@@ -98,7 +104,14 @@ def serve(
     _err.print(
         f"loaded {checkpoint or random} ({engine.models.cfg.tts_model_type}, "
         f"{'stand-in' if manifest.get('standin') else 'real weights'}) on {engine.device}; "
-        f"{type(engine).__name__}; profile {profile.value}, {slots} slots"
+        f"{type(engine).__name__}; profile {profile.value}, {engine.num_slots} slots"
     )
     service = SpeechService(engine, config)
     uvicorn.run(create_app(service), host=host, port=port, log_level=log_level)
+
+
+def _is_engine(path: Path) -> bool:
+    from ttsbuild.build.engine_dir import ENGINE_FORMAT
+    from ttsbuild.runtime.artifact import artifact_format
+
+    return artifact_format(path) == ENGINE_FORMAT

@@ -83,8 +83,16 @@ class SpeechService:
         drop = config.drop_bootstrap_frame
         self.drop_bootstrap = (not self.standin) if drop is None else drop
         self.trim_onset = config.trim_onset and not self.standin
-        sched_cfg = replace(config.scheduler, num_slots=min(config.scheduler.num_slots,
-                                                            engine.free_slots()))  # fmt: skip
+        # The engine's plan bounds the slots, the rows per stage call and the chunk sizes.
+        self.plan = engine.plan
+        sched_cfg = replace(
+            config.scheduler,
+            num_slots=min(config.scheduler.num_slots, engine.free_slots()),
+            max_batch=min(config.scheduler.max_batch, self.plan.max_batch),
+        )
+        # Frames a stream may have launched but not decoded stay below the code ring: one
+        # chunk, the bootstrap frame it may carry, and the step launched before it is read.
+        self.max_chunk_frames = self.plan.codec_ring - 2
         self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
         self.loop = EngineLoop(self.scheduler, Runner(engine, RequestError))
         self.ready = False
@@ -100,6 +108,9 @@ class SpeechService:
 
     def chunk_schedule(self, requested: list[int] | None) -> tuple[int, ...]:
         schedule = tuple(requested or self.config.scheduler.profile.chunk_schedule)
+        if max(schedule) > self.max_chunk_frames:
+            raise ApiError(400, f"chunk_schedule entries must be at most {self.max_chunk_frames} "
+                           "frames for this engine", param="chunk_schedule")  # fmt: skip
         if self.drop_bootstrap:  # the first chunk carries the dropped frame too
             schedule = (schedule[0] + 1, *schedule[1:])
         return schedule

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On the GPU host (repo root): build the C++ step driver with CUDA, run the graph-vs-eager
+# check, then the engine microbenchmark (random 1.7B CustomVoice weights, and optionally a
+# compiled FP8 engine for its memory). Logs go to $OUT. Wheels the image lacks travel in .whl.
+#   STEPS="build check bench engine" OUT=out bash benchmarks/runtime/gpu_check.sh
+set -uo pipefail
+OUT=${OUT:-out}
+STEPS=${STEPS:-build check bench}
+BATCHES=${BATCHES:-1,8,32,64}
+PRECISIONS=${PRECISIONS:-bf16,fp8}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+log() { echo "== $(date -u +%H:%M:%S) $*"; }
+for step in $STEPS; do
+    case $step in
+    build)
+        log "build the step driver (CUDA)"
+        ( time python3 setup.py -q build_ext --inplace ) > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+        tail -4 "$OUT/build.log"
+        python3 -c 'import ttsbuild._driver as d; print("driver built with CUDA:", d.built_with_cuda())' ;;
+    check)
+        log "graph vs eager (tiny)"
+        timeout 300 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny 2>&1 | tee "$OUT/graph_vs_eager.log" ;;
+    bench)
+        log "engine microbenchmark"
+        timeout 420 python3 -m ttsbuild.bench.engine_bench --batches "$BATCHES" \
+            --precisions "$PRECISIONS" --iters 20 --out "$OUT" 2>&1 | tee "$OUT/engine_bench.log" ;;
+    engine)
+        log "compiled 1.7B FP8 engine: memory and timings"
+        W=$(mktemp -d)
+        { python3 -m ttsbuild.cli init-random "$W/src" --variant 1.7b-customvoice --force &&
+          python3 -m ttsbuild.cli convert "$W/src" -o "$W/ckpt" --force &&
+          python3 -m ttsbuild.cli compile "$W/ckpt" -o "$W/engine" --precision fp8 --max-batch 64 \
+              --force-quality --no-onnx --quality-texts 1 --quality-frames 4 &&
+          timeout 300 python3 -m ttsbuild.bench.engine_bench --engine-dir "$W/engine" \
+              --batches 1,64 --iters 20 --out "$OUT/compiled"; } 2>&1 | tee "$OUT/compiled_engine.log" ;;
+    esac
+done
+log done

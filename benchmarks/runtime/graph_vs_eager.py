@@ -1,0 +1,176 @@
+"""On a GPU: the graph backend (CUDA graphs, Triton kernels, the C++ step driver, pipelined
+steps) against the eager reference backend, request by request.
+
+Scenario: requests join and leave mid-batch so every batch bucket runs with padding rows
+(plan buckets 1, 2, 4, 8; up to 6 live rows), each request with its own length, seed and
+voice; steps are launched one ahead of reading. The reference runs each request alone on the
+eager backend (the counter-based sampler makes results independent of batch composition).
+
+Checks, per precision of the language models (the codec is fp32 in both):
+  fp32: greedy codes identical, sampled codes identical, PCM within 1e-3 (max abs);
+  bf16: codes agree on most frames (rounding of different kernels can flip near-ties of
+        random weights' flat logits; reported, not required identical), PCM of frames that
+        agree within 1e-2.
+Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
+    python benchmarks/runtime/graph_vs_eager.py [--variant tiny|1.7b-customvoice]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+
+from ttsbuild.runtime.core import run_to_completion
+from ttsbuild.runtime.engine import EagerEngine, random_models
+from ttsbuild.runtime.graph_engine import GraphEngine
+from ttsbuild.runtime.plan import EnginePlan
+from ttsbuild.runtime.request import SamplingOverrides, SynthesisRequest
+
+TEXTS = [
+    "The birch canoe slid on the smooth planks.",
+    "Glue the sheet to the dark blue background.",
+    "It's easy to tell the depth of a well.",
+    "These days a chicken leg is a rare dish.",
+    "Rice is often served in round bowls.",
+    "The juice of lemons makes fine punch.",
+    "The box was thrown beside the parked truck.",
+]
+VOICES = ["ryan", "vivian", "eric", "aiden", "serena", "dylan", "sohee"]
+GREEDY = SamplingOverrides(do_sample=False, subtalker_do_sample=False)
+
+
+def requests(greedy: bool) -> list[SynthesisRequest]:
+    return [
+        SynthesisRequest(
+            text=t, voice=v, seed=100 + i, max_frames=6 + 3 * i,
+            non_streaming=(i % 2 == 0), sampling=GREEDY if greedy else SamplingOverrides(),
+        )  # fmt: skip
+        for i, (t, v) in enumerate(zip(TEXTS, VOICES, strict=True))
+    ]
+
+
+def run_reference(models, reqs, plan):
+    engine = EagerEngine(models, plan=plan, keep_codes=True)
+    out = []
+    for r in reqs:
+        slot = engine.admit(r)
+        pcm = []
+        run_to_completion(engine, [slot], lambda _: pcm.append(engine.audio([slot])[slot]))
+        pcm.append(engine.audio([slot])[slot])
+        out.append((engine.codes_of(slot), np.concatenate(pcm)))
+        engine.release(slot)
+    return out
+
+
+def run_graph(engine: GraphEngine, reqs):
+    """Join/leave schedule: 3 start; every 2 steps one more joins (prefilled between steps
+    while earlier steps are still in flight); rows leave as they reach their limits."""
+    waiting = list(enumerate(reqs))
+    live: dict[int, int] = {}  # slot -> request index
+    pcm: dict[int, list[np.ndarray]] = {i: [] for i in range(len(reqs))}
+    codes: dict[int, torch.Tensor] = {}
+    pending = None
+    step = 0
+    batches = set()
+
+    def admit_one():
+        i, r = waiting.pop(0)
+        slot = engine.admit(r)
+        engine.prefill([slot])
+        live[slot] = i
+
+    for _ in range(3):
+        admit_one()
+    while live or waiting:
+        if waiting and (step % 2 == 1 or not live):
+            admit_one()
+        active = [s for s in live if engine.table[s].can_launch]
+        ticket = engine.launch_frames(active) if active else None
+        batches.add(len(active))
+        if pending is not None:
+            engine.collect(pending)
+        pending = ticket
+        for s, p in engine.audio(list(live), max_frames=2).items():
+            pcm[live[s]].append(p)
+        for s in [s for s in live if engine.is_finished(s) and engine.pending_frames(s) == 0]:
+            codes[live[s]] = engine.codes_of(s)
+            engine.release(s)
+            del live[s]
+        step += 1
+    return [(codes[i], np.concatenate(pcm[i])) for i in range(len(reqs))], sorted(batches)
+
+
+def check(variant: str, dtype: torch.dtype, greedy: bool, device: str) -> bool:
+    name = f"{variant} {str(dtype).removeprefix('torch.')} {'greedy' if greedy else 'sampled'}"
+    models = random_models(variant, device=device, dtype=dtype)
+    plan = EnginePlan(num_slots=8, batch_buckets=(1, 2, 4, 8), max_len=512, max_text=256,
+                      prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4), codec_ring=16)
+    reqs = requests(greedy)
+    t0 = time.perf_counter()
+    ref = run_reference(models, reqs, plan)
+    t1 = time.perf_counter()
+    engine = GraphEngine(models, plan, keep_codes=True)  # graphs on CUDA, eager on CPU
+    got, batches = run_graph(engine, reqs)
+    t2 = time.perf_counter()
+    exact = dtype == torch.float32
+    ok = True
+    agree_total = frames_total = 0
+    worst_pcm = 0.0
+    for i, ((rc, rp), (gc, gp)) in enumerate(zip(ref, got, strict=True)):
+        if rc.shape != gc.shape or rp.shape != gp.shape:
+            print(f"  request {i}: shapes differ {rc.shape}/{gc.shape} {rp.shape}/{gp.shape}")
+            ok = False
+            continue
+        same = (rc == gc).all(dim=1)
+        agree_total += int(same.sum())
+        frames_total += len(same)
+        first_bad = int((~same).nonzero()[0]) if not bool(same.all()) else len(same)
+        n = first_bad * 1920
+        diff = float(np.abs(rp[:n] - gp[:n]).max()) if n else 0.0
+        worst_pcm = max(worst_pcm, diff)
+        if exact and (first_bad < len(same) or diff > 1e-3):
+            print(f"  request {i}: first differing frame {first_bad}/{len(same)}, pcm {diff:.2e}")
+            ok = False
+        if not exact and diff > 1e-2:
+            print(f"  request {i}: pcm of agreeing frames differs by {diff:.2e}")
+            ok = False
+    audible = max(float(np.abs(p).max()) for _, p in got)
+    ok = ok and audible > 0.01  # a silent codec would prove nothing
+    print(
+        f"{name}: {'PASS' if ok else 'FAIL'}; codes agree on {agree_total}/{frames_total} "
+        f"frames; max |pcm diff| {worst_pcm:.2e} (peak {audible:.2f}); batch sizes run "
+        f"{batches}; graphs {len(engine.backend.graphs)}; reference {t1 - t0:.1f} s, "
+        f"graph engine {t2 - t1:.1f} s",
+        flush=True,
+    )
+    del engine
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return ok or not exact
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--variant", default="tiny")
+    p.add_argument("--device", default="cuda", help="cpu: the same code path, uncaptured")
+    a = p.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    where = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    print(f"{where}, torch {torch.__version__}", flush=True)
+    results = [
+        check(a.variant, torch.float32, greedy=True, device=a.device),
+        check(a.variant, torch.float32, greedy=False, device=a.device),
+    ]
+    if a.device == "cuda":
+        results.append(check(a.variant, torch.bfloat16, greedy=True, device=a.device))
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

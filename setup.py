@@ -1,0 +1,29 @@
+"""Builds ttsbuild's C++ step driver (ttsbuild._driver) with torch's extension API.
+
+With a CUDA build of torch and a CUDA toolkit the driver replays CUDA graphs and copies on
+its own stream; elsewhere (CPU-only machines, CI) the same source builds without CUDA.
+Everything else about the package is in pyproject.toml.
+"""
+
+import os
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+SOURCES = ["ttsbuild/csrc/step_driver.cpp"]
+ARGS = {"cxx": ["-O2", "-std=c++17"]}
+
+
+def driver_extension():
+    want_cuda = os.environ.get("TTSBUILD_DRIVER_CUDA", "auto")
+    has_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+    if want_cuda == "1" or (want_cuda == "auto" and has_cuda):
+        return CUDAExtension(
+            "ttsbuild._driver", SOURCES, extra_compile_args=ARGS,
+            define_macros=[("TTSBUILD_WITH_CUDA", None)],
+        )  # fmt: skip
+    return CppExtension("ttsbuild._driver", SOURCES, extra_compile_args=ARGS)
+
+
+setup(ext_modules=[driver_extension()], cmdclass={"build_ext": BuildExtension})

@@ -1,0 +1,251 @@
+"""The engine core on CPU: slot table, plan, the C++ step driver, pipelined steps (launch
+ahead, EOS decided one step late), and the graph backend's code path against the eager one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ttsbuild.convert.checkpoint import load_checkpoint
+from ttsbuild.runtime.core import (
+    NoFreeSlot,
+    SlotPlan,
+    SlotRecord,
+    SlotTable,
+    run_to_completion,
+)
+from ttsbuild.runtime.engine import EagerEngine, Models
+from ttsbuild.runtime.graph_engine import GraphEngine
+from ttsbuild.runtime.plan import EnginePlan
+from ttsbuild.runtime.request import RequestError, SamplingOverrides, SynthesisRequest
+
+PLAN = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
+                  prefill_buckets=(32, 64), codec_chunks=(1, 2, 4), codec_ring=8)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint):
+    return Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
+
+
+def req(i: int, frames: int = 7, **kw) -> SynthesisRequest:
+    texts = ["The birch canoe slid on the smooth planks.", "Glue the sheet to the dark blue.",
+             "It's easy to tell the depth of a well."]  # fmt: skip
+    return SynthesisRequest(text=texts[i % 3], voice=["ryan", "vivian", "eric"][i % 3],
+                            seed=10 + i, max_frames=frames, **kw)  # fmt: skip
+
+
+# -- plan ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(batch_buckets=(4, 2)), "strictly ascending"),
+        (dict(num_slots=2, batch_buckets=(1, 4)), "exceeds 2 slots"),
+        (dict(codec_chunks=(2, 4)), "must include 1"),
+        (dict(codec_ring=4, codec_chunks=(1, 8)), "codec_ring"),
+        (dict(num_slots=300, batch_buckets=(1,)), "num_slots"),
+        (dict(max_len=256, prefill_buckets=(32, 256)), "prefill bucket"),
+        (dict(extra_field=1), "Extra inputs"),
+    ],
+)
+def test_plan_refuses_inconsistent_shapes(bad, message):
+    with pytest.raises(ValueError, match=message):
+        EnginePlan(**{**PLAN.model_dump(), **bad})
+
+
+def test_plan_buckets_and_prompt_checks():
+    assert [PLAN.bucket(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    with pytest.raises(ValueError, match="largest bucket 4"):
+        PLAN.bucket(5)
+    assert PLAN.prefill_bucket(33) == 64 and PLAN.prefill_bucket(65) is None
+    with pytest.raises(ValueError, match="text is too long"):
+        PLAN.check_prompt(10, 65, 5)
+    with pytest.raises(ValueError, match="exceeds the engine's context of 256"):
+        PLAN.check_prompt(200, 10, 57)
+    PLAN.check_prompt(200, 10, 56)
+    roundtrip = EnginePlan.model_validate_json(PLAN.model_dump_json())
+    assert roundtrip == PLAN
+    small = EnginePlan.default(num_slots=3, max_len=100)
+    assert small.batch_buckets == (1, 2, 3) and small.prefill_buckets == (32, 64)
+    assert small.max_frames == 99
+
+
+# -- slot table ----------------------------------------------------------------------------
+
+
+def _record(limit=5, by_rule=True):
+    params = type("P", (), {"min_new_tokens": 2})()
+    return SlotRecord(SlotPlan(None, params, limit, by_rule, 0))
+
+
+def test_slot_table_claims_lowest_free_and_refuses_when_full():
+    table = SlotTable(2)
+    a, b = table.claim(_record()), table.claim(_record())
+    assert (a, b) == (0, 1) and table.free_count() == 0
+    with pytest.raises(NoFreeSlot):
+        table.claim(_record())
+    uid = table[0].uid
+    table.release(0)
+    assert table.claim(_record()) == 0 and table[0].uid != uid
+
+
+def test_known_frames_follow_the_eos_gate():
+    stand_in, real = _record(limit=5, by_rule=True), _record(limit=5, by_rule=False)
+    for rec in (stand_in, real):
+        rec.launched = 4
+    assert stand_in.known_frames == 4  # EOS is never sampled: launched frames are real
+    assert real.known_frames == 2  # frames 2.. could be EOS until read back
+    real.committed = 3
+    assert real.known_frames == 3
+
+
+# -- the C++ driver ------------------------------------------------------------------------
+
+
+def test_the_step_driver_is_the_compiled_extension(models):
+    from ttsbuild import _driver
+
+    engine = GraphEngine(models, PLAN, use_graphs=False)
+    assert isinstance(engine.backend.driver, _driver.StepDriver)
+    assert not engine.backend.driver.cuda
+
+
+def test_driver_copies_in_runs_the_step_and_copies_out():
+    from ttsbuild import _driver
+
+    drv = _driver.StepDriver(False)
+    state, inputs, out = torch.zeros(5), torch.randn(5), torch.zeros(5)
+    ticket = drv.launch(lambda: state.mul_(3.0).add_(1.0), [inputs], [state], [state], [out])
+    drv.wait(ticket)
+    assert drv.ready(ticket)
+    torch.testing.assert_close(out, inputs * 3 + 1)
+    with pytest.raises(RuntimeError, match="sources but"):
+        drv.launch(lambda: None, [inputs], [], [], [])
+    with pytest.raises(RuntimeError, match="shape"):
+        drv.launch(lambda: None, [inputs], [torch.zeros(4)], [], [])
+    with pytest.raises(RuntimeError, match="unknown ticket"):
+        drv.wait(ticket + 100)
+
+
+# -- pipelined steps -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["eager", "graph"])
+def test_launching_ahead_gives_the_same_frames_as_reading_each_step(models, backend):
+    def make():
+        if backend == "eager":
+            return EagerEngine(models, plan=PLAN, keep_codes=True)
+        return GraphEngine(models, PLAN, use_graphs=False, keep_codes=True)
+
+    ahead, stepwise = make(), make()
+    reqs = [req(0, 7), req(1, 4), req(2, 6)]
+    slots = [ahead.admit(r) for r in reqs]
+    run_to_completion(ahead, slots, on_step=lambda _: ahead.audio(slots))
+    one = [stepwise.admit(r) for r in reqs]
+    stepwise.prefill(one)
+    while not all(stepwise.is_finished(s) for s in one):
+        stepwise.frames([s for s in one if not stepwise.is_finished(s)])
+        stepwise.audio(one)
+    for a, b, r in zip(slots, one, reqs, strict=True):
+        assert ahead.frames_of(a) == r.max_frames
+        assert torch.equal(ahead.codes_of(a), stepwise.codes_of(b))
+    assert not torch.equal(ahead.codes_of(slots[0])[:4], ahead.codes_of(slots[1]))
+
+
+def test_eos_is_decided_one_step_late_and_the_extra_step_dropped(tiny_checkpoint):
+    models = Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
+    models.length_rule = None  # a real checkpoint: EOS decides
+    eos = models.cfg.codec_ids.eos
+    with torch.no_grad():
+        models.talker.codec_head.weight[eos] = models.talker.model.norm.weight * 50
+    engine = EagerEngine(models, plan=PLAN, keep_codes=True)
+    slot = engine.admit(req(0, frames=None))
+    engine.prefill([slot])
+    t0 = engine.launch_frames([slot])
+    t1 = engine.launch_frames([slot])
+    assert engine.pending_frames(slot) == 2  # frames 0 and 1 cannot be EOS (min_new_tokens)
+    first = engine.audio([slot], max_frames=1)[slot]  # before any codes were read back
+    assert first.shape == (1920,)
+    t2 = engine.launch_frames([slot])  # frame 2 (EOS) in flight; frame 3 launched behind it
+    t3 = engine.launch_frames([slot])
+    outs = [engine.collect(t) for t in (t0, t1, t2, t3)]
+    assert [len(o) for o in outs] == [1, 1, 1, 0]  # the step after EOS is dropped
+    assert outs[2][0].codes is None and outs[2][0].finished
+    assert engine.stopped_by(slot) == "eos" and engine.frames_of(slot) == 2
+    assert engine.audio([slot])[slot].shape == (1920,)  # only frame 1 was left
+    with pytest.raises(RuntimeError, match="finished"):
+        engine.launch_frames([slot])
+
+
+def test_a_ticket_of_a_released_slot_never_reaches_its_next_occupant(models):
+    engine = GraphEngine(models, PLAN, use_graphs=False, keep_codes=True)
+    slot = engine.admit(req(0))
+    engine.prefill([slot])
+    stale = engine.launch_frames([slot])
+    engine.release(slot)
+    again = engine.admit(req(1))
+    assert again == slot
+    assert engine.collect(stale) == []
+    assert engine.frames_of(again) == 0 and engine.free_slots() == 3
+
+
+def test_the_code_ring_is_never_overrun(models):
+    engine = GraphEngine(models, PLAN, use_graphs=False)
+    slot = engine.admit(req(0, frames=20))
+    engine.prefill([slot])
+    for _ in range(PLAN.codec_ring):
+        engine.frames([slot])
+    with pytest.raises(RuntimeError, match="code ring holds 8"):
+        engine.frames([slot])
+    assert engine.audio([slot])[slot].shape == (PLAN.codec_ring * 1920,)
+    engine.frames([slot])  # room again
+
+
+def test_requests_beyond_the_plan_are_refused_at_the_edge(models):
+    engine = EagerEngine(models, plan=PLAN)
+    with pytest.raises(RequestError, match="exceeds this engine's limit"):
+        engine.admit(req(0, frames=PLAN.max_frames + 1))
+    greedy = SamplingOverrides(do_sample=False)
+    slot = engine.admit(req(0, frames=3, sampling=greedy))
+    assert engine.free_slots() == 3
+    engine.release(slot)
+
+
+def test_graph_backend_matches_eager_backend_with_joins_and_leaves(models):
+    """Rows join and leave mid-batch, so the bucketed batch changes every step."""
+    reqs = [req(i, 3 + 2 * i) for i in range(5)]
+    reference = {}
+    for i, r in enumerate(reqs):
+        e = EagerEngine(models, plan=PLAN, keep_codes=True)
+        s = e.admit(r)
+        pcm = []
+        run_to_completion(e, [s], lambda _, e=e, s=s, pcm=pcm: pcm.append(e.audio([s])[s]))
+        pcm.append(e.audio([s])[s])
+        reference[i] = (e.codes_of(s), np.concatenate(pcm))
+    engine = GraphEngine(models, PLAN, use_graphs=False, keep_codes=True)
+    live, pcm, done = {}, {i: [] for i in range(5)}, {}
+    waiting = list(range(5))
+    pending = None
+    while waiting or live:
+        if waiting and len(live) < 3:
+            i = waiting.pop(0)
+            s = engine.admit(reqs[i])
+            engine.prefill([s])
+            live[s] = i
+        ticket = engine.launch_frames([s for s in live if engine.table[s].can_launch])
+        if pending is not None:
+            engine.collect(pending)
+        pending = ticket
+        for s, p in engine.audio(list(live), max_frames=2).items():
+            pcm[live[s]].append(p)
+        for s in [s for s in live if engine.is_finished(s) and engine.pending_frames(s) == 0]:
+            done[live.pop(s)] = engine.codes_of(s)
+            engine.release(s)
+    for i, (codes, ref_pcm) in reference.items():
+        assert torch.equal(done[i], codes), i
+        got = np.concatenate(pcm[i])
+        assert got.shape == ref_pcm.shape and np.abs(got - ref_pcm).max() <= 1e-5
+    assert engine.free_slots() == PLAN.num_slots

@@ -1,0 +1,55 @@
+"""The C++ step driver (`ttsbuild/csrc/step_driver.cpp`), built by the package's install.
+
+`make install` (pip) builds it from source; a source tree used without installing (e.g.
+`PYTHONPATH=.` on a GPU host) builds it once with `python setup.py build_ext --inplace`, or
+just-in-time here through torch's extension loader when `TTSBUILD_JIT_DRIVER=1`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "step_driver.cpp"
+
+
+class DriverUnavailable(ImportError):
+    pass
+
+
+@functools.cache
+def driver_module(cuda: bool):
+    """The compiled extension; with cuda=True it must have been built with CUDA."""
+    try:
+        from ttsbuild import _driver
+    except ImportError:
+        _driver = None
+    if _driver is not None and (_driver.built_with_cuda() or not cuda):
+        return _driver
+    if os.environ.get("TTSBUILD_JIT_DRIVER") == "1":
+        from torch.utils.cpp_extension import load
+
+        log.info("building the step driver just in time (cuda=%s)", cuda)
+        return load(
+            name="ttsbuild_driver_cuda" if cuda else "ttsbuild_driver",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O2", "-std=c++17"] + (["-DTTSBUILD_WITH_CUDA"] if cuda else []),
+            with_cuda=cuda,
+        )
+    what = "a CUDA build of " if cuda else ""
+    raise DriverUnavailable(
+        f"{what}the step driver (ttsbuild._driver) is not built: install the package "
+        "(`make install`) or run `python setup.py build_ext --inplace` in the source tree"
+    )
+
+
+def make_driver(device: torch.device):
+    """A StepDriver for `device` (a CUDA device: graphs + copy stream; CPU: eager steps)."""
+    cuda = device.type == "cuda"
+    return driver_module(cuda).StepDriver(cuda)

@@ -1,0 +1,123 @@
+"""The static plan of an engine: every shape the runtime captures or allocates, in one place.
+
+`ttsbuild compile` writes the plan into the engine's manifest; the runtime, the server (chunk
+caps, slot count), the engine benchmark and the loader read it from there and obey it. A
+converted checkpoint (or an in-memory stand-in) has no compiled plan: it runs under
+`EnginePlan.default(...)`, built here and nowhere else. A request that does not fit the plan
+is refused at the edge with a clear message (`check_prompt`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+MAX_SLOTS = 256
+
+
+def power_of_two_buckets(largest: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below `largest`, then `largest` itself."""
+    return (*(2**i for i in range(largest.bit_length()) if 2**i < largest), largest)
+
+
+class EnginePlan(BaseModel):
+    """Shapes and per-bucket choices of one engine. Field docs are the manifest's docs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_slots: int = 32  # concurrent requests (KV cache rows); padding rows use one more
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # captured batch sizes, last = max
+    prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)  # captured prompt lengths
+    codec_chunks: tuple[int, ...] = (1, 2, 4, 8, 16)  # frames per captured codec step
+    codec_ring: int = 64  # frames buffered per slot between the frame and codec stages
+    max_len: int = 2048  # talker positions per slot (prompt + frames)
+    max_text: int = 1024  # trailing text positions per slot (streaming text mode)
+    max_frames: int = 1536  # frames per request at most
+    precision: Literal["bf16", "fp8"] = "bf16"  # talker linears (fp8: weight-only e4m3)
+    code_predictor_fp8: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EnginePlan:
+        def ascending(name: str, values: tuple[int, ...]) -> None:
+            if not values or min(values) < 1 or sorted(set(values)) != list(values):
+                raise ValueError(f"{name} must be strictly ascending positive sizes: {values}")
+
+        ascending("batch_buckets", self.batch_buckets)
+        ascending("prefill_buckets", self.prefill_buckets)
+        ascending("codec_chunks", self.codec_chunks)
+        if not 1 <= self.num_slots <= MAX_SLOTS:
+            raise ValueError(f"num_slots must be 1..{MAX_SLOTS}, got {self.num_slots}")
+        if self.batch_buckets[-1] > self.num_slots:
+            raise ValueError(
+                f"largest batch bucket {self.batch_buckets[-1]} exceeds {self.num_slots} slots"
+            )
+        if self.codec_chunks[0] != 1:
+            raise ValueError("codec_chunks must include 1 (any count of frames must decode)")
+        if self.codec_chunks[-1] > self.codec_ring:
+            raise ValueError(
+                f"codec_ring ({self.codec_ring}) must hold the largest codec chunk "
+                f"({self.codec_chunks[-1]})"
+            )
+        if self.prefill_buckets[-1] >= self.max_len:
+            raise ValueError("the largest prefill bucket must leave room for frames in max_len")
+        if self.max_frames < 1 or self.max_text < 1:
+            raise ValueError("max_frames and max_text must be positive")
+        return self
+
+    @classmethod
+    def default(
+        cls,
+        num_slots: int = 32,
+        max_len: int = 2048,
+        precision: Literal["bf16", "fp8"] = "bf16",
+        **overrides,
+    ) -> EnginePlan:
+        """The plan of a checkpoint run without compiling: buckets are powers of two up to
+        min(num_slots, 64) (one graph per bucket; larger batches are split)."""
+        max_batch = min(num_slots, overrides.pop("max_batch", 64))
+        prefill = tuple(t for t in cls.model_fields["prefill_buckets"].default if t < max_len)
+        return cls(
+            num_slots=num_slots,
+            batch_buckets=power_of_two_buckets(max_batch),
+            prefill_buckets=overrides.pop("prefill_buckets", prefill or (max_len - 1,)),
+            max_len=max_len,
+            max_frames=min(overrides.pop("max_frames", 1536), max_len - 1),
+            precision=precision,
+            **overrides,
+        )
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_buckets[-1]
+
+    @property
+    def max_chunk(self) -> int:
+        return self.codec_chunks[-1]
+
+    def bucket(self, n: int) -> int:
+        """The smallest captured batch size that holds n rows."""
+        for b in self.batch_buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"a batch of {n} exceeds the largest bucket {self.max_batch}")
+
+    def prefill_bucket(self, n: int) -> int | None:
+        """The smallest captured prompt length >= n; None: longer than any (runs uncaptured)."""
+        return next((t for t in self.prefill_buckets if t >= n), None)
+
+    def check_prompt(self, prompt_positions: int, text_positions: int, frames: int) -> None:
+        """Raises ValueError (a 400 at the edge) when a request does not fit the plan."""
+        if text_positions > self.max_text:
+            raise ValueError(
+                f"text is too long for this engine ({text_positions} > {self.max_text} tokens)"
+            )
+        if prompt_positions + frames > self.max_len:
+            raise ValueError(
+                f"prompt ({prompt_positions} positions) + {frames} frames exceeds the engine's "
+                f"context of {self.max_len}"
+            )
+
+    def codec_chunk_for(self, pending: int) -> int:
+        """The largest captured codec chunk <= pending (pending >= 1)."""
+        return max(c for c in self.codec_chunks if c <= pending)
