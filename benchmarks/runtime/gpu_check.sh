@@ -21,7 +21,7 @@ for step in $STEPS; do
         log "build the step driver (CUDA)"
         ( time python3 setup.py -q build_ext --inplace ) > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
         tail -4 "$OUT/build.log"
-        python3 -c 'import ttsbuild._driver as d; print("driver built with CUDA:", d.built_with_cuda())' ;;
+        python3 -c 'import torch, ttsbuild._driver as d; print("driver built with CUDA:", d.built_with_cuda())' ;;
     check)
         log "graph vs eager (tiny)"
         timeout 300 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny 2>&1 | tee "$OUT/graph_vs_eager.log" ;;

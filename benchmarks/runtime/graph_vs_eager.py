@@ -18,8 +18,13 @@ Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+
+# fp32 means fp32 here: no TF32 in Triton dots, cuBLAS matmuls or cuDNN convolutions, so the
+# two backends differ only by summation order.
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 import numpy as np
 import torch
@@ -158,6 +163,8 @@ def main() -> int:
     p.add_argument("--variant", default="tiny")
     p.add_argument("--device", default="cuda", help="cpu: the same code path, uncaptured")
     a = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     if a.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
