@@ -29,8 +29,7 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 import numpy as np
 import torch
 
-from ttsbuild.runtime.core import run_to_completion
-from ttsbuild.runtime.engine import EagerEngine, random_models
+from ttsbuild.runtime.engine import EagerEngine, random_models, synthesize
 from ttsbuild.runtime.graph_engine import GraphEngine
 from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.request import SamplingOverrides, SynthesisRequest
@@ -62,12 +61,8 @@ def run_reference(models, reqs, plan):
     engine = EagerEngine(models, plan=plan, keep_codes=True)
     out = []
     for r in reqs:
-        slot = engine.admit(r)
-        pcm = []
-        run_to_completion(engine, [slot], lambda _: pcm.append(engine.audio([slot])[slot]))
-        pcm.append(engine.audio([slot])[slot])
-        out.append((engine.codes_of(slot), np.concatenate(pcm)))
-        engine.release(slot)
+        pcm, stats = synthesize(engine, r, chunk_frames=2)
+        out.append((stats["codes"], pcm))
     return out
 
 

@@ -15,7 +15,7 @@ from ttsbuild.runtime.core import (
     SlotTable,
     run_to_completion,
 )
-from ttsbuild.runtime.engine import EagerEngine, Models
+from ttsbuild.runtime.engine import EagerEngine, Models, synthesize
 from ttsbuild.runtime.graph_engine import GraphEngine
 from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.request import RequestError, SamplingOverrides, SynthesisRequest
@@ -218,13 +218,10 @@ def test_graph_backend_matches_eager_backend_with_joins_and_leaves(models):
     """Rows join and leave mid-batch, so the bucketed batch changes every step."""
     reqs = [req(i, 3 + 2 * i) for i in range(5)]
     reference = {}
+    eager = EagerEngine(models, plan=PLAN, keep_codes=True)
     for i, r in enumerate(reqs):
-        e = EagerEngine(models, plan=PLAN, keep_codes=True)
-        s = e.admit(r)
-        pcm = []
-        run_to_completion(e, [s], lambda _, e=e, s=s, pcm=pcm: pcm.append(e.audio([s])[s]))
-        pcm.append(e.audio([s])[s])
-        reference[i] = (e.codes_of(s), np.concatenate(pcm))
+        pcm, stats = synthesize(eager, r, chunk_frames=2)
+        reference[i] = (stats["codes"], pcm)
     engine = GraphEngine(models, PLAN, use_graphs=False, keep_codes=True)
     live, pcm, done = {}, {i: [] for i in range(5)}, {}
     waiting = list(range(5))

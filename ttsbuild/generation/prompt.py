@@ -99,28 +99,31 @@ def build_prompt(talker: Talker, spec: PromptSpec) -> Prompt:
     if len(text_ids) <= ROLE_LEN + TAIL_LEN:
         raise PromptError("the text is empty")
     device = talker.codec_head.weight.device
-
-    def ids(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
     tid = cfg.text_ids
-    tts_bos, tts_eos, tts_pad = talker.embed_text(ids([tid.tts_bos, tid.tts_eos, tid.tts_pad]))
-    parts = []
-    if spec.instruct_ids:
-        if cfg.supports_instruct:
-            parts.append(talker.embed_text(ids(spec.instruct_ids)))
-    parts.append(talker.embed_text(ids(text_ids[:ROLE_LEN])))
-
+    instruct = list(spec.instruct_ids) if spec.instruct_ids and cfg.supports_instruct else []
+    body_ids = text_ids[ROLE_LEN:-TAIL_LEN]
     codec = codec_prefix(cfg, spec) + [cfg.codec_ids.pad, cfg.codec_ids.bos]
-    codec_emb = talker.embed_codec(ids(codec))  # [C, hidden]
+    # One host-to-device copy and one embedding pass for every text token, one for the codec
+    # ids: a request's admission is a handful of kernels, not dozens.
+    all_text = [tid.tts_bos, tid.tts_eos, tid.tts_pad, *instruct, *text_ids[:ROLE_LEN], *body_ids]
+    ids = torch.tensor([*all_text, *codec, cfg.codec_ids.pad], dtype=torch.long).to(device)
+    text_emb = talker.embed_text(ids[: len(all_text)])
+    codec_emb = talker.embed_codec(ids[len(all_text) :])  # [C + 1, hidden]
+    tts_bos, tts_eos, tts_pad = text_emb[0], text_emb[1], text_emb[2]
+    i_end = 3 + len(instruct)
+    r_end = i_end + ROLE_LEN
+    parts = [text_emb[3:i_end]] if instruct else []
+    parts.append(text_emb[i_end:r_end])
+
+    e_pad = codec_emb[-1]
+    codec_emb = codec_emb[:-1]
     n_prefix = len(codec) - 1
     text_track = torch.cat([tts_pad.expand(n_prefix - 1, -1), tts_bos[None]])
     parts.append(codec_emb[:-1] + text_track)
 
-    body = talker.embed_text(ids(text_ids[ROLE_LEN:-TAIL_LEN]))  # [n_text, hidden]
+    body = text_emb[r_end:]  # [n_text, hidden]
     bos = codec_emb[-1]
     if spec.non_streaming:
-        e_pad = talker.embed_codec(ids([cfg.codec_ids.pad]))
         parts.append(torch.cat([body, tts_eos[None]]) + e_pad)
         parts.append((tts_pad + bos)[None])
         trailing = tts_pad[None]

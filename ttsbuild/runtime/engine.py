@@ -213,7 +213,8 @@ def synthesize(
     """Run one request to completion on a free slot. Returns (float32 PCM, stats).
 
     Audio is decoded every `chunk_frames` frames (the codec is exact for any split);
-    on_frames(total_frames) is called after each frame.
+    on_frames(total_frames) is called after each frame. An engine that keeps codes adds them
+    to the stats.
     """
     slot = engine.admit(req)
     chunks = []
@@ -232,6 +233,8 @@ def synthesize(
             "stopped_by": engine.stopped_by(slot),
             "seed": engine.seed_of(slot),
         }
+        if engine.keep_codes:
+            stats["codes"] = engine.codes_of(slot)  # [frames, groups]
         return np.concatenate(chunks), stats
     finally:
         engine.release(slot)

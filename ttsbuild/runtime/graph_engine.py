@@ -168,8 +168,14 @@ class GraphBackend:
         self.pcm_out = zeros(bmax, maxc * SAMPLES_PER_FRAME)
         pmax = plan.prefill_buckets[-1]
         self.prefill_embeds = zeros(1, pmax, H, dtype=self.dtype)
-        self.prefill_slot = torch.full((1,), self.scratch, dtype=torch.int64, device=dev)
-        self.prefill_last = zeros(1, dtype=torch.int64)
+        # A request's per-slot settings, staged on the host and written into its slot by the
+        # prefill step itself (one copy in, no per-field kernels at admission).
+        self.admit_ints = zeros(len(_ADMIT_INTS), dtype=torch.int64)
+        self.admit_floats = zeros(len(_ADMIT_FLOATS))
+        self.admit_text = zeros(plan.max_text, H, dtype=self.dtype)
+        self.prefill_slot = self.admit_ints[0:1]  # views: the slot and the prompt's last index
+        self.prefill_last = self.admit_ints[1:2]
+        self.prefill_slot.fill_(self.scratch)  # capture warm-ups write the scratch slot
         pinned = dev.type == "cuda"
         self.frame_staging = _StagingRing(
             ((bmax,), torch.int64), ((bmax, G), torch.int64), pinned
@@ -181,8 +187,11 @@ class GraphBackend:
 
         self.pending_prompts: dict[int, torch.Tensor] = {}  # slot -> prompt embeds [T, H]
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graph_pool_bytes = 0
         if self.use_graphs:
+            before = torch.cuda.memory_allocated(dev)
             self.capture()
+            self.graph_pool_bytes = torch.cuda.memory_allocated(dev) - before
 
     # -- stage bodies (fixed shapes, no host sync) -------------------------------------------
     def _embed_frame(self, codes: torch.Tensor) -> torch.Tensor:
@@ -240,7 +249,25 @@ class GraphBackend:
         self.position[rows] = pos + 1
         return codes
 
+    def _admit_body(self) -> None:
+        """Write the staged settings of the request being prefilled into its slot and reset
+        the slot's generation state (codec state, history, counters)."""
+        slot = self.prefill_slot
+        ints, floats = self.admit_ints, self.admit_floats
+        for name, i in _ADMIT_INT_INDEX.items():
+            if i >= 2:  # 0, 1: the slot and the last prompt index
+                _ADMIT_TARGETS[name](self).index_copy_(0, slot, ints[i : i + 1])
+        for name, i in _ADMIT_FLOAT_INDEX.items():
+            target = _ADMIT_TARGETS[name](self)
+            target.index_copy_(0, slot, floats[i : i + 1].to(target.dtype))
+        self.frame_idx.index_fill_(0, slot, 0)
+        self.decoded.index_fill_(0, slot, 0)
+        self.history.index_fill_(0, slot, False)
+        self.text_track.index_copy_(0, slot, self.admit_text[None])
+        self.codec_store.reset(slot)
+
     def _prefill_body(self, length: int) -> None:
+        self._admit_body()
         slot = self.prefill_slot
         embeds = self.prefill_embeds[:, :length]
         h = self.talker_stack.prefill(embeds, self.kv_k, self.kv_v, slot)[0]  # [T, H]
@@ -295,21 +322,8 @@ class GraphBackend:
 
     # -- backend API (runtime.core.Backend) ---------------------------------------------------
     def admit(self, slot: int, plan: SlotPlan) -> None:
-        prompt, params = plan.prompt, plan.params
-        n_prompt, n_text = prompt.embeds.shape[0], prompt.trailing_text.shape[0]
-        dev = self.device
-        self.position[slot] = n_prompt
-        self.frame_idx[slot] = 0
-        self.decoded[slot] = 0
-        self.history[slot] = False
-        self.seed[slot] = plan.seed
-        self.eos_min_frames[slot] = plan.eos_from
-        _set_sampling(self.talker_sampling, slot, params.talker, dev)
-        _set_sampling(self.cp_sampling, slot, params.code_predictor, dev)
-        self.text_track[slot, :n_text] = prompt.trailing_text.to(self.dtype)
-        self.text_len[slot] = n_text
-        self.codec_store.reset([slot])
-        self.pending_prompts[slot] = prompt.embeds
+        """Host-side only: the slot's settings are written by its prefill step."""
+        self.pending_prompts[slot] = plan
 
     def release(self, slot: int) -> None:
         self.pending_prompts.pop(slot, None)
@@ -317,16 +331,32 @@ class GraphBackend:
     @torch.no_grad()
     def prefill(self, slots: list[int]) -> None:
         for slot in slots:
-            embeds = self.pending_prompts.pop(slot)
-            n = embeds.shape[0]
+            plan = self.pending_prompts.pop(slot)
+            prompt, params = plan.prompt, plan.params
+            embeds, text = prompt.embeds, prompt.trailing_text
+            n, n_text = embeds.shape[0], text.shape[0]
             bucket = self.plan.prefill_bucket(n)
-            self.prefill_slot.fill_(slot)
-            self.prefill_last.fill_(n - 1)
+            t, c = params.talker, params.code_predictor
+            values = {
+                "slot": slot, "last": n - 1, "position": n, "seed": plan.seed,
+                "eos_min_frames": plan.eos_from, "text_len": n_text, "talker_top_k": t.top_k,
+                "cp_top_k": c.top_k, "talker_do_sample": t.do_sample,
+                "cp_do_sample": c.do_sample, "talker_temperature": t.temperature,
+                "talker_top_p": t.top_p, "talker_repetition_penalty": t.repetition_penalty,
+                "cp_temperature": c.temperature, "cp_top_p": c.top_p,
+                "cp_repetition_penalty": c.repetition_penalty,
+            }  # fmt: skip
+            # Non-blocking from pinned memory: the host allocator keeps each row until its
+            # copy ran, so no step in flight is waited for.
+            self.admit_ints.copy_(self._staged(_ADMIT_INTS, values, torch.int64), True)
+            self.admit_floats.copy_(self._staged(_ADMIT_FLOATS, values, torch.float32), True)
+            self.admit_text[:n_text] = text.to(self.dtype)
             if self.use_graphs and bucket is not None:
                 self.prefill_embeds[0, :n] = embeds.to(self.dtype)
                 self.prefill_embeds[0, n:bucket] = 0
                 self.graphs[("prefill", bucket)].replay()
             else:
+                self._admit_body()
                 self._prefill_eager(embeds[None].to(self.dtype))
 
     def _prefill_eager(self, embeds: torch.Tensor) -> None:
@@ -334,6 +364,10 @@ class GraphBackend:
         last = h.index_select(0, self.prefill_last)
         self.hidden[self.prefill_slot] = last
         self.logits[self.prefill_slot] = self.codec_head(last).float()
+
+    def _staged(self, names: tuple[str, ...], values: dict, dtype) -> torch.Tensor:
+        row = torch.tensor([values[k] for k in names], dtype=dtype)
+        return row.pin_memory() if self.device.type == "cuda" else row  # copied non-blocking
 
     def _launch(self, ring: _StagingRing, slots: list[int], step, outputs: torch.Tensor,
                 width: int) -> _Staged:
@@ -400,11 +434,18 @@ class GraphBackend:
         # Module parameters still on the device: embeddings, text projection, heads (and the
         # decoder layers too unless they were dropped: then they count twice, truthfully).
         modules = nbytes(m.talker.parameters()) + nbytes(m.code_predictor.parameters())
+        state = [self.cp_k, self.cp_v, self.position, self.hidden, self.logits, self.history,
+                 self.frame_idx, self.eos_min_frames, self.seed, self.text_track, self.text_len,
+                 self.codes, self.decoded, self.codec_store.tensors(), self.admit_text,
+                 self.prefill_embeds, self.pcm_out, self.codes_out,
+                 *(w.tensors() for w in self.codec_work.values())]  # fmt: skip
+        flat = [t for x in state for t in (x if isinstance(x, list) else [x])]
         return {
             "weights_lm": stacks + fp8_heads + modules,
             "weights_codec": nbytes(m.codec.parameters()),
             "kv_cache": 2 * nbytes([self.kv_k]),
-            "stacked_embeddings": nbytes([self.cp_embeddings]),
+            "slot_state_and_io": nbytes(flat) + nbytes([self.cp_embeddings]),
+            "graph_pools": self.graph_pool_bytes,
         }
 
 
@@ -428,6 +469,32 @@ class GraphEngine(EngineCore):
 # -- helpers -------------------------------------------------------------------------------
 
 
+# Per-slot settings staged at admission: name -> where it lands (see GraphBackend._admit_body).
+_ADMIT_INTS = ("slot", "last", "position", "seed", "eos_min_frames", "text_len",
+               "talker_top_k", "cp_top_k")  # fmt: skip
+_ADMIT_FLOATS = ("talker_do_sample", "cp_do_sample", "talker_temperature", "talker_top_p",
+                 "talker_repetition_penalty", "cp_temperature", "cp_top_p",
+                 "cp_repetition_penalty")  # fmt: skip
+_ADMIT_INT_INDEX = {k: i for i, k in enumerate(_ADMIT_INTS)}
+_ADMIT_FLOAT_INDEX = {k: i for i, k in enumerate(_ADMIT_FLOATS)}
+_ADMIT_TARGETS = {
+    "position": lambda b: b.position,
+    "seed": lambda b: b.seed,
+    "eos_min_frames": lambda b: b.eos_min_frames,
+    "text_len": lambda b: b.text_len,
+    "talker_top_k": lambda b: b.talker_sampling.top_k,
+    "cp_top_k": lambda b: b.cp_sampling.top_k,
+    "talker_do_sample": lambda b: b.talker_sampling.do_sample,
+    "cp_do_sample": lambda b: b.cp_sampling.do_sample,
+    "talker_temperature": lambda b: b.talker_sampling.temperature,
+    "talker_top_p": lambda b: b.talker_sampling.top_p,
+    "talker_repetition_penalty": lambda b: b.talker_sampling.repetition_penalty,
+    "cp_temperature": lambda b: b.cp_sampling.temperature,
+    "cp_top_p": lambda b: b.cp_sampling.top_p,
+    "cp_repetition_penalty": lambda b: b.cp_sampling.repetition_penalty,
+}
+
+
 def _sampling_buffers(n: int, dev) -> SamplingBatch:
     return SamplingBatch(
         do_sample=torch.zeros(n, dtype=torch.bool, device=dev),
@@ -436,14 +503,6 @@ def _sampling_buffers(n: int, dev) -> SamplingBatch:
         top_p=torch.ones(n, device=dev),
         repetition_penalty=torch.ones(n, device=dev),
     )
-
-
-def _set_sampling(buf: SamplingBatch, slot: int, params, dev) -> None:
-    buf.do_sample[slot] = params.do_sample
-    buf.temperature[slot] = params.temperature
-    buf.top_k[slot] = params.top_k
-    buf.top_p[slot] = params.top_p
-    buf.repetition_penalty[slot] = params.repetition_penalty
 
 
 def _capture(fn, pool) -> torch.cuda.CUDAGraph:
