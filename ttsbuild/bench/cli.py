@@ -38,9 +38,10 @@ Duration = Annotated[str, typer.Option(help="Measured window after warmup: 500ms
 Warmup = Annotated[str, typer.Option(help="Requests sent first and left out of summaries.")]
 Seed = Annotated[int, typer.Option(help="Fixes arrival gaps and the prompt order.")]
 Dataset = Annotated[
-    Path | None,
-    typer.Option(help=".txt (one prompt a line) or .jsonl ({\"text\": ...}). Default: the "
-    "shipped 720 Harvard sentences."),
+    str,
+    typer.Option(help="A shipped prompt set: harvard (720 Harvard sentences, ~39 chars) or "
+    "voice-agent (720 voice-agent replies, 15-250 chars, mean ~90); or a file: .txt (one "
+    "prompt a line) or .jsonl ({\"text\": ...})."),
 ]  # fmt: skip
 Voice = Annotated[list[str], typer.Option(help="Voice(s); repeat to rotate voices by request.")]
 Model = Annotated[str, typer.Option(help='The "model" field of the request.')]
@@ -115,7 +116,7 @@ def _settings(
     duration: str,
     warmup: str,
     seed: int,
-    dataset: Path | None,
+    dataset: str,
     voice: list[str],
     model: str,
     language: str | None,
@@ -137,7 +138,7 @@ def _settings(
     from ttsbuild.bench.audio import BodyFormat
     from ttsbuild.bench.client import Timeouts
     from ttsbuild.bench.runner import RunSettings
-    from ttsbuild.bench.schedule import DEFAULT_DATASET, ArrivalProcess, load_prompts
+    from ttsbuild.bench.schedule import BUILTIN_DATASETS, ArrivalProcess, load_prompts
     from ttsbuild.bench.target import (
         DEFAULT_SAMPLE_RATE,
         Mode,
@@ -204,7 +205,7 @@ def _settings(
         max_connections=max_connections,
         gpu_hour_usd=gpu_hour_usd,
         gpus=gpus,
-        dataset=str(dataset) if dataset is not None else f"{DEFAULT_DATASET} (built in)",
+        dataset=f"{dataset} (built in)" if dataset in BUILTIN_DATASETS else dataset,
     )
     prompts = _parse("--dataset", load_prompts, dataset)
     return settings, prompts
@@ -218,7 +219,7 @@ def run(
     duration: Duration = "60s",
     warmup: Warmup = "10s",
     seed: Seed = 0,
-    dataset: Dataset = None,
+    dataset: Dataset = "harvard",
     voice: Voice = ["default"],  # noqa: B006 (typer reads, never mutates, the default)
     model: Model = "qwen3-tts",
     language: Language = None,
@@ -272,7 +273,7 @@ def sweep(
     duration: Duration = "60s",
     warmup: Warmup = "10s",
     seed: Seed = 0,
-    dataset: Dataset = None,
+    dataset: Dataset = "harvard",
     voice: Voice = ["default"],  # noqa: B006
     model: Model = "qwen3-tts",
     language: Language = None,
