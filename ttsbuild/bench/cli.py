@@ -290,12 +290,23 @@ def sweep(
     max_connections: MaxConnections = 1024,
     gpu_hour_usd: GpuHourUsd = None,
     gpus: Gpus = 1,
+    slo_ttfa_p95: Annotated[
+        str, typer.Option(help="Capacity = the highest rate with p95 audible TTFA within this, "
+                          "no underrun and no failed, refused or timed-out request.")
+    ] = "100ms",
+    metrics_url: Annotated[
+        str | None,
+        typer.Option(help="The server's Prometheus endpoint, scraped before the sweep and after "
+                     "each rate (DIR/server_metrics_start.txt, DIR/rps-R/server_metrics.txt); "
+                     "'auto': /metrics on the --url host."),
+    ] = None,
 ) -> None:
-    """One run per rate; a latency-vs-rate table, sweep.json and PNG plots in OUTPUT."""
-    from ttsbuild.bench.units import parse_rate_list
+    """One run per rate; a latency-vs-rate table with the capacity, sweep.json and PNG plots."""
+    from ttsbuild.bench.units import parse_duration, parse_rate_list
 
     _check_output(output)
     rates = _parse("--rps", parse_rate_list, rps)
+    slo_s = _parse("--slo-ttfa-p95", parse_duration, slo_ttfa_p95)
     settings, prompts = _settings(
         url=url, rate=rates[0], duration=duration, warmup=warmup,
         seed=seed, dataset=dataset, voice=voice, model=model, language=language, mode=mode,
@@ -306,10 +317,17 @@ def sweep(
     )  # fmt: skip
     from rich.console import Console
 
-    from ttsbuild.bench.sweep import run_sweep
+    from ttsbuild.bench.sweep import METRICS_START_FILE, ServiceLevel, run_sweep, scrape
+    from ttsbuild.bench.target import metrics_endpoint
 
+    scrape_url = None
+    if metrics_url is not None:
+        scrape_url = _parse("--metrics-url", metrics_endpoint, metrics_url, settings.target.url)
+        baseline = _parse("--metrics-url", scrape, scrape_url)  # a wrong URL fails before runs
     output.mkdir(parents=True, exist_ok=True)
-    run_sweep(settings, rates, prompts, output, Console())
+    if scrape_url is not None:
+        (output / METRICS_START_FILE).write_text(baseline)
+    run_sweep(settings, rates, prompts, output, Console(), ServiceLevel(slo_s), scrape_url)
 
 
 @app.command()
