@@ -110,13 +110,21 @@ class SpeechService:
         onset = self.config.onset_dbfs if self.trim_onset else None
         return SilenceTrimmer(FRAME_SAMPLES if self.drop_bootstrap else 0, onset)
 
-    def submit(self, request: SynthesisRequest, chunk_schedule: list[int] | None = None):
-        """Queue a request without waiting; events (Admitted first) arrive on the handle."""
+    def submit(
+        self,
+        request: SynthesisRequest,
+        chunk_schedule: list[int] | None = None,
+        follows: StreamHandle | None = None,
+    ):
+        """Queue a request without waiting; events (Admitted first) arrive on the handle.
+        `follows`: the handle whose audio the client plays before this one's (the previous
+        segment of a session): this one's chunks are due by that playback, not by their own."""
         handle = StreamHandle(self, asyncio.get_running_loop())
         try:
             stream = self.loop.submit(
-                request, handle.sink, self.chunk_schedule(chunk_schedule), self._trimmer()
-            )
+                request, handle.sink, self.chunk_schedule(chunk_schedule), self._trimmer(),
+                follows.stream_id if follows is not None else None,
+            )  # fmt: skip
         except Rejected as exc:
             raise ApiError(exc.status, exc.message, code=exc.reason,
                            type=_error_type(exc.status)) from None  # fmt: skip
