@@ -309,7 +309,7 @@ def test_a_slow_engine_serves_one_stream_and_refuses_the_next_truthfully():
     with pytest.raises(Rejected) as err:
         h.submit()
     assert err.value.reason == "capacity"
-    assert "1 admitted streams fell behind their playback" in err.value.message
+    assert "1 admitted streams are behind their playback" in err.value.message
     h.run_until(lambda: first.status is Status.FINISHED)
     h.submit()  # the stream finished: room again
 

@@ -140,7 +140,7 @@ class Stream:
     samples_unsent: int = 0  # handed to the sink, not yet acked as written to the client
     admitted_at: float | None = None
     first_audio_at: float | None = None
-    late_at: float | None = None  # the last chunk that came after its playback was due
+    behind: bool = False  # its latest chunk came after its playback had run dry
     last_served_at: float = 0.0
 
     def next_chunk_frames(self) -> int:
@@ -396,21 +396,18 @@ class Scheduler:
         a device too slow for even one real-time stream serves one at a time."""
         return capacity is None or demand == 0 or demand + extra <= capacity
 
-    def behind(self, now: float) -> int:
-        """Admitted streams that had a chunk late for their playback within the window: the
-        engine is not keeping up, whatever the capacity estimate says."""
-        since = now - self.config.capacity_window_s
-        return sum(1 for s in self.by_slot.values() if (s.late_at or -math.inf) >= since)
+    def behind(self) -> int:
+        """Streams still generating whose latest chunk came late for their playback: the
+        engine is not keeping up, whatever the capacity estimate says (a stream that catches
+        up, its next chunk on time, no longer counts)."""
+        return sum(1 for s in self.by_slot.values() if s.behind and not s.generation_done)
 
     def _capacity_refusal(self, stream: Stream, now: float) -> str | None:
         """Why admitting `stream` would make admitted streams late (None: it would not)."""
         if not self.config.admit_by_capacity:
             return None
-        if late := self.behind(now):
-            return (
-                f"{late} admitted streams fell behind their playback in the last "
-                f"{self.config.capacity_window_s:g} s"
-            )
+        if late := self.behind():
+            return f"{late} admitted streams are behind their playback"
         streams = len(self.by_slot) + len(self.queue) + 1
         capacity = self.capacity(now, streams)
         demand = self.demand() + sum(q.demand() for q in self.queue)
@@ -615,8 +612,7 @@ class Scheduler:
                 self.observer.on_first_audio(now - s.arrived_at)
         if due is not None:
             self.observer.on_chunk(now - due)
-            if now > due:
-                s.late_at = now
+            s.behind = now > due
         self._emit(s, Chunk(s.chunks_sent, pcm))
         s.chunks_sent += 1
         s.samples_sent += len(pcm)
