@@ -47,8 +47,9 @@ def serve(
         "requests get 503."
     ),  # fmt: skip
     admit_by_capacity: bool = typer.Option(
-        True, help="Give new streams a slot only while the engine, as measured, keeps every "
-        "stream in real time; beyond that answer 429 at once."
+        True, help="Admit a new stream only while the engine, as measured, keeps every "
+        "stream in real time with it (an idle engine always takes one); beyond that answer "
+        "429 at once."
     ),  # fmt: skip
     drop_bootstrap_frame: bool | None = typer.Option(
         None, "--drop-bootstrap-frame/--keep-bootstrap-frame",
