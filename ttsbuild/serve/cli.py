@@ -51,6 +51,10 @@ def serve(
         "stream in real time with it (an idle engine always takes one); beyond that answer "
         "429 at once."
     ),  # fmt: skip
+    capacity_margin: float = typer.Option(
+        0.5, min=0.0, help="Headroom admission keeps: streams are admitted while they need "
+        "at most 1 / (1 + this) of the engine's measured real-time throughput."
+    ),  # fmt: skip
     drop_bootstrap_frame: bool | None = typer.Option(
         None, "--drop-bootstrap-frame/--keep-bootstrap-frame",
         help="Drop the silent first frame (default: drop for real checkpoints, keep stand-ins).",
@@ -82,6 +86,7 @@ def serve(
             queue_timeout_s=queue_timeout,
             max_buffered_s=max_buffered,
             admit_by_capacity=admit_by_capacity,
+            capacity_margin=capacity_margin,
         ),
         drop_bootstrap_frame=drop_bootstrap_frame,
         trim_onset=trim_onset,

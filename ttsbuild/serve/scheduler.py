@@ -24,8 +24,8 @@ profile.safety_margin_s. Playback starts with the first chunk, or, for a stream 
 after another (the next segment of a WebSocket session), when that one's audio ends, so a
 later segment's chunks are due by playback time, not by when they were made. The estimate
 comes from running averages of measured stage times. The one exception to "prompts run every
-turn": when the anchor is a deadline stream with less slack than a prefill takes, the prompts
-wait one turn (the new requests keep their slots).
+turn": when a stream's playback would run dry during the prefill (its slack, safety margin
+included, is shorter), the prompts wait a turn (the new requests keep their slots).
 
 Admission (submit, at once): a full queue answers 429 (queue_full); audio produced but unsent
 (slow or stalled clients) above max_buffered_s answers 503; an engine at capacity answers 429
@@ -269,7 +269,7 @@ class RowCost:
             return 1.0
         mean_x, mean_y = x / w, y / w
         variance = xx / w - mean_x**2
-        if variance < 0.25:  # one batch size so far
+        if variance < 0.05:  # one batch size so far (rows are whole numbers)
             return 1.0
         b = max(0.0, (xy / w - mean_x * mean_y) / variance)
         a = max(0.0, mean_y - b * mean_x)
@@ -427,7 +427,7 @@ class Scheduler:
         held = [s for s in self.by_slot.values() if s.status is Status.PREFILL]
         admit = self._admissions(now, len(held))
         ready = self._ready(now)
-        run_prefill = self._prefill_now(ready, now)
+        run_prefill = self._prefill_now(ready)
         if run_prefill:
             ready += [self._rank(s, Stage.FRAMES, now, new=True) for s in held + admit]
         ready.sort(key=lambda r: r.order)
@@ -474,10 +474,12 @@ class Scheduler:
             if (stage := s.next_stage()) in (Stage.FRAMES, Stage.AUDIO) and not self._paused(s)
         ]
 
-    def _prefill_now(self, ready: list[Ready], now: float) -> bool:
-        """Prompts run this turn unless the most urgent stream would miss its deadline by
-        waiting for them."""
-        deadlines = [r.slack for r in ready if r.klass == "deadline"]
+    def _prefill_now(self, ready: list[Ready]) -> bool:
+        """Prompts run this turn unless waiting for them would make a stream's playback run
+        dry (its slack spends the safety margin, not only the prefill): new requests hold
+        capacity they were admitted for, so their prompts yield only to a real underrun."""
+        margin = self.profile.safety_margin_s
+        deadlines = [r.slack + margin for r in ready if r.klass == "deadline"]
         return not deadlines or min(deadlines) >= self.cost_s[Stage.PREFILL]
 
     def _choose_stage(self, plan: Plan, ready: list[Ready]) -> None:

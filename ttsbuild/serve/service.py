@@ -142,21 +142,28 @@ class SpeechService:
         return handle
 
     async def warm_up(self) -> None:
-        """One short request through the whole path; /ready turns true only after it."""
-        request = SynthesisRequest(
-            text=self.config.warmup_text,
-            voice=self.voices[0] if self.needs_voice else None,
-            seed=0,
-            max_frames=4,
-        )
-        handle = await self.open(request)
-        try:
-            async for _ in handle.chunks():
-                pass
-        finally:
-            handle.close()
+        """Two short requests, one twice as long, through the whole path; /ready turns true
+        only after them. Steps of one and two rows show the scheduler how a step's cost grows
+        with the batch before real load arrives (see scheduler.RowCost)."""
+
+        async def one(max_frames: int) -> dict | None:
+            request = SynthesisRequest(
+                text=self.config.warmup_text,
+                voice=self.voices[0] if self.needs_voice else None,
+                seed=0,
+                max_frames=max_frames,
+            )
+            handle = await self.open(request)
+            try:
+                async for _ in handle.chunks():
+                    pass
+            finally:
+                handle.close()
+            return handle.stats
+
+        stats = await asyncio.gather(one(4), one(8))
         self.ready = True
-        log.info("warm-up done: %s", handle.stats)
+        log.info("warm-up done: %s", stats)
 
 
 def _error_type(status: int) -> str:
