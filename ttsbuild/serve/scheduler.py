@@ -431,7 +431,8 @@ class Scheduler:
         if run_prefill:
             ready += [self._rank(s, Stage.FRAMES, now, new=True) for s in held + admit]
         ready.sort(key=lambda r: r.order)
-        plan = Plan(release, admit, [s.slot for s in held] if run_prefill else None, None, [])
+        prefill = [s.slot for s in held] if run_prefill else None
+        plan = Plan(release=release, admit=admit, prefill=prefill, stage=None, slots=[])
         if ready:
             self._choose_stage(plan, ready)
         if plan.is_empty:
