@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# Latency-vs-rate sweep of `ttsbuild serve` on a stand-in 1.7B CustomVoice checkpoint (GPU host).
+# Latency-vs-rate sweeps of `ttsbuild serve` on a stand-in 1.7B CustomVoice checkpoint (GPU
+# host), one per prompt set, >= 60 s per rate, the server's /metrics saved after each rate.
 #
-#   benchmarks/serve_sweep.sh                 # writes $OUT/serve_sweep/ (OUT defaults to out)
-#   PROFILE=balanced SLOTS=64 RPS=1,4,8 DURATION=60s benchmarks/serve_sweep.sh
-#   IN_MEMORY=1 benchmarks/serve_sweep.sh     # serve --random VARIANT: no 4 GB files to write
+#   benchmarks/serve_sweep.sh                       # both prompt sets -> $OUT/serve_sweep/
+#   DATASETS=voice-agent RPS=1,10,20,40 benchmarks/serve_sweep.sh     # one set, some rates
+#   PRECISION=fp8 SLOTS=64 IN_MEMORY=1 benchmarks/serve_sweep.sh      # no 4 GB files written
 #
-# Steps: init-random + convert (cached in $WORK), serve on a free port, wait for /ready,
-# `ttsbuild bench sweep` rotating over the server's voices, print the table, stop the server.
+# Steps: init-random + convert (cached in $WORK), serve on a free port, wait for /ready, then
+# per prompt set `ttsbuild bench sweep --dataset SET --metrics-url auto` rotating over the
+# server's voices, which prints the table and the capacity (the highest rate with p95
+# audible TTFA <= 100 ms, no underrun, no failure) and writes
+#   $OUT/serve_sweep/SET/sweep.json, rps-R/{summary.json,requests.jsonl,server_metrics.txt},
+#   server_metrics_start.txt, the plots; and $OUT/serve_sweep/server.log.
+# Time: (warm-up + duration) per rate per set, e.g. 8 rates x 65 s x 2 sets = 17 min; where
+# one command may run at most 10 minutes, run one set (DATASETS=...) or fewer rates per call.
 set -euo pipefail
 
 if [ -x .venv/bin/python ]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi
@@ -15,9 +22,11 @@ OUT=${OUT:-out}
 WORK=${WORK:-$OUT/serve_sweep_work}
 VARIANT=${VARIANT:-1.7b-customvoice}
 PROFILE=${PROFILE:-low-latency}
-SLOTS=${SLOTS:-32}
-RPS=${RPS:-1,4,8,10,20,40}
-DURATION=${DURATION:-30s}
+SLOTS=${SLOTS:-64}
+PRECISION=${PRECISION:-}  # bf16 or fp8 (default: the engine's own)
+DATASETS=${DATASETS:-voice-agent harvard}
+RPS=${RPS:-1,10,20,40,70,100,140,200}
+DURATION=${DURATION:-60s}
 WARMUP=${WARMUP:-5s}
 DEVICE=${DEVICE:-cuda}
 RESULTS=$OUT/serve_sweep
@@ -27,6 +36,11 @@ cli() { "$PY" -m ttsbuild.cli "$@"; }
 # GET a URL to stdout, failing on non-2xx (no curl needed on bare GPU images).
 get() { "$PY" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"; }
 
+secs=$("$PY" -c 'import sys; from ttsbuild.bench.units import parse_duration as p; print(p(sys.argv[1]))' "$DURATION")
+if "$PY" -c 'import sys; sys.exit(float(sys.argv[1]) >= 60)' "$secs"; then
+    echo "note: DURATION=$DURATION is under 60 s per rate: fine for a try, not for a capacity figure"
+fi
+
 if [ "$IN_MEMORY" = 1 ]; then
     MODEL_ARGS=(--random "$VARIANT")
 elif [ ! -f "$WORK/ckpt/manifest.json" ]; then
@@ -35,16 +49,12 @@ elif [ ! -f "$WORK/ckpt/manifest.json" ]; then
     cli convert "$WORK/src" --output "$WORK/ckpt" --force
 fi
 [ "$IN_MEMORY" = 1 ] || MODEL_ARGS=("$WORK/ckpt")
+[ -z "$PRECISION" ] || MODEL_ARGS+=(--precision "$PRECISION")
 
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 URL=http://127.0.0.1:$PORT
-if cli --help | grep -q ' serve '; then
-    SERVE=(cli serve)
-else  # until `serve` is registered on the main app
-    SERVE=("$PY" -c 'import typer; from ttsbuild.serve.cli import serve; typer.run(serve)')
-fi
 echo "== serving on $URL (profile $PROFILE, $SLOTS slots, $DEVICE); log: $RESULTS/server.log"
-"${SERVE[@]}" "${MODEL_ARGS[@]}" --port "$PORT" --profile "$PROFILE" --slots "$SLOTS" \
+cli serve "${MODEL_ARGS[@]}" --port "$PORT" --profile "$PROFILE" --slots "$SLOTS" \
     --device "$DEVICE" --max-queue 256 --log-level warning >"$RESULTS/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
@@ -58,9 +68,14 @@ get "$URL/ready" >/dev/null 2>&1 || { echo "server not ready after 600 s"; exit 
 
 VOICES=$(get "$URL/v1/voices" | "$PY" -c \
     'import json, sys; print(" ".join(f"--voice {v}" for v in json.load(sys.stdin)["voices"][:4]))')
-echo "== sweep: rps $RPS, $DURATION each after $WARMUP warm-up ($VOICES)"
-# shellcheck disable=SC2086
-cli bench sweep --url "$URL" --rps "$RPS" --duration "$DURATION" --warmup "$WARMUP" \
-    $VOICES --output "$RESULTS"
-get "$URL/metrics" >"$RESULTS/server_metrics.txt"
-echo "== results in $RESULTS (sweep.json, plots, server.log, server_metrics.txt)"
+for SET in $DATASETS; do
+    echo "== $SET: rps $RPS, $DURATION each after $WARMUP warm-up ($VOICES)"
+    # shellcheck disable=SC2086
+    cli bench sweep --url "$URL" --dataset "$SET" --rps "$RPS" --duration "$DURATION" \
+        --warmup "$WARMUP" $VOICES --metrics-url auto --output "$RESULTS/$SET"
+done
+for SET in $DATASETS; do
+    "$PY" -c 'import json, sys; from ttsbuild.bench.sweep import capacity_line
+print(sys.argv[2] + ": " + capacity_line(json.load(open(sys.argv[1]))))' "$RESULTS/$SET/sweep.json" "$SET"
+done
+echo "== results in $RESULTS/<set>/ (sweep.json, rps-R/server_metrics.txt, plots) and $RESULTS/server.log"

@@ -138,3 +138,50 @@ def test_sweep_writes_table_summaries_and_plots(server, tmp_path):
         assert (out / f"rps-{rate}" / "requests.jsonl").is_file()
     for png in ("ttfa_vs_rps.png", "underrun_rate_vs_rps.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_sweep_reports_capacity_and_saves_server_metrics_after_each_rate(server, tmp_path):
+    out = tmp_path / "sweep"
+    result = invoke(
+        "sweep", "--url", server.http_url, "--rps", "2,5", "--duration", "1s", "--warmup", "0s",
+        "--dataset", "voice-agent", "--metrics-url", "auto", "--output", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert all(row["meets_slo"] for row in sweep["rows"])  # the fake answers in ~10 ms
+    assert sweep["capacity_rps"] == 5.0
+    assert sweep["capacity_audio_s_per_s"] == sweep["rows"][1]["audio_s_per_s"] > 0
+    assert "capacity: 5 req/s" in result.output and "audio s/s" in result.output
+    assert sweep["dataset"] == "voice-agent (built in)"
+    # counters scraped before the sweep and after each rate grow by that rate's requests
+    scraped = [
+        int((path).read_text().split()[-1])
+        for path in (out / "server_metrics_start.txt", out / "rps-2" / "server_metrics.txt",
+                     out / "rps-5" / "server_metrics.txt")
+    ]  # fmt: skip
+    sent = [row["sent"] for row in sweep["rows"]]
+    assert scraped[1] - scraped[0] == sent[0] and scraped[2] - scraped[1] == sent[1]
+
+
+def test_capacity_is_the_highest_rate_meeting_every_condition():
+    from ttsbuild.bench.sweep import ServiceLevel, capacity
+
+    def row(rps, p95, underrun=0.0, rejected=0):
+        return {"rps": rps, "completed": 10, "failed": 0, "rejected": rejected, "timed_out": 0,
+                "ttfa_p95_s": p95, "underrun_rate": underrun}  # fmt: skip
+
+    slo = ServiceLevel(ttfa_p95_s=0.1)
+    rows = [row(1, 0.03), row(10, 0.09), row(20, 0.12), row(40, 0.05, underrun=0.01),
+            row(60, 0.05, rejected=1)]  # fmt: skip
+    assert capacity(rows, slo)["rps"] == 10
+    assert capacity([row(1, 0.2)], slo) is None
+
+
+def test_sweep_with_an_unreachable_metrics_url_fails_before_any_run(server, tmp_path):
+    out = tmp_path / "sweep"
+    result = invoke(
+        "sweep", "--url", server.http_url, "--rps", "2", "--duration", "1s",
+        "--metrics-url", "http://127.0.0.1:9/metrics", "--output", out,
+    )  # fmt: skip
+    assert result.exit_code == 2 and "--metrics-url" in result.output
+    assert not out.exists()

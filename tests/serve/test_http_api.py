@@ -160,3 +160,24 @@ def test_dropping_the_bootstrap_frame_as_for_real_checkpoints(tiny_ckpt):
             chunks = [c for c in r.iter_raw() if c]
     assert sum(map(len, chunks)) == 5 * FRAME_SAMPLES * 2  # 6 frames made, the first not sent
     assert len(chunks[0]) == FRAME_SAMPLES * 2  # the first chunk still carries one audible frame
+
+
+def test_an_idle_server_with_capacity_admission_never_refuses_back_to_back_requests(tiny_ckpt):
+    """The default admission (by measured capacity) on a shared 2-core CPU, where the tiny
+    stand-in runs near or below real time: one client's requests, one after another, all
+    succeed (the engine is measured busy, but nothing else needs audio)."""
+    from ttsbuild.serve.config import ServeConfig
+
+    from .conftest import running_server
+
+    with running_server(tiny_ckpt, ServeConfig()) as (url, service):
+        assert service.scheduler.config.admit_by_capacity
+        statuses, measured = [], []
+        for i in range(10):
+            body = {**GOOD, "response_format": "pcm", "seed": i, "max_frames": 8}
+            r = post(url, body)
+            statuses.append((r.status_code, r.text if r.status_code != 200 else ""))
+            with service.loop.lock:
+                measured.append(service.scheduler.capacity(service.scheduler.clock()))
+        assert statuses == [(200, "")] * 10
+        assert any(m is not None for m in measured)  # admission had evidence, and admitted

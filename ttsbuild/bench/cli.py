@@ -38,9 +38,10 @@ Duration = Annotated[str, typer.Option(help="Measured window after warmup: 500ms
 Warmup = Annotated[str, typer.Option(help="Requests sent first and left out of summaries.")]
 Seed = Annotated[int, typer.Option(help="Fixes arrival gaps and the prompt order.")]
 Dataset = Annotated[
-    Path | None,
-    typer.Option(help=".txt (one prompt a line) or .jsonl ({\"text\": ...}). Default: the "
-    "shipped 720 Harvard sentences."),
+    str,
+    typer.Option(help="A shipped prompt set: harvard (720 Harvard sentences, ~39 chars) or "
+    "voice-agent (720 voice-agent replies, 15-250 chars, mean ~90); or a file: .txt (one "
+    "prompt a line) or .jsonl ({\"text\": ...})."),
 ]  # fmt: skip
 Voice = Annotated[list[str], typer.Option(help="Voice(s); repeat to rotate voices by request.")]
 Model = Annotated[str, typer.Option(help='The "model" field of the request.')]
@@ -115,7 +116,7 @@ def _settings(
     duration: str,
     warmup: str,
     seed: int,
-    dataset: Path | None,
+    dataset: str,
     voice: list[str],
     model: str,
     language: str | None,
@@ -137,7 +138,7 @@ def _settings(
     from ttsbuild.bench.audio import BodyFormat
     from ttsbuild.bench.client import Timeouts
     from ttsbuild.bench.runner import RunSettings
-    from ttsbuild.bench.schedule import DEFAULT_DATASET, ArrivalProcess, load_prompts
+    from ttsbuild.bench.schedule import BUILTIN_DATASETS, ArrivalProcess, load_prompts
     from ttsbuild.bench.target import (
         DEFAULT_SAMPLE_RATE,
         Mode,
@@ -204,7 +205,7 @@ def _settings(
         max_connections=max_connections,
         gpu_hour_usd=gpu_hour_usd,
         gpus=gpus,
-        dataset=str(dataset) if dataset is not None else f"{DEFAULT_DATASET} (built in)",
+        dataset=f"{dataset} (built in)" if dataset in BUILTIN_DATASETS else dataset,
     )
     prompts = _parse("--dataset", load_prompts, dataset)
     return settings, prompts
@@ -218,7 +219,7 @@ def run(
     duration: Duration = "60s",
     warmup: Warmup = "10s",
     seed: Seed = 0,
-    dataset: Dataset = None,
+    dataset: Dataset = "harvard",
     voice: Voice = ["default"],  # noqa: B006 (typer reads, never mutates, the default)
     model: Model = "qwen3-tts",
     language: Language = None,
@@ -272,7 +273,7 @@ def sweep(
     duration: Duration = "60s",
     warmup: Warmup = "10s",
     seed: Seed = 0,
-    dataset: Dataset = None,
+    dataset: Dataset = "harvard",
     voice: Voice = ["default"],  # noqa: B006
     model: Model = "qwen3-tts",
     language: Language = None,
@@ -289,12 +290,23 @@ def sweep(
     max_connections: MaxConnections = 1024,
     gpu_hour_usd: GpuHourUsd = None,
     gpus: Gpus = 1,
+    slo_ttfa_p95: Annotated[
+        str, typer.Option(help="Capacity = the highest rate with p95 audible TTFA within this, "
+                          "no underrun and no failed, refused or timed-out request.")
+    ] = "100ms",
+    metrics_url: Annotated[
+        str | None,
+        typer.Option(help="The server's Prometheus endpoint, scraped before the sweep and after "
+                     "each rate (DIR/server_metrics_start.txt, DIR/rps-R/server_metrics.txt); "
+                     "'auto': /metrics on the --url host."),
+    ] = None,
 ) -> None:
-    """One run per rate; a latency-vs-rate table, sweep.json and PNG plots in OUTPUT."""
-    from ttsbuild.bench.units import parse_rate_list
+    """One run per rate; a latency-vs-rate table with the capacity, sweep.json and PNG plots."""
+    from ttsbuild.bench.units import parse_duration, parse_rate_list
 
     _check_output(output)
     rates = _parse("--rps", parse_rate_list, rps)
+    slo_s = _parse("--slo-ttfa-p95", parse_duration, slo_ttfa_p95)
     settings, prompts = _settings(
         url=url, rate=rates[0], duration=duration, warmup=warmup,
         seed=seed, dataset=dataset, voice=voice, model=model, language=language, mode=mode,
@@ -305,10 +317,17 @@ def sweep(
     )  # fmt: skip
     from rich.console import Console
 
-    from ttsbuild.bench.sweep import run_sweep
+    from ttsbuild.bench.sweep import METRICS_START_FILE, ServiceLevel, run_sweep, scrape
+    from ttsbuild.bench.target import metrics_endpoint
 
+    scrape_url = None
+    if metrics_url is not None:
+        scrape_url = _parse("--metrics-url", metrics_endpoint, metrics_url, settings.target.url)
+        baseline = _parse("--metrics-url", scrape, scrape_url)  # a wrong URL fails before runs
     output.mkdir(parents=True, exist_ok=True)
-    run_sweep(settings, rates, prompts, output, Console())
+    if scrape_url is not None:
+        (output / METRICS_START_FILE).write_text(baseline)
+    run_sweep(settings, rates, prompts, output, Console(), ServiceLevel(slo_s), scrape_url)
 
 
 @app.command()

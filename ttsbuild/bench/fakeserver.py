@@ -155,6 +155,9 @@ class FakeSpeechServer:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
         body = await reader.readexactly(int(headers.get("content-length", "0")))
+        if path == "/metrics":  # Prometheus text, like a real server's, for sweep scrapes
+            _write_plain(writer, 200, f"fake_requests_total {len(self.requests)}\n".encode())
+            return True
         if path != HTTP_PATH:
             _write_plain(writer, 404, b"not found")
             return True
@@ -220,7 +223,7 @@ class FakeSpeechServer:
 
 
 def _write_plain(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
-    reason = {404: "Not Found", 429: "Too Many Requests", 503: "Service Unavailable"}
+    reason = {200: "OK", 404: "Not Found", 429: "Too Many Requests", 503: "Service Unavailable"}
     writer.write(
         f"HTTP/1.1 {status} {reason.get(status, 'Error')}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\n\r\n".encode("latin-1")

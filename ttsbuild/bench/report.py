@@ -106,7 +106,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="latency vs offered rate", title_justify="left")
     columns = (
         "RPS", "ok/sent", "rej", "fail", "t/o", "TTFA p50 ms", "p95 ms", "p99 ms",
-        "underrun %", "RTF p50", "chars/s", "$/1M chars",
+        "underrun %", "RTF p50", "chars/s", "audio s/s", "$/1M chars", "SLO",
     )  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
@@ -123,7 +123,9 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
             _fmt(row["underrun_rate"], 100),
             _fmt(row["rtf_p50"], 1, 3),
             f"{row['chars_per_s']:.1f}",
+            f"{row['audio_s_per_s']:.2f}",
             _fmt(row["usd_per_1m_chars"], 1, 2),
+            {True: "met", False: "missed"}.get(row.get("meets_slo"), "-"),
         )
     return table
 

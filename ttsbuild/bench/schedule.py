@@ -16,7 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_DATASET = "harvard720.txt"  # shipped in ttsbuild/data
+# Prompt sets shipped in ttsbuild/data, by the short name `--dataset` accepts.
+BUILTIN_DATASETS = {
+    "harvard": "harvard720.txt",  # 720 Harvard sentences, ~39 characters each
+    "voice-agent": "voice_agent.jsonl",  # 720 voice-agent replies, 15-250 characters, mean ~90
+}
+DEFAULT_DATASET = "harvard"
 
 # Independent random streams derived from the one user seed, so that changing how many
 # arrivals are drawn never shifts the prompt sequence (and vice versa).
@@ -92,19 +97,20 @@ def plan_requests(
     ]
 
 
-def load_prompts(path: Path | None) -> list[str]:
-    """A .txt file (one prompt per line) or .jsonl ({"text": ...} per line); blank lines are
-    skipped. None loads the shipped Harvard sentences. Raises ValueError for the user."""
-    if path is None:
-        text = (
-            resources.files("ttsbuild")
-            .joinpath("data")
-            .joinpath(DEFAULT_DATASET)
-            .read_text("utf-8")
-        )
-        return _parse_lines(text, jsonl=False, name=DEFAULT_DATASET)
+def load_prompts(dataset: str | Path | None) -> list[str]:
+    """A shipped set by name (BUILTIN_DATASETS; None: DEFAULT_DATASET), else a .txt file (one
+    prompt per line) or .jsonl ({"text": ...} per line); blank lines are skipped. A name wins
+    over a file of the same name in the working directory (write ./name for the file).
+    Raises ValueError for the user."""
+    name = DEFAULT_DATASET if dataset is None else str(dataset)
+    if name in BUILTIN_DATASETS:
+        filename = BUILTIN_DATASETS[name]
+        text = resources.files("ttsbuild").joinpath("data").joinpath(filename).read_text("utf-8")
+        return _parse_lines(text, jsonl=filename.endswith(".jsonl"), name=filename)
+    path = Path(name)
     if not path.is_file():
-        raise ValueError(f"dataset file {str(path)!r} does not exist")
+        names = ", ".join(BUILTIN_DATASETS)
+        raise ValueError(f"dataset file {str(path)!r} does not exist (built-in sets: {names})")
     jsonl = path.suffix.lower() in {".jsonl", ".ndjson"}
     prompts = _parse_lines(path.read_text("utf-8"), jsonl=jsonl, name=str(path))
     if not prompts:

@@ -74,6 +74,18 @@ def endpoint_url(url: str, mode: Mode) -> str:
     return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
+def metrics_endpoint(value: str, endpoint: str) -> str:
+    """'auto': /metrics on the speech endpoint's host (ws -> http); else an http(s) URL."""
+    if value != "auto":
+        parts = urlsplit(value)
+        if parts.scheme not in {"http", "https"} or not parts.netloc:
+            raise ValueError(f"{value!r} is not an http(s):// URL with a host (or 'auto')")
+        return value
+    parts = urlsplit(endpoint)
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
+    return urlunsplit((scheme, parts.netloc, "/metrics", "", ""))
+
+
 @dataclass
 class TargetConfigFile:
     """The optional --target-config JSON; CLI flags override it."""

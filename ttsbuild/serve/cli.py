@@ -52,8 +52,13 @@ def serve(
         "requests get 503."
     ),  # fmt: skip
     admit_by_capacity: bool = typer.Option(
-        True, help="Give new streams a slot only while the engine, as measured, keeps every "
-        "stream in real time; beyond that answer 429 at once."
+        True, help="Admit a new stream only while the engine, as measured, keeps every "
+        "stream in real time with it (an idle engine always takes one); beyond that answer "
+        "429 at once."
+    ),  # fmt: skip
+    capacity_margin: float = typer.Option(
+        0.5, min=0.0, help="Headroom admission keeps: streams are admitted while they need "
+        "at most 1 / (1 + this) of the engine's measured real-time throughput."
     ),  # fmt: skip
     drop_bootstrap_frame: bool | None = typer.Option(
         None, "--drop-bootstrap-frame/--keep-bootstrap-frame",
@@ -86,6 +91,7 @@ def serve(
             queue_timeout_s=queue_timeout,
             max_buffered_s=max_buffered,
             admit_by_capacity=admit_by_capacity,
+            capacity_margin=capacity_margin,
         ),
         drop_bootstrap_frame=drop_bootstrap_frame,
         trim_onset=trim_onset,

@@ -43,6 +43,7 @@ class Runner:
         engine, result = self.engine, StepResult()
         for slot in plan.release:
             engine.release(slot)
+        new_slots = []
         for stream in plan.admit:
             try:
                 slot = engine.admit(stream.request)
@@ -50,16 +51,26 @@ class Runner:
                 result.admitted[stream.id] = str(exc)
                 continue
             result.admitted[stream.id] = slot
+            new_slots.append(slot)
             result.seeds[stream.id] = engine.seed_of(slot)
+        if plan.prefill is not None:
+            result.prefilled = plan.prefill + new_slots
+        if result.prefilled:
+            start = clock()
+            engine.prefill(result.prefilled)
+            result.prefill_s = clock() - start
+        result.stage_slots = list(plan.slots)
+        if plan.stage is Stage.FRAMES and plan.frames_take_new:
+            result.stage_slots += result.prefilled
+        if not result.stage_slots:
+            return result
         start = clock()
-        if plan.stage is Stage.PREFILL:
-            engine.prefill(plan.slots)
-        elif plan.stage is Stage.FRAMES:
-            for out in engine.frames(plan.slots):
+        if plan.stage is Stage.FRAMES:
+            for out in engine.frames(result.stage_slots):
                 result.frames[out.slot] = (out.codes is not None, out.finished)
         elif plan.stage is Stage.AUDIO:
-            result.pcm = engine.audio(plan.slots)
-        result.elapsed_s = clock() - start
+            result.pcm = engine.audio(result.stage_slots)
+        result.stage_s = clock() - start
         return result
 
 
@@ -121,11 +132,18 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     # -- asyncio side (any thread) -----------------------------------------------------------
-    def submit(self, request: Any, sink, chunk_schedule: Sequence[int] | None = None, trimmer=None):
+    def submit(
+        self,
+        request: Any,
+        sink,
+        chunk_schedule: Sequence[int] | None = None,
+        trimmer=None,
+        follows: int | None = None,
+    ):
         if self.error is not None:
             raise Rejected(503, "engine_error", "the engine failed; see the server log")
         with self.lock:
-            stream = self.scheduler.submit(request, sink, chunk_schedule, trimmer)
+            stream = self.scheduler.submit(request, sink, chunk_schedule, trimmer, follows)
         self.wake.set()
         return stream
 

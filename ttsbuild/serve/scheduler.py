@@ -1,29 +1,46 @@
 """Deadline-aware scheduling of synthesis streams over the engine's three stages.
 
-Every admitted stream has exactly one next stage: PREFILL once it holds a slot, FRAMES until
-its next chunk's frames exist, AUDIO once they do (or once generation ended with frames left).
-A plan picks one anchor stream by priority; the anchor's stage is the step's stage and every
-other stream ready for that stage fills the batch (batched rows are nearly free on a GPU).
+One loop turn: release finished slots, admit queued requests into free slots, run every prompt
+not yet run (this turn's admissions included: one batched prefill), then one stage, FRAMES or
+AUDIO, for a batch of streams. A new request is therefore admitted, prefilled and, when it
+anchors the turn, given its first frame in the turn after it arrives; its first audio follows
+one turn later: it waits behind the step that was running when it arrived and, at most, a
+frame step and a codec step of streams whose playback would otherwise run dry.
+
+Every admitted stream has one next stage: FRAMES until its next chunk's frames exist, AUDIO
+once they do (or once generation ended with frames left). The most urgent ready stream (the
+anchor) picks the stage; the batch is the max_batch most urgent streams ready for it (batched
+rows are nearly free on a GPU). This turn's new rows join a FRAMES batch only all together:
+their slots exist only once the runner admitted them.
 
 Priority, most urgent first; the class name is the plan's reason:
   deadline     slack <= profile.urgent_slack_s: the client's buffer runs dry unless this goes now
   first-audio  nothing sent yet, oldest first: time to first audio is what a listener notices
   soon         slack <= profile.soon_slack_s, least slack first
   round-robin  the rest, least recently served first
-slack = deadline - now - (estimated time to finish the next chunk), with
-deadline = playback start (first chunk sent) + audio sent so far - profile.safety_margin_s,
-and the estimate built from running averages of measured stage times.
+slack = deadline - now - (estimated time to finish the next chunk), with the deadline the
+moment the client's playback reaches the end of the audio sent so far, less
+profile.safety_margin_s. Playback starts with the first chunk, or, for a stream that plays
+after another (the next segment of a WebSocket session), when that one's audio ends, so a
+later segment's chunks are due by playback time, not by when they were made. The estimate
+comes from running averages of measured stage times. The one exception to "prompts run every
+turn": when a stream's playback would run dry during the prefill (its slack, safety margin
+included, is shorter), the prompts wait a turn (the new requests keep their slots).
 
-Admission: a full queue answers 429 at once, so does a request that gets no slot within
-queue_timeout_s; audio produced but unsent (slow or stalled clients) above max_buffered_s
-answers 503. A stream whose own unsent audio exceeds stream_buffer_s pauses (backpressure).
-Capacity: a free slot is not enough. Over the last capacity_window_s the engine's busy time
-and the audio it produced give the number of streams it keeps in real time; a queued request
-gets a slot only while that number, less a margin, exceeds the streams that need audio now
-(still generating, not paused, not already ahead_s ahead of playback). When it does not, the
-engine is saturated: requests beyond saturated_queue in the queue get 429 at once and queued
-ones wait at most saturated_wait_s, so the admitted streams keep up and start soon instead of
-every stream falling behind.
+Admission (submit, at once): a full queue answers 429 (queue_full); audio produced but unsent
+(slow or stalled clients) above max_buffered_s answers 503; an engine at capacity answers 429
+(capacity) with the numbers behind the decision. At capacity means: an admitted stream had a
+chunk late for its playback within the window (the engine is behind), or the demand would
+exceed the supply. Supply: audio seconds generated per second of engine work over the last
+capacity_window_s, i.e. real-time streams the engine sustains at the batch it ran, scaled to
+the batch the new stream makes by the frame step's measured cost per row (flat on a GPU,
+proportional on a CPU; proportional until steps of two sizes were seen), less
+capacity_margin. Demand: the streams generating, queued and new, a stream whose chunks still
+grow counting its ramp speed (2x real time for [1, 2, 4, 8, 12]). An engine with no demand
+always takes a stream, so an idle server never refuses and a device too slow for even one
+real-time stream serves one at a time; without evidence in the window only slots limit. A
+request that finds every slot held waits for one up to queue_timeout_s (then 429 no_slot). A
+stream whose own unsent audio exceeds stream_buffer_s pauses (backpressure).
 
 Pure Python: no torch, no threads. The engine thread calls plan() and commit() under a lock;
 the asyncio side calls submit(), ack() and close(). PCM is opaque here (only len() is used).
@@ -32,6 +49,7 @@ the asyncio side calls submit(), ack() and close(). PCM is opaque here (only len
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +60,7 @@ from ttsbuild.serve.config import FRAME_SAMPLES, SAMPLE_RATE, SchedulerConfig
 
 
 class Stage(StrEnum):
-    PREFILL = "prefill"
+    PREFILL = "prefill"  # run the prompt of each newly admitted slot
     FRAMES = "frames"  # talker + code predictor: one frame per row
     AUDIO = "audio"  # codec over every frame not yet decoded
 
@@ -105,8 +123,11 @@ class Stream:
     request: Any  # handed to engine.admit unchanged
     sink: Sink
     chunk_schedule: tuple[int, ...]
+    ramp_speed: float  # see ramp_speed()
     trimmer: Trimmer | None
     arrived_at: float
+    follows: Stream | None = None  # plays after this stream's audio (cleared once it finished)
+    plays_from: float | None = None  # ...that is, not before this time (set when it finished)
     status: Status = Status.QUEUED
     slot: int | None = None
     seed: int | None = None
@@ -119,10 +140,16 @@ class Stream:
     samples_unsent: int = 0  # handed to the sink, not yet acked as written to the client
     admitted_at: float | None = None
     first_audio_at: float | None = None
+    behind: bool = False  # its latest chunk came after its playback had run dry
     last_served_at: float = 0.0
 
     def next_chunk_frames(self) -> int:
         return self.chunk_schedule[min(self.audio_steps, len(self.chunk_schedule) - 1)]
+
+    def demand(self) -> float:
+        """Real-time multiples of generation this stream needs: its ramp speed until its chunk
+        sizes stop growing, then real time."""
+        return self.ramp_speed if self.audio_steps < len(self.chunk_schedule) else 1.0
 
     def next_stage(self) -> Stage | None:
         if self.status is Status.PREFILL:
@@ -134,28 +161,60 @@ class Stream:
             return Stage.AUDIO
         return None if self.generation_done else Stage.FRAMES
 
+    def playback_start(self) -> float | None:
+        """When the client starts playing this stream (None: not known yet): its first chunk,
+        but not before the audio it follows has played out."""
+        after = self.plays_from
+        if self.follows is not None:
+            after = self.follows.playback_end()
+            if after is None:  # the stream it follows has not started playing either
+                return None
+        if self.first_audio_at is None:
+            return after
+        return self.first_audio_at if after is None else max(self.first_audio_at, after)
+
+    def playback_end(self) -> float | None:
+        """When the client's playback reaches the end of the audio sent so far."""
+        start = self.playback_start()
+        return None if start is None else start + self.samples_sent / SAMPLE_RATE
+
+
+def ramp_speed(schedule: Sequence[int]) -> float:
+    """How many times real time a stream must be generated while its chunks grow: chunk k+1
+    has to be ready when chunks 1..k have played, i.e. the frames of chunks 2..k+1 made in
+    the playing time of chunks 1..k. [1, 2, 4, 8, 12]: 2.0; a flat schedule: 1.0."""
+    sizes = [*schedule, schedule[-1]]  # the last entry repeats
+    return max(1.0, *(sum(sizes[1 : k + 1]) / sum(sizes[:k]) for k in range(1, len(sizes))))
+
 
 # -- what the scheduler and the runner exchange ----------------------------------------------
 @dataclass
 class Plan:
     release: list[int]  # slots to free before anything else (finished or cancelled)
     admit: list[Stream]  # queued streams to place in free slots, FIFO
-    stage: Stage | None
-    slots: list[int]  # the stage's batch, anchor first
+    # Prompts to run after admission, in one call: these held slots plus every slot admitted
+    # this turn. None: no prefill this turn (a deadline stream cannot wait for it).
+    prefill: list[int] | None
+    stage: Stage | None  # FRAMES or AUDIO
+    slots: list[int]  # the stage's batch of held slots, anchor first
+    frames_take_new: bool = False  # the FRAMES batch also takes every slot prefilled this turn
     reason: str = "idle"  # why the anchor went first: its priority class
 
     @property
     def is_empty(self) -> bool:
-        return not (self.release or self.admit or self.stage)
+        return not (self.release or self.admit or self.prefill or self.stage)
 
 
 @dataclass
 class StepResult:
     admitted: dict[int, int | str] = field(default_factory=dict)  # stream id -> slot | error
     seeds: dict[int, int] = field(default_factory=dict)  # stream id -> seed drawn at admission
+    prefilled: list[int] = field(default_factory=list)  # slots whose prompt ran this turn
+    stage_slots: list[int] = field(default_factory=list)  # the stage's rows as run
     frames: dict[int, tuple[bool, bool]] = field(default_factory=dict)  # slot -> (new, finished)
     pcm: dict[int, Sequence[float]] = field(default_factory=dict)  # slot -> audio
-    elapsed_s: float = 0.0  # the stage call alone
+    prefill_s: float = 0.0  # the prefill call alone
+    stage_s: float = 0.0  # the stage call alone
 
 
 class Observer(Protocol):
@@ -174,6 +233,47 @@ class NullObserver:
     def on_first_audio(self, ttfa_s: float) -> None: ...
     def on_chunk(self, lateness_s: float) -> None: ...
     def on_reject(self, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A stream that can use a stage this turn, and how urgently."""
+
+    klass: str  # priority class (CLASS_ORDER)
+    order: tuple  # sorts within and across classes
+    slack: float | None  # seconds to spare (None: waiting for its first audio)
+    stream: Stream
+    stage: Stage
+    new: bool  # prefilled this turn: its slot may be known only after admission
+
+
+class RowCost:
+    """Seconds per frame step as a + b * rows, fitted over recent steps (exponentially
+    weighted least squares), to tell how throughput changes with the batch: flat on a GPU
+    (rows nearly free), proportional on a CPU. Until steps of different sizes were seen the
+    cost is taken as proportional to rows (a = 0): the cautious guess, that batching saves
+    nothing."""
+
+    def __init__(self, decay: float = 0.98):
+        self.decay = decay
+        self.sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, rows, s, rows^2, rows * s
+
+    def observe(self, rows: int, seconds: float) -> None:
+        w, x, y, xx, xy = (v * self.decay for v in self.sums)
+        self.sums = (w + 1, x + rows, y + seconds, xx + rows * rows, xy + rows * seconds)
+
+    def speedup(self, rows_from: float, rows_to: float) -> float:
+        """Rows per second of frame step at rows_to over that at rows_from."""
+        w, x, y, xx, xy = self.sums
+        if w == 0 or y <= 0:
+            return 1.0
+        mean_x, mean_y = x / w, y / w
+        variance = xx / w - mean_x**2
+        if variance < 0.05:  # one batch size so far (rows are whole numbers)
+            return 1.0
+        b = max(0.0, (xy / w - mean_x * mean_y) / variance)
+        a = max(0.0, mean_y - b * mean_x)
+        return (rows_to / (a + b * rows_to)) / (rows_from / (a + b * rows_from))
 
 
 class Scheduler:
@@ -195,8 +295,10 @@ class Scheduler:
         self.cost_s = dict.fromkeys(Stage, initial_cost_s)  # running mean of each stage call
         self._ids = itertools.count()
         self._outbox: list[tuple[Sink, Event]] = []
-        self._steps: deque[tuple[float, float, int]] = deque()  # (end time, busy s, samples)
-        self._last_stage_commit: float | None = None  # None: the loop idled since
+        # (end time, busy s, samples generated, rows in the frame step or 0)
+        self._steps: deque[tuple[float, float, int, int]] = deque()
+        self.frame_cost = RowCost()
+        self._last_commit: float | None = None  # None: the loop idled since
 
     # -- asyncio side ------------------------------------------------------------------------
     def submit(
@@ -205,7 +307,10 @@ class Scheduler:
         sink: Sink,
         chunk_schedule: Sequence[int] | None = None,
         trimmer: Trimmer | None = None,
+        follows: int | None = None,
     ) -> Stream:
+        """Queue a request, or raise Rejected at once. `follows`: the id of a stream whose
+        audio the client plays before this one's (the previous segment of a session)."""
         cfg = self.config
         if len(self.queue) >= cfg.max_queue:
             self._reject("queue_full")
@@ -213,18 +318,22 @@ class Scheduler:
         if self.unsent_samples() > cfg.max_buffered_s * SAMPLE_RATE:
             self._reject("buffered_audio")
             raise Rejected(503, "buffered_audio", "server overloaded: too much audio unsent")
-        room = self.admissible(self.clock()) if len(self.queue) >= cfg.saturated_queue else None
-        if room is not None and room <= len(self.queue):  # the queue already fills the room
-            self._reject("capacity")
-            raise Rejected(429, "capacity", "server at capacity: try again shortly")
+        now = self.clock()
+        schedule = tuple(chunk_schedule or self.profile.chunk_schedule)
         stream = Stream(
             id=next(self._ids),
             request=request,
             sink=sink,
-            chunk_schedule=tuple(chunk_schedule or self.profile.chunk_schedule),
+            chunk_schedule=schedule,
+            ramp_speed=ramp_speed(schedule),
             trimmer=trimmer,
-            arrived_at=self.clock(),
+            arrived_at=now,
+            follows=self.streams.get(follows) if follows is not None else None,
         )
+        refusal = self._capacity_refusal(stream, now)
+        if refusal is not None:
+            self._reject("capacity")
+            raise Rejected(429, "capacity", f"server at capacity: {refusal}; try again shortly")
         self.streams[stream.id] = stream
         self.queue.append(stream)
         return stream
@@ -250,62 +359,84 @@ class Scheduler:
     def unsent_samples(self) -> int:
         return sum(s.samples_unsent for s in self.streams.values())
 
-    def admissible(self, now: float) -> int | None:
-        """How many more streams the engine can keep in real time (None: no evidence yet).
+    # -- admission ---------------------------------------------------------------------------
+    def capacity(self, now: float, streams: int | None = None) -> float | None:
+        """Real-time streams the engine sustains with `streams` generating (default: as
+        now), less the margin (None: no evidence in the window).
 
-        rate = audio seconds generated per second of engine work over the last window: the
-        number of real-time streams the engine sustains at its current batching (more
-        streams batch better, so this errs on the safe side). Streams needing audio now: those
-        still generating, not paused, not already ahead_s ahead of playback."""
+        Audio seconds generated per second of engine work over the last window is the number
+        of real-time streams the engine sustains at the batch it ran; at another number of
+        streams the frame step's fitted cost per row scales it (see RowCost)."""
         cfg = self.config
         if not cfg.admit_by_capacity:
             return None
         while self._steps and self._steps[0][0] < now - cfg.capacity_window_s:
             self._steps.popleft()
-        busy = sum(b for _, b, _ in self._steps)
-        produced = sum(n for _, _, n in self._steps) / SAMPLE_RATE
-        if busy < 0.05 * cfg.capacity_window_s or produced <= 0:
+        busy = sum(step[1] for step in self._steps)
+        produced = sum(step[2] for step in self._steps) / SAMPLE_RATE
+        frame_steps = [step[3] for step in self._steps if step[3]]
+        if busy < 0.05 * cfg.capacity_window_s or produced <= 0 or not frame_steps:
             return None
-        need = sum(
-            1
-            for s in self.by_slot.values()
-            if not s.generation_done and not self._paused(s) and self._lead(s, now) < cfg.ahead_s
-        )
-        return max(0, int(produced / busy / (1 + cfg.capacity_margin)) - need)
+        measured = produced / busy / (1 + cfg.capacity_margin)
+        if streams is None:
+            return measured
+        rows_then = sum(frame_steps) / len(frame_steps)
+        rows_at = min(max(streams, 1), cfg.max_batch)
+        return measured * self.frame_cost.speedup(rows_then, rows_at)
 
-    def saturated(self, now: float) -> bool:
-        """No room for one more real-time stream (see the module docstring)."""
-        return self.admissible(now) == 0
+    def demand(self) -> float:
+        """Real-time streams' worth of generation the admitted streams need now: each one
+        still generating and not paused, a ramping one at its ramp speed (see ramp_speed)."""
+        live = [s for s in self.by_slot.values() if not s.generation_done and not self._paused(s)]
+        return sum(s.demand() for s in live)
 
     @staticmethod
-    def _lead(s: Stream, now: float) -> float:
-        """Seconds of audio produced beyond the playback position (0 before first audio)."""
-        if s.first_audio_at is None:
-            return 0.0
-        return s.first_audio_at + s.samples_sent / SAMPLE_RATE - now
+    def _fits(demand: float, extra: float, capacity: float | None) -> bool:
+        """`extra` more fits beside `demand`. An engine with no demand always takes a stream:
+        a device too slow for even one real-time stream serves one at a time."""
+        return capacity is None or demand == 0 or demand + extra <= capacity
+
+    def behind(self) -> int:
+        """Streams still generating whose latest chunk came late for their playback: the
+        engine is not keeping up, whatever the capacity estimate says (a stream that catches
+        up, its next chunk on time, no longer counts)."""
+        return sum(1 for s in self.by_slot.values() if s.behind and not s.generation_done)
+
+    def _capacity_refusal(self, stream: Stream, now: float) -> str | None:
+        """Why admitting `stream` would make admitted streams late (None: it would not)."""
+        if not self.config.admit_by_capacity:
+            return None
+        if late := self.behind():
+            return f"{late} admitted streams are behind their playback"
+        streams = len(self.by_slot) + len(self.queue) + 1
+        capacity = self.capacity(now, streams)
+        demand = self.demand() + sum(q.demand() for q in self.queue)
+        if self._fits(demand, stream.demand(), capacity):
+            return None
+        return (
+            f"the streams generating or queued need {demand:.1f} real-time streams' worth of "
+            f"generation and this one {stream.demand():.1f} more; the engine sustains "
+            f"{capacity:.1f} with {streams} streams (measured over the last "
+            f"{self.config.capacity_window_s:g} s, {self.config.capacity_margin:.0%} margin kept)"
+        )
 
     # -- engine thread -----------------------------------------------------------------------
     def plan(self) -> Plan:
         now = self.clock()
         release, self.to_release = self.to_release, []
-        free = self.config.num_slots - len(self.by_slot)
-        room = self.admissible(now) if self.queue else None
-        if room is not None:
-            free = min(free, room)  # more streams now would make every stream late
-        admit = list(itertools.islice(self.queue, max(0, free)))
-        ready = [
-            (self._priority(s, stage, now), s, stage)
-            for s in self.by_slot.values()
-            if (stage := s.next_stage()) is not None and not self._paused(s)
-        ]
-        plan = Plan(release, admit, None, [])
-        if not ready and not admit:
-            self._last_stage_commit = None  # idle: the next step's cost starts fresh
+        held = [s for s in self.by_slot.values() if s.status is Status.PREFILL]
+        admit = self._admissions(now, len(held))
+        ready = self._ready(now)
+        run_prefill = self._prefill_now(ready)
+        if run_prefill:
+            ready += [self._rank(s, Stage.FRAMES, now, new=True) for s in held + admit]
+        ready.sort(key=lambda r: r.order)
+        prefill = [s.slot for s in held] if run_prefill else None
+        plan = Plan(release=release, admit=admit, prefill=prefill, stage=None, slots=[])
         if ready:
-            ready.sort(key=lambda r: r[0])
-            (klass, _), anchor, stage = ready[0]
-            batch = [s for _, s, st in ready if st is stage][: self.config.max_batch]
-            plan = Plan(release, admit, stage, [s.slot for s in batch], klass)
+            self._choose_stage(plan, ready)
+        if plan.is_empty:
+            self._last_commit = None  # idle: the next step's cost starts fresh
         self.observer.on_plan(plan, len(self.queue) - len(admit), len(self.by_slot))
         return plan
 
@@ -313,39 +444,100 @@ class Scheduler:
         now = self.clock()
         for stream in plan.admit:
             self._commit_admission(stream, result.admitted[stream.id], result, now)
+        self._commit_prefill(result, now)
         if plan.stage is not None:
-            self._commit_stage(plan, result, now)
+            self._commit_stage(plan.stage, result, now)
+        if result.prefilled or result.stage_slots:
+            self._record_busy(result, now)
         self._expire_queue(now)
         out, self._outbox = self._outbox, []
         return out
 
-    # -- phases ------------------------------------------------------------------------------
-    def _priority(self, s: Stream, stage: Stage, now: float) -> tuple[str, tuple]:
-        """(class, order within the class); classes sort by their position in CLASS_ORDER."""
+    # -- planning phases ---------------------------------------------------------------------
+    def _admissions(self, now: float, held_prefills: int) -> list[Stream]:
+        """Queued streams, FIFO, that get a slot this turn: while slots are free, the measured
+        capacity holds them, and one batch holds this turn's new rows."""
+        cfg = self.config
+        limit = min(cfg.num_slots - len(self.by_slot), cfg.max_batch - held_prefills)
+        demand, admit = self.demand(), []
+        for s in itertools.islice(self.queue, max(0, limit)):
+            capacity = self.capacity(now, len(self.by_slot) + len(admit) + 1)
+            if not self._fits(demand, s.demand(), capacity):
+                break
+            admit.append(s)
+            demand += s.demand()
+        return admit
+
+    def _ready(self, now: float) -> list[Ready]:
+        return [
+            self._rank(s, stage, now)
+            for s in self.by_slot.values()
+            if (stage := s.next_stage()) in (Stage.FRAMES, Stage.AUDIO) and not self._paused(s)
+        ]
+
+    def _prefill_now(self, ready: list[Ready]) -> bool:
+        """Prompts run this turn unless waiting for them would make a stream's playback run
+        dry (its slack spends the safety margin, not only the prefill): new requests hold
+        capacity they were admitted for, so their prompts yield only to a real underrun."""
+        margin = self.profile.safety_margin_s
+        deadlines = [r.slack + margin for r in ready if r.klass == "deadline"]
+        return not deadlines or min(deadlines) >= self.cost_s[Stage.PREFILL]
+
+    def _choose_stage(self, plan: Plan, ready: list[Ready]) -> None:
+        """The anchor's stage; its batch: the max_batch most urgent rows ready for it, this
+        turn's new rows all together or not at all."""
+        anchor, reason = ready[0], ready[0].klass
+        if anchor.stage is Stage.FRAMES and self._chunk_runs_dry_during_frames(ready):
+            anchor, reason = next(r for r in ready if r.stage is Stage.AUDIO), "codec-first"
+        rows = [r for r in ready if r.stage is anchor.stage][: self.config.max_batch]
+        new_ready = sum(r.new for r in ready)
+        plan.stage, plan.reason = anchor.stage, reason
+        plan.frames_take_new = new_ready > 0 and sum(r.new for r in rows) == new_ready
+        if not plan.frames_take_new:
+            rows = [r for r in ready if r.stage is anchor.stage and not r.new]
+            rows = rows[: self.config.max_batch]
+        plan.slots = [r.stream.slot for r in rows if not r.new]
+        if not (plan.slots or plan.frames_take_new):
+            plan.stage = None  # only new rows were ready, and they did not fit
+
+    def _chunk_runs_dry_during_frames(self, ready: list[Ready]) -> bool:
+        """A chunk whose frames are all made, due before a frame step would end: a codec step
+        is short, so it goes first (on a serial engine; a pipelined one would overlap them)."""
+        frame_step = self.cost_s[Stage.FRAMES]
+        return any(
+            r.stage is Stage.AUDIO and r.slack is not None and r.slack < frame_step for r in ready
+        )
+
+    def _rank(self, s: Stream, stage: Stage, now: float, new: bool = False) -> Ready:
         slack = self._slack(s, stage, now)
         if slack is not None and slack <= self.profile.urgent_slack_s:
             klass, order = "deadline", (slack,)
-        elif s.first_audio_at is None:
+        elif slack is None:
             klass, order = "first-audio", (s.arrived_at, s.id)
         elif slack <= self.profile.soon_slack_s:
             klass, order = "soon", (slack,)
         else:
             klass, order = "round-robin", (s.last_served_at, s.id)
-        return klass, (CLASS_ORDER[klass], *order)
+        return Ready(klass, (CLASS_ORDER[klass], *order), slack, s, stage, new)
 
     def _slack(self, s: Stream, stage: Stage, now: float) -> float | None:
-        if s.first_audio_at is None:
-            return None
-        deadline = s.first_audio_at + s.samples_sent / SAMPLE_RATE - self.profile.safety_margin_s
+        """Seconds to spare before the client's buffer runs dry. None: a request waiting for its
+        first audio; inf: one that plays after audio that has not started playing either."""
+        end = s.playback_end()
+        if end is None:
+            return None if s.follows is None else math.inf
         need = self.cost_s[Stage.AUDIO]
         if stage is Stage.FRAMES:
             missing = s.next_chunk_frames() - (s.frames - s.decoded)
             need += max(1, missing) * self.cost_s[Stage.FRAMES]
-        return deadline - now - need
+        if s.status is not Status.DECODING:
+            need += self.cost_s[Stage.PREFILL]
+        return end - self.profile.safety_margin_s - now - need
 
     def _paused(self, s: Stream) -> bool:
         return s.samples_unsent > self.config.stream_buffer_s * SAMPLE_RATE
 
+    # -- commit phases -----------------------------------------------------------------------
     def _commit_admission(self, s: Stream, outcome: int | str, result: StepResult, now: float):
         if s.status is Status.CANCELLED:  # closed while the engine admitted it
             if isinstance(outcome, int):
@@ -361,19 +553,29 @@ class Scheduler:
         self.by_slot[outcome] = s
         self._emit(s, Admitted(s.seed))
 
-    def _commit_stage(self, plan: Plan, result: StepResult, now: float) -> None:
-        stage = plan.stage
+    def _commit_prefill(self, result: StepResult, now: float) -> None:
+        if not result.prefilled:
+            return
         a = self.config.cost_ema
-        self.cost_s[stage] = (1 - a) * self.cost_s[stage] + a * result.elapsed_s
+        self.cost_s[Stage.PREFILL] = (1 - a) * self.cost_s[Stage.PREFILL] + a * result.prefill_s
+        for slot in result.prefilled:
+            s = self.by_slot.get(slot)
+            if s is not None and s.status is Status.PREFILL:
+                s.status, s.last_served_at = Status.DECODING, now
+        self.observer.on_step(Stage.PREFILL, len(result.prefilled), result.prefill_s, 0)
+
+    def _commit_stage(self, stage: Stage, result: StepResult, now: float) -> None:
+        if not result.stage_slots:
+            return
+        a = self.config.cost_ema
+        self.cost_s[stage] = (1 - a) * self.cost_s[stage] + a * result.stage_s
         new_frames = 0
-        for slot in plan.slots:
+        for slot in result.stage_slots:
             s = self.by_slot.get(slot)
             if s is None or s.status is Status.CANCELLED:
                 continue
             s.last_served_at = now
-            if stage is Stage.PREFILL:
-                s.status = Status.DECODING
-            elif stage is Stage.FRAMES:
+            if stage is Stage.FRAMES:
                 new, finished = result.frames[slot]
                 s.frames += new
                 s.generation_done = finished
@@ -382,16 +584,22 @@ class Scheduler:
                 self._commit_audio(s, result.pcm[slot], now)
             if s.generation_done and s.frames == s.decoded:
                 self._finish(s, now)
+        self.observer.on_step(stage, len(result.stage_slots), result.stage_s, new_frames)
+
+    def _record_busy(self, result: StepResult, now: float) -> None:
         # Capacity is measured in frames generated (each is 80 ms of audio) per second of
         # engine work, whatever the stage: every stage's time is part of the cost of a frame,
         # and so is the loop's own time between back-to-back steps (planning, committing,
         # handing chunks over), which the stage timing alone does not see.
-        busy = result.elapsed_s
-        if self._last_stage_commit is not None:
-            busy = max(busy, now - self._last_stage_commit)
-        self._last_stage_commit = now
-        self._steps.append((now, busy, new_frames * FRAME_SAMPLES))
-        self.observer.on_step(stage, len(plan.slots), result.elapsed_s, new_frames)
+        busy = result.prefill_s + result.stage_s
+        if self._last_commit is not None:
+            busy = max(busy, now - self._last_commit)
+        self._last_commit = now
+        new_frames = sum(new for new, _ in result.frames.values())
+        frame_rows = len(result.stage_slots) if result.frames else 0
+        self._steps.append((now, busy, new_frames * FRAME_SAMPLES, frame_rows))
+        if frame_rows:
+            self.frame_cost.observe(frame_rows, result.stage_s)
 
     def _commit_audio(self, s: Stream, pcm: Sequence[float], now: float) -> None:
         s.decoded = s.frames
@@ -400,12 +608,14 @@ class Scheduler:
             pcm = s.trimmer(pcm)
         if not len(pcm):
             return
+        due = s.playback_end()  # None: a first chunk that nothing plays before
         if s.first_audio_at is None:
             s.first_audio_at = now
-            self.observer.on_first_audio(now - s.arrived_at)
-        else:
-            deadline = s.first_audio_at + s.samples_sent / SAMPLE_RATE
-            self.observer.on_chunk(now - deadline)
+            if due is None:
+                self.observer.on_first_audio(now - s.arrived_at)
+        if due is not None:
+            self.observer.on_chunk(now - due)
+            s.behind = now > due
         self._emit(s, Chunk(s.chunks_sent, pcm))
         s.chunks_sent += 1
         s.samples_sent += len(pcm)
@@ -414,6 +624,12 @@ class Scheduler:
     def _finish(self, s: Stream, now: float) -> None:
         s.status = Status.FINISHED
         self._free_slot(s)
+        for other in self.by_slot.values():  # its followers keep the time, not the stream
+            if other.follows is s:
+                other.plays_from, other.follows = s.playback_end(), None
+        for other in self.queue:
+            if other.follows is s:
+                other.plays_from, other.follows = s.playback_end(), None
         ttfa = None if s.first_audio_at is None else s.first_audio_at - s.arrived_at
         stats = {
             "frames": s.frames,
@@ -428,16 +644,16 @@ class Scheduler:
         self._emit(s, Done(stats))
 
     def _expire_queue(self, now: float) -> None:
-        # A saturated engine frees room only as streams finish: waiting long for it would only
-        # turn into a late first chunk, so the wait is cut short and the answer is 429.
         timeout = self.config.queue_timeout_s
-        if self.queue and self.saturated(now):
-            timeout = min(timeout, self.config.saturated_wait_s)
         while self.queue and now - self.queue[0].arrived_at > timeout:
             s = self.queue.popleft()
             s.status = Status.FAILED
-            self._reject("no_slot")
-            self._emit(s, Failed(429, f"no free slot within {timeout:g} s", "no_slot"))
+            if len(self.by_slot) >= self.config.num_slots:
+                reason, why = "no_slot", f"no engine slot freed within {timeout:g} s"
+            else:
+                reason, why = "capacity", f"the engine stayed at capacity for {timeout:g} s"
+            self._reject(reason)
+            self._emit(s, Failed(429, why, reason))
 
     def _free_slot(self, s: Stream) -> None:
         if s.slot is not None and self.by_slot.get(s.slot) is s:
@@ -452,3 +668,4 @@ class Scheduler:
 
 
 CLASS_ORDER = {"deadline": 0, "first-audio": 1, "soon": 2, "round-robin": 3}
+# A plan's reason is its anchor's class, or "codec-first" (see _chunk_runs_dry_during_frames).

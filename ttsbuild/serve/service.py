@@ -121,13 +121,21 @@ class SpeechService:
         onset = self.config.onset_dbfs if self.trim_onset else None
         return SilenceTrimmer(FRAME_SAMPLES if self.drop_bootstrap else 0, onset)
 
-    def submit(self, request: SynthesisRequest, chunk_schedule: list[int] | None = None):
-        """Queue a request without waiting; events (Admitted first) arrive on the handle."""
+    def submit(
+        self,
+        request: SynthesisRequest,
+        chunk_schedule: list[int] | None = None,
+        follows: StreamHandle | None = None,
+    ):
+        """Queue a request without waiting; events (Admitted first) arrive on the handle.
+        `follows`: the handle whose audio the client plays before this one's (the previous
+        segment of a session): this one's chunks are due by that playback, not by their own."""
         handle = StreamHandle(self, asyncio.get_running_loop())
         try:
             stream = self.loop.submit(
-                request, handle.sink, self.chunk_schedule(chunk_schedule), self._trimmer()
-            )
+                request, handle.sink, self.chunk_schedule(chunk_schedule), self._trimmer(),
+                follows.stream_id if follows is not None else None,
+            )  # fmt: skip
         except Rejected as exc:
             raise ApiError(exc.status, exc.message, code=exc.reason,
                            type=_error_type(exc.status)) from None  # fmt: skip
@@ -145,21 +153,28 @@ class SpeechService:
         return handle
 
     async def warm_up(self) -> None:
-        """One short request through the whole path; /ready turns true only after it."""
-        request = SynthesisRequest(
-            text=self.config.warmup_text,
-            voice=self.voices[0] if self.needs_voice else None,
-            seed=0,
-            max_frames=4,
-        )
-        handle = await self.open(request)
-        try:
-            async for _ in handle.chunks():
-                pass
-        finally:
-            handle.close()
+        """Two short requests, one twice as long, through the whole path; /ready turns true
+        only after them. Steps of one and two rows show the scheduler how a step's cost grows
+        with the batch before real load arrives (see scheduler.RowCost)."""
+
+        async def one(max_frames: int) -> dict | None:
+            request = SynthesisRequest(
+                text=self.config.warmup_text,
+                voice=self.voices[0] if self.needs_voice else None,
+                seed=0,
+                max_frames=max_frames,
+            )
+            handle = await self.open(request)
+            try:
+                async for _ in handle.chunks():
+                    pass
+            finally:
+                handle.close()
+            return handle.stats
+
+        stats = await asyncio.gather(one(4), one(8))
         self.ready = True
-        log.info("warm-up done: %s", handle.stats)
+        log.info("warm-up done: %s", stats)
 
 
 def _error_type(status: int) -> str:
