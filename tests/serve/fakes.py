@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.serve.config import FRAME_SAMPLES
 
 
@@ -51,6 +52,10 @@ class FakeEngine:
     slots: dict = field(default_factory=dict)
     calls: list = field(default_factory=list)  # (stage, slots)
     models: object = field(default_factory=lambda: FakeModels())
+
+    @property
+    def plan(self) -> EnginePlan:
+        return EnginePlan.default(num_slots=self.num_slots)
 
     def free_slots(self) -> int:
         return self.num_slots - len(self.slots)
