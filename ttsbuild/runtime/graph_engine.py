@@ -29,6 +29,7 @@ from ttsbuild.generation.generate import codebook0_logits_mask
 from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.model.codec import CodecStream
 from ttsbuild.plugins.sampling import fused_sample
+from ttsbuild.runtime.cp_fused import FusedCodePredictor
 from ttsbuild.runtime.engine import FrameOutput, Models, NoFreeSlot, plan_admission
 from ttsbuild.runtime.fast_model import Dense, PackedStack
 from ttsbuild.runtime.request import RequestError, SynthesisRequest
@@ -52,6 +53,7 @@ class RuntimeConfig:
     codec_ring: int = 64  # frames buffered per slot between frames() and audio()
     precision: str = "bf16"  # talker linears: "bf16" | "fp8" (weight-only e4m3)
     code_predictor_fp8: bool = False
+    fused_code_predictor: bool = False  # the frame's code predictor on runtime.cp_fused
     use_graphs: bool | None = None  # None: on CUDA
 
     def __post_init__(self):
@@ -116,6 +118,9 @@ class GraphEngine:
         self.codec_embedding = talker.model.codec_embedding.weight.detach()  # [V, H]
         # Codebooks 1..15 input embeddings stacked: [G - 1, codebook_size, H]
         self.cp_embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
+        self.cp_fused = FusedCodePredictor(
+            self.cp_stack, self.cp_heads, self.cp_proj, self.codec_embedding, self.cp_embeddings
+        )
 
         # -- per-slot state ---------------------------------------------------------------
         t = cfg.talker
@@ -185,6 +190,10 @@ class GraphEngine:
         """Codebooks 1..15 for B rows with on-device sampling: [B, G]."""
         B, G = hidden.shape[0], self.cfg.num_code_groups
         slots = self.cp_slots[:B]
+        if self.rcfg.fused_code_predictor:
+            return self.cp_fused.frame(
+                hidden, c0, sampling, seeds, frames, self.cp_k, self.cp_v, slots, self.cp_positions
+            )
         x = torch.stack([hidden, self.codec_embedding[c0]], dim=1)  # [B, 2, H]
         h = self.cp_stack.prefill(self.cp_proj(x), self.cp_k, self.cp_v, slots)[:, -1]
         codes = [c0]
