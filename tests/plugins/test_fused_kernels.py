@@ -1,12 +1,13 @@
 """fused_linear / qk_norm_rope_attend: the references on CPU, the Triton kernels against a
 float32 reference on fresh random inputs (on CUDA, or on CPU under TRITON_INTERPRET=1; the
-last test here runs this file's kernel tests in a subprocess under the interpreter, so CPU
-CI checks the kernels too when triton is installed)."""
+last test here runs the kernel tests of this file and of tests/runtime/test_cp_fused.py in a
+subprocess under the interpreter, so CPU CI checks the kernels too when triton is installed)."""
 
 import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,6 +223,7 @@ def test_qk_norm_rope_attend_kernel(R, S, dtype):
     assert torch.equal(vc.float().transpose(1, 2)[untouched], vc_ref.transpose(1, 2)[untouched])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not HAS_TRITON or torch.cuda.is_available() or interpret_mode(),
     reason="runs the kernel tests under the interpreter on CPU-only machines with triton",
@@ -230,6 +232,7 @@ def test_kernels_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         str(Path(__file__).parents[1] / "runtime" / "test_cp_fused.py"),
          "-k", "kernel and not interpreter"],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
