@@ -8,6 +8,9 @@ batch and weight precision (bf16, FP8 weight-only) it captures one CUDA graph of
 frame per path, as graph_engine does, and prints ms per frame (median of graph replays,
 sampling on) next to the weight-read floor, then the difference of one decode pass's hidden
 states between the paths (max abs, relative) and the number of greedy codes that differ.
+--kernels adds a table of each fused linear alone (CUDA-graph replays, weights rotated past
+the L2) with its per-shape plan and a few neighbouring configs, next to the plain linear, to
+tune `plugins._tl.fused_linear.plan`.
 Checks: with fp32 weights and activations the two paths must give the same greedy codes
 (exit status 1 otherwise); in bf16 / FP8 near-ties can flip a code, so they are counted.
 The first run compiles the Triton kernels (~1 min); later runs hit Triton's cache.
@@ -147,11 +150,92 @@ def frame_bytes(fcp: FusedCodePredictor) -> int:
     return G * fcp.stack.weight_bytes() + (G - 1) * head + G * proj
 
 
+# name: (K, N, mode) of the code predictor's fused linears; gate_up N = intermediate size
+KERNEL_SHAPES = {
+    "qkv (norm)": (1024, 4096, "norm"),
+    "o (+res)": (2048, 1024, "residual"),
+    "gate_up (norm,silu)": (1024, 3072, "gate_up"),
+    "down (+res)": (3072, 1024, "residual"),
+    "head (norm,f32)": (1024, 2048, "head"),
+    "proj (gather,bias)": (2048, 1024, "gather"),
+}
+
+
+def _neighbours(plan: dict) -> list[dict]:
+    out = [plan, {**plan, "SPLIT_K": max(1, plan["SPLIT_K"] // 2)}]
+    out.append({**plan, "SPLIT_K": min(8, plan["SPLIT_K"] * 2)})
+    wider = 32 if plan["BLOCK_M"] == 1 else 128
+    out.append({**plan, "BLOCK_N": wider})
+    unique = []
+    for c in out:
+        if c not in unique:
+            unique.append(c)
+    return unique
+
+
+def bench_kernels(batches: list[int]) -> None:
+    import math
+
+    from bench_kernels import L2_DEFEAT_BYTES, graph_time_us
+
+    from ttsbuild.plugins._tl.fused_linear import _num_sms, plan
+    from ttsbuild.plugins.fp8_linear import quantize_weight_fp8
+    from ttsbuild.plugins.fused_linear import fused_linear
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    sms = _num_sms(torch.device(DEV))
+    print(f"{'kernel':20s} {'prec':4s} {'B':>3s} {'linear us':>9s} {'plan us':>8s}  plan"
+          f"{'':28s} {'best us':>8s}  best")  # fmt: skip
+    for name, (K, N, mode) in KERNEL_SHAPES.items():
+        rows = 2 * N if mode == "gate_up" else N
+        for prec in ("bf16", "fp8"):
+            w0 = (torch.randn(rows, K, device=DEV, generator=g) * K**-0.5).bfloat16()
+            copies = max(2, math.ceil(L2_DEFEAT_BYTES / w0.numel() / w0.element_size()))
+            ws = [w0.roll(i, 0) for i in range(copies)]  # distinct memory, same values
+            ws = [quantize_weight_fp8(w) if prec == "fp8" else (w, None) for w in ws]
+            for B in batches:
+                x = torch.randn(B, K, device=DEV, generator=g).bfloat16()
+                kw = {}
+                if mode in ("norm", "gate_up", "head"):
+                    kw = dict(norm_weight=torch.ones(K, device=DEV).bfloat16(), eps=1e-6)
+                    kw["gate_up"] = mode == "gate_up"
+                    if mode == "head":
+                        kw["out_dtype"] = torch.float32
+                elif mode == "residual":
+                    kw = dict(residual=torch.randn(B, N, device=DEV).bfloat16())
+                else:
+                    x = torch.randn(100, K, device=DEV, generator=g).bfloat16()
+                    kw = dict(index=torch.randint(0, 100, (B,), device=DEV, generator=g),
+                              bias=torch.randn(N, device=DEV).bfloat16())  # fmt: skip
+                xin = torch.randn(B, K, device=DEV, generator=g).bfloat16()
+                # the plain linear: cuBLAS for bf16, the unfused fp8_linear kernel for FP8
+                linear = [lambda d=Dense(w, sc), xin=xin: d(xin) for w, sc in ws]
+                base = graph_time_us(linear)
+                p = plan(B, N, K, mode == "gate_up", sms)
+                timed = []
+                for cfg in _neighbours(p):
+                    calls = [
+                        lambda w=w, sc=sc, x=x, kw=kw, cfg=cfg: fused_linear(
+                            x, w, sc, config=cfg, **kw
+                        )
+                        for w, sc in ws
+                    ]
+                    timed.append((graph_time_us(calls), cfg))
+                best = min(timed, key=lambda t: t[0])
+
+                def fmt(c):
+                    return f"M{c['BLOCK_M']} N{c['BLOCK_N']} K{c['BLOCK_K']} S{c['SPLIT_K']}"
+
+                print(f"{name:20s} {prec:4s} {B:3d} {base:9.2f} {timed[0][0]:8.2f}  "
+                      f"{fmt(p):32s} {best[0]:8.2f}  {fmt(best[1])}")  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--precisions", default="bf16,fp8")
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--kernels", action="store_true", help="also time each fused linear alone")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -202,6 +286,9 @@ def main() -> int:
             del g_old, g_new
         del fcp
         torch.cuda.empty_cache()
+    if args.kernels:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        bench_kernels(batches)
     print(f"total {time.time() - t0:.0f} s; fp32 greedy codes {'equal' if ok else 'DIFFER'}")
     return 0 if ok else 1
 

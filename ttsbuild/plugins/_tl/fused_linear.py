@@ -2,10 +2,12 @@
 
 out[m, n] = epilogue(scale[n] * sum_k prologue(x)[m, k] * w[n, k]), fp32 accumulation.
 
-Prologue (per row m, recomputed by every program that needs the row; K <= a few thousand,
-so the row is an L2 read): GATHER takes row idx[m] of a table instead of row m; PRE_NORM
-multiplies by the row's RMS reciprocal (a first pass over K) and the norm weight, rounded
-as the eager RMSNorm rounds (to x's dtype, then times the weight in x's dtype).
+Prologue: GATHER takes row idx[m] of a table instead of row m. PRE_NORM: RMSNorm is
+w_norm * x * rstd[m] with one rstd per row, so the K loop multiplies x by the norm weight
+(rounded once to x's dtype for the MMA) while summing x^2 of the same tiles, and rstd scales
+the accumulator in the epilogue: no extra pass over x, and split-K partials each carry their
+slice's sum of squares. (Eager RMSNorm rounds x * rstd to x's dtype before the weight; here
+the one rounding is of x * w_norm: the same size of error, in another place.)
 Epilogue: HAS_SCALE (FP8 per-output-channel scale), HAS_BIAS, GATE_UP (w is the packed
 [2N, K] gate/up matrix: the program streams gate rows n and up rows N + n in the same K
 loop and writes silu(gate) * up), HAS_RES (adds the residual: out is the new residual).
@@ -32,17 +34,6 @@ _MAX_SPLIT = 8
 
 
 @triton.jit
-def _x_tile(x_cols, offs_k, k_mask, m_mask, nw_ptr, rstd, PRE_NORM: tl.constexpr):
-    """[BLOCK_K, BLOCK_M] activations, normalised as the eager RMSNorm rounds."""
-    xt = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-    if PRE_NORM:
-        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        y = (xt.to(tl.float32) * rstd[None, :]).to(xt.dtype)
-        xt = (nw[:, None] * y.to(tl.float32)).to(xt.dtype)
-    return xt
-
-
-@triton.jit
 def _mac(acc, w, xt, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr):
     if BLOCK_M == 1:  # GEMV: acc is [BLOCK_N, BLOCK_K], reduced after the loop
         return acc + w.to(tl.float32) * tl.sum(xt.to(tl.float32), axis=1)[None, :]
@@ -53,12 +44,17 @@ def _mac(acc, w, xt, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _epilogue(
-    acc_g, acc_u, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, r_ptr, out_ptr,
+    acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, r_ptr, out_ptr,
     stride_rm, stride_om, N,
-    X_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_RES: tl.constexpr, GATE_UP: tl.constexpr,
+    X_DTYPE: tl.constexpr, PRE_NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GATE_UP: tl.constexpr,
 ):  # fmt: skip
-    # acc_*: [BLOCK_N, BLOCK_M] fp32. Rounded to x's dtype where the eager linear rounds.
+    # acc_*: [BLOCK_N, BLOCK_M] fp32; ss [BLOCK_M]: the rows' sums of squares (PRE_NORM).
+    # Rounded to x's dtype where the eager linear rounds.
+    if PRE_NORM:
+        rstd = (1.0 / tl.sqrt_rn(ss / K + eps))[None, :]
+        acc_g = acc_g * rstd
+        acc_u = acc_u * rstd
     y = acc_g
     if HAS_SCALE:
         y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
@@ -104,17 +100,6 @@ def _fused_linear_kernel(
     x_cols = x_ptr + rows[None, :] * stride_xm
     X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
 
-    rstd = tl.zeros((BLOCK_M,), tl.float32)
-    if PRE_NORM:
-        ss = tl.zeros((BLOCK_M,), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(
-                x_cols + offs_k[:, None], mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0
-            ).to(tl.float32)
-            ss += tl.sum(xt * xt, axis=0)
-        rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
-
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -125,10 +110,16 @@ def _fused_linear_kernel(
     else:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_u = tl.zeros_like(acc_g)
+    ss = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
-        xt = _x_tile(x_cols, offs_k, k_mask, m_mask, nw_ptr, rstd, PRE_NORM)
+        xt = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        if PRE_NORM:
+            xf = xt.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=0)
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            xt = (xf * nw[:, None]).to(X_DTYPE)
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(g_rows + offs_k[None, :], mask=w_mask, other=0.0)
         acc_g = _mac(acc_g, w, xt, BLOCK_M, DOT_F32)
@@ -141,33 +132,44 @@ def _fused_linear_kernel(
 
     if SPLIT_K == 1:
         _epilogue(
-            acc_g, acc_u, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, r_ptr, out_ptr,
-            stride_rm, stride_om, N, X_DTYPE, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
+            acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, r_ptr,
+            out_ptr, stride_rm, stride_om, N,
+            X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
         )  # fmt: skip
     else:
-        # partials: ws [SPLIT_K, 2, M, N] fp32 (index 1: the up half)
+        # partials: ws [SPLIT_K, 2, M, N] fp32 (index 1: the up half), then the sums of
+        # squares [SPLIT_K, M] (every N tile of a split writes the same values)
         o_mask = n_mask[:, None] & m_mask[None, :]
         ws_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
         part = ws_ptr + pid_k * 2 * M * N
+        ss_ws = ws_ptr + SPLIT_K * 2 * M * N
         tl.store(part + ws_offs, acc_g, mask=o_mask)
         if GATE_UP:
             tl.store(part + M * N + ws_offs, acc_u, mask=o_mask)
+        if PRE_NORM:
+            tl.store(ss_ws + pid_k * M + offs_m, ss, mask=m_mask)
         tl.debug_barrier()
         tile = pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             tot_g = tl.zeros_like(acc_g)
             tot_u = tl.zeros_like(acc_u)
+            tot_ss = tl.zeros_like(ss)
             for s in tl.static_range(SPLIT_K):
                 part = ws_ptr + s * 2 * M * N
+                if PRE_NORM:
+                    tot_ss += tl.load(
+                        ss_ws + s * M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg"
+                    )
                 tot_g += tl.load(part + ws_offs, mask=o_mask, other=0.0, cache_modifier=".cg")
                 if GATE_UP:
                     tot_u += tl.load(
                         part + M * N + ws_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
                     )
             _epilogue(
-                tot_g, tot_u, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, r_ptr, out_ptr,
-                stride_rm, stride_om, N, X_DTYPE, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
+                tot_g, tot_u, tot_ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr,
+                r_ptr, out_ptr, stride_rm, stride_om, N,
+                X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
             )  # fmt: skip
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
@@ -224,7 +226,7 @@ def fused_linear_triton(
     if c["SPLIT_K"] > 1:
         if grid[0] * grid[1] > _MAX_TILES:
             raise ValueError("too many tiles for split-K")
-        ws = torch.empty(c["SPLIT_K"] * 2 * M * N, dtype=torch.float32, device=x.device)
+        ws = torch.empty(c["SPLIT_K"] * (2 * M * N + M), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device)
     else:
         ws = cnt = out
