@@ -67,10 +67,10 @@ def _to(sampling, device):
     )
 
 
-def _inputs(dtype, device):
+def _inputs(dtype, device, S=G):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, CFG.hidden_size, generator=g).to(device, dtype)
-    shape = (CFG.num_layers, SLOTS, CFG.num_kv_heads, G, CFG.head_dim)
+    shape = (CFG.num_layers, SLOTS, CFG.num_kv_heads, S, CFG.head_dim)
     k = torch.randn(shape, generator=g).to(device, dtype)
     v = torch.randn(shape, generator=g).to(device, dtype)
     slots = torch.tensor([3, 0, 4, 1], device=device)
@@ -78,11 +78,17 @@ def _inputs(dtype, device):
     return x, k, v, slots, positions
 
 
+# cache positions: the code predictor's (fused attention) and more than MAX_POSITIONS (the
+# talker's path: qk_norm_rope + decode_attention)
+LENGTHS = [G, 80]
+
+
+@pytest.mark.parametrize("S", LENGTHS)
 @pytest.mark.parametrize("dtype,fp8", PRECISIONS)
-def test_decode_fused_references_equal_decode(dtype, fp8, monkeypatch):
+def test_decode_fused_references_equal_decode(dtype, fp8, S, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors: both paths on the references
     stack = _stack(dtype, fp8)
-    x, k, v, slots, positions = _inputs(dtype, "cpu")
+    x, k, v, slots, positions = _inputs(dtype, "cpu", S)
     k2, v2 = k.clone(), v.clone()
     ref = stack.decode(x, k, v, slots, positions)
     out = decode_fused(stack, x, k2, v2, slots, positions)
@@ -91,10 +97,11 @@ def test_decode_fused_references_equal_decode(dtype, fp8, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("S", LENGTHS)
 @pytest.mark.parametrize("dtype,fp8", PRECISIONS)
-def test_decode_fused_kernels_match_decode(dtype, fp8, monkeypatch):
+def test_decode_fused_kernels_match_decode(dtype, fp8, S, monkeypatch):
     stack = _stack(dtype, fp8, KDEV)
-    x, k, v, slots, positions = _inputs(dtype, KDEV)
+    x, k, v, slots, positions = _inputs(dtype, KDEV, S)
     k_ref, v_ref = k.cpu().float(), v.cpu().float()
     out = decode_fused(stack, x, k, v, slots, positions)
     res = decode_fused(stack, x, k.clone(), v.clone(), slots, positions, final_norm=False)
@@ -176,3 +183,27 @@ def test_fused_frame_kernels_equal_unfused_frame(fp8, monkeypatch):
         torch.zeros(shape), cpu[4], [p.cpu() for p in positions],
     )  # fmt: skip
     assert torch.equal(fused.cpu(), ref)
+
+
+def test_graph_engine_flag_gives_the_same_codes(tiny_checkpoint):
+    """RuntimeConfig.fused_code_predictor switches the frame's code predictor (eager, CPU)."""
+    from ttsbuild.convert.checkpoint import load_checkpoint
+    from ttsbuild.runtime.engine import Models
+    from ttsbuild.runtime.graph_engine import GraphEngine, RuntimeConfig
+    from ttsbuild.runtime.request import SynthesisRequest
+
+    models = Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
+    req = SynthesisRequest(
+        text="The birch canoe slid on the smooth planks.", voice="ryan", seed=4, max_frames=4
+    )
+    rc = dict(num_slots=1, max_len=128, max_text=64, batch_buckets=(1,), use_graphs=False)
+    codes = []
+    for fused in (False, True):
+        engine = GraphEngine(models, RuntimeConfig(fused_code_predictor=fused, **rc))
+        slot = engine.admit(req)
+        engine.prefill([slot])
+        frames = []
+        while not engine.is_finished(slot):
+            frames += [out.codes for out in engine.frames([slot]) if out.codes is not None]
+        codes.append(torch.stack(frames))
+    assert codes[0].shape[0] >= 2 and torch.equal(codes[0], codes[1])
