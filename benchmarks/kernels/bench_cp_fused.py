@@ -13,7 +13,9 @@ the L2) with its per-shape plan and a few neighbouring configs, next to the plai
 tune `plugins._tl.fused_linear.plan`.
 Checks: with fp32 weights and activations the two paths must give the same greedy codes
 (exit status 1 otherwise); in bf16 / FP8 near-ties can flip a code, so they are counted.
-The first run compiles the Triton kernels (~1 min); later runs hit Triton's cache.
+The first run compiles the Triton kernels (about a minute: one variant per mode, dtype and
+batch bucket); later runs hit Triton's cache. --fp32-batches sets the batches of the fp32
+check (fp32 kernels are compiled for them only).
 """
 
 from __future__ import annotations
@@ -234,6 +236,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--precisions", default="bf16,fp8")
+    ap.add_argument("--fp32-batches", default="1,64", help="batches of the fp32 code check")
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--kernels", action="store_true", help="also time each fused linear alone")
     args = ap.parse_args()
@@ -248,7 +251,7 @@ def main() -> int:
 
     # fp32 check: identical greedy codes (exit status), codes only, no timing
     fcp32 = build(cfg, torch.float32, fp8=False)
-    for B in batches:
+    for B in [int(b) for b in args.fp32_batches.split(",") if b]:
         old, new = Frame(fcp32, B, fused=False), Frame(fcp32, B, fused=True)
         old()
         new()
