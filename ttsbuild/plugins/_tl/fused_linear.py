@@ -35,11 +35,15 @@ _MAX_SPLIT = 8
 
 @triton.jit
 def _mac(acc, w, xt, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr):
+    # One return at the end: Triton compiles the code after an early return inside a
+    # constexpr branch too (the GEMV's [BLOCK_N, BLOCK_K] accumulator then fails tl.dot).
     if BLOCK_M == 1:  # GEMV: acc is [BLOCK_N, BLOCK_K], reduced after the loop
-        return acc + w.to(tl.float32) * tl.sum(xt.to(tl.float32), axis=1)[None, :]
-    if DOT_F32:  # fp32 models (IEEE, not TF32), and the interpreter (mis-rounds fp8->bf16)
-        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(w.to(xt.dtype), xt, acc)
+        out = acc + w.to(tl.float32) * tl.sum(xt.to(tl.float32), axis=1)[None, :]
+    elif DOT_F32:  # fp32 models (IEEE, not TF32), and the interpreter (mis-rounds fp8->bf16)
+        out = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(w.to(xt.dtype), xt, acc)
+    return out
 
 
 @triton.jit
