@@ -33,6 +33,7 @@ from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.model.codec import CodecStream
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime.core import EngineCore, SlotPlan
+from ttsbuild.runtime.cp_fused import FusedCodePredictor
 from ttsbuild.runtime.driver import make_driver
 from ttsbuild.runtime.engine import Models
 from ttsbuild.runtime.fast_model import Dense, PackedStack
@@ -120,6 +121,9 @@ class GraphBackend:
         self.codec_embedding = talker.model.codec_embedding.weight.detach()  # [V, H]
         # Codebooks 1..15 input embeddings stacked: [G - 1, codebook_size, H]
         self.cp_embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
+        self.cp_fused = FusedCodePredictor(
+            self.cp_stack, self.cp_heads, self.cp_proj, self.codec_embedding, self.cp_embeddings
+        )
 
         # -- per-slot state ---------------------------------------------------------------
         t = cfg.talker
@@ -205,6 +209,10 @@ class GraphBackend:
         """Codebooks 1..15 for B rows with on-device sampling: [B, G]."""
         B, G = hidden.shape[0], self.cfg.num_code_groups
         slots = self.cp_slots[:B]
+        if self.plan.fused_code_predictor:
+            return self.cp_fused.frame(
+                hidden, c0, sampling, seeds, frames, self.cp_k, self.cp_v, slots, self.cp_positions
+            )
         x = torch.stack([hidden, self.codec_embedding[c0]], dim=1)  # [B, 2, H]
         h = self.cp_stack.prefill(self.cp_proj(x), self.cp_k, self.cp_v, slots)[:, -1]
         codes = [c0]

@@ -36,6 +36,7 @@ class EnginePlan(BaseModel):
     max_frames: int = 1536  # frames per request at most
     precision: Literal["bf16", "fp8"] = "bf16"  # talker linears (fp8: weight-only e4m3)
     code_predictor_fp8: bool = False
+    fused_code_predictor: bool = False  # the code predictor on runtime.cp_fused (5 launches/layer)
 
     @model_validator(mode="after")
     def _consistent(self) -> EnginePlan:

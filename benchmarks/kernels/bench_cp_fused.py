@@ -1,0 +1,300 @@
+"""The code predictor's frame (15 passes) on the unfused kernels vs runtime.cp_fused.
+
+    PYTHONPATH=. python3 benchmarks/kernels/bench_cp_fused.py [--batches 1,8,32,64]
+
+GPU only. 1.7B CustomVoice code-predictor shapes (5 layers, hidden 1024, 16/8 heads x 128,
+intermediate 3072, heads 1024 -> 2048, projection 2048 -> 1024), random weights. For each
+batch and weight precision (bf16, FP8 weight-only) it captures one CUDA graph of the whole
+frame per path, as graph_engine does, and prints ms per frame (median of graph replays,
+sampling on) next to the weight-read floor, then the difference of one decode pass's hidden
+states between the paths (max abs, relative) and the number of greedy codes that differ.
+--kernels adds a table of each fused linear alone (CUDA-graph replays, weights rotated past
+the L2) with its per-shape plan and a few neighbouring configs, next to the plain linear, to
+tune `plugins._tl.fused_linear.plan`.
+Checks: with fp32 weights and activations the two paths must give the same greedy codes
+(exit status 1 otherwise); in bf16 / FP8 near-ties can flip a code, so they are counted.
+The first run compiles the Triton kernels (about a minute: one variant per mode, dtype and
+batch bucket); later runs hit Triton's cache. --fp32-batches sets the batches of the fp32
+check (fp32 kernels are compiled for them only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+# fp32 tl.dot defaults to TF32; the fp32 check needs IEEE products in both paths' kernels
+# (the unfused decode_attention's too). Set before any kernel compiles.
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+from ttsbuild.convert.init_random import load_variant
+from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.model.config import ModelConfig
+from ttsbuild.model.talker import CodePredictor
+from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
+from ttsbuild.runtime.fast_model import Dense, PackedStack
+
+PEAK_BW = 4.0e12  # bytes/s, as bench_kernels.py
+DEV = "cuda"
+
+
+def build(cfg: ModelConfig, dtype: torch.dtype, fp8: bool, seed: int = 0) -> FusedCodePredictor:
+    torch.manual_seed(seed)
+    with torch.device(DEV):
+        cp = CodePredictor(cfg)
+    with torch.no_grad():
+        for name, p in cp.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.02)
+        # codebook-0 input embeddings (the talker's table; random at talker width)
+        codec_embedding = torch.randn(cfg.codec_vocab_size, cfg.talker.hidden_size, device=DEV)
+    cp = cp.to(dtype)
+    embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
+    return FusedCodePredictor(
+        PackedStack.from_module(cp.model, fp8),
+        [Dense.make(h.weight.detach(), fp8) for h in cp.lm_head],
+        cp.small_to_mtp_projection,
+        codec_embedding.to(dtype),
+        embeddings,
+    )
+
+
+class Frame:
+    """Static buffers of one batch and the frame of one path over them."""
+
+    def __init__(self, fcp: FusedCodePredictor, B: int, fused: bool, seed: int = 1):
+        c = fcp.stack.cfg
+        G = fcp.num_code_groups
+        dtype = fcp.embeddings.dtype
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        self.fcp, self.fused, self.B = fcp, fused, B
+        self.hidden = torch.randn(B, fcp.embeddings.shape[-1], device=DEV, generator=g).to(dtype)
+        self.c0 = torch.randint(0, fcp.codec_embedding.shape[0], (B,), device=DEV, generator=g)
+        self.seeds = torch.randint(0, 2**40, (B,), device=DEV, generator=g)
+        self.frames = torch.zeros(B, dtype=torch.int64, device=DEV)
+        self.sampling = SamplingBatch(
+            do_sample=torch.zeros(B, dtype=torch.bool, device=DEV),
+            temperature=torch.full((B,), 0.9, device=DEV),
+            top_k=torch.full((B,), 50, dtype=torch.int64, device=DEV),
+            top_p=torch.full((B,), 1.0, device=DEV),
+            repetition_penalty=torch.ones(B, device=DEV),
+        )
+        shape = (c.num_layers, B, c.num_kv_heads, G, c.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=DEV)
+        self.v = torch.zeros(shape, dtype=dtype, device=DEV)
+        self.slots = torch.arange(B, device=DEV)
+        self.positions = [torch.full((B,), i, device=DEV) for i in range(G)]
+        self.codes = torch.zeros(B, G, dtype=torch.int64, device=DEV)
+
+    def __call__(self) -> None:
+        run = self.fcp.frame if self.fused else self.fcp.frame_unfused
+        args = (self.hidden, self.c0, self.sampling, self.seeds, self.frames, self.k, self.v)
+        self.codes.copy_(run(*args, self.slots, self.positions))
+
+    def capture(self) -> torch.cuda.CUDAGraph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self()
+        return graph
+
+
+def time_graph_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def pass_diff(fcp: FusedCodePredictor, B: int) -> tuple[float, float]:
+    """(max abs, relative) difference of one decode pass's final hidden between the paths,
+    rows at positions 1..15 of a cache filled with random keys/values."""
+    c, G = fcp.stack.cfg, fcp.num_code_groups
+    dtype = fcp.embeddings.dtype
+    g = torch.Generator(device=DEV).manual_seed(B)
+    shape = (c.num_layers, B, c.num_kv_heads, G, c.head_dim)
+    k = torch.randn(shape, device=DEV, generator=g).to(dtype)
+    v = torch.randn(shape, device=DEV, generator=g).to(dtype)
+    x = torch.randn(B, c.hidden_size, device=DEV, generator=g).to(dtype)
+    slots = torch.arange(B, device=DEV)
+    pos = torch.randint(1, G, (B,), device=DEV, generator=g)
+    old = fcp.stack.decode(x, k.clone(), v.clone(), slots, pos).double()
+    new = decode_fused(fcp.stack, x, k.clone(), v.clone(), slots, pos).double()
+    return (new - old).abs().max().item(), ((new - old).norm() / old.norm()).item()
+
+
+def frame_bytes(fcp: FusedCodePredictor) -> int:
+    head = fcp.heads[0].nbytes()
+    proj = (
+        0 if fcp.proj_weight is None else fcp.proj_weight.numel() * fcp.proj_weight.element_size()
+    )
+    G = fcp.num_code_groups
+    # G passes through the stack (two for [h, E0(c0)]), G - 1 heads, G projections
+    return G * fcp.stack.weight_bytes() + (G - 1) * head + G * proj
+
+
+# name: (K, N, mode) of the code predictor's fused linears; gate_up N = intermediate size
+KERNEL_SHAPES = {
+    "qkv (norm)": (1024, 4096, "norm"),
+    "o (+res)": (2048, 1024, "residual"),
+    "gate_up (norm,silu)": (1024, 3072, "gate_up"),
+    "down (+res)": (3072, 1024, "residual"),
+    "head (norm,f32)": (1024, 2048, "head"),
+    "proj (gather,bias)": (2048, 1024, "gather"),
+}
+
+
+def _neighbours(plan: dict) -> list[dict]:
+    out = [plan, {**plan, "SPLIT_K": max(1, plan["SPLIT_K"] // 2)}]
+    out.append({**plan, "SPLIT_K": min(8, plan["SPLIT_K"] * 2)})
+    wider = 32 if plan["BLOCK_M"] == 1 else 128
+    out.append({**plan, "BLOCK_N": wider})
+    unique = []
+    for c in out:
+        if c not in unique:
+            unique.append(c)
+    return unique
+
+
+def bench_kernels(batches: list[int]) -> None:
+    import math
+
+    from bench_kernels import L2_DEFEAT_BYTES, graph_time_us
+
+    from ttsbuild.plugins._tl.fused_linear import _num_sms, plan
+    from ttsbuild.plugins.fp8_linear import quantize_weight_fp8
+    from ttsbuild.plugins.fused_linear import fused_linear
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    sms = _num_sms(torch.device(DEV))
+    print(f"{'kernel':20s} {'prec':4s} {'B':>3s} {'linear us':>9s} {'plan us':>8s}  plan"
+          f"{'':28s} {'best us':>8s}  best")  # fmt: skip
+    for name, (K, N, mode) in KERNEL_SHAPES.items():
+        rows = 2 * N if mode == "gate_up" else N
+        for prec in ("bf16", "fp8"):
+            w0 = (torch.randn(rows, K, device=DEV, generator=g) * K**-0.5).bfloat16()
+            copies = max(2, math.ceil(L2_DEFEAT_BYTES / w0.numel() / w0.element_size()))
+            ws = [w0.roll(i, 0) for i in range(copies)]  # distinct memory, same values
+            ws = [quantize_weight_fp8(w) if prec == "fp8" else (w, None) for w in ws]
+            for B in batches:
+                x = torch.randn(B, K, device=DEV, generator=g).bfloat16()
+                kw = {}
+                if mode in ("norm", "gate_up", "head"):
+                    kw = dict(norm_weight=torch.ones(K, device=DEV).bfloat16(), eps=1e-6)
+                    kw["gate_up"] = mode == "gate_up"
+                    if mode == "head":
+                        kw["out_dtype"] = torch.float32
+                elif mode == "residual":
+                    kw = dict(residual=torch.randn(B, N, device=DEV).bfloat16())
+                else:
+                    x = torch.randn(100, K, device=DEV, generator=g).bfloat16()
+                    kw = dict(index=torch.randint(0, 100, (B,), device=DEV, generator=g),
+                              bias=torch.randn(N, device=DEV).bfloat16())  # fmt: skip
+                xin = torch.randn(B, K, device=DEV, generator=g).bfloat16()
+                # the plain linear: cuBLAS for bf16, the unfused fp8_linear kernel for FP8
+                linear = [lambda d=Dense(w, sc), xin=xin: d(xin) for w, sc in ws]
+                base = graph_time_us(linear)
+                p = plan(B, N, K, mode == "gate_up", sms)
+                timed = []
+                for cfg in _neighbours(p):
+                    calls = [
+                        lambda w=w, sc=sc, x=x, kw=kw, cfg=cfg: fused_linear(
+                            x, w, sc, config=cfg, **kw
+                        )
+                        for w, sc in ws
+                    ]
+                    timed.append((graph_time_us(calls), cfg))
+                best = min(timed, key=lambda t: t[0])
+
+                def fmt(c):
+                    return f"M{c['BLOCK_M']} N{c['BLOCK_N']} K{c['BLOCK_K']} S{c['SPLIT_K']}"
+
+                print(f"{name:20s} {prec:4s} {B:3d} {base:9.2f} {timed[0][0]:8.2f}  "
+                      f"{fmt(p):32s} {best[0]:8.2f}  {fmt(best[1])}")  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--precisions", default="bf16,fp8")
+    ap.add_argument("--fp32-batches", default="1,64", help="batches of the fp32 code check")
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--kernels", action="store_true", help="also time each fused linear alone")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    cfg = ModelConfig.from_official(load_variant("1.7b-customvoice")[0])
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    ok = True
+
+    # fp32 check: identical greedy codes (exit status), codes only, no timing
+    fcp32 = build(cfg, torch.float32, fp8=False)
+    for B in [int(b) for b in args.fp32_batches.split(",") if b]:
+        old, new = Frame(fcp32, B, fused=False), Frame(fcp32, B, fused=True)
+        old()
+        new()
+        diff = int((old.codes != new.codes).sum())
+        ok &= diff == 0
+        print(f"fp32 B={B:3d}: greedy codes differing {diff}/{old.codes.numel()}")
+    del fcp32
+    torch.cuda.empty_cache()
+
+    header = (
+        f"{'prec':5s} {'B':>3s} {'old ms':>8s} {'fused ms':>9s} {'speedup':>8s} "
+        f"{'floor ms':>9s} {'fused %bw':>9s} {'max|d|':>9s} {'rel d':>9s} {'codes!=':>8s}"
+    )
+    print(header)
+    for prec in args.precisions.split(","):
+        fcp = build(cfg, torch.bfloat16, fp8=prec == "fp8")
+        floor_ms = frame_bytes(fcp) / PEAK_BW * 1e3
+        for B in batches:
+            old, new = Frame(fcp, B, fused=False), Frame(fcp, B, fused=True)
+            g_old, g_new = old.capture(), new.capture()
+            g_old.replay()
+            g_new.replay()
+            torch.cuda.synchronize()
+            differ = int((old.codes != new.codes).sum())  # greedy: near-ties only
+            for f in (old, new):
+                f.sampling.do_sample.fill_(True)  # timing with sampling on, as served
+            ms_old = time_graph_ms(g_old, args.replays)
+            ms_new = time_graph_ms(g_new, args.replays)
+            dmax, drel = pass_diff(fcp, B)
+            print(
+                f"{prec:5s} {B:3d} {ms_old:8.3f} {ms_new:9.3f} {ms_old / ms_new:7.2f}x "
+                f"{floor_ms:9.3f} {100 * floor_ms / ms_new:8.1f}% {dmax:9.2e} {drel:9.2e} "
+                f"{differ:4d}/{old.codes.numel()}"
+            )
+            del g_old, g_new
+        del fcp
+        torch.cuda.empty_cache()
+    if args.kernels:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        bench_kernels(batches)
+    print(f"total {time.time() - t0:.0f} s; fp32 greedy codes {'equal' if ok else 'DIFFER'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""fused_linear / qk_norm_rope_attend: the references on CPU, the Triton kernels against a
+float32 reference on fresh random inputs (on CUDA, or on CPU under TRITON_INTERPRET=1; the
+last test here runs the kernel tests of this file and of tests/runtime/test_cp_fused.py in a
+subprocess under the interpreter, so CPU CI checks the kernels too when triton is installed)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ttsbuild.plugins._dispatch import interpret_mode
+from ttsbuild.plugins.decode_attention import decode_attention_reference
+from ttsbuild.plugins.fp8_linear import fp8_linear_reference, quantize_weight_fp8
+from ttsbuild.plugins.fused_linear import (
+    fused_linear,
+    fused_linear_reference,
+    gather_linear,
+    linear_residual,
+    norm_gate_up_silu,
+    norm_linear,
+)
+from ttsbuild.plugins.norm_act import rms_norm_reference, silu_mul_reference
+from ttsbuild.plugins.qk_norm_rope import qk_norm_rope_reference
+from ttsbuild.plugins.qk_norm_rope_attend import (
+    qk_norm_rope_attend,
+    qk_norm_rope_attend_reference,
+)
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if torch.cuda.is_available() and HAS_TRITON:
+    KDEV = "cuda"
+elif interpret_mode() and HAS_TRITON:
+    KDEV = "cpu"
+else:
+    KDEV = None
+needs_kernel = pytest.mark.skipif(KDEV is None, reason="needs CUDA + Triton (or the interpreter)")
+# The interpreter rounds fp32 -> bf16 by truncation: a few biased roundings per output.
+BF16_TOL = 1e-2 if KDEV == "cuda" else 4e-2
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ---------------------------------------------------------------- references (CPU)
+
+
+def test_fused_linear_reference_is_the_unfused_ops():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    nw = (1 + 0.2 * torch.randn(64, generator=g)).bfloat16()
+    w = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    res = torch.randn(5, 48, generator=g).bfloat16()
+    h = rms_norm_reference(x, nw, 1e-6)
+    assert torch.equal(norm_linear(x, nw, w, eps=1e-6, use_triton=False), F.linear(h, w))
+    assert torch.equal(
+        norm_gate_up_silu(x, nw, w, eps=1e-6, use_triton=False), silu_mul_reference(F.linear(h, w))
+    )
+    assert torch.equal(
+        linear_residual(x, w[:48], None, res, use_triton=False), res + F.linear(x, w[:48])
+    )
+    table = torch.randn(30, 64, generator=g).bfloat16()
+    idx = torch.randint(0, 30, (5,), generator=g)
+    bias = torch.randn(96, generator=g).bfloat16()
+    assert torch.equal(
+        gather_linear(table, idx, w, bias, use_triton=False), F.linear(table[idx], w, bias)
+    )
+    q, s = quantize_weight_fp8(w.float())
+    assert torch.equal(fused_linear(x, q, s, use_triton=False), fp8_linear_reference(x, q, s))
+    with pytest.raises(TypeError):
+        fused_linear(x, q)  # FP8 weight without its scale
+
+
+def test_qk_norm_rope_attend_reference_is_the_two_ops():
+    g = torch.Generator().manual_seed(4)
+    R, Hq, Hkv, D, S = 3, 4, 2, 16, 8
+    qkv = torch.randn(R, (Hq + 2 * Hkv) * D, generator=g)
+    qw, kw = 1 + 0.2 * torch.randn(D, generator=g), 1 + 0.2 * torch.randn(D, generator=g)
+    pos = torch.tensor([0, 5, 7])
+    slots = torch.tensor([2, 0, 3])
+    kc, vc = torch.randn(4, Hkv, S, D, generator=g), torch.randn(4, Hkv, S, D, generator=g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    a = dict(num_heads=Hq, num_kv_heads=Hkv, eps=1e-6, theta=1e6)
+    out = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc, vc, use_triton=False, **a)
+    q = qk_norm_rope_reference(qkv, qw, kw, pos, slots, kc2, vc2, **a)
+    ref = decode_attention_reference(q, kc2, vc2, slots, pos + 1).reshape(R, -1)
+    assert torch.equal(out, ref) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+# ---------------------------------------------------------------- kernels vs fp32 reference
+
+
+def _gen(seed):
+    return torch.Generator(device=KDEV).manual_seed(seed)
+
+
+def _linear_case(seed, M, K, N, dtype, fp8, gate_up=False):
+    g = _gen(seed)
+    rows = 2 * N if gate_up else N
+    x = (torch.randn(M, K, device=KDEV, generator=g) * 2).to(dtype)
+    w = torch.randn(rows, K, device=KDEV, generator=g) * K**-0.5
+    w, s = quantize_weight_fp8(w) if fp8 else (w.to(dtype), None)
+    w_ref = w if fp8 else w.float()  # the reference dequantises FP8 itself, in fp32
+    return g, x, w, s, w_ref
+
+
+_SPLIT = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4}
+# (M, K, N, config): one row (GEMV), a few rows with K not a multiple of the tile, more than
+# one 64-row tile; the per-shape plan, and a forced split-K (4 partials, last one reduces)
+CASES = [(1, 256, 64, None), (1, 256, 64, _SPLIT), (5, 200, 40, _SPLIT), (70, 128, 32, None)]
+PRECISIONS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+
+
+def _tol(dtype):
+    return BF16_TOL if dtype == torch.bfloat16 else 1e-5
+
+
+def _config(split, M):
+    return None if split is None else {**split, "BLOCK_M": 1 if M == 1 else split["BLOCK_M"]}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
+@pytest.mark.parametrize("M,K,N,split", CASES)
+def test_norm_linear_kernel(M, K, N, dtype, fp8, split):
+    g, x, w, s, w_ref = _linear_case(M + K + N, M, K, N, dtype, fp8)
+    nw = (1 + 0.3 * torch.randn(K, device=KDEV, generator=g)).to(dtype)
+    for out_dtype in (None, torch.float32):  # float32: the head's logits
+        out = fused_linear(
+            x, w, s, norm_weight=nw, eps=1e-6, out_dtype=out_dtype, use_triton=True,
+            config=_config(split, M),
+        )  # fmt: skip
+        ref = fused_linear_reference(x.float(), w_ref, s, norm_weight=nw.float(), eps=1e-6)
+        assert out.shape == (M, N) and out.dtype == (out_dtype or dtype)
+        assert _rel(out, ref) < _tol(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
+@pytest.mark.parametrize("M,K,N,split", CASES)
+def test_norm_gate_up_silu_kernel(M, K, N, dtype, fp8, split):
+    g, x, w, s, w_ref = _linear_case(7 + M + K + N, M, K, N, dtype, fp8, gate_up=True)
+    nw = (1 + 0.3 * torch.randn(K, device=KDEV, generator=g)).to(dtype)
+    out = fused_linear(
+        x, w, s, norm_weight=nw, eps=1e-6, gate_up=True, use_triton=True,
+        config=_config(split, M),
+    )  # fmt: skip
+    ref = fused_linear_reference(
+        x.float(), w_ref, s, norm_weight=nw.float(), eps=1e-6, gate_up=True
+    )
+    assert out.shape == (M, N)
+    assert _rel(out, ref) < _tol(dtype)
+    # split-K leaves its counters reset: a second call gives the same bits
+    again = fused_linear(
+        x, w, s, norm_weight=nw, eps=1e-6, gate_up=True, use_triton=True,
+        config=_config(split, M),
+    )  # fmt: skip
+    assert torch.equal(again, out)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
+@pytest.mark.parametrize("M,K,N,split", CASES)
+def test_linear_residual_kernel(M, K, N, dtype, fp8, split):
+    g, x, w, s, w_ref = _linear_case(11 + M + K + N, M, K, N, dtype, fp8)
+    res = (torch.randn(M, N, device=KDEV, generator=g) * 3).to(dtype)
+    out = fused_linear(x, w, s, residual=res, use_triton=True, config=_config(split, M))
+    ref = fused_linear_reference(x.float(), w_ref, s, residual=res.float())
+    assert _rel(out, ref) < _tol(dtype)
+    # the delta alone (what the kernel adds to the residual) is accurate too
+    assert _rel(out.float() - res.float(), ref - res.float()) < 3 * _tol(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
+@pytest.mark.parametrize("M", [1, 6, 64])
+def test_gather_linear_kernel(M, dtype, fp8):
+    K, N, V = 128, 80, 50
+    g, _, w, s, w_ref = _linear_case(13 + M, 1, K, N, dtype, fp8)
+    table = torch.randn(V, K, device=KDEV, generator=g).to(dtype)
+    idx = torch.randint(0, V, (M,), device=KDEV, generator=g)
+    bias = (0.5 * torch.randn(N, device=KDEV, generator=g)).to(dtype)
+    out = fused_linear(table, w, s, index=idx, bias=bias, use_triton=True)
+    ref = fused_linear_reference(table.float(), w_ref, s, index=idx, bias=bias.float())
+    assert _rel(out, ref) < _tol(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,S", [(1, 16), (6, 16), (5, 17)])
+def test_qk_norm_rope_attend_kernel(R, S, dtype):
+    g = _gen(R * 31 + S)
+    Hq, Hkv, D, n_slots = 4, 2, 32, R + 3
+    qkv = torch.randn(R, (Hq + 2 * Hkv) * D, device=KDEV, generator=g).to(dtype)
+    qw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
+    kw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
+    pos = torch.randint(0, S, (R,), device=KDEV, generator=g)
+    pos[0] = S - 1  # the last position, and (below) the first: attends to itself only
+    if R > 1:
+        pos[1] = 0
+    slots = torch.randperm(n_slots, device=KDEV, generator=g)[:R]
+    kc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
+    vc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
+    kc_ref, vc_ref = kc.float(), vc.float()
+    a = dict(num_heads=Hq, num_kv_heads=Hkv, eps=1e-6, theta=1e6)
+    out = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc, vc, use_triton=True, **a)
+    ref = qk_norm_rope_attend_reference(
+        qkv.float(), qw.float(), kw.float(), pos, slots, kc_ref, vc_ref, **a
+    )
+    tol = _tol(dtype)
+    assert out.shape == (R, Hq * D) and out.dtype == dtype
+    assert _rel(out, ref) < tol
+    assert _rel(kc[slots, :, pos], kc_ref[slots, :, pos]) < tol
+    assert torch.equal(vc[slots, :, pos].float(), vc_ref[slots, :, pos])
+    untouched = torch.ones(n_slots, S, dtype=torch.bool, device=KDEV)
+    untouched[slots, pos] = False
+    assert torch.equal(kc.float().transpose(1, 2)[untouched], kc_ref.transpose(1, 2)[untouched])
+    assert torch.equal(vc.float().transpose(1, 2)[untouched], vc_ref.transpose(1, 2)[untouched])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not HAS_TRITON or torch.cuda.is_available() or interpret_mode(),
+    reason="runs the kernel tests under the interpreter on CPU-only machines with triton",
+)
+def test_kernels_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         str(Path(__file__).parents[1] / "runtime" / "test_cp_fused.py"),
+         "-k", "kernel and not interpreter"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1]

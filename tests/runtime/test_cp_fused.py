@@ -1,0 +1,211 @@
+"""runtime.cp_fused: decode_fused == PackedStack.decode and the fused code-predictor frame
+== the unfused one, on the references (CPU) and on the kernels (CUDA, or the interpreter)."""
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.model.config import DecoderStackConfig
+from ttsbuild.model.layers import DecoderStack
+from ttsbuild.plugins._dispatch import interpret_mode
+from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
+from ttsbuild.runtime.fast_model import Dense, PackedStack
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+KDEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernel = pytest.mark.skipif(
+    not (HAS_TRITON and (torch.cuda.is_available() or interpret_mode())),
+    reason="needs CUDA + Triton (or the interpreter)",
+)
+CFG = DecoderStackConfig(
+    hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
+)  # fmt: skip
+G, SLOTS, TALKER_H, V = 6, 5, 48, 40  # cache positions, slots, talker width, codebook size
+PRECISIONS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _stack(dtype, fp8, device="cpu"):
+    torch.manual_seed(1)
+    module = DecoderStack(CFG)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    return PackedStack.from_module(module.to(device, dtype), fp8)
+
+
+def _f32_cpu(stack):
+    """The same weights on the CPU in fp32 (FP8 weights stay FP8: the reference dequantises)."""
+
+    def cpu(t):
+        if isinstance(t, Dense):
+            w = t.weight.cpu() if t.is_fp8 else t.weight.cpu().float()
+            return Dense(w, None if t.scale is None else t.scale.cpu())
+        return t.cpu().float()
+
+    layers = [
+        dataclasses.replace(p, **{f.name: cpu(getattr(p, f.name)) for f in dataclasses.fields(p)})
+        for p in stack.layers
+    ]
+    return PackedStack(stack.cfg, layers, cpu(stack.norm))
+
+
+def _to(sampling, device):
+    return SamplingBatch(
+        **{f.name: getattr(sampling, f.name).to(device) for f in dataclasses.fields(sampling)}
+    )
+
+
+def _inputs(dtype, device, S=G):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, CFG.hidden_size, generator=g).to(device, dtype)
+    shape = (CFG.num_layers, SLOTS, CFG.num_kv_heads, S, CFG.head_dim)
+    k = torch.randn(shape, generator=g).to(device, dtype)
+    v = torch.randn(shape, generator=g).to(device, dtype)
+    slots = torch.tensor([3, 0, 4, 1], device=device)
+    positions = torch.tensor([0, 5, 2, 3], device=device)  # rows at different positions
+    return x, k, v, slots, positions
+
+
+# cache positions: the code predictor's (fused attention) and more than MAX_POSITIONS (the
+# talker's path: qk_norm_rope + decode_attention)
+LENGTHS = [G, 80]
+
+
+@pytest.mark.parametrize("S", LENGTHS)
+@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
+def test_decode_fused_references_equal_decode(dtype, fp8, S, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors: both paths on the references
+    stack = _stack(dtype, fp8)
+    x, k, v, slots, positions = _inputs(dtype, "cpu", S)
+    k2, v2 = k.clone(), v.clone()
+    ref = stack.decode(x, k, v, slots, positions)
+    out = decode_fused(stack, x, k2, v2, slots, positions)
+    assert torch.equal(out, ref)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("S", LENGTHS)
+@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
+def test_decode_fused_kernels_match_decode(dtype, fp8, S, monkeypatch):
+    stack = _stack(dtype, fp8, KDEV)
+    x, k, v, slots, positions = _inputs(dtype, KDEV, S)
+    k_ref, v_ref = k.cpu().float(), v.cpu().float()
+    out = decode_fused(stack, x, k, v, slots, positions)
+    res = decode_fused(stack, x, k.clone(), v.clone(), slots, positions, final_norm=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the reference: unfused, CPU, fp32
+    ref = _f32_cpu(stack).decode(x.cpu().float(), k_ref, v_ref, slots.cpu(), positions.cpu())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert out.dtype == dtype and _rel(out.cpu(), ref) < tol
+    assert _rel(k.cpu(), k_ref) < tol and _rel(v.cpu(), v_ref) < tol
+    # final_norm=False is the residual stream: its norm is the output
+    assert not torch.allclose(res.float(), out.float())
+
+
+def _predictor(dtype, device, fp8=False, identity=False):
+    torch.manual_seed(5)
+    stack = _stack(dtype, fp8, device)
+    talker_h = CFG.hidden_size if identity else TALKER_H
+    heads = [Dense.make(0.3 * torch.randn(V, CFG.hidden_size), fp8) for _ in range(G - 1)]
+    heads = [
+        Dense(h.weight.to(device), None if h.scale is None else h.scale.to(device)) for h in heads
+    ]
+    proj = nn.Identity() if identity else nn.Linear(talker_h, CFG.hidden_size).to(device, dtype)
+    codec_embedding = torch.randn(V + 10, talker_h).to(device, dtype)
+    embeddings = torch.randn(G - 1, V, talker_h).to(device, dtype)
+    return FusedCodePredictor(stack, heads, proj, codec_embedding, embeddings)
+
+
+def _frame_inputs(B, device, do_sample):
+    g = torch.Generator().manual_seed(6)
+    sampling = SamplingBatch(
+        do_sample=torch.full((B,), do_sample, device=device),
+        temperature=torch.full((B,), 0.9, device=device),
+        top_k=torch.full((B,), 20, dtype=torch.int64, device=device),
+        top_p=torch.full((B,), 0.95, device=device),
+        repetition_penalty=torch.ones(B, device=device),
+    )
+    hidden = torch.randn(B, TALKER_H, generator=g)
+    c0 = torch.randint(0, V + 10, (B,), generator=g).to(device)
+    seeds = torch.randint(0, 2**40, (B,), generator=g).to(device)
+    frames = torch.randint(0, 100, (B,), generator=g).to(device)
+    shape = (CFG.num_layers, SLOTS, CFG.num_kv_heads, G, CFG.head_dim)
+    positions = [torch.full((SLOTS,), i, device=device) for i in range(G)]
+    slots = torch.arange(B, device=device)
+    return hidden, c0, sampling, seeds, frames, shape, slots, positions
+
+
+@pytest.mark.parametrize("identity", [False, True])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_fused_frame_references_equal_unfused_frame(do_sample, identity, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cp = _predictor(torch.float32, "cpu", identity=identity)
+    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(
+        4, "cpu", do_sample
+    )
+    if identity:
+        hidden = torch.randn(4, CFG.hidden_size)
+    caches = [torch.zeros(shape) for _ in range(4)]
+    args = (hidden, c0, sampling, seeds, frames)
+    fused = cp.frame(*args, caches[0], caches[1], slots, positions)
+    unfused = cp.frame_unfused(*args, caches[2], caches[3], slots, positions)
+    assert fused.shape == (4, G) and torch.equal(fused[:, 0], c0)
+    assert torch.equal(fused, unfused)
+    assert torch.allclose(caches[0], caches[2], atol=1e-5) and len(set(fused[:, 1].tolist())) > 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_frame_kernels_equal_unfused_frame(fp8, monkeypatch):
+    """fp32 activations: the same greedy codes as the unfused frame on the references."""
+    B = 3
+    cp = _predictor(torch.float32, KDEV, fp8=fp8)
+    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(B, KDEV, False)
+    k, v = torch.zeros(shape, device=KDEV), torch.zeros(shape, device=KDEV)
+    fused = cp.frame(hidden.to(KDEV), c0, sampling, seeds, frames, k, v, slots, positions)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref_cp = _predictor(torch.float32, "cpu", fp8=fp8)
+    cpu = [t.cpu() for t in (hidden, c0, seeds, frames, slots)]
+    ref = ref_cp.frame_unfused(
+        cpu[0], cpu[1], _to(sampling, "cpu"), cpu[2], cpu[3], torch.zeros(shape),
+        torch.zeros(shape), cpu[4], [p.cpu() for p in positions],
+    )  # fmt: skip
+    assert torch.equal(fused.cpu(), ref)
+
+
+def test_graph_engine_flag_gives_the_same_codes(tiny_checkpoint):
+    """EnginePlan.fused_code_predictor switches the frame's code predictor (eager, CPU)."""
+    from ttsbuild.convert.checkpoint import load_checkpoint
+    from ttsbuild.runtime.engine import Models
+    from ttsbuild.runtime.graph_engine import GraphEngine
+    from ttsbuild.runtime.plan import EnginePlan
+    from ttsbuild.runtime.request import SynthesisRequest
+
+    models = Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
+    req = SynthesisRequest(
+        text="The birch canoe slid on the smooth planks.", voice="ryan", seed=4, max_frames=4
+    )
+    rc = dict(num_slots=1, max_len=128, max_text=64, batch_buckets=(1,), prefill_buckets=(32,))
+    codes = []
+    for fused in (False, True):
+        plan = EnginePlan(fused_code_predictor=fused, **rc)
+        engine = GraphEngine(models, plan, use_graphs=False)
+        slot = engine.admit(req)
+        engine.prefill([slot])
+        frames = []
+        while not engine.is_finished(slot):
+            frames += [out.codes for out in engine.frames([slot]) if out.codes is not None]
+        codes.append(torch.stack(frames))
+    assert codes[0].shape[0] >= 2 and torch.equal(codes[0], codes[1])

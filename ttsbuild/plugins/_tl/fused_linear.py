@@ -1,0 +1,249 @@
+"""Triton: one skinny GEMM/GEMV with the decoder block's neighbours fused around it.
+
+out[m, n] = epilogue(scale[n] * sum_k prologue(x)[m, k] * w[n, k]), fp32 accumulation.
+
+Prologue: GATHER takes row idx[m] of a table instead of row m. PRE_NORM: RMSNorm is
+w_norm * x * rstd[m] with one rstd per row, so the K loop multiplies x by the norm weight
+(rounded once to x's dtype for the MMA) while summing x^2 of the same tiles, and rstd scales
+the accumulator in the epilogue: no extra pass over x, and split-K partials each carry their
+slice's sum of squares. (Eager RMSNorm rounds x * rstd to x's dtype before the weight; here
+the one rounding is of x * w_norm: the same size of error, in another place.)
+Epilogue: HAS_SCALE (FP8 per-output-channel scale), HAS_BIAS, GATE_UP (w is the packed
+[2N, K] gate/up matrix: the program streams gate rows n and up rows N + n in the same K
+loop and writes silu(gate) * up), HAS_RES (adds the residual: out is the new residual).
+
+Tiles: M == 1 is a GEMV (elementwise products, one reduction at the end); otherwise
+"swap AB" tensor-core tiles acc[BLOCK_N, BLOCK_M] += w_tile @ x_tile^T (the weight fills the
+MMA's wide side, the <= 64 rows its narrow side), so each weight tile is read once for all
+rows. Split-K when the N tiles alone cannot fill the SMs: each split writes an fp32 partial,
+the last to arrive (atomic counter, reset by it) sums them in split order and runs the
+epilogue: one launch, deterministic. Configs are fixed per shape (`plan`): no autotuning.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttsbuild.plugins._dispatch import interpret_mode
+from ttsbuild.plugins._tl._math import exp_f32
+from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
+
+_MAX_SPLIT = 8
+
+
+@triton.jit
+def _mac(acc, w, xt, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr):
+    # One return at the end: Triton compiles the code after an early return inside a
+    # constexpr branch too (the GEMV's [BLOCK_N, BLOCK_K] accumulator then fails tl.dot).
+    if BLOCK_M == 1:  # GEMV: acc is [BLOCK_N, BLOCK_K], reduced after the loop
+        out = acc + w.to(tl.float32) * tl.sum(xt.to(tl.float32), axis=1)[None, :]
+    elif DOT_F32:  # fp32 models (IEEE, not TF32), and the interpreter (mis-rounds fp8->bf16)
+        out = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(w.to(xt.dtype), xt, acc)
+    return out
+
+
+@triton.jit
+def _epilogue(
+    acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, r_ptr, out_ptr,
+    stride_rm, stride_om, N,
+    X_DTYPE: tl.constexpr, PRE_NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GATE_UP: tl.constexpr,
+):  # fmt: skip
+    # acc_*: [BLOCK_N, BLOCK_M] fp32; ss [BLOCK_M]: the rows' sums of squares (PRE_NORM).
+    # Rounded to x's dtype where the eager linear rounds.
+    if PRE_NORM:
+        rstd = (1.0 / tl.sqrt_rn(ss / K + eps))[None, :]
+        acc_g = acc_g * rstd
+        acc_u = acc_u * rstd
+    y = acc_g
+    if HAS_SCALE:
+        y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    o_mask = n_mask[:, None] & m_mask[None, :]
+    if GATE_UP:
+        u = acc_u
+        if HAS_SCALE:
+            u = u * tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
+        g = y.to(X_DTYPE).to(tl.float32)
+        u = u.to(X_DTYPE).to(tl.float32)
+        s = tl.math.div_rn(g, 1.0 + exp_f32(-g)).to(X_DTYPE)  # F.silu, rounded as eager
+        y = s.to(tl.float32) * u
+    if HAS_RES:
+        r_ptrs = r_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
+        r = tl.load(r_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+        y = y.to(X_DTYPE).to(tl.float32) + r
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _fused_linear_kernel(
+    x_ptr, idx_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, GATHER: tl.constexpr, PRE_NORM: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    GATE_UP: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    if GATHER:
+        rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    else:
+        rows = offs_m.to(tl.int64)
+    x_cols = x_ptr + rows[None, :] * stride_xm
+    X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    g_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    u_rows = g_rows + N * stride_wn  # GATE_UP only: the up half of the packed matrix
+    if BLOCK_M == 1:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    acc_u = tl.zeros_like(acc_g)
+    ss = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        xt = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        if PRE_NORM:
+            xf = xt.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=0)
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            xt = (xf * nw[:, None]).to(X_DTYPE)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(g_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        acc_g = _mac(acc_g, w, xt, BLOCK_M, DOT_F32)
+        if GATE_UP:
+            wu = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
+            acc_u = _mac(acc_u, wu, xt, BLOCK_M, DOT_F32)
+    if BLOCK_M == 1:
+        acc_g = tl.sum(acc_g, axis=1)[:, None]
+        acc_u = tl.sum(acc_u, axis=1)[:, None]
+
+    if SPLIT_K == 1:
+        _epilogue(
+            acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, r_ptr,
+            out_ptr, stride_rm, stride_om, N,
+            X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
+        )  # fmt: skip
+    else:
+        # partials: ws [SPLIT_K, 2, M, N] fp32 (index 1: the up half), then the sums of
+        # squares [SPLIT_K, M] (every N tile of a split writes the same values)
+        o_mask = n_mask[:, None] & m_mask[None, :]
+        ws_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        part = ws_ptr + pid_k * 2 * M * N
+        ss_ws = ws_ptr + SPLIT_K * 2 * M * N
+        tl.store(part + ws_offs, acc_g, mask=o_mask)
+        if GATE_UP:
+            tl.store(part + M * N + ws_offs, acc_u, mask=o_mask)
+        if PRE_NORM:
+            tl.store(ss_ws + pid_k * M + offs_m, ss, mask=m_mask)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            tot_g = tl.zeros_like(acc_g)
+            tot_u = tl.zeros_like(acc_u)
+            tot_ss = tl.zeros_like(ss)
+            for s in tl.static_range(SPLIT_K):
+                part = ws_ptr + s * 2 * M * N
+                if PRE_NORM:
+                    tot_ss += tl.load(
+                        ss_ws + s * M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg"
+                    )
+                tot_g += tl.load(part + ws_offs, mask=o_mask, other=0.0, cache_modifier=".cg")
+                if GATE_UP:
+                    tot_u += tl.load(
+                        part + M * N + ws_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
+                    )
+            _epilogue(
+                tot_g, tot_u, tot_ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr,
+                r_ptr, out_ptr, stride_rm, stride_om, N,
+                X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
+            )  # fmt: skip
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+def plan(M: int, N: int, K: int, gate_up: bool, sms: int) -> dict:
+    """Fixed tile config for a shape: BLOCK_M from M, split-K until ~one wave of programs."""
+    if M == 1:
+        block_m, block_n, block_k = 1, 16, 256 if gate_up else 512
+    else:
+        block_m = min(64, max(16, triton.next_power_of_2(M)))
+        block_n, block_k = 64, 128
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    split = 1
+    while (
+        tiles * split < sms
+        and split < _MAX_SPLIT
+        and K % (block_k * split * 2) == 0
+        and tiles <= _MAX_TILES
+    ):
+        split *= 2
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
+
+
+def fused_linear_triton(
+    x: torch.Tensor,  # [M, K], or the gather table [rows, K] when index is given
+    weight: torch.Tensor,  # [N, K] (or [2N, K] for gate_up) bf16/fp32/float8_e4m3fn
+    scale: torch.Tensor | None,  # [N] (or [2N]) fp32 for FP8 weights
+    *,
+    index: torch.Tensor | None = None,  # [M] int rows of x
+    norm_weight: torch.Tensor | None = None,  # [K]
+    eps: float = 1e-6,
+    bias: torch.Tensor | None = None,  # [N]
+    residual: torch.Tensor | None = None,  # [M, N]
+    gate_up: bool = False,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    K = x.shape[1]
+    M = index.shape[0] if index is not None else x.shape[0]
+    N = weight.shape[0] // 2 if gate_up else weight.shape[0]
+    if weight.shape[1] != K or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"x [M, {K}] and weight [N, {K}] need contiguous rows")
+    if residual is not None and (residual.shape != (M, N) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be [{M}, {N}] row-major, got {tuple(residual.shape)}")
+    out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0:
+        return out
+    sms = _num_sms(x.device)
+    c = dict(config) if config is not None else plan(M, N, K, gate_up, sms)
+    if interpret_mode():
+        c["BLOCK_N"] = min(c["BLOCK_N"], 32)  # the interpreter is slow on big tiles
+    grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]), c["SPLIT_K"])
+    if c["SPLIT_K"] > 1:
+        if grid[0] * grid[1] > _MAX_TILES:
+            raise ValueError("too many tiles for split-K")
+        ws = torch.empty(c["SPLIT_K"] * (2 * M * N + M), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device)
+    else:
+        ws = cnt = out
+    dummy = out
+    _fused_linear_kernel[grid](
+        x, index if index is not None else dummy, norm_weight if norm_weight is not None else dummy,
+        weight, scale if scale is not None else dummy, bias if bias is not None else dummy,
+        residual if residual is not None else dummy, out, ws, cnt,
+        M, N, K, x.stride(0), weight.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0), eps,
+        **c, GATHER=index is not None, PRE_NORM=norm_weight is not None,
+        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        GATE_UP=gate_up, DOT_F32=interpret_mode() or x.dtype == torch.float32,
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out

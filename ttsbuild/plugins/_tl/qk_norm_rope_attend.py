@@ -1,0 +1,142 @@
+"""Triton: q/k RMSNorm + RoPE + K/V cache write + attention over a short cache, one launch.
+
+Grid (rows, Hkv): a program owns one KV head of one row and the GROUP = Hq / Hkv query
+heads that read it. It normalises and rotates its k head (as two D/2 halves, so
+rotate-half is register arithmetic), writes k and v into the cache at the row's position,
+normalises and rotates its q heads, then attends over the row's positions [0, pos] in one
+[BLOCK_S] tile held in registers (the code predictor's cache has 16 positions). The new
+key/value enter the tile from registers, not from the cache just written, so no barrier
+between the store and the loads is needed. fp32 math, one rounding of q/k/v to the cache
+dtype (as the unfused kernels store them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttsbuild.plugins._tl._math import cos_f32, sin_f32
+from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _norm_rope(x1, x2, w_ptr, offs_d, c, s, eps, D: tl.constexpr):
+    """RMSNorm (fp32) of heads given as halves [H, D/2], times the weight, then RoPE."""
+    HALF: tl.constexpr = D // 2
+    ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D
+    r = (1.0 / tl.sqrt_rn(ms + eps))[:, None]
+    y1 = x1 * r * tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
+    y2 = x2 * r * tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+    return y1 * c - y2 * s, y2 * c + y1 * s
+
+
+@triton.jit
+def _qk_norm_rope_attend_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, f_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, out_ptr,
+    stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    HALF: tl.constexpr = D // 2
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    src = qkv_ptr + row * stride_row
+    offs_d = tl.arange(0, HALF)
+    ang = pos.to(tl.float32) * tl.load(f_ptr + offs_d)
+    c = cos_f32(ang)[None, :]
+    s = sin_f32(ang)[None, :]
+    cdt = kc_ptr.dtype.element_ty
+
+    # the new key and value: [1, HALF] halves, rounded as the cache stores them
+    k_src = src + (HQ + kvh) * D + offs_d[None, :]
+    k1, k2 = _norm_rope(
+        tl.load(k_src).to(tl.float32), tl.load(k_src + HALF).to(tl.float32),
+        kw_ptr, offs_d, c, s, eps, D,
+    )  # fmt: skip
+    k1, k2 = k1.to(cdt), k2.to(cdt)
+    v_src = src + (HQ + HKV + kvh) * D + offs_d[None, :]
+    v1 = tl.load(v_src).to(cdt)
+    v2 = tl.load(v_src + HALF).to(cdt)
+    head = kc_ptr + slot * stride_cslot + kvh.to(tl.int64) * stride_ch
+    new_at = pos * stride_cs + offs_d[None, :]
+    tl.store(head + new_at, k1)
+    tl.store(head + new_at + HALF, k2)
+    vhead = vc_ptr + slot * stride_cslot + kvh.to(tl.int64) * stride_ch
+    tl.store(vhead + new_at, v1)
+    tl.store(vhead + new_at + HALF, v2)
+
+    # the GROUP query heads: [BLOCK_G, HALF] halves, rounded to q's dtype as the unfused q
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g[:, None] < GROUP
+    q_src = src + (kvh * GROUP + offs_g[:, None]) * D + offs_d[None, :]
+    q1, q2 = _norm_rope(
+        tl.load(q_src, mask=g_mask, other=0.0).to(tl.float32),
+        tl.load(q_src + HALF, mask=g_mask, other=0.0).to(tl.float32),
+        qw_ptr, offs_d, c, s, eps, D,
+    )  # fmt: skip
+    q1 = q1.to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    q2 = q2.to(qkv_ptr.dtype.element_ty).to(tl.float32)
+
+    # keys/values [BLOCK_S, HALF] of positions [0, pos]; the new ones from registers
+    offs_s = tl.arange(0, BLOCK_S)
+    is_new = offs_s[:, None] == pos
+    old = (offs_s[:, None] < pos) & (offs_d[None, :] < HALF)
+    at = offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+    kt1 = tl.where(is_new, k1, tl.load(head + at, mask=old, other=0.0)).to(tl.float32)
+    kt2 = tl.where(is_new, k2, tl.load(head + at + HALF, mask=old, other=0.0)).to(tl.float32)
+    vt1 = tl.where(is_new, v1, tl.load(vhead + at, mask=old, other=0.0)).to(tl.float32)
+    vt2 = tl.where(is_new, v2, tl.load(vhead + at + HALF, mask=old, other=0.0)).to(tl.float32)
+
+    scores = tl.sum(q1[:, None, :] * kt1[None, :, :], axis=2)
+    scores += tl.sum(q2[:, None, :] * kt2[None, :, :], axis=2)  # [BLOCK_G, BLOCK_S]
+    scores = tl.where(offs_s[None, :] <= pos, scores * qk_scale, float("-inf"))
+    p = tl.exp2(scores - tl.max(scores, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    o1 = tl.sum(p[:, :, None] * vt1[None, :, :], axis=1)  # [BLOCK_G, HALF]
+    o2 = tl.sum(p[:, :, None] * vt2[None, :, :], axis=1)
+    dst = out_ptr + row * stride_orow + (kvh * GROUP + offs_g[:, None]) * D + offs_d[None, :]
+    tl.store(dst, o1.to(out_ptr.dtype.element_ty), mask=g_mask)
+    tl.store(dst + HALF, o2.to(out_ptr.dtype.element_ty), mask=g_mask)
+
+
+def qk_norm_rope_attend_triton(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    freqs: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    R = qkv.shape[0]
+    S, D = k_cache.shape[-2], k_cache.shape[-1]
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [R, (Hq + 2 Hkv) * D] row-major, got {tuple(qkv.shape)}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share a layout with contiguous head_dim")
+    if S > MAX_POSITIONS:
+        raise ValueError(f"caches of more than {MAX_POSITIONS} positions take decode_attention")
+    group = num_heads // num_kv_heads
+    out = torch.empty((R, num_heads * D), dtype=qkv.dtype, device=qkv.device)
+    if R == 0:
+        return out
+    _qk_norm_rope_attend_kernel[(R, num_kv_heads)](
+        qkv, q_weight, k_weight, freqs, positions.reshape(-1), slots.reshape(-1),
+        k_cache, v_cache, out, qkv.stride(0), out.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, scale * _LOG2E,
+        HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(S),
+        num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,110 @@
+"""A decode linear with its neighbours fused in: one launch per block of the decoder layer.
+
+`fused_linear` = optional row gather (an embedding lookup) -> optional RMSNorm -> linear
+(bf16/fp32, or FP8 e4m3 weight-only with per-output-channel scales as `fp8_linear` stores
+them) -> optional bias -> optional silu(gate) * up of the packed gate/up matrix -> optional
+residual add. The named forms are the decoder layer's blocks:
+
+- norm_linear:        rms_norm(x) @ W.T                      (input norm + qkv; final norm + head)
+- linear_residual:    residual + x @ W.T                     (o + add, down + add)
+- norm_gate_up_silu:  silu(h @ Wg.T) * (h @ Wu.T), h = rms_norm(x)  (post norm + MLP up half)
+- gather_linear:      table[index] @ W.T + b                 (code embedding + projection)
+
+The reference is the model's unfused ops in order (the CPU path equals the unfused runtime
+path). The kernel computes in fp32 and rounds to x's dtype where the eager ops round
+(normed activations, the linear's output before the residual add / silu).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ttsbuild.plugins._dispatch import want_triton
+from ttsbuild.plugins.fp8_linear import FP8_DTYPE, fp8_linear_reference
+from ttsbuild.plugins.norm_act import rms_norm_reference, silu_mul_reference
+
+
+def fused_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    index: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    gate_up: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    h = x[index] if index is not None else x
+    if norm_weight is not None:
+        h = rms_norm_reference(h, norm_weight, eps)
+    if scale is not None:
+        y = fp8_linear_reference(h, weight, scale)
+        if bias is not None:
+            y = y + bias
+    else:
+        y = F.linear(h, weight, bias)
+    if gate_up:
+        y = silu_mul_reference(y)
+    if residual is not None:
+        y = residual + y
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def fused_linear(
+    x: torch.Tensor,  # [M, K] (or the table [rows, K] that index picks from)
+    weight: torch.Tensor,  # [N, K], [2N, K] with gate_up; bf16/fp32 or float8_e4m3fn
+    scale: torch.Tensor | None = None,  # [N] / [2N] fp32: FP8 weights only
+    *,
+    index: torch.Tensor | None = None,  # [M] int64
+    norm_weight: torch.Tensor | None = None,  # [K]
+    eps: float = 1e-6,
+    bias: torch.Tensor | None = None,  # [N]
+    residual: torch.Tensor | None = None,  # [M, N]
+    gate_up: bool = False,
+    out_dtype: torch.dtype | None = None,
+    use_triton: bool | None = None,
+    config: dict | None = None,  # BLOCK_M/N/K, SPLIT_K: overrides the per-shape plan
+) -> torch.Tensor:
+    """[M, N] in out_dtype (default x's dtype); one launch on the GPU."""
+    if (scale is not None) != (weight.dtype == FP8_DTYPE):
+        raise TypeError("FP8 weights need their per-channel scale, other weights none")
+    kw = dict(
+        index=index, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
+        gate_up=gate_up, out_dtype=out_dtype,
+    )  # fmt: skip
+    if not want_triton(x, use_triton):
+        return fused_linear_reference(x, weight, scale, **kw)
+    from ttsbuild.plugins._tl.fused_linear import fused_linear_triton
+
+    return fused_linear_triton(x, weight, scale, config=config, **kw)
+
+
+def norm_linear(x, norm_weight, weight, scale=None, *, eps, out_dtype=None, use_triton=None):
+    """rms_norm(x) @ W.T: [M, N]."""
+    return fused_linear(
+        x, weight, scale, norm_weight=norm_weight, eps=eps, out_dtype=out_dtype,
+        use_triton=use_triton,
+    )  # fmt: skip
+
+
+def linear_residual(x, weight, scale, residual, *, use_triton=None):
+    """residual + x @ W.T: the new residual [M, N]."""
+    return fused_linear(x, weight, scale, residual=residual, use_triton=use_triton)
+
+
+def norm_gate_up_silu(x, norm_weight, gate_up_weight, scale=None, *, eps, use_triton=None):
+    """silu(h @ Wg.T) * (h @ Wu.T) with h = rms_norm(x), from the packed [2I, K] gate/up
+    matrix: [M, I]."""
+    return fused_linear(
+        x, gate_up_weight, scale, norm_weight=norm_weight, eps=eps, gate_up=True,
+        use_triton=use_triton,
+    )  # fmt: skip
+
+
+def gather_linear(table, index, weight, bias=None, scale=None, *, use_triton=None):
+    """table[index] @ W.T + bias: [M, N]."""
+    return fused_linear(table, weight, scale, index=index, bias=bias, use_triton=use_triton)

@@ -1,0 +1,151 @@
+"""Decode with five fused launches per layer, and the code predictor's frame built on it.
+
+`decode_fused` is `PackedStack.decode` (same arguments, same result) with each layer as
+  norm_linear (input norm + qkv) -> qk_norm_rope_attend (q/k norm + RoPE + KV write +
+  attention; caches of more than MAX_POSITIONS positions, the talker's, keep qk_norm_rope
+  + decode_attention) -> linear_residual (o + add) -> norm_gate_up_silu (post norm + gate/up
+  + silu * up) -> linear_residual (down + add)
+instead of ~9 launches (`plugins.fused_linear`, `plugins.qk_norm_rope_attend`).
+
+`FusedCodePredictor.frame` is one frame of the code predictor (codebooks 1..15 of B rows)
+with those layers: the final norm rides in the head GEMV's prologue (logits in fp32 straight
+to the fused sampler), the next code's embedding lookup in the projection's prologue, and
+the two-token prefill [h_t, E0(c0)] runs as two single-token passes (the same causal
+attention, written to the same cache positions, in fewer launches). `frame_unfused` is the
+existing unfused path (graph_engine's), kept beside it for side-by-side checks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.plugins.decode_attention import decode_attention
+from ttsbuild.plugins.fused_linear import (
+    fused_linear,
+    linear_residual,
+    norm_gate_up_silu,
+    norm_linear,
+)
+from ttsbuild.plugins.norm_act import rms_norm
+from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
+from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS, qk_norm_rope_attend
+from ttsbuild.plugins.sampling import fused_sample
+from ttsbuild.runtime.fast_model import Dense, PackedStack
+
+
+def decode_fused(
+    stack: PackedStack,
+    x: torch.Tensor,  # [B, hidden] one token per row
+    k_cache: torch.Tensor,  # [L, slots, Hkv, S, D]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [B]
+    positions: torch.Tensor,  # [B]
+    *,
+    final_norm: bool = True,
+) -> torch.Tensor:
+    """PackedStack.decode in five launches per layer. final_norm=False returns the residual
+    stream before the final norm (for a consumer that fuses the norm: `norm_linear`)."""
+    c = stack.cfg
+    eps = c.rms_norm_eps
+    heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=eps, theta=c.rope_theta)
+    max_len = k_cache.shape[3]
+    residual = x
+    for i, p in enumerate(stack.layers):
+        kc, vc = k_cache[i], v_cache[i]
+        qkv = norm_linear(residual, p.input_norm, p.qkv.weight, p.qkv.scale, eps=eps)
+        if max_len <= MAX_POSITIONS:
+            attn = qk_norm_rope_attend(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc, **heads)
+        else:
+            q = qk_norm_rope(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc, **heads)
+            attn = decode_attention(q, kc, vc, slots, positions + 1, max_len)
+            attn = attn.reshape(x.shape[0], -1)
+        residual = linear_residual(attn, p.o.weight, p.o.scale, residual)
+        act = norm_gate_up_silu(residual, p.post_norm, p.gate_up.weight, p.gate_up.scale, eps=eps)
+        residual = linear_residual(act, p.down.weight, p.down.scale, residual)
+    return rms_norm(residual, stack.norm, eps) if final_norm else residual
+
+
+class FusedCodePredictor:
+    """The code predictor's weights as one frame needs them, and the frame (fused or not)."""
+
+    def __init__(
+        self,
+        stack: PackedStack,
+        heads: list[Dense],  # lm heads of codebooks 1..G-1
+        proj: nn.Module,  # small_to_mtp_projection: Linear (with bias) or Identity
+        codec_embedding: torch.Tensor,  # [V, talker hidden]: codebook 0's input embedding
+        embeddings: torch.Tensor,  # [G - 1, codebook_size, talker hidden]: codebooks 1..G-1
+    ):
+        self.stack, self.heads, self.proj = stack, heads, proj
+        self.codec_embedding, self.embeddings = codec_embedding, embeddings
+        if isinstance(proj, nn.Linear):
+            self.proj_weight = proj.weight.detach()
+            self.proj_bias = None if proj.bias is None else proj.bias.detach()
+        elif isinstance(proj, nn.Identity):
+            self.proj_weight = self.proj_bias = None
+        else:
+            raise TypeError(f"small_to_mtp_projection must be Linear or Identity, got {proj}")
+
+    @property
+    def num_code_groups(self) -> int:
+        return len(self.heads) + 1
+
+    def _project(self, table: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        """small_to_mtp_projection(table[index]) (or of table itself), one launch."""
+        if self.proj_weight is None:
+            return table if index is None else table[index]
+        return fused_linear(table, self.proj_weight, index=index, bias=self.proj_bias)
+
+    def frame(
+        self,
+        hidden: torch.Tensor,  # [B, talker hidden]: the talker's last hidden state
+        c0: torch.Tensor,  # [B] codebook-0 codes
+        sampling: SamplingBatch,
+        seeds: torch.Tensor,  # [B]
+        frames: torch.Tensor,  # [B] frame index (the sampler's counter base)
+        k_cache: torch.Tensor,  # [L, >= slots, Hkv, G, D]
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,  # [B]
+        positions: list[torch.Tensor],  # G tensors [>= B], positions[i] all i
+    ) -> torch.Tensor:
+        """Codes [B, G] (codebook 0 = c0), fused kernels throughout."""
+        B, G = hidden.shape[0], self.num_code_groups
+        eps = self.stack.cfg.rms_norm_eps
+
+        def step(x: torch.Tensor, position: int) -> torch.Tensor:
+            pos = positions[position][:B]
+            return decode_fused(self.stack, x, k_cache, v_cache, slots, pos, final_norm=False)
+
+        step(self._project(hidden, None), 0)
+        residual = step(self._project(self.codec_embedding, c0), 1)
+        codes = [c0]
+        for cb in range(1, G):
+            head = self.heads[cb - 1]
+            logits = norm_linear(
+                residual, self.stack.norm, head.weight, head.scale, eps=eps,
+                out_dtype=torch.float32,
+            )  # fmt: skip
+            code = fused_sample(logits, sampling, seeds, frames * G + cb)
+            codes.append(code)
+            if cb + 1 < G:
+                residual = step(self._project(self.embeddings[cb - 1], code), cb + 1)
+        return torch.stack(codes, dim=1)
+
+    def frame_unfused(
+        self, hidden, c0, sampling, seeds, frames, k_cache, v_cache, slots, positions
+    ) -> torch.Tensor:
+        """The same frame on the unfused kernels (PackedStack.prefill/decode, Dense heads)."""
+        B, G = hidden.shape[0], self.num_code_groups
+        x = torch.stack([hidden, self.codec_embedding[c0]], dim=1)  # [B, 2, H]
+        h = self.stack.prefill(self.proj(x), k_cache, v_cache, slots)[:, -1]
+        codes = [c0]
+        for cb in range(1, G):
+            logits = self.heads[cb - 1](h).float()
+            code = fused_sample(logits, sampling, seeds, frames * G + cb)
+            codes.append(code)
+            if cb + 1 < G:
+                e = self.proj(self.embeddings[cb - 1][code])
+                h = self.stack.decode(e, k_cache, v_cache, slots, positions[cb + 1][:B])
+        return torch.stack(codes, dim=1)
