@@ -84,7 +84,7 @@ def _pipelined_steps(engine, slots: list[int], steps: int) -> tuple[float, float
     return wall / steps, start.elapsed_time(end) / steps
 
 
-def bench_plan(precision: str, batches) -> EnginePlan:
+def bench_plan(precision: str, batches, fused_code_predictor: bool = False) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured."""
     num_slots = max(batches)
     buckets = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, *batches) if b <= num_slots}))
@@ -95,6 +95,7 @@ def bench_plan(precision: str, batches) -> EnginePlan:
         batch_buckets=buckets,
         prefill_buckets=(32, 64, 128, 256),
         precision=precision,
+        fused_code_predictor=fused_code_predictor,
     )
 
 
@@ -219,6 +220,7 @@ def run_engine_bench(
     out_dir: Path | None = None,
     log=print,
     plan: EnginePlan | None = None,
+    fused_code_predictor: bool = False,
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -229,7 +231,8 @@ def run_engine_bench(
         batches = tuple(b for b in batches if b <= plan.max_batch)
         results.append(bench_precision(models, plan, batches, iters, log, release_modules=True))
     for p in precisions if plan is None else ():
-        results.append(bench_precision(models, bench_plan(p, batches), batches, iters, log))
+        p_plan = bench_plan(p, batches, fused_code_predictor)
+        results.append(bench_precision(models, p_plan, batches, iters, log))
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
     report = {
         "gpu": torch.cuda.get_device_name(),
@@ -298,6 +301,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     p.add_argument("--engine-dir", type=Path, default=None, help="a compiled engine instead")
+    p.add_argument("--fused-code-predictor", action="store_true")
     a = p.parse_args()
     t0 = time.perf_counter()
     plan = None
@@ -317,6 +321,7 @@ def main() -> None:
         a.out,
         log=lambda s: print(s, flush=True),
         plan=plan,
+        fused_code_predictor=a.fused_code_predictor,
     )
 
 
