@@ -70,7 +70,9 @@ def test_plan_buckets_and_prompt_checks():
     assert roundtrip == PLAN
     small = EnginePlan.default(num_slots=3, max_len=100)
     assert small.batch_buckets == (1, 2, 3) and small.prefill_buckets == (32, 64)
-    assert small.max_frames == 99
+    assert small.max_frames == 99 and small.fused_code_predictor == (1, 2, 3)
+    with pytest.raises(ValueError, match="fused_code_predictor"):
+        EnginePlan(**{**PLAN.model_dump(), "fused_code_predictor": (8,)})
 
 
 # -- slot table ----------------------------------------------------------------------------

@@ -200,7 +200,7 @@ def test_graph_engine_flag_gives_the_same_codes(tiny_checkpoint):
     rc = dict(num_slots=1, max_len=128, max_text=64, batch_buckets=(1,), prefill_buckets=(32,))
     codes = []
     for fused in (False, True):
-        plan = EnginePlan(fused_code_predictor=fused, **rc)
+        plan = EnginePlan(fused_code_predictor=(1,) if fused else (), **rc)
         engine = GraphEngine(models, plan, use_graphs=False)
         slot = engine.admit(req)
         engine.prefill([slot])

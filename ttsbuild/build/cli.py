@@ -49,6 +49,11 @@ def compile_engine(
     ),
     codec_ring: int = typer.Option(64, "--codec-ring", min=1, help="Frames buffered per slot."),
     max_text: int = typer.Option(1024, "--max-text", min=1, help="Text positions per slot."),
+    fused_cp_max_batch: int = typer.Option(
+        8, "--fused-cp-max-batch", min=0,
+        help="Fused code-predictor kernels for batch buckets up to this (0: never); "
+        "measured faster at small batches only.",
+    ),  # fmt: skip
     quality_texts: int = typer.Option(4, "--quality-texts", min=1, help="Texts for the gate."),
     quality_frames: int = typer.Option(32, "--quality-frames", min=2, help="Frames per text."),
     force_quality: bool = typer.Option(
@@ -77,7 +82,7 @@ def compile_engine(
             prefill_buckets=_sizes(prefill_buckets, "--prefill-buckets") if prefill_buckets
             else None,
             codec_chunks=_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
-            max_text=max_text,
+            max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
             quality_texts=quality_texts, quality_frames=quality_frames,
             force_quality=force_quality, onnx=onnx,
         )

@@ -63,6 +63,7 @@ class BuildConfig:
     codec_chunks: tuple[int, ...] = (1, 2, 4, 8, 16)  # frames per captured codec step
     codec_ring: int = 64  # frames buffered per slot between the frame and codec stages
     max_text: int = 1024  # trailing text positions per slot
+    fused_cp_max_batch: int = 8  # fused code predictor on buckets up to this (0: never)
     quality_texts: int = 4  # calibration texts for the FP8 quality gate
     quality_frames: int = 32  # frames per text generated for the gate
     min_top1: float = MIN_TOP1
@@ -106,6 +107,9 @@ class BuildConfig:
             codec_ring=self.codec_ring, max_len=self.max_len, max_text=self.max_text,
             max_frames=self.max_frames, precision=self.precision,
             code_predictor_fp8=self.fp8_code_predictor,
+            fused_code_predictor=tuple(
+                b for b in self.graph_batches if b <= self.fused_cp_max_batch
+            ),
         )  # fmt: skip
 
     def fp8_groups(self) -> list[str]:

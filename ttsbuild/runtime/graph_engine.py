@@ -209,7 +209,7 @@ class GraphBackend:
         """Codebooks 1..15 for B rows with on-device sampling: [B, G]."""
         B, G = hidden.shape[0], self.cfg.num_code_groups
         slots = self.cp_slots[:B]
-        if self.plan.fused_code_predictor:
+        if B in self.plan.fused_code_predictor:
             return self.cp_fused.frame(
                 hidden, c0, sampling, seeds, frames, self.cp_k, self.cp_v, slots, self.cp_positions
             )

@@ -36,7 +36,9 @@ class EnginePlan(BaseModel):
     max_frames: int = 1536  # frames per request at most
     precision: Literal["bf16", "fp8"] = "bf16"  # talker linears (fp8: weight-only e4m3)
     code_predictor_fp8: bool = False
-    fused_code_predictor: bool = False  # the code predictor on runtime.cp_fused (5 launches/layer)
+    # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
+    # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
+    fused_code_predictor: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _consistent(self) -> EnginePlan:
@@ -62,6 +64,8 @@ class EnginePlan(BaseModel):
             )
         if self.prefill_buckets[-1] >= self.max_len:
             raise ValueError("the largest prefill bucket must leave room for frames in max_len")
+        if not set(self.fused_code_predictor) <= set(self.batch_buckets):
+            raise ValueError("fused_code_predictor must list batch buckets of the plan")
         if self.max_frames < 1 or self.max_text < 1:
             raise ValueError("max_frames and max_text must be positive")
         return self
@@ -75,12 +79,15 @@ class EnginePlan(BaseModel):
         **overrides,
     ) -> EnginePlan:
         """The plan of a checkpoint run without compiling: buckets are powers of two up to
-        min(num_slots, 64) (one graph per bucket; larger batches are split)."""
+        min(num_slots, 64) (one graph per bucket; larger batches are split), the fused code
+        predictor on buckets up to 8 (where it was measured faster)."""
         max_batch = min(num_slots, overrides.pop("max_batch", 64))
+        buckets = power_of_two_buckets(max_batch)
+        overrides.setdefault("fused_code_predictor", tuple(b for b in buckets if b <= 8))
         prefill = tuple(t for t in cls.model_fields["prefill_buckets"].default if t < max_len)
         return cls(
             num_slots=num_slots,
-            batch_buckets=power_of_two_buckets(max_batch),
+            batch_buckets=buckets,
             prefill_buckets=overrides.pop("prefill_buckets", prefill or (max_len - 1,)),
             max_len=max_len,
             max_frames=min(overrides.pop("max_frames", 1536), max_len - 1),
