@@ -9,9 +9,9 @@ import types
 
 import pytest
 import torch
+from official import import_official
 from reference_models import DATA
 
-from official import import_official
 from ttsbuild.model.codec_encoder import CodecEncoder, CodecEncoderConfig
 from ttsbuild.model.speaker_encoder import (
     SpeakerEncoder,
@@ -91,8 +91,7 @@ def test_log_mel_matches_official():
 
 
 def build_speaker_pair(seed: int, dtype: torch.dtype):
-    models, _ = official_models()
-    official = models.Qwen3TTSConfig  # noqa: F841 (config classes come from the same module)
+    official_models()
     from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig
     from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSSpeakerEncoder
 

@@ -1,4 +1,5 @@
-"""Shipped configs: the published Qwen3-TTS 12 Hz configs (verbatim) and tiny ones (CustomVoice, and Base with a small speaker encoder).
+"""Shipped configs: the published Qwen3-TTS 12 Hz configs (verbatim) and tiny ones
+(CustomVoice, and Base with a small speaker encoder).
 
 variant -> (config file, speech tokenizer config file), both in this package.
 Kept free of heavy imports so the CLI can list variants without importing torch.
