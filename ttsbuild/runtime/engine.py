@@ -36,6 +36,7 @@ from ttsbuild.model.config import ModelConfig
 from ttsbuild.model.talker import CodePredictor, Talker
 from ttsbuild.runtime.request import RequestError, SynthesisRequest
 from ttsbuild.text.tokenizer import TextTokenizer
+from ttsbuild.voices.encoder import VoiceEncoder
 
 SAMPLE_RATE = 24000
 
@@ -60,6 +61,8 @@ class Models:
     # A compiled engine's talker / code-predictor tensors as stored (fused projections, FP8
     # weights with their scales), for the graph engine; None for a checkpoint.
     packed: dict[str, dict[str, torch.Tensor]] | None = None
+    # Base checkpoints: speaker encoder + codec encoder, to turn reference clips into voices.
+    voice_encoder: VoiceEncoder | None = None
 
     @classmethod
     def load(
@@ -75,6 +78,12 @@ class Models:
         talker.load_state_dict(ckpt.tensors("talker"), strict=True, assign=True)
         cp.load_state_dict(ckpt.tensors("code_predictor"), strict=True, assign=True)
         codec.load_state_dict(ckpt.tensors("codec"), strict=True, assign=True)
+        voice_encoder = None
+        if cfg.tts_model_type == "base":
+            voice_encoder = VoiceEncoder.from_tensors(
+                ckpt.config, ckpt.codec_config, ckpt.tensors("speaker_encoder"),
+                ckpt.tensors("codec_encoder"), device,
+            )
         return cls(
             cfg=cfg,
             talker=talker.to(device=device, dtype=dtype).eval(),
@@ -86,6 +95,7 @@ class Models:
             generation_config=ckpt.generation_config,
             length_rule=LengthRule.from_standin(ckpt.standin),
             manifest=ckpt.manifest,
+            voice_encoder=voice_encoder,
         )
 
     @property
@@ -132,8 +142,15 @@ class Models:
             voice = None  # VoiceDesign has no preset voices: the instruction describes one
         elif self.cfg.tts_model_type == "custom_voice" and voice is None:
             raise RequestError(f"a voice is required; known: {', '.join(self.voices)}")
-        elif self.cfg.tts_model_type == "base":
-            raise RequestError("voice cloning (Base checkpoints) is not supported yet")
+        if self.cfg.tts_model_type == "base":
+            if req.clone is None:
+                raise RequestError("this is a voice-clone (Base) model: give a reference clip "
+                                   "or a registered voice")
+            if req.instruct:
+                raise RequestError("Base (voice-clone) models take no instruction")
+            voice = None
+        elif req.clone is not None:
+            raise RequestError("voice cloning needs a Base checkpoint")
         instruct = req.instruct.strip() if req.instruct else None
         return PromptSpec(
             text_ids=self.tokenizer.encode(assistant_text(req.text)),
@@ -143,6 +160,7 @@ class Models:
             non_streaming=(
                 self.default_non_streaming() if req.non_streaming is None else req.non_streaming
             ),
+            clone=req.clone,
         )
 
 
@@ -163,7 +181,7 @@ def plan_admission(models: Models, req: SynthesisRequest, max_len: int) -> Admis
     spec = models.prompt_spec(req)
     params = models.generation_params(req)
     try:
-        prompt = build_prompt(models.talker, spec)
+        prompt = build_prompt(models.talker, spec, models.code_predictor)
     except PromptError as exc:
         raise RequestError(str(exc)) from None
     n_prompt = prompt.embeds.shape[0]
@@ -234,7 +252,12 @@ class EagerEngine:
         target = plan.frame_limit if plan.by_length_rule else None
         params = replace(plan.params, max_frames=plan.frame_limit)
         self.slots[slot] = SlotState(req, plan.prompt, params, plan.seed, target)
-        self._codec_streams[slot] = CodecStream(self.models.codec, 1)
+        stream = CodecStream(self.models.codec, 1)
+        if plan.prompt.codec_context is not None:
+            # In-context clone: the reference frames condition the codec like the generated
+            # ones will; their own audio is not part of the output.
+            stream.step(plan.prompt.codec_context.T[None].to(self.device))
+        self._codec_streams[slot] = stream
         return slot
 
     def release(self, slot: int) -> None:
