@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from audio_fixtures import encode, voiced
+from audio_fixtures import voiced
 from typer.testing import CliRunner
 
 from ttsbuild.cli import app
@@ -102,13 +104,12 @@ def test_requests_the_model_cannot_serve_are_refused(models, tiny_checkpoint):
 
 
 def test_cli_synth_clones_from_a_clip(tiny_base_checkpoint, tiny_checkpoint, tmp_path):
-    clip = tmp_path / "ref.flac"
-    clip.write_bytes(encode(voiced(2.0, rate=16000, seed=5), 16000, fmt="FLAC"))
+    clip = pathlib.Path(__file__).parents[1] / "data" / "librivox-0880.wav"  # real speech
     out = tmp_path / "out.wav"
     runner = CliRunner()
     args = ["synth", str(tiny_base_checkpoint), TEXT, "-o", str(out), "--max-frames", "5",
             "--seed", "1", "--device", "cpu", "--ref-audio", str(clip)]
-    result = runner.invoke(app, [*args, "--ref-text", "Some words."])
+    result = runner.invoke(app, [*args, "--ref-text", "He was not an ill disposed young man."])
     assert result.exit_code == 0, result.output
     pcm, rate = sf.read(out)
     assert rate == 24000 and len(pcm) == 5 * 1920

@@ -3,6 +3,7 @@ and every bad upload refused with a clear 4xx and nothing left behind."""
 
 from __future__ import annotations
 
+import pathlib
 import threading
 from dataclasses import replace
 
@@ -17,7 +18,9 @@ from .test_ws_api import run, session
 
 VOICES = "/v1/audio/voices"
 SPEECH = "/v1/audio/speech"
-CLIP = encode(voiced(2.0, rate=16000, seed=1), 16000)
+# Real human speech (tests/data/README.md) and its transcript.
+CLIP = (pathlib.Path(__file__).parents[1] / "data" / "librivox-0880.wav").read_bytes()
+TRANSCRIPT = "He was not an ill disposed young man."
 
 
 def register(url, name, clip=CLIP, transcript=None, **fields):
@@ -52,7 +55,7 @@ def base_server(tiny_base_checkpoint, voices_dir):
 
 def test_register_list_speak_and_delete(base_server, voices_dir):
     url, _ = base_server
-    r = register(url, "Narrator", transcript="Some reference words.")
+    r = register(url, "Narrator", transcript=TRANSCRIPT)
     assert r.status_code == 201, r.text
     assert r.json()["id"] == "narrator" and r.json()["mode"] == "in-context"
     r = register(url, "plain")  # no transcript: x-vector only
