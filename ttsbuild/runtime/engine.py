@@ -451,4 +451,8 @@ def random_models(
         generation_config=gen_config,
         length_rule=LengthRule.from_standin(standin),
         manifest={"standin": standin, "variant": {"name": variant}},
+        voice_encoder=(
+            VoiceEncoder.random(config, st_config, device, seed)
+            if cfg.tts_model_type == "base" else None
+        ),
     )

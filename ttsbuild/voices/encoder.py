@@ -58,6 +58,19 @@ class VoiceEncoder:
         codec.load_official(codec_tensors)
         return cls(speaker.to(device), codec.to(device))
 
+    @classmethod
+    def random(cls, config: dict, codec_config: dict, device: str | torch.device = "cpu",
+               seed: int = 0) -> VoiceEncoder:
+        """Random weights of the real shapes (in-memory stand-ins for load tests)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            speaker = SpeakerEncoder(SpeakerEncoderConfig.from_official(config))
+            codec = CodecEncoder(CodecEncoderConfig.from_official(codec_config))
+            for name, buf in codec.named_buffers():
+                if name.endswith("embed_sum"):  # all-zero codebooks would give one code
+                    buf.normal_()
+        return cls(speaker.to(device), codec.to(device))
+
     @property
     def x_vector_size(self) -> int:
         return self.speaker.cfg.enc_dim
