@@ -21,7 +21,8 @@ Y = [E(bos)] ++ [sum_k emb_k(R_j) for each reference frame j] (length F + 1):
                 trailing text = X[F + 1:] (or [P(tts_pad)]);
      non-streaming: X_i + E(pad) for every i, then Y_j + P(tts_pad); trailing = [P(tts_pad)].
 The codec then decodes the reference frames before the generated ones and their audio is
-dropped (the official code decodes both and cuts the reference's share).
+dropped: exactly F * 1920 samples, which streaming needs (the official code decodes both and
+cuts int(F / total * samples), through float rounding one sample fewer for ~4 % of lengths).
 
 Shared prefix. The first `Prompt.shared_prefix_len` positions depend only on the voice
 (speaker or cloned voice), the language and the instruction, never on the text: instruct,
