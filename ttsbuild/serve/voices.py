@@ -66,6 +66,9 @@ async def register_voice(request: Request):
         raise ApiError(400, "keep_clip must be true or false", "keep_clip")
     try:
         transcript = check_transcript(_text_field(form, "transcript"))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "transcript") from None
+    try:
         with store.reserve(name, reserved_names=service.builtin_voices) as name:
             data = await clip.read()
             voice, facts = await asyncio.to_thread(_encode, service, data, transcript)
@@ -76,8 +79,6 @@ async def register_voice(request: Request):
     except VoiceStoreError as exc:
         code = "voice_exists" if exc.status == 409 else None
         raise ApiError(exc.status, str(exc), "name", code=code) from None
-    except ValueError as exc:  # the transcript
-        raise ApiError(400, str(exc), "transcript") from None
     return JSONResponse(record.info(), status_code=201)
 
 
