@@ -133,3 +133,12 @@ def test_shared_prefix_depends_only_on_the_voice(pair):
     assert torch.equal(prompts[0].embeds[:n], prompts[1].embeds[:n])
     assert not torch.equal(prompts[0].embeds[n], prompts[1].embeds[n])
     assert torch.equal(prompts[0].codec_context, clone.ref_codes)
+    non_streaming = [
+        build_prompt(talker, PromptSpec(template_ids(random_text(n, seed=n)), language="english",
+                                        non_streaming=True, clone=clone), cp)
+        for n in (5, 9)
+    ]
+    n = non_streaming[0].shared_prefix_len
+    assert n == 3 + 6 + 7
+    assert torch.equal(non_streaming[0].embeds[:n], non_streaming[1].embeds[:n])
+    assert not torch.equal(non_streaming[0].embeds[n], non_streaming[1].embeds[n])

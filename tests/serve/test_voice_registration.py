@@ -126,6 +126,7 @@ def test_bad_uploads_get_4xx(base_server):
     r = httpx.post(url + VOICES, files={"file": ("c.wav", CLIP)},
                    data={"name": "x", "keep_clip": "maybe"}, timeout=30)
     assert error_of(r, 400)["param"] == "keep_clip"
+    assert error_of(register(url, "x", transcript="w" * 1001), 400)["param"] == "transcript"
     huge = bytes(17 * 1024 * 1024)
     assert error_of(register(url, "huge", clip=huge), 413)["code"] == "too_large"
     r = httpx.post(url + VOICES, content=b"--xx\r\nbroken", timeout=30,

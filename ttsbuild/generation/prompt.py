@@ -26,9 +26,10 @@ cuts int(F / total * samples), through float rounding one sample fewer for ~4 % 
 
 Shared prefix. The first `Prompt.shared_prefix_len` positions depend only on the voice
 (speaker or cloned voice), the language and the instruction, never on the text: instruct,
-role and codec prefix; for an in-context clone in streaming mode also the first
-min(len(Q), F + 1) positions of 4 (reference transcript against bos + reference codes). Their
-KV can be computed once per (voice, language) and reused by every request.
+role and codec prefix; for an in-context clone also the first len(Q) positions of 4 (the
+reference transcript, against bos + reference codes when streaming, at most F + 1 of them, or
+against E(pad) when not). Their KV can be computed once per (voice, language, text mode) and
+reused by every request.
 """
 
 from __future__ import annotations
@@ -203,6 +204,7 @@ def build_prompt(talker: Talker, spec: PromptSpec, code_predictor=None) -> Promp
         if spec.non_streaming:
             parts += [text + e_pad, codec + tts_pad]
             trailing = tts_pad[None]
+            shared += ref_text.shape[0]
         else:
             n = codec.shape[0]
             if text.shape[0] > n:
