@@ -5,6 +5,7 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "model"))
+sys.path.insert(0, str(HERE / "voices"))
 
 import pytest  # noqa: E402
 
@@ -17,5 +18,17 @@ def tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
 
     root = tmp_path_factory.mktemp("tiny")
     init_random(root / "src", "tiny", seed=0)
+    convert_checkpoint(root / "src", root / "ckpt")
+    return root / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def tiny_base_checkpoint(tmp_path_factory) -> pathlib.Path:
+    """A converted tiny Base (voice-clone) stand-in: speaker encoder and codec encoder too."""
+    from ttsbuild.convert.convert import convert_checkpoint
+    from ttsbuild.convert.init_random import init_random
+
+    root = tmp_path_factory.mktemp("tiny-base")
+    init_random(root / "src", "tiny-base", seed=0)
     convert_checkpoint(root / "src", root / "ckpt")
     return root / "ckpt"

@@ -34,6 +34,7 @@ class FakeModels:
     languages = ["auto", "english"]
     manifest = {"standin": {"length_rule": {}}}
     cfg = type("Cfg", (), {"tts_model_type": "custom_voice"})()
+    voice_encoder = None  # not a Base model: no voice registration
 
 
 @dataclass

@@ -31,6 +31,7 @@ from ttsbuild.build.engine_dir import (
     ENGINE_FORMAT,
     ENGINE_VERSION,
     MODULE_FILES,
+    VOICE_MODULE_FILES,
     EngineError,
     device_arch,
     parse_manifest,
@@ -238,6 +239,9 @@ def compile_engine_dir(
         for m in LM_MODULES:
             save_file(packed[m], str(tmp / MODULE_FILES[m]), metadata={"format": "pt"})
         save_file(codec_state, str(tmp / MODULE_FILES["codec"]), metadata={"format": "pt"})
+        if ckpt.config["tts_model_type"] == "base":
+            for name in VOICE_MODULE_FILES.values():
+                shutil.copyfile(ckpt.path / name, tmp / name)
         for name in ("config.json", "generation_config.json", "speech_tokenizer_config.json"):
             shutil.copyfile(ckpt.path / name, tmp / name)
         shutil.copytree(ckpt.tokenizer_dir, tmp / "tokenizer")

@@ -29,6 +29,11 @@ MODULE_FILES = {
     "code_predictor": "code_predictor.safetensors",
     "codec": "codec.safetensors",
 }
+# Base checkpoints only: copied from the checkpoint as they are (fp32), for voice cloning.
+VOICE_MODULE_FILES = {
+    "speaker_encoder": "speaker_encoder.safetensors",
+    "codec_encoder": "codec_encoder.safetensors",
+}
 
 
 class EngineError(ValueError):
@@ -134,7 +139,8 @@ class EngineArtifact:
         return self.path / "tokenizer"
 
     def tensors(self, module: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        return load_file(self.path / MODULE_FILES[module], device=str(device))
+        files = {**MODULE_FILES, **VOICE_MODULE_FILES}
+        return load_file(self.path / files[module], device=str(device))
 
 
 def device_arch(device: torch.device) -> str | None:
@@ -268,6 +274,14 @@ def models_from_engine(
         cfg, packed, sizes, dtype, device, decoder_layers
     )
     codec = load_folded_codec(codec_cfg, artifact.tensors("codec")).to(device, torch.float32)
+    voice_encoder = None
+    if cfg.tts_model_type == "base":
+        from ttsbuild.voices.encoder import VoiceEncoder
+
+        voice_encoder = VoiceEncoder.from_tensors(
+            artifact.config, artifact.codec_config, artifact.tensors("speaker_encoder"),
+            artifact.tensors("codec_encoder"), device,
+        )
     return Models(
         cfg=cfg,
         talker=talker,
@@ -279,6 +293,7 @@ def models_from_engine(
         length_rule=LengthRule.from_standin(m.standin),
         manifest=m.model_dump(),
         packed={name: _runtime_tensors(t, dtype, device) for name, t in packed.items()},
+        voice_encoder=voice_encoder,
     )
 
 

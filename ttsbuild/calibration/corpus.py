@@ -43,15 +43,21 @@ class CorpusItem:
 
 
 def requests_for(models, texts: list[str], seed: int, max_frames: int):
-    """One SynthesisRequest per text: voices in turn, English when the model knows it."""
+    """One SynthesisRequest per text: voices in turn, English when the model knows it.
+    Base models have no voice of their own: a neutral (zero) x-vector stands in, since no
+    reference clip ships with the package."""
+    from ttsbuild.generation.prompt import VoiceClone
     from ttsbuild.runtime.request import SynthesisRequest
 
     voices = models.voices or [None]
     language = "english" if "english" in models.cfg.languages else "auto"
+    clone = None
+    if models.cfg.tts_model_type == "base":
+        clone = VoiceClone(torch.zeros(models.cfg.talker.hidden_size))
     return [
         SynthesisRequest(
             text=t, voice=voices[i % len(voices)], language=language, seed=seed + i,
-            max_frames=max_frames,
+            max_frames=max_frames, clone=clone,
         )
         for i, t in enumerate(texts)
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -17,6 +18,14 @@ def synth(
     text: str = typer.Argument(..., help="The text to speak."),
     output: Path = typer.Option(Path("out.wav"), "--output", "-o", help="WAV file to write."),
     voice: str = typer.Option(None, "--voice", help="Preset voice (CustomVoice), e.g. ryan."),
+    ref_audio: Path = typer.Option(
+        None, "--ref-audio", help="Base models: a 1-30 s clip of the voice to clone "
+        "(WAV, FLAC, OGG or MP3; any sample rate)."
+    ),
+    ref_text: str = typer.Option(
+        None, "--ref-text", help="Transcript of --ref-audio: clones in context (closer to the "
+        "clip); without it only the speaker embedding is used."
+    ),
     language: str = typer.Option("auto", "--language", help="Language name, or auto."),
     instruct: str = typer.Option(None, "--instruct", help="Style instruction (1.7B models)."),
     seed: int = typer.Option(None, "--seed", help="Seed; the same seed repeats the audio."),
@@ -63,8 +72,13 @@ def synth(
             non_streaming=non_streaming,
             sampling=sampling,
         )
+        if ref_text is not None and ref_audio is None:
+            raise ValueError("--ref-text needs --ref-audio")
+        clip_bytes = _read_clip(ref_audio) if ref_audio is not None else None
         t0 = time.perf_counter()
         engine = open_engine(checkpoint, device=device, num_slots=1)
+        if clip_bytes is not None:
+            req = replace(req, clone=_clone_from_clip(engine.models, clip_bytes, ref_text))
         load_s = time.perf_counter() - t0
     except (CheckpointError, RequestError, ValueError) as exc:
         _err.print(f"[red]error:[/red] {exc}", highlight=False)
@@ -105,3 +119,25 @@ def synth(
         f"RMS {20 * math.log10(max(rms, 1e-10)):.1f} dBFS",
         highlight=False,
     )
+
+
+def _read_clip(path: Path) -> bytes:
+    from ttsbuild.voices.clip import MAX_CLIP_BYTES, ClipError
+
+    if not path.is_file():
+        raise ValueError(f"--ref-audio {path} is not a file")
+    if path.stat().st_size > MAX_CLIP_BYTES:
+        raise ClipError(f"--ref-audio {path} is larger than {MAX_CLIP_BYTES // 2**20} MiB")
+    return path.read_bytes()
+
+
+def _clone_from_clip(models, clip_bytes: bytes, transcript: str | None):
+    """The prompt's cloned voice from a reference clip (ValueError with the reason)."""
+    from ttsbuild.voices.clip import decode_clip
+
+    if models.voice_encoder is None:
+        raise ValueError("--ref-audio needs a Base (voice-clone) checkpoint; this one is "
+                         f"{models.cfg.tts_model_type}")
+    clip = decode_clip(clip_bytes)
+    voice = models.voice_encoder.encode(clip, transcript)
+    return voice.prompt_clone(models.tokenizer)

@@ -346,6 +346,12 @@ class EagerBackend:
         from ttsbuild.model.codec import CodecStream
 
         stream = CodecStream(self.codec, 1) if self.codec is not None else None
+        context = getattr(plan.prompt, "codec_context", None)
+        if stream is not None and context is not None:
+            # In-context clone: the reference frames condition the codec like the generated
+            # ones will; their own audio is not part of the output.
+            with torch.no_grad():
+                stream.step(context.T[None].to(self.device))
         self.slots[slot] = _EagerSlot(plan, codec_stream=stream)
 
     def release(self, slot: int) -> None:

@@ -47,6 +47,7 @@ from ttsbuild.runtime.core import (  # noqa: F401  (re-exported: the engine API)
 from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.request import RequestError, SynthesisRequest
 from ttsbuild.text.tokenizer import TextTokenizer
+from ttsbuild.voices.encoder import VoiceEncoder
 
 SAMPLE_RATE = 24000
 
@@ -67,6 +68,8 @@ class Models:
     # A compiled engine's talker / code-predictor tensors as stored (fused projections, FP8
     # weights with their scales), for the graph engine; None for a checkpoint.
     packed: dict[str, dict[str, torch.Tensor]] | None = None
+    # Base checkpoints: speaker encoder + codec encoder, to turn reference clips into voices.
+    voice_encoder: VoiceEncoder | None = None
 
     @classmethod
     def load(
@@ -82,6 +85,12 @@ class Models:
         talker.load_state_dict(ckpt.tensors("talker"), strict=True, assign=True)
         cp.load_state_dict(ckpt.tensors("code_predictor"), strict=True, assign=True)
         codec.load_state_dict(ckpt.tensors("codec"), strict=True, assign=True)
+        voice_encoder = None
+        if cfg.tts_model_type == "base":
+            voice_encoder = VoiceEncoder.from_tensors(
+                ckpt.config, ckpt.codec_config, ckpt.tensors("speaker_encoder"),
+                ckpt.tensors("codec_encoder"), device,
+            )
         return cls(
             cfg=cfg,
             talker=talker.to(device=device, dtype=dtype).eval(),
@@ -93,6 +102,7 @@ class Models:
             generation_config=ckpt.generation_config,
             length_rule=LengthRule.from_standin(ckpt.standin),
             manifest=ckpt.manifest,
+            voice_encoder=voice_encoder,
         )
 
     def drop_decoder_layers(self) -> None:
@@ -145,8 +155,15 @@ class Models:
             voice = None  # VoiceDesign has no preset voices: the instruction describes one
         elif self.cfg.tts_model_type == "custom_voice" and voice is None:
             raise RequestError(f"a voice is required; known: {', '.join(self.voices)}")
-        elif self.cfg.tts_model_type == "base":
-            raise RequestError("voice cloning (Base checkpoints) is not supported yet")
+        if self.cfg.tts_model_type == "base":
+            if req.clone is None:
+                raise RequestError("this is a voice-clone (Base) model: give a reference clip "
+                                   "or a registered voice")
+            if req.instruct:
+                raise RequestError("Base (voice-clone) models take no instruction")
+            voice = None
+        elif req.clone is not None:
+            raise RequestError("voice cloning needs a Base checkpoint")
         instruct = req.instruct.strip() if req.instruct else None
         return PromptSpec(
             text_ids=self.tokenizer.encode(assistant_text(req.text)),
@@ -156,6 +173,7 @@ class Models:
             non_streaming=(
                 self.default_non_streaming() if req.non_streaming is None else req.non_streaming
             ),
+            clone=req.clone,
         )
 
 
@@ -166,7 +184,7 @@ def plan_admission(models: Models, req: SynthesisRequest, plan: EnginePlan) -> S
     spec = models.prompt_spec(req)
     params = models.generation_params(req)
     try:
-        prompt = build_prompt(models.talker, spec)
+        prompt = build_prompt(models.talker, spec, models.code_predictor)
     except PromptError as exc:
         raise RequestError(str(exc)) from None
     n_prompt, n_text = prompt.embeds.shape[0], prompt.trailing_text.shape[0]
@@ -291,4 +309,8 @@ def random_models(
         generation_config=gen_config,
         length_rule=LengthRule.from_standin(standin),
         manifest={"standin": standin, "variant": {"name": variant}},
+        voice_encoder=(
+            VoiceEncoder.random(config, st_config, device, seed)
+            if cfg.tts_model_type == "base" else None
+        ),
     )

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ttsbuild.generation.prompt import VoiceClone
 
 MAX_TEXT_CHARS = 4096
 
@@ -36,6 +40,9 @@ class SynthesisRequest:
     seed: int | None = None  # None: drawn at admission (reported back)
     max_frames: int | None = None
     sampling: SamplingOverrides = SamplingOverrides()
+    # Base checkpoints: the cloned voice (resolved at the edge from a clip or a registered
+    # voice; `voice` then names it for logs and errors only).
+    clone: VoiceClone | None = None
 
     def __post_init__(self):
         if not isinstance(self.text, str) or not self.text.strip():

@@ -24,6 +24,7 @@ from ttsbuild.serve.schema import (
     validate,
 )
 from ttsbuild.serve.service import SpeechService, StreamHandle
+from ttsbuild.serve.voices import router as voices_router
 from ttsbuild.serve.ws import WsSession
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ def create_app(service: SpeechService, warm_up: bool = True) -> FastAPI:
         finally:
             metrics.streams.dec()
         metrics.requests.labels("ws", outcome).inc()
+
+    app.include_router(voices_router)  # GET/POST /v1/audio/voices, DELETE .../{name}
 
     @app.get("/v1/voices")
     async def voices():

@@ -67,6 +67,10 @@ def serve(
     trim_onset: bool = typer.Option(
         False, help="Also trim leading audio below -45 dBFS (real checkpoints only)."
     ),
+    voices_dir: Path | None = typer.Option(
+        None, help="Base checkpoints: directory of registered voices (POST /v1/audio/voices), "
+        "kept across restarts; without it registered voices live in memory only."
+    ),  # fmt: skip
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve a checkpoint: OpenAI-compatible streaming speech over HTTP and WebSocket."""
@@ -95,6 +99,7 @@ def serve(
         ),
         drop_bootstrap_frame=drop_bootstrap_frame,
         trim_onset=trim_onset,
+        voices_dir=str(voices_dir) if voices_dir is not None else None,
     )
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

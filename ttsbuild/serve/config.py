@@ -68,3 +68,5 @@ class ServeConfig:
     ws_max_text_chars: int = 64 * 1024  # whole WebSocket session
     ws_flush_after_s: float = 0.3  # input stalled this long: synthesize what we have
     model_name: str = "qwen3-tts"
+    # Base checkpoints: where registered voices live (None: in memory, lost at exit).
+    voices_dir: str | None = None

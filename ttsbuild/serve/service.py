@@ -9,6 +9,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
+import torch
+
+from ttsbuild.generation.prompt import VoiceClone
 from ttsbuild.runtime.request import RequestError, SynthesisRequest
 from ttsbuild.serve.audio import SilenceTrimmer, pcm16
 from ttsbuild.serve.config import FRAME_SAMPLES, ServeConfig
@@ -16,6 +19,7 @@ from ttsbuild.serve.loop import Engine, EngineLoop, Runner
 from ttsbuild.serve.metrics import ServeMetrics
 from ttsbuild.serve.scheduler import Admitted, Chunk, Done, Event, Failed, Rejected, Scheduler
 from ttsbuild.serve.schema import ApiError
+from ttsbuild.voices.store import VoiceStore
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +80,13 @@ class SpeechService:
         self.config = config
         self.metrics = ServeMetrics()
         models = engine.models
-        self.voices: list[str] = list(models.voices)
+        self.builtin_voices: list[str] = list(models.voices)
         self.languages: list[str] = list(models.languages)
-        self.needs_voice = models.cfg.tts_model_type == "custom_voice"
+        self.needs_voice = models.cfg.tts_model_type in ("custom_voice", "base")
+        # Base checkpoints: cloned voices, registered over HTTP (serve/voices.py).
+        self.voice_store: VoiceStore | None = None
+        if models.voice_encoder is not None:
+            self.voice_store = VoiceStore(config.voices_dir, models.voice_encoder.x_vector_size)
         self.standin = models.manifest.get("standin") is not None
         drop = config.drop_bootstrap_frame
         self.drop_bootstrap = (not self.standin) if drop is None else drop
@@ -97,6 +105,21 @@ class SpeechService:
         self.loop = EngineLoop(self.scheduler, Runner(engine, RequestError))
         self.ready = False
         self.event_loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def voices(self) -> list[str]:
+        """Every voice a request may name: the model's own, then the registered ones."""
+        registered = self.voice_store.names() if self.voice_store is not None else []
+        return [*self.builtin_voices, *registered]
+
+    def with_clone(self, request: SynthesisRequest) -> SynthesisRequest:
+        """A request naming a registered voice, with that voice's prompt attached."""
+        if self.voice_store is None or request.clone is not None or request.voice is None:
+            return request
+        record = self.voice_store.get(request.voice)
+        if record is None:
+            return request
+        return replace(request, clone=record.voice.prompt_clone(self.engine.models.tokenizer))
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will serve requests."""
@@ -133,8 +156,8 @@ class SpeechService:
         handle = StreamHandle(self, asyncio.get_running_loop())
         try:
             stream = self.loop.submit(
-                request, handle.sink, self.chunk_schedule(chunk_schedule), self._trimmer(),
-                follows.stream_id if follows is not None else None,
+                self.with_clone(request), handle.sink, self.chunk_schedule(chunk_schedule),
+                self._trimmer(), follows.stream_id if follows is not None else None,
             )  # fmt: skip
         except Rejected as exc:
             raise ApiError(exc.status, exc.message, code=exc.reason,
@@ -156,13 +179,18 @@ class SpeechService:
         """Two short requests, one twice as long, through the whole path; /ready turns true
         only after them. Steps of one and two rows show the scheduler how a step's cost grows
         with the batch before real load arrives (see scheduler.RowCost)."""
+        models = self.engine.models
+        clone = None
+        if self.voice_store is not None:  # no voice need be registered yet: a neutral one
+            clone = VoiceClone(torch.zeros(models.voice_encoder.x_vector_size))
 
         async def one(max_frames: int) -> dict | None:
             request = SynthesisRequest(
                 text=self.config.warmup_text,
-                voice=self.voices[0] if self.needs_voice else None,
+                voice=self.builtin_voices[0] if self.builtin_voices and self.needs_voice else None,
                 seed=0,
                 max_frames=max_frames,
+                clone=clone,
             )
             handle = await self.open(request)
             try:
