@@ -149,7 +149,7 @@ def test_round_to_tf32():
 
 def test_half_precision_quality_order():
     """Measured, not assumed: on the small real-structure codec fp32 is exact, TF32 loses
-    least, then fp16, then bf16; the fp32 output stage matters for half precision."""
+    least, then fp16, then bf16."""
     cfg = small_config()
     dec = our_decoder(cfg, test_state(cfg, seed=30))
     codes = rand_codes(cfg, 2, 8, seed=31)

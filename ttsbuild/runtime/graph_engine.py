@@ -350,6 +350,13 @@ class GraphEngine:
             return []
         if any(self.host[s].finished for s in slots):
             raise RuntimeError("frames() on a finished slot")
+        ring = self.rcfg.codec_ring
+        full = [s for s in slots if self.host[s].frames - self.host[s].decoded >= ring]
+        if full:  # the next frame would overwrite codes the codec has not decoded yet
+            raise RuntimeError(
+                f"slots {full} have {ring} undecoded frames, a full code ring: "
+                "call audio() before the next frames()"
+            )
         B = len(slots)
         if self.use_graphs:
             bucket = self.rcfg.bucket(B)
@@ -382,15 +389,13 @@ class GraphEngine:
         todo = {}
         for s in slots:
             st = self.host[s]
-            n = st.frames - st.decoded
-            if max_frames is not None:
-                n = min(n, max_frames)
-            if n > self.rcfg.codec_ring:
+            pending = st.frames - st.decoded
+            if pending > self.rcfg.codec_ring:  # the oldest were overwritten, even if not asked
                 raise RuntimeError(
-                    f"slot {s} has {n} undecoded frames; the ring holds "
+                    f"slot {s} has {pending} undecoded frames; the ring holds "
                     f"{self.rcfg.codec_ring}: call audio() more often"
                 )
-            todo[s] = n
+            todo[s] = pending if max_frames is None else min(pending, max_frames)
         for chunk in sorted(self.rcfg.codec_chunks, reverse=True):
             while True:
                 ready = [s for s, n in todo.items() if n >= chunk]
