@@ -45,7 +45,11 @@ def compile_engine(
     quality_texts: int = typer.Option(4, "--quality-texts", min=1, help="Texts for the gate."),
     quality_frames: int = typer.Option(32, "--quality-frames", min=2, help="Frames per text."),
     force_quality: bool = typer.Option(
-        False, "--force-quality", help="Write the engine even below the FP8 quality gate."
+        False, "--force-quality", help="Write the engine even below the FP8 or codec quality gate."
+    ),
+    codec_precision: str = typer.Option(
+        "fp16", "--codec-precision",
+        help="Codec compute precision: fp32, tf32, fp16 or bf16 (gated: SNR >= 45 dB vs fp32).",
     ),
     onnx: bool = typer.Option(True, "--onnx/--no-onnx", help="Export the codec step to ONNX."),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)."),
@@ -66,7 +70,7 @@ def compile_engine(
             graph_batches=_buckets(graph_batches) if graph_batches else _default_buckets(max_batch),
             max_frames=max_frames, max_len=max_len,
             quality_texts=quality_texts, quality_frames=quality_frames,
-            force_quality=force_quality, onnx=onnx,
+            force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,
         )
     except ValueError as exc:
         _err.print(f"[red]error:[/red] {exc}", highlight=False)
