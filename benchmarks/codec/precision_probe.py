@@ -30,7 +30,8 @@ from ttsbuild.runtime.codec_engine import (
     stage_names,
 )
 
-REAL = pathlib.Path(__file__).resolve().parents[2] / "ttsbuild/convert/variants/speech_tokenizer-12hz.json"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REAL = ROOT / "ttsbuild/convert/variants/speech_tokenizer-12hz.json"
 
 
 def real_codec(device: str) -> CodecDecoder:
@@ -56,7 +57,7 @@ def main() -> None:
         ref = decode_with(dec, codes)
     stages = stage_names(dec)
     print(f"codec probe: {args.rows} x {args.frames} frames, device {args.device}")
-    print(f"| precision | variant | SNR dB | s |\n|---|---|---|---|")
+    print("| precision | variant | SNR dB | s |\n|---|---|---|---|")
     for p in args.precisions.split(","):
         variants = {"all": None, "all+out": ()}
         variants.update({f"only {s}": tuple(x for x in stages if x != s) for s in stages})

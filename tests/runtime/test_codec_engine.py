@@ -39,7 +39,7 @@ def interleaved_run(engine: CodecEngine, cfg, bucket: int, steps: int, seed: int
     free = list(range(engine.num_slots))
     busy: dict[int, dict] = {}  # slot -> request
     done = []
-    for step in range(steps):
+    for _ in range(steps):
         # leave: a request ends with probability `leave` (never before its first step)
         for slot in [s for s, r in busy.items() if r["pcm"] and torch.rand(1, generator=g) < leave]:
             done.append(busy.pop(slot))

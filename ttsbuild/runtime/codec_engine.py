@@ -419,3 +419,27 @@ def random_codes(config, batch: int, frames: int, seed: int) -> Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, config.codebook_size, (batch, config.num_quantizers, frames),
                          generator=g)
+
+
+# -- CUDA graphs ---------------------------------------------------------------------------------
+
+
+def capture_step(engine: CodecEngine, rows: Tensor, codes: Tensor, pool=None,
+                 stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    """One CUDA graph of `engine.step(rows, codes)` over the static buffers `rows` [B] and
+    `codes` [B, Q, n]; returns (graph, pcm [B, n * 1920]) with pcm refreshed by each replay.
+
+    The two warm-up steps and the capture step advance the state of the slots in `rows`:
+    capture with `rows` at the scratch slot (or reset them afterwards). `stream`: the side
+    stream to capture on (the codec's own stream), a fresh one if None.
+    """
+    stream = stream or torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: allocator, cuDNN/cuBLAS handles and plans
+            engine.step(rows, codes)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        pcm = engine.step(rows, codes)
+    return graph, pcm
