@@ -52,6 +52,7 @@ from ttsbuild.model.codec import (
     TransformerLayer,
     window_mask,
 )
+from ttsbuild.plugins.norm_act import rms_norm, silu_mul
 
 PRECISIONS = {
     "fp32": torch.float32,
@@ -215,6 +216,16 @@ class CodecEngine:
             for layer in group.vq.layers:
                 tables.append(layer._codebook.embedding().detach().float().to(device) @ w.T)
         self.codebooks = torch.cat(tables)  # [Q * size, codebook_dim]
+        # q/k/v and gate/up packed: one GEMM each (Linear(x) rows are independent of packing)
+        self._packed = {}
+        for layer in codec.pre_transformer.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            bias = None if a.q_proj.bias is None else torch.cat(
+                [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            self._packed[layer] = (
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias,
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            )
         del codec.quantizer  # only the pre-projected tables are used
         size = self.config.codebook_size
         self._book_offset = (torch.arange(len(tables), device=device) * size)[None, :, None]
@@ -332,24 +343,25 @@ class CodecEngine:
         k_pos = last - (last - self._ring_frames) % self.ring  # [B, R] frame at each index
         mask = window_mask(q_pos, k_pos, self.window)  # [B, 1, n, R]
         freqs = q_pos.float()[..., None] * self.inv_freq  # [B, n, D / 2]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, n, D]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]  # [B, n, 1, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         ring_idx = q_pos % self.ring  # [B, n]
         h = self._linear(tr.input_proj, x, st)
         for layer in tr.layers:
             h = self._layer(layer, h, cos, sin, mask, rows, ring_idx, st)
-        return self._linear(tr.output_proj, tr.norm(h), st)
+        return self._linear(tr.output_proj, rms_norm(h, tr.norm.weight, tr.norm.eps), st)
 
     def _layer(self, layer: TransformerLayer, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                rows: Tensor, ring_idx: Tensor, st: _Stage) -> Tensor:
         a = layer.self_attn
         b, n, _ = x.shape
-        h = layer.input_layernorm(x)
-        q = self._linear(a.q_proj, h, st).view(b, n, a.n_head, a.head_dim).transpose(1, 2)
-        k = self._linear(a.k_proj, h, st).view(b, n, a.n_kv, a.head_dim)  # [B, n, Hkv, D]
-        v = self._linear(a.v_proj, h, st).view(b, n, a.n_kv, a.head_dim)
-        q = q * cos + _rotate_half(q) * sin  # [B, H, n, D]
-        k = k * cos.transpose(1, 2) + _rotate_half(k) * sin.transpose(1, 2)
+        qkv_weight, qkv_bias, gate_up_weight = self._packed[layer]
+        norm = layer.input_layernorm
+        qkv = F.linear(st.mm_in(rms_norm(x, norm.weight, norm.eps)), qkv_weight, qkv_bias)
+        qkv = qkv.view(b, n, a.n_head + 2 * a.n_kv, a.head_dim)
+        qk, v = qkv[:, :, : a.n_head + a.n_kv], qkv[:, :, a.n_head + a.n_kv :]  # [B, n, *, D]
+        qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k at once
+        q, k = qk[:, :, : a.n_head].transpose(1, 2), qk[:, :, a.n_head :]  # [B,H,n,D], [B,n,Hkv,D]
         k_ring, v_ring = self.state[a.slot]  # [S, Hkv, R, D]
         k_ring[rows[:, None], :, ring_idx] = k  # the rows' new frames into their rings
         v_ring[rows[:, None], :, ring_idx] = v
@@ -361,10 +373,10 @@ class CodecEngine:
                                            attn_mask=mask)  # [B, H, n, D]
         y = self._linear(a.o_proj, y.transpose(1, 2).reshape(b, n, -1), st)
         x = x + layer.self_attn_layer_scale(y)
-        mlp = layer.mlp
-        h = layer.post_attention_layernorm(x)
-        h = F.silu(self._linear(mlp.gate_proj, h, st)) * self._linear(mlp.up_proj, h, st)
-        return x + layer.mlp_layer_scale(self._linear(mlp.down_proj, h, st))
+        norm = layer.post_attention_layernorm
+        gate_up = F.linear(st.mm_in(rms_norm(x, norm.weight, norm.eps)), gate_up_weight)
+        h = self._linear(layer.mlp.down_proj, silu_mul(gate_up), st)
+        return x + layer.mlp_layer_scale(h)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
