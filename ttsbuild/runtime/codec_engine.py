@@ -52,6 +52,7 @@ from ttsbuild.model.codec import (
     TransformerLayer,
     window_mask,
 )
+from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.norm_act import rms_norm, silu_mul
 
 PRECISIONS = {
@@ -275,7 +276,7 @@ class CodecEngine:
                 else:
                     x = self._conv(m, x, rows, st)
         with self._in_stage(OUTPUT_STAGE) as st:
-            x = self._conv(c.decoder[-1], self._act(c.decoder[-2], x.to(st.dtype)), rows, st)
+            x = self._conv(c.decoder[-1], x.to(st.dtype), rows, st, act=c.decoder[-2])
         self.pos.index_copy_(0, rows, pos + n)
         return x.float().clamp(-1.0, 1.0)[:, 0]  # [B, n * 1920]
 
@@ -289,18 +290,18 @@ class CodecEngine:
             yield stage
 
     # -- layers ------------------------------------------------------------------------------
-    def _act(self, m: nn.Module, x: Tensor) -> Tensor:
+    def _act(self, m: nn.Module, x: Tensor, rows: Tensor) -> Tensor:
         """SnakeBeta in fp32 math: x + inv_beta * sin(alpha * x)^2, cast back to x's dtype."""
-        alpha, inv_beta = self._snake[m]
-        xf = x.float()
-        return (xf + inv_beta * torch.sin(xf * alpha).pow(2)).to(x.dtype)
+        return snake_context(x, *self._snake[m], None, rows)
 
-    def _conv(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
+    def _conv(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
+              act: nn.Module | None = None) -> Tensor:
+        """The causal conv of act(x) (act: a SnakeBeta or None), its left context read from
+        and written back to the rows' tails [S, Cin, context]; one launch on the GPU."""
         conv = m.conv
-        if m.context:
-            (tail,) = self.state[m.slot]  # [S, Cin, context]
-            x = torch.cat([tail.index_select(0, rows), x], dim=-1)  # [B, Cin, context + n]
-            tail.index_copy_(0, rows, x[..., -m.context:])
+        alpha, inv_beta = self._snake[act] if act is not None else (None, None)
+        tail = self.state[m.slot][0] if m.context else None
+        x = snake_context(x, alpha, inv_beta, tail, rows)  # [B, Cin, context + n]
         return F.conv1d(st.mm_in(x), conv.weight, conv.bias, dilation=conv.dilation,
                         groups=conv.groups)
 
@@ -326,14 +327,14 @@ class CodecEngine:
 
     def _decoder_block(self, m: DecoderBlock, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
         act, up, *units = m.block
-        x = self._conv_t(up, self._act(act, x), rows, st)
+        x = self._conv_t(up, self._act(act, x, rows), rows, st)
         for u in units:
             x = self._residual(u, x, rows, st)
         return x
 
     def _residual(self, m: ResidualUnit, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
-        h = self._conv(m.conv1, self._act(m.act1, x), rows, st)
-        return x + self._conv(m.conv2, self._act(m.act2, h), rows, st)
+        h = self._conv(m.conv1, x, rows, st, act=m.act1)
+        return x + self._conv(m.conv2, h, rows, st, act=m.act2)
 
     def _transformer(self, x: Tensor, rows: Tensor, pos: Tensor, st: _Stage) -> Tensor:
         tr = self.codec.pre_transformer  # x: [B, n, latent]
