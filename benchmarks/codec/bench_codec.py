@@ -26,8 +26,10 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from ttsbuild.model.codec import CodecConfig, CodecDecoder, random_codec_state  # noqa: E402
+from precision_probe import real_codec  # noqa: E402
+
 from ttsbuild.runtime.codec_engine import (  # noqa: E402
     CodecEngine,
     capture_step,
@@ -35,17 +37,7 @@ from ttsbuild.runtime.codec_engine import (  # noqa: E402
     random_codes,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-REAL = ROOT / "ttsbuild/convert/variants/speech_tokenizer-12hz.json"
 FRAME_S = 0.08  # audio seconds per frame
-
-
-def real_codec(device: str) -> CodecDecoder:
-    cfg = CodecConfig.from_official(json.loads(REAL.read_text()))
-    with torch.device("meta"):
-        dec = CodecDecoder(cfg)
-    dec.load_state_dict(random_codec_state(cfg, seed=0), assign=True)
-    return dec.to(device).eval()
 
 
 def spread_rows(batch: int, slots: int, device) -> torch.Tensor:

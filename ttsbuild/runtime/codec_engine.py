@@ -22,9 +22,9 @@ Precision: `precision` is "fp32" (strict, TF32 off), "tf32" (fp32 storage, TF32 
 convolutions and matmuls), "fp16" or "bf16" (weights, activations and state tails in that
 dtype; cuDNN/cuBLAS accumulate in fp32). Whatever the precision: the codebook lookup is
 pre-projected and summed in fp32, LayerNorm/RMSNorm statistics are fp32, SnakeBeta is
-evaluated in fp32 math, and the stages named in `fp32_stages` (default: the output stage,
-SnakeBeta(96) + conv 96->1 + clamp) run in strict fp32. `benchmarks/codec/precision_probe.py`
-measures which stages lose the most in half precision.
+evaluated in fp32 math, and the stages named in `fp32_stages` (default: the pre-transformer
+and the output stage, SnakeBeta(96) + conv 96->1 + clamp) run in strict fp32.
+`benchmarks/codec/precision_probe.py` measures which stages lose the most in half precision.
 
 On CPU, TF32 is emulated: conv/linear/attention inputs and weights are rounded to TF32's
 10-bit mantissa (round to nearest even) and accumulated in fp32, which is what the tensor
@@ -50,6 +50,7 @@ from ttsbuild.model.codec import (
     ResidualUnit,
     SnakeBeta,
     TransformerLayer,
+    apply_rope,
     window_mask,
 )
 from ttsbuild.plugins.codec_context import snake_context
@@ -62,7 +63,11 @@ PRECISIONS = {
     "bf16": torch.bfloat16,
 }
 OUTPUT_STAGE = "output"
-DEFAULT_FP32_STAGES = (OUTPUT_STAGE,)
+# Stages kept in strict fp32 whatever the precision, from the per-stage probe on the real
+# config (benchmarks/codec/RESULTS.md): the pre-transformer alone in fp16 costs the most
+# (56.3 dB, bf16 37.7 dB) for ~2% of the FLOPs; the output conv (96 -> 1) is ~0.05% of them
+# and feeds the clamp directly.
+DEFAULT_FP32_STAGES = ("transformer", OUTPUT_STAGE)
 MIN_CODEC_SNR_DB = 45.0
 
 
@@ -361,7 +366,7 @@ class CodecEngine:
         qkv = F.linear(st.mm_in(rms_norm(x, norm.weight, norm.eps)), qkv_weight, qkv_bias)
         qkv = qkv.view(b, n, a.n_head + 2 * a.n_kv, a.head_dim)
         qk, v = qkv[:, :, : a.n_head + a.n_kv], qkv[:, :, a.n_head + a.n_kv :]  # [B, n, *, D]
-        qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k at once
+        qk = apply_rope(qk, cos, sin)  # q and k at once
         q, k = qk[:, :, : a.n_head].transpose(1, 2), qk[:, :, a.n_head :]  # [B,H,n,D], [B,n,Hkv,D]
         k_ring, v_ring = self.state[a.slot]  # [S, Hkv, R, D]
         k_ring[rows[:, None], :, ring_idx] = k  # the rows' new frames into their rings
@@ -378,11 +383,6 @@ class CodecEngine:
         gate_up = F.linear(st.mm_in(rms_norm(x, norm.weight, norm.eps)), gate_up_weight)
         h = self._linear(layer.mlp.down_proj, silu_mul(gate_up), st)
         return x + layer.mlp_layer_scale(h)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
 
 
 # -- the quality gate ----------------------------------------------------------------------------
