@@ -47,7 +47,7 @@ def interleaved_run(engine: CodecEngine, cfg, bucket: int, steps: int, seed: int
         # join
         while free and torch.rand(1, generator=g) < 0.5:
             slot = free.pop(int(torch.randint(len(free), (1,), generator=g)))
-            engine.reset(torch.tensor([slot]))
+            engine.reset([slot])
             busy[slot] = {"codes": [], "pcm": []}
         if not busy:
             continue

@@ -247,8 +247,10 @@ class CodecEngine:
         return [self.pos, *(t for group in self.state for t in group)]
 
     @torch.no_grad()
-    def reset(self, slots: Tensor) -> None:
-        """Zero the state of `slots` (a LongTensor on the engine's device) for new requests."""
+    def reset(self, slots: Tensor | list[int]) -> None:
+        """Zero the state of `slots` for new requests (a LongTensor on the engine's device
+        needs no host copy and can be captured in a graph)."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.device)
         for t in self.tensors():
             t.index_fill_(0, slots, 0)
 
