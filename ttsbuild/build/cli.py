@@ -98,6 +98,8 @@ def compile_engine(
     q = manifest["quality"]
     verdict = "" if q is None else (" [green]quality pass[/green]" if q["passed"]
                                     else " [red]quality FAILED (forced)[/red]")
-    _err.print(f"[green]wrote[/green] {output}{kind}: {manifest['precision']}, target "
+    cq = manifest["codec"]["quality"]
+    codec = f", codec {manifest['codec']['precision']} ({cq['snr_db']:.1f} dB vs fp32)"
+    _err.print(f"[green]wrote[/green] {output}{kind}: {manifest['precision']}{codec}, target "
                f"{manifest['target']['arch']}, {len(manifest['files'])} files{verdict}",
                highlight=False)
