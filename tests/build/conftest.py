@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 QUICK = dict(quality_texts=2, quality_frames=6, max_batch=8, graph_batches=(1, 2, 4, 8),
-             max_frames=256, max_len=512)
+             max_frames=256, max_len=512, codec_gate_rows=1, codec_gate_frames=4)
 
 
 @pytest.fixture(scope="session")

@@ -140,7 +140,30 @@ def test_calibration_from_another_checkpoint_is_refused(ckpt, calib_file, tmp_pa
         compile_engine_dir(ckpt, tmp_path / "e", BuildConfig(**QUICK), other)
 
 
+def test_codec_precision_is_measured_and_recorded(bf16_engine):
+    codec = load_engine_dir(bf16_engine).manifest.codec
+    assert codec.precision == "fp16" and codec.fp32_stages == ["transformer", "output"]
+    q = codec.quality
+    # fp16 on the stand-in keeps ~50 dB (GPU.md: 50.8 on the real config); never exact
+    assert q.passed and 45 <= q.snr_db < 80 and q.min_snr_db == 45 and q.device == "cpu"
+    assert (q.rows, q.frames) == (1, 4)
+
+
+def test_codec_precision_below_the_gate_is_refused(ckpt, tmp_path):
+    """bf16 keeps 8 mantissa bits: ~32 dB on the real codec, measured here on the stand-in."""
+    out = tmp_path / "engine"
+    cfg = dict(precision="bf16", onnx=False, codec_precision="bf16", **QUICK)
+    with pytest.raises(QualityError, match=r"codec bf16: SNR \d+\.\d dB .* below the gate"):
+        compile_engine_dir(ckpt, out, BuildConfig(**cfg))
+    assert not out.exists()
+    manifest = compile_engine_dir(ckpt, out, BuildConfig(force_quality=True, **cfg))
+    q = manifest["codec"]["quality"]
+    assert q["passed"] is False and 20 < q["snr_db"] < 45
+
+
 def test_build_settings_are_validated():
+    with pytest.raises(ValueError, match="codec precision"):
+        BuildConfig(codec_precision="int8")
     with pytest.raises(ValueError, match="largest graph batch"):
         BuildConfig(max_batch=8, graph_batches=(1, 2, 4))
     with pytest.raises(ValueError, match="max frames"):

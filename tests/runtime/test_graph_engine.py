@@ -122,3 +122,34 @@ def test_requests_the_engine_cannot_hold_are_refused(models):
             )
         )
     assert engine.free_slots() == 1
+
+
+def test_a_full_code_ring_is_an_error_not_garbage(models):
+    """frames() refuses to overwrite codes not yet decoded; what was buffered still decodes
+    exactly, in pieces of any size."""
+    rc = dict(num_slots=1, max_len=256, max_text=64, batch_buckets=(1,), prefill_buckets=(32,))
+    req = REQUESTS[0]
+
+    def start(engine):
+        slot = engine.admit(req)
+        engine.prefill([slot])
+        return slot
+
+    small = GraphEngine(models, EnginePlan(codec_chunks=(1, 2), codec_ring=4, **rc), False)
+    slot = start(small)
+    for _ in range(4):
+        small.frames([slot])
+    with pytest.raises(RuntimeError, match="code ring holds 4"):
+        small.frames([slot])
+    assert small.pending_frames(slot) == 4
+    got = [small.audio([slot], max_frames=3)[slot]]
+    small.frames([slot])  # room again
+    got.append(small.audio([slot])[slot])
+
+    big = GraphEngine(models, EnginePlan(codec_chunks=(1, 2), codec_ring=8, **rc), False)
+    slot = start(big)
+    for _ in range(5):
+        big.frames([slot])
+    want = big.audio([slot])[slot]
+    assert [len(p) for p in got] == [3 * 1920, 2 * 1920]
+    assert np.abs(np.concatenate(got) - want).max() <= 1e-5 * np.abs(want).max()

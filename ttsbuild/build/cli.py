@@ -57,7 +57,11 @@ def compile_engine(
     quality_texts: int = typer.Option(4, "--quality-texts", min=1, help="Texts for the gate."),
     quality_frames: int = typer.Option(32, "--quality-frames", min=2, help="Frames per text."),
     force_quality: bool = typer.Option(
-        False, "--force-quality", help="Write the engine even below the FP8 quality gate."
+        False, "--force-quality", help="Write the engine even below the FP8 or codec quality gate."
+    ),
+    codec_precision: str = typer.Option(
+        "fp16", "--codec-precision",
+        help="Codec compute precision: fp32, tf32, fp16 or bf16 (gated: SNR >= 45 dB vs fp32).",
     ),
     onnx: bool = typer.Option(True, "--onnx/--no-onnx", help="Export the codec step to ONNX."),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)."),
@@ -84,7 +88,7 @@ def compile_engine(
             codec_chunks=_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
             max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
             quality_texts=quality_texts, quality_frames=quality_frames,
-            force_quality=force_quality, onnx=onnx,
+            force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,
         )
     except ValueError as exc:
         _err.print(f"[red]error:[/red] {exc}", highlight=False)
@@ -112,6 +116,8 @@ def compile_engine(
     q = manifest["quality"]
     verdict = "" if q is None else (" [green]quality pass[/green]" if q["passed"]
                                     else " [red]quality FAILED (forced)[/red]")
-    _err.print(f"[green]wrote[/green] {output}{kind}: {manifest['precision']}, target "
+    cq = manifest["codec"]["quality"]
+    codec = f", codec {manifest['codec']['precision']} ({cq['snr_db']:.1f} dB vs fp32)"
+    _err.print(f"[green]wrote[/green] {output}{kind}: {manifest['precision']}{codec}, target "
                f"{manifest['target']['arch']}, {len(manifest['files'])} files{verdict}",
                highlight=False)

@@ -79,10 +79,23 @@ class OnnxCodec(_Strict):
     max_abs_diff_vs_torch: float | None
 
 
+class CodecQuality(_Strict):
+    snr_db: float  # the codec engine at its precision against the fp32 decoder
+    min_snr_db: float
+    passed: bool
+    rows: int  # random-code streams x frames measured
+    frames: int
+    device: str
+
+
 class CodecInfo(_Strict):
     folded: bool
-    dtype: str
+    dtype: str  # storage
     onnx: OnnxCodec | None
+    # compute precision of runtime.codec_engine (engines before it: fp32, unmeasured)
+    precision: Literal["fp32", "tf32", "fp16", "bf16"] = "fp32"
+    fp32_stages: list[str] = []
+    quality: CodecQuality | None = None
 
 
 class Target(_Strict):
@@ -229,8 +242,10 @@ def summary_table(artifact: EngineArtifact):
     t.add_row("codec chunks / ring", f"{list(p.codec_chunks)} / {p.codec_ring}")
     t.add_row("max len / text / frames", f"{p.max_len} / {p.max_text} / {p.max_frames}")
     t.add_row("target", f"{m.target.arch} ({m.target.device_name})")
-    t.add_row("codec", f"folded={m.codec.folded}, onnx="
-              f"{m.codec.onnx.kind if m.codec.onnx else 'none'}")
+    cq = m.codec.quality
+    t.add_row("codec", f"{m.codec.precision}, folded={m.codec.folded}, onnx="
+              f"{m.codec.onnx.kind if m.codec.onnx else 'none'}"
+              + (f", SNR {cq.snr_db:.1f} dB ({'pass' if cq.passed else 'FAIL'})" if cq else ""))
     if m.quality:
         q = m.quality
         t.add_row("fp8 quality", f"c0 top-1 {q['codebook0_top1_agreement']:.3f}, "

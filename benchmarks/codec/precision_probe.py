@@ -1,0 +1,73 @@
+"""Per-stage precision probe of the codec engine (CPU or GPU): which stages lose the most.
+
+    PYTHONPATH=. python3 benchmarks/codec/precision_probe.py [--frames 4] [--rows 1]
+        [--precisions fp16,bf16] [--device cpu] [--threads 2]
+
+The real codec config with random weights (`random_codec_state`), random codes. For each
+precision P it prints the SNR against the full fp32 decode of:
+  all       every stage in P except the default fp32 stages (what the engine runs)
+  all+out   every stage in P, the output stage too
+  only S    stage S alone in P, every other stage in fp32 (the loss S is responsible for)
+On CPU, fp16/bf16 run natively and TF32 is emulated by rounding (see runtime.codec_engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import torch
+
+from ttsbuild.model.codec import CodecConfig, CodecDecoder, random_codec_state
+from ttsbuild.runtime.codec_engine import (
+    CodecEngine,
+    _tf32_mode,
+    decode_with,
+    random_codes,
+    snr_db,
+    stage_names,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REAL = ROOT / "ttsbuild/convert/variants/speech_tokenizer-12hz.json"
+
+
+def real_codec(device: str) -> CodecDecoder:
+    cfg = CodecConfig.from_official(json.loads(REAL.read_text()))
+    with torch.device("meta"):
+        dec = CodecDecoder(cfg)
+    dec.load_state_dict(random_codec_state(cfg, seed=0), assign=True)
+    return dec.to(device).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--frames", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--precisions", default="fp16,bf16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dec = real_codec(args.device)
+    codes = random_codes(dec.config, args.rows, args.frames, seed=1)
+    with _tf32_mode(False):
+        ref = decode_with(dec, codes)
+    stages = stage_names(dec)
+    print(f"codec probe: {args.rows} x {args.frames} frames, device {args.device}")
+    print("| precision | variant | SNR dB | s |\n|---|---|---|---|")
+    for p in args.precisions.split(","):
+        variants = {"all": None, "all+out": ()}
+        variants.update({f"only {s}": tuple(x for x in stages if x != s) for s in stages})
+        for name, fp32 in variants.items():
+            t = time.time()
+            eng = CodecEngine(dec, args.rows, p) if fp32 is None else CodecEngine(
+                dec, args.rows, p, fp32_stages=fp32)
+            snr = snr_db(ref, decode_with(eng, codes))
+            print(f"| {p} | {name} | {snr:.1f} | {time.time() - t:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The codec's fused SnakeBeta + causal-conv left context: the reference is the eager ops,
+the kernel (CUDA, or CPU under TRITON_INTERPRET=1) equals the reference and advances the
+same tails."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from ttsbuild.plugins._dispatch import interpret_mode
+from ttsbuild.plugins.codec_context import snake_context, snake_context_reference
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if torch.cuda.is_available() and HAS_TRITON:
+    KDEV = "cuda"
+elif interpret_mode() and HAS_TRITON:
+    KDEV = "cpu"
+else:
+    KDEV = None
+needs_kernel = pytest.mark.skipif(KDEV is None, reason="needs CUDA + Triton (or the interpreter)")
+
+
+def _inputs(B, C, n, ctx, S, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(B, C, n, generator=g)).to(dtype)
+    alpha = (0.3 * torch.randn(C, 1, generator=g)).exp()
+    inv_beta = 1.0 / ((0.3 * torch.randn(C, 1, generator=g)).exp() + 1e-9)
+    tail = torch.randn(S, C, ctx, generator=g).to(dtype)
+    rows = torch.randperm(S, generator=g)[:B]
+    return [t.to(device) for t in (x, alpha, inv_beta, tail, rows)]
+
+
+def test_reference_is_snake_then_context():
+    x, alpha, inv_beta, tail, rows = _inputs(3, 5, 4, 6, 7, torch.float32, "cpu", 0)
+    old = tail.clone()
+    xin = snake_context_reference(x, alpha, inv_beta, tail, rows)
+    snake = x + inv_beta * torch.sin(alpha * x) ** 2
+    assert torch.equal(xin[..., :6], old[rows]) and torch.allclose(xin[..., 6:], snake)
+    assert torch.equal(tail[rows], xin[..., -6:])  # the last 6 inputs seen
+    others = [s for s in range(7) if s not in rows.tolist()]
+    assert torch.equal(tail[others], old[others])
+
+
+@needs_kernel
+@pytest.mark.parametrize("snake", [True, False])
+@pytest.mark.parametrize(("C", "n", "ctx"), [(96, 1, 6), (48, 4, 54), (40, 16, 2), (33, 3, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_equals_reference(snake, C, n, ctx, dtype):
+    x, alpha, inv_beta, tail, rows = _inputs(3, C, n, ctx, 5, dtype, KDEV, C + n + ctx)
+    if not snake:
+        alpha = inv_beta = None
+    ref_tail = tail.clone()
+    want = snake_context(x, alpha, inv_beta, ref_tail if ctx else None, rows, use_triton=False)
+    got = snake_context(x, alpha, inv_beta, tail if ctx else None, rows, use_triton=True)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    assert got.shape == want.shape
+    assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() <= tol
+    if ctx:  # the same new tails (the rows' last ctx inputs), the other slots untouched
+        assert ((tail.float() - ref_tail.float()).abs().max()).item() <= tol * 10

@@ -1,0 +1,122 @@
+"""The codec's causal-conv input, one launch: optional SnakeBeta, left context from the rows'
+slot-indexed tails, the tails advanced in place.
+
+    snake_context(x [B, C, n], alpha [C, 1] | None, inv_beta [C, 1] | None,
+                  tail [S, C, ctx] | None, rows [B]) -> xin [B, C, ctx + n]
+    h = x + inv_beta * sin(alpha * x)^2 (fp32 math, rounded to x's dtype; h = x without alpha)
+    xin[b] = cat(tail[rows[b]], h[b]);  tail[rows[b]] = xin[b, :, n:]  (the last ctx inputs)
+
+Eager, that is SnakeBeta (~6 kernels with the casts) + index_select + cat + index_copy_; the
+kernel does it in one pass over x and the tails. Rows that share a slot (padding rows on the
+scratch slot) race on that slot's tail: whichever wins, nobody reads the scratch slot.
+
+Triton: one program per (row, block of channels) holding the whole time axis (ctx + n <=
+~128 here), so every load of the old tail precedes a barrier and every store of the new one
+follows it (the new tail is the old one shifted by n, read by other threads of the program).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ttsbuild.plugins._dispatch import triton_available, want_triton
+
+
+def snake_context_reference(x, alpha, inv_beta, tail, rows):
+    if alpha is not None:
+        xf = x.float()
+        x = (xf + inv_beta * torch.sin(xf * alpha).pow(2)).to(x.dtype)
+    if tail is None or tail.shape[-1] == 0:
+        return x
+    ctx = tail.shape[-1]
+    xin = torch.cat([tail.index_select(0, rows), x], dim=-1)  # [B, C, ctx + n]
+    tail.index_copy_(0, rows, xin[..., -ctx:])
+    return xin
+
+
+def snake_context(x, alpha, inv_beta, tail, rows, *, use_triton: bool | None = None):
+    """See the module docstring; one launch on the GPU."""
+    if not want_triton(x, use_triton):
+        return snake_context_reference(x, alpha, inv_beta, tail, rows)
+    return _snake_context_triton(x, alpha, inv_beta, tail, rows)
+
+
+def _snake_context_triton(x, alpha, inv_beta, tail, rows):
+    import triton
+
+    B, C, n = x.shape
+    ctx = 0 if tail is None else tail.shape[-1]
+    if tail is not None and (tail.shape[1] != C or tail.dtype != x.dtype or not
+                             tail.is_contiguous()):
+        raise ValueError(f"tail must be contiguous [S, {C}, ctx] {x.dtype}, got "
+                         f"{tuple(tail.shape)} {tail.dtype}")
+    out = torch.empty((B, C, ctx + n), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    block_t = triton.next_power_of_2(ctx + n)
+    block_c = min(triton.next_power_of_2(C), max(1, 4096 // block_t))
+    snake = alpha is not None
+    _snake_context_kernel[(B, triton.cdiv(C, block_c))](
+        x, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
+        rows if ctx else x, out, C, n, ctx, x.stride(0), x.stride(1), x.stride(2),
+        HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+if triton_available():  # the kernels exist only where Triton imports (not needed on CPU)
+    import triton
+    import triton.language as tl
+
+    from ttsbuild.plugins._tl._math import sin_f32
+
+    @triton.jit
+    def _snake(v, alpha, inv_beta, HAS_SNAKE: tl.constexpr):
+        if HAS_SNAKE:
+            xf = v.to(tl.float32)
+            s = sin_f32(xf * alpha[:, None])
+            v = (xf + inv_beta[:, None] * (s * s)).to(v.dtype)
+        return v
+
+    @triton.jit
+    def _snake_context_kernel(
+        x_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, rows_ptr, out_ptr, C, n, ctx,
+        stride_xb, stride_xc, stride_xt,
+        HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0).to(tl.int64)
+        offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        t = tl.arange(0, BLOCK_T)
+        c_mask = offs_c < C
+        alpha = tl.zeros([BLOCK_C], dtype=tl.float32)
+        inv_beta = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if HAS_SNAKE:
+            alpha = tl.load(alpha_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+            inv_beta = tl.load(inv_beta_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+        x_row = x_ptr + b * stride_xb + offs_c[:, None] * stride_xc
+        # xin[t] for t < ctx + n: the old tail, then snake(x)
+        in_x = (t >= ctx) & (t < ctx + n)
+        h = tl.load(x_row + (t - ctx)[None, :] * stride_xt, mask=c_mask[:, None] & in_x[None, :],
+                    other=0.0)
+        xin = _snake(h, alpha, inv_beta, HAS_SNAKE)
+        if HAS_TAIL:
+            slot = tl.load(rows_ptr + b).to(tl.int64)
+            tail_row = tail_ptr + (slot * C + offs_c[:, None]) * ctx
+            old = tl.load(tail_row + t[None, :], mask=c_mask[:, None] & (t < ctx)[None, :],
+                          other=0.0)
+            xin = tl.where((t < ctx)[None, :], old, xin)
+            # the new tail: xin[n + t] for t < ctx, from the old tail or from x
+            src = n + t
+            from_tail = (src < ctx) & (t < ctx)
+            from_x = (src >= ctx) & (t < ctx)
+            shifted = tl.load(tail_row + src[None, :], mask=c_mask[:, None] & from_tail[None, :],
+                              other=0.0)
+            hx = tl.load(x_row + (src - ctx)[None, :] * stride_xt,
+                         mask=c_mask[:, None] & from_x[None, :], other=0.0)
+            new_tail = tl.where(from_tail[None, :], shifted, _snake(hx, alpha, inv_beta, HAS_SNAKE))
+            tl.debug_barrier()  # every thread has read the old tail before any writes it
+            tl.store(tail_row + t[None, :], new_tail, mask=c_mask[:, None] & (t < ctx)[None, :])
+        dst = out_ptr + (b * C + offs_c[:, None]) * (ctx + n) + t[None, :]
+        tl.store(dst, xin, mask=c_mask[:, None] & (t < ctx + n)[None, :])
+

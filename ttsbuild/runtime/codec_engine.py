@@ -1,0 +1,460 @@
+"""The codec decoder as a slot-indexed streaming engine.
+
+Every streaming state tensor lives indexed by slot, like the talker's KV cache:
+  conv tails        [slots, Cin, (kernel - 1) * dilation]   the last inputs a causal conv saw
+  transposed spills [slots, Cout, kernel - stride]          output spilling into the next step
+  attention K/V     [slots, Hkv, R, D], a ring of R = sliding_window - 1 + max_chunk frames
+  pos               [slots]                                 frames decoded
+`step(rows, codes)` reads and updates only the rows' state, inside the computation: a conv
+reads its rows' tails with index_select and writes them back with index_copy_, attention
+writes the new keys into the rows' ring (index_put_) and reads the rows' windows. No host
+sync and fixed shapes per (batch, n): one CUDA graph per (bucket, n). Slot `num_slots` is a
+scratch slot that padding rows point at (several padding rows may share it; its state is
+then garbage, which nobody reads).
+
+Ring: frame f of a slot sits at ring index f % R. After writing the n new frames, index i
+holds the frame last - ((last - i) mod R) (last = pos + n - 1); a query at frame q sees it iff
+q - W < frame <= q and frame >= 0, so entries of an earlier request in the same slot (all at
+negative frames once pos restarts at 0) are never seen. R >= W - 1 + n means the n writes
+never overwrite a frame that one of the n queries still sees.
+
+Precision: `precision` is "fp32" (strict, TF32 off), "tf32" (fp32 storage, TF32 tensor-core
+convolutions and matmuls), "fp16" or "bf16" (weights, activations and state tails in that
+dtype; cuDNN/cuBLAS accumulate in fp32). Whatever the precision: the codebook lookup is
+pre-projected and summed in fp32, LayerNorm/RMSNorm statistics are fp32, SnakeBeta is
+evaluated in fp32 math, and the stages named in `fp32_stages` (default: the pre-transformer
+and the output stage, SnakeBeta(96) + conv 96->1 + clamp) run in strict fp32.
+`benchmarks/codec/precision_probe.py` measures which stages lose the most in half precision.
+
+On CPU, TF32 is emulated: conv/linear/attention inputs and weights are rounded to TF32's
+10-bit mantissa (round to nearest even) and accumulated in fp32, which is what the tensor
+cores do; fp16 and bf16 run natively (CPU kernels of those dtypes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ttsbuild.model.codec import (
+    CausalConv1d,
+    CausalConvTranspose1d,
+    CodecDecoder,
+    ConvNeXtBlock,
+    DecoderBlock,
+    ResidualUnit,
+    SnakeBeta,
+    TransformerLayer,
+    apply_rope,
+    window_mask,
+)
+from ttsbuild.plugins.codec_context import snake_context
+from ttsbuild.plugins.norm_act import rms_norm, silu_mul
+
+PRECISIONS = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+OUTPUT_STAGE = "output"
+# Stages kept in strict fp32 whatever the precision, from the per-stage probe on the real
+# config (benchmarks/codec/RESULTS.md): the pre-transformer alone in fp16 costs the most
+# (56.3 dB, bf16 37.7 dB) for ~2% of the FLOPs; the output conv (96 -> 1) is ~0.05% of them
+# and feeds the clamp directly.
+DEFAULT_FP32_STAGES = ("transformer", OUTPUT_STAGE)
+MIN_CODEC_SNR_DB = 45.0
+
+
+def stage_names(codec: CodecDecoder) -> list[str]:
+    """The engine's precision stages, in decode order."""
+    n_blocks = len(codec.config.upsample_rates)
+    return ["pre_conv", "transformer", "upsample", "decoder.in",
+            *(f"decoder.block{i + 1}" for i in range(n_blocks)), OUTPUT_STAGE]
+
+
+def round_to_tf32(x: Tensor) -> Tensor:
+    """fp32 -> fp32 holding only TF32's 10 mantissa bits (round to nearest even)."""
+    bits = x.contiguous().view(torch.int32)
+    lsb = (bits >> 13) & 1
+    return ((bits + 0xFFF + lsb) & -8192).view(torch.float32)
+
+
+@contextlib.contextmanager
+def _tf32_mode(enabled: bool):
+    """cuBLAS and cuDNN TF32 switches (read when an op is launched, so baked into a graph)."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def _snake_params(m: nn.Module) -> tuple[Tensor, Tensor]:
+    """(alpha, inv_beta) [C, 1] fp32 of a SnakeBeta (stored logs) or FoldedSnakeBeta."""
+    if isinstance(m, SnakeBeta):
+        alpha, inv_beta = m.alpha.exp(), 1.0 / (m.beta.exp() + 1e-9)
+    else:  # build.codec_fold.FoldedSnakeBeta: the same expressions, folded ahead of time
+        alpha, inv_beta = m.alpha, m.inv_beta
+    return alpha.detach().float()[:, None].clone(), inv_beta.detach().float()[:, None].clone()
+
+
+class _Stage:
+    """How one stage computes: its dtype, TF32 on the GPU, TF32 emulation on CPU."""
+
+    def __init__(self, dtype: torch.dtype, tf32: bool, device: torch.device):
+        self.dtype = dtype
+        self.tf32 = tf32
+        self.emulate_tf32 = tf32 and device.type != "cuda"
+
+    def mm_in(self, x: Tensor) -> Tensor:
+        return round_to_tf32(x) if self.emulate_tf32 else x
+
+
+class CodecEngine:
+    """Streaming codec state for `num_slots` slots (+ one scratch slot) and a step over any
+    subset of them. See the module docstring for the layout and the precision rules."""
+
+    def __init__(
+        self,
+        codec: CodecDecoder,
+        num_slots: int,
+        precision: str | torch.dtype = "fp32",
+        device: torch.device | str | None = None,
+        *,
+        max_chunk: int = 16,
+        fp32_stages: tuple[str, ...] = DEFAULT_FP32_STAGES,
+    ) -> None:
+        if isinstance(precision, torch.dtype):
+            precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
+        if precision not in PRECISIONS:
+            raise ValueError(f"codec precision must be one of {list(PRECISIONS)}, "
+                             f"got {precision!r}")
+        names = stage_names(codec)
+        unknown = sorted(set(fp32_stages) - set(names))
+        if unknown:
+            raise ValueError(f"unknown codec stages {unknown}; the stages are {names}")
+        if max_chunk < 1:
+            raise ValueError("max_chunk must be >= 1")
+        device = torch.device(device) if device is not None else next(codec.parameters()).device
+        self.precision, self.device, self.max_chunk = precision, device, max_chunk
+        self.config = cfg = codec.config
+        self.num_slots, self.scratch = num_slots, num_slots
+        self.fp32_stages = tuple(fp32_stages)
+        half = PRECISIONS[precision]
+        self.stages = {
+            name: _Stage(torch.float32, False, device) if name in fp32_stages
+            else _Stage(half, precision == "tf32", device)
+            for name in names
+        }
+        with torch.no_grad():
+            self._load(codec, device)
+        self.window = cfg.sliding_window
+        self.ring = cfg.sliding_window - 1 + max_chunk
+        head_dim = cfg.head_dim
+        idx = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float()
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (idx / head_dim))  # [D / 2]
+        self._ring_frames = torch.arange(self.ring, device=device)
+
+        # -- per-slot state ------------------------------------------------------------------
+        S = num_slots + 1
+        self.pos = torch.zeros(S, dtype=torch.long, device=device)
+        self.state: list[tuple[Tensor, ...]] = []
+        for m in self.codec.stateful:
+            dtype = self._stage_of[m].dtype
+            if isinstance(m, CausalConv1d):
+                shape = (S, m.conv.in_channels, m.context)
+                self.state.append((torch.zeros(shape, dtype=dtype, device=device),)
+                                  if m.context else ())
+            elif isinstance(m, CausalConvTranspose1d):
+                shape = (S, m.conv.out_channels, m.overlap)
+                self.state.append((torch.zeros(shape, dtype=dtype, device=device),)
+                                  if m.overlap else ())
+            else:  # Attention: a K and a V ring
+                shape = (S, m.n_kv, self.ring, m.head_dim)
+                self.state.append(tuple(torch.zeros(shape, dtype=dtype, device=device)
+                                        for _ in range(2)))
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _load(self, codec: CodecDecoder, device: torch.device) -> None:
+        """A private copy of the decoder with each stage's weights in its dtype."""
+        src = codec
+        codec = copy.deepcopy(src).to(device=device, dtype=torch.float32).eval()
+        for p in codec.parameters():
+            p.requires_grad_(False)
+        self.codec = codec
+        names = stage_names(codec)
+        parts = [codec.pre_conv, codec.pre_transformer, codec.upsample, *codec.decoder]
+        # decoder = [conv in, blocks..., SnakeBeta, conv out]: the last two form the output
+        groups = [[p] for p in parts[:-2]] + [parts[-2:]]
+        self._stage_of: dict[nn.Module, _Stage] = {}
+        for name, group in zip(names, groups, strict=True):
+            stage = self.stages[name]
+            for part in group:
+                for m in part.modules():
+                    self._stage_of[m] = stage
+                if stage.dtype != torch.float32:
+                    part.to(stage.dtype)
+                elif stage.emulate_tf32:
+                    for p in part.parameters():
+                        if p.dim() >= 2:
+                            p.copy_(round_to_tf32(p))
+        for m in codec.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.float()  # statistics and affine in fp32, cast back after
+        self._snake = {m: tuple(t.to(device) for t in _snake_params(s))
+                       for m, s in zip(self._snake_modules(codec), self._snake_modules(src),
+                                       strict=True)}
+        # The codebooks summed through output_proj (a 1x1 conv, linear): pre-project every
+        # codebook once, so a frame is one gather of Q rows and a sum, in fp32.
+        q = src.quantizer
+        tables = []
+        for group in (q.rvq_first, q.rvq_rest):
+            w = group.output_proj.weight.detach().float()[:, :, 0].to(device)  # [io, dim]
+            for layer in group.vq.layers:
+                tables.append(layer._codebook.embedding().detach().float().to(device) @ w.T)
+        self.codebooks = torch.cat(tables)  # [Q * size, codebook_dim]
+        # q/k/v and gate/up packed: one GEMM each (Linear(x) rows are independent of packing)
+        self._packed = {}
+        for layer in codec.pre_transformer.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            bias = None if a.q_proj.bias is None else torch.cat(
+                [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            self._packed[layer] = (
+                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias,
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            )
+        del codec.quantizer  # only the pre-projected tables are used
+        size = self.config.codebook_size
+        self._book_offset = (torch.arange(len(tables), device=device) * size)[None, :, None]
+
+    @staticmethod
+    def _snake_modules(codec: nn.Module) -> list[nn.Module]:
+        return [m for m in codec.modules() if hasattr(m, "alpha") and (
+            hasattr(m, "beta") or hasattr(m, "inv_beta"))]
+
+    # -- state -------------------------------------------------------------------------------
+    def tensors(self) -> list[Tensor]:
+        """Every state tensor (the position counter included), each [slots + 1, ...]."""
+        return [self.pos, *(t for group in self.state for t in group)]
+
+    @torch.no_grad()
+    def reset(self, slots: Tensor | list[int]) -> None:
+        """Zero the state of `slots` for new requests (a LongTensor on the engine's device
+        needs no host copy and can be captured in a graph)."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        for t in self.tensors():
+            t.index_fill_(0, slots, 0)
+
+    # -- the step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, rows: Tensor, codes: Tensor) -> Tensor:
+        """rows: LongTensor [B] (slots; padding rows = `scratch`), codes: [B, Q, n] ->
+        pcm float32 [B, n * 1920], the continuation of each row's audio."""
+        n = codes.shape[-1]
+        if n > self.max_chunk:
+            raise ValueError(f"{n} frames per step exceeds max_chunk {self.max_chunk}")
+        c = self.codec
+        pos = self.pos.index_select(0, rows)  # [B]
+        book = codes + self._book_offset  # [B, Q, n]
+        x = self.codebooks[book].sum(1).transpose(1, 2)  # [B, codebook_dim, n] fp32
+        with self._in_stage("pre_conv") as st:
+            x = self._conv(c.pre_conv, x.to(st.dtype), rows, st)  # [B, latent, n]
+        with self._in_stage("transformer") as st:
+            x = self._transformer(x.transpose(1, 2).to(st.dtype), rows, pos, st).transpose(1, 2)
+        with self._in_stage("upsample") as st:
+            x = x.to(st.dtype)
+            for up, block in c.upsample:
+                x = self._convnext(block, self._conv_t(up, x, rows, st), rows, st)
+        names = stage_names(c)
+        for name, m in zip(names[3:-1], c.decoder[:-2], strict=True):
+            with self._in_stage(name) as st:
+                x = x.to(st.dtype)
+                if isinstance(m, DecoderBlock):
+                    x = self._decoder_block(m, x, rows, st)
+                else:
+                    x = self._conv(m, x, rows, st)
+        with self._in_stage(OUTPUT_STAGE) as st:
+            x = self._conv(c.decoder[-1], x.to(st.dtype), rows, st, act=c.decoder[-2])
+        self.pos.index_copy_(0, rows, pos + n)
+        return x.float().clamp(-1.0, 1.0)[:, 0]  # [B, n * 1920]
+
+    @contextlib.contextmanager
+    def _in_stage(self, name: str):
+        stage = self.stages[name]
+        if self.device.type == "cuda":
+            with _tf32_mode(stage.tf32):
+                yield stage
+        else:
+            yield stage
+
+    # -- layers ------------------------------------------------------------------------------
+    def _act(self, m: nn.Module, x: Tensor, rows: Tensor) -> Tensor:
+        """SnakeBeta in fp32 math: x + inv_beta * sin(alpha * x)^2, cast back to x's dtype."""
+        return snake_context(x, *self._snake[m], None, rows)
+
+    def _conv(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
+              act: nn.Module | None = None) -> Tensor:
+        """The causal conv of act(x) (act: a SnakeBeta or None), its left context read from
+        and written back to the rows' tails [S, Cin, context]; one launch on the GPU."""
+        conv = m.conv
+        alpha, inv_beta = self._snake[act] if act is not None else (None, None)
+        tail = self.state[m.slot][0] if m.context else None
+        x = snake_context(x, alpha, inv_beta, tail, rows)  # [B, Cin, context + n]
+        return F.conv1d(st.mm_in(x), conv.weight, conv.bias, dilation=conv.dilation,
+                        groups=conv.groups)
+
+    def _conv_t(self, m: CausalConvTranspose1d, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
+        conv = m.conv
+        n_out = x.shape[-1] * m.stride
+        y = F.conv_transpose1d(st.mm_in(x), conv.weight, None, stride=m.stride)
+        if m.overlap:  # y: [B, Cout, n_out + overlap], bias not yet added
+            (spill,) = self.state[m.slot]
+            y = torch.cat([y[..., : m.overlap] + spill.index_select(0, rows),
+                           y[..., m.overlap:]], dim=-1)
+            spill.index_copy_(0, rows, y[..., n_out:])
+        return y[..., :n_out] + conv.bias[:, None]
+
+    def _linear(self, m: nn.Linear, x: Tensor, st: _Stage) -> Tensor:
+        return F.linear(st.mm_in(x), m.weight, m.bias)
+
+    def _convnext(self, m: ConvNeXtBlock, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
+        h = self._conv(m.dwconv, x, rows, st).transpose(1, 2)  # [B, T, C]
+        h = m.norm(h.float()).to(x.dtype)
+        h = self._linear(m.pwconv2, F.gelu(self._linear(m.pwconv1, h, st)), st)
+        return x + (m.gamma * h).transpose(1, 2)
+
+    def _decoder_block(self, m: DecoderBlock, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
+        act, up, *units = m.block
+        x = self._conv_t(up, self._act(act, x, rows), rows, st)
+        for u in units:
+            x = self._residual(u, x, rows, st)
+        return x
+
+    def _residual(self, m: ResidualUnit, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
+        h = self._conv(m.conv1, x, rows, st, act=m.act1)
+        return x + self._conv(m.conv2, h, rows, st, act=m.act2)
+
+    def _transformer(self, x: Tensor, rows: Tensor, pos: Tensor, st: _Stage) -> Tensor:
+        tr = self.codec.pre_transformer  # x: [B, n, latent]
+        n, dev = x.shape[1], x.device
+        q_pos = pos[:, None] + torch.arange(n, device=dev)  # [B, n]
+        last = q_pos[:, -1:]
+        k_pos = last - (last - self._ring_frames) % self.ring  # [B, R] frame at each index
+        mask = window_mask(q_pos, k_pos, self.window)  # [B, 1, n, R]
+        freqs = q_pos.float()[..., None] * self.inv_freq  # [B, n, D / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]  # [B, n, 1, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        ring_idx = q_pos % self.ring  # [B, n]
+        h = self._linear(tr.input_proj, x, st)
+        for layer in tr.layers:
+            h = self._layer(layer, h, cos, sin, mask, rows, ring_idx, st)
+        return self._linear(tr.output_proj, rms_norm(h, tr.norm.weight, tr.norm.eps), st)
+
+    def _layer(self, layer: TransformerLayer, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+               rows: Tensor, ring_idx: Tensor, st: _Stage) -> Tensor:
+        a = layer.self_attn
+        b, n, _ = x.shape
+        qkv_weight, qkv_bias, gate_up_weight = self._packed[layer]
+        norm = layer.input_layernorm
+        qkv = F.linear(st.mm_in(rms_norm(x, norm.weight, norm.eps)), qkv_weight, qkv_bias)
+        qkv = qkv.view(b, n, a.n_head + 2 * a.n_kv, a.head_dim)
+        qk, v = qkv[:, :, : a.n_head + a.n_kv], qkv[:, :, a.n_head + a.n_kv :]  # [B, n, *, D]
+        qk = apply_rope(qk, cos, sin)  # q and k at once
+        q, k = qk[:, :, : a.n_head].transpose(1, 2), qk[:, :, a.n_head :]  # [B,H,n,D], [B,n,Hkv,D]
+        k_ring, v_ring = self.state[a.slot]  # [S, Hkv, R, D]
+        k_ring[rows[:, None], :, ring_idx] = k  # the rows' new frames into their rings
+        v_ring[rows[:, None], :, ring_idx] = v
+        keys, values = k_ring.index_select(0, rows), v_ring.index_select(0, rows)  # [B,Hkv,R,D]
+        if a.n_kv != a.n_head:
+            keys = keys.repeat_interleave(a.n_head // a.n_kv, dim=1)
+            values = values.repeat_interleave(a.n_head // a.n_kv, dim=1)
+        y = F.scaled_dot_product_attention(st.mm_in(q), st.mm_in(keys), st.mm_in(values),
+                                           attn_mask=mask)  # [B, H, n, D]
+        y = self._linear(a.o_proj, y.transpose(1, 2).reshape(b, n, -1), st)
+        x = x + layer.self_attn_layer_scale(y)
+        norm = layer.post_attention_layernorm
+        gate_up = F.linear(st.mm_in(rms_norm(x, norm.weight, norm.eps)), gate_up_weight)
+        h = self._linear(layer.mlp.down_proj, silu_mul(gate_up), st)
+        return x + layer.mlp_layer_scale(h)
+
+
+# -- the quality gate ----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def decode_with(engine_or_decoder: CodecEngine | CodecDecoder, codes: Tensor,
+                chunk: int = 4) -> Tensor:
+    """codes [B, Q, T] -> pcm float32 [B, T * 1920]: an engine streams it (slots 0..B-1 reset,
+    `chunk` frames per step), a decoder decodes it whole."""
+    if isinstance(engine_or_decoder, CodecEngine):
+        eng = engine_or_decoder
+        B, T = codes.shape[0], codes.shape[-1]
+        if B > eng.num_slots:
+            raise ValueError(f"{B} rows need {B} slots; the engine has {eng.num_slots}")
+        rows = torch.arange(B, device=eng.device)
+        eng.reset(rows)
+        codes = codes.to(eng.device)
+        step = min(chunk, eng.max_chunk)
+        out = [eng.step(rows, codes[..., i:i + step]) for i in range(0, T, step)]
+        return torch.cat(out, dim=-1).float()
+    dec = engine_or_decoder
+    return dec(codes.to(next(dec.parameters()).device))[:, 0].float()
+
+
+def snr_db(reference: Tensor, test: Tensor) -> float:
+    """10 log10(signal power / error power), over all samples, in float64."""
+    ref, out = reference.double().cpu(), test.double().cpu()
+    noise = (out - ref).pow(2).sum().item()
+    signal = ref.pow(2).sum().item()
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise)
+
+
+def codec_snr_db(engine_or_decoder: CodecEngine | CodecDecoder, reference_fp32: CodecDecoder,
+                 codes: Tensor) -> float:
+    """SNR in dB of `engine_or_decoder`'s decode of `codes` [B, Q, T] against the full decode
+    of the fp32 reference decoder (TF32 off)."""
+    with _tf32_mode(False):
+        ref = decode_with(reference_fp32, codes)
+    return snr_db(ref, decode_with(engine_or_decoder, codes))
+
+
+def random_codes(config, batch: int, frames: int, seed: int) -> Tensor:
+    """Uniform random codes [batch, Q, frames] (CPU), the gate's input."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.codebook_size, (batch, config.num_quantizers, frames),
+                         generator=g)
+
+
+# -- CUDA graphs ---------------------------------------------------------------------------------
+
+
+def capture_step(engine: CodecEngine, rows: Tensor, codes: Tensor, pool=None,
+                 stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    """One CUDA graph of `engine.step(rows, codes)` over the static buffers `rows` [B] and
+    `codes` [B, Q, n]; returns (graph, pcm [B, n * 1920]) with pcm refreshed by each replay.
+
+    The two warm-up steps and the capture step advance the state of the slots in `rows`:
+    capture with `rows` at the scratch slot (or reset them afterwards). `stream`: the side
+    stream to capture on (the codec's own stream), a fresh one if None.
+    """
+    stream = stream or torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: allocator, cuDNN/cuBLAS handles and plans
+            engine.step(rows, codes)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        pcm = engine.step(rows, codes)
+    return graph, pcm
