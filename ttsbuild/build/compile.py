@@ -123,7 +123,7 @@ class BuildConfig:
             ), codec_chunks=tuple(self.codec_chunks),
             codec_ring=self.codec_ring, max_len=self.max_len, max_text=self.max_text,
             max_frames=self.max_frames, precision=self.precision,
-            code_predictor_fp8=self.fp8_code_predictor,
+            code_predictor_fp8=self.fp8_code_predictor, codec_precision=self.codec_precision,
             fused_code_predictor=tuple(
                 b for b in self.graph_batches if b <= self.fused_cp_max_batch
             ),

@@ -30,8 +30,8 @@ import torch
 
 from ttsbuild.generation.generate import codebook0_logits_mask
 from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
-from ttsbuild.model.codec import CodecStream
 from ttsbuild.plugins.sampling import fused_sample
+from ttsbuild.runtime.codec_engine import CodecEngine
 from ttsbuild.runtime.core import EngineCore, SlotPlan
 from ttsbuild.runtime.cp_fused import FusedCodePredictor
 from ttsbuild.runtime.driver import make_driver
@@ -162,8 +162,11 @@ class GraphBackend:
             self.tts_pad = talker.embed_text(torch.tensor([cfg.text_ids.tts_pad], device=dev))[0]
 
         # The codec's incremental state for every slot, plus a work stream per batch bucket.
-        self.codec_store = CodecStream(models.codec, S)
-        self.codec_work = {b: CodecStream(models.codec, b) for b in plan.batch_buckets}
+        # The codec's streaming state, indexed by slot like the KV cache (runtime.codec_engine),
+        # in the plan's precision.
+        self.codec_engine = CodecEngine(
+            models.codec, plan.num_slots, plan.codec_precision, dev, max_chunk=plan.max_chunk
+        )
 
         # -- static I/O of the graphs, and host staging ---------------------------------------
         self.rows_in = torch.full((bmax,), self.scratch, dtype=torch.int64, device=dev)
@@ -272,7 +275,7 @@ class GraphBackend:
         self.decoded.index_fill_(0, slot, 0)
         self.history.index_fill_(0, slot, False)
         self.text_track.index_copy_(0, slot, self.admit_text[None])
-        self.codec_store.reset(slot)
+        self.codec_engine.reset(slot)
 
     def _prefill_body(self, length: int) -> None:
         self._admit_body()
@@ -285,19 +288,13 @@ class GraphBackend:
 
     def _codec_body(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         """n frames of audio for each of `rows`: [B, n * 1920] (fp32)."""
-        work = self.codec_work[rows.shape[0]]
-        store = self.codec_store
-        for w, s in zip(work.tensors(), store.tensors(), strict=True):
-            w.copy_(s[rows])
         ring = self.plan.codec_ring
         idx = (self.decoded[rows][:, None] + torch.arange(n, device=rows.device)) % ring
         groups = torch.arange(self.cfg.num_code_groups, device=rows.device)
         codes = self.codes[rows[:, None, None], groups[None, :, None], idx[:, None, :]]
-        wav = work.step(codes)  # [B, 1, n * 1920]
-        for w, s in zip(work.tensors(), store.tensors(), strict=True):
-            s[rows] = w
+        pcm = self.codec_engine.step(rows, codes)  # [B, n * 1920]
         self.decoded[rows] += n
-        return wav[:, 0]
+        return pcm
 
     # -- graphs ----------------------------------------------------------------------------
     def capture(self) -> None:
@@ -324,7 +321,7 @@ class GraphBackend:
         # Padding rows advance the scratch slot on every replay; its positions are clamped
         # (talker, text track) or wrap (code ring), so it never needs resetting for safety.
         s = self.scratch
-        self.codec_store.reset([s])
+        self.codec_engine.reset([s])
         for buf in (self.position, self.frame_idx, self.decoded, self.text_len):
             buf[s] = 0
 
@@ -366,6 +363,17 @@ class GraphBackend:
             else:
                 self._admit_body()
                 self._prefill_eager(embeds[None].to(self.dtype))
+            context = getattr(prompt, "codec_context", None)
+            if context is not None:
+                self._prime_codec(slot, context)
+
+    def _prime_codec(self, slot: int, context: torch.Tensor) -> None:
+        """In-context clone: the reference frames [F, groups] condition the slot's codec state
+        as generated ones will (their audio is not output). Uncaptured: once per request."""
+        rows = torch.tensor([slot], device=self.device)
+        codes = context.to(self.device).T[None]  # [1, groups, F]
+        for start in range(0, codes.shape[-1], self.plan.max_chunk):
+            self.codec_engine.step(rows, codes[..., start : start + self.plan.max_chunk])
 
     def _prefill_eager(self, embeds: torch.Tensor) -> None:
         h = self.talker_stack.prefill(embeds, self.kv_k, self.kv_v, self.prefill_slot)[0]
@@ -421,8 +429,6 @@ class GraphBackend:
         def step(rows: int):
             if self.use_graphs:
                 return self.graphs[("codec", rows, n)]
-            if rows not in self.codec_work:
-                self.codec_work[rows] = CodecStream(self.models.codec, rows)
             pcm = self.pcm_out[:rows, :width]
             return lambda: pcm.copy_(self._codec_body(self.rows_in[:rows], n))
 
@@ -444,9 +450,8 @@ class GraphBackend:
         modules = nbytes(m.talker.parameters()) + nbytes(m.code_predictor.parameters())
         state = [self.cp_k, self.cp_v, self.position, self.hidden, self.logits, self.history,
                  self.frame_idx, self.eos_min_frames, self.seed, self.text_track, self.text_len,
-                 self.codes, self.decoded, self.codec_store.tensors(), self.admit_text,
-                 self.prefill_embeds, self.pcm_out, self.codes_out,
-                 *(w.tensors() for w in self.codec_work.values())]  # fmt: skip
+                 self.codes, self.decoded, self.codec_engine.tensors(), self.admit_text,
+                 self.prefill_embeds, self.pcm_out, self.codes_out]  # fmt: skip
         flat = [t for x in state for t in (x if isinstance(x, list) else [x])]
         return {
             "weights_lm": stacks + fp8_heads + modules,

@@ -36,6 +36,9 @@ class EnginePlan(BaseModel):
     max_frames: int = 1536  # frames per request at most
     precision: Literal["bf16", "fp8"] = "bf16"  # talker linears (fp8: weight-only e4m3)
     code_predictor_fp8: bool = False
+    # The codec's compute precision (runtime.codec_engine; compile gates it at >= 45 dB SNR
+    # against fp32). tf32: 57 dB, measured faster than fp32 on the H200.
+    codec_precision: Literal["fp32", "tf32", "fp16", "bf16"] = "fp32"
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
