@@ -95,6 +95,7 @@ def bench_plan(precision: str, batches, fused_code_predictor: bool = False) -> E
         batch_buckets=buckets,
         prefill_buckets=(32, 64, 128, 256),
         precision=precision,
+        codec_precision="fp16",
         fused_code_predictor=tuple(b for b in buckets if b <= 8) if fused_code_predictor else (),
     )
 

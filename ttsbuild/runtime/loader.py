@@ -78,7 +78,7 @@ def open_engine(
     else:
         plan = EnginePlan.default(
             num_slots=num_slots or 32, max_len=max_len or 2048, precision=precision or "bf16",
-            codec_precision="tf32" if device.type == "cuda" else "fp32",
+            codec_precision="fp16" if device.type == "cuda" else "fp32",
         )  # fmt: skip
     if not graph:
         return EagerEngine(models, plan=plan)

@@ -37,7 +37,8 @@ class EnginePlan(BaseModel):
     precision: Literal["bf16", "fp8"] = "bf16"  # talker linears (fp8: weight-only e4m3)
     code_predictor_fp8: bool = False
     # The codec's compute precision (runtime.codec_engine; compile gates it at >= 45 dB SNR
-    # against fp32). tf32: 57 dB, measured faster than fp32 on the H200.
+    # against fp32). On the H200 fp16 (53.7 dB) and tf32 (57.8 dB) are 1.1-1.6x faster than
+    # fp32 with TF32 off, and fp16 halves the codec graphs' activation memory.
     codec_precision: Literal["fp32", "tf32", "fp16", "bf16"] = "fp32"
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
@@ -88,6 +89,9 @@ class EnginePlan(BaseModel):
         buckets = power_of_two_buckets(max_batch)
         overrides.setdefault("fused_code_predictor", tuple(b for b in buckets if b <= 8))
         prefill = tuple(t for t in cls.model_fields["prefill_buckets"].default if t < max_len)
+        # Codec graphs up to 8 frames: a 64-row x 16-frame codec graph holds GBs of activations
+        # in its pool, and larger chunks decode as several steps at no loss.
+        overrides.setdefault("codec_chunks", (1, 2, 4, 8))
         return cls(
             num_slots=num_slots,
             batch_buckets=buckets,
