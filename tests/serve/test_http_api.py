@@ -92,9 +92,17 @@ def test_names_match_case_insensitively_and_unknown_fields_are_ignored(server):
         ({**GOOD, "voice": "nobody"}, 400, "voice"),
         ({k: v for k, v in GOOD.items() if k != "voice"}, 400, "voice"),
         ({**GOOD, "language": "klingon"}, 400, "language"),
-        ({**GOOD, "speed": 2}, 400, "speed"),
+        ({**GOOD, "speed": 5}, 400, "speed"),
+        ({**GOOD, "speed": 0.1}, 400, "speed"),
         ({**GOOD, "speed": "fast"}, 400, "speed"),
-        ({**GOOD, "response_format": "mp3"}, 400, "response_format"),
+        ({**GOOD, "response_format": "ogg"}, 400, "response_format"),
+        ({**GOOD, "response_format": "mp3", "sample_rate": 8000}, 400, "sample_rate"),
+        ({**GOOD, "response_format": "pcm", "sample_rate": 11025}, 400, "sample_rate"),
+        ({**GOOD, "response_format": "mulaw", "sample_rate": 24000}, 400, "sample_rate"),
+        ({**GOOD, "stream_format": "sse", "stream": False}, 400, "stream"),
+        ({**GOOD, "stream_format": "json"}, 400, "stream_format"),
+        ({**GOOD, "voice": {"id": 5}}, 400, "voice"),
+        ({**GOOD, "instructions": "calm", "instruct": "calm"}, 400, "instructions"),
         ({**GOOD, "input": 42}, 400, "input"),
         ({**GOOD, "stream": "yes"}, 400, "stream"),
         ({**GOOD, "seed": "7"}, 400, "seed"),
@@ -120,6 +128,11 @@ def test_bad_bodies_get_4xx_and_the_server_keeps_serving(server):
     huge = b'{"input": "' + b"a" * 200_000 + b'"}'
     assert_error(httpx.post(url + SPEECH, content=huge, timeout=30), 413)
     lone_surrogate = b'{"input": "bad \\ud800 text", "voice": "ryan"}'
+    for nested in (b'{"input": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+                   b'{"input": "hi", "voice": "ryan", "x": ' + b'{"a":' * 10_000 + b"1"
+                   + b"}" * 10_001, b'{"input": "hi", "seed": 1' + b"0" * 5000 + b"}",
+                   b'{"input": "hi", "voice": "ryan", "temperature": Infinity}'):  # fmt: skip
+        assert_error(httpx.post(url + SPEECH, content=nested, timeout=30), 400)
     assert_error(httpx.post(url + SPEECH, content=lone_surrogate, timeout=30), 400, "input")
     assert_error(httpx.get(url + "/v1/nothing-here"), 404)
     assert_still_serving(url)
@@ -134,8 +147,13 @@ def test_odd_unicode_is_synthesized(server):
 
 def test_voices_health_ready_metrics(server):
     url, service = server
-    voices = httpx.get(url + "/v1/voices").json()
-    assert "ryan" in voices["voices"] and "english" in voices["languages"]
+    voices = httpx.get(url + "/v1/audio/voices").json()
+    ids = {v["id"]: v["speaker"] for v in voices["voices"]}
+    assert ids["ryan"] == "ryan" and ids["alloy"] == "serena" and ids["ash"] == "ryan"
+    assert "english" in voices["languages"] and voices["instructions"] is True
+    assert httpx.get(url + "/v1/voices").json() == voices
+    models = httpx.get(url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "qwen3-tts"
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     assert httpx.get(url + "/ready").json() == {"ready": True}
     post(url, {**GOOD, "voice": "nobody"})

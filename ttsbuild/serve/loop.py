@@ -121,11 +121,14 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     # -- asyncio side (any thread) -----------------------------------------------------------
-    def submit(self, request: Any, sink, chunk_schedule: Sequence[int] | None = None, trimmer=None):
+    def submit(
+        self, request: Any, sink, chunk_schedule: Sequence[int] | None = None, trimmer=None,
+        continuation: bool = False,
+    ):  # fmt: skip
         if self.error is not None:
             raise Rejected(503, "engine_error", "the engine failed; see the server log")
         with self.lock:
-            stream = self.scheduler.submit(request, sink, chunk_schedule, trimmer)
+            stream = self.scheduler.submit(request, sink, chunk_schedule, trimmer, continuation)
         self.wake.set()
         return stream
 

@@ -24,6 +24,9 @@ gets a slot only while that number, less a margin, exceeds the streams that need
 engine is saturated: requests beyond saturated_queue in the queue get 429 at once and queued
 ones wait at most saturated_wait_s, so the admitted streams keep up and start soon instead of
 every stream falling behind.
+A continuation (a later segment of a WebSocket session already admitted) is exempt from all of
+this: the session was admitted once for its whole text, so its segments wait only for a slot,
+ahead of new requests, and are never refused or timed out.
 
 Pure Python: no torch, no threads. The engine thread calls plan() and commit() under a lock;
 the asyncio side calls submit(), ack() and close(). PCM is opaque here (only len() is used).
@@ -107,6 +110,7 @@ class Stream:
     chunk_schedule: tuple[int, ...]
     trimmer: Trimmer | None
     arrived_at: float
+    continuation: bool = False  # a later segment of an admitted session: never refused
     status: Status = Status.QUEUED
     slot: int | None = None
     seed: int | None = None
@@ -205,7 +209,25 @@ class Scheduler:
         sink: Sink,
         chunk_schedule: Sequence[int] | None = None,
         trimmer: Trimmer | None = None,
+        continuation: bool = False,
     ) -> Stream:
+        if not continuation:
+            self._check_admission()
+        stream = Stream(
+            id=next(self._ids),
+            request=request,
+            sink=sink,
+            chunk_schedule=tuple(chunk_schedule or self.profile.chunk_schedule),
+            trimmer=trimmer,
+            arrived_at=self.clock(),
+            continuation=continuation,
+        )
+        self.streams[stream.id] = stream
+        self.queue.append(stream)
+        return stream
+
+    def _check_admission(self) -> None:
+        """Refuse a new request at once (Rejected) when it could not be served in time."""
         cfg = self.config
         if len(self.queue) >= cfg.max_queue:
             self._reject("queue_full")
@@ -217,17 +239,6 @@ class Scheduler:
         if room is not None and room <= len(self.queue):  # the queue already fills the room
             self._reject("capacity")
             raise Rejected(429, "capacity", "server at capacity: try again shortly")
-        stream = Stream(
-            id=next(self._ids),
-            request=request,
-            sink=sink,
-            chunk_schedule=tuple(chunk_schedule or self.profile.chunk_schedule),
-            trimmer=trimmer,
-            arrived_at=self.clock(),
-        )
-        self.streams[stream.id] = stream
-        self.queue.append(stream)
-        return stream
 
     def ack(self, stream_id: int, samples: int) -> None:
         """The consumer wrote `samples` to its client."""
@@ -289,10 +300,13 @@ class Scheduler:
         now = self.clock()
         release, self.to_release = self.to_release, []
         free = self.config.num_slots - len(self.by_slot)
-        room = self.admissible(now) if self.queue else None
+        admit = [s for s in self.queue if s.continuation][: max(0, free)]
+        free -= len(admit)
+        room = self.admissible(now) if len(self.queue) > len(admit) else None
         if room is not None:
             free = min(free, room)  # more streams now would make every stream late
-        admit = list(itertools.islice(self.queue, max(0, free)))
+        fresh = (s for s in self.queue if not s.continuation)
+        admit += itertools.islice(fresh, max(0, free))
         ready = [
             (self._priority(s, stage, now), s, stage)
             for s in self.by_slot.values()
@@ -433,8 +447,11 @@ class Scheduler:
         timeout = self.config.queue_timeout_s
         if self.queue and self.saturated(now):
             timeout = min(timeout, self.config.saturated_wait_s)
-        while self.queue and now - self.queue[0].arrived_at > timeout:
-            s = self.queue.popleft()
+        expired = [
+            s for s in self.queue if not s.continuation and now - s.arrived_at > timeout
+        ]  # fmt: skip
+        for s in expired:
+            self.queue.remove(s)
             s.status = Status.FAILED
             self._reject("no_slot")
             self._emit(s, Failed(429, f"no free slot within {timeout:g} s", "no_slot"))

@@ -1,5 +1,5 @@
-"""The composition root: engine + scheduler + engine thread + metrics, and the async handle
-through which a request handler receives its stream's events."""
+"""The composition root: engine + scheduler + engine thread + metrics + encoder threads, and the
+async handle through which a request handler receives its stream's events and audio."""
 
 from __future__ import annotations
 
@@ -7,15 +7,19 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import numpy as np
+
 from ttsbuild.runtime.request import RequestError, SynthesisRequest
-from ttsbuild.serve.audio import SilenceTrimmer, pcm16
-from ttsbuild.serve.config import FRAME_SAMPLES, ServeConfig
+from ttsbuild.serve.audio import SilenceTrimmer
+from ttsbuild.serve.config import DEFAULT_VOICE_ALIASES, FRAME_SAMPLES, ServeConfig
+from ttsbuild.serve.formats import AudioPipeline
 from ttsbuild.serve.loop import Engine, EngineLoop, Runner
 from ttsbuild.serve.metrics import ServeMetrics
 from ttsbuild.serve.scheduler import Admitted, Chunk, Done, Event, Failed, Rejected, Scheduler
-from ttsbuild.serve.schema import ApiError
+from ttsbuild.serve.schema import ApiError, Catalog
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +37,7 @@ class StreamHandle:
         self.closed = False
 
     def sink(self, event: Event) -> None:
-        """Called on the engine thread: encode off the event loop, then hand over."""
-        if isinstance(event, Chunk):
-            event = Chunk(event.seq, pcm16(event.pcm))
+        """Called on the engine thread: only hand over (encoding is the consumer's work)."""
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def admitted(self) -> None:
@@ -46,18 +48,31 @@ class StreamHandle:
         assert isinstance(event, Admitted), event
         self.seed = event.seed
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """PCM16 chunks until the stream ends; each one acked once the caller resumes us."""
+    async def chunks(self) -> AsyncIterator[np.ndarray]:
+        """float32 24 kHz chunks until the stream ends; each one acked once the caller resumes
+        us (it has been sent)."""
         while True:
             event = await self.queue.get()
             if isinstance(event, Chunk):
                 yield event.pcm
-                self.service.loop.ack(self.stream_id, len(event.pcm) // 2)
+                self.service.loop.ack(self.stream_id, len(event.pcm))
             elif isinstance(event, Done):
                 self.stats = event.stats
                 return
             elif isinstance(event, Failed):
                 raise ApiError(event.status, event.message, code=event.reason)
+
+    async def encoded(
+        self, pipeline: AudioPipeline, finish: bool = True
+    ) -> AsyncIterator[tuple[bytes, int]]:
+        """(bytes to send, engine samples they came from) per chunk, then (finish) the
+        encoder's tail with 0 samples. Codecs run on the service's encoder threads."""
+        encode = self.service.encoder(pipeline)
+        async for pcm in self.chunks():
+            data = await encode(pipeline.push, pcm)
+            yield data, len(pcm)
+        if finish:
+            yield await encode(pipeline.finish), 0
 
     def close(self) -> None:
         if not self.closed and self.stream_id is not None:
@@ -76,9 +91,7 @@ class SpeechService:
         self.config = config
         self.metrics = ServeMetrics()
         models = engine.models
-        self.voices: list[str] = list(models.voices)
-        self.languages: list[str] = list(models.languages)
-        self.needs_voice = models.cfg.tts_model_type == "custom_voice"
+        self.catalog = _catalog(models, config.voice_aliases)
         self.standin = models.manifest.get("standin") is not None
         drop = config.drop_bootstrap_frame
         self.drop_bootstrap = (not self.standin) if drop is None else drop
@@ -89,6 +102,7 @@ class SpeechService:
         self.loop = EngineLoop(self.scheduler, Runner(engine, RequestError))
         self.ready = False
         self.event_loop: asyncio.AbstractEventLoop | None = None
+        self.encode_pool = ThreadPoolExecutor(config.encode_workers, "encode")
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will serve requests."""
@@ -97,6 +111,22 @@ class SpeechService:
 
     def stop(self) -> None:
         self.loop.stop()
+        self.encode_pool.shutdown(wait=False, cancel_futures=True)
+
+    def encoder(self, pipeline: AudioPipeline):
+        """How to run one pipeline step: in place for PCM (a cast), on an encoder thread for a
+        codec (milliseconds: the event loop must not stall every other stream meanwhile)."""
+        if not pipeline.format.is_codec:
+
+            async def inline(fn, *args):
+                return fn(*args)
+
+            return inline
+
+        async def threaded(fn, *args):
+            return await asyncio.get_running_loop().run_in_executor(self.encode_pool, fn, *args)
+
+        return threaded
 
     def chunk_schedule(self, requested: list[int] | None) -> tuple[int, ...]:
         schedule = tuple(requested or self.config.scheduler.profile.chunk_schedule)
@@ -110,13 +140,18 @@ class SpeechService:
         onset = self.config.onset_dbfs if self.trim_onset else None
         return SilenceTrimmer(FRAME_SAMPLES if self.drop_bootstrap else 0, onset)
 
-    def submit(self, request: SynthesisRequest, chunk_schedule: list[int] | None = None):
-        """Queue a request without waiting; events (Admitted first) arrive on the handle."""
+    def submit(
+        self, request: SynthesisRequest, chunk_schedule: list[int] | None = None,
+        continuation: bool = False,
+    ) -> StreamHandle:  # fmt: skip
+        """Queue a request without waiting; events (Admitted first) arrive on the handle.
+        continuation: a later segment of an admitted WebSocket session (never refused)."""
         handle = StreamHandle(self, asyncio.get_running_loop())
         try:
             stream = self.loop.submit(
-                request, handle.sink, self.chunk_schedule(chunk_schedule), self._trimmer()
-            )
+                request, handle.sink, self.chunk_schedule(chunk_schedule), self._trimmer(),
+                continuation,
+            )  # fmt: skip
         except Rejected as exc:
             raise ApiError(exc.status, exc.message, code=exc.reason,
                            type=_error_type(exc.status)) from None  # fmt: skip
@@ -137,7 +172,7 @@ class SpeechService:
         """One short request through the whole path; /ready turns true only after it."""
         request = SynthesisRequest(
             text=self.config.warmup_text,
-            voice=self.voices[0] if self.needs_voice else None,
+            voice=self.catalog.voices[0] if self.catalog.needs_voice else None,
             seed=0,
             max_frames=4,
         )
@@ -149,6 +184,26 @@ class SpeechService:
             handle.close()
         self.ready = True
         log.info("warm-up done: %s", handle.stats)
+
+
+def _catalog(models, aliases: dict[str, str] | None) -> Catalog:
+    cfg = models.cfg
+    voices = [] if cfg.tts_model_type == "voice_design" else list(models.voices)
+    if aliases is None:
+        aliases = {k: v for k, v in DEFAULT_VOICE_ALIASES.items() if v in voices}
+    else:
+        aliases = {k.strip().lower(): v.strip().lower() for k, v in aliases.items()}
+        if voices and (bad := sorted(v for v in aliases.values() if v not in voices)):
+            raise ValueError(f"voice aliases name unknown speakers {bad}; known: {voices}")
+        if clash := sorted(set(aliases) & set(voices)):
+            raise ValueError(f"voice aliases shadow the model's speakers {clash}")
+    return Catalog(
+        voices=voices,
+        aliases=aliases if voices else {},
+        languages=list(models.languages),
+        needs_voice=cfg.tts_model_type == "custom_voice",
+        supports_instruct=cfg.supports_instruct and cfg.tts_model_type != "base",
+    )
 
 
 def _error_type(status: int) -> str:
