@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import struct
 
 import httpx
@@ -178,3 +180,79 @@ def test_dropping_the_bootstrap_frame_as_for_real_checkpoints(tiny_ckpt):
             chunks = [c for c in r.iter_raw() if c]
     assert sum(map(len, chunks)) == 5 * FRAME_SAMPLES * 2  # 6 frames made, the first not sent
     assert len(chunks[0]) == FRAME_SAMPLES * 2  # the first chunk still carries one audible frame
+
+
+def test_streams_mp3_by_default_as_openai_does(server):
+    url, _ = server
+    body = {"model": "tts-1", "input": "Hi there.", "voice": "alloy", "max_frames": 12}
+    with httpx.stream("POST", url + SPEECH, json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/mpeg"
+        assert "content-length" not in r.headers and r.headers["transfer-encoding"] == "chunked"
+        parts = [c for c in r.iter_raw() if c]
+    assert len(parts) >= 3  # sent as generated, not at the end
+    from .test_formats import decode
+
+    pcm, rate = decode(b"".join(parts), "mp3")
+    assert rate == 24000 and len(pcm) / rate == pytest.approx(12 * 0.08, abs=0.1)
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw"])
+def test_whole_files_have_their_length_and_decode(server, fmt):
+    url, _ = server
+    r = post(url, {**GOOD, "response_format": fmt, "stream": False})
+    assert r.status_code == 200 and int(r.headers["content-length"]) == len(r.content)
+    from .test_formats import decode
+
+    pcm, rate = decode(r.content, fmt)
+    assert len(pcm) / rate == pytest.approx(6 * 0.08, abs=0.1), fmt  # codec frames pad
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 22050, 44100, 48000])
+def test_pcm_at_a_chosen_sample_rate(server, rate):
+    url, _ = server
+    r = post(url, {**GOOD, "response_format": "pcm", "sample_rate": rate})
+    assert r.status_code == 200 and r.headers["x-sample-rate"] == str(rate)
+    assert len(r.content) // 2 == pytest.approx(6 * 0.08 * rate, abs=2)
+
+
+def test_sse_sends_delta_events_then_done_with_usage(server):
+    url, _ = server
+    body = {**GOOD, "response_format": "pcm", "stream_format": "sse", "max_frames": 7}
+    with httpx.stream("POST", url + SPEECH, json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    deltas, done = events[:-1], events[-1]
+    assert len(deltas) >= 3 and all(e["type"] == "speech.audio.delta" for e in deltas)
+    audio = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    assert audio == post(url, {**GOOD, "response_format": "pcm", "max_frames": 7}).content
+    usage = done["usage"]
+    assert done["type"] == "speech.audio.done" and usage["output_tokens"] == 7
+    assert usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + 7
+
+
+def test_instructions_reach_the_model(server):
+    url, _ = server
+    plain = post(url, {**GOOD, "response_format": "pcm"}).content
+    told = post(url, {**GOOD, "response_format": "pcm", "instructions": "Whisper, slowly."})
+    assert told.status_code == 200 and len(told.content) == len(plain)
+    assert told.content != plain  # same seed: only the instruction differs
+
+
+def test_instructions_are_a_400_where_the_model_ignores_them():
+    from ttsbuild.serve.schema import ApiError, Catalog, SpeechBody, to_request
+
+    small = Catalog(voices=["ryan"], aliases={"ash": "ryan"}, languages=["auto"],
+                    needs_voice=True, supports_instruct=False)  # fmt: skip
+    body = SpeechBody(input="Hi.", voice="ash", instructions="Calm.")
+    with pytest.raises(ApiError) as err:
+        to_request(body, body.input, small)
+    assert err.value.status == 400 and err.value.param == "instructions"
+    assert to_request(SpeechBody(input="Hi.", voice="ash"), "Hi.", small).voice == "ryan"
+
+
+@pytest.mark.parametrize("speed", [0.5, 2.0])
+def test_speed_scales_the_duration(server, speed):
+    url, _ = server
+    r = post(url, {**GOOD, "response_format": "pcm", "speed": speed, "max_frames": 10})
+    assert r.status_code == 200
+    assert len(r.content) // 2 == round(10 * FRAME_SAMPLES / speed)
