@@ -243,3 +243,34 @@ def test_an_idle_engine_is_never_saturated():
     h.run_until(lambda: s.status is Status.FINISHED)
     h.clock.advance(2.0)
     assert not h.sched.saturated(h.clock.t)
+
+
+def test_a_session_admitted_once_keeps_its_segments_under_saturation():
+    """A slow engine (one stream barely real time) saturates with one stream: new requests get
+    429, but a continuation (the next segment of an admitted WebSocket session) waits for its
+    slot and goes ahead of them, however long that takes."""
+    h = Harness(num_slots=2, queue_timeout_s=0.5, saturated_wait_s=0.05, saturated_queue=1)
+    h.engine.cost_s = {"prefill": 0.01, "frames": 0.07, "audio": 0.01}
+    first = h.submit(frames=40)
+    h.run_until(lambda: first.first_audio_at is not None and h.clock.t > 1.2)
+    assert h.sched.saturated(h.clock.t)
+    stranger = h.submit(frames=5)
+    events = []
+    nxt = h.sched.submit(FakeRequest(5), events.append, None, None, continuation=True)
+    h.run_until(lambda: any(isinstance(e, Done) for e in events))
+    assert isinstance(events[0], Admitted)
+    assert any(isinstance(e, Failed) and e.status == 429 for e in h.events[stranger.id])
+    with pytest.raises(Rejected):  # a new request is still refused at once when saturated
+        for _ in range(4):
+            h.submit(frames=5)
+    assert nxt.status is Status.FINISHED
+
+
+def test_an_engine_with_nothing_to_do_admits_however_slow_it_measured():
+    h = Harness(num_slots=2)
+    h.engine.cost_s = {"prefill": 0.01, "frames": 0.2, "audio": 0.01}  # 0.4x real time
+    s = h.submit(frames=6)
+    h.run_until(lambda: s.status is Status.FINISHED)
+    assert h.sched.admissible(h.clock.t) == 1  # no stream to keep up with: room for one
+    t = h.submit(frames=3)
+    h.run_until(lambda: t.status is Status.FINISHED)

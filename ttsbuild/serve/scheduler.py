@@ -282,7 +282,9 @@ class Scheduler:
             for s in self.by_slot.values()
             if not s.generation_done and not self._paused(s) and self._lead(s, now) < cfg.ahead_s
         )
-        return max(0, int(produced / busy / (1 + cfg.capacity_margin)) - need)
+        # An engine with no stream to keep up with has room for one, however slow it measured:
+        # refusing it would refuse the only work there is.
+        return max(0 if need else 1, int(produced / busy / (1 + cfg.capacity_margin)) - need)
 
     def saturated(self, now: float) -> bool:
         """No room for one more real-time stream (see the module docstring)."""
