@@ -256,3 +256,19 @@ def test_speed_scales_the_duration(server, speed):
     r = post(url, {**GOOD, "response_format": "pcm", "speed": speed, "max_frames": 10})
     assert r.status_code == 200
     assert len(r.content) // 2 == round(10 * FRAME_SAMPLES / speed)
+
+
+def test_voice_aliases_are_checked_against_the_model_at_startup():
+    from ttsbuild.serve.config import ServeConfig
+    from ttsbuild.serve.service import SpeechService
+
+    from .fakes import FakeClock, FakeEngine
+
+    engine = FakeEngine(FakeClock())  # one speaker: ryan
+    default = SpeechService(engine).catalog.aliases
+    assert default == {"ash": "ryan", "cedar": "ryan"}  # the default map, less absent speakers
+    custom = SpeechService(engine, ServeConfig(voice_aliases={"Nova": "RYAN"})).catalog
+    assert custom.aliases == {"nova": "ryan"}
+    for bad in ({"alloy": "nobody"}, {"ryan": "ryan"}):
+        with pytest.raises(ValueError):
+            SpeechService(engine, ServeConfig(voice_aliases=bad))
