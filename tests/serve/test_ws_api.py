@@ -113,6 +113,9 @@ def test_cancel_ends_the_session_and_frees_slots(server):
         ([CONFIG, {"type": "input.append", "text": 5}], "string"),
         ([CONFIG, CONFIG], "once"),
         ([CONFIG, "x" * 100_000], "larger"),
+        ([CONFIG, '{"type": "input.append", "text": ' + "[" * 20_000 + "]" * 20_000 + "}"],
+         "nested"),
+        ([CONFIG, {"type": "input.append", "text": "hi", "context_id": 5}], "context_id"),
         ([CONFIG | {"voice": "nobody"}], "unknown voice"),
         ([CONFIG | {"seed": "three"}], "seed"),
         ([CONFIG, {"type": "input.append", "text": "bad \x00 char. "}], "control character"),
@@ -170,20 +173,22 @@ def test_contexts_share_a_socket_and_every_message_names_its_context(server):
     assert events[-1]["contexts"] == 2 and events[-1]["frames"] == 10
 
 
+async def start_long_speech(ws, **context_id) -> int:
+    """Configure, append a sentence that speaks for a while, return the first audio's bytes."""
+    await ws.send(json.dumps(CONFIG | {"max_frames": 200}))
+    await ws.send(json.dumps({"type": "input.append", "text": "A long sentence to speak. ",
+                              **context_id}))  # fmt: skip
+    while not isinstance(msg := await ws.recv(), bytes):
+        pass
+    return len(msg)
+
+
 def test_clear_stops_a_context_at_once_and_counts_what_was_sent(server):
     url, service = server
 
     async def clear_midway():
-        audio = 0
         async with connect(ws_url(url), max_size=None) as ws:
-            await ws.send(json.dumps(CONFIG | {"max_frames": 200}))
-            await ws.send(json.dumps({"type": "input.append", "context_id": "x",
-                                      "text": "A long sentence to speak. "}))  # fmt: skip
-            while True:
-                msg = await ws.recv()
-                if isinstance(msg, bytes):
-                    audio += len(msg)
-                    break
+            audio = await start_long_speech(ws, context_id="x")
             await ws.send(json.dumps({"type": "clear", "context_id": "x"}))
             while True:
                 msg = await ws.recv()
@@ -209,13 +214,8 @@ def test_cancel_reports_the_audio_really_sent(server):
     url, _ = server
 
     async def cancel_after_audio():
-        audio = 0
         async with connect(ws_url(url), max_size=None) as ws:
-            await ws.send(json.dumps(CONFIG | {"max_frames": 200}))
-            await ws.send(json.dumps({"type": "input.append", "text": "Speak a while. "}))
-            while not isinstance(msg := await ws.recv(), bytes):
-                pass
-            audio += len(msg)
+            audio = await start_long_speech(ws)
             await ws.send(json.dumps({"type": "cancel"}))
             async for m in ws:
                 if isinstance(m, bytes):
@@ -242,3 +242,16 @@ def test_a_three_segment_session_on_an_idle_server_is_never_cut(tiny_ckpt):
         events, audio, code = run(session(url, messages))
     assert code == 1000 and events[-1]["type"] == "done", [e.get("segment", e) for e in events]
     assert events[-1]["segments"] == 3 and len(audio) == events[-1]["samples"] * 2
+
+
+def test_a_session_in_mulaw_for_telephony(server):
+    url, _ = server
+    messages = [CONFIG | {"response_format": "mulaw"},
+                {"type": "input.append", "text": "Hello caller."},
+                {"type": "input.done"}]  # fmt: skip
+    events, audio, code = run(session(url, messages))
+    assert code == 1000 and events[0]["sample_rate"] == 8000 and events[0]["format"] == "mulaw"
+    from .test_formats import decode
+
+    pcm, rate = decode(audio, "mulaw")
+    assert rate == 8000 and len(pcm) == events[-1]["samples"] == pytest.approx(5 * 640, abs=2)
