@@ -174,10 +174,11 @@ def test_contexts_share_a_socket_and_every_message_names_its_context(server):
 
 
 async def start_long_speech(ws, **context_id) -> int:
-    """Configure, append a sentence that speaks for a while, return the first audio's bytes."""
+    """Configure, append two sentences that speak for a while (two segments in flight: the
+    session's whole budget), return the first audio's bytes."""
     await ws.send(json.dumps(CONFIG | {"max_frames": 200}))
-    await ws.send(json.dumps({"type": "input.append", "text": "A long sentence to speak. ",
-                              **context_id}))  # fmt: skip
+    await ws.send(json.dumps({"type": "input.append", "text": "A long sentence to speak. "
+                              "And a second one. ", **context_id}))  # fmt: skip
     while not isinstance(msg := await ws.recv(), bytes):
         pass
     return len(msg)
@@ -196,7 +197,7 @@ def test_clear_stops_a_context_at_once_and_counts_what_was_sent(server):
                     audio += len(msg)
                 elif (event := json.loads(msg))["type"] == "cancelled":
                     break
-            # the socket stays open: a new context speaks
+            # the socket stays open and the cleared segments' budget is back: a new context speaks
             await ws.send(json.dumps({"type": "input.append", "context_id": "y",
                                       "text": "Next."}))  # fmt: skip
             await ws.send(json.dumps({"type": "input.done"}))

@@ -29,7 +29,7 @@ server -> client (every audio message and event names its context_id)
 Synthesis starts before a context's text is complete: its Segmenter cuts appended text at
 sentence or clause boundaries (or after N words, or when input stalls for ws_flush_after_s);
 each segment is one engine request, submitted as soon as it is cut (at most two in flight per
-context, so the next segment's first audio is ready when the current one ends), and a context's
+session, so the next segment's first audio is ready when the current one ends), and a context's
 audio is sent in order. Segment k of a context uses seed + k when a seed is given.
 
 Admission: the session's first segment is admitted like any request; every later segment (of
@@ -53,7 +53,7 @@ from ttsbuild.serve.schema import ApiError, SessionConfig, audio_format, to_requ
 from ttsbuild.serve.segmenter import Segmenter
 from ttsbuild.serve.service import SpeechService, StreamHandle
 
-MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT = 2  # engine requests per session: its budget of slots
 DEFAULT_CONTEXT = "default"
 _MESSAGES = "input.append, flush, input.done, clear, cancel or close"
 
@@ -81,7 +81,7 @@ class _Context:
         self.segmenter = Segmenter()
         self.texts: asyncio.Queue[str | None] = asyncio.Queue()
         self.handles: asyncio.Queue[StreamHandle | None] = asyncio.Queue()
-        self.in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.permits = 0  # of the session's in-flight budget, held by this context
         self.open_handles: set[StreamHandle] = set()
         self.tasks: list[asyncio.Task] = []
         self.input_done = False
@@ -124,6 +124,9 @@ class WsSession:
         self.history: list[_Context] = []  # every context, for the session's totals
         self.text_chars = 0
         self.seq = 0
+        # Segments in flight, all contexts together: a session holds at most this many slots,
+        # so its continuations (never refused) stay within what it was admitted for.
+        self.in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
         self.send_lock = asyncio.Lock()  # a chunk event and its binary message stay adjacent
         self.admitted = asyncio.Event()  # the session's first segment holds a slot
         self.first: StreamHandle | None = None  # that segment (before it is admitted)
@@ -284,7 +287,8 @@ class WsSession:
         fields, svc = self.fields, self.service
         index = 0
         while (text := await ctx.texts.get()) is not None:
-            await ctx.in_flight.acquire()
+            await self.in_flight.acquire()
+            ctx.permits += 1
             # One request at a time until the session is in: the rest are continuations.
             while not self.admitted.is_set() and self.first and not self.first.closed:
                 with contextlib.suppress(TimeoutError):
@@ -315,7 +319,7 @@ class WsSession:
             finally:
                 handle.close()
                 ctx.open_handles.discard(handle)
-                ctx.in_flight.release()
+                self._release(ctx)
         tail = await self.service.encoder(ctx.pipeline)(ctx.pipeline.finish)
         await self._send_audio(ctx, tail, 0)
         await self._send({"type": "context.done", "context_id": ctx.id, **ctx.stats()})
@@ -356,6 +360,10 @@ class WsSession:
         if self.closing and not self.contexts:
             self.finished.set()
 
+    def _release(self, ctx: _Context) -> None:
+        ctx.permits -= 1
+        self.in_flight.release()
+
     async def _cancel_tasks(self, contexts: list[_Context]) -> None:
         tasks = [t for ctx in contexts for t in ctx.tasks if t is not asyncio.current_task()]
         for task in tasks:
@@ -363,6 +371,8 @@ class WsSession:
         await asyncio.gather(*tasks, return_exceptions=True)
         for ctx in contexts:
             ctx.close_handles()
+            while ctx.permits:  # segments submitted but never spoken: their budget returns
+                self._release(ctx)
 
     # -- helpers -----------------------------------------------------------------------------
     async def _configure(self) -> None:
