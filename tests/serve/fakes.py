@@ -33,7 +33,7 @@ class FakeModels:
     voices = ["ryan"]
     languages = ["auto", "english"]
     manifest = {"standin": {"length_rule": {}}}
-    cfg = type("Cfg", (), {"tts_model_type": "custom_voice"})()
+    cfg = type("Cfg", (), {"tts_model_type": "custom_voice", "supports_instruct": True})()
     voice_encoder = None  # not a Base model: no voice registration
 
 

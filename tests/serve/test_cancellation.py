@@ -119,23 +119,40 @@ def _disconnect_and_check(url: str, service: SpeechService) -> None:
     assert r.status_code == 200 and len(r.content) == 3 * 1920 * 2
 
 
-def test_chunks_carry_pcm16_bytes_to_the_event_loop():
+def test_the_engine_thread_hands_raw_samples_over_and_codecs_run_on_encoder_threads():
+    import threading
+
+    import numpy as np
+
+    from ttsbuild.serve.formats import FORMATS, AudioPipeline
+
     engine = FakeEngine(FakeClock(), num_slots=1)
     service = SpeechService(engine)
+    threads = set()
+
+    class Recording(AudioPipeline):
+        def push(self, pcm):
+            threads.add(threading.current_thread().name)
+            return super().push(pcm)
 
     async def main():
         service.start()
         try:
-            handle = await service.open(SynthesisRequest(text="x", voice="ryan", max_frames=2))
-            event = await handle.queue.get()
+            req = SynthesisRequest(text="x", voice="ryan", max_frames=3)
+            handle = await service.open(req)
+            event = await handle.queue.get()  # straight from the engine thread's sink
+            assert isinstance(event, Chunk) and len(event.pcm) == 1920
+            assert not isinstance(event.pcm, bytes | np.ndarray)  # the engine's own list
             handle.close()
-            return event
+            handle = await service.open(req)
+            data = [d async for d, _ in handle.encoded(Recording(FORMATS["mp3"]))]
+            handle.close()
+            return b"".join(data)
         finally:
             service.stop()
 
-    event = asyncio.run(main())
-    assert isinstance(event, Chunk) and isinstance(event.pcm, bytes)
-    assert len(event.pcm) == 1920 * 2
+    assert len(asyncio.run(main())) > 0
+    assert threads and all(name.startswith("encode") for name in threads), threads
 
 
 def test_an_engine_crash_fails_open_streams_instead_of_hanging_them():

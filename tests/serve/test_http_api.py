@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import struct
 
 import httpx
@@ -92,9 +94,17 @@ def test_names_match_case_insensitively_and_unknown_fields_are_ignored(server):
         ({**GOOD, "voice": "nobody"}, 400, "voice"),
         ({k: v for k, v in GOOD.items() if k != "voice"}, 400, "voice"),
         ({**GOOD, "language": "klingon"}, 400, "language"),
-        ({**GOOD, "speed": 2}, 400, "speed"),
+        ({**GOOD, "speed": 5}, 400, "speed"),
+        ({**GOOD, "speed": 0.1}, 400, "speed"),
         ({**GOOD, "speed": "fast"}, 400, "speed"),
-        ({**GOOD, "response_format": "mp3"}, 400, "response_format"),
+        ({**GOOD, "response_format": "ogg"}, 400, "response_format"),
+        ({**GOOD, "response_format": "mp3", "sample_rate": 8000}, 400, "sample_rate"),
+        ({**GOOD, "response_format": "pcm", "sample_rate": 11025}, 400, "sample_rate"),
+        ({**GOOD, "response_format": "mulaw", "sample_rate": 24000}, 400, "sample_rate"),
+        ({**GOOD, "stream_format": "sse", "stream": False}, 400, "stream"),
+        ({**GOOD, "stream_format": "json"}, 400, "stream_format"),
+        ({**GOOD, "voice": {"id": 5}}, 400, "voice"),
+        ({**GOOD, "instructions": "calm", "instruct": "calm"}, 400, "instructions"),
         ({**GOOD, "input": 42}, 400, "input"),
         ({**GOOD, "stream": "yes"}, 400, "stream"),
         ({**GOOD, "seed": "7"}, 400, "seed"),
@@ -120,6 +130,11 @@ def test_bad_bodies_get_4xx_and_the_server_keeps_serving(server):
     huge = b'{"input": "' + b"a" * 200_000 + b'"}'
     assert_error(httpx.post(url + SPEECH, content=huge, timeout=30), 413)
     lone_surrogate = b'{"input": "bad \\ud800 text", "voice": "ryan"}'
+    for nested in (b'{"input": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+                   b'{"input": "hi", "voice": "ryan", "x": ' + b'{"a":' * 10_000 + b"1"
+                   + b"}" * 10_001, b'{"input": "hi", "seed": 1' + b"0" * 5000 + b"}",
+                   b'{"input": "hi", "voice": "ryan", "temperature": Infinity}'):  # fmt: skip
+        assert_error(httpx.post(url + SPEECH, content=nested, timeout=30), 400)
     assert_error(httpx.post(url + SPEECH, content=lone_surrogate, timeout=30), 400, "input")
     assert_error(httpx.get(url + "/v1/nothing-here"), 404)
     assert_still_serving(url)
@@ -134,8 +149,13 @@ def test_odd_unicode_is_synthesized(server):
 
 def test_voices_health_ready_metrics(server):
     url, service = server
-    voices = httpx.get(url + "/v1/voices").json()
-    assert "ryan" in voices["voices"] and "english" in voices["languages"]
+    voices = httpx.get(url + "/v1/audio/voices").json()
+    ids = {v["id"]: v["speaker"] for v in voices["voices"]}
+    assert ids["ryan"] == "ryan" and ids["alloy"] == "serena" and ids["ash"] == "ryan"
+    assert "english" in voices["languages"] and voices["instructions"] is True
+    assert httpx.get(url + "/v1/voices").json() == voices
+    models = httpx.get(url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "qwen3-tts"
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     assert httpx.get(url + "/ready").json() == {"ready": True}
     post(url, {**GOOD, "voice": "nobody"})
@@ -181,3 +201,95 @@ def test_an_idle_server_with_capacity_admission_never_refuses_back_to_back_reque
                 measured.append(service.scheduler.capacity(service.scheduler.clock()))
         assert statuses == [(200, "")] * 10
         assert any(m is not None for m in measured)  # admission had evidence, and admitted
+
+
+def test_streams_mp3_by_default_as_openai_does(server):
+    url, _ = server
+    body = {"model": "tts-1", "input": "Hi there.", "voice": "alloy", "max_frames": 12}
+    with httpx.stream("POST", url + SPEECH, json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/mpeg"
+        assert "content-length" not in r.headers and r.headers["transfer-encoding"] == "chunked"
+        parts = [c for c in r.iter_raw() if c]
+    assert len(parts) >= 3  # sent as generated, not at the end
+    from .test_formats import decode
+
+    pcm, rate = decode(b"".join(parts), "mp3")
+    assert rate == 24000 and len(pcm) / rate == pytest.approx(12 * 0.08, abs=0.1)
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw"])
+def test_whole_files_have_their_length_and_decode(server, fmt):
+    url, _ = server
+    r = post(url, {**GOOD, "response_format": fmt, "stream": False})
+    assert r.status_code == 200 and int(r.headers["content-length"]) == len(r.content)
+    from .test_formats import decode
+
+    pcm, rate = decode(r.content, fmt)
+    assert len(pcm) / rate == pytest.approx(6 * 0.08, abs=0.1), fmt  # codec frames pad
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 22050, 44100, 48000])
+def test_pcm_at_a_chosen_sample_rate(server, rate):
+    url, _ = server
+    r = post(url, {**GOOD, "response_format": "pcm", "sample_rate": rate})
+    assert r.status_code == 200 and r.headers["x-sample-rate"] == str(rate)
+    assert len(r.content) // 2 == pytest.approx(6 * 0.08 * rate, abs=2)
+
+
+def test_sse_sends_delta_events_then_done_with_usage(server):
+    url, _ = server
+    body = {**GOOD, "response_format": "pcm", "stream_format": "sse", "max_frames": 7}
+    with httpx.stream("POST", url + SPEECH, json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    deltas, done = events[:-1], events[-1]
+    assert len(deltas) >= 3 and all(e["type"] == "speech.audio.delta" for e in deltas)
+    audio = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    assert audio == post(url, {**GOOD, "response_format": "pcm", "max_frames": 7}).content
+    usage = done["usage"]
+    assert done["type"] == "speech.audio.done" and usage["output_tokens"] == 7
+    assert usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + 7
+
+
+def test_instructions_reach_the_model(server):
+    url, _ = server
+    plain = post(url, {**GOOD, "response_format": "pcm"}).content
+    told = post(url, {**GOOD, "response_format": "pcm", "instructions": "Whisper, slowly."})
+    assert told.status_code == 200 and len(told.content) == len(plain)
+    assert told.content != plain  # same seed: only the instruction differs
+
+
+def test_instructions_are_a_400_where_the_model_ignores_them():
+    from ttsbuild.serve.schema import ApiError, Catalog, SpeechBody, to_request
+
+    small = Catalog(voices=["ryan"], aliases={"ash": "ryan"}, languages=["auto"],
+                    needs_voice=True, supports_instruct=False)  # fmt: skip
+    body = SpeechBody(input="Hi.", voice="ash", instructions="Calm.")
+    with pytest.raises(ApiError) as err:
+        to_request(body, body.input, small)
+    assert err.value.status == 400 and err.value.param == "instructions"
+    assert to_request(SpeechBody(input="Hi.", voice="ash"), "Hi.", small).voice == "ryan"
+
+
+@pytest.mark.parametrize("speed", [0.5, 2.0])
+def test_speed_scales_the_duration(server, speed):
+    url, _ = server
+    r = post(url, {**GOOD, "response_format": "pcm", "speed": speed, "max_frames": 10})
+    assert r.status_code == 200
+    assert len(r.content) // 2 == round(10 * FRAME_SAMPLES / speed)
+
+
+def test_voice_aliases_are_checked_against_the_model_at_startup():
+    from ttsbuild.serve.config import ServeConfig
+    from ttsbuild.serve.service import SpeechService
+
+    from .fakes import FakeClock, FakeEngine
+
+    engine = FakeEngine(FakeClock())  # one speaker: ryan
+    default = SpeechService(engine).catalog.aliases
+    assert default == {"ash": "ryan", "cedar": "ryan"}  # the default map, less absent speakers
+    custom = SpeechService(engine, ServeConfig(voice_aliases={"Nova": "RYAN"})).catalog
+    assert custom.aliases == {"nova": "ryan"}
+    for bad in ({"alloy": "nobody"}, {"ryan": "ryan"}):
+        with pytest.raises(ValueError):
+            SpeechService(engine, ServeConfig(voice_aliases=bad))

@@ -444,3 +444,20 @@ def test_at_twice_capacity_excess_is_refused_at_once_and_admitted_streams_start_
     # (stage-time estimates are running means), never more.
     late = [x for x in recorder.lateness if x > 0]
     assert len(late) <= 0.01 * len(recorder.lateness) and max(recorder.lateness) < 0.002
+
+
+def test_a_session_admitted_once_keeps_its_segments_at_capacity():
+    """A slow engine refuses a second stream at capacity, but a continuation (the next segment
+    of an admitted WebSocket session) is never refused: it waits for its slot, ahead of new
+    requests, and runs."""
+    h = Harness(num_slots=8, admit_by_capacity=True)
+    h.engine.cost_s = {"prefill": 0.05, "frames": 0.1, "audio": 0.03}
+    first = h.submit(frames=40)
+    h.run_until(lambda: len(h.chunks(first)) >= 3)
+    with pytest.raises(Rejected):
+        h.submit()
+    events = []
+    nxt = h.sched.submit(FakeRequest(5), events.append, None, None, continuation=True)
+    h.run_until(lambda: any(isinstance(e, Done) for e in events))
+    assert isinstance(events[0], Admitted)
+    assert nxt.status is Status.FINISHED

@@ -113,6 +113,9 @@ def test_cancel_ends_the_session_and_frees_slots(server):
         ([CONFIG, {"type": "input.append", "text": 5}], "string"),
         ([CONFIG, CONFIG], "once"),
         ([CONFIG, "x" * 100_000], "larger"),
+        ([CONFIG, '{"type": "input.append", "text": ' + "[" * 20_000 + "]" * 20_000 + "}"],
+         "nested"),
+        ([CONFIG, {"type": "input.append", "text": "hi", "context_id": 5}], "context_id"),
         ([CONFIG | {"voice": "nobody"}], "unknown voice"),
         ([CONFIG | {"seed": "three"}], "seed"),
         ([CONFIG, {"type": "input.append", "text": "bad \x00 char. "}], "control character"),
@@ -133,3 +136,123 @@ def test_protocol_violations_get_an_error_event_and_a_clean_close(server, messag
                       {"type": "input.done"}])  # fmt: skip
     )
     assert ok_code == 1000 and ok_events[-1]["type"] == "done" and len(audio) > 0
+
+
+def test_contexts_share_a_socket_and_every_message_names_its_context(server):
+    url, _ = server
+
+    async def two_contexts():
+        events, audio = [], {}
+        async with connect(ws_url(url), max_size=None) as ws:
+            await ws.send(json.dumps(CONFIG | {"response_format": "pcm", "sample_rate": 16000}))
+            for cid, text in (("a", "First reply. "), ("b", "Second reply.")):
+                await ws.send(json.dumps({"type": "input.append", "text": text,
+                                          "context_id": cid}))  # fmt: skip
+                await ws.send(json.dumps({"type": "flush", "context_id": cid}))
+                await ws.send(json.dumps({"type": "input.done", "context_id": cid}))
+            header = None
+            while len([e for e in events if e["type"] == "context.done"]) < 2:
+                msg = await ws.recv()
+                if isinstance(msg, bytes):
+                    audio[header["context_id"]] = audio.get(header["context_id"], b"") + msg
+                else:
+                    events.append(json.loads(msg))
+                    header = events[-1]
+            await ws.send(json.dumps({"type": "close"}))
+            events += [json.loads(m) async for m in ws]
+            return events, audio, ws.close_code
+
+    events, audio, code = run(two_contexts())
+    assert code == 1000 and events[0]["sample_rate"] == 16000 and events[-1]["type"] == "done"
+    for e in events[1:-1]:
+        assert e["context_id"] in {"a", "b"}, e
+    done = {e["context_id"]: e for e in events if e["type"] == "context.done"}
+    for cid in "ab":
+        assert done[cid]["frames"] == 5 and done[cid]["samples"] * 2 == len(audio[cid])
+        assert done[cid]["samples"] == pytest.approx(5 * 0.08 * 16000, abs=2)
+    assert events[-1]["contexts"] == 2 and events[-1]["frames"] == 10
+
+
+async def start_long_speech(ws, **context_id) -> int:
+    """Configure, append two sentences that speak for a while (two segments in flight: the
+    session's whole budget), return the first audio's bytes."""
+    await ws.send(json.dumps(CONFIG | {"max_frames": 200}))
+    await ws.send(json.dumps({"type": "input.append", "text": "A long sentence to speak. "
+                              "And a second one. ", **context_id}))  # fmt: skip
+    while not isinstance(msg := await ws.recv(), bytes):
+        pass
+    return len(msg)
+
+
+def test_clear_stops_a_context_at_once_and_counts_what_was_sent(server):
+    url, service = server
+
+    async def clear_midway():
+        async with connect(ws_url(url), max_size=None) as ws:
+            audio = await start_long_speech(ws, context_id="x")
+            await ws.send(json.dumps({"type": "clear", "context_id": "x"}))
+            while True:
+                msg = await ws.recv()
+                if isinstance(msg, bytes):
+                    audio += len(msg)
+                elif (event := json.loads(msg))["type"] == "cancelled":
+                    break
+            # the socket stays open and the cleared segments' budget is back: a new context speaks
+            await ws.send(json.dumps({"type": "input.append", "context_id": "y",
+                                      "text": "Next."}))  # fmt: skip
+            await ws.send(json.dumps({"type": "input.done"}))
+            rest = [json.loads(m) async for m in ws if isinstance(m, str)]
+            return event, audio, rest, ws.close_code
+
+    ack, audio, rest, code = run(clear_midway())
+    assert ack["context_id"] == "x" and ack["samples"] > 0 and ack["samples"] * 2 == audio
+    assert ack["frames"] == ack["samples"] // FRAME_SAMPLES and ack["chunks"] >= 1
+    assert rest[-1]["type"] == "done" and code == 1000
+    assert service.loop.wait_idle(10) and service.engine.free_slots() == 4
+
+
+def test_cancel_reports_the_audio_really_sent(server):
+    url, _ = server
+
+    async def cancel_after_audio():
+        async with connect(ws_url(url), max_size=None) as ws:
+            audio = await start_long_speech(ws)
+            await ws.send(json.dumps({"type": "cancel"}))
+            async for m in ws:
+                if isinstance(m, bytes):
+                    audio += len(m)
+                else:
+                    last = json.loads(m)
+            return last, audio
+
+    last, audio = run(cancel_after_audio())
+    assert last["cancelled"] and last["samples"] * 2 == audio > 0 and last["frames"] >= 1
+
+
+def test_a_three_segment_session_on_an_idle_server_is_never_cut(tiny_ckpt):
+    """Default admission (by measured capacity) on a shared 2-core CPU: the session is admitted
+    once; its later segments are continuations and are not refused."""
+    from ttsbuild.serve.config import ServeConfig
+
+    from .conftest import running_server
+
+    text = "One short sentence. Another short sentence. And a third one."
+    with running_server(tiny_ckpt, ServeConfig(), slots=2) as (url, _):
+        messages = [CONFIG | {"max_frames": 10}, {"type": "input.append", "text": text},
+                    {"type": "input.done"}]  # fmt: skip
+        events, audio, code = run(session(url, messages))
+    assert code == 1000 and events[-1]["type"] == "done", [e.get("segment", e) for e in events]
+    assert events[-1]["segments"] == 3 and len(audio) == events[-1]["samples"] * 2
+
+
+def test_a_session_in_mulaw_for_telephony(server):
+    url, _ = server
+    messages = [CONFIG | {"response_format": "mulaw"},
+                {"type": "input.append", "text": "Hello caller."},
+                {"type": "input.done"}]  # fmt: skip
+    events, audio, code = run(session(url, messages))
+    assert code == 1000 and events[0]["sample_rate"] == 8000 and events[0]["format"] == "mulaw"
+    from .test_formats import decode
+
+    pcm, rate = decode(audio, "mulaw")
+    assert rate == 8000 and len(pcm) == events[-1]["samples"] == pytest.approx(5 * 640, abs=2)

@@ -4,8 +4,11 @@ readiness and Prometheus metrics."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 import logging
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -13,40 +16,56 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ttsbuild.runtime.request import RequestError
-from ttsbuild.serve.audio import wav_header
-from ttsbuild.serve.config import SAMPLE_RATE
+from ttsbuild.serve.formats import FORMATS, AudioPipeline, whole_wav
 from ttsbuild.serve.schema import (
     ApiError,
     SpeechBody,
+    audio_format,
     parse_json,
-    speech_format,
     to_request,
     validate,
 )
 from ttsbuild.serve.service import SpeechService, StreamHandle
+from ttsbuild.serve.voices import registered_voice_entries
 from ttsbuild.serve.voices import router as voices_router
 from ttsbuild.serve.ws import WsSession
 
 log = logging.getLogger(__name__)
-MEDIA_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav"}
 
 
 class AudioStreamResponse(StreamingResponse):
     """A streamed body that closes its engine stream however the response ends: finished,
-    client gone before the first byte, or mid-body."""
+    client gone before the first byte, or mid-body. The body is the encoded audio itself, or
+    with stream_format "sse" OpenAI's events: speech.audio.delta (base64 audio) per chunk, then
+    speech.audio.done with the token usage."""
 
-    def __init__(self, handle: StreamHandle, fmt: str, headers: dict[str, str]):
+    def __init__(self, handle: StreamHandle, pipeline: AudioPipeline, headers: dict[str, str],
+                 sse_input_tokens: int | None = None):  # fmt: skip
         self.handle = handle
-        super().__init__(self._body(fmt), media_type=MEDIA_TYPES[fmt], headers=headers)
+        body = self._audio(pipeline)
+        media_type = pipeline.format.media_type
+        if sse_input_tokens is not None:
+            body, media_type = self._sse(body, sse_input_tokens), "text/event-stream"
+        super().__init__(body, media_type=media_type, headers=headers)
 
-    async def _body(self, fmt: str):
-        if fmt == "wav":
-            yield wav_header(None)
+    async def _audio(self, pipeline: AudioPipeline) -> AsyncIterator[bytes]:
         try:
-            async for pcm in self.handle.chunks():
-                yield pcm
+            async for data, _ in self.handle.encoded(pipeline):
+                if data:
+                    yield data
         except ApiError as exc:  # headers are out: all we can do is end the body early
             log.warning("stream %s failed mid-body: %s", self.handle.stream_id, exc.message)
+
+    async def _sse(self, audio: AsyncIterator[bytes], input_tokens: int) -> AsyncIterator[bytes]:
+        async for data in audio:
+            yield _sse_event({"type": "speech.audio.delta",
+                              "audio": base64.b64encode(data).decode()})  # fmt: skip
+        if self.handle.stats is None:
+            return  # failed mid-body (logged): no done event
+        frames = self.handle.stats["frames"]
+        usage = {"input_tokens": input_tokens, "output_tokens": frames,
+                 "total_tokens": input_tokens + frames}  # fmt: skip
+        yield _sse_event({"type": "speech.audio.done", "usage": usage})
 
     async def __call__(self, scope, receive, send) -> None:
         service = self.handle.service
@@ -56,6 +75,10 @@ class AudioStreamResponse(StreamingResponse):
         finally:
             service.metrics.streams.dec()
             self.handle.close()
+
+
+def _sse_event(event: dict) -> bytes:
+    return f"data: {json.dumps(event)}\n\n".encode()
 
 
 def create_app(service: SpeechService, warm_up: bool = True) -> FastAPI:
@@ -85,9 +108,11 @@ def create_app(service: SpeechService, warm_up: bool = True) -> FastAPI:
     async def speech(request: Request):
         try:
             body = validate(SpeechBody, parse_json(await _read_body(request, service), 1 << 62))
-            fmt = speech_format(body)
-            req = to_request(body, body.input, service.voices, service.languages,
-                             service.needs_voice)  # fmt: skip
+            fmt, rate = audio_format(body, "mp3")
+            sse = body.stream_format == "sse"
+            if sse and not body.stream:
+                raise ApiError(400, "stream_format 'sse' streams: drop stream: false", "stream")
+            req = to_request(body, body.input, service.catalog)
             handle = await service.open(req, body.chunk_schedule)
         except RequestError as exc:
             metrics.requests.labels("http", "invalid").inc()
@@ -97,16 +122,21 @@ def create_app(service: SpeechService, warm_up: bool = True) -> FastAPI:
                                     "invalid").inc()  # fmt: skip
             raise
         metrics.requests.labels("http", "ok").inc()
-        headers = {"x-sample-rate": str(SAMPLE_RATE), "x-seed": str(handle.seed)}
+        headers = {"x-sample-rate": str(rate), "x-seed": str(handle.seed)}
         if body.stream:
-            return AudioStreamResponse(handle, fmt, headers)
+            tokens = len(service.engine.models.tokenizer.encode(body.input)) if sse else None
+            return AudioStreamResponse(handle, AudioPipeline(fmt, rate, body.speed), headers,
+                                       tokens)  # fmt: skip
+        # The whole file: a WAV gets its sizes filled in, so it is encoded as PCM first.
+        pipeline = AudioPipeline(FORMATS["pcm"] if fmt.name == "wav" else fmt, rate, body.speed)
         try:
-            pcm = b"".join([chunk async for chunk in handle.chunks()])
+            data = b"".join([data async for data, _ in handle.encoded(pipeline)])
         finally:
             handle.close()
+        if fmt.name == "wav":
+            data = whole_wav(data, rate)
         headers["x-frames"] = str(handle.stats["frames"])
-        data = wav_header(len(pcm)) + pcm if fmt == "wav" else pcm
-        return Response(data, media_type=MEDIA_TYPES[fmt], headers=headers)
+        return Response(data, media_type=fmt.media_type, headers=headers)
 
     @app.websocket("/v1/audio/speech/ws")
     async def speech_ws(ws: WebSocket):
@@ -118,12 +148,27 @@ def create_app(service: SpeechService, warm_up: bool = True) -> FastAPI:
             metrics.streams.dec()
         metrics.requests.labels("ws", outcome).inc()
 
-    app.include_router(voices_router)  # GET/POST /v1/audio/voices, DELETE .../{name}
+    app.include_router(voices_router)  # POST /v1/audio/voices, DELETE .../{name}
 
+    @app.get("/v1/audio/voices")
     @app.get("/v1/voices")
     async def voices():
-        return {"voices": service.voices, "languages": service.languages,
-                "model": service.config.model_name}  # fmt: skip
+        cat = service._catalog  # the model's own voices; registered ones follow
+        listed = [{"id": v, "name": v, "speaker": v, "type": "builtin"} for v in cat.voices]
+        listed += [
+            {"id": a, "name": a, "speaker": v, "type": "alias"} for a, v in cat.aliases.items()
+        ]
+        listed += registered_voice_entries(service)
+        return {"voices": listed, "aliases": cat.aliases, "languages": cat.languages,
+                "model": service.config.model_name,
+                "instructions": cat.supports_instruct}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": service.config.model_name, "object": "model", "created": 0,
+             "owned_by": "ttsbuild"},
+        ]}  # fmt: skip
 
     @app.get("/health")
     async def health():

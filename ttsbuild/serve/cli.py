@@ -71,6 +71,10 @@ def serve(
         None, help="Base checkpoints: directory of registered voices (POST /v1/audio/voices), "
         "kept across restarts; without it registered voices live in memory only."
     ),  # fmt: skip
+    voice_alias: list[str] = typer.Option(
+        [], help="NAME=SPEAKER: OpenAI voice name -> model speaker, repeatable; replaces the "
+        "default map (alloy=serena, ash=ryan, ... see README)."
+    ),  # fmt: skip
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve a checkpoint: OpenAI-compatible streaming speech over HTTP and WebSocket."""
@@ -87,7 +91,15 @@ def serve(
     if checkpoint is not None and not checkpoint.is_dir():
         _err.print(f"[red]error:[/] {checkpoint} is not a directory")
         raise typer.Exit(2)
+    aliases = {} if voice_alias else None
+    for item in voice_alias:
+        name, _, speaker = item.partition("=")
+        if not name.strip() or not speaker.strip():
+            _err.print(f"[red]error:[/] --voice-alias wants NAME=SPEAKER, got {item!r}")
+            raise typer.Exit(2)
+        aliases[name] = speaker
     config = ServeConfig(
+        voice_aliases=aliases,
         scheduler=SchedulerConfig(
             profile=PROFILES[profile],
             num_slots=256,  # bounded by the engine's plan below
@@ -117,7 +129,11 @@ def serve(
         f"{'stand-in' if manifest.get('standin') else 'real weights'}) on {engine.device}; "
         f"{type(engine).__name__}; profile {profile.value}, {engine.num_slots} slots"
     )
-    service = SpeechService(engine, config)
+    try:
+        service = SpeechService(engine, config)
+    except ValueError as exc:  # a voice alias naming a speaker the model lacks
+        _err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
     uvicorn.run(create_app(service), host=host, port=port, log_level=log_level)
 
 

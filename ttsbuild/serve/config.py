@@ -36,6 +36,26 @@ PROFILES = {
     ProfileName.throughput: Profile(ProfileName.throughput, (25,), 0.1, 2.0, 0.2),
 }
 
+# OpenAI's voice names -> the CustomVoice speakers (every Qwen3-TTS CustomVoice checkpoint has
+# these nine), so unmodified OpenAI clients (default voices: alloy, ash) work. Chosen by the
+# voices' character: female OpenAI voices on serena / vivian / ono_anna / sohee, male ones on
+# ryan / aiden (the native English speakers) and eric / dylan. `--voice-alias` replaces it.
+DEFAULT_VOICE_ALIASES = {
+    "alloy": "serena",
+    "ash": "ryan",
+    "ballad": "aiden",
+    "cedar": "ryan",
+    "coral": "vivian",
+    "echo": "aiden",
+    "fable": "eric",
+    "marin": "serena",
+    "nova": "vivian",
+    "onyx": "dylan",
+    "sage": "ono_anna",
+    "shimmer": "sohee",
+    "verse": "aiden",
+}
+
 MAX_CHUNK_FRAMES = 48  # below the GPU engine's per-slot codec ring (64), bootstrap frame included
 
 
@@ -70,3 +90,7 @@ class ServeConfig:
     model_name: str = "qwen3-tts"
     # Base checkpoints: where registered voices live (None: in memory, lost at exit).
     voices_dir: str | None = None
+    # OpenAI voice name -> model speaker; None: DEFAULT_VOICE_ALIASES, less any speaker the
+    # model lacks. A map given here must name only the model's speakers (checked at startup).
+    voice_aliases: dict[str, str] | None = None
+    encode_workers: int = 2  # threads running the mp3/opus/aac/flac/G.711 encoders

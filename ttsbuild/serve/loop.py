@@ -139,11 +139,14 @@ class EngineLoop:
         chunk_schedule: Sequence[int] | None = None,
         trimmer=None,
         follows: int | None = None,
+        continuation: bool = False,
     ):
         if self.error is not None:
             raise Rejected(503, "engine_error", "the engine failed; see the server log")
         with self.lock:
-            stream = self.scheduler.submit(request, sink, chunk_schedule, trimmer, follows)
+            stream = self.scheduler.submit(
+                request, sink, chunk_schedule, trimmer, follows, continuation
+            )
         self.wake.set()
         return stream
 

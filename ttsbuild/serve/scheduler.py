@@ -128,6 +128,7 @@ class Stream:
     arrived_at: float
     follows: Stream | None = None  # plays after this stream's audio (cleared once it finished)
     plays_from: float | None = None  # ...that is, not before this time (set when it finished)
+    continuation: bool = False  # a later segment of an admitted session: never refused
     status: Status = Status.QUEUED
     slot: int | None = None
     seed: int | None = None
@@ -308,14 +309,18 @@ class Scheduler:
         chunk_schedule: Sequence[int] | None = None,
         trimmer: Trimmer | None = None,
         follows: int | None = None,
+        continuation: bool = False,
     ) -> Stream:
         """Queue a request, or raise Rejected at once. `follows`: the id of a stream whose
-        audio the client plays before this one's (the previous segment of a session)."""
+        audio the client plays before this one's (the previous segment of a session).
+        `continuation`: a later segment of an admitted session, never refused (see above)."""
         cfg = self.config
-        if len(self.queue) >= cfg.max_queue:
+        if continuation:
+            pass  # the session was admitted once for its whole text
+        elif len(self.queue) >= cfg.max_queue:
             self._reject("queue_full")
             raise Rejected(429, "queue_full", f"server busy: {len(self.queue)} requests queued")
-        if self.unsent_samples() > cfg.max_buffered_s * SAMPLE_RATE:
+        elif self.unsent_samples() > cfg.max_buffered_s * SAMPLE_RATE:
             self._reject("buffered_audio")
             raise Rejected(503, "buffered_audio", "server overloaded: too much audio unsent")
         now = self.clock()
@@ -329,8 +334,9 @@ class Scheduler:
             trimmer=trimmer,
             arrived_at=now,
             follows=self.streams.get(follows) if follows is not None else None,
+            continuation=continuation,
         )
-        refusal = self._capacity_refusal(stream, now)
+        refusal = None if continuation else self._capacity_refusal(stream, now)
         if refusal is not None:
             self._reject("capacity")
             raise Rejected(429, "capacity", f"server at capacity: {refusal}; try again shortly")
@@ -459,8 +465,11 @@ class Scheduler:
         capacity holds them, and one batch holds this turn's new rows."""
         cfg = self.config
         limit = min(cfg.num_slots - len(self.by_slot), cfg.max_batch - held_prefills)
-        demand, admit = self.demand(), []
-        for s in itertools.islice(self.queue, max(0, limit)):
+        # Continuations first, whatever the capacity: their session was admitted already.
+        admit = [s for s in self.queue if s.continuation][: max(0, limit)]
+        demand = self.demand() + sum(s.demand() for s in admit)
+        fresh = (s for s in self.queue if not s.continuation)
+        for s in itertools.islice(fresh, max(0, limit - len(admit))):
             capacity = self.capacity(now, len(self.by_slot) + len(admit) + 1)
             if not self._fits(demand, s.demand(), capacity):
                 break
@@ -645,8 +654,9 @@ class Scheduler:
 
     def _expire_queue(self, now: float) -> None:
         timeout = self.config.queue_timeout_s
-        while self.queue and now - self.queue[0].arrived_at > timeout:
-            s = self.queue.popleft()
+        expired = [s for s in self.queue if not s.continuation and now - s.arrived_at > timeout]
+        for s in expired:
+            self.queue.remove(s)
             s.status = Status.FAILED
             if len(self.by_slot) >= self.config.num_slots:
                 reason, why = "no_slot", f"no engine slot freed within {timeout:g} s"

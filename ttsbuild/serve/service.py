@@ -1,5 +1,5 @@
-"""The composition root: engine + scheduler + engine thread + metrics, and the async handle
-through which a request handler receives its stream's events."""
+"""The composition root: engine + scheduler + engine thread + metrics + encoder threads, and the
+async handle through which a request handler receives its stream's events and audio."""
 
 from __future__ import annotations
 
@@ -7,18 +7,21 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from ttsbuild.generation.prompt import VoiceClone
 from ttsbuild.runtime.request import RequestError, SynthesisRequest
-from ttsbuild.serve.audio import SilenceTrimmer, pcm16
-from ttsbuild.serve.config import FRAME_SAMPLES, ServeConfig
+from ttsbuild.serve.audio import SilenceTrimmer
+from ttsbuild.serve.config import DEFAULT_VOICE_ALIASES, FRAME_SAMPLES, ServeConfig
+from ttsbuild.serve.formats import AudioPipeline
 from ttsbuild.serve.loop import Engine, EngineLoop, Runner
 from ttsbuild.serve.metrics import ServeMetrics
 from ttsbuild.serve.scheduler import Admitted, Chunk, Done, Event, Failed, Rejected, Scheduler
-from ttsbuild.serve.schema import ApiError
+from ttsbuild.serve.schema import ApiError, Catalog
 from ttsbuild.voices.store import VoiceStore
 
 log = logging.getLogger(__name__)
@@ -37,9 +40,7 @@ class StreamHandle:
         self.closed = False
 
     def sink(self, event: Event) -> None:
-        """Called on the engine thread: encode off the event loop, then hand over."""
-        if isinstance(event, Chunk):
-            event = Chunk(event.seq, pcm16(event.pcm))
+        """Called on the engine thread: only hand over (encoding is the consumer's work)."""
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def admitted(self) -> None:
@@ -50,18 +51,31 @@ class StreamHandle:
         assert isinstance(event, Admitted), event
         self.seed = event.seed
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """PCM16 chunks until the stream ends; each one acked once the caller resumes us."""
+    async def chunks(self) -> AsyncIterator[np.ndarray]:
+        """float32 24 kHz chunks until the stream ends; each one acked once the caller resumes
+        us (it has been sent)."""
         while True:
             event = await self.queue.get()
             if isinstance(event, Chunk):
                 yield event.pcm
-                self.service.loop.ack(self.stream_id, len(event.pcm) // 2)
+                self.service.loop.ack(self.stream_id, len(event.pcm))
             elif isinstance(event, Done):
                 self.stats = event.stats
                 return
             elif isinstance(event, Failed):
                 raise ApiError(event.status, event.message, code=event.reason)
+
+    async def encoded(
+        self, pipeline: AudioPipeline, finish: bool = True
+    ) -> AsyncIterator[tuple[bytes, int]]:
+        """(bytes to send, engine samples they came from) per chunk, then (finish) the
+        encoder's tail with 0 samples. Codecs run on the service's encoder threads."""
+        encode = self.service.encoder(pipeline)
+        async for pcm in self.chunks():
+            data = await encode(pipeline.push, pcm)
+            yield data, len(pcm)
+        if finish:
+            yield await encode(pipeline.finish), 0
 
     def close(self) -> None:
         if not self.closed and self.stream_id is not None:
@@ -87,6 +101,7 @@ class SpeechService:
         self.voice_store: VoiceStore | None = None
         if models.voice_encoder is not None:
             self.voice_store = VoiceStore(config.voices_dir, models.voice_encoder.x_vector_size)
+        self._catalog = _catalog(models, config.voice_aliases)
         self.standin = models.manifest.get("standin") is not None
         drop = config.drop_bootstrap_frame
         self.drop_bootstrap = (not self.standin) if drop is None else drop
@@ -105,12 +120,21 @@ class SpeechService:
         self.loop = EngineLoop(self.scheduler, Runner(engine, RequestError))
         self.ready = False
         self.event_loop: asyncio.AbstractEventLoop | None = None
+        self.encode_pool = ThreadPoolExecutor(config.encode_workers, "encode")
 
     @property
     def voices(self) -> list[str]:
         """Every voice a request may name: the model's own, then the registered ones."""
         registered = self.voice_store.names() if self.voice_store is not None else []
         return [*self.builtin_voices, *registered]
+
+    @property
+    def catalog(self) -> Catalog:
+        """What requests are checked against: the startup catalog, plus registered voices."""
+        registered = self.voice_store.names() if self.voice_store is not None else []
+        if not registered:
+            return self._catalog
+        return replace(self._catalog, voices=[*self._catalog.voices, *registered])
 
     def with_clone(self, request: SynthesisRequest) -> SynthesisRequest:
         """A request naming a registered voice, with that voice's prompt attached."""
@@ -128,6 +152,22 @@ class SpeechService:
 
     def stop(self) -> None:
         self.loop.stop()
+        self.encode_pool.shutdown(wait=False, cancel_futures=True)
+
+    def encoder(self, pipeline: AudioPipeline):
+        """How to run one pipeline step: in place for PCM (a cast), on an encoder thread for a
+        codec (milliseconds: the event loop must not stall every other stream meanwhile)."""
+        if not pipeline.format.is_codec:
+
+            async def inline(fn, *args):
+                return fn(*args)
+
+            return inline
+
+        async def threaded(fn, *args):
+            return await asyncio.get_running_loop().run_in_executor(self.encode_pool, fn, *args)
+
+        return threaded
 
     def chunk_schedule(self, requested: list[int] | None) -> tuple[int, ...]:
         schedule = tuple(requested or self.config.scheduler.profile.chunk_schedule)
@@ -149,15 +189,18 @@ class SpeechService:
         request: SynthesisRequest,
         chunk_schedule: list[int] | None = None,
         follows: StreamHandle | None = None,
-    ):
+        continuation: bool = False,
+    ) -> StreamHandle:
         """Queue a request without waiting; events (Admitted first) arrive on the handle.
         `follows`: the handle whose audio the client plays before this one's (the previous
-        segment of a session): this one's chunks are due by that playback, not by their own."""
+        segment of a session): this one's chunks are due by that playback, not by their own.
+        `continuation`: a later segment of an admitted WebSocket session (never refused)."""
         handle = StreamHandle(self, asyncio.get_running_loop())
         try:
             stream = self.loop.submit(
                 self.with_clone(request), handle.sink, self.chunk_schedule(chunk_schedule),
                 self._trimmer(), follows.stream_id if follows is not None else None,
+                continuation,
             )  # fmt: skip
         except Rejected as exc:
             raise ApiError(exc.status, exc.message, code=exc.reason,
@@ -183,11 +226,12 @@ class SpeechService:
         clone = None
         if self.voice_store is not None:  # no voice need be registered yet: a neutral one
             clone = VoiceClone(torch.zeros(models.voice_encoder.x_vector_size))
+        catalog = self.catalog
 
         async def one(max_frames: int) -> dict | None:
             request = SynthesisRequest(
                 text=self.config.warmup_text,
-                voice=self.builtin_voices[0] if self.builtin_voices and self.needs_voice else None,
+                voice=catalog.voices[0] if catalog.voices and catalog.needs_voice else None,
                 seed=0,
                 max_frames=max_frames,
                 clone=clone,
@@ -203,6 +247,26 @@ class SpeechService:
         stats = await asyncio.gather(one(4), one(8))
         self.ready = True
         log.info("warm-up done: %s", stats)
+
+
+def _catalog(models, aliases: dict[str, str] | None) -> Catalog:
+    cfg = models.cfg
+    voices = [] if cfg.tts_model_type == "voice_design" else list(models.voices)
+    if aliases is None:
+        aliases = {k: v for k, v in DEFAULT_VOICE_ALIASES.items() if v in voices}
+    else:
+        aliases = {k.strip().lower(): v.strip().lower() for k, v in aliases.items()}
+        if voices and (bad := sorted(v for v in aliases.values() if v not in voices)):
+            raise ValueError(f"voice aliases name unknown speakers {bad}; known: {voices}")
+        if clash := sorted(set(aliases) & set(voices)):
+            raise ValueError(f"voice aliases shadow the model's speakers {clash}")
+    return Catalog(
+        voices=voices,
+        aliases=aliases if voices else {},
+        languages=list(models.languages),
+        needs_voice=cfg.tts_model_type in ("custom_voice", "base"),
+        supports_instruct=cfg.supports_instruct and cfg.tts_model_type != "base",
+    )
 
 
 def _error_type(status: int) -> str:

@@ -35,19 +35,9 @@ router = APIRouter()
 _encoding = threading.Lock()
 
 
-def builtin_voice_entries(service) -> list[dict]:
-    return [{"id": v, "name": v, "type": "builtin"} for v in service.builtin_voices]
-
-
 def registered_voice_entries(service) -> list[dict]:
     store = service.voice_store
     return [r.info() for r in store.records()] if store is not None else []
-
-
-@router.get("/v1/audio/voices")
-async def list_voices(request: Request):
-    service = request.app.state.service
-    return {"voices": builtin_voice_entries(service) + registered_voice_entries(service)}
 
 
 @router.post("/v1/audio/voices")
