@@ -20,6 +20,15 @@ import torch
 
 from ttsbuild.convert.checkpoint import Checkpoint
 from ttsbuild.generation.generate import GenerationParams, LengthRule, ReferenceModel
+from ttsbuild.generation.guards import (
+    GuardConfig,
+    GuardState,
+    StopCode,
+    StopReason,
+    frame_stop_codes,
+    observe_audio,
+    text_frame_budget,
+)
 from ttsbuild.generation.prompt import (
     ROLE_LEN,
     TAIL_LEN,
@@ -152,12 +161,15 @@ class AdmissionPlan:
 
     prompt: Prompt
     params: GenerationParams
-    frame_limit: int  # stop after this many frames (EOS may stop a real checkpoint sooner)
+    frame_limit: int  # stop after this many frames (EOS or a guard may stop sooner)
+    limit_reason: StopReason  # what frame_limit is: text budget, length rule or max frames
     by_length_rule: bool  # a stand-in: the limit is its length rule and EOS is never sampled
     seed: int
 
 
-def plan_admission(models: Models, req: SynthesisRequest, max_len: int) -> AdmissionPlan:
+def plan_admission(
+    models: Models, req: SynthesisRequest, max_len: int, guards: GuardConfig = GuardConfig()
+) -> AdmissionPlan:
     """Tokenize and lay out the prompt, resolve sampling, and fix how many frames the request
     may generate within `max_len` positions. Raises RequestError (the client's fault)."""
     spec = models.prompt_spec(req)
@@ -168,20 +180,36 @@ def plan_admission(models: Models, req: SynthesisRequest, max_len: int) -> Admis
         raise RequestError(str(exc)) from None
     n_prompt = prompt.embeds.shape[0]
     rule = models.length_rule
-    limit = params.max_frames
-    if rule is not None:
-        limit = rule.frames_for(len(spec.text_ids) - ROLE_LEN - TAIL_LEN)
-        if req.max_frames is not None:
-            limit = min(limit, req.max_frames)
+    limit, reason = frame_limit(models, req, params, guards)
     if n_prompt + limit > max_len:
         if rule is not None or req.max_frames is not None:
             raise RequestError(
                 f"prompt ({n_prompt} positions) + {limit} frames exceeds the engine's "
                 f"context of {max_len}"
             )
-        limit = max_len - n_prompt  # a real checkpoint: stop at the context if EOS is late
+        # a real checkpoint: stop at the context if EOS is late
+        limit, reason = max_len - n_prompt, StopReason.MAX_FRAMES
     seed = req.seed if req.seed is not None else secrets.randbits(63)
-    return AdmissionPlan(prompt, params, limit, rule is not None, seed)
+    return AdmissionPlan(prompt, params, limit, reason, rule is not None, seed)
+
+
+def frame_limit(
+    models: Models, req: SynthesisRequest, params: GenerationParams, guards: GuardConfig
+) -> tuple[int, StopReason]:
+    """The request's frame limit and what it is, before the engine's context is considered.
+
+    A stand-in speaks for its length rule. A request's own max_frames replaces the text budget
+    (the client's override, capped by the checkpoint's max_new_tokens in `params`); otherwise
+    the text budget applies when it is below that cap."""
+    rule = models.length_rule
+    candidates = [(params.max_frames, StopReason.MAX_FRAMES)]
+    if guards.text_budget and (rule is not None or req.max_frames is None):
+        budget = text_frame_budget(req.text, req.language, guards)
+        candidates.append((budget, StopReason.TEXT_BUDGET))
+    if rule is not None:
+        candidates.append((rule.frames_for(req.text, req.language), StopReason.LENGTH_RULE))
+    # On a tie the later (more specific) reason wins: the length rule, then the budget.
+    return min(reversed(candidates), key=lambda c: c[0])
 
 
 @dataclass
@@ -190,7 +218,8 @@ class SlotState:
     prompt: Prompt
     params: GenerationParams
     seed: int
-    frame_target: int | None  # stand-in length rule, else None
+    limit_reason: StopReason  # why params.max_frames ends the request when reached
+    eos_banned: bool  # a stand-in: its length rule decides, EOS is never sampled
     position: int = 0  # next talker position
     frames: list[torch.Tensor] = field(default_factory=list)  # [groups] each
     decoded_frames: int = 0  # frames already turned into audio
@@ -211,12 +240,20 @@ class FrameOutput:
 class EagerEngine:
     """The reference implementation of the engine API (eager PyTorch, CPU or GPU)."""
 
-    def __init__(self, models: Models, num_slots: int = 8, max_len: int = 2048):
+    def __init__(
+        self,
+        models: Models,
+        num_slots: int = 8,
+        max_len: int = 2048,
+        guards: GuardConfig | None = None,
+    ):
         self.models = models
         self.num_slots = num_slots
         self.max_len = max_len
+        self.guards = guards or GuardConfig()
         self.ref = ReferenceModel(models.talker, models.code_predictor, num_slots, max_len)
         self.device = self.ref.device
+        self.guard_state = GuardState.zeros(num_slots, self.guards, self.device)
         self.slots: dict[int, SlotState] = {}
         self._codec_streams: dict[int, CodecStream] = {}
 
@@ -226,15 +263,17 @@ class EagerEngine:
 
     def admit(self, req: SynthesisRequest) -> int:
         """Validate and tokenize `req`, claim a slot. Raises RequestError or NoFreeSlot."""
-        plan = plan_admission(self.models, req, self.max_len)
+        plan = plan_admission(self.models, req, self.max_len, self.guards)
         free = [s for s in range(self.num_slots) if s not in self.slots]
         if not free:
             raise NoFreeSlot(f"all {self.num_slots} slots are busy")
         slot = free[0]
-        target = plan.frame_limit if plan.by_length_rule else None
         params = replace(plan.params, max_frames=plan.frame_limit)
-        self.slots[slot] = SlotState(req, plan.prompt, params, plan.seed, target)
+        self.slots[slot] = SlotState(
+            req, plan.prompt, params, plan.seed, plan.limit_reason, plan.by_length_rule
+        )
         self._codec_streams[slot] = CodecStream(self.models.codec, 1)
+        self.guard_state.reset([slot])
         return slot
 
     def release(self, slot: int) -> None:
@@ -268,10 +307,7 @@ class EagerEngine:
         seeds = torch.tensor([st.seed for st in states], dtype=torch.int64, device=dev)
         frame_idx = torch.tensor([len(st.frames) for st in states], device=dev)
         eos_allowed = torch.tensor(
-            [
-                len(st.frames) >= st.params.min_new_tokens and st.frame_target is None
-                for st in states
-            ],
+            [len(st.frames) >= st.params.min_new_tokens and not st.eos_banned for st in states],
             device=dev,
         )
         talker_sampling = SamplingBatch.from_params([st.params.talker for st in states], dev)
@@ -288,18 +324,17 @@ class EagerEngine:
         codes = ref.complete_frames(
             torch.stack([st.hidden for st in states]), c0, cp_sampling, seeds, frame_idx
         )
+        stops = frame_stop_codes(self.guard_state, self.guards, rows, c0, cfg.codec_ids.eos)
         out, continuing = [], []
-        for j, (slot, st) in enumerate(zip(slots, states, strict=True)):
+        for j, (slot, st, stop) in enumerate(zip(slots, states, stops.tolist(), strict=True)):
             st.history[c0[j]] = True
-            if int(c0[j]) == cfg.codec_ids.eos:
-                st.finished, st.stopped_by = True, "eos"
+            if stop != StopCode.CONTINUE:  # the stopping frame is dropped
+                st.finished, st.stopped_by = True, StopCode(stop).reason
                 out.append(FrameOutput(slot, None, True))
                 continue
             st.frames.append(codes[j])
-            limit = st.frame_target if st.frame_target is not None else st.params.max_frames
-            if len(st.frames) >= limit:
-                st.finished = True
-                st.stopped_by = "length_rule" if st.frame_target is not None else "max_frames"
+            if len(st.frames) >= st.params.max_frames:
+                st.finished, st.stopped_by = True, st.limit_reason
             else:
                 continuing.append(j)
             out.append(FrameOutput(slot, codes[j], st.finished))
@@ -331,6 +366,9 @@ class EagerEngine:
             codes = torch.stack(st.frames[st.decoded_frames : end], dim=1)[None]  # [1, G, n]
             wav = self._codec_streams[slot].step(codes.to(self.device))
             st.decoded_frames = end
+            if self.guards.silence:
+                rows = torch.tensor([slot], device=self.device)
+                observe_audio(self.guard_state, self.guards, rows, wav[:, 0])
             pcm[slot] = wav[0, 0].float().cpu().numpy()
         return pcm
 

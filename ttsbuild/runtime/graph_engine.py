@@ -12,7 +12,8 @@ Stages (graphs captured at load, replayed with the slots copied into a static in
             next talker step, for B rows: one graph per batch bucket; codes go straight
             into the ring the codec reads)
   codec    (n frames for B rows: gathers the rows' codec state, steps, scatters it back)
-The host reads back only the frame's codes (for the EOS check and the caller) and the PCM.
+The host reads back only the frame's codes with its stop code (EOS or a guard, see
+`ttsbuild.generation.guards`) in one copy, and the PCM.
 Without CUDA (or with use_graphs=False) the same functions run eagerly: that is the path
 CI checks against the reference engine.
 """
@@ -26,6 +27,14 @@ import numpy as np
 import torch
 
 from ttsbuild.generation.generate import codebook0_logits_mask
+from ttsbuild.generation.guards import (
+    GuardConfig,
+    GuardState,
+    StopCode,
+    StopReason,
+    frame_stop_codes,
+    observe_audio,
+)
 from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.model.codec import CodecStream
 from ttsbuild.plugins.sampling import fused_sample
@@ -76,19 +85,22 @@ class HostSlot:
     request: SynthesisRequest
     seed: int
     frame_limit: int
-    is_standin_rule: bool
+    limit_reason: StopReason  # why frame_limit ends the request when reached
     frames: int = 0
     decoded: int = 0
     finished: bool = False
-    stopped_by: str | None = None
+    stopped_by: StopReason | None = None
 
 
 class GraphEngine:
     """Engine API (admit / prefill / frames / audio / release) over slot-indexed buffers."""
 
-    def __init__(self, models: Models, rcfg: RuntimeConfig | None = None):
+    def __init__(
+        self, models: Models, rcfg: RuntimeConfig | None = None, guards: GuardConfig | None = None
+    ):
         rcfg = rcfg or RuntimeConfig()
         self.models, self.rcfg = models, rcfg
+        self.guards = guards or GuardConfig()
         cfg = self.cfg = models.cfg
         talker, cp = models.talker, models.code_predictor
         dev = self.device = talker.codec_head.weight.device
@@ -146,6 +158,7 @@ class GraphEngine:
         self.text_len = zeros(S, dtype=torch.int64)
         self.codes = zeros(S, G, rcfg.codec_ring, dtype=torch.int64)
         self.decoded = zeros(S, dtype=torch.int64)
+        self.guard_state = GuardState.zeros(S, self.guards, dev)
         self.suppressed = codebook0_logits_mask(cfg, V, dev)
         self.true = torch.ones((), dtype=torch.bool, device=dev)
         self.eos_onehot = torch.zeros(V, dtype=torch.bool, device=dev)
@@ -159,7 +172,7 @@ class GraphEngine:
 
         # -- static I/O of the graphs -----------------------------------------------------
         self.rows_in = torch.full((bmax,), self.scratch, dtype=torch.int64, device=dev)
-        self.codes_out = zeros(bmax, G, dtype=torch.int64)
+        self.frame_out = zeros(bmax, G + 1, dtype=torch.int64)  # codes, then the StopCode
         maxc = max(rcfg.codec_chunks)
         self.pcm_out = zeros(bmax, maxc * SAMPLES_PER_FRAME)
         pmax = rcfg.prefill_buckets[-1]
@@ -199,8 +212,9 @@ class GraphEngine:
                 )
         return torch.stack(codes, dim=1)
 
-    def _frame_body(self, rows: torch.Tensor) -> torch.Tensor:
-        """One frame for `rows` (slots): returns the codes [B, G] (also left in the ring)."""
+    def _frame_body(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame for `rows` (slots): returns the codes [B, G] (also left in the ring) and
+        each row's StopCode [B]."""
         G = self.cfg.num_code_groups
         fi, seeds = self.frame_idx[rows], self.seed[rows]
         tsamp = self.talker_sampling.select(rows)
@@ -214,6 +228,7 @@ class GraphEngine:
             self.hidden[rows], c0, self.cp_sampling.select(rows), seeds, fi
         )
         self.history.index_put_((rows, c0), self.true)  # a device scalar: no host copy
+        stop = frame_stop_codes(self.guard_state, self.guards, rows, c0, self.cfg.codec_ids.eos)
         self.codes[rows, :, fi % self.rcfg.codec_ring] = codes
         self.frame_idx[rows] = fi + 1
 
@@ -227,7 +242,7 @@ class GraphEngine:
         self.hidden[rows] = h
         self.logits[rows] = self.codec_head(h).float()
         self.position[rows] = pos + 1
-        return codes
+        return codes, stop
 
     def _prefill_body(self, length: int) -> None:
         slot = self.prefill_slot
@@ -251,6 +266,8 @@ class GraphEngine:
         for w, s in zip(work.tensors(), store.tensors(), strict=True):
             s[rows] = w
         self.decoded[rows] += n
+        if self.guards.silence:
+            observe_audio(self.guard_state, self.guards, rows, wav[:, 0])
         return wav[:, 0]
 
     # -- graphs ----------------------------------------------------------------------------
@@ -260,9 +277,9 @@ class GraphEngine:
         r = self.rcfg
         for b in r.batch_buckets:
             rows = self.rows_in[:b]
-            out = self.codes_out[:b]
             self.graphs[("frame", b)] = _capture(
-                lambda rows=rows, out=out: out.copy_(self._frame_body(rows)), pool
+                lambda rows=rows, out=self.frame_out[:b]: _write_frame(out, *self._frame_body(rows)),
+                pool,
             )
             for n in r.codec_chunks:
                 pcm = self.pcm_out[:b, : n * SAMPLES_PER_FRAME]
@@ -287,7 +304,7 @@ class GraphEngine:
         return self.num_slots - len(self.host)
 
     def admit(self, req: SynthesisRequest) -> int:
-        plan = plan_admission(self.models, req, self.max_len)
+        plan = plan_admission(self.models, req, self.max_len, self.guards)
         prompt, params = plan.prompt, plan.params
         n_prompt, n_text = prompt.embeds.shape[0], prompt.trailing_text.shape[0]
         if n_text > self.rcfg.max_text:
@@ -299,7 +316,7 @@ class GraphEngine:
             raise NoFreeSlot(f"all {self.num_slots} slots are busy")
         slot = free[0]
         seed = plan.seed
-        self.host[slot] = HostSlot(req, seed, plan.frame_limit, plan.by_length_rule)
+        self.host[slot] = HostSlot(req, seed, plan.frame_limit, plan.limit_reason)
 
         dev = self.device
         self.position[slot] = n_prompt
@@ -313,6 +330,7 @@ class GraphEngine:
         self.text_track[slot, :n_text] = prompt.trailing_text.to(self.dtype)
         self.text_len[slot] = n_text
         self.codec_store.reset([slot])
+        self.guard_state.reset([slot])
         self.pending_prompts[slot] = prompt.embeds
         return slot
 
@@ -356,23 +374,24 @@ class GraphEngine:
             self.rows_in[:B] = torch.tensor(slots, device=self.device)
             self.rows_in[B:bucket] = self.scratch
             self.graphs[("frame", bucket)].replay()
-            codes = self.codes_out[:B].cpu()
+            out = self.frame_out[:B].cpu()  # the step's only host copy: codes and stop codes
         else:
-            codes = self._frame_body(torch.tensor(slots, device=self.device)).cpu()
-        out = []
-        eos = self.cfg.codec_ids.eos
-        for j, slot in enumerate(slots):
-            st = self.host[slot]
-            if int(codes[j, 0]) == eos:
-                st.finished, st.stopped_by = True, "eos"
-                out.append(FrameOutput(slot, None, True))
-                continue
-            st.frames += 1
-            if st.frames >= st.frame_limit:
-                st.finished = True
-                st.stopped_by = "length_rule" if st.is_standin_rule else "max_frames"
-            out.append(FrameOutput(slot, codes[j], st.finished))
-        return out
+            out = _write_frame(
+                self.frame_out[:B], *self._frame_body(torch.tensor(slots, device=self.device))
+            ).cpu()
+        return [self._commit_frame(slot, row) for slot, row in zip(slots, out, strict=True)]
+
+    def _commit_frame(self, slot: int, row: torch.Tensor) -> FrameOutput:
+        """Host bookkeeping of one row's frame: [G codes, StopCode]."""
+        st = self.host[slot]
+        stop = StopCode(int(row[-1]))
+        if stop is not StopCode.CONTINUE:  # the stopping frame is dropped
+            st.finished, st.stopped_by = True, stop.reason
+            return FrameOutput(slot, None, True)
+        st.frames += 1
+        if st.frames >= st.frame_limit:
+            st.finished, st.stopped_by = True, st.limit_reason
+        return FrameOutput(slot, row[:-1], st.finished)
 
     @torch.no_grad()
     def audio(self, slots: list[int], max_frames: int | None = None) -> dict[int, np.ndarray]:
@@ -453,6 +472,13 @@ def _set_sampling(buf: SamplingBatch, slot: int, params, dev) -> None:
     buf.top_k[slot] = params.top_k
     buf.top_p[slot] = params.top_p
     buf.repetition_penalty[slot] = params.repetition_penalty
+
+
+def _write_frame(out: torch.Tensor, codes: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """Pack a frame step's results into one buffer so the host copies them back at once."""
+    out[:, :-1] = codes
+    out[:, -1] = stop
+    return out
 
 
 def _capture(fn, pool) -> torch.cuda.CUDAGraph:
