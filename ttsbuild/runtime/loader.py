@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from ttsbuild.generation.guards import GuardConfig
 from ttsbuild.runtime.artifact import load_models
 from ttsbuild.runtime.engine import EagerEngine
 
@@ -42,13 +43,15 @@ def open_engine(
     kind: str = "auto",
     precision: str | None = None,
     random_variant: str | None = None,
+    guards: GuardConfig | None = None,
 ):
     """Load `path` into an engine with `num_slots` slots (or, for benchmarks, in-memory
     random weights of `random_variant`, e.g. "1.7b-customvoice", when path is None).
 
     kind: "graph" (slot buffers + CUDA graphs: the fast path), "eager" (the reference
     modules), or "auto" (graph on CUDA, eager on CPU). precision (graph engines): "bf16" or
-    "fp8"; default: what a compiled engine's manifest says, bf16 for a checkpoint."""
+    "fp8"; default: what a compiled engine's manifest says, bf16 for a checkpoint. guards:
+    the stopping guards (default: all on, `GuardConfig()`)."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = resolve_device(device)
@@ -63,7 +66,7 @@ def open_engine(
     if kind == "auto":
         kind = "graph" if device.type == "cuda" else "eager"
     if kind == "eager":
-        return EagerEngine(models, num_slots=num_slots, max_len=max_len)
+        return EagerEngine(models, num_slots=num_slots, max_len=max_len, guards=guards)
 
     from ttsbuild.runtime.graph_engine import GraphEngine, RuntimeConfig
 
@@ -83,4 +86,4 @@ def open_engine(
     rcfg = RuntimeConfig(
         num_slots=num_slots, max_len=max_len, batch_buckets=buckets, precision=precision
     )
-    return GraphEngine(models, rcfg)
+    return GraphEngine(models, rcfg, guards)

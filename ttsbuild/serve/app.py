@@ -104,6 +104,9 @@ def create_app(service: SpeechService, warm_up: bool = True) -> FastAPI:
         finally:
             handle.close()
         headers["x-frames"] = str(handle.stats["frames"])
+        # Why generation ended (guards.StopReason). A streamed body's headers leave before
+        # that is known (uvicorn sends no HTTP trailers): /metrics counts it for every request.
+        headers["x-stop-reason"] = str(handle.stats.get("stopped_by"))
         data = wav_header(len(pcm)) + pcm if fmt == "wav" else pcm
         return Response(data, media_type=MEDIA_TYPES[fmt], headers=headers)
 

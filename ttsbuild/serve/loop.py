@@ -30,6 +30,7 @@ class Engine(Protocol):
     def release(self, slot: int) -> None: ...
     def free_slots(self) -> int: ...
     def seed_of(self, slot: int) -> int: ...
+    def stopped_by(self, slot: int) -> str | None: ...  # why generation ended (guards.StopReason)
 
 
 class Runner:
@@ -57,6 +58,8 @@ class Runner:
         elif plan.stage is Stage.FRAMES:
             for out in engine.frames(plan.slots):
                 result.frames[out.slot] = (out.codes is not None, out.finished)
+                if out.finished:
+                    result.stopped_by[out.slot] = str(engine.stopped_by(out.slot))
         elif plan.stage is Stage.AUDIO:
             result.pcm = engine.audio(plan.slots)
         result.elapsed_s = clock() - start

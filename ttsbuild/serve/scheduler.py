@@ -113,6 +113,7 @@ class Stream:
     frames: int = 0  # generated
     decoded: int = 0  # turned into audio
     generation_done: bool = False
+    stopped_by: str | None = None  # the engine's reason generation ended (guards.StopReason)
     audio_steps: int = 0  # codec calls so far: indexes the chunk schedule
     chunks_sent: int = 0
     samples_sent: int = 0
@@ -154,6 +155,7 @@ class StepResult:
     admitted: dict[int, int | str] = field(default_factory=dict)  # stream id -> slot | error
     seeds: dict[int, int] = field(default_factory=dict)  # stream id -> seed drawn at admission
     frames: dict[int, tuple[bool, bool]] = field(default_factory=dict)  # slot -> (new, finished)
+    stopped_by: dict[int, str] = field(default_factory=dict)  # finished slot -> stop reason
     pcm: dict[int, Sequence[float]] = field(default_factory=dict)  # slot -> audio
     elapsed_s: float = 0.0  # the stage call alone
 
@@ -166,6 +168,7 @@ class Observer(Protocol):
     def on_first_audio(self, ttfa_s: float) -> None: ...
     def on_chunk(self, lateness_s: float) -> None: ...
     def on_reject(self, reason: str) -> None: ...
+    def on_stop(self, reason: str) -> None: ...
 
 
 class NullObserver:
@@ -174,6 +177,7 @@ class NullObserver:
     def on_first_audio(self, ttfa_s: float) -> None: ...
     def on_chunk(self, lateness_s: float) -> None: ...
     def on_reject(self, reason: str) -> None: ...
+    def on_stop(self, reason: str) -> None: ...
 
 
 class Scheduler:
@@ -244,6 +248,8 @@ class Scheduler:
         if stream.status is Status.QUEUED:
             self.queue.remove(stream)
         if stream.status in LIVE:
+            if stream.status is not Status.QUEUED:  # it was generating: a stop reason
+                self.observer.on_stop(CANCEL)
             stream.status = Status.CANCELLED
             self._free_slot(stream)
 
@@ -377,6 +383,8 @@ class Scheduler:
                 new, finished = result.frames[slot]
                 s.frames += new
                 s.generation_done = finished
+                if finished:
+                    s.stopped_by = result.stopped_by.get(slot)
                 new_frames += new
             else:
                 self._commit_audio(s, result.pcm[slot], now)
@@ -414,6 +422,8 @@ class Scheduler:
     def _finish(self, s: Stream, now: float) -> None:
         s.status = Status.FINISHED
         self._free_slot(s)
+        if s.stopped_by is not None:
+            self.observer.on_stop(s.stopped_by)
         ttfa = None if s.first_audio_at is None else s.first_audio_at - s.arrived_at
         stats = {
             "frames": s.frames,
@@ -421,6 +431,7 @@ class Scheduler:
             "samples": s.samples_sent,
             "audio_seconds": s.samples_sent / SAMPLE_RATE,
             "seed": s.seed,
+            "stopped_by": s.stopped_by,
             "queue_ms": 1000 * ((s.admitted_at or now) - s.arrived_at),
             "ttfa_ms": None if ttfa is None else 1000 * ttfa,
             "total_ms": 1000 * (now - s.arrived_at),
@@ -451,4 +462,5 @@ class Scheduler:
         self.observer.on_reject(reason)
 
 
+CANCEL = "cancel"  # guards.StopReason.CANCEL (this module stays free of torch imports)
 CLASS_ORDER = {"deadline": 0, "first-audio": 1, "soon": 2, "round-robin": 3}

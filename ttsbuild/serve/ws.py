@@ -8,7 +8,8 @@ client -> server (JSON text messages)
 server -> client
   {"type": "started", "sample_rate": 24000, "format": "pcm_s16le", "channels": 1}
   {"type": "chunk", "seq", "samples", "segment"} followed by that chunk as a binary PCM16 message
-  {"type": "done", "frames", "audio_seconds", "ttfa_ms", "segments", "seeds", ...}  then close
+  {"type": "done", "frames", "audio_seconds", "ttfa_ms", "segments", "seeds", "stop_reasons",
+   ...}                                                                              then close
   {"type": "error", "message"}                                                      then close
 
 Synthesis starts before the text is complete: the Segmenter cuts appended text at sentence or
@@ -245,6 +246,7 @@ class WsSession:
             "ttfa_ms": ttfa,  # first input.append -> first audio sent
             "segments": len(segs),
             "seeds": [s["seed"] for s in segs],
+            "stop_reasons": [s.get("stopped_by") for s in segs],  # per segment (guards)
         }
 
     async def _send_quietly(self, event: dict) -> None:
