@@ -119,7 +119,8 @@ def random_code_stream(rng, n: int, max_period: int, noise: float, vocab: int = 
     start = int(rng.integers(0, n // 4))
     motif = rng.integers(0, vocab, period).tolist()
     for t in range(start, n):
-        codes[t] = motif[(t - start) % period] if rng.random() >= noise else int(rng.integers(vocab))
+        clean = rng.random() >= noise
+        codes[t] = motif[(t - start) % period] if clean else int(rng.integers(vocab))
     return codes
 
 

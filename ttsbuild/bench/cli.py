@@ -365,6 +365,11 @@ def engine(
     precisions: Annotated[str, typer.Option(help="bf16,fp8 side by side.")] = "bf16,fp8",
     iters: Annotated[int, typer.Option(min=3, help="Graph replays per measurement.")] = 50,
     output: Annotated[Path | None, typer.Option(help="Directory for engine_bench.json.")] = None,
+    compare_guards: Annotated[
+        bool,
+        typer.Option(help="Instead: time the frame and codec graphs with the stopping guards "
+                     "off and on, side by side (guard_bench.json)."),
+    ] = False,
 ) -> None:
     """Microbenchmark an engine on the GPU: prefill, per-frame time split into talker, code
     predictor and codec per batch size, first-chunk latency, weight-read bandwidth."""
@@ -381,7 +386,7 @@ def engine(
     if not torch.cuda.is_available():
         typer.echo("error: the engine microbenchmark needs a CUDA GPU", err=True)
         raise typer.Exit(1)
-    from ttsbuild.bench.engine_bench import run_engine_bench
+    from ttsbuild.bench.engine_bench import run_engine_bench, run_guard_bench
 
     if random is not None:
         from ttsbuild.runtime.engine import random_models
@@ -391,4 +396,5 @@ def engine(
         from ttsbuild.runtime.artifact import load_models
 
         models = load_models(path, device="cuda")
-    run_engine_bench(models, precision_list, batch_list, iters, output)
+    bench = run_guard_bench if compare_guards else run_engine_bench
+    bench(models, precision_list, batch_list, iters, output)

@@ -30,8 +30,6 @@ from ttsbuild.generation.guards import (
     text_frame_budget,
 )
 from ttsbuild.generation.prompt import (
-    ROLE_LEN,
-    TAIL_LEN,
     Prompt,
     PromptError,
     PromptSpec,
@@ -180,7 +178,7 @@ def plan_admission(
         raise RequestError(str(exc)) from None
     n_prompt = prompt.embeds.shape[0]
     rule = models.length_rule
-    limit, reason = frame_limit(models, req, params, guards)
+    limit, reason = resolve_frame_limit(models, req, params, guards)
     if n_prompt + limit > max_len:
         if rule is not None or req.max_frames is not None:
             raise RequestError(
@@ -193,7 +191,7 @@ def plan_admission(
     return AdmissionPlan(prompt, params, limit, reason, rule is not None, seed)
 
 
-def frame_limit(
+def resolve_frame_limit(
     models: Models, req: SynthesisRequest, params: GenerationParams, guards: GuardConfig
 ) -> tuple[int, StopReason]:
     """The request's frame limit and what it is, before the engine's context is considered.

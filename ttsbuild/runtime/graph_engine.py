@@ -276,10 +276,9 @@ class GraphEngine:
         pool = torch.cuda.graph_pool_handle()
         r = self.rcfg
         for b in r.batch_buckets:
-            rows = self.rows_in[:b]
+            rows, out = self.rows_in[:b], self.frame_out[:b]
             self.graphs[("frame", b)] = _capture(
-                lambda rows=rows, out=self.frame_out[:b]: _write_frame(out, *self._frame_body(rows)),
-                pool,
+                lambda rows=rows, out=out: _write_frame(out, *self._frame_body(rows)), pool
             )
             for n in r.codec_chunks:
                 pcm = self.pcm_out[:b, : n * SAMPLES_PER_FRAME]
