@@ -4,8 +4,8 @@ stage is one CUDA graph per batch bucket.
 Per slot (slot `num_slots` is a scratch row that padding rows of a bucket point at):
   talker KV cache [L, slots, Hkv, max_len, D], next position, the talker hidden/logits that
   produce the next codebook 0, codebook-0 history (repetition penalty), frame counter,
-  seed and sampling settings, the trailing text track, a ring of generated codes, and the
-  codec's incremental state.
+  seed and sampling settings, the trailing text track, a ring of generated codes, the
+  codec's incremental state, and the guards' state (recent codebook-0 codes, silence run).
 Stages (graphs captured at load, replayed with the slots copied into a static index buffer):
   prefill  (one request, padded to a length bucket)
   frame    (codebook 0 sampling + the 15-step code predictor with on-device sampling + the
