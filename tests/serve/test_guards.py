@@ -84,3 +84,18 @@ def test_a_cancelled_session_counts_as_cancel(looping_server):
     assert events[-1]["type"] == "done" and events[-1]["cancelled"]
     assert service.loop.wait_idle() and service.engine.free_slots() == 2
     assert stop_count(url, "cancel") == before + 1
+
+
+def test_serve_guard_flags():
+    from ttsbuild.serve.cli import parse_guards
+
+    assert parse_guards("text_budget,repetition,silence", 2.5, 3.0) == GuardConfig()
+    off = parse_guards("none", 2.5, 3.0)
+    assert not (off.text_budget or off.repetition or off.silence)
+    some = parse_guards(" silence ,text_budget", 3.0, 5.0)
+    assert (some.text_budget, some.repetition, some.silence) == (True, False, True)
+    assert (some.budget_margin, some.silence_s) == (3.0, 5.0)
+    with pytest.raises(ValueError, match="unknown guard"):
+        parse_guards("text_budget,loops", 2.5, 3.0)
+    with pytest.raises(ValueError, match="budget_margin"):
+        parse_guards("none", 0.5, 3.0)
