@@ -88,7 +88,7 @@ def test_a_normal_standin_is_never_cut_short(tiny_checkpoint, kind):
     budget is checked for every prompt in tests/generation/test_guards.py)."""
     standin = Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
     prompts = (resources.files("ttsbuild.data") / "harvard720.txt").read_text().splitlines()
-    texts = prompts[(kind == "graph") * 60 :: 120]  # 6 prompts per engine, 12 in all
+    texts = prompts[(kind == "graph") * 90 :: 180]  # 4 prompts per engine, 8 in all
     if kind == "eager":
         engine = EagerEngine(standin, num_slots=8, max_len=256)
     else:
