@@ -93,7 +93,8 @@ def test_a_normal_standin_is_never_cut_short(tiny_checkpoint, kind):
         engine = EagerEngine(standin, num_slots=8, max_len=256)
     else:
         rcfg = RuntimeConfig(num_slots=8, max_len=256, max_text=64, batch_buckets=(8,),
-                             codec_chunks=(1, 2, 4, 8), codec_ring=16, use_graphs=False)  # fmt: skip
+                             codec_chunks=(1, 2, 4, 8), codec_ring=16,
+                             use_graphs=False)  # fmt: skip
         engine = GraphEngine(standin, rcfg)
     voices = itertools.cycle(["ryan", "vivian", "eric", "aiden"])
     slots = {engine.admit(SynthesisRequest(text=t, voice=next(voices), seed=i)): t
