@@ -128,10 +128,6 @@ class GuardConfig:
             raise ValueError("silence_s must be > 0")
 
     @property
-    def device_guards(self) -> bool:
-        return self.repetition or self.silence
-
-    @property
     def silence_frames(self) -> int:
         return math.ceil(self.silence_s * FRAMES_PER_SECOND)
 
