@@ -373,11 +373,12 @@ class GraphEngine:
             self.rows_in[:B] = torch.tensor(slots, device=self.device)
             self.rows_in[B:bucket] = self.scratch
             self.graphs[("frame", bucket)].replay()
-            out = self.frame_out[:B].cpu()  # the step's only host copy: codes and stop codes
         else:
-            out = _write_frame(
-                self.frame_out[:B], *self._frame_body(torch.tensor(slots, device=self.device))
-            ).cpu()
+            rows = torch.tensor(slots, device=self.device)
+            _write_frame(self.frame_out[:B], *self._frame_body(rows))
+        # The step's only host copy (codes and stop codes); a copy on the CPU too, since the
+        # rows handed out must outlive the buffer's next use.
+        out = self.frame_out[:B].to("cpu", copy=True)
         return [self._commit_frame(slot, row) for slot, row in zip(slots, out, strict=True)]
 
     def _commit_frame(self, slot: int, row: torch.Tensor) -> FrameOutput:
