@@ -60,7 +60,7 @@ def test_convert_tiny_and_round_trip(tiny_ckpt, tiny_converted):
                                         "assistant": 77091, "newline": 198, "tts_pad": 151671,
                                         "tts_bos": 151672, "tts_eos": 151673}
     assert m["sampling"]["top_k"] == 50 and m["sampling"]["temperature"] == 0.9
-    assert ck.is_standin and m["standin"]["length_rule"]["frames_per_text_token"] > 0
+    assert ck.is_standin and m["standin"]["length_rule"]["min_frames"] > 0
     assert set(m["source"]["files"]) >= {"model.safetensors", "config.json",
                                          "speech_tokenizer/model.safetensors"}
     assert (tiny_converted / "config.json").read_bytes() == (tiny_ckpt / "config.json").read_bytes()

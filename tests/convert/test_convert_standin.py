@@ -38,7 +38,7 @@ def test_layout_and_configs(tiny_ckpt):
     assert json.loads((tiny_ckpt / "speech_tokenizer/config.json").read_text()) == st
     assert json.loads((tiny_ckpt / "generation_config.json").read_text()) == gen
     standin = json.loads((tiny_ckpt / "ttsbuild_standin.json").read_text())
-    assert standin["format"] == 1 and standin["kind"] == "random-weight stand-in"
+    assert standin["format"] == 2 and standin["kind"] == "random-weight stand-in"
     assert standin["length_rule"] == LENGTH_RULE and standin["seed"] == 7
     assert standin["variant"] == "tiny"
 

@@ -26,8 +26,11 @@ NO_CAPACITY_ADMISSION = ServeConfig(scheduler=SchedulerConfig(admit_by_capacity=
 
 
 @contextlib.contextmanager
-def running_server(ckpt: Path, config: ServeConfig = NO_CAPACITY_ADMISSION, slots: int = 4):
-    """A real uvicorn server on 127.0.0.1:<free port> in a thread; yields (base_url, service)."""
+def running_server(
+    ckpt: Path | None, config: ServeConfig = NO_CAPACITY_ADMISSION, slots: int = 4, engine=None
+):
+    """A real uvicorn server on 127.0.0.1:<free port> in a thread; yields (base_url, service).
+    Serves `engine` when given (ckpt is then unused), else `ckpt` on the CPU engine."""
     import uvicorn
 
     from ttsbuild.runtime.loader import open_engine
@@ -35,7 +38,8 @@ def running_server(ckpt: Path, config: ServeConfig = NO_CAPACITY_ADMISSION, slot
     from ttsbuild.serve.service import SpeechService
 
     torch.set_num_threads(1)  # the engine thread and the test client share two cores
-    engine = open_engine(ckpt, "cpu", num_slots=slots, max_len=512)
+    if engine is None:
+        engine = open_engine(ckpt, "cpu", num_slots=slots, max_len=512)
     service = SpeechService(engine, config)
     server = uvicorn.Server(
         uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="warning")

@@ -75,6 +75,9 @@ class FakeEngine:
     def seed_of(self, slot: int) -> int:
         return 1000 + slot
 
+    def stopped_by(self, slot: int) -> str:
+        return "length_rule"  # a stand-in: it runs to its frame count
+
     def release(self, slot: int) -> None:
         self.slots.pop(slot, None)
 

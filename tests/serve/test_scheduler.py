@@ -75,6 +75,7 @@ def test_stream_runs_to_done_with_the_ramped_chunk_schedule():
     sizes = [len(c.pcm) // FRAME_SAMPLES for c in h.chunks(s)]
     assert sizes == [1, 2, 4, 8, 5]  # the last entry repeats; the tail is what is left
     assert isinstance(events[-1], Done) and events[-1].stats["frames"] == 20
+    assert events[-1].stats["stopped_by"] == "length_rule"  # the engine's reason, passed on
     h.step()  # the release happens in the next plan
     assert h.engine.free_slots() == 4 and not h.sched.by_slot
 

@@ -161,4 +161,4 @@ def test_registration_needs_a_base_model(server):
     err = error_of(register(url, "x"), 400)
     assert "Base" in err["message"]
     listed = httpx.get(url + VOICES).json()["voices"]
-    assert {"id": "ryan", "name": "ryan", "type": "builtin"} in listed
+    assert {"id": "ryan", "name": "ryan", "speaker": "ryan", "type": "builtin"} in listed

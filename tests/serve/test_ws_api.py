@@ -58,6 +58,7 @@ def test_text_in_pieces_gives_segments_of_audio_in_order(server):
     # segments: "Hello there, how are you?" and "I am fine."
     assert done["type"] == "done" and done["segments"] == 2
     assert done["seeds"] == [3, 4]
+    assert done["stop_reasons"] == ["max_frames", "max_frames"]
     assert done["frames"] == 10 and len(audio) == 10 * FRAME_SAMPLES * 2
     assert sum(c["samples"] for c in chunks) * 2 == len(audio)
     assert done["ttfa_ms"] is not None and done["audio_seconds"] == pytest.approx(0.8)

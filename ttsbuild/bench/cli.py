@@ -384,6 +384,11 @@ def engine(
     precisions: Annotated[str, typer.Option(help="bf16,fp8 side by side.")] = "bf16,fp8",
     iters: Annotated[int, typer.Option(min=3, help="Graph replays per measurement.")] = 50,
     output: Annotated[Path | None, typer.Option(help="Directory for engine_bench.json.")] = None,
+    compare_guards: Annotated[
+        bool,
+        typer.Option(help="Instead: time the frame and codec graphs with the stopping guards "
+                     "off and on, side by side (guard_bench.json)."),
+    ] = False,
 ) -> None:
     """Microbenchmark an engine on the GPU: prefill, per-frame time split into talker, code
     predictor and codec per batch size, first-chunk latency, weight-read bandwidth."""
@@ -400,7 +405,7 @@ def engine(
     if not torch.cuda.is_available():
         typer.echo("error: the engine microbenchmark needs a CUDA GPU", err=True)
         raise typer.Exit(1)
-    from ttsbuild.bench.engine_bench import run_engine_bench
+    from ttsbuild.bench.engine_bench import run_engine_bench, run_guard_bench
 
     plan = None
     if random is not None:
@@ -413,4 +418,7 @@ def engine(
 
         models = load_models(path, device="cuda", decoder_layers=False)
         plan = EnginePlan.model_validate(models.manifest["plan"])
-    run_engine_bench(models, precision_list, batch_list, iters, output, plan=plan)
+    if compare_guards:
+        run_guard_bench(models, precision_list, batch_list, iters, output)
+    else:
+        run_engine_bench(models, precision_list, batch_list, iters, output, plan=plan)

@@ -213,6 +213,94 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
     return res
 
 
+@dataclass
+class GuardTiming:
+    """Frame and codec graph times with the guards off and on (same weights, same process)."""
+
+    precision: str
+    frame_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # "off"/"on" -> batch
+    codec_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # one frame per row
+
+
+def bench_guards(models, precision: str, batches, iters: int, num_slots: int, log, rounds=5):
+    """Two engines, guards off (GUARDS_OFF: only the EOS stop code) and on (the defaults);
+    their frame and 1-frame codec graphs replayed in alternating rounds so that clock and
+    thermal drift hit both alike; medians of the round medians."""
+    from ttsbuild.generation.guards import GUARDS_OFF, GuardConfig
+    from ttsbuild.runtime.graph_engine import GraphEngine
+    from ttsbuild.runtime.request import SynthesisRequest
+
+    plan = bench_plan(precision, tuple(b for b in batches if b <= num_slots))
+    engines = {"off": GraphEngine(models, plan, guards=GUARDS_OFF),
+               "on": GraphEngine(models, plan, guards=GuardConfig())}  # fmt: skip
+    res = GuardTiming(precision, {k: {} for k in engines}, {k: {} for k in engines})
+    req = SynthesisRequest(text=TEXT, voice="ryan", language="english", seed=1, max_frames=400)
+    per_round = max(3, iters // rounds)
+    for b in batches:
+        slots = {}
+        for name, engine in engines.items():
+            slots[name] = [engine.admit(req) for _ in range(b)]
+            engine.prefill(slots[name])
+        frame, codec = {k: [] for k in engines}, {k: [] for k in engines}
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                be = engine.backend
+                be.rows_in[:b] = torch.tensor(slots[name], device=be.device)
+                frame[name].append(_time_graph(be.graphs[("frame", b)], per_round))
+                codec[name].append(_time_graph(be.graphs[("codec", b, 1)], per_round))
+        for name, engine in engines.items():
+            res.frame_ms[name][b] = statistics.median(frame[name])
+            res.codec_ms[name][b] = statistics.median(codec[name])
+            for s in slots[name]:
+                engine.release(s)
+        log(
+            f"[{precision}] batch {b}: frame {res.frame_ms['off'][b]:.3f} ms off, "
+            f"{res.frame_ms['on'][b]:.3f} ms on; codec {res.codec_ms['off'][b]:.3f} / "
+            f"{res.codec_ms['on'][b]:.3f} ms"
+        )
+    return res
+
+
+def format_guard_table(results: list[GuardTiming]) -> str:
+    lines = [
+        "| precision | batch | frame ms, guards off | on | diff | codec ms (1 frame), off | on "
+        "| diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for b, off in r.frame_ms["off"].items():
+            on, c_off, c_on = r.frame_ms["on"][b], r.codec_ms["off"][b], r.codec_ms["on"][b]
+            lines.append(
+                f"| {r.precision} | {b} | {off:.3f} | {on:.3f} | {on - off:+.3f} | "
+                f"{c_off:.3f} | {c_on:.3f} | {c_on - c_off:+.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def run_guard_bench(
+    models, precisions=("bf16", "fp8"), batches=(1, 8, 32, 64), iters: int = 50,
+    out_dir: Path | None = None, log=print,
+) -> dict:  # fmt: skip
+    """`ttsbuild bench engine --compare-guards`: the guards' cost per frame on the GPU."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the engine microbenchmark needs a CUDA GPU")
+    results = []
+    for p in precisions:
+        results.append(bench_guards(models, p, batches, iters, max(batches), log))
+        torch.cuda.empty_cache()
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "guards": [asdict(r) for r in results],
+    }
+    log(format_guard_table(results))
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "guard_bench.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
 def run_engine_bench(
     models,
     precisions=("bf16", "fp8"),

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ttsbuild.generation.generate import GenerationResult, ReferenceModel, generate_codes
-from ttsbuild.generation.prompt import ROLE_LEN, TAIL_LEN, Prompt, PromptSpec, build_prompt
+from ttsbuild.generation.prompt import Prompt, PromptSpec, build_prompt
 
 
 def default_texts_path() -> Path:
@@ -85,8 +85,7 @@ def generate_corpus(
     params = [models.generation_params(r) for r in reqs]
     rule = models.length_rule
     targets = [
-        min(rule.frames_for(len(s.text_ids) - ROLE_LEN - TAIL_LEN), max_frames) if rule else None
-        for s in specs
+        min(rule.frames_for(r.text, r.language), max_frames) if rule else None for r in reqs
     ]
     longest = max(p.embeds.shape[0] for p in prompts) + max_frames + 1
     items: list[CorpusItem] = []

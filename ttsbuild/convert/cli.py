@@ -102,5 +102,5 @@ def init_random(
         raise typer.Exit(130) from None
     rule = standin["length_rule"]
     _err.print(f"[green]wrote[/green] {dst} ({variant}, seed {seed}); length rule: "
-               f"{rule['frames_per_text_token']} frames per text token, "
+               "the text's expected reading time (speaking rate), "
                f"{rule['min_frames']}..{rule['max_frames']} frames", highlight=False)

@@ -139,14 +139,12 @@ def compare_tensors(reader: SafetensorsReader, schema: Schema, label: str) -> li
 
 def _check_standin(standin: dict, problems: list[str]) -> None:
     rule = standin.get("length_rule")
-    ok = (standin.get("format") == 1 and isinstance(rule, dict)
-          and isinstance(rule.get("frames_per_text_token"), int | float)
+    ok = (standin.get("format") in (1, 2) and isinstance(rule, dict)
           and isinstance(rule.get("min_frames"), int) and isinstance(rule.get("max_frames"), int)
-          and 0 < rule["min_frames"] <= rule["max_frames"]
-          and rule["frames_per_text_token"] > 0)
+          and 0 < rule["min_frames"] <= rule["max_frames"])
     if not ok:
-        problems.append(f"{STANDIN_FILE} is not a valid stand-in record (format 1 with a "
-                        "length_rule of frames_per_text_token > 0, 0 < min_frames <= max_frames)")
+        problems.append(f"{STANDIN_FILE} is not a valid stand-in record (format 1 or 2 with a "
+                        "length_rule of 0 < min_frames <= max_frames)")
 
 
 def inspect_source(src: str | Path) -> _Source:

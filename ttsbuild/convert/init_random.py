@@ -6,14 +6,14 @@ with the stand-in BPE tokenizer (`ttsbuild.text.standin`) and one extra file,
 
 Length rule. Random weights never choose EOS, so generation for a stand-in stops after
 
-    frames = clamp(round(frames_per_text_token * n), min_frames, max_frames)
+    frames = clamp(expected_frames(text, language), min_frames, max_frames)
 
-where n is the number of text tokens of the request's text (the `T` part of the prompt, the
-tokens between `<|im_start|>assistant\\n` and `<|im_end|>`). English speech runs at about
-12-15 characters per second, i.e. about 0.9 characters per 80 ms frame at 12.5 frames/s. The
-stand-in BPE averages about 3.9 characters per token on English text, so
-`frames_per_text_token = 3.5` gives about 13-14 characters per second of speech. `min_frames`
-(1 s) keeps one-word requests audible, `max_frames` (2 min) bounds long ones.
+the frames (12.5 per second) a typical reader takes to read the request's text aloud: the
+speaking-rate model of `ttsbuild.generation.guards` (about 15 characters per second of
+English, by characters and script, with its sources). Counting characters, not stand-in
+tokens, keeps the length realistic: the 3k-token stand-in tokenizer splits unfamiliar words
+into many pieces. `min_frames` (1 s) keeps one-word requests audible, `max_frames` (2 min)
+bounds long ones. Format 1 records (a rule by text tokens) load with the same rule.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from ttsbuild.convert.variants import VARIANTS
 from ttsbuild.text.standin import write_standin_tokenizer
 
 STANDIN_FILE = "ttsbuild_standin.json"
-STANDIN_FORMAT = 1
-LENGTH_RULE = {"frames_per_text_token": 3.5, "min_frames": 13, "max_frames": 1500}
+STANDIN_FORMAT = 2
+LENGTH_RULE = {"frames": "speaking_rate", "min_frames": 13, "max_frames": 1500}
 INIT_STD = 0.02
 
 # Inferred: the published files' exact contents are not known here; these are what the

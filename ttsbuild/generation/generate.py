@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ttsbuild.generation.guards import expected_frames
 from ttsbuild.generation.prompt import Prompt
 from ttsbuild.generation.sampling import (
     SamplingBatch,
@@ -28,26 +29,25 @@ from ttsbuild.model.talker import CodePredictor, Talker
 class LengthRule:
     """Random weights never learn EOS: a stand-in checkpoint says how long to speak instead.
 
-    frames = clamp(round(frames_per_text_token * text tokens), min_frames, max_frames);
-    EOS is never sampled for a stand-in. Real checkpoints have no rule and stop at EOS.
+    frames = clamp(expected_frames(text, language), min_frames, max_frames): as long as a
+    typical reader takes to read the text aloud (the speaking-rate model in
+    `ttsbuild.generation.guards`, by characters, not by the stand-in tokenizer's tokens, which
+    split unfamiliar words into many pieces). EOS is never sampled for a stand-in. Real
+    checkpoints have no rule and stop at EOS (or a guard).
     """
 
-    frames_per_text_token: float
     min_frames: int
     max_frames: int
 
-    def frames_for(self, num_text_tokens: int) -> int:
-        n = round(self.frames_per_text_token * num_text_tokens)
-        return max(self.min_frames, min(self.max_frames, n))
+    def frames_for(self, text: str, language: str = "auto") -> int:
+        return max(self.min_frames, min(self.max_frames, expected_frames(text, language)))
 
     @classmethod
     def from_standin(cls, standin: dict | None) -> LengthRule | None:
         if not standin:
             return None
         rule = standin["length_rule"]
-        return cls(
-            float(rule["frames_per_text_token"]), int(rule["min_frames"]), int(rule["max_frames"])
-        )
+        return cls(int(rule["min_frames"]), int(rule["max_frames"]))
 
 
 @dataclass(frozen=True)

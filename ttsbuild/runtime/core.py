@@ -29,6 +29,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ttsbuild.generation.guards import (
+    GuardConfig,
+    GuardState,
+    StopCode,
+    frame_stop_codes,
+    observe_audio,
+)
 from ttsbuild.runtime.plan import EnginePlan
 
 NEVER = 2**62  # an index no frame reaches: EOS never allowed (stand-ins)
@@ -44,9 +51,11 @@ class SlotPlan:
 
     prompt: Any  # generation.prompt.Prompt: embeds [T, H], trailing_text [N, H], tts_pad [H]
     params: Any  # generation.generate.GenerationParams
-    frame_limit: int  # stop after this many frames (EOS may stop a real checkpoint sooner)
+    frame_limit: int  # stop after this many frames (EOS or a guard may stop sooner)
     by_length_rule: bool  # a stand-in: the limit is its length rule and EOS is never sampled
     seed: int
+    limit_reason: str = "max_frames"  # what frame_limit is: text_budget, length_rule, ...
+    guard_free: int = NEVER  # no guard (repetition, silence) can stop a frame before this
 
     @property
     def eos_from(self) -> int:
@@ -71,9 +80,10 @@ class SlotRecord:
     @property
     def known_frames(self) -> int:
         """Frames certain to be real: committed ones, and launched ones EOS could not end."""
-        if self.finished and self.stopped_by == "eos":
-            return self.committed
-        return max(self.committed, min(self.launched, self.plan.eos_from, self.plan.frame_limit))
+        if self.finished and self.stopped_by not in ("max_frames", "length_rule", "text_budget"):
+            return self.committed  # stopped by its own frame (EOS, a guard): no more are real
+        certain = min(self.launched, self.plan.eos_from, self.plan.guard_free)
+        return max(self.committed, min(certain, self.plan.frame_limit))
 
     @property
     def can_launch(self) -> bool:
@@ -105,18 +115,19 @@ class SlotTable:
     def __getitem__(self, slot: int) -> SlotRecord:
         return self.records[slot]
 
-    def commit(self, slot: int, codes: torch.Tensor, eos_id: int, keep: bool) -> FrameOutput:
-        """Account one collected frame of `slot` ([groups] codes, host tensor)."""
+    def commit(self, slot: int, row: torch.Tensor, keep: bool) -> FrameOutput:
+        """Account one collected frame of `slot`: row = [groups codes, StopCode] (host)."""
         rec = self.records[slot]
-        if int(codes[0]) == eos_id and rec.committed >= rec.plan.eos_from:
-            rec.finished, rec.stopped_by = True, "eos"  # the EOS frame itself is dropped
+        stop = StopCode(int(row[-1]))
+        if stop is not StopCode.CONTINUE:  # EOS or a guard: that frame itself is dropped
+            rec.finished, rec.stopped_by = True, str(stop.reason)
             return FrameOutput(slot, None, True)
+        codes = row[:-1]
         rec.committed += 1
         if keep:
             rec.codes.append(codes)
         if rec.committed >= rec.plan.frame_limit:
-            rec.finished = True
-            rec.stopped_by = "length_rule" if rec.plan.by_length_rule else "max_frames"
+            rec.finished, rec.stopped_by = True, rec.plan.limit_reason
         return FrameOutput(slot, codes, rec.finished)
 
 
@@ -151,7 +162,7 @@ class Backend(Protocol):
     def release(self, slot: int) -> None: ...
     def prefill(self, slots: list[int]) -> None: ...
     def launch_frames(self, slots: list[int]) -> Any: ...
-    def read_frames(self, handle: Any) -> torch.Tensor: ...  # [B, groups] int64, host
+    def read_frames(self, handle: Any) -> torch.Tensor: ...  # [B, groups + 1] codes, StopCode
     def launch_codec(self, slots: list[int], n: int) -> Any: ...
     def read_codec(self, handle: Any) -> np.ndarray: ...  # [B, n * 1920] float32
 
@@ -159,8 +170,11 @@ class Backend(Protocol):
 class EngineCore:
     """admit / prefill / frames / audio / release over one backend and one slot table."""
 
-    def __init__(self, backend: Backend, plan: EnginePlan, models=None, keep_codes=False):
+    def __init__(
+        self, backend: Backend, plan: EnginePlan, models=None, keep_codes=False, guards=None
+    ):
         self.backend, self.plan, self.models = backend, plan, models
+        self.guards = guards or GuardConfig()
         self.num_slots = plan.num_slots
         self.max_len = plan.max_len
         self.table = SlotTable(plan.num_slots)
@@ -176,7 +190,7 @@ class EngineCore:
 
         if self.table.free_count() == 0:
             raise NoFreeSlot(f"all {self.num_slots} slots are busy")
-        return self.admit_plan(plan_admission(self.models, req, self.plan), req)
+        return self.admit_plan(plan_admission(self.models, req, self.plan, self.guards), req)
 
     def admit_plan(self, plan: SlotPlan, request=None) -> int:
         slot = self.table.claim(SlotRecord(plan, request))
@@ -225,7 +239,7 @@ class EngineCore:
             rec = self.table.records.get(slot)
             if rec is None or rec.uid != uid or rec.finished:
                 continue
-            out.append(self.table.commit(slot, codes[j], self.backend.eos_id, self.keep_codes))
+            out.append(self.table.commit(slot, codes[j], self.keep_codes))
         return out
 
     def frames(self, slots: list[int]) -> list[FrameOutput]:
@@ -331,11 +345,13 @@ class _EagerSlot:
 class EagerBackend:
     """The reference modules, eagerly, on any device (`generation.generate.ReferenceModel`)."""
 
-    def __init__(self, ref, codec=None):
+    def __init__(self, ref, codec=None, guards: GuardConfig | None = None):
         from ttsbuild.generation.sampling import SamplingBatch
 
         self._sampling_batch = SamplingBatch
         self.ref, self.codec = ref, codec
+        self.guards = guards or GuardConfig()
+        self.guard_state = GuardState.zeros(ref.cache.num_slots, self.guards, ref.device)
         self.cfg = ref.cfg
         self.device = ref.device
         self.num_code_groups = self.cfg.num_code_groups
@@ -353,6 +369,7 @@ class EagerBackend:
             with torch.no_grad():
                 stream.step(context.T[None].to(self.device))
         self.slots[slot] = _EagerSlot(plan, codec_stream=stream)
+        self.guard_state.reset([slot])
 
     def release(self, slot: int) -> None:
         self.slots.pop(slot, None)
@@ -393,9 +410,10 @@ class EagerBackend:
             seeds,
             frame_idx,
         )
+        rows = torch.tensor(slots, device=dev)
+        stops = frame_stop_codes(self.guard_state, self.guards, rows, c0, self.eos_id)
         text = torch.stack([st.plan.prompt.text_track(st.frame_idx) for st in states])
         inputs = ref.next_inputs(codes, text.to(ref.dtype))
-        rows = torch.tensor(slots, device=dev)
         positions = torch.tensor([st.position for st in states], device=dev)
         hidden, logits = ref.decode(rows, positions, inputs)
         for j, st in enumerate(states):
@@ -404,7 +422,7 @@ class EagerBackend:
             st.hidden, st.logits = hidden[j], logits[j]
             st.position += 1
             st.frame_idx += 1
-        return codes
+        return torch.cat([codes, stops[:, None]], dim=1)  # [B, groups + 1]
 
     def read_frames(self, handle: torch.Tensor) -> torch.Tensor:
         return handle.cpu()
@@ -417,6 +435,9 @@ class EagerBackend:
             codes = torch.stack(st.codes[st.decoded : st.decoded + n], dim=1)[None]  # [1, G, n]
             wav = st.codec_stream.step(codes.to(self.device))
             st.decoded += n
+            if self.guards.silence:
+                rows = torch.tensor([slot], device=self.device)
+                observe_audio(self.guard_state, self.guards, rows, wav[:, 0])
             out.append(wav[0, 0].float().cpu().numpy())
         return out
 

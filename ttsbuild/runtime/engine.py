@@ -23,9 +23,8 @@ import torch
 
 from ttsbuild.convert.checkpoint import Checkpoint
 from ttsbuild.generation.generate import GenerationParams, LengthRule, ReferenceModel
+from ttsbuild.generation.guards import GuardConfig, StopReason, text_frame_budget
 from ttsbuild.generation.prompt import (
-    ROLE_LEN,
-    TAIL_LEN,
     PromptError,
     PromptSpec,
     assistant_text,
@@ -177,10 +176,13 @@ class Models:
         )
 
 
-def plan_admission(models: Models, req: SynthesisRequest, plan: EnginePlan) -> SlotPlan:
+def plan_admission(
+    models: Models, req: SynthesisRequest, plan: EnginePlan, guards: GuardConfig = GuardConfig()
+) -> SlotPlan:
     """Resolve a request once, at the edge: tokenize and lay out the prompt, resolve
-    sampling, fix how many frames it may generate, and check it fits the engine's plan.
-    Every refusal is a RequestError (a 400 with this message)."""
+    sampling, fix how many frames it may generate (and what that limit is: see
+    `resolve_frame_limit`), and check it fits the engine's plan. Every refusal is a
+    RequestError (a 400 with this message)."""
     spec = models.prompt_spec(req)
     params = models.generation_params(req)
     try:
@@ -189,23 +191,45 @@ def plan_admission(models: Models, req: SynthesisRequest, plan: EnginePlan) -> S
         raise RequestError(str(exc)) from None
     n_prompt, n_text = prompt.embeds.shape[0], prompt.trailing_text.shape[0]
     rule = models.length_rule
-    limit = min(params.max_frames, plan.max_frames)
-    if rule is not None:
-        limit = min(rule.frames_for(len(spec.text_ids) - ROLE_LEN - TAIL_LEN), plan.max_frames)
-    if req.max_frames is not None:
-        if req.max_frames > plan.max_frames:
-            raise RequestError(
-                f"max_frames {req.max_frames} exceeds this engine's limit of {plan.max_frames}"
-            )
-        limit = min(limit, req.max_frames)
+    if req.max_frames is not None and req.max_frames > plan.max_frames:
+        raise RequestError(
+            f"max_frames {req.max_frames} exceeds this engine's limit of {plan.max_frames}"
+        )
+    limit, reason = resolve_frame_limit(models, req, params, guards)
+    if limit > plan.max_frames:
+        limit, reason = plan.max_frames, StopReason.MAX_FRAMES
     if n_prompt + limit > plan.max_len and rule is None and req.max_frames is None:
-        limit = plan.max_len - n_prompt  # a real checkpoint: stop at the context if EOS is late
+        # a real checkpoint: stop at the context if EOS is late
+        limit, reason = plan.max_len - n_prompt, StopReason.MAX_FRAMES
     try:
         plan.check_prompt(n_prompt, n_text, max(limit, 1))
     except ValueError as exc:
         raise RequestError(str(exc)) from None
     seed = req.seed if req.seed is not None else secrets.randbits(63)
-    return SlotPlan(prompt, replace(params, max_frames=limit), limit, rule is not None, seed)
+    return SlotPlan(
+        prompt, replace(params, max_frames=limit), limit, rule is not None, seed,
+        limit_reason=str(reason), guard_free=guards.earliest_stop_frame(),
+    )  # fmt: skip
+
+
+def resolve_frame_limit(
+    models: Models, req: SynthesisRequest, params: GenerationParams, guards: GuardConfig
+) -> tuple[int, StopReason]:
+    """The request's frame limit and what it is, before the engine's context is considered.
+
+    A stand-in speaks for its length rule. A request's own max_frames replaces the text budget
+    (the client's override, capped by the checkpoint's max_new_tokens in `params`); otherwise
+    the text budget applies when it is below that cap."""
+    rule = models.length_rule
+    cap = params.max_frames if req.max_frames is None else min(params.max_frames, req.max_frames)
+    candidates = [(cap, StopReason.MAX_FRAMES)]
+    if guards.text_budget and (rule is not None or req.max_frames is None):
+        budget = text_frame_budget(req.text, req.language, guards)
+        candidates.append((budget, StopReason.TEXT_BUDGET))
+    if rule is not None:
+        candidates.append((rule.frames_for(req.text, req.language), StopReason.LENGTH_RULE))
+    # On a tie the later (more specific) reason wins: the length rule, then the budget.
+    return min(reversed(candidates), key=lambda c: c[0])
 
 
 class EagerEngine(EngineCore):
@@ -218,10 +242,13 @@ class EagerEngine(EngineCore):
         max_len: int = 2048,
         plan: EnginePlan | None = None,
         keep_codes: bool = False,
+        guards: GuardConfig | None = None,
     ):
         plan = plan or EnginePlan.default(num_slots=num_slots, max_len=max_len)
+        guards = guards or GuardConfig()
         ref = ReferenceModel(models.talker, models.code_predictor, plan.num_slots, plan.max_len)
-        super().__init__(EagerBackend(ref, models.codec), plan, models, keep_codes)
+        backend = EagerBackend(ref, models.codec, guards)
+        super().__init__(backend, plan, models, keep_codes, guards)
         self.device = ref.device
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ttsbuild.generation.generate import codebook0_logits_mask
+from ttsbuild.generation.guards import GuardConfig, GuardState, frame_stop_codes, observe_audio
 from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime.codec_engine import CodecEngine
@@ -88,8 +89,10 @@ class GraphBackend:
         plan: EnginePlan,
         use_graphs: bool | None = None,
         release_modules: bool = False,
+        guards: GuardConfig | None = None,
     ):
         self.models, self.plan = models, plan
+        self.guards = guards or GuardConfig()
         cfg = self.cfg = models.cfg
         talker, cp = models.talker, models.code_predictor
         dev = self.device = talker.codec_head.weight.device
@@ -154,6 +157,7 @@ class GraphBackend:
         self.text_len = zeros(S, dtype=torch.int64)
         self.codes = zeros(S, G, plan.codec_ring, dtype=torch.int64)
         self.decoded = zeros(S, dtype=torch.int64)
+        self.guard_state = GuardState.zeros(S, self.guards, dev)
         self.suppressed = codebook0_logits_mask(cfg, V, dev)
         self.true = torch.ones((), dtype=torch.bool, device=dev)
         self.eos_onehot = torch.zeros(V, dtype=torch.bool, device=dev)
@@ -170,7 +174,7 @@ class GraphBackend:
 
         # -- static I/O of the graphs, and host staging ---------------------------------------
         self.rows_in = torch.full((bmax,), self.scratch, dtype=torch.int64, device=dev)
-        self.codes_out = zeros(bmax, G, dtype=torch.int64)
+        self.frame_out = zeros(bmax, G + 1, dtype=torch.int64)  # codes, then the StopCode
         maxc = plan.max_chunk
         self.pcm_out = zeros(bmax, maxc * SAMPLES_PER_FRAME)
         pmax = plan.prefill_buckets[-1]
@@ -185,7 +189,7 @@ class GraphBackend:
         self.prefill_slot.fill_(self.scratch)  # capture warm-ups write the scratch slot
         pinned = dev.type == "cuda"
         self.frame_staging = _StagingRing(
-            ((bmax,), torch.int64), ((bmax, G), torch.int64), pinned
+            ((bmax,), torch.int64), ((bmax, G + 1), torch.int64), pinned
         )
         self.codec_staging = _StagingRing(
             ((bmax,), torch.int64), ((bmax, maxc * SAMPLES_PER_FRAME), torch.float32), pinned
@@ -230,8 +234,9 @@ class GraphBackend:
                 )
         return torch.stack(codes, dim=1)
 
-    def _frame_body(self, rows: torch.Tensor) -> torch.Tensor:
-        """One frame for `rows` (slots): returns the codes [B, G] (also left in the ring)."""
+    def _frame_body(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame for `rows` (slots): returns the codes [B, G] (also left in the ring) and
+        each row's StopCode [B]."""
         G = self.cfg.num_code_groups
         fi, seeds = self.frame_idx[rows], self.seed[rows]
         tsamp = self.talker_sampling.select(rows)
@@ -245,6 +250,7 @@ class GraphBackend:
             self.hidden[rows], c0, self.cp_sampling.select(rows), seeds, fi
         )
         self.history.index_put_((rows, c0), self.true)  # a device scalar: no host copy
+        stop = frame_stop_codes(self.guard_state, self.guards, rows, c0, self.cfg.codec_ids.eos)
         self.codes[rows, :, fi % self.plan.codec_ring] = codes
         self.frame_idx[rows] = fi + 1
 
@@ -258,7 +264,7 @@ class GraphBackend:
         self.hidden[rows] = h
         self.logits[rows] = self.codec_head(h).float()
         self.position[rows] = pos + 1
-        return codes
+        return codes, stop
 
     def _admit_body(self) -> None:
         """Write the staged settings of the request being prefilled into its slot and reset
@@ -276,6 +282,7 @@ class GraphBackend:
         self.history.index_fill_(0, slot, False)
         self.text_track.index_copy_(0, slot, self.admit_text[None])
         self.codec_engine.reset(slot)
+        self.guard_state.reset(slot)
 
     def _prefill_body(self, length: int) -> None:
         self._admit_body()
@@ -294,6 +301,8 @@ class GraphBackend:
         codes = self.codes[rows[:, None, None], groups[None, :, None], idx[:, None, :]]
         pcm = self.codec_engine.step(rows, codes)  # [B, n * 1920]
         self.decoded[rows] += n
+        if self.guards.silence:
+            observe_audio(self.guard_state, self.guards, rows, pcm)
         return pcm
 
     # -- graphs ----------------------------------------------------------------------------
@@ -302,10 +311,9 @@ class GraphBackend:
         pool = torch.cuda.graph_pool_handle()
         r = self.plan
         for b in r.batch_buckets:
-            rows = self.rows_in[:b]
-            out = self.codes_out[:b]
+            rows, out = self.rows_in[:b], self.frame_out[:b]
             self.graphs[("frame", b)] = _capture(
-                lambda rows=rows, out=out: out.copy_(self._frame_body(rows)), pool
+                lambda rows=rows, out=out: _write_frame(out, *self._frame_body(rows)), pool
             )
             for n in r.codec_chunks:
                 pcm = self.pcm_out[:b, : n * SAMPLES_PER_FRAME]
@@ -415,9 +423,10 @@ class GraphBackend:
         def step(rows: int):
             if self.use_graphs:
                 return self.graphs[("frame", rows)]
-            return lambda: self.codes_out[:rows].copy_(self._frame_body(self.rows_in[:rows]))
+            out = self.frame_out[:rows]
+            return lambda: _write_frame(out, *self._frame_body(self.rows_in[:rows]))
 
-        return self._launch(self.frame_staging, slots, step, self.codes_out, G)
+        return self._launch(self.frame_staging, slots, step, self.frame_out, G + 1)
 
     def read_frames(self, staged: _Staged) -> torch.Tensor:
         return self._read(staged).clone()
@@ -451,7 +460,7 @@ class GraphBackend:
         state = [self.cp_k, self.cp_v, self.position, self.hidden, self.logits, self.history,
                  self.frame_idx, self.eos_min_frames, self.seed, self.text_track, self.text_len,
                  self.codes, self.decoded, self.codec_engine.tensors(), self.admit_text,
-                 self.prefill_embeds, self.pcm_out, self.codes_out]  # fmt: skip
+                 self.prefill_embeds, self.pcm_out, self.frame_out]  # fmt: skip
         flat = [t for x in state for t in (x if isinstance(x, list) else [x])]
         return {
             "weights_lm": stacks + fp8_heads + modules,
@@ -472,10 +481,12 @@ class GraphEngine(EngineCore):
         use_graphs: bool | None = None,
         release_modules: bool = False,
         keep_codes: bool = False,
+        guards: GuardConfig | None = None,
     ):
         plan = plan or EnginePlan.default()
-        backend = GraphBackend(models, plan, use_graphs, release_modules)
-        super().__init__(backend, plan, models, keep_codes)
+        guards = guards or GuardConfig()
+        backend = GraphBackend(models, plan, use_graphs, release_modules, guards)
+        super().__init__(backend, plan, models, keep_codes, guards)
         self.device = backend.device
 
 
@@ -516,6 +527,13 @@ def _sampling_buffers(n: int, dev) -> SamplingBatch:
         top_p=torch.ones(n, device=dev),
         repetition_penalty=torch.ones(n, device=dev),
     )
+
+
+def _write_frame(out: torch.Tensor, codes: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """Pack a frame step's results into one buffer so the host copies them back at once."""
+    out[:, :-1] = codes
+    out[:, -1] = stop
+    return out
 
 
 def _capture(fn, pool) -> torch.cuda.CUDAGraph:

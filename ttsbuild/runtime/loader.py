@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from ttsbuild.generation.guards import GuardConfig
 from ttsbuild.runtime.artifact import load_models
 from ttsbuild.runtime.engine import EagerEngine
 from ttsbuild.runtime.plan import EnginePlan
@@ -43,6 +44,7 @@ def open_engine(
     kind: str = "auto",
     precision: str | None = None,
     random_variant: str | None = None,
+    guards: GuardConfig | None = None,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
     `random_variant`, e.g. "1.7b-customvoice", when path is None).
@@ -81,11 +83,11 @@ def open_engine(
             codec_precision="fp16" if device.type == "cuda" else "fp32",
         )  # fmt: skip
     if not graph:
-        return EagerEngine(models, plan=plan)
+        return EagerEngine(models, plan=plan, guards=guards)
 
     from ttsbuild.runtime.graph_engine import GraphEngine
 
-    return GraphEngine(models, plan, release_modules=True)
+    return GraphEngine(models, plan, release_modules=True, guards=guards)
 
 
 def plan_within(

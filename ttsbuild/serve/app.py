@@ -136,6 +136,9 @@ def create_app(service: SpeechService, warm_up: bool = True) -> FastAPI:
         if fmt.name == "wav":
             data = whole_wav(data, rate)
         headers["x-frames"] = str(handle.stats["frames"])
+        # Why generation ended (guards.StopReason). A streamed body's headers leave before
+        # that is known (uvicorn sends no HTTP trailers): /metrics counts it for every request.
+        headers["x-stop-reason"] = str(handle.stats.get("stopped_by"))
         return Response(data, media_type=fmt.media_type, headers=headers)
 
     @app.websocket("/v1/audio/speech/ws")

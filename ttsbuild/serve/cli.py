@@ -75,6 +75,17 @@ def serve(
         [], help="NAME=SPEAKER: OpenAI voice name -> model speaker, repeatable; replaces the "
         "default map (alloy=serena, ash=ryan, ... see README)."
     ),  # fmt: skip
+    guards: str = typer.Option(
+        "text_budget,repetition,silence", help="Stopping guards for real checkpoints, comma-"
+        "separated (none: off): a frame budget from the text, codebook-0 loops, silence after "
+        "speech. See README, Guards."
+    ),  # fmt: skip
+    budget_margin: float = typer.Option(
+        2.5, help="Text budget: times the expected reading time (plus 1 s, at least 3 s)."
+    ),
+    silence_seconds: float = typer.Option(
+        3.0, help="Silence guard: seconds of near-silent audio after speech that end a stream."
+    ),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve a checkpoint: OpenAI-compatible streaming speech over HTTP and WebSocket."""
@@ -113,12 +124,17 @@ def serve(
         trim_onset=trim_onset,
         voices_dir=str(voices_dir) if voices_dir is not None else None,
     )
+    try:
+        guard_config = parse_guards(guards, budget_margin, silence_seconds)
+    except ValueError as exc:
+        _err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         engine = open_engine(
             checkpoint, device=device, num_slots=slots if slots or checkpoint is None else
             (None if _is_engine(checkpoint) else 8), max_len=max_len, kind=engine_kind,
-            precision=precision, random_variant=random,
+            precision=precision, random_variant=random, guards=guard_config,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")
@@ -142,3 +158,23 @@ def _is_engine(path: Path) -> bool:
     from ttsbuild.runtime.artifact import artifact_format
 
     return artifact_format(path) == ENGINE_FORMAT
+
+
+GUARD_NAMES = ("text_budget", "repetition", "silence")
+
+
+def parse_guards(names: str, budget_margin: float, silence_seconds: float):
+    """--guards (comma-separated names, or none) and the tuning flags -> a GuardConfig."""
+    from ttsbuild.generation.guards import GuardConfig
+
+    chosen = {n.strip() for n in names.split(",") if n.strip()} - {"none"}
+    unknown = sorted(chosen - set(GUARD_NAMES))
+    if unknown:
+        raise ValueError(
+            f"unknown guard(s) {', '.join(unknown)}; choose from {', '.join(GUARD_NAMES)} or none"
+        )
+    return GuardConfig(
+        **{n: n in chosen for n in GUARD_NAMES},
+        budget_margin=budget_margin,
+        silence_s=silence_seconds,
+    )

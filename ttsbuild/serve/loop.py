@@ -30,6 +30,7 @@ class Engine(Protocol):
     def release(self, slot: int) -> None: ...
     def free_slots(self) -> int: ...
     def seed_of(self, slot: int) -> int: ...
+    def stopped_by(self, slot: int) -> str | None: ...  # why generation ended (guards.StopReason)
 
 
 class Runner:
@@ -68,6 +69,8 @@ class Runner:
         if plan.stage is Stage.FRAMES:
             for out in engine.frames(result.stage_slots):
                 result.frames[out.slot] = (out.codes is not None, out.finished)
+                if out.finished:
+                    result.stopped_by[out.slot] = str(engine.stopped_by(out.slot))
         elif plan.stage is Stage.AUDIO:
             result.pcm = engine.audio(result.stage_slots)
         result.stage_s = clock() - start

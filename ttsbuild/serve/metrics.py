@@ -9,6 +9,9 @@ from ttsbuild.serve.scheduler import Plan, Stage
 _LATENCY_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10)
 _LATENESS_BUCKETS = (-1, -0.5, -0.2, -0.1, -0.05, -0.02, 0, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# guards.StopReason values, listed so every series exists (at 0) from the start.
+STOP_REASONS = ("eos", "text_budget", "repetition", "silence", "max_frames", "length_rule",
+                "cancel")  # fmt: skip
 
 
 class ServeMetrics:
@@ -44,6 +47,13 @@ class ServeMetrics:
                                   registry=r)  # fmt: skip
         self.requests = Counter("tts_requests", "Requests by API and outcome",
                                 ["api", "outcome"], registry=r)  # fmt: skip
+        self.stops = Counter(
+            "tts_stop_reasons", "Engine requests (WebSocket: segments) by why generation "
+            "ended: eos, text_budget, repetition, silence, max_frames, length_rule, cancel",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        for reason in STOP_REASONS:
+            self.stops.labels(reason)
         for stage in Stage:
             self.batch.labels(stage.value)
             self.stage_seconds.labels(stage.value)
@@ -71,3 +81,6 @@ class ServeMetrics:
 
     def on_reject(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
+
+    def on_stop(self, reason: str) -> None:
+        self.stops.labels(reason).inc()

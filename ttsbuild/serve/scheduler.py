@@ -135,6 +135,7 @@ class Stream:
     frames: int = 0  # generated
     decoded: int = 0  # turned into audio
     generation_done: bool = False
+    stopped_by: str | None = None  # the engine's reason generation ended (guards.StopReason)
     audio_steps: int = 0  # codec calls so far: indexes the chunk schedule
     chunks_sent: int = 0
     samples_sent: int = 0
@@ -213,6 +214,7 @@ class StepResult:
     prefilled: list[int] = field(default_factory=list)  # slots whose prompt ran this turn
     stage_slots: list[int] = field(default_factory=list)  # the stage's rows as run
     frames: dict[int, tuple[bool, bool]] = field(default_factory=dict)  # slot -> (new, finished)
+    stopped_by: dict[int, str] = field(default_factory=dict)  # finished slot -> stop reason
     pcm: dict[int, Sequence[float]] = field(default_factory=dict)  # slot -> audio
     prefill_s: float = 0.0  # the prefill call alone
     stage_s: float = 0.0  # the stage call alone
@@ -226,6 +228,7 @@ class Observer(Protocol):
     def on_first_audio(self, ttfa_s: float) -> None: ...
     def on_chunk(self, lateness_s: float) -> None: ...
     def on_reject(self, reason: str) -> None: ...
+    def on_stop(self, reason: str) -> None: ...
 
 
 class NullObserver:
@@ -234,6 +237,7 @@ class NullObserver:
     def on_first_audio(self, ttfa_s: float) -> None: ...
     def on_chunk(self, lateness_s: float) -> None: ...
     def on_reject(self, reason: str) -> None: ...
+    def on_stop(self, reason: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -359,6 +363,8 @@ class Scheduler:
         if stream.status is Status.QUEUED:
             self.queue.remove(stream)
         if stream.status in LIVE:
+            if stream.status is not Status.QUEUED:  # it was generating: a stop reason
+                self.observer.on_stop(CANCEL)
             stream.status = Status.CANCELLED
             self._free_slot(stream)
 
@@ -588,6 +594,8 @@ class Scheduler:
                 new, finished = result.frames[slot]
                 s.frames += new
                 s.generation_done = finished
+                if finished:
+                    s.stopped_by = result.stopped_by.get(slot)
                 new_frames += new
             else:
                 self._commit_audio(s, result.pcm[slot], now)
@@ -639,6 +647,8 @@ class Scheduler:
         for other in self.queue:
             if other.follows is s:
                 other.plays_from, other.follows = s.playback_end(), None
+        if s.stopped_by is not None:
+            self.observer.on_stop(s.stopped_by)
         ttfa = None if s.first_audio_at is None else s.first_audio_at - s.arrived_at
         stats = {
             "frames": s.frames,
@@ -646,6 +656,7 @@ class Scheduler:
             "samples": s.samples_sent,
             "audio_seconds": s.samples_sent / SAMPLE_RATE,
             "seed": s.seed,
+            "stopped_by": s.stopped_by,
             "queue_ms": 1000 * ((s.admitted_at or now) - s.arrived_at),
             "ttfa_ms": None if ttfa is None else 1000 * ttfa,
             "total_ms": 1000 * (now - s.arrived_at),
@@ -677,5 +688,6 @@ class Scheduler:
         self.observer.on_reject(reason)
 
 
+CANCEL = "cancel"  # guards.StopReason.CANCEL (this module stays free of torch imports)
 CLASS_ORDER = {"deadline": 0, "first-audio": 1, "soon": 2, "round-robin": 3}
 # A plan's reason is its anchor's class, or "codec-first" (see _chunk_runs_dry_during_frames).

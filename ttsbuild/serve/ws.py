@@ -23,7 +23,8 @@ server -> client (every audio message and event names its context_id)
    "seeds", "ttfa_ms"}                                  a context's audio is all sent
   {"type": "cancelled", "context_id", "frames", "samples", "chunks", "audio_seconds"}
       the acknowledgement of clear/cancel: what was really sent before it stopped
-  {"type": "done", ...the session's totals}            then close 1000
+  {"type": "done", ...the session's totals, "stop_reasons"}  then close 1000 (stop_reasons:
+      why each segment's generation ended: eos, text_budget, repetition, silence, ...)
   {"type": "error", "message", ...}                    then close (1008/1003/1009; 1013 busy)
 
 Synthesis starts before a context's text is complete: its Segmenter cuts appended text at
@@ -88,6 +89,7 @@ class _Context:
         self.finished = False  # all its audio sent, or cleared
         self.segments = 0  # finished
         self.seeds: list[int] = []
+        self.stop_reasons: list[str | None] = []  # why each segment's generation ended
         self.chunks = 0
         self.samples = 0  # sent, at the output rate
         self.engine_samples = 0  # sent, at the engine's rate before speed and resampling
@@ -105,6 +107,7 @@ class _Context:
             "chunks": self.chunks,
             "segments": self.segments,
             "seeds": self.seeds,
+            "stop_reasons": self.stop_reasons,
             "ttfa_ms": ttfa,  # first input.append -> first audio sent
         }
 
@@ -320,6 +323,7 @@ class WsSession:
                 async for data, engine_samples in handle.encoded(ctx.pipeline, finish=False):
                     await self._send_audio(ctx, data, engine_samples)
                 ctx.segments += 1
+                ctx.stop_reasons.append((handle.stats or {}).get("stopped_by"))
             finally:
                 handle.close()
                 ctx.open_handles.discard(handle)
@@ -432,6 +436,7 @@ class WsSession:
             "segments": sum(s["segments"] for s in stats),
             "seeds": [seed for s in stats for seed in s["seeds"]],
             "contexts": len(stats),
+            "stop_reasons": [r for s in stats for r in s["stop_reasons"]],  # per segment
         }
 
     async def _send(self, event: dict) -> None:
