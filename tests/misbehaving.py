@@ -39,7 +39,7 @@ def make_engine(kind: str, models: Models, guards: GuardConfig, logits_fn):
     else:
         plan = EnginePlan(num_slots=2, max_len=256, max_text=64, batch_buckets=(1, 2),
                           prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4),
-                          codec_ring=8)  # fmt: skip
+                          codec_ring=64)  # fmt: skip
         engine = GraphEngine(models, plan, use_graphs=False, guards=guards)
         head = engine.backend.codec_head
         engine.backend.codec_head = lambda h: logits_fn(head(h))

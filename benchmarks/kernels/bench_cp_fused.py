@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import torch
+
+from ttsbuild.bench.engine_bench import _time_graph
 
 # fp32 tl.dot defaults to TF32; the fp32 check needs IEEE products in both paths' kernels
 # (the unfused decode_attention's too). Set before any kernel compiles.
@@ -112,17 +113,9 @@ class Frame:
 
 
 def time_graph_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    for _ in range(3):
+    for _ in range(3):  # warm-up replays
         graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return _time_graph(graph, replays)
 
 
 def pass_diff(fcp: FusedCodePredictor, B: int) -> tuple[float, float]:
