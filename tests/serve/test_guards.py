@@ -44,7 +44,7 @@ def stop_count(url: str, reason: str) -> float:
 def test_stop_reasons_in_responses_events_and_metrics(looping_server):
     url, service = looping_server
     before = stop_count(url, "repetition")
-    body = {"input": TEXT, "voice": "ryan", "response_format": "pcm", "seed": 1}
+    body = {"input": TEXT, "voice": "ryan", "response_format": "pcm", "seed": 1, "stream": False}
     r = httpx.post(f"{url}/v1/audio/speech", json=body, timeout=60)
     assert r.status_code == 200 and r.headers["x-stop-reason"] == "repetition"
     # window + period codes in, the looping frame dropped (and the bootstrap frame's audio,
