@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,7 +59,11 @@ def test_engine_runs_in_the_eager_engine(ckpt, bf16_engine):
     req = SynthesisRequest(text=TEXTS[0], voice="ryan", seed=5, max_frames=3)
     pcm = [synthesize(EagerEngine(load_models(p), num_slots=1, max_len=128), req)[0]
            for p in (ckpt, bf16_engine)]
-    assert pcm[0].shape == (3 * 1920,) and (pcm[0] == pcm[1]).all()
+    assert pcm[0].shape == pcm[1].shape == (3 * 1920,)
+    # The engine's codec is folded (codebooks pre-divided, Snake parameters exp'd): the same
+    # function, rounded differently in fp32, so equal to rounding, not bit for bit.
+    assert np.abs(pcm[0] - pcm[1]).max() <= 1e-5 * np.abs(pcm[0]).max()
+    assert np.abs(pcm[0]).max() > 0.01  # audible: a silent codec would prove nothing
 
 
 def test_fp8_engine_within_rounding(ckpt, fp8_engine):

@@ -27,7 +27,9 @@ def test_base_engine_clones_like_its_checkpoint(tiny_base_checkpoint, tmp_path):
         clone = models.voice_encoder.encode(clip, "Some words.").prompt_clone(models.tokenizer)
         req = SynthesisRequest("Hello there.", clone=clone, seed=2, max_frames=3)
         pcm.append(synthesize(EagerEngine(models, num_slots=1, max_len=256), req)[0])
-    np.testing.assert_array_equal(pcm[0], pcm[1])
+    # The engine's codec is folded (same function, fp32 rounding of its own): equal to rounding.
+    assert pcm[0].shape == pcm[1].shape and np.abs(pcm[0]).max() > 0.01
+    np.testing.assert_allclose(pcm[0], pcm[1], rtol=0, atol=1e-5 * np.abs(pcm[0]).max())
 
 
 def test_calibration_corpus_runs_on_a_base_model(tiny_base_checkpoint):

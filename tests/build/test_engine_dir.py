@@ -30,14 +30,15 @@ def test_loads_and_prints_summary(bf16_engine, capsys):
     console = Console(file=None, force_terminal=False, width=120, record=True)
     art = load_engine_dir(bf16_engine, "cpu", console=console)
     text = console.export_text()
-    assert "ttsbuild-engine v1" in text and "bf16" in text and "any (cpu)" in text
+    assert "ttsbuild-engine v2" in text and "bf16" in text and "any (cpu)" in text
+    assert art.manifest.plan.batch_buckets == (1, 2, 4, 8)  # the plan compile wrote
     assert art.manifest.precision == "bf16"
     assert set(art.manifest.files) >= {"talker.safetensors", "codec.onnx", "tokenizer/vocab.json"}
 
 
 def test_wrong_format_version(engine_copy):
-    _edit_manifest(engine_copy, lambda m: m.update(format_version=2, new_field=1))
-    with pytest.raises(EngineError, match="format version 2 is not supported.*version 1"):
+    _edit_manifest(engine_copy, lambda m: m.update(format_version=1, new_field=1))
+    with pytest.raises(EngineError, match="format version 1 is not supported.*version 2"):
         load_engine_dir(engine_copy)
 
 
@@ -50,10 +51,10 @@ def test_not_an_engine(engine_copy):
 def test_unknown_keys(engine_copy):
     def edit(m):
         m["turbo"] = True
-        m["shapes"]["warp_size"] = 32
+        m["plan"]["warp_size"] = 32
 
     _edit_manifest(engine_copy, edit)
-    with pytest.raises(EngineError, match=r"shapes\.warp_size: unknown key; turbo: unknown key"):
+    with pytest.raises(EngineError, match=r"plan\.warp_size: unknown key; turbo: unknown key"):
         load_engine_dir(engine_copy)
 
 

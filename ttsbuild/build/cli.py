@@ -45,7 +45,7 @@ def compile_engine(
         None, "--prefill-buckets", help="Captured prompt lengths (default: 32..512 below max len)."
     ),
     codec_chunks: str = typer.Option(
-        "1,2,4,8,16", "--codec-chunks", help="Frames per captured codec step (must include 1)."
+        "1,2,4,8", "--codec-chunks", help="Frames per captured codec step (must include 1)."
     ),
     codec_ring: int = typer.Option(64, "--codec-ring", min=1, help="Frames buffered per slot."),
     max_text: int = typer.Option(1024, "--max-text", min=1, help="Text positions per slot."),

@@ -65,7 +65,8 @@ class BuildConfig:
     max_len: int = 2048  # talker KV positions per slot (prompt + frames)
     num_slots: int | None = None  # concurrent requests the engine holds (None: max batch)
     prefill_buckets: tuple[int, ...] | None = None  # captured prompt lengths (None: 32..512)
-    codec_chunks: tuple[int, ...] = (1, 2, 4, 8, 16)  # frames per captured codec step
+    # Frames per captured codec step: a 64-row x 16-frame codec graph holds GBs of activations.
+    codec_chunks: tuple[int, ...] = (1, 2, 4, 8)
     codec_ring: int = 64  # frames buffered per slot between the frame and codec stages
     max_text: int = 1024  # trailing text positions per slot
     fused_cp_max_batch: int = 8  # fused code predictor on buckets up to this (0: never)
