@@ -4,22 +4,11 @@ same tails."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+from kernel_device import KDEV, needs_kernel
 
-from ttsbuild.plugins._dispatch import interpret_mode
 from ttsbuild.plugins.codec_context import snake_context, snake_context_reference
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if torch.cuda.is_available() and HAS_TRITON:
-    KDEV = "cuda"
-elif interpret_mode() and HAS_TRITON:
-    KDEV = "cpu"
-else:
-    KDEV = None
-needs_kernel = pytest.mark.skipif(KDEV is None, reason="needs CUDA + Triton (or the interpreter)")
 
 
 def _inputs(B, C, n, ctx, S, dtype, device, seed):

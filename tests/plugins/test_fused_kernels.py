@@ -3,7 +3,6 @@ float32 reference on fresh random inputs (on CUDA, or on CPU under TRITON_INTERP
 last test here runs the kernel tests of this file and of tests/runtime/test_cp_fused.py in a
 subprocess under the interpreter, so CPU CI checks the kernels too when triton is installed)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_device import HAS_TRITON, KDEV, needs_kernel
 
 from ttsbuild.plugins._dispatch import interpret_mode
 from ttsbuild.plugins.decode_attention import decode_attention_reference
@@ -31,14 +31,6 @@ from ttsbuild.plugins.qk_norm_rope_attend import (
     qk_norm_rope_attend_reference,
 )
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if torch.cuda.is_available() and HAS_TRITON:
-    KDEV = "cuda"
-elif interpret_mode() and HAS_TRITON:
-    KDEV = "cpu"
-else:
-    KDEV = None
-needs_kernel = pytest.mark.skipif(KDEV is None, reason="needs CUDA + Triton (or the interpreter)")
 # The interpreter rounds fp32 -> bf16 by truncation: a few biased roundings per output.
 BF16_TOL = 1e-2 if KDEV == "cuda" else 4e-2
 

@@ -1,11 +1,11 @@
 """rms_norm / add_rms_norm / silu_mul / snake_beta: references on CPU, kernels against an
 fp32 reference (on CUDA, or on CPU under TRITON_INTERPRET=1)."""
 
-import importlib.util
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_device import KDEV, needs_kernel
 
 from ttsbuild.model.codec import SnakeBeta
 from ttsbuild.model.layers import RMSNorm
@@ -20,15 +20,6 @@ from ttsbuild.plugins.norm_act import (
     snake_beta,
     snake_beta_reference,
 )
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if torch.cuda.is_available() and HAS_TRITON:
-    KDEV = "cuda"
-elif interpret_mode() and HAS_TRITON:
-    KDEV = "cpu"
-else:
-    KDEV = None
-needs_kernel = pytest.mark.skipif(KDEV is None, reason="needs CUDA + Triton (or the interpreter)")
 
 
 def _rel(a, b):

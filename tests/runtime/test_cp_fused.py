@@ -2,25 +2,18 @@
 == the unfused one, on the references (CPU) and on the kernels (CUDA, or the interpreter)."""
 
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
+from kernel_device import KDEV, needs_kernel
 from torch import nn
 
 from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.model.config import DecoderStackConfig
 from ttsbuild.model.layers import DecoderStack
-from ttsbuild.plugins._dispatch import interpret_mode
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense, PackedStack
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-KDEV = "cuda" if torch.cuda.is_available() else "cpu"
-needs_kernel = pytest.mark.skipif(
-    not (HAS_TRITON and (torch.cuda.is_available() or interpret_mode())),
-    reason="needs CUDA + Triton (or the interpreter)",
-)
 CFG = DecoderStackConfig(
     hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
     head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
