@@ -36,6 +36,7 @@ from ttsbuild.generation.guards import (
     frame_stop_codes,
     observe_audio,
 )
+from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.runtime.plan import EnginePlan
 
 NEVER = 2**62  # an index no frame reaches: EOS never allowed (stand-ins)
@@ -346,9 +347,6 @@ class EagerBackend:
     """The reference modules, eagerly, on any device (`generation.generate.ReferenceModel`)."""
 
     def __init__(self, ref, codec=None, guards: GuardConfig | None = None):
-        from ttsbuild.generation.sampling import SamplingBatch
-
-        self._sampling_batch = SamplingBatch
         self.ref, self.codec = ref, codec
         self.guards = guards or GuardConfig()
         self.guard_state = GuardState.zeros(ref.cache.num_slots, self.guards, ref.device)
@@ -391,7 +389,7 @@ class EagerBackend:
         states = [self.slots[s] for s in slots]
         if any(st.logits is None for st in states):
             raise RuntimeError("frames() on a slot that is not prefilled")
-        batch = self._sampling_batch
+        batch = SamplingBatch
         seeds = torch.tensor([st.plan.seed for st in states], dtype=torch.int64, device=dev)
         frame_idx = torch.tensor([st.frame_idx for st in states], device=dev)
         eos_allowed = torch.tensor([st.frame_idx >= st.plan.eos_from for st in states], device=dev)
