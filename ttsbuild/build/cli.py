@@ -54,6 +54,11 @@ def compile_engine(
         help="Fused code-predictor kernels for batch buckets up to this (0: never); "
         "measured faster at small batches only.",
     ),  # fmt: skip
+    persistent_cp_max_batch: int = typer.Option(
+        0, "--persistent-cp-max-batch", min=0,
+        help="One persistent launch per code-predictor pass for batch buckets up to this "
+        "(0: never); takes precedence over the fused kernels.",
+    ),  # fmt: skip
     quality_texts: int = typer.Option(4, "--quality-texts", min=1, help="Texts for the gate."),
     quality_frames: int = typer.Option(32, "--quality-frames", min=2, help="Frames per text."),
     force_quality: bool = typer.Option(
@@ -87,6 +92,7 @@ def compile_engine(
             else None,
             codec_chunks=_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
             max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
+            persistent_cp_max_batch=persistent_cp_max_batch,
             quality_texts=quality_texts, quality_frames=quality_frames,
             force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,
         )

@@ -127,6 +127,8 @@ class GraphBackend:
         self.cp_fused = FusedCodePredictor(
             self.cp_stack, self.cp_heads, self.cp_proj, self.codec_embedding, self.cp_embeddings
         )
+        if plan.persistent_code_predictor:
+            self.cp_fused.enable_persistent(max(plan.persistent_code_predictor))
 
         # -- per-slot state ---------------------------------------------------------------
         t = cfg.talker
@@ -216,10 +218,11 @@ class GraphBackend:
         """Codebooks 1..15 for B rows with on-device sampling: [B, G]."""
         B, G = hidden.shape[0], self.cfg.num_code_groups
         slots = self.cp_slots[:B]
+        args = (hidden, c0, sampling, seeds, frames, self.cp_k, self.cp_v, slots)
+        if B in self.plan.persistent_code_predictor:
+            return self.cp_fused.frame_persistent(*args, self.cp_positions)
         if B in self.plan.fused_code_predictor:
-            return self.cp_fused.frame(
-                hidden, c0, sampling, seeds, frames, self.cp_k, self.cp_v, slots, self.cp_positions
-            )
+            return self.cp_fused.frame(*args, self.cp_positions)
         x = torch.stack([hidden, self.codec_embedding[c0]], dim=1)  # [B, 2, H]
         h = self.cp_stack.prefill(self.cp_proj(x), self.cp_k, self.cp_v, slots)[:, -1]
         codes = [c0]

@@ -43,6 +43,10 @@ class EnginePlan(BaseModel):
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
+    # Batch buckets whose code-predictor passes run as one persistent launch each
+    # (plugins.cp_pass: projection + layers + head, grid barriers between stages); it takes
+    # precedence over fused_code_predictor where both list a bucket.
+    persistent_code_predictor: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _consistent(self) -> EnginePlan:
@@ -68,8 +72,9 @@ class EnginePlan(BaseModel):
             )
         if self.prefill_buckets[-1] >= self.max_len:
             raise ValueError("the largest prefill bucket must leave room for frames in max_len")
-        if not set(self.fused_code_predictor) <= set(self.batch_buckets):
-            raise ValueError("fused_code_predictor must list batch buckets of the plan")
+        for name in ("fused_code_predictor", "persistent_code_predictor"):
+            if not set(getattr(self, name)) <= set(self.batch_buckets):
+                raise ValueError(f"{name} must list batch buckets of the plan")
         if self.max_frames < 1 or self.max_text < 1:
             raise ValueError("max_frames and max_text must be positive")
         return self
