@@ -14,12 +14,12 @@ for step in $STEPS; do
     case $step in
     tests)
         log "GPU kernel tests"
-        timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/runtime/test_cp_fused.py \
-            tests/plugins/test_fused_kernels.py -k "kernel and not interpreter" 2>&1 \
+        timeout -k 5 200 python3 -m pytest -q -x -p no:cacheprovider tests/runtime/test_cp_fused.py \
+            tests/plugins/test_fused_kernels.py -k "${TESTS_K:-kernel and not interpreter}" 2>&1 \
             | tee "$OUT/gpu_tests.log" | tail -5 ;;
     bench)
         log "code-predictor frame: unfused / fused / persistent"
-        timeout 300 python3 benchmarks/kernels/bench_cp_fused.py --batches "${BATCHES:-1,8,32,64}" \
+        timeout -k 5 300 python3 benchmarks/kernels/bench_cp_fused.py --batches "${BATCHES:-1,8,32,64}" \
             --fp32-batches "${FP32_BATCHES:-1,8}" 2>&1 | tee "$OUT/bench_cp_persistent.log" ;;
     engine)
         log "engine microbenchmark, persistent pass on buckets <= ${PERSISTENT_MAX:-64}"

@@ -110,6 +110,7 @@ class PassBuffers:
         self.attn = torch.zeros(rows, c.num_heads * c.head_dim, dtype=dtype, device=device)
         self.act = torch.zeros(rows, c.intermediate_size, dtype=dtype, device=device)
         self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.rows = torch.arange(rows, device=device)  # the gather index of "no index"
 
 
 def run_pass(
@@ -151,7 +152,7 @@ def run_pass(
     last = 1 + STAGES_PER_LAYER * c.num_layers + (1 if head is not None else 0)
     nprog = num_programs or (4 if interp else _num_sms(dev))  # at most one program per SM
     args = (
-        src, idx if idx is not None else slots,
+        src, idx if idx is not None else bufs.rows,
         w.proj_weight if w.proj_weight is not None else dummy,
         w.proj_bias if w.proj_bias is not None else dummy,
         st["input_norm"], st["qkv"], st.get("qkv_scale", dummy), st["q_norm"], st["k_norm"],
@@ -171,7 +172,7 @@ def run_pass(
         L=c.num_layers, H=c.hidden_size, I=c.intermediate_size, V=bufs.logits.shape[1],
         HQ=c.num_heads, HKV=c.num_kv_heads, D=D, BLOCK_G=1 << (group - 1).bit_length(),
         BLOCK_S=1 << (S - 1).bit_length(), BM=bm, BLOCK_N=16, BLOCK_K=256 if bm == 1 else 128,
-        GATHER=idx is not None, HAS_PROJ=w.proj_weight is not None,
+        GATHER=True, HAS_PROJ=w.proj_weight is not None,
         HAS_PBIAS=w.proj_bias is not None, FP8=w.fp8,
         HEAD_FP8=head is not None and head.scale is not None,
         DOT_F32=interp or src.dtype == torch.float32,
