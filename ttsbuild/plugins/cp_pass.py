@@ -149,7 +149,7 @@ def run_pass(
     bm = 1 if B == 1 else max(16, 1 << (B - 1).bit_length())
     st = w.stacked
     dummy = bufs.x
-    last = 1 + STAGES_PER_LAYER * c.num_layers + (1 if head is not None else 0)
+    last = 1 + STAGES_PER_LAYER.value * c.num_layers + (1 if head is not None else 0)
     nprog = num_programs or (4 if interp else _num_sms(dev))  # at most one program per SM
     args = (
         src, idx if idx is not None else bufs.rows,

@@ -33,7 +33,7 @@ import triton.language as tl
 from ttsbuild.plugins._tl.fused_linear import _epilogue, _mac
 from ttsbuild.plugins._tl.qk_norm_rope_attend import attend_item
 
-STAGES_PER_LAYER = 5
+STAGES_PER_LAYER = tl.constexpr(5)
 
 
 @triton.jit
