@@ -165,13 +165,25 @@ def run_pass(
         B, pos,
     )  # fmt: skip
     rest = (
-        src.stride(0), src.shape[1], c.rms_norm_eps, D**-0.5 * _LOG2E,
+        c.rms_norm_eps, D**-0.5 * _LOG2E,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
     )  # fmt: skip
+    H, I, V = c.hidden_size, c.intermediate_size, bufs.logits.shape[1]
+    welt = st["qkv"].element_size()
+    nqkv = (c.num_heads + 2 * c.num_kv_heads) * D
+    src_k = src.shape[1]
+
+    def bn(n, k, elt=welt, halves=1):
+        return _block_n(n, k * elt * halves, bm, nprog)
+
     meta = dict(
-        L=c.num_layers, H=c.hidden_size, I=c.intermediate_size, V=bufs.logits.shape[1],
+        L=c.num_layers, H=H, I=I, V=V,
         HQ=c.num_heads, HKV=c.num_kv_heads, D=D, BLOCK_G=1 << (group - 1).bit_length(),
-        BLOCK_S=1 << (S - 1).bit_length(), BM=bm, BLOCK_N=16, BLOCK_K=256 if bm == 1 else 128,
+        BLOCK_S=1 << (S - 1).bit_length(), SRC_K=src_k, STRIDE_SRC=src.stride(0), BM=bm,
+        BLOCK_K=256 if bm == 1 else 128,
+        BN_PROJ=bn(H, src_k, src.element_size()), BN_QKV=bn(nqkv, H), BN_O=bn(H, c.num_heads * D),
+        BN_GU=bn(I, H, halves=2), BN_DOWN=bn(H, I),
+        BN_HEAD=bn(V, H, 1 if head is None else head.weight.element_size()),
         GATHER=True, HAS_PROJ=w.proj_weight is not None,
         HAS_PBIAS=w.proj_bias is not None, FP8=w.fp8,
         HEAD_FP8=head is not None and head.scale is not None,
@@ -181,8 +193,19 @@ def run_pass(
         for stage in range(last):
             cp_pass_kernel[(nprog,)](*args, stage, stage + 1, *rest, **meta, SYNC=False)
     else:
-        cp_pass_kernel[(nprog,)](*args, 0, last, *rest, **meta, SYNC=True, num_warps=4)
+        cp_pass_kernel[(nprog,)](*args, 0, last, *rest, **meta, SYNC=True, num_warps=8)
     return bufs.x[:B], (None if head is None else bufs.logits[:B])
+
+
+def _block_n(n: int, tile_row_bytes: int, bm: int, nprog: int, max_bytes: int = 65536) -> int:
+    """Output columns per tile: about one tile per program (a power of two), at most
+    max_bytes of weights per tile (they are all in flight at once: registers), at least 16
+    where the tile is a tensor-core MMA (more than one row)."""
+    least = 1 if bm == 1 else 16
+    b = 1 << max(0, (-(-n // nprog) - 1).bit_length())
+    while b > least and b * tile_row_bytes > max_bytes:
+        b //= 2
+    return max(b, least)
 
 
 def _barrier(device: torch.device) -> torch.Tensor:

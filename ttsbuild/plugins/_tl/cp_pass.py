@@ -54,25 +54,27 @@ def _grid_sync(bar_ptr, NPROG):
 
 @triton.jit
 def _linear_stage(
-    x_ptr, idx_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, stride_x, stride_w, stride_o,
-    B, N, K, eps, pid, NPROG,
+    x_ptr, idx_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, B, eps, pid, NPROG,
+    N: tl.constexpr, K: tl.constexpr, STRIDE_X: tl.constexpr, STRIDE_O: tl.constexpr,
     BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr,
     PRE_NORM: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, GATE_UP: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
     """out[b, n] = epilogue(sum_k prologue(x)[b, k] w[n, k]) for this program's column tiles
-    (HAS_RES: out is the residual, updated in place)."""
+    (w is [N, K] row-major, [2N, K] with GATE_UP; HAS_RES: out is the residual, updated in
+    place). The K loop is unrolled (K is a constant), so a tile's weight loads are all
+    issued before the first is used: a program has one tile in flight, not one K step."""
     offs_m = tl.arange(0, BM)
     m_mask = offs_m < B
     if GATHER:
         rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     else:
         rows = offs_m.to(tl.int64)
-    x_cols = x_ptr + rows[None, :] * stride_x
+    x_cols = x_ptr + rows[None, :] * STRIDE_X
     X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     ss = tl.zeros((BM,), tl.float32)
     if PRE_NORM:  # each row's sum of squares, once per stage (every tile needs all of K)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.static_range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xm = m_mask[None, :] & (offs_k[:, None] < K)
             xf = tl.load(x_cols + offs_k[:, None], mask=xm, other=0.0, cache_modifier=".cg")
@@ -81,14 +83,14 @@ def _linear_stage(
     for tile in range(pid, tl.cdiv(N, BLOCK_N), NPROG):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        g_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-        u_rows = g_rows + N * stride_w  # GATE_UP: the up half of the packed matrix
-        if BM == 1:
-            acc_g = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        g_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+        u_rows = g_rows + N * K  # GATE_UP: the up half of the packed matrix
+        if BM == 1:  # GEMV: a [BLOCK_N] accumulator, each K step reduced as it lands
+            acc_g = tl.zeros((BLOCK_N,), tl.float32)
         else:
             acc_g = tl.zeros((BLOCK_N, BM), tl.float32)
         acc_u = tl.zeros_like(acc_g)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.static_range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
             xm = m_mask[None, :] & k_mask[:, None]
@@ -98,16 +100,23 @@ def _linear_stage(
                 xt = (xt.to(tl.float32) * nw[:, None]).to(X_DTYPE)
             w_mask = n_mask[:, None] & k_mask[None, :]
             w = tl.load(g_rows + offs_k[None, :], mask=w_mask, other=0.0)
-            acc_g = _mac(acc_g, w, xt, BM, DOT_F32)
             if GATE_UP:
                 wu = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
-                acc_u = _mac(acc_u, wu, xt, BM, DOT_F32)
+            if BM == 1:
+                xv = tl.sum(xt.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_K]
+                acc_g += tl.sum(w.to(tl.float32) * xv, axis=1)
+                if GATE_UP:
+                    acc_u += tl.sum(wu.to(tl.float32) * xv, axis=1)
+            else:
+                acc_g = _mac(acc_g, w, xt, BM, DOT_F32)
+                if GATE_UP:
+                    acc_u = _mac(acc_u, wu, xt, BM, DOT_F32)
         if BM == 1:
-            acc_g = tl.sum(acc_g, axis=1)[:, None]
-            acc_u = tl.sum(acc_u, axis=1)[:, None]
+            acc_g = acc_g[:, None]
+            acc_u = acc_u[:, None]
         _epilogue(
             acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, out_ptr,
-            out_ptr, stride_o, stride_o, N,
+            out_ptr, STRIDE_O, STRIDE_O, N,
             X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
         )  # fmt: skip
 
@@ -119,12 +128,14 @@ def cp_pass_kernel(
     post_norm_ptr, gu_w_ptr, gu_s_ptr, down_w_ptr, down_s_ptr, norm_ptr, head_w_ptr,
     head_s_ptr, freqs_ptr, slots_ptr, kc_ptr, vc_ptr,
     x_ptr, qkv_ptr, attn_ptr, act_ptr, logits_ptr, bar_ptr,
-    B, pos, stage_lo, stage_hi, stride_src, SRC_K, eps, qk_scale,
+    B, pos, stage_lo, stage_hi, eps, qk_scale,
     stride_cl, stride_cslot, stride_ch, stride_cs,
     L: tl.constexpr, H: tl.constexpr, I: tl.constexpr, V: tl.constexpr, HQ: tl.constexpr,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATHER: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PBIAS: tl.constexpr,
+    SRC_K: tl.constexpr, STRIDE_SRC: tl.constexpr, BM: tl.constexpr, BLOCK_K: tl.constexpr,
+    BN_PROJ: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
+    BN_DOWN: tl.constexpr, BN_HEAD: tl.constexpr, GATHER: tl.constexpr,
+    HAS_PROJ: tl.constexpr, HAS_PBIAS: tl.constexpr,
     FP8: tl.constexpr, HEAD_FP8: tl.constexpr, DOT_F32: tl.constexpr, SYNC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -137,10 +148,9 @@ def cp_pass_kernel(
         if stage == 0:
             if HAS_PROJ:  # x = table[idx] @ Wp.T + bias
                 _linear_stage(
-                    src_ptr, idx_ptr, pw_ptr, pw_ptr, pw_ptr, pb_ptr, x_ptr, stride_src,
-                    SRC_K, H, B, H, SRC_K, eps, pid, NPROG,
-                    BM, BLOCK_N, BLOCK_K, GATHER, False, False, HAS_PBIAS, False, False,
-                    DOT_F32,
+                    src_ptr, idx_ptr, pw_ptr, pw_ptr, pw_ptr, pb_ptr, x_ptr, B, eps, pid, NPROG,
+                    H, SRC_K, STRIDE_SRC, H,
+                    BM, BN_PROJ, BLOCK_K, GATHER, False, False, HAS_PBIAS, False, False, DOT_F32,
                 )  # fmt: skip
             else:  # the table's rows are already of the code predictor's width
                 chunks = tl.cdiv(H, BLOCK_K)
@@ -152,13 +162,13 @@ def cp_pass_kernel(
                         row = tl.load(idx_ptr + b).to(tl.int64)
                     else:
                         row = tl.cast(b, tl.int64)
-                    v = tl.load(src_ptr + row * stride_src + cols, mask=cols < H, other=0.0)
+                    v = tl.load(src_ptr + row * STRIDE_SRC + cols, mask=cols < H, other=0.0)
                     tl.store(x_ptr + b * H + cols, v.to(x_ptr.dtype.element_ty), mask=cols < H)
         elif stage == 1 + STAGES_PER_LAYER * L:  # logits = rms_norm(x) @ Whead.T, fp32
             _linear_stage(
-                x_ptr, idx_ptr, norm_ptr, head_w_ptr, head_s_ptr, head_w_ptr, logits_ptr,
-                H, H, V, B, V, H, eps, pid, NPROG,
-                BM, BLOCK_N, BLOCK_K, False, True, HEAD_FP8, False, False, False, DOT_F32,
+                x_ptr, idx_ptr, norm_ptr, head_w_ptr, head_s_ptr, head_w_ptr, logits_ptr, B,
+                eps, pid, NPROG, V, H, H, V,
+                BM, BN_HEAD, BLOCK_K, False, True, HEAD_FP8, False, False, False, DOT_F32,
             )  # fmt: skip
         else:
             rel = stage - 1
@@ -167,9 +177,9 @@ def cp_pass_kernel(
             if kind == 0:  # qkv = rms_norm(x) @ Wqkv.T
                 _linear_stage(
                     x_ptr, idx_ptr, in_norm_ptr + lw * H, qkv_w_ptr + lw * NQKV * H,
-                    qkv_s_ptr + lw * NQKV, qkv_w_ptr, qkv_ptr, H, H, NQKV, B, NQKV, H, eps,
-                    pid, NPROG,
-                    BM, BLOCK_N, BLOCK_K, False, True, FP8, False, False, False, DOT_F32,
+                    qkv_s_ptr + lw * NQKV, qkv_w_ptr, qkv_ptr, B, eps, pid, NPROG,
+                    NQKV, H, H, NQKV,
+                    BM, BN_QKV, BLOCK_K, False, True, FP8, False, False, False, DOT_F32,
                 )  # fmt: skip
             elif kind == 1:  # per (row, KV head): norm + RoPE + cache write + attention
                 for item in range(pid, B * HKV, NPROG):
@@ -184,21 +194,20 @@ def cp_pass_kernel(
             elif kind == 2:  # x += attn @ Wo.T
                 _linear_stage(
                     attn_ptr, idx_ptr, post_norm_ptr, o_w_ptr + lw * H * NO, o_s_ptr + lw * H,
-                    o_w_ptr, x_ptr, NO, NO, H, B, H, NO, eps, pid, NPROG,
-                    BM, BLOCK_N, BLOCK_K, False, False, FP8, False, True, False, DOT_F32,
+                    o_w_ptr, x_ptr, B, eps, pid, NPROG, H, NO, NO, H,
+                    BM, BN_O, BLOCK_K, False, False, FP8, False, True, False, DOT_F32,
                 )  # fmt: skip
             elif kind == 3:  # act = silu(h @ Wg.T) * (h @ Wu.T), h = rms_norm(x)
                 _linear_stage(
                     x_ptr, idx_ptr, post_norm_ptr + lw * H, gu_w_ptr + lw * 2 * I * H,
-                    gu_s_ptr + lw * 2 * I, gu_w_ptr, act_ptr, H, H, I, B, I, H, eps,
-                    pid, NPROG,
-                    BM, BLOCK_N, BLOCK_K, False, True, FP8, False, False, True, DOT_F32,
+                    gu_s_ptr + lw * 2 * I, gu_w_ptr, act_ptr, B, eps, pid, NPROG, I, H, H, I,
+                    BM, BN_GU, BLOCK_K, False, True, FP8, False, False, True, DOT_F32,
                 )  # fmt: skip
             else:  # x += act @ Wd.T
                 _linear_stage(
                     act_ptr, idx_ptr, post_norm_ptr, down_w_ptr + lw * H * I,
-                    down_s_ptr + lw * H, down_w_ptr, x_ptr, I, I, H, B, H, I, eps, pid, NPROG,
-                    BM, BLOCK_N, BLOCK_K, False, False, FP8, False, True, False, DOT_F32,
+                    down_s_ptr + lw * H, down_w_ptr, x_ptr, B, eps, pid, NPROG, H, I, I, H,
+                    BM, BN_DOWN, BLOCK_K, False, False, FP8, False, True, False, DOT_F32,
                 )  # fmt: skip
         if SYNC:
             if stage + 1 < stage_hi:
