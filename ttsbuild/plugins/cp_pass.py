@@ -126,8 +126,13 @@ def run_pass(
     *,
     use_triton: bool | None = None,
     num_programs: int | None = None,
+    num_warps: int = 8,
+    race_stages: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One pass; returns views (x [B, H], logits [B, V] or None) of the buffers."""
+    """One pass; returns views (x [B, H], logits [B, V] or None) of the buffers.
+    num_programs (at most the SM count), num_warps and race_stages are for the benchmark:
+    race_stages=True drops the grid barriers, so the stages race and the result is garbage,
+    which times the stages' own work (benchmarks/kernels/bench_barrier.py)."""
     B = slots.shape[0]
     if not want_triton(src, use_triton):
         x, logits = w.reference(src, idx, pos, k_cache, v_cache, slots, head)
@@ -193,7 +198,8 @@ def run_pass(
         for stage in range(last):
             cp_pass_kernel[(nprog,)](*args, stage, stage + 1, *rest, **meta, SYNC=False)
     else:
-        cp_pass_kernel[(nprog,)](*args, 0, last, *rest, **meta, SYNC=True, num_warps=8)
+        sync = not race_stages
+        cp_pass_kernel[(nprog,)](*args, 0, last, *rest, **meta, SYNC=sync, num_warps=num_warps)
     return bufs.x[:B], (None if head is None else bufs.logits[:B])
 
 
@@ -209,7 +215,8 @@ def _block_n(n: int, tile_row_bytes: int, bm: int, nprog: int, max_bytes: int = 
 
 
 def _barrier(device: torch.device) -> torch.Tensor:
-    """The grid barrier's two words (count, generation); never reset (see the kernel)."""
+    """The grid barrier's count (word 0) and generation (word 32, its own 128-byte line);
+    never reset (see the kernel)."""
     if device not in _BARRIERS:
-        _BARRIERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
+        _BARRIERS[device] = torch.zeros(64, dtype=torch.int32, device=device)
     return _BARRIERS[device]

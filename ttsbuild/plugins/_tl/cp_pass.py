@@ -36,20 +36,60 @@ from ttsbuild.plugins._tl.qk_norm_rope_attend import attend_item
 STAGES_PER_LAYER = tl.constexpr(5)
 
 
+GEN_OFFSET = tl.constexpr(32)  # the generation word sits a 128-byte line after the count
+
+
 @triton.jit
 def _grid_sync(bar_ptr, NPROG):
     tl.debug_barrier()  # this program's stores of the stage are issued
-    gen = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
+    gen_ptr = bar_ptr + GEN_OFFSET
+    gen = tl.load(gen_ptr, volatile=True)  # ordered before the arrival by its acq_rel
     arrived = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == NPROG - 1:
         tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(bar_ptr + 1, 1, sem="release", scope="gpu")
+        tl.atomic_add(gen_ptr, 1, sem="release", scope="gpu")
     else:
-        cur = tl.load(bar_ptr + 1, volatile=True)
+        cur = tl.load(gen_ptr, volatile=True)
         while cur == gen:
-            cur = tl.load(bar_ptr + 1, volatile=True)
-        tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
+            cur = tl.load(gen_ptr, volatile=True)
+        tl.atomic_add(gen_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def barrier_bench_kernel(bar_ptr, n):
+    """n grid barriers and nothing else: what one costs (benchmarks/kernels)."""
+    for _ in range(n):
+        _grid_sync(bar_ptr, tl.num_programs(0))
+
+
+@triton.jit
+def _k_step(
+    acc_g, acc_u, k0, x_cols, nw_ptr, g_rows, u_rows, n_mask, m_mask, K,
+    X_DTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_K: tl.constexpr, PRE_NORM: tl.constexpr,
+    GATE_UP: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    xm = m_mask[None, :] & k_mask[:, None]
+    xt = tl.load(x_cols + offs_k[:, None], mask=xm, other=0.0, cache_modifier=".cg")
+    if PRE_NORM:
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        xt = (xt.to(tl.float32) * nw[:, None]).to(X_DTYPE)
+    w_mask = n_mask[:, None] & k_mask[None, :]
+    w = tl.load(g_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    if BM == 1:  # [BLOCK_N] accumulators, each K step reduced as it lands
+        xv = tl.sum(xt.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_K]
+        acc_g += tl.sum(w.to(tl.float32) * xv, axis=1)
+        if GATE_UP:
+            wu = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
+            acc_u += tl.sum(wu.to(tl.float32) * xv, axis=1)
+    else:
+        acc_g = _mac(acc_g, w, xt, BM, DOT_F32)
+        if GATE_UP:
+            wu = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
+            acc_u = _mac(acc_u, wu, xt, BM, DOT_F32)
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -74,8 +114,8 @@ def _linear_stage(
     X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     ss = tl.zeros((BM,), tl.float32)
     if PRE_NORM:  # each row's sum of squares, once per stage (every tile needs all of K)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        for ks in tl.static_range(0, K, BLOCK_K):
+            offs_k = ks + tl.arange(0, BLOCK_K)
             xm = m_mask[None, :] & (offs_k[:, None] < K)
             xf = tl.load(x_cols + offs_k[:, None], mask=xm, other=0.0, cache_modifier=".cg")
             xf = xf.to(tl.float32)
@@ -90,27 +130,18 @@ def _linear_stage(
         else:
             acc_g = tl.zeros((BLOCK_N, BM), tl.float32)
         acc_u = tl.zeros_like(acc_g)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            xm = m_mask[None, :] & k_mask[:, None]
-            xt = tl.load(x_cols + offs_k[:, None], mask=xm, other=0.0, cache_modifier=".cg")
-            if PRE_NORM:
-                nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                xt = (xt.to(tl.float32) * nw[:, None]).to(X_DTYPE)
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(g_rows + offs_k[None, :], mask=w_mask, other=0.0)
-            if GATE_UP:
-                wu = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
-            if BM == 1:
-                xv = tl.sum(xt.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_K]
-                acc_g += tl.sum(w.to(tl.float32) * xv, axis=1)
-                if GATE_UP:
-                    acc_u += tl.sum(wu.to(tl.float32) * xv, axis=1)
-            else:
-                acc_g = _mac(acc_g, w, xt, BM, DOT_F32)
-                if GATE_UP:
-                    acc_u = _mac(acc_u, wu, xt, BM, DOT_F32)
+        if BM == 1:  # unrolled: every K step's weight loads in flight at once
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                acc_g, acc_u = _k_step(
+                    acc_g, acc_u, k0, x_cols, nw_ptr, g_rows, u_rows, n_mask, m_mask, K,
+                    X_DTYPE, BM, BLOCK_K, PRE_NORM, GATE_UP, DOT_F32,
+                )  # fmt: skip
+        else:  # MMA tiles: a software-pipelined loop (unrolled, their smem would not fit)
+            for kt in range(0, K, BLOCK_K):
+                acc_g, acc_u = _k_step(
+                    acc_g, acc_u, kt, x_cols, nw_ptr, g_rows, u_rows, n_mask, m_mask, K,
+                    X_DTYPE, BM, BLOCK_K, PRE_NORM, GATE_UP, DOT_F32,
+                )  # fmt: skip
         if BM == 1:
             acc_g = acc_g[:, None]
             acc_u = acc_u[:, None]
