@@ -78,17 +78,12 @@ def _k_step(
         xt = (xt.to(tl.float32) * nw[:, None]).to(X_DTYPE)
     w_mask = n_mask[:, None] & k_mask[None, :]
     w = tl.load(g_rows + offs_k[None, :], mask=w_mask, other=0.0)
-    if BM == 1:  # [BLOCK_N] accumulators, each K step reduced as it lands
-        xv = tl.sum(xt.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_K]
-        acc_g += tl.sum(w.to(tl.float32) * xv, axis=1)
-        if GATE_UP:
-            wu = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
-            acc_u += tl.sum(wu.to(tl.float32) * xv, axis=1)
-    else:
-        acc_g = _mac(acc_g, w, xt, BM, DOT_F32)
-        if GATE_UP:
-            wu = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
-            acc_u = _mac(acc_u, wu, xt, BM, DOT_F32)
+    # GEMV (BM == 1): elementwise products accumulate; no cross-thread reduction between the
+    # K steps, so the unrolled steps' loads can all be in flight. MMA tiles: tl.dot.
+    acc_g = _mac(acc_g, w, xt, BM, DOT_F32)
+    if GATE_UP:
+        wu = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        acc_u = _mac(acc_u, wu, xt, BM, DOT_F32)
     return acc_g, acc_u
 
 
@@ -113,20 +108,23 @@ def _linear_stage(
     x_cols = x_ptr + rows[None, :] * STRIDE_X
     X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     ss = tl.zeros((BM,), tl.float32)
-    if PRE_NORM:  # each row's sum of squares, once per stage (every tile needs all of K)
+    if PRE_NORM:  # each row's sum of squares, once per stage (every tile needs all of K);
+        # summed elementwise and reduced once, so no cross-thread reduction sits between loads
+        sq = tl.zeros((BLOCK_K, BM), tl.float32)
         for ks in tl.static_range(0, K, BLOCK_K):
             offs_k = ks + tl.arange(0, BLOCK_K)
             xm = m_mask[None, :] & (offs_k[:, None] < K)
             xf = tl.load(x_cols + offs_k[:, None], mask=xm, other=0.0, cache_modifier=".cg")
             xf = xf.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=0)
+            sq += xf * xf
+        ss = tl.sum(sq, axis=0)
     for tile in range(pid, tl.cdiv(N, BLOCK_N), NPROG):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         g_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
         u_rows = g_rows + N * K  # GATE_UP: the up half of the packed matrix
-        if BM == 1:  # GEMV: a [BLOCK_N] accumulator, each K step reduced as it lands
-            acc_g = tl.zeros((BLOCK_N,), tl.float32)
+        if BM == 1:  # GEMV: elementwise [BLOCK_N, BLOCK_K] products, reduced after the loop
+            acc_g = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         else:
             acc_g = tl.zeros((BLOCK_N, BM), tl.float32)
         acc_u = tl.zeros_like(acc_g)
@@ -143,8 +141,8 @@ def _linear_stage(
                     X_DTYPE, BM, BLOCK_K, PRE_NORM, GATE_UP, DOT_F32,
                 )  # fmt: skip
         if BM == 1:
-            acc_g = acc_g[:, None]
-            acc_u = acc_u[:, None]
+            acc_g = tl.sum(acc_g, axis=1)[:, None]
+            acc_u = tl.sum(acc_u, axis=1)[:, None]
         _epilogue(
             acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, out_ptr,
             out_ptr, STRIDE_O, STRIDE_O, N,
