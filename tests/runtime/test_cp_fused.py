@@ -179,7 +179,8 @@ def test_fused_frame_kernels_equal_unfused_frame(fp8, monkeypatch):
 
 
 def test_graph_engine_flag_gives_the_same_codes(tiny_checkpoint):
-    """EnginePlan.fused_code_predictor switches the frame's code predictor (eager, CPU)."""
+    """The plan's per-bucket kernel choices (fused / persistent code predictor, fused talker)
+    switch the frame's kernels, never its codes (eager, CPU references)."""
     from ttsbuild.convert.checkpoint import load_checkpoint
     from ttsbuild.runtime.engine import Models
     from ttsbuild.runtime.graph_engine import GraphEngine
@@ -192,8 +193,10 @@ def test_graph_engine_flag_gives_the_same_codes(tiny_checkpoint):
     )
     rc = dict(num_slots=1, max_len=128, max_text=64, batch_buckets=(1,), prefill_buckets=(32,))
     codes = []
-    for fused in (False, True):
-        plan = EnginePlan(fused_code_predictor=(1,) if fused else (), **rc)
+    choices = ({}, {"fused_code_predictor": (1,)}, {"persistent_code_predictor": (1,)},
+               {"fused_talker": (1,)})  # fmt: skip
+    for choice in choices:
+        plan = EnginePlan(**choice, **rc)
         engine = GraphEngine(models, plan, use_graphs=False)
         slot = engine.admit(req)
         engine.prefill([slot])
@@ -201,7 +204,7 @@ def test_graph_engine_flag_gives_the_same_codes(tiny_checkpoint):
         while not engine.is_finished(slot):
             frames += [out.codes for out in engine.frames([slot]) if out.codes is not None]
         codes.append(torch.stack(frames))
-    assert codes[0].shape[0] >= 2 and torch.equal(codes[0], codes[1])
+    assert codes[0].shape[0] >= 2 and all(torch.equal(codes[0], c) for c in codes[1:])
 
 
 # -- the persistent pass (plugins.cp_pass): one launch per pass --------------------------

@@ -85,7 +85,8 @@ def _pipelined_steps(engine, slots: list[int], steps: int) -> tuple[float, float
 
 
 def bench_plan(
-    precision: str, batches, fused_code_predictor: bool = False, persistent_cp_max_batch: int = 0
+    precision: str, batches, fused_code_predictor: bool = False, persistent_cp_max_batch: int = 0,
+    fused_talker_max_batch: int = 0,
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured."""
     num_slots = max(batches)
@@ -100,6 +101,7 @@ def bench_plan(
         codec_precision="fp16",
         fused_code_predictor=tuple(b for b in buckets if b <= 8) if fused_code_predictor else (),
         persistent_code_predictor=tuple(b for b in buckets if b <= persistent_cp_max_batch),
+        fused_talker=tuple(b for b in buckets if b <= fused_talker_max_batch),
     )
 
 
@@ -314,6 +316,7 @@ def run_engine_bench(
     plan: EnginePlan | None = None,
     fused_code_predictor: bool = False,
     persistent_cp_max_batch: int = 0,
+    fused_talker_max_batch: int = 0,
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -324,7 +327,9 @@ def run_engine_bench(
         batches = tuple(b for b in batches if b <= plan.max_batch)
         results.append(bench_precision(models, plan, batches, iters, log, release_modules=True))
     for p in precisions if plan is None else ():
-        p_plan = bench_plan(p, batches, fused_code_predictor, persistent_cp_max_batch)
+        p_plan = bench_plan(
+            p, batches, fused_code_predictor, persistent_cp_max_batch, fused_talker_max_batch
+        )
         results.append(bench_precision(models, p_plan, batches, iters, log))
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
     report = {
@@ -397,6 +402,8 @@ def main() -> None:
     p.add_argument("--fused-code-predictor", action="store_true")
     p.add_argument("--persistent-cp-max-batch", type=int, default=0,
                    help="buckets up to this run the persistent code-predictor pass")
+    p.add_argument("--fused-talker-max-batch", type=int, default=0,
+                   help="buckets up to this run the talker step on the fused kernels")
     a = p.parse_args()
     t0 = time.perf_counter()
     plan = None
@@ -418,6 +425,7 @@ def main() -> None:
         plan=plan,
         fused_code_predictor=a.fused_code_predictor,
         persistent_cp_max_batch=a.persistent_cp_max_batch,
+        fused_talker_max_batch=a.fused_talker_max_batch,
     )
 
 

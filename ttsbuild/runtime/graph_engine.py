@@ -34,7 +34,7 @@ from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime.codec_engine import CodecEngine
 from ttsbuild.runtime.core import EngineCore, SlotPlan
-from ttsbuild.runtime.cp_fused import FusedCodePredictor
+from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.driver import make_driver
 from ttsbuild.runtime.engine import Models
 from ttsbuild.runtime.fast_model import Dense, PackedStack
@@ -263,7 +263,10 @@ class GraphBackend:
         )
         x = self._embed_frame(codes) + text
         pos = self.position[rows].clamp(max=self.max_len - 1)
-        h = self.talker_stack.decode(x, self.kv_k, self.kv_v, rows, pos)
+        if rows.shape[0] in self.plan.fused_talker:
+            h = decode_fused(self.talker_stack, x, self.kv_k, self.kv_v, rows, pos)
+        else:
+            h = self.talker_stack.decode(x, self.kv_k, self.kv_v, rows, pos)
         self.hidden[rows] = h
         self.logits[rows] = self.codec_head(h).float()
         self.position[rows] = pos + 1

@@ -47,6 +47,9 @@ class EnginePlan(BaseModel):
     # (plugins.cp_pass: projection + layers + head, grid barriers between stages); it takes
     # precedence over fused_code_predictor where both list a bucket.
     persistent_code_predictor: tuple[int, ...] = ()
+    # Batch buckets whose talker step runs on runtime.cp_fused.decode_fused (5 launches per
+    # layer instead of ~9: fused norm + linear, fused residual adds).
+    fused_talker: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _consistent(self) -> EnginePlan:
@@ -72,7 +75,7 @@ class EnginePlan(BaseModel):
             )
         if self.prefill_buckets[-1] >= self.max_len:
             raise ValueError("the largest prefill bucket must leave room for frames in max_len")
-        for name in ("fused_code_predictor", "persistent_code_predictor"):
+        for name in ("fused_code_predictor", "persistent_code_predictor", "fused_talker"):
             if not set(getattr(self, name)) <= set(self.batch_buckets):
                 raise ValueError(f"{name} must list batch buckets of the plan")
         if self.max_frames < 1 or self.max_text < 1:
