@@ -227,7 +227,8 @@ class StepDriver {
 
   // Step timing for timelines (CUDA only): from enable_timing(true) on, each step records
   // timing events around its run (after its waits and input copies); step_times(ticket)
-  // returns (start, end) in ms since the first timed step's start, and forgets them.
+  // returns (start, end) in ms since the start of the first step asked about, and
+  // forgets them.
   void enable_timing(bool on) { timing_ = on; }
 
   std::pair<double, double> step_times(int64_t ticket) {
