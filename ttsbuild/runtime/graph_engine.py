@@ -495,6 +495,9 @@ class GraphBackend:
     def read_codec(self, staged: _Staged) -> np.ndarray:
         return self._read(staged).numpy().copy()
 
+    def ready(self, staged: _Staged) -> bool:
+        return staged.read or self.driver.ready(staged.ticket)
+
     def memory_report(self) -> dict[str, int]:
         """Bytes on the device by kind (weights as stored, KV cache, per-slot state)."""
         def nbytes(tensors) -> int:

@@ -132,8 +132,11 @@ class Stream:
     status: Status = Status.QUEUED
     slot: int | None = None
     seed: int | None = None
-    frames: int = 0  # generated
-    decoded: int = 0  # turned into audio
+    frames: int = 0  # generated and read back
+    inflight: int = 0  # frames launched, not yet read back (a pipelined engine)
+    certain: int = 0  # ...of which the engine knew at launch that they are real (no EOS yet)
+    decoded: int = 0  # handed to the codec
+    audio_inflight: int = 0  # codec steps launched, their audio not yet read back
     generation_done: bool = False
     stopped_by: str | None = None  # the engine's reason generation ended (guards.StopReason)
     audio_steps: int = 0  # codec calls so far: indexes the chunk schedule
@@ -153,12 +156,17 @@ class Stream:
         sizes stop growing, then real time."""
         return self.ramp_speed if self.audio_steps < len(self.chunk_schedule) else 1.0
 
+    def pending(self) -> int:
+        """Frames known to be real and not yet handed to the codec (in flight ones included:
+        the engine orders the codec step after the frame step on the device)."""
+        return self.frames + self.certain - self.decoded
+
     def next_stage(self) -> Stage | None:
         if self.status is Status.PREFILL:
             return Stage.PREFILL
         if self.status is not Status.DECODING:
             return None
-        pending = self.frames - self.decoded
+        pending = self.pending()
         if pending >= self.next_chunk_frames() or (self.generation_done and pending > 0):
             return Stage.AUDIO
         return None if self.generation_done else Stage.FRAMES
@@ -208,11 +216,25 @@ class Plan:
 
 
 @dataclass
+class Launched:
+    """A plan's stage as launched: its rows' streams at that moment (a slot may change hands
+    before the stage is read back) and which frame rows were launched, certain to be real."""
+
+    stage: Stage | None
+    rows: dict[int, Stream]  # slot -> stream
+    launched: set[int] = field(default_factory=set)  # FRAMES rows launched
+    certain: set[int] = field(default_factory=set)
+
+
+@dataclass
 class StepResult:
     admitted: dict[int, int | str] = field(default_factory=dict)  # stream id -> slot | error
     seeds: dict[int, int] = field(default_factory=dict)  # stream id -> seed drawn at admission
     prefilled: list[int] = field(default_factory=list)  # slots whose prompt ran this turn
     stage_slots: list[int] = field(default_factory=list)  # the stage's rows as run
+    launched: list[int] = field(default_factory=list)  # FRAMES rows launched (under limits)
+    certain: list[int] = field(default_factory=list)  # ...whose frame is real (no EOS possible)
+    decoded: dict[int, int] = field(default_factory=dict)  # AUDIO: slot -> frames decoded
     frames: dict[int, tuple[bool, bool]] = field(default_factory=dict)  # slot -> (new, finished)
     stopped_by: dict[int, str] = field(default_factory=dict)  # finished slot -> stop reason
     pcm: dict[int, Sequence[float]] = field(default_factory=dict)  # slot -> audio
@@ -453,15 +475,47 @@ class Scheduler:
         return plan
 
     def commit(self, plan: Plan, result: StepResult) -> list[tuple[Sink, Event]]:
+        """Account a plan whose work was launched and read back at once."""
+        return self.commit_collect(self.commit_launch(plan, result), result)
+
+    def commit_launch(self, plan: Plan, result: StepResult) -> Launched:
+        """What is known once a plan's work is launched: admissions, prompts run, the stage's
+        frames in flight or frames handed to the codec (so the next plan can be made before
+        this stage is read back). Events wait in the outbox (`events`)."""
         now = self.clock()
         for stream in plan.admit:
             self._commit_admission(stream, result.admitted[stream.id], result, now)
         self._commit_prefill(result, now)
-        if plan.stage is not None:
-            self._commit_stage(plan.stage, result, now)
+        launched = Launched(plan.stage, {}, set(result.launched), set(result.certain))
+        for slot in result.stage_slots if plan.stage is not None else ():
+            s = self.by_slot.get(slot)
+            if s is None or s.status is Status.CANCELLED:
+                continue
+            if plan.stage is Stage.FRAMES:
+                if slot in launched.launched:
+                    s.inflight += 1
+                    s.certain += slot in launched.certain
+            elif result.decoded.get(slot, 0) > 0:
+                s.decoded += result.decoded[slot]
+                s.audio_steps += 1
+                s.audio_inflight += 1
+            else:
+                continue  # nothing to decode after all: no audio step for it
+            launched.rows[slot] = s
+        return launched
+
+    def commit_collect(self, launched: Launched, result: StepResult) -> list[tuple[Sink, Event]]:
+        """Account a launched stage read back (`result` as filled by the runner)."""
+        now = self.clock()
+        if launched.stage is not None:
+            self._commit_stage(launched, result, now)
         if result.prefilled or result.stage_slots:
             self._record_busy(result, now)
         self._expire_queue(now)
+        return self.events()
+
+    def events(self) -> list[tuple[Sink, Event]]:
+        """Events emitted since the last call, to hand to their sinks outside the lock."""
         out, self._outbox = self._outbox, []
         return out
 
@@ -543,7 +597,7 @@ class Scheduler:
             return None if s.follows is None else math.inf
         need = self.cost_s[Stage.AUDIO]
         if stage is Stage.FRAMES:
-            missing = s.next_chunk_frames() - (s.frames - s.decoded)
+            missing = s.next_chunk_frames() - s.pending()
             need += max(1, missing) * self.cost_s[Stage.FRAMES]
         if s.status is not Status.DECODING:
             need += self.cost_s[Stage.PREFILL]
@@ -579,27 +633,32 @@ class Scheduler:
                 s.status, s.last_served_at = Status.DECODING, now
         self.observer.on_step(Stage.PREFILL, len(result.prefilled), result.prefill_s, 0)
 
-    def _commit_stage(self, stage: Stage, result: StepResult, now: float) -> None:
+    def _commit_stage(self, launched: Launched, result: StepResult, now: float) -> None:
+        stage = launched.stage
         if not result.stage_slots:
             return
-        a = self.config.cost_ema
-        self.cost_s[stage] = (1 - a) * self.cost_s[stage] + a * result.stage_s
+        if stage is Stage.AUDIO or launched.launched:  # a step ran: its time is evidence
+            a = self.config.cost_ema
+            self.cost_s[stage] = (1 - a) * self.cost_s[stage] + a * result.stage_s
         new_frames = 0
-        for slot in result.stage_slots:
-            s = self.by_slot.get(slot)
-            if s is None or s.status is Status.CANCELLED:
-                continue
+        for slot, s in launched.rows.items():
+            if self.by_slot.get(slot) is not s or s.status is Status.CANCELLED:
+                continue  # cancelled meanwhile (its slot may hold another stream by now)
             s.last_served_at = now
             if stage is Stage.FRAMES:
-                new, finished = result.frames[slot]
+                if slot in launched.launched:
+                    s.inflight -= 1
+                    s.certain -= slot in launched.certain
+                new, finished = result.frames.get(slot, (False, False))
                 s.frames += new
-                s.generation_done = finished
                 if finished:
+                    s.generation_done = True
                     s.stopped_by = result.stopped_by.get(slot)
                 new_frames += new
             else:
+                s.audio_inflight -= 1
                 self._commit_audio(s, result.pcm[slot], now)
-            if s.generation_done and s.frames == s.decoded:
+            if s.generation_done and not (s.inflight or s.audio_inflight) and s.pending() == 0:
                 self._finish(s, now)
         self.observer.on_step(stage, len(result.stage_slots), result.stage_s, new_frames)
 
@@ -619,8 +678,6 @@ class Scheduler:
             self.frame_cost.observe(frame_rows, result.stage_s)
 
     def _commit_audio(self, s: Stream, pcm: Sequence[float], now: float) -> None:
-        s.decoded = s.frames
-        s.audio_steps += 1
         if s.trimmer is not None:
             pcm = s.trimmer(pcm)
         if not len(pcm):
