@@ -61,7 +61,9 @@ class FakeEngine:
     """The slot API on a fake device: each step occupies a lane (frame steps the "lm" lane;
     codec steps the "codec" lane with `codec_lane`, else the same one) from launch, or when
     the lane and its input frames are free, for its cost; reading a step back advances the
-    clock to its end. A prefill is synchronous (it follows the lm lane). Launch and read
+    clock to its end. A prefill follows the lm lane and blocks the host until it is done, or,
+    with `async_prefill` (a graph replay that does not sync the host), only occupies the lane.
+    Launch and read
     calls are logged in order in `log`; `calls` keeps (stage, slots) per launch."""
 
     clock: FakeClock
@@ -69,6 +71,7 @@ class FakeEngine:
     cost_s: dict = field(default_factory=lambda: {"prefill": 0.01, "frames": 0.02, "audio": 0.01})
     per_row_s: dict = field(default_factory=lambda: {"frames": 0.0, "audio": 0.0})
     codec_lane: bool = False
+    async_prefill: bool = False
     slots: dict = field(default_factory=dict)
     calls: list = field(default_factory=list)  # (stage, slots)
     log: list = field(default_factory=list)  # ("launch" | "read", kind, ticket id, slots)
@@ -107,8 +110,9 @@ class FakeEngine:
         self.calls.append(("prefill", list(slots)))
         for s in slots:
             self.slots[s].prefilled = True
-        self.clock.t = max(self.clock.t, self.lane_free["lm"]) + self.cost_s["prefill"]
-        self.lane_free["lm"] = self.clock.t
+        self.lane_free["lm"] = max(self.clock.t, self.lane_free["lm"]) + self.cost_s["prefill"]
+        if not self.async_prefill:
+            self.clock.t = self.lane_free["lm"]
 
     def can_launch(self, slot: int) -> bool:
         st = self.slots[slot]

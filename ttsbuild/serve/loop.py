@@ -1,6 +1,7 @@
 """The engine thread: plan, execute, commit; and the bridge that hands events to asyncio.
 
-One thread owns the engine (the engine is not thread-safe and a GPU stream is serial anyway).
+One thread owns the engine (the engine is not thread-safe). The loop is pipelined over the
+engine's split API: a turn launches its stage, then reads back earlier ones (see EngineLoop).
 The scheduler is shared with the asyncio side under one lock, held only while planning and
 committing (microseconds), never while a stage runs.
 """
@@ -65,6 +66,7 @@ class Runner:
     def __init__(self, engine: Engine, request_error: type[Exception] = ValueError):
         self.engine = engine
         self.request_error = request_error
+        self._last_read = dict.fromkeys(Stage, float("-inf"))  # per stage: clock at last read
 
     def execute(self, plan: Plan, clock: Callable[[], float] = time.perf_counter) -> StepResult:
         """Launch the plan's work and read it back at once (a serial loop)."""
@@ -122,7 +124,12 @@ class Runner:
                     result.stopped_by[out.slot] = str(engine.stopped_by(out.slot))
         elif step.ticket is not None and step.stage is Stage.AUDIO:
             result.pcm = engine.collect_audio(step.ticket)
-        result.stage_s = clock() - step.started
+        # A stage's cost: from its launch, or from when the previous step of its kind was read
+        # (launched ahead, it queued behind that one): back to back, steps cost their spacing.
+        now = clock()
+        if step.stage is not None:
+            result.stage_s = now - max(step.started, self._last_read[step.stage])
+            self._last_read[step.stage] = now
         return result
 
 

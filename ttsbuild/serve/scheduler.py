@@ -7,6 +7,13 @@ anchors the turn, given its first frame in the turn after it arrives; its first 
 one turn later: it waits behind the step that was running when it arrived and, at most, a
 frame step and a codec step of streams whose playback would otherwise run dry.
 
+Pipelined engines (serve.loop.EngineLoop): a stage is accounted when it is launched
+(commit_launch: frames in flight, frames handed to the codec) and when it is read back
+(commit_collect), so the next turn is planned while the last stage still runs. Frames the
+engine knows are real at launch (no EOS possible yet) count as made: their chunk's codec step
+can be launched at once, ordered after the frame step on the device. A codec batch never
+includes a row whose frames come from a later frame step than its anchor's.
+
 Every admitted stream has one next stage: FRAMES until its next chunk's frames exist, AUDIO
 once they do (or once generation ended with frames left). The most urgent ready stream (the
 anchor) picks the stage; the batch is the max_batch most urgent streams ready for it (batched
@@ -137,6 +144,7 @@ class Stream:
     certain: int = 0  # ...of which the engine knew at launch that they are real (no EOS yet)
     decoded: int = 0  # handed to the codec
     audio_inflight: int = 0  # codec steps launched, their audio not yet read back
+    frame_step: int = 0  # the scheduler's count of frame steps when its last one launched
     generation_done: bool = False
     stopped_by: str | None = None  # the engine's reason generation ended (guards.StopReason)
     audio_steps: int = 0  # codec calls so far: indexes the chunk schedule
@@ -160,6 +168,11 @@ class Stream:
         """Frames known to be real and not yet handed to the codec (in flight ones included:
         the engine orders the codec step after the frame step on the device)."""
         return self.frames + self.certain - self.decoded
+
+    def codec_waits_for(self) -> int:
+        """The frame step (by launch count) a codec step of this stream waits for on the
+        device: the one writing its last certain frame; 0: none (all frames read back)."""
+        return self.frame_step if self.certain else 0
 
     def next_stage(self) -> Stage | None:
         if self.status is Status.PREFILL:
@@ -326,6 +339,7 @@ class Scheduler:
         self._steps: deque[tuple[float, float, int, int]] = deque()
         self.frame_cost = RowCost()
         self._last_commit: float | None = None  # None: the loop idled since
+        self._frame_steps = 0  # frame steps launched (Stream.frame_step)
 
     # -- asyncio side ------------------------------------------------------------------------
     def submit(
@@ -487,6 +501,7 @@ class Scheduler:
             self._commit_admission(stream, result.admitted[stream.id], result, now)
         self._commit_prefill(result, now)
         launched = Launched(plan.stage, {}, set(result.launched), set(result.certain))
+        self._frame_steps += bool(plan.stage is Stage.FRAMES and result.launched)
         for slot in result.stage_slots if plan.stage is not None else ():
             s = self.by_slot.get(slot)
             if s is None or s.status is Status.CANCELLED:
@@ -495,6 +510,7 @@ class Scheduler:
                 if slot in launched.launched:
                     s.inflight += 1
                     s.certain += slot in launched.certain
+                    s.frame_step = self._frame_steps
             elif result.decoded.get(slot, 0) > 0:
                 s.decoded += result.decoded[slot]
                 s.audio_steps += 1
@@ -558,13 +574,16 @@ class Scheduler:
         anchor, reason = ready[0], ready[0].klass
         if anchor.stage is Stage.FRAMES and self._chunk_runs_dry_during_frames(ready):
             anchor, reason = next(r for r in ready if r.stage is Stage.AUDIO), "codec-first"
-        rows = [r for r in ready if r.stage is anchor.stage][: self.config.max_batch]
+        candidates = [r for r in ready if r.stage is anchor.stage]
+        if anchor.stage is Stage.AUDIO:  # no row makes the codec step wait for a later frame
+            waits = anchor.stream.codec_waits_for()
+            candidates = [r for r in candidates if r.stream.codec_waits_for() <= waits]
+        rows = candidates[: self.config.max_batch]
         new_ready = sum(r.new for r in ready)
         plan.stage, plan.reason = anchor.stage, reason
         plan.frames_take_new = new_ready > 0 and sum(r.new for r in rows) == new_ready
         if not plan.frames_take_new:
-            rows = [r for r in ready if r.stage is anchor.stage and not r.new]
-            rows = rows[: self.config.max_batch]
+            rows = [r for r in candidates if not r.new][: self.config.max_batch]
         plan.slots = [r.stream.slot for r in rows if not r.new]
         if not (plan.slots or plan.frames_take_new):
             plan.stage = None  # only new rows were ready, and they did not fit
