@@ -339,21 +339,29 @@ class GraphBackend:
         """Capture every graph listed in the plan (warm-up runs hit the scratch slot)."""
         pool = torch.cuda.graph_pool_handle()
         codec_pool = torch.cuda.graph_pool_handle() if self.codec_stream else pool
+        # One capture stream per lane: cuBLAS keeps a workspace per (handle, stream), and a
+        # graph replays with the workspace of the stream it was captured on, so graphs that
+        # may run concurrently must not have been captured on the same stream.
+        lm_capture, codec_capture = torch.cuda.Stream(), torch.cuda.Stream()
+        assert lm_capture.cuda_stream != codec_capture.cuda_stream
         r = self.plan
         for b in r.batch_buckets:
             rows, out = self.rows_in[:b], self.frame_out[:b]
             self.graphs[("frame", b)] = _capture(
-                lambda rows=rows, out=out: _write_frame(out, *self._frame_body(rows)), pool
+                lambda rows=rows, out=out: _write_frame(out, *self._frame_body(rows)), pool,
+                lm_capture,
             )
             codec_rows = self.codec_rows_in[:b]
             for n in r.codec_chunks:
                 pcm = self.pcm_out[:b, : n * SAMPLES_PER_FRAME]
                 self.graphs[("codec", b, n)] = _capture(
                     lambda rows=codec_rows, n=n, pcm=pcm: pcm.copy_(self._codec_body(rows, n)),
-                    codec_pool,
+                    codec_pool, codec_capture,
                 )
         for t in r.prefill_buckets:
-            self.graphs[("prefill", t)] = _capture(lambda t=t: self._prefill_body(t), pool)
+            self.graphs[("prefill", t)] = _capture(
+                lambda t=t: self._prefill_body(t), pool, lm_capture
+            )
         self._reset_scratch()
         # The codec lane's stream does not follow the current stream: let these land first.
         torch.cuda.synchronize(self.device)
@@ -650,14 +658,14 @@ def _write_frame(out: torch.Tensor, codes: torch.Tensor, stop: torch.Tensor) -> 
     return out
 
 
-def _capture(fn, pool) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
+def _capture(fn, pool, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+    stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):  # warm-up: allocator, Triton autotuning, cuBLAS handles
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):  # (not torch's one shared stream)
         fn()
     return graph
