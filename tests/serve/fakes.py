@@ -63,7 +63,9 @@ class FakeEngine:
     the lane and its input frames are free, for its cost; reading a step back advances the
     clock to its end. A prefill follows the lm lane and blocks the host until it is done, or,
     with `async_prefill` (a graph replay that does not sync the host), only occupies the lane.
-    Launch and read
+    `instant`: a step counts as done (ready) as soon as it is launched, for loops driven by
+    real time (the fake clock moves only when a step is read); otherwise when the fake clock
+    reaches its end. Launch and read
     calls are logged in order in `log`; `calls` keeps (stage, slots) per launch."""
 
     clock: FakeClock
@@ -72,6 +74,7 @@ class FakeEngine:
     per_row_s: dict = field(default_factory=lambda: {"frames": 0.0, "audio": 0.0})
     codec_lane: bool = False
     async_prefill: bool = False
+    instant: bool = True
     slots: dict = field(default_factory=dict)
     calls: list = field(default_factory=list)  # (stage, slots)
     log: list = field(default_factory=list)  # ("launch" | "read", kind, ticket id, slots)
@@ -156,7 +159,7 @@ class FakeEngine:
         return self._run("audio", "codec" if self.codec_lane else "lm", slots, inputs_at, pcm)
 
     def ready(self, ticket: FakeTicket) -> bool:
-        return self.clock.t >= ticket.done_at
+        return self.instant or self.clock.t >= ticket.done_at
 
     def _read(self, ticket: FakeTicket):
         self.clock.t = max(self.clock.t, ticket.done_at)

@@ -23,7 +23,8 @@ class Harness:
         self.clock = FakeClock()
         # A GPU-like engine: a prefill is a graph replay that does not hold the host.
         self.engine = FakeEngine(self.clock, num_slots=num_slots, cost_s=dict(COST),
-                                 codec_lane=codec_lane, async_prefill=pipelined)  # fmt: skip
+                                 codec_lane=codec_lane, async_prefill=pipelined,
+                                 instant=False)  # fmt: skip
         config = SchedulerConfig(num_slots=num_slots, admit_by_capacity=False,
                                  max_buffered_s=1e6, stream_buffer_s=1e6, **cfg)  # fmt: skip
         self.sched = Scheduler(config, self.clock, initial_cost_s=0.01)

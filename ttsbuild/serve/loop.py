@@ -206,8 +206,9 @@ class EngineLoop:
                 due = self.in_flight[0]
             else:
                 return
-            if self.poll_s > 0:
-                self.sleep(self.poll_s)  # meanwhile a codec step may finish: poll again
+            audio_in_flight = any(step.stage is Stage.AUDIO for step in self.in_flight)
+            if audio_in_flight and self.poll_s > 0:
+                self.sleep(self.poll_s)  # a codec step may finish first: poll again
             else:
                 self._commit(due)  # waits for it
                 must = False
