@@ -19,6 +19,10 @@ if [ -d .whl ] && [ ! -d /tmp/site/fastapi ]; then
         --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+if ! "$PY" -c 'import ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null; then
+    echo "== building the step driver (CUDA)"
+    "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 || { echo "driver build failed"; exit 1; }
+fi
 CAPACITY=${CAPACITY:-}
 RATE=${RATE:-}
 if [ -z "$RATE" ]; then
