@@ -147,6 +147,7 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
         slots = [engine.admit(req) for _ in range(b)]
         engine.prefill(slots)
         be.rows_in[:b] = torch.tensor(slots, device=be.device)
+        be.codec_rows_in[:b] = be.rows_in[:b]
         rows = be.rows_in[:b]
         res.frame_ms[b] = _time_graph(be.graphs[("frame", b)], iters)
         talker = _capture(
@@ -251,6 +252,7 @@ def bench_guards(models, precision: str, batches, iters: int, num_slots: int, lo
             for name, engine in engines.items():
                 be = engine.backend
                 be.rows_in[:b] = torch.tensor(slots[name], device=be.device)
+                be.codec_rows_in[:b] = be.rows_in[:b]
                 frame[name].append(_time_graph(be.graphs[("frame", b)], per_round))
                 codec[name].append(_time_graph(be.graphs[("codec", b, 1)], per_round))
         for name, engine in engines.items():

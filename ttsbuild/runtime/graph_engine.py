@@ -15,6 +15,25 @@ Stages (graphs captured at load):
 Each step goes through the C++ step driver: the slot ids are staged in pinned host memory,
 the graph is replayed, and the step's codes / PCM are copied into pinned host memory on a
 copy stream behind an event, so the host can launch the next step before reading this one.
+
+Two streams (codec_stream=True, the default on CUDA): frame steps run on a high-priority
+stream joined to the caller's current stream (prefill and everything else stay in order with
+them), codec steps on their own stream, so neither waits behind the other. They share data
+only through the code ring and the codec's per-slot state, and are ordered by CUDA events
+exactly there (`_RingOrder`):
+  - a codec step waits for the frame step that wrote the last frame it decodes (earlier
+    frames were written before it on the same stream);
+  - a frame step that overwrites a ring entry waits for the codec step that read it (the core
+    refuses a frame more than `codec_ring` ahead of decoding, so that step was launched; it is
+    long finished in practice and the wait costs nothing);
+  - a slot's next occupant is prefilled (which resets the slot's codec state, decode counter
+    and guards) only after its previous occupant's last codec step (only a cancelled request
+    can still have one in flight).
+The silence guard's state is written by codec steps and read by frame steps without an event
+(a stop may come one chunk later; see generation.guards). Codec graphs have their own memory
+pool and their own input rows: graphs sharing a pool may reuse each other's intermediates and
+must never run concurrently. codec_stream=False runs both on the current stream (the old
+single-stream engine, for side-by-side measurements).
 Weights are the packed (bf16 or FP8) tensors only: the decoder layers are never kept twice.
 Without CUDA (or with use_graphs=False) the same bodies run eagerly through the same driver:
 that is the path CI checks against the reference backend.
@@ -23,6 +42,7 @@ that is the path CI checks against the reference backend.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +110,7 @@ class GraphBackend:
         use_graphs: bool | None = None,
         release_modules: bool = False,
         guards: GuardConfig | None = None,
+        codec_stream: bool | None = None,
     ):
         self.models, self.plan = models, plan
         self.guards = guards or GuardConfig()
@@ -176,6 +197,7 @@ class GraphBackend:
 
         # -- static I/O of the graphs, and host staging ---------------------------------------
         self.rows_in = torch.full((bmax,), self.scratch, dtype=torch.int64, device=dev)
+        self.codec_rows_in = self.rows_in.clone()  # the codec lane's own (it runs concurrently)
         self.frame_out = zeros(bmax, G + 1, dtype=torch.int64)  # codes, then the StopCode
         maxc = plan.max_chunk
         self.pcm_out = zeros(bmax, maxc * SAMPLES_PER_FRAME)
@@ -197,6 +219,13 @@ class GraphBackend:
             ((bmax,), torch.int64), ((bmax, maxc * SAMPLES_PER_FRAME), torch.float32), pinned
         )
         self.driver = make_driver(dev)
+        self.codec_stream = (dev.type == "cuda") if codec_stream is None else codec_stream
+        if self.codec_stream:
+            self.lm_lane = self.driver.add_lane(high_priority=True, join=True)
+            self.codec_lane = self.driver.add_lane(high_priority=False, join=False)
+        else:
+            self.lm_lane = self.codec_lane = 0  # the caller's current stream for both
+        self.ring_order = _RingOrder(S, plan.codec_ring)
 
         self.pending_prompts: dict[int, torch.Tensor] = {}  # slot -> prompt embeds [T, H]
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -315,20 +344,33 @@ class GraphBackend:
     def capture(self) -> None:
         """Capture every graph listed in the plan (warm-up runs hit the scratch slot)."""
         pool = torch.cuda.graph_pool_handle()
+        codec_pool = torch.cuda.graph_pool_handle() if self.codec_stream else pool
+        # One capture stream per lane: cuBLAS keeps a workspace per (handle, stream), and a
+        # graph replays with the workspace of the stream it was captured on, so graphs that
+        # may run concurrently must not have been captured on the same stream.
+        lm_capture, codec_capture = torch.cuda.Stream(), torch.cuda.Stream()
+        assert lm_capture.cuda_stream != codec_capture.cuda_stream
         r = self.plan
         for b in r.batch_buckets:
             rows, out = self.rows_in[:b], self.frame_out[:b]
             self.graphs[("frame", b)] = _capture(
-                lambda rows=rows, out=out: _write_frame(out, *self._frame_body(rows)), pool
+                lambda rows=rows, out=out: _write_frame(out, *self._frame_body(rows)), pool,
+                lm_capture,
             )
+            codec_rows = self.codec_rows_in[:b]
             for n in r.codec_chunks:
                 pcm = self.pcm_out[:b, : n * SAMPLES_PER_FRAME]
                 self.graphs[("codec", b, n)] = _capture(
-                    lambda rows=rows, n=n, pcm=pcm: pcm.copy_(self._codec_body(rows, n)), pool
+                    lambda rows=codec_rows, n=n, pcm=pcm: pcm.copy_(self._codec_body(rows, n)),
+                    codec_pool, codec_capture,
                 )
         for t in r.prefill_buckets:
-            self.graphs[("prefill", t)] = _capture(lambda t=t: self._prefill_body(t), pool)
+            self.graphs[("prefill", t)] = _capture(
+                lambda t=t: self._prefill_body(t), pool, lm_capture
+            )
         self._reset_scratch()
+        # The codec lane's stream does not follow the current stream: let these land first.
+        torch.cuda.synchronize(self.device)
         log.info("captured %d CUDA graphs", len(self.graphs))
 
     def _reset_scratch(self) -> None:
@@ -341,8 +383,10 @@ class GraphBackend:
 
     # -- backend API (runtime.core.Backend) ---------------------------------------------------
     def admit(self, slot: int, plan: SlotPlan) -> None:
-        """Host-side only: the slot's settings are written by its prefill step."""
+        """Host-side only: the slot's settings are written by its prefill step (which, on the
+        current stream, follows the slot's previous occupant's last codec step)."""
         self.pending_prompts[slot] = plan
+        self._follow(self.ring_order.admit(slot))
 
     def release(self, slot: int) -> None:
         self.pending_prompts.pop(slot, None)
@@ -399,9 +443,14 @@ class GraphBackend:
         row = torch.tensor([values[k] for k in names], dtype=dtype)
         return row.pin_memory() if self.device.type == "cuda" else row  # copied non-blocking
 
+    def _follow(self, tickets: list[int]) -> None:
+        if self.codec_stream and tickets:
+            self.driver.device_wait(tickets)
+
     def _launch(self, ring: _StagingRing, slots: list[int], step, outputs: torch.Tensor,
-                width: int) -> _Staged:
-        """Stage the slot ids, run `step` for the padded rows, copy the B rows' outputs out."""
+                width: int, rows_in: torch.Tensor, lane: int, after: list[int]) -> _Staged:
+        """Stage the slot ids, run `step` for the padded rows on `lane` after the steps
+        `after`, copy the B rows' outputs out."""
         B = len(slots)
         rows = self.plan.bucket(B) if self.use_graphs else B
         k = ring.take()
@@ -410,8 +459,8 @@ class GraphBackend:
         staged_rows[B:rows] = self.scratch
         host_out = ring.outputs[k, :B, :width]
         ticket = self.driver.launch(
-            step(rows), [staged_rows[:rows]], [self.rows_in[:rows]], [outputs[:B, :width]],
-            [host_out],
+            step(rows), [staged_rows[:rows]], [rows_in[:rows]], [outputs[:B, :width]],
+            [host_out], lane, after if self.codec_stream else [],
         )
         staged = _Staged(ticket, host_out, k)
         ring.owner[k] = staged
@@ -432,7 +481,11 @@ class GraphBackend:
             out = self.frame_out[:rows]
             return lambda: _write_frame(out, *self._frame_body(self.rows_in[:rows]))
 
-        return self._launch(self.frame_staging, slots, step, self.frame_out, G + 1)
+        after = self.ring_order.before_frames(slots)
+        staged = self._launch(self.frame_staging, slots, step, self.frame_out, G + 1,
+                              self.rows_in, self.lm_lane, after)  # fmt: skip
+        self.ring_order.frames_launched(slots, staged.ticket)
+        return staged
 
     def read_frames(self, staged: _Staged) -> torch.Tensor:
         return self._read(staged).clone()
@@ -445,12 +498,19 @@ class GraphBackend:
             if self.use_graphs:
                 return self.graphs[("codec", rows, n)]
             pcm = self.pcm_out[:rows, :width]
-            return lambda: pcm.copy_(self._codec_body(self.rows_in[:rows], n))
+            return lambda: pcm.copy_(self._codec_body(self.codec_rows_in[:rows], n))
 
-        return self._launch(self.codec_staging, slots, step, self.pcm_out, width)
+        after = self.ring_order.before_codec(slots, n)
+        staged = self._launch(self.codec_staging, slots, step, self.pcm_out, width,
+                              self.codec_rows_in, self.codec_lane, after)  # fmt: skip
+        self.ring_order.codec_launched(slots, n, staged.ticket)
+        return staged
 
     def read_codec(self, staged: _Staged) -> np.ndarray:
         return self._read(staged).numpy().copy()
+
+    def ready(self, staged: _Staged) -> bool:
+        return staged.read or self.driver.ready(staged.ticket)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes on the device by kind (weights as stored, KV cache, per-slot state)."""
@@ -466,7 +526,8 @@ class GraphBackend:
         state = [self.cp_k, self.cp_v, self.position, self.hidden, self.logits, self.history,
                  self.frame_idx, self.eos_min_frames, self.seed, self.text_track, self.text_len,
                  self.codes, self.decoded, self.codec_engine.tensors(), self.admit_text,
-                 self.prefill_embeds, self.pcm_out, self.frame_out]  # fmt: skip
+                 self.prefill_embeds, self.pcm_out, self.frame_out, self.rows_in,
+                 self.codec_rows_in]  # fmt: skip
         flat = [t for x in state for t in (x if isinstance(x, list) else [x])]
         return {
             "weights_lm": stacks + fp8_heads + modules,
@@ -488,15 +549,76 @@ class GraphEngine(EngineCore):
         release_modules: bool = False,
         keep_codes: bool = False,
         guards: GuardConfig | None = None,
+        codec_stream: bool | None = None,
     ):
         plan = plan or EnginePlan.default()
         guards = guards or GuardConfig()
-        backend = GraphBackend(models, plan, use_graphs, release_modules, guards)
+        backend = GraphBackend(models, plan, use_graphs, release_modules, guards, codec_stream)
         super().__init__(backend, plan, models, keep_codes, guards)
         self.device = backend.device
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+class _RingOrder:
+    """Which step wrote and which step read each slot's code-ring entries (host side), to
+    name the steps of the other stream that a step must follow (see the module doc). A step's
+    dependencies are all on one stream, in launch order, so the latest one covers them all."""
+
+    def __init__(self, num_slots: int, ring: int):
+        self.ring = ring
+        self.frames = [0] * num_slots  # frames launched for the slot's occupant
+        self.decoded = [0] * num_slots  # frames handed to codec steps
+        self.written = [deque() for _ in range(num_slots)]  # (frames after a step, its ticket)
+        self.read = [deque() for _ in range(num_slots)]  # (decoded after a step, its ticket)
+        self.last_read: list[int | None] = [None] * num_slots  # survives release
+
+    def admit(self, slot: int) -> list[int]:
+        """A new occupant: the previous one's last codec step, which its prefill follows."""
+        self.frames[slot] = self.decoded[slot] = 0
+        self.written[slot].clear()
+        self.read[slot].clear()
+        last, self.last_read[slot] = self.last_read[slot], None
+        return [] if last is None else [last]
+
+    def before_frames(self, slots: list[int]) -> list[int]:
+        """The codec step that read the ring entries this frame step overwrites (if any)."""
+        deps = []
+        for s in slots:
+            old = self.frames[s] - self.ring  # the frame now in the entry to be written
+            if old < 0:
+                continue
+            read = self.read[s]
+            while read and read[0][0] <= old:
+                read.popleft()
+            if read:
+                deps.append(read[0][1])
+        return [max(deps)] if deps else []
+
+    def frames_launched(self, slots: list[int], ticket: int) -> None:
+        for s in slots:
+            self.frames[s] += 1
+            self.written[s].append((self.frames[s], ticket))
+
+    def before_codec(self, slots: list[int], n: int) -> list[int]:
+        """The frame step that wrote the last of the n frames each slot decodes next."""
+        deps = []
+        for s in slots:
+            need = self.decoded[s] + n
+            written = self.written[s]
+            while written and written[0][0] < need:
+                written.popleft()
+            if written:
+                deps.append(written[0][1])
+        return [max(deps)] if deps else []
+
+    def codec_launched(self, slots: list[int], n: int, ticket: int) -> None:
+        for s in slots:
+            self.decoded[s] += n
+            self.read[s].append((self.decoded[s], ticket))
+            self.last_read[s] = ticket
+
 
 
 # Per-slot settings staged at admission: name -> where it lands (see GraphBackend._admit_body).
@@ -542,14 +664,14 @@ def _write_frame(out: torch.Tensor, codes: torch.Tensor, stop: torch.Tensor) -> 
     return out
 
 
-def _capture(fn, pool) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
+def _capture(fn, pool, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+    stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):  # warm-up: allocator, Triton autotuning, cuBLAS handles
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):  # (not torch's one shared stream)
         fn()
     return graph
