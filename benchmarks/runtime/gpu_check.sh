@@ -30,6 +30,18 @@ for step in $STEPS; do
         log "engine microbenchmark"
         timeout 420 python3 -m ttsbuild.bench.engine_bench --batches "$BATCHES" \
             --precisions "$PRECISIONS" --iters 20 --out "$OUT" 2>&1 | tee "$OUT/engine_bench.log" ;;
+    guards)
+        log "guards off vs on (issue 15)"
+        timeout 300 python3 -m ttsbuild.bench.engine_bench --compare-guards --precisions fp8 \
+            --batches "${GUARD_BATCHES:-1,64}" --iters 40 --out "$OUT/guards" 2>&1 | tee "$OUT/guards.log" ;;
+    persistent)
+        log "code-predictor frame: fused vs persistent pass (issue 9)"
+        timeout 240 python3 benchmarks/kernels/bench_cp_fused.py --paths fused,persistent \
+            --batches "${CP_BATCHES:-1}" --fp32-batches 1 2>&1 | tee "$OUT/cp_persistent.log" ;;
+    talker)
+        log "talker step: unfused vs decode_fused (issue 9)"
+        timeout 200 python3 benchmarks/kernels/bench_talker.py --batches "${TALKER_BATCHES:-1,8,64}" \
+            --precisions fp8 2>&1 | tee "$OUT/talker.log" ;;
     timeline)
         log "codec stream timeline (1.7B random weights, 32 streams)"
         timeout 300 python3 benchmarks/codec/timeline.py --out "$OUT/timeline" 2>&1 | tee "$OUT/timeline.log" ;;
