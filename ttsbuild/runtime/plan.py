@@ -43,6 +43,12 @@ class EnginePlan(BaseModel):
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
+    # Prefix KV cache (graph backend): the talker KV of prompt prefixes that depend only on
+    # (voice, language, instruct, text mode), kept on the device and copied into a slot at
+    # admission, so only the rest of the prompt is prefilled. Entries (0: off) x positions
+    # each (a longer shared prefix is cached up to this many positions; at most max_len).
+    prefix_pool: int = 16
+    max_prefix: int = 128
 
     @model_validator(mode="after")
     def _consistent(self) -> EnginePlan:
@@ -70,6 +76,8 @@ class EnginePlan(BaseModel):
             raise ValueError("the largest prefill bucket must leave room for frames in max_len")
         if not set(self.fused_code_predictor) <= set(self.batch_buckets):
             raise ValueError("fused_code_predictor must list batch buckets of the plan")
+        if self.prefix_pool < 0 or self.max_prefix < 1:
+            raise ValueError("prefix_pool must be >= 0 and max_prefix >= 1")
         if self.max_frames < 1 or self.max_text < 1:
             raise ValueError("max_frames and max_text must be positive")
         return self
