@@ -457,7 +457,7 @@ class GraphBackend:
         # copy ran, so no step in flight is waited for.
         self.prompt_rows[:length].copy_(self._pinned(staged), True)
         if x_vector is not None:
-            self.admit_xvec.copy_(self._pinned(x_vector.to(self.dtype)), True)
+            self.admit_xvec.copy_(self._pinned(x_vector.detach().to("cpu", self.dtype)), True)
         return length
 
     def _run_text(self, ids: torch.Tensor) -> None:
