@@ -588,6 +588,11 @@ class GraphEngine(EngineCore):
         super().__init__(backend, plan, models, keep_codes, guards)
         self.device = backend.device
 
+    @property
+    def caches_prefixes(self) -> bool:
+        """Prompt prefixes are prefilled once and reused (runtime.prefix_cache)."""
+        return self.backend.prefix is not None
+
 
 # -- helpers -------------------------------------------------------------------------------
 
