@@ -28,8 +28,12 @@ Shared prefix. The first `Prompt.shared_prefix_len` positions depend only on the
 (speaker or cloned voice), the language and the instruction, never on the text: instruct,
 role and codec prefix; for an in-context clone also the first len(Q) positions of 4 (the
 reference transcript, against bos + reference codes when streaming, at most F + 1 of them, or
-against E(pad) when not). Their KV can be computed once per (voice, language, text mode) and
-reused by every request.
+against E(pad) when not). Their KV is computed once per (voice, language, instruct, text mode)
+and reused by every request (runtime.prefix_cache). The reference frames after the transcript
+lie against the request's own text when streaming, so they are prefilled per request.
+
+`prompt_layout` writes the layout as ids (host only; the graph backend embeds them inside its
+prefill graph); `PromptEmbedder` turns them into embeddings, on first use of `Prompt.embeds`.
 """
 
 from __future__ import annotations
