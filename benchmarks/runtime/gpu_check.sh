@@ -3,6 +3,7 @@
 # check, then the engine microbenchmark (random 1.7B CustomVoice weights, and optionally a
 # compiled FP8 engine for its memory). Logs go to $OUT. Wheels the image lacks travel in .whl.
 #   STEPS="build check bench engine" OUT=out bash benchmarks/runtime/gpu_check.sh
+#   STEPS="build check timeline" OUT=out bash benchmarks/runtime/gpu_check.sh   # issue 10 item 3
 set -uo pipefail
 OUT=${OUT:-out}
 STEPS=${STEPS:-build check bench}
@@ -29,6 +30,9 @@ for step in $STEPS; do
         log "engine microbenchmark"
         timeout 420 python3 -m ttsbuild.bench.engine_bench --batches "$BATCHES" \
             --precisions "$PRECISIONS" --iters 20 --out "$OUT" 2>&1 | tee "$OUT/engine_bench.log" ;;
+    timeline)
+        log "codec stream timeline (1.7B random weights, 32 streams)"
+        timeout 300 python3 benchmarks/codec/timeline.py --out "$OUT/timeline" 2>&1 | tee "$OUT/timeline.log" ;;
     engine)
         log "compiled 1.7B FP8 engine: memory and timings"
         W=$(mktemp -d)

@@ -179,7 +179,8 @@ def test_fused_frame_kernels_equal_unfused_frame(fp8, monkeypatch):
 
 
 def test_graph_engine_flag_gives_the_same_codes(tiny_checkpoint):
-    """EnginePlan.fused_code_predictor switches the frame's code predictor (eager, CPU)."""
+    """The plan's per-bucket kernel choices (fused / persistent code predictor, fused talker)
+    switch the frame's kernels, never its codes (eager, CPU references)."""
     from ttsbuild.convert.checkpoint import load_checkpoint
     from ttsbuild.runtime.engine import Models
     from ttsbuild.runtime.graph_engine import GraphEngine
@@ -192,8 +193,10 @@ def test_graph_engine_flag_gives_the_same_codes(tiny_checkpoint):
     )
     rc = dict(num_slots=1, max_len=128, max_text=64, batch_buckets=(1,), prefill_buckets=(32,))
     codes = []
-    for fused in (False, True):
-        plan = EnginePlan(fused_code_predictor=(1,) if fused else (), **rc)
+    choices = ({}, {"fused_code_predictor": (1,)}, {"persistent_code_predictor": (1,)},
+               {"fused_talker": (1,)})  # fmt: skip
+    for choice in choices:
+        plan = EnginePlan(**choice, **rc)
         engine = GraphEngine(models, plan, use_graphs=False)
         slot = engine.admit(req)
         engine.prefill([slot])
@@ -201,4 +204,98 @@ def test_graph_engine_flag_gives_the_same_codes(tiny_checkpoint):
         while not engine.is_finished(slot):
             frames += [out.codes for out in engine.frames([slot]) if out.codes is not None]
         codes.append(torch.stack(frames))
-    assert codes[0].shape[0] >= 2 and torch.equal(codes[0], codes[1])
+    assert codes[0].shape[0] >= 2 and all(torch.equal(codes[0], c) for c in codes[1:])
+
+
+# -- the persistent pass (plugins.cp_pass): one launch per pass --------------------------
+
+
+@pytest.mark.parametrize("identity", [False, True])
+def test_persistent_frame_references_equal_fused_frame(identity, monkeypatch):
+    """On the references the persistent frame is the fused frame's functions in the same
+    order: identical codes (sampled), and the stack's layers now view the stacked weights."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cp = _predictor(torch.float32, "cpu", identity=identity)
+    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(4, "cpu", True)
+    if identity:
+        hidden = torch.randn(4, CFG.hidden_size)
+    before = [p.qkv.weight.clone() for p in cp.stack.layers]
+    cp.enable_persistent(max_rows=4)
+    qkv = cp.passes.stacked["qkv"]
+    for i, p in enumerate(cp.stack.layers):
+        assert p.qkv.weight.data_ptr() == qkv[i].data_ptr() and torch.equal(p.qkv.weight, before[i])
+    caches = [torch.zeros(shape) for _ in range(4)]
+    args = (hidden, c0, sampling, seeds, frames)
+    ours = cp.frame_persistent(*args, caches[0], caches[1], slots, positions)
+    fused = cp.frame(*args, caches[2], caches[3], slots, positions)
+    assert torch.equal(ours, fused) and len(set(ours[:, 1].tolist())) > 1
+    assert torch.equal(caches[0], caches[2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
+def test_persistent_pass_kernel_matches_reference(B, dtype, fp8, monkeypatch):
+    """One pass (projection + layers + head) in one launch against the fp32 references on the
+    same weights, rows at a position of caches holding random keys/values."""
+    from ttsbuild.plugins.cp_pass import PassBuffers, PassWeights, run_pass
+
+    cp = _predictor(dtype, KDEV, fp8=fp8)
+    cp.enable_persistent(max_rows=4)
+    g = torch.Generator().manual_seed(11 + B)
+    shape = (CFG.num_layers, SLOTS, CFG.num_kv_heads, G, CFG.head_dim)
+    k = torch.randn(shape, generator=g).to(KDEV, dtype)
+    v = torch.randn(shape, generator=g).to(KDEV, dtype)
+    k0 = k.clone()
+    idx = torch.randint(0, V, (B,), generator=g).to(KDEV)
+    slots = torch.tensor([3, 0, 4][:B], device=KDEV)
+    pos = 4
+    k_ref, v_ref = k.cpu().float(), v.cpu().float()
+    x, logits = run_pass(
+        cp.passes, cp.pass_buffers, cp.embeddings[2], idx, pos, k, v, slots, cp.heads[1],
+        use_triton=True,
+    )  # fmt: skip
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the reference: the same weights, CPU, fp32
+    proj = (cp.proj_weight.cpu().float(), cp.proj_bias.cpu().float())
+    w = PassWeights.from_stack(_f32_cpu(cp.stack), *proj)
+    h = cp.heads[1]
+    head = Dense(h.weight.cpu() if fp8 else h.weight.cpu().float(),
+                 None if h.scale is None else h.scale.cpu())  # fmt: skip
+    bufs = PassBuffers(w, 4, V, torch.float32, "cpu")
+    x_ref, logits_ref = run_pass(
+        w, bufs, cp.embeddings[2].cpu().float(), idx.cpu(), pos, k_ref, v_ref, slots.cpu(),
+        head, use_triton=False,
+    )  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert x.shape == (B, CFG.hidden_size) and x.dtype == dtype
+    assert _rel(x.cpu(), x_ref) < tol
+    assert _rel(logits.cpu(), logits_ref) < tol
+    assert _rel(k.cpu(), k_ref) < tol and _rel(v.cpu(), v_ref) < tol
+    assert not torch.equal(k, k0)  # the pass wrote its keys
+
+
+    assert _rel(k.cpu(), k_ref) < tol and _rel(v.cpu(), v_ref) < tol
+    assert not torch.equal(k.cpu().float(), torch.randn(shape, generator=g))  # written to
+
+
+@needs_kernel
+@pytest.mark.parametrize("identity", [False, True])
+def test_persistent_frame_kernel_equals_unfused_frame(identity, monkeypatch):
+    """fp32: the persistent kernel's frame gives the unfused reference frame's greedy codes."""
+    B = 3
+    cp = _predictor(torch.float32, KDEV, identity=identity)
+    cp.enable_persistent(max_rows=B)
+    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(B, KDEV, False)
+    if identity:
+        hidden = torch.randn(B, CFG.hidden_size)
+    k, v = torch.zeros(shape, device=KDEV), torch.zeros(shape, device=KDEV)
+    ours = cp.frame_persistent(hidden.to(KDEV), c0, sampling, seeds, frames, k, v, slots,
+                               positions)  # fmt: skip
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref_cp = _predictor(torch.float32, "cpu", identity=identity)
+    cpu = [t.cpu() for t in (hidden, c0, seeds, frames, slots)]
+    ref = ref_cp.frame_unfused(
+        cpu[0], cpu[1], _to(sampling, "cpu"), cpu[2], cpu[3], torch.zeros(shape),
+        torch.zeros(shape), cpu[4], [p.cpu() for p in positions],
+    )  # fmt: skip
+    assert torch.equal(ours.cpu(), ref) and len(set(ref[:, 1].tolist())) > 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.serve.config import FRAME_SAMPLES
@@ -41,18 +42,45 @@ class FakeModels:
 class _Slot:
     request: FakeRequest
     prefilled: bool = False
-    frames: int = 0
+    frames: int = 0  # launched (the fake has no EOS: every launched frame is real)
     decoded: int = 0
+    frames_ready_at: float = 0.0  # when the last launched frame exists on the "device"
+
+
+@dataclass
+class FakeTicket:
+    kind: str  # "frames" or "audio"
+    slots: list[int]
+    done_at: float  # device time the step ends
+    outputs: object  # what collect returns
+    id: int = 0
 
 
 @dataclass
 class FakeEngine:
+    """The slot API on a fake device: each step occupies a lane (frame steps the "lm" lane;
+    codec steps the "codec" lane with `codec_lane`, else the same one) from launch, or when
+    the lane and its input frames are free, for its cost; reading a step back advances the
+    clock to its end. A prefill follows the lm lane and blocks the host until it is done, or,
+    with `async_prefill` (a graph replay that does not sync the host), only occupies the lane.
+    `instant`: a step counts as done (ready) as soon as it is launched, for loops driven by
+    real time (the fake clock moves only when a step is read); otherwise when the fake clock
+    reaches its end. Launch and read
+    calls are logged in order in `log`; `calls` keeps (stage, slots) per launch."""
+
     clock: FakeClock
     num_slots: int = 4
     cost_s: dict = field(default_factory=lambda: {"prefill": 0.01, "frames": 0.02, "audio": 0.01})
+    per_row_s: dict = field(default_factory=lambda: {"frames": 0.0, "audio": 0.0})
+    codec_lane: bool = False
+    async_prefill: bool = False
+    instant: bool = True
     slots: dict = field(default_factory=dict)
     calls: list = field(default_factory=list)  # (stage, slots)
+    log: list = field(default_factory=list)  # ("launch" | "read", kind, ticket id, slots)
     models: object = field(default_factory=lambda: FakeModels())
+    lane_free: dict = field(default_factory=lambda: {"lm": 0.0, "codec": 0.0})
+    tickets: int = 0
 
     @property
     def plan(self) -> EnginePlan:
@@ -85,27 +113,67 @@ class FakeEngine:
         self.calls.append(("prefill", list(slots)))
         for s in slots:
             self.slots[s].prefilled = True
-        self.clock.advance(self.cost_s["prefill"])
+        self.lane_free["lm"] = max(self.clock.t, self.lane_free["lm"]) + self.cost_s["prefill"]
+        if not self.async_prefill:
+            self.clock.t = self.lane_free["lm"]
 
-    def frames(self, slots):
-        from types import SimpleNamespace
+    def can_launch(self, slot: int) -> bool:
+        st = self.slots[slot]
+        return st.frames < st.request.frames
 
+    def pending_frames(self, slot: int) -> int:
+        st = self.slots[slot]
+        return st.frames - st.decoded
+
+    def _run(self, kind: str, lane: str, slots, start: float, outputs) -> FakeTicket:
+        cost = self.cost_s[kind] + self.per_row_s[kind] * len(slots)
+        start = max(start, self.clock.t, self.lane_free[lane])
+        self.lane_free[lane] = start + cost
+        self.tickets += 1
+        ticket = FakeTicket(kind, list(slots), start + cost, outputs, self.tickets)
+        self.log.append(("launch", kind, ticket.id, list(slots)))
+        return ticket
+
+    def launch_frames(self, slots) -> FakeTicket:
         self.calls.append(("frames", list(slots)))
-        out = []
+        outputs = []
         for s in slots:
             st = self.slots[s]
             assert st.prefilled and st.frames < st.request.frames
             st.frames += 1
-            out.append(SimpleNamespace(slot=s, codes=1, finished=st.frames >= st.request.frames))
-        self.clock.advance(self.cost_s["frames"])
-        return out
+            finished = st.frames >= st.request.frames
+            outputs.append(SimpleNamespace(slot=s, codes=1, finished=finished))
+        ticket = self._run("frames", "lm", slots, 0.0, outputs)
+        for s in slots:
+            self.slots[s].frames_ready_at = ticket.done_at
+        return ticket
 
-    def audio(self, slots, max_frames=None):
+    def launch_audio(self, slots, max_frames=None) -> FakeTicket:
         self.calls.append(("audio", list(slots)))
-        pcm = {}
+        pcm, inputs_at = {}, 0.0
         for s in slots:
             st = self.slots[s]
             pcm[s] = [0.0] * ((st.frames - st.decoded) * FRAME_SAMPLES)
             st.decoded = st.frames
-        self.clock.advance(self.cost_s["audio"])
-        return pcm
+            inputs_at = max(inputs_at, st.frames_ready_at)
+        return self._run("audio", "codec" if self.codec_lane else "lm", slots, inputs_at, pcm)
+
+    def ready(self, ticket: FakeTicket) -> bool:
+        return self.instant or self.clock.t >= ticket.done_at
+
+    def _read(self, ticket: FakeTicket):
+        self.clock.t = max(self.clock.t, ticket.done_at)
+        self.log.append(("read", ticket.kind, ticket.id, ticket.slots))
+        return ticket.outputs
+
+    def collect(self, ticket: FakeTicket):
+        return [o for o in self._read(ticket) if o.slot in self.slots]
+
+    def collect_audio(self, ticket: FakeTicket):
+        return self._read(ticket)
+
+    def frames(self, slots):
+        return self.collect(self.launch_frames(slots))
+
+    def audio(self, slots, max_frames=None):
+        return self.collect_audio(self.launch_audio(slots, max_frames))

@@ -165,7 +165,7 @@ def test_an_engine_crash_fails_open_streams_instead_of_hanging_them():
     def broken(slots):
         raise RuntimeError("device lost")
 
-    engine.frames = broken
+    engine.launch_frames = broken
     service = SpeechService(engine)
 
     async def main():

@@ -371,18 +371,12 @@ def test_row_cost_fit_recovers_the_per_row_cost_and_is_cautious_on_one_size():
     assert cost.speedup(4, 32) == pytest.approx(expected, rel=0.05)
 
 
-class PerRowEngine(FakeEngine):
+def per_row_engine(clock, **kw):
     """Frame and codec steps that cost more per row, like a CPU (the base costs are per call)."""
-
-    def frames(self, slots):
-        out = super().frames(slots)
-        self.clock.advance(0.02 * (len(slots) - 1))
-        return out
-
-    def audio(self, slots, max_frames=None):
-        out = super().audio(slots)
-        self.clock.advance(0.01 * (len(slots) - 1))
-        return out
+    engine = FakeEngine(clock, **kw)
+    engine.cost_s = {"prefill": 0.01, "frames": 0.0, "audio": 0.0}
+    engine.per_row_s = {"frames": 0.02, "audio": 0.01}
+    return engine
 
 
 @pytest.mark.parametrize("per_row", [False, True])
@@ -391,7 +385,7 @@ def test_capacity_counts_batching_only_where_the_engine_shows_it(per_row):
     at any size (a GPU) capacity grows with the streams, where it grows with rows it does not."""
     h = Harness(num_slots=16, admit_by_capacity=True, max_buffered_s=1e6, stream_buffer_s=1e6)
     if per_row:
-        h.engine = h.runner.engine = PerRowEngine(h.clock, num_slots=16)
+        h.engine = h.runner.engine = per_row_engine(h.clock, num_slots=16)
     streams = [h.submit(frames=40 + 7 * i) for i in range(4)]  # ends staggered: sizes 1-4
     h.run_until(lambda: all(s.status is Status.FINISHED for s in streams))
     now = h.clock.t  # the last steps are still in the window
@@ -402,27 +396,15 @@ def test_capacity_counts_batching_only_where_the_engine_shows_it(per_row):
         assert at_eight > 4 * at_one
 
 
-class BatchingEngine(FakeEngine):
-    """Steps with a fixed cost and a small one per row, like a GPU: capacity ~40 req/s of
-    20-130 frame requests at 256 slots."""
-
-    def frames(self, slots):
-        out = super().frames(slots)
-        self.clock.advance(0.0002 * len(slots))
-        return out
-
-    def audio(self, slots, max_frames=None):
-        out = super().audio(slots)
-        self.clock.advance(0.0001 * len(slots))
-        return out
-
-
 def test_at_twice_capacity_excess_is_refused_at_once_and_admitted_streams_start_soon():
     rng = random.Random(3)
     h = Harness(num_slots=256, max_batch=256, admit_by_capacity=True, max_buffered_s=1e6,
                 stream_buffer_s=1e6)  # fmt: skip
     costs = {"prefill": 0.003, "frames": 0.006, "audio": 0.003}
-    h.engine = h.runner.engine = BatchingEngine(h.clock, num_slots=256, cost_s=costs)
+    # Steps with a fixed cost and a small one per row, like a GPU: capacity ~40 req/s of
+    # 20-130 frame requests at 256 slots.
+    h.engine = h.runner.engine = FakeEngine(h.clock, num_slots=256, cost_s=costs,
+                                            per_row_s={"frames": 0.0002, "audio": 0.0001})
     h.sched.observer = recorder = LatenessRecorder()
     streams, refused, next_at = [], [], rng.expovariate(80)
     while h.clock.t < 10.0:  # Poisson arrivals at 80 req/s

@@ -84,7 +84,10 @@ def _pipelined_steps(engine, slots: list[int], steps: int) -> tuple[float, float
     return wall / steps, start.elapsed_time(end) / steps
 
 
-def bench_plan(precision: str, batches, fused_code_predictor: bool = False) -> EnginePlan:
+def bench_plan(
+    precision: str, batches, fused_code_predictor: bool = False, persistent_cp_max_batch: int = 0,
+    fused_talker_max_batch: int = 0,
+) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured."""
     num_slots = max(batches)
     buckets = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, *batches) if b <= num_slots}))
@@ -97,6 +100,8 @@ def bench_plan(precision: str, batches, fused_code_predictor: bool = False) -> E
         precision=precision,
         codec_precision="fp16",
         fused_code_predictor=tuple(b for b in buckets if b <= 8) if fused_code_predictor else (),
+        persistent_code_predictor=tuple(b for b in buckets if b <= persistent_cp_max_batch),
+        fused_talker=tuple(b for b in buckets if b <= fused_talker_max_batch),
     )
 
 
@@ -142,6 +147,7 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
         slots = [engine.admit(req) for _ in range(b)]
         engine.prefill(slots)
         be.rows_in[:b] = torch.tensor(slots, device=be.device)
+        be.codec_rows_in[:b] = be.rows_in[:b]
         rows = be.rows_in[:b]
         res.frame_ms[b] = _time_graph(be.graphs[("frame", b)], iters)
         talker = _capture(
@@ -246,6 +252,7 @@ def bench_guards(models, precision: str, batches, iters: int, num_slots: int, lo
             for name, engine in engines.items():
                 be = engine.backend
                 be.rows_in[:b] = torch.tensor(slots[name], device=be.device)
+                be.codec_rows_in[:b] = be.rows_in[:b]
                 frame[name].append(_time_graph(be.graphs[("frame", b)], per_round))
                 codec[name].append(_time_graph(be.graphs[("codec", b, 1)], per_round))
         for name, engine in engines.items():
@@ -310,6 +317,8 @@ def run_engine_bench(
     log=print,
     plan: EnginePlan | None = None,
     fused_code_predictor: bool = False,
+    persistent_cp_max_batch: int = 0,
+    fused_talker_max_batch: int = 0,
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -320,7 +329,9 @@ def run_engine_bench(
         batches = tuple(b for b in batches if b <= plan.max_batch)
         results.append(bench_precision(models, plan, batches, iters, log, release_modules=True))
     for p in precisions if plan is None else ():
-        p_plan = bench_plan(p, batches, fused_code_predictor)
+        p_plan = bench_plan(
+            p, batches, fused_code_predictor, persistent_cp_max_batch, fused_talker_max_batch
+        )
         results.append(bench_precision(models, p_plan, batches, iters, log))
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
     report = {
@@ -391,6 +402,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     p.add_argument("--engine-dir", type=Path, default=None, help="a compiled engine instead")
     p.add_argument("--fused-code-predictor", action="store_true")
+    p.add_argument("--persistent-cp-max-batch", type=int, default=0,
+                   help="buckets up to this run the persistent code-predictor pass")
+    p.add_argument("--fused-talker-max-batch", type=int, default=0,
+                   help="buckets up to this run the talker step on the fused kernels")
     a = p.parse_args()
     t0 = time.perf_counter()
     plan = None
@@ -411,6 +426,8 @@ def main() -> None:
         log=lambda s: print(s, flush=True),
         plan=plan,
         fused_code_predictor=a.fused_code_predictor,
+        persistent_cp_max_batch=a.persistent_cp_max_batch,
+        fused_talker_max_batch=a.fused_talker_max_batch,
     )
 
 

@@ -54,6 +54,11 @@ def compile_engine(
         help="Fused code-predictor kernels for batch buckets up to this (0: never); "
         "measured faster at small batches only.",
     ),  # fmt: skip
+    persistent_cp_max_batch: int = typer.Option(
+        0, "--persistent-cp-max-batch", min=0,
+        help="One persistent launch per code-predictor pass for batch buckets up to this "
+        "(0: never); takes precedence over the fused kernels.",
+    ),  # fmt: skip
     prefix_pool: int = typer.Option(
         16, "--prefix-pool", min=0,
         help="Prompt prefixes (voice, language, instruct) whose KV stays on the device for reuse "
@@ -93,6 +98,7 @@ def compile_engine(
             else None,
             codec_chunks=_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
             max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
+            persistent_cp_max_batch=persistent_cp_max_batch,
             prefix_pool=prefix_pool, max_prefix=max_prefix,
             quality_texts=quality_texts, quality_frames=quality_frames,
             force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,

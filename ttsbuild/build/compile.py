@@ -70,6 +70,8 @@ class BuildConfig:
     codec_ring: int = 64  # frames buffered per slot between the frame and codec stages
     max_text: int = 1024  # trailing text positions per slot
     fused_cp_max_batch: int = 8  # fused code predictor on buckets up to this (0: never)
+    # one persistent launch per code-predictor pass on buckets up to this (0: never)
+    persistent_cp_max_batch: int = 0
     prefix_pool: int = 16  # prompt-prefix KV entries kept on the device (0: no prefix cache)
     max_prefix: int = 128  # positions per prefix entry
     quality_texts: int = 4  # calibration texts for the FP8 quality gate
@@ -129,7 +131,11 @@ class BuildConfig:
             code_predictor_fp8=self.fp8_code_predictor, codec_precision=self.codec_precision,
             fused_code_predictor=tuple(
                 b for b in self.graph_batches if b <= self.fused_cp_max_batch
-            ), prefix_pool=self.prefix_pool, max_prefix=self.max_prefix,
+            ),
+            persistent_code_predictor=tuple(
+                b for b in self.graph_batches if b <= self.persistent_cp_max_batch
+            ),
+            prefix_pool=self.prefix_pool, max_prefix=self.max_prefix,
         )  # fmt: skip
 
     def fp8_groups(self) -> list[str]:

@@ -6,17 +6,28 @@
 // at once and later waits on it with the GIL released, so the next step can be launched (and
 // the asyncio side can run) while the device works. Scheduling policy stays in Python.
 //
-// Ordering on CUDA: inputs are copied on the compute stream, so they are ordered with the
-// step; the copy stream waits for the step's event before reading its outputs; and the next
-// step waits (on the device, not the host) until the last copy-out finished, because it
-// rewrites the same static output buffers.
+// Lanes: each step runs on a lane. Lane 0 is the caller's current stream (every step in order
+// with everything else the caller does). add_lane() makes a lane with its own stream (high or
+// low priority) and its own copy stream; a "joined" lane forks from the caller's current stream
+// before each step and joins back after it, so from the outside it looks like the current
+// stream but its kernels get the lane's priority. Steps of different unjoined lanes run
+// concurrently: a step waits for another lane's step only when the caller names that step's
+// ticket in `after` (where data flows from one to the other), and device_wait() makes the
+// caller's current stream wait for named steps.
+//
+// Ordering on CUDA, per lane: inputs are copied on the lane's stream, so they are ordered with
+// its steps; the lane's copy stream waits for the step's event before reading its outputs; and
+// the lane's next step waits (on the device, not the host) until its last copy-out finished,
+// because it rewrites the same static output buffers. One copy stream per lane: a lane's
+// outputs never queue behind another lane's step.
 //
 // Built CPU-only where there is no CUDA (TTSBUILD_WITH_CUDA undefined): then every step is a
-// Python function and every ticket is complete when launch() returns.
+// Python function, every ticket is complete when launch() returns and lanes only label steps.
 
 #include <torch/extension.h>
 
 #include <memory>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
@@ -54,55 +65,111 @@ void copy_all(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>&
 class StepDriver {
  public:
   explicit StepDriver(bool cuda) : cuda_(cuda) {
-#ifdef TTSBUILD_WITH_CUDA
-    if (cuda_) {
-      copy_stream_ = std::make_unique<c10::cuda::CUDAStream>(
-          c10::cuda::getStreamFromPool(/*isHighPriority=*/true));
-    }
-#else
+#ifndef TTSBUILD_WITH_CUDA
     TORCH_CHECK(!cuda_, "ttsbuild's step driver was built without CUDA support");
+#endif
+    lanes_.emplace_back();  // lane 0: the caller's current stream
+#ifdef TTSBUILD_WITH_CUDA
+    if (cuda_) lanes_[0].copy_stream = copy_stream();
 #endif
   }
 
   bool cuda() const { return cuda_; }
 
-  // step: a torch.cuda.CUDAGraph (CUDA) or a Python callable (either).
+  // A lane with its own stream; returns its id. high_priority: its kernels are scheduled
+  // before those of normal-priority streams when both wait for the GPU. join: fork from and
+  // join back to the caller's current stream around each step (see the file comment).
+  int64_t add_lane(bool high_priority, bool join) {
+    Lane lane;
+    lane.join = join;
+#ifdef TTSBUILD_WITH_CUDA
+    if (cuda_) {
+      lane.stream = std::make_unique<c10::cuda::CUDAStream>(
+          c10::cuda::getStreamFromPool(high_priority));
+      lane.copy_stream = copy_stream();
+    }
+#endif
+    lanes_.push_back(std::move(lane));
+    return static_cast<int64_t>(lanes_.size()) - 1;
+  }
+
+  int64_t lanes() const { return static_cast<int64_t>(lanes_.size()); }
+
+  // The CUDA stream a lane's steps run on (0: the caller's current stream, or no CUDA).
+  int64_t lane_stream(int64_t lane) const {
+    check_lane(lane);
+#ifdef TTSBUILD_WITH_CUDA
+    if (lanes_[lane].stream) return reinterpret_cast<int64_t>(lanes_[lane].stream->stream());
+#endif
+    return 0;
+  }
+
+  // step: a torch.cuda.CUDAGraph (CUDA) or a Python callable (either). after: tickets of
+  // steps (any lane) this one must follow on the device; finished ones are skipped.
   int64_t launch(py::object step, const std::vector<at::Tensor>& h2d_src,
                  const std::vector<at::Tensor>& h2d_dst, const std::vector<at::Tensor>& d2h_src,
-                 const std::vector<at::Tensor>& d2h_dst) {
+                 const std::vector<at::Tensor>& d2h_dst, int64_t lane_id,
+                 const std::vector<int64_t>& after) {
     check_pairs(h2d_src, h2d_dst, "input");
     check_pairs(d2h_src, d2h_dst, "output");
+    check_lane(lane_id);
+    for (int64_t t : after) check_ticket(t);
     const int64_t ticket = next_ticket_++;
 #ifdef TTSBUILD_WITH_CUDA
     if (cuda_) {
+      Lane& lane = lanes_[lane_id];
       at::cuda::CUDAGraph* graph = nullptr;
       try {
         graph = &py::cast<at::cuda::CUDAGraph&>(step);
       } catch (const py::cast_error&) {
         graph = nullptr;  // a Python function: run it with the GIL held
       }
-      auto compute = c10::cuda::getCurrentCUDAStream();
+      auto caller = c10::cuda::getCurrentCUDAStream();
+      auto compute = lane.stream ? *lane.stream : caller;
       auto done = std::make_shared<at::cuda::CUDAEvent>();
+      auto step_done = std::make_shared<at::cuda::CUDAEvent>();
+      std::shared_ptr<at::cuda::CUDAEvent> started, ended;
+      if (timing_) {
+        started = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
+        ended = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
+      }
       {
         py::gil_scoped_release no_gil;
+        c10::cuda::CUDAStreamGuard on_lane(compute);
+        if (lane.stream && lane.join) {
+          at::cuda::CUDAEvent fork;
+          fork.record(caller);
+          fork.block(compute);
+        }
+        for (int64_t t : after) {
+          auto it = step_done_.find(t);
+          if (it != step_done_.end()) it->second->block(compute);
+        }
+        if (lane.last_copy_out) lane.last_copy_out->block(compute);
         copy_all(h2d_src, h2d_dst, /*non_blocking=*/true);
-        if (last_copy_out_) last_copy_out_->block(compute);
+        if (started) started->record(compute);
         if (graph != nullptr) graph->replay();
       }
-      if (graph == nullptr) step();
+      if (graph == nullptr) {
+        c10::cuda::CUDAStreamGuard on_lane(compute);  // the step's kernels go to the lane
+        step();
+      }
       {
         py::gil_scoped_release no_gil;
-        at::cuda::CUDAEvent step_done;
-        step_done.record(compute);
-        step_done.block(*copy_stream_);
+        if (ended) ended->record(compute);
+        step_done->record(compute);
+        if (lane.stream && lane.join) step_done->block(caller);
+        step_done->block(*lane.copy_stream);
         {
-          c10::cuda::CUDAStreamGuard guard(*copy_stream_);
+          c10::cuda::CUDAStreamGuard guard(*lane.copy_stream);
           copy_all(d2h_src, d2h_dst, /*non_blocking=*/true);
         }
-        done->record(*copy_stream_);
+        done->record(*lane.copy_stream);
       }
-      last_copy_out_ = done;
+      lane.last_copy_out = done;
       pending_[ticket] = done;
+      step_done_[ticket] = step_done;
+      if (timing_) timed_[ticket] = {started, ended};
       return ticket;
     }
 #endif
@@ -112,20 +179,35 @@ class StepDriver {
     return ticket;
   }
 
+  // The caller's current stream waits (on the device) for these steps; finished ones and
+  // unknown-to-CUDA (CPU) ones are skipped.
+  void device_wait(const std::vector<int64_t>& tickets) {
+    for (int64_t t : tickets) check_ticket(t);
+#ifdef TTSBUILD_WITH_CUDA
+    if (!cuda_) return;
+    auto caller = c10::cuda::getCurrentCUDAStream();
+    for (int64_t t : tickets) {
+      auto it = step_done_.find(t);
+      if (it != step_done_.end()) it->second->block(caller);
+    }
+#endif
+  }
+
   // True once the ticket's outputs are in host memory (never blocks).
   bool ready(int64_t ticket) {
 #ifdef TTSBUILD_WITH_CUDA
     auto it = pending_.find(ticket);
     if (it != pending_.end()) return it->second->query();
 #endif
-    TORCH_CHECK(ticket < next_ticket_, "unknown ticket ", ticket);
+    check_ticket(ticket);
     return true;
   }
 
   // Blocks until the ticket's outputs are in host memory, without holding the GIL.
   void wait(int64_t ticket) {
-    TORCH_CHECK(ticket >= 0 && ticket < next_ticket_, "unknown ticket ", ticket);
+    check_ticket(ticket);
 #ifdef TTSBUILD_WITH_CUDA
+    step_done_.erase(ticket);  // complete once its copy-out is: nothing need wait for it
     auto it = pending_.find(ticket);
     if (it == pending_.end()) return;
     auto event = it->second;
@@ -143,13 +225,64 @@ class StepDriver {
 #endif
   }
 
- private:
-  bool cuda_;
-  int64_t next_ticket_ = 0;
+  // Step timing for timelines (CUDA only): from enable_timing(true) on, each step records
+  // timing events around its run (after its waits and input copies); step_times(ticket)
+  // returns (start, end) in ms since the start of the first step asked about, and
+  // forgets them.
+  void enable_timing(bool on) { timing_ = on; }
+
+  std::pair<double, double> step_times(int64_t ticket) {
+    check_ticket(ticket);
 #ifdef TTSBUILD_WITH_CUDA
-  std::unique_ptr<c10::cuda::CUDAStream> copy_stream_;
-  std::shared_ptr<at::cuda::CUDAEvent> last_copy_out_;
-  std::unordered_map<int64_t, std::shared_ptr<at::cuda::CUDAEvent>> pending_;
+    auto it = timed_.find(ticket);
+    TORCH_CHECK(it != timed_.end(), "ticket ", ticket, " was not timed");
+    auto [started, ended] = it->second;
+    timed_.erase(it);
+    ended->synchronize();
+    if (!time_zero_) time_zero_ = started;
+    return {time_zero_->elapsed_time(*started), time_zero_->elapsed_time(*ended)};
+#else
+    TORCH_CHECK(false, "step timing needs CUDA");
+    return {0.0, 0.0};
+#endif
+  }
+
+ private:
+  struct Lane {
+    bool join = false;
+#ifdef TTSBUILD_WITH_CUDA
+    std::unique_ptr<c10::cuda::CUDAStream> stream;  // null: the caller's current stream
+    std::unique_ptr<c10::cuda::CUDAStream> copy_stream;
+    std::shared_ptr<at::cuda::CUDAEvent> last_copy_out;
+#endif
+  };
+
+  void check_lane(int64_t lane) const {
+    TORCH_CHECK(lane >= 0 && lane < static_cast<int64_t>(lanes_.size()), "unknown lane ", lane);
+  }
+
+  void check_ticket(int64_t ticket) const {
+    TORCH_CHECK(ticket >= 0 && ticket < next_ticket_, "unknown ticket ", ticket);
+  }
+
+#ifdef TTSBUILD_WITH_CUDA
+  static std::unique_ptr<c10::cuda::CUDAStream> copy_stream() {
+    return std::make_unique<c10::cuda::CUDAStream>(
+        c10::cuda::getStreamFromPool(/*isHighPriority=*/true));
+  }
+#endif
+
+  bool cuda_;
+  bool timing_ = false;
+  int64_t next_ticket_ = 0;
+  std::vector<Lane> lanes_;
+#ifdef TTSBUILD_WITH_CUDA
+  std::unordered_map<int64_t, std::shared_ptr<at::cuda::CUDAEvent>> pending_;    // copy-out done
+  std::unordered_map<int64_t, std::shared_ptr<at::cuda::CUDAEvent>> step_done_;  // step done
+  std::unordered_map<int64_t, std::pair<std::shared_ptr<at::cuda::CUDAEvent>,
+                                        std::shared_ptr<at::cuda::CUDAEvent>>>
+      timed_;
+  std::shared_ptr<at::cuda::CUDAEvent> time_zero_;
 #endif
 };
 
@@ -167,8 +300,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StepDriver>(m, "StepDriver")
       .def(py::init<bool>(), py::arg("cuda"))
       .def_property_readonly("cuda", &StepDriver::cuda)
+      .def("add_lane", &StepDriver::add_lane, py::arg("high_priority"), py::arg("join"))
+      .def_property_readonly("lanes", &StepDriver::lanes)
+      .def("lane_stream", &StepDriver::lane_stream, py::arg("lane"))
       .def("launch", &StepDriver::launch, py::arg("step"), py::arg("h2d_src"),
-           py::arg("h2d_dst"), py::arg("d2h_src"), py::arg("d2h_dst"))
+           py::arg("h2d_dst"), py::arg("d2h_src"), py::arg("d2h_dst"), py::arg("lane") = 0,
+           py::arg("after") = std::vector<int64_t>{})
+      .def("device_wait", &StepDriver::device_wait, py::arg("tickets"))
+      .def("enable_timing", &StepDriver::enable_timing, py::arg("on"))
+      .def("step_times", &StepDriver::step_times, py::arg("ticket"))
       .def("ready", &StepDriver::ready, py::arg("ticket"))
       .def("wait", &StepDriver::wait, py::arg("ticket"))
       .def_property_readonly("in_flight", &StepDriver::in_flight);

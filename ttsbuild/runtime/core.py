@@ -166,6 +166,7 @@ class Backend(Protocol):
     def read_frames(self, handle: Any) -> torch.Tensor: ...  # [B, groups + 1] codes, StopCode
     def launch_codec(self, slots: list[int], n: int) -> Any: ...
     def read_codec(self, handle: Any) -> np.ndarray: ...  # [B, n * 1920] float32
+    def ready(self, handle: Any) -> bool: ...  # a launched step's outputs are readable now
 
 
 class EngineCore:
@@ -283,7 +284,17 @@ class EngineCore:
         """Decode and read back at once (launch_audio + collect_audio)."""
         return self.collect_audio(self.launch_audio(slots, max_frames))
 
+    def ready(self, ticket: FrameTicket | AudioTicket) -> bool:
+        """True once a launched step can be read back without waiting (never blocks)."""
+        if isinstance(ticket, FrameTicket):
+            return ticket.handle is None or self.backend.ready(ticket.handle)
+        return all(self.backend.ready(handle) for _, handle in ticket.launched)
+
     # -- queries ---------------------------------------------------------------------------
+    def can_launch(self, slot: int) -> bool:
+        """The slot may get another frame (not finished, under its frame limit)."""
+        return self.table[slot].can_launch
+
     def seed_of(self, slot: int) -> int:
         return self.table[slot].plan.seed
 
@@ -424,6 +435,9 @@ class EagerBackend:
 
     def read_frames(self, handle: torch.Tensor) -> torch.Tensor:
         return handle.cpu()
+
+    def ready(self, handle: Any) -> bool:
+        return True  # every step ran when it was launched
 
     @torch.no_grad()
     def launch_codec(self, slots: list[int], n: int) -> list[np.ndarray]:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.plugins.cp_pass import PassBuffers, PassWeights, run_pass
 from ttsbuild.plugins.decode_attention import decode_attention
 from ttsbuild.plugins.fused_linear import (
     fused_linear,
@@ -88,6 +89,15 @@ class FusedCodePredictor:
         else:
             raise TypeError(f"small_to_mtp_projection must be Linear or Identity, got {proj}")
 
+    def enable_persistent(self, max_rows: int) -> None:
+        """Make `frame_persistent` available for batches up to max_rows: stacks the layers'
+        weights (the stack's layers become views of the stacks: nothing is held twice) and
+        allocates the pass kernel's buffers."""
+        self.passes = PassWeights.from_stack(self.stack, self.proj_weight, self.proj_bias)
+        ref = self.embeddings
+        vocab = self.heads[0].weight.shape[0]
+        self.pass_buffers = PassBuffers(self.passes, max_rows, vocab, ref.dtype, ref.device)
+
     @property
     def num_code_groups(self) -> int:
         return len(self.heads) + 1
@@ -131,6 +141,28 @@ class FusedCodePredictor:
             codes.append(code)
             if cb + 1 < G:
                 residual = step(self._project(self.embeddings[cb - 1], code), cb + 1)
+        return torch.stack(codes, dim=1)
+
+    def frame_persistent(
+        self, hidden, c0, sampling, seeds, frames, k_cache, v_cache, slots, positions
+    ) -> torch.Tensor:
+        """The same frame with each pass (projection + layers + head) one persistent launch
+        (plugins.cp_pass) and the sampler one more: 2 launches per codebook. `positions` is
+        accepted for the common signature: pass i writes cache position i for every row."""
+        B, G = hidden.shape[0], self.num_code_groups
+        w, bufs = self.passes, self.pass_buffers
+
+        def step(table, index, position, head=None):
+            return run_pass(w, bufs, table, index, position, k_cache, v_cache, slots[:B], head)[1]
+
+        step(hidden, None, 0)
+        logits = step(self.codec_embedding, c0, 1, self.heads[0])
+        codes = [c0]
+        for cb in range(1, G):
+            code = fused_sample(logits, sampling, seeds, frames * G + cb)
+            codes.append(code)
+            if cb + 1 < G:
+                logits = step(self.embeddings[cb - 1], code, cb + 1, self.heads[cb])
         return torch.stack(codes, dim=1)
 
     def frame_unfused(

@@ -17,6 +17,25 @@ Stages (graphs captured at load):
 Each step goes through the C++ step driver: the slot ids are staged in pinned host memory,
 the graph is replayed, and the step's codes / PCM are copied into pinned host memory on a
 copy stream behind an event, so the host can launch the next step before reading this one.
+
+Two streams (codec_stream=True, the default on CUDA): frame steps run on a high-priority
+stream joined to the caller's current stream (prefill and everything else stay in order with
+them), codec steps on their own stream, so neither waits behind the other. They share data
+only through the code ring and the codec's per-slot state, and are ordered by CUDA events
+exactly there (`_RingOrder`):
+  - a codec step waits for the frame step that wrote the last frame it decodes (earlier
+    frames were written before it on the same stream);
+  - a frame step that overwrites a ring entry waits for the codec step that read it (the core
+    refuses a frame more than `codec_ring` ahead of decoding, so that step was launched; it is
+    long finished in practice and the wait costs nothing);
+  - a slot's next occupant is prefilled (which resets the slot's codec state, decode counter
+    and guards) only after its previous occupant's last codec step (only a cancelled request
+    can still have one in flight).
+The silence guard's state is written by codec steps and read by frame steps without an event
+(a stop may come one chunk later; see generation.guards). Codec graphs have their own memory
+pool and their own input rows: graphs sharing a pool may reuse each other's intermediates and
+must never run concurrently. codec_stream=False runs both on the current stream (the old
+single-stream engine, for side-by-side measurements).
 Weights are the packed (bf16 or FP8) tensors only: the decoder layers are never kept twice.
 Without CUDA (or with use_graphs=False) the same bodies run eagerly through the same driver:
 that is the path CI checks against the reference backend.
@@ -25,6 +44,7 @@ that is the path CI checks against the reference backend.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +57,7 @@ from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime.codec_engine import CodecEngine
 from ttsbuild.runtime.core import EngineCore, SlotPlan
-from ttsbuild.runtime.cp_fused import FusedCodePredictor
+from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.driver import make_driver
 from ttsbuild.runtime.engine import Models
 from ttsbuild.runtime.fast_model import Dense, PackedStack
@@ -103,6 +123,7 @@ class GraphBackend:
         use_graphs: bool | None = None,
         release_modules: bool = False,
         guards: GuardConfig | None = None,
+        codec_stream: bool | None = None,
     ):
         self.models, self.plan = models, plan
         self.guards = guards or GuardConfig()
@@ -140,6 +161,8 @@ class GraphBackend:
         self.cp_fused = FusedCodePredictor(
             self.cp_stack, self.cp_heads, self.cp_proj, self.codec_embedding, self.cp_embeddings
         )
+        if plan.persistent_code_predictor:
+            self.cp_fused.enable_persistent(max(plan.persistent_code_predictor))
         # Prompt rows -> embeddings, the same function the reference prompt uses.
         self.embedder = PromptEmbedder(
             talker.embed_text, [self.codec_embedding, *self.cp_embeddings]
@@ -191,6 +214,7 @@ class GraphBackend:
 
         # -- static I/O of the graphs, and host staging ---------------------------------------
         self.rows_in = torch.full((bmax,), self.scratch, dtype=torch.int64, device=dev)
+        self.codec_rows_in = self.rows_in.clone()  # the codec lane's own (it runs concurrently)
         self.frame_out = zeros(bmax, G + 1, dtype=torch.int64)  # codes, then the StopCode
         maxc = plan.max_chunk
         self.pcm_out = zeros(bmax, maxc * SAMPLES_PER_FRAME)
@@ -228,6 +252,13 @@ class GraphBackend:
             ((bmax,), torch.int64), ((bmax, maxc * SAMPLES_PER_FRAME), torch.float32), pinned
         )
         self.driver = make_driver(dev)
+        self.codec_stream = (dev.type == "cuda") if codec_stream is None else codec_stream
+        if self.codec_stream:
+            self.lm_lane = self.driver.add_lane(high_priority=True, join=True)
+            self.codec_lane = self.driver.add_lane(high_priority=False, join=False)
+        else:
+            self.lm_lane = self.codec_lane = 0  # the caller's current stream for both
+        self.ring_order = _RingOrder(S, plan.codec_ring)
 
         self.pending: dict[int, _Admission] = {}  # admitted, not yet prefilled
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -249,10 +280,11 @@ class GraphBackend:
         """Codebooks 1..15 for B rows with on-device sampling: [B, G]."""
         B, G = hidden.shape[0], self.cfg.num_code_groups
         slots = self.cp_slots[:B]
+        args = (hidden, c0, sampling, seeds, frames, self.cp_k, self.cp_v, slots)
+        if B in self.plan.persistent_code_predictor:
+            return self.cp_fused.frame_persistent(*args, self.cp_positions)
         if B in self.plan.fused_code_predictor:
-            return self.cp_fused.frame(
-                hidden, c0, sampling, seeds, frames, self.cp_k, self.cp_v, slots, self.cp_positions
-            )
+            return self.cp_fused.frame(*args, self.cp_positions)
         x = torch.stack([hidden, self.codec_embedding[c0]], dim=1)  # [B, 2, H]
         h = self.cp_stack.prefill(self.cp_proj(x), self.cp_k, self.cp_v, slots)[:, -1]
         codes = [c0]
@@ -293,7 +325,10 @@ class GraphBackend:
         )
         x = self._embed_frame(codes) + text
         pos = self.position[rows].clamp(max=self.max_len - 1)
-        h = self.talker_stack.decode(x, self.kv_k, self.kv_v, rows, pos)
+        if rows.shape[0] in self.plan.fused_talker:
+            h = decode_fused(self.talker_stack, x, self.kv_k, self.kv_v, rows, pos)
+        else:
+            h = self.talker_stack.decode(x, self.kv_k, self.kv_v, rows, pos)
         self.hidden[rows] = h
         self.logits[rows] = self.codec_head(h).float()
         self.position[rows] = pos + 1
@@ -352,22 +387,35 @@ class GraphBackend:
     def capture(self) -> None:
         """Capture every graph listed in the plan (warm-up runs hit the scratch slot)."""
         pool = torch.cuda.graph_pool_handle()
+        codec_pool = torch.cuda.graph_pool_handle() if self.codec_stream else pool
+        # One capture stream per lane: cuBLAS keeps a workspace per (handle, stream), and a
+        # graph replays with the workspace of the stream it was captured on, so graphs that
+        # may run concurrently must not have been captured on the same stream.
+        lm_capture, codec_capture = torch.cuda.Stream(), torch.cuda.Stream()
+        assert lm_capture.cuda_stream != codec_capture.cuda_stream
         r = self.plan
         for b in r.batch_buckets:
             rows, out = self.rows_in[:b], self.frame_out[:b]
             self.graphs[("frame", b)] = _capture(
-                lambda rows=rows, out=out: _write_frame(out, *self._frame_body(rows)), pool
+                lambda rows=rows, out=out: _write_frame(out, *self._frame_body(rows)), pool,
+                lm_capture,
             )
+            codec_rows = self.codec_rows_in[:b]
             for n in r.codec_chunks:
                 pcm = self.pcm_out[:b, : n * SAMPLES_PER_FRAME]
                 self.graphs[("codec", b, n)] = _capture(
-                    lambda rows=rows, n=n, pcm=pcm: pcm.copy_(self._codec_body(rows, n)), pool
+                    lambda rows=codec_rows, n=n, pcm=pcm: pcm.copy_(self._codec_body(rows, n)),
+                    codec_pool, codec_capture,
                 )
         for t in r.prefill_buckets:
-            self.graphs[("prefill", t)] = _capture(lambda t=t: self._prefill_body(t), pool)
+            self.graphs[("prefill", t)] = _capture(
+                lambda t=t: self._prefill_body(t), pool, lm_capture
+            )
         for t in self.text_buckets:
-            self.graphs[("text", t)] = _capture(lambda t=t: self._text_body(t), pool)
+            self.graphs[("text", t)] = _capture(lambda t=t: self._text_body(t), pool, lm_capture)
         self._reset_scratch()
+        # The codec lane's stream does not follow the current stream: let these land first.
+        torch.cuda.synchronize(self.device)
         log.info("captured %d CUDA graphs", len(self.graphs))
 
     def _reset_scratch(self) -> None:
@@ -380,7 +428,8 @@ class GraphBackend:
 
     # -- backend API (runtime.core.Backend) ---------------------------------------------------
     def admit(self, slot: int, plan: SlotPlan) -> None:
-        """Host-side only: the slot's settings are written by its prefill step. A prompt
+        """Host-side only: the slot's settings are written by its prefill step (which, on the
+        current stream, follows the slot's previous occupant's last codec step). A prompt
         prefix shared with other requests holds its prefix-pool entry until then."""
         admission = _Admission(plan)
         layout = plan.prompt.layout
@@ -389,6 +438,7 @@ class GraphBackend:
             admission.entry = self.prefix.acquire(layout.prefix_key(n))
             admission.prefix_len = n if admission.entry is not None else 0
         self.pending[slot] = admission
+        self._follow(self.ring_order.admit(slot))
 
     def release(self, slot: int) -> None:
         admission = self.pending.pop(slot, None)
@@ -486,10 +536,14 @@ class GraphBackend:
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if self.device.type == "cuda" else t  # copied non-blocking
 
-    def _launch(
-        self, ring: _StagingRing, slots: list[int], step, outputs: torch.Tensor, width: int
-    ) -> _Staged:
-        """Stage the slot ids, run `step` for the padded rows, copy the B rows' outputs out."""
+    def _follow(self, tickets: list[int]) -> None:
+        if self.codec_stream and tickets:
+            self.driver.device_wait(tickets)
+
+    def _launch(self, ring: _StagingRing, slots: list[int], step, outputs: torch.Tensor,
+                width: int, rows_in: torch.Tensor, lane: int, after: list[int]) -> _Staged:
+        """Stage the slot ids, run `step` for the padded rows on `lane` after the steps
+        `after`, copy the B rows' outputs out."""
         B = len(slots)
         rows = self.plan.bucket(B) if self.use_graphs else B
         k = ring.take()
@@ -498,11 +552,8 @@ class GraphBackend:
         staged_rows[B:rows] = self.scratch
         host_out = ring.outputs[k, :B, :width]
         ticket = self.driver.launch(
-            step(rows),
-            [staged_rows[:rows]],
-            [self.rows_in[:rows]],
-            [outputs[:B, :width]],
-            [host_out],
+            step(rows), [staged_rows[:rows]], [rows_in[:rows]], [outputs[:B, :width]],
+            [host_out], lane, after if self.codec_stream else [],
         )
         staged = _Staged(ticket, host_out, k)
         ring.owner[k] = staged
@@ -523,7 +574,11 @@ class GraphBackend:
             out = self.frame_out[:rows]
             return lambda: _write_frame(out, *self._frame_body(self.rows_in[:rows]))
 
-        return self._launch(self.frame_staging, slots, step, self.frame_out, G + 1)
+        after = self.ring_order.before_frames(slots)
+        staged = self._launch(self.frame_staging, slots, step, self.frame_out, G + 1,
+                              self.rows_in, self.lm_lane, after)  # fmt: skip
+        self.ring_order.frames_launched(slots, staged.ticket)
+        return staged
 
     def read_frames(self, staged: _Staged) -> torch.Tensor:
         return self._read(staged).clone()
@@ -536,16 +591,22 @@ class GraphBackend:
             if self.use_graphs:
                 return self.graphs[("codec", rows, n)]
             pcm = self.pcm_out[:rows, :width]
-            return lambda: pcm.copy_(self._codec_body(self.rows_in[:rows], n))
+            return lambda: pcm.copy_(self._codec_body(self.codec_rows_in[:rows], n))
 
-        return self._launch(self.codec_staging, slots, step, self.pcm_out, width)
+        after = self.ring_order.before_codec(slots, n)
+        staged = self._launch(self.codec_staging, slots, step, self.pcm_out, width,
+                              self.codec_rows_in, self.codec_lane, after)  # fmt: skip
+        self.ring_order.codec_launched(slots, n, staged.ticket)
+        return staged
 
     def read_codec(self, staged: _Staged) -> np.ndarray:
         return self._read(staged).numpy().copy()
 
+    def ready(self, staged: _Staged) -> bool:
+        return staged.read or self.driver.ready(staged.ticket)
+
     def memory_report(self) -> dict[str, int]:
         """Bytes on the device by kind (weights as stored, KV cache, per-slot state)."""
-
         def nbytes(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -558,7 +619,8 @@ class GraphBackend:
         state = [self.cp_k, self.cp_v, self.position, self.hidden, self.logits, self.history,
                  self.frame_idx, self.eos_min_frames, self.seed, self.text_track, self.text_len,
                  self.codes, self.decoded, self.codec_engine.tensors(), self.admit_text,
-                 self.prompt_rows, self.trailing_ids, self.pcm_out, self.frame_out]  # fmt: skip
+                 self.prompt_rows, self.trailing_ids, self.pcm_out, self.frame_out, self.rows_in,
+                 self.codec_rows_in]  # fmt: skip
         flat = [t for x in state for t in (x if isinstance(x, list) else [x])]
         return {
             "weights_lm": stacks + fp8_heads + modules,
@@ -581,10 +643,11 @@ class GraphEngine(EngineCore):
         release_modules: bool = False,
         keep_codes: bool = False,
         guards: GuardConfig | None = None,
+        codec_stream: bool | None = None,
     ):
         plan = plan or EnginePlan.default()
         guards = guards or GuardConfig()
-        backend = GraphBackend(models, plan, use_graphs, release_modules, guards)
+        backend = GraphBackend(models, plan, use_graphs, release_modules, guards, codec_stream)
         super().__init__(backend, plan, models, keep_codes, guards)
         self.device = backend.device
 
@@ -595,6 +658,66 @@ class GraphEngine(EngineCore):
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+class _RingOrder:
+    """Which step wrote and which step read each slot's code-ring entries (host side), to
+    name the steps of the other stream that a step must follow (see the module doc). A step's
+    dependencies are all on one stream, in launch order, so the latest one covers them all."""
+
+    def __init__(self, num_slots: int, ring: int):
+        self.ring = ring
+        self.frames = [0] * num_slots  # frames launched for the slot's occupant
+        self.decoded = [0] * num_slots  # frames handed to codec steps
+        self.written = [deque() for _ in range(num_slots)]  # (frames after a step, its ticket)
+        self.read = [deque() for _ in range(num_slots)]  # (decoded after a step, its ticket)
+        self.last_read: list[int | None] = [None] * num_slots  # survives release
+
+    def admit(self, slot: int) -> list[int]:
+        """A new occupant: the previous one's last codec step, which its prefill follows."""
+        self.frames[slot] = self.decoded[slot] = 0
+        self.written[slot].clear()
+        self.read[slot].clear()
+        last, self.last_read[slot] = self.last_read[slot], None
+        return [] if last is None else [last]
+
+    def before_frames(self, slots: list[int]) -> list[int]:
+        """The codec step that read the ring entries this frame step overwrites (if any)."""
+        deps = []
+        for s in slots:
+            old = self.frames[s] - self.ring  # the frame now in the entry to be written
+            if old < 0:
+                continue
+            read = self.read[s]
+            while read and read[0][0] <= old:
+                read.popleft()
+            if read:
+                deps.append(read[0][1])
+        return [max(deps)] if deps else []
+
+    def frames_launched(self, slots: list[int], ticket: int) -> None:
+        for s in slots:
+            self.frames[s] += 1
+            self.written[s].append((self.frames[s], ticket))
+
+    def before_codec(self, slots: list[int], n: int) -> list[int]:
+        """The frame step that wrote the last of the n frames each slot decodes next."""
+        deps = []
+        for s in slots:
+            need = self.decoded[s] + n
+            written = self.written[s]
+            while written and written[0][0] < need:
+                written.popleft()
+            if written:
+                deps.append(written[0][1])
+        return [max(deps)] if deps else []
+
+    def codec_launched(self, slots: list[int], n: int, ticket: int) -> None:
+        for s in slots:
+            self.decoded[s] += n
+            self.read[s].append((self.decoded[s], ticket))
+            self.last_read[s] = ticket
+
 
 
 # Per-slot settings staged at admission: name -> where it lands (see GraphBackend._admit_body).
@@ -644,14 +767,14 @@ def _write_frame(out: torch.Tensor, codes: torch.Tensor, stop: torch.Tensor) -> 
     return out
 
 
-def _capture(fn, pool) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
+def _capture(fn, pool, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+    stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):  # warm-up: allocator, Triton autotuning, cuBLAS handles
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):  # (not torch's one shared stream)
         fn()
     return graph

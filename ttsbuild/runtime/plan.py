@@ -43,6 +43,13 @@ class EnginePlan(BaseModel):
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
+    # Batch buckets whose code-predictor passes run as one persistent launch each
+    # (plugins.cp_pass: projection + layers + head, grid barriers between stages); it takes
+    # precedence over fused_code_predictor where both list a bucket.
+    persistent_code_predictor: tuple[int, ...] = ()
+    # Batch buckets whose talker step runs on runtime.cp_fused.decode_fused (5 launches per
+    # layer instead of ~9: fused norm + linear, fused residual adds).
+    fused_talker: tuple[int, ...] = ()
     # Prefix KV cache (graph backend): the talker KV of prompt prefixes that depend only on
     # (voice, language, instruct, text mode), kept on the device and copied into a slot at
     # admission, so only the rest of the prompt is prefilled. Entries (0: off) x positions
@@ -74,8 +81,9 @@ class EnginePlan(BaseModel):
             )
         if self.prefill_buckets[-1] >= self.max_len:
             raise ValueError("the largest prefill bucket must leave room for frames in max_len")
-        if not set(self.fused_code_predictor) <= set(self.batch_buckets):
-            raise ValueError("fused_code_predictor must list batch buckets of the plan")
+        for name in ("fused_code_predictor", "persistent_code_predictor", "fused_talker"):
+            if not set(getattr(self, name)) <= set(self.batch_buckets):
+                raise ValueError(f"{name} must list batch buckets of the plan")
         if self.prefix_pool < 0 or self.max_prefix < 1:
             raise ValueError("prefix_pool must be >= 0 and max_prefix >= 1")
         if self.max_frames < 1 or self.max_text < 1:

@@ -1,6 +1,7 @@
 """The engine thread: plan, execute, commit; and the bridge that hands events to asyncio.
 
-One thread owns the engine (the engine is not thread-safe and a GPU stream is serial anyway).
+One thread owns the engine (the engine is not thread-safe). The loop is pipelined over the
+engine's split API: a turn launches its stage, then reads back earlier ones (see EngineLoop).
 The scheduler is shared with the asyncio side under one lock, held only while planning and
 committing (microseconds), never while a stage runs.
 """
@@ -11,26 +12,52 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ttsbuild.serve.scheduler import Failed, Plan, Rejected, Scheduler, Stage, StepResult
+from ttsbuild.serve.scheduler import (
+    Failed,
+    Launched,
+    Plan,
+    Rejected,
+    Scheduler,
+    Stage,
+    StepResult,
+)
 
 log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
-    """The slot-based engine API (ttsbuild.runtime.engine); EagerEngine and the GPU engine."""
+    """The slot-based engine API (ttsbuild.runtime.core.EngineCore): EagerEngine and the GPU
+    engine. Stages are launched and read back separately (see runtime.core)."""
 
     models: Any
 
     def admit(self, req: Any) -> int: ...
     def prefill(self, slots: list[int]) -> None: ...
-    def frames(self, slots: list[int]) -> list[Any]: ...  # FrameOutput(slot, codes, finished)
-    def audio(self, slots: list[int], max_frames: int | None = None) -> dict[int, Any]: ...
+    def launch_frames(self, slots: list[int]) -> Any: ...
+    def collect(self, ticket: Any) -> list[Any]: ...  # FrameOutput(slot, codes, finished)
+    def launch_audio(self, slots: list[int], max_frames: int | None = None) -> Any: ...
+    def collect_audio(self, ticket: Any) -> dict[int, Any]: ...
+    def ready(self, ticket: Any) -> bool: ...  # a launched step can be read without waiting
+    def can_launch(self, slot: int) -> bool: ...  # not finished, under its frame limit
+    def pending_frames(self, slot: int) -> int: ...  # known real, not yet decoded
     def release(self, slot: int) -> None: ...
     def free_slots(self) -> int: ...
     def seed_of(self, slot: int) -> int: ...
     def stopped_by(self, slot: int) -> str | None: ...  # why generation ended (guards.StopReason)
+
+
+@dataclass
+class InFlight:
+    """A plan's stage launched on the engine and not yet read back."""
+
+    stage: Stage | None
+    result: StepResult  # admissions and prefill filled in; the stage's part at collect
+    ticket: Any  # the engine's (None: nothing was launched)
+    started: float  # clock at launch
+    launched: Launched | None = None  # the scheduler's record (set by the loop)
 
 
 class Runner:
@@ -39,8 +66,14 @@ class Runner:
     def __init__(self, engine: Engine, request_error: type[Exception] = ValueError):
         self.engine = engine
         self.request_error = request_error
+        self._last_read = dict.fromkeys(Stage, float("-inf"))  # per stage: clock at last read
 
     def execute(self, plan: Plan, clock: Callable[[], float] = time.perf_counter) -> StepResult:
+        """Launch the plan's work and read it back at once (a serial loop)."""
+        return self.collect(self.launch(plan, clock), clock)
+
+    def launch(self, plan: Plan, clock: Callable[[], float] = time.perf_counter) -> InFlight:
+        """Release, admit and prefill, then launch the stage without waiting for it."""
         engine, result = self.engine, StepResult()
         for slot in plan.release:
             engine.release(slot)
@@ -63,49 +96,129 @@ class Runner:
         result.stage_slots = list(plan.slots)
         if plan.stage is Stage.FRAMES and plan.frames_take_new:
             result.stage_slots += result.prefilled
+        start, ticket = clock(), None
         if not result.stage_slots:
-            return result
-        start = clock()
+            return InFlight(plan.stage, result, None, start)
         if plan.stage is Stage.FRAMES:
-            for out in engine.frames(result.stage_slots):
+            # A row whose last frame is still in flight cannot be launched again.
+            rows = [s for s in result.stage_slots if engine.can_launch(s)]
+            known = {s: engine.pending_frames(s) for s in rows}
+            ticket = engine.launch_frames(rows) if rows else None
+            result.launched = rows
+            result.certain = [s for s in rows if engine.pending_frames(s) > known[s]]
+        elif plan.stage is Stage.AUDIO:
+            result.decoded = {s: engine.pending_frames(s) for s in result.stage_slots}
+            ticket = engine.launch_audio(result.stage_slots)
+        return InFlight(plan.stage, result, ticket, start)
+
+    def ready(self, step: InFlight) -> bool:
+        return step.ticket is None or self.engine.ready(step.ticket)
+
+    def collect(self, step: InFlight, clock: Callable[[], float] = time.perf_counter) -> StepResult:
+        """Read a launched stage back (waits for it) into its StepResult."""
+        engine, result = self.engine, step.result
+        if step.ticket is not None and step.stage is Stage.FRAMES:
+            for out in engine.collect(step.ticket):
                 result.frames[out.slot] = (out.codes is not None, out.finished)
                 if out.finished:
                     result.stopped_by[out.slot] = str(engine.stopped_by(out.slot))
-        elif plan.stage is Stage.AUDIO:
-            result.pcm = engine.audio(result.stage_slots)
-        result.stage_s = clock() - start
+        elif step.ticket is not None and step.stage is Stage.AUDIO:
+            result.pcm = engine.collect_audio(step.ticket)
+        # A stage's cost: from its launch, or from when the previous step of its kind was read
+        # (launched ahead, it queued behind that one): back to back, steps cost their spacing.
+        now = clock()
+        if step.stage is not None:
+            result.stage_s = now - max(step.started, self._last_read[step.stage])
+            self._last_read[step.stage] = now
         return result
 
 
 class EngineLoop:
-    """Runs `scheduler` against `runner` in a daemon thread until stop()."""
+    """Runs `scheduler` against `runner` in a daemon thread until stop().
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, idle_wait_s: float = 0.02):
+    Pipelined: a turn plans and launches its stage, then reads back earlier stages, so the
+    next frame step is on the device before the last one is read, and a codec step (on its
+    own stream on a GPU) never holds the frame loop: its audio is read once it is done
+    (polled), at the latest when nothing else is left to do. At most `frames_ahead` frame
+    steps stay in flight after a turn; audio reaches its streams in launch order."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        idle_wait_s: float = 0.02,
+        frames_ahead: int = 1,
+        poll_s: float = 0.0002,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         self.scheduler = scheduler
         self.runner = runner
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.idle_wait_s = idle_wait_s
+        self.frames_ahead = frames_ahead
+        self.poll_s = poll_s
+        self.clock, self.sleep = clock, sleep
+        self.in_flight: list[InFlight] = []  # launch order
         self.steps = 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def step(self) -> bool:
-        """One scheduling step; False when there was nothing to do."""
+        """One turn; False when there was nothing to do."""
         with self.lock:
             plan = self.scheduler.plan()
-            if plan.is_empty:
+            if plan.is_empty and not self.in_flight:
                 events = self.scheduler.commit(plan, StepResult())
-        if plan.is_empty:
+        if plan.is_empty and not self.in_flight:
             _deliver(events)
             return False
-        result = self.runner.execute(plan)
-        with self.lock:
-            events = self.scheduler.commit(plan, result)
-        _deliver(events)
+        if not plan.is_empty:
+            step = self.runner.launch(plan, self.clock)
+            with self.lock:
+                step.launched = self.scheduler.commit_launch(plan, step.result)
+                events = self.scheduler.events()
+            _deliver(events)
+            self.in_flight.append(step)
+        self._read_back(must=plan.is_empty)
         self.steps += 1
         return True
+
+    def _read_back(self, must: bool) -> None:
+        """Read back every stage that is done, oldest first within its kind (frame steps,
+        codec steps); wait while more than `frames_ahead` frame steps are in flight, or, with
+        `must` (nothing was launched this turn), until one stage was read."""
+        while self.in_flight:
+            heads = {}
+            for step in self.in_flight:
+                heads.setdefault(step.stage, step)
+            done = [step for step in heads.values() if self.runner.ready(step)]
+            if done:
+                self._commit(min(done, key=self.in_flight.index))
+                must = False
+                continue
+            frames = [step for step in self.in_flight if step.stage is Stage.FRAMES]
+            if len(frames) > self.frames_ahead:
+                due = frames[0]
+            elif must:
+                due = self.in_flight[0]
+            else:
+                return
+            audio_in_flight = any(step.stage is Stage.AUDIO for step in self.in_flight)
+            if audio_in_flight and self.poll_s > 0:
+                self.sleep(self.poll_s)  # a codec step may finish first: poll again
+            else:
+                self._commit(due)  # waits for it
+                must = False
+
+    def _commit(self, step: InFlight) -> None:
+        self.in_flight.remove(step)
+        result = self.runner.collect(step, self.clock)
+        with self.lock:
+            events = self.scheduler.commit_collect(step.launched, result)
+        _deliver(events)
 
     def run(self) -> None:
         try:

@@ -7,6 +7,13 @@ anchors the turn, given its first frame in the turn after it arrives; its first 
 one turn later: it waits behind the step that was running when it arrived and, at most, a
 frame step and a codec step of streams whose playback would otherwise run dry.
 
+Pipelined engines (serve.loop.EngineLoop): a stage is accounted when it is launched
+(commit_launch: frames in flight, frames handed to the codec) and when it is read back
+(commit_collect), so the next turn is planned while the last stage still runs. Frames the
+engine knows are real at launch (no EOS possible yet) count as made: their chunk's codec step
+can be launched at once, ordered after the frame step on the device. A codec batch never
+includes a row whose frames come from a later frame step than its anchor's.
+
 Every admitted stream has one next stage: FRAMES until its next chunk's frames exist, AUDIO
 once they do (or once generation ended with frames left). The most urgent ready stream (the
 anchor) picks the stage; the batch is the max_batch most urgent streams ready for it (batched
@@ -132,8 +139,12 @@ class Stream:
     status: Status = Status.QUEUED
     slot: int | None = None
     seed: int | None = None
-    frames: int = 0  # generated
-    decoded: int = 0  # turned into audio
+    frames: int = 0  # generated and read back
+    inflight: int = 0  # frames launched, not yet read back (a pipelined engine)
+    certain: int = 0  # ...of which the engine knew at launch that they are real (no EOS yet)
+    decoded: int = 0  # handed to the codec
+    audio_inflight: int = 0  # codec steps launched, their audio not yet read back
+    frame_step: int = 0  # the scheduler's count of frame steps when its last one launched
     generation_done: bool = False
     stopped_by: str | None = None  # the engine's reason generation ended (guards.StopReason)
     audio_steps: int = 0  # codec calls so far: indexes the chunk schedule
@@ -153,12 +164,22 @@ class Stream:
         sizes stop growing, then real time."""
         return self.ramp_speed if self.audio_steps < len(self.chunk_schedule) else 1.0
 
+    def pending(self) -> int:
+        """Frames known to be real and not yet handed to the codec (in flight ones included:
+        the engine orders the codec step after the frame step on the device)."""
+        return self.frames + self.certain - self.decoded
+
+    def codec_waits_for(self) -> int:
+        """The frame step (by launch count) a codec step of this stream waits for on the
+        device: the one writing its last certain frame; 0: none (all frames read back)."""
+        return self.frame_step if self.certain else 0
+
     def next_stage(self) -> Stage | None:
         if self.status is Status.PREFILL:
             return Stage.PREFILL
         if self.status is not Status.DECODING:
             return None
-        pending = self.frames - self.decoded
+        pending = self.pending()
         if pending >= self.next_chunk_frames() or (self.generation_done and pending > 0):
             return Stage.AUDIO
         return None if self.generation_done else Stage.FRAMES
@@ -208,11 +229,25 @@ class Plan:
 
 
 @dataclass
+class Launched:
+    """A plan's stage as launched: its rows' streams at that moment (a slot may change hands
+    before the stage is read back) and which frame rows were launched, certain to be real."""
+
+    stage: Stage | None
+    rows: dict[int, Stream]  # slot -> stream
+    launched: set[int] = field(default_factory=set)  # FRAMES rows launched
+    certain: set[int] = field(default_factory=set)
+
+
+@dataclass
 class StepResult:
     admitted: dict[int, int | str] = field(default_factory=dict)  # stream id -> slot | error
     seeds: dict[int, int] = field(default_factory=dict)  # stream id -> seed drawn at admission
     prefilled: list[int] = field(default_factory=list)  # slots whose prompt ran this turn
     stage_slots: list[int] = field(default_factory=list)  # the stage's rows as run
+    launched: list[int] = field(default_factory=list)  # FRAMES rows launched (under limits)
+    certain: list[int] = field(default_factory=list)  # ...whose frame is real (no EOS possible)
+    decoded: dict[int, int] = field(default_factory=dict)  # AUDIO: slot -> frames decoded
     frames: dict[int, tuple[bool, bool]] = field(default_factory=dict)  # slot -> (new, finished)
     stopped_by: dict[int, str] = field(default_factory=dict)  # finished slot -> stop reason
     pcm: dict[int, Sequence[float]] = field(default_factory=dict)  # slot -> audio
@@ -304,6 +339,7 @@ class Scheduler:
         self._steps: deque[tuple[float, float, int, int]] = deque()
         self.frame_cost = RowCost()
         self._last_commit: float | None = None  # None: the loop idled since
+        self._frame_steps = 0  # frame steps launched (Stream.frame_step)
 
     # -- asyncio side ------------------------------------------------------------------------
     def submit(
@@ -453,15 +489,49 @@ class Scheduler:
         return plan
 
     def commit(self, plan: Plan, result: StepResult) -> list[tuple[Sink, Event]]:
+        """Account a plan whose work was launched and read back at once."""
+        return self.commit_collect(self.commit_launch(plan, result), result)
+
+    def commit_launch(self, plan: Plan, result: StepResult) -> Launched:
+        """What is known once a plan's work is launched: admissions, prompts run, the stage's
+        frames in flight or frames handed to the codec (so the next plan can be made before
+        this stage is read back). Events wait in the outbox (`events`)."""
         now = self.clock()
         for stream in plan.admit:
             self._commit_admission(stream, result.admitted[stream.id], result, now)
         self._commit_prefill(result, now)
-        if plan.stage is not None:
-            self._commit_stage(plan.stage, result, now)
+        launched = Launched(plan.stage, {}, set(result.launched), set(result.certain))
+        self._frame_steps += bool(plan.stage is Stage.FRAMES and result.launched)
+        for slot in result.stage_slots if plan.stage is not None else ():
+            s = self.by_slot.get(slot)
+            if s is None or s.status is Status.CANCELLED:
+                continue
+            if plan.stage is Stage.FRAMES:
+                if slot in launched.launched:
+                    s.inflight += 1
+                    s.certain += slot in launched.certain
+                    s.frame_step = self._frame_steps
+            elif result.decoded.get(slot, 0) > 0:
+                s.decoded += result.decoded[slot]
+                s.audio_steps += 1
+                s.audio_inflight += 1
+            else:
+                continue  # nothing to decode after all: no audio step for it
+            launched.rows[slot] = s
+        return launched
+
+    def commit_collect(self, launched: Launched, result: StepResult) -> list[tuple[Sink, Event]]:
+        """Account a launched stage read back (`result` as filled by the runner)."""
+        now = self.clock()
+        if launched.stage is not None:
+            self._commit_stage(launched, result, now)
         if result.prefilled or result.stage_slots:
             self._record_busy(result, now)
         self._expire_queue(now)
+        return self.events()
+
+    def events(self) -> list[tuple[Sink, Event]]:
+        """Events emitted since the last call, to hand to their sinks outside the lock."""
         out, self._outbox = self._outbox, []
         return out
 
@@ -504,13 +574,16 @@ class Scheduler:
         anchor, reason = ready[0], ready[0].klass
         if anchor.stage is Stage.FRAMES and self._chunk_runs_dry_during_frames(ready):
             anchor, reason = next(r for r in ready if r.stage is Stage.AUDIO), "codec-first"
-        rows = [r for r in ready if r.stage is anchor.stage][: self.config.max_batch]
+        candidates = [r for r in ready if r.stage is anchor.stage]
+        if anchor.stage is Stage.AUDIO:  # no row makes the codec step wait for a later frame
+            waits = anchor.stream.codec_waits_for()
+            candidates = [r for r in candidates if r.stream.codec_waits_for() <= waits]
+        rows = candidates[: self.config.max_batch]
         new_ready = sum(r.new for r in ready)
         plan.stage, plan.reason = anchor.stage, reason
         plan.frames_take_new = new_ready > 0 and sum(r.new for r in rows) == new_ready
         if not plan.frames_take_new:
-            rows = [r for r in ready if r.stage is anchor.stage and not r.new]
-            rows = rows[: self.config.max_batch]
+            rows = [r for r in candidates if not r.new][: self.config.max_batch]
         plan.slots = [r.stream.slot for r in rows if not r.new]
         if not (plan.slots or plan.frames_take_new):
             plan.stage = None  # only new rows were ready, and they did not fit
@@ -543,7 +616,7 @@ class Scheduler:
             return None if s.follows is None else math.inf
         need = self.cost_s[Stage.AUDIO]
         if stage is Stage.FRAMES:
-            missing = s.next_chunk_frames() - (s.frames - s.decoded)
+            missing = s.next_chunk_frames() - s.pending()
             need += max(1, missing) * self.cost_s[Stage.FRAMES]
         if s.status is not Status.DECODING:
             need += self.cost_s[Stage.PREFILL]
@@ -579,27 +652,32 @@ class Scheduler:
                 s.status, s.last_served_at = Status.DECODING, now
         self.observer.on_step(Stage.PREFILL, len(result.prefilled), result.prefill_s, 0)
 
-    def _commit_stage(self, stage: Stage, result: StepResult, now: float) -> None:
+    def _commit_stage(self, launched: Launched, result: StepResult, now: float) -> None:
+        stage = launched.stage
         if not result.stage_slots:
             return
-        a = self.config.cost_ema
-        self.cost_s[stage] = (1 - a) * self.cost_s[stage] + a * result.stage_s
+        if stage is Stage.AUDIO or launched.launched:  # a step ran: its time is evidence
+            a = self.config.cost_ema
+            self.cost_s[stage] = (1 - a) * self.cost_s[stage] + a * result.stage_s
         new_frames = 0
-        for slot in result.stage_slots:
-            s = self.by_slot.get(slot)
-            if s is None or s.status is Status.CANCELLED:
-                continue
+        for slot, s in launched.rows.items():
+            if self.by_slot.get(slot) is not s or s.status is Status.CANCELLED:
+                continue  # cancelled meanwhile (its slot may hold another stream by now)
             s.last_served_at = now
             if stage is Stage.FRAMES:
-                new, finished = result.frames[slot]
+                if slot in launched.launched:
+                    s.inflight -= 1
+                    s.certain -= slot in launched.certain
+                new, finished = result.frames.get(slot, (False, False))
                 s.frames += new
-                s.generation_done = finished
                 if finished:
+                    s.generation_done = True
                     s.stopped_by = result.stopped_by.get(slot)
                 new_frames += new
             else:
+                s.audio_inflight -= 1
                 self._commit_audio(s, result.pcm[slot], now)
-            if s.generation_done and s.frames == s.decoded:
+            if s.generation_done and not (s.inflight or s.audio_inflight) and s.pending() == 0:
                 self._finish(s, now)
         self.observer.on_step(stage, len(result.stage_slots), result.stage_s, new_frames)
 
@@ -619,8 +697,6 @@ class Scheduler:
             self.frame_cost.observe(frame_rows, result.stage_s)
 
     def _commit_audio(self, s: Stream, pcm: Sequence[float], now: float) -> None:
-        s.decoded = s.frames
-        s.audio_steps += 1
         if s.trimmer is not None:
             pcm = s.trimmer(pcm)
         if not len(pcm):

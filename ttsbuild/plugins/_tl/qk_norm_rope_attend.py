@@ -34,17 +34,16 @@ def _norm_rope(x1, x2, w_ptr, offs_d, c, s, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _qk_norm_rope_attend_kernel(
-    qkv_ptr, qw_ptr, kw_ptr, f_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, out_ptr,
+def attend_item(
+    qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row, kvh, pos, slot,
     stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
+    """One (row, KV head): its k/v into the cache at `pos`, its GROUP query heads attended
+    over positions [0, pos]. q/k/v are read with .cg (L2, not a stale L1 line), so a
+    persistent kernel can call this on qkv written by other programs (plugins/_tl/cp_pass)."""
     HALF: tl.constexpr = D // 2
-    row = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    pos = tl.load(pos_ptr + row).to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
     src = qkv_ptr + row * stride_row
     offs_d = tl.arange(0, HALF)
     ang = pos.to(tl.float32) * tl.load(f_ptr + offs_d)
@@ -55,18 +54,19 @@ def _qk_norm_rope_attend_kernel(
     # the new key and value: [1, HALF] halves, rounded as the cache stores them
     k_src = src + (HQ + kvh) * D + offs_d[None, :]
     k1, k2 = _norm_rope(
-        tl.load(k_src).to(tl.float32), tl.load(k_src + HALF).to(tl.float32),
+        tl.load(k_src, cache_modifier=".cg").to(tl.float32),
+        tl.load(k_src + HALF, cache_modifier=".cg").to(tl.float32),
         kw_ptr, offs_d, c, s, eps, D,
     )  # fmt: skip
     k1, k2 = k1.to(cdt), k2.to(cdt)
     v_src = src + (HQ + HKV + kvh) * D + offs_d[None, :]
-    v1 = tl.load(v_src).to(cdt)
-    v2 = tl.load(v_src + HALF).to(cdt)
-    head = kc_ptr + slot * stride_cslot + kvh.to(tl.int64) * stride_ch
+    v1 = tl.load(v_src, cache_modifier=".cg").to(cdt)
+    v2 = tl.load(v_src + HALF, cache_modifier=".cg").to(cdt)
+    head = kc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
     new_at = pos * stride_cs + offs_d[None, :]
     tl.store(head + new_at, k1)
     tl.store(head + new_at + HALF, k2)
-    vhead = vc_ptr + slot * stride_cslot + kvh.to(tl.int64) * stride_ch
+    vhead = vc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
     tl.store(vhead + new_at, v1)
     tl.store(vhead + new_at + HALF, v2)
 
@@ -75,8 +75,8 @@ def _qk_norm_rope_attend_kernel(
     g_mask = offs_g[:, None] < GROUP
     q_src = src + (kvh * GROUP + offs_g[:, None]) * D + offs_d[None, :]
     q1, q2 = _norm_rope(
-        tl.load(q_src, mask=g_mask, other=0.0).to(tl.float32),
-        tl.load(q_src + HALF, mask=g_mask, other=0.0).to(tl.float32),
+        tl.load(q_src, mask=g_mask, other=0.0, cache_modifier=".cg").to(tl.float32),
+        tl.load(q_src + HALF, mask=g_mask, other=0.0, cache_modifier=".cg").to(tl.float32),
         qw_ptr, offs_d, c, s, eps, D,
     )  # fmt: skip
     q1 = q1.to(qkv_ptr.dtype.element_ty).to(tl.float32)
@@ -102,6 +102,24 @@ def _qk_norm_rope_attend_kernel(
     dst = out_ptr + row * stride_orow + (kvh * GROUP + offs_g[:, None]) * D + offs_d[None, :]
     tl.store(dst, o1.to(out_ptr.dtype.element_ty), mask=g_mask)
     tl.store(dst + HALF, o2.to(out_ptr.dtype.element_ty), mask=g_mask)
+
+
+@triton.jit
+def _qk_norm_rope_attend_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, f_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, out_ptr,
+    stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    attend_item(
+        qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row, kvh, pos, slot,
+        stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
+        HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
+    )  # fmt: skip
 
 
 def qk_norm_rope_attend_triton(

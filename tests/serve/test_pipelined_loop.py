@@ -1,0 +1,161 @@
+"""The pipelined engine loop on a fake device with a fake clock: the next frame step is
+launched before the last is read, codec steps run beside frame steps without holding them,
+results reach streams in order, and a new request's first audio waits behind at most one
+frame step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ttsbuild.serve.config import FRAME_SAMPLES, SchedulerConfig
+from ttsbuild.serve.loop import EngineLoop, Runner
+from ttsbuild.serve.scheduler import Chunk, Done, Scheduler, Status
+
+from .fakes import FakeClock, FakeEngine, FakeRequest, FakeRequestError
+
+COST = {"prefill": 0.004, "frames": 0.008, "audio": 0.004}  # GPU-like steps
+
+
+class Harness:
+    def __init__(self, num_slots=8, codec_lane=True, pipelined=True, **cfg):
+        self.clock = FakeClock()
+        # A GPU-like engine: a prefill is a graph replay that does not hold the host.
+        self.engine = FakeEngine(self.clock, num_slots=num_slots, cost_s=dict(COST),
+                                 codec_lane=codec_lane, async_prefill=pipelined,
+                                 instant=False)  # fmt: skip
+        config = SchedulerConfig(num_slots=num_slots, admit_by_capacity=False,
+                                 max_buffered_s=1e6, stream_buffer_s=1e6, **cfg)  # fmt: skip
+        self.sched = Scheduler(config, self.clock, initial_cost_s=0.01)
+        self.runner = Runner(self.engine, FakeRequestError)
+        self.loop = EngineLoop(self.sched, self.runner, clock=self.clock,
+                               sleep=self.clock.advance)  # fmt: skip
+        self.pipelined = pipelined
+        self.events: dict[int, list] = {}
+
+    def submit(self, frames=30, schedule=(1, 2, 4, 8)):
+        events = []
+        stream = self.sched.submit(FakeRequest(frames), events.append, schedule)
+        self.events[stream.id] = events
+        return stream
+
+    def step(self) -> bool:
+        if self.pipelined:
+            return self.loop.step()
+        plan = self.sched.plan()
+        if plan.is_empty:
+            return False
+        for sink, event in self.sched.commit(plan, self.runner.execute(plan, self.clock)):
+            sink(event)
+        return True
+
+    def run_until(self, predicate, max_steps=100_000):
+        for _ in range(max_steps):
+            if predicate():
+                return
+            if not self.step():
+                self.clock.advance(0.001)
+        raise AssertionError("condition never met")
+
+    def chunks(self, stream):
+        return [e for e in self.events[stream.id] if isinstance(e, Chunk)]
+
+
+def check_stream_events(h, stream, frames, schedule=(1, 2, 4, 8)):
+    """Chunks in order, of the schedule's sizes, all the frames' audio, then Done."""
+    events = h.events[stream.id]
+    chunks = [e for e in events if isinstance(e, Chunk)]
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    sizes = [len(c.pcm) // FRAME_SAMPLES for c in chunks]
+    expected, left, k = [], frames, 0
+    while left:
+        expected.append(min(left, schedule[min(k, len(schedule) - 1)]))
+        left -= expected[-1]
+        k += 1
+    assert sizes == expected
+    assert isinstance(events[-1], Done) and events[-1].stats["frames"] == frames
+    assert sum(isinstance(e, Done) for e in events) == 1
+
+
+def test_next_frame_step_is_launched_before_the_last_is_read():
+    h = Harness()
+    streams = [h.submit(frames=40 + 5 * i) for i in range(3)]
+    h.run_until(lambda: all(s.status is Status.FINISHED for s in streams))
+    frame_reads = [i for i, e in enumerate(h.engine.log) if e[:2] == ("read", "frames")]
+    launched_ahead = 0
+    for i in frame_reads:
+        ticket = h.engine.log[i][2]
+        later = [e for e in h.engine.log[:i] if e[:2] == ("launch", "frames") and e[2] > ticket]
+        launched_ahead += bool(later)
+    # Every frame step but those at the very end had its successor on the device first.
+    assert launched_ahead >= len(frame_reads) - 3
+    for i, s in enumerate(streams):
+        check_stream_events(h, s, 40 + 5 * i)
+
+
+def test_codec_steps_run_beside_frame_steps_without_holding_them():
+    """Four streams of 60 frames: on a device with its own codec lane the pipelined loop is
+    paced by frame steps alone (the codec is hidden); serially each codec step adds up."""
+    def total_time(pipelined, codec_lane):
+        h = Harness(pipelined=pipelined, codec_lane=codec_lane)
+        streams = [h.submit(frames=60) for _ in range(4)]
+        h.run_until(lambda: all(s.status is Status.FINISHED for s in streams))
+        for s in streams:
+            check_stream_events(h, s, 60)
+        return h.clock.t
+
+    serial = total_time(pipelined=False, codec_lane=False)
+    pipelined = total_time(pipelined=True, codec_lane=True)
+    frame_steps_only = COST["prefill"] + 60 * COST["frames"]
+    assert pipelined <= frame_steps_only + 2 * COST["frames"] + 2 * COST["audio"]
+    assert serial >= frame_steps_only + 8 * COST["audio"]  # one codec step per chunk at least
+
+
+def test_first_audio_waits_behind_at_most_one_frame_step():
+    """Arrivals at random moments while other streams run: a first chunk comes after its own
+    prefill, frame and codec steps, behind at most the one frame step in flight when it came
+    (the pipelined loop polls codec steps every 0.2 ms of fake time)."""
+    rng = random.Random(7)
+    h = Harness(num_slots=16)
+    own_path = COST["prefill"] + COST["frames"] + COST["audio"]
+    arrivals, next_at = [], 0.0
+    while h.clock.t < 6.0:
+        if h.clock.t >= next_at and len(h.sched.by_slot) < 12:
+            arrivals.append(h.submit(frames=rng.randint(10, 60)))
+            next_at = h.clock.t + rng.uniform(0.0, 0.2)
+        if not h.step():
+            h.clock.advance(0.003)
+    done = [s for s in arrivals if s.first_audio_at is not None]
+    assert len(done) >= 40
+    waits = sorted(s.first_audio_at - s.arrived_at - own_path for s in done)
+    assert waits[-1] <= COST["frames"] + h.loop.poll_s + 1e-9
+    assert waits[0] >= -1e-9
+
+
+def test_a_slot_taken_over_while_its_steps_are_in_flight_gets_none_of_their_results():
+    h = Harness(num_slots=1)
+    old = h.submit(frames=200)
+    h.run_until(lambda: len(h.chunks(old)) >= 2)
+    assert h.loop.in_flight  # a frame step (and maybe a codec step) of `old` on the device
+    h.sched.close(old.id)
+    new = h.submit(frames=12)
+    h.run_until(lambda: new.status is Status.FINISHED)
+    assert new.slot == old.slot
+    check_stream_events(h, new, 12)
+    assert old.status is Status.CANCELLED and not any(
+        isinstance(e, Done) for e in h.events[old.id]
+    )
+
+
+@pytest.mark.parametrize("frames_ahead", [1, 2])
+def test_at_most_frames_ahead_frame_steps_stay_in_flight(frames_ahead):
+    h = Harness()
+    h.loop.frames_ahead = frames_ahead
+    streams = [h.submit(frames=30) for _ in range(2)]
+    most = 0
+    while not all(s.status is Status.FINISHED for s in streams):
+        if not h.step():
+            h.clock.advance(0.001)
+        most = max(most, sum(f.stage == "frames" for f in h.loop.in_flight))
+    assert most == frames_ahead

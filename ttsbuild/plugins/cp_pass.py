@@ -1,0 +1,222 @@
+"""One code-predictor pass in one launch: the persistent kernel's weights, buffers and launcher.
+
+A pass is projection -> every decoder layer -> (optionally) the head, for B rows at one cache
+position: on the fused path that is 2 + 5 L launches (27 for the 5-layer code predictor); here
+it is one (`plugins/_tl/cp_pass.py`: a program per SM, grid barriers between stages). The
+arithmetic is `fused_linear`'s and `qk_norm_rope_attend`'s, so `PassWeights.reference` (the
+fused functions in order) is what it is checked against.
+
+The layer weights are stacked [L, ...] once, and the PackedStack's layers are re-pointed at
+views of the stacks, so no weight is held twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ttsbuild.plugins._dispatch import interpret_mode, want_triton
+from ttsbuild.plugins._tl.fp8_linear import _num_sms
+from ttsbuild.plugins.fused_linear import (
+    fused_linear,
+    linear_residual,
+    norm_gate_up_silu,
+    norm_linear,
+)
+from ttsbuild.plugins.qk_norm_rope import inv_freq
+from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS, qk_norm_rope_attend
+
+_LOG2E = 1.4426950408889634
+_FIELDS = ("input_norm", "q_norm", "k_norm", "post_norm")
+_DENSE = ("qkv", "o", "gate_up", "down")
+_BARRIERS: dict[torch.device, torch.Tensor] = {}
+
+
+@dataclass
+class PassWeights:
+    """A decoder stack's layer tensors stacked [L, ...], plus the pass's projection."""
+
+    cfg: object  # DecoderStackConfig
+    stacked: dict[str, torch.Tensor]  # input_norm [L, H], qkv [L, Nqkv, H], qkv_scale, ...
+    norm: torch.Tensor  # [H] final norm
+    proj_weight: torch.Tensor | None  # [H, K_src]: small_to_mtp_projection (None: identity)
+    proj_bias: torch.Tensor | None
+
+    @classmethod
+    def from_stack(cls, stack, proj_weight=None, proj_bias=None) -> PassWeights:
+        """Stack the layers' tensors and re-point the stack's layers at views of them."""
+        stacked = {}
+        for name in _FIELDS:
+            stacked[name] = torch.stack([getattr(p, name) for p in stack.layers])
+            for i, p in enumerate(stack.layers):
+                setattr(p, name, stacked[name][i])
+        for name in _DENSE:
+            dense = [getattr(p, name) for p in stack.layers]
+            stacked[name] = torch.stack([d.weight for d in dense])
+            if dense[0].scale is not None:
+                stacked[f"{name}_scale"] = torch.stack([d.scale for d in dense])
+            for i, d in enumerate(dense):
+                d.weight = stacked[name][i]
+                if d.scale is not None:
+                    d.scale = stacked[f"{name}_scale"][i]
+        return cls(stack.cfg, stacked, stack.norm, proj_weight, proj_bias)
+
+    @property
+    def fp8(self) -> bool:
+        return "qkv_scale" in self.stacked
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.stacked.items()}
+
+    # -- the reference: the fused path's functions in order --------------------------------
+    def reference(self, src, idx, pos, k_cache, v_cache, slots, head=None):
+        """(x [B, H] after the layers, logits [B, V] fp32 or None): what `run` computes."""
+        c = self.cfg
+        eps = c.rms_norm_eps
+        if self.proj_weight is None:
+            x = src if idx is None else src[idx]
+        else:
+            x = fused_linear(src, self.proj_weight, index=idx, bias=self.proj_bias)
+        B = x.shape[0]
+        positions = torch.full((B,), pos, dtype=torch.int64, device=x.device)
+        heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=eps,
+                     theta=c.rope_theta)  # fmt: skip
+        for i in range(c.num_layers):
+            w = self.layer(i)
+            qkv = norm_linear(x, w["input_norm"], w["qkv"], w.get("qkv_scale"), eps=eps)
+            attn = qk_norm_rope_attend(
+                qkv, w["q_norm"], w["k_norm"], positions, slots, k_cache[i], v_cache[i], **heads
+            )
+            x = linear_residual(attn, w["o"], w.get("o_scale"), x)
+            act = norm_gate_up_silu(x, w["post_norm"], w["gate_up"], w.get("gate_up_scale"),
+                                    eps=eps)  # fmt: skip
+            x = linear_residual(act, w["down"], w.get("down_scale"), x)
+        logits = None
+        if head is not None:
+            logits = norm_linear(x, self.norm, head.weight, head.scale, eps=eps,
+                                 out_dtype=torch.float32)  # fmt: skip
+        return x, logits
+
+
+class PassBuffers:
+    """The kernel's activations between stages, for up to `rows` rows."""
+
+    def __init__(self, w: PassWeights, rows: int, vocab: int, dtype, device):
+        c = w.cfg
+        nqkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.x = torch.zeros(rows, c.hidden_size, dtype=dtype, device=device)
+        self.qkv = torch.zeros(rows, nqkv, dtype=dtype, device=device)
+        self.attn = torch.zeros(rows, c.num_heads * c.head_dim, dtype=dtype, device=device)
+        self.act = torch.zeros(rows, c.intermediate_size, dtype=dtype, device=device)
+        self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.rows = torch.arange(rows, device=device)  # the gather index of "no index"
+
+
+def run_pass(
+    w: PassWeights,
+    bufs: PassBuffers,
+    src: torch.Tensor,  # [rows or table, K_src]: what the projection reads
+    idx: torch.Tensor | None,  # [B] rows of src (None: rows 0..B-1)
+    pos: int,  # the cache position every row writes
+    k_cache: torch.Tensor,  # [L, slots, Hkv, S, D]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [B]
+    head=None,  # Dense: also the logits (bufs.logits[:B])
+    *,
+    use_triton: bool | None = None,
+    num_programs: int | None = None,
+    num_warps: int = 8,
+    race_stages: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One pass; returns views (x [B, H], logits [B, V] or None) of the buffers.
+    num_programs (at most the SM count), num_warps and race_stages are for the benchmark:
+    race_stages=True drops the grid barriers, so the stages race and the result is garbage,
+    which times the stages' own work (benchmarks/kernels/bench_barrier.py)."""
+    B = slots.shape[0]
+    if not want_triton(src, use_triton):
+        x, logits = w.reference(src, idx, pos, k_cache, v_cache, slots, head)
+        bufs.x[:B] = x
+        if logits is not None:
+            bufs.logits[:B] = logits
+        return bufs.x[:B], (None if head is None else bufs.logits[:B])
+    from ttsbuild.plugins._tl.cp_pass import STAGES_PER_LAYER, cp_pass_kernel
+
+    c = w.cfg
+    S, D = k_cache.shape[-2], k_cache.shape[-1]
+    if S > MAX_POSITIONS or B > bufs.x.shape[0] or k_cache.stride() != v_cache.stride():
+        raise ValueError("cache or batch outside the persistent pass's limits")
+    if w.proj_weight is not None and src.shape[1] != w.proj_weight.shape[1]:
+        raise ValueError("src width does not match the projection")
+    interp = interpret_mode()
+    dev = src.device
+    group = c.num_heads // c.num_kv_heads
+    bm = 1 if B == 1 else max(16, 1 << (B - 1).bit_length())
+    st = w.stacked
+    dummy = bufs.x
+    last = 1 + STAGES_PER_LAYER.value * c.num_layers + (1 if head is not None else 0)
+    nprog = num_programs or (4 if interp else _num_sms(dev))  # at most one program per SM
+    args = (
+        src, idx if idx is not None else bufs.rows,
+        w.proj_weight if w.proj_weight is not None else dummy,
+        w.proj_bias if w.proj_bias is not None else dummy,
+        st["input_norm"], st["qkv"], st.get("qkv_scale", dummy), st["q_norm"], st["k_norm"],
+        st["o"], st.get("o_scale", dummy), st["post_norm"], st["gate_up"],
+        st.get("gate_up_scale", dummy), st["down"], st.get("down_scale", dummy), w.norm,
+        head.weight if head is not None else dummy,
+        head.scale if head is not None and head.scale is not None else dummy,
+        inv_freq(D, c.rope_theta, dev), slots, k_cache, v_cache,
+        bufs.x, bufs.qkv, bufs.attn, bufs.act, bufs.logits, _barrier(dev),
+        B, pos,
+    )  # fmt: skip
+    rest = (
+        c.rms_norm_eps, D**-0.5 * _LOG2E,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+    )  # fmt: skip
+    H, I, V = c.hidden_size, c.intermediate_size, bufs.logits.shape[1]
+    welt = st["qkv"].element_size()
+    nqkv = (c.num_heads + 2 * c.num_kv_heads) * D
+    src_k = src.shape[1]
+
+    def bn(n, k, elt=welt, halves=1):
+        return _block_n(n, k * elt * halves, bm, nprog)
+
+    meta = dict(
+        L=c.num_layers, H=H, I=I, V=V,
+        HQ=c.num_heads, HKV=c.num_kv_heads, D=D, BLOCK_G=1 << (group - 1).bit_length(),
+        BLOCK_S=1 << (S - 1).bit_length(), SRC_K=src_k, STRIDE_SRC=src.stride(0), BM=bm,
+        BLOCK_K=256 if bm == 1 else 128,
+        BN_PROJ=bn(H, src_k, src.element_size()), BN_QKV=bn(nqkv, H), BN_O=bn(H, c.num_heads * D),
+        BN_GU=bn(I, H, halves=2), BN_DOWN=bn(H, I),
+        BN_HEAD=bn(V, H, 1 if head is None else head.weight.element_size()),
+        GATHER=True, HAS_PROJ=w.proj_weight is not None,
+        HAS_PBIAS=w.proj_bias is not None, FP8=w.fp8,
+        HEAD_FP8=head is not None and head.scale is not None,
+        DOT_F32=interp or src.dtype == torch.float32,
+    )  # fmt: skip
+    if interp:  # programs run one after another: one launch per stage, no barrier
+        for stage in range(last):
+            cp_pass_kernel[(nprog,)](*args, stage, stage + 1, *rest, **meta, SYNC=False)
+    else:
+        sync = not race_stages
+        cp_pass_kernel[(nprog,)](*args, 0, last, *rest, **meta, SYNC=sync, num_warps=num_warps)
+    return bufs.x[:B], (None if head is None else bufs.logits[:B])
+
+
+def _block_n(n: int, tile_row_bytes: int, bm: int, nprog: int, max_bytes: int = 65536) -> int:
+    """Output columns per tile: about one tile per program (a power of two), at most
+    max_bytes of weights per tile (they are all in flight at once: registers), at least 16
+    where the tile is a tensor-core MMA (more than one row)."""
+    least = 1 if bm == 1 else 16
+    b = 1 << max(0, (-(-n // nprog) - 1).bit_length())
+    while b > least and b * tile_row_bytes > max_bytes:
+        b //= 2
+    return max(b, least)
+
+
+def _barrier(device: torch.device) -> torch.Tensor:
+    """The grid barrier's count (word 0) and generation (word 32, its own 128-byte line);
+    never reset (see the kernel)."""
+    if device not in _BARRIERS:
+        _BARRIERS[device] = torch.zeros(64, dtype=torch.int32, device=device)
+    return _BARRIERS[device]
