@@ -17,13 +17,19 @@
 # script prints p95 audible TTFA per voice and rate, with each registered voice's p95 relative
 # to the built-in one (and icl relative to xvec, same engine). Registration prefills the
 # voice's prompt prefix (runtime/prefix_cache.py), so no measured request pays for it.
-# Time: 2 server starts (~1-1.5 min each: random weights + graph capture) + 3 voices x
-# len(RPS) x (WARMUP + DURATION); with the defaults (2 rates, 30 s + 3 s) ~7-8 min in all.
+# Time: the step driver build if missing (~35 s), 2 server starts (~1-1.5 min each: random
+# weights + graph capture), 3 voices x len(RPS) x (WARMUP + DURATION); with the defaults
+# (2 rates, 30 s + 3 s) ~7-8 min in all.
 # DURATION=30s is half the usual 60 s per rate to fit one 10-minute device command: the p95
 # at 1 req/s then rests on ~30 requests (the sweep prints a note).
 set -euo pipefail
 
 if [ -x .venv/bin/python ]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi
+if [ -d .whl ] && [ ! -d /tmp/site/fastapi ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 RESULTS=$OUT/clone_ttfa
 SLOTS=${SLOTS:-64}
@@ -37,6 +43,10 @@ DEVICE=${DEVICE:-cuda}
 CLIP=${CLIP:-tests/data/librivox-0880.wav}
 TRANSCRIPT=${TRANSCRIPT:-He was not an ill disposed young man.}
 mkdir -p "$RESULTS"
+if [[ $DEVICE == cuda* ]] && ! "$PY" -c 'import ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null; then
+    echo "== building the step driver (CUDA)"
+    "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 || { echo "driver build failed"; exit 1; }
+fi
 
 cli() { "$PY" -m ttsbuild.cli "$@"; }
 get() { "$PY" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"; }
