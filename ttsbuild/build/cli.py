@@ -59,6 +59,12 @@ def compile_engine(
         help="One persistent launch per code-predictor pass for batch buckets up to this "
         "(0: never); takes precedence over the fused kernels.",
     ),  # fmt: skip
+    prefix_pool: int = typer.Option(
+        16, "--prefix-pool", min=0,
+        help="Prompt prefixes (voice, language, instruct) whose KV stays on the device for reuse "
+        "(0: none).",
+    ),  # fmt: skip
+    max_prefix: int = typer.Option(128, "--max-prefix", min=1, help="Positions per prefix."),
     quality_texts: int = typer.Option(4, "--quality-texts", min=1, help="Texts for the gate."),
     quality_frames: int = typer.Option(32, "--quality-frames", min=2, help="Frames per text."),
     force_quality: bool = typer.Option(
@@ -93,6 +99,7 @@ def compile_engine(
             codec_chunks=_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
             max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
             persistent_cp_max_batch=persistent_cp_max_batch,
+            prefix_pool=prefix_pool, max_prefix=max_prefix,
             quality_texts=quality_texts, quality_frames=quality_frames,
             force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,
         )

@@ -72,6 +72,8 @@ class BuildConfig:
     fused_cp_max_batch: int = 8  # fused code predictor on buckets up to this (0: never)
     # one persistent launch per code-predictor pass on buckets up to this (0: never)
     persistent_cp_max_batch: int = 0
+    prefix_pool: int = 16  # prompt-prefix KV entries kept on the device (0: no prefix cache)
+    max_prefix: int = 128  # positions per prefix entry
     quality_texts: int = 4  # calibration texts for the FP8 quality gate
     quality_frames: int = 32  # frames per text generated for the gate
     min_top1: float = MIN_TOP1
@@ -133,6 +135,7 @@ class BuildConfig:
             persistent_code_predictor=tuple(
                 b for b in self.graph_batches if b <= self.persistent_cp_max_batch
             ),
+            prefix_pool=self.prefix_pool, max_prefix=self.max_prefix,
         )  # fmt: skip
 
     def fp8_groups(self) -> list[str]:

@@ -241,6 +241,7 @@ def summary_table(artifact: EngineArtifact):
     t.add_row("prefill buckets", str(list(p.prefill_buckets)))
     t.add_row("codec chunks / ring", f"{list(p.codec_chunks)} / {p.codec_ring}")
     t.add_row("max len / text / frames", f"{p.max_len} / {p.max_text} / {p.max_frames}")
+    t.add_row("prefix pool", f"{p.prefix_pool} x {p.max_prefix} positions")
     t.add_row("target", f"{m.target.arch} ({m.target.device_name})")
     cq = m.codec.quality
     t.add_row("codec", f"{m.codec.precision}, folded={m.codec.folded}, onnx="

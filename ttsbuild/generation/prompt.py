@@ -28,12 +28,18 @@ Shared prefix. The first `Prompt.shared_prefix_len` positions depend only on the
 (speaker or cloned voice), the language and the instruction, never on the text: instruct,
 role and codec prefix; for an in-context clone also the first len(Q) positions of 4 (the
 reference transcript, against bos + reference codes when streaming, at most F + 1 of them, or
-against E(pad) when not). Their KV can be computed once per (voice, language, text mode) and
-reused by every request.
+against E(pad) when not). Their KV is computed once per (voice, language, instruct, text mode)
+and reused by every request (runtime.prefix_cache). The reference frames after the transcript
+lie against the request's own text when streaming, so they are prefilled per request.
+
+`prompt_layout` writes the layout as ids (host only; the graph backend embeds them inside its
+prefill graph); `PromptEmbedder` turns them into embeddings, on first use of `Prompt.embeds`.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -90,15 +96,113 @@ class PromptSpec:
     clone: VoiceClone | None = None  # Base checkpoints: the voice to clone
 
 
-@dataclass
-class Prompt:
-    embeds: torch.Tensor  # [T, hidden] prefill input embeddings
-    trailing_text: torch.Tensor  # [N, hidden] text track added at decode steps 0..N-1
-    tts_pad: torch.Tensor  # [hidden] text track once trailing_text runs out
-    shared_prefix_len: int = 0  # leading positions that depend on voice/language/instruct only
+@dataclass(frozen=True)
+class PromptLayout:
+    """A prompt as ids, in host memory: what `PromptEmbedder` (or the prefill graph, from the
+    same ids staged) turns into the talker's input.
+
+    Every position is P(text id) on the text track plus a codec track that is one of: nothing,
+    one codec id (codebook 0's table), a whole frame (the sum of its G codebook embeddings:
+    an in-context clone's reference frames) or the voice's x-vector. So a row is
+    [text id, x-vector flag, code_0 .. code_{G-1}] with NO_CODE where a codebook is unused."""
+
+    rows: torch.Tensor  # [T, 2 + groups] int64
+    trailing_ids: torch.Tensor  # [N] int64 text ids of the track added at decode steps 0..N-1
+    shared_prefix_len: int  # leading positions that depend on voice/language/instruct only
+    x_vector: torch.Tensor | None = None  # [hidden] the voice's, where a row's flag is set
     # [F, groups] reference codes the codec decodes before the first generated frame; their
     # audio is not part of the output (in-context voice clone), else None.
     codec_context: torch.Tensor | None = None
+
+    @property
+    def num_positions(self) -> int:
+        return self.rows.shape[0]
+
+    def prefix_key(self, n: int) -> bytes:
+        """Identifies the first n positions' content (their KV depends on nothing else)."""
+        rows = self.rows[:n]
+        digest = hashlib.blake2b(rows.numpy().tobytes(), digest_size=16)
+        if self.x_vector is not None and bool(rows[:, VOICE].any()):
+            digest.update(self.x_vector.detach().cpu().numpy().tobytes())
+        return digest.digest()
+
+
+NO_CODE = -1  # a codebook a position does not use
+TEXT, VOICE, CODES = 0, 1, 2  # columns of a layout row: text id, x-vector flag, first code
+
+
+class PromptEmbedder:
+    """Layout rows -> talker input embeddings: the text projection and the codebooks' input
+    tables (codebook 0: the talker's codec embedding; 1..G-1: the code predictor's)."""
+
+    def __init__(self, embed_text, tables: list[torch.Tensor]):
+        self.embed_text = embed_text  # ids [...] -> P(ids) [..., hidden]
+        self.tables = tables  # [vocab_k, hidden] per codebook (only codebook 0 without a CP)
+
+    @classmethod
+    def of(cls, talker: Talker, code_predictor=None) -> PromptEmbedder:
+        tables = [talker.model.codec_embedding.weight]
+        if code_predictor is not None:
+            tables += [e.weight for e in code_predictor.model.codec_embedding]
+        return cls(talker.embed_text, tables)
+
+    def rows(self, rows: torch.Tensor, x_vector: torch.Tensor | None) -> torch.Tensor:
+        """rows [T, 2 + G] (on the tables' device) -> [T, hidden]. Fixed shapes, no host sync:
+        the prefill graph runs this on its staged rows."""
+        text = self.embed_text(rows[:, TEXT])
+        codes = rows[:, CODES : CODES + len(self.tables)]
+        books = codes.clamp(min=0).T  # [G, T]
+        per_book = torch.stack([t[ids] for t, ids in zip(self.tables, books, strict=True)])
+        codec = per_book.masked_fill((codes < 0).T[..., None], 0).sum(0)  # [T, hidden]
+        if x_vector is not None:
+            voice = x_vector.to(device=codec.device, dtype=codec.dtype)
+            codec = torch.where(rows[:, VOICE : VOICE + 1] > 0, voice, codec)
+        return text + codec
+
+
+class Prompt:
+    """A prompt: its layout (ids, host) and, computed on first use, its embeddings on the
+    model's device. The graph backend embeds the layout inside its prefill graph instead, so
+    admission itself never touches the device."""
+
+    def __init__(self, layout: PromptLayout, embedder: PromptEmbedder, tts_pad_id: int):
+        self.layout, self.embedder, self.tts_pad_id = layout, embedder, tts_pad_id
+
+    @property
+    def num_positions(self) -> int:
+        return self.layout.num_positions
+
+    @property
+    def num_trailing(self) -> int:
+        return self.layout.trailing_ids.shape[0]
+
+    @property
+    def shared_prefix_len(self) -> int:
+        return self.layout.shared_prefix_len
+
+    @property
+    def codec_context(self) -> torch.Tensor | None:
+        return self.layout.codec_context
+
+    @functools.cached_property
+    def device(self) -> torch.device:
+        return self.embedder.tables[0].device
+
+    @functools.cached_property
+    def embeds(self) -> torch.Tensor:  # [T, hidden] prefill input embeddings
+        with torch.no_grad():
+            return self.embedder.rows(self.layout.rows.to(self.device), self.layout.x_vector)
+
+    @functools.cached_property
+    def trailing_text(self) -> torch.Tensor:  # [N, hidden] text track at decode steps 0..N-1
+        with torch.no_grad():
+            return self.embedder.embed_text(self.layout.trailing_ids.to(self.device))
+
+    @functools.cached_property
+    def tts_pad(self) -> torch.Tensor:  # [hidden] text track once trailing_text runs out
+        with torch.no_grad():
+            ids = torch.tensor([self.tts_pad_id], device=self.device)
+            return self.embedder.embed_text(ids)[0]
 
     def text_track(self, step: int) -> torch.Tensor:
         if step < self.trailing_text.shape[0]:
@@ -154,90 +258,68 @@ def _check_clone(cfg: ModelConfig, clone: VoiceClone) -> None:
         raise PromptError("in-context cloning needs the reference clip's transcript")
 
 
-@torch.no_grad()
 def build_prompt(talker: Talker, spec: PromptSpec, code_predictor=None) -> Prompt:
-    """The prefill embeddings of `spec`. An in-context clone also needs the code predictor
-    (its codebook embeddings give the reference frames' inputs)."""
-    cfg = talker.cfg
+    """The prompt of `spec`; its embeddings are computed when first used. An in-context clone
+    also needs the code predictor (its codebook embeddings give the reference frames' inputs)."""
+    clone = spec.clone
+    if clone is not None and clone.in_context and code_predictor is None:
+        raise PromptError("in-context cloning needs the code predictor's embeddings")
+    layout = prompt_layout(talker.cfg, spec)
+    return Prompt(layout, PromptEmbedder.of(talker, code_predictor), talker.cfg.text_ids.tts_pad)
+
+
+def prompt_layout(cfg: ModelConfig, spec: PromptSpec) -> PromptLayout:
+    """The layout of the module doc as ids: host work only (Python lists, one tensor)."""
     text_ids = spec.text_ids
     if len(text_ids) <= ROLE_LEN + TAIL_LEN:
         raise PromptError("the text is empty")
     clone = spec.clone
     if clone is not None:
         _check_clone(cfg, clone)
-        if clone.in_context and code_predictor is None:
-            raise PromptError("in-context cloning needs the code predictor's embeddings")
-    device = talker.codec_head.weight.device
-    tid = cfg.text_ids
+    tid, cid, G = cfg.text_ids, cfg.codec_ids, cfg.num_code_groups
     instruct = list(spec.instruct_ids) if spec.instruct_ids and cfg.supports_instruct else []
-    body_ids = list(text_ids[ROLE_LEN:-TAIL_LEN])
-    in_context = clone is not None and clone.in_context
-    ref_ids = list(clone.ref_text_ids[ROLE_LEN:-REF_TAIL_LEN]) if in_context else []
-    prefix = codec_prefix(cfg, spec)
-    # One host-to-device copy and one embedding pass for every text token, one for the codec
-    # ids: a request's admission is a handful of kernels, not dozens.
-    all_text = [tid.tts_bos, tid.tts_eos, tid.tts_pad, *instruct, *text_ids[:ROLE_LEN],
-                *body_ids, *ref_ids]  # fmt: skip
-    codec_ids = [*prefix, cfg.codec_ids.pad, cfg.codec_ids.bos]
-    ids = torch.tensor([*all_text, *codec_ids], dtype=torch.long).to(device)
-    text_emb = talker.embed_text(ids[: len(all_text)])
-    codec_all = talker.embed_codec(ids[len(all_text) :])
-    tts_bos, tts_eos, tts_pad = text_emb[0], text_emb[1], text_emb[2]
-    i_end = 3 + len(instruct)
-    r_end = i_end + ROLE_LEN
-    b_end = r_end + len(body_ids)
-    parts = [text_emb[3:i_end]] if instruct else []
-    parts.append(text_emb[i_end:r_end])
+    body = list(text_ids[ROLE_LEN:-TAIL_LEN])
 
-    prefix_emb = codec_all[: len(prefix)]
+    def row(text: int, codes=(), voice: bool = False) -> list[int]:
+        return [text, int(voice), *codes, *([NO_CODE] * (G - len(codes)))]
+
+    rows = [row(t) for t in [*instruct, *text_ids[:ROLE_LEN]]]
+    codec = [[c] for c in codec_prefix(cfg, spec)]
     if clone is not None:
-        x_vector = clone.x_vector.to(device=device, dtype=prefix_emb.dtype)
-        prefix_emb = torch.cat([prefix_emb, x_vector[None]])
-    pad_bos = codec_all[len(prefix) :]
-    codec_emb = torch.cat([prefix_emb, pad_bos])  # [C, hidden]
-    n_prefix = codec_emb.shape[0] - 1
-    text_track = torch.cat([tts_pad.expand(n_prefix - 1, -1), tts_bos[None]])
-    parts.append(codec_emb[:-1] + text_track)
-    shared = sum(p.shape[0] for p in parts)
+        codec.append([])  # the x-vector's position: its row carries the flag
+    codec.append([cid.pad])
+    for i, c in enumerate(codec):
+        text = tid.tts_bos if i == len(codec) - 1 else tid.tts_pad
+        rows.append(row(text, c, voice=not c))
+    shared = len(rows)
 
-    body = text_emb[r_end:b_end]  # [n_text, hidden]
-    bos = codec_emb[-1]
-    e_pad = pad_bos[0]
     context = None
     if clone is not None and clone.in_context:
-        context = clone.ref_codes.to(device)
-        ref_text = text_emb[b_end:]
-        text = torch.cat([ref_text, body, tts_eos[None]])  # X: [L, hidden]
-        codes = reference_frame_embeds(talker, code_predictor, context)  # [F, hidden]
-        codec = torch.cat([bos[None], codes])  # Y: [F + 1, hidden]
+        context = clone.ref_codes
+        ref_ids = list(clone.ref_text_ids[ROLE_LEN:-REF_TAIL_LEN])
+        text = [*ref_ids, *body, tid.tts_eos]  # X
+        frames = [[cid.bos], *context.tolist()]  # Y
         if spec.non_streaming:
-            parts += [text + e_pad, codec + tts_pad]
-            trailing = tts_pad[None]
-            shared += ref_text.shape[0]
+            rows += [row(t, [cid.pad]) for t in text] + [row(tid.tts_pad, f) for f in frames]
+            trailing = [tid.tts_pad]
+            shared += len(ref_ids)
         else:
-            n = codec.shape[0]
-            if text.shape[0] > n:
-                parts.append(text[:n] + codec)
-                trailing = text[n:]
-            else:
-                pad = tts_pad.expand(n - text.shape[0], -1)
-                parts.append(torch.cat([text, pad]) + codec)
-                trailing = tts_pad[None]
-            shared += min(ref_text.shape[0], n)
+            n = len(frames)
+            padded = text[:n] + [tid.tts_pad] * (n - len(text))
+            rows += [row(t, f) for t, f in zip(padded, frames, strict=True)]
+            trailing = text[n:] or [tid.tts_pad]
+            shared += min(len(ref_ids), n)
     elif spec.non_streaming:
-        parts.append(torch.cat([body, tts_eos[None]]) + e_pad)
-        parts.append((tts_pad + bos)[None])
-        trailing = tts_pad[None]
+        rows += [row(t, [cid.pad]) for t in [*body, tid.tts_eos]]
+        rows.append(row(tid.tts_pad, [cid.bos]))
+        trailing = [tid.tts_pad]
     else:
-        parts.append((body[0] + bos)[None])
-        trailing = torch.cat([body[1:], tts_eos[None]])
-    return Prompt(embeds=torch.cat(parts), trailing_text=trailing, tts_pad=tts_pad,
-                  shared_prefix_len=shared, codec_context=context)
-
-
-def reference_frame_embeds(talker: Talker, code_predictor, codes: torch.Tensor) -> torch.Tensor:
-    """codes [F, groups] -> [F, hidden]: each frame's summed codebook embeddings (the input a
-    generated frame gives the next talker step)."""
-    embeds = [talker.embed_codec(codes[:, 0])]
-    embeds += [code_predictor.embed_codes(k, codes[:, k]) for k in range(1, codes.shape[1])]
-    return torch.stack(embeds).sum(0)
+        rows.append(row(body[0], [cid.bos]))
+        trailing = [*body[1:], tid.tts_eos]
+    return PromptLayout(
+        rows=torch.tensor(rows, dtype=torch.int64),
+        trailing_ids=torch.tensor(trailing, dtype=torch.int64),
+        shared_prefix_len=shared,
+        x_vector=clone.x_vector if clone is not None else None,
+        codec_context=context,
+    )

@@ -50,7 +50,7 @@ class NoFreeSlot(RuntimeError):
 class SlotPlan:
     """What admitting one request means for the engine, resolved once at the edge."""
 
-    prompt: Any  # generation.prompt.Prompt: embeds [T, H], trailing_text [N, H], tts_pad [H]
+    prompt: Any  # generation.prompt.Prompt: its layout (ids), embeddings on first use
     params: Any  # generation.generate.GenerationParams
     frame_limit: int  # stop after this many frames (EOS or a guard may stop sooner)
     by_length_rule: bool  # a stand-in: the limit is its length rule and EOS is never sampled
@@ -388,7 +388,7 @@ class EagerBackend:
         for slot in slots:
             st = self.slots[slot]
             st.hidden, st.logits = self.ref.prefill(slot, st.plan.prompt)
-            st.position = st.plan.prompt.embeds.shape[0]
+            st.position = st.plan.prompt.num_positions
             st.history = torch.zeros(
                 self.cfg.codec_vocab_size, dtype=torch.bool, device=self.device
             )

@@ -189,7 +189,7 @@ def plan_admission(
         prompt = build_prompt(models.talker, spec, models.code_predictor)
     except PromptError as exc:
         raise RequestError(str(exc)) from None
-    n_prompt, n_text = prompt.embeds.shape[0], prompt.trailing_text.shape[0]
+    n_prompt, n_text = prompt.num_positions, prompt.num_trailing  # host only: no embedding here
     rule = models.length_rule
     if req.max_frames is not None and req.max_frames > plan.max_frames:
         raise RequestError(

@@ -174,32 +174,46 @@ class PackedStack:
 
     def prefill(
         self,
-        x: torch.Tensor,  # [B, T, hidden] tokens at positions 0..T-1 of each row
-        k_cache: torch.Tensor,
+        x: torch.Tensor,  # [B, T, hidden] tokens at positions start..start+T-1 of each row
+        k_cache: torch.Tensor,  # [L, slots, Hkv, S, D]
         v_cache: torch.Tensor,
         slots: torch.Tensor,  # [B]
+        start: torch.Tensor | None = None,  # [B] first position of each row (None: 0)
+        keys: int | None = None,  # cache positions the rows may attend to (static; None: T)
     ) -> torch.Tensor:
-        """A sequence from position 0: causal attention over its own keys (the cache of the
-        slot is written, never read). Padding after the real tokens is harmless: causal
-        attention keeps it out of the real positions, and decoding overwrites its cache
-        entries before it attends to them. Returns final-norm hidden [B, T, hidden]."""
+        """A sequence of each row: causal attention over its own keys and, from `start` on,
+        over the keys already in the slot's cache below `start` (a prefix copied in). Padding
+        after the real tokens is harmless: causal attention keeps it out of the real
+        positions, and decoding overwrites its cache entries before it attends to them.
+        Returns final-norm hidden [B, T, hidden]."""
         c = self.cfg
         B, T, _ = x.shape
         D = c.head_dim
-        positions = torch.arange(T, device=x.device).repeat(B)  # [B * T]
+        S = k_cache.shape[3]
+        offsets = torch.arange(T, device=x.device)
+        if start is None:
+            positions = offsets.repeat(B)  # [B * T]
+            keys, mask = T, None
+        else:
+            # Padding rows past the cache's end write its last position (never read first).
+            positions = (start[:, None] + offsets).clamp(max=S - 1).reshape(-1)
+            keys = min(keys or T, S)
+            visible = torch.arange(keys, device=x.device) <= positions.reshape(B, T, 1)
+            mask = visible[:, None]  # [B, 1, T, keys]
         rows = slots.repeat_interleave(T)
         rep = c.num_heads // c.num_kv_heads
 
         def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
             qkv = p.qkv(h).reshape(B * T, -1)
             q = self._project_qk(p, qkv, positions, rows, k_cache[i], v_cache[i])
-            k = k_cache[i][slots, :, :T]  # [B, Hkv, T, D]
-            v = v_cache[i][slots, :, :T]
+            k = k_cache[i][slots, :, :keys]  # [B, Hkv, keys, D]
+            v = v_cache[i][slots, :, :keys]
             attn = F.scaled_dot_product_attention(
                 q.reshape(B, T, c.num_heads, D).transpose(1, 2),
                 k.repeat_interleave(rep, dim=1),
                 v.repeat_interleave(rep, dim=1),
-                is_causal=True,
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=D**-0.5,
             )  # [B, Hq, T, D]
             return attn.transpose(1, 2).reshape(B, T, -1)

@@ -7,7 +7,9 @@ Per slot (slot `num_slots` is a scratch row that padding rows of a bucket point 
   seed, EOS gate and sampling settings, the trailing text track, a ring of generated codes,
   and the codec's incremental state.
 Stages (graphs captured at load):
-  prefill  (one request, padded to a length bucket)
+  text     (a request's trailing text track from its staged text ids, per length bucket)
+  prefill  (one request, padded to a length bucket: its prompt embeddings built from staged
+            ids, its cached prefix KV copied in (runtime.prefix_cache), the rest prefilled)
   frame    (codebook 0 sampling + the 15-step code predictor with on-device sampling + the
             next talker step, for B rows: one graph per batch bucket; codes go straight
             into the ring the codec reads)
@@ -50,6 +52,7 @@ import torch
 
 from ttsbuild.generation.generate import codebook0_logits_mask
 from ttsbuild.generation.guards import GuardConfig, GuardState, frame_stop_codes, observe_audio
+from ttsbuild.generation.prompt import CODES, NO_CODE, PromptEmbedder
 from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime.codec_engine import CodecEngine
@@ -59,6 +62,7 @@ from ttsbuild.runtime.driver import make_driver
 from ttsbuild.runtime.engine import Models
 from ttsbuild.runtime.fast_model import Dense, PackedStack
 from ttsbuild.runtime.plan import EnginePlan
+from ttsbuild.runtime.prefix_cache import PrefixPool
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,15 @@ class _StagingRing:
             raise RuntimeError(f"more than {STAGING_DEPTH} steps launched and not read")
         self.next = (k + 1) % STAGING_DEPTH
         return k
+
+
+@dataclass
+class _Admission:
+    """A slot admitted and not yet prefilled: its plan and the prefix entry it holds."""
+
+    plan: SlotPlan
+    prefix_len: int = 0  # positions copied from the prefix pool (0: none)
+    entry: object = None  # prefix_cache._Entry held until the prefill is launched
 
 
 class GraphBackend:
@@ -150,6 +163,10 @@ class GraphBackend:
         )
         if plan.persistent_code_predictor:
             self.cp_fused.enable_persistent(max(plan.persistent_code_predictor))
+        # Prompt rows -> embeddings, the same function the reference prompt uses.
+        self.embedder = PromptEmbedder(
+            talker.embed_text, [self.codec_embedding, *self.cp_embeddings]
+        )
 
         # -- per-slot state ---------------------------------------------------------------
         t = cfg.talker
@@ -201,15 +218,31 @@ class GraphBackend:
         self.frame_out = zeros(bmax, G + 1, dtype=torch.int64)  # codes, then the StopCode
         maxc = plan.max_chunk
         self.pcm_out = zeros(bmax, maxc * SAMPLES_PER_FRAME)
-        pmax = plan.prefill_buckets[-1]
-        self.prefill_embeds = zeros(1, pmax, H, dtype=self.dtype)
+        # The prompt as staged ids (generation.prompt.PromptLayout rows), embedded in the
+        # prefill graph; max_len rows so a prompt beyond the buckets runs from it uncaptured.
+        self.prompt_rows = zeros(plan.max_len, 2 + G, dtype=torch.int64)
+        self.trailing_ids = zeros(plan.max_text, dtype=torch.int64)
+        self.admit_xvec = zeros(H, dtype=self.dtype)
+        self.text_buckets = tuple(
+            sorted({*(t for t in plan.prefill_buckets if t < plan.max_text), plan.max_text})
+        )
+        self.prefix = (
+            PrefixPool(
+                cfg.talker, plan.prefix_pool, min(plan.max_prefix, plan.max_len), self.dtype, dev
+            )
+            if plan.prefix_pool
+            else None
+        )
         # A request's per-slot settings, staged on the host and written into its slot by the
         # prefill step itself (one copy in, no per-field kernels at admission).
         self.admit_ints = zeros(len(_ADMIT_INTS), dtype=torch.int64)
         self.admit_floats = zeros(len(_ADMIT_FLOATS))
         self.admit_text = zeros(plan.max_text, H, dtype=self.dtype)
-        self.prefill_slot = self.admit_ints[0:1]  # views: the slot and the prompt's last index
+        # views: the slot, the last prompt row, its first position and the prefix entry
+        self.prefill_slot = self.admit_ints[0:1]
         self.prefill_last = self.admit_ints[1:2]
+        self.prefill_start = self.admit_ints[_ADMIT_INT_INDEX["start"] :][:1]
+        self.prefix_entry = self.admit_ints[_ADMIT_INT_INDEX["prefix_entry"] :][:1]
         self.prefill_slot.fill_(self.scratch)  # capture warm-ups write the scratch slot
         pinned = dev.type == "cuda"
         self.frame_staging = _StagingRing(
@@ -227,7 +260,7 @@ class GraphBackend:
             self.lm_lane = self.codec_lane = 0  # the caller's current stream for both
         self.ring_order = _RingOrder(S, plan.codec_ring)
 
-        self.pending_prompts: dict[int, torch.Tensor] = {}  # slot -> prompt embeds [T, H]
+        self.pending: dict[int, _Admission] = {}  # admitted, not yet prefilled
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_pool_bytes = 0
         if self.use_graphs:
@@ -307,7 +340,7 @@ class GraphBackend:
         slot = self.prefill_slot
         ints, floats = self.admit_ints, self.admit_floats
         for name, i in _ADMIT_INT_INDEX.items():
-            if i >= 2:  # 0, 1: the slot and the last prompt index
+            if name in _ADMIT_TARGETS:  # not the slot, last row, start or prefix entry
                 _ADMIT_TARGETS[name](self).index_copy_(0, slot, ints[i : i + 1])
         for name, i in _ADMIT_FLOAT_INDEX.items():
             target = _ADMIT_TARGETS[name](self)
@@ -319,11 +352,21 @@ class GraphBackend:
         self.codec_engine.reset(slot)
         self.guard_state.reset(slot)
 
+    def _text_body(self, length: int) -> None:
+        """The staged trailing text ids -> the text track the prefill step copies in."""
+        self.admit_text[:length] = self.embedder.embed_text(self.trailing_ids[:length])
+
     def _prefill_body(self, length: int) -> None:
+        """Admit, copy the staged prefix entry into the slot, embed the staged prompt rows
+        and prefill them from the staged start position."""
         self._admit_body()
         slot = self.prefill_slot
-        embeds = self.prefill_embeds[:, :length]
-        h = self.talker_stack.prefill(embeds, self.kv_k, self.kv_v, slot)[0]  # [T, H]
+        start = keys = None
+        if self.prefix is not None:
+            self.prefix.copy_into(self.kv_k, self.kv_v, slot, self.prefix_entry)
+            start, keys = self.prefill_start, self.prefix.max_prefix + length
+        embeds = self.embedder.rows(self.prompt_rows[:length], self.admit_xvec)[None]
+        h = self.talker_stack.prefill(embeds, self.kv_k, self.kv_v, slot, start, keys)[0]
         last = h.index_select(0, self.prefill_last)  # [1, H]
         self.hidden[slot] = last
         self.logits[slot] = self.codec_head(last).float()
@@ -368,6 +411,8 @@ class GraphBackend:
             self.graphs[("prefill", t)] = _capture(
                 lambda t=t: self._prefill_body(t), pool, lm_capture
             )
+        for t in self.text_buckets:
+            self.graphs[("text", t)] = _capture(lambda t=t: self._text_body(t), pool, lm_capture)
         self._reset_scratch()
         # The codec lane's stream does not follow the current stream: let these land first.
         torch.cuda.synchronize(self.device)
@@ -384,46 +429,98 @@ class GraphBackend:
     # -- backend API (runtime.core.Backend) ---------------------------------------------------
     def admit(self, slot: int, plan: SlotPlan) -> None:
         """Host-side only: the slot's settings are written by its prefill step (which, on the
-        current stream, follows the slot's previous occupant's last codec step)."""
-        self.pending_prompts[slot] = plan
+        current stream, follows the slot's previous occupant's last codec step). A prompt
+        prefix shared with other requests holds its prefix-pool entry until then."""
+        admission = _Admission(plan)
+        layout = plan.prompt.layout
+        if self.prefix is not None:
+            n = min(layout.shared_prefix_len, layout.num_positions - 1, self.prefix.max_prefix)
+            admission.entry = self.prefix.acquire(layout.prefix_key(n))
+            admission.prefix_len = n if admission.entry is not None else 0
+        self.pending[slot] = admission
         self._follow(self.ring_order.admit(slot))
 
     def release(self, slot: int) -> None:
-        self.pending_prompts.pop(slot, None)
+        admission = self.pending.pop(slot, None)
+        if admission is not None and admission.entry is not None:
+            self.prefix.release(admission.entry)
 
     @torch.no_grad()
     def prefill(self, slots: list[int]) -> None:
         for slot in slots:
-            plan = self.pending_prompts.pop(slot)
-            prompt, params = plan.prompt, plan.params
-            embeds, text = prompt.embeds, prompt.trailing_text
-            n, n_text = embeds.shape[0], text.shape[0]
-            bucket = self.plan.prefill_bucket(n)
-            t, c = params.talker, params.code_predictor
-            values = {
-                "slot": slot, "last": n - 1, "position": n, "seed": plan.seed,
-                "eos_min_frames": plan.eos_from, "text_len": n_text, "talker_top_k": t.top_k,
-                "cp_top_k": c.top_k, "talker_do_sample": t.do_sample,
-                "cp_do_sample": c.do_sample, "talker_temperature": t.temperature,
-                "talker_top_p": t.top_p, "talker_repetition_penalty": t.repetition_penalty,
-                "cp_temperature": c.temperature, "cp_top_p": c.top_p,
-                "cp_repetition_penalty": c.repetition_penalty,
-            }  # fmt: skip
-            # Non-blocking from pinned memory: the host allocator keeps each row until its
-            # copy ran, so no step in flight is waited for.
-            self.admit_ints.copy_(self._staged(_ADMIT_INTS, values, torch.int64), True)
-            self.admit_floats.copy_(self._staged(_ADMIT_FLOATS, values, torch.float32), True)
-            self.admit_text[:n_text] = text.to(self.dtype)
-            if self.use_graphs and bucket is not None:
-                self.prefill_embeds[0, :n] = embeds.to(self.dtype)
-                self.prefill_embeds[0, n:bucket] = 0
-                self.graphs[("prefill", bucket)].replay()
-            else:
-                self._admit_body()
-                self._prefill_eager(embeds[None].to(self.dtype))
-            context = getattr(prompt, "codec_context", None)
+            admission = self.pending.pop(slot)
+            try:
+                self._prefill_one(slot, admission)
+            finally:
+                if admission.entry is not None:
+                    self.prefix.release(admission.entry)  # its copy is queued: stream order
+            context = admission.plan.prompt.codec_context
             if context is not None:
                 self._prime_codec(slot, context)
+
+    def _prefill_one(self, slot: int, admission: _Admission) -> None:
+        plan, params = admission.plan, admission.plan.params
+        layout = plan.prompt.layout
+        n, start, entry = layout.num_positions, admission.prefix_len, admission.entry
+        if entry is not None and not entry.ready:
+            # First use of this prefix: prefill it alone into the scratch slot with the same
+            # step, and keep its KV.
+            self._run_prefill(self.scratch, layout.rows[:start], layout.x_vector, {
+                "last": start - 1, "position": start, "start": 0,
+                "prefix_entry": entry.index})  # fmt: skip
+            self.prefix.store(self.kv_k, self.kv_v, self.scratch, entry)
+        self._run_text(layout.trailing_ids)
+        t, c = params.talker, params.code_predictor
+        values = {
+            "last": n - start - 1, "position": n, "start": start,
+            "prefix_entry": entry.index if entry is not None else 0, "seed": plan.seed,
+            "eos_min_frames": plan.eos_from, "text_len": layout.trailing_ids.shape[0],
+            "talker_top_k": t.top_k, "cp_top_k": c.top_k, "talker_do_sample": t.do_sample,
+            "cp_do_sample": c.do_sample, "talker_temperature": t.temperature,
+            "talker_top_p": t.top_p, "talker_repetition_penalty": t.repetition_penalty,
+            "cp_temperature": c.temperature, "cp_top_p": c.top_p,
+            "cp_repetition_penalty": c.repetition_penalty,
+        }  # fmt: skip
+        self._run_prefill(slot, layout.rows[start:], layout.x_vector, values)
+
+    def _run_prefill(self, slot: int, rows: torch.Tensor, x_vector, values: dict) -> None:
+        """Stage `rows` and the settings, then run the prefill step: the captured graph, or
+        the same body eagerly."""
+        length = self._stage_rows(rows, x_vector)
+        values = {**_SCRATCH_VALUES, **values, "slot": slot}
+        self.admit_ints.copy_(self._staged(_ADMIT_INTS, values, torch.int64), True)
+        self.admit_floats.copy_(self._staged(_ADMIT_FLOATS, values, torch.float32), True)
+        if self.use_graphs and length in self.plan.prefill_buckets:
+            self.graphs[("prefill", length)].replay()
+        else:
+            self._prefill_body(length)
+
+    def _stage_rows(self, rows: torch.Tensor, x_vector: torch.Tensor | None) -> int:
+        """Prompt rows [T, 2 + G] (and the voice's x-vector) -> the device's staging buffers,
+        padded to T's length bucket (T itself beyond the buckets). Returns the length."""
+        n = rows.shape[0]
+        length = self.plan.prefill_bucket(n) or n
+        staged = torch.full((length, rows.shape[1]), NO_CODE, dtype=torch.int64)
+        staged[:, :CODES] = 0  # padding rows: text id 0, no x-vector, no codes
+        staged[:n] = rows
+        # Non-blocking from pinned memory: the host allocator keeps each row until its
+        # copy ran, so no step in flight is waited for.
+        self.prompt_rows[:length].copy_(self._pinned(staged), True)
+        if x_vector is not None:
+            self.admit_xvec.copy_(self._pinned(x_vector.detach().to("cpu", self.dtype)), True)
+        return length
+
+    def _run_text(self, ids: torch.Tensor) -> None:
+        """Stage the trailing text ids [N] and embed them into the text track to admit."""
+        n = ids.shape[0]
+        length = next(t for t in self.text_buckets if t >= n)  # n <= max_text (plan_admission)
+        staged = torch.zeros(length, dtype=torch.int64)
+        staged[:n] = ids
+        self.trailing_ids[:length].copy_(self._pinned(staged), True)
+        if self.use_graphs:
+            self.graphs[("text", length)].replay()
+        else:
+            self._text_body(length)
 
     def _prime_codec(self, slot: int, context: torch.Tensor) -> None:
         """In-context clone: the reference frames [F, groups] condition the slot's codec state
@@ -433,15 +530,11 @@ class GraphBackend:
         for start in range(0, codes.shape[-1], self.plan.max_chunk):
             self.codec_engine.step(rows, codes[..., start : start + self.plan.max_chunk])
 
-    def _prefill_eager(self, embeds: torch.Tensor) -> None:
-        h = self.talker_stack.prefill(embeds, self.kv_k, self.kv_v, self.prefill_slot)[0]
-        last = h.index_select(0, self.prefill_last)
-        self.hidden[self.prefill_slot] = last
-        self.logits[self.prefill_slot] = self.codec_head(last).float()
-
     def _staged(self, names: tuple[str, ...], values: dict, dtype) -> torch.Tensor:
-        row = torch.tensor([values[k] for k in names], dtype=dtype)
-        return row.pin_memory() if self.device.type == "cuda" else row  # copied non-blocking
+        return self._pinned(torch.tensor([values[k] for k in names], dtype=dtype))
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory() if self.device.type == "cuda" else t  # copied non-blocking
 
     def _follow(self, tickets: list[int]) -> None:
         if self.codec_stream and tickets:
@@ -526,13 +619,14 @@ class GraphBackend:
         state = [self.cp_k, self.cp_v, self.position, self.hidden, self.logits, self.history,
                  self.frame_idx, self.eos_min_frames, self.seed, self.text_track, self.text_len,
                  self.codes, self.decoded, self.codec_engine.tensors(), self.admit_text,
-                 self.prefill_embeds, self.pcm_out, self.frame_out, self.rows_in,
+                 self.prompt_rows, self.trailing_ids, self.pcm_out, self.frame_out, self.rows_in,
                  self.codec_rows_in]  # fmt: skip
         flat = [t for x in state for t in (x if isinstance(x, list) else [x])]
         return {
             "weights_lm": stacks + fp8_heads + modules,
             "weights_codec": nbytes(m.codec.parameters()),
             "kv_cache": 2 * nbytes([self.kv_k]),
+            "prefix_pool": self.prefix.nbytes() if self.prefix is not None else 0,
             "slot_state_and_io": nbytes(flat) + nbytes([self.cp_embeddings]),
             "graph_pools": self.graph_pool_bytes,
         }
@@ -556,6 +650,11 @@ class GraphEngine(EngineCore):
         backend = GraphBackend(models, plan, use_graphs, release_modules, guards, codec_stream)
         super().__init__(backend, plan, models, keep_codes, guards)
         self.device = backend.device
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Prompt prefixes are prefilled once and reused (runtime.prefix_cache)."""
+        return self.backend.prefix is not None
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -623,11 +722,15 @@ class _RingOrder:
 
 # Per-slot settings staged at admission: name -> where it lands (see GraphBackend._admit_body).
 _ADMIT_INTS = ("slot", "last", "position", "seed", "eos_min_frames", "text_len",
-               "talker_top_k", "cp_top_k")  # fmt: skip
+               "talker_top_k", "cp_top_k", "start", "prefix_entry")  # fmt: skip
 _ADMIT_FLOATS = ("talker_do_sample", "cp_do_sample", "talker_temperature", "talker_top_p",
                  "talker_repetition_penalty", "cp_temperature", "cp_top_p",
                  "cp_repetition_penalty")  # fmt: skip
 _ADMIT_INT_INDEX = {k: i for i, k in enumerate(_ADMIT_INTS)}
+# Settings of a prefix prefilled alone into the scratch slot (greedy; nothing reads them).
+_SCRATCH_VALUES = dict.fromkeys(_ADMIT_INTS + _ADMIT_FLOATS, 0) | {
+    "talker_temperature": 1.0, "talker_top_p": 1.0, "talker_repetition_penalty": 1.0,
+    "cp_temperature": 1.0, "cp_top_p": 1.0, "cp_repetition_penalty": 1.0}  # fmt: skip
 _ADMIT_FLOAT_INDEX = {k: i for i, k in enumerate(_ADMIT_FLOATS)}
 _ADMIT_TARGETS = {
     "position": lambda b: b.position,

@@ -50,6 +50,12 @@ class EnginePlan(BaseModel):
     # Batch buckets whose talker step runs on runtime.cp_fused.decode_fused (5 launches per
     # layer instead of ~9: fused norm + linear, fused residual adds).
     fused_talker: tuple[int, ...] = ()
+    # Prefix KV cache (graph backend): the talker KV of prompt prefixes that depend only on
+    # (voice, language, instruct, text mode), kept on the device and copied into a slot at
+    # admission, so only the rest of the prompt is prefilled. Entries (0: off) x positions
+    # each (a longer shared prefix is cached up to this many positions; at most max_len).
+    prefix_pool: int = 16
+    max_prefix: int = 128
 
     @model_validator(mode="after")
     def _consistent(self) -> EnginePlan:
@@ -78,6 +84,8 @@ class EnginePlan(BaseModel):
         for name in ("fused_code_predictor", "persistent_code_predictor", "fused_talker"):
             if not set(getattr(self, name)) <= set(self.batch_buckets):
                 raise ValueError(f"{name} must list batch buckets of the plan")
+        if self.prefix_pool < 0 or self.max_prefix < 1:
+            raise ValueError("prefix_pool must be >= 0 and max_prefix >= 1")
         if self.max_frames < 1 or self.max_text < 1:
             raise ValueError("max_frames and max_text must be positive")
         return self

@@ -8,19 +8,23 @@
     DELETE /v1/audio/voices/{name}   -> 200 {"id": name, "deleted": true}
 
 A registered voice is then named like a built-in one: `voice=<name>` on speech requests and
-in a WebSocket session.config. The body is read with a size cap before it is parsed, so a
+in a WebSocket session.config. On an engine with a prefix cache (runtime.prefix_cache) the
+voice's prompt prefix is prefilled before the 201, so its first request costs what a built-in
+voice's does. The body is read with a size cap before it is parsed, so a
 huge upload costs at most that much memory; the clip is encoded off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 
+from ttsbuild.runtime.request import SynthesisRequest
 from ttsbuild.serve.schema import ApiError
 from ttsbuild.voices.clip import MAX_CLIP_BYTES, ClipError, decode_clip
 from ttsbuild.voices.encoder import check_transcript
@@ -30,6 +34,7 @@ MAX_FORM_BYTES = MAX_CLIP_BYTES + 64 * 1024  # the clip plus the other fields an
 FORM_FIELDS = ("file", "name", "transcript", "keep_clip")
 TRUE, FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 # Clip encoding runs beside the engine thread: one at a time bounds its memory and CPU share.
 _encoding = threading.Lock()
@@ -69,6 +74,7 @@ async def register_voice(request: Request):
     except VoiceStoreError as exc:
         code = "voice_exists" if exc.status == 409 else None
         raise ApiError(exc.status, str(exc), "name", code=code) from None
+    await _prefill_voice(service, record.name)
     return JSONResponse(record.info(), status_code=201)
 
 
@@ -80,6 +86,27 @@ async def delete_voice(name: str, request: Request):
     except VoiceStoreError as exc:
         raise ApiError(exc.status, str(exc), "name", code="voice_not_found") from None
     return {"id": record.name, "deleted": True}
+
+
+async def _prefill_voice(service, name: str) -> None:
+    """One frame in the new voice (default language and text mode), so the engine computes
+    and keeps its prompt prefix now instead of at its first request. Best effort: refused
+    (a busy server) or failed, the first request computes it."""
+    if not getattr(service.engine, "caches_prefixes", False):
+        return
+    request = SynthesisRequest(text=service.config.warmup_text, voice=name, seed=0, max_frames=1)
+    try:
+        handle = await service.open(request)
+    except ApiError as exc:
+        log.info("voice %s: prefix not prefilled at registration (%s)", name, exc)
+        return
+    try:
+        async for _ in handle.chunks():
+            pass
+    except ApiError as exc:
+        log.warning("voice %s: prefilling its prefix failed (%s)", name, exc)
+    finally:
+        handle.close()
 
 
 def _store_of(service):
