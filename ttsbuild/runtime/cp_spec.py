@@ -43,9 +43,10 @@ from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, unif
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime.cp_fused import FusedCodePredictor
 from ttsbuild.runtime.fast_model import Dense
+from ttsbuild.runtime.plan import MAX_SPEC_WINDOW
 
 SPEC_KINDS = ("self", "draft")
-MAX_WINDOW = 8
+MAX_WINDOW = MAX_SPEC_WINDOW
 # Counter kinds (bits 28+): frame * G + codebook stays below 2^28 for frames < 2^24.
 DRAFT_DRAW, ACCEPT_TEST, FINAL_DRAW = 1, 2, 3
 
