@@ -143,8 +143,9 @@ N = 3000
 
 @pytest.fixture(scope="module")
 def target_run():
-    return _predictor(torch.float32, "cpu"), _frame_samples(_predictor(torch.float32, "cpu"),
-                                                           None, 1, N, offset=1)
+    return _predictor(torch.float32, "cpu"), _frame_samples(
+        _predictor(torch.float32, "cpu"), None, 1, N, offset=1
+    )
 
 
 @pytest.mark.parametrize("kind,window", [("self", 1), ("self", 3), ("draft", 2), ("draft", 4)])
