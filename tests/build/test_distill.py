@@ -11,7 +11,7 @@ from ttsbuild.convert.checkpoint import load_checkpoint
 from ttsbuild.runtime.draft import read_draft
 from ttsbuild.runtime.engine import Models
 
-TEXTS = ["The birch canoe slid on the smooth planks.", "Glue the sheet to the dark blue background."]
+TEXTS = ["The birch canoe slid on the smooth planks.", "Glue the sheet to the dark blue."]
 
 
 def _heads(path, cfg):

@@ -23,6 +23,23 @@ def _sizes(value: str, flag: str) -> tuple[int, ...]:
                                  param_hint=flag) from None
 
 
+def _speculative(value: str) -> dict[int, tuple[str, int]]:
+    """'1,2:draft:3;8:self:2' -> {1: ("draft", 3), 2: ("draft", 3), 8: ("self", 2)}."""
+    plan: dict[int, tuple[str, int]] = {}
+    for part in value.split(";"):
+        fields = part.strip().split(":")
+        if len(fields) != 3 or fields[1] not in ("self", "draft"):
+            raise typer.BadParameter(f"expected BUCKETS:self|draft:WINDOW, got {part!r}",
+                                     param_hint="--speculative")
+        window = _sizes(fields[2], "--speculative")
+        if len(window) != 1:
+            raise typer.BadParameter(f"one window per part, got {fields[2]!r}",
+                                     param_hint="--speculative")
+        for bucket in _sizes(fields[0], "--speculative"):
+            plan[bucket] = (fields[1], window[0])
+    return plan
+
+
 def compile_engine(
     checkpoint: Path = typer.Argument(..., help="Converted checkpoint directory."),
     output: Path = typer.Option(..., "--output", "-o", help="Engine directory to write."),
@@ -59,6 +76,12 @@ def compile_engine(
         help="One persistent launch per code-predictor pass for batch buckets up to this "
         "(0: never); takes precedence over the fused kernels.",
     ),  # fmt: skip
+    speculative: str = typer.Option(
+        None, "--speculative",
+        help="Speculative code predictor per batch bucket: BUCKETS:KIND:WINDOW[;...], KIND "
+        "self (no new weights) or draft (the checkpoint's draft), e.g. '1,2,4:draft:3'. "
+        "Off by default: turn it on only where benchmarks/spec measured it faster.",
+    ),
     quality_texts: int = typer.Option(4, "--quality-texts", min=1, help="Texts for the gate."),
     quality_frames: int = typer.Option(32, "--quality-frames", min=2, help="Frames per text."),
     force_quality: bool = typer.Option(
@@ -95,6 +118,7 @@ def compile_engine(
             persistent_cp_max_batch=persistent_cp_max_batch,
             quality_texts=quality_texts, quality_frames=quality_frames,
             force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,
+            speculative=_speculative(speculative) if speculative else {},
         )
     except ValueError as exc:
         _err.print(f"[red]error:[/red] {exc}", highlight=False)
