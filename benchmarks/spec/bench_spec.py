@@ -183,7 +183,10 @@ def bench_target(fcp, name, args, results) -> None:
                 stats = spec.report()
                 spec.stats = False
                 out = torch.zeros(B, fcp.num_code_groups, dtype=torch.int64, device=DEV)
-                graph = capture_spec(spec, lambda k=k, kind=kind: out.copy_(spec.frame(*inputs, kind, k)))
+                def run(k=k, kind=kind, out=out, inputs=inputs):
+                    out.copy_(spec.frame(*inputs, kind, k))
+
+                graph = capture_spec(spec, run)
                 ms = time_graph_ms(graph, args.replays)
                 del graph
                 row = {"batch": B, "kind": kind, "window": k, "ms": ms,
