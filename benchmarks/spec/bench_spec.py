@@ -198,6 +198,58 @@ def bench_target(fcp, name, args, results) -> None:
                       f"{ms:8.3f} {base[True] / ms:7.2f} {stats['passes_per_row_frame']:10.2f} "
                       f"{stats['passes_per_batch_frame']:6.2f}  "
                       f"{' '.join(f'{acc[t]:.2f}' for t in sorted(acc))}", flush=True)
+    conditional_saving(spec, fcp, args, results, name)
+
+
+def time_spec(spec, fcp, B: int, kind: str, k: int, replays: int) -> float:
+    frame = Frame(fcp, B, fused=False)
+    frame.sampling = sampled(B)
+    inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
+    out = torch.zeros(B, fcp.num_code_groups, dtype=torch.int64, device=DEV)
+    graph = capture_spec(spec, lambda: out.copy_(spec.frame(*inputs, kind, k)))
+    return time_graph_ms(graph, replays)
+
+
+def conditional_saving(spec, fcp, args, results, name) -> None:
+    """Batch 1, window 3: the graph with IF nodes vs every round run (what IF nodes save)."""
+    if not spec.conditional:
+        return
+    for kind in ("self", "draft"):
+        with_if = time_spec(spec, fcp, 1, kind, 3, args.replays)
+        spec.conditional = False
+        every = time_spec(spec, fcp, 1, kind, 3, args.replays)
+        spec.conditional = True
+        results[name][f"if_nodes_b1_k3_{kind}"] = {"if_nodes_ms": with_if, "all_rounds_ms": every}
+        print(f"batch 1, {kind}, window 3: {with_if:.3f} ms with IF nodes, {every:.3f} ms with "
+              "every round run")  # fmt: skip
+
+
+@torch.no_grad()
+def greedy_check(cfg, windows) -> int:
+    """fp32 weights and activations: speculative greedy codes must equal the target's (else
+    exit status 1); bf16 differences (near-ties of flat logits) are counted only."""
+    bad = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        fcp = build(cfg, dtype, fp8=False, seed=3)
+        B = 8
+        frame = Frame(fcp, B, fused=False, seed=4)  # greedy sampling settings
+        frame()
+        ref = frame.codes.clone()
+        noisy = torch.stack([h.weight for h in fcp.heads])
+        noisy = noisy + 0.01 * torch.randn_like(noisy)
+        spec = SpeculativeCodePredictor(fcp, B, max(windows), noisy)
+        inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
+        differ = {
+            (kind, k): int((spec.frame(*inputs, kind, k) != ref).sum())
+            for kind in ("self", "draft") for k in windows
+        }  # fmt: skip
+        total = sum(differ.values())
+        print(f"greedy codes vs speculation off, {str(dtype)[6:]}, batch {B}: {total} of "
+              f"{len(differ) * ref.numel()} differ", flush=True)  # fmt: skip
+        if dtype == torch.float32 and total:
+            print(f"FAIL: fp32 greedy codes differ: {differ}")
+            bad = 1
+    return bad
 
 
 def fmt(xs) -> str:
@@ -234,6 +286,7 @@ def main() -> int:
     results = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
                "conditional_nodes": ifnodes, "args": {k: v for k, v in vars(args).items()}}
     t0 = time.time()
+    status = greedy_check(cfg, args.windows)
     fcp = build(cfg, torch.bfloat16, fp8=False)
     assert all(isinstance(h, Dense) for h in fcp.heads)
     with torch.no_grad():
@@ -245,7 +298,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(results, indent=1))
     print(f"\nwrote {out / 'spec.json'} in {time.time() - t0:.0f} s")
-    return 0
+    return status
 
 
 if __name__ == "__main__":

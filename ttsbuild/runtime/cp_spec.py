@@ -37,7 +37,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 
 from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, uniform_noise
 from ttsbuild.plugins.sampling import fused_sample
@@ -81,7 +80,7 @@ def target_probs(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
     scaled = flat / per_token(sampling.temperature)[:, None]
     filtered = filter_top_k_top_p(scaled, per_token(sampling.top_k), per_token(sampling.top_p))
     probs = torch.softmax(filtered, dim=-1)
-    greedy = F.one_hot(flat.argmax(-1), V).to(probs.dtype)
+    greedy = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
     probs = torch.where(per_token(sampling.do_sample)[:, None], probs, greedy)
     return probs.reshape(B, T, V)
 
@@ -219,8 +218,9 @@ class SpeculativeCodePredictor:
         self.pending[:B].copy_(code1)
         self.source[:B].copy_(h)
         codes[:, 0], codes[:, 1] = c0, code1
-        if self.stats:
-            self.passes += torch.tensor([B, 1, B, 1], device=self.passes.device)
+        if self.stats:  # scalar adds: no host-to-device copy (graph-safe)
+            self.passes[0::2] += B
+            self.passes[1::2] += 1
         capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
         for r in range(G - 2):  # each round decides >= 1 codebook of every live row
             args = (heads, sampling, seeds, frames, window, B)
