@@ -8,8 +8,14 @@ from scipy.stats import chi2_contingency, chisquare
 from test_cp_fused import CFG, G, V, _frame_inputs, _predictor, _stack
 
 from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime import cp_spec
-from ttsbuild.runtime.cp_spec import SpeculativeCodePredictor, draw, noise, speculative_accept
+from ttsbuild.runtime.cp_spec import (
+    SpeculativeCodePredictor,
+    noise,
+    plain_sampling,
+    speculative_accept,
+)
 
 ALPHA = 1e-3  # a correct sampler fails one test in 1000
 
@@ -70,13 +76,23 @@ def _accept_samples(rule, n=20000, k=3, vocab=6):
     books = torch.arange(1, k + 1).expand(n, k)
     frames = torch.zeros(n, dtype=torch.int64)
 
-    def keyed(kind, b, width):
-        return noise(seeds, cp_spec.spec_counters(frames, b, kind, 16), width)
+    def counters(kind, b):
+        return cp_spec.spec_counters(frames, b, kind, 16).reshape(-1)
 
-    drafts = draw(q, keyed(cp_spec.DRAFT_DRAW, books, vocab))
-    u = keyed(cp_spec.ACCEPT_TEST, books, 1)[..., 0]
+    def draw(probs, kind, b):  # the fused sampler on log-probabilities: a draw from probs
+        rows = probs.shape[0] * probs.shape[1]
+        out = fused_sample(
+            torch.log(probs).reshape(rows, vocab),
+            plain_sampling(rows, "cpu"),
+            seeds.repeat_interleave(probs.shape[1]),
+            counters(kind, b),
+        )
+        return out.reshape(probs.shape[:2])
+
+    drafts = draw(q, cp_spec.DRAFT_DRAW, books)
+    u = noise(seeds, cp_spec.spec_counters(frames, books, cp_spec.ACCEPT_TEST, 16), 1)[..., 0]
     accepted, dist, _ = rule(p, q, drafts, u)
-    final = draw(dist[:, None], keyed(cp_spec.FINAL_DRAW, accepted[:, None] + 1, vocab))[:, 0]
+    final = draw(dist[:, None], cp_spec.FINAL_DRAW, accepted[:, None] + 1)[:, 0]
     first = torch.where(accepted > 0, drafts[:, 0], final)
     second = torch.where(accepted > 1, drafts[:, 1], final)[accepted > 0]
     return p[0], first, second

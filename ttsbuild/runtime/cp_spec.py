@@ -45,6 +45,7 @@ from ttsbuild.runtime.fast_model import Dense
 from ttsbuild.runtime.plan import MAX_SPEC_WINDOW
 
 SPEC_KINDS = ("self", "draft")
+_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
 MAX_WINDOW = MAX_SPEC_WINDOW
 # Counter kinds (bits 28+): frame * G + codebook stays below 2^28 for frames < 2^24.
 DRAFT_DRAW, ACCEPT_TEST, FINAL_DRAW = 1, 2, 3
@@ -85,9 +86,20 @@ def target_probs(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
     return probs.reshape(B, T, V)
 
 
-def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Gumbel-max draw from probs [B, T, V] with uniforms u [B, T, V]: ids [B, T]."""
-    return (torch.log(probs) - torch.log(-torch.log(u))).argmax(-1)
+def per_draft(sampling: SamplingBatch, k: int) -> SamplingBatch:
+    """Each row's settings repeated for its k drafts (rows of [B * k] logits)."""
+    return SamplingBatch(**{f: getattr(sampling, f).repeat_interleave(k) for f in _FIELDS})
+
+
+def plain_sampling(n: int, device) -> SamplingBatch:
+    """Draw as-is: temperature 1, no top-k / top-p (for logits that are log-probabilities)."""
+    return SamplingBatch(
+        do_sample=torch.ones(n, dtype=torch.bool, device=device),
+        temperature=torch.ones(n, device=device),
+        top_k=torch.zeros(n, dtype=torch.int64, device=device),
+        top_p=torch.ones(n, device=device),
+        repetition_penalty=torch.ones(n, device=device),
+    )
 
 
 def speculative_accept(
@@ -177,6 +189,7 @@ class SpeculativeCodePredictor:
         self.pending = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.source = torch.zeros(max_batch, c.hidden_size, dtype=dtype, device=dev)
         self.codes = torch.zeros(max_batch, G + W + 2, dtype=torch.int64, device=dev)
+        self.plain = plain_sampling(max_batch, dev)
         self.trash = G + W + 1  # the column that writes past a row's accepted codes go to
         self.stats = stats
         # drafts tested [0] / accepted [1] at offset t; passes of rows, passes of batches
@@ -245,10 +258,15 @@ class SpeculativeCodePredictor:
         books = depth[:, None] + 1 + steps  # [B, k + 1] codebooks the verify pass scores
         V = heads.shape[1]
 
-        # draft: codebooks d+1..d+k from the hidden state at depth d
-        q = target_probs(head_logits(heads, source[:, None], books[:, :k]), sampling)
-        counters = spec_counters(frames, books[:, :k], DRAFT_DRAW, G)
-        drafts = draw(q, noise(seeds, counters, V))  # [B, k]
+        # draft: codebooks d+1..d+k from the hidden state at depth d, drawn from
+        # q = target_probs(draft logits) by the fused sampler (one launch for all B * k)
+        draft_logits = head_logits(heads, source[:, None], books[:, :k])  # [B, k, V]
+        q = target_probs(draft_logits, sampling)
+        counters = spec_counters(frames, books[:, :k], DRAFT_DRAW, G).reshape(-1)
+        drafts = fused_sample(
+            draft_logits.reshape(B * k, V), per_draft(sampling, k), seeds.repeat_interleave(k),
+            counters,
+        ).reshape(B, k)  # fmt: skip
 
         # verify: inputs code_d, drafts at positions d+1..d+k+1 -> p of codebooks d+1..d+k+1
         in_codes = torch.cat([pending[:, None], drafts], dim=1)
@@ -260,8 +278,9 @@ class SpeculativeCodePredictor:
         u = noise(seeds, spec_counters(frames, books[:, :k], ACCEPT_TEST, G), 1)[..., 0]
         accepted, dist, ok = speculative_accept(p, q, drafts, u)
         final_book = books.gather(1, accepted[:, None])  # [B, 1]
-        final_u = noise(seeds, spec_counters(frames, final_book, FINAL_DRAW, G), V)
-        final = draw(dist[:, None], final_u)  # [B, 1]
+        plain = SamplingBatch(**{f: getattr(self.plain, f)[:B] for f in _FIELDS})
+        counters = spec_counters(frames, final_book, FINAL_DRAW, G)[:, 0]
+        final = fused_sample(torch.log(dist), plain, seeds, counters)[:, None]  # [B, 1]
 
         # codes[d+1+j] = drafts[j] for j < accepted, final at j = accepted
         values = torch.where(steps == accepted[:, None], final, torch.cat([drafts, final], 1))
