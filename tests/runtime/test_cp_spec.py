@@ -4,13 +4,15 @@ acceptance rule shown to fail the same test), on the references (CPU)."""
 
 import pytest
 import torch
+from kernel_device import KDEV, needs_kernel
 from scipy.stats import chi2_contingency, chisquare
-from test_cp_fused import CFG, G, V, _frame_inputs, _predictor, _stack
+from test_cp_fused import CFG, G, V, _frame_inputs, _predictor, _stack, _to
 
 from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime import cp_spec
 from ttsbuild.runtime.cp_spec import (
+    SPEC_KINDS,
     SpeculativeCodePredictor,
     noise,
     plain_sampling,
@@ -177,3 +179,23 @@ def test_a_wrong_rule_fails_the_frame_test(target_run, kind, monkeypatch):
     monkeypatch.setattr(cp_spec, "speculative_accept", _always_accept)
     spec = _frame_samples(cp, kind, 3, N, offset=2)
     assert _min_pvalue(target, spec) < 1e-6
+
+
+@needs_kernel
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_kernel_path_matches_the_references(do_sample, monkeypatch):
+    """fp32 on the kernels (CUDA, or the interpreter): the same codes as the reference path
+    (greedy: all; sampled: Gumbel-max over logits equal to rounding, so nearly all)."""
+    B = 3
+    cp = _predictor(torch.float32, KDEV)
+    hidden, c0, sampling, seeds, frames, *_ = _frame_inputs(B, KDEV, do_sample)
+    spec = SpeculativeCodePredictor(cp, B, 3, draft_heads=_draft_near(cp).to(KDEV))
+    got = {k: spec.frame(hidden.to(KDEV), c0, sampling, seeds, frames, k, 3) for k in SPEC_KINDS}
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref_cp = _predictor(torch.float32, "cpu")
+    ref = SpeculativeCodePredictor(ref_cp, B, 3, draft_heads=_draft_near(ref_cp))
+    cpu = [t.cpu() for t in (hidden, c0, seeds, frames)]
+    for kind, codes in got.items():
+        want = ref.frame(cpu[0], cpu[1], _to(sampling, "cpu"), cpu[2], cpu[3], kind, 3)
+        agree = (codes.cpu() == want).float().mean().item()
+        assert agree == 1.0 if not do_sample else agree >= 0.9, (kind, agree)
