@@ -9,8 +9,8 @@ speculative sampling keeps what the target agrees with:
   from p at the last position.
 Every code is then distributed exactly as the target's sampler draws it (p is the
 temperature / top-k / top-p distribution of `generation.sampling.sample`; on the GPU the
-fused sampler's top-p cut may differ from it by float rounding, `plugins.sampling`). Greedy rows have
-one-hot p and q at their argmax, so they get the target's greedy codes exactly.
+fused sampler's top-p cut may differ from it by float rounding, `plugins.sampling`). Greedy
+rows have one-hot p and q at their argmax, so they get the target's greedy codes exactly.
 
 Drafts (the same code path: a head per codebook on the hidden state at depth d, so all k
 drafts of a round come from one GEMV-like pass, no sequential draft steps):
