@@ -90,7 +90,7 @@ def record(fcp, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     hs, logits = [], []
     for start in range(0, n, 512):
         B = min(512, n - start)
-        frame = Frame(fcp, B, fused=False, seed=seed + start)
+        frame = Frame(fcp, B, "unfused", seed=seed + start)
         frame.sampling = sampled(B)
         frame()
         codes = frame.codes
@@ -163,16 +163,18 @@ def bench_target(fcp, name, args, results) -> None:
     results[name] = {"distilled": distilled, "rows": []}
     spec = SpeculativeCodePredictor(fcp, max(args.batches), max(args.windows), draft,
                                     conditional=args.conditional)  # fmt: skip
-    print(f"{'B':>3s} {'off unfused':>11s} {'off fused':>9s} {'kind':>5s} {'k':>2s} "
-          f"{'spec ms':>8s} {'x fused':>7s} {'passes/row':>10s} {'/batch':>6s}  acceptance "
-          "per drafted depth")  # fmt: skip
+    paths = args.paths
+    print(f"{'B':>3s} " + " ".join(f"{'off ' + p:>14s}" for p in paths)
+          + f" {'kind':>5s} {'k':>2s} {'spec ms':>8s} {'x best':>6s} {'passes/row':>10s} "
+          f"{'/batch':>6s}  acceptance per drafted depth")  # fmt: skip
     for B in args.batches:
         base = {}
-        for fused in (False, True):
-            frame = Frame(fcp, B, fused)
+        for path in paths:
+            frame = Frame(fcp, B, path)
             frame.sampling = sampled(B)
-            base[fused] = time_graph_ms(capture(frame), args.replays)
-        frame = Frame(fcp, B, fused=False)
+            base[path] = time_graph_ms(capture(frame), args.replays)
+        best = min(base.values())
+        frame = Frame(fcp, B, "unfused")
         frame.sampling = sampled(B)
         inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
         for kind in ("self", "draft"):
@@ -190,19 +192,19 @@ def bench_target(fcp, name, args, results) -> None:
                 ms = time_graph_ms(graph, args.replays)
                 del graph
                 row = {"batch": B, "kind": kind, "window": k, "ms": ms,
-                       "conditional": spec.conditional,
-                       "off_unfused_ms": base[False], "off_fused_ms": base[True], **stats}
+                       "conditional": spec.conditional, "off_ms": base, **stats}
                 results[name]["rows"].append(row)  # fmt: skip
                 acc = stats["acceptance_per_depth"]
-                print(f"{B:3d} {base[False]:11.3f} {base[True]:9.3f} {kind:>5s} {k:2d} "
-                      f"{ms:8.3f} {base[True] / ms:7.2f} {stats['passes_per_row_frame']:10.2f} "
+                print(f"{B:3d} " + " ".join(f"{base[p]:14.3f}" for p in paths)
+                      + f" {kind:>5s} {k:2d} {ms:8.3f} {best / ms:6.2f} "
+                      f"{stats['passes_per_row_frame']:10.2f} "
                       f"{stats['passes_per_batch_frame']:6.2f}  "
                       f"{' '.join(f'{acc[t]:.2f}' for t in sorted(acc))}", flush=True)
     conditional_saving(spec, fcp, args, results, name)
 
 
 def time_spec(spec, fcp, B: int, kind: str, k: int, replays: int) -> float:
-    frame = Frame(fcp, B, fused=False)
+    frame = Frame(fcp, B, "unfused")
     frame.sampling = sampled(B)
     inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
     out = torch.zeros(B, fcp.num_code_groups, dtype=torch.int64, device=DEV)
@@ -232,7 +234,7 @@ def greedy_check(cfg, windows) -> int:
     for dtype in (torch.float32, torch.bfloat16):
         fcp = build(cfg, dtype, fp8=False, seed=3)
         B = 8
-        frame = Frame(fcp, B, fused=False, seed=4)  # greedy sampling settings
+        frame = Frame(fcp, B, "unfused", seed=4)  # greedy sampling settings
         frame()
         ref = frame.codes.clone()
         noisy = torch.stack([h.weight for h in fcp.heads])
@@ -263,6 +265,8 @@ def main() -> int:
     ap.add_argument("--peaked", type=float, default=None,
                     help="also a target with lm heads scaled by this factor (sharp logits)")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--paths", default="unfused,fused,persistent",
+                    help="speculation-off frames to time (bench_cp_fused's paths)")
     ap.add_argument("--distill-frames", type=int, default=4096)
     ap.add_argument("--distill-steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -274,6 +278,7 @@ def main() -> int:
         return 2
     args.batches = [int(b) for b in args.batches.split(",")]
     args.windows = [int(w) for w in args.windows.split(",")]
+    args.paths = [p for p in args.paths.split(",") if p]
     args.conditional = {"auto": None, "on": True, "off": False}[args.conditional]
     torch.backends.cuda.matmul.allow_tf32 = False
     config, _, _ = load_variant("1.7b-customvoice")
@@ -289,6 +294,8 @@ def main() -> int:
     status = greedy_check(cfg, args.windows)
     fcp = build(cfg, torch.bfloat16, fp8=False)
     assert all(isinstance(h, Dense) for h in fcp.heads)
+    if "persistent" in args.paths:
+        fcp.enable_persistent(max(args.batches))
     with torch.no_grad():
         bench_target(fcp, "flat", args, results)
         if args.peaked:
