@@ -10,7 +10,7 @@ from __future__ import annotations
 import typer
 
 from ttsbuild.bench.cli import app as bench_app
-from ttsbuild.build.cli import compile_engine
+from ttsbuild.build.cli import compile_engine, distill_draft
 from ttsbuild.calibration.cli import calibrate
 from ttsbuild.convert.cli import convert, init_random
 from ttsbuild.runtime.cli import synth
@@ -26,6 +26,7 @@ app.command("init-random")(init_random)
 app.command("convert")(convert)
 app.command("calibrate")(calibrate)
 app.command("compile")(compile_engine)
+app.command("distill-draft")(distill_draft)
 app.command("synth")(synth)
 app.command("serve")(serve)
 app.add_typer(bench_app, name="bench")

@@ -23,6 +23,23 @@ def _sizes(value: str, flag: str) -> tuple[int, ...]:
                                  param_hint=flag) from None
 
 
+def _speculative(value: str) -> dict[int, tuple[str, int]]:
+    """'1,2:draft:3;8:self:2' -> {1: ("draft", 3), 2: ("draft", 3), 8: ("self", 2)}."""
+    plan: dict[int, tuple[str, int]] = {}
+    for part in value.split(";"):
+        fields = part.strip().split(":")
+        if len(fields) != 3 or fields[1] not in ("self", "draft"):
+            raise typer.BadParameter(f"expected BUCKETS:self|draft:WINDOW, got {part!r}",
+                                     param_hint="--speculative")
+        window = _sizes(fields[2], "--speculative")
+        if len(window) != 1:
+            raise typer.BadParameter(f"one window per part, got {fields[2]!r}",
+                                     param_hint="--speculative")
+        for bucket in _sizes(fields[0], "--speculative"):
+            plan[bucket] = (fields[1], window[0])
+    return plan
+
+
 def compile_engine(
     checkpoint: Path = typer.Argument(..., help="Converted checkpoint directory."),
     output: Path = typer.Option(..., "--output", "-o", help="Engine directory to write."),
@@ -65,6 +82,12 @@ def compile_engine(
         "(0: none).",
     ),  # fmt: skip
     max_prefix: int = typer.Option(128, "--max-prefix", min=1, help="Positions per prefix."),
+    speculative: str = typer.Option(
+        None, "--speculative",
+        help="Speculative code predictor per batch bucket: BUCKETS:KIND:WINDOW[;...], KIND "
+        "self (no new weights) or draft (the checkpoint's draft), e.g. '1,2,4:draft:3'. "
+        "Off by default: turn it on only where benchmarks/spec measured it faster.",
+    ),
     quality_texts: int = typer.Option(4, "--quality-texts", min=1, help="Texts for the gate."),
     quality_frames: int = typer.Option(32, "--quality-frames", min=2, help="Frames per text."),
     force_quality: bool = typer.Option(
@@ -102,6 +125,7 @@ def compile_engine(
             prefix_pool=prefix_pool, max_prefix=max_prefix,
             quality_texts=quality_texts, quality_frames=quality_frames,
             force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,
+            speculative=_speculative(speculative) if speculative else {},
         )
     except ValueError as exc:
         _err.print(f"[red]error:[/red] {exc}", highlight=False)
@@ -134,3 +158,84 @@ def compile_engine(
     _err.print(f"[green]wrote[/green] {output}{kind}: {manifest['precision']}{codec}, target "
                f"{manifest['target']['arch']}, {len(manifest['files'])} files{verdict}",
                highlight=False)
+
+
+def distill_draft(
+    checkpoint: Path = typer.Argument(..., help="Converted checkpoint (the target)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Draft file to write (.safetensors)."),
+    texts: Path = typer.Option(None, "--texts", help="Text set, one per line (default: the "
+                               "shipped Harvard sentences)."),
+    num_texts: int = typer.Option(64, "--num-texts", min=1, help="Texts to generate from."),
+    max_frames: int = typer.Option(64, "--max-frames", min=2, help="Frames per text."),
+    window: int = typer.Option(4, "--window", min=1, max=8, help="Drafted depths to train for."),
+    steps: int = typer.Option(2000, "--steps", min=1, help="Optimiser steps."),
+    batch_frames: int = typer.Option(256, "--batch-frames", min=1, help="Frames per step."),
+    lr: float = typer.Option(1e-4, "--lr", help="Adam learning rate."),
+    eval_every: int = typer.Option(100, "--eval-every", min=1,
+                                   help="Steps between acceptance evaluations and checkpoints."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUTPUT.state."),
+    seed: int = typer.Option(0, "--seed", help="Generation and minibatch seed."),
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)."),
+) -> None:
+    """Train draft heads for speculative decoding on the target's own outputs."""
+    import torch
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    from ttsbuild.build.distill import DistillConfig
+    from ttsbuild.build.distill import distill_draft as run
+    from ttsbuild.calibration.corpus import load_texts
+    from ttsbuild.convert.checkpoint import CheckpointError, load_checkpoint
+    from ttsbuild.runtime.engine import Models
+
+    try:
+        cfg = DistillConfig(window=window, steps=steps, batch_frames=batch_frames, lr=lr,
+                            eval_every=eval_every, num_texts=num_texts, max_frames=max_frames,
+                            seed=seed)
+        text_set = load_texts(texts, num_texts)
+    except ValueError as exc:
+        _err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=_err)
+    try:
+        models = Models.load(load_checkpoint(checkpoint), device=dev)
+        with bar:
+            progress = _DistillProgress(bar)
+            summary = run(models, output, cfg, text_set, dev, resume=resume, progress=progress)
+    except (CheckpointError, ValueError) as exc:
+        _err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        _err.print(f"[red]interrupted[/red]: resume with --resume (state in {output}.state)")
+        raise typer.Exit(130) from None
+    before = ", ".join(f"{a:.3f}" for a in summary["self_speculative"])
+    after = ", ".join(f"{a:.3f}" for a in summary["acceptance"])
+    _err.print(f"[green]wrote[/green] {output}: {summary['frames']} frames, {summary['steps']} "
+               f"steps; expected acceptance per depth {after} (self-speculative: {before})",
+               highlight=False)
+
+
+class _DistillProgress:
+    """Rich progress for distill-draft: frames generated, then optimiser steps."""
+
+    def __init__(self, bar):
+        self.bar, self.gen, self.train = bar, None, None
+
+    def frames(self, n: int) -> None:
+        if self.gen is None:
+            self.gen = self.bar.add_task("generating", total=None, info="frames")
+        self.bar.update(self.gen, advance=n)
+
+    def start(self, total: int, done: int) -> None:
+        self.train = self.bar.add_task("distilling", total=total, completed=done, info="")
+
+    def step(self, loss: float, acceptance: list[float]) -> None:
+        acc = " ".join(f"{a:.2f}" for a in acceptance)
+        self.bar.update(self.train, advance=1, info=f"loss {loss:.4f}  acceptance {acc}")

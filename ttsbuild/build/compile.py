@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,8 +43,10 @@ from ttsbuild.build.pack import FP8_GROUPS, FUSED, calibrated_scales, fused_size
 from ttsbuild.build.quality import MAX_KL, MIN_TOP1, QualityError
 from ttsbuild.convert.io import atomic_output_dir, sha256_file, write_json
 from ttsbuild.model.codec import CodecConfig
+from ttsbuild.model.config import ModelConfig
 from ttsbuild.plugins.fp8_linear import FP8_MAX, quantize_weight_fp8
 from ttsbuild.runtime.codec_engine import DEFAULT_FP32_STAGES, MIN_CODEC_SNR_DB, PRECISIONS
+from ttsbuild.runtime.draft import DRAFT_FILE, read_draft
 from ttsbuild.runtime.plan import EnginePlan
 
 LM_MODULES = ("talker", "code_predictor")
@@ -74,6 +76,9 @@ class BuildConfig:
     persistent_cp_max_batch: int = 0
     prefix_pool: int = 16  # prompt-prefix KV entries kept on the device (0: no prefix cache)
     max_prefix: int = 128  # positions per prefix entry
+    # Speculative code predictor per bucket: {bucket: ("self" | "draft", window)}; off ({})
+    # unless asked: it pays only where measured (benchmarks/spec).
+    speculative: dict = field(default_factory=dict)
     quality_texts: int = 4  # calibration texts for the FP8 quality gate
     quality_frames: int = 32  # frames per text generated for the gate
     min_top1: float = MIN_TOP1
@@ -136,6 +141,7 @@ class BuildConfig:
                 b for b in self.graph_batches if b <= self.persistent_cp_max_batch
             ),
             prefix_pool=self.prefix_pool, max_prefix=self.max_prefix,
+            speculative=dict(self.speculative),
         )  # fmt: skip
 
     def fp8_groups(self) -> list[str]:
@@ -256,6 +262,13 @@ def compile_engine_dir(
     codec_cfg = CodecConfig.from_official(ckpt.codec_config)
     codec_quality = check_codec_quality(codec_cfg, codec_state, cfg, device, log)
 
+    has_draft = DRAFT_FILE in ckpt.manifest["files"]
+    if has_draft:  # checked again here: compile packs only a draft that fits
+        read_draft(ckpt.path / DRAFT_FILE, ModelConfig.from_official(ckpt.config))
+    elif any(kind == "draft" for kind, _ in cfg.speculative.values()):
+        raise ValueError("--speculative asks for a trained draft, but the checkpoint ships "
+                         "none: attach one with `ttsbuild convert CKPT --draft DRAFT`")
+
     quality = None
     if cfg.precision == "fp8":
         quality = check_quality(ckpt, packed, sizes, cfg, device, log)
@@ -272,6 +285,8 @@ def compile_engine_dir(
         for name in ("config.json", "generation_config.json", "speech_tokenizer_config.json"):
             shutil.copyfile(ckpt.path / name, tmp / name)
         shutil.copytree(ckpt.tokenizer_dir, tmp / "tokenizer")
+        if has_draft:
+            shutil.copyfile(ckpt.path / DRAFT_FILE, tmp / DRAFT_FILE)
         onnx = None
         if cfg.onnx:
             from ttsbuild.build.onnx_codec import check_codec_onnx, export_codec_step
@@ -329,6 +344,7 @@ def compile_engine_dir(
             "special_ids": cm["special_ids"],
             "sampling": cm["sampling"],
             "standin": cm["standin"],
+            "draft": cm.get("draft"),
             "files": files,
         }
         parse_manifest(manifest, "the new engine")  # the writer obeys the reader's schema

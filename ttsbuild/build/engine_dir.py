@@ -136,6 +136,7 @@ class EngineManifest(_Strict):
     special_ids: dict
     sampling: dict
     standin: dict | None
+    draft: dict | None = None  # metadata of the shipped draft heads (runtime.draft)
     files: dict[str, str]
 
 
@@ -275,6 +276,7 @@ def models_from_engine(
     from ttsbuild.generation.generate import LengthRule
     from ttsbuild.model.codec import CodecConfig
     from ttsbuild.model.config import ModelConfig
+    from ttsbuild.runtime.draft import load_attached_draft
     from ttsbuild.runtime.engine import Models
     from ttsbuild.text.tokenizer import TextTokenizer
 
@@ -310,6 +312,7 @@ def models_from_engine(
         manifest=m.model_dump(),
         packed={name: _runtime_tensors(t, dtype, device) for name, t in packed.items()},
         voice_encoder=voice_encoder,
+        draft_heads=load_attached_draft(artifact.path, m.files, cfg, device, dtype),
     )
 
 

@@ -51,19 +51,41 @@ def _runner(bar: Progress, description: str):
 
 
 def convert(
-    src: Path = typer.Argument(..., help="Official Qwen3-TTS checkpoint directory."),
-    output: Path = typer.Option(..., "--output", "-o", help="Converted checkpoint directory."),
+    src: Path = typer.Argument(
+        ..., help="Official Qwen3-TTS checkpoint directory (or, with only --draft, a converted "
+        "ttsbuild checkpoint to attach the draft to)."
+    ),
+    output: Path = typer.Option(None, "--output", "-o", help="Converted checkpoint directory."),
+    draft: Path = typer.Option(
+        None, "--draft", help="Draft heads (`ttsbuild distill-draft`, or the documented "
+        "safetensors layout) to validate against the target and ship in the checkpoint."
+    ),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
 ) -> None:
-    """Validate an official checkpoint and convert it to a ttsbuild checkpoint."""
+    """Validate an official checkpoint and convert it to a ttsbuild checkpoint (with --draft:
+    validate a speculative-decoding draft against it and ship it too)."""
     from ttsbuild.convert.convert import ConversionError, convert_checkpoint
     from ttsbuild.convert.io import OutputExistsError
+    from ttsbuild.runtime.draft import DraftError, attach_draft, check_draft_for_config
 
+    if output is None and draft is None:
+        _err.print("[red]error:[/red] missing --output (-o): where to write the converted "
+                   "checkpoint", highlight=False)
+        raise typer.Exit(2)
     try:
+        if output is None:  # attach a draft to a converted checkpoint
+            meta = attach_draft(src, draft)
+            _err.print(f"[green]attached[/green] draft {draft} to {src} (window "
+                       f"{meta['window']})", highlight=False)
+            return
+        if draft is not None:  # refuse a draft that does not fit before writing anything
+            check_draft_for_config(draft, src / "config.json")
         with _progress() as bar:
             manifest = convert_checkpoint(src, output, force=force,
                                           progress=_runner(bar, "converting"))
-    except (ConversionError, OutputExistsError) as exc:
+        if draft is not None:
+            attach_draft(output, draft)
+    except (ConversionError, OutputExistsError, DraftError) as exc:
         _err.print(f"[red]error:[/red] {exc}", highlight=False, markup=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
@@ -71,8 +93,9 @@ def convert(
         raise typer.Exit(130) from None
     v = manifest["variant"]
     kind = " (random-weight stand-in)" if manifest["standin"] else ""
+    shipped = ", with its draft" if draft is not None else ""
     _err.print(f"[green]wrote[/green] {output}: {v['tts_model_type']} {v['tts_model_size']}"
-               f"{kind}, {len(manifest['speakers'])} speakers", highlight=False)
+               f"{kind}, {len(manifest['speakers'])} speakers{shipped}", highlight=False)
 
 
 def init_random(

@@ -43,6 +43,7 @@ from ttsbuild.runtime.core import (  # noqa: F401  (re-exported: the engine API)
     SlotPlan,
     run_to_completion,
 )
+from ttsbuild.runtime.draft import load_attached_draft
 from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.request import RequestError, SynthesisRequest
 from ttsbuild.text.tokenizer import TextTokenizer
@@ -69,6 +70,9 @@ class Models:
     packed: dict[str, dict[str, torch.Tensor]] | None = None
     # Base checkpoints: speaker encoder + codec encoder, to turn reference clips into voices.
     voice_encoder: VoiceEncoder | None = None
+    # Trained draft heads [G - 1, codebook_size, code-predictor hidden] for speculative
+    # decoding of the code predictor (runtime.draft), when the checkpoint ships one.
+    draft_heads: torch.Tensor | None = None
 
     @classmethod
     def load(
@@ -102,6 +106,7 @@ class Models:
             length_rule=LengthRule.from_standin(ckpt.standin),
             manifest=ckpt.manifest,
             voice_encoder=voice_encoder,
+            draft_heads=load_attached_draft(ckpt.path, ckpt.manifest["files"], cfg, device, dtype),
         )
 
     def drop_decoder_layers(self) -> None:

@@ -219,3 +219,38 @@ class PackedStack:
             return attn.transpose(1, 2).reshape(B, T, -1)
 
         return self._run_layers(x, attend)
+
+    def extend(
+        self,
+        x: torch.Tensor,  # [B, T, hidden] tokens at positions start..start+T-1 of each row
+        k_cache: torch.Tensor,  # [L, slots, Hkv, S, D]
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,  # [B]
+        start: torch.Tensor,  # [B] position of each row's first token
+    ) -> torch.Tensor:
+        """T tokens per row after the row's cached prefix (positions < start): each token
+        attends to the cache up to its own position, so one pass verifies T tokens a
+        speculative decoder proposed (T = 1 is `decode`). Positions must stay < S. Entries of
+        the cache past a token's position are masked, so stale ones from a rejected draft
+        are harmless. Returns final-norm hidden [B, T, hidden]."""
+        c = self.cfg
+        B, T, _ = x.shape
+        D, S = c.head_dim, k_cache.shape[3]
+        positions = start[:, None] + torch.arange(T, device=x.device)  # [B, T]
+        rows = slots.repeat_interleave(T)
+        visible = torch.arange(S, device=x.device) <= positions[:, :, None]  # [B, T, S]
+        rep = c.num_heads // c.num_kv_heads
+
+        def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
+            qkv = p.qkv(h).reshape(B * T, -1)
+            q = self._project_qk(p, qkv, positions.reshape(-1), rows, k_cache[i], v_cache[i])
+            attn = F.scaled_dot_product_attention(
+                q.reshape(B, T, c.num_heads, D).transpose(1, 2),
+                k_cache[i][slots].repeat_interleave(rep, dim=1),  # [B, Hq, S, D]
+                v_cache[i][slots].repeat_interleave(rep, dim=1),
+                attn_mask=visible[:, None],
+                scale=D**-0.5,
+            )  # [B, Hq, T, D]
+            return attn.transpose(1, 2).reshape(B, T, -1)
+
+        return self._run_layers(x, attend)

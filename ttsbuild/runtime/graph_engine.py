@@ -58,6 +58,7 @@ from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime.codec_engine import CodecEngine
 from ttsbuild.runtime.core import EngineCore, SlotPlan
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
+from ttsbuild.runtime.cp_spec import SpeculativeCodePredictor
 from ttsbuild.runtime.driver import make_driver
 from ttsbuild.runtime.engine import Models
 from ttsbuild.runtime.fast_model import Dense, PackedStack
@@ -167,6 +168,7 @@ class GraphBackend:
         self.embedder = PromptEmbedder(
             talker.embed_text, [self.codec_embedding, *self.cp_embeddings]
         )
+        self.cp_spec = _speculative(self.cp_fused, plan, models.draft_heads)
 
         # -- per-slot state ---------------------------------------------------------------
         t = cfg.talker
@@ -281,6 +283,9 @@ class GraphBackend:
         B, G = hidden.shape[0], self.cfg.num_code_groups
         slots = self.cp_slots[:B]
         args = (hidden, c0, sampling, seeds, frames, self.cp_k, self.cp_v, slots)
+        if B in self.plan.speculative:
+            kind, window = self.plan.speculative[B]
+            return self.cp_spec.frame(hidden, c0, sampling, seeds, frames, kind, window)
         if B in self.plan.persistent_code_predictor:
             return self.cp_fused.frame_persistent(*args, self.cp_positions)
         if B in self.plan.fused_code_predictor:
@@ -748,6 +753,20 @@ _ADMIT_TARGETS = {
     "cp_top_p": lambda b: b.cp_sampling.top_p,
     "cp_repetition_penalty": lambda b: b.cp_sampling.repetition_penalty,
 }
+
+
+def _speculative(cp: FusedCodePredictor, plan: EnginePlan, draft_heads):
+    """The speculative code predictor the plan asks for (None: speculation off)."""
+    if not plan.speculative:
+        return None
+    kinds = {kind for kind, _ in plan.speculative.values()}
+    if "draft" in kinds and draft_heads is None:
+        raise ValueError(
+            "the plan decodes with a trained draft but the model has none: attach one with "
+            "`ttsbuild convert CKPT --draft DRAFT` (or use the self-speculative kind)"
+        )
+    window = max(w for _, w in plan.speculative.values())
+    return SpeculativeCodePredictor(cp, plan.max_batch, window, draft_heads)
 
 
 def _sampling_buffers(n: int, dev) -> SamplingBatch:

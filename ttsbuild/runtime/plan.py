@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 
 MAX_SLOTS = 256
+MAX_SPEC_WINDOW = 8  # runtime.cp_spec.MAX_WINDOW
 
 
 def power_of_two_buckets(largest: int) -> tuple[int, ...]:
@@ -56,6 +57,11 @@ class EnginePlan(BaseModel):
     # each (a longer shared prefix is cached up to this many positions; at most max_len).
     prefix_pool: int = 16
     max_prefix: int = 128
+    # Batch buckets whose code predictor decodes speculatively (runtime.cp_spec): bucket ->
+    # (draft kind "self" | "draft", window: codebooks drafted per verify pass). Off by
+    # default: it pays only where a pass is launch-bound and the draft is accepted often.
+    # It takes precedence over the persistent and fused code predictor for its buckets.
+    speculative: dict[int, tuple[Literal["self", "draft"], int]] = {}
 
     @model_validator(mode="after")
     def _consistent(self) -> EnginePlan:
@@ -86,6 +92,11 @@ class EnginePlan(BaseModel):
                 raise ValueError(f"{name} must list batch buckets of the plan")
         if self.prefix_pool < 0 or self.max_prefix < 1:
             raise ValueError("prefix_pool must be >= 0 and max_prefix >= 1")
+        if not set(self.speculative) <= set(self.batch_buckets):
+            raise ValueError("speculative must list batch buckets of the plan")
+        windows = [w for _, w in self.speculative.values()]
+        if windows and not 1 <= min(windows) <= max(windows) <= MAX_SPEC_WINDOW:
+            raise ValueError(f"speculation windows must be 1..{MAX_SPEC_WINDOW}: {windows}")
         if self.max_frames < 1 or self.max_text < 1:
             raise ValueError("max_frames and max_text must be positive")
         return self

@@ -1,0 +1,312 @@
+"""Speculative decoding of the code predictor (runtime.cp_spec) against speculation off.
+
+    PYTHONPATH=. python3 benchmarks/spec/bench_spec.py [--peaked 8] [--batches 1,8,32,64]
+        [--windows 1,2,3,4,5,6] [--out DIR]
+
+GPU only. 1.7B CustomVoice code-predictor shapes, random weights (benchmarks/kernels/
+bench_cp_fused.py's `build`), sampled codebooks (temperature 0.9, top-k 50: the published
+code-predictor settings). For each target, batch, draft kind and window it captures one CUDA
+graph of the speculative frame (as graph_engine would) and prints ms per frame next to
+speculation off (the unfused and the fused frame), then the acceptance per drafted depth
+and the passes per frame of an eager run with the same inputs (stats on).
+
+Targets: "flat" = the random weights as drawn (near-uniform logits: acceptance is close to
+chance, an honest floor); with --peaked F also "peaked" = the same weights with the code
+predictor's lm heads scaled by F, so each head's logits are as sharp as a trained model's
+(a stand-in for sharpness only: random heads still disagree with each other, so the
+self-speculative draft stays near chance; what a trained model's heads share is not
+modelled). Draft kinds: "self" (the target's own heads) and "draft" (heads distilled here,
+in a few hundred steps, on the target's own sampled frames from random talker states: the
+`ttsbuild distill-draft` objective, runtime/draft.py layout).
+Rounds after every row is done are IF nodes of the graph when torch has conditional nodes
+(`CUDAGraph.begin_capture_to_if_node`); the table says which ran (--conditional off runs all
+rounds, to measure what IF nodes save). Writes spec.json (and the table) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "kernels"))
+
+from bench_cp_fused import Frame, build, time_graph_ms  # noqa: E402
+
+from ttsbuild.build.distill import acceptance, draft_logits  # noqa: E402
+from ttsbuild.convert.init_random import load_variant  # noqa: E402
+from ttsbuild.generation.sampling import SamplingBatch  # noqa: E402
+from ttsbuild.model.config import ModelConfig  # noqa: E402
+from ttsbuild.runtime.cp_spec import (  # noqa: E402
+    SpeculativeCodePredictor,
+    conditional_nodes_available,
+    target_probs,
+)
+from ttsbuild.runtime.fast_model import Dense  # noqa: E402
+
+DEV = "cuda"
+
+
+def sampled(B: int) -> SamplingBatch:
+    return SamplingBatch(
+        do_sample=torch.ones(B, dtype=torch.bool, device=DEV),
+        temperature=torch.full((B,), 0.9, device=DEV),
+        top_k=torch.full((B,), 50, dtype=torch.int64, device=DEV),
+        top_p=torch.ones(B, device=DEV),
+        repetition_penalty=torch.ones(B, device=DEV),
+    )
+
+
+def peak(fcp, factor: float) -> None:
+    """Scale the lm heads in place: logits `factor` times sharper (bf16 heads)."""
+    for h in fcp.heads:
+        h.weight.mul_(factor)
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+@torch.no_grad()
+def record(fcp, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced final-norm hidden [n, G, H] and head logits [n, G - 1, V] of the
+    target's own sampled frames (random talker states and codebook-0 codes)."""
+    G = fcp.num_code_groups
+    hs, logits = [], []
+    for start in range(0, n, 512):
+        B = min(512, n - start)
+        frame = Frame(fcp, B, "unfused", seed=seed + start)
+        frame.sampling = sampled(B)
+        frame()
+        codes = frame.codes
+        x = [frame.hidden, fcp.codec_embedding[codes[:, 0]]]
+        x += [fcp.embeddings[c - 1][codes[:, c]] for c in range(1, G - 1)]
+        c = fcp.stack.cfg
+        cache = torch.zeros(c.num_layers, B, c.num_kv_heads, G, c.head_dim,
+                            dtype=frame.hidden.dtype, device=DEV)  # fmt: skip
+        h = fcp.stack.prefill(fcp.proj(torch.stack(x, 1)), cache, cache.clone(),
+                              torch.arange(B, device=DEV))  # fmt: skip
+        hs.append(h.float())
+        logits.append(torch.stack([fcp.heads[i](h[:, i + 1]).float() for i in range(G - 1)], 1))
+    return torch.cat(hs), torch.cat(logits)
+
+
+def distill(fcp, frames: int, steps: int, window: int, lr: float) -> tuple[torch.Tensor, dict]:
+    """Draft heads distilled on the target's frames (ttsbuild.build.distill's objective)."""
+    h, logits = record(fcp, frames, seed=100)
+    held = frames // 10
+    p = target_probs(logits, sampled(frames))
+    heads = torch.nn.Parameter(torch.stack([d.weight.float() for d in fcp.heads]))
+    init = heads.detach().clone()
+    opt = torch.optim.Adam([heads], lr=lr)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    with torch.enable_grad():
+        train(heads, opt, h, p, held, steps, window, g)
+    with torch.no_grad():
+        ev = (h[:held], p[:held])
+        report = {
+            "self_expected_acceptance": acceptance(init, *ev, sampled, window),
+            "draft_expected_acceptance": acceptance(heads.detach(), *ev, sampled, window),
+            "frames": frames, "steps": steps,
+        }  # fmt: skip
+    return heads.detach().to(fcp.embeddings.dtype), report
+
+
+def train(heads, opt, h, p, held, steps, window, g) -> None:
+    for _ in range(steps):
+        rows = torch.randint(held, h.shape[0], (256,), device=DEV, generator=g)
+        loss = 0.0
+        for t in range(1, window + 1):
+            logq = torch.log_softmax(draft_logits(heads, h[rows], t) / 0.9, -1)
+            target = p[rows][:, t:]
+            loss = loss + (target * (torch.log(target.clamp(min=1e-12)) - logq)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def capture_spec(spec, fn) -> torch.cuda.CUDAGraph:
+    """Capture with IF nodes; if this torch refuses them, say so and capture all rounds."""
+    try:
+        return capture(fn)
+    except RuntimeError as exc:
+        if not spec.conditional:
+            raise
+        print(f"IF-node capture failed ({str(exc).splitlines()[0][:160]}); all rounds from "
+              "here on", flush=True)
+        spec.conditional = False
+        return capture(fn)
+
+
+def bench_target(fcp, name, args, results) -> None:
+    t0 = time.time()
+    draft, distilled = distill(fcp, args.distill_frames, args.distill_steps, max(args.windows),
+                               args.lr)  # fmt: skip
+    print(f"\n[{name}] distilled draft in {time.time() - t0:.1f} s: expected acceptance per "
+          f"depth (held-out) self {fmt(distilled['self_expected_acceptance'])} -> draft "
+          f"{fmt(distilled['draft_expected_acceptance'])}")  # fmt: skip
+    results[name] = {"distilled": distilled, "rows": []}
+    spec = SpeculativeCodePredictor(fcp, max(args.batches), max(args.windows), draft,
+                                    conditional=args.conditional)  # fmt: skip
+    paths = args.paths
+    print(f"{'B':>3s} " + " ".join(f"{'off ' + p:>14s}" for p in paths)
+          + f" {'kind':>5s} {'k':>2s} {'spec ms':>8s} {'x best':>6s} {'passes/row':>10s} "
+          f"{'/batch':>6s}  acceptance per drafted depth")  # fmt: skip
+    for B in args.batches:
+        base = {}
+        for path in paths:
+            frame = Frame(fcp, B, path)
+            frame.sampling = sampled(B)
+            base[path] = time_graph_ms(capture(frame), args.replays)
+        best = min(base.values())
+        frame = Frame(fcp, B, "unfused")
+        frame.sampling = sampled(B)
+        inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
+        for kind in ("self", "draft"):
+            for k in args.windows:
+                spec.stats = True
+                spec.reset_stats()
+                spec.frame(*inputs, kind, k)
+                stats = spec.report()
+                spec.stats = False
+                out = torch.zeros(B, fcp.num_code_groups, dtype=torch.int64, device=DEV)
+                def run(k=k, kind=kind, out=out, inputs=inputs):
+                    out.copy_(spec.frame(*inputs, kind, k))
+
+                graph = capture_spec(spec, run)
+                ms = time_graph_ms(graph, args.replays)
+                del graph
+                row = {"batch": B, "kind": kind, "window": k, "ms": ms,
+                       "conditional": spec.conditional, "off_ms": base, **stats}
+                results[name]["rows"].append(row)  # fmt: skip
+                acc = stats["acceptance_per_depth"]
+                print(f"{B:3d} " + " ".join(f"{base[p]:14.3f}" for p in paths)
+                      + f" {kind:>5s} {k:2d} {ms:8.3f} {best / ms:6.2f} "
+                      f"{stats['passes_per_row_frame']:10.2f} "
+                      f"{stats['passes_per_batch_frame']:6.2f}  "
+                      f"{' '.join(f'{acc[t]:.2f}' for t in sorted(acc))}", flush=True)
+    conditional_saving(spec, fcp, args, results, name)
+
+
+def time_spec(spec, fcp, B: int, kind: str, k: int, replays: int) -> float:
+    frame = Frame(fcp, B, "unfused")
+    frame.sampling = sampled(B)
+    inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
+    out = torch.zeros(B, fcp.num_code_groups, dtype=torch.int64, device=DEV)
+    graph = capture_spec(spec, lambda: out.copy_(spec.frame(*inputs, kind, k)))
+    return time_graph_ms(graph, replays)
+
+
+def conditional_saving(spec, fcp, args, results, name) -> None:
+    """Batch 1, window 3: the graph with IF nodes vs every round run (what IF nodes save)."""
+    if not spec.conditional:
+        return
+    for kind in ("self", "draft"):
+        with_if = time_spec(spec, fcp, 1, kind, 3, args.replays)
+        spec.conditional = False
+        every = time_spec(spec, fcp, 1, kind, 3, args.replays)
+        spec.conditional = True
+        results[name][f"if_nodes_b1_k3_{kind}"] = {"if_nodes_ms": with_if, "all_rounds_ms": every}
+        print(f"batch 1, {kind}, window 3: {with_if:.3f} ms with IF nodes, {every:.3f} ms with "
+              "every round run")  # fmt: skip
+
+
+@torch.no_grad()
+def greedy_check(cfg, windows) -> int:
+    """fp32 weights and activations: speculative greedy codes must equal the target's (else
+    exit status 1); bf16 differences (near-ties of flat logits) are counted only."""
+    bad = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        fcp = build(cfg, dtype, fp8=False, seed=3)
+        B = 8
+        frame = Frame(fcp, B, "unfused", seed=4)  # greedy sampling settings
+        frame()
+        ref = frame.codes.clone()
+        noisy = torch.stack([h.weight for h in fcp.heads])
+        noisy = noisy + 0.01 * torch.randn_like(noisy)
+        spec = SpeculativeCodePredictor(fcp, B, max(windows), noisy)
+        inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
+        differ = {
+            (kind, k): int((spec.frame(*inputs, kind, k) != ref).sum())
+            for kind in ("self", "draft") for k in windows
+        }  # fmt: skip
+        total = sum(differ.values())
+        print(f"greedy codes vs speculation off, {str(dtype)[6:]}, batch {B}: {total} of "
+              f"{len(differ) * ref.numel()} differ", flush=True)  # fmt: skip
+        if dtype == torch.float32 and total:
+            print(f"FAIL: fp32 greedy codes differ: {differ}")
+            bad = 1
+    return bad
+
+
+def fmt(xs) -> str:
+    return " ".join(f"{x:.3f}" for x in xs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--windows", default="1,2,3,4,5,6")
+    ap.add_argument("--peaked", type=float, default=None,
+                    help="also a target with lm heads scaled by this factor (sharp logits)")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--paths", default="unfused,fused,persistent",
+                    help="speculation-off frames to time (bench_cp_fused's paths)")
+    ap.add_argument("--distill-frames", type=int, default=4096)
+    ap.add_argument("--distill-steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--conditional", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_spec needs a CUDA GPU", file=sys.stderr)
+        return 2
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.windows = [int(w) for w in args.windows.split(",")]
+    args.paths = [p for p in args.paths.split(",") if p]
+    args.conditional = {"auto": None, "on": True, "off": False}[args.conditional]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config, _, _ = load_variant("1.7b-customvoice")
+    cfg = ModelConfig.from_official(config)
+    ifnodes = conditional_nodes_available() if args.conditional is None else args.conditional
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; conditional IF nodes: "
+          f"{'available' if conditional_nodes_available() else 'NOT available'}, "
+          f"{'used' if ifnodes else 'not used'} (rounds after all rows finish "
+          f"{'are skipped' if ifnodes else 'run in full'})")  # fmt: skip
+    results = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
+               "conditional_nodes": ifnodes, "args": {k: v for k, v in vars(args).items()}}
+    t0 = time.time()
+    status = greedy_check(cfg, args.windows)
+    fcp = build(cfg, torch.bfloat16, fp8=False)
+    assert all(isinstance(h, Dense) for h in fcp.heads)
+    if "persistent" in args.paths:
+        fcp.enable_persistent(max(args.batches))
+    with torch.no_grad():
+        bench_target(fcp, "flat", args, results)
+        if args.peaked:
+            peak(fcp, args.peaked)
+            bench_target(fcp, f"peaked x{args.peaked:g}", args, results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out / 'spec.json'} in {time.time() - t0:.0f} s")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

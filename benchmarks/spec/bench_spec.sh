@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On the GPU host (repo root): speculative code predictor on vs off, flat and peaked random
+# 1.7B CustomVoice code predictors, both draft kinds, windows 1-6, batches 1/8/32/64.
+# Expected: ~2-3 min (the first run also compiles Triton kernels); killed at 230 s.
+#   OUT=out bash benchmarks/spec/bench_spec.sh            # PEAKED=8 WINDOWS=... BATCHES=...
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+timeout 230 python3 benchmarks/spec/bench_spec.py --peaked "${PEAKED:-8}" \
+    --batches "${BATCHES:-1,8,32,64}" --windows "${WINDOWS:-1,2,3,4,5,6}" \
+    --conditional "${CONDITIONAL:-auto}" --out "$OUT" 2>&1 | tee "$OUT/bench_spec.log"
