@@ -230,11 +230,12 @@ class GuardState:
         )
 
     def reset(self, rows) -> None:
-        """Start new requests in `rows` (slot indices)."""
-        self.recent_c0[rows] = 0
-        self.frames_seen[rows] = 0
-        self.silent_frames[rows] = 0
-        self.heard[rows] = False
+        """Start new requests in `rows` (slot indices: a device tensor inside captured steps,
+        where `t[rows] = 0` would copy a CPU scalar, which CUDA-graph capture refuses)."""
+        rows = torch.as_tensor(rows, dtype=torch.int64, device=self.heard.device).reshape(-1)
+        for t in (self.recent_c0, self.frames_seen, self.silent_frames):
+            t.index_fill_(0, rows, 0)
+        self.heard.index_fill_(0, rows, False)
 
 
 def push_codebook0(state: GuardState, cfg: GuardConfig, rows: torch.Tensor, c0: torch.Tensor):
