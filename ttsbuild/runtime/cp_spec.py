@@ -181,6 +181,9 @@ class SpeculativeCodePredictor:
             )
         self.draft_heads = None if draft_heads is None else draft_heads.to(dev, dtype)
         self.conditional = conditional_nodes_available() if conditional is None else conditional
+        # On CPU (never captured) stop once every row is done; reads a device value, so the
+        # capture-safety test turns it off (tests/runtime/test_capture_safety.py).
+        self.early_exit_on_cpu = True
         G, W = self.groups, max_window
         shape = (c.num_layers, max_batch, c.num_kv_heads, G + W + 1, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=dev)
@@ -243,7 +246,11 @@ class SpeculativeCodePredictor:
             elif capturing and self.conditional:
                 with _if_node((depth < G - 1).any()):
                     self._round(*args)
-            elif hidden.device.type == "cpu" and not bool((depth < G - 1).any()):
+            elif (
+                self.early_exit_on_cpu
+                and hidden.device.type == "cpu"
+                and not bool((depth < G - 1).any())
+            ):
                 break
             else:
                 self._round(*args)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -389,6 +390,28 @@ class GraphBackend:
         return pcm
 
     # -- graphs ----------------------------------------------------------------------------
+    def graph_bodies(self) -> list[tuple[tuple, Callable[[], object], str]]:
+        """(key, body, lane) of every graph the plan lists: what `capture` captures, and what
+        the capture-safety test runs on CPU (tests/runtime/test_capture_safety.py)."""
+        r, bodies = self.plan, []
+        for b in r.batch_buckets:
+            rows, out = self.rows_in[:b], self.frame_out[:b]
+            bodies.append((("frame", b),
+                           lambda rows=rows, out=out: _write_frame(out, *self._frame_body(rows)),
+                           "lm"))  # fmt: skip
+            codec_rows = self.codec_rows_in[:b]
+            for n in r.codec_chunks:
+                pcm = self.pcm_out[:b, : n * SAMPLES_PER_FRAME]
+                bodies.append((("codec", b, n),
+                               lambda rows=codec_rows, n=n, pcm=pcm: pcm.copy_(
+                                   self._codec_body(rows, n)),
+                               "codec"))  # fmt: skip
+        for t in r.prefill_buckets:
+            bodies.append((("prefill", t), lambda t=t: self._prefill_body(t), "lm"))
+        for t in self.text_buckets:
+            bodies.append((("text", t), lambda t=t: self._text_body(t), "lm"))
+        return bodies
+
     def capture(self) -> None:
         """Capture every graph listed in the plan (warm-up runs hit the scratch slot)."""
         pool = torch.cuda.graph_pool_handle()
@@ -398,26 +421,11 @@ class GraphBackend:
         # may run concurrently must not have been captured on the same stream.
         lm_capture, codec_capture = torch.cuda.Stream(), torch.cuda.Stream()
         assert lm_capture.cuda_stream != codec_capture.cuda_stream
-        r = self.plan
-        for b in r.batch_buckets:
-            rows, out = self.rows_in[:b], self.frame_out[:b]
-            self.graphs[("frame", b)] = _capture(
-                lambda rows=rows, out=out: _write_frame(out, *self._frame_body(rows)), pool,
-                lm_capture,
-            )
-            codec_rows = self.codec_rows_in[:b]
-            for n in r.codec_chunks:
-                pcm = self.pcm_out[:b, : n * SAMPLES_PER_FRAME]
-                self.graphs[("codec", b, n)] = _capture(
-                    lambda rows=codec_rows, n=n, pcm=pcm: pcm.copy_(self._codec_body(rows, n)),
-                    codec_pool, codec_capture,
-                )
-        for t in r.prefill_buckets:
-            self.graphs[("prefill", t)] = _capture(
-                lambda t=t: self._prefill_body(t), pool, lm_capture
-            )
-        for t in self.text_buckets:
-            self.graphs[("text", t)] = _capture(lambda t=t: self._text_body(t), pool, lm_capture)
+        for key, body, lane in self.graph_bodies():
+            if lane == "codec":
+                self.graphs[key] = _capture(body, codec_pool, codec_capture)
+            else:
+                self.graphs[key] = _capture(body, pool, lm_capture)
         self._reset_scratch()
         # The codec lane's stream does not follow the current stream: let these land first.
         torch.cuda.synchronize(self.device)
