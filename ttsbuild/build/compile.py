@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -369,20 +369,22 @@ def check_codec_quality(codec_cfg: CodecConfig, folded_state: dict, cfg: BuildCo
 
 
 def check_quality(ckpt, packed, sizes, cfg: BuildConfig, device, log) -> dict:
-    """Teacher-forced FP8-vs-bf16 report; raises QualityError below the gate unless forced."""
-    from ttsbuild.build.engine_dir import lm_modules_from_packed
-    from ttsbuild.build.quality import measure_quality
+    """Teacher-forced report of the runtime on the packed weights against the checkpoint's
+    eager modules (`build.quality`); raises QualityError below the gate unless forced."""
+    from ttsbuild.build.quality import RuntimeLM, measure_quality
     from ttsbuild.calibration.corpus import generate_corpus, load_texts
     from ttsbuild.runtime.engine import Models
 
-    log("measuring FP8 quality against bf16 (teacher forcing)")
+    log("measuring FP8 quality of the runtime's kernels against bf16 (teacher forcing)")
     reference = Models.load(ckpt, device=device)
     dtype = reference.talker.codec_head.weight.dtype
-    talker, cp = lm_modules_from_packed(reference.cfg, packed, sizes, dtype, device)
-    candidate = replace(reference, talker=talker, code_predictor=cp)
+    plan = cfg.runtime_plan()
+    runtime = RuntimeLM.from_packed(reference.cfg, packed, sizes, dtype, device,
+                                    plan.code_predictor_fp8)
     items = generate_corpus(reference, load_texts(None, cfg.quality_texts), seed=cfg.seed,
                             max_frames=cfg.quality_frames)
-    report = measure_quality(reference, candidate, items, cfg.min_top1, cfg.max_kl)
+    report = measure_quality(reference, runtime, items, code_predictor_paths(plan),
+                             cfg.min_top1, cfg.max_kl)
     log(f"FP8 quality: {report.summary()}")
     if not report.passed and not cfg.force_quality:
         raise QualityError(
@@ -390,6 +392,14 @@ def check_quality(ckpt, packed, sizes, cfg: BuildConfig, device, log) -> dict:
             "(--force-quality writes it anyway, recorded as failed)"
         )
     return report.to_dict()
+
+
+def code_predictor_paths(plan: EnginePlan) -> dict[str, int]:
+    """The code-predictor paths the plan runs, with the largest batch each runs at."""
+    fused = [b for b in plan.batch_buckets if b in plan.fused_code_predictor]
+    unfused = [b for b in plan.batch_buckets if b not in plan.fused_code_predictor]
+    return {**({"fused": max(fused)} if fused else {}),
+            **({"unfused": max(unfused)} if unfused else {})}
 
 
 __all__ = ["BuildConfig", "EngineError", "QualityError", "compile_engine_dir"]
