@@ -33,15 +33,25 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 def load(args, device):
     from ttsbuild.runtime.engine import Models, random_models
 
-    if args.random:
-        return random_models(args.random, device=device, peaked=not args.flat)
+    dtype = {"fp32": torch.float32, "bf16": None}[args.reference]
+    if args.random:  # bf16 weights, as a checkpoint stores them
+        models = random_models(args.random, device=device, dtype=torch.bfloat16,
+                               peaked=not args.flat)
+        if args.gain is not None:
+            from ttsbuild.model.standin import peak_logits
+
+            peak_logits(models, residual_gain=args.gain)
+        if dtype is not None:
+            models.talker.to(dtype), models.code_predictor.to(dtype)
+        return models
     from ttsbuild.convert.checkpoint import load_checkpoint
 
-    return Models.load(load_checkpoint(args.checkpoint), device=device)
+    return Models.load(load_checkpoint(args.checkpoint), device=device, dtype=dtype)
 
 
 def variants(num_layers: int, only_correct: bool):
     yield "correct", lambda packed: None
+    yield "bf16 weights", None  # no FP8 at all: the kernels' and bf16's own share
     if only_correct:
         return
     for layer in sorted({0, num_layers // 2, num_layers - 1}):
@@ -70,6 +80,9 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=4)
     ap.add_argument("--frames", type=int, default=32)
     ap.add_argument("--only-correct", action="store_true")
+    ap.add_argument("--reference", choices=("bf16", "fp32"), default="bf16",
+                    help="the reference's compute dtype on a GPU (compile: bf16)")
+    ap.add_argument("--gain", type=float, help="with --random: this residual gain")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not args.checkpoint and not args.random:
@@ -82,23 +95,26 @@ def main() -> None:
     states = {m: {k: v.detach().to("cpu", torch.bfloat16) for k, v in mod.state_dict().items()}
               for m, mod in modules.items()}
     sizes = {m: fused_sizes(s) for m, s in states.items()}
-    base = {m: pack_state(s) for m, s in states.items()}
+    unquantised = {m: pack_state(s) for m, s in states.items()}
+    base = {m: dict(t) for m, t in unquantised.items()}
     quantize_groups(base, cfg.fp8_groups(), device)
     items = generate_corpus(ref, load_texts(None, args.texts), seed=cfg.seed,
                             max_frames=args.frames)
     ref_logits = teacher_forced_logits(ref, items)
     plan = cfg.runtime_plan()
     paths = code_predictor_paths(plan)
-    dtype = ref.talker.codec_head.weight.dtype
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the runtime's
     print(f"model ready in {time.perf_counter() - t0:.1f} s: {args.checkpoint or args.random}"
-          f"{' (flat)' if args.flat else ''}, {len(items)} texts, "
+          f"{' (flat)' if args.flat else ''}{f', gain {args.gain}' if args.gain else ''}, "
+          f"reference {args.reference}, {len(items)} texts, "
           f"{sum(int(i.codes.shape[0]) for i in items)} frames, cp paths {paths}", flush=True)
     rows = []
     print("| engine | c0 top-1 | c0 mean KL | cb1-15 top-1 | cb1-15 mean KL | gate |")
     print("|---|---|---|---|---|---|")
     for name, breaks in variants(ref.cfg.talker.num_layers, args.only_correct):
-        packed = {m: dict(t) for m, t in base.items()}
-        breaks(packed)
+        packed = {m: dict(t) for m, t in (base if breaks else unquantised).items()}
+        if breaks:
+            breaks(packed)
         t = time.perf_counter()
         runtime = RuntimeLM.from_packed(ref.cfg, packed, sizes, dtype, device,
                                         plan.code_predictor_fp8)
@@ -117,7 +133,9 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         name = "gate_sensitivity" + (f"_{args.random}{'_flat' if args.flat else ''}"
-                                     if args.random else "")
+                                     if args.random else "") + f"_{args.reference}"
+        if args.gain is not None:
+            name += f"_gain{args.gain}"
         (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -20,13 +20,16 @@ scales an engine may carry are not used by any runtime path yet), so the gate me
 weight rounding and the kernels.
 
 The gate (`ttsbuild compile` refuses the engine unless --force-quality), for each group:
-  top-1 agreement >= 0.95 and mean KL <= 0.01 nats.
-Why these numbers: per-channel e4m3 weights perturb each weight by at most 2^-4 relative;
-published FP8 builds of trained LMs keep top-1 agreement ~0.98 with KL 0.006-0.02 nats even
-with FP8 activations (W8A8), and the peaked stand-ins (`model.standin`) measure 0.98 and
-~0.001 nats weight-only. One linear of one layer with its scale off by 4x (of 28 layers)
-measured 0.87-0.93 and 0.025-0.08 nats: the gate sits between, with several times margin
-to either side in KL. Real checkpoints are gated the same way (--force-quality overrides).
+  top-1 agreement >= 0.85 and mean KL <= 0.02 nats.
+Why these numbers (measured on the 1.7B peaked stand-in on the H200, 4 texts x 32 frames;
+benchmarks/quality/RESULTS.md): the correct FP8 engine measures codebook-0 KL 0.006-0.008
+and top-1 0.93-0.95 (bf16 kernels alone: 0.002 and 0.97-0.98, near-tied codes flip under
+any rounding), codebooks 1-15 KL ~0.002 and top-1 ~0.97; one packed linear of one of 28
+layers with its scale off by 4x moves KL several times past 0.02. Published FP8 builds of
+trained LMs stay at 0.006-0.02 nats even with FP8 activations (W8A8). KL is the figure that
+separates right from wrong; top-1 agreement guards gross breakage (it is noisy: one
+position of 128 is 0.008). Real checkpoints are gated the same way (--force-quality
+overrides).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from ttsbuild.generation.generate import codebook0_logits_mask
 from ttsbuild.generation.prompt import build_prompt
 from ttsbuild.model.layers import KVCache
 
-MIN_TOP1 = 0.95
-MAX_KL = 0.01
+MIN_TOP1 = 0.85
+MAX_KL = 0.02
 CANDIDATE = ("runtime kernels on the engine's packed weights: PackedStack prefill + batched "
              "decode (talker), FusedCodePredictor.frame_logits (code predictor)")
 ACTIVATIONS = ("bf16 activations, bf16 KV cache: the FP8 linears are weight-only; calibrated "
