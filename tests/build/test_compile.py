@@ -76,6 +76,7 @@ def test_fp8_engine_within_rounding(ckpt, fp8_engine):
     assert packed["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
     assert packed["model.layers.0.self_attn.qkv_proj.input_scale"].numel() == 1
     assert packed["model.layers.1.self_attn.k_scale"] > 0
+    assert art.manifest.calibration.runtime_use.startswith("none yet")  # recorded, not used
     base, eng = _checkpoint_models(ckpt), models_from_engine(art)
     a, b = base.talker.state_dict(), eng.talker.state_dict()
     for k in a:

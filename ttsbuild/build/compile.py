@@ -1,9 +1,11 @@
 """`ttsbuild compile`: a converted checkpoint (+ calibration) -> a self-contained engine dir.
 
 Ahead of time, once: fuse q/k/v and gate/up; quantise the chosen weight groups to FP8 e4m3
-with per-output-channel scales (activation and KV scales from the calibration file, recorded
-for the runtime); fold the codec; export the codec step to ONNX and check it in onnxruntime;
-measure FP8 quality against the bf16 weights and refuse an engine below the gate; measure the
+with per-output-channel scales (activation and KV scales from the calibration file are
+recorded, but no runtime path reads them yet: the FP8 linears are weight-only and the KV
+cache is bf16; the manifest's calibration.runtime_use says so); fold the codec; export the
+codec step to ONNX and check it in onnxruntime; measure FP8 quality of the runtime's kernels
+against the bf16 model and refuse an engine below the gate (`build.quality`); measure the
 codec at its compute precision against the fp32 decoder (SNR over random codes) and refuse a
 codec precision below its gate. The output is built in a temp dir beside ENGINE and renamed
 into place only when complete.
@@ -48,6 +50,12 @@ from ttsbuild.runtime.codec_engine import DEFAULT_FP32_STAGES, MIN_CODEC_SNR_DB,
 from ttsbuild.runtime.plan import EnginePlan
 
 LM_MODULES = ("talker", "code_predictor")
+# What the runtime does with a calibration file's scales (the manifest says it).
+CALIBRATION_RUNTIME_USE = (
+    "none yet: the runtime's FP8 linears are weight-only (bf16 activations) and its "
+    "KV cache is bf16; input_scale and k/v_scale are recorded for a W8A8 kernel or an "
+    "FP8 KV cache, which no runtime path has"
+)
 
 
 @dataclass(frozen=True)
@@ -179,7 +187,8 @@ def _tensor_groups(cfg: BuildConfig, calibrated: bool) -> dict[str, dict]:
     groups = {}
     for group, why_fp8, why_bf16 in (
         ("talker.layers",
-         "decode is weight-read bound: 1 byte per weight instead of 2 (weight-only FP8 GEMV)",
+         "decode is weight-read bound: 1 byte per weight instead of 2 (weight-only FP8 GEMV; "
+         "an input_scale, where calibrated, is recorded but not read: activations stay bf16)",
          "bf16 engine"),
         ("code_predictor.layers",
          "requested (--fp8-code-predictor)",
@@ -244,6 +253,8 @@ def compile_engine_dir(
         for m in LM_MODULES:
             _check_weight_amax(packed[m], fp8_names[m], calib["modules"][m], m)
             packed[m].update(calibrated_scales(packed[m], calib["modules"][m], fp8_names[m]))
+        log(f"calibration: activation and KV scales recorded; runtime use: "
+            f"{CALIBRATION_RUNTIME_USE}")
     codec_state = fold_codec_state(ckpt.tensors("codec"))
     codec_cfg = CodecConfig.from_official(ckpt.codec_config)
     codec_quality = check_codec_quality(codec_cfg, codec_state, cfg, device, log)
@@ -314,6 +325,7 @@ def compile_engine_dir(
                 "num_texts": len(calib["texts"]),
                 "frames": sum(calib["run"]["frames"]),
                 "algorithm": calib["method"]["algorithm"],
+                "runtime_use": CALIBRATION_RUNTIME_USE,
             },
             "quality": quality,
             "speakers": cm["speakers"],
