@@ -76,6 +76,7 @@ def test_fp8_engine_within_rounding(ckpt, fp8_engine):
     assert packed["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
     assert packed["model.layers.0.self_attn.qkv_proj.input_scale"].numel() == 1
     assert packed["model.layers.1.self_attn.k_scale"] > 0
+    assert art.manifest.calibration.runtime_use.startswith("none yet")  # recorded, not used
     base, eng = _checkpoint_models(ckpt), models_from_engine(art)
     a, b = base.talker.state_dict(), eng.talker.state_dict()
     for k in a:
@@ -99,6 +100,59 @@ def test_fp8_engine_within_rounding(ckpt, fp8_engine):
     assert (ref_cp.argmax(-1) == fp8_cp.argmax(-1)).float().mean() >= 0.8
     q = art.manifest.quality
     assert q["passed"] and q["random_weights"] and q["codebook0_top1_agreement"] >= 0.9
+    assert set(q["code_predictor_paths"]) == {"fused"}  # QUICK's buckets (<= 8) are all fused
+    assert q["code_predictor_passed"] and q["codebook0_passed"]
+    assert "weight-only" in q["activations"]  # the calibrated scales are not used: said so
+    assert 0.4 < q["reference_sharpness"]["codebook0"]["mean_top1_prob"] < 0.85  # peaked
+
+
+def test_runtime_teacher_forcing_is_the_eager_model(ckpt):
+    """Unquantised packed weights through the runtime's code (talker prefill + batched decode,
+    both code-predictor paths) give the eager modules' teacher-forced logits to fp32 rounding:
+    the gate compares like with like, position by position."""
+    from ttsbuild.build.pack import fused_sizes, pack_state
+    from ttsbuild.build.quality import RuntimeLM
+
+    base = _checkpoint_models(ckpt)
+    states = {m: getattr(base, m).state_dict() for m in ("talker", "code_predictor")}
+    packed = {m: pack_state(dict(s)) for m, s in states.items()}
+    sizes = {m: fused_sizes(s) for m, s in states.items()}
+    runtime = RuntimeLM.from_packed(base.cfg, packed, sizes, torch.float32, "cpu", False)
+    items = generate_corpus(base, TEXTS, seed=5, max_frames=7)
+    ref_c0, ref_cp = teacher_forced_logits(base, items)
+    c0, cp = runtime.logits(items, {"fused": 4, "unfused": 3})
+    assert c0.shape == ref_c0.shape and ref_c0.shape[0] == sum(len(i.codes) for i in items)
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(c0, ref_c0) < 1e-5
+    for path in ("fused", "unfused"):
+        assert cp[path].shape == ref_cp.shape
+        assert rel(cp[path], ref_cp) < 1e-5, path
+
+
+@pytest.mark.parametrize("linears", [("mlp.gate_up_proj",), (
+    "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")])
+def test_quality_gate_refuses_one_layer_scaled_by_4(ckpt, tmp_path, monkeypatch, linears):
+    """One layer's per-channel weight scales x4 (as a packing or scale-layout bug would leave
+    them): the runtime's kernels read them, the gate measures them and refuses the engine,
+    while the correct engine of the same checkpoint passes (fp8_engine)."""
+    from ttsbuild.build import compile as compile_mod
+
+    quantize = compile_mod.quantize_groups
+
+    def broken(packed, groups, device):
+        done = quantize(packed, groups, device)
+        for lin in linears:
+            name = f"model.layers.1.{lin}.weight_scale"
+            packed["talker"][name] = packed["talker"][name] * 4
+        return done
+
+    monkeypatch.setattr(compile_mod, "quantize_groups", broken)
+    with pytest.raises(QualityError, match="below the gate"):
+        compile_engine_dir(ckpt, tmp_path / "e", BuildConfig(precision="fp8", onnx=False, **QUICK))
+    assert not (tmp_path / "e").exists()
 
 
 def test_failing_compile_leaves_nothing(ckpt, tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ from ttsbuild.convert.init_random import (
 )
 from ttsbuild.convert.io import OutputExistsError
 from ttsbuild.convert.schema import model_schema, speech_tokenizer_schema
+from ttsbuild.model.standin import INIT_STD, tensor_std
 from ttsbuild.text import TextTokenizer
 
 OFFICIAL_FILES = [
@@ -38,12 +39,14 @@ def test_layout_and_configs(tiny_ckpt):
     assert json.loads((tiny_ckpt / "speech_tokenizer/config.json").read_text()) == st
     assert json.loads((tiny_ckpt / "generation_config.json").read_text()) == gen
     standin = json.loads((tiny_ckpt / "ttsbuild_standin.json").read_text())
-    assert standin["format"] == 2 and standin["kind"] == "random-weight stand-in"
+    assert standin["format"] == 3 and standin["kind"] == "random-weight stand-in"
     assert standin["length_rule"] == LENGTH_RULE and standin["seed"] == 7
     assert standin["variant"] == "tiny"
 
 
 def test_dtypes_and_init(tiny_ckpt):
+    config = load_variant("tiny")[0]
+    peaked = 0
     with safe_open(tiny_ckpt / "model.safetensors", "pt") as f:
         for name in f.keys():
             t = f.get_tensor(name)
@@ -53,7 +56,10 @@ def test_dtypes_and_init(tiny_ckpt):
             elif name.endswith(".bias"):
                 assert torch.all(t == 0), name
             else:
-                assert 0.015 < t.float().std().item() < 0.025, name
+                std = tensor_std(name, config)  # 0.02, or a peaked head / residual branch
+                assert 0.75 * std < t.float().std().item() < 1.25 * std, name
+                peaked += std != INIT_STD
+    assert peaked == 2 * (2 + 2) + 1 + 15  # o/down of 2 + 2 layers, codec_head, 15 lm heads
     with safe_open(tiny_ckpt / "speech_tokenizer/model.safetensors", "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
 

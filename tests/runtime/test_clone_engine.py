@@ -54,15 +54,21 @@ def test_both_clone_modes_synthesize(models, transcript):
     assert np.isfinite(pcm).all() and np.abs(pcm).max() > 0
 
 
-def test_the_voice_changes_the_codes(models):
-    def codes(clone):
-        engine = EagerEngine(models, num_slots=1, max_len=512)
-        slot = engine.admit(SynthesisRequest(TEXT, clone=clone, seed=3, max_frames=4))
-        engine.prefill([slot])
-        return torch.stack([engine.frames([slot])[0].codes for _ in range(4)])
+def test_the_voice_changes_the_logits(models):
+    """The x-vector reaches the model. Logits, not codes: the peaked stand-in's codes follow
+    its inputs' embeddings closely (model.standin), so a voice moves its logits only a little
+    (~0.4 % on the tiny stand-in) and the same seed can sample the same first codes."""
+    from ttsbuild.generation.generate import ReferenceModel
+    from ttsbuild.generation.prompt import build_prompt
 
-    assert not torch.equal(codes(clone_of(models, None, seed=1)), codes(clone_of(models, None,
-                                                                                   seed=2)))
+    def logits(clone):
+        spec = models.prompt_spec(SynthesisRequest(TEXT, clone=clone, seed=3))
+        prompt = build_prompt(models.talker, spec, models.code_predictor)
+        ref = ReferenceModel(models.talker, models.code_predictor, 1, 512)
+        return ref.prefill(0, prompt)[1]
+
+    a, b = logits(clone_of(models, None, seed=1)), logits(clone_of(models, None, seed=2))
+    assert (a - b).abs().max() > 1e-3 * a.abs().max()
 
 
 def test_in_context_audio_continues_the_reference(models):

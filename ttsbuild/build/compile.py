@@ -1,9 +1,11 @@
 """`ttsbuild compile`: a converted checkpoint (+ calibration) -> a self-contained engine dir.
 
 Ahead of time, once: fuse q/k/v and gate/up; quantise the chosen weight groups to FP8 e4m3
-with per-output-channel scales (activation and KV scales from the calibration file, recorded
-for the runtime); fold the codec; export the codec step to ONNX and check it in onnxruntime;
-measure FP8 quality against the bf16 weights and refuse an engine below the gate; measure the
+with per-output-channel scales (activation and KV scales from the calibration file are
+recorded, but no runtime path reads them yet: the FP8 linears are weight-only and the KV
+cache is bf16; the manifest's calibration.runtime_use says so); fold the codec; export the
+codec step to ONNX and check it in onnxruntime; measure FP8 quality of the runtime's kernels
+against the bf16 model and refuse an engine below the gate (`build.quality`); measure the
 codec at its compute precision against the fp32 decoder (SNR over random codes) and refuse a
 codec precision below its gate. The output is built in a temp dir beside ENGINE and renamed
 into place only when complete.
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,6 +52,12 @@ from ttsbuild.runtime.draft import DRAFT_FILE, read_draft
 from ttsbuild.runtime.plan import EnginePlan
 
 LM_MODULES = ("talker", "code_predictor")
+# What the runtime does with a calibration file's scales (the manifest says it).
+CALIBRATION_RUNTIME_USE = (
+    "none yet: the runtime's FP8 linears are weight-only (bf16 activations) and its "
+    "KV cache is bf16; input_scale and k/v_scale are recorded for a W8A8 kernel or an "
+    "FP8 KV cache, which no runtime path has"
+)
 
 
 @dataclass(frozen=True)
@@ -193,7 +201,8 @@ def _tensor_groups(cfg: BuildConfig, calibrated: bool) -> dict[str, dict]:
     groups = {}
     for group, why_fp8, why_bf16 in (
         ("talker.layers",
-         "decode is weight-read bound: 1 byte per weight instead of 2 (weight-only FP8 GEMV)",
+         "decode is weight-read bound: 1 byte per weight instead of 2 (weight-only FP8 GEMV; "
+         "an input_scale, where calibrated, is recorded but not read: activations stay bf16)",
          "bf16 engine"),
         ("code_predictor.layers",
          "requested (--fp8-code-predictor)",
@@ -258,6 +267,8 @@ def compile_engine_dir(
         for m in LM_MODULES:
             _check_weight_amax(packed[m], fp8_names[m], calib["modules"][m], m)
             packed[m].update(calibrated_scales(packed[m], calib["modules"][m], fp8_names[m]))
+        log(f"calibration: activation and KV scales recorded; runtime use: "
+            f"{CALIBRATION_RUNTIME_USE}")
     codec_state = fold_codec_state(ckpt.tensors("codec"))
     codec_cfg = CodecConfig.from_official(ckpt.codec_config)
     codec_quality = check_codec_quality(codec_cfg, codec_state, cfg, device, log)
@@ -337,6 +348,7 @@ def compile_engine_dir(
                 "num_texts": len(calib["texts"]),
                 "frames": sum(calib["run"]["frames"]),
                 "algorithm": calib["method"]["algorithm"],
+                "runtime_use": CALIBRATION_RUNTIME_USE,
             },
             "quality": quality,
             "speakers": cm["speakers"],
@@ -393,20 +405,22 @@ def check_codec_quality(codec_cfg: CodecConfig, folded_state: dict, cfg: BuildCo
 
 
 def check_quality(ckpt, packed, sizes, cfg: BuildConfig, device, log) -> dict:
-    """Teacher-forced FP8-vs-bf16 report; raises QualityError below the gate unless forced."""
-    from ttsbuild.build.engine_dir import lm_modules_from_packed
-    from ttsbuild.build.quality import measure_quality
+    """Teacher-forced report of the runtime on the packed weights against the checkpoint's
+    eager modules (`build.quality`); raises QualityError below the gate unless forced."""
+    from ttsbuild.build.quality import RuntimeLM, measure_quality
     from ttsbuild.calibration.corpus import generate_corpus, load_texts
     from ttsbuild.runtime.engine import Models
 
-    log("measuring FP8 quality against bf16 (teacher forcing)")
+    log("measuring FP8 quality of the runtime's kernels against bf16 (teacher forcing)")
     reference = Models.load(ckpt, device=device)
     dtype = reference.talker.codec_head.weight.dtype
-    talker, cp = lm_modules_from_packed(reference.cfg, packed, sizes, dtype, device)
-    candidate = replace(reference, talker=talker, code_predictor=cp)
+    plan = cfg.runtime_plan()
+    runtime = RuntimeLM.from_packed(reference.cfg, packed, sizes, dtype, device,
+                                    plan.code_predictor_fp8)
     items = generate_corpus(reference, load_texts(None, cfg.quality_texts), seed=cfg.seed,
                             max_frames=cfg.quality_frames)
-    report = measure_quality(reference, candidate, items, cfg.min_top1, cfg.max_kl)
+    report = measure_quality(reference, runtime, items, code_predictor_paths(plan),
+                             cfg.min_top1, cfg.max_kl)
     log(f"FP8 quality: {report.summary()}")
     if not report.passed and not cfg.force_quality:
         raise QualityError(
@@ -414,6 +428,14 @@ def check_quality(ckpt, packed, sizes, cfg: BuildConfig, device, log) -> dict:
             "(--force-quality writes it anyway, recorded as failed)"
         )
     return report.to_dict()
+
+
+def code_predictor_paths(plan: EnginePlan) -> dict[str, int]:
+    """The code-predictor paths the plan runs, with the largest batch each runs at."""
+    fused = [b for b in plan.batch_buckets if b in plan.fused_code_predictor]
+    unfused = [b for b in plan.batch_buckets if b not in plan.fused_code_predictor]
+    return {**({"fused": max(fused)} if fused else {}),
+            **({"unfused": max(unfused)} if unfused else {})}
 
 
 __all__ = ["BuildConfig", "EngineError", "QualityError", "compile_engine_dir"]

@@ -114,6 +114,7 @@ class Calibration(_Strict):
     num_texts: int
     frames: int
     algorithm: str
+    runtime_use: str | None = None  # what of it the runtime reads (engines before: unstated)
 
 
 class EngineManifest(_Strict):

@@ -15,6 +15,13 @@ The calibration file records per-tensor amax of every linear's weight and input 
 FP8_DEFAULT_CFG: e4m3, per-tensor, "max" algorithm; its `*lm_head*` exclusion is dropped so
 every linear is measured, whether it runs in FP8 is `ttsbuild compile`'s decision) and
 per-layer K/V amax.
+
+What uses it: `ttsbuild compile --calib` checks the weight amax against the checkpoint's
+(same weights?) and writes input_scale (per FP8 linear) and k/v_scale (per layer) into the
+engine. No runtime path reads those yet: the FP8 linears are weight-only (bf16
+activations) and the KV cache is bf16, so calibration does not change what an engine
+computes (the manifest's calibration.runtime_use says so). They are kept for a W8A8 GEMM
+and an FP8 KV cache (issue 9), which will read them.
 """
 
 from __future__ import annotations

@@ -27,7 +27,11 @@ def calibrate(
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda if present)."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed of the generation run."),
 ) -> None:
-    """FP8 calibration (NVIDIA modelopt, max) of the talker, code predictor and KV cache."""
+    """FP8 calibration (NVIDIA modelopt, max) of the talker, code predictor and KV cache.
+
+    The scales are written into an engine by `compile --calib`; no runtime path uses them yet
+    (weight-only FP8 linears, bf16 KV cache), so they do not change what an engine computes.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from ttsbuild.calibration.calibrate import (

@@ -103,6 +103,15 @@ def init_random(
     variant: str = typer.Option("tiny", "--variant", help=f"One of: {', '.join(VARIANTS)}."),
     seed: int = typer.Option(0, "--seed", help="Random seed (output is deterministic)."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty directory."),
+    flat_logits: bool = typer.Option(
+        False, "--flat-logits",
+        help="Plain N(0, 0.02) weights (near-flat logits) instead of the peaked stand-in.",
+    ),
+    measure: bool = typer.Option(
+        None, "--measure/--no-measure",
+        help="Run the stand-in and record its sharpness (default: when a GPU is present).",
+    ),
+    device: str = typer.Option(None, "--device", help="cpu or cuda for --measure."),
 ) -> None:
     """Write a random-weight stand-in checkpoint in the official Qwen3-TTS layout."""
     from ttsbuild.convert.init_random import InitRandomError
@@ -116,7 +125,8 @@ def init_random(
     try:
         with _progress() as bar:
             standin = run(dst, variant, seed=seed, force=force,
-                          progress=_runner(bar, f"init-random {variant}"))
+                          progress=_runner(bar, f"init-random {variant}"),
+                          peaked=not flat_logits, measure=measure, device=device)
     except (InitRandomError, OutputExistsError) as exc:
         _err.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(1) from None
@@ -127,3 +137,10 @@ def init_random(
     _err.print(f"[green]wrote[/green] {dst} ({variant}, seed {seed}); length rule: "
                "the text's expected reading time (speaking rate), "
                f"{rule['min_frames']}..{rule['max_frames']} frames", highlight=False)
+    logits = standin["logits"]
+    for name, where in (("expected", "by construction"), ("measured", "measured")):
+        if name in logits:
+            s = {k: logits[name][k] for k in ("codebook0", "codebooks_1_15")}
+            _err.print(f"  logits ({where}): " + "; ".join(
+                f"{k} mean top-1 prob {v['mean_top1_prob']:.3f}, entropy "
+                f"{v['mean_entropy_nats']:.2f} nats" for k, v in s.items()), highlight=False)

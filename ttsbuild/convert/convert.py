@@ -139,11 +139,11 @@ def compare_tensors(reader: SafetensorsReader, schema: Schema, label: str) -> li
 
 def _check_standin(standin: dict, problems: list[str]) -> None:
     rule = standin.get("length_rule")
-    ok = (standin.get("format") in (1, 2) and isinstance(rule, dict)
+    ok = (standin.get("format") in (1, 2, 3) and isinstance(rule, dict)
           and isinstance(rule.get("min_frames"), int) and isinstance(rule.get("max_frames"), int)
           and 0 < rule["min_frames"] <= rule["max_frames"])
     if not ok:
-        problems.append(f"{STANDIN_FILE} is not a valid stand-in record (format 1 or 2 with a "
+        problems.append(f"{STANDIN_FILE} is not a valid stand-in record (format 1-3 with a "
                         "length_rule of 0 < min_frames <= max_frames)")
 
 

@@ -14,6 +14,13 @@ English, by characters and script, with its sources). Counting characters, not s
 tokens, keeps the length realistic: the 3k-token stand-in tokenizer splits unfamiliar words
 into many pieces. `min_frames` (1 s) keeps one-word requests audible, `max_frames` (2 min)
 bounds long ones. Format 1 records (a rule by text tokens) load with the same rule.
+
+Logits (format 3). Stand-ins are peaked by default (`ttsbuild.model.standin`): the heads and
+the residual branches are drawn with the stds that give trained-model-like next-code
+distributions and FP8 robustness (`peaked=False`, `init-random --flat-logits`: every tensor
+N(0, 0.02) as before). The record's `logits` says how, with the sharpness expected from the
+construction and, where measured (`measure`), the stand-in's own: mean top-1 probability and
+entropy of its codebook-0 and codebook-1..15 logits while it speaks a few shipped texts.
 """
 
 from __future__ import annotations
@@ -35,12 +42,19 @@ from ttsbuild.convert.schema import (
     validate_speech_tokenizer_config,
 )
 from ttsbuild.convert.variants import VARIANTS
+from ttsbuild.model.standin import (
+    INIT_STD,
+    LOGIT_STD,
+    expected_sharpness,
+    measure_sharpness,
+    record,
+    tensor_std,
+)
 from ttsbuild.text.standin import write_standin_tokenizer
 
 STANDIN_FILE = "ttsbuild_standin.json"
-STANDIN_FORMAT = 2
+STANDIN_FORMAT = 3  # 3: the logits record
 LENGTH_RULE = {"frames": "speaking_rate", "min_frames": 13, "max_frames": 1500}
-INIT_STD = 0.02
 
 # Inferred: the published files' exact contents are not known here; these are what the
 # official loaders need (an Encodec-style feature extractor for the speech tokenizer).
@@ -79,8 +93,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
-def random_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
-    """Deterministic per (seed, tensor name), independent of the order tensors are made in."""
+def random_tensor(spec: TensorSpec, seed: int, std: float = INIT_STD) -> torch.Tensor:
+    """Deterministic per (seed, tensor name), independent of the order tensors are made in;
+    random ones N(0, std)."""
     dtype = torch.bfloat16 if spec.dtype == "BF16" else torch.float32
     if spec.init == "ones":
         return torch.ones(spec.shape, dtype=dtype)
@@ -94,7 +109,7 @@ def random_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
     step = 1 << 24  # fill in chunks: bounded fp32 scratch for the big embeddings
     for start in range(0, flat.numel(), step):
         n = min(step, flat.numel() - start)
-        flat[start:start + n] = torch.randn(n, generator=gen) * INIT_STD
+        flat[start:start + n] = torch.randn(n, generator=gen) * std
     return out
 
 
@@ -107,20 +122,25 @@ def _codec_decoder_state(st_config: dict, seed: int) -> tuple[dict[str, torch.Te
 
 
 def init_random(dst: str | Path, variant: str, seed: int = 0, force: bool = False,
-                progress=None) -> dict:
+                progress=None, peaked: bool = True, measure: bool | None = None,
+                device: str | None = None) -> dict:
     """Write the shipped `variant` as a stand-in checkpoint to `dst` atomically.
 
     Returns the stand-in record. `progress(advance_bytes, total_bytes, label)` is called as
-    tensors are written.
+    tensors are written. measure: run the stand-in on `device` (default: cuda if present)
+    and record its sharpness (None: when a GPU is present; eager generation on a CPU takes
+    ~10 s even for the tiny stand-in).
     """
     config, st_config, gen_config = load_variant(variant)
     return write_random_checkpoint(dst, config, st_config, gen_config, seed=seed,
-                                   variant=variant, force=force, progress=progress)
+                                   variant=variant, force=force, progress=progress,
+                                   peaked=peaked, measure=measure, device=device)
 
 
 def write_random_checkpoint(dst: str | Path, config: dict, st_config: dict, gen_config: dict,
                             seed: int = 0, variant: str = "custom", force: bool = False,
-                            progress=None) -> dict:
+                            progress=None, peaked: bool = True, measure: bool | None = None,
+                            device: str | None = None) -> dict:
     """Like `init_random` for any valid pair of configs (tests use custom sizes)."""
     problems = validate_config(config) + validate_speech_tokenizer_config(st_config)
     if problems:  # a shipped config is broken: a bug, not user error
@@ -134,7 +154,14 @@ def write_random_checkpoint(dst: str | Path, config: dict, st_config: dict, gen_
         "length_rule": dict(LENGTH_RULE),
         "seed": int(seed),
         "variant": variant,
+        "logits": logits_record(config, peaked),
     }
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if measure is None:
+        measure = torch.device(device).type == "cuda"
+
+    def std(spec: TensorSpec) -> float:
+        return tensor_std(spec.name, config) if peaked else INIT_STD
 
     def tick(spec: TensorSpec) -> None:
         if progress is not None:
@@ -149,7 +176,7 @@ def write_random_checkpoint(dst: str | Path, config: dict, st_config: dict, gen_
         write_safetensors(
             tmp / "model.safetensors",
             model_specs,
-            ((s.name, random_tensor(s, seed)) for s in model_specs),
+            ((s.name, random_tensor(s, seed, std(s))) for s in model_specs),
             on_tensor=tick,
         )
 
@@ -181,5 +208,53 @@ def write_random_checkpoint(dst: str | Path, config: dict, st_config: dict, gen_
                     yield s.name, random_tensor(s, seed)
 
         write_safetensors(st_dir / "model.safetensors", st_specs, st_tensors(), on_tensor=tick)
+        if measure:
+            models = standin_models(tmp, config, gen_config, device)
+            standin["logits"]["measured"] = measure_sharpness(models)
+            standin["logits"]["measured"]["device"] = device
         write_json(tmp / STANDIN_FILE, standin)
     return standin
+
+
+def logits_record(config: dict, peaked: bool) -> dict:
+    """How the stand-in's logits were made, and the sharpness that construction gives."""
+    rec = record(peaked)
+    if peaked:
+        t = config["talker_config"]
+        vocab0 = int(t["code_predictor_config"]["vocab_size"]) + 1  # codes + EOS
+        rec["expected"] = {
+            "codebook0": expected_sharpness(LOGIT_STD, vocab0),
+            "codebooks_1_15": expected_sharpness(LOGIT_STD, vocab0 - 1),
+        }
+    return rec
+
+
+def standin_models(root: Path, config: dict, gen_config: dict, device: str):
+    """The talker and code predictor of a stand-in written at `root` (official layout) as
+    `runtime.engine.Models` without a codec: enough to make it speak codes."""
+    from safetensors import safe_open
+
+    from ttsbuild.generation.generate import LengthRule
+    from ttsbuild.model.config import ModelConfig
+    from ttsbuild.model.talker import CodePredictor, Talker
+    from ttsbuild.runtime.engine import Models
+    from ttsbuild.text.tokenizer import TextTokenizer
+
+    cfg = ModelConfig.from_official(config)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    with torch.device("meta"):
+        talker, cp = Talker(cfg), CodePredictor(cfg)
+    states: dict[str, dict] = {"talker.": {}, "talker.code_predictor.": {}}
+    with safe_open(str(Path(root) / "model.safetensors"), "pt", device=str(device)) as f:
+        for k in f.keys():
+            if k.startswith("talker."):
+                prefix = "talker.code_predictor." if k.startswith("talker.code_predictor.") \
+                    else "talker."
+                states[prefix][k[len(prefix):]] = f.get_tensor(k).to(dtype)
+    talker.load_state_dict(states["talker."], strict=True, assign=True)
+    cp.load_state_dict(states["talker.code_predictor."], strict=True, assign=True)
+    return Models(
+        cfg=cfg, talker=talker.eval(), code_predictor=cp.eval(), codec=None, codec_cfg=None,
+        tokenizer=TextTokenizer.from_dir(root), generation_config=gen_config,
+        length_rule=LengthRule.from_standin({"length_rule": LENGTH_RULE}), manifest={},
+    )

@@ -181,3 +181,44 @@ class FusedCodePredictor:
                 e = self.proj(self.embeddings[cb - 1][code])
                 h = self.stack.decode(e, k_cache, v_cache, slots, positions[cb + 1][:B])
         return torch.stack(codes, dim=1)
+
+    def frame_logits(
+        self,
+        hidden: torch.Tensor,  # [B, talker hidden]
+        codes: torch.Tensor,  # [B, G]: the frame's codes (codebook 0 and the teacher's 1..G-1)
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,  # [B]
+        positions: list[torch.Tensor],
+        fused: bool = True,
+    ) -> torch.Tensor:
+        """The logits [B, G - 1, codebook_size] (fp32) that `frame` (fused=True) or
+        `frame_unfused` samples codebooks 1..G-1 from, each pass fed the given codes instead of
+        its own samples (teacher forcing: the FP8 quality gate, `build.quality`). The same
+        launches as the frame minus the sampler."""
+        B, G = hidden.shape[0], self.num_code_groups
+        out = []
+        if fused:
+            eps = self.stack.cfg.rms_norm_eps
+
+            def step(x: torch.Tensor, position: int) -> torch.Tensor:
+                pos = positions[position][:B]
+                return decode_fused(self.stack, x, k_cache, v_cache, slots, pos, final_norm=False)
+
+            step(self._project(hidden, None), 0)
+            residual = step(self._project(self.codec_embedding, codes[:, 0]), 1)
+            for cb in range(1, G):
+                head = self.heads[cb - 1]
+                out.append(norm_linear(residual, self.stack.norm, head.weight, head.scale, eps=eps,
+                                       out_dtype=torch.float32))
+                if cb + 1 < G:
+                    residual = step(self._project(self.embeddings[cb - 1], codes[:, cb]), cb + 1)
+            return torch.stack(out, dim=1)
+        x = torch.stack([hidden, self.codec_embedding[codes[:, 0]]], dim=1)  # [B, 2, H]
+        h = self.stack.prefill(self.proj(x), k_cache, v_cache, slots)[:, -1]
+        for cb in range(1, G):
+            out.append(self.heads[cb - 1](h).float())
+            if cb + 1 < G:
+                e = self.proj(self.embeddings[cb - 1][codes[:, cb]])
+                h = self.stack.decode(e, k_cache, v_cache, slots, positions[cb + 1][:B])
+        return torch.stack(out, dim=1)

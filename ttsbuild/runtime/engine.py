@@ -295,15 +295,19 @@ def random_models(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    peaked: bool = True,
 ) -> Models:
     """A random-weight stand-in of a shipped variant built directly in memory (no files).
 
     For benchmarks: the real shapes, the stand-in tokenizer and length rule, weights drawn on
-    the target device (std 0.02 as `init-random`, with the audible codec init)."""
+    the target device (std 0.02 as `init-random`, then peaked as `init-random` peaks them:
+    `model.standin.peak_logits`; with the audible codec init)."""
     import tempfile
 
     from ttsbuild.convert.init_random import LENGTH_RULE, load_variant
     from ttsbuild.model.codec import random_codec_state
+    from ttsbuild.model.standin import peak_logits
+    from ttsbuild.model.standin import record as standin_record
     from ttsbuild.text.standin import write_standin_tokenizer
 
     device = torch.device(device)
@@ -331,7 +335,7 @@ def random_models(
         "variant": variant,
         "length_rule": dict(LENGTH_RULE),
     }
-    return Models(
+    models = Models(
         cfg=cfg,
         talker=talker.to(dtype).eval(),
         code_predictor=cp.to(dtype).eval(),
@@ -346,3 +350,5 @@ def random_models(
             if cfg.tts_model_type == "base" else None
         ),
     )
+    standin["logits"] = peak_logits(models) if peaked else standin_record(False)
+    return models

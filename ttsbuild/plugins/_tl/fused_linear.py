@@ -213,6 +213,8 @@ def fused_linear_triton(
     config: dict | None = None,
 ) -> torch.Tensor:
     K = x.shape[1]
+    if index is not None:
+        index = index.contiguous()  # the kernel reads idx[m] at idx_ptr + m
     M = index.shape[0] if index is not None else x.shape[0]
     N = weight.shape[0] // 2 if gate_up else weight.shape[0]
     if weight.shape[1] != K or x.stride(1) != 1 or weight.stride(1) != 1:

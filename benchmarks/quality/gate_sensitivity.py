@@ -1,0 +1,143 @@
+"""The FP8 quality gate on one model, for the engine as compiled and for deliberately broken
+ones: does the gate pass what is right and refuse what is wrong?
+
+The gate of `ttsbuild compile` (`build.quality`: the runtime's kernels on the packed FP8
+weights against the eager bf16 model, teacher forced) is run on
+  correct              the talker's FP8 layers as `compile` quantises them;
+  L.<linear> x4        one packed linear (qkv, o, gate_up, down) of layer L with its
+                       per-channel weight_scale multiplied by 4 (layers first, middle, last);
+  L.down ch0 zeroed    one output channel of layer L's down projection zeroed (scale 0).
+Prints a table and writes gate_sensitivity.json to --out.
+
+    python benchmarks/quality/gate_sensitivity.py CKPT --out out        # a converted checkpoint
+    python benchmarks/quality/gate_sensitivity.py --random 1.7b-customvoice --flat --only-correct
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ttsbuild.build.compile import BuildConfig, code_predictor_paths, quantize_groups
+from ttsbuild.build.pack import fused_sizes, pack_state
+from ttsbuild.build.quality import RuntimeLM, measure_quality, teacher_forced_logits
+from ttsbuild.calibration.corpus import generate_corpus, load_texts
+
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def load(args, device):
+    from ttsbuild.runtime.engine import Models, random_models
+
+    dtype = {"fp32": torch.float32, "bf16": None}[args.reference]
+    if args.random:  # bf16 weights, as a checkpoint stores them
+        models = random_models(args.random, device=device, dtype=torch.bfloat16,
+                               peaked=not args.flat)
+        if args.gain is not None:
+            from ttsbuild.model.standin import peak_logits
+
+            peak_logits(models, residual_gain=args.gain)
+        if dtype is not None:
+            models.talker.to(dtype), models.code_predictor.to(dtype)
+        return models
+    from ttsbuild.convert.checkpoint import load_checkpoint
+
+    return Models.load(load_checkpoint(args.checkpoint), device=device, dtype=dtype)
+
+
+def variants(num_layers: int, only_correct: bool):
+    yield "correct", lambda packed: None
+    yield "bf16 weights", None  # no FP8 at all: the kernels' and bf16's own share
+    if only_correct:
+        return
+    for layer in sorted({0, num_layers // 2, num_layers - 1}):
+        for lin in LINEARS:
+            name = f"model.layers.{layer}.{lin}.weight_scale"
+
+            def times4(packed, name=name):
+                packed["talker"][name] = packed["talker"][name] * 4
+
+            yield f"{layer}.{lin.split('.')[1]} x4", times4
+    mid = num_layers // 2
+    name = f"model.layers.{mid}.mlp.down_proj.weight_scale"
+
+    def zero_channel(packed, name=name):
+        packed["talker"][name] = packed["talker"][name].clone()
+        packed["talker"][name][0] = 0
+
+    yield f"{mid}.down ch0 zeroed", zero_channel
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", nargs="?")
+    ap.add_argument("--random", help="in-memory random stand-in of this variant instead")
+    ap.add_argument("--flat", action="store_true", help="with --random: not peaked")
+    ap.add_argument("--texts", type=int, default=4)
+    ap.add_argument("--frames", type=int, default=32)
+    ap.add_argument("--only-correct", action="store_true")
+    ap.add_argument("--reference", choices=("bf16", "fp32"), default="bf16",
+                    help="the reference's compute dtype on a GPU (compile: bf16)")
+    ap.add_argument("--gain", type=float, help="with --random: this residual gain")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not args.checkpoint and not args.random:
+        ap.error("give a checkpoint or --random VARIANT")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = BuildConfig()
+    t0 = time.perf_counter()
+    ref = load(args, device)
+    modules = {"talker": ref.talker, "code_predictor": ref.code_predictor}
+    states = {m: {k: v.detach().to("cpu", torch.bfloat16) for k, v in mod.state_dict().items()}
+              for m, mod in modules.items()}
+    sizes = {m: fused_sizes(s) for m, s in states.items()}
+    unquantised = {m: pack_state(s) for m, s in states.items()}
+    base = {m: dict(t) for m, t in unquantised.items()}
+    quantize_groups(base, cfg.fp8_groups(), device)
+    items = generate_corpus(ref, load_texts(None, args.texts), seed=cfg.seed,
+                            max_frames=args.frames)
+    ref_logits = teacher_forced_logits(ref, items)
+    plan = cfg.runtime_plan()
+    paths = code_predictor_paths(plan)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the runtime's
+    print(f"model ready in {time.perf_counter() - t0:.1f} s: {args.checkpoint or args.random}"
+          f"{' (flat)' if args.flat else ''}{f', gain {args.gain}' if args.gain else ''}, "
+          f"reference {args.reference}, {len(items)} texts, "
+          f"{sum(int(i.codes.shape[0]) for i in items)} frames, cp paths {paths}", flush=True)
+    rows = []
+    print("| engine | c0 top-1 | c0 mean KL | cb1-15 top-1 | cb1-15 mean KL | gate |")
+    print("|---|---|---|---|---|---|")
+    for name, breaks in variants(ref.cfg.talker.num_layers, args.only_correct):
+        packed = {m: dict(t) for m, t in (base if breaks else unquantised).items()}
+        if breaks:
+            breaks(packed)
+        t = time.perf_counter()
+        runtime = RuntimeLM.from_packed(ref.cfg, packed, sizes, dtype, device,
+                                        plan.code_predictor_fp8)
+        r = measure_quality(ref, runtime, items, paths, reference_logits=ref_logits)
+        rows.append({"engine": name, "seconds": round(time.perf_counter() - t, 2),
+                     **r.to_dict()})
+        print(f"| {name} | {r.codebook0_top1_agreement:.4f} | {r.codebook0_mean_kl:.5f} | "
+              f"{r.code_predictor_top1_agreement:.4f} | {r.code_predictor_mean_kl:.5f} | "
+              f"{'pass' if r.passed else 'FAIL'} |", flush=True)
+    s = rows[0]["reference_sharpness"]
+    for group, v in s.items():
+        print(f"reference {group}: mean top-1 prob {v['mean_top1_prob']:.3f}, entropy "
+              f"{v['mean_entropy_nats']:.2f} nats, top-1 prob p10/p50/p90 "
+              f"{v['top1_prob_p10_p50_p90']}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = "gate_sensitivity" + (f"_{args.random}{'_flat' if args.flat else ''}"
+                                     if args.random else "") + f"_{args.reference}"
+        if args.gain is not None:
+            name += f"_gain{args.gain}"
+        (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
