@@ -32,8 +32,9 @@ for step in $STEPS; do
             --precisions "$PRECISIONS" --iters 20 --out "$OUT" 2>&1 | tee "$OUT/engine_bench.log" ;;
     guards)
         log "guards off vs on (issue 15)"
-        timeout 300 python3 -m ttsbuild.bench.engine_bench --compare-guards --precisions fp8 \
-            --batches "${GUARD_BATCHES:-1,64}" --iters 40 --out "$OUT/guards" 2>&1 | tee "$OUT/guards.log" ;;
+        timeout 300 python3 -m ttsbuild.cli bench engine --random 1.7b-customvoice --compare-guards \
+            --precisions fp8 --batches "${GUARD_BATCHES:-1,64}" --iters 40 --output "$OUT/guards" \
+            2>&1 | tee "$OUT/guards.log" ;;
     persistent)
         log "code-predictor frame: fused vs persistent pass (issue 9)"
         timeout 240 python3 benchmarks/kernels/bench_cp_fused.py --paths fused,persistent \
