@@ -127,3 +127,25 @@ def test_cli_synth_clones_from_a_clip(tiny_base_checkpoint, tiny_checkpoint, tmp
     result = runner.invoke(app, ["synth", str(tiny_checkpoint), TEXT, "-o", str(out),
                                  "--voice", "ryan", "--ref-audio", str(clip), "--device", "cpu"])
     assert result.exit_code == 1 and "needs a Base" in result.output
+
+
+def test_graph_engine_primes_a_voice_once(models):
+    """In-context clones on the graph backend (CPU): the codec state after the reference
+    frames is kept per voice, so a second request copies it instead of priming again; its
+    audio equals the first request's and the eager engine's."""
+    from ttsbuild.runtime.graph_engine import GraphEngine
+    from ttsbuild.runtime.plan import EnginePlan
+
+    clone = clone_of(models, "A reference transcript.", seconds=1.5)
+    req = SynthesisRequest(TEXT, clone=clone, seed=4, max_frames=6)
+    plan = EnginePlan(num_slots=2, max_len=512, max_text=64, batch_buckets=(1, 2),
+                      prefill_buckets=(128,), codec_chunks=(1, 2), codec_ring=8)  # fmt: skip
+    engine = GraphEngine(models, plan, use_graphs=False)
+    first, stats = synthesize(engine, req)
+    assert engine.backend.primed_hits == 0 and len(engine.backend.primed) == 1
+    second, _ = synthesize(engine, req)
+    assert engine.backend.primed_hits == 1
+    eager, _ = synthesize(EagerEngine(models, num_slots=1, max_len=512), req)
+    assert stats["frames"] == 6 and np.abs(first).max() > 0
+    assert np.abs(second - first).max() <= 1e-6 * np.abs(first).max()
+    assert np.abs(first - eager).max() <= 1e-5 * np.abs(eager).max()

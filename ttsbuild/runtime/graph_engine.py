@@ -44,7 +44,7 @@ that is the path CI checks against the reference backend.
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -236,6 +236,10 @@ class GraphBackend:
             if plan.prefix_pool
             else None
         )
+        # In-context clones: the codec state after a voice's reference frames, per voice (the
+        # codec half of a prompt prefix), so priming runs once per voice, not per request.
+        self.primed: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
+        self.primed_hits = 0
         # A request's per-slot settings, staged on the host and written into its slot by the
         # prefill step itself (one copy in, no per-field kernels at admission).
         self.admit_ints = zeros(len(_ADMIT_INTS), dtype=torch.int64)
@@ -537,11 +541,26 @@ class GraphBackend:
 
     def _prime_codec(self, slot: int, context: torch.Tensor) -> None:
         """In-context clone: the reference frames [F, groups] condition the slot's codec state
-        as generated ones will (their audio is not output). Uncaptured: once per request."""
+        as generated ones will (their audio is not output). Uncaptured, once per voice: the
+        state after priming is kept (up to plan.prefix_pool voices, least recently used out)
+        and copied into the slot for the voice's later requests."""
+        key = context.to("cpu", torch.int64).contiguous().numpy().tobytes()
+        state = self.codec_engine.tensors()
+        cached = self.primed.get(key)
+        if cached is not None:
+            self.primed.move_to_end(key)
+            self.primed_hits += 1
+            for t, row in zip(state, cached, strict=True):
+                t[slot].copy_(row)
+            return
         rows = torch.tensor([slot], device=self.device)
         codes = context.to(self.device).T[None]  # [1, groups, F]
         for start in range(0, codes.shape[-1], self.plan.max_chunk):
             self.codec_engine.step(rows, codes[..., start : start + self.plan.max_chunk])
+        if self.plan.prefix_pool:
+            self.primed[key] = [t[slot].clone() for t in state]
+            while len(self.primed) > self.plan.prefix_pool:
+                self.primed.popitem(last=False)
 
     def _staged(self, names: tuple[str, ...], values: dict, dtype) -> torch.Tensor:
         return self._pinned(torch.tensor([values[k] for k in names], dtype=dtype))
