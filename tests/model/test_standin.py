@@ -98,3 +98,23 @@ def test_peaked_stand_in_speaks_for_its_length_rule(greedy):
     expected = models.length_rule.frames_for(LONG_TEXT, "english")
     assert expected > 60
     assert (stats["frames"], stats["stopped_by"]) == (expected, "length_rule")
+
+
+def test_the_instruction_moves_the_peaked_stand_ins_logits(tiny_checkpoint):
+    """The peaked stand-in depends little on its context (its residual branches are scaled
+    down), but an instruction still reaches its logits."""
+    from ttsbuild.convert.checkpoint import load_checkpoint
+    from ttsbuild.generation.generate import ReferenceModel
+    from ttsbuild.generation.prompt import build_prompt
+    from ttsbuild.runtime.engine import Models
+    from ttsbuild.runtime.request import SynthesisRequest
+
+    models = Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
+
+    def logits(instruct):
+        req = SynthesisRequest("Hi there.", voice="ryan", seed=7, instruct=instruct)
+        prompt = build_prompt(models.talker, models.prompt_spec(req), models.code_predictor)
+        return ReferenceModel(models.talker, models.code_predictor, 1, 512).prefill(0, prompt)[1]
+
+    a, b = logits(None), logits("Whisper, slowly.")
+    assert (a - b).abs().max() > 1e-3 * a.abs().max()

@@ -251,10 +251,21 @@ def test_sse_sends_delta_events_then_done_with_usage(server):
     assert usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + 7
 
 
-def test_instructions_reach_the_model(server):
-    url, _ = server
-    plain = post(url, {**GOOD, "response_format": "pcm"}).content
-    told = post(url, {**GOOD, "response_format": "pcm", "instructions": "Whisper, slowly."})
+def test_instructions_reach_the_model(tmp_path_factory):
+    """End to end, on the flat-logit stand-in: the peaked one (the default) depends so little
+    on its context that an instruction need not change its codes (model.standin); that the
+    instruction changes its logits is tested on the model (tests/model/test_standin.py)."""
+    from ttsbuild.convert.convert import convert_checkpoint
+    from ttsbuild.convert.init_random import init_random
+
+    from .conftest import running_server
+
+    root = tmp_path_factory.mktemp("flat")
+    init_random(root / "src", "tiny", seed=0, peaked=False)
+    convert_checkpoint(root / "src", root / "ckpt")
+    with running_server(root / "ckpt", NO_CAPACITY_ADMISSION, slots=1) as (url, _):
+        plain = post(url, {**GOOD, "response_format": "pcm"}).content
+        told = post(url, {**GOOD, "response_format": "pcm", "instructions": "Whisper, slowly."})
     assert told.status_code == 200 and len(told.content) == len(plain)
     assert told.content != plain  # same seed: only the instruction differs
 
