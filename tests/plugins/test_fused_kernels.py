@@ -180,6 +180,10 @@ def test_gather_linear_kernel(M, dtype, fp8):
     out = fused_linear(table, w, s, index=idx, bias=bias, use_triton=True)
     ref = fused_linear_reference(table.float(), w_ref, s, index=idx, bias=bias.float())
     assert _rel(out, ref) < _tol(dtype)
+    # a strided index (a column of a [M, 2] code tensor) picks the same rows
+    codes = torch.stack([idx, torch.randint(0, V, (M,), device=KDEV, generator=g)], dim=1)
+    strided = fused_linear(table, w, s, index=codes[:, 0], bias=bias, use_triton=True)
+    assert codes[:, 0].stride(0) == 2 and torch.equal(strided, out)
 
 
 @needs_kernel

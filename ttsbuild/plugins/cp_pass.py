@@ -144,6 +144,8 @@ def run_pass(
 
     c = w.cfg
     S, D = k_cache.shape[-2], k_cache.shape[-1]
+    idx = None if idx is None else idx.contiguous()  # the kernel reads idx[m] at idx_ptr + m
+    slots = slots.contiguous()
     if S > MAX_POSITIONS or B > bufs.x.shape[0] or k_cache.stride() != v_cache.stride():
         raise ValueError("cache or batch outside the persistent pass's limits")
     if w.proj_weight is not None and src.shape[1] != w.proj_weight.shape[1]:
