@@ -85,6 +85,8 @@ def test_graph_bodies_are_capture_safe(models, choice):
     engine.prefill(slots)  # host-side admission work happens here, outside any graph
     backend.rows_in[:2] = torch.tensor(slots)
     backend.codec_rows_in[:2] = torch.tensor(slots)
+    # the memory report counts what the choice holds
+    assert (backend.memory_report()["speculation"] > 0) == (choice == "speculative")
     bodies = backend.graph_bodies()
     assert {key[0] for key, _, _ in bodies} >= {"frame", "codec", "prefill"}
     for key, body, _ in bodies:

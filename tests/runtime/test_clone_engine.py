@@ -143,6 +143,7 @@ def test_graph_engine_primes_a_voice_once(models):
     engine = GraphEngine(models, plan, use_graphs=False)
     first, stats = synthesize(engine, req)
     assert engine.backend.primed_hits == 0 and len(engine.backend.primed) == 1
+    assert engine.backend.memory_report()["primed_codec_states"] > 0
     second, _ = synthesize(engine, req)
     assert engine.backend.primed_hits == 1
     eager, _ = synthesize(EagerEngine(models, num_slots=1, max_len=512), req)

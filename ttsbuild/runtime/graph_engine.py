@@ -654,12 +654,23 @@ class GraphBackend:
                  self.prompt_rows, self.trailing_ids, self.pcm_out, self.frame_out, self.rows_in,
                  self.codec_rows_in]  # fmt: skip
         flat = [t for x in state for t in (x if isinstance(x, list) else [x])]
+        spec = self.cp_spec
+        spec_tensors = [] if spec is None else [spec.heads, spec.k_cache, spec.v_cache]
+        if spec is not None and spec.draft_heads is not None:
+            spec_tensors.append(spec.draft_heads)
+        bufs = getattr(self.cp_fused, "pass_buffers", None)
+        if bufs is not None:
+            flat += [bufs.x, bufs.qkv, bufs.attn, bufs.act, bufs.logits]
         return {
             "weights_lm": stacks + fp8_heads + modules,
             "weights_codec": nbytes(m.codec.parameters()),
             "kv_cache": 2 * nbytes([self.kv_k]),
             "prefix_pool": self.prefix.nbytes() if self.prefix is not None else 0,
             "slot_state_and_io": nbytes(flat) + nbytes([self.cp_embeddings]),
+            # the speculative code predictor's stacked (dequantised) target heads, draft
+            # heads and scratch caches; the codec states of primed in-context voices
+            "speculation": nbytes(spec_tensors),
+            "primed_codec_states": nbytes([t for row in self.primed.values() for t in row]),
             "graph_pools": self.graph_pool_bytes,
         }
 
