@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_runs import finish
 
 from ttsbuild.convert.checkpoint import load_checkpoint
 from ttsbuild.runtime.engine import EagerEngine, Models
@@ -44,22 +45,7 @@ def run_all(engine, requests, chunk=3):
     """All requests in one batch; audio pulled in chunks of `chunk` frames as they come."""
     slots = [engine.admit(r) for r in requests]
     engine.prefill(slots)
-    codes = {s: [] for s in slots}
-    pcm = {s: [] for s in slots}
-    active = list(slots)
-    while active:
-        for out in engine.frames(active):
-            if out.codes is not None:
-                codes[out.slot].append(out.codes)
-        for s, p in engine.audio(active, max_frames=chunk).items():
-            pcm[s].append(p)
-        active = [s for s in active if not engine.is_finished(s)]
-    for s, p in engine.audio(slots).items():
-        pcm[s].append(p)
-    result = [(torch.stack(codes[s]), np.concatenate(pcm[s])) for s in slots]
-    for s in slots:
-        engine.release(s)
-    return result
+    return finish(engine, slots, chunk)
 
 
 def test_fast_engine_matches_reference_engine(models):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_runs import finish
 
 from ttsbuild.convert.checkpoint import load_checkpoint
 from ttsbuild.generation.prompt import CODES, VOICE, VoiceClone, reference_text
@@ -90,22 +91,6 @@ def run(engine, requests, chunk: int = 2) -> list[tuple[torch.Tensor, np.ndarray
     return finish(engine, slots, chunk)
 
 
-def finish(engine, slots, chunk: int = 2) -> list[tuple[torch.Tensor, np.ndarray]]:
-    codes = {s: [] for s in slots}
-    pcm = {s: [] for s in slots}
-    active = list(slots)
-    while active:
-        for out in engine.frames(active):
-            if out.codes is not None:
-                codes[out.slot].append(out.codes)
-        for s, p in engine.audio(active, max_frames=chunk).items():
-            pcm[s].append(p)
-        active = [s for s in active if not engine.is_finished(s)]
-    for s, p in engine.audio(slots).items():
-        pcm[s].append(p)
-    for s in slots:
-        engine.release(s)
-    return [(torch.stack(codes[s]), np.concatenate(pcm[s])) for s in slots]
 
 
 def assert_same(got, want) -> None:
