@@ -65,7 +65,7 @@ def barrier_bench_kernel(bar_ptr, n):
 
 @triton.jit
 def _k_step(
-    acc_g, acc_u, k0, x_cols, nw_ptr, g_rows, u_rows, n_mask, m_mask, K,
+    acc_g, acc_u, sq, k0, x_cols, nw_ptr, g_rows, u_rows, n_mask, m_mask, K,
     X_DTYPE: tl.constexpr, BM: tl.constexpr, BLOCK_K: tl.constexpr, PRE_NORM: tl.constexpr,
     GATE_UP: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
@@ -73,9 +73,11 @@ def _k_step(
     k_mask = offs_k < K
     xm = m_mask[None, :] & k_mask[:, None]
     xt = tl.load(x_cols + offs_k[:, None], mask=xm, other=0.0, cache_modifier=".cg")
-    if PRE_NORM:
+    if PRE_NORM:  # the rows' sums of squares ride along, elementwise, reduced after the loop
+        xf = xt.to(tl.float32)
+        sq += xf * xf
         nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        xt = (xt.to(tl.float32) * nw[:, None]).to(X_DTYPE)
+        xt = (xf * nw[:, None]).to(X_DTYPE)
     w_mask = n_mask[:, None] & k_mask[None, :]
     w = tl.load(g_rows + offs_k[None, :], mask=w_mask, other=0.0)
     # GEMV (BM == 1): elementwise products accumulate; no cross-thread reduction between the
@@ -84,7 +86,7 @@ def _k_step(
     if GATE_UP:
         wu = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
         acc_u = _mac(acc_u, wu, xt, BM, DOT_F32)
-    return acc_g, acc_u
+    return acc_g, acc_u, sq
 
 
 @triton.jit
@@ -107,17 +109,6 @@ def _linear_stage(
         rows = offs_m.to(tl.int64)
     x_cols = x_ptr + rows[None, :] * STRIDE_X
     X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    ss = tl.zeros((BM,), tl.float32)
-    if PRE_NORM:  # each row's sum of squares, once per stage (every tile needs all of K);
-        # summed elementwise and reduced once, so no cross-thread reduction sits between loads
-        sq = tl.zeros((BLOCK_K, BM), tl.float32)
-        for ks in tl.static_range(0, K, BLOCK_K):
-            offs_k = ks + tl.arange(0, BLOCK_K)
-            xm = m_mask[None, :] & (offs_k[:, None] < K)
-            xf = tl.load(x_cols + offs_k[:, None], mask=xm, other=0.0, cache_modifier=".cg")
-            xf = xf.to(tl.float32)
-            sq += xf * xf
-        ss = tl.sum(sq, axis=0)
     for tile in range(pid, tl.cdiv(N, BLOCK_N), NPROG):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -128,18 +119,23 @@ def _linear_stage(
         else:
             acc_g = tl.zeros((BLOCK_N, BM), tl.float32)
         acc_u = tl.zeros_like(acc_g)
+        # PRE_NORM: each row's sum of squares over all of K, gathered in the tile's own K
+        # loop (recomputed per tile: a program has about one), so no separate pass over x
+        # stands between the stage's start and its weight loads
+        sq = tl.zeros((BLOCK_K, BM), tl.float32)
         if BM == 1:  # unrolled: every K step's weight loads in flight at once
             for k0 in tl.static_range(0, K, BLOCK_K):
-                acc_g, acc_u = _k_step(
-                    acc_g, acc_u, k0, x_cols, nw_ptr, g_rows, u_rows, n_mask, m_mask, K,
+                acc_g, acc_u, sq = _k_step(
+                    acc_g, acc_u, sq, k0, x_cols, nw_ptr, g_rows, u_rows, n_mask, m_mask, K,
                     X_DTYPE, BM, BLOCK_K, PRE_NORM, GATE_UP, DOT_F32,
                 )  # fmt: skip
         else:  # MMA tiles: a software-pipelined loop (unrolled, their smem would not fit)
             for kt in range(0, K, BLOCK_K):
-                acc_g, acc_u = _k_step(
-                    acc_g, acc_u, kt, x_cols, nw_ptr, g_rows, u_rows, n_mask, m_mask, K,
+                acc_g, acc_u, sq = _k_step(
+                    acc_g, acc_u, sq, kt, x_cols, nw_ptr, g_rows, u_rows, n_mask, m_mask, K,
                     X_DTYPE, BM, BLOCK_K, PRE_NORM, GATE_UP, DOT_F32,
                 )  # fmt: skip
+        ss = tl.sum(sq, axis=0)
         if BM == 1:
             acc_g = tl.sum(acc_g, axis=1)[:, None]
             acc_u = tl.sum(acc_u, axis=1)[:, None]
