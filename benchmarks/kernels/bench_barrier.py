@@ -16,20 +16,12 @@ import sys
 import torch
 
 from ttsbuild.bench.engine_bench import _time_graph
+from ttsbuild.runtime.graph_engine import _capture
 
 
 def graph_of(fn, n: int = 1) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    return g
+    """One CUDA graph of n calls of fn (graph_engine's capture: warm-up runs first)."""
+    return _capture(lambda: [fn() for _ in range(n)], None)
 
 
 def main() -> int:

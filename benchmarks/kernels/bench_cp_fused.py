@@ -40,6 +40,7 @@ from ttsbuild.model.config import ModelConfig
 from ttsbuild.model.talker import CodePredictor
 from ttsbuild.runtime.cp_fused import FusedCodePredictor
 from ttsbuild.runtime.fast_model import Dense, PackedStack
+from ttsbuild.runtime.graph_engine import _capture
 
 PEAK_BW = 4.0e12  # bytes/s, as bench_kernels.py
 DEV = "cuda"
@@ -102,16 +103,7 @@ class Frame:
         self.codes.copy_(run(*args, self.slots, self.positions))
 
     def capture(self) -> torch.cuda.CUDAGraph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self()
-        return graph
+        return _capture(self, None)  # warm-up runs, then the capture, as graph_engine does
 
 
 def time_graph_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:

@@ -49,6 +49,7 @@ from ttsbuild.runtime.cp_spec import (  # noqa: E402
     target_probs,
 )
 from ttsbuild.runtime.fast_model import Dense  # noqa: E402
+from ttsbuild.runtime.graph_engine import _capture  # noqa: E402
 
 DEV = "cuda"
 
@@ -67,19 +68,6 @@ def peak(fcp, factor: float) -> None:
     """Scale the lm heads in place: logits `factor` times sharper (bf16 heads)."""
     for h in fcp.heads:
         h.weight.mul_(factor)
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 @torch.no_grad()
@@ -143,14 +131,14 @@ def train(heads, opt, h, p, held, steps, window, g) -> None:
 def capture_spec(spec, fn) -> torch.cuda.CUDAGraph:
     """Capture with IF nodes; if this torch refuses them, say so and capture all rounds."""
     try:
-        return capture(fn)
+        return _capture(fn, None)
     except RuntimeError as exc:
         if not spec.conditional:
             raise
         print(f"IF-node capture failed ({str(exc).splitlines()[0][:160]}); all rounds from "
               "here on", flush=True)
         spec.conditional = False
-        return capture(fn)
+        return _capture(fn, None)
 
 
 def bench_target(fcp, name, args, results) -> None:
@@ -172,7 +160,7 @@ def bench_target(fcp, name, args, results) -> None:
         for path in paths:
             frame = Frame(fcp, B, path)
             frame.sampling = sampled(B)
-            base[path] = time_graph_ms(capture(frame), args.replays)
+            base[path] = time_graph_ms(_capture(frame, None), args.replays)
         best = min(base.values())
         frame = Frame(fcp, B, "unfused")
         frame.sampling = sampled(B)
