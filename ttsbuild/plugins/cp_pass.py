@@ -18,14 +18,9 @@ import torch
 
 from ttsbuild.plugins._dispatch import interpret_mode, want_triton
 from ttsbuild.plugins._tl.fp8_linear import _num_sms
-from ttsbuild.plugins.fused_linear import (
-    fused_linear,
-    linear_residual,
-    norm_gate_up_silu,
-    norm_linear,
-)
+from ttsbuild.plugins.fused_linear import fused_linear, norm_linear
 from ttsbuild.plugins.qk_norm_rope import inv_freq
-from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS, qk_norm_rope_attend
+from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
 
 _LOG2E = 1.4426950408889634
 _FIELDS = ("input_norm", "q_norm", "k_norm", "post_norm")
@@ -37,11 +32,18 @@ _BARRIERS: dict[torch.device, torch.Tensor] = {}
 class PassWeights:
     """A decoder stack's layer tensors stacked [L, ...], plus the pass's projection."""
 
-    cfg: object  # DecoderStackConfig
+    stack: object  # the PackedStack, its layers views of `stacked`
     stacked: dict[str, torch.Tensor]  # input_norm [L, H], qkv [L, Nqkv, H], qkv_scale, ...
-    norm: torch.Tensor  # [H] final norm
     proj_weight: torch.Tensor | None  # [H, K_src]: small_to_mtp_projection (None: identity)
     proj_bias: torch.Tensor | None
+
+    @property
+    def cfg(self):  # DecoderStackConfig
+        return self.stack.cfg
+
+    @property
+    def norm(self) -> torch.Tensor:  # [H] final norm
+        return self.stack.norm
 
     @classmethod
     def from_stack(cls, stack, proj_weight=None, proj_bias=None) -> PassWeights:
@@ -60,38 +62,25 @@ class PassWeights:
                 d.weight = stacked[name][i]
                 if d.scale is not None:
                     d.scale = stacked[f"{name}_scale"][i]
-        return cls(stack.cfg, stacked, stack.norm, proj_weight, proj_bias)
+        return cls(stack, stacked, proj_weight, proj_bias)
 
     @property
     def fp8(self) -> bool:
         return "qkv_scale" in self.stacked
 
-    def layer(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v[i] for k, v in self.stacked.items()}
-
     # -- the reference: the fused path's functions in order --------------------------------
     def reference(self, src, idx, pos, k_cache, v_cache, slots, head=None):
-        """(x [B, H] after the layers, logits [B, V] fp32 or None): what `run` computes."""
-        c = self.cfg
-        eps = c.rms_norm_eps
+        """(x [B, H] after the layers, logits [B, V] fp32 or None): what `run` computes: the
+        projection, runtime.cp_fused.decode_fused's layers, the head."""
+        from ttsbuild.runtime.cp_fused import decode_fused  # (cp_fused imports this module)
+
+        eps = self.cfg.rms_norm_eps
         if self.proj_weight is None:
             x = src if idx is None else src[idx]
         else:
             x = fused_linear(src, self.proj_weight, index=idx, bias=self.proj_bias)
-        B = x.shape[0]
-        positions = torch.full((B,), pos, dtype=torch.int64, device=x.device)
-        heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=eps,
-                     theta=c.rope_theta)  # fmt: skip
-        for i in range(c.num_layers):
-            w = self.layer(i)
-            qkv = norm_linear(x, w["input_norm"], w["qkv"], w.get("qkv_scale"), eps=eps)
-            attn = qk_norm_rope_attend(
-                qkv, w["q_norm"], w["k_norm"], positions, slots, k_cache[i], v_cache[i], **heads
-            )
-            x = linear_residual(attn, w["o"], w.get("o_scale"), x)
-            act = norm_gate_up_silu(x, w["post_norm"], w["gate_up"], w.get("gate_up_scale"),
-                                    eps=eps)  # fmt: skip
-            x = linear_residual(act, w["down"], w.get("down_scale"), x)
+        positions = torch.full((x.shape[0],), pos, dtype=torch.int64, device=x.device)
+        x = decode_fused(self.stack, x, k_cache, v_cache, slots, positions, final_norm=False)
         logits = None
         if head is not None:
             logits = norm_linear(x, self.norm, head.weight, head.scale, eps=eps,
