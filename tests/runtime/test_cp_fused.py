@@ -140,6 +140,16 @@ def _frame_inputs(B, device, do_sample):
     return hidden, c0, sampling, seeds, frames, shape, slots, positions
 
 
+def _unfused_on_cpu(cp, hidden, c0, sampling, seeds, frames, shape, slots, positions):
+    """The unfused frame of a CPU predictor on (copies of) device inputs, fresh zero caches:
+    the reference frame of the kernel tests (call it with TRITON_INTERPRET=0)."""
+    cpu = [t.cpu() for t in (hidden, c0, seeds, frames, slots)]
+    return cp.frame_unfused(
+        cpu[0], cpu[1], _to(sampling, "cpu"), cpu[2], cpu[3], torch.zeros(shape),
+        torch.zeros(shape), cpu[4], [p.cpu() for p in positions],
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("identity", [False, True])
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_fused_frame_references_equal_unfused_frame(do_sample, identity, monkeypatch):
@@ -170,11 +180,7 @@ def test_fused_frame_kernels_equal_unfused_frame(fp8, monkeypatch):
     fused = cp.frame(hidden.to(KDEV), c0, sampling, seeds, frames, k, v, slots, positions)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     ref_cp = _predictor(torch.float32, "cpu", fp8=fp8)
-    cpu = [t.cpu() for t in (hidden, c0, seeds, frames, slots)]
-    ref = ref_cp.frame_unfused(
-        cpu[0], cpu[1], _to(sampling, "cpu"), cpu[2], cpu[3], torch.zeros(shape),
-        torch.zeros(shape), cpu[4], [p.cpu() for p in positions],
-    )  # fmt: skip
+    ref = _unfused_on_cpu(ref_cp, hidden, c0, sampling, seeds, frames, shape, slots, positions)
     assert torch.equal(fused.cpu(), ref)
 
 
@@ -293,9 +299,5 @@ def test_persistent_frame_kernel_equals_unfused_frame(identity, monkeypatch):
                                positions)  # fmt: skip
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     ref_cp = _predictor(torch.float32, "cpu", identity=identity)
-    cpu = [t.cpu() for t in (hidden, c0, seeds, frames, slots)]
-    ref = ref_cp.frame_unfused(
-        cpu[0], cpu[1], _to(sampling, "cpu"), cpu[2], cpu[3], torch.zeros(shape),
-        torch.zeros(shape), cpu[4], [p.cpu() for p in positions],
-    )  # fmt: skip
+    ref = _unfused_on_cpu(ref_cp, hidden, c0, sampling, seeds, frames, shape, slots, positions)
     assert torch.equal(ours.cpu(), ref) and len(set(ref[:, 1].tolist())) > 1
