@@ -180,7 +180,7 @@ def run_pass(
         BN_PROJ=bn(H, src_k, src.element_size()), BN_QKV=bn(nqkv, H), BN_O=bn(H, c.num_heads * D),
         BN_GU=bn(I, H, halves=2), BN_DOWN=bn(H, I),
         BN_HEAD=bn(V, H, 1 if head is None else head.weight.element_size()),
-        GATHER=True, HAS_PROJ=w.proj_weight is not None,
+        HAS_PROJ=w.proj_weight is not None,
         HAS_PBIAS=w.proj_bias is not None, FP8=w.fp8,
         HEAD_FP8=head is not None and head.scale is not None,
         DOT_F32=interp or src.dtype == torch.float32,

@@ -159,7 +159,7 @@ def cp_pass_kernel(
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     SRC_K: tl.constexpr, STRIDE_SRC: tl.constexpr, BM: tl.constexpr, BLOCK_K: tl.constexpr,
     BN_PROJ: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
-    BN_DOWN: tl.constexpr, BN_HEAD: tl.constexpr, GATHER: tl.constexpr,
+    BN_DOWN: tl.constexpr, BN_HEAD: tl.constexpr,
     HAS_PROJ: tl.constexpr, HAS_PBIAS: tl.constexpr,
     FP8: tl.constexpr, HEAD_FP8: tl.constexpr, DOT_F32: tl.constexpr, SYNC: tl.constexpr,
 ):  # fmt: skip
@@ -175,7 +175,7 @@ def cp_pass_kernel(
                 _linear_stage(
                     src_ptr, idx_ptr, pw_ptr, pw_ptr, pw_ptr, pb_ptr, x_ptr, B, eps, pid, NPROG,
                     H, SRC_K, STRIDE_SRC, H,
-                    BM, BN_PROJ, BLOCK_K, GATHER, False, False, HAS_PBIAS, False, False, DOT_F32,
+                    BM, BN_PROJ, BLOCK_K, True, False, False, HAS_PBIAS, False, False, DOT_F32,
                 )  # fmt: skip
             else:  # the table's rows are already of the code predictor's width
                 chunks = tl.cdiv(H, BLOCK_K)
@@ -183,10 +183,7 @@ def cp_pass_kernel(
                 for item in range(pid, B * chunks, NPROG):
                     b = item // chunks
                     cols = (item % chunks) * BLOCK_K + offs
-                    if GATHER:
-                        row = tl.load(idx_ptr + b).to(tl.int64)
-                    else:
-                        row = tl.cast(b, tl.int64)
+                    row = tl.load(idx_ptr + b).to(tl.int64)
                     v = tl.load(src_ptr + row * STRIDE_SRC + cols, mask=cols < H, other=0.0)
                     tl.store(x_ptr + b * H + cols, v.to(x_ptr.dtype.element_ty), mask=cols < H)
         elif stage == 1 + STAGES_PER_LAYER * L:  # logits = rms_norm(x) @ Whead.T, fp32
