@@ -67,7 +67,7 @@ done
 get "$URL/ready" >/dev/null 2>&1 || { echo "server not ready after 600 s"; exit 1; }
 
 VOICES=$(get "$URL/v1/voices" | "$PY" -c \
-    'import json, sys; print(" ".join(f"--voice {v}" for v in json.load(sys.stdin)["voices"][:4]))')
+    'import json, sys; print(" ".join(f"--voice {v}" for v in [x["id"] if isinstance(x, dict) else x for x in json.load(sys.stdin)["voices"]][:4]))')
 for SET in $DATASETS; do
     echo "== $SET: rps $RPS, $DURATION each after $WARMUP warm-up ($VOICES)"
     # shellcheck disable=SC2086

@@ -58,7 +58,7 @@ done
 get "$URL/ready" >/dev/null 2>&1 || { echo "server not ready after 150 s"; tail -30 "$RESULTS/server.log"; exit 1; }
 
 VOICES=$(get "$URL/v1/voices" | "$PY" -c \
-    'import json, sys; print(" ".join(f"--voice {v}" for v in json.load(sys.stdin)["voices"][:4]))')
+    'import json, sys; print(" ".join(f"--voice {v}" for v in [x["id"] if isinstance(x, dict) else x for x in json.load(sys.stdin)["voices"]][:4]))')
 echo "== $(date -u +%T) $RATE req/s of voice-agent prompts for $DURATION after $WARMUP warm-up"
 # shellcheck disable=SC2086
 cli bench run --url "$URL" --rps "$RATE" --duration "$DURATION" --warmup "$WARMUP" \

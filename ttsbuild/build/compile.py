@@ -381,13 +381,21 @@ def check_codec_quality(codec_cfg: CodecConfig, folded_state: dict, cfg: BuildCo
     """The codec engine at `cfg.codec_precision` against the fp32 decoder (TF32 off) on random
     codes; raises QualityError below the gate unless forced."""
     from ttsbuild.build.codec_fold import load_folded_codec
-    from ttsbuild.runtime.codec_engine import CodecEngine, codec_snr_db, random_codes
+    from ttsbuild.runtime.codec_engine import (
+        CodecEngine,
+        codec_snr_db,
+        random_codes,
+        resolve_conv_impl,
+    )
+    from ttsbuild.runtime.plan import EnginePlan
 
     p = cfg.codec_precision
-    log(f"measuring the codec at {p} against fp32")
+    # the convolutions the runtime will run (the plan's default codec_conv on this device)
+    conv = resolve_conv_impl(EnginePlan.model_fields["codec_conv"].default, device)
+    log(f"measuring the codec at {p} ({conv} convs) against fp32")
     state = {k: v.to(device) for k, v in folded_state.items()}
     reference = load_folded_codec(codec_cfg, state)
-    engine = CodecEngine(reference, cfg.codec_gate_rows, p, device)
+    engine = CodecEngine(reference, cfg.codec_gate_rows, p, device, conv_impl=conv)
     codes = random_codes(codec_cfg, cfg.codec_gate_rows, cfg.codec_gate_frames, seed=cfg.seed)
     snr = codec_snr_db(engine, reference, codes)
     passed = snr >= cfg.codec_min_snr_db

@@ -59,7 +59,8 @@ def _snake_context_triton(x, alpha, inv_beta, tail, rows):
     _snake_context_kernel[(B, triton.cdiv(C, block_c))](
         x, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
         rows if ctx else x, out, C, n, ctx, x.stride(0), x.stride(1), x.stride(2),
-        HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t, num_warps=4,
+        HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
+        BLOCK_CTX=triton.next_power_of_2(max(ctx, 1)), num_warps=4,
     )  # fmt: skip
     return out
 
@@ -83,7 +84,7 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
         x_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, rows_ptr, out_ptr, C, n, ctx,
         stride_xb, stride_xc, stride_xt,
         HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
-        BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CTX: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -106,17 +107,19 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
             old = tl.load(tail_row + t[None, :], mask=c_mask[:, None] & (t < ctx)[None, :],
                           other=0.0)
             xin = tl.where((t < ctx)[None, :], old, xin)
-            # the new tail: xin[n + t] for t < ctx, from the old tail or from x
-            src = n + t
-            from_tail = (src < ctx) & (t < ctx)
-            from_x = (src >= ctx) & (t < ctx)
+            # the new tail: xin[n + i] for i < ctx, from the old tail or from x (a block of
+            # BLOCK_CTX columns: the snake is not evaluated again over the whole time axis)
+            i = tl.arange(0, BLOCK_CTX)
+            src = n + i
+            from_tail = (src < ctx) & (i < ctx)
+            from_x = (src >= ctx) & (i < ctx)
             shifted = tl.load(tail_row + src[None, :], mask=c_mask[:, None] & from_tail[None, :],
                               other=0.0)
             hx = tl.load(x_row + (src - ctx)[None, :] * stride_xt,
                          mask=c_mask[:, None] & from_x[None, :], other=0.0)
             new_tail = tl.where(from_tail[None, :], shifted, _snake(hx, alpha, inv_beta, HAS_SNAKE))
             tl.debug_barrier()  # every thread has read the old tail before any writes it
-            tl.store(tail_row + t[None, :], new_tail, mask=c_mask[:, None] & (t < ctx)[None, :])
+            tl.store(tail_row + i[None, :], new_tail, mask=c_mask[:, None] & (i < ctx)[None, :])
         dst = out_ptr + (b * C + offs_c[:, None]) * (ctx + n) + t[None, :]
         tl.store(dst, xin, mask=c_mask[:, None] & (t < ctx + n)[None, :])
 

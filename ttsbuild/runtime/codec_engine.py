@@ -53,6 +53,7 @@ from ttsbuild.model.codec import (
     apply_rope,
     window_mask,
 )
+from ttsbuild.plugins.causal_conv import causal_conv, pack_conv_weight
 from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.norm_act import rms_norm, silu_mul
 
@@ -68,6 +69,19 @@ OUTPUT_STAGE = "output"
 # (56.3 dB, bf16 37.7 dB) for ~2% of the FLOPs; the output conv (96 -> 1) is ~0.05% of them
 # and feeds the clamp directly.
 DEFAULT_FP32_STAGES = ("transformer", OUTPUT_STAGE)
+# How convolutions run: "cudnn" (F.conv1d / F.conv_transpose1d on [B, C, T]); "gemm" (one
+# GEMM per conv over an im2col copy of the input, bias fused; transposed convs as one GEMM and
+# an overlap-add of their kernel // stride taps); "triton" (stride-1 convs of half-precision
+# stages as one implicit-GEMM kernel, plugins.causal_conv, bias and residual fused; the rest
+# as "gemm"). Depthwise convs always use cuDNN.
+CONV_IMPLS = ("cudnn", "gemm", "triton")
+
+
+def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
+    """A plan's `codec_conv`: "auto" is "triton" on CUDA, "cudnn" elsewhere."""
+    if choice != "auto":
+        return choice
+    return "triton" if torch.device(device).type == "cuda" else "cudnn"
 MIN_CODEC_SNR_DB = 45.0
 
 
@@ -132,6 +146,7 @@ class CodecEngine:
         *,
         max_chunk: int = 16,
         fp32_stages: tuple[str, ...] = DEFAULT_FP32_STAGES,
+        conv_impl: str = "cudnn",
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -144,6 +159,9 @@ class CodecEngine:
             raise ValueError(f"unknown codec stages {unknown}; the stages are {names}")
         if max_chunk < 1:
             raise ValueError("max_chunk must be >= 1")
+        if conv_impl not in CONV_IMPLS:
+            raise ValueError(f"conv_impl must be one of {CONV_IMPLS}, got {conv_impl!r}")
+        self.conv_impl = conv_impl
         device = torch.device(device) if device is not None else next(codec.parameters()).device
         self.precision, self.device, self.max_chunk = precision, device, max_chunk
         self.config = cfg = codec.config
@@ -235,6 +253,27 @@ class CodecEngine:
         del codec.quantizer  # only the pre-projected tables are used
         size = self.config.codebook_size
         self._book_offset = (torch.arange(len(tables), device=device) * size)[None, :, None]
+        # "gemm" convs: weights as GEMM operands, [Cin * k, Cout] (stride 1: rows ordered
+        # (cin, tap), as im2col lays the input out) and [Cin, k * Cout] (transposed: columns
+        # ordered (tap, cout)), contiguous so the GEMM reads them once, in the stage's dtype.
+        # "triton": stride-1 convs of half stages as [k, Cin, Cout] (plugins.causal_conv).
+        self._gemm_w: dict[nn.Module, Tensor] = {}
+        self._implicit_w: dict[nn.Module, Tensor] = {}
+        if self.conv_impl != "cudnn":
+            for m in codec.modules():
+                if isinstance(m, CausalConv1d) and m.conv.groups == 1:
+                    w = m.conv.weight  # [Cout, Cin, k]
+                    if self.conv_impl == "triton" and w.dtype != torch.float32:
+                        self._implicit_w[m] = pack_conv_weight(w)
+                    else:
+                        self._gemm_w[m] = w.reshape(w.shape[0], -1).t().contiguous()
+                elif isinstance(m, CausalConvTranspose1d):
+                    w = m.conv.weight  # [Cin, Cout, k]
+                    k = w.shape[-1]
+                    if k % m.stride:
+                        raise ValueError(f"gemm transposed conv needs kernel % stride == 0, "
+                                         f"got kernel {k}, stride {m.stride}")
+                    self._gemm_w[m] = w.permute(0, 2, 1).reshape(w.shape[0], -1).contiguous()
 
     @staticmethod
     def _snake_modules(codec: nn.Module) -> list[nn.Module]:
@@ -302,19 +341,43 @@ class CodecEngine:
         return snake_context(x, *self._snake[m], None, rows)
 
     def _conv(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
-              act: nn.Module | None = None) -> Tensor:
-        """The causal conv of act(x) (act: a SnakeBeta or None), its left context read from
-        and written back to the rows' tails [S, Cin, context]; one launch on the GPU."""
+              act: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
+        """residual + the causal conv of act(x) (act: a SnakeBeta or None), its left context
+        read from and written back to the rows' tails [S, Cin, context]."""
         conv = m.conv
         alpha, inv_beta = self._snake[act] if act is not None else (None, None)
         tail = self.state[m.slot][0] if m.context else None
         x = snake_context(x, alpha, inv_beta, tail, rows)  # [B, Cin, context + n]
-        return F.conv1d(st.mm_in(x), conv.weight, conv.bias, dilation=conv.dilation,
-                        groups=conv.groups)
+        w = self._implicit_w.get(m)
+        if w is not None:
+            return causal_conv(x, w, conv.bias, conv.dilation[0], residual)
+        y = self._conv_valid(m, x, st)
+        return y if residual is None else residual + y
+
+    def _conv_valid(self, m: CausalConv1d, x: Tensor, st: _Stage) -> Tensor:
+        """The conv of x [B, Cin, context + n] without padding (cuDNN or im2col + GEMM)."""
+        conv = m.conv
+        w = self._gemm_w.get(m)
+        if w is None:
+            return F.conv1d(st.mm_in(x), conv.weight, conv.bias, dilation=conv.dilation,
+                            groups=conv.groups)
+        # im2col: patches [B, n, Cin, k] (tap j of output t is input t + j * dilation), one
+        # GEMM with the bias fused; the result is [B, Cout, n] as a view of [B, n, Cout].
+        B, cin, L = x.shape
+        k, d = conv.kernel_size[0], conv.dilation[0]
+        n = L - (k - 1) * d
+        cols = x.unfold(2, (k - 1) * d + 1, 1)[..., ::d]  # [B, Cin, n, k]
+        cols = cols.permute(0, 2, 1, 3).reshape(B * n, cin * k)
+        cols = st.mm_in(cols)
+        y = cols @ w if conv.bias is None else torch.addmm(conv.bias, cols, w)  # [B * n, Cout]
+        return y.view(B, n, -1).transpose(1, 2)
 
     def _conv_t(self, m: CausalConvTranspose1d, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
         conv = m.conv
         n_out = x.shape[-1] * m.stride
+        w = self._gemm_w.get(m)
+        if w is not None:
+            return self._conv_t_gemm(m, x, rows, st, w)
         y = F.conv_transpose1d(st.mm_in(x), conv.weight, None, stride=m.stride)
         if m.overlap:  # y: [B, Cout, n_out + overlap], bias not yet added
             (spill,) = self.state[m.slot]
@@ -322,6 +385,29 @@ class CodecEngine:
                            y[..., m.overlap:]], dim=-1)
             spill.index_copy_(0, rows, y[..., n_out:])
         return y[..., :n_out] + conv.bias[:, None]
+
+    def _conv_t_gemm(self, m: CausalConvTranspose1d, x: Tensor, rows: Tensor, st: _Stage,
+                     w: Tensor) -> Tensor:
+        """Transposed conv as z = x^T @ w ([B, n, taps, stride, Cout]: input frame t's
+        contribution to outputs t * stride + j * stride + r), then output block t =
+        sum_j z[t - j, j] with the blocks before the step coming from the slot's spill."""
+        B, cin, n = x.shape
+        s, cout = m.stride, m.conv.out_channels
+        taps = m.conv.kernel_size[0] // s
+        z = (st.mm_in(x.transpose(1, 2).reshape(B * n, cin)) @ w).view(B, n, taps, s, cout)
+        y = z[:, :, 0]  # [B, n, s, Cout]
+        if taps > 1:
+            (spill,) = self.state[m.slot]  # [S, Cout, overlap]: blocks of taps 1.. past the end
+            prev = spill.index_select(0, rows).view(B, cout, taps - 1, s).permute(0, 2, 3, 1)
+            # full[t'] = sum_j z[t' - j, j] over t' in [0, n + taps - 1); t' < n is this step's
+            full = torch.cat([y, y.new_zeros(B, taps - 1, s, cout)], dim=1)
+            full[:, : taps - 1] += prev
+            for j in range(1, taps):
+                full[:, j : j + n] += z[:, :, j]
+            y = full[:, :n]
+            spill.index_copy_(0, rows, full[:, n:].permute(0, 3, 1, 2).reshape(B, cout, -1))
+        y = y + m.conv.bias.to(y.dtype)
+        return y.reshape(B, n * s, cout).transpose(1, 2)  # [B, Cout, n * stride]
 
     def _linear(self, m: nn.Linear, x: Tensor, st: _Stage) -> Tensor:
         return F.linear(st.mm_in(x), m.weight, m.bias)
@@ -341,7 +427,7 @@ class CodecEngine:
 
     def _residual(self, m: ResidualUnit, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
         h = self._conv(m.conv1, x, rows, st, act=m.act1)
-        return x + self._conv(m.conv2, h, rows, st, act=m.act2)
+        return self._conv(m.conv2, h, rows, st, act=m.act2, residual=x)
 
     def _transformer(self, x: Tensor, rows: Tensor, pos: Tensor, st: _Stage) -> Tensor:
         tr = self.codec.pre_transformer  # x: [B, n, latent]
@@ -349,7 +435,9 @@ class CodecEngine:
         q_pos = pos[:, None] + torch.arange(n, device=dev)  # [B, n]
         last = q_pos[:, -1:]
         k_pos = last - (last - self._ring_frames) % self.ring  # [B, R] frame at each index
-        mask = window_mask(q_pos, k_pos, self.window)  # [B, 1, n, R]
+        visible = window_mask(q_pos, k_pos, self.window)  # [B, 1, n, R]
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=dev).masked_fill_(
+            ~visible, float("-inf"))  # additive, fp32 scores
         freqs = q_pos.float()[..., None] * self.inv_freq  # [B, n, D / 2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]  # [B, n, 1, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -377,8 +465,11 @@ class CodecEngine:
         if a.n_kv != a.n_head:
             keys = keys.repeat_interleave(a.n_head // a.n_kv, dim=1)
             values = values.repeat_interleave(a.n_head // a.n_kv, dim=1)
-        y = F.scaled_dot_product_attention(st.mm_in(q), st.mm_in(keys), st.mm_in(values),
-                                           attn_mask=mask)  # [B, H, n, D]
+        # Written out: a few frames against a ring of ~75 keys; SDPA with a mask would pick
+        # the memory-efficient kernel, ~4x slower here at batch 64. Every query sees itself,
+        # so no row is all -inf.
+        scores = st.mm_in(q) @ st.mm_in(keys).transpose(-1, -2) * a.head_dim ** -0.5 + mask
+        y = torch.softmax(scores, dim=-1).to(q.dtype) @ st.mm_in(values)  # [B, H, n, D]
         y = self._linear(a.o_proj, y.transpose(1, 2).reshape(b, n, -1), st)
         x = x + layer.self_attn_layer_scale(y)
         norm = layer.post_attention_layernorm

@@ -56,7 +56,7 @@ from ttsbuild.generation.guards import GuardConfig, GuardState, frame_stop_codes
 from ttsbuild.generation.prompt import CODES, NO_CODE, PromptEmbedder
 from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.plugins.sampling import fused_sample
-from ttsbuild.runtime.codec_engine import CodecEngine
+from ttsbuild.runtime.codec_engine import CodecEngine, resolve_conv_impl
 from ttsbuild.runtime.core import EngineCore, SlotPlan
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.cp_spec import SpeculativeCodePredictor
@@ -212,7 +212,8 @@ class GraphBackend:
         # The codec's streaming state, indexed by slot like the KV cache (runtime.codec_engine),
         # in the plan's precision.
         self.codec_engine = CodecEngine(
-            models.codec, plan.num_slots, plan.codec_precision, dev, max_chunk=plan.max_chunk
+            models.codec, plan.num_slots, plan.codec_precision, dev, max_chunk=plan.max_chunk,
+            conv_impl=resolve_conv_impl(plan.codec_conv, dev),
         )
 
         # -- static I/O of the graphs, and host staging ---------------------------------------

@@ -41,6 +41,10 @@ class EnginePlan(BaseModel):
     # against fp32). On the H200 fp16 (53.7 dB) and tf32 (57.8 dB) are 1.1-1.6x faster than
     # fp32 with TF32 off, and fp16 halves the codec graphs' activation memory.
     codec_precision: Literal["fp32", "tf32", "fp16", "bf16"] = "fp32"
+    # How the codec's convolutions run (runtime.codec_engine.CONV_IMPLS): "auto" is "triton"
+    # (implicit-GEMM kernel for half-precision stages, GEMM + overlap-add for transposed
+    # convs) on CUDA and "cudnn" elsewhere; measured in benchmarks/codec/RESULTS.md.
+    codec_conv: Literal["auto", "cudnn", "gemm", "triton"] = "auto"
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()

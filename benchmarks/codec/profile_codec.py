@@ -1,0 +1,114 @@
+"""Where the codec step's GPU time goes: graph-replayed step times per cuDNN setting and conv
+implementation, then the kernels of one eager step by total CUDA time.
+
+    PYTHONPATH=. python3 benchmarks/codec/profile_codec.py [--batches 1,64] [--precision fp16]
+        [--conv-impls cudnn,gemm] [--profile-batch 64] [--top 25]
+
+GPU only. The real codec config with random weights. For each conv implementation and
+cudnn.benchmark off/on: the median graph-replay time of a one-frame step per batch, and the
+graph's output against the cuDNN engine's eager step (relative max error). Then a
+torch.profiler table of one eager step at --profile-batch for each implementation: kernels
+grouped by name, total ms, calls, share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from bench_codec import spread_rows, time_graph  # noqa: E402
+from precision_probe import real_codec  # noqa: E402
+
+from ttsbuild.runtime.codec_engine import (  # noqa: E402
+    CodecEngine,
+    capture_step,
+    codec_snr_db,
+    random_codes,
+)
+
+
+def kernel_table(engine: CodecEngine, rows, codes, top: int):
+    """(top kernels as (name, ms, calls), total kernel ms, kernel count) of one eager step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        engine.step(rows, codes)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step(rows, codes)
+        torch.cuda.synchronize()
+    agg: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            a = agg[ev.name[:90]]
+            a[0] += ev.time_range.elapsed_us() / 1e3
+            a[1] += 1
+    rows_ = sorted(((k, v[0], v[1]) for k, v in agg.items()), key=lambda r: -r[1])
+    return rows_[:top], sum(v[0] for v in agg.values()), sum(v[1] for v in agg.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--precision", default="fp16")
+    ap.add_argument("--conv-impls", default="cudnn,gemm")
+    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_codec.py needs a CUDA GPU")
+    dev = "cuda"
+    torch.manual_seed(0)
+    dec = real_codec(dev)
+    batches = [int(b) for b in args.batches.split(",")]
+    impls = args.conv_impls.split(",")
+    slots = max(64, max(batches))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
+          f"{torch.backends.cudnn.version()}; precision {args.precision}")
+    ref_engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4)
+    print("| conv impl | cudnn.benchmark | batch | graph ms/step | rel err vs cudnn eager |")
+    print("|---|---|---|---|---|")
+    for impl in impls:
+        engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4, conv_impl=impl)
+        snr = codec_snr_db(engine, dec, random_codes(dec.config, 2, 24, seed=1))
+        print(f"| {impl} | SNR vs fp32 decode: {snr:.1f} dB | | | |")
+        for bench in (False, True):
+            torch.backends.cudnn.benchmark = bench
+            for b in batches:
+                rows = spread_rows(b, slots, dev)
+                codes = random_codes(dec.config, b, 1, seed=3).to(dev)
+                static = codes.clone()  # the graph reads this buffer: keep it alive
+                graph, pcm = capture_step(engine, rows, static)
+                engine.reset(rows)
+                ref_engine.reset(rows)
+                graph.replay()
+                want = ref_engine.step(rows, codes)
+                torch.cuda.synchronize()
+                err = ((pcm - want).abs().max() / want.abs().max()).item()
+                ms = time_graph(graph)
+                del graph, static
+                print(f"| {impl} | {bench} | {b} | {ms:.3f} | {err:.1e} |", flush=True)
+        torch.backends.cudnn.benchmark = True
+        b = args.profile_batch
+        rows = spread_rows(b, slots, dev)
+        codes = random_codes(dec.config, b, 1, seed=4).to(dev)
+        table, total, calls = kernel_table(engine, rows, codes, args.top)
+        print(f"\n{impl}, batch {b}, one eager step: {calls} kernels, {total:.3f} ms of kernel "
+              "time")
+        print("| kernel | ms | calls | share |\n|---|---|---|---|")
+        for name, ms, n in table:
+            print(f"| `{name}` | {ms:.3f} | {n} | {100 * ms / total:.1f}% |")
+        print()
+        del engine
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The codec's implicit-GEMM causal conv: the reference is F.conv1d on the unpacked weight
+(checked against a float64 conv), the kernel (CUDA, or CPU under TRITON_INTERPRET=1) equals
+the reference on fresh random inputs, with and without bias and residual."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_device import KDEV, needs_kernel
+
+from ttsbuild.plugins.causal_conv import causal_conv, causal_conv_reference, pack_conv_weight
+
+
+def _inputs(B, cin, cout, k, d, n, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    xin = torch.randn(B, cin, n + (k - 1) * d, generator=g)
+    weight = torch.randn(cout, cin, k, generator=g) / (cin * k) ** 0.5
+    bias = torch.randn(cout, generator=g)
+    residual = torch.randn(B, cout, n, generator=g)
+    return [t.to(device=device, dtype=dtype) for t in (xin, weight, bias, residual)]
+
+
+def rel_err(got, want):
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+def test_pack_and_reference_match_a_float64_conv():
+    xin, weight, bias, residual = _inputs(2, 12, 10, 7, 3, 9, torch.float32, "cpu", 0)
+    want = F.conv1d(xin.double(), weight.double(), bias.double(), dilation=3) + residual.double()
+    w = pack_conv_weight(weight)
+    assert w.shape == (7, 12, 10) and w.is_contiguous()
+    got = causal_conv_reference(xin, w, bias, 3, residual)
+    assert got.shape == (2, 10, 9) and rel_err(got, want) < 1e-6
+
+
+def test_fp32_input_takes_the_reference_and_refuses_the_kernel():
+    xin, weight, bias, _ = _inputs(1, 8, 8, 3, 1, 4, torch.float32, "cpu", 1)
+    w = pack_conv_weight(weight)
+    assert torch.equal(causal_conv(xin, w, bias, 1), causal_conv_reference(xin, w, bias, 1))
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        causal_conv(xin, w, bias, 1, use_triton=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("cin", "cout", "k", "d", "n"), [
+    (96, 96, 7, 9, 37),     # block 4 shapes: Cin not a multiple of 64, long dilation
+    (192, 192, 1, 1, 70),   # the residual units' 1x1 conv
+    (64, 128, 7, 3, 5),     # fewer times than a tile
+    (96, 1, 7, 1, 20),      # one output channel (tile masked down)
+    (48, 40, 3, 2, 16),
+])
+# bf16 only on CUDA: the interpreter's tl.dot mishandles bf16 operands (numpy has no bf16).
+@pytest.mark.parametrize("dtype", [torch.float16] + [torch.bfloat16] * (KDEV == "cuda"))
+@pytest.mark.parametrize("fused", [True, False])
+def test_kernel_equals_reference(cin, cout, k, d, n, dtype, fused):
+    seed = cin + cout + k + d + n
+    xin, weight, bias, residual = _inputs(3, cin, cout, k, d, n, dtype, KDEV, seed)
+    w = pack_conv_weight(weight)
+    bias, residual = (bias, residual) if fused else (None, None)
+    want = causal_conv(xin, w, bias, d, residual, use_triton=False)
+    got = causal_conv(xin, w, bias, d, residual, use_triton=True)
+    assert got.shape == want.shape == (3, cout, n) and got.dtype == dtype
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2
+    assert rel_err(got, want) <= tol
+
+
+@needs_kernel
+def test_kernel_reads_a_strided_input():
+    xin, weight, bias, _ = _inputs(2, 32, 48, 3, 2, 24, torch.float16, KDEV, 7)
+    strided = xin.transpose(1, 2).contiguous().transpose(1, 2)  # [B, C, T], C stride 1
+    w = pack_conv_weight(weight)
+    want = causal_conv(xin, w, bias, 2, use_triton=False)
+    assert rel_err(causal_conv(strided, w, bias, 2, use_triton=True), want) <= 2e-3
+
+
+def test_bad_shapes_are_refused():
+    if KDEV is None:
+        pytest.skip("needs CUDA + Triton (or the interpreter)")
+    xin, weight, bias, residual = _inputs(1, 16, 16, 7, 9, 4, torch.float16, KDEV, 3)
+    w = pack_conv_weight(weight)
+    with pytest.raises(ValueError, match="shorter than the receptive field"):
+        causal_conv(xin[..., :50], w, bias, 9, use_triton=True)
+    with pytest.raises(ValueError, match="residual must be"):
+        causal_conv(xin, w, bias, 9, residual[..., :2], use_triton=True)
+    with pytest.raises(ValueError, match="w must be contiguous"):
+        causal_conv(xin, weight.permute(2, 1, 0), bias, 9, use_triton=True)

@@ -1,0 +1,126 @@
+"""The codec's stride-1 convolutions as one implicit-GEMM launch, bias and residual fused.
+
+    causal_conv(xin [B, Cin, n + (k - 1) * d], w [k, Cin, Cout], bias [Cout] | None,
+                dilation d, residual [B, Cout, n] | None) -> y [B, Cout, n]
+    y[b, o, t] = bias[o] + sum_{j, c} w[j, c, o] * xin[b, c, t + j * d]  (+ residual[b, o, t])
+
+`xin` is what `codec_context.snake_context` returns: the left context (the slot's tail)
+already in front, so the conv itself is "valid" (no padding). `pack_conv_weight` turns an
+nn.Conv1d weight [Cout, Cin, k] into the [k, Cin, Cout] operand once, at engine build.
+
+cuDNN runs these convs on [B, C, T] half tensors as implicit GEMMs with layout transposes
+around them (or as a slow NCHW kernel); an im2col copy plus one GEMM writes k copies of the
+input. The kernel reads the input tiles straight from [B, C, T] for each tap: one program per
+(block of output times, block of output channels, row), accumulating k * Cin / BLOCK_CI
+products of [BLOCK_T, BLOCK_CI] x [BLOCK_CI, BLOCK_O] in fp32 on the tensor cores, then adds
+the bias and the residual and stores the tile in the input's dtype. Half precision only (fp16,
+bf16): fp32 stages keep cuDNN, whose TF32 switch the engine controls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ttsbuild.plugins._dispatch import triton_available, want_triton
+
+
+def pack_conv_weight(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Conv1d weight [Cout, Cin, k] -> the kernel's operand [k, Cin, Cout], contiguous."""
+    return weight.permute(2, 1, 0).contiguous()
+
+
+def causal_conv_reference(xin, w, bias, dilation, residual=None):
+    """F.conv1d on the unpacked weight; the residual added in fp32, rounded once."""
+    y = F.conv1d(xin, w.permute(2, 1, 0), None, dilation=dilation).float()
+    if bias is not None:
+        y = y + bias.float()[:, None]
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(xin.dtype)
+
+
+def causal_conv(xin, w, bias, dilation, residual=None, *, use_triton: bool | None = None):
+    """See the module docstring; one launch on the GPU."""
+    if xin.dtype not in (torch.float16, torch.bfloat16) or not want_triton(xin, use_triton):
+        if use_triton and xin.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the causal_conv kernel takes fp16 or bf16, not {xin.dtype}")
+        return causal_conv_reference(xin, w, bias, dilation, residual)
+    return _causal_conv_triton(xin, w, bias, dilation, residual)
+
+
+def _blocks(n: int, cin: int, cout: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_CI, BLOCK_O): tiles of >= 16 (the MMA minimum), narrow where the
+    dimension is narrow so masked lanes stay few."""
+    import triton
+
+    block_t = min(64, max(16, triton.next_power_of_2(n)))
+    block_ci = 64 if cin % 64 == 0 else 32
+    block_o = 64 if cout >= 64 else max(16, triton.next_power_of_2(cout))
+    return block_t, block_ci, block_o
+
+
+def _causal_conv_triton(xin, w, bias, dilation, residual):
+    import triton
+
+    B, cin, L = xin.shape
+    k, cin_w, cout = w.shape
+    if cin_w != cin or w.dtype != xin.dtype or not w.is_contiguous():
+        raise ValueError(f"w must be contiguous [k, {cin}, Cout] {xin.dtype}, got "
+                         f"{tuple(w.shape)} {w.dtype}")
+    n = L - (k - 1) * dilation
+    if n < 1:
+        raise ValueError(f"input of {L} samples is shorter than the receptive field "
+                         f"{(k - 1) * dilation + 1}")
+    out = torch.empty((B, cout, n), dtype=xin.dtype, device=xin.device)
+    if residual is not None and residual.shape != out.shape:
+        raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
+    bt, bci, bo = _blocks(n, cin, cout)
+    grid = (triton.cdiv(n, bt), triton.cdiv(cout, bo), B)
+    res = residual if residual is not None else out
+    _causal_conv_kernel[grid](
+        xin, w, bias if bias is not None else w, res, out, cin, cout, n, dilation,
+        xin.stride(0), xin.stride(1), xin.stride(2), res.stride(0), res.stride(1), res.stride(2),
+        K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        BLOCK_T=bt, BLOCK_CI=bci, BLOCK_O=bo, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+if triton_available():  # the kernel exists only where Triton imports (not needed on CPU)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _causal_conv_kernel(
+        x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, CIN, COUT, N, DIL,
+        sxb, sxc, sxt, srb, sro, srt,
+        K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(2).to(tl.int64)
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        t_mask = offs_t < N
+        o_mask = offs_o < COUT
+        acc = tl.zeros([BLOCK_T, BLOCK_O], dtype=tl.float32)
+        x_row = x_ptr + b * sxb
+        for j in tl.static_range(K):
+            t_in = offs_t + j * DIL
+            for c0 in range(0, CIN, BLOCK_CI):
+                offs_c = c0 + tl.arange(0, BLOCK_CI)
+                c_mask = offs_c < CIN
+                a = tl.load(x_row + offs_c[None, :] * sxc + t_in[:, None] * sxt,
+                            mask=t_mask[:, None] & c_mask[None, :], other=0.0)
+                wt = tl.load(w_ptr + (j * CIN + offs_c[:, None]) * COUT + offs_o[None, :],
+                             mask=c_mask[:, None] & o_mask[None, :], other=0.0)
+                acc = tl.dot(a, wt, acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
+        mask = t_mask[:, None] & o_mask[None, :]
+        if HAS_RES:
+            r = tl.load(res_ptr + b * srb + offs_o[None, :] * sro + offs_t[:, None] * srt,
+                        mask=mask, other=0.0)
+            acc += r.to(tl.float32)
+        dst = out_ptr + (b * COUT + offs_o[None, :]) * N + offs_t[:, None]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
