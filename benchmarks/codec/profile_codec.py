@@ -2,7 +2,8 @@
 implementation, then the kernels of one eager step by total CUDA time.
 
     PYTHONPATH=. python3 benchmarks/codec/profile_codec.py [--batches 1,64] [--precision fp16]
-        [--conv-impls cudnn,gemm] [--profile-batch 64] [--top 25]
+        [--conv-impls cudnn,gemm,triton] [--cudnn-benchmark off,on] [--profile-batch 64]
+        [--profile-impls triton] [--top 25]
 
 GPU only. The real codec config with random weights. For each conv implementation and
 cudnn.benchmark off/on: the median graph-replay time of a one-frame step per batch, and the
@@ -58,9 +59,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--precision", default="fp16")
-    ap.add_argument("--conv-impls", default="cudnn,gemm")
+    ap.add_argument("--conv-impls", default="cudnn,gemm,triton")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--cudnn-benchmark", default="off", help="off, on or off,on")
+    ap.add_argument("--profile-impls", default=None,
+                    help="implementations to profile (default: all of --conv-impls)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_codec.py needs a CUDA GPU")
@@ -79,7 +83,7 @@ def main() -> None:
         engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4, conv_impl=impl)
         snr = codec_snr_db(engine, dec, random_codes(dec.config, 2, 24, seed=1))
         print(f"| {impl} | SNR vs fp32 decode: {snr:.1f} dB | | | |")
-        for bench in (False, True):
+        for bench in [m == "on" for m in args.cudnn_benchmark.split(",")]:
             torch.backends.cudnn.benchmark = bench
             for b in batches:
                 rows = spread_rows(b, slots, dev)
@@ -95,7 +99,9 @@ def main() -> None:
                 ms = time_graph(graph)
                 del graph, static
                 print(f"| {impl} | {bench} | {b} | {ms:.3f} | {err:.1e} |", flush=True)
-        torch.backends.cudnn.benchmark = True
+        if impl not in (args.profile_impls or args.conv_impls).split(","):
+            del engine
+            continue
         b = args.profile_batch
         rows = spread_rows(b, slots, dev)
         codes = random_codes(dec.config, b, 1, seed=4).to(dev)

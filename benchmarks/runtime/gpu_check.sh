@@ -4,6 +4,7 @@
 # compiled FP8 engine for its memory). Logs go to $OUT. Wheels the image lacks travel in .whl.
 #   STEPS="build check bench engine" OUT=out bash benchmarks/runtime/gpu_check.sh
 #   STEPS="build check timeline" OUT=out bash benchmarks/runtime/gpu_check.sh   # issue 10 item 3
+#   STEPS="build codec" OUT=out bash benchmarks/runtime/gpu_check.sh   # codec step per conv impl
 set -uo pipefail
 OUT=${OUT:-out}
 STEPS=${STEPS:-build check bench}
@@ -43,6 +44,11 @@ for step in $STEPS; do
         log "talker step: unfused vs decode_fused (issue 9)"
         timeout 200 python3 benchmarks/kernels/bench_talker.py --batches "${TALKER_BATCHES:-1,8,64}" \
             --precisions fp8 2>&1 | tee "$OUT/talker.log" ;;
+    codec)
+        log "codec step per conv implementation (issue 10)"
+        timeout 240 python3 benchmarks/codec/profile_codec.py --batches "${CODEC_BATCHES:-1,64,256}" \
+            --conv-impls "${CODEC_IMPLS:-cudnn,triton}" --profile-impls triton --top 12 2>&1 \
+            | grep -v Assertion | tee "$OUT/profile_codec.log" ;;
     timeline)
         log "codec stream timeline (1.7B random weights, 32 streams)"
         timeout 300 python3 benchmarks/codec/timeline.py --out "$OUT/timeline" 2>&1 | tee "$OUT/timeline.log" ;;

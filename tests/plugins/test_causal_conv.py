@@ -49,6 +49,7 @@ def test_fp32_input_takes_the_reference_and_refuses_the_kernel():
     (64, 128, 7, 3, 5),     # fewer times than a tile
     (96, 1, 7, 1, 20),      # one output channel (tile masked down)
     (48, 40, 3, 2, 16),
+    (64, 96, 3, 2, 700),    # >= 2048 output rows: the 128 x 128 tile, tiles across rows
 ])
 # bf16 only on CUDA: the interpreter's tl.dot mishandles bf16 operands (numpy has no bf16).
 @pytest.mark.parametrize("dtype", [torch.float16] + [torch.bfloat16] * (KDEV == "cuda"))

@@ -162,16 +162,22 @@ def test_half_precision_quality_order():
     assert snr["fp32"] > snr["tf32"] > snr["fp16"] > snr["bf16"] > 20, snr
 
 
-@pytest.mark.parametrize("conv_impl", ["gemm", "triton"])
-def test_conv_impls_keep_fp16_quality(conv_impl):
+@pytest.mark.parametrize(("conv_impl", "implicit_min_rows"),
+                         [("gemm", 512), ("triton", 1), ("triton", 512)])
+def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, monkeypatch):
     """The im2col and implicit-GEMM convs (the Triton kernel under TRITON_INTERPRET=1, else
-    its reference) decode fp16 as well as cuDNN's convs do: the same SNR to 1 dB against the
-    fp32 decode, above the compile gate."""
+    its reference; min rows 1: every half-precision conv takes it) decode fp16 as well as
+    cuDNN's convs do: the same SNR to 1 dB against the fp32 decode, above the compile gate.
+    The packed weights replace the unpacked ones."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    monkeypatch.setattr(ce, "IMPLICIT_MIN_ROWS", implicit_min_rows)
     cfg = small_config()
     dec = our_decoder(cfg, test_state(cfg, seed=32))
     codes = rand_codes(cfg, 2, 8, seed=33)
     base = CodecEngine(dec, 2, "fp16")
     other = CodecEngine(dec, 2, "fp16", conv_impl=conv_impl)
-    assert other._implicit_w if conv_impl == "triton" else other._gemm_w
+    assert other._conv_w and other._tconv_w
+    assert all(m.conv.weight.numel() == 0 for m in [*other._conv_w, *other._tconv_w])
     snr_base, snr_other = codec_snr_db(base, dec, codes), codec_snr_db(other, dec, codes)
     assert abs(snr_base - snr_other) < 1.0 and snr_other > MIN_CODEC_SNR_DB, (snr_base, snr_other)

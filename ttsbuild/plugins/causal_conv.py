@@ -11,9 +11,10 @@ nn.Conv1d weight [Cout, Cin, k] into the [k, Cin, Cout] operand once, at engine 
 cuDNN runs these convs on [B, C, T] half tensors as implicit GEMMs with layout transposes
 around them (or as a slow NCHW kernel); an im2col copy plus one GEMM writes k copies of the
 input. The kernel reads the input tiles straight from [B, C, T] for each tap: one program per
-(block of output times, block of output channels, row), accumulating k * Cin / BLOCK_CI
-products of [BLOCK_T, BLOCK_CI] x [BLOCK_CI, BLOCK_O] in fp32 on the tensor cores, then adds
-the bias and the residual and stores the tile in the input's dtype. Half precision only (fp16,
+(block of output rows m = b * n + t, over the whole batch; block of output channels),
+accumulating k * Cin / BLOCK_CI products of [BLOCK_M, BLOCK_CI] x [BLOCK_CI, BLOCK_O] in fp32
+on the tensor cores, then adds the bias and the residual and stores the tile in the input's
+dtype. Half precision only (fp16,
 bf16): fp32 stages keep cuDNN, whose TF32 switch the engine controls.
 """
 
@@ -49,15 +50,17 @@ def causal_conv(xin, w, bias, dilation, residual=None, *, use_triton: bool | Non
     return _causal_conv_triton(xin, w, bias, dilation, residual)
 
 
-def _blocks(n: int, cin: int, cout: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_CI, BLOCK_O): tiles of >= 16 (the MMA minimum), narrow where the
-    dimension is narrow so masked lanes stay few."""
+def _config(m: int, cin: int, cout: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_CI, BLOCK_O, num_warps) for M = B * n output rows: 128 x 128 tiles
+    with two warpgroups where there are rows enough, else tiles of >= 16 (the MMA minimum)
+    no wider than the problem, so masked lanes stay few."""
     import triton
 
-    block_t = min(64, max(16, triton.next_power_of_2(n)))
     block_ci = 64 if cin % 64 == 0 else 32
-    block_o = 64 if cout >= 64 else max(16, triton.next_power_of_2(cout))
-    return block_t, block_ci, block_o
+    if m >= 2048:
+        return 128, block_ci, 128 if cout > 64 else 64, 8
+    return min(64, max(16, triton.next_power_of_2(m))), block_ci, 64 if cout >= 64 else \
+        max(16, triton.next_power_of_2(cout)), 4
 
 
 def _causal_conv_triton(xin, w, bias, dilation, residual):
@@ -75,14 +78,14 @@ def _causal_conv_triton(xin, w, bias, dilation, residual):
     out = torch.empty((B, cout, n), dtype=xin.dtype, device=xin.device)
     if residual is not None and residual.shape != out.shape:
         raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
-    bt, bci, bo = _blocks(n, cin, cout)
-    grid = (triton.cdiv(n, bt), triton.cdiv(cout, bo), B)
+    bm, bci, bo, warps = _config(B * n, cin, cout)
+    grid = (triton.cdiv(B * n, bm), triton.cdiv(cout, bo))
     res = residual if residual is not None else out
     _causal_conv_kernel[grid](
-        xin, w, bias if bias is not None else w, res, out, cin, cout, n, dilation,
+        xin, w, bias if bias is not None else w, res, out, B * n, cin, cout, n, dilation,
         xin.stride(0), xin.stride(1), xin.stride(2), res.stride(0), res.stride(1), res.stride(2),
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BLOCK_T=bt, BLOCK_CI=bci, BLOCK_O=bo, num_warps=4, num_stages=3,
+        BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=3,
     )  # fmt: skip
     return out
 
@@ -93,34 +96,36 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
 
     @triton.jit
     def _causal_conv_kernel(
-        x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, CIN, COUT, N, DIL,
+        x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, CIN, COUT, N, DIL,
         sxb, sxc, sxt, srb, sro, srt,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(2).to(tl.int64)
-        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        # output rows m = b * N + t over the whole batch: a tile spans rows of several
+        # batch rows when n is short (a one-frame step at batch 64 is 64 x 4..1920 rows)
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
-        t_mask = offs_t < N
+        m_mask = offs_m < M
         o_mask = offs_o < COUT
-        acc = tl.zeros([BLOCK_T, BLOCK_O], dtype=tl.float32)
-        x_row = x_ptr + b * sxb
+        b = (offs_m // N).to(tl.int64)
+        t = offs_m % N
+        x_rows = x_ptr + b * sxb + t * sxt  # [BLOCK_M]: input time t of row b, tap 0
+        acc = tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.float32)
         for j in tl.static_range(K):
-            t_in = offs_t + j * DIL
             for c0 in range(0, CIN, BLOCK_CI):
                 offs_c = c0 + tl.arange(0, BLOCK_CI)
                 c_mask = offs_c < CIN
-                a = tl.load(x_row + offs_c[None, :] * sxc + t_in[:, None] * sxt,
-                            mask=t_mask[:, None] & c_mask[None, :], other=0.0)
+                a = tl.load(x_rows[:, None] + offs_c[None, :] * sxc + j * DIL * sxt,
+                            mask=m_mask[:, None] & c_mask[None, :], other=0.0)
                 wt = tl.load(w_ptr + (j * CIN + offs_c[:, None]) * COUT + offs_o[None, :],
                              mask=c_mask[:, None] & o_mask[None, :], other=0.0)
                 acc = tl.dot(a, wt, acc)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
-        mask = t_mask[:, None] & o_mask[None, :]
+        mask = m_mask[:, None] & o_mask[None, :]
         if HAS_RES:
-            r = tl.load(res_ptr + b * srb + offs_o[None, :] * sro + offs_t[:, None] * srt,
+            r = tl.load(res_ptr + (b * srb + t * srt)[:, None] + offs_o[None, :] * sro,
                         mask=mask, other=0.0)
             acc += r.to(tl.float32)
-        dst = out_ptr + (b * COUT + offs_o[None, :]) * N + offs_t[:, None]
+        dst = out_ptr + (b * COUT * N + t)[:, None] + offs_o[None, :] * N
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)

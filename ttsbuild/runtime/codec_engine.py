@@ -75,6 +75,11 @@ DEFAULT_FP32_STAGES = ("transformer", OUTPUT_STAGE)
 # stages as one implicit-GEMM kernel, plugins.causal_conv, bias and residual fused; the rest
 # as "gemm"). Depthwise convs always use cuDNN.
 CONV_IMPLS = ("cudnn", "gemm", "triton")
+# "triton" runs a stride-1 conv as the implicit-GEMM kernel from this many output rows
+# (batch x frames x samples per frame at the conv) and as im2col + cuBLAS below it: at one
+# stream cuBLAS's split-K GEMMs won (1.17 vs 1.45 ms per one-frame step on the H200), at 64
+# and 256 streams the kernel did (benchmarks/codec/RESULTS.md).
+IMPLICIT_MIN_ROWS = 512
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
@@ -253,27 +258,26 @@ class CodecEngine:
         del codec.quantizer  # only the pre-projected tables are used
         size = self.config.codebook_size
         self._book_offset = (torch.arange(len(tables), device=device) * size)[None, :, None]
-        # "gemm" convs: weights as GEMM operands, [Cin * k, Cout] (stride 1: rows ordered
-        # (cin, tap), as im2col lays the input out) and [Cin, k * Cout] (transposed: columns
-        # ordered (tap, cout)), contiguous so the GEMM reads them once, in the stage's dtype.
-        # "triton": stride-1 convs of half stages as [k, Cin, Cout] (plugins.causal_conv).
-        self._gemm_w: dict[nn.Module, Tensor] = {}
-        self._implicit_w: dict[nn.Module, Tensor] = {}
+        # "gemm" / "triton" convs: stride-1 weights packed once as [k, Cin, Cout] (the
+        # implicit-GEMM kernel's operand; viewed [k * Cin, Cout] it is the GEMM operand of an
+        # im2col laid out (tap, cin)), transposed-conv weights as [Cin, k * Cout] (columns
+        # (tap, cout)); the unpacked weights are dropped, so nothing is held twice.
+        self._conv_w: dict[nn.Module, Tensor] = {}
+        self._tconv_w: dict[nn.Module, Tensor] = {}
         if self.conv_impl != "cudnn":
             for m in codec.modules():
                 if isinstance(m, CausalConv1d) and m.conv.groups == 1:
-                    w = m.conv.weight  # [Cout, Cin, k]
-                    if self.conv_impl == "triton" and w.dtype != torch.float32:
-                        self._implicit_w[m] = pack_conv_weight(w)
-                    else:
-                        self._gemm_w[m] = w.reshape(w.shape[0], -1).t().contiguous()
+                    self._conv_w[m] = pack_conv_weight(m.conv.weight)  # [Cout, Cin, k] in
                 elif isinstance(m, CausalConvTranspose1d):
                     w = m.conv.weight  # [Cin, Cout, k]
                     k = w.shape[-1]
                     if k % m.stride:
                         raise ValueError(f"gemm transposed conv needs kernel % stride == 0, "
                                          f"got kernel {k}, stride {m.stride}")
-                    self._gemm_w[m] = w.permute(0, 2, 1).reshape(w.shape[0], -1).contiguous()
+                    self._tconv_w[m] = w.permute(0, 2, 1).reshape(w.shape[0], -1).contiguous()
+                else:
+                    continue
+                m.conv.weight = nn.Parameter(m.conv.weight.new_empty(0), requires_grad=False)
 
     @staticmethod
     def _snake_modules(codec: nn.Module) -> list[nn.Module]:
@@ -348,34 +352,29 @@ class CodecEngine:
         alpha, inv_beta = self._snake[act] if act is not None else (None, None)
         tail = self.state[m.slot][0] if m.context else None
         x = snake_context(x, alpha, inv_beta, tail, rows)  # [B, Cin, context + n]
-        w = self._implicit_w.get(m)
-        if w is not None:
-            return causal_conv(x, w, conv.bias, conv.dilation[0], residual)
-        y = self._conv_valid(m, x, st)
-        return y if residual is None else residual + y
-
-    def _conv_valid(self, m: CausalConv1d, x: Tensor, st: _Stage) -> Tensor:
-        """The conv of x [B, Cin, context + n] without padding (cuDNN or im2col + GEMM)."""
-        conv = m.conv
-        w = self._gemm_w.get(m)
-        if w is None:
-            return F.conv1d(st.mm_in(x), conv.weight, conv.bias, dilation=conv.dilation,
-                            groups=conv.groups)
-        # im2col: patches [B, n, Cin, k] (tap j of output t is input t + j * dilation), one
-        # GEMM with the bias fused; the result is [B, Cout, n] as a view of [B, n, Cout].
+        w = self._conv_w.get(m)
+        if w is None:  # cuDNN: conv_impl "cudnn", and depthwise convs
+            y = F.conv1d(st.mm_in(x), conv.weight, conv.bias, dilation=conv.dilation,
+                         groups=conv.groups)
+            return y if residual is None else residual + y
         B, cin, L = x.shape
         k, d = conv.kernel_size[0], conv.dilation[0]
-        n = L - (k - 1) * d
-        cols = x.unfold(2, (k - 1) * d + 1, 1)[..., ::d]  # [B, Cin, n, k]
-        cols = cols.permute(0, 2, 1, 3).reshape(B * n, cin * k)
-        cols = st.mm_in(cols)
+        n = L - m.context
+        if self.conv_impl == "triton" and x.dtype != torch.float32 and B * n >= IMPLICIT_MIN_ROWS:
+            return causal_conv(x, w, conv.bias, d, residual)
+        # im2col: patches [B, n, k, Cin] (tap j of output t is input t + j * dilation), one
+        # GEMM with the bias fused; the result is [B, Cout, n] as a view of [B, n, Cout].
+        cols = x.unfold(2, m.context + 1, 1)[..., ::d]  # [B, Cin, n, k]
+        cols = st.mm_in(cols.permute(0, 2, 3, 1).reshape(B * n, k * cin))
+        w = w.view(k * cin, -1)
         y = cols @ w if conv.bias is None else torch.addmm(conv.bias, cols, w)  # [B * n, Cout]
-        return y.view(B, n, -1).transpose(1, 2)
+        y = y.view(B, n, -1).transpose(1, 2)
+        return y if residual is None else residual + y
 
     def _conv_t(self, m: CausalConvTranspose1d, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
         conv = m.conv
         n_out = x.shape[-1] * m.stride
-        w = self._gemm_w.get(m)
+        w = self._tconv_w.get(m)
         if w is not None:
             return self._conv_t_gemm(m, x, rows, st, w)
         y = F.conv_transpose1d(st.mm_in(x), conv.weight, None, stride=m.stride)
