@@ -181,3 +181,18 @@ def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, monkeypatch)
     assert all(m.conv.weight.numel() == 0 for m in [*other._conv_w, *other._tconv_w])
     snr_base, snr_other = codec_snr_db(base, dec, codes), codec_snr_db(other, dec, codes)
     assert abs(snr_base - snr_other) < 1.0 and snr_other > MIN_CODEC_SNR_DB, (snr_base, snr_other)
+
+
+def test_resolve_conv_impl(monkeypatch):
+    from ttsbuild.runtime.codec_engine import resolve_conv_impl
+
+    monkeypatch.delenv("TTSBUILD_CODEC_CONV", raising=False)
+    assert resolve_conv_impl("auto", "cpu") == "cudnn"
+    assert resolve_conv_impl("auto", "cuda") == "triton"
+    assert resolve_conv_impl("gemm", "cuda") == "gemm"
+    monkeypatch.setenv("TTSBUILD_CODEC_CONV", "gemm")
+    assert resolve_conv_impl("auto", "cuda") == "gemm"
+    assert resolve_conv_impl("cudnn", "cuda") == "cudnn"  # an explicit plan choice wins
+    monkeypatch.setenv("TTSBUILD_CODEC_CONV", "fast")
+    with pytest.raises(ValueError, match="TTSBUILD_CODEC_CONV"):
+        resolve_conv_impl("auto", "cuda")

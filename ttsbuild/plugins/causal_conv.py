@@ -111,15 +111,17 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         t = offs_m % N
         x_rows = x_ptr + b * sxb + t * sxt  # [BLOCK_M]: input time t of row b, tap 0
         acc = tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.float32)
-        for j in tl.static_range(K):
-            for c0 in range(0, CIN, BLOCK_CI):
-                offs_c = c0 + tl.arange(0, BLOCK_CI)
-                c_mask = offs_c < CIN
-                a = tl.load(x_rows[:, None] + offs_c[None, :] * sxc + j * DIL * sxt,
-                            mask=m_mask[:, None] & c_mask[None, :], other=0.0)
-                wt = tl.load(w_ptr + (j * CIN + offs_c[:, None]) * COUT + offs_o[None, :],
-                             mask=c_mask[:, None] & o_mask[None, :], other=0.0)
-                acc = tl.dot(a, wt, acc)
+        # one loop over (tap j, channel block c0), so the compiler pipelines its loads
+        cin_blocks = tl.cdiv(CIN, BLOCK_CI)
+        for it in range(0, K * cin_blocks):
+            j = it // cin_blocks
+            offs_c = (it % cin_blocks) * BLOCK_CI + tl.arange(0, BLOCK_CI)
+            c_mask = offs_c < CIN
+            a = tl.load(x_rows[:, None] + offs_c[None, :] * sxc + j * DIL * sxt,
+                        mask=m_mask[:, None] & c_mask[None, :], other=0.0)
+            wt = tl.load(w_ptr + (j * CIN + offs_c[:, None]) * COUT + offs_o[None, :],
+                         mask=c_mask[:, None] & o_mask[None, :], other=0.0)
+            acc = tl.dot(a, wt, acc)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
         mask = m_mask[:, None] & o_mask[None, :]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -83,9 +84,15 @@ IMPLICIT_MIN_ROWS = 512
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
-    """A plan's `codec_conv`: "auto" is "triton" on CUDA, "cudnn" elsewhere."""
+    """A plan's `codec_conv`: "auto" is "triton" on CUDA, "cudnn" elsewhere; the environment
+    variable TTSBUILD_CODEC_CONV (one of CONV_IMPLS) overrides "auto" for measurements."""
     if choice != "auto":
         return choice
+    forced = os.environ.get("TTSBUILD_CODEC_CONV")
+    if forced:
+        if forced not in CONV_IMPLS:
+            raise ValueError(f"TTSBUILD_CODEC_CONV must be one of {CONV_IMPLS}, got {forced!r}")
+        return forced
     return "triton" if torch.device(device).type == "cuda" else "cudnn"
 MIN_CODEC_SNR_DB = 45.0
 
