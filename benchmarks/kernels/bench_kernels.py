@@ -227,6 +227,52 @@ def bench_sampling(rows):
                 ours_gbps=gbps(nbytes, ours), err=float(mism))  # fmt: skip
 
 
+def bench_guards(rows):
+    """The device guards (frame step, codec step of 4 frames): eager reference vs one launch;
+    err counts stop codes and state entries that differ after a few steps from one state."""
+    from ttsbuild.generation.guards import GuardConfig, GuardState, frame_stop_codes, observe_audio
+
+    cfg = GuardConfig()
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for B in BATCHES:
+        slots = torch.randperm(B + 1, device="cuda", generator=g)[:B]
+        c0 = torch.randint(0, 4, (B,), device="cuda", generator=g)  # 4 codes: some loop
+        pcm = 10 ** (torch.rand(B, 4, 1, device="cuda", generator=g) * -3) * torch.randn(
+            B, 4, 1920, device="cuda", generator=g
+        )  # -60..0 dB frames
+        pcm = pcm.reshape(B, -1)
+        states = [GuardState.zeros(B + 1, cfg, "cuda") for _ in range(2)]
+        mism = 0
+        for _ in range(100):
+            outs = [
+                frame_stop_codes(st, cfg, slots, c0, 2150, use_triton=t)
+                for st, t in zip(states, (False, True), strict=True)
+            ]
+            for st, t in zip(states, (False, True), strict=True):
+                observe_audio(st, cfg, slots, pcm, use_triton=t)
+            mism += int((outs[0] != outs[1]).sum())
+        for f in ("recent_c0", "frames_seen", "silent_frames", "heard"):
+            mism += int((getattr(states[0], f) != getattr(states[1], f)).sum())
+        st = states[0]
+        for op, call, nbytes in [
+            (
+                "guards.frame",
+                lambda t: frame_stop_codes(st, cfg, slots, c0, 2150, use_triton=t),
+                B * 16 * st.recent_c0.shape[1],
+            ),
+            (
+                "guards.audio",
+                lambda t: observe_audio(st, cfg, slots, pcm, use_triton=t),
+                pcm.numel() * 4,
+            ),
+        ]:
+            base = graph_time_us([lambda: call(False)])
+            ours = graph_time_us([lambda: call(True)])
+            row(rows, op=op, shape=f"W={cfg.repetition_window} P={cfg.repetition_max_period}",
+                M=B, base_us=base, ours_us=ours, base_gbps=gbps(nbytes, base),
+                ours_gbps=gbps(nbytes, ours), err=float(mism))  # fmt: skip
+
+
 def print_table(rows):
     print(f"\n{'op':<17}{'shape':<26}{'M/B':>4}{'torch us':>10}{'ours us':>9}{'speedup':>8}"
           f"{'ours GB/s':>10}{'%4TB/s':>7}{'err':>9}")  # fmt: skip
@@ -241,7 +287,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--sweep", action="store_true", help="also time every fp8 config")
-    ap.add_argument("--only", default="", help="comma list: copy,fp8,qk,attn,sample")
+    ap.add_argument("--only", default="", help="comma list: copy,fp8,qk,attn,sample,guards")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -266,6 +312,7 @@ def main() -> int:
         "qk": bench_qk_norm_rope,
         "attn": bench_attention,
         "sample": bench_sampling,
+        "guards": bench_guards,
     }
     only = [s for s in args.only.split(",") if s] or list(sections)
     for name in only:

@@ -28,7 +28,9 @@ The device guards are batched functions over per-slot state tensors (`GuardState
 slot like the engine's other buffers): fixed shapes, no host sync, safe inside a captured CUDA
 graph. The frame step returns one stop code per row (CONTINUE, EOS, REPETITION, SILENCE), which
 the host reads with the frame's codes; limits (text budget, max_frames, the stand-in length
-rule) are frame counts the host already knows.
+rule) are frame counts the host already knows. On the GPU each of the two device guards
+(`frame_stop_codes`, `observe_audio`) is one Triton launch (`ttsbuild.plugins.guard_kernels`);
+the eager code here is their reference.
 
 Speaking rates (characters of text -> seconds of read speech). Sources:
 - English: audiobooks are read at 150-160 words per minute (publishers' guideline; the US
@@ -60,6 +62,8 @@ from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 
 import torch
+
+from ttsbuild.plugins._dispatch import want_triton
 
 FRAMES_PER_SECOND = 12.5  # the 12 Hz codec: 1920 samples of 24 kHz audio per frame
 SAMPLES_PER_FRAME = 1920
@@ -252,8 +256,22 @@ def push_codebook0(state: GuardState, cfg: GuardConfig, rows: torch.Tensor, c0: 
     return ((matches >= cfg.repetition_matches) & complete).any(-1)
 
 
-def observe_audio(state: GuardState, cfg: GuardConfig, rows: torch.Tensor, pcm: torch.Tensor):
-    """Account each row's newly decoded audio, pcm [B, n * 1920] (float, full scale 1.0)."""
+def observe_audio(
+    state: GuardState,
+    cfg: GuardConfig,
+    rows: torch.Tensor,
+    pcm: torch.Tensor,
+    *,
+    use_triton: bool | None = None,
+):
+    """Account each row's newly decoded audio, pcm [B, n * 1920] (float, full scale 1.0).
+
+    On the GPU one Triton launch (`ttsbuild.plugins.guard_kernels`); the code below is its
+    reference."""
+    if want_triton(pcm, use_triton):
+        from ttsbuild.plugins.guard_kernels import observe_audio_triton  # imports this module
+
+        return observe_audio_triton(state, cfg, rows, pcm)
     B = pcm.shape[0]
     frames = pcm.float().reshape(B, -1, SAMPLES_PER_FRAME)  # [B, n, 1920]
     n = frames.shape[1]
@@ -273,11 +291,18 @@ def frame_stop_codes(
     rows: torch.Tensor,  # [B] slots
     c0: torch.Tensor,  # [B] the codebook-0 code just sampled
     eos_id: int,
+    *,
+    use_triton: bool | None = None,
 ) -> torch.Tensor:
     """[B] int64 StopCode for the frame just sampled: EOS > SILENCE > REPETITION > CONTINUE.
 
     A stopped row's frame is dropped by the host (as the EOS frame always was): for SILENCE
-    it is more of the silence, for REPETITION one more turn of the loop."""
+    it is more of the silence, for REPETITION one more turn of the loop. On the GPU one
+    Triton launch (`ttsbuild.plugins.guard_kernels`); the code below is its reference."""
+    if want_triton(c0, use_triton):
+        from ttsbuild.plugins.guard_kernels import frame_stop_codes_triton  # imports this module
+
+        return frame_stop_codes_triton(state, cfg, rows, c0, eos_id)
     code = torch.zeros_like(c0)
     if state is not None and cfg.repetition:
         code = torch.where(push_codebook0(state, cfg, rows, c0), int(StopCode.REPETITION), code)
