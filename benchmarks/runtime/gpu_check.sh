@@ -26,7 +26,7 @@ for step in $STEPS; do
         python3 -c 'import torch, ttsbuild._driver as d; print("driver built with CUDA:", d.built_with_cuda())' ;;
     check)
         log "graph vs eager (tiny)"
-        timeout 300 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny 2>&1 | tee "$OUT/graph_vs_eager.log" ;;
+        timeout 300 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny --kernels 2>&1 | tee "$OUT/graph_vs_eager.log" ;;
     bench)
         log "engine microbenchmark"
         timeout 420 python3 -m ttsbuild.bench.engine_bench --batches "$BATCHES" \

@@ -12,7 +12,7 @@ Checks, per precision of the language models (the codec is fp32 in both):
         random weights' flat logits; reported, not required identical), PCM of frames that
         agree within 1e-2.
 Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
-    python benchmarks/runtime/graph_vs_eager.py [--variant tiny|1.7b-customvoice]
+    python benchmarks/runtime/graph_vs_eager.py [--variant tiny|1.7b-customvoice] [--kernels]
 """
 
 from __future__ import annotations
@@ -104,11 +104,23 @@ def run_graph(engine: GraphEngine, reqs):
     return [(codes[i], np.concatenate(pcm[i])) for i in range(len(reqs))], sorted(batches)
 
 
-def check(variant: str, dtype: torch.dtype, greedy: bool, device: str) -> bool:
+# --kernels: the plan's optional kernel paths, each on some bucket (the persistent code
+# predictor pass at 1, the fused one at 2 and 4, the rest unfused) and the fp16 codec engine
+# with its implicit-GEMM convs; codes must still be identical in fp32, and the PCM within the
+# codec gate (SNR >= 45 dB against the eager backend's fp32 codec) instead of 1e-3.
+KERNEL_CHOICES = dict(persistent_code_predictor=(1,), fused_code_predictor=(2, 4),
+                      codec_precision="fp16")
+MIN_SNR_DB = 45.0
+
+
+def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
+          kernels: bool = False) -> bool:
     name = f"{variant} {str(dtype).removeprefix('torch.')} {'greedy' if greedy else 'sampled'}"
+    name += " (kernel choices on)" if kernels else ""
     models = random_models(variant, device=device, dtype=dtype)
     plan = EnginePlan(num_slots=8, batch_buckets=(1, 2, 4, 8), max_len=512, max_text=256,
-                      prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4), codec_ring=16)
+                      prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4), codec_ring=16,
+                      **(KERNEL_CHOICES if kernels else {}))
     reqs = requests(greedy)
     t0 = time.perf_counter()
     ref = run_reference(models, reqs, plan)
@@ -119,7 +131,7 @@ def check(variant: str, dtype: torch.dtype, greedy: bool, device: str) -> bool:
     exact = dtype == torch.float32
     ok = True
     agree_total = frames_total = 0
-    worst_pcm = 0.0
+    worst_pcm, worst_snr = 0.0, np.inf
     for i, ((rc, rp), (gc, gp)) in enumerate(zip(ref, got, strict=True)):
         if rc.shape != gc.shape or rp.shape != gp.shape:
             print(f"  request {i}: shapes differ {rc.shape}/{gc.shape} {rp.shape}/{gp.shape}")
@@ -132,6 +144,11 @@ def check(variant: str, dtype: torch.dtype, greedy: bool, device: str) -> bool:
         n = first_bad * 1920
         diff = float(np.abs(rp[:n] - gp[:n]).max()) if n else 0.0
         worst_pcm = max(worst_pcm, diff)
+        if kernels and n:
+            noise = float(np.sum((rp[:n].astype(np.float64) - gp[:n]) ** 2))
+            snr = 10 * np.log10(float(np.sum(rp[:n].astype(np.float64) ** 2)) / max(noise, 1e-30))
+            worst_snr = min(worst_snr, snr)
+            diff = 0.0 if snr >= MIN_SNR_DB else np.inf  # judged by SNR, not max abs
         if exact and (first_bad < len(same) or diff > 1e-3):
             print(f"  request {i}: first differing frame {first_bad}/{len(same)}, pcm {diff:.2e}")
             ok = False
@@ -142,7 +159,8 @@ def check(variant: str, dtype: torch.dtype, greedy: bool, device: str) -> bool:
     ok = ok and audible > 0.01  # a silent codec would prove nothing
     print(
         f"{name}: {'PASS' if ok else 'FAIL'}; codes agree on {agree_total}/{frames_total} "
-        f"frames; max |pcm diff| {worst_pcm:.2e} (peak {audible:.2f}); batch sizes run "
+        f"frames; max |pcm diff| {worst_pcm:.2e} (peak {audible:.2f})"
+        f"{f'; worst pcm SNR {worst_snr:.1f} dB' if kernels else ''}; batch sizes run "
         f"{batches}; graphs {len(engine.backend.graphs)}; reference {t1 - t0:.1f} s, "
         f"graph engine {t2 - t1:.1f} s",
         flush=True,
@@ -157,6 +175,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--variant", default="tiny")
     p.add_argument("--device", default="cuda", help="cpu: the same code path, uncaptured")
+    p.add_argument("--kernels", action="store_true",
+                   help="also check fp32 with the plan's kernel choices on (KERNEL_CHOICES)")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -169,6 +189,9 @@ def main() -> int:
         check(a.variant, torch.float32, greedy=True, device=a.device),
         check(a.variant, torch.float32, greedy=False, device=a.device),
     ]
+    if a.kernels:
+        results += [check(a.variant, torch.float32, greedy=g, device=a.device, kernels=True)
+                    for g in (True, False)]
     if a.device == "cuda":
         results.append(check(a.variant, torch.bfloat16, greedy=True, device=a.device))
     return 0 if all(results) else 1
