@@ -179,6 +179,7 @@ def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, monkeypatch)
     other = CodecEngine(dec, 2, "fp16", conv_impl=conv_impl)
     assert other._conv_w and other._tconv_w
     assert all(m.conv.weight.numel() == 0 for m in [*other._conv_w, *other._tconv_w])
+    assert other.weight_bytes() == base.weight_bytes()  # repacked, not held twice
     snr_base, snr_other = codec_snr_db(base, dec, codes), codec_snr_db(other, dec, codes)
     assert abs(snr_base - snr_other) < 1.0 and snr_other > MIN_CODEC_SNR_DB, (snr_base, snr_other)
 

@@ -77,9 +77,10 @@ DEFAULT_FP32_STAGES = ("transformer", OUTPUT_STAGE)
 # as "gemm"). Depthwise convs always use cuDNN.
 CONV_IMPLS = ("cudnn", "gemm", "triton")
 # "triton" runs a stride-1 conv as the implicit-GEMM kernel from this many output rows
-# (batch x frames x samples per frame at the conv) and as im2col + cuBLAS below it: at one
-# stream cuBLAS's split-K GEMMs won (1.17 vs 1.45 ms per one-frame step on the H200), at 64
-# and 256 streams the kernel did (benchmarks/codec/RESULTS.md).
+# (batch x frames x samples per frame at the conv) and as im2col + cuBLAS below it: the short
+# convs of a one-stream step are few long-K tiles, where cuBLAS's split-K GEMMs win. One-frame
+# step on the H200: 1.21 ms at 1 stream and 4.98 ms at 64 (im2col everywhere: 1.19 / 6.58;
+# benchmarks/codec/RESULTS.md).
 IMPLICIT_MIN_ROWS = 512
 
 
@@ -94,6 +95,8 @@ def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
             raise ValueError(f"TTSBUILD_CODEC_CONV must be one of {CONV_IMPLS}, got {forced!r}")
         return forced
     return "triton" if torch.device(device).type == "cuda" else "cudnn"
+
+
 MIN_CODEC_SNR_DB = 45.0
 
 
@@ -291,6 +294,14 @@ class CodecEngine:
         return [m for m in codec.modules() if hasattr(m, "alpha") and (
             hasattr(m, "beta") or hasattr(m, "inv_beta"))]
 
+    def weight_bytes(self) -> int:
+        """Bytes of the engine's own weights: its private decoder copy (in the stages'
+        dtypes), the packed conv weights and the pre-projected codebook tables."""
+        tensors = [*self.codec.parameters(), *self._conv_w.values(), *self._tconv_w.values(),
+                   self.codebooks, *(t for packed in self._packed.values() for t in packed
+                                     if t is not None)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     # -- state -------------------------------------------------------------------------------
     def tensors(self) -> list[Tensor]:
         """Every state tensor (the position counter included), each [slots + 1, ...]."""
@@ -471,9 +482,9 @@ class CodecEngine:
         if a.n_kv != a.n_head:
             keys = keys.repeat_interleave(a.n_head // a.n_kv, dim=1)
             values = values.repeat_interleave(a.n_head // a.n_kv, dim=1)
-        # Written out: a few frames against a ring of ~75 keys; SDPA with a mask would pick
-        # the memory-efficient kernel, ~4x slower here at batch 64. Every query sees itself,
-        # so no row is all -inf.
+        # Written out: a few frames against a ring of ~75 keys; SDPA with a mask picks the
+        # memory-efficient kernel, 0.64 ms for the 8 layers at batch 64 against ~0.2 ms for
+        # these matmuls. Every query sees itself, so no row is all -inf.
         scores = st.mm_in(q) @ st.mm_in(keys).transpose(-1, -2) * a.head_dim ** -0.5 + mask
         y = torch.softmax(scores, dim=-1).to(q.dtype) @ st.mm_in(values)  # [B, H, n, D]
         y = self._linear(a.o_proj, y.transpose(1, 2).reshape(b, n, -1), st)

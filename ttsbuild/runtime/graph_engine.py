@@ -664,7 +664,10 @@ class GraphBackend:
             flat += [bufs.x, bufs.qkv, bufs.attn, bufs.act, bufs.logits]
         return {
             "weights_lm": stacks + fp8_heads + modules,
+            # the checkpoint's codec as loaded (fp32) and the codec engine's own copy in its
+            # precision (runtime.codec_engine): both stay on the device today
             "weights_codec": nbytes(m.codec.parameters()),
+            "weights_codec_engine": self.codec_engine.weight_bytes(),
             "kv_cache": 2 * nbytes([self.kv_k]),
             "prefix_pool": self.prefix.nbytes() if self.prefix is not None else 0,
             "slot_state_and_io": nbytes(flat) + nbytes([self.cp_embeddings]),
