@@ -46,7 +46,14 @@ class PrecisionResult:
     first_chunk_p90_ms: float = 0.0
     first_chunk_gpu_ms: float = 0.0  # GPU time of its prefill + frame + codec
     first_chunk_host_ms: float = 0.0  # median of (wall - GPU) per request
+    # medians: host time in admit, in the launch calls (prefill, frames, audio), in the read
+    # (wait + copy); GPU time of the prefill, the frame and the codec step (events between)
+    first_chunk_parts_ms: dict[str, float] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)  # GiB by kind, measured
+
+
+FIRST_CHUNK_PARTS = ("host_admit", "host_launch", "host_read", "gpu_prefill", "gpu_frame",
+                     "gpu_codec")
 
 
 def _time_graph(graph, iters: int) -> float:
@@ -191,26 +198,39 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
         )
 
     firsts, gpus, hosts = [], [], []
+    parts: dict[str, list[float]] = {k: [] for k in FIRST_CHUNK_PARTS}
     for i in range(20):
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t1 = time.perf_counter()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        t0 = time.perf_counter()
         slot = engine.admit(SynthesisRequest(text=TEXT[:60], voice="ryan", seed=i))
-        start.record()
+        t1 = time.perf_counter()
+        ev[0].record()
         engine.prefill([slot])
+        ev[1].record()
         ticket = engine.launch_frames([slot])  # frame 0 cannot be EOS: the codec need not wait
+        ev[2].record()
         audio = engine.launch_audio([slot], max_frames=1)
-        end.record()
+        # The codec runs on its own lane: the current stream waits for it, so the last event
+        # ends after the codec step (recorded right after launch_audio it would not).
+        be.driver.device_wait([h.ticket for _, h in audio.launched])
+        ev[3].record()
+        t2 = time.perf_counter()
         pcm = engine.collect_audio(audio)[slot]  # in host memory on return
-        wall = (time.perf_counter() - t1) * 1e3
-        end.synchronize()
+        t3 = time.perf_counter()
+        ev[3].synchronize()
         assert pcm.shape == (1920,), pcm.shape
         engine.collect(ticket)
-        gpu = start.elapsed_time(end)
+        wall, gpu = (t3 - t0) * 1e3, ev[0].elapsed_time(ev[3])
         firsts.append(wall)
         gpus.append(gpu)
         hosts.append(wall - gpu)
+        for k, v in zip(FIRST_CHUNK_PARTS, (
+                (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, ev[0].elapsed_time(ev[1]),
+                ev[1].elapsed_time(ev[2]), ev[2].elapsed_time(ev[3])), strict=True):
+            parts[k].append(v)
         engine.release(slot)
+    res.first_chunk_parts_ms = {k: statistics.median(v) for k, v in parts.items()}
     firsts.sort()
     res.first_chunk_ms = statistics.median(firsts)
     res.first_chunk_p90_ms = firsts[int(0.9 * (len(firsts) - 1))]
@@ -373,7 +393,8 @@ def format_table(results: list[PrecisionResult]) -> str:
             f"{r.precision}: weight-read floor per frame {floor * 1e3:.2f} ms; prefill ms by "
             f"prompt bucket {{{pre}}}; new request -> first 1-frame PCM chunk "
             f"{r.first_chunk_ms:.2f} ms (p90 {r.first_chunk_p90_ms:.2f}; GPU "
-            f"{r.first_chunk_gpu_ms:.2f}, host beyond GPU {r.first_chunk_host_ms:.2f}); memory "
+            f"{r.first_chunk_gpu_ms:.2f}, host beyond GPU {r.first_chunk_host_ms:.2f}; medians "
+            f"{', '.join(f'{k} {v:.2f}' for k, v in r.first_chunk_parts_ms.items())}); memory "
             f"GiB {', '.join(f'{k} {v:.2f}' for k, v in r.memory.items())}"
         )
     return "\n".join(lines)
