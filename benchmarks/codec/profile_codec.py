@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--cudnn-benchmark", default="off", help="off, on or off,on")
+    ap.add_argument("--overlap-add-kernel", action="store_true",
+                    help="also time 'triton' with the overlap-add kernel (row 'triton+oa')")
     ap.add_argument("--profile-impls", default=None,
                     help="implementations to profile (default: all of --conv-impls)")
     args = ap.parse_args()
@@ -73,6 +75,8 @@ def main() -> None:
     dec = real_codec(dev)
     batches = [int(b) for b in args.batches.split(",")]
     impls = args.conv_impls.split(",")
+    if args.overlap_add_kernel:
+        impls.append("triton+oa")
     slots = max(64, max(batches))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
           f"{torch.backends.cudnn.version()}; precision {args.precision}")
@@ -80,7 +84,9 @@ def main() -> None:
     print("| conv impl | cudnn.benchmark | batch | graph ms/step | rel err vs cudnn eager |")
     print("|---|---|---|---|---|")
     for impl in impls:
-        engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4, conv_impl=impl)
+        engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4,
+                             conv_impl=impl.removesuffix("+oa"),
+                             overlap_add_kernel=impl.endswith("+oa"))
         snr = codec_snr_db(engine, dec, random_codes(dec.config, 2, 24, seed=1))
         print(f"| {impl} | SNR vs fp32 decode: {snr:.1f} dB | | | |")
         for bench in [m == "on" for m in args.cudnn_benchmark.split(",")]:

@@ -86,3 +86,55 @@ def test_bad_shapes_are_refused():
         causal_conv(xin, w, bias, 9, residual[..., :2], use_triton=True)
     with pytest.raises(ValueError, match="w must be contiguous"):
         causal_conv(xin, weight.permute(2, 1, 0), bias, 9, use_triton=True)
+
+
+# -- the transposed conv's overlap-add ------------------------------------------------------
+
+from ttsbuild.plugins.causal_conv import overlap_add, overlap_add_reference  # noqa: E402
+
+
+def _oa_inputs(B, n, taps, s, cout, S, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(B, n, taps, s, cout, generator=g)
+    spill = torch.randn(S, cout, (taps - 1) * s, generator=g)
+    rows = torch.randperm(S, generator=g)[:B]
+    bias = torch.randn(cout, generator=g)
+    return [t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+            for t in (z, spill, rows, bias)]
+
+
+def test_overlap_add_reference_is_a_transposed_conv():
+    """Two steps of the GEMM + overlap-add equal one F.conv_transpose1d over both steps'
+    input (the spill carries the first step's tail into the second)."""
+    g = torch.Generator().manual_seed(5)
+    cin, cout, s, taps = 6, 4, 3, 2
+    w = torch.randn(cin, cout, taps * s, generator=g, dtype=torch.float64)
+    bias = torch.randn(cout, generator=g, dtype=torch.float64)
+    x = torch.randn(2, cin, 7, generator=g, dtype=torch.float64)
+    full = F.conv_transpose1d(x, w, bias, stride=s)[..., : 7 * s]
+    wz = w.permute(0, 2, 1).reshape(cin, -1)  # [Cin, k * Cout], columns (tap, cout)
+    spill = torch.zeros(3, cout, (taps - 1) * s, dtype=torch.float64)
+    rows = torch.tensor([2, 0])
+    outs = []
+    for part in (x[..., :3], x[..., 3:]):
+        B, _, n = part.shape
+        z = (part.transpose(1, 2).reshape(B * n, cin) @ wz).view(B, n, taps, s, cout)
+        outs.append(overlap_add_reference(z, spill, rows, bias))
+    assert rel_err(torch.cat(outs, dim=-1), full) < 1e-12
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "taps", "s", "cout"), [
+    (1, 2, 8, 96), (4, 2, 5, 40), (7, 3, 2, 33), (2, 1, 2, 64), (1, 3, 4, 16), (16, 2, 3, 96),
+])
+def test_overlap_add_kernel_equals_reference(n, taps, s, cout):
+    z, spill, rows, bias = _oa_inputs(3, n, taps, s, cout, 5, torch.float16, KDEV, n + s)
+    ref_spill = spill.clone()
+    for step in range(2):  # the second step reads the spill the first one wrote
+        want = overlap_add(z, ref_spill if taps > 1 else None, rows, bias, use_triton=False)
+        got = overlap_add(z, spill if taps > 1 else None, rows, bias, use_triton=True)
+        assert got.shape == want.shape == (3, cout, n * s)
+        assert rel_err(got, want) <= 2e-3, step
+        if taps > 1:
+            assert rel_err(spill, ref_spill) <= 2e-3, step
+        z = z.flip(1).contiguous()

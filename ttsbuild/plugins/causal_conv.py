@@ -1,4 +1,5 @@
-"""The codec's stride-1 convolutions as one implicit-GEMM launch, bias and residual fused.
+"""The codec's convolutions: stride-1 convs as one implicit-GEMM launch (bias and residual
+fused), and the overlap-add that finishes a transposed conv computed as one GEMM.
 
     causal_conv(xin [B, Cin, n + (k - 1) * d], w [k, Cin, Cout], bias [Cout] | None,
                 dilation d, residual [B, Cout, n] | None) -> y [B, Cout, n]
@@ -16,6 +17,17 @@ accumulating k * Cin / BLOCK_CI products of [BLOCK_M, BLOCK_CI] x [BLOCK_CI, BLO
 on the tensor cores, then adds the bias and the residual and stores the tile in the input's
 dtype. Half precision only (fp16,
 bf16): fp32 stages keep cuDNN, whose TF32 switch the engine controls.
+
+    overlap_add(z [B, n, taps, s, Cout], spill [S, Cout, (taps - 1) * s], rows [B],
+                bias [Cout]) -> y [B, Cout, n * s], spill rows advanced in place
+    A transposed conv (kernel = taps * stride s) of x [B, Cin, n] is z = x^T @ w (one GEMM:
+    frame t's contribution to output blocks t .. t + taps - 1) followed by
+    y[b, :, t * s + r] = bias + sum_j z[b, t - j, j, r] (t - j < 0: the slot's spill, what the
+    previous step's frames contributed past their end), and the new spill block q
+    (q < taps - 1) = sum_{j > q} z[b, n + q - j, j] (+ the old spill block n + q when it is
+    still ahead). Eager that is a cat, two in-place adds per tap, a gather and a scatter of
+    the spill and a bias add; the kernel does it in one pass, one program per (row, block of
+    output samples, block of channels).
 """
 
 from __future__ import annotations
@@ -90,6 +102,54 @@ def _causal_conv_triton(xin, w, bias, dilation, residual):
     return out
 
 
+def overlap_add_reference(z, spill, rows, bias):
+    """The eager overlap-add (see the module docstring); updates `spill` in place."""
+    B, n, taps, s, cout = z.shape
+    y = z[:, :, 0]  # [B, n, s, Cout]
+    if taps > 1:
+        prev = spill.index_select(0, rows).view(B, cout, taps - 1, s).permute(0, 2, 3, 1)
+        full = torch.cat([y, y.new_zeros(B, taps - 1, s, cout)], dim=1)  # blocks 0..n+taps-2
+        full[:, : taps - 1] += prev
+        for j in range(1, taps):
+            full[:, j : j + n] += z[:, :, j]
+        y = full[:, :n]
+        spill.index_copy_(0, rows, full[:, n:].permute(0, 3, 1, 2).reshape(B, cout, -1))
+    y = y + bias.to(y.dtype)
+    return y.reshape(B, n * s, cout).transpose(1, 2)  # [B, Cout, n * s]
+
+
+def overlap_add(z, spill, rows, bias, *, use_triton: bool | None = None):
+    """See the module docstring; one launch on the GPU. `spill` may be None when taps == 1.
+    Returns [B, Cout, n * s] (the eager path returns a transposed view, the kernel a
+    contiguous tensor)."""
+    if not want_triton(z, use_triton):
+        return overlap_add_reference(z, spill, rows, bias)
+    return _overlap_add_triton(z, spill, rows, bias)
+
+
+def _overlap_add_triton(z, spill, rows, bias):
+    import triton
+
+    B, n, taps, s, cout = z.shape
+    if not z.is_contiguous():
+        raise ValueError("z must be contiguous [B, n, taps, stride, Cout]")
+    if taps > 1 and (spill is None or spill.shape[1:] != (cout, (taps - 1) * s)
+                     or not spill.is_contiguous() or spill.dtype != z.dtype):
+        raise ValueError(f"spill must be contiguous [S, {cout}, {(taps - 1) * s}] {z.dtype}")
+    out = torch.empty((B, cout, n * s), dtype=z.dtype, device=z.device)
+    if out.numel() == 0:
+        return out
+    block_o = min(64, triton.next_power_of_2(cout))
+    block_u = min(128, triton.next_power_of_2(max(n * s, (taps - 1) * s)))
+    span = max(n * s, (taps - 1) * s)  # outputs, and the new spill's samples (row program)
+    grid = (B, triton.cdiv(span, block_u), triton.cdiv(cout, block_o))
+    _overlap_add_kernel[grid](
+        z, spill if taps > 1 else z, rows, bias, out, n, s, cout,
+        TAPS=taps, BLOCK_U=block_u, BLOCK_O=block_o, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 if triton_available():  # the kernel exists only where Triton imports (not needed on CPU)
     import triton
     import triton.language as tl
@@ -131,3 +191,55 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             acc += r.to(tl.float32)
         dst = out_ptr + (b * COUT * N + t)[:, None] + offs_o[None, :] * N
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _overlap_add_kernel(
+        z_ptr, spill_ptr, rows_ptr, bias_ptr, out_ptr, N, S, COUT,
+        TAPS: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_O: tl.constexpr,
+    ):  # fmt: skip
+        # Program: row b, output samples u = t * S + r (a block of them), channels o. It also
+        # writes the new spill samples u' < (TAPS - 1) * S of its channels (sample n * S + u'
+        # of the continued output), read from z and the old spill; all its reads of the old
+        # spill precede the barrier, its writes follow it (one program owns a row's samples
+        # of these channels for both).
+        b = tl.program_id(0).to(tl.int64)
+        u = tl.program_id(1) * BLOCK_U + tl.arange(0, BLOCK_U)
+        o = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)
+        o_mask = o < COUT
+        t, r = u // S, u % S
+        ov = (TAPS - 1) * S
+        slot = tl.load(rows_ptr + b).to(tl.int64)
+        z_row = z_ptr + b * N * TAPS * S * COUT
+        sp_row = spill_ptr + slot * COUT * ov
+        # outputs: block t = sum_j z[t - j, j] (t - j < 0: spill block t, only j = t + ...)
+        out_mask = (u < N * S)[:, None] & o_mask[None, :]
+        acc = tl.load(bias_ptr + o, mask=o_mask, other=0.0).to(tl.float32)[None, :] + \
+            tl.zeros([BLOCK_U, BLOCK_O], dtype=tl.float32)
+        for j in tl.static_range(TAPS):
+            src = t - j
+            ok = out_mask & (src >= 0)[:, None]
+            acc += tl.load(z_row + ((src * TAPS + j) * S + r)[:, None] * COUT + o[None, :],
+                           mask=ok, other=0.0).to(tl.float32)
+        if TAPS > 1:
+            # the previous step's contributions to this step's first TAPS - 1 blocks
+            from_spill = out_mask & (u < ov)[:, None]
+            acc += tl.load(sp_row + o[None, :] * ov + u[:, None], mask=from_spill,
+                           other=0.0).to(tl.float32)
+            # new spill sample u (< ov): block q = u // S of what follows this step
+            q = t
+            new_mask = (u < ov)[:, None] & o_mask[None, :]
+            sp = tl.zeros([BLOCK_U, BLOCK_O], dtype=tl.float32)
+            for j in tl.static_range(1, TAPS):
+                src = N + q - j
+                ok = new_mask & ((src >= 0) & (src < N) & (j > q))[:, None]
+                sp += tl.load(z_row + ((src * TAPS + j) * S + r)[:, None] * COUT + o[None, :],
+                              mask=ok, other=0.0).to(tl.float32)
+            # old spill blocks still ahead of the new end: block N + q of the old spill
+            ahead = new_mask & ((N + q) < (TAPS - 1))[:, None]
+            sp += tl.load(sp_row + o[None, :] * ov + (u + N * S)[:, None], mask=ahead,
+                          other=0.0).to(tl.float32)
+            tl.debug_barrier()  # every read of the old spill precedes any write of the new
+            tl.store(sp_row + o[None, :] * ov + u[:, None], sp.to(out_ptr.dtype.element_ty),
+                     mask=new_mask)
+        tl.store(out_ptr + (b * COUT + o[None, :]) * (N * S) + u[:, None],
+                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)

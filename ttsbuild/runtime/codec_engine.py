@@ -54,7 +54,7 @@ from ttsbuild.model.codec import (
     apply_rope,
     window_mask,
 )
-from ttsbuild.plugins.causal_conv import causal_conv, pack_conv_weight
+from ttsbuild.plugins.causal_conv import causal_conv, overlap_add, pack_conv_weight
 from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.norm_act import rms_norm, silu_mul
 
@@ -162,6 +162,7 @@ class CodecEngine:
         max_chunk: int = 16,
         fp32_stages: tuple[str, ...] = DEFAULT_FP32_STAGES,
         conv_impl: str = "cudnn",
+        overlap_add_kernel: bool = False,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -177,6 +178,10 @@ class CodecEngine:
         if conv_impl not in CONV_IMPLS:
             raise ValueError(f"conv_impl must be one of {CONV_IMPLS}, got {conv_impl!r}")
         self.conv_impl = conv_impl
+        # The transposed convs' overlap-add as one kernel (plugins.causal_conv.overlap_add)
+        # with "triton" convs; off until timed on the GPU (benchmarks/codec/profile_codec.py
+        # --overlap-add-kernel), the eager ops otherwise.
+        self.overlap_add_kernel = overlap_add_kernel and conv_impl == "triton"
         device = torch.device(device) if device is not None else next(codec.parameters()).device
         self.precision, self.device, self.max_chunk = precision, device, max_chunk
         self.config = cfg = codec.config
@@ -406,25 +411,16 @@ class CodecEngine:
     def _conv_t_gemm(self, m: CausalConvTranspose1d, x: Tensor, rows: Tensor, st: _Stage,
                      w: Tensor) -> Tensor:
         """Transposed conv as z = x^T @ w ([B, n, taps, stride, Cout]: input frame t's
-        contribution to outputs t * stride + j * stride + r), then output block t =
-        sum_j z[t - j, j] with the blocks before the step coming from the slot's spill."""
+        contribution to output blocks t .. t + taps - 1), then the overlap-add with the slot's
+        spill (plugins.causal_conv.overlap_add: one kernel with overlap_add_kernel, else the
+        eager ops)."""
         B, cin, n = x.shape
         s, cout = m.stride, m.conv.out_channels
         taps = m.conv.kernel_size[0] // s
         z = (st.mm_in(x.transpose(1, 2).reshape(B * n, cin)) @ w).view(B, n, taps, s, cout)
-        y = z[:, :, 0]  # [B, n, s, Cout]
-        if taps > 1:
-            (spill,) = self.state[m.slot]  # [S, Cout, overlap]: blocks of taps 1.. past the end
-            prev = spill.index_select(0, rows).view(B, cout, taps - 1, s).permute(0, 2, 3, 1)
-            # full[t'] = sum_j z[t' - j, j] over t' in [0, n + taps - 1); t' < n is this step's
-            full = torch.cat([y, y.new_zeros(B, taps - 1, s, cout)], dim=1)
-            full[:, : taps - 1] += prev
-            for j in range(1, taps):
-                full[:, j : j + n] += z[:, :, j]
-            y = full[:, :n]
-            spill.index_copy_(0, rows, full[:, n:].permute(0, 3, 1, 2).reshape(B, cout, -1))
-        y = y + m.conv.bias.to(y.dtype)
-        return y.reshape(B, n * s, cout).transpose(1, 2)  # [B, Cout, n * stride]
+        spill = self.state[m.slot][0] if taps > 1 else None  # [S, Cout, overlap]
+        kernel = None if self.overlap_add_kernel else False
+        return overlap_add(z, spill, rows, m.conv.bias, use_triton=kernel)
 
     def _linear(self, m: nn.Linear, x: Tensor, st: _Stage) -> Tensor:
         return F.linear(st.mm_in(x), m.weight, m.bias)
