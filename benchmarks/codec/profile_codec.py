@@ -63,8 +63,9 @@ def main() -> None:
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--cudnn-benchmark", default="off", help="off, on or off,on")
-    ap.add_argument("--overlap-add-kernel", action="store_true",
-                    help="also time 'triton' with the overlap-add kernel (row 'triton+oa')")
+    ap.add_argument("--opt-in-kernels", action="store_true",
+                    help="also time 'triton' with the opt-in kernels on: the overlap-add and "
+                         "ring-attention kernels (row 'triton+k')")
     ap.add_argument("--profile-impls", default=None,
                     help="implementations to profile (default: all of --conv-impls)")
     args = ap.parse_args()
@@ -75,8 +76,8 @@ def main() -> None:
     dec = real_codec(dev)
     batches = [int(b) for b in args.batches.split(",")]
     impls = args.conv_impls.split(",")
-    if args.overlap_add_kernel:
-        impls.append("triton+oa")
+    if args.opt_in_kernels:
+        impls.append("triton+k")
     slots = max(64, max(batches))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
           f"{torch.backends.cudnn.version()}; precision {args.precision}")
@@ -85,8 +86,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for impl in impls:
         engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4,
-                             conv_impl=impl.removesuffix("+oa"),
-                             overlap_add_kernel=impl.endswith("+oa"))
+                             conv_impl=impl.removesuffix("+k"),
+                             overlap_add_kernel=impl.endswith("+k"),
+                             attention_kernel=impl.endswith("+k"))
         snr = codec_snr_db(engine, dec, random_codes(dec.config, 2, 24, seed=1))
         print(f"| {impl} | SNR vs fp32 decode: {snr:.1f} dB | | | |")
         for bench in [m == "on" for m in args.cudnn_benchmark.split(",")]:

@@ -47,7 +47,7 @@ for step in $STEPS; do
     codec)
         log "codec step per conv implementation (issue 10)"
         timeout 240 python3 benchmarks/codec/profile_codec.py --batches "${CODEC_BATCHES:-1,64,256}" \
-            --conv-impls "${CODEC_IMPLS:-cudnn,gemm,triton}" --profile-impls triton --top 12 --overlap-add-kernel 2>&1 \
+            --conv-impls "${CODEC_IMPLS:-cudnn,gemm,triton}" --profile-impls triton,triton+k --top 12 --opt-in-kernels 2>&1 \
             | grep -v Assertion | tee "$OUT/profile_codec.log" ;;
     timeline)
         log "codec stream timeline (1.7B random weights, 32 streams)"

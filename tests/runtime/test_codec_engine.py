@@ -167,7 +167,7 @@ def test_half_precision_quality_order():
 def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, oa_kernel, monkeypatch):
     """The im2col and implicit-GEMM convs (the Triton kernels under TRITON_INTERPRET=1, else
     their references; min rows 1: every half-precision conv takes the implicit GEMM, and the
-    overlap-add kernel is on) decode fp16 as well as
+    overlap-add and ring-attention kernels are on) decode fp16 as well as
     cuDNN's convs do: the same SNR to 1 dB against the fp32 decode, above the compile gate.
     The packed weights replace the unpacked ones."""
     import ttsbuild.runtime.codec_engine as ce
@@ -177,8 +177,9 @@ def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, oa_kernel, m
     dec = our_decoder(cfg, test_state(cfg, seed=32))
     codes = rand_codes(cfg, 2, 8, seed=33)
     base = CodecEngine(dec, 2, "fp16")
-    other = CodecEngine(dec, 2, "fp16", conv_impl=conv_impl, overlap_add_kernel=oa_kernel)
-    assert other.overlap_add_kernel == oa_kernel
+    other = CodecEngine(dec, 2, "fp16", conv_impl=conv_impl, overlap_add_kernel=oa_kernel,
+                        attention_kernel=oa_kernel)
+    assert other.overlap_add_kernel == other.attention_kernel == oa_kernel
     assert other._conv_w and other._tconv_w
     assert all(m.conv.weight.numel() == 0 for m in [*other._conv_w, *other._tconv_w])
     assert other.weight_bytes() == base.weight_bytes()  # repacked, not held twice

@@ -57,6 +57,7 @@ from ttsbuild.model.codec import (
 from ttsbuild.plugins.causal_conv import causal_conv, overlap_add, pack_conv_weight
 from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.norm_act import rms_norm, silu_mul
+from ttsbuild.plugins.ring_attention import ring_attention, ring_attention_reference
 
 PRECISIONS = {
     "fp32": torch.float32,
@@ -163,6 +164,7 @@ class CodecEngine:
         fp32_stages: tuple[str, ...] = DEFAULT_FP32_STAGES,
         conv_impl: str = "cudnn",
         overlap_add_kernel: bool = False,
+        attention_kernel: bool = False,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -182,6 +184,9 @@ class CodecEngine:
         # with "triton" convs; off until timed on the GPU (benchmarks/codec/profile_codec.py
         # --overlap-add-kernel), the eager ops otherwise.
         self.overlap_add_kernel = overlap_add_kernel and conv_impl == "triton"
+        # The pre-transformer's attention over the rings as one kernel per layer
+        # (plugins.ring_attention); off until timed, like the overlap-add kernel.
+        self.attention_kernel = attention_kernel
         device = torch.device(device) if device is not None else next(codec.parameters()).device
         self.precision, self.device, self.max_chunk = precision, device, max_chunk
         self.config = cfg = codec.config
@@ -470,20 +475,19 @@ class CodecEngine:
         qkv = qkv.view(b, n, a.n_head + 2 * a.n_kv, a.head_dim)
         qk, v = qkv[:, :, : a.n_head + a.n_kv], qkv[:, :, a.n_head + a.n_kv :]  # [B, n, *, D]
         qk = apply_rope(qk, cos, sin)  # q and k at once
-        q, k = qk[:, :, : a.n_head].transpose(1, 2), qk[:, :, a.n_head :]  # [B,H,n,D], [B,n,Hkv,D]
+        q, k = qk[:, :, : a.n_head], qk[:, :, a.n_head :]  # [B, n, H, D], [B, n, Hkv, D]
         k_ring, v_ring = self.state[a.slot]  # [S, Hkv, R, D]
         k_ring[rows[:, None], :, ring_idx] = k  # the rows' new frames into their rings
         v_ring[rows[:, None], :, ring_idx] = v
-        keys, values = k_ring.index_select(0, rows), v_ring.index_select(0, rows)  # [B,Hkv,R,D]
-        if a.n_kv != a.n_head:
-            keys = keys.repeat_interleave(a.n_head // a.n_kv, dim=1)
-            values = values.repeat_interleave(a.n_head // a.n_kv, dim=1)
-        # Written out: a few frames against a ring of ~75 keys; SDPA with a mask picks the
-        # memory-efficient kernel, 0.64 ms for the 8 layers at batch 64 against ~0.2 ms for
-        # these matmuls. Every query sees itself, so no row is all -inf.
-        scores = st.mm_in(q) @ st.mm_in(keys).transpose(-1, -2) * a.head_dim ** -0.5 + mask
-        y = torch.softmax(scores, dim=-1).to(q.dtype) @ st.mm_in(values)  # [B, H, n, D]
-        y = self._linear(a.o_proj, y.transpose(1, 2).reshape(b, n, -1), st)
+        # Written out (plugins.ring_attention): a few frames against a ring of ~75 keys; SDPA
+        # with a mask picks the memory-efficient kernel, 0.64 ms for the 8 layers at batch 64
+        # against ~0.2 ms for plain matmuls. Every query sees itself: no row is all -inf.
+        scale = a.head_dim ** -0.5
+        if self.attention_kernel:
+            y = ring_attention(q, k_ring, v_ring, rows, mask, scale)
+        else:
+            y = ring_attention_reference(q, k_ring, v_ring, rows, mask, scale, st.mm_in)
+        y = self._linear(a.o_proj, y, st)  # y: [B, n, H * D]
         x = x + layer.self_attn_layer_scale(y)
         norm = layer.post_attention_layernorm
         gate_up = F.linear(st.mm_in(rms_norm(x, norm.weight, norm.eps)), gate_up_weight)
