@@ -25,7 +25,7 @@
 set -euo pipefail
 
 if [ -x .venv/bin/python ]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi
-if [ -d .whl ] && [ ! -d /tmp/site/fastapi ]; then
+if [ -d .whl ] && ! PYTHONPATH=/tmp/site "$PY" -c 'import fastapi' 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl
 fi
