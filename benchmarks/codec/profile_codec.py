@@ -64,8 +64,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--cudnn-benchmark", default="off", help="off, on or off,on")
     ap.add_argument("--opt-in-kernels", action="store_true",
-                    help="also time 'triton' with the opt-in kernels on: the overlap-add and "
-                         "ring-attention kernels (row 'triton+k')")
+                    help="also time 'triton' with the opt-in fusions on (CodecEngine(fused=True): "
+                         "overlap-add, ring attention, snake in the 1x1 convs; row 'triton+k')")
     ap.add_argument("--profile-impls", default=None,
                     help="implementations to profile (default: all of --conv-impls)")
     args = ap.parse_args()
@@ -87,8 +87,7 @@ def main() -> None:
     for impl in impls:
         engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4,
                              conv_impl=impl.removesuffix("+k"),
-                             overlap_add_kernel=impl.endswith("+k"),
-                             attention_kernel=impl.endswith("+k"))
+                             fused=impl.endswith("+k"))
         snr = codec_snr_db(engine, dec, random_codes(dec.config, 2, 24, seed=1))
         print(f"| {impl} | SNR vs fp32 decode: {snr:.1f} dB | | | |")
         for bench in [m == "on" for m in args.cudnn_benchmark.split(",")]:

@@ -67,6 +67,25 @@ def test_kernel_equals_reference(cin, cout, k, d, n, dtype, fused):
 
 
 @needs_kernel
+@pytest.mark.parametrize(("cin", "cout", "n"), [(96, 96, 700), (192, 192, 40), (40, 24, 5)])
+def test_kernel_with_snake_equals_snake_then_conv(cin, cout, n):
+    """SnakeBeta applied in the kernel's input load = snake_context (no tail) then the conv."""
+    from ttsbuild.plugins.codec_context import snake_context_reference
+
+    xin, weight, bias, residual = _inputs(3, cin, cout, 1, 1, n, torch.float16, KDEV, cin + n)
+    g = torch.Generator().manual_seed(n)
+    alpha = (0.3 * torch.randn(cin, 1, generator=g)).exp().to(KDEV)
+    inv_beta = (1.0 / ((0.3 * torch.randn(cin, 1, generator=g)).exp() + 1e-9)).to(KDEV)
+    w = pack_conv_weight(weight)
+    snaked = snake_context_reference(xin, alpha, inv_beta, None, None)
+    want = causal_conv(snaked, w, bias, 1, residual, use_triton=False)
+    assert torch.equal(causal_conv(xin, w, bias, 1, residual, alpha, inv_beta, use_triton=False),
+                       want)
+    got = causal_conv(xin, w, bias, 1, residual, alpha, inv_beta, use_triton=True)
+    assert rel_err(got, want) <= 2e-3
+
+
+@needs_kernel
 def test_kernel_reads_a_strided_input():
     xin, weight, bias, _ = _inputs(2, 32, 48, 3, 2, 24, torch.float16, KDEV, 7)
     strided = xin.transpose(1, 2).contiguous().transpose(1, 2)  # [B, C, T], C stride 1

@@ -162,12 +162,12 @@ def test_half_precision_quality_order():
     assert snr["fp32"] > snr["tf32"] > snr["fp16"] > snr["bf16"] > 20, snr
 
 
-@pytest.mark.parametrize(("conv_impl", "implicit_min_rows", "oa_kernel"),
+@pytest.mark.parametrize(("conv_impl", "implicit_min_rows", "fused"),
                          [("gemm", 512, False), ("triton", 1, True), ("triton", 512, False)])
-def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, oa_kernel, monkeypatch):
+def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, fused, monkeypatch):
     """The im2col and implicit-GEMM convs (the Triton kernels under TRITON_INTERPRET=1, else
     their references; min rows 1: every half-precision conv takes the implicit GEMM, and the
-    overlap-add and ring-attention kernels are on) decode fp16 as well as
+    opt-in fusions are on) decode fp16 as well as
     cuDNN's convs do: the same SNR to 1 dB against the fp32 decode, above the compile gate.
     The packed weights replace the unpacked ones."""
     import ttsbuild.runtime.codec_engine as ce
@@ -177,9 +177,8 @@ def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, oa_kernel, m
     dec = our_decoder(cfg, test_state(cfg, seed=32))
     codes = rand_codes(cfg, 2, 8, seed=33)
     base = CodecEngine(dec, 2, "fp16")
-    other = CodecEngine(dec, 2, "fp16", conv_impl=conv_impl, overlap_add_kernel=oa_kernel,
-                        attention_kernel=oa_kernel)
-    assert other.overlap_add_kernel == other.attention_kernel == oa_kernel
+    other = CodecEngine(dec, 2, "fp16", conv_impl=conv_impl, fused=fused)
+    assert other.fused_convs == fused
     assert other._conv_w and other._tconv_w
     assert all(m.conv.weight.numel() == 0 for m in [*other._conv_w, *other._tconv_w])
     assert other.weight_bytes() == base.weight_bytes()  # repacked, not held twice

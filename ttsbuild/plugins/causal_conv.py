@@ -43,8 +43,13 @@ def pack_conv_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.permute(2, 1, 0).contiguous()
 
 
-def causal_conv_reference(xin, w, bias, dilation, residual=None):
-    """F.conv1d on the unpacked weight; the residual added in fp32, rounded once."""
+def causal_conv_reference(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None):
+    """F.conv1d on the unpacked weight (of SnakeBeta(xin) when alpha/inv_beta [C, 1] fp32 are
+    given: x + inv_beta * sin(alpha * x)^2 in fp32, rounded to xin's dtype); the residual
+    added in fp32, rounded once."""
+    if alpha is not None:
+        xf = xin.float()
+        xin = (xf + inv_beta * torch.sin(xf * alpha).pow(2)).to(xin.dtype)
     y = F.conv1d(xin, w.permute(2, 1, 0), None, dilation=dilation).float()
     if bias is not None:
         y = y + bias.float()[:, None]
@@ -53,13 +58,15 @@ def causal_conv_reference(xin, w, bias, dilation, residual=None):
     return y.to(xin.dtype)
 
 
-def causal_conv(xin, w, bias, dilation, residual=None, *, use_triton: bool | None = None):
-    """See the module docstring; one launch on the GPU."""
+def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None, *,
+                use_triton: bool | None = None):
+    """See the module docstring; one launch on the GPU. alpha, inv_beta: a SnakeBeta applied
+    to the input first (only where the input carries no left context that already had it)."""
     if xin.dtype not in (torch.float16, torch.bfloat16) or not want_triton(xin, use_triton):
         if use_triton and xin.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the causal_conv kernel takes fp16 or bf16, not {xin.dtype}")
-        return causal_conv_reference(xin, w, bias, dilation, residual)
-    return _causal_conv_triton(xin, w, bias, dilation, residual)
+        return causal_conv_reference(xin, w, bias, dilation, residual, alpha, inv_beta)
+    return _causal_conv_triton(xin, w, bias, dilation, residual, alpha, inv_beta)
 
 
 def _config(m: int, cin: int, cout: int) -> tuple[int, int, int, int]:
@@ -75,7 +82,7 @@ def _config(m: int, cin: int, cout: int) -> tuple[int, int, int, int]:
         max(16, triton.next_power_of_2(cout)), 4
 
 
-def _causal_conv_triton(xin, w, bias, dilation, residual):
+def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None):
     import triton
 
     B, cin, L = xin.shape
@@ -93,10 +100,12 @@ def _causal_conv_triton(xin, w, bias, dilation, residual):
     bm, bci, bo, warps = _config(B * n, cin, cout)
     grid = (triton.cdiv(B * n, bm), triton.cdiv(cout, bo))
     res = residual if residual is not None else out
+    snake = alpha is not None
     _causal_conv_kernel[grid](
-        xin, w, bias if bias is not None else w, res, out, B * n, cin, cout, n, dilation,
+        xin, w, bias if bias is not None else w, res, out, alpha if snake else w,
+        inv_beta if snake else w, B * n, cin, cout, n, dilation,
         xin.stride(0), xin.stride(1), xin.stride(2), res.stride(0), res.stride(1), res.stride(2),
-        K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SNAKE=snake,
         BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=3,
     )  # fmt: skip
     return out
@@ -154,11 +163,13 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     import triton
     import triton.language as tl
 
+    from ttsbuild.plugins._tl._math import sin_f32
+
     @triton.jit
     def _causal_conv_kernel(
-        x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, CIN, COUT, N, DIL,
+        x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, M, CIN, COUT, N, DIL,
         sxb, sxc, sxt, srb, sro, srt,
-        K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+        K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAKE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr,
     ):  # fmt: skip
         # output rows m = b * N + t over the whole batch: a tile spans rows of several
@@ -179,6 +190,12 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             c_mask = offs_c < CIN
             a = tl.load(x_rows[:, None] + offs_c[None, :] * sxc + j * DIL * sxt,
                         mask=m_mask[:, None] & c_mask[None, :], other=0.0)
+            if HAS_SNAKE:  # SnakeBeta in fp32, rounded to the input dtype (as snake_context)
+                al = tl.load(alpha_ptr + offs_c, mask=c_mask, other=0.0)
+                ib = tl.load(inv_beta_ptr + offs_c, mask=c_mask, other=0.0)
+                af = a.to(tl.float32)
+                sn = sin_f32(af * al[None, :])
+                a = (af + ib[None, :] * (sn * sn)).to(a.dtype)
             wt = tl.load(w_ptr + (j * CIN + offs_c[:, None]) * COUT + offs_o[None, :],
                          mask=c_mask[:, None] & o_mask[None, :], other=0.0)
             acc = tl.dot(a, wt, acc)

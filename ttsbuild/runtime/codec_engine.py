@@ -163,8 +163,7 @@ class CodecEngine:
         max_chunk: int = 16,
         fp32_stages: tuple[str, ...] = DEFAULT_FP32_STAGES,
         conv_impl: str = "cudnn",
-        overlap_add_kernel: bool = False,
-        attention_kernel: bool = False,
+        fused: bool = False,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -180,13 +179,14 @@ class CodecEngine:
         if conv_impl not in CONV_IMPLS:
             raise ValueError(f"conv_impl must be one of {CONV_IMPLS}, got {conv_impl!r}")
         self.conv_impl = conv_impl
-        # The transposed convs' overlap-add as one kernel (plugins.causal_conv.overlap_add)
-        # with "triton" convs; off until timed on the GPU (benchmarks/codec/profile_codec.py
-        # --overlap-add-kernel), the eager ops otherwise.
-        self.overlap_add_kernel = overlap_add_kernel and conv_impl == "triton"
-        # The pre-transformer's attention over the rings as one kernel per layer
-        # (plugins.ring_attention); off until timed, like the overlap-add kernel.
-        self.attention_kernel = attention_kernel
+        # The opt-in fusions, off until timed on the GPU (benchmarks/codec/profile_codec.py
+        # --opt-in-kernels): the pre-transformer's attention over the rings as one kernel
+        # per layer (plugins.ring_attention); with "triton" convs also the transposed convs'
+        # overlap-add as one kernel (plugins.causal_conv.overlap_add) and the SnakeBeta before
+        # a conv without left context (the residual units' 1x1 convs) applied inside the
+        # implicit-GEMM conv's input load instead of a launch of its own.
+        self.fused = fused
+        self.fused_convs = fused and conv_impl == "triton"
         device = torch.device(device) if device is not None else next(codec.parameters()).device
         self.precision, self.device, self.max_chunk = precision, device, max_chunk
         self.config = cfg = codec.config
@@ -378,9 +378,14 @@ class CodecEngine:
         read from and written back to the rows' tails [S, Cin, context]."""
         conv = m.conv
         alpha, inv_beta = self._snake[act] if act is not None else (None, None)
+        w = self._conv_w.get(m)
+        if (w is not None and self.fused_convs and not m.context and alpha is not None
+                and x.dtype != torch.float32 and x.shape[0] * x.shape[-1] >= IMPLICIT_MIN_ROWS):
+            # no left context to keep: the SnakeBeta runs inside the conv's input load
+            return causal_conv(x, w, conv.bias, conv.dilation[0], residual, alpha=alpha,
+                               inv_beta=inv_beta)
         tail = self.state[m.slot][0] if m.context else None
         x = snake_context(x, alpha, inv_beta, tail, rows)  # [B, Cin, context + n]
-        w = self._conv_w.get(m)
         if w is None:  # cuDNN: conv_impl "cudnn", and depthwise convs
             y = F.conv1d(st.mm_in(x), conv.weight, conv.bias, dilation=conv.dilation,
                          groups=conv.groups)
@@ -417,14 +422,14 @@ class CodecEngine:
                      w: Tensor) -> Tensor:
         """Transposed conv as z = x^T @ w ([B, n, taps, stride, Cout]: input frame t's
         contribution to output blocks t .. t + taps - 1), then the overlap-add with the slot's
-        spill (plugins.causal_conv.overlap_add: one kernel with overlap_add_kernel, else the
+        spill (plugins.causal_conv.overlap_add: one kernel with the fused convs, else the
         eager ops)."""
         B, cin, n = x.shape
         s, cout = m.stride, m.conv.out_channels
         taps = m.conv.kernel_size[0] // s
         z = (st.mm_in(x.transpose(1, 2).reshape(B * n, cin)) @ w).view(B, n, taps, s, cout)
         spill = self.state[m.slot][0] if taps > 1 else None  # [S, Cout, overlap]
-        kernel = None if self.overlap_add_kernel else False
+        kernel = None if self.fused_convs else False
         return overlap_add(z, spill, rows, m.conv.bias, use_triton=kernel)
 
     def _linear(self, m: nn.Linear, x: Tensor, st: _Stage) -> Tensor:
@@ -483,7 +488,7 @@ class CodecEngine:
         # with a mask picks the memory-efficient kernel, 0.64 ms for the 8 layers at batch 64
         # against ~0.2 ms for plain matmuls. Every query sees itself: no row is all -inf.
         scale = a.head_dim ** -0.5
-        if self.attention_kernel:
+        if self.fused:
             y = ring_attention(q, k_ring, v_ring, rows, mask, scale)
         else:
             y = ring_attention_reference(q, k_ring, v_ring, rows, mask, scale, st.mm_in)
