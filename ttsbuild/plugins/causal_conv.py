@@ -15,8 +15,9 @@ input. The kernel reads the input tiles straight from [B, C, T] for each tap: on
 (block of output rows m = b * n + t, over the whole batch; block of output channels),
 accumulating k * Cin / BLOCK_CI products of [BLOCK_M, BLOCK_CI] x [BLOCK_CI, BLOCK_O] in fp32
 on the tensor cores, then adds the bias and the residual and stores the tile in the input's
-dtype. Half precision only (fp16,
-bf16): fp32 stages keep cuDNN, whose TF32 switch the engine controls.
+dtype. Optionally (alpha, inv_beta) a SnakeBeta is applied to the input tiles as they load,
+for convs whose input carries no left context (the residual units' 1x1 convs). Half
+precision only (fp16, bf16): the engine runs fp32 stages as im2col + GEMM.
 
     overlap_add(z [B, n, taps, s, Cout], spill [S, Cout, (taps - 1) * s], rows [B],
                 bias [Cout]) -> y [B, Cout, n * s], spill rows advanced in place
@@ -150,6 +151,9 @@ def _overlap_add_triton(z, spill, rows, bias):
         return out
     block_o = min(64, triton.next_power_of_2(cout))
     block_u = min(128, triton.next_power_of_2(max(n * s, (taps - 1) * s)))
+    if (taps - 1) * s > block_u:  # the spill must sit in one program's block (see kernel)
+        raise ValueError(f"an overlap of {(taps - 1) * s} samples exceeds the kernel's "
+                         f"{block_u}-sample block")
     span = max(n * s, (taps - 1) * s)  # outputs, and the new spill's samples (row program)
     grid = (B, triton.cdiv(span, block_u), triton.cdiv(cout, block_o))
     _overlap_add_kernel[grid](
