@@ -109,6 +109,12 @@ class Models:
             draft_heads=load_attached_draft(ckpt.path, ckpt.manifest["files"], cfg, device, dtype),
         )
 
+    def offload_codec_decoder(self) -> None:
+        """Move the checkpoint's codec decoder to host memory: a backend that built its own
+        codec engine from it (runtime.codec_engine) holds the only device copy from here on.
+        Host memory, not freed: anything still using the module runs, on the CPU."""
+        self.codec = self.codec.to("cpu")
+
     def drop_decoder_layers(self) -> None:
         """Free the talker's and code predictor's decoder layers (a fast backend that packed
         them keeps the only copy); the embeddings, text projection and heads stay."""

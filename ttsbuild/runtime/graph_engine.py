@@ -215,6 +215,8 @@ class GraphBackend:
             models.codec, plan.num_slots, plan.codec_precision, dev, max_chunk=plan.max_chunk,
             conv_impl=resolve_conv_impl(plan.codec_conv, dev),
         )
+        if release_modules:
+            models.offload_codec_decoder()  # the codec engine holds its own copy
 
         # -- static I/O of the graphs, and host staging ---------------------------------------
         self.rows_in = torch.full((bmax,), self.scratch, dtype=torch.int64, device=dev)
@@ -664,9 +666,9 @@ class GraphBackend:
             flat += [bufs.x, bufs.qkv, bufs.attn, bufs.act, bufs.logits]
         return {
             "weights_lm": stacks + fp8_heads + modules,
-            # the checkpoint's codec as loaded (fp32) and the codec engine's own copy in its
-            # precision (runtime.codec_engine): both stay on the device today
-            "weights_codec": nbytes(m.codec.parameters()),
+            # the checkpoint's codec as loaded (fp32; moved to host memory with
+            # release_modules) and the codec engine's own copy in its precision
+            "weights_codec": nbytes(p for p in m.codec.parameters() if p.device == self.device),
             "weights_codec_engine": self.codec_engine.weight_bytes(),
             "kv_cache": 2 * nbytes([self.kv_k]),
             "prefix_pool": self.prefix.nbytes() if self.prefix is not None else 0,
