@@ -106,10 +106,11 @@ def run_graph(engine: GraphEngine, reqs):
 
 # --kernels: the plan's optional kernel paths, each on some bucket (the persistent code
 # predictor pass at 1, the fused one at 2 and 4, the rest unfused) and the fp16 codec engine
-# with its implicit-GEMM convs; codes must still be identical in fp32, and the PCM within the
-# codec gate (SNR >= 45 dB against the eager backend's fp32 codec) instead of 1e-3.
+# with its implicit-GEMM convs and opt-in fusions; codes must still be identical in fp32,
+# and the PCM within the codec gate (SNR >= 45 dB against the eager backend's fp32 codec)
+# instead of 1e-3.
 KERNEL_CHOICES = dict(persistent_code_predictor=(1,), fused_code_predictor=(2, 4),
-                      codec_precision="fp16")
+                      codec_precision="fp16", codec_fused=True)
 MIN_SNR_DB = 45.0
 
 

@@ -70,6 +70,7 @@ CHOICES = {
     "persistent": {"persistent_code_predictor": (1, 2)},
     "speculative": {"speculative": {1: ("self", 2), 2: ("self", 3)}},
     "no prefix cache": {"prefix_pool": 0},
+    "codec kernels": {"codec_precision": "fp16", "codec_conv": "triton", "codec_fused": True},
 }
 
 

@@ -213,7 +213,7 @@ class GraphBackend:
         # in the plan's precision.
         self.codec_engine = CodecEngine(
             models.codec, plan.num_slots, plan.codec_precision, dev, max_chunk=plan.max_chunk,
-            conv_impl=resolve_conv_impl(plan.codec_conv, dev),
+            conv_impl=resolve_conv_impl(plan.codec_conv, dev), fused=plan.codec_fused,
         )
         if release_modules:
             models.offload_codec_decoder()  # the codec engine holds its own copy

@@ -45,6 +45,9 @@ class EnginePlan(BaseModel):
     # (implicit-GEMM kernel for half-precision stages, GEMM + overlap-add for transposed
     # convs) on CUDA and "cudnn" elsewhere; measured in benchmarks/codec/RESULTS.md.
     codec_conv: Literal["auto", "cudnn", "gemm", "triton"] = "auto"
+    # The codec's opt-in fusions (CodecEngine(fused=True): ring attention, overlap-add and
+    # SnakeBeta inside the 1x1 convs, one kernel each); off until timed on the GPU.
+    codec_fused: bool = False
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
