@@ -17,12 +17,7 @@
 set -euo pipefail
 
 if [ -x .venv/bin/python ]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi
-# The web stack travels to a bare GPU host as wheels in .whl (../shared/tools/gpu-wheels.sh).
-if [ -d .whl ] && ! PYTHONPATH=/tmp/site "$PY" -c 'import fastapi' 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-}
+source benchmarks/wheels.sh
 IN_MEMORY=${IN_MEMORY:-0}
 OUT=${OUT:-out}
 WORK=${WORK:-$OUT/serve_sweep_work}

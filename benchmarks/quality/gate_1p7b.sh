@@ -10,11 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+source benchmarks/wheels.sh
 W=$(mktemp -d)
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 cli() { python3 -m ttsbuild.cli "$@"; }

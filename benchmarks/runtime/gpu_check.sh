@@ -11,11 +11,7 @@ STEPS=${STEPS:-build check bench}
 BATCHES=${BATCHES:-1,8,32,64}
 PRECISIONS=${PRECISIONS:-bf16,fp8}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+source benchmarks/wheels.sh
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 for step in $STEPS; do
     case $step in

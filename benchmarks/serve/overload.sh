@@ -14,17 +14,7 @@
 set -euo pipefail
 
 if [ -x .venv/bin/python ]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi
-# The web stack travels to a bare GPU host as wheels in .whl (../shared/tools/gpu-wheels.sh).
-if [ -d .whl ] && ! PYTHONPATH=/tmp/site "$PY" -c 'import fastapi' 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-}
-if [ -d .whl ] && [ ! -d /tmp/site/fastapi ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+source benchmarks/wheels.sh
 if ! "$PY" -c 'import ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null; then
     echo "== building the step driver (CUDA)"
     "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 || { echo "driver build failed"; exit 1; }

@@ -6,11 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+source benchmarks/wheels.sh
 timeout 230 python3 benchmarks/spec/bench_spec.py --peaked "${PEAKED:-8}" \
     --batches "${BATCHES:-1,8,32,64}" --windows "${WINDOWS:-1,2,3,4,5,6}" \
     --conditional "${CONDITIONAL:-auto}" --out "$OUT" 2>&1 | tee "$OUT/bench_spec.log"
