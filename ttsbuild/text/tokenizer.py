@@ -124,6 +124,9 @@ def qwen2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     )
 
 
+_SHORT_PIECE, _SHORT_CACHE = 16, 4096  # pieces of up to 16 characters; at most 4096 of them
+
+
 class TextTokenizer:
     """Encode text to Qwen2 token ids (added tokens by their declared ids) and back."""
 
@@ -142,6 +145,9 @@ class TextTokenizer:
             self._split = re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
         else:
             self._split = None
+        # The chat template's fixed pieces ("assistant\n", "\n") recur in every request: short
+        # pieces are encoded once (admission is on the path to first audio).
+        self._short: dict[str, tuple[int, ...]] = {}
         self.vocab_size = max([*vocab.values(), *self._added_by_id, -1]) + 1
 
     @classmethod
@@ -201,6 +207,13 @@ class TextTokenizer:
             added = self._added_by_content.get(piece)
             if added is not None:
                 ids.append(added.id)
+            elif len(piece) <= _SHORT_PIECE:
+                cached = self._short.get(piece)
+                if cached is None:
+                    cached = tuple(self._bpe.encode(piece, add_special_tokens=False).ids)
+                    if len(self._short) < _SHORT_CACHE:
+                        self._short[piece] = cached
+                ids.extend(cached)
             else:
                 ids.extend(self._bpe.encode(piece, add_special_tokens=False).ids)
         return ids
