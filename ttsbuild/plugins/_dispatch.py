@@ -29,3 +29,20 @@ def want_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
         if not (t.is_cuda or interpret_mode()):
             raise RuntimeError("use_triton=True needs CUDA tensors (or TRITON_INTERPRET=1)")
     return bool(use_triton)
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    from ttsbuild.plugins._tl._math import HAS_GDC
+
+    return HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Launch the decode kernels with programmatic dependent launch (each kernel's programs
+    start during the previous kernel and wait for it on the device: `_tl._math.pdl_prologue`).
+    On for CUDA tensors on Hopper and later; TTSBUILD_PDL=0 turns it off (side-by-side
+    measurements), and the interpreter never uses it."""
+    if not t.is_cuda or interpret_mode() or os.environ.get("TTSBUILD_PDL", "1") == "0":
+        return False
+    return _pdl_capable(t.device.index if t.device.index is not None else 0)

@@ -68,6 +68,12 @@ def decode_fused(
     return rms_norm(residual, stack.norm, eps) if final_norm else residual
 
 
+def _counters(frames: torch.Tensor, G: int) -> torch.Tensor:
+    """[B, G] the sampler's counters of a frame's codebooks (frame * G + codebook), in one
+    launch before the passes: no small kernel between a head and its sampler."""
+    return frames[:, None] * G + torch.arange(G, device=frames.device)
+
+
 class FusedCodePredictor:
     """The code predictor's weights as one frame needs them, and the frame (fused or not)."""
 
@@ -128,6 +134,7 @@ class FusedCodePredictor:
             pos = positions[position][:B]
             return decode_fused(self.stack, x, k_cache, v_cache, slots, pos, final_norm=False)
 
+        counters = _counters(frames, G)
         step(self._project(hidden, None), 0)
         residual = step(self._project(self.codec_embedding, c0), 1)
         codes = [c0]
@@ -137,7 +144,7 @@ class FusedCodePredictor:
                 residual, self.stack.norm, head.weight, head.scale, eps=eps,
                 out_dtype=torch.float32,
             )  # fmt: skip
-            code = fused_sample(logits, sampling, seeds, frames * G + cb)
+            code = fused_sample(logits, sampling, seeds, counters[:, cb])
             codes.append(code)
             if cb + 1 < G:
                 residual = step(self._project(self.embeddings[cb - 1], code), cb + 1)
@@ -155,11 +162,12 @@ class FusedCodePredictor:
         def step(table, index, position, head=None):
             return run_pass(w, bufs, table, index, position, k_cache, v_cache, slots[:B], head)[1]
 
+        counters = _counters(frames, G)
         step(hidden, None, 0)
         logits = step(self.codec_embedding, c0, 1, self.heads[0])
         codes = [c0]
         for cb in range(1, G):
-            code = fused_sample(logits, sampling, seeds, frames * G + cb)
+            code = fused_sample(logits, sampling, seeds, counters[:, cb])
             codes.append(code)
             if cb + 1 < G:
                 logits = step(self.embeddings[cb - 1], code, cb + 1, self.heads[cb])

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import interpret_mode
+from ttsbuild.plugins._dispatch import interpret_mode, pdl_enabled
+from ttsbuild.plugins._tl._math import pdl_prologue
 
 _LOG2E = 1.4426950408889634
 
@@ -23,8 +24,9 @@ def _attn_split_kernel(
     stride_qb, stride_qh, stride_cslot, stride_ch, stride_cs, stride_ob, stride_oh,
     qk_scale, chunk,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLITS: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -79,7 +81,9 @@ def _attn_split_kernel(
 def _attn_combine_kernel(
     po_ptr, pml_ptr, out_ptr, stride_ob, stride_oh,
     HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_sp = tl.arange(0, BLOCK_SP)
@@ -136,16 +140,19 @@ def decode_attention_triton(
         pml = torch.empty((B, Hq, splits, 2), dtype=torch.float32, device=q.device)
     else:
         po = pml = out
+    pdl = pdl_enabled(q)
     _attn_split_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, slots, lengths, out, po, pml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), scale * _LOG2E, chunk,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_S=block_s,
-        SPLITS=splits, DOT_F32=interpret_mode(), num_warps=4, num_stages=3,
+        SPLITS=splits, DOT_F32=interpret_mode(), PDL=pdl, launch_pdl=pdl, num_warps=4,
+        num_stages=3,
     )  # fmt: skip
     if splits > 1:
         _attn_combine_kernel[(B, Hq)](
             po, pml, out, out.stride(0), out.stride(1),
-            HQ=Hq, D=D, SPLITS=splits, BLOCK_SP=triton.next_power_of_2(splits), num_warps=4,
+            HQ=Hq, D=D, SPLITS=splits, BLOCK_SP=triton.next_power_of_2(splits),
+            PDL=pdl, launch_pdl=pdl, num_warps=4,
         )  # fmt: skip
     return out

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import interpret_mode
+from ttsbuild.plugins._dispatch import interpret_mode, pdl_enabled
+from ttsbuild.plugins._tl._math import pdl_prologue
 
 _NUM_SMS: dict[int, int] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -107,7 +108,9 @@ def _fp8_linear_kernel(
     SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr,
     DOT_F32: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -229,6 +232,7 @@ def fp8_linear_triton(
         return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, block_m), meta["SPLIT_K"])
 
     args = (x, w, scale, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0))
+    pdl = pdl_enabled(x)
     if interpret_mode():
         config = config or {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}
         config = {**config, "DOT_F32": True}
@@ -236,9 +240,11 @@ def fp8_linear_triton(
         c = dict(config)
         if block_m == 1 and "DOT_F32" in c:
             c["BLOCK_N"] = min(c["BLOCK_N"], 16)
-        _heur[grid(c)](*args, BLOCK_M=block_m, **c)
+        _heur[grid(c)](*args, BLOCK_M=block_m, **c, PDL=pdl, launch_pdl=pdl)
     else:
-        (_gemv if block_m == 1 else _gemm)[grid](*args, BLOCK_M=block_m)
+        (_gemv if block_m == 1 else _gemm)[grid](
+            *args, BLOCK_M=block_m, PDL=pdl, launch_pdl=pdl
+        )
     return out
 
 

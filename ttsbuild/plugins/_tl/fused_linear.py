@@ -22,15 +22,20 @@ epilogue: one launch, deterministic. Configs are fixed per shape (`plan`): no au
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import interpret_mode
-from ttsbuild.plugins._tl._math import exp_f32
+from ttsbuild.plugins._dispatch import interpret_mode, pdl_enabled
+from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue
 from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
 
 _MAX_SPLIT = 8
+# Under PDL, load the first weight block before waiting for the previous kernel.
+# TTSBUILD_PDL_PREFETCH=0 turns it off (side-by-side measurements).
+_PREFETCH = os.environ.get("TTSBUILD_PDL_PREFETCH", "1") != "0"
 
 
 @triton.jit
@@ -44,6 +49,25 @@ def _mac(acc, w, xt, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr):
     else:
         out = tl.dot(w.to(xt.dtype), xt, acc)
     return out
+
+
+@triton.jit
+def _k_block(
+    acc_g, acc_u, ss, w, wu, x_cols, nw_ptr, offs_k, k_mask, m_mask,
+    X_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PRE_NORM: tl.constexpr,
+    GATE_UP: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    # One K block: the activations (normed in the load under PRE_NORM) times the weight tiles.
+    xt = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+    if PRE_NORM:
+        xf = xt.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=0)
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        xt = (xf * nw[:, None]).to(X_DTYPE)
+    acc_g = _mac(acc_g, w, xt, BLOCK_M, DOT_F32)
+    if GATE_UP:
+        acc_u = _mac(acc_u, wu, xt, BLOCK_M, DOT_F32)
+    return acc_g, acc_u, ss
 
 
 @triton.jit
@@ -88,7 +112,8 @@ def _fused_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GATHER: tl.constexpr, PRE_NORM: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    GATE_UP: tl.constexpr, DOT_F32: tl.constexpr,
+    GATE_UP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -97,39 +122,53 @@ def _fused_linear_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    g_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    u_rows = g_rows + N * stride_wn  # GATE_UP only: the up half of the packed matrix
+    if PREFETCH:
+        # The first K block's weights do not depend on the previous kernel: they are loaded
+        # before waiting for it (PDL), so the weight stream starts while that kernel ends.
+        # Nothing else is read before the wait (the gather's index is a previous output).
+        offs_k0 = k_lo + tl.arange(0, BLOCK_K)
+        w_mask0 = n_mask[:, None] & (offs_k0 < k_hi)[None, :]
+        w0 = tl.load(g_rows + offs_k0[None, :], mask=w_mask0, other=0.0)
+        wu0 = w0
+        if GATE_UP:
+            wu0 = tl.load(u_rows + offs_k0[None, :], mask=w_mask0, other=0.0)
+    pdl_prologue(PDL)
     if GATHER:
         rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     else:
         rows = offs_m.to(tl.int64)
     x_cols = x_ptr + rows[None, :] * stride_xm
     X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    g_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    u_rows = g_rows + N * stride_wn  # GATE_UP only: the up half of the packed matrix
     if BLOCK_M == 1:
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     else:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_u = tl.zeros_like(acc_g)
     ss = tl.zeros((BLOCK_M,), tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_first = k_lo
+    if PREFETCH:
+        acc_g, acc_u, ss = _k_block(
+            acc_g, acc_u, ss, w0, wu0, x_cols, nw_ptr, offs_k0, offs_k0 < k_hi, m_mask,
+            X_DTYPE, BLOCK_M, PRE_NORM, GATE_UP, DOT_F32,
+        )  # fmt: skip
+        k_first = k_lo + BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
-        xt = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-        if PRE_NORM:
-            xf = xt.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=0)
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            xt = (xf * nw[:, None]).to(X_DTYPE)
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(g_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        acc_g = _mac(acc_g, w, xt, BLOCK_M, DOT_F32)
+        wu = w
         if GATE_UP:
             wu = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
-            acc_u = _mac(acc_u, wu, xt, BLOCK_M, DOT_F32)
+        acc_g, acc_u, ss = _k_block(
+            acc_g, acc_u, ss, w, wu, x_cols, nw_ptr, offs_k, k_mask, m_mask,
+            X_DTYPE, BLOCK_M, PRE_NORM, GATE_UP, DOT_F32,
+        )  # fmt: skip
     if BLOCK_M == 1:
         acc_g = tl.sum(acc_g, axis=1)[:, None]
         acc_u = tl.sum(acc_u, axis=1)[:, None]
@@ -237,6 +276,8 @@ def fused_linear_triton(
     else:
         ws = cnt = out
     dummy = out
+    pdl = pdl_enabled(x)
+    prefetch = _PREFETCH and (pdl or interpret_mode())  # the interpreter checks its code path
     _fused_linear_kernel[grid](
         x, index if index is not None else dummy, norm_weight if norm_weight is not None else dummy,
         weight, scale if scale is not None else dummy, bias if bias is not None else dummy,
@@ -246,6 +287,6 @@ def fused_linear_triton(
         **c, GATHER=index is not None, PRE_NORM=norm_weight is not None,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         GATE_UP=gate_up, DOT_F32=interpret_mode() or x.dtype == torch.float32,
-        num_warps=4, num_stages=3,
+        PDL=pdl, PREFETCH=prefetch, launch_pdl=pdl, num_warps=4, num_stages=3,
     )  # fmt: skip
     return out

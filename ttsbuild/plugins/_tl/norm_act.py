@@ -11,15 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._tl._math import exp_f32, sin_f32
+from ttsbuild.plugins._dispatch import pdl_enabled
+from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue, sin_f32
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, N, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -67,6 +69,7 @@ def rms_norm_triton(
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), N, eps,
             HAS_RES=residual is not None, BLOCK=block,
+            PDL=pdl_enabled(x), launch_pdl=pdl_enabled(x),
             num_warps=4 if block <= 2048 else 8,
         )  # fmt: skip
     out = out.reshape(x.shape)
@@ -76,8 +79,9 @@ def rms_norm_triton(
 @triton.jit
 def _silu_mul_kernel(
     gu_ptr, out_ptr, stride_gu, stride_o, I,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -101,7 +105,8 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if R > 0:
         block = min(1024, triton.next_power_of_2(I))
         _silu_mul_kernel[(R, triton.cdiv(I, block))](
-            gu, out, gu.stride(0), out.stride(0), I, BLOCK=block, num_warps=4
+            gu, out, gu.stride(0), out.stride(0), I, BLOCK=block,
+            PDL=pdl_enabled(gu), launch_pdl=pdl_enabled(gu), num_warps=4,
         )
     return out.reshape(*gate_up.shape[:-1], I)
 

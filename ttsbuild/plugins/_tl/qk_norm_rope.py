@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._tl._math import cos_f32, sin_f32
+from ttsbuild.plugins._dispatch import pdl_enabled
+from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
 
 
 @triton.jit
@@ -47,8 +48,9 @@ def _qk_norm_rope_kernel(
     qkv_ptr, qw_ptr, kw_ptr, f_ptr, pos_ptr, slot_ptr, q_out_ptr, kc_ptr, vc_ptr,
     stride_row, stride_qrow, stride_qh, stride_cslot, stride_ch, stride_cs, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     pos = tl.load(pos_ptr + row).to(tl.int64)
@@ -103,6 +105,6 @@ def qk_norm_rope_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         HQ=num_heads, HKV=num_kv_heads, D=D,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        num_warps=4,
+        PDL=pdl_enabled(qkv), launch_pdl=pdl_enabled(qkv), num_warps=4,
     )  # fmt: skip
     return q

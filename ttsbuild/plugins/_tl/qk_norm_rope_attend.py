@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._tl._math import cos_f32, sin_f32
+from ttsbuild.plugins._dispatch import pdl_enabled
+from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
 
 _LOG2E = 1.4426950408889634
@@ -109,8 +110,9 @@ def _qk_norm_rope_attend_kernel(
     qkv_ptr, qw_ptr, kw_ptr, f_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, out_ptr,
     stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     pos = tl.load(pos_ptr + row).to(tl.int64)
@@ -149,12 +151,13 @@ def qk_norm_rope_attend_triton(
     out = torch.empty((R, num_heads * D), dtype=qkv.dtype, device=qkv.device)
     if R == 0:
         return out
+    pdl = pdl_enabled(qkv)
     _qk_norm_rope_attend_kernel[(R, num_kv_heads)](
         qkv, q_weight, k_weight, freqs, positions.reshape(-1), slots.reshape(-1),
         k_cache, v_cache, out, qkv.stride(0), out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, scale * _LOG2E,
         HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(S),
-        num_warps=4,
+        PDL=pdl, launch_pdl=pdl, num_warps=4,
     )  # fmt: skip
     return out

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from ttsbuild.generation.sampling import SamplingBatch
-from ttsbuild.plugins._tl._math import exp_f32, log_f32
+from ttsbuild.plugins._dispatch import pdl_enabled
+from ttsbuild.plugins._tl._math import exp_f32, log_f32, pdl_prologue
 
 
 @triton.jit
@@ -29,9 +30,11 @@ def _hash32(x):
 @triton.jit
 def _sample_kernel(
     logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, dosample_ptr,
-    seed_ptr, ctr_ptr, hist_ptr, stride_hist, pen_ptr, out_ptr,
+    seed_ptr, ctr_ptr, stride_ctr, hist_ptr, stride_hist, pen_ptr, out_ptr,
     BLOCK_V: tl.constexpr, HAS_PENALTY: tl.constexpr, IS_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_V)
     vmask = offs < V
@@ -84,7 +87,7 @@ def _sample_kernel(
 
     # Gumbel-max with the counter-based noise of generation.sampling.uniform_noise
     seed = tl.load(seed_ptr + row)
-    ctr = tl.load(ctr_ptr + row)
+    ctr = tl.load(ctr_ptr + row * stride_ctr)
     lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     skey = _hash32(lo) ^ _hash32(hi ^ 0x68E31DA4)
@@ -121,12 +124,13 @@ def sample_triton(
     else:
         hist, pen, hstride = out, out, 0
     block_v = triton.next_power_of_2(V)
+    pdl = pdl_enabled(logits)
     _sample_kernel[(B,)](
         logits, logits.stride(0), V, batch.temperature.float(), batch.top_k, batch.top_p.float(),
         batch.do_sample.view(torch.uint8) if batch.do_sample.dtype == torch.bool
         else batch.do_sample,
-        seeds, counters, hist, hstride, pen, out,
+        seeds, counters, counters.stride(0), hist, hstride, pen, out,
         BLOCK_V=block_v, HAS_PENALTY=has_pen, IS_BF16=logits.dtype == torch.bfloat16,
-        num_warps=8 if block_v >= 2048 else 4,
+        PDL=pdl, launch_pdl=pdl, num_warps=8 if block_v >= 2048 else 4,
     )  # fmt: skip
     return out
