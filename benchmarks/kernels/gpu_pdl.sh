@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# On the GPU host (repo root): programmatic dependent launch (PDL) for the decode kernels,
+# checked and timed side by side. Logs under $OUT.
+#   OUT=out bash benchmarks/kernels/gpu_pdl.sh
+# Steps (STEPS, default all): tests (GPU kernel tests with PDL on), cp (the code predictor's
+# 15-pass frame graph, fused path: PDL off / on without the weight prefetch / on with it),
+# talker (the 28-layer talker step graph, PDL off / on), engine (engine microbenchmark, PDL
+# on; builds the step driver if missing), check (graph_vs_eager, tiny, PDL on).
+set -uo pipefail
+OUT=${OUT:-out}
+STEPS=${STEPS:-tests cp talker engine check}
+mkdir -p "$OUT"
+source benchmarks/wheels.sh
+export PYTHONUNBUFFERED=1
+log() { echo "== $(date -u +%H:%M:%S) $*"; }
+for step in $STEPS; do
+    case $step in
+    tests)
+        log "GPU kernel tests (PDL on)"
+        TRITON_F32_DEFAULT=ieee timeout -k 5 180 python3 -m pytest -q -p no:cacheprovider \
+            tests/plugins/test_gpu_fused_kernels.py tests/plugins/test_gpu_kernels.py \
+            tests/runtime/test_cp_fused.py -k "not interpreter" 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
+    cp)
+        for v in "0 0" "1 0" "1 1"; do
+            set -- $v
+            log "code-predictor frame, TTSBUILD_PDL=$1 TTSBUILD_PDL_PREFETCH=$2"
+            TTSBUILD_PDL=$1 TTSBUILD_PDL_PREFETCH=$2 TRITON_F32_DEFAULT=ieee timeout -k 5 150 \
+                python3 benchmarks/kernels/bench_cp_fused.py --paths unfused,fused \
+                --batches "${CP_BATCHES:-1,8,64}" --precisions fp8 --fp32-batches 1 2>&1 \
+                | tee "$OUT/cp_pdl$1_prefetch$2.log" | grep -E "^\||equal|DIFFER"
+        done ;;
+    talker)
+        for p in 0 1; do
+            log "talker step, TTSBUILD_PDL=$p"
+            TTSBUILD_PDL=$p timeout -k 5 120 python3 benchmarks/kernels/bench_talker.py \
+                --batches "${TALKER_BATCHES:-1,64}" --precisions fp8 2>&1 \
+                | tee "$OUT/talker_pdl$p.log" | grep -E "^\|"
+        done ;;
+    engine)
+        python3 -c 'import ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null || {
+            log "build the step driver (CUDA)"
+            python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+        }
+        log "engine microbenchmark (PDL on)"
+        timeout -k 5 200 python3 -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
+            --precisions fp8 --iters 20 --out "$OUT/engine" 2>&1 | tee "$OUT/engine_bench.log" \
+            | grep -E "^\||first 1-frame|memory" ;;
+    check)
+        log "graph vs eager (tiny, PDL on)"
+        timeout -k 5 150 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny 2>&1 \
+            | tee "$OUT/graph_vs_eager.log" | grep -E "PASS|FAIL|Error" ;;
+    esac
+done
+log done
