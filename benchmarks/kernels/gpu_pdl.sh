@@ -2,13 +2,14 @@
 # On the GPU host (repo root): programmatic dependent launch (PDL) for the decode kernels,
 # checked and timed side by side. Logs under $OUT.
 #   OUT=out bash benchmarks/kernels/gpu_pdl.sh
-# Steps (STEPS, default all): tests (GPU kernel tests with PDL on), cp (the code predictor's
+# Steps (STEPS, default all): build (the step driver, if missing: tests and engine need it),
+# tests (GPU kernel tests with PDL on), cp (the code predictor's
 # 15-pass frame graph, fused path: PDL off / on without the weight prefetch / on with it),
 # talker (the 28-layer talker step graph, PDL off / on), engine (engine microbenchmark, PDL
-# on; builds the step driver if missing), check (graph_vs_eager, tiny, PDL on).
+# on), check (graph_vs_eager, tiny, PDL on).
 set -uo pipefail
 OUT=${OUT:-out}
-STEPS=${STEPS:-tests cp talker engine check}
+STEPS=${STEPS:-build tests cp talker engine check}
 mkdir -p "$OUT"
 source benchmarks/wheels.sh
 export PYTHONUNBUFFERED=1
@@ -36,11 +37,12 @@ for step in $STEPS; do
                 --batches "${TALKER_BATCHES:-1,64}" --precisions fp8 2>&1 \
                 | tee "$OUT/talker_pdl$p.log" | grep -E "^\|"
         done ;;
-    engine)
+    build)
         python3 -c 'import ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null || {
             log "build the step driver (CUDA)"
             python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
-        }
+        } ;;
+    engine)
         log "engine microbenchmark (PDL on)"
         timeout -k 5 200 python3 -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
             --precisions fp8 --iters 20 --out "$OUT/engine" 2>&1 | tee "$OUT/engine_bench.log" \

@@ -92,10 +92,12 @@ def _pipelined_steps(engine, slots: list[int], steps: int) -> tuple[float, float
 
 
 def bench_plan(
-    precision: str, batches, fused_code_predictor: bool = False, persistent_cp_max_batch: int = 0,
+    precision: str, batches, fused_code_predictor: bool = True, persistent_cp_max_batch: int = 0,
     fused_talker_max_batch: int = 0,
 ) -> EnginePlan:
-    """The plan the benchmark runs random weights under: a bucket for every batch measured."""
+    """The plan the benchmark runs random weights under: a bucket for every batch measured,
+    the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
+    run it (fused_code_predictor=False: the unfused path everywhere)."""
     num_slots = max(batches)
     buckets = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, *batches) if b <= num_slots}))
     return EnginePlan(
@@ -336,7 +338,7 @@ def run_engine_bench(
     out_dir: Path | None = None,
     log=print,
     plan: EnginePlan | None = None,
-    fused_code_predictor: bool = False,
+    fused_code_predictor: bool = True,
     persistent_cp_max_batch: int = 0,
     fused_talker_max_batch: int = 0,
 ) -> dict:
@@ -422,7 +424,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     p.add_argument("--engine-dir", type=Path, default=None, help="a compiled engine instead")
-    p.add_argument("--fused-code-predictor", action="store_true")
+    p.add_argument("--fused-code-predictor", action=argparse.BooleanOptionalAction, default=True,
+                   help="the fused code predictor on buckets <= 8, as served (default on)")
     p.add_argument("--persistent-cp-max-batch", type=int, default=0,
                    help="buckets up to this run the persistent code-predictor pass")
     p.add_argument("--fused-talker-max-batch", type=int, default=0,

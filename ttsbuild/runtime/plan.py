@@ -45,9 +45,10 @@ class EnginePlan(BaseModel):
     # (implicit-GEMM kernel for half-precision stages, GEMM + overlap-add for transposed
     # convs) on CUDA and "cudnn" elsewhere; measured in benchmarks/codec/RESULTS.md.
     codec_conv: Literal["auto", "cudnn", "gemm", "triton"] = "auto"
-    # The codec's opt-in fusions (CodecEngine(fused=True): ring attention, overlap-add and
-    # SnakeBeta inside the 1x1 convs, one kernel each); off until timed on the GPU.
-    codec_fused: bool = False
+    # The codec's fusions (CodecEngine(fused=True): ring attention, overlap-add and SnakeBeta
+    # inside the 1x1 convs, one kernel each): 2-8 % faster on the H200 and the graph-vs-eager
+    # check passes with them (benchmarks/codec/RESULTS.md, 2026-12-01).
+    codec_fused: bool = True
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
