@@ -102,9 +102,13 @@ def _linear_case(seed, M, K, N, dtype, fp8, gate_up=False):
 
 
 _SPLIT = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4}
+_SPLIT2 = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2}
 # (M, K, N, config): one row (GEMV), a few rows with K not a multiple of the tile, more than
-# one 64-row tile; the per-shape plan, and a forced split-K (4 partials, last one reduces)
-CASES = [(1, 256, 64, None), (1, 256, 64, _SPLIT), (5, 200, 40, _SPLIT), (70, 128, 32, None)]
+# one 64-row tile; the per-shape plan, and a forced split-K (4 partials, last one reduces).
+# The GEMV with _SPLIT2 and K = 200: a split of 4 K blocks, the last one partly past K, so
+# the blocks loaded before the PDL wait (2) and the loop after them both run.
+CASES = [(1, 256, 64, None), (1, 256, 64, _SPLIT), (1, 200, 40, _SPLIT2), (5, 200, 40, _SPLIT),
+         (70, 128, 32, None)]  # fmt: skip
 PRECISIONS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
 
 

@@ -36,6 +36,8 @@ _MAX_SPLIT = 8
 # Under PDL, load the first weight block before waiting for the previous kernel.
 # TTSBUILD_PDL_PREFETCH=0 turns it off (side-by-side measurements).
 _PREFETCH = os.environ.get("TTSBUILD_PDL_PREFETCH", "1") != "0"
+# K blocks of a GEMV (M = 1) program loaded before the wait; tensor-core tiles prefetch one.
+_PREFETCH_BLOCKS = int(os.environ.get("TTSBUILD_PDL_PREFETCH_BLOCKS", "2"))
 
 
 @triton.jit
@@ -113,7 +115,7 @@ def _fused_linear_kernel(
     SPLIT_K: tl.constexpr, GATHER: tl.constexpr, PRE_NORM: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     GATE_UP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -127,16 +129,23 @@ def _fused_linear_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     g_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     u_rows = g_rows + N * stride_wn  # GATE_UP only: the up half of the packed matrix
-    if PREFETCH:
-        # The first K block's weights do not depend on the previous kernel: they are loaded
-        # before waiting for it (PDL), so the weight stream starts while that kernel ends.
-        # Nothing else is read before the wait (the gather's index is a previous output).
+    if PREFETCH >= 1:
+        # The first PREFETCH K blocks' weights do not depend on the previous kernel: they are
+        # loaded before waiting for it (PDL), so the weight stream starts while that kernel
+        # ends. Nothing else is read before the wait (the gather's index is a previous output).
         offs_k0 = k_lo + tl.arange(0, BLOCK_K)
         w_mask0 = n_mask[:, None] & (offs_k0 < k_hi)[None, :]
         w0 = tl.load(g_rows + offs_k0[None, :], mask=w_mask0, other=0.0)
         wu0 = w0
         if GATE_UP:
             wu0 = tl.load(u_rows + offs_k0[None, :], mask=w_mask0, other=0.0)
+    if PREFETCH >= 2:
+        offs_k1 = offs_k0 + BLOCK_K
+        w_mask1 = n_mask[:, None] & (offs_k1 < k_hi)[None, :]
+        w1 = tl.load(g_rows + offs_k1[None, :], mask=w_mask1, other=0.0)
+        wu1 = w1
+        if GATE_UP:
+            wu1 = tl.load(u_rows + offs_k1[None, :], mask=w_mask1, other=0.0)
     pdl_prologue(PDL)
     if GATHER:
         rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
@@ -150,13 +159,17 @@ def _fused_linear_kernel(
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_u = tl.zeros_like(acc_g)
     ss = tl.zeros((BLOCK_M,), tl.float32)
-    k_first = k_lo
-    if PREFETCH:
+    if PREFETCH >= 1:
         acc_g, acc_u, ss = _k_block(
             acc_g, acc_u, ss, w0, wu0, x_cols, nw_ptr, offs_k0, offs_k0 < k_hi, m_mask,
             X_DTYPE, BLOCK_M, PRE_NORM, GATE_UP, DOT_F32,
         )  # fmt: skip
-        k_first = k_lo + BLOCK_K
+    if PREFETCH >= 2:
+        acc_g, acc_u, ss = _k_block(
+            acc_g, acc_u, ss, w1, wu1, x_cols, nw_ptr, offs_k1, offs_k1 < k_hi, m_mask,
+            X_DTYPE, BLOCK_M, PRE_NORM, GATE_UP, DOT_F32,
+        )  # fmt: skip
+    k_first = k_lo + PREFETCH * BLOCK_K
     for k0 in range(k_first, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
@@ -277,7 +290,12 @@ def fused_linear_triton(
         ws = cnt = out
     dummy = out
     pdl = pdl_enabled(x)
-    prefetch = _PREFETCH and (pdl or interpret_mode())  # the interpreter checks its code path
+    prefetch = 0
+    if _PREFETCH and (pdl or interpret_mode()):  # the interpreter checks the code path
+        # K blocks loaded before the wait: all of a split's blocks up to _PREFETCH_BLOCKS (a
+        # GEMV program's 16 rows x 2 blocks of 512 FP8 weights: 16 KB in registers)
+        blocks = triton.cdiv(triton.cdiv(K, c["SPLIT_K"]), c["BLOCK_K"])
+        prefetch = min(blocks, _PREFETCH_BLOCKS if c["BLOCK_M"] == 1 else 1)
     _fused_linear_kernel[grid](
         x, index if index is not None else dummy, norm_weight if norm_weight is not None else dummy,
         weight, scale if scale is not None else dummy, bias if bias is not None else dummy,
