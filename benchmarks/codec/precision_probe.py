@@ -5,7 +5,9 @@
 
 The real codec config with random weights (`random_codec_state`), random codes. For each
 precision P it prints the SNR against the full fp32 decode of:
-  all       every stage in P except the default fp32 stages (what the engine runs)
+  all       every stage in P except the default fp32 stages, of which the default TF32
+            stages use TF32 matmuls (what the engine runs)
+  all, transformer strict fp32   the same with no TF32 stage (the engine before 2026-12-01)
   all+out   every stage in P, the output stage too
   only S    stage S alone in P, every other stage in fp32 (the loss S is responsible for)
 On CPU, fp16/bf16 run natively and TF32 is emulated by rounding (see runtime.codec_engine).
@@ -59,12 +61,16 @@ def main() -> None:
     print(f"codec probe: {args.rows} x {args.frames} frames, device {args.device}")
     print("| precision | variant | SNR dB | s |\n|---|---|---|---|")
     for p in args.precisions.split(","):
-        variants = {"all": None, "all+out": ()}
-        variants.update({f"only {s}": tuple(x for x in stages if x != s) for s in stages})
-        for name, fp32 in variants.items():
+        # name -> (fp32 stages or None: the default, TF32 stages or None: the default)
+        variants = {"all": (None, None), "all, transformer strict fp32": (None, ()),
+                    "all+out": ((), ())}
+        variants.update({f"only {s}": (tuple(x for x in stages if x != s), ()) for s in stages})
+        for name, (fp32, tf32) in variants.items():
             t = time.time()
-            eng = CodecEngine(dec, args.rows, p) if fp32 is None else CodecEngine(
-                dec, args.rows, p, fp32_stages=fp32)
+            kw = {} if fp32 is None else {"fp32_stages": fp32}
+            if tf32 is not None:
+                kw["tf32_stages"] = tf32
+            eng = CodecEngine(dec, args.rows, p, **kw)
             snr = snr_db(ref, decode_with(eng, codes))
             print(f"| {p} | {name} | {snr:.1f} | {time.time() - t:.0f} |", flush=True)
 

@@ -47,7 +47,12 @@ from ttsbuild.convert.io import atomic_output_dir, sha256_file, write_json
 from ttsbuild.model.codec import CodecConfig
 from ttsbuild.model.config import ModelConfig
 from ttsbuild.plugins.fp8_linear import FP8_MAX, quantize_weight_fp8
-from ttsbuild.runtime.codec_engine import DEFAULT_FP32_STAGES, MIN_CODEC_SNR_DB, PRECISIONS
+from ttsbuild.runtime.codec_engine import (
+    DEFAULT_FP32_STAGES,
+    DEFAULT_TF32_STAGES,
+    MIN_CODEC_SNR_DB,
+    PRECISIONS,
+)
 from ttsbuild.runtime.draft import DRAFT_FILE, read_draft
 from ttsbuild.runtime.plan import EnginePlan
 
@@ -330,7 +335,10 @@ def compile_engine_dir(
             },
             "codec": {"folded": True, "dtype": "float32", "onnx": onnx,
                       "precision": cfg.codec_precision,
-                      "fp32_stages": list(DEFAULT_FP32_STAGES), "quality": codec_quality},
+                      "fp32_stages": list(DEFAULT_FP32_STAGES),
+                      "tf32_stages": [] if cfg.codec_precision == "fp32"
+                      else list(DEFAULT_TF32_STAGES),
+                      "quality": codec_quality},
             "target": {"arch": arch, "device_name": torch.cuda.get_device_name(device)
                        if device.type == "cuda" else "cpu"},
             "versions": {

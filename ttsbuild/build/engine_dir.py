@@ -95,6 +95,7 @@ class CodecInfo(_Strict):
     # compute precision of runtime.codec_engine (engines before it: fp32, unmeasured)
     precision: Literal["fp32", "tf32", "fp16", "bf16"] = "fp32"
     fp32_stages: list[str] = []
+    tf32_stages: list[str] = []  # of the fp32 stages, those with TF32 matmuls
     quality: CodecQuality | None = None
 
 
