@@ -241,6 +241,10 @@ class CodecEngine:
         codec = copy.deepcopy(src).to(device=device, dtype=torch.float32).eval()
         for p in codec.parameters():
             p.requires_grad_(False)
+        # Only into fp32 stages: a small scale folded into half-precision weights would push
+        # them into fp16's subnormals (ConvNeXt's gamma starts at 1e-6).
+        fp32 = {n for n, s in self.stages.items() if s.dtype == torch.float32}
+        self._folded = _fold_scales(codec, "transformer" in fp32, "upsample" in fp32)
         self.codec = codec
         names = stage_names(codec)
         parts = [codec.pre_conv, codec.pre_transformer, codec.upsample, *codec.decoder]
@@ -447,7 +451,20 @@ class CodecEngine:
         h = self._conv(m.dwconv, x, rows, st).transpose(1, 2)  # [B, T, C]
         h = m.norm(h.float()).to(x.dtype)
         h = self._linear(m.pwconv2, F.gelu(self._linear(m.pwconv1, h, st)), st)
-        return x + (m.gamma * h).transpose(1, 2)
+        return x + (h if m in self._folded else m.gamma * h).transpose(1, 2)
+
+    def _linear_residual(self, m: nn.Linear, scale: nn.Module, y: Tensor, x: Tensor,
+                         st: _Stage) -> Tensor:  # fmt: skip
+        """x + scale * m(y), as one GEMM with the residual as its accumulator where the
+        scale is folded into m's weight (`_fold_scales`)."""
+        if m not in self._folded:
+            return x + scale(self._linear(m, y, st))
+        if m.bias is not None:
+            return x + self._linear(m, y, st)
+        shape = x.shape
+        out = torch.addmm(x.reshape(-1, shape[-1]), st.mm_in(y.reshape(-1, y.shape[-1])),
+                          m.weight.T)  # fmt: skip
+        return out.view(shape)
 
     def _decoder_block(self, m: DecoderBlock, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
         act, up, *units = m.block
@@ -500,12 +517,35 @@ class CodecEngine:
             y = ring_attention(q, k_ring, v_ring, rows, mask, scale)
         else:
             y = ring_attention_reference(q, k_ring, v_ring, rows, mask, scale, st.mm_in)
-        y = self._linear(a.o_proj, y, st)  # y: [B, n, H * D]
-        x = x + layer.self_attn_layer_scale(y)
+        x = self._linear_residual(a.o_proj, layer.self_attn_layer_scale, y, x, st)
         norm = layer.post_attention_layernorm
         gate_up = F.linear(st.mm_in(rms_norm(x, norm.weight, norm.eps)), gate_up_weight)
-        h = self._linear(layer.mlp.down_proj, silu_mul(gate_up), st)
-        return x + layer.mlp_layer_scale(h)
+        h = silu_mul(gate_up)
+        return self._linear_residual(layer.mlp.down_proj, layer.mlp_layer_scale, h, x, st)
+
+
+def _fold_scales(codec: CodecDecoder, transformer: bool, convnext: bool) -> set[nn.Module]:
+    """Per-channel output scales folded into the linear before them, in place (fp32, before
+    the stages' casts): each transformer layer's attention and MLP layer scales into o_proj
+    and down_proj, each ConvNeXt block's gamma into pwconv2. scale * (y @ W.T + b) equals
+    y @ (scale * W).T + scale * b, so a residual branch is one GEMM and one add (or one addmm)
+    instead of a GEMM, a multiply and an add. Returns the modules folded (the linears, and
+    the ConvNeXt blocks whose gamma is in their pwconv2)."""
+    pairs = []
+    if transformer:
+        for layer in codec.pre_transformer.layers:
+            pairs += [(layer.self_attn.o_proj, layer.self_attn_layer_scale.scale, None),
+                      (layer.mlp.down_proj, layer.mlp_layer_scale.scale, None)]
+    if convnext:
+        pairs += [(m.pwconv2, m.gamma, m) for m in codec.modules() if isinstance(m, ConvNeXtBlock)]
+    folded = set()
+    for linear, scale, block in pairs:
+        linear.weight.mul_(scale[:, None])
+        if linear.bias is not None:
+            linear.bias.mul_(scale)
+        scale.fill_(1.0)  # the module, if run, stays equivalent
+        folded |= {linear} if block is None else {linear, block}
+    return folded
 
 
 # -- the quality gate ----------------------------------------------------------------------------
