@@ -6,7 +6,7 @@
 # tests (GPU kernel tests with PDL on), cp (the code predictor's
 # 15-pass frame graph, fused path: PDL off / on without the weight prefetch / on with it),
 # talker (the 28-layer talker step graph, PDL off / on), engine (engine microbenchmark, PDL
-# on), check (graph_vs_eager, tiny, PDL on).
+# on), w8a8 (not in the default: W8A8 tests and the engine with --w8a8-min-rows), check (graph_vs_eager, tiny, PDL on).
 set -uo pipefail
 OUT=${OUT:-out}
 STEPS=${STEPS:-build tests cp talker engine check}
@@ -47,6 +47,13 @@ for step in $STEPS; do
         timeout -k 5 200 python3 -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
             --precisions fp8 --iters 20 --out "$OUT/engine" 2>&1 | tee "$OUT/engine_bench.log" \
             | grep -E "^\||first 1-frame|memory" ;;
+    w8a8)
+        log "W8A8 (FP8 activations, cuBLASLt FP8 GEMM) for the talker: GPU tests, then the engine"
+        timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_fp8_w8a8.py 2>&1 \
+            | tee "$OUT/w8a8_tests.log" | tail -3
+        timeout -k 5 200 python3 -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
+            --precisions fp8 --iters 20 --w8a8-min-rows "${W8A8_MIN_ROWS:-16}" --out "$OUT/engine_w8a8" \
+            2>&1 | tee "$OUT/engine_bench_w8a8.log" | grep -E "^\||first 1-frame" ;;
     check)
         log "graph vs eager (tiny, PDL on)"
         timeout -k 5 150 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny 2>&1 \

@@ -93,7 +93,7 @@ def _pipelined_steps(engine, slots: list[int], steps: int) -> tuple[float, float
 
 def bench_plan(
     precision: str, batches, fused_code_predictor: bool = True, persistent_cp_max_batch: int = 0,
-    fused_talker_max_batch: int = 0,
+    fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0,
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured,
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
@@ -111,6 +111,7 @@ def bench_plan(
         fused_code_predictor=tuple(b for b in buckets if b <= 8) if fused_code_predictor else (),
         persistent_code_predictor=tuple(b for b in buckets if b <= persistent_cp_max_batch),
         fused_talker=tuple(b for b in buckets if b <= fused_talker_max_batch),
+        w8a8_min_rows=w8a8_min_rows,
     )
 
 
@@ -341,6 +342,7 @@ def run_engine_bench(
     fused_code_predictor: bool = True,
     persistent_cp_max_batch: int = 0,
     fused_talker_max_batch: int = 0,
+    w8a8_min_rows: int = 0,
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -352,7 +354,8 @@ def run_engine_bench(
         results.append(bench_precision(models, plan, batches, iters, log, release_modules=True))
     for p in precisions if plan is None else ():
         p_plan = bench_plan(
-            p, batches, fused_code_predictor, persistent_cp_max_batch, fused_talker_max_batch
+            p, batches, fused_code_predictor, persistent_cp_max_batch, fused_talker_max_batch,
+            w8a8_min_rows,
         )
         results.append(bench_precision(models, p_plan, batches, iters, log))
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
@@ -430,6 +433,8 @@ def main() -> None:
                    help="buckets up to this run the persistent code-predictor pass")
     p.add_argument("--fused-talker-max-batch", type=int, default=0,
                    help="buckets up to this run the talker step on the fused kernels")
+    p.add_argument("--w8a8-min-rows", type=int, default=0,
+                   help="the talker's FP8 linears as W8A8 from this many rows (0: never)")
     a = p.parse_args()
     t0 = time.perf_counter()
     plan = None
@@ -452,6 +457,7 @@ def main() -> None:
         fused_code_predictor=a.fused_code_predictor,
         persistent_cp_max_batch=a.persistent_cp_max_batch,
         fused_talker_max_batch=a.fused_talker_max_batch,
+        w8a8_min_rows=a.w8a8_min_rows,
     )
 
 

@@ -22,15 +22,21 @@ from ttsbuild.model.config import DecoderStackConfig
 from ttsbuild.model.layers import DecoderStack
 from ttsbuild.plugins.decode_attention import decode_attention
 from ttsbuild.plugins.fp8_linear import FP8_DTYPE, fp8_linear, quantize_weight_fp8
+from ttsbuild.plugins.fp8_w8a8 import fp8_linear_w8a8, w8a8_supported
 from ttsbuild.plugins.norm_act import add_rms_norm, rms_norm, silu_mul
 from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
 
 
 class Dense:
-    """A bias-free linear: bf16/fp32 weight, or FP8 e4m3 weight + per-channel scale."""
+    """A bias-free linear: bf16/fp32 weight, or FP8 e4m3 weight + per-channel scale.
+
+    FP8 weights run weight-only (`fp8_linear`), or W8A8 (`fp8_linear_w8a8`: activations
+    quantised per row, an FP8 tensor-core GEMM) for inputs of at least `w8a8_min_rows` rows
+    (0: never; `EnginePlan.w8a8_min_rows`) that the FP8 GEMM takes."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None):
         self.weight, self.scale = weight, scale
+        self.w8a8_min_rows = 0
 
     @classmethod
     def make(cls, weight: torch.Tensor, fp8: bool) -> Dense:
@@ -42,6 +48,10 @@ class Dense:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_fp8:
+            rows = x.numel() // x.shape[-1]
+            if (self.w8a8_min_rows and rows >= self.w8a8_min_rows
+                    and x.dtype == torch.bfloat16 and w8a8_supported(rows, self.weight)):
+                return fp8_linear_w8a8(x, self.weight, self.scale)
             return fp8_linear(x, self.weight, self.scale)
         return F.linear(x, self.weight)
 
@@ -120,6 +130,12 @@ class PackedStack:
 
     def weight_bytes(self) -> int:
         return sum(d.nbytes() for p in self.layers for d in (p.qkv, p.o, p.gate_up, p.down))
+
+    def set_w8a8_min_rows(self, rows: int) -> None:
+        """W8A8 for the FP8 linears from `rows` rows on (0: weight-only everywhere)."""
+        for p in self.layers:
+            for d in (p.qkv, p.o, p.gate_up, p.down):
+                d.w8a8_min_rows = rows
 
     def _project_qk(self, p, qkv, positions, rows, k_cache, v_cache) -> torch.Tensor:
         """q/k norm + RoPE of one layer's packed qkv [R, ...]; k and v go into the cache at

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_SLOTS = 256
 MAX_SPEC_WINDOW = 8  # runtime.cp_spec.MAX_WINDOW
@@ -59,6 +59,10 @@ class EnginePlan(BaseModel):
     # Batch buckets whose talker step runs on runtime.cp_fused.decode_fused (5 launches per
     # layer instead of ~9: fused norm + linear, fused residual adds).
     fused_talker: tuple[int, ...] = ()
+    # The talker's FP8 linears as W8A8 (activations quantised per row at run time, one
+    # cuBLASLt FP8 GEMM: plugins.fp8_w8a8) from this many rows (prefill rows or decode
+    # batch; multiples of 16); 0: weight-only everywhere. Off until timed on the GPU.
+    w8a8_min_rows: int = Field(0, ge=0)
     # Prefix KV cache (graph backend): the talker KV of prompt prefixes that depend only on
     # (voice, language, instruct, text mode), kept on the device and copied into a slot at
     # admission, so only the rest of the prompt is prefilled. Entries (0: off) x positions

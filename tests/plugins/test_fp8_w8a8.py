@@ -1,0 +1,117 @@
+"""W8A8 (plugins.fp8_w8a8): per-row FP8 activation quantisation and the FP8 GEMM, against
+float32 references on fresh random inputs. The CUDA GEMM (torch._scaled_mm) is checked here
+through its CPU implementation: the scale convention the reference assumes (x ~= xq * sx per
+row, w ~= wq * sw per output channel) is torch's."""
+
+import pytest
+import torch
+from kernel_device import KDEV, needs_kernel
+
+from ttsbuild.plugins.fp8_linear import FP8_MAX, fp8_linear, quantize_weight_fp8
+from ttsbuild.plugins.fp8_w8a8 import (
+    fp8_linear_w8a8,
+    fp8_linear_w8a8_reference,
+    quantize_rows,
+    quantize_rows_reference,
+    w8a8_supported,
+)
+from ttsbuild.runtime.fast_model import Dense
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _rows(seed, M, K, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, K, generator=g, device=device)
+    # rows of very different magnitudes (one 50x larger) and a few outliers inside rows
+    x[0] *= 50.0
+    x[1, :3] *= 30.0
+    return x
+
+
+@pytest.mark.parametrize("M,K", [(16, 256), (48, 1000)])
+def test_quantize_rows_reference_bounds(M, K):
+    x = _rows(M + K, M, K)
+    xq, s = quantize_rows_reference(x)
+    assert xq.dtype == torch.float8_e4m3fn and s.shape == (M, 1)
+    # each row's largest magnitude lands on 448, and the row decodes to within e4m3's rounding
+    assert torch.equal(xq.float().abs().amax(dim=1), torch.full((M,), FP8_MAX))
+    err = (xq.float() * s - x).abs()
+    bound = torch.maximum(x.abs() * 2.0**-4, s * 2.0**-9)  # normals; e4m3's subnormal step
+    assert bool((err <= bound * 1.0001).all())
+    # the big row does not cost the others their precision: per-row scales
+    assert _rel(xq[2:].float() * s[2:], x[2:]) < 0.03
+    zq, zs = quantize_rows_reference(torch.zeros(2, 32))
+    assert bool((zq.float() == 0).all()) and bool((zs > 0).all())
+
+
+def test_reference_matches_torch_scaled_mm_convention():
+    M, K, N = 32, 256, 96
+    x = _rows(5, M, K).bfloat16()
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(6)) * K**-0.5
+    wq, ws = quantize_weight_fp8(w)
+    xq, sx = quantize_rows_reference(x)
+    torch_mm = torch._scaled_mm(
+        xq, wq.t(), scale_a=sx, scale_b=ws.reshape(1, -1), out_dtype=torch.bfloat16
+    )
+    ref = fp8_linear_w8a8_reference(x, wq, ws)
+    assert _rel(torch_mm.float(), ref.float()) < 1e-2  # bf16 outputs of the same product
+    # and a wrong convention (scales divided instead of multiplied) is far off
+    wrong = (xq.float() / sx) @ (wq.float() / ws[:, None]).t()
+    assert _rel(wrong, ref.float()) > 0.5
+
+
+@pytest.mark.parametrize("M,K,N", [(16, 256, 64), (64, 512, 160)])
+def test_w8a8_against_weight_only(M, K, N):
+    x = _rows(M * 7 + N, M, K).bfloat16()
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(N)) * K**-0.5
+    wq, ws = quantize_weight_fp8(w)
+    out = fp8_linear_w8a8(x, wq, ws)
+    exact = x.float() @ (wq.float() * ws[:, None]).t()  # the weight-only product in fp32
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16
+    assert _rel(out.float(), exact) < 0.03  # e4m3 activations: ~1-2 % here
+    assert _rel(out.float(), exact) > 1e-4  # it did quantise the activations
+
+
+def test_dense_routes_by_rows():
+    K, N = 256, 64
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(9)) * K**-0.5
+    d = Dense.make(w, fp8=True)
+    big, small = _rows(1, 32, K).bfloat16(), _rows(2, 8, K).bfloat16()
+    weight_only = fp8_linear(big, d.weight, d.scale)
+    w8a8 = fp8_linear_w8a8(big, d.weight, d.scale)
+    assert not torch.equal(weight_only, w8a8)  # the two paths are told apart below
+    assert torch.equal(d(big), weight_only)  # off by default
+    d.w8a8_min_rows = 16
+    assert torch.equal(d(big), w8a8)
+    assert torch.equal(d(small), fp8_linear(small, d.weight, d.scale))  # < 16 rows
+    odd = _rows(3, 24, K).bfloat16()  # >= 16 rows but not a multiple of 16: weight-only
+    assert not w8a8_supported(24, d.weight)
+    assert torch.equal(d(odd), fp8_linear(odd, d.weight, d.scale))
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K", [(3, 256), (16, 2048), (5, 1000)])
+def test_quantize_rows_kernel(M, K):
+    x = _rows(M + K, M, K, device=KDEV).bfloat16()
+    q, s = quantize_rows(x, use_triton=True)
+    rq, rs = quantize_rows_reference(x)
+    assert torch.equal(s, rs)
+    same = (q.float() == rq.float()).float().mean().item()
+    assert same == 1.0
+    assert _rel(q.float() * s, rq.float() * rs) < 1e-3
+
+
+@pytest.mark.skipif(KDEV != "cuda", reason="needs a CUDA GPU (the FP8 GEMM)")
+@pytest.mark.parametrize("M,K,N", [(32, 2048, 4096), (256, 6144, 2048), (64, 2048, 12288)])
+def test_w8a8_gemm_on_gpu(M, K, N):
+    g = torch.Generator(device="cuda").manual_seed(M + K + N)
+    x = (torch.randn(M, K, device="cuda", generator=g) * 2).bfloat16()
+    wq, ws = quantize_weight_fp8(torch.randn(N, K, device="cuda", generator=g) * K**-0.5)
+    q, s = quantize_rows(x, use_triton=True)
+    rq, rs = quantize_rows_reference(x)
+    assert torch.equal(q.float(), rq.float()) and torch.equal(s, rs)
+    out = fp8_linear_w8a8(x, wq, ws)
+    assert _rel(out.float(), fp8_linear_w8a8_reference(x, wq, ws).float()) < 1e-2

@@ -1,0 +1,86 @@
+"""FP8 activations x FP8 weights on the tensor cores (W8A8) for linears with many rows.
+
+y = (xq * sx) @ (w_fp8 * sw[:, None]).T, where each row of x gets its own scale
+sx = amax(|x_row|) / 448 at run time (dynamic per-token scaling: nothing to calibrate, and a
+row of large activations does not cost the other rows their precision), and w keeps the
+per-output-channel scales of `quantize_weight_fp8`. On CUDA it is one Triton launch that
+quantises the rows (`_tl/fp8_w8a8.py`) and one cuBLASLt FP8 GEMM with row-wise scales
+(`torch._scaled_mm`, fp32 accumulation, bf16 out). It pays where the weight-only kernel runs
+out of steam: the talker's prefill (32-512 rows) and large decode buckets; at a few rows the
+GEMV of `fp8_linear` stays faster (`EnginePlan.w8a8_min_rows` picks, by measurement).
+
+Error: e4m3 keeps 3 mantissa bits, so each activation is rounded to within 2^-4 of its value
+(relative); a dot product of K such terms averages the errors out (tests: ~1-2 % relative
+against the weight-only product on random inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ttsbuild.plugins._dispatch import want_triton
+from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] e4m3fn, scale [M, 1] fp32): x ~= xq * scale, each row's
+    largest magnitude mapped to 448 (an all-zero row gets a tiny scale and zeros)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    xq = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return xq, scale
+
+
+def quantize_rows(x: torch.Tensor, *, use_triton: bool | None = None):
+    """`quantize_rows_reference` in one launch on the GPU."""
+    if x.dim() != 2:
+        raise ValueError(f"expected x [M, K], got {tuple(x.shape)}")
+    if not want_triton(x, use_triton):
+        return quantize_rows_reference(x)
+    from ttsbuild.plugins._tl.fp8_w8a8 import quantize_rows_triton
+
+    return quantize_rows_triton(x)
+
+
+def w8a8_supported(rows: int, w_fp8: torch.Tensor) -> bool:
+    """Shapes cuBLASLt's FP8 GEMM takes: every dimension a multiple of 16."""
+    n, k = w_fp8.shape
+    return rows > 0 and rows % 16 == 0 and n % 16 == 0 and k % 16 == 0
+
+
+def fp8_linear_w8a8_reference(
+    x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor
+) -> torch.Tensor:
+    """The same quantisation, the product in fp32 of the dequantised operands."""
+    lead = x.shape[:-1]
+    xq, sx = quantize_rows_reference(x.reshape(-1, x.shape[-1]))
+    out = (xq.float() * sx) @ (w_fp8.float() * w_scale.float()[:, None]).t()
+    return out.to(x.dtype).reshape(*lead, w_fp8.shape[0])
+
+
+def fp8_linear_w8a8(
+    x: torch.Tensor,  # [..., K] bf16
+    w_fp8: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,  # [N] fp32
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """[..., N] bf16: rows quantised to FP8, one FP8 tensor-core GEMM (CUDA); the reference
+    elsewhere."""
+    if w_fp8.dtype != FP8_DTYPE:
+        raise TypeError(f"weight must be {FP8_DTYPE}, got {w_fp8.dtype}")
+    if not want_triton(x, use_triton) or not x.is_cuda:
+        return fp8_linear_w8a8_reference(x, w_fp8, w_scale)
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the FP8 GEMM writes bf16: x must be bf16, got {x.dtype}")
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if not w8a8_supported(x2.shape[0], w_fp8):
+        raise ValueError(f"W8A8 needs rows, N and K multiples of 16: {x2.shape[0]} x "
+                         f"{tuple(w_fp8.shape)}")  # fmt: skip
+    xq, sx = quantize_rows(x2, use_triton=True)
+    out = torch._scaled_mm(
+        xq, w_fp8.t(), scale_a=sx, scale_b=w_scale.float().reshape(1, -1),
+        out_dtype=torch.bfloat16,
+    )  # fmt: skip
+    return out.reshape(*lead, w_fp8.shape[0])
