@@ -64,6 +64,15 @@ class SlotPlan:
         return NEVER if self.by_length_rule else self.params.min_new_tokens
 
 
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """A request resolved at the edge (`EngineCore.resolve`): admitting it only claims a slot
+    (the tokenizing and checking are not on the engine loop's path to the prefill)."""
+
+    request: Any
+    plan: SlotPlan
+
+
 @dataclass
 class SlotRecord:
     """The host's view of one admitted request."""
@@ -186,13 +195,21 @@ class EngineCore:
     def free_slots(self) -> int:
         return self.table.free_count()
 
-    def admit(self, req) -> int:
-        """Validate and tokenize `req`, claim a slot. Raises RequestError or NoFreeSlot."""
+    def resolve(self, req) -> ResolvedRequest:
+        """Validate and tokenize `req` now (at the edge, e.g. when the HTTP request arrives),
+        so that admitting it later only claims a slot. Raises RequestError."""
         from ttsbuild.runtime.engine import plan_admission
 
+        return ResolvedRequest(req, plan_admission(self.models, req, self.plan, self.guards))
+
+    def admit(self, req) -> int:
+        """Validate and tokenize `req` (unless it is a ResolvedRequest), claim a slot.
+        Raises RequestError or NoFreeSlot."""
         if self.table.free_count() == 0:
             raise NoFreeSlot(f"all {self.num_slots} slots are busy")
-        return self.admit_plan(plan_admission(self.models, req, self.plan, self.guards), req)
+        if not isinstance(req, ResolvedRequest):
+            req = self.resolve(req)
+        return self.admit_plan(req.plan, req.request)
 
     def admit_plan(self, plan: SlotPlan, request=None) -> int:
         slot = self.table.claim(SlotRecord(plan, request))

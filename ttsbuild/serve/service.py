@@ -136,6 +136,18 @@ class SpeechService:
             return self._catalog
         return replace(self._catalog, voices=[*self._catalog.voices, *registered])
 
+    def _resolve(self, request: SynthesisRequest):
+        """Tokenize and check the request here, as it arrives, so the engine loop's admission
+        only claims a slot (`EngineCore.resolve`). A request the engine refuses goes on as it
+        is: the loop refuses it again, through the one path that reports refusals."""
+        resolve = getattr(self.engine, "resolve", None)
+        if resolve is None:
+            return request
+        try:
+            return resolve(request)
+        except RequestError:
+            return request
+
     def with_clone(self, request: SynthesisRequest) -> SynthesisRequest:
         """A request naming a registered voice, with that voice's prompt attached."""
         if self.voice_store is None or request.clone is not None or request.voice is None:
@@ -198,7 +210,8 @@ class SpeechService:
         handle = StreamHandle(self, asyncio.get_running_loop())
         try:
             stream = self.loop.submit(
-                self.with_clone(request), handle.sink, self.chunk_schedule(chunk_schedule),
+                self._resolve(self.with_clone(request)), handle.sink,
+                self.chunk_schedule(chunk_schedule),
                 self._trimmer(), follows.stream_id if follows is not None else None,
                 continuation,
             )  # fmt: skip
