@@ -87,6 +87,8 @@ class BuildConfig:
     fused_cp_max_batch: int = 8  # fused code predictor on buckets up to this (0: never)
     # one persistent launch per code-predictor pass on buckets up to this (0: never)
     persistent_cp_max_batch: int = 0
+    # FP8 talker linears as W8A8 from this many rows (prefill, large buckets); 0: never
+    w8a8_min_rows: int = 0
     prefix_pool: int = 16  # prompt-prefix KV entries kept on the device (0: no prefix cache)
     max_prefix: int = 128  # positions per prefix entry
     # Speculative code predictor per bucket: {bucket: ("self" | "draft", window)}; off ({})
@@ -154,7 +156,7 @@ class BuildConfig:
                 b for b in self.graph_batches if b <= self.persistent_cp_max_batch
             ),
             prefix_pool=self.prefix_pool, max_prefix=self.max_prefix,
-            speculative=dict(self.speculative),
+            speculative=dict(self.speculative), w8a8_min_rows=self.w8a8_min_rows,
         )  # fmt: skip
 
     def fp8_groups(self) -> list[str]:
