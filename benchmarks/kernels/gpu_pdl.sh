@@ -4,7 +4,8 @@
 #   OUT=out bash benchmarks/kernels/gpu_pdl.sh
 # Steps (STEPS, default all): build (the step driver, if missing: tests and engine need it),
 # tests (GPU kernel tests with PDL on), cp (the code predictor's
-# 15-pass frame graph, fused path: PDL off / on without the weight prefetch / on with it),
+# 15-pass frame graph, fused path: PDL off / on without the weight prefetch / on with one
+# or two K blocks prefetched),
 # talker (the 28-layer talker step graph, PDL off / on), engine (engine microbenchmark, PDL
 # on), w8a8 (not in the default: W8A8 tests and the engine with --w8a8-min-rows), check (graph_vs_eager, tiny, PDL on).
 set -uo pipefail
@@ -22,20 +23,22 @@ for step in $STEPS; do
             tests/plugins/test_gpu_fused_kernels.py tests/plugins/test_gpu_kernels.py \
             tests/runtime/test_cp_fused.py -k "not interpreter" 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
     cp)
-        for v in "0 0" "1 0" "1 1"; do
+        # (TTSBUILD_PDL, TTSBUILD_PDL_PREFETCH, TTSBUILD_PDL_PREFETCH_BLOCKS)
+        for v in "0 0 1" "1 0 1" "1 1 1" "1 1 2"; do
             set -- $v
-            log "code-predictor frame, TTSBUILD_PDL=$1 TTSBUILD_PDL_PREFETCH=$2"
-            TTSBUILD_PDL=$1 TTSBUILD_PDL_PREFETCH=$2 TRITON_F32_DEFAULT=ieee timeout -k 5 150 \
+            log "code-predictor frame, TTSBUILD_PDL=$1 TTSBUILD_PDL_PREFETCH=$2 TTSBUILD_PDL_PREFETCH_BLOCKS=$3"
+            TTSBUILD_PDL=$1 TTSBUILD_PDL_PREFETCH=$2 TTSBUILD_PDL_PREFETCH_BLOCKS=$3 \
+                TRITON_F32_DEFAULT=ieee timeout -k 5 150 \
                 python3 benchmarks/kernels/bench_cp_fused.py --paths unfused,fused \
                 --batches "${CP_BATCHES:-1,8,64}" --precisions fp8 --fp32-batches 1 2>&1 \
-                | tee "$OUT/cp_pdl$1_prefetch$2.log" | grep -E "^\||equal|DIFFER"
+                | tee "$OUT/cp_pdl$1_prefetch$2x$3.log" | grep -E "^(fp8|prec)|equal|DIFFER"
         done ;;
     talker)
         for p in 0 1; do
             log "talker step, TTSBUILD_PDL=$p"
             TTSBUILD_PDL=$p timeout -k 5 120 python3 benchmarks/kernels/bench_talker.py \
                 --batches "${TALKER_BATCHES:-1,64}" --precisions fp8 2>&1 \
-                | tee "$OUT/talker_pdl$p.log" | grep -E "^\|"
+                | tee "$OUT/talker_pdl$p.log" | grep -E "^(fp8|prec)"
         done ;;
     build)
         python3 -c 'import ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null || {

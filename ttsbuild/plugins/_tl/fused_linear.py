@@ -37,7 +37,9 @@ _MAX_SPLIT = 8
 # TTSBUILD_PDL_PREFETCH=0 turns it off (side-by-side measurements).
 _PREFETCH = os.environ.get("TTSBUILD_PDL_PREFETCH", "1") != "0"
 # K blocks of a GEMV (M = 1) program loaded before the wait; tensor-core tiles prefetch one.
-_PREFETCH_BLOCKS = int(os.environ.get("TTSBUILD_PDL_PREFETCH_BLOCKS", "2"))
+# 1 is what was timed on the H200 (benchmarks/kernels/RESULTS.md); 2 (a CP GEMV program's
+# whole K range) is to be timed: TTSBUILD_PDL_PREFETCH_BLOCKS=2.
+_PREFETCH_BLOCKS = int(os.environ.get("TTSBUILD_PDL_PREFETCH_BLOCKS", "1"))
 
 
 @triton.jit
@@ -292,10 +294,12 @@ def fused_linear_triton(
     pdl = pdl_enabled(x)
     prefetch = 0
     if _PREFETCH and (pdl or interpret_mode()):  # the interpreter checks the code path
-        # K blocks loaded before the wait: all of a split's blocks up to _PREFETCH_BLOCKS (a
-        # GEMV program's 16 rows x 2 blocks of 512 FP8 weights: 16 KB in registers)
+        # K blocks loaded before the wait: a split's blocks up to _PREFETCH_BLOCKS (a GEMV
+        # program's 16 rows x 2 blocks of 512 FP8 weights: 16 KB in registers); the
+        # interpreter always takes 2, so both peeled blocks and the loop after them are tested
         blocks = triton.cdiv(triton.cdiv(K, c["SPLIT_K"]), c["BLOCK_K"])
-        prefetch = min(blocks, _PREFETCH_BLOCKS if c["BLOCK_M"] == 1 else 1)
+        per_program = 2 if interpret_mode() else _PREFETCH_BLOCKS
+        prefetch = min(blocks, per_program if c["BLOCK_M"] == 1 else 1)
     _fused_linear_kernel[grid](
         x, index if index is not None else dummy, norm_weight if norm_weight is not None else dummy,
         weight, scale if scale is not None else dummy, bias if bias is not None else dummy,
