@@ -115,6 +115,37 @@ def bench_plan(
     )
 
 
+def _profile_host(engine, be, log, n: int = 10) -> None:
+    """Where the host time of a new request's first chunk goes (admit, prefill and launches,
+    the read excluded): cProfile over n requests, the top functions by own time. cProfile
+    slows Python down, so read the shares, not the times."""
+    import cProfile
+    import io
+    import pstats
+
+    from ttsbuild.runtime.request import SynthesisRequest
+
+    prof = cProfile.Profile()
+    for i in range(n):
+        torch.cuda.synchronize()
+        prof.enable()
+        slot = engine.admit(SynthesisRequest(text=TEXT[:60], voice="ryan", seed=1000 + i))
+        engine.prefill([slot])
+        ticket = engine.launch_frames([slot])
+        audio = engine.launch_audio([slot], max_frames=1)
+        prof.disable()
+        engine.collect_audio(audio)
+        engine.collect(ticket)
+        engine.release(slot)
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
+    total = stats.total_tt / n * 1e3
+    stats.print_stats(12)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()][-13:]
+    log(f"host profile of admit + prefill + launches ({total:.2f} ms per request under "
+        f"cProfile), top functions by own time:\n" + "\n".join(lines))
+
+
 def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_modules=False):
     from ttsbuild.runtime.graph_engine import GraphEngine, _capture
     from ttsbuild.runtime.request import SynthesisRequest
@@ -233,6 +264,10 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
                 ev[1].elapsed_time(ev[2]), ev[2].elapsed_time(ev[3])), strict=True):
             parts[k].append(v)
         engine.release(slot)
+    try:  # auxiliary: never lose the measurements above to it
+        _profile_host(engine, be, log)
+    except Exception as exc:  # noqa: BLE001
+        log(f"host profile failed: {exc!r}")
     res.first_chunk_parts_ms = {k: statistics.median(v) for k, v in parts.items()}
     firsts.sort()
     res.first_chunk_ms = statistics.median(firsts)
