@@ -46,3 +46,9 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     if not t.is_cuda or interpret_mode() or os.environ.get("TTSBUILD_PDL", "1") == "0":
         return False
     return _pdl_capable(t.device.index if t.device.index is not None else 0)
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """Triton's launch option for PDL, passed only when on (a Triton without the option
+    still launches the kernels with PDL off)."""
+    return {"launch_pdl": True} if pdl else {}
