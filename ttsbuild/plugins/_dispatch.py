@@ -48,7 +48,8 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     return _pdl_capable(t.device.index if t.device.index is not None else 0)
 
 
-def pdl_launch(pdl: bool) -> dict:
-    """Triton's launch option for PDL, passed only when on (a Triton without the option
-    still launches the kernels with PDL off)."""
-    return {"launch_pdl": True} if pdl else {}
+def pdl_args(pdl: bool) -> dict:
+    """A decode kernel's launch arguments for PDL: its PDL constexpr (`pdl_prologue`) and,
+    only when on, Triton's launch_pdl option (a Triton without the option still launches the
+    kernels with PDL off)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}

@@ -12,7 +12,7 @@ with those layers: the final norm rides in the head GEMV's prologue (logits in f
 to the fused sampler), the next code's embedding lookup in the projection's prologue, and
 the two-token prefill [h_t, E0(c0)] runs as two single-token passes (the same causal
 attention, written to the same cache positions, in fewer launches). `frame_unfused` is the
-existing unfused path (graph_engine's), kept beside it for side-by-side checks.
+unfused path, which graph_engine runs where the plan picks no fused choice.
 """
 
 from __future__ import annotations
@@ -176,14 +176,16 @@ class FusedCodePredictor:
     def frame_unfused(
         self, hidden, c0, sampling, seeds, frames, k_cache, v_cache, slots, positions
     ) -> torch.Tensor:
-        """The same frame on the unfused kernels (PackedStack.prefill/decode, Dense heads)."""
+        """The same frame on the unfused kernels (PackedStack.prefill/decode, Dense heads):
+        the graph backend's path for buckets without a fused choice."""
         B, G = hidden.shape[0], self.num_code_groups
+        counters = _counters(frames, G)
         x = torch.stack([hidden, self.codec_embedding[c0]], dim=1)  # [B, 2, H]
         h = self.stack.prefill(self.proj(x), k_cache, v_cache, slots)[:, -1]
         codes = [c0]
         for cb in range(1, G):
             logits = self.heads[cb - 1](h).float()
-            code = fused_sample(logits, sampling, seeds, frames * G + cb)
+            code = fused_sample(logits, sampling, seeds, counters[:, cb])
             codes.append(code)
             if cb + 1 < G:
                 e = self.proj(self.embeddings[cb - 1][code])

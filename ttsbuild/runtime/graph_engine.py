@@ -289,7 +289,7 @@ class GraphBackend:
 
     def _code_predictor(self, hidden, c0, sampling, seeds, frames) -> torch.Tensor:
         """Codebooks 1..15 for B rows with on-device sampling: [B, G]."""
-        B, G = hidden.shape[0], self.cfg.num_code_groups
+        B = hidden.shape[0]
         slots = self.cp_slots[:B]
         args = (hidden, c0, sampling, seeds, frames, self.cp_k, self.cp_v, slots)
         if B in self.plan.speculative:
@@ -299,19 +299,7 @@ class GraphBackend:
             return self.cp_fused.frame_persistent(*args, self.cp_positions)
         if B in self.plan.fused_code_predictor:
             return self.cp_fused.frame(*args, self.cp_positions)
-        x = torch.stack([hidden, self.codec_embedding[c0]], dim=1)  # [B, 2, H]
-        h = self.cp_stack.prefill(self.cp_proj(x), self.cp_k, self.cp_v, slots)[:, -1]
-        codes = [c0]
-        for cb in range(1, G):
-            logits = self.cp_heads[cb - 1](h).float()
-            code = fused_sample(logits, sampling, seeds, frames * G + cb)
-            codes.append(code)
-            if cb + 1 < G:
-                e = self.cp_proj(self.cp_embeddings[cb - 1][code])
-                h = self.cp_stack.decode(
-                    e, self.cp_k, self.cp_v, slots, self.cp_positions[cb + 1][:B]
-                )
-        return torch.stack(codes, dim=1)
+        return self.cp_fused.frame_unfused(*args, self.cp_positions)
 
     def _frame_body(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame for `rows` (slots): returns the codes [B, G] (also left in the ring) and

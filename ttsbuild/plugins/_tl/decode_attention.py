@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import interpret_mode, pdl_enabled, pdl_launch
+from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -146,13 +146,13 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), scale * _LOG2E, chunk,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_S=block_s,
-        SPLITS=splits, DOT_F32=interpret_mode(), PDL=pdl, **pdl_launch(pdl), num_warps=4,
+        SPLITS=splits, DOT_F32=interpret_mode(), **pdl_args(pdl), num_warps=4,
         num_stages=3,
     )  # fmt: skip
     if splits > 1:
         _attn_combine_kernel[(B, Hq)](
             po, pml, out, out.stride(0), out.stride(1),
             HQ=Hq, D=D, SPLITS=splits, BLOCK_SP=triton.next_power_of_2(splits),
-            PDL=pdl, **pdl_launch(pdl), num_warps=4,
+            **pdl_args(pdl), num_warps=4,
         )  # fmt: skip
     return out

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import interpret_mode, pdl_enabled, pdl_launch
+from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import pdl_prologue
 
 _NUM_SMS: dict[int, int] = {}
@@ -240,10 +240,10 @@ def fp8_linear_triton(
         c = dict(config)
         if block_m == 1 and "DOT_F32" in c:
             c["BLOCK_N"] = min(c["BLOCK_N"], 16)
-        _heur[grid(c)](*args, BLOCK_M=block_m, **c, PDL=pdl, **pdl_launch(pdl))
+        _heur[grid(c)](*args, BLOCK_M=block_m, **c, **pdl_args(pdl))
     else:
         (_gemv if block_m == 1 else _gemm)[grid](
-            *args, BLOCK_M=block_m, PDL=pdl, **pdl_launch(pdl)
+            *args, BLOCK_M=block_m, **pdl_args(pdl)
         )
     return out
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import interpret_mode, pdl_enabled, pdl_launch
+from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import pdl_prologue
 from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
 
@@ -41,6 +41,6 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pdl = pdl_enabled(x)
         _quantize_rows_kernel[(M,)](
             x, q, s, x.stride(0), q.stride(0), K, FMAX=FP8_MAX, BLOCK=block,
-            PDL=pdl, **pdl_launch(pdl), num_warps=4 if block <= 2048 else 8,
+            **pdl_args(pdl), num_warps=4 if block <= 2048 else 8,
         )  # fmt: skip
     return q.to(FP8_DTYPE), s

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import pdl_enabled, pdl_launch
+from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue, sin_f32
 
 
@@ -69,7 +69,7 @@ def rms_norm_triton(
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), N, eps,
             HAS_RES=residual is not None, BLOCK=block,
-            PDL=pdl_enabled(x), **pdl_launch(pdl_enabled(x)),
+            **pdl_args(pdl_enabled(x)),
             num_warps=4 if block <= 2048 else 8,
         )  # fmt: skip
     out = out.reshape(x.shape)
@@ -106,7 +106,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(I))
         _silu_mul_kernel[(R, triton.cdiv(I, block))](
             gu, out, gu.stride(0), out.stride(0), I, BLOCK=block,
-            PDL=pdl_enabled(gu), **pdl_launch(pdl_enabled(gu)), num_warps=4,
+            **pdl_args(pdl_enabled(gu)), num_warps=4,
         )
     return out.reshape(*gate_up.shape[:-1], I)
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import pdl_enabled, pdl_launch
+from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
 
 
@@ -105,6 +105,6 @@ def qk_norm_rope_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         HQ=num_heads, HKV=num_kv_heads, D=D,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        PDL=pdl_enabled(qkv), **pdl_launch(pdl_enabled(qkv)), num_warps=4,
+        **pdl_args(pdl_enabled(qkv)), num_warps=4,
     )  # fmt: skip
     return q

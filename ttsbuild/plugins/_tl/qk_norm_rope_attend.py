@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import pdl_enabled, pdl_launch
+from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
 
@@ -158,6 +158,6 @@ def qk_norm_rope_attend_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, scale * _LOG2E,
         HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(S),
-        PDL=pdl, **pdl_launch(pdl), num_warps=4,
+        **pdl_args(pdl), num_warps=4,
     )  # fmt: skip
     return out

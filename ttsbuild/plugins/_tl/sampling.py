@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ttsbuild.generation.sampling import SamplingBatch
-from ttsbuild.plugins._dispatch import pdl_enabled, pdl_launch
+from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import exp_f32, log_f32, pdl_prologue
 
 
@@ -131,6 +131,6 @@ def sample_triton(
         else batch.do_sample,
         seeds, counters, counters.stride(0), hist, hstride, pen, out,
         BLOCK_V=block_v, HAS_PENALTY=has_pen, IS_BF16=logits.dtype == torch.bfloat16,
-        PDL=pdl, **pdl_launch(pdl), num_warps=8 if block_v >= 2048 else 4,
+        **pdl_args(pdl), num_warps=8 if block_v >= 2048 else 4,
     )  # fmt: skip
     return out
