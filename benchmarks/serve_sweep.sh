@@ -30,7 +30,8 @@ RPS=${RPS:-1,10,20,40,70,100,140,200}
 DURATION=${DURATION:-60s}
 WARMUP=${WARMUP:-5s}
 DEVICE=${DEVICE:-cuda}
-RESULTS=$OUT/serve_sweep
+RESULTS=${RESULTS:-$OUT/serve_sweep}
+SERVE_ARGS=${SERVE_ARGS:-}  # more `ttsbuild serve` flags, e.g. "--gil-switch-ms 0"
 mkdir -p "$WORK" "$RESULTS"
 
 cli() { "$PY" -m ttsbuild.cli "$@"; }
@@ -56,7 +57,7 @@ PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); p
 URL=http://127.0.0.1:$PORT
 echo "== serving on $URL (profile $PROFILE, $SLOTS slots, $DEVICE); log: $RESULTS/server.log"
 cli serve "${MODEL_ARGS[@]}" --port "$PORT" --profile "$PROFILE" --slots "$SLOTS" \
-    --device "$DEVICE" --max-queue 256 --log-level warning >"$RESULTS/server.log" 2>&1 &
+    --device "$DEVICE" --max-queue 256 --log-level warning $SERVE_ARGS >"$RESULTS/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 

@@ -11,9 +11,9 @@ import torch
 from engine_runs import finish
 
 from ttsbuild.convert.checkpoint import load_checkpoint
-from ttsbuild.generation.prompt import CODES, VOICE, VoiceClone, reference_text
+from ttsbuild.generation.prompt import CODES, NO_CODE, VOICE, VoiceClone, reference_text
 from ttsbuild.runtime.engine import EagerEngine, Models, plan_admission
-from ttsbuild.runtime.graph_engine import GraphEngine
+from ttsbuild.runtime.graph_engine import _SCRATCH_VALUES, GraphEngine
 from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.prefix_cache import PrefixPool
 from ttsbuild.runtime.request import SamplingOverrides, SynthesisRequest
@@ -116,13 +116,21 @@ def test_staged_rows_embed_to_the_prompts_embeddings(custom, base, kind):
         prompt = plan_admission(models, req, backend.plan).prompt
         layout = prompt.layout
         n = layout.num_positions
+        values = {**_SCRATCH_VALUES, "slot": backend.scratch}
+        trailing = layout.trailing_ids.numpy()
+        text_length = backend._text_bucket(trailing.shape[0])
         for start in (0, min(prompt.shared_prefix_len, n - 1)):  # as GraphBackend.admit
-            length = backend._stage_rows(layout.rows[start:], layout.x_vector)
+            rows = layout.rows[start:].numpy()
+            length = backend._stage(rows, layout.x_vector, values, trailing, text_length)
             assert length == backend.plan.prefill_bucket(n - start)
+            staged = backend.prompt_rows[:length].cpu()
+            assert torch.equal(staged[: n - start], layout.rows[start:])
+            assert (staged[n - start :, :CODES] == 0).all()  # padding: no text, no voice,
+            assert (staged[n - start :, CODES:] == NO_CODE).all()  # no codes
             got = backend.embedder.rows(backend.prompt_rows[:length], backend.admit_xvec)
             assert torch.isfinite(got).all()
             assert_close(got[: n - start], prompt.embeds[start:])
-        backend._run_text(layout.trailing_ids)
+        backend._embed_text(text_length)
         assert_close(backend.admit_text[: prompt.num_trailing], prompt.trailing_text)
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ttsbuild.model.config import DecoderStackConfig
 from ttsbuild.model.layers import DecoderStack
+from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.decode_attention import decode_attention
 from ttsbuild.plugins.fp8_linear import FP8_DTYPE, fp8_linear, quantize_weight_fp8
 from ttsbuild.plugins.fp8_w8a8 import fp8_linear_w8a8, w8a8_supported
@@ -209,15 +210,32 @@ class PackedStack:
         offsets = torch.arange(T, device=x.device)
         if start is None:
             positions = offsets.repeat(B)  # [B * T]
-            keys, mask = T, None
+            keys = T
         else:
             # Padding rows past the cache's end write its last position (never read first).
             positions = (start[:, None] + offsets).clamp(max=S - 1).reshape(-1)
             keys = min(keys or T, S)
-            visible = torch.arange(keys, device=x.device) <= positions.reshape(B, T, 1)
-            mask = visible[:, None]  # [B, 1, T, keys]
         rows = slots.repeat_interleave(T)
         rep = c.num_heads // c.num_kv_heads
+        if want_triton(x, None):
+            # Each token is a query over its row's cache up to its own position (its k/v and
+            # the prefix's are written there first): the decode kernel with per-token
+            # lengths, one launch per layer where the eager path below gathers K and V,
+            # repeats them per query head and masks (six or more kernels a layer).
+            lengths = positions + 1
+
+            def attend_cache(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
+                qkv = p.qkv(h).reshape(B * T, -1)
+                q = self._project_qk(p, qkv, positions, rows, k_cache[i], v_cache[i])
+                attn = decode_attention(q, k_cache[i], v_cache[i], rows, lengths, keys)
+                return attn.reshape(B, T, -1)
+
+            return self._run_layers(x, attend_cache)
+
+        mask = None
+        if start is not None:
+            visible = torch.arange(keys, device=x.device) <= positions.reshape(B, T, 1)
+            mask = visible[:, None]  # [B, 1, T, keys]
 
         def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
             qkv = p.qkv(h).reshape(B * T, -1)

@@ -106,6 +106,65 @@ class _StagingRing:
         return k
 
 
+class _AdmitStaging:
+    """A request's prefill inputs in one int64 block: the settings (_ADMIT_INTS, then
+    _ADMIT_FLOATS bit-cast as fp32 pairs), the trailing text ids (max_text) and the prompt
+    rows (max_len x width). On the device it holds the views the prefill and text graphs
+    read; on the host a ring of pinned copies, so staging a request is numpy writes and one
+    asynchronous copy (not a pinned allocation, a tensor and a copy per field). Entry k is
+    rewritten only after its copy ran (an event per entry: waits only if the GPU is `depth`
+    admissions behind)."""
+
+    def __init__(self, max_text: int, max_len: int, width: int, device: torch.device,
+                 depth: int = STAGING_DEPTH):  # fmt: skip
+        ni, nf = len(_ADMIT_INTS), len(_ADMIT_FLOATS)
+        self.f0, self.t0 = ni, ni + (nf + 1) // 2
+        self.r0 = self.t0 + max_text
+        self.width = width
+        size = self.r0 + max_len * width
+        self.block = torch.zeros(size, dtype=torch.int64, device=device)
+        self.ints = self.block[:ni]
+        self.floats = self.block[self.f0 : self.t0].view(torch.float32)[:nf]
+        self.trailing_ids = self.block[self.t0 : self.r0]
+        self.prompt_rows = self.block[self.r0 :].view(max_len, width)
+        self.pinned = device.type == "cuda"
+        host = torch.zeros(depth, size, dtype=torch.int64)
+        self.host = host.pin_memory() if self.pinned else host
+        self.np = self.host.numpy()
+        self.events = [torch.cuda.Event() for _ in range(depth)] if self.pinned else None
+        self.used = [False] * depth
+        self.next = 0
+
+    def stage(self, values: dict, rows: np.ndarray, length: int,
+              trailing: np.ndarray | None = None, text_length: int = 0) -> None:  # fmt: skip
+        """Stage the settings `values`, `rows` [n, width] padded to `length` rows (text id 0,
+        no x-vector, no codes) and, if given, `trailing` ids zero-padded to `text_length`;
+        copy them to the device block on the current stream."""
+        k = self.next
+        self.next = (k + 1) % len(self.used)
+        if self.pinned and self.used[k]:
+            self.events[k].synchronize()
+        h = self.np[k]
+        h[: self.f0] = [values[n] for n in _ADMIT_INTS]
+        h[self.f0 : self.t0].view(np.float32)[: len(_ADMIT_FLOATS)] = [
+            values[n] for n in _ADMIT_FLOATS
+        ]
+        if trailing is not None:
+            n = trailing.shape[0]
+            h[self.t0 : self.t0 + n] = trailing
+            h[self.t0 + n : self.t0 + text_length] = 0
+        end = self.r0 + length * self.width
+        staged = h[self.r0 : end].reshape(length, self.width)
+        n = rows.shape[0]
+        staged[:n] = rows
+        staged[n:, :CODES] = 0
+        staged[n:, CODES:] = NO_CODE
+        self.block[:end].copy_(self.host[k, :end], non_blocking=self.pinned)
+        if self.pinned:
+            self.events[k].record()
+            self.used[k] = True
+
+
 @dataclass
 class _Admission:
     """A slot admitted and not yet prefilled: its plan and the prefix entry it holds."""
@@ -227,8 +286,11 @@ class GraphBackend:
         self.pcm_out = zeros(bmax, maxc * SAMPLES_PER_FRAME)
         # The prompt as staged ids (generation.prompt.PromptLayout rows), embedded in the
         # prefill graph; max_len rows so a prompt beyond the buckets runs from it uncaptured.
-        self.prompt_rows = zeros(plan.max_len, 2 + G, dtype=torch.int64)
-        self.trailing_ids = zeros(plan.max_text, dtype=torch.int64)
+        # With the per-slot settings (admit_ints, admit_floats: written into the slot by the
+        # prefill step itself, no per-field kernels at admission), one staging block.
+        self.staging = _AdmitStaging(plan.max_text, plan.max_len, 2 + G, dev)
+        self.prompt_rows = self.staging.prompt_rows
+        self.trailing_ids = self.staging.trailing_ids
         self.admit_xvec = zeros(H, dtype=self.dtype)
         self.text_buckets = tuple(
             sorted({*(t for t in plan.prefill_buckets if t < plan.max_text), plan.max_text})
@@ -244,10 +306,8 @@ class GraphBackend:
         # codec half of a prompt prefix), so priming runs once per voice, not per request.
         self.primed: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
         self.primed_hits = 0
-        # A request's per-slot settings, staged on the host and written into its slot by the
-        # prefill step itself (one copy in, no per-field kernels at admission).
-        self.admit_ints = zeros(len(_ADMIT_INTS), dtype=torch.int64)
-        self.admit_floats = zeros(len(_ADMIT_FLOATS))
+        self.admit_ints = self.staging.ints
+        self.admit_floats = self.staging.floats
         self.admit_text = zeros(plan.max_text, H, dtype=self.dtype)
         # views: the slot, the last prompt row, its first position and the prefix entry
         self.prefill_slot = self.admit_ints[0:1]
@@ -272,6 +332,9 @@ class GraphBackend:
         self.ring_order = _RingOrder(S, plan.codec_ring)
 
         self.pending: dict[int, _Admission] = {}  # admitted, not yet prefilled
+        # A list (benchmarks only, CUDA): each prefill step appends an event recorded after its
+        # inputs are staged, right before its first kernel is queued.
+        self.trace: list | None = None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_pool_bytes = 0
         if self.use_graphs:
@@ -470,62 +533,63 @@ class GraphBackend:
     def _prefill_one(self, slot: int, admission: _Admission) -> None:
         plan, params = admission.plan, admission.plan.params
         layout = plan.prompt.layout
+        rows = layout.rows.numpy()
         n, start, entry = layout.num_positions, admission.prefix_len, admission.entry
         if entry is not None and not entry.ready:
             # First use of this prefix: prefill it alone into the scratch slot with the same
             # step, and keep its KV.
-            self._run_prefill(self.scratch, layout.rows[:start], layout.x_vector, {
-                "last": start - 1, "position": start, "start": 0,
-                "prefix_entry": entry.index})  # fmt: skip
+            self._run_prefill(rows[:start], layout.x_vector, {
+                **_SCRATCH_VALUES, "slot": self.scratch, "last": start - 1,
+                "position": start, "start": 0, "prefix_entry": entry.index})  # fmt: skip
             self.prefix.store(self.kv_k, self.kv_v, self.scratch, entry)
-        self._run_text(layout.trailing_ids)
         t, c = params.talker, params.code_predictor
+        trailing = layout.trailing_ids.numpy()
         values = {
-            "last": n - start - 1, "position": n, "start": start,
+            "slot": slot, "last": n - start - 1, "position": n, "start": start,
             "prefix_entry": entry.index if entry is not None else 0, "seed": plan.seed,
-            "eos_min_frames": plan.eos_from, "text_len": layout.trailing_ids.shape[0],
+            "eos_min_frames": plan.eos_from, "text_len": trailing.shape[0],
             "talker_top_k": t.top_k, "cp_top_k": c.top_k, "talker_do_sample": t.do_sample,
             "cp_do_sample": c.do_sample, "talker_temperature": t.temperature,
             "talker_top_p": t.top_p, "talker_repetition_penalty": t.repetition_penalty,
             "cp_temperature": c.temperature, "cp_top_p": c.top_p,
             "cp_repetition_penalty": c.repetition_penalty,
         }  # fmt: skip
-        self._run_prefill(slot, layout.rows[start:], layout.x_vector, values)
+        text_length = self._text_bucket(trailing.shape[0])
+        self._run_prefill(rows[start:], layout.x_vector, values, trailing, text_length)
 
-    def _run_prefill(self, slot: int, rows: torch.Tensor, x_vector, values: dict) -> None:
-        """Stage `rows` and the settings, then run the prefill step: the captured graph, or
-        the same body eagerly."""
-        length = self._stage_rows(rows, x_vector)
-        values = {**_SCRATCH_VALUES, **values, "slot": slot}
-        self.admit_ints.copy_(self._staged(_ADMIT_INTS, values, torch.int64), True)
-        self.admit_floats.copy_(self._staged(_ADMIT_FLOATS, values, torch.float32), True)
+    def _run_prefill(self, rows: np.ndarray, x_vector, values: dict,
+                     trailing: np.ndarray | None = None, text_length: int = 0) -> None:  # fmt: skip
+        """Stage the inputs (`_stage`), embed the trailing text into the text track (if
+        given), then run the prefill step: the captured graphs, or the same bodies eagerly."""
+        length = self._stage(rows, x_vector, values, trailing, text_length)
+        if self.trace is not None:  # benchmarks: when the GPU work of a prefill starts
+            self.trace.append(torch.cuda.Event(enable_timing=True))
+            self.trace[-1].record()
+        if trailing is not None:
+            self._embed_text(text_length)
         if self.use_graphs and length in self.plan.prefill_buckets:
             self.graphs[("prefill", length)].replay()
         else:
             self._prefill_body(length)
 
-    def _stage_rows(self, rows: torch.Tensor, x_vector: torch.Tensor | None) -> int:
-        """Prompt rows [T, 2 + G] (and the voice's x-vector) -> the device's staging buffers,
-        padded to T's length bucket (T itself beyond the buckets). Returns the length."""
+    def _stage(self, rows: np.ndarray, x_vector, values: dict,
+               trailing: np.ndarray | None = None, text_length: int = 0) -> int:  # fmt: skip
+        """Prompt rows [T, 2 + G] padded to T's length bucket (T itself beyond the buckets),
+        the settings and the trailing text, in one copy; the voice's x-vector in another.
+        Returns the length."""
         n = rows.shape[0]
         length = self.plan.prefill_bucket(n) or n
-        staged = torch.full((length, rows.shape[1]), NO_CODE, dtype=torch.int64)
-        staged[:, :CODES] = 0  # padding rows: text id 0, no x-vector, no codes
-        staged[:n] = rows
-        # Non-blocking from pinned memory: the host allocator keeps each row until its
-        # copy ran, so no step in flight is waited for.
-        self.prompt_rows[:length].copy_(self._pinned(staged), True)
+        self.staging.stage(values, rows, length, trailing, text_length)
         if x_vector is not None:
+            # non-blocking from pinned memory: the host allocator keeps it until its copy ran
             self.admit_xvec.copy_(self._pinned(x_vector.detach().to("cpu", self.dtype)), True)
         return length
 
-    def _run_text(self, ids: torch.Tensor) -> None:
-        """Stage the trailing text ids [N] and embed them into the text track to admit."""
-        n = ids.shape[0]
-        length = next(t for t in self.text_buckets if t >= n)  # n <= max_text (plan_admission)
-        staged = torch.zeros(length, dtype=torch.int64)
-        staged[:n] = ids
-        self.trailing_ids[:length].copy_(self._pinned(staged), True)
+    def _text_bucket(self, n: int) -> int:
+        return next(b for b in self.text_buckets if b >= n)  # n <= max_text (plan_admission)
+
+    def _embed_text(self, length: int) -> None:
+        """The staged trailing text ids -> the text track the prefill step copies in."""
         if self.use_graphs:
             self.graphs[("text", length)].replay()
         else:
@@ -553,9 +617,6 @@ class GraphBackend:
             self.primed[key] = [t[slot].clone() for t in state]
             while len(self.primed) > self.plan.prefix_pool:
                 self.primed.popitem(last=False)
-
-    def _staged(self, names: tuple[str, ...], values: dict, dtype) -> torch.Tensor:
-        return self._pinned(torch.tensor([values[k] for k in names], dtype=dtype))
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if self.device.type == "cuda" else t  # copied non-blocking

@@ -37,9 +37,10 @@ _MAX_SPLIT = 8
 # TTSBUILD_PDL_PREFETCH=0 turns it off (side-by-side measurements).
 _PREFETCH = os.environ.get("TTSBUILD_PDL_PREFETCH", "1") != "0"
 # K blocks of a GEMV (M = 1) program loaded before the wait; tensor-core tiles prefetch one.
-# 1 is what was timed on the H200 (benchmarks/kernels/RESULTS.md); 2 (a CP GEMV program's
-# whole K range) is to be timed: TTSBUILD_PDL_PREFETCH_BLOCKS=2.
-_PREFETCH_BLOCKS_ENV = os.environ.get("TTSBUILD_PDL_PREFETCH_BLOCKS", "1")
+# 2 (a CP GEMV program's whole K range) timed faster than 1 on the H200: the fused code
+# predictor frame at batch 1, 2.410 -> 2.314 ms, equal at batch 8 and 64
+# (benchmarks/kernels/RESULTS.md); TTSBUILD_PDL_PREFETCH_BLOCKS=1 for one.
+_PREFETCH_BLOCKS_ENV = os.environ.get("TTSBUILD_PDL_PREFETCH_BLOCKS", "2")
 if _PREFETCH_BLOCKS_ENV not in ("1", "2"):
     raise ValueError(f"TTSBUILD_PDL_PREFETCH_BLOCKS must be 1 or 2, got {_PREFETCH_BLOCKS_ENV!r}")
 _PREFETCH_BLOCKS = int(_PREFETCH_BLOCKS_ENV)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# On the GPU host (repo root): one device call that checks and times a change to the runtime.
+#   OUT=out STEPS="driver tests engine check ab" bash benchmarks/runtime/gpu_session.sh
+# driver: the step driver (says why a carried build does not import; builds it if needed)
+# tests:  GPU tests of the prefill kernel path, the prefix cache and W8A8
+# engine: engine microbenchmark, served plan (first chunk, prefill by bucket, frame, codec)
+# check:  graph path vs eager path (tiny)
+# ab:     serving A/B at $AB_RPS req/s: Python's GIL switch interval 5 ms vs 0.5 ms
+#         (`serve --gil-switch-ms`), $AB_DURATION each, until $DEADLINE_S seconds into the run
+set -uo pipefail
+OUT=${OUT:-out}
+STEPS=${STEPS:-driver tests engine check}
+DEADLINE_S=${DEADLINE_S:-560}
+mkdir -p "$OUT"
+source benchmarks/wheels.sh
+log() { echo "== $(date -u +%H:%M:%S) +${SECONDS}s $*"; }
+for step in $STEPS; do
+    case $step in
+    driver)
+        if ! python3 -c 'import ttsbuild._driver as d; assert d.built_with_cuda()' > "$OUT/driver_import.log" 2>&1; then
+            log "the step driver does not import (tail of why below); building it"
+            tail -3 "$OUT/driver_import.log"
+            python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+            cp ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so "$OUT/" 2>/dev/null
+        fi ;;
+    tests)
+        log "GPU tests: prefill kernel path, prefix cache, W8A8"
+        TRITON_F32_DEFAULT=ieee timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
+            tests/runtime/test_cp_fused.py tests/plugins/test_fp8_w8a8.py \
+            tests/plugins/test_gpu_kernels.py -k "prefill or w8a8 or scaled_mm or decode_attention" \
+            2>&1 | tee "$OUT/gpu_tests.log" | tail -3 ;;
+    engine)
+        log "engine microbenchmark (served plan)"
+        timeout -k 5 240 python3 -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
+            --precisions fp8 --iters 20 --out "$OUT/engine" 2>&1 | tee "$OUT/engine_bench.log" \
+            | grep -E "^\||first 1-frame|memory" ;;
+    check)
+        log "graph vs eager (tiny)"
+        timeout -k 5 200 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny 2>&1 \
+            | tee "$OUT/graph_vs_eager.log" | grep -E "PASS|FAIL|Error" ;;
+    ab)
+        for ms in 0 0.5; do
+            left=$((DEADLINE_S - SECONDS))
+            if [ "$left" -lt 100 ]; then log "skip gil-switch-ms $ms: ${left}s left"; continue; fi
+            log "serving at ${AB_RPS:-10} req/s, --gil-switch-ms $ms (${left}s left)"
+            RESULTS=$OUT/ab_gil$ms SERVE_ARGS="--gil-switch-ms $ms" PY=python3 SLOTS=64 \
+                PRECISION=fp8 IN_MEMORY=1 DATASETS=voice-agent RPS=${AB_RPS:-10} \
+                DURATION=${AB_DURATION:-30s} WARMUP=1s timeout -k 5 $((left - 10)) \
+                bash benchmarks/serve_sweep.sh > "$OUT/ab_gil$ms.log" 2>&1
+            grep -E "^│|capacity" "$OUT/ab_gil$ms.log" | tail -3
+        done ;;
+    esac
+done
+log done
