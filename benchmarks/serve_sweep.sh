@@ -31,7 +31,7 @@ DURATION=${DURATION:-60s}
 WARMUP=${WARMUP:-5s}
 DEVICE=${DEVICE:-cuda}
 RESULTS=${RESULTS:-$OUT/serve_sweep}
-SERVE_ARGS=${SERVE_ARGS:-}  # more `ttsbuild serve` flags, e.g. "--gil-switch-ms 0"
+SERVE_ARGS=${SERVE_ARGS:-}  # more `ttsbuild serve` flags, e.g. "--capacity-margin 0.3"
 mkdir -p "$WORK" "$RESULTS"
 
 cli() { "$PY" -m ttsbuild.cli "$@"; }

@@ -41,7 +41,7 @@ for step in $STEPS; do
                 | tee "$OUT/talker_pdl$p.log" | grep -E "^(fp8|prec)"
         done ;;
     build)
-        python3 -c 'import ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null || {
+        python3 -c 'import torch, ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null || {
             log "build the step driver (CUDA)"
             python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
         } ;;

@@ -39,7 +39,7 @@ DEVICE=${DEVICE:-cuda}
 CLIP=${CLIP:-tests/data/librivox-0880.wav}
 TRANSCRIPT=${TRANSCRIPT:-He was not an ill disposed young man.}
 mkdir -p "$RESULTS"
-if [[ $DEVICE == cuda* ]] && ! "$PY" -c 'import ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null; then
+if [[ $DEVICE == cuda* ]] && ! "$PY" -c 'import torch, ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null; then
     echo "== building the step driver (CUDA)"
     "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 || { echo "driver build failed"; exit 1; }
 fi

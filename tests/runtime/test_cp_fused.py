@@ -340,5 +340,10 @@ def test_prefill_kernel_path_matches_reference(dtype, fp8, with_prefix, monkeypa
         k_ref0[:, 4, :, :5] += 1.0  # row 0's prefix
         alt = _f32_cpu(stack).prefill(x.to(dtype).float(), k_ref0, v_ref0, slots, start, keys)
         assert _rel(alt[0], ref[0]) > 1e-3
-    # both paths wrote the prompt's k/v at the same cache positions
-    assert _rel(k_dev.cpu().float(), k_ref) < tol and _rel(v_dev.cpu().float(), v_ref) < tol
+    # both paths wrote the prompt's k/v at the same cache positions; row 2's clamped padding
+    # tokens all write position S - 1 (which of them lands last is up to the GPU): not compared
+    k_out, v_out = k_dev.cpu().float(), v_dev.cpu().float()
+    if with_prefix:
+        for t in (k_out, v_out, k_ref, v_ref):
+            t[:, 2, :, S - 1] = 0.0
+    assert _rel(k_out, k_ref) < tol and _rel(v_out, v_ref) < tol

@@ -86,16 +86,9 @@ def serve(
     silence_seconds: float = typer.Option(
         3.0, help="Silence guard: seconds of near-silent audio after speech that end a stream."
     ),
-    gil_switch_ms: float = typer.Option(
-        0.0, min=0.0, help="Python's thread switch interval in ms (0: Python's own, 5 ms): "
-        "how long the HTTP thread may wait for the engine loop thread to yield the GIL before "
-        "it can take a request or send a chunk."
-    ),  # fmt: skip
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve a checkpoint: OpenAI-compatible streaming speech over HTTP and WebSocket."""
-    import sys
-
     import uvicorn
 
     from ttsbuild.runtime.loader import open_engine
@@ -157,10 +150,6 @@ def serve(
     except ValueError as exc:  # a voice alias naming a speaker the model lacks
         _err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
-    if gil_switch_ms > 0:
-        # The engine loop runs Python between its GPU waits; by default another thread waits
-        # up to 5 ms for the GIL, which a chunk on its way to the client would then wait too.
-        sys.setswitchinterval(gil_switch_ms / 1000)
     uvicorn.run(create_app(service), host=host, port=port, log_level=log_level)
 
 
