@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_device import KDEV, needs_kernel
 from scipy.stats import chi2_contingency, chisquare
-from test_cp_fused import CFG, G, V, _frame_inputs, _predictor, _stack, _to
+from test_cp_fused import CFG, G, V, _f32_cpu, _frame_inputs, _predictor, _stack, _to
 
 from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins.sampling import fused_sample
@@ -35,6 +35,31 @@ def test_extend_equals_sequential_decode():
     ref = torch.stack([stack.decode(x[:, t], k2, v2, slots, start + t) for t in range(T)], 1)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
     assert ((k - k2).norm() / k2.norm()).item() < 1e-6
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_kernel_path_matches_reference(dtype, monkeypatch):
+    """extend on the kernels (each token a decode-attention query up to its own position)
+    == the reference (masked SDPA over the gathered cache), fresh random inputs."""
+    stack = _stack(dtype, False, KDEV)
+    g = torch.Generator().manual_seed(13)
+    B, T, S = 3, 5, 16
+    shape = (CFG.num_layers, 4, CFG.num_kv_heads, S, CFG.head_dim)
+    k, v = torch.randn(shape, generator=g) * 2, torch.randn(shape, generator=g) * 2
+    x = torch.randn(B, T, CFG.hidden_size, generator=g)
+    slots, start = torch.tensor([3, 0, 1]), torch.tensor([1, 9, 4])
+    k_dev, v_dev = k.to(KDEV, dtype), v.to(KDEV, dtype)
+    k_in, v_in = k_dev.cpu().float(), v_dev.cpu().float()
+    out = stack.extend(x.to(KDEV, dtype), k_dev, v_dev, slots.to(KDEV), start.to(KDEV))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the reference: CPU, fp32
+    ref = _f32_cpu(stack).extend(x.to(dtype).float(), k_in, v_in, slots, start)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    if KDEV == "cuda" and dtype == torch.float32:
+        tol = 3e-3  # tl.dot on fp32 inputs runs TF32 on the GPU
+    assert out.dtype == dtype and ((out.cpu().double() - ref.double()).norm()
+                                   / ref.double().norm()).item() < tol  # fmt: skip
+    assert ((k_dev.cpu().float() - k_in).norm() / k_in.norm()).item() < tol
 
 
 def _rows(n, do_sample=True, top_k=4, temperature=1.0):

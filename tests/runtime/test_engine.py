@@ -144,3 +144,28 @@ def test_bad_requests_are_refused_and_slots_are_freed(models):
     engine.release(a)
     engine.release(b)
     assert engine.free_slots() == 2
+
+
+def test_generation_params_defaults_parsed_once_and_overrides_applied(models):
+    """The checkpoint's sampling is parsed once (admission path); a request without
+    overrides gets it as parsed, one with overrides or a frame cap gets them, and a new
+    generation_config is parsed again."""
+    from ttsbuild.generation.generate import GenerationParams
+
+    parsed = GenerationParams.from_generation_config(models.generation_config)
+    plain = SynthesisRequest(text="Hello there.", voice="ryan")
+    assert models.generation_params(plain) == parsed
+    assert models.generation_params(plain) is models.generation_params(plain)
+    over = SamplingOverrides(temperature=0.5, subtalker_top_k=7)
+    p = models.generation_params(SynthesisRequest(text="Hi.", voice="ryan", sampling=over))
+    assert (p.talker.temperature, p.code_predictor.top_k) == (0.5, 7)
+    assert p.talker.top_k == parsed.talker.top_k and p.max_frames == parsed.max_frames
+    capped = models.generation_params(SynthesisRequest(text="Hi.", voice="ryan", max_frames=9))
+    assert capped.max_frames == 9 and capped.talker == parsed.talker
+    old = models.generation_config
+    try:
+        models.generation_config = {**old, "temperature": 0.25}
+        assert models.generation_params(plain).talker.temperature == 0.25
+    finally:
+        models.generation_config = old
+    assert models.generation_params(plain) == parsed

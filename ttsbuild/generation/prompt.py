@@ -279,7 +279,8 @@ def build_prompt(talker: Talker, spec: PromptSpec, code_predictor=None) -> Promp
 
 
 def prompt_layout(cfg: ModelConfig, spec: PromptSpec) -> PromptLayout:
-    """The layout of the module doc as ids: host work only (Python lists, one tensor)."""
+    """The layout of the module doc as ids: host work only, built column by column (a
+    Python list per column, one array; on the path to first audio)."""
     text_ids = spec.text_ids
     if len(text_ids) <= ROLE_LEN + TAIL_LEN:
         raise PromptError("the text is empty")
@@ -290,45 +291,60 @@ def prompt_layout(cfg: ModelConfig, spec: PromptSpec) -> PromptLayout:
     instruct = list(spec.instruct_ids) if spec.instruct_ids and cfg.supports_instruct else []
     body = list(text_ids[ROLE_LEN:-TAIL_LEN])
 
-    def row(text: int, codes=(), voice: bool = False) -> list[int]:
-        return [text, int(voice), *codes, *([NO_CODE] * (G - len(codes)))]
+    # Columns: the text id, the x-vector flag and codebook 0's id of every row; a reference
+    # frame's other codebooks go in afterwards (`frames_at`).
+    text = [*instruct, *text_ids[:ROLE_LEN]]
+    voice = [0] * len(text)
+    code0 = [NO_CODE] * len(text)
 
-    rows = [row(t) for t in [*instruct, *text_ids[:ROLE_LEN]]]
+    def add(texts: list[int], code: int = NO_CODE) -> None:
+        text.extend(texts)
+        voice.extend([0] * len(texts))
+        code0.extend([code] * len(texts))
+
     codec = [[c] for c in codec_prefix(cfg, spec)]
     if clone is not None:
         codec.append([])  # the x-vector's position: its row carries the flag
     codec.append([cid.pad])
     for i, c in enumerate(codec):
-        text = tid.tts_bos if i == len(codec) - 1 else tid.tts_pad
-        rows.append(row(text, c, voice=not c))
-    shared = len(rows)
+        text.append(tid.tts_bos if i == len(codec) - 1 else tid.tts_pad)
+        voice.append(int(not c))
+        code0.append(c[0] if c else NO_CODE)
+    shared = len(text)
 
-    context = None
+    context = frames_at = None
     if clone is not None and clone.in_context:
         context = clone.ref_codes
         ref_ids = list(clone.ref_text_ids[ROLE_LEN:-REF_TAIL_LEN])
-        text = [*ref_ids, *body, tid.tts_eos]  # X
-        frames = [[cid.bos], *context.tolist()]  # Y
+        xs = [*ref_ids, *body, tid.tts_eos]  # X
+        n = context.shape[0] + 1  # Y: the BOS frame, then the reference frames
         if spec.non_streaming:
-            rows += [row(t, [cid.pad]) for t in text] + [row(tid.tts_pad, f) for f in frames]
+            add(xs, cid.pad)
+            add([tid.tts_pad], cid.bos)
+            frames_at = len(text)
+            add([tid.tts_pad] * (n - 1))
             trailing = [tid.tts_pad]
             shared += len(ref_ids)
         else:
-            n = len(frames)
-            padded = text[:n] + [tid.tts_pad] * (n - len(text))
-            rows += [row(t, f) for t, f in zip(padded, frames, strict=True)]
-            trailing = text[n:] or [tid.tts_pad]
+            padded = xs[:n] + [tid.tts_pad] * (n - len(xs))
+            add(padded[:1], cid.bos)
+            frames_at = len(text)
+            add(padded[1:])
+            trailing = xs[n:] or [tid.tts_pad]
             shared += min(len(ref_ids), n)
     elif spec.non_streaming:
-        rows += [row(t, [cid.pad]) for t in [*body, tid.tts_eos]]
-        rows.append(row(tid.tts_pad, [cid.bos]))
+        add([*body, tid.tts_eos], cid.pad)
+        add([tid.tts_pad], cid.bos)
         trailing = [tid.tts_pad]
     else:
-        rows.append(row(body[0], [cid.bos]))
+        add(body[:1], cid.bos)
         trailing = [*body[1:], tid.tts_eos]
+    rows = np.full((len(text), CODES + G), NO_CODE, dtype=np.int64)
+    rows[:, TEXT], rows[:, VOICE], rows[:, CODES] = text, voice, code0
+    if frames_at is not None:
+        rows[frames_at : frames_at + context.shape[0], CODES:] = context.cpu().numpy()
     return PromptLayout(
-        # through numpy: torch.tensor on nested lists costs ~50 us, on the path to first audio
-        rows=torch.from_numpy(np.array(rows, dtype=np.int64)),
+        rows=torch.from_numpy(rows),
         trailing_ids=torch.from_numpy(np.array(trailing, dtype=np.int64)),
         shared_prefix_len=shared,
         x_vector=clone.x_vector if clone is not None else None,

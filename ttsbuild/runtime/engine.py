@@ -16,7 +16,7 @@ limits, the frame loop; `launch_frames` + `collect` for pipelined steps) over a 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -45,11 +45,12 @@ from ttsbuild.runtime.core import (  # noqa: F401  (re-exported: the engine API)
 )
 from ttsbuild.runtime.draft import load_attached_draft
 from ttsbuild.runtime.plan import EnginePlan
-from ttsbuild.runtime.request import RequestError, SynthesisRequest
+from ttsbuild.runtime.request import RequestError, SamplingOverrides, SynthesisRequest
 from ttsbuild.text.tokenizer import TextTokenizer
 from ttsbuild.voices.encoder import VoiceEncoder
 
 SAMPLE_RATE = 24000
+_NO_OVERRIDES = SamplingOverrides()  # a request that keeps the checkpoint's sampling
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Models:
     # Trained draft heads [G - 1, codebook_size, code-predictor hidden] for speculative
     # decoding of the code predictor (runtime.draft), when the checkpoint ships one.
     draft_heads: torch.Tensor | None = None
+    _base_params: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def load(
@@ -134,8 +136,16 @@ class Models:
         return self.cfg.tts_model_type != "base"
 
     def generation_params(self, req: SynthesisRequest) -> GenerationParams:
-        base = GenerationParams.from_generation_config(self.generation_config)
+        # the checkpoint's defaults, parsed once per generation_config (on the admission path)
+        cached = self._base_params
+        if cached is None or cached[0] is not self.generation_config:
+            cached = (self.generation_config,
+                      GenerationParams.from_generation_config(self.generation_config))
+            self._base_params = cached
+        base = cached[1]
         s = req.sampling
+        if s == _NO_OVERRIDES and req.max_frames is None:
+            return base
 
         def pick(value, default):
             return default if value is None else value

@@ -272,6 +272,18 @@ class PackedStack:
         D, S = c.head_dim, k_cache.shape[3]
         positions = start[:, None] + torch.arange(T, device=x.device)  # [B, T]
         rows = slots.repeat_interleave(T)
+        if want_triton(x, None):
+            # as in prefill: each token a decode-attention query up to its own position
+            flat = positions.reshape(-1)
+            lengths = flat + 1
+
+            def attend_cache(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
+                q = self._project_qk(p, p.qkv(h).reshape(B * T, -1), flat, rows, k_cache[i],
+                                     v_cache[i])  # fmt: skip
+                attn = decode_attention(q, k_cache[i], v_cache[i], rows, lengths, S)
+                return attn.reshape(B, T, -1)
+
+            return self._run_layers(x, attend_cache)
         visible = torch.arange(S, device=x.device) <= positions[:, :, None]  # [B, T, S]
         rep = c.num_heads // c.num_kv_heads
 
