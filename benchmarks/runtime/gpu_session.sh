@@ -4,7 +4,10 @@
 # driver: the step driver (says why a carried build does not import; builds it if needed)
 # tests:  GPU tests of the prefill kernel path, the prefix cache and W8A8
 # engine: engine microbenchmark, served plan (first chunk, prefill by bucket, frame, codec)
-# check:  graph path vs eager path (tiny)
+# check:  graph path vs eager path (tiny); with --kernels (CHECK_ARGS): the plan's optional
+#         paths too, batched prefill (prefill_batches 1,2,4) among them
+# batched: engine microbenchmark with --prefill-batches 1,2,4 (one step of B prompts per
+#         length bucket, timed beside one prompt)
 # ab:     serving A/B at $AB_RPS req/s, $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B.
 #         (2026-12-01: Python's GIL switch interval, 5 ms against 0.5 ms, through a
@@ -38,8 +41,13 @@ for step in $STEPS; do
             | grep -E "^\||first 1-frame|memory" ;;
     check)
         log "graph vs eager (tiny)"
-        timeout -k 5 200 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny 2>&1 \
-            | tee "$OUT/graph_vs_eager.log" | grep -E "PASS|FAIL|Error" ;;
+        timeout -k 5 240 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny \
+            ${CHECK_ARGS:-} 2>&1 | tee "$OUT/graph_vs_eager.log" | grep -E "PASS|FAIL|Error" ;;
+    batched)
+        log "engine microbenchmark, prefill batches 1,2,4"
+        timeout -k 5 240 python3 -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
+            --precisions fp8 --iters 20 --prefill-batches 1,2,4 --out "$OUT/engine_batched" 2>&1 \
+            | tee "$OUT/engine_bench_batched.log" | grep -E "^\||first 1-frame" ;;
     ab)
         for side in A B; do
             args=AB_$side; args=${!args:-}

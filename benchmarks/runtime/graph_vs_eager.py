@@ -67,8 +67,9 @@ def run_reference(models, reqs, plan):
 
 
 def run_graph(engine: GraphEngine, reqs):
-    """Join/leave schedule: 3 start; every 2 steps one more joins (prefilled between steps
-    while earlier steps are still in flight); rows leave as they reach their limits."""
+    """Join/leave schedule: 3 start (prefilled together); every 2 steps one more joins
+    (prefilled between steps while earlier steps are still in flight); rows leave as they
+    reach their limits."""
     waiting = list(enumerate(reqs))
     live: dict[int, int] = {}  # slot -> request index
     pcm: dict[int, list[np.ndarray]] = {i: [] for i in range(len(reqs))}
@@ -77,17 +78,18 @@ def run_graph(engine: GraphEngine, reqs):
     step = 0
     batches = set()
 
-    def admit_one():
-        i, r = waiting.pop(0)
-        slot = engine.admit(r)
-        engine.prefill([slot])
-        live[slot] = i
+    def admit(n: int = 1):  # n requests prefilled together (one step where the plan batches)
+        slots = []
+        for _ in range(min(n, len(waiting))):
+            i, r = waiting.pop(0)
+            slots.append(engine.admit(r))
+            live[slots[-1]] = i
+        engine.prefill(slots)
 
-    for _ in range(3):
-        admit_one()
+    admit(3)
     while live or waiting:
         if waiting and (step % 2 == 1 or not live):
-            admit_one()
+            admit()
         active = [s for s in live if engine.table[s].can_launch]
         ticket = engine.launch_frames(active) if active else None
         batches.add(len(active))
@@ -105,12 +107,13 @@ def run_graph(engine: GraphEngine, reqs):
 
 
 # --kernels: the plan's optional kernel paths, each on some bucket (the persistent code
-# predictor pass at 1, the fused one at 2 and 4, the rest unfused) and the fp16 codec engine
+# predictor pass at 1, the fused one at 2 and 4, the rest unfused), the first 3 prompts in
+# one prefill step (prefill_batches) and the fp16 codec engine
 # with its implicit-GEMM convs and opt-in fusions; codes must still be identical in fp32,
 # and the PCM within the codec gate (SNR >= 45 dB against the eager backend's fp32 codec)
 # instead of 1e-3.
 KERNEL_CHOICES = dict(persistent_code_predictor=(1,), fused_code_predictor=(2, 4),
-                      codec_precision="fp16", codec_fused=True)
+                      codec_precision="fp16", codec_fused=True, prefill_batches=(1, 2, 4))
 MIN_SNR_DB = 45.0
 
 

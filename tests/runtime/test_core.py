@@ -49,6 +49,9 @@ def req(i: int, frames: int = 7, **kw) -> SynthesisRequest:
         (dict(num_slots=300, batch_buckets=(1,)), "num_slots"),
         (dict(max_len=256, prefill_buckets=(32, 256)), "prefill bucket"),
         (dict(extra_field=1), "Extra inputs"),
+        (dict(prefill_batches=(2, 4)), "must start at 1"),
+        (dict(prefill_batches=(1, 4, 2)), "strictly ascending"),
+        (dict(num_slots=2, batch_buckets=(1, 2), prefill_batches=(1, 4)), "within 2 slots"),
     ],
 )
 def test_plan_refuses_inconsistent_shapes(bad, message):

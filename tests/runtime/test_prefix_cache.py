@@ -79,8 +79,8 @@ def base_requests(models: Models) -> list[SynthesisRequest]:
     ]
 
 
-def graph(models: Models, pool: int, max_prefix: int = 128) -> GraphEngine:
-    plan = EnginePlan(prefix_pool=pool, max_prefix=max_prefix, **PLAN)
+def graph(models: Models, pool: int, max_prefix: int = 128, batches=(1,)) -> GraphEngine:
+    plan = EnginePlan(prefix_pool=pool, max_prefix=max_prefix, prefill_batches=batches, **PLAN)
     return GraphEngine(models, plan, use_graphs=False)
 
 
@@ -118,20 +118,20 @@ def test_staged_rows_embed_to_the_prompts_embeddings(custom, base, kind):
         n = layout.num_positions
         values = {**_SCRATCH_VALUES, "slot": backend.scratch}
         trailing = layout.trailing_ids.numpy()
-        text_length = backend._text_bucket(trailing.shape[0])
         for start in (0, min(prompt.shared_prefix_len, n - 1)):  # as GraphBackend.admit
             rows = layout.rows[start:].numpy()
-            length = backend._stage(rows, layout.x_vector, values, trailing, text_length)
-            assert length == backend.plan.prefill_bucket(n - start)
-            staged = backend.prompt_rows[:length].cpu()
+            b, length, text_length = backend._stage([(values, rows, trailing, layout.x_vector)])
+            assert b == 1 and length == backend.plan.prefill_bucket(n - start)
+            assert text_length == backend._text_bucket(trailing.shape[0])
+            staged = backend.staging.prompt_rows(b, length)[0].cpu()
             assert torch.equal(staged[: n - start], layout.rows[start:])
             assert (staged[n - start :, :CODES] == 0).all()  # padding: no text, no voice,
             assert (staged[n - start :, CODES:] == NO_CODE).all()  # no codes
-            got = backend.embedder.rows(backend.prompt_rows[:length], backend.admit_xvec)
+            got = backend.embedder.rows(staged, backend.admit_xvec[0])
             assert torch.isfinite(got).all()
             assert_close(got[: n - start], prompt.embeds[start:])
-        backend._embed_text(text_length)
-        assert_close(backend.admit_text[: prompt.num_trailing], prompt.trailing_text)
+        backend._embed_text(b, text_length)
+        assert_close(backend.admit_text[0, : prompt.num_trailing], prompt.trailing_text)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -186,6 +186,23 @@ def test_prefix_cache_gives_the_same_codes_and_audio_clones(base):
     # A transcript longer than the reference frames: the whole prompt is shared but one.
     alone = requests[4]
     assert_same(run(graph(base, pool=2), [alone]), run(graph(base, pool=0), [alone]))
+
+
+@pytest.mark.parametrize("pool", [0, 4])
+@pytest.mark.parametrize("kind", ["custom", "base"])
+def test_batched_prefill_gives_the_same_codes_and_audio(custom, base, kind, pool):
+    """Prompts admitted together run as prefill steps of up to 4 (same length bucket, padded
+    with scratch rows): the same codes and audio as the eager reference. Custom: two prompts
+    of one bucket and one of another, instruct and both text modes; base: x-vector and
+    in-context clones in one step, so rows with and without reference frames mix."""
+    models = custom if kind == "custom" else base
+    requests = custom_requests() if kind == "custom" else base_requests(models)[:4]
+    reference = run(EagerEngine(models, plan=EnginePlan(**PLAN)), requests)
+    one, batched = graph(models, pool=pool), graph(models, pool=pool, batches=(1, 2, 4))
+    for engine in (one, batched, one, batched):  # the second time every prefix is cached
+        assert_same(run(engine, requests), reference)
+    # the same prompts in fewer steps: some share a length bucket, and so a step
+    assert batched.backend.prefill_steps < one.backend.prefill_steps
 
 
 # -- eviction, held entries, a full pool -------------------------------------------------------

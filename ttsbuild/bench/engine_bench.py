@@ -33,6 +33,8 @@ class PrecisionResult:
     talker_weight_bytes: int
     code_predictor_weight_bytes_per_frame: int
     prefill_ms: dict[int, float] = field(default_factory=dict)  # prompt bucket -> ms
+    # "BxT" -> ms of one prefill step of B prompts of bucket T (B > 1 where the plan has it)
+    prefill_batch_ms: dict[str, float] = field(default_factory=dict)
     frame_ms: dict[int, float] = field(default_factory=dict)  # batch -> whole frame graph
     talker_ms: dict[int, float] = field(default_factory=dict)
     code_predictor_ms: dict[int, float] = field(default_factory=dict)
@@ -93,7 +95,7 @@ def _pipelined_steps(engine, slots: list[int], steps: int) -> tuple[float, float
 
 def bench_plan(
     precision: str, batches, fused_code_predictor: bool = True, persistent_cp_max_batch: int = 0,
-    fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0,
+    fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0, prefill_batches=(1,),
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured,
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
@@ -112,6 +114,7 @@ def bench_plan(
         persistent_code_predictor=tuple(b for b in buckets if b <= persistent_cp_max_batch),
         fused_talker=tuple(b for b in buckets if b <= fused_talker_max_batch),
         w8a8_min_rows=w8a8_min_rows,
+        prefill_batches=tuple(prefill_batches),
     )
 
 
@@ -179,7 +182,9 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
     pool = torch.cuda.graph_pool_handle()
 
     for t in plan.prefill_buckets:
-        res.prefill_ms[t] = _time_graph(be.graphs[("prefill", t)], iters)
+        res.prefill_ms[t] = _time_graph(be.graphs[("prefill", 1, t)], iters)
+        for b in plan.prefill_batches[1:]:
+            res.prefill_batch_ms[f"{b}x{t}"] = _time_graph(be.graphs[("prefill", b, t)], iters)
 
     # A stand-in speaks 3.5 frames per text token: three times TEXT runs ~600 frames.
     req = SynthesisRequest(text=" ".join([TEXT] * 3), voice="ryan", language="english", seed=1,
@@ -384,6 +389,7 @@ def run_engine_bench(
     persistent_cp_max_batch: int = 0,
     fused_talker_max_batch: int = 0,
     w8a8_min_rows: int = 0,
+    prefill_batches=(1,),
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -396,7 +402,7 @@ def run_engine_bench(
     for p in precisions if plan is None else ():
         p_plan = bench_plan(
             p, batches, fused_code_predictor, persistent_cp_max_batch, fused_talker_max_batch,
-            w8a8_min_rows,
+            w8a8_min_rows, prefill_batches,
         )
         results.append(bench_precision(models, p_plan, batches, iters, log))
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
@@ -435,6 +441,8 @@ def format_table(results: list[PrecisionResult]) -> str:
     for r in results:
         floor = (r.talker_weight_bytes + r.code_predictor_weight_bytes_per_frame) / HBM_BYTES_PER_S
         pre = ", ".join(f"{t}: {ms:.2f}" for t, ms in r.prefill_ms.items())
+        if r.prefill_batch_ms:  # B prompts of bucket T in one step
+            pre += "; " + ", ".join(f"{k}: {ms:.2f}" for k, ms in r.prefill_batch_ms.items())
         lines.append(
             f"{r.precision}: weight-read floor per frame {floor * 1e3:.2f} ms; prefill ms by "
             f"prompt bucket {{{pre}}}; new request -> first 1-frame PCM chunk "
@@ -476,6 +484,8 @@ def main() -> None:
                    help="buckets up to this run the talker step on the fused kernels")
     p.add_argument("--w8a8-min-rows", type=int, default=0,
                    help="the talker's FP8 linears as W8A8 from this many rows (0: never)")
+    p.add_argument("--prefill-batches", default="1",
+                   help="prompts per captured prefill step, e.g. 1,2,4 (each timed)")
     a = p.parse_args()
     t0 = time.perf_counter()
     plan = None
@@ -499,6 +509,7 @@ def main() -> None:
         persistent_cp_max_batch=a.persistent_cp_max_batch,
         fused_talker_max_batch=a.fused_talker_max_batch,
         w8a8_min_rows=a.w8a8_min_rows,
+        prefill_batches=tuple(int(b) for b in a.prefill_batches.split(",")),
     )
 
 

@@ -61,6 +61,10 @@ def compile_engine(
     prefill_buckets: str = typer.Option(
         None, "--prefill-buckets", help="Captured prompt lengths (default: 32..512 below max len)."
     ),
+    prefill_batches: str = typer.Option(
+        "1", "--prefill-batches", help="Prompts per captured prefill step, e.g. 1,2,4 "
+        "(requests admitted together share a step; default one per step)."
+    ),
     codec_chunks: str = typer.Option(
         "1,2,4,8", "--codec-chunks", help="Frames per captured codec step (must include 1)."
     ),
@@ -123,7 +127,7 @@ def compile_engine(
                            else power_of_two_buckets(max_batch)),
             max_frames=max_frames, max_len=max_len, num_slots=slots or max_batch,
             prefill_buckets=_sizes(prefill_buckets, "--prefill-buckets") if prefill_buckets
-            else None,
+            else None, prefill_batches=_sizes(prefill_batches, "--prefill-batches"),
             codec_chunks=_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
             max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
             persistent_cp_max_batch=persistent_cp_max_batch, w8a8_min_rows=w8a8_min_rows,

@@ -107,26 +107,27 @@ class _StagingRing:
 
 
 class _AdmitStaging:
-    """A request's prefill inputs in one int64 block: the settings (_ADMIT_INTS, then
-    _ADMIT_FLOATS bit-cast as fp32 pairs), the trailing text ids (max_text) and the prompt
-    rows (max_len x width). On the device it holds the views the prefill and text graphs
-    read; on the host a ring of pinned copies, so staging a request is numpy writes and one
-    asynchronous copy (not a pinned allocation, a tensor and a copy per field). Entry k is
-    rewritten only after its copy ran (an event per entry: waits only if the GPU is `depth`
-    admissions behind)."""
+    """The inputs of one prefill step of up to `batch` prompts in one int64 block: per row the
+    settings (_ADMIT_INTS, then _ADMIT_FLOATS bit-cast as fp32 pairs), then the rows' trailing
+    text ids packed [B, Lt] and their prompt rows packed [B, L, width] for the step's (B, L).
+    On the device it holds the views the prefill and text graphs read; on the host a ring of
+    pinned copies, so staging a step is numpy writes and one asynchronous copy of the block's
+    used part. Entry k is rewritten only after its copy ran (an event per entry: waits only
+    if the GPU is `depth` prefill steps behind)."""
 
-    def __init__(self, max_text: int, max_len: int, width: int, device: torch.device,
-                 depth: int = STAGING_DEPTH):  # fmt: skip
+    def __init__(self, batch: int, max_text: int, max_len: int, width: int,
+                 device: torch.device, depth: int = STAGING_DEPTH):  # fmt: skip
         ni, nf = len(_ADMIT_INTS), len(_ADMIT_FLOATS)
-        self.f0, self.t0 = ni, ni + (nf + 1) // 2
-        self.r0 = self.t0 + max_text
-        self.width = width
-        size = self.r0 + max_len * width
+        self.batch, self.width, self.ni, self.nf = batch, width, ni, nf
+        self.nf64 = (nf + 1) // 2
+        self.f0 = batch * ni
+        self.t0 = self.f0 + batch * self.nf64
+        self.r0 = self.t0 + batch * max_text
+        size = self.r0 + batch * max_len * width
         self.block = torch.zeros(size, dtype=torch.int64, device=device)
-        self.ints = self.block[:ni]
-        self.floats = self.block[self.f0 : self.t0].view(torch.float32)[:nf]
-        self.trailing_ids = self.block[self.t0 : self.r0]
-        self.prompt_rows = self.block[self.r0 :].view(max_len, width)
+        self.ints = self.block[: self.f0].view(batch, ni)
+        self.floats = self.block[self.f0 : self.t0].view(batch, self.nf64).view(torch.float32)
+        self.floats = self.floats[:, :nf]
         self.pinned = device.type == "cuda"
         host = torch.zeros(depth, size, dtype=torch.int64)
         self.host = host.pin_memory() if self.pinned else host
@@ -135,30 +136,40 @@ class _AdmitStaging:
         self.used = [False] * depth
         self.next = 0
 
-    def stage(self, values: dict, rows: np.ndarray, length: int,
-              trailing: np.ndarray | None = None, text_length: int = 0) -> None:  # fmt: skip
-        """Stage the settings `values`, `rows` [n, width] padded to `length` rows (text id 0,
-        no x-vector, no codes) and, if given, `trailing` ids zero-padded to `text_length`;
-        copy them to the device block on the current stream."""
+    def trailing_ids(self, b: int, length: int) -> torch.Tensor:
+        """The device view [b, length] of the trailing text ids of a (b, length) text step."""
+        return self.block[self.t0 : self.t0 + b * length].view(b, length)
+
+    def prompt_rows(self, b: int, length: int) -> torch.Tensor:
+        """The device view [b, length, width] of the prompt rows of a (b, length) step."""
+        return self.block[self.r0 : self.r0 + b * length * self.width].view(b, length, self.width)
+
+    def stage(self, rows: list[tuple[dict, np.ndarray, np.ndarray | None]], length: int,
+              text_length: int = 0) -> None:  # fmt: skip
+        """Stage one step: per row (settings, prompt rows [n, width], trailing ids or None),
+        rows padded to `length` (text id 0, no x-vector, no codes) and trailing ids
+        zero-padded to `text_length`; copy them to the device block on the current stream."""
         k = self.next
         self.next = (k + 1) % len(self.used)
         if self.pinned and self.used[k]:
             self.events[k].synchronize()
         h = self.np[k]
-        h[: self.f0] = [values[n] for n in _ADMIT_INTS]
-        h[self.f0 : self.t0].view(np.float32)[: len(_ADMIT_FLOATS)] = [
-            values[n] for n in _ADMIT_FLOATS
-        ]
-        if trailing is not None:
-            n = trailing.shape[0]
-            h[self.t0 : self.t0 + n] = trailing
-            h[self.t0 + n : self.t0 + text_length] = 0
-        end = self.r0 + length * self.width
-        staged = h[self.r0 : end].reshape(length, self.width)
-        n = rows.shape[0]
-        staged[:n] = rows
-        staged[n:, :CODES] = 0
-        staged[n:, CODES:] = NO_CODE
+        ints = h[: self.f0].reshape(self.batch, self.ni)
+        floats = h[self.f0 : self.t0].view(np.float32).reshape(self.batch, 2 * self.nf64)
+        trailing = h[self.t0 : self.t0 + len(rows) * text_length].reshape(-1, max(text_length, 1))
+        end = self.r0 + len(rows) * length * self.width
+        prompt = h[self.r0 : end].reshape(len(rows), length, self.width)
+        for b, (values, row_ids, text) in enumerate(rows):
+            ints[b] = [values[n] for n in _ADMIT_INTS]
+            floats[b, : self.nf] = [values[n] for n in _ADMIT_FLOATS]
+            if text_length:
+                n = 0 if text is None else text.shape[0]
+                trailing[b, :n] = text if n else 0
+                trailing[b, n:] = 0
+            n = row_ids.shape[0]
+            prompt[b, :n] = row_ids
+            prompt[b, n:, :CODES] = 0
+            prompt[b, n:, CODES:] = NO_CODE
         self.block[:end].copy_(self.host[k, :end], non_blocking=self.pinned)
         if self.pinned:
             self.events[k].record()
@@ -286,12 +297,12 @@ class GraphBackend:
         self.pcm_out = zeros(bmax, maxc * SAMPLES_PER_FRAME)
         # The prompt as staged ids (generation.prompt.PromptLayout rows), embedded in the
         # prefill graph; max_len rows so a prompt beyond the buckets runs from it uncaptured.
-        # With the per-slot settings (admit_ints, admit_floats: written into the slot by the
-        # prefill step itself, no per-field kernels at admission), one staging block.
-        self.staging = _AdmitStaging(plan.max_text, plan.max_len, 2 + G, dev)
-        self.prompt_rows = self.staging.prompt_rows
-        self.trailing_ids = self.staging.trailing_ids
-        self.admit_xvec = zeros(H, dtype=self.dtype)
+        # With the per-slot settings (admit_ints, admit_floats: written into the slots by the
+        # prefill step itself, no per-field kernels at admission), one staging block for a
+        # prefill step of up to max(plan.prefill_batches) prompts.
+        pb = plan.prefill_batches[-1]
+        self.staging = _AdmitStaging(pb, plan.max_text, plan.max_len, 2 + G, dev)
+        self.admit_xvec = zeros(pb, H, dtype=self.dtype)
         self.text_buckets = tuple(
             sorted({*(t for t in plan.prefill_buckets if t < plan.max_text), plan.max_text})
         )
@@ -306,14 +317,15 @@ class GraphBackend:
         # codec half of a prompt prefix), so priming runs once per voice, not per request.
         self.primed: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
         self.primed_hits = 0
-        self.admit_ints = self.staging.ints
+        self.admit_ints = self.staging.ints  # [prefill batch, len(_ADMIT_INTS)]
         self.admit_floats = self.staging.floats
-        self.admit_text = zeros(plan.max_text, H, dtype=self.dtype)
-        # views: the slot, the last prompt row, its first position and the prefix entry
-        self.prefill_slot = self.admit_ints[0:1]
-        self.prefill_last = self.admit_ints[1:2]
-        self.prefill_start = self.admit_ints[_ADMIT_INT_INDEX["start"] :][:1]
-        self.prefix_entry = self.admit_ints[_ADMIT_INT_INDEX["prefix_entry"] :][:1]
+        self.admit_text = zeros(pb, plan.max_text, H, dtype=self.dtype)
+        # views per row: the slot, the last prompt row, its first position, the prefix entry
+        i = _ADMIT_INT_INDEX
+        self.prefill_slot = self.admit_ints[:, i["slot"]]
+        self.prefill_last = self.admit_ints[:, i["last"]]
+        self.prefill_start = self.admit_ints[:, i["start"]]
+        self.prefix_entry = self.admit_ints[:, i["prefix_entry"]]
         self.prefill_slot.fill_(self.scratch)  # capture warm-ups write the scratch slot
         pinned = dev.type == "cuda"
         self.frame_staging = _StagingRing(
@@ -335,6 +347,7 @@ class GraphBackend:
         # A list (benchmarks only, CUDA): each prefill step appends an event recorded after its
         # inputs are staged, right before its first kernel is queued.
         self.trace: list | None = None
+        self.prefill_steps = 0  # prefill steps run (a step takes up to max(prefill_batches))
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_pool_bytes = 0
         if self.use_graphs:
@@ -399,42 +412,48 @@ class GraphBackend:
         self.position[rows] = pos + 1
         return codes, stop
 
-    def _admit_body(self) -> None:
-        """Write the staged settings of the request being prefilled into its slot and reset
-        the slot's generation state (codec state, history, counters)."""
-        slot = self.prefill_slot
-        ints, floats = self.admit_ints, self.admit_floats
+    def _admit_body(self, b: int) -> None:
+        """Write the staged settings of the b requests being prefilled into their slots and
+        reset the slots' generation state (codec state, history, counters)."""
+        slots = self.prefill_slot[:b]
+        ints, floats = self.admit_ints[:b], self.admit_floats[:b]
         for name, i in _ADMIT_INT_INDEX.items():
             if name in _ADMIT_TARGETS:  # not the slot, last row, start or prefix entry
-                _ADMIT_TARGETS[name](self).index_copy_(0, slot, ints[i : i + 1])
+                _ADMIT_TARGETS[name](self).index_copy_(0, slots, ints[:, i])
         for name, i in _ADMIT_FLOAT_INDEX.items():
             target = _ADMIT_TARGETS[name](self)
-            target.index_copy_(0, slot, floats[i : i + 1].to(target.dtype))
-        self.frame_idx.index_fill_(0, slot, 0)
-        self.decoded.index_fill_(0, slot, 0)
-        self.history.index_fill_(0, slot, False)
-        self.text_track.index_copy_(0, slot, self.admit_text[None])
-        self.codec_engine.reset(slot)
-        self.guard_state.reset(slot)
+            target.index_copy_(0, slots, floats[:, i].to(target.dtype))
+        self.frame_idx.index_fill_(0, slots, 0)
+        self.decoded.index_fill_(0, slots, 0)
+        self.history.index_fill_(0, slots, False)
+        self.text_track.index_copy_(0, slots, self.admit_text[:b])
+        self.codec_engine.reset(slots)
+        self.guard_state.reset(slots)
 
-    def _text_body(self, length: int) -> None:
-        """The staged trailing text ids -> the text track the prefill step copies in."""
-        self.admit_text[:length] = self.embedder.embed_text(self.trailing_ids[:length])
+    def _text_body(self, b: int, length: int) -> None:
+        """The staged trailing text ids of b rows -> the text tracks the prefill step copies
+        into their slots."""
+        ids = self.staging.trailing_ids(b, length)
+        self.admit_text[:b, :length] = self.embedder.embed_text(ids)
 
-    def _prefill_body(self, length: int) -> None:
-        """Admit, copy the staged prefix entry into the slot, embed the staged prompt rows
-        and prefill them from the staged start position."""
-        self._admit_body()
-        slot = self.prefill_slot
+    def _prefill_body(self, b: int, length: int) -> None:
+        """Admit b requests, copy their staged prefix entries into their slots, embed their
+        staged prompt rows and prefill them from their staged start positions."""
+        self._admit_body(b)
+        slots = self.prefill_slot[:b]
         start = keys = None
         if self.prefix is not None:
-            self.prefix.copy_into(self.kv_k, self.kv_v, slot, self.prefix_entry)
-            start, keys = self.prefill_start, self.prefix.max_prefix + length
-        embeds = self.embedder.rows(self.prompt_rows[:length], self.admit_xvec)[None]
-        h = self.talker_stack.prefill(embeds, self.kv_k, self.kv_v, slot, start, keys)[0]
-        last = h.index_select(0, self.prefill_last)  # [1, H]
-        self.hidden[slot] = last
-        self.logits[slot] = self.codec_head(last).float()
+            self.prefix.copy_into(self.kv_k, self.kv_v, slots, self.prefix_entry[:b])
+            start, keys = self.prefill_start[:b], self.prefix.max_prefix + length
+        rows = self.staging.prompt_rows(b, length).reshape(b * length, -1)
+        xvec = self.admit_xvec[:b].repeat_interleave(length, dim=0)  # each row's voice
+        embeds = self.embedder.rows(rows, xvec).reshape(b, length, -1)
+        h = self.talker_stack.prefill(embeds, self.kv_k, self.kv_v, slots, start, keys)
+        last = h.reshape(b * length, -1).index_select(
+            0, self.prefill_last[:b] + torch.arange(b, device=h.device) * length
+        )  # [b, H]
+        self.hidden.index_copy_(0, slots, last)
+        self.logits.index_copy_(0, slots, self.codec_head(last).float())
 
     def _codec_body(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         """n frames of audio for each of `rows`: [B, n * 1920] (fp32)."""
@@ -465,10 +484,12 @@ class GraphBackend:
                                lambda rows=codec_rows, n=n, pcm=pcm: pcm.copy_(
                                    self._codec_body(rows, n)),
                                "codec"))  # fmt: skip
-        for t in r.prefill_buckets:
-            bodies.append((("prefill", t), lambda t=t: self._prefill_body(t), "lm"))
-        for t in self.text_buckets:
-            bodies.append((("text", t), lambda t=t: self._text_body(t), "lm"))
+        for b in r.prefill_batches:
+            for t in r.prefill_buckets:
+                bodies.append((("prefill", b, t), lambda b=b, t=t: self._prefill_body(b, t),
+                               "lm"))  # fmt: skip
+            for t in self.text_buckets:
+                bodies.append((("text", b, t), lambda b=b, t=t: self._text_body(b, t), "lm"))
         return bodies
 
     def capture(self) -> None:
@@ -519,81 +540,106 @@ class GraphBackend:
 
     @torch.no_grad()
     def prefill(self, slots: list[int]) -> None:
-        for slot in slots:
-            admission = self.pending.pop(slot)
-            try:
-                self._prefill_one(slot, admission)
-            finally:
+        """Prefill the admitted `slots`: up to max(plan.prefill_batches) prompts of the same
+        length bucket per step (a longer prompt than every bucket runs alone, uncaptured)."""
+        admissions = [(slot, self.pending.pop(slot)) for slot in slots]
+        try:
+            groups: dict[int | None, list] = {}
+            for slot, admission in admissions:
+                n = admission.plan.prompt.layout.num_positions - admission.prefix_len
+                groups.setdefault(self.plan.prefill_bucket(n), []).append((slot, admission))
+            most = self.plan.prefill_batches[-1]
+            for bucket, members in groups.items():
+                size = 1 if bucket is None else most
+                for i in range(0, len(members), size):
+                    self._prefill_group(members[i : i + size])
+        finally:
+            for _, admission in admissions:
                 if admission.entry is not None:
                     self.prefix.release(admission.entry)  # its copy is queued: stream order
+        for slot, admission in admissions:
             context = admission.plan.prompt.codec_context
             if context is not None:
                 self._prime_codec(slot, context)
 
-    def _prefill_one(self, slot: int, admission: _Admission) -> None:
-        plan, params = admission.plan, admission.plan.params
-        layout = plan.prompt.layout
-        rows = layout.rows.numpy()
-        n, start, entry = layout.num_positions, admission.prefix_len, admission.entry
-        if entry is not None and not entry.ready:
-            # First use of this prefix: prefill it alone into the scratch slot with the same
-            # step, and keep its KV.
-            self._run_prefill(rows[:start], layout.x_vector, {
-                **_SCRATCH_VALUES, "slot": self.scratch, "last": start - 1,
-                "position": start, "start": 0, "prefix_entry": entry.index})  # fmt: skip
-            self.prefix.store(self.kv_k, self.kv_v, self.scratch, entry)
-        t, c = params.talker, params.code_predictor
-        trailing = layout.trailing_ids.numpy()
-        values = {
-            "slot": slot, "last": n - start - 1, "position": n, "start": start,
-            "prefix_entry": entry.index if entry is not None else 0, "seed": plan.seed,
-            "eos_min_frames": plan.eos_from, "text_len": trailing.shape[0],
-            "talker_top_k": t.top_k, "cp_top_k": c.top_k, "talker_do_sample": t.do_sample,
-            "cp_do_sample": c.do_sample, "talker_temperature": t.temperature,
-            "talker_top_p": t.top_p, "talker_repetition_penalty": t.repetition_penalty,
-            "cp_temperature": c.temperature, "cp_top_p": c.top_p,
-            "cp_repetition_penalty": c.repetition_penalty,
-        }  # fmt: skip
-        text_length = self._text_bucket(trailing.shape[0])
-        self._run_prefill(rows[start:], layout.x_vector, values, trailing, text_length)
+    def _prefill_group(self, members: list[tuple[int, _Admission]]) -> None:
+        """One prefill step for prompts of one length bucket (padded to a prefill batch)."""
+        rows = []
+        for slot, admission in members:
+            plan, params = admission.plan, admission.plan.params
+            layout = plan.prompt.layout
+            ids = layout.rows.numpy()
+            n, start, entry = layout.num_positions, admission.prefix_len, admission.entry
+            if entry is not None and not entry.ready:
+                # First use of this prefix: prefill it alone into the scratch slot with the
+                # same step, and keep its KV.
+                self._run_prefill([({
+                    **_SCRATCH_VALUES, "slot": self.scratch, "last": start - 1,
+                    "position": start, "start": 0, "prefix_entry": entry.index}, ids[:start],
+                    None, layout.x_vector)])  # fmt: skip
+                self.prefix.store(self.kv_k, self.kv_v, self.scratch, entry)
+            t, c = params.talker, params.code_predictor
+            trailing = layout.trailing_ids.numpy()
+            values = {
+                "slot": slot, "last": n - start - 1, "position": n, "start": start,
+                "prefix_entry": entry.index if entry is not None else 0, "seed": plan.seed,
+                "eos_min_frames": plan.eos_from, "text_len": trailing.shape[0],
+                "talker_top_k": t.top_k, "cp_top_k": c.top_k, "talker_do_sample": t.do_sample,
+                "cp_do_sample": c.do_sample, "talker_temperature": t.temperature,
+                "talker_top_p": t.top_p, "talker_repetition_penalty": t.repetition_penalty,
+                "cp_temperature": c.temperature, "cp_top_p": c.top_p,
+                "cp_repetition_penalty": c.repetition_penalty,
+            }  # fmt: skip
+            rows.append((values, ids[start:], trailing, layout.x_vector))
+        self._run_prefill(rows)
 
-    def _run_prefill(self, rows: np.ndarray, x_vector, values: dict,
-                     trailing: np.ndarray | None = None, text_length: int = 0) -> None:  # fmt: skip
-        """Stage the inputs (`_stage`), embed the trailing text into the text track (if
+    def _run_prefill(self, rows: list[tuple]) -> None:
+        """Stage the inputs (`_stage`), embed the trailing text into the text tracks (where
         given), then run the prefill step: the captured graphs, or the same bodies eagerly."""
-        length = self._stage(rows, x_vector, values, trailing, text_length)
+        b, length, text_length = self._stage(rows)
+        self.prefill_steps += 1
         if self.trace is not None:  # benchmarks: when the GPU work of a prefill starts
             self.trace.append(torch.cuda.Event(enable_timing=True))
             self.trace[-1].record()
-        if trailing is not None:
-            self._embed_text(text_length)
+        if text_length:
+            self._embed_text(b, text_length)
         if self.use_graphs and length in self.plan.prefill_buckets:
-            self.graphs[("prefill", length)].replay()
+            self.graphs[("prefill", b, length)].replay()
         else:
-            self._prefill_body(length)
+            self._prefill_body(b, length)
 
-    def _stage(self, rows: np.ndarray, x_vector, values: dict,
-               trailing: np.ndarray | None = None, text_length: int = 0) -> int:  # fmt: skip
-        """Prompt rows [T, 2 + G] padded to T's length bucket (T itself beyond the buckets),
-        the settings and the trailing text, in one copy; the voice's x-vector in another.
-        Returns the length."""
-        n = rows.shape[0]
+    def _stage(self, rows: list[tuple]) -> tuple[int, int, int]:
+        """Rows (settings, prompt rows [T, 2 + G], trailing ids or None, x-vector or None),
+        padded to a prefill batch with rows for the scratch slot: prompt rows padded to the
+        longest one's length bucket (its own length beyond the buckets), trailing ids to
+        their text bucket, in one copy; x-vectors in another where a row has one.
+        Returns (batch, length, text length; 0: no text)."""
+        b = next(p for p in self.plan.prefill_batches if p >= len(rows))
+        n = max(r[1].shape[0] for r in rows)
         length = self.plan.prefill_bucket(n) or n
-        self.staging.stage(values, rows, length, trailing, text_length)
-        if x_vector is not None:
+        texts = [r[2].shape[0] for r in rows if r[2] is not None]
+        text_length = self._text_bucket(max(texts)) if texts else 0
+        pad = ({**_SCRATCH_VALUES, "slot": self.scratch}, rows[0][1][:0], None, None)
+        rows = rows + [pad] * (b - len(rows))
+        self.staging.stage([r[:3] for r in rows], length, text_length)
+        if any(r[3] is not None for r in rows):
+            xv = torch.zeros(b, self.admit_xvec.shape[1], dtype=self.dtype)
+            for i, r in enumerate(rows):
+                if r[3] is not None:
+                    xv[i] = r[3].detach().to("cpu", self.dtype)
             # non-blocking from pinned memory: the host allocator keeps it until its copy ran
-            self.admit_xvec.copy_(self._pinned(x_vector.detach().to("cpu", self.dtype)), True)
-        return length
+            self.admit_xvec[:b].copy_(self._pinned(xv), True)
+        return b, length, text_length
 
     def _text_bucket(self, n: int) -> int:
         return next(b for b in self.text_buckets if b >= n)  # n <= max_text (plan_admission)
 
-    def _embed_text(self, length: int) -> None:
-        """The staged trailing text ids -> the text track the prefill step copies in."""
+    def _embed_text(self, b: int, length: int) -> None:
+        """The staged trailing text ids -> the text tracks the prefill step copies in."""
         if self.use_graphs:
-            self.graphs[("text", length)].replay()
+            self.graphs[("text", b, length)].replay()
         else:
-            self._text_body(length)
+            self._text_body(b, length)
 
     def _prime_codec(self, slot: int, context: torch.Tensor) -> None:
         """In-context clone: the reference frames [F, groups] condition the slot's codec state
@@ -704,7 +750,7 @@ class GraphBackend:
         state = [self.cp_k, self.cp_v, self.position, self.hidden, self.logits, self.history,
                  self.frame_idx, self.eos_min_frames, self.seed, self.text_track, self.text_len,
                  self.codes, self.decoded, self.codec_engine.tensors(), self.admit_text,
-                 self.prompt_rows, self.trailing_ids, self.pcm_out, self.frame_out, self.rows_in,
+                 self.staging.block, self.admit_xvec, self.pcm_out, self.frame_out, self.rows_in,
                  self.codec_rows_in]  # fmt: skip
         flat = [t for x in state for t in (x if isinstance(x, list) else [x])]
         spec = self.cp_spec

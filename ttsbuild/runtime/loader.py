@@ -45,6 +45,7 @@ def open_engine(
     precision: str | None = None,
     random_variant: str | None = None,
     guards: GuardConfig | None = None,
+    prefill_batches: tuple[int, ...] | None = None,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
     `random_variant`, e.g. "1.7b-customvoice", when path is None).
@@ -54,7 +55,8 @@ def open_engine(
     `EnginePlan.default(num_slots, max_len, precision)`.
     kind: "graph" (slot buffers + CUDA graphs: the fast path), "eager" (the reference
     modules), or "auto" (graph on CUDA, eager on CPU). precision (checkpoints, graph engines):
-    "bf16" or "fp8"; a compiled engine's is the one it was compiled with."""
+    "bf16" or "fp8"; a compiled engine's is the one it was compiled with. prefill_batches
+    (checkpoints): prompts per captured prefill step (`EnginePlan.prefill_batches`)."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = resolve_device(device)
@@ -77,10 +79,16 @@ def open_engine(
                 f"{path} was compiled for {plan.precision}; recompile with --precision "
                 f"{precision}"
             )
+        if prefill_batches is not None and tuple(prefill_batches) != plan.prefill_batches:
+            raise ValueError(
+                f"{path} was compiled with prefill batches {list(plan.prefill_batches)}; "
+                "recompile with --prefill-batches to change them"
+            )
     else:
+        extra = {} if prefill_batches is None else {"prefill_batches": tuple(prefill_batches)}
         plan = EnginePlan.default(
             num_slots=num_slots or 32, max_len=max_len or 2048, precision=precision or "bf16",
-            codec_precision="fp16" if device.type == "cuda" else "fp32",
+            codec_precision="fp16" if device.type == "cuda" else "fp32", **extra,
         )  # fmt: skip
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
@@ -110,5 +118,6 @@ def plan_within(
         update={
             "num_slots": num_slots, "batch_buckets": buckets, "max_len": max_len,
             "prefill_buckets": prefill, "max_frames": min(plan.max_frames, max_len - 1),
+            "prefill_batches": tuple(b for b in plan.prefill_batches if b <= num_slots),
         }
     )  # fmt: skip

@@ -30,6 +30,9 @@ class EnginePlan(BaseModel):
     num_slots: int = 32  # concurrent requests (KV cache rows); padding rows use one more
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # captured batch sizes, last = max
     prefill_buckets: tuple[int, ...] = (32, 64, 128, 256, 512)  # captured prompt lengths
+    # Prompts per captured prefill step (requests admitted together, same length bucket, run
+    # as one step; each bucket is captured for every prompt length). (1,): one per step.
+    prefill_batches: tuple[int, ...] = (1,)
     codec_chunks: tuple[int, ...] = (1, 2, 4, 8, 16)  # frames per captured codec step
     codec_ring: int = 64  # frames buffered per slot between the frame and codec stages
     max_len: int = 2048  # talker positions per slot (prompt + frames)
@@ -83,6 +86,10 @@ class EnginePlan(BaseModel):
 
         ascending("batch_buckets", self.batch_buckets)
         ascending("prefill_buckets", self.prefill_buckets)
+        ascending("prefill_batches", self.prefill_batches)
+        if self.prefill_batches[0] != 1 or self.prefill_batches[-1] > self.num_slots:
+            raise ValueError(f"prefill_batches must start at 1 and stay within {self.num_slots} "
+                             f"slots: {self.prefill_batches}")  # fmt: skip
         ascending("codec_chunks", self.codec_chunks)
         if not 1 <= self.num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots must be 1..{MAX_SLOTS}, got {self.num_slots}")

@@ -86,6 +86,11 @@ def serve(
     silence_seconds: float = typer.Option(
         3.0, help="Silence guard: seconds of near-silent audio after speech that end a stream."
     ),
+    prefill_batches: str = typer.Option(
+        None, "--prefill-batches", help="Checkpoints: prompts per captured prefill step, e.g. "
+        "1,2,4 (requests admitted together share a step; default one per step; a compiled "
+        "engine keeps its own)."
+    ),  # fmt: skip
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve a checkpoint: OpenAI-compatible streaming speech over HTTP and WebSocket."""
@@ -126,6 +131,13 @@ def serve(
     )
     try:
         guard_config = parse_guards(guards, budget_margin, silence_seconds)
+        batches = None
+        if prefill_batches is not None:
+            try:
+                batches = tuple(int(v) for v in prefill_batches.split(",") if v.strip())
+            except ValueError:
+                raise ValueError(f"--prefill-batches wants comma-separated integers, got "
+                                 f"{prefill_batches!r}") from None  # fmt: skip
     except ValueError as exc:
         _err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
@@ -135,6 +147,7 @@ def serve(
             checkpoint, device=device, num_slots=slots if slots or checkpoint is None else
             (None if _is_engine(checkpoint) else 8), max_len=max_len, kind=engine_kind,
             precision=precision, random_variant=random, guards=guard_config,
+            prefill_batches=batches,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")
