@@ -446,12 +446,14 @@ class GraphBackend:
             self.prefix.copy_into(self.kv_k, self.kv_v, slots, self.prefix_entry[:b])
             start, keys = self.prefill_start[:b], self.prefix.max_prefix + length
         rows = self.staging.prompt_rows(b, length).reshape(b * length, -1)
-        xvec = self.admit_xvec[:b].repeat_interleave(length, dim=0)  # each row's voice
+        # each token's voice (one prompt: its x-vector broadcasts; no copy, no extra launch)
+        xvec = self.admit_xvec[0] if b == 1 else self.admit_xvec[:b].repeat_interleave(length, 0)
         embeds = self.embedder.rows(rows, xvec).reshape(b, length, -1)
         h = self.talker_stack.prefill(embeds, self.kv_k, self.kv_v, slots, start, keys)
-        last = h.reshape(b * length, -1).index_select(
-            0, self.prefill_last[:b] + torch.arange(b, device=h.device) * length
-        )  # [b, H]
+        last_row = self.prefill_last[:b]
+        if b > 1:
+            last_row = last_row + torch.arange(b, device=h.device) * length
+        last = h.reshape(b * length, -1).index_select(0, last_row)  # [b, H]
         self.hidden.index_copy_(0, slots, last)
         self.logits.index_copy_(0, slots, self.codec_head(last).float())
 
