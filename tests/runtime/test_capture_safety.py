@@ -71,6 +71,7 @@ CHOICES = {
     "speculative": {"speculative": {1: ("self", 2), 2: ("self", 3)}},
     "no prefix cache": {"prefix_pool": 0},
     "codec kernels": {"codec_precision": "fp16", "codec_conv": "triton", "codec_fused": True},
+    "batched prefill": {"prefill_batches": (1, 2)},
 }
 
 
@@ -90,6 +91,8 @@ def test_graph_bodies_are_capture_safe(models, choice):
     assert (backend.memory_report()["speculation"] > 0) == (choice == "speculative")
     bodies = backend.graph_bodies()
     assert {key[0] for key, _, _ in bodies} >= {"frame", "codec", "prefill"}
+    prefill_batches = {key[1] for key, _, _ in bodies if key[0] == "prefill"}
+    assert prefill_batches == set(backend.plan.prefill_batches)
     for key, body, _ in bodies:
         with CaptureSafety() as mode:
             body()
