@@ -1,10 +1,32 @@
 # Sourced (from the repo root) by the scripts that run on the GPU host. That host is bare: the
 # web stack travels as wheels in .whl (../shared/tools/gpu-wheels.sh). Where $PY (default
 # python3) cannot import fastapi, install them into /tmp/site; then put the repo and /tmp/site
-# on PYTHONPATH, unbuffered.
+# on PYTHONPATH, unbuffered. Also defines the helpers those scripts share (below).
 PY=${PY:-python3}
 if [ -d .whl ] && ! PYTHONPATH=/tmp/site "$PY" -c 'import fastapi' 2>/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+
+# ensure_driver [LOG]: build the C++ step driver in place unless it already imports with CUDA
+# (a build carried from this host is kept: the import needs torch first, for libc10). Says why
+# it did not import; the build's output goes to LOG (default: discarded).
+ensure_driver() {
+    local why
+    why=$("$PY" -c 'import torch, ttsbuild._driver as d; assert d.built_with_cuda()' 2>&1) && return 0
+    echo "== building the step driver (CUDA): it does not import: $(tail -1 <<<"$why")"
+    "$PY" setup.py -q build_ext --inplace > "${1:-/dev/null}" 2>&1 || {
+        echo "driver build failed"; [ -z "${1:-}" ] || tail -20 "$1"; return 1; }
+}
+
+# engine_bench NAME [ARGS...]: the engine microbenchmark (random 1.7B CustomVoice weights,
+# FP8, batches $BATCHES, default 1,64) with ARGS, log $OUT/engine_bench_NAME.log and JSON in
+# $OUT/engine_NAME/; prints its table and first-chunk line.
+engine_bench() {
+    local name=$1
+    shift
+    timeout -k 5 240 "$PY" -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
+        --precisions fp8 --iters 20 --out "$OUT/engine_$name" "$@" 2>&1 \
+        | tee "$OUT/engine_bench_$name.log" | grep -E "^\||first 1-frame|memory"
+}

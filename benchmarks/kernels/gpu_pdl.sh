@@ -41,22 +41,15 @@ for step in $STEPS; do
                 | tee "$OUT/talker_pdl$p.log" | grep -E "^(fp8|prec)"
         done ;;
     build)
-        python3 -c 'import torch, ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null || {
-            log "build the step driver (CUDA)"
-            python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
-        } ;;
+        ensure_driver "$OUT/build.log" || exit 1 ;;
     engine)
         log "engine microbenchmark (PDL on)"
-        timeout -k 5 200 python3 -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
-            --precisions fp8 --iters 20 --out "$OUT/engine" 2>&1 | tee "$OUT/engine_bench.log" \
-            | grep -E "^\||first 1-frame|memory" ;;
+        engine_bench served ;;
     w8a8)
         log "W8A8 (FP8 activations, cuBLASLt FP8 GEMM) for the talker: GPU tests, then the engine"
         timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_fp8_w8a8.py 2>&1 \
             | tee "$OUT/w8a8_tests.log" | tail -3
-        timeout -k 5 200 python3 -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
-            --precisions fp8 --iters 20 --w8a8-min-rows "${W8A8_MIN_ROWS:-16}" --out "$OUT/engine_w8a8" \
-            2>&1 | tee "$OUT/engine_bench_w8a8.log" | grep -E "^\||first 1-frame" ;;
+        engine_bench w8a8 --w8a8-min-rows "${W8A8_MIN_ROWS:-16}" ;;
     check)
         log "graph vs eager (tiny, PDL on)"
         timeout -k 5 150 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny 2>&1 \

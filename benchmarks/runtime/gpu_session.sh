@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU host (repo root): one device call that checks and times a change to the runtime.
 #   OUT=out STEPS="driver tests engine check ab" bash benchmarks/runtime/gpu_session.sh
-# driver: the step driver (says why a carried build does not import; builds it if needed)
+# driver: the step driver (`ensure_driver`: says why a carried build does not import and
+#         builds it then; the build comes back under $OUT)
 # tests:  GPU tests of the prefill kernel path, the prefix cache and W8A8
 # engine: engine microbenchmark, served plan (first chunk, prefill by bucket, frame, codec)
 # check:  graph path vs eager path (tiny); with --kernels (CHECK_ARGS): the plan's optional
@@ -21,13 +22,9 @@ source benchmarks/wheels.sh
 log() { echo "== $(date -u +%H:%M:%S) +${SECONDS}s $*"; }
 for step in $STEPS; do
     case $step in
-    driver)
-        if ! python3 -c 'import torch, ttsbuild._driver as d; assert d.built_with_cuda()' > "$OUT/driver_import.log" 2>&1; then
-            log "the step driver does not import (tail of why below); building it"
-            tail -3 "$OUT/driver_import.log"
-            python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
-            cp ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so "$OUT/" 2>/dev/null
-        fi ;;
+    driver)  # a fresh build comes back under $OUT, to carry next time
+        ensure_driver "$OUT/build.log" || exit 1
+        [ ! -f "$OUT/build.log" ] || cp ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so "$OUT/" ;;
     tests)
         log "GPU tests: prefill kernel path, prefix cache, W8A8"
         TRITON_F32_DEFAULT=ieee timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
@@ -36,18 +33,14 @@ for step in $STEPS; do
             2>&1 | tee "$OUT/gpu_tests.log" | tail -3 ;;
     engine)
         log "engine microbenchmark (served plan)"
-        timeout -k 5 240 python3 -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
-            --precisions fp8 --iters 20 --out "$OUT/engine" 2>&1 | tee "$OUT/engine_bench.log" \
-            | grep -E "^\||first 1-frame|memory" ;;
+        engine_bench served ;;
     check)
         log "graph vs eager (tiny)"
         timeout -k 5 240 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny \
             ${CHECK_ARGS:-} 2>&1 | tee "$OUT/graph_vs_eager.log" | grep -E "PASS|FAIL|Error" ;;
     batched)
         log "engine microbenchmark, prefill batches 1,2,4"
-        timeout -k 5 240 python3 -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
-            --precisions fp8 --iters 20 --prefill-batches 1,2,4 --out "$OUT/engine_batched" 2>&1 \
-            | tee "$OUT/engine_bench_batched.log" | grep -E "^\||first 1-frame" ;;
+        engine_bench batched --prefill-batches 1,2,4 ;;
     ab)
         for side in A B; do
             args=AB_$side; args=${!args:-}

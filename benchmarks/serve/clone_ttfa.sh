@@ -39,10 +39,7 @@ DEVICE=${DEVICE:-cuda}
 CLIP=${CLIP:-tests/data/librivox-0880.wav}
 TRANSCRIPT=${TRANSCRIPT:-He was not an ill disposed young man.}
 mkdir -p "$RESULTS"
-if [[ $DEVICE == cuda* ]] && ! "$PY" -c 'import torch, ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null; then
-    echo "== building the step driver (CUDA)"
-    "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 || { echo "driver build failed"; exit 1; }
-fi
+if [[ $DEVICE == cuda* ]]; then ensure_driver || exit 1; fi
 
 cli() { "$PY" -m ttsbuild.cli "$@"; }
 get() { "$PY" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"; }

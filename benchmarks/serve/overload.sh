@@ -15,10 +15,7 @@ set -euo pipefail
 
 if [ -x .venv/bin/python ]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi
 source benchmarks/wheels.sh
-if ! "$PY" -c 'import torch, ttsbuild._driver as d; assert d.built_with_cuda()' 2>/dev/null; then
-    echo "== building the step driver (CUDA)"
-    "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 || { echo "driver build failed"; exit 1; }
-fi
+ensure_driver || exit 1
 CAPACITY=${CAPACITY:-}
 RATE=${RATE:-}
 if [ -z "$RATE" ]; then

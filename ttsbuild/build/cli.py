@@ -15,7 +15,8 @@ from rich.console import Console
 _err = Console(stderr=True, soft_wrap=True)
 
 
-def _sizes(value: str, flag: str) -> tuple[int, ...]:
+def parse_sizes(value: str, flag: str) -> tuple[int, ...]:
+    """A comma-separated list of integers from the flag `flag` (a usage error otherwise)."""
     try:
         return tuple(int(v) for v in value.split(",") if v.strip())
     except ValueError:
@@ -31,11 +32,11 @@ def _speculative(value: str) -> dict[int, tuple[str, int]]:
         if len(fields) != 3 or fields[1] not in ("self", "draft"):
             raise typer.BadParameter(f"expected BUCKETS:self|draft:WINDOW, got {part!r}",
                                      param_hint="--speculative")
-        window = _sizes(fields[2], "--speculative")
+        window = parse_sizes(fields[2], "--speculative")
         if len(window) != 1:
             raise typer.BadParameter(f"one window per part, got {fields[2]!r}",
                                      param_hint="--speculative")
-        for bucket in _sizes(fields[0], "--speculative"):
+        for bucket in parse_sizes(fields[0], "--speculative"):
             plan[bucket] = (fields[1], window[0])
     return plan
 
@@ -123,12 +124,12 @@ def compile_engine(
     try:
         cfg = BuildConfig(
             precision=precision, fp8_code_predictor=fp8_code_predictor, max_batch=max_batch,
-            graph_batches=(_sizes(graph_batches, "--graph-batches") if graph_batches
+            graph_batches=(parse_sizes(graph_batches, "--graph-batches") if graph_batches
                            else power_of_two_buckets(max_batch)),
             max_frames=max_frames, max_len=max_len, num_slots=slots or max_batch,
-            prefill_buckets=_sizes(prefill_buckets, "--prefill-buckets") if prefill_buckets
-            else None, prefill_batches=_sizes(prefill_batches, "--prefill-batches"),
-            codec_chunks=_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
+            prefill_buckets=parse_sizes(prefill_buckets, "--prefill-buckets") if prefill_buckets
+            else None, prefill_batches=parse_sizes(prefill_batches, "--prefill-batches"),
+            codec_chunks=parse_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
             max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
             persistent_cp_max_batch=persistent_cp_max_batch, w8a8_min_rows=w8a8_min_rows,
             prefix_pool=prefix_pool, max_prefix=max_prefix,

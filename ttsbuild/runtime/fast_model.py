@@ -153,6 +153,23 @@ class PackedStack:
         """The MLP's output (before the residual add) of the post-attention-normed h."""
         return p.down(silu_mul(p.gate_up(h)))
 
+    def _attend_by_position(self, B: int, T: int, positions, rows, k_cache, v_cache,
+                            keys: int):  # fmt: skip
+        """attend(i, p, h) for T tokens per row (prefill, extend) on the kernels: each token,
+        at positions [B * T] of cache slot rows [B * T], is a decode-attention query over its
+        row's cache up to its own position (its k/v and any prefix's are written there
+        first): one launch per layer where the eager paths gather K and V, repeat them per
+        query head and mask (six or more kernels a layer). keys bounds the positions read."""
+        lengths = positions + 1
+
+        def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
+            qkv = p.qkv(h).reshape(B * T, -1)
+            q = self._project_qk(p, qkv, positions, rows, k_cache[i], v_cache[i])
+            return decode_attention(q, k_cache[i], v_cache[i], rows, lengths, keys).reshape(
+                B, T, -1)  # fmt: skip
+
+        return attend
+
     def _run_layers(self, x: torch.Tensor, attend) -> torch.Tensor:
         """The pre-norm chain with the residual carried: each residual add is fused into
         the norm after it (add_rms_norm), the last one into the final norm.
@@ -216,22 +233,11 @@ class PackedStack:
             positions = (start[:, None] + offsets).clamp(max=S - 1).reshape(-1)
             keys = min(keys or T, S)
         rows = slots.repeat_interleave(T)
-        rep = c.num_heads // c.num_kv_heads
         if want_triton(x, None):
-            # Each token is a query over its row's cache up to its own position (its k/v and
-            # the prefix's are written there first): the decode kernel with per-token
-            # lengths, one launch per layer where the eager path below gathers K and V,
-            # repeats them per query head and masks (six or more kernels a layer).
-            lengths = positions + 1
+            return self._run_layers(x, self._attend_by_position(B, T, positions, rows, k_cache,
+                                                                v_cache, keys))  # fmt: skip
 
-            def attend_cache(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
-                qkv = p.qkv(h).reshape(B * T, -1)
-                q = self._project_qk(p, qkv, positions, rows, k_cache[i], v_cache[i])
-                attn = decode_attention(q, k_cache[i], v_cache[i], rows, lengths, keys)
-                return attn.reshape(B, T, -1)
-
-            return self._run_layers(x, attend_cache)
-
+        rep = c.num_heads // c.num_kv_heads
         mask = None
         if start is not None:
             visible = torch.arange(keys, device=x.device) <= positions.reshape(B, T, 1)
@@ -273,17 +279,8 @@ class PackedStack:
         positions = start[:, None] + torch.arange(T, device=x.device)  # [B, T]
         rows = slots.repeat_interleave(T)
         if want_triton(x, None):
-            # as in prefill: each token a decode-attention query up to its own position
-            flat = positions.reshape(-1)
-            lengths = flat + 1
-
-            def attend_cache(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
-                q = self._project_qk(p, p.qkv(h).reshape(B * T, -1), flat, rows, k_cache[i],
-                                     v_cache[i])  # fmt: skip
-                attn = decode_attention(q, k_cache[i], v_cache[i], rows, lengths, S)
-                return attn.reshape(B, T, -1)
-
-            return self._run_layers(x, attend_cache)
+            return self._run_layers(x, self._attend_by_position(
+                B, T, positions.reshape(-1), rows, k_cache, v_cache, S))  # fmt: skip
         visible = torch.arange(S, device=x.device) <= positions[:, :, None]  # [B, T, S]
         rep = c.num_heads // c.num_kv_heads
 

@@ -156,7 +156,7 @@ class _AdmitStaging:
         h = self.np[k]
         ints = h[: self.f0].reshape(self.batch, self.ni)
         floats = h[self.f0 : self.t0].view(np.float32).reshape(self.batch, 2 * self.nf64)
-        trailing = h[self.t0 : self.t0 + len(rows) * text_length].reshape(-1, max(text_length, 1))
+        trailing = h[self.t0 : self.t0 + len(rows) * text_length].reshape(len(rows), text_length)
         end = self.r0 + len(rows) * length * self.width
         prompt = h[self.r0 : end].reshape(len(rows), length, self.width)
         for b, (values, row_ids, text) in enumerate(rows):

@@ -96,6 +96,7 @@ def serve(
     """Serve a checkpoint: OpenAI-compatible streaming speech over HTTP and WebSocket."""
     import uvicorn
 
+    from ttsbuild.build.cli import parse_sizes
     from ttsbuild.runtime.loader import open_engine
     from ttsbuild.serve.app import create_app
     from ttsbuild.serve.config import SchedulerConfig, ServeConfig
@@ -131,16 +132,10 @@ def serve(
     )
     try:
         guard_config = parse_guards(guards, budget_margin, silence_seconds)
-        batches = None
-        if prefill_batches is not None:
-            try:
-                batches = tuple(int(v) for v in prefill_batches.split(",") if v.strip())
-            except ValueError:
-                raise ValueError(f"--prefill-batches wants comma-separated integers, got "
-                                 f"{prefill_batches!r}") from None  # fmt: skip
     except ValueError as exc:
         _err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
+    batches = None if prefill_batches is None else parse_sizes(prefill_batches, "--prefill-batches")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         engine = open_engine(
