@@ -119,7 +119,7 @@ def frame_bytes(fcp: FusedCodePredictor) -> int:
     )
     G = fcp.num_code_groups
     # G passes through the stack (two for [h, E0(c0)]), G - 1 heads, G projections
-    return G * fcp.stack.weight_bytes() + (G - 1) * head + G * proj
+    return G * fcp.stack.read_bytes() + (G - 1) * head + G * proj
 
 
 # name: (K, N, mode) of the code predictor's fused linears; gate_up N = intermediate size

@@ -78,7 +78,7 @@ def main() -> int:
           f"{'floor ms':>9s} {'rel diff':>9s}")  # fmt: skip
     for prec in args.precisions.split(","):
         stack = PackedStack.from_module(module, prec == "fp8")
-        floor = stack.weight_bytes() / PEAK_BW * 1e3
+        floor = stack.read_bytes() / PEAK_BW * 1e3
         for B in [int(b) for b in args.batches.split(",")]:
             ms, rel = time_batch(stack, cfg, B, args.replays)
             print(f"{prec:5s} {B:3d} {ms['unfused']:11.3f} {ms['fused']:9.3f} "

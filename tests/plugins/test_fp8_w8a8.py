@@ -104,6 +104,28 @@ def test_dense_routes_by_rows():
     assert torch.equal(d(odd), fp8_linear(odd, d.weight, d.scale))
 
 
+def test_dense_bf16_copy_from_min_rows():
+    K, N = 256, 64
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(10)) * K**-0.5
+    d = Dense.make(w, fp8=True)
+    held = d.nbytes()
+    big, small = _rows(4, 16, K).bfloat16(), _rows(5, 15, K).bfloat16()
+    before = d(big)
+    d.keep_bf16(16)
+    copy = (d.weight.float() * d.scale[:, None]).bfloat16()
+    assert torch.equal(d.bf16_weight, copy)
+    assert torch.equal(d(big), torch.nn.functional.linear(big, copy))  # >= 16 rows: the copy
+    assert torch.equal(d(small), fp8_linear(small, d.weight, d.scale))  # fewer: FP8
+    assert not torch.equal(d(big), before)  # the paths are told apart
+    assert _rel(d(big).float(), before.float()) < 1e-2  # the same product, rounded otherwise
+    assert d.nbytes() == held + N * K * 2 and d.read_bytes() == held
+    d.keep_bf16(0)
+    assert d.bf16_weight is None and torch.equal(d(big), before) and d.nbytes() == held
+    plain = Dense.make(w.bfloat16(), fp8=False)
+    plain.keep_bf16(16)  # a bf16 weight needs no copy
+    assert plain.bf16_weight is None and plain.bf16_min_rows == 0
+
+
 @needs_kernel
 @pytest.mark.parametrize("M,K", [(3, 256), (16, 2048), (5, 1000)])
 def test_quantize_rows_kernel(M, K):

@@ -1,9 +1,11 @@
-"""CPU checks of the plugin references (no GPU, no Triton needed)."""
+"""CPU checks of the plugin references (no GPU, no Triton needed); the sampler kernel's
+threshold test runs the kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
 
 import pytest
 import torch
+from kernel_device import KDEV, needs_kernel
 
-from ttsbuild.generation.sampling import SamplingBatch, sample
+from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, sample
 from ttsbuild.model.config import DecoderStackConfig
 from ttsbuild.model.layers import Attention
 from ttsbuild.plugins.decode_attention import decode_attention, decode_attention_reference
@@ -144,3 +146,59 @@ def test_fused_sample_reference_on_cpu_is_sample(dtype):
     seeds = torch.randint(0, 2**62, (B,), generator=g)
     ctr = torch.randint(0, 10**6, (B,), generator=g)
     assert torch.equal(fused_sample(logits, batch, seeds, ctr), sample(logits, batch, seeds, ctr))
+
+
+@needs_kernel
+def test_fused_sample_kernel_thresholds_vs_reference():
+    """The kernel's top-k / top-p threshold searches (over the float bit patterns) against
+    the reference's sort: every top_k x top_p pair, fine fp32, tied fp32 (a coarse grid),
+    near-tied fp32 and bf16 logits, at random temperatures and spreads. Every row draws (fresh
+    noise) from its filtered set, so a threshold off in any bit keeps or drops tokens that the
+    draws then hit; the near ties (many tokens a few ulps to a few million ulps apart, at
+    exact power-of-2 temperatures) put such tokens next to the thresholds at every bit."""
+    from ttsbuild.plugins._tl.sampling import sample_triton
+
+    g = torch.Generator().manual_seed(23)
+    V, reps = 2048, 4
+    ks = torch.tensor([1, 2, 50, V - 1, V, 0])
+    ps = torch.tensor([0.1, 0.5, 0.9, 1.0])
+    top_k, top_p = ks.repeat_interleave(len(ps)).repeat(reps), ps.repeat(len(ks) * reps)
+    B = len(top_k)
+    for kind in ("fp32", "ties", "near", "bf16"):
+        logits = torch.randn(B, V, generator=g) * (0.5 + 4 * torch.rand(B, 1, generator=g))
+        temperature = 0.3 + 1.2 * torch.rand(B, generator=g)
+        if kind == "ties":
+            logits = (logits * 2).round() / 2  # few distinct values: ties at both thresholds
+        if kind == "near":  # a quarter of the row 0..2^23 ulps (log-uniform) below one value
+            below = torch.randint(0, 2**30, (B, V), generator=g)
+            below = below >> 30 - torch.randint(0, 24, (B, V), generator=g)
+            top = (1 + torch.rand(B, 1, generator=g)).view(torch.int32) - below.to(torch.int32)
+            near = torch.rand(B, V, generator=g) < 0.25
+            logits = torch.where(near, top.view(torch.float32), logits - 2)
+            temperature = 2.0 ** torch.randint(-1, 2, (B,), generator=g).float()  # exact
+        logits[0, :20], logits[1, 20:40], logits[2, 64:] = 0.0, -0.0, float("-inf")
+        logits = logits.to(torch.bfloat16 if kind == "bf16" else torch.float32)
+        batch = SamplingBatch(
+            do_sample=torch.ones(B, dtype=torch.bool),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=torch.ones(B),
+        )
+        seeds = torch.randint(0, 2**62, (B,), generator=g)
+        ctr = torch.randint(0, 10**6, (B,), generator=g)
+        ref = sample(logits, batch, seeds, ctr)
+        out = sample_triton(logits.to(KDEV), _to(batch, KDEV), seeds.to(KDEV), ctr.to(KDEV))
+        out = out.cpu()
+        bad = (out != ref).nonzero().flatten().tolist()
+        scaled = logits.float() / batch.temperature[:, None]
+        for r in bad:  # allowed only: a top-p cut within summation rounding of 1 - top_p
+            kept = filter_top_k_top_p(scaled[r : r + 1], top_k[r : r + 1], torch.ones(1))[0]
+            cum = torch.softmax(kept.double().sort().values, 0).cumsum(0)
+            gap = (cum - (1 - float(top_p[r]))).abs().min().item()
+            assert top_p[r] < 1 and gap < 1e-5, (kind, r, int(top_k[r]), float(top_p[r]))
+        assert len(bad) <= 1, (kind, bad)
+
+
+def _to(batch: SamplingBatch, device) -> SamplingBatch:
+    return SamplingBatch(*(getattr(batch, f).to(device) for f in batch.__dataclass_fields__))

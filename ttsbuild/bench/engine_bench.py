@@ -96,6 +96,7 @@ def _pipelined_steps(engine, slots: list[int], steps: int) -> tuple[float, float
 def bench_plan(
     precision: str, batches, fused_code_predictor: bool = True, persistent_cp_max_batch: int = 0,
     fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0, prefill_batches=(1,),
+    bf16_min_rows: int | None = None,
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured,
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
@@ -115,6 +116,7 @@ def bench_plan(
         fused_talker=tuple(b for b in buckets if b <= fused_talker_max_batch),
         w8a8_min_rows=w8a8_min_rows,
         prefill_batches=tuple(prefill_batches),
+        **({} if bf16_min_rows is None else {"bf16_min_rows": bf16_min_rows}),
     )
 
 
@@ -166,10 +168,10 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
     mem = be.memory_report()
     res = PrecisionResult(
         precision,
-        talker_weight_bytes=be.talker_stack.weight_bytes() + be.codec_head.nbytes(),
+        talker_weight_bytes=be.talker_stack.read_bytes() + be.codec_head.nbytes(),
         # Each of the 15 passes reads the whole stack and one head.
         code_predictor_weight_bytes_per_frame=(models.cfg.num_code_groups - 1)
-        * be.cp_stack.weight_bytes()
+        * be.cp_stack.read_bytes()
         + sum(h.nbytes() for h in be.cp_heads),
         memory={
             **{k: v / gib for k, v in mem.items()},
@@ -390,6 +392,7 @@ def run_engine_bench(
     fused_talker_max_batch: int = 0,
     w8a8_min_rows: int = 0,
     prefill_batches=(1,),
+    bf16_min_rows: int | None = None,
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -402,7 +405,7 @@ def run_engine_bench(
     for p in precisions if plan is None else ():
         p_plan = bench_plan(
             p, batches, fused_code_predictor, persistent_cp_max_batch, fused_talker_max_batch,
-            w8a8_min_rows, prefill_batches,
+            w8a8_min_rows, prefill_batches, bf16_min_rows,
         )
         results.append(bench_precision(models, p_plan, batches, iters, log))
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
@@ -484,6 +487,9 @@ def main() -> None:
                    help="buckets up to this run the talker step on the fused kernels")
     p.add_argument("--w8a8-min-rows", type=int, default=0,
                    help="the talker's FP8 linears as W8A8 from this many rows (0: never)")
+    p.add_argument("--bf16-min-rows", type=int, default=None,
+                   help="the talker's FP8 linears on bf16 copies from this many rows "
+                   "(0: never; default: the plan's)")
     p.add_argument("--prefill-batches", default="1",
                    help="prompts per captured prefill step, e.g. 1,2,4 (each timed)")
     a = p.parse_args()
@@ -510,6 +516,7 @@ def main() -> None:
         fused_talker_max_batch=a.fused_talker_max_batch,
         w8a8_min_rows=a.w8a8_min_rows,
         prefill_batches=tuple(int(b) for b in a.prefill_batches.split(",")),
+        bf16_min_rows=a.bf16_min_rows,
     )
 
 

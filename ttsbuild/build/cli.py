@@ -86,6 +86,11 @@ def compile_engine(
         help="FP8 engines: the talker's linears as W8A8 (FP8 activations scaled per row, "
         "FP8 tensor-core GEMMs) from this many rows, e.g. 16 (0: weight-only everywhere).",
     ),  # fmt: skip
+    bf16_min_rows: int = typer.Option(
+        0, "--bf16-min-rows", min=0,
+        help="FP8 engines: the talker's linears on bf16 copies of their weights (dequantised "
+        "at load, cuBLAS) from this many rows, e.g. 16 (0: never; costs the weights again).",
+    ),  # fmt: skip
     prefix_pool: int = typer.Option(
         16, "--prefix-pool", min=0,
         help="Prompt prefixes (voice, language, instruct) whose KV stays on the device for reuse "
@@ -132,6 +137,7 @@ def compile_engine(
             codec_chunks=parse_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
             max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
             persistent_cp_max_batch=persistent_cp_max_batch, w8a8_min_rows=w8a8_min_rows,
+            bf16_min_rows=bf16_min_rows,
             prefix_pool=prefix_pool, max_prefix=max_prefix,
             quality_texts=quality_texts, quality_frames=quality_frames,
             force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,

@@ -90,6 +90,8 @@ class BuildConfig:
     persistent_cp_max_batch: int = 0
     # FP8 talker linears as W8A8 from this many rows (prefill, large buckets); 0: never
     w8a8_min_rows: int = 0
+    # FP8 talker linears on bf16 copies of their weights from this many rows; 0: never
+    bf16_min_rows: int = 0
     prefix_pool: int = 16  # prompt-prefix KV entries kept on the device (0: no prefix cache)
     max_prefix: int = 128  # positions per prefix entry
     # Speculative code predictor per bucket: {bucket: ("self" | "draft", window)}; off ({})
@@ -158,6 +160,7 @@ class BuildConfig:
             ),
             prefix_pool=self.prefix_pool, max_prefix=self.max_prefix,
             speculative=dict(self.speculative), w8a8_min_rows=self.w8a8_min_rows,
+            bf16_min_rows=self.bf16_min_rows,
         )  # fmt: skip
 
     def fp8_groups(self) -> list[str]:

@@ -22,7 +22,12 @@ from ttsbuild.model.config import DecoderStackConfig
 from ttsbuild.model.layers import DecoderStack
 from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.decode_attention import decode_attention
-from ttsbuild.plugins.fp8_linear import FP8_DTYPE, fp8_linear, quantize_weight_fp8
+from ttsbuild.plugins.fp8_linear import (
+    FP8_DTYPE,
+    dequantize_weight_fp8,
+    fp8_linear,
+    quantize_weight_fp8,
+)
 from ttsbuild.plugins.fp8_w8a8 import fp8_linear_w8a8, w8a8_supported
 from ttsbuild.plugins.norm_act import add_rms_norm, rms_norm, silu_mul
 from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
@@ -33,11 +38,26 @@ class Dense:
 
     FP8 weights run weight-only (`fp8_linear`), or W8A8 (`fp8_linear_w8a8`: activations
     quantised per row, an FP8 tensor-core GEMM) for inputs of at least `w8a8_min_rows` rows
-    (0: never; `EnginePlan.w8a8_min_rows`) that the FP8 GEMM takes."""
+    (0: never; `EnginePlan.w8a8_min_rows`) that the FP8 GEMM takes, or, from
+    `bf16_min_rows` rows on (`EnginePlan.bf16_min_rows`), cuBLAS on a bf16 copy of the
+    dequantised weight (`keep_bf16`): measured faster than either FP8 path from ~16 rows
+    (benchmarks/kernels/RESULTS.md), at twice the bytes held."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None):
         self.weight, self.scale = weight, scale
         self.w8a8_min_rows = 0
+        self.bf16_min_rows = 0
+        self.bf16_weight: torch.Tensor | None = None
+
+    def keep_bf16(self, min_rows: int) -> None:
+        """Inputs of at least min_rows rows (0: none) run on a bf16 copy of the weight,
+        dequantised once here: (w_fp8 * scale) rounded to bf16, which adds an error of 2^-9
+        relative per weight to FP8's 2^-4."""
+        self.bf16_min_rows = min_rows if self.is_fp8 else 0
+        if self.bf16_min_rows and self.bf16_weight is None:
+            self.bf16_weight = dequantize_weight_fp8(self.weight, self.scale, torch.bfloat16)
+        elif not self.bf16_min_rows:
+            self.bf16_weight = None
 
     @classmethod
     def make(cls, weight: torch.Tensor, fp8: bool) -> Dense:
@@ -50,6 +70,8 @@ class Dense:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_fp8:
             rows = x.numel() // x.shape[-1]
+            if self.bf16_min_rows and rows >= self.bf16_min_rows and x.dtype == torch.bfloat16:
+                return F.linear(x, self.bf16_weight)
             if (self.w8a8_min_rows and rows >= self.w8a8_min_rows
                     and x.dtype == torch.bfloat16 and w8a8_supported(rows, self.weight)):
                 return fp8_linear_w8a8(x, self.weight, self.scale)
@@ -57,6 +79,14 @@ class Dense:
         return F.linear(x, self.weight)
 
     def nbytes(self) -> int:
+        """Bytes held: the weight as stored, its scale and the bf16 copy if kept."""
+        extra = self.scale.numel() * self.scale.element_size() if self.scale is not None else 0
+        if self.bf16_weight is not None:
+            extra += self.bf16_weight.numel() * self.bf16_weight.element_size()
+        return self.weight.numel() * self.weight.element_size() + extra
+
+    def read_bytes(self) -> int:
+        """Bytes one call of few rows reads: the weight as stored and its scale."""
         extra = self.scale.numel() * self.scale.element_size() if self.scale is not None else 0
         return self.weight.numel() * self.weight.element_size() + extra
 
@@ -130,7 +160,18 @@ class PackedStack:
         return self.layers[0].qkv.is_fp8
 
     def weight_bytes(self) -> int:
+        """Bytes the linears hold (bf16 copies included)."""
         return sum(d.nbytes() for p in self.layers for d in (p.qkv, p.o, p.gate_up, p.down))
+
+    def read_bytes(self) -> int:
+        """Bytes one decode step of few rows reads from the linears (the weight-read floor)."""
+        return sum(d.read_bytes() for p in self.layers for d in (p.qkv, p.o, p.gate_up, p.down))
+
+    def set_bf16_min_rows(self, rows: int) -> None:
+        """The FP8 linears on bf16 copies of their weights from `rows` rows on (0: never)."""
+        for p in self.layers:
+            for d in (p.qkv, p.o, p.gate_up, p.down):
+                d.keep_bf16(rows)
 
     def set_w8a8_min_rows(self, rows: int) -> None:
         """W8A8 for the FP8 linears from `rows` rows on (0: weight-only everywhere)."""

@@ -223,6 +223,7 @@ class GraphBackend:
             self.talker_stack = PackedStack.from_module(talker.model, fp8)
             self.cp_stack = PackedStack.from_module(cp.model, plan.code_predictor_fp8)
         self.talker_stack.set_w8a8_min_rows(plan.w8a8_min_rows)
+        self.talker_stack.set_bf16_min_rows(plan.bf16_min_rows)
         if release_modules:
             models.drop_decoder_layers()  # the packed stacks are the only copy from here on
         self.codec_head = Dense(talker.codec_head.weight.detach())

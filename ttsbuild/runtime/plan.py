@@ -66,6 +66,12 @@ class EnginePlan(BaseModel):
     # cuBLASLt FP8 GEMM: plugins.fp8_w8a8) from this many rows (prefill rows or decode
     # batch; multiples of 16); 0: weight-only everywhere. Off until timed on the GPU.
     w8a8_min_rows: int = Field(0, ge=0)
+    # The talker's FP8 linears on bf16 copies of their weights (dequantised once at load,
+    # cuBLAS; runtime.fast_model.Dense.keep_bf16) from this many rows (prefill rows or decode
+    # batch); 0: never. Measured: from ~16 rows cuBLAS on bf16 beats the FP8 kernels on the
+    # H200 despite twice the bytes (benchmarks/kernels/RESULTS.md); costs the talker's linear
+    # weights again in bf16 (2.6 GiB for 1.7B).
+    bf16_min_rows: int = Field(0, ge=0)
     # Prefix KV cache (graph backend): the talker KV of prompt prefixes that depend only on
     # (voice, language, instruct, text mode), kept on the device and copied into a slot at
     # admission, so only the rest of the prompt is prefilled. Entries (0: off) x positions

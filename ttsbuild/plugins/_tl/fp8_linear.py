@@ -53,13 +53,17 @@ def _cfg(bn, bk, split, warps, stages):
 
 
 # Small config sets: the autotuner times each once per (N, K, M bucket).
-GEMV_CONFIGS = [
+GEMV_CONFIGS = [  # 2026-12-01 sweep (benchmarks/kernels/sweep_fp8.py): 8 rows x 1024 wins
     _cfg(16, 512, 1, 4, 3),
     _cfg(32, 256, 1, 4, 4),
     _cfg(8, 512, 1, 4, 4),
+    _cfg(8, 1024, 1, 4, 1),
+    _cfg(8, 1024, 1, 4, 3),
+    _cfg(8, 256, 1, 4, 1),
     _cfg(16, 512, 2, 4, 3),
     _cfg(16, 256, 4, 4, 4),
     _cfg(8, 512, 4, 4, 4),
+    _cfg(32, 512, 4, 8, 1),
 ]
 GEMM_CONFIGS = [
     _cfg(64, 128, 1, 4, 4),
@@ -68,6 +72,10 @@ GEMM_CONFIGS = [
     _cfg(64, 128, 2, 4, 4),
     _cfg(64, 128, 4, 4, 4),
     _cfg(128, 128, 4, 8, 3),
+    _cfg(32, 128, 4, 4, 3),
+    _cfg(64, 256, 4, 4, 3),
+    _cfg(64, 256, 2, 4, 3),
+    _cfg(128, 128, 4, 4, 3),
 ]
 
 
@@ -242,9 +250,8 @@ def fp8_linear_triton(
             c["BLOCK_N"] = min(c["BLOCK_N"], 16)
         _heur[grid(c)](*args, BLOCK_M=block_m, **c, **pdl_args(pdl))
     else:
-        (_gemv if block_m == 1 else _gemm)[grid](
-            *args, BLOCK_M=block_m, **pdl_args(pdl)
-        )
+        tuner = _gemv if block_m == 1 else _gemm
+        tuner[grid](*args, BLOCK_M=block_m, **pdl_args(pdl))
     return out
 
 
