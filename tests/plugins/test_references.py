@@ -188,7 +188,7 @@ def test_fused_sample_kernel_thresholds_vs_reference():
         seeds = torch.randint(0, 2**62, (B,), generator=g)
         ctr = torch.randint(0, 10**6, (B,), generator=g)
         ref = sample(logits, batch, seeds, ctr)
-        out = sample_triton(logits.to(KDEV), _to(batch, KDEV), seeds.to(KDEV), ctr.to(KDEV))
+        out = sample_triton(logits.to(KDEV), batch.to(KDEV), seeds.to(KDEV), ctr.to(KDEV))
         out = out.cpu()
         bad = (out != ref).nonzero().flatten().tolist()
         scaled = logits.float() / batch.temperature[:, None]
@@ -199,6 +199,3 @@ def test_fused_sample_kernel_thresholds_vs_reference():
             assert top_p[r] < 1 and gap < 1e-5, (kind, r, int(top_k[r]), float(top_p[r]))
         assert len(bad) <= 1, (kind, bad)
 
-
-def _to(batch: SamplingBatch, device) -> SamplingBatch:
-    return SamplingBatch(*(getattr(batch, f).to(device) for f in batch.__dataclass_fields__))

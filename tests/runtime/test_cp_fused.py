@@ -54,12 +54,6 @@ def _f32_cpu(stack):
     return PackedStack(stack.cfg, layers, cpu(stack.norm))
 
 
-def _to(sampling, device):
-    return SamplingBatch(
-        **{f.name: getattr(sampling, f.name).to(device) for f in dataclasses.fields(sampling)}
-    )
-
-
 def _inputs(dtype, device, S=G):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, CFG.hidden_size, generator=g).to(device, dtype)
@@ -145,7 +139,7 @@ def _unfused_on_cpu(cp, hidden, c0, sampling, seeds, frames, shape, slots, posit
     the reference frame of the kernel tests (call it with TRITON_INTERPRET=0)."""
     cpu = [t.cpu() for t in (hidden, c0, seeds, frames, slots)]
     return cp.frame_unfused(
-        cpu[0], cpu[1], _to(sampling, "cpu"), cpu[2], cpu[3], torch.zeros(shape),
+        cpu[0], cpu[1], sampling.to("cpu"), cpu[2], cpu[3], torch.zeros(shape),
         torch.zeros(shape), cpu[4], [p.cpu() for p in positions],
     )  # fmt: skip
 

@@ -13,7 +13,7 @@ whether it runs alone or in any batch, on CPU or GPU, and a CUDA graph needs no 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -126,6 +126,10 @@ class SamplingBatch:
             top_p=self.top_p[rows],
             repetition_penalty=self.repetition_penalty[rows],
         )
+
+    def to(self, device) -> SamplingBatch:
+        """The same settings on `device`."""
+        return SamplingBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device=None) -> SamplingBatch:

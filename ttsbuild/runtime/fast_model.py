@@ -80,10 +80,8 @@ class Dense:
 
     def nbytes(self) -> int:
         """Bytes held: the weight as stored, its scale and the bf16 copy if kept."""
-        extra = self.scale.numel() * self.scale.element_size() if self.scale is not None else 0
-        if self.bf16_weight is not None:
-            extra += self.bf16_weight.numel() * self.bf16_weight.element_size()
-        return self.weight.numel() * self.weight.element_size() + extra
+        copy = self.bf16_weight
+        return self.read_bytes() + (0 if copy is None else copy.numel() * copy.element_size())
 
     def read_bytes(self) -> int:
         """Bytes one call of few rows reads: the weight as stored and its scale."""
