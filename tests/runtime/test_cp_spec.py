@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_device import KDEV, needs_kernel
 from scipy.stats import chi2_contingency, chisquare
-from test_cp_fused import CFG, G, V, _f32_cpu, _frame_inputs, _predictor, _rel, _stack, _to
+from test_cp_fused import CFG, G, V, _f32_cpu, _frame_inputs, _predictor, _rel, _stack
 
 from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins.sampling import fused_sample
@@ -220,6 +220,6 @@ def test_kernel_path_matches_the_references(do_sample, monkeypatch):
     ref = SpeculativeCodePredictor(ref_cp, B, 3, draft_heads=_draft_near(ref_cp))
     cpu = [t.cpu() for t in (hidden, c0, seeds, frames)]
     for kind, codes in got.items():
-        want = ref.frame(cpu[0], cpu[1], _to(sampling, "cpu"), cpu[2], cpu[3], kind, 3)
+        want = ref.frame(cpu[0], cpu[1], sampling.to("cpu"), cpu[2], cpu[3], kind, 3)
         agree = (codes.cpu() == want).float().mean().item()
         assert agree == 1.0 if not do_sample else agree >= 0.9, (kind, agree)
