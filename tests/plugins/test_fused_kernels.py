@@ -107,8 +107,10 @@ _SPLIT2 = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2}
 # one 64-row tile; the per-shape plan, and a forced split-K (4 partials, last one reduces).
 # The GEMV with _SPLIT2 and K = 200: a split of 4 K blocks, the last one partly past K, so
 # the blocks loaded before the PDL wait (2) and the loop after them both run.
+# _NARROW: a GEMV of 8-column tiles without split-K (plan's TTSBUILD_GEMV_NARROW form).
+_NARROW = {"BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 128, "SPLIT_K": 1}
 CASES = [(1, 256, 64, None), (1, 256, 64, _SPLIT), (1, 200, 40, _SPLIT2), (5, 200, 40, _SPLIT),
-         (70, 128, 32, None)]  # fmt: skip
+         (70, 128, 32, None), (1, 256, 40, _NARROW)]  # fmt: skip
 PRECISIONS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
 
 
@@ -160,12 +162,16 @@ def test_norm_gate_up_silu_kernel(M, K, N, dtype, fp8, split):
 
 
 @needs_kernel
+@pytest.mark.parametrize("ready", [False, True])
 @pytest.mark.parametrize("dtype,fp8", PRECISIONS)
 @pytest.mark.parametrize("M,K,N,split", CASES)
-def test_linear_residual_kernel(M, K, N, dtype, fp8, split):
+def test_linear_residual_kernel(M, K, N, dtype, fp8, split, ready):
+    # ready: the residual is read with the weights, before the PDL wait (the interpreter
+    # always takes that path when asked; a GPU takes it under PDL)
     g, x, w, s, w_ref = _linear_case(11 + M + K + N, M, K, N, dtype, fp8)
     res = (torch.randn(M, N, device=KDEV, generator=g) * 3).to(dtype)
-    out = fused_linear(x, w, s, residual=res, use_triton=True, config=_config(split, M))
+    out = fused_linear(x, w, s, residual=res, use_triton=True, config=_config(split, M),
+                       residual_ready=ready)  # fmt: skip
     ref = fused_linear_reference(x.float(), w_ref, s, residual=res.float())
     assert _rel(out, ref) < _tol(dtype)
     # the delta alone (what the kernel adds to the residual) is accurate too

@@ -68,8 +68,12 @@ def fused_linear(
     out_dtype: torch.dtype | None = None,
     use_triton: bool | None = None,
     config: dict | None = None,  # BLOCK_M/N/K, SPLIT_K: overrides the per-shape plan
+    residual_ready: bool = False,
 ) -> torch.Tensor:
-    """[M, N] in out_dtype (default x's dtype); one launch on the GPU."""
+    """[M, N] in out_dtype (default x's dtype); one launch on the GPU. residual_ready: the
+    residual was written at least two kernels before this one (not by the kernel right
+    before it), so under programmatic dependent launch it is read before waiting for that
+    kernel, with the weights."""
     if (scale is not None) != (weight.dtype == FP8_DTYPE):
         raise TypeError("FP8 weights need their per-channel scale, other weights none")
     kw = dict(
@@ -80,7 +84,8 @@ def fused_linear(
         return fused_linear_reference(x, weight, scale, **kw)
     from ttsbuild.plugins._tl.fused_linear import fused_linear_triton
 
-    return fused_linear_triton(x, weight, scale, config=config, **kw)
+    return fused_linear_triton(x, weight, scale, config=config, residual_ready=residual_ready,
+                               **kw)  # fmt: skip
 
 
 def norm_linear(x, norm_weight, weight, scale=None, *, eps, out_dtype=None, use_triton=None):
@@ -91,9 +96,10 @@ def norm_linear(x, norm_weight, weight, scale=None, *, eps, out_dtype=None, use_
     )  # fmt: skip
 
 
-def linear_residual(x, weight, scale, residual, *, use_triton=None):
-    """residual + x @ W.T: the new residual [M, N]."""
-    return fused_linear(x, weight, scale, residual=residual, use_triton=use_triton)
+def linear_residual(x, weight, scale, residual, *, use_triton=None, residual_ready=False):
+    """residual + x @ W.T: the new residual [M, N] (residual_ready: see fused_linear)."""
+    return fused_linear(x, weight, scale, residual=residual, use_triton=use_triton,
+                        residual_ready=residual_ready)  # fmt: skip
 
 
 def norm_gate_up_silu(x, norm_weight, gate_up_weight, scale=None, *, eps, use_triton=None):

@@ -62,9 +62,12 @@ def decode_fused(
             q = qk_norm_rope(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc, **heads)
             attn = decode_attention(q, kc, vc, slots, positions + 1, max_len)
             attn = attn.reshape(x.shape[0], -1)
-        residual = linear_residual(attn, p.o.weight, p.o.scale, residual)
+        # Both residuals were written two or more launches back (the layer input before
+        # qkv and attention; o's output before gate/up): read early under PDL.
+        residual = linear_residual(attn, p.o.weight, p.o.scale, residual, residual_ready=True)
         act = norm_gate_up_silu(residual, p.post_norm, p.gate_up.weight, p.gate_up.scale, eps=eps)
-        residual = linear_residual(act, p.down.weight, p.down.scale, residual)
+        residual = linear_residual(act, p.down.weight, p.down.scale, residual,
+                                   residual_ready=True)  # fmt: skip
     return rms_norm(residual, stack.norm, eps) if final_norm else residual
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._tl.fused_linear import _epilogue, _mac
+from ttsbuild.plugins._tl.fused_linear import _epilogue, _load_residual, _mac, _out_vectors
 from ttsbuild.plugins._tl.qk_norm_rope_attend import attend_item
 
 STAGES_PER_LAYER = tl.constexpr(5)
@@ -139,9 +139,12 @@ def _linear_stage(
         if BM == 1:
             acc_g = tl.sum(acc_g, axis=1)[:, None]
             acc_u = tl.sum(acc_u, axis=1)[:, None]
+        sc, sc_u, bias = _out_vectors(s_ptr, b_ptr, offs_n, n_mask, N, HAS_SCALE, HAS_BIAS,
+                                      GATE_UP)  # fmt: skip
+        r = _load_residual(out_ptr, offs_n, n_mask, offs_m, m_mask, STRIDE_O, HAS_RES)
         _epilogue(
-            acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, out_ptr,
-            out_ptr, STRIDE_O, STRIDE_O, N,
+            acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, sc, sc_u, bias, r,
+            out_ptr, STRIDE_O,
             X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
         )  # fmt: skip
 

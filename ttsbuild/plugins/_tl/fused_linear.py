@@ -44,6 +44,10 @@ _PREFETCH_BLOCKS_ENV = os.environ.get("TTSBUILD_PDL_PREFETCH_BLOCKS", "2")
 if _PREFETCH_BLOCKS_ENV not in ("1", "2"):
     raise ValueError(f"TTSBUILD_PDL_PREFETCH_BLOCKS must be 1 or 2, got {_PREFETCH_BLOCKS_ENV!r}")
 _PREFETCH_BLOCKS = int(_PREFETCH_BLOCKS_ENV)
+# A GEMV (M = 1) whose 16-column tiles leave SMs idle: 8-column tiles (one program per 8
+# columns, no split-K: no partials, atomic and second pass) when that fills the SMs, instead
+# of split-K. TTSBUILD_GEMV_NARROW=1 turns it on (side-by-side measurement; default off).
+_GEMV_NARROW = os.environ.get("TTSBUILD_GEMV_NARROW", "0") == "1"
 
 
 @triton.jit
@@ -61,16 +65,16 @@ def _mac(acc, w, xt, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _k_block(
-    acc_g, acc_u, ss, w, wu, x_cols, nw_ptr, offs_k, k_mask, m_mask,
+    acc_g, acc_u, ss, w, wu, x_cols, nw, offs_k, k_mask, m_mask,
     X_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, PRE_NORM: tl.constexpr,
     GATE_UP: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
-    # One K block: the activations (normed in the load under PRE_NORM) times the weight tiles.
+    # One K block: the activations (normed in the load under PRE_NORM, nw the block's norm
+    # weight in fp32) times the weight tiles.
     xt = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
     if PRE_NORM:
         xf = xt.to(tl.float32)
         ss += tl.sum(xf * xf, axis=0)
-        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         xt = (xf * nw[:, None]).to(X_DTYPE)
     acc_g = _mac(acc_g, w, xt, BLOCK_M, DOT_F32)
     if GATE_UP:
@@ -79,13 +83,51 @@ def _k_block(
 
 
 @triton.jit
+def _norm_block(nw_ptr, offs_k, k_mask, PRE_NORM: tl.constexpr):
+    """The norm weight of a K block in fp32 (a placeholder scalar without PRE_NORM)."""
+    if PRE_NORM:
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    else:
+        nw = 0.0
+    return nw
+
+
+@triton.jit
+def _out_vectors(s_ptr, b_ptr, offs_n, n_mask, N, HAS_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr):  # fmt: skip
+    """The epilogue's per-column weights [BLOCK_N, 1] fp32: the scale (of the gate half), the
+    up half's scale, the bias (placeholder scalars where absent). Weights, so a PDL kernel
+    reads them before waiting for the previous kernel."""
+    sc = 1.0
+    sc_u = 1.0
+    bias = 0.0
+    if HAS_SCALE:
+        sc = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        if GATE_UP:
+            sc_u = tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    return sc, sc_u, bias
+
+
+@triton.jit
+def _load_residual(r_ptr, offs_n, n_mask, offs_m, m_mask, stride_rm, HAS_RES: tl.constexpr):
+    r = 0.0
+    if HAS_RES:
+        r_ptrs = r_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
+        r = tl.load(r_ptrs, mask=n_mask[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
+    return r
+
+
+@triton.jit
 def _epilogue(
-    acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, r_ptr, out_ptr,
-    stride_rm, stride_om, N,
+    acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, sc, sc_u, bias, r, out_ptr,
+    stride_om,
     X_DTYPE: tl.constexpr, PRE_NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GATE_UP: tl.constexpr,
 ):  # fmt: skip
-    # acc_*: [BLOCK_N, BLOCK_M] fp32; ss [BLOCK_M]: the rows' sums of squares (PRE_NORM).
+    # acc_*: [BLOCK_N, BLOCK_M] fp32; ss [BLOCK_M]: the rows' sums of squares (PRE_NORM);
+    # sc, sc_u, bias from _out_vectors, r from _load_residual.
     # Rounded to x's dtype where the eager linear rounds.
     if PRE_NORM:
         rstd = (1.0 / tl.sqrt_rn(ss / K + eps))[None, :]
@@ -93,21 +135,19 @@ def _epilogue(
         acc_u = acc_u * rstd
     y = acc_g
     if HAS_SCALE:
-        y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        y = y * sc
     if HAS_BIAS:
-        y = y + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        y = y + bias
     o_mask = n_mask[:, None] & m_mask[None, :]
     if GATE_UP:
         u = acc_u
         if HAS_SCALE:
-            u = u * tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)[:, None]
+            u = u * sc_u
         g = y.to(X_DTYPE).to(tl.float32)
         u = u.to(X_DTYPE).to(tl.float32)
         s = tl.math.div_rn(g, 1.0 + exp_f32(-g)).to(X_DTYPE)  # F.silu, rounded as eager
         y = s.to(tl.float32) * u
     if HAS_RES:
-        r_ptrs = r_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
-        r = tl.load(r_ptrs, mask=o_mask, other=0.0).to(tl.float32)
         y = y.to(X_DTYPE).to(tl.float32) + r
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -121,7 +161,7 @@ def _fused_linear_kernel(
     SPLIT_K: tl.constexpr, GATHER: tl.constexpr, PRE_NORM: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     GATE_UP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0, RES_EARLY: tl.constexpr = False,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -136,15 +176,17 @@ def _fused_linear_kernel(
     g_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     u_rows = g_rows + N * stride_wn  # GATE_UP only: the up half of the packed matrix
     if PREFETCH >= 1:
-        # The first PREFETCH K blocks' weights do not depend on the previous kernel: they are
-        # loaded before waiting for it (PDL), so the weight stream starts while that kernel
-        # ends. Nothing else is read before the wait (the gather's index is a previous output).
+        # The first PREFETCH K blocks' weights (and their norm weights, and the epilogue's
+        # scale and bias) do not depend on the previous kernel: they are loaded before waiting
+        # for it (PDL), so the weight stream starts while that kernel ends. Activations and
+        # the gather's index are previous outputs: read after the wait.
         offs_k0 = k_lo + tl.arange(0, BLOCK_K)
         w_mask0 = n_mask[:, None] & (offs_k0 < k_hi)[None, :]
         w0 = tl.load(g_rows + offs_k0[None, :], mask=w_mask0, other=0.0)
         wu0 = w0
         if GATE_UP:
             wu0 = tl.load(u_rows + offs_k0[None, :], mask=w_mask0, other=0.0)
+        nw0 = _norm_block(nw_ptr, offs_k0, offs_k0 < k_hi, PRE_NORM)
     if PREFETCH >= 2:
         offs_k1 = offs_k0 + BLOCK_K
         w_mask1 = n_mask[:, None] & (offs_k1 < k_hi)[None, :]
@@ -152,6 +194,14 @@ def _fused_linear_kernel(
         wu1 = w1
         if GATE_UP:
             wu1 = tl.load(u_rows + offs_k1[None, :], mask=w_mask1, other=0.0)
+        nw1 = _norm_block(nw_ptr, offs_k1, offs_k1 < k_hi, PRE_NORM)
+    if SPLIT_K == 1:
+        sc, sc_u, bias = _out_vectors(s_ptr, b_ptr, offs_n, n_mask, N, HAS_SCALE, HAS_BIAS,
+                                      GATE_UP)  # fmt: skip
+        if RES_EARLY:
+            # The caller vouches that the residual was written at least two kernels back:
+            # under PDL that kernel has finished once this one runs at all.
+            r = _load_residual(r_ptr, offs_n, n_mask, offs_m, m_mask, stride_rm, HAS_RES)
     pdl_prologue(PDL)
     if GATHER:
         rows = tl.load(idx_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
@@ -167,12 +217,12 @@ def _fused_linear_kernel(
     ss = tl.zeros((BLOCK_M,), tl.float32)
     if PREFETCH >= 1:
         acc_g, acc_u, ss = _k_block(
-            acc_g, acc_u, ss, w0, wu0, x_cols, nw_ptr, offs_k0, offs_k0 < k_hi, m_mask,
+            acc_g, acc_u, ss, w0, wu0, x_cols, nw0, offs_k0, offs_k0 < k_hi, m_mask,
             X_DTYPE, BLOCK_M, PRE_NORM, GATE_UP, DOT_F32,
         )  # fmt: skip
     if PREFETCH >= 2:
         acc_g, acc_u, ss = _k_block(
-            acc_g, acc_u, ss, w1, wu1, x_cols, nw_ptr, offs_k1, offs_k1 < k_hi, m_mask,
+            acc_g, acc_u, ss, w1, wu1, x_cols, nw1, offs_k1, offs_k1 < k_hi, m_mask,
             X_DTYPE, BLOCK_M, PRE_NORM, GATE_UP, DOT_F32,
         )  # fmt: skip
     k_first = k_lo + PREFETCH * BLOCK_K
@@ -185,17 +235,19 @@ def _fused_linear_kernel(
         if GATE_UP:
             wu = tl.load(u_rows + offs_k[None, :], mask=w_mask, other=0.0)
         acc_g, acc_u, ss = _k_block(
-            acc_g, acc_u, ss, w, wu, x_cols, nw_ptr, offs_k, k_mask, m_mask,
-            X_DTYPE, BLOCK_M, PRE_NORM, GATE_UP, DOT_F32,
+            acc_g, acc_u, ss, w, wu, x_cols, _norm_block(nw_ptr, offs_k, k_mask, PRE_NORM),
+            offs_k, k_mask, m_mask, X_DTYPE, BLOCK_M, PRE_NORM, GATE_UP, DOT_F32,
         )  # fmt: skip
     if BLOCK_M == 1:
         acc_g = tl.sum(acc_g, axis=1)[:, None]
         acc_u = tl.sum(acc_u, axis=1)[:, None]
 
     if SPLIT_K == 1:
+        if not RES_EARLY:
+            r = _load_residual(r_ptr, offs_n, n_mask, offs_m, m_mask, stride_rm, HAS_RES)
         _epilogue(
-            acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr, r_ptr,
-            out_ptr, stride_rm, stride_om, N,
+            acc_g, acc_u, ss, K, eps, offs_n, n_mask, offs_m, m_mask, sc, sc_u, bias, r,
+            out_ptr, stride_om,
             X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
         )  # fmt: skip
     else:
@@ -228,9 +280,12 @@ def _fused_linear_kernel(
                     tot_u += tl.load(
                         part + M * N + ws_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
                     )
+            sc, sc_u, bias = _out_vectors(s_ptr, b_ptr, offs_n, n_mask, N, HAS_SCALE,
+                                          HAS_BIAS, GATE_UP)  # fmt: skip
+            r = _load_residual(r_ptr, offs_n, n_mask, offs_m, m_mask, stride_rm, HAS_RES)
             _epilogue(
-                tot_g, tot_u, tot_ss, K, eps, offs_n, n_mask, offs_m, m_mask, s_ptr, b_ptr,
-                r_ptr, out_ptr, stride_rm, stride_om, N,
+                tot_g, tot_u, tot_ss, K, eps, offs_n, n_mask, offs_m, m_mask, sc, sc_u, bias,
+                r, out_ptr, stride_om,
                 X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
             )  # fmt: skip
             tl.atomic_xchg(cnt_ptr + tile, 0)
@@ -240,6 +295,8 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int) -> dict:
     """Fixed tile config for a shape: BLOCK_M from M, split-K until ~one wave of programs."""
     if M == 1:
         block_m, block_n, block_k = 1, 16, 256 if gate_up else 512
+        if _GEMV_NARROW and triton.cdiv(N, 16) < sms <= triton.cdiv(N, 8):
+            block_n = 8
     else:
         block_m = min(64, max(16, triton.next_power_of_2(M)))
         block_n, block_k = 64, 128
@@ -269,6 +326,7 @@ def fused_linear_triton(
     gate_up: bool = False,
     out_dtype: torch.dtype | None = None,
     config: dict | None = None,
+    residual_ready: bool = False,
 ) -> torch.Tensor:
     K = x.shape[1]
     if index is not None:
@@ -313,6 +371,7 @@ def fused_linear_triton(
         **c, GATHER=index is not None, PRE_NORM=norm_weight is not None,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         GATE_UP=gate_up, DOT_F32=interpret_mode() or x.dtype == torch.float32,
-        PREFETCH=prefetch, **pdl_args(pdl), num_warps=4, num_stages=3,
+        PREFETCH=prefetch, RES_EARLY=residual is not None and residual_ready and prefetch > 0,
+        **pdl_args(pdl), num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
