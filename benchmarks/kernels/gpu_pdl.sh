@@ -7,7 +7,10 @@
 # 15-pass frame graph, fused path: PDL off / on without the weight prefetch / on with one
 # or two K blocks prefetched),
 # talker (the 28-layer talker step graph, PDL off / on), engine (engine microbenchmark, PDL
-# on), w8a8 (not in the default: W8A8 tests and the engine with --w8a8-min-rows), check (graph_vs_eager, tiny, PDL on).
+# on), w8a8 (not in the default: W8A8 tests and the engine with --w8a8-min-rows), check (graph_vs_eager, tiny, PDL on),
+# early (not in the default: the code-predictor frame and the talker step with inputs read
+# before the PDL wait on/off, TTSBUILD_PDL_EARLY, x 16-column split-K / 8-column GEMV tiles,
+# TTSBUILD_GEMV_NARROW).
 set -uo pipefail
 OUT=${OUT:-out}
 STEPS=${STEPS:-build tests cp talker engine check}
@@ -39,6 +42,19 @@ for step in $STEPS; do
             TTSBUILD_PDL=$p timeout -k 5 120 python3 benchmarks/kernels/bench_talker.py \
                 --batches "${TALKER_BATCHES:-1,64}" --precisions fp8 2>&1 \
                 | tee "$OUT/talker_pdl$p.log" | grep -E "^(fp8|prec)"
+        done ;;
+    early)
+        # (TTSBUILD_PDL_EARLY, TTSBUILD_GEMV_NARROW)
+        for v in "0 0" "1 0" "0 1" "1 1"; do
+            set -- $v
+            log "code-predictor frame (fused) and talker step, TTSBUILD_PDL_EARLY=$1 TTSBUILD_GEMV_NARROW=$2"
+            TTSBUILD_PDL_EARLY=$1 TTSBUILD_GEMV_NARROW=$2 TRITON_F32_DEFAULT=ieee timeout -k 5 150 \
+                python3 benchmarks/kernels/bench_cp_fused.py --paths fused \
+                --batches "${CP_BATCHES:-1,8}" --precisions fp8 --fp32-batches 1 2>&1 \
+                | tee "$OUT/cp_early$1_narrow$2.log" | grep -E "^(fp8|prec)|equal|DIFFER"
+            TTSBUILD_PDL_EARLY=$1 TTSBUILD_GEMV_NARROW=$2 timeout -k 5 120 \
+                python3 benchmarks/kernels/bench_talker.py --batches "${TALKER_BATCHES:-1,8}" \
+                --precisions fp8 2>&1 | tee "$OUT/talker_early$1_narrow$2.log" | grep -E "^(fp8|prec)"
         done ;;
     build)
         ensure_driver "$OUT/build.log" || exit 1 ;;

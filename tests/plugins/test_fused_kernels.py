@@ -199,7 +199,8 @@ def test_gather_linear_kernel(M, dtype, fp8):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("R,S", [(1, 16), (6, 16), (5, 17)])
-def test_qk_norm_rope_attend_kernel(R, S, dtype):
+@pytest.mark.parametrize("ready", [False, True])  # True: positions, slots, cache read early
+def test_qk_norm_rope_attend_kernel(R, S, dtype, ready):
     g = _gen(R * 31 + S)
     Hq, Hkv, D, n_slots = 4, 2, 32, R + 3
     qkv = torch.randn(R, (Hq + 2 * Hkv) * D, device=KDEV, generator=g).to(dtype)
@@ -214,7 +215,8 @@ def test_qk_norm_rope_attend_kernel(R, S, dtype):
     vc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
     kc_ref, vc_ref = kc.float(), vc.float()
     a = dict(num_heads=Hq, num_kv_heads=Hkv, eps=1e-6, theta=1e6)
-    out = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc, vc, use_triton=True, **a)
+    out = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc, vc, use_triton=True,
+                              inputs_ready=ready, **a)  # fmt: skip
     ref = qk_norm_rope_attend_reference(
         qkv.float(), qw.float(), kw.float(), pos, slots, kc_ref, vc_ref, **a
     )

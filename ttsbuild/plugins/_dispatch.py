@@ -53,3 +53,10 @@ def pdl_args(pdl: bool) -> dict:
     only when on, Triton's launch_pdl option (a Triton without the option still launches the
     kernels with PDL off)."""
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+def pdl_early_reads() -> bool:
+    """Inputs a caller vouches were written two or more launches back (`residual_ready`,
+    `inputs_ready`) are read before the PDL wait; TTSBUILD_PDL_EARLY=0 reads them after it
+    (side-by-side measurements)."""
+    return os.environ.get("TTSBUILD_PDL_EARLY", "1") != "0"

@@ -43,9 +43,13 @@ def qk_norm_rope_attend(
     eps: float,
     theta: float,
     use_triton: bool | None = None,
+    inputs_ready: bool = False,
 ) -> torch.Tensor:
     """Attention output [R, Hq * D] of each row's token at its position over the row's
-    positions [0, position]; k and v of the token are written into the caches."""
+    positions [0, position]; k and v of the token are written into the caches.
+    inputs_ready: positions, slots and the cached entries below each position were written
+    two or more launches before this one (only qkv by the launch right before it), so under
+    programmatic dependent launch they are read before waiting for that launch."""
     kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
     if not want_triton(qkv, use_triton):
         return qk_norm_rope_attend_reference(
@@ -56,5 +60,5 @@ def qk_norm_rope_attend(
     D = k_cache.shape[-1]
     return qk_norm_rope_attend_triton(
         qkv, q_weight, k_weight, inv_freq(D, theta, qkv.device), positions, slots,
-        k_cache, v_cache, scale=D**-0.5, **kw,
+        k_cache, v_cache, scale=D**-0.5, inputs_ready=inputs_ready, **kw,
     )  # fmt: skip

@@ -45,9 +45,12 @@ def decode_fused(
     positions: torch.Tensor,  # [B]
     *,
     final_norm: bool = True,
+    inputs_ready: bool = False,
 ) -> torch.Tensor:
     """PackedStack.decode in five launches per layer. final_norm=False returns the residual
-    stream before the final norm (for a consumer that fuses the norm: `norm_linear`)."""
+    stream before the final norm (for a consumer that fuses the norm: `norm_linear`).
+    inputs_ready: positions and slots were written two or more launches before x's
+    projection (qk_norm_rope_attend may then read them, and the cache, early)."""
     c = stack.cfg
     eps = c.rms_norm_eps
     heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=eps, theta=c.rope_theta)
@@ -57,7 +60,8 @@ def decode_fused(
         kc, vc = k_cache[i], v_cache[i]
         qkv = norm_linear(residual, p.input_norm, p.qkv.weight, p.qkv.scale, eps=eps)
         if max_len <= MAX_POSITIONS:
-            attn = qk_norm_rope_attend(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc, **heads)
+            attn = qk_norm_rope_attend(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc,
+                                       inputs_ready=inputs_ready, **heads)  # fmt: skip
         else:
             q = qk_norm_rope(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc, **heads)
             attn = decode_attention(q, kc, vc, slots, positions + 1, max_len)
@@ -135,7 +139,9 @@ class FusedCodePredictor:
 
         def step(x: torch.Tensor, position: int) -> torch.Tensor:
             pos = positions[position][:B]
-            return decode_fused(self.stack, x, k_cache, v_cache, slots, pos, final_norm=False)
+            # positions are constants and slots the frame's staged rows: both old
+            return decode_fused(self.stack, x, k_cache, v_cache, slots, pos, final_norm=False,
+                                inputs_ready=True)  # fmt: skip
 
         counters = _counters(frames, G)
         step(self._project(hidden, None), 0)
@@ -216,7 +222,8 @@ class FusedCodePredictor:
 
             def step(x: torch.Tensor, position: int) -> torch.Tensor:
                 pos = positions[position][:B]
-                return decode_fused(self.stack, x, k_cache, v_cache, slots, pos, final_norm=False)
+                return decode_fused(self.stack, x, k_cache, v_cache, slots, pos,
+                                    final_norm=False, inputs_ready=True)  # fmt: skip
 
             step(self._project(hidden, None), 0)
             residual = step(self._project(self.codec_embedding, codes[:, 0]), 1)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ttsbuild.plugins._tl.fused_linear import _epilogue, _load_residual, _mac, _out_vectors
-from ttsbuild.plugins._tl.qk_norm_rope_attend import attend_item
+from ttsbuild.plugins._tl.qk_norm_rope_attend import attend_item, old_kv
 
 STAGES_PER_LAYER = tl.constexpr(5)
 
@@ -210,11 +210,15 @@ def cp_pass_kernel(
                 for item in range(pid, B * HKV, NPROG):
                     row = tl.cast(item // HKV, tl.int64)
                     slot = tl.load(slots_ptr + row).to(tl.int64)
+                    ok1, ok2, ov1, ov2 = old_kv(
+                        kc_ptr + lw * stride_cl, vc_ptr + lw * stride_cl, item % HKV, pos64,
+                        slot, stride_cslot, stride_ch, stride_cs, D, BLOCK_S,
+                    )  # fmt: skip
                     attend_item(
                         qkv_ptr, q_norm_ptr + lw * D, k_norm_ptr + lw * D, freqs_ptr,
                         kc_ptr + lw * stride_cl, vc_ptr + lw * stride_cl, attn_ptr, row,
                         item % HKV, pos64, slot, NQKV, NO, stride_cslot, stride_ch, stride_cs,
-                        eps, qk_scale, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
+                        eps, qk_scale, ok1, ok2, ov1, ov2, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
                     )  # fmt: skip
             elif kind == 2:  # x += attn @ Wo.T
                 _linear_stage(

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
+from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_early_reads, pdl_enabled
 from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue
 from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
 
@@ -371,7 +371,8 @@ def fused_linear_triton(
         **c, GATHER=index is not None, PRE_NORM=norm_weight is not None,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         GATE_UP=gate_up, DOT_F32=interpret_mode() or x.dtype == torch.float32,
-        PREFETCH=prefetch, RES_EARLY=residual is not None and residual_ready and prefetch > 0,
+        PREFETCH=prefetch,
+        RES_EARLY=residual is not None and residual_ready and prefetch > 0 and pdl_early_reads(),
         **pdl_args(pdl), num_warps=4, num_stages=3,
     )  # fmt: skip
     return out

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
+from ttsbuild.plugins._dispatch import pdl_args, pdl_early_reads, pdl_enabled
 from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
 
@@ -35,15 +35,37 @@ def _norm_rope(x1, x2, w_ptr, offs_d, c, s, eps, D: tl.constexpr):
 
 
 @triton.jit
+def old_kv(kc_ptr, vc_ptr, kvh, pos, slot, stride_cslot, stride_ch, stride_cs,
+           D: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """The cached keys/values of positions [0, pos) of one (slot, KV head) as [BLOCK_S, D/2]
+    halves (zeros elsewhere): written by earlier steps, so a PDL kernel may read them before
+    waiting for the kernel right before it, where pos and slot are old too."""
+    HALF: tl.constexpr = D // 2
+    offs_d = tl.arange(0, HALF)
+    offs_s = tl.arange(0, BLOCK_S)
+    old = (offs_s[:, None] < pos) & (offs_d[None, :] < HALF)
+    at = offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+    head = kc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
+    vhead = vc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
+    k1 = tl.load(head + at, mask=old, other=0.0)
+    k2 = tl.load(head + at + HALF, mask=old, other=0.0)
+    v1 = tl.load(vhead + at, mask=old, other=0.0)
+    v2 = tl.load(vhead + at + HALF, mask=old, other=0.0)
+    return k1, k2, v1, v2
+
+
+@triton.jit
 def attend_item(
     qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row, kvh, pos, slot,
     stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
+    ok1, ok2, ov1, ov2,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head): its k/v into the cache at `pos`, its GROUP query heads attended
-    over positions [0, pos]. q/k/v are read with .cg (L2, not a stale L1 line), so a
-    persistent kernel can call this on qkv written by other programs (plugins/_tl/cp_pass)."""
+    over positions [0, pos] (ok1..ov2: the cached ones below pos, from `old_kv`). q/k/v are
+    read with .cg (L2, not a stale L1 line), so a persistent kernel can call this on qkv
+    written by other programs (plugins/_tl/cp_pass)."""
     HALF: tl.constexpr = D // 2
     src = qkv_ptr + row * stride_row
     offs_d = tl.arange(0, HALF)
@@ -86,12 +108,10 @@ def attend_item(
     # keys/values [BLOCK_S, HALF] of positions [0, pos]; the new ones from registers
     offs_s = tl.arange(0, BLOCK_S)
     is_new = offs_s[:, None] == pos
-    old = (offs_s[:, None] < pos) & (offs_d[None, :] < HALF)
-    at = offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
-    kt1 = tl.where(is_new, k1, tl.load(head + at, mask=old, other=0.0)).to(tl.float32)
-    kt2 = tl.where(is_new, k2, tl.load(head + at + HALF, mask=old, other=0.0)).to(tl.float32)
-    vt1 = tl.where(is_new, v1, tl.load(vhead + at, mask=old, other=0.0)).to(tl.float32)
-    vt2 = tl.where(is_new, v2, tl.load(vhead + at + HALF, mask=old, other=0.0)).to(tl.float32)
+    kt1 = tl.where(is_new, k1, ok1).to(tl.float32)
+    kt2 = tl.where(is_new, k2, ok2).to(tl.float32)
+    vt1 = tl.where(is_new, v1, ov1).to(tl.float32)
+    vt2 = tl.where(is_new, v2, ov2).to(tl.float32)
 
     scores = tl.sum(q1[:, None, :] * kt1[None, :, :], axis=2)
     scores += tl.sum(q2[:, None, :] * kt2[None, :, :], axis=2)  # [BLOCK_G, BLOCK_S]
@@ -111,16 +131,24 @@ def _qk_norm_rope_attend_kernel(
     stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_prologue(PDL)
+    # EARLY: positions, slots and the cached entries below each position were written two or
+    # more launches back: read before the PDL wait (only qkv is the previous kernel's).
+    if not EARLY:
+        pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     slot = tl.load(slot_ptr + row).to(tl.int64)
+    ok1, ok2, ov1, ov2 = old_kv(kc_ptr, vc_ptr, kvh, pos, slot, stride_cslot, stride_ch,
+                                stride_cs, D, BLOCK_S)  # fmt: skip
+    if EARLY:
+        pdl_prologue(PDL)
     attend_item(
         qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row, kvh, pos, slot,
         stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
-        HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
+        ok1, ok2, ov1, ov2, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
     )  # fmt: skip
 
 
@@ -138,6 +166,7 @@ def qk_norm_rope_attend_triton(
     num_kv_heads: int,
     eps: float,
     scale: float,
+    inputs_ready: bool = False,
 ) -> torch.Tensor:
     R = qkv.shape[0]
     S, D = k_cache.shape[-2], k_cache.shape[-1]
@@ -158,6 +187,6 @@ def qk_norm_rope_attend_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, scale * _LOG2E,
         HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(S),
-        **pdl_args(pdl), num_warps=4,
+        EARLY=inputs_ready and pdl_early_reads(), **pdl_args(pdl), num_warps=4,
     )  # fmt: skip
     return out
