@@ -46,8 +46,10 @@ if _PREFETCH_BLOCKS_ENV not in ("1", "2"):
 _PREFETCH_BLOCKS = int(_PREFETCH_BLOCKS_ENV)
 # A GEMV (M = 1) whose 16-column tiles leave SMs idle: 8-column tiles (one program per 8
 # columns, no split-K: no partials, atomic and second pass) when that fills the SMs, instead
-# of split-K. TTSBUILD_GEMV_NARROW=1 turns it on (side-by-side measurement; default off).
-_GEMV_NARROW = os.environ.get("TTSBUILD_GEMV_NARROW", "0") == "1"
+# of split-K. Measured on the H200: the code predictor's frame at batch 1 2.104 -> 2.084 ms
+# and at batch 8 2.835 -> 2.822 ms (benchmarks/kernels/RESULTS.md, session 6);
+# TTSBUILD_GEMV_NARROW=0 for the split-K tiles.
+_GEMV_NARROW = os.environ.get("TTSBUILD_GEMV_NARROW", "1") != "0"
 
 
 @triton.jit
