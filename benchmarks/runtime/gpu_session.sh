@@ -9,6 +9,9 @@
 #         paths too, batched prefill (prefill_batches 1,2,4) among them
 # batched: engine microbenchmark with --prefill-batches 1,2,4 (one step of B prompts per
 #         length bucket, timed beside one prompt)
+# lane:   engine microbenchmark with the admission lane on buckets $LANE (default 1,2): a new
+#         request's first chunk beside B stepping rows, the lane switched off and on in one
+#         engine (`first_chunk_under_load`)
 # ab:     serving A/B at $AB_RPS req/s, $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B.
 #         (2026-12-01: Python's GIL switch interval, 5 ms against 0.5 ms, through a
@@ -41,6 +44,10 @@ for step in $STEPS; do
     batched)
         log "engine microbenchmark, prefill batches 1,2,4"
         engine_bench batched --prefill-batches 1,2,4 ;;
+    lane)
+        log "engine microbenchmark, admission lane ${LANE:-1,2} (off and on side by side)"
+        engine_bench lane --admission-lane "${LANE:-1,2}"
+        grep -E "stepping rows" "$OUT/engine_bench_lane.log" ;;
     ab)
         for side in A B; do
             args=AB_$side; args=${!args:-}

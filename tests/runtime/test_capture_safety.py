@@ -72,6 +72,7 @@ CHOICES = {
     "no prefix cache": {"prefix_pool": 0},
     "codec kernels": {"codec_precision": "fp16", "codec_conv": "triton", "codec_fused": True},
     "batched prefill": {"prefill_batches": (1, 2)},
+    "admission lane": {"admission_lane": (1, 2), "fused_code_predictor": (2,)},
 }
 
 
@@ -87,12 +88,18 @@ def test_graph_bodies_are_capture_safe(models, choice):
     engine.prefill(slots)  # host-side admission work happens here, outside any graph
     backend.rows_in[:2] = torch.tensor(slots)
     backend.codec_rows_in[:2] = torch.tensor(slots)
+    if backend.lane_buckets:  # the lane's first frame and first codec step, on its own rows
+        backend.lane_rows_in[:2] = torch.tensor(slots)
+        backend.lane_codec_rows_in[:2] = torch.tensor(slots)
     # the memory report counts what the choice holds
     assert (backend.memory_report()["speculation"] > 0) == (choice == "speculative")
     bodies = backend.graph_bodies()
     assert {key[0] for key, _, _ in bodies} >= {"frame", "codec", "prefill"}
     prefill_batches = {key[1] for key, _, _ in bodies if key[0] == "prefill"}
     assert prefill_batches == set(backend.plan.prefill_batches)
+    lane = {key for key, _, where in bodies if where == "admit" and key[0] in ("first",
+                                                                                 "first_codec")}
+    assert lane == {(k, b) for k in ("first", "first_codec") for b in backend.lane_buckets}
     for key, body, _ in bodies:
         with CaptureSafety() as mode:
             body()

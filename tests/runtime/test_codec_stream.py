@@ -55,32 +55,47 @@ def test_driver_lanes_run_steps_and_check_their_arguments():
 # -- which steps a step follows -------------------------------------------------------------
 
 
-def test_ring_order_names_the_steps_that_wrote_and_read_each_entry():
-    """A random schedule of frame and codec steps over slots that come and go, against a
-    brute-force record of which step wrote and read every frame."""
-    rng = random.Random(3)
+def latest_per_lane(tickets: list[int], lane_of: dict[int, int]) -> list[int]:
+    latest: dict[int, int] = {}
+    for t in tickets:
+        latest[lane_of[t]] = max(t, latest.get(lane_of[t], t))
+    return sorted(latest.values())
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_ring_order_names_the_steps_that_wrote_and_read_each_entry(lanes):
+    """A random schedule of frame and codec steps over slots that come and go, each kind on
+    one lane or on two (the admission lane), against a brute-force record of which step
+    wrote and read every frame: a step follows the latest such step of each lane."""
+    rng = random.Random(3 + lanes)
     slots, ring = 4, 5
     order = _RingOrder(slots, ring)
     wrote: dict[int, list[int]] = {s: [] for s in range(slots)}  # frame index -> ticket
     read: dict[int, list[int]] = {s: [] for s in range(slots)}
     last_read: dict[int, int | None] = dict.fromkeys(range(slots))
+    last_written: dict[int, int | None] = dict.fromkeys(range(slots))
+    lane_of: dict[int, int] = {}
     ticket = 0
     for _ in range(3000):
         s_list = rng.sample(range(slots), rng.randint(1, slots))
         kind = rng.random()
         if kind < 0.03:  # a new occupant for one slot
             s = s_list[0]
-            assert order.admit(s) == ([] if last_read[s] is None else [last_read[s]])
-            wrote[s], read[s], last_read[s] = [], [], None
+            # the previous occupant's last codec step and last frame step
+            last = [t for t in (last_read[s], last_written[s]) if t is not None]
+            assert order.admit(s) == sorted(last)
+            wrote[s], read[s], last_read[s], last_written[s] = [], [], None, None
         elif kind < 0.55:  # a frame step (the core allows at most `ring` frames undecoded)
             s_list = [s for s in s_list if len(wrote[s]) - len(read[s]) < ring]
             if not s_list:
                 continue
             overwritten = [read[s][len(wrote[s]) - ring] for s in s_list if len(wrote[s]) >= ring]
-            assert order.before_frames(s_list) == ([max(overwritten)] if overwritten else [])
-            order.frames_launched(s_list, ticket)
+            assert order.before_frames(s_list) == latest_per_lane(overwritten, lane_of)
+            lane_of[ticket] = rng.choice([1, 3][:lanes])
+            order.frames_launched(s_list, ticket, lane_of[ticket])
             for s in s_list:
                 wrote[s].append(ticket)
+                last_written[s] = ticket
             ticket += 1
         else:  # a codec step of n frames for slots with n frames written and not decoded
             n = rng.choice([1, 2, 4])
@@ -88,12 +103,14 @@ def test_ring_order_names_the_steps_that_wrote_and_read_each_entry():
             if not s_list:
                 continue
             last_frames = [wrote[s][len(read[s]) + n - 1] for s in s_list]
-            assert order.before_codec(s_list, n) == [max(last_frames)]
-            order.codec_launched(s_list, n, ticket)
+            assert order.before_codec(s_list, n) == latest_per_lane(last_frames, lane_of)
+            lane_of[ticket] = rng.choice([2, 3][:lanes])
+            order.codec_launched(s_list, n, ticket, lane_of[ticket])
             for s in s_list:
                 read[s] += [ticket] * n
                 last_read[s] = ticket
             ticket += 1
+    assert len(set(lane_of.values())) == lanes + 1  # lane 3 (two lanes) takes both kinds
 
 
 # -- the engine on two lanes ------------------------------------------------------------------
@@ -106,11 +123,13 @@ class RecordingDriver:
     def __init__(self, driver):
         self.driver = driver
         self.launches: list[tuple[int, int, list[int], list[int]]] = []
+        self.kinds: dict[int, str] = {}  # ticket -> "frame" or "codec" (by its output width)
         self.log: list[tuple] = []
 
     def launch(self, step, h2d_src, h2d_dst, d2h_src, d2h_dst, lane=0, after=()):
         ticket = self.driver.launch(step, h2d_src, h2d_dst, d2h_src, d2h_dst, lane, list(after))
         self.launches.append((ticket, lane, list(after), h2d_src[0].tolist()))
+        self.kinds[ticket] = "codec" if d2h_dst[0].shape[-1] % 1920 == 0 else "frame"
         self.log.append(("launch", self.launches[-1]))
         return ticket
 
@@ -185,9 +204,136 @@ def test_two_lanes_give_the_one_lane_engine_codes_and_audio_in_data_order(models
                                for t, a in codec_after)  # fmt: skip
     assert frame_after and all(len(a) == 1 and lanes[a[0]] == codec_lane and a[0] < t
                                for t, a in frame_after)  # fmt: skip
-    # The slot's next occupant was prefilled after its previous occupant's last codec step.
+    # The slot's next occupant was prefilled after its previous occupant's last codec step
+    # and last frame step.
     waits = [i for i, (kind, what) in enumerate(rec.log) if kind == "wait" and what]
     assert len(waits) == 1  # only the slot that had an occupant before
     before = [what for kind, what in rec.log[: waits[0]] if kind == "launch"]
-    last_codec = max(t for t, lane, _, rows in before if lane == codec_lane and slots[1] in rows)
-    assert rec.log[waits[0]][1] == [last_codec]
+    last = [max(t for t, lane, _, rows in before if lane == which and slots[1] in rows)
+            for which in (frame_lane, codec_lane)]  # fmt: skip
+    assert rec.log[waits[0]][1] == sorted(last)
+
+
+# -- the admission lane -----------------------------------------------------------------------
+
+
+def assert_same_audio(want: np.ndarray, got: np.ndarray) -> None:
+    """The same PCM up to fp32 rounding: a first codec step on the admission lane decodes its
+    rows in a batch of their own, and a CPU GEMM's rounding depends on its row count."""
+    assert want.shape == got.shape and np.abs(want).max() > 0.01
+    assert np.abs(want - got).max() <= 1e-5 * np.abs(want).max()
+
+
+def run_joining(engine, reqs, late):
+    """Two requests from the start, a third joining after two steps (its first frame beside
+    their third), frames read one step late, audio two frames behind; codes and PCM per
+    request."""
+    slots = [engine.admit(r) for r in reqs]
+    engine.prefill(slots)
+    codes = {s: [] for s in slots}
+    pcm = {s: [] for s in slots}
+    pending, step = None, 0
+    while True:
+        if step == 2:
+            slots.append(engine.admit(late))
+            engine.prefill(slots[-1:])
+            codes[slots[-1]], pcm[slots[-1]] = [], []
+        active = [s for s in slots if engine.table[s].can_launch]
+        ticket = engine.launch_frames(active) if active else None
+        if pending is not None:
+            for out in engine.collect(pending):
+                if out.codes is not None:
+                    codes[out.slot].append(out.codes)
+        for s, p in engine.collect_audio(engine.launch_audio(slots, max_frames=2)).items():
+            pcm[s].append(p)
+        if ticket is None:
+            break
+        pending, step = ticket, step + 1
+    for s, p in engine.audio(slots).items():
+        pcm[s].append(p)
+    return [(torch.stack(codes[s]), np.concatenate(pcm[s])) for s in slots]
+
+
+@pytest.mark.parametrize("buckets", [(1, 2), (1,)])
+def test_the_admission_lane_gives_the_same_codes_and_audio(models, buckets):
+    """New rows' first frames on the admission lane (its own rows, outputs and code-predictor
+    cache), the others on the regular lane: the codes and PCM of the one-lane engine. With
+    one lane bucket, two new rows at once do not fit and join the regular step."""
+    one = GraphEngine(models, PLAN, use_graphs=False, codec_stream=False)
+    plan = PLAN.model_copy(update={"admission_lane": buckets})
+    three = GraphEngine(models, plan, use_graphs=False, codec_stream=True)
+    lane = three.backend.admit_lane
+    assert lane not in (0, three.backend.lm_lane, three.backend.codec_lane)
+    three.backend.driver = rec = RecordingDriver(three.backend.driver)
+    reqs, late = requests(40)[:2], SynthesisRequest(text="Late again.", voice="eric", seed=7)
+    expected = run_joining(one, reqs, late)
+    got = run_joining(three, reqs, late)
+    for (c1, p1), (c2, p2) in zip(expected, got, strict=True):
+        assert c1.shape[0] > 3 and torch.equal(c1, c2)
+        assert_same_audio(p1, p2)
+
+    on_lane = [(t, rec.kinds[t], rows) for t, ln, _, rows in rec.launches if ln == lane]
+    regular = [(t, a, rows) for t, ln, a, rows in rec.launches if ln == three.backend.lm_lane]
+    codecs = [(t, a, rows) for t, ln, a, rows in rec.launches if ln == three.backend.codec_lane]
+    firsts = [rows for _, kind, rows in on_lane if kind == "frame"]
+    # the two first requests took the lane together only where a bucket holds them; the
+    # late one always did, its first frame beside the others' third step; each such row's
+    # first one-frame codec step ran there too, right after its frame
+    assert firsts == ([[0, 1], [2]] if 2 in buckets else [[2]])
+    assert [k for _, k, _ in on_lane] == ["frame", "codec"] * len(firsts)
+    assert [rows for _, k, rows in on_lane if k == "codec"] == firsts
+    assert not any(2 in rows for _, _, rows in regular[:2])
+    # each row's next regular frame step follows its first frame on the lane, and its next
+    # regular codec step its first codec step there
+    for t, kind, rows in on_lane:
+        later = regular if kind == "frame" else codecs
+        nxt = next((a for u, a, r in later if u > t and set(rows) & set(r)), None)
+        assert nxt is not None and t in nxt
+
+
+def test_the_admission_lane_switched_off_runs_in_order_with_the_same_codes(models):
+    """lane_on = False between steps: new rows prefill and take their first frame in order
+    with the regular steps (no step on the lane), and switching it back on mid-run (the late
+    request takes the lane again) changes no code and no sample."""
+    one = GraphEngine(models, PLAN, use_graphs=False, codec_stream=False)
+    reqs, late = requests(50)[:2], SynthesisRequest(text="Late again.", voice="eric", seed=8)
+    expected = run_joining(one, reqs, late)
+    plan = PLAN.model_copy(update={"admission_lane": (1, 2)})
+    for switch_back in (False, True):
+        three = GraphEngine(models, plan, use_graphs=False, codec_stream=True)
+        three.backend.driver = rec = RecordingDriver(three.backend.driver)
+        three.backend.lane_on = False
+        if switch_back:  # on again once the first two were prefilled in order
+            admit = three.admit
+
+            def admit_then_switch(req, admit=admit, backend=three.backend):
+                slot = admit(req)
+                backend.lane_on = req is late
+                return slot
+
+            three.admit = admit_then_switch
+        got = run_joining(three, reqs, late)
+        for (c1, p1), (c2, p2) in zip(expected, got, strict=True):
+            assert c1.shape[0] > 3 and torch.equal(c1, c2)
+            assert_same_audio(p1, p2)
+        on_lane = [(rec.kinds[t], rows) for t, ln, _, rows in rec.launches
+                   if ln == three.backend.admit_lane]  # fmt: skip
+        assert on_lane == ([("frame", [2]), ("codec", [2])] if switch_back else [])
+
+
+@pytest.mark.parametrize("buckets", [(), (1, 2)])
+def test_first_chunk_under_load_measures_a_one_frame_chunk_beside_stepping_rows(models, buckets):
+    """The engine benchmark's under-load measurement on CPU: a new request's first chunk
+    while other rows step, with and without the admission lane; every slot is free after."""
+    from ttsbuild.bench.engine_bench import first_chunk_under_load
+
+    plan = PLAN.model_copy(update={"admission_lane": buckets})
+    engine = GraphEngine(models, plan, use_graphs=False, codec_stream=True)
+    load_req = SynthesisRequest(text="A long sentence that keeps the load busy for a while.",
+                                voice="ryan", seed=3, max_frames=40)  # fmt: skip
+    new_req = SynthesisRequest(text="Hello there.", voice="eric", seed=0)
+    walls = first_chunk_under_load(engine, load_req, new_req, load=2, n=3, steps_between=2)
+    assert len(walls) == 3 and all(w > 0 for w in walls)
+    assert engine.free_slots() == PLAN.num_slots
+    if buckets:  # each new request's first frame ran on the lane
+        assert not engine.backend.fresh and engine.backend.lane_frames == {}

@@ -188,6 +188,29 @@ def test_prefix_cache_gives_the_same_codes_and_audio_clones(base):
     assert_same(run(graph(base, pool=2), [alone]), run(graph(base, pool=0), [alone]))
 
 
+def test_a_new_prefix_never_passes_through_the_scratch_slot(custom, monkeypatch):
+    """The first use of a prefix prefills it and stores its KV. The scratch slot is written by
+    padding rows of frame steps that may run meanwhile on another stream (the admission
+    lane), so nothing stored may come from it: here the scratch slot's cache turns to NaN
+    right before every store, as such a write would, and the codes and audio do not change."""
+    requests = custom_requests()
+    reference = run(EagerEngine(custom, plan=EnginePlan(**PLAN)), requests)
+    cached = graph(custom, pool=4)
+    backend, store = cached.backend, PrefixPool.store
+    stores = []
+
+    def poisoned_store(pool, k_cache, v_cache, slot, entry):
+        k_cache[:, backend.scratch] = float("nan")
+        v_cache[:, backend.scratch] = float("nan")
+        stores.append(slot)
+        return store(pool, k_cache, v_cache, slot, entry)
+
+    monkeypatch.setattr(PrefixPool, "store", poisoned_store)
+    assert_same(run(cached, requests), reference)
+    assert len(stores) == 3 and backend.scratch not in stores
+    assert torch.isnan(backend.kv_k[:, backend.scratch]).all()  # the poison was real
+
+
 @pytest.mark.parametrize("pool", [0, 4])
 @pytest.mark.parametrize("kind", ["custom", "base"])
 def test_batched_prefill_gives_the_same_codes_and_audio(custom, base, kind, pool):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -52,6 +52,10 @@ class PrecisionResult:
     # (wait + copy); GPU time of the prefill, the frame and the codec step (events between)
     first_chunk_parts_ms: dict[str, float] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)  # GiB by kind, measured
+    # "B" (and "B lane": the admission lane on, where the plan has one; timed in the same
+    # engine) -> median / max ms from a new request to its first 1-frame PCM chunk while B
+    # other rows step (`first_chunk_under_load`): what serving adds to the above
+    first_chunk_load_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 FIRST_CHUNK_PARTS = ("host_admit", "host_launch", "host_read", "gpu_wait_staging",
@@ -93,10 +97,50 @@ def _pipelined_steps(engine, slots: list[int], steps: int) -> tuple[float, float
     return wall / steps, start.elapsed_time(end) / steps
 
 
+def first_chunk_under_load(engine, load_req, new_req, load: int, n: int = 10,
+                           steps_between: int = 3) -> list[float]:
+    """ms from admitting `new_req` to its first 1-frame PCM chunk in host memory while `load`
+    rows of `load_req` keep stepping, n times. As the serving loop does it: frame steps are
+    launched one ahead of reading, so a step of the load is in flight when the request
+    arrives; the request is prefilled and joins the next frame step (on the admission lane,
+    where the plan has one, beside it), then gets a one-frame codec step. The load's audio is
+    decoded between arrivals (not timed)."""
+    load_slots = [engine.admit(load_req) for _ in range(load)]
+    if load_slots:
+        engine.prefill(load_slots)
+    pending = engine.launch_frames(load_slots) if load_slots else None
+    walls = []
+    for i in range(n):
+        if load_slots:
+            for _ in range(steps_between):  # one step of the load stays in flight
+                nxt = engine.launch_frames(load_slots)
+                engine.collect(pending)
+                pending = nxt
+            engine.audio(load_slots)
+        t0 = time.perf_counter()
+        slot = engine.admit(replace(new_req, seed=i))
+        engine.prefill([slot])
+        ticket = engine.launch_frames(load_slots + [slot])
+        audio = engine.launch_audio([slot], max_frames=1)  # frame 0 is never EOS: known real
+        pcm = engine.collect_audio(audio)[slot]
+        walls.append((time.perf_counter() - t0) * 1e3)
+        if pcm.shape != (1920,):
+            raise RuntimeError(f"a first chunk of {pcm.shape[0]} samples, not one frame")
+        if pending is not None:
+            engine.collect(pending)
+        pending = ticket
+        engine.release(slot)  # its row of the step in flight is dropped when read
+    if pending is not None:
+        engine.collect(pending)
+    for s in load_slots:
+        engine.release(s)
+    return walls
+
+
 def bench_plan(
     precision: str, batches, fused_code_predictor: bool = True, persistent_cp_max_batch: int = 0,
     fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0, prefill_batches=(1,),
-    bf16_min_rows: int | None = None,
+    bf16_min_rows: int | None = None, admission_lane: tuple[int, ...] = (),
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured,
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
@@ -116,6 +160,7 @@ def bench_plan(
         fused_talker=tuple(b for b in buckets if b <= fused_talker_max_batch),
         w8a8_min_rows=w8a8_min_rows,
         prefill_batches=tuple(prefill_batches),
+        admission_lane=tuple(b for b in buckets if b in admission_lane),
         **({} if bf16_min_rows is None else {"bf16_min_rows": bf16_min_rows}),
     )
 
@@ -287,6 +332,18 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
     res.first_chunk_p90_ms = firsts[int(0.9 * (len(firsts) - 1))]
     res.first_chunk_gpu_ms = statistics.median(gpus)
     res.first_chunk_host_ms = statistics.median(hosts)
+    new_req = SynthesisRequest(text=TEXT[:60], voice="ryan", seed=0)
+    lanes = (False, True) if plan.admission_lane else (False,)
+    for load in sorted({min(b, plan.max_batch - 1) for b in batches} - {0}):
+        for lane in lanes:  # side by side in one engine: the lane switched off, then on
+            engine.backend.lane_on = lane
+            walls = first_chunk_under_load(engine, req, new_req, load, n=min(iters, 20))
+            key = f"{load}{' lane' if lane else ''}"
+            res.first_chunk_load_ms[key] = (statistics.median(walls), max(walls))
+            log(f"[{precision}] first chunk beside {load} stepping rows"
+                f"{', admission lane' if lane else ''}: median {statistics.median(walls):.2f} "
+                f"ms, max {max(walls):.2f} ms")
+    engine.backend.lane_on = bool(plan.admission_lane)
     return res
 
 
@@ -393,6 +450,7 @@ def run_engine_bench(
     w8a8_min_rows: int = 0,
     prefill_batches=(1,),
     bf16_min_rows: int | None = None,
+    admission_lane: tuple[int, ...] = (),
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -405,7 +463,7 @@ def run_engine_bench(
     for p in precisions if plan is None else ():
         p_plan = bench_plan(
             p, batches, fused_code_predictor, persistent_cp_max_batch, fused_talker_max_batch,
-            w8a8_min_rows, prefill_batches, bf16_min_rows,
+            w8a8_min_rows, prefill_batches, bf16_min_rows, admission_lane,
         )
         results.append(bench_precision(models, p_plan, batches, iters, log))
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
@@ -444,6 +502,7 @@ def format_table(results: list[PrecisionResult]) -> str:
     for r in results:
         floor = (r.talker_weight_bytes + r.code_predictor_weight_bytes_per_frame) / HBM_BYTES_PER_S
         pre = ", ".join(f"{t}: {ms:.2f}" for t, ms in r.prefill_ms.items())
+        load = ", ".join(f"{b}: {m:.2f} / {x:.2f}" for b, (m, x) in r.first_chunk_load_ms.items())
         if r.prefill_batch_ms:  # B prompts of bucket T in one step
             pre += "; " + ", ".join(f"{k}: {ms:.2f}" for k, ms in r.prefill_batch_ms.items())
         lines.append(
@@ -451,8 +510,9 @@ def format_table(results: list[PrecisionResult]) -> str:
             f"prompt bucket {{{pre}}}; new request -> first 1-frame PCM chunk "
             f"{r.first_chunk_ms:.2f} ms (p90 {r.first_chunk_p90_ms:.2f}; GPU "
             f"{r.first_chunk_gpu_ms:.2f}, host beyond GPU {r.first_chunk_host_ms:.2f}; medians "
-            f"{', '.join(f'{k} {v:.2f}' for k, v in r.first_chunk_parts_ms.items())}); memory "
-            f"GiB {', '.join(f'{k} {v:.2f}' for k, v in r.memory.items())}"
+            f"{', '.join(f'{k} {v:.2f}' for k, v in r.first_chunk_parts_ms.items())}); "
+            f"beside B stepping rows, median / max ms: {{{load}}}; "
+            f"memory GiB {', '.join(f'{k} {v:.2f}' for k, v in r.memory.items())}"
         )
     return "\n".join(lines)
 
@@ -492,6 +552,8 @@ def main() -> None:
                    "(0: never; default: the plan's)")
     p.add_argument("--prefill-batches", default="1",
                    help="prompts per captured prefill step, e.g. 1,2,4 (each timed)")
+    p.add_argument("--admission-lane", default="",
+                   help="batch buckets of the admission lane, e.g. 1,2,4 (default: off)")
     a = p.parse_args()
     t0 = time.perf_counter()
     plan = None
@@ -517,6 +579,7 @@ def main() -> None:
         w8a8_min_rows=a.w8a8_min_rows,
         prefill_batches=tuple(int(b) for b in a.prefill_batches.split(",")),
         bf16_min_rows=a.bf16_min_rows,
+        admission_lane=tuple(int(b) for b in a.admission_lane.split(",") if b),
     )
 
 

@@ -79,13 +79,18 @@ class StepDriver {
   // A lane with its own stream; returns its id. high_priority: its kernels are scheduled
   // before those of normal-priority streams when both wait for the GPU. join: fork from and
   // join back to the caller's current stream around each step (see the file comment).
-  int64_t add_lane(bool high_priority, bool join) {
+  // priority < 0: that CUDA stream priority instead (lower is more urgent; torch clamps it to
+  // the levels it keeps, and high_priority is the most urgent of them), so lanes can be
+  // ranked: e.g. a new request's first frame above running streams' frames above the codec.
+  int64_t add_lane(bool high_priority, bool join, int64_t priority) {
+    TORCH_CHECK(priority <= 0, "a lane priority is <= 0 (lower: more urgent), got ", priority);
     Lane lane;
     lane.join = join;
 #ifdef TTSBUILD_WITH_CUDA
     if (cuda_) {
       lane.stream = std::make_unique<c10::cuda::CUDAStream>(
-          c10::cuda::getStreamFromPool(high_priority));
+          priority < 0 ? c10::cuda::getStreamFromPool(static_cast<int>(priority))
+                       : c10::cuda::getStreamFromPool(high_priority));
       lane.copy_stream = copy_stream();
     }
 #endif
@@ -300,7 +305,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StepDriver>(m, "StepDriver")
       .def(py::init<bool>(), py::arg("cuda"))
       .def_property_readonly("cuda", &StepDriver::cuda)
-      .def("add_lane", &StepDriver::add_lane, py::arg("high_priority"), py::arg("join"))
+      .def("add_lane", &StepDriver::add_lane, py::arg("high_priority"), py::arg("join"),
+           py::arg("priority") = 0)
       .def_property_readonly("lanes", &StepDriver::lanes)
       .def("lane_stream", &StepDriver::lane_stream, py::arg("lane"))
       .def("launch", &StepDriver::launch, py::arg("step"), py::arg("h2d_src"),

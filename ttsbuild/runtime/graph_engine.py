@@ -31,6 +31,13 @@ exactly there (`_RingOrder`):
   - a slot's next occupant is prefilled (which resets the slot's codec state, decode counter
     and guards) only after its previous occupant's last codec step (only a cancelled request
     can still have one in flight).
+The admission lane (plan.admission_lane; off by default): a new request's prefill, first frame
+and first one-frame codec step run on a third stream, of the highest priority (frame steps of
+running streams come next, the codec last), with their own graphs, memory pool, I/O rows and
+code-predictor cache, so its first audio waits behind no step of other streams; `_RingOrder`
+names one step per lane, and a row's next regular steps follow its steps there. A prompt
+prefix seen for the first time is prefilled in the request's own slot, never the scratch
+slot (padding rows of steps on other lanes write that one meanwhile).
 The silence guard's state is written by codec steps and read by frame steps without an event
 (a stop may come one chunk later; see generation.guards). Codec graphs have their own memory
 pool and their own input rows: graphs sharing a pool may reuse each other's intermediates and
@@ -43,6 +50,7 @@ that is the path CI checks against the reference backend.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -80,6 +88,15 @@ class _Staged:
     out: torch.Tensor  # host view of the outputs
     index: int  # staging ring entry
     read: bool = False
+
+
+@dataclass
+class _Split:
+    """A frame step run as two steps (admission lane + regular): each part's row indices in
+    the step's order, and its step."""
+
+    parts: list[tuple[list[int], _Staged]]
+    rows: int
 
 
 class _StagingRing:
@@ -183,6 +200,7 @@ class _Admission:
     plan: SlotPlan
     prefix_len: int = 0  # positions copied from the prefix pool (0: none)
     entry: object = None  # prefix_cache._Entry held until the prefill is launched
+    follow: tuple[int, ...] = ()  # steps its prefill waits for (admission lane only)
 
 
 class GraphBackend:
@@ -338,11 +356,48 @@ class GraphBackend:
         self.driver = make_driver(dev)
         self.codec_stream = (dev.type == "cuda") if codec_stream is None else codec_stream
         if self.codec_stream:
-            self.lm_lane = self.driver.add_lane(high_priority=True, join=True)
+            # Three ranks of CUDA stream priority: the admission lane (below) first, then the
+            # frame steps of running streams, then the codec.
+            self.lm_lane = self.driver.add_lane(high_priority=True, join=True,
+                                                priority=-1 if plan.admission_lane else 0)
             self.codec_lane = self.driver.add_lane(high_priority=False, join=False)
         else:
             self.lm_lane = self.codec_lane = 0  # the caller's current stream for both
         self.ring_order = _RingOrder(S, plan.codec_ring)
+        # The admission lane (plan.admission_lane): prefill steps and new rows' first frames on
+        # a stream of their own with their own graphs, pool, I/O rows and code-predictor cache
+        # (everything else they touch is indexed by slot), beside the regular frame steps.
+        self.lane_buckets = plan.admission_lane
+        # Whether new requests take the lane (a switch between steps, for side-by-side
+        # measurements and for a server that turns it off under load; rows already prefilled
+        # there keep their order either way).
+        self.lane_on = bool(self.lane_buckets)
+        self.admit_lane, self._admit_stream = 0, None
+        self.fresh: dict[int, torch.cuda.Event | None] = {}  # prefilled there, no frame yet
+        self.lane_frames: dict[int, int] = {}  # slot -> its first frame's step (ticket)
+        self.codec_fresh: set[int] = set()  # first frame there, no codec step yet
+        self.lane_codecs: dict[int, int] = {}  # slot -> its first codec step's (ticket)
+        if self.lane_buckets:
+            nb = self.lane_buckets[-1]
+            lane_cp = (c.num_layers, nb, c.num_kv_heads, G, c.head_dim)
+            self.lane_cp_k = torch.zeros(lane_cp, dtype=self.dtype, device=dev)
+            self.lane_cp_v = torch.zeros(lane_cp, dtype=self.dtype, device=dev)
+            self.lane_rows_in = torch.full((nb,), self.scratch, dtype=torch.int64, device=dev)
+            self.lane_out = zeros(nb, G + 1, dtype=torch.int64)
+            self.lane_staging = _StagingRing(
+                ((nb,), torch.int64), ((nb, G + 1), torch.int64), pinned
+            )
+            # and the first one-frame codec step of those rows
+            self.lane_codec_rows_in = self.lane_rows_in.clone()
+            self.lane_pcm = zeros(nb, SAMPLES_PER_FRAME)
+            self.lane_codec_staging = _StagingRing(
+                ((nb,), torch.int64), ((nb, SAMPLES_PER_FRAME), torch.float32), pinned
+            )
+            if self.codec_stream:
+                self.admit_lane = self.driver.add_lane(high_priority=True, join=False)
+                ptr = self.driver.lane_stream(self.admit_lane)  # 0: no CUDA (steps in order)
+                if ptr:
+                    self._admit_stream = torch.cuda.ExternalStream(ptr, device=dev)
 
         self.pending: dict[int, _Admission] = {}  # admitted, not yet prefilled
         # A list (benchmarks only, CUDA): each prefill step appends an event recorded after its
@@ -364,10 +419,16 @@ class GraphBackend:
         books = torch.arange(G - 1, device=codes.device)
         return x + self.cp_embeddings[books[None, :], codes[:, 1:]].sum(1)
 
-    def _code_predictor(self, hidden, c0, sampling, seeds, frames) -> torch.Tensor:
-        """Codebooks 1..15 for B rows with on-device sampling: [B, G]."""
+    def _code_predictor(self, hidden, c0, sampling, seeds, frames, lane=False) -> torch.Tensor:
+        """Codebooks 1..15 for B rows with on-device sampling: [B, G]. lane: the admission
+        lane's step (its own cache; the fused or unfused path, which keep no other state)."""
         B = hidden.shape[0]
         slots = self.cp_slots[:B]
+        if lane:
+            args = (hidden, c0, sampling, seeds, frames, self.lane_cp_k, self.lane_cp_v, slots)
+            if B in self.plan.fused_code_predictor:
+                return self.cp_fused.frame(*args, self.cp_positions)
+            return self.cp_fused.frame_unfused(*args, self.cp_positions)
         args = (hidden, c0, sampling, seeds, frames, self.cp_k, self.cp_v, slots)
         if B in self.plan.speculative:
             kind, window = self.plan.speculative[B]
@@ -378,9 +439,11 @@ class GraphBackend:
             return self.cp_fused.frame(*args, self.cp_positions)
         return self.cp_fused.frame_unfused(*args, self.cp_positions)
 
-    def _frame_body(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _frame_body(
+        self, rows: torch.Tensor, lane: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame for `rows` (slots): returns the codes [B, G] (also left in the ring) and
-        each row's StopCode [B]."""
+        each row's StopCode [B]. lane: the admission lane's step (see _code_predictor)."""
         G = self.cfg.num_code_groups
         fi, seeds = self.frame_idx[rows], self.seed[rows]
         tsamp = self.talker_sampling.select(rows)
@@ -391,7 +454,7 @@ class GraphBackend:
         logits = logits.masked_fill(self.suppressed[None] | eos_banned, float("-inf"))
         c0 = fused_sample(logits, tsamp, seeds, fi * G)
         codes = self._code_predictor(
-            self.hidden[rows], c0, self.cp_sampling.select(rows), seeds, fi
+            self.hidden[rows], c0, self.cp_sampling.select(rows), seeds, fi, lane
         )
         self.history.index_put_((rows, c0), self.true)  # a device scalar: no host copy
         stop = frame_stop_codes(self.guard_state, self.guards, rows, c0, self.cfg.codec_ids.eos)
@@ -487,12 +550,23 @@ class GraphBackend:
                                lambda rows=codec_rows, n=n, pcm=pcm: pcm.copy_(
                                    self._codec_body(rows, n)),
                                "codec"))  # fmt: skip
+        admit = "admit" if self.lane_buckets else "lm"  # where prefill steps run
         for b in r.prefill_batches:
             for t in r.prefill_buckets:
                 bodies.append((("prefill", b, t), lambda b=b, t=t: self._prefill_body(b, t),
-                               "lm"))  # fmt: skip
+                               admit))  # fmt: skip
             for t in self.text_buckets:
-                bodies.append((("text", b, t), lambda b=b, t=t: self._text_body(b, t), "lm"))
+                bodies.append((("text", b, t), lambda b=b, t=t: self._text_body(b, t), admit))
+        for b in self.lane_buckets:
+            rows, out = self.lane_rows_in[:b], self.lane_out[:b]
+            bodies.append((("first", b),
+                           lambda rows=rows, out=out: _write_frame(
+                               out, *self._frame_body(rows, lane=True)),
+                           "admit"))  # fmt: skip
+            rows, pcm = self.lane_codec_rows_in[:b], self.lane_pcm[:b]
+            bodies.append((("first_codec", b),
+                           lambda rows=rows, pcm=pcm: pcm.copy_(self._codec_body(rows, 1)),
+                           "admit"))  # fmt: skip
         return bodies
 
     def capture(self) -> None:
@@ -504,11 +578,13 @@ class GraphBackend:
         # may run concurrently must not have been captured on the same stream.
         lm_capture, codec_capture = torch.cuda.Stream(), torch.cuda.Stream()
         assert lm_capture.cuda_stream != codec_capture.cuda_stream
+        # the admission lane's graphs run beside the frame graphs: a pool and stream of theirs
+        admit_pool = torch.cuda.graph_pool_handle() if self.lane_buckets else pool
+        admit_capture = torch.cuda.Stream() if self.lane_buckets else lm_capture
+        where = {"lm": (pool, lm_capture), "codec": (codec_pool, codec_capture),
+                 "admit": (admit_pool, admit_capture)}  # fmt: skip
         for key, body, lane in self.graph_bodies():
-            if lane == "codec":
-                self.graphs[key] = _capture(body, codec_pool, codec_capture)
-            else:
-                self.graphs[key] = _capture(body, pool, lm_capture)
+            self.graphs[key] = _capture(body, *where[lane])
         self._reset_scratch()
         # The codec lane's stream does not follow the current stream: let these land first.
         torch.cuda.synchronize(self.device)
@@ -534,9 +610,13 @@ class GraphBackend:
             admission.entry = self.prefix.acquire(layout.prefix_key(n))
             admission.prefix_len = n if admission.entry is not None else 0
         self.pending[slot] = admission
-        self._follow(self.ring_order.admit(slot))
+        admission.follow = tuple(self.ring_order.admit(slot))  # its prefill waits for them
 
     def release(self, slot: int) -> None:
+        self.fresh.pop(slot, None)
+        self.lane_frames.pop(slot, None)
+        self.codec_fresh.discard(slot)
+        self.lane_codecs.pop(slot, None)
         admission = self.pending.pop(slot, None)
         if admission is not None and admission.entry is not None:
             self.prefix.release(admission.entry)
@@ -544,7 +624,35 @@ class GraphBackend:
     @torch.no_grad()
     def prefill(self, slots: list[int]) -> None:
         """Prefill the admitted `slots`: up to max(plan.prefill_batches) prompts of the same
-        length bucket per step (a longer prompt than every bucket runs alone, uncaptured)."""
+        length bucket per step (a longer prompt than every bucket runs alone, uncaptured),
+        after the steps the slots' previous occupants left in flight.
+        With the admission lane, on its stream: beside other steps (an event marks the end
+        for frame steps of other lanes), or, with the lane switched off, fenced in order with
+        the current stream (the lane's graphs share a memory pool: they run on its stream
+        only)."""
+        follow = sorted({t for s in slots for t in self.pending[s].follow})
+        if not self.lane_buckets:
+            self._follow(follow)
+            return self._prefill(slots)
+        stream = self._admit_stream
+        current = torch.cuda.current_stream(self.device) if stream is not None else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is not None and not self.lane_on:
+                stream.wait_stream(current)
+            self._follow(follow)
+            self._prefill(slots)
+            done = None
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record()
+        if not self.lane_on:
+            if done is not None:
+                current.wait_event(done)
+            return
+        for slot in slots:
+            self.fresh[slot] = done
+
+    def _prefill(self, slots: list[int]) -> None:
         admissions = [(slot, self.pending.pop(slot)) for slot in slots]
         try:
             groups: dict[int | None, list] = {}
@@ -574,13 +682,15 @@ class GraphBackend:
             ids = layout.rows.numpy()
             n, start, entry = layout.num_positions, admission.prefix_len, admission.entry
             if entry is not None and not entry.ready:
-                # First use of this prefix: prefill it alone into the scratch slot with the
-                # same step, and keep its KV.
+                # First use of this prefix: prefill it alone into the request's own slot
+                # with the same step, and keep its KV (the request's prefill below copies it
+                # back and overwrites the rest). Not the scratch slot: the padding rows of a
+                # frame step on another lane may write the scratch slot's cache meanwhile.
                 self._run_prefill([({
-                    **_SCRATCH_VALUES, "slot": self.scratch, "last": start - 1,
+                    **_SCRATCH_VALUES, "slot": slot, "last": start - 1,
                     "position": start, "start": 0, "prefix_entry": entry.index}, ids[:start],
                     None, layout.x_vector)])  # fmt: skip
-                self.prefix.store(self.kv_k, self.kv_v, self.scratch, entry)
+                self.prefix.store(self.kv_k, self.kv_v, slot, entry)
             t, c = params.talker, params.code_predictor
             trailing = layout.trailing_ids.numpy()
             values = {
@@ -675,11 +785,15 @@ class GraphBackend:
             self.driver.device_wait(tickets)
 
     def _launch(self, ring: _StagingRing, slots: list[int], step, outputs: torch.Tensor,
-                width: int, rows_in: torch.Tensor, lane: int, after: list[int]) -> _Staged:
+                width: int, rows_in: torch.Tensor, lane: int, after: list[int],
+                buckets: tuple[int, ...] | None = None) -> _Staged:  # fmt: skip
         """Stage the slot ids, run `step` for the padded rows on `lane` after the steps
-        `after`, copy the B rows' outputs out."""
+        `after`, copy the B rows' outputs out. buckets: the step's batch sizes (default: the
+        plan's batch buckets)."""
         B = len(slots)
-        rows = self.plan.bucket(B) if self.use_graphs else B
+        rows = B
+        if self.use_graphs:
+            rows = next(b for b in buckets if b >= B) if buckets else self.plan.bucket(B)
         k = ring.take()
         staged_rows = ring.inputs[k]
         staged_rows[:B] = torch.as_tensor(slots, dtype=torch.int64)
@@ -699,7 +813,26 @@ class GraphBackend:
         return staged.out
 
     @torch.no_grad()
-    def launch_frames(self, slots: list[int]) -> _Staged:
+    def launch_frames(self, slots: list[int]) -> _Staged | _Split:
+        """One frame step for `slots`. With the admission lane, rows prefilled there and not
+        yet stepped (up to its largest bucket) take their first frame on it, beside the
+        regular step of the others: two steps, read back as one."""
+        fresh = [s for s in slots if s in self.fresh] if self.lane_on else []
+        if len(fresh) > (self.lane_buckets[-1] if self.lane_on else 0):
+            fresh = []  # too many at once: all join the regular step
+        first = set(fresh)
+        rest = [s for s in slots if s not in first]
+        parts = []
+        if fresh:
+            parts.append(([i for i, s in enumerate(slots) if s in first], self._lane_frames(fresh)))
+        if rest:
+            parts.append(([i for i, s in enumerate(slots) if s not in first],
+                          self._regular_frames(rest)))  # fmt: skip
+        for s in slots:
+            self.fresh.pop(s, None)
+        return parts[0][1] if len(parts) == 1 else _Split(parts, len(slots))
+
+    def _regular_frames(self, slots: list[int]) -> _Staged:
         G = self.cfg.num_code_groups
 
         def step(rows: int):
@@ -708,17 +841,71 @@ class GraphBackend:
             out = self.frame_out[:rows]
             return lambda: _write_frame(out, *self._frame_body(self.rows_in[:rows]))
 
+        # Rows prefilled on the admission lane follow its prefill (the caller's stream waits
+        # for it; this lane forks from that stream), or their first frame there.
+        for done in {id(e): e for s in slots if (e := self.fresh.get(s)) is not None}.values():
+            torch.cuda.current_stream(self.device).wait_event(done)
         after = self.ring_order.before_frames(slots)
+        after += [self.lane_frames.pop(s) for s in slots if s in self.lane_frames]
         staged = self._launch(self.frame_staging, slots, step, self.frame_out, G + 1,
-                              self.rows_in, self.lm_lane, after)  # fmt: skip
-        self.ring_order.frames_launched(slots, staged.ticket)
+                              self.rows_in, self.lm_lane, sorted(set(after)))  # fmt: skip
+        self.ring_order.frames_launched(slots, staged.ticket, self.lm_lane)
         return staged
 
-    def read_frames(self, staged: _Staged) -> torch.Tensor:
+    def _lane_frames(self, slots: list[int]) -> _Staged:
+        """New rows' first frame on the admission lane (after their prefill, on its stream)."""
+        G = self.cfg.num_code_groups
+
+        def step(rows: int):
+            if self.use_graphs:
+                return self.graphs[("first", rows)]
+            out = self.lane_out[:rows]
+            return lambda: _write_frame(out, *self._frame_body(self.lane_rows_in[:rows], True))
+
+        staged = self._launch(self.lane_staging, slots, step, self.lane_out, G + 1,
+                              self.lane_rows_in, self.admit_lane,
+                              self.ring_order.before_frames(slots), self.lane_buckets)  # fmt: skip
+        self.ring_order.frames_launched(slots, staged.ticket, self.admit_lane)
+        for s in slots:
+            self.lane_frames[s] = staged.ticket
+        self.codec_fresh.update(slots)
+        return staged
+
+    def read_frames(self, staged: _Staged | _Split) -> torch.Tensor:
+        if isinstance(staged, _Split):
+            return torch.from_numpy(self._read_split(staged, lambda t: t.numpy()))
         return self._read(staged).clone()
 
+    def _read_split(self, staged: _Split, as_array) -> np.ndarray:
+        """A step run as two: each part's rows into their places, one array."""
+        out = None
+        for index, part in staged.parts:
+            rows = as_array(self._read(part))
+            if out is None:
+                out = np.empty((staged.rows, rows.shape[1]), dtype=rows.dtype)
+            out[index] = rows
+        return out
+
     @torch.no_grad()
-    def launch_codec(self, slots: list[int], n: int) -> _Staged:
+    def launch_codec(self, slots: list[int], n: int) -> _Staged | _Split:
+        """One codec step of n frames for `slots`. With the admission lane, a one-frame step
+        of rows whose first frame ran there (up to its largest bucket) runs there too, at its
+        priority, beside a regular codec step of the others: two steps, read back as one."""
+        fresh = [s for s in slots if s in self.codec_fresh] if self.lane_on and n == 1 else []
+        if len(fresh) > (self.lane_buckets[-1] if fresh else 0):
+            fresh = []
+        first = set(fresh)
+        parts = []
+        if fresh:
+            parts.append(([i for i, s in enumerate(slots) if s in first], self._lane_codec(fresh)))
+        rest = [s for s in slots if s not in first]
+        if rest:
+            parts.append(([i for i, s in enumerate(slots) if s not in first],
+                          self._regular_codec(rest, n)))  # fmt: skip
+        self.codec_fresh.difference_update(slots)
+        return parts[0][1] if len(parts) == 1 else _Split(parts, len(slots))
+
+    def _regular_codec(self, slots: list[int], n: int) -> _Staged:
         width = n * SAMPLES_PER_FRAME
 
         def step(rows: int):
@@ -727,16 +914,41 @@ class GraphBackend:
             pcm = self.pcm_out[:rows, :width]
             return lambda: pcm.copy_(self._codec_body(self.codec_rows_in[:rows], n))
 
+        # after the frames it decodes, and after a first codec step on the admission lane
+        # (the codec state and decode counter it carries on)
         after = self.ring_order.before_codec(slots, n)
+        after += [self.lane_codecs.pop(s) for s in slots if s in self.lane_codecs]
         staged = self._launch(self.codec_staging, slots, step, self.pcm_out, width,
-                              self.codec_rows_in, self.codec_lane, after)  # fmt: skip
-        self.ring_order.codec_launched(slots, n, staged.ticket)
+                              self.codec_rows_in, self.codec_lane, sorted(set(after)))  # fmt: skip
+        self.ring_order.codec_launched(slots, n, staged.ticket, self.codec_lane)
         return staged
 
-    def read_codec(self, staged: _Staged) -> np.ndarray:
+    def _lane_codec(self, slots: list[int]) -> _Staged:
+        """New rows' first one-frame codec step on the admission lane (after their first
+        frame there: its stream's order)."""
+        def step(rows: int):
+            if self.use_graphs:
+                return self.graphs[("first_codec", rows)]
+            pcm = self.lane_pcm[:rows]
+            return lambda: pcm.copy_(self._codec_body(self.lane_codec_rows_in[:rows], 1))
+
+        after = self.ring_order.before_codec(slots, 1)
+        staged = self._launch(self.lane_codec_staging, slots, step, self.lane_pcm,
+                              SAMPLES_PER_FRAME, self.lane_codec_rows_in, self.admit_lane,
+                              after, self.lane_buckets)  # fmt: skip
+        self.ring_order.codec_launched(slots, 1, staged.ticket, self.admit_lane)
+        for s in slots:
+            self.lane_codecs[s] = staged.ticket
+        return staged
+
+    def read_codec(self, staged: _Staged | _Split) -> np.ndarray:
+        if isinstance(staged, _Split):
+            return self._read_split(staged, lambda t: t.numpy())
         return self._read(staged).numpy().copy()
 
-    def ready(self, staged: _Staged) -> bool:
+    def ready(self, staged: _Staged | _Split) -> bool:
+        if isinstance(staged, _Split):
+            return all(self.ready(part) for _, part in staged.parts)
         return staged.read or self.driver.ready(staged.ticket)
 
     def memory_report(self) -> dict[str, int]:
@@ -755,6 +967,9 @@ class GraphBackend:
                  self.codes, self.decoded, self.codec_engine.tensors(), self.admit_text,
                  self.staging.block, self.admit_xvec, self.pcm_out, self.frame_out, self.rows_in,
                  self.codec_rows_in]  # fmt: skip
+        if self.lane_buckets:  # the admission lane's code-predictor cache and I/O
+            state += [self.lane_cp_k, self.lane_cp_v, self.lane_rows_in, self.lane_out,
+                      self.lane_codec_rows_in, self.lane_pcm]  # fmt: skip
         flat = [t for x in state for t in (x if isinstance(x, list) else [x])]
         spec = self.cp_spec
         spec_tensors = [] if spec is None else [spec.heads, spec.k_cache, spec.v_cache]
@@ -810,28 +1025,34 @@ class GraphEngine(EngineCore):
 
 class _RingOrder:
     """Which step wrote and which step read each slot's code-ring entries (host side), to
-    name the steps of the other stream that a step must follow (see the module doc). A step's
-    dependencies are all on one stream, in launch order, so the latest one covers them all."""
+    name the steps of other streams that a step must follow (see the module doc). A frame
+    step's dependencies are codec steps and a codec step's are frame steps; each kind runs on
+    one lane, or two with the admission lane. Steps of one lane run in launch order, so the
+    latest dependency per lane covers the others: one step is named per lane."""
 
     def __init__(self, num_slots: int, ring: int):
         self.ring = ring
         self.frames = [0] * num_slots  # frames launched for the slot's occupant
         self.decoded = [0] * num_slots  # frames handed to codec steps
-        self.written = [deque() for _ in range(num_slots)]  # (frames after a step, its ticket)
-        self.read = [deque() for _ in range(num_slots)]  # (decoded after a step, its ticket)
+        # (frames after a step, its ticket, its lane), (decoded after a step, ticket, lane)
+        self.written = [deque() for _ in range(num_slots)]
+        self.read = [deque() for _ in range(num_slots)]
         self.last_read: list[int | None] = [None] * num_slots  # survives release
+        self.last_written: list[int | None] = [None] * num_slots  # survives release
 
     def admit(self, slot: int) -> list[int]:
-        """A new occupant: the previous one's last codec step, which its prefill follows."""
+        """A new occupant: the previous one's last codec step and last frame step, which its
+        prefill follows (a prefill in order with frame steps follows the latter anyway)."""
         self.frames[slot] = self.decoded[slot] = 0
         self.written[slot].clear()
         self.read[slot].clear()
-        last, self.last_read[slot] = self.last_read[slot], None
-        return [] if last is None else [last]
+        last = [self.last_read[slot], self.last_written[slot]]
+        self.last_read[slot] = self.last_written[slot] = None
+        return sorted(t for t in last if t is not None)
 
     def before_frames(self, slots: list[int]) -> list[int]:
-        """The codec step that read the ring entries this frame step overwrites (if any)."""
-        deps = []
+        """The codec steps that read the ring entries this frame step overwrites (if any)."""
+        deps: dict[int, int] = {}  # lane -> latest ticket
         for s in slots:
             old = self.frames[s] - self.ring  # the frame now in the entry to be written
             if old < 0:
@@ -840,32 +1061,34 @@ class _RingOrder:
             while read and read[0][0] <= old:
                 read.popleft()
             if read:
-                deps.append(read[0][1])
-        return [max(deps)] if deps else []
+                _, ticket, lane = read[0]
+                deps[lane] = max(ticket, deps.get(lane, ticket))
+        return sorted(deps.values())
 
-    def frames_launched(self, slots: list[int], ticket: int) -> None:
+    def frames_launched(self, slots: list[int], ticket: int, lane: int = 0) -> None:
         for s in slots:
             self.frames[s] += 1
-            self.written[s].append((self.frames[s], ticket))
+            self.written[s].append((self.frames[s], ticket, lane))
+            self.last_written[s] = ticket
 
     def before_codec(self, slots: list[int], n: int) -> list[int]:
-        """The frame step that wrote the last of the n frames each slot decodes next."""
-        deps = []
+        """The frame steps that wrote the last of the n frames each slot decodes next."""
+        deps: dict[int, int] = {}
         for s in slots:
             need = self.decoded[s] + n
             written = self.written[s]
             while written and written[0][0] < need:
                 written.popleft()
             if written:
-                deps.append(written[0][1])
-        return [max(deps)] if deps else []
+                _, ticket, lane = written[0]
+                deps[lane] = max(ticket, deps.get(lane, ticket))
+        return sorted(deps.values())
 
-    def codec_launched(self, slots: list[int], n: int, ticket: int) -> None:
+    def codec_launched(self, slots: list[int], n: int, ticket: int, lane: int = 0) -> None:
         for s in slots:
             self.decoded[s] += n
-            self.read[s].append((self.decoded[s], ticket))
+            self.read[s].append((self.decoded[s], ticket, lane))
             self.last_read[s] = ticket
-
 
 
 # Per-slot settings staged at admission: name -> where it lands (see GraphBackend._admit_body).
@@ -875,7 +1098,7 @@ _ADMIT_FLOATS = ("talker_do_sample", "cp_do_sample", "talker_temperature", "talk
                  "talker_repetition_penalty", "cp_temperature", "cp_top_p",
                  "cp_repetition_penalty")  # fmt: skip
 _ADMIT_INT_INDEX = {k: i for i, k in enumerate(_ADMIT_INTS)}
-# Settings of a prefix prefilled alone into the scratch slot (greedy; nothing reads them).
+# Settings of a prefix prefilled alone (greedy; nothing reads them) and of padding rows.
 _SCRATCH_VALUES = dict.fromkeys(_ADMIT_INTS + _ADMIT_FLOATS, 0) | {
     "talker_temperature": 1.0, "talker_top_p": 1.0, "talker_repetition_penalty": 1.0,
     "cp_temperature": 1.0, "cp_top_p": 1.0, "cp_repetition_penalty": 1.0}  # fmt: skip

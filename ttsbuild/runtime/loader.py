@@ -46,6 +46,7 @@ def open_engine(
     random_variant: str | None = None,
     guards: GuardConfig | None = None,
     prefill_batches: tuple[int, ...] | None = None,
+    admission_lane: tuple[int, ...] | None = None,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
     `random_variant`, e.g. "1.7b-customvoice", when path is None).
@@ -56,7 +57,9 @@ def open_engine(
     kind: "graph" (slot buffers + CUDA graphs: the fast path), "eager" (the reference
     modules), or "auto" (graph on CUDA, eager on CPU). precision (checkpoints, graph engines):
     "bf16" or "fp8"; a compiled engine's is the one it was compiled with. prefill_batches
-    (checkpoints): prompts per captured prefill step (`EnginePlan.prefill_batches`)."""
+    (checkpoints): prompts per captured prefill step (`EnginePlan.prefill_batches`).
+    admission_lane: batch buckets of the admission lane (`EnginePlan.admission_lane`; its
+    graphs are captured at load, so a compiled engine takes it too); None: the plan's."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = resolve_device(device)
@@ -90,6 +93,10 @@ def open_engine(
             num_slots=num_slots or 32, max_len=max_len or 2048, precision=precision or "bf16",
             codec_precision="fp16" if device.type == "cuda" else "fp32", **extra,
         )  # fmt: skip
+    if admission_lane is not None and tuple(admission_lane) != plan.admission_lane:
+        plan = EnginePlan.model_validate(
+            {**plan.model_dump(), "admission_lane": tuple(admission_lane)}
+        )  # validated: the lane's buckets must be batch buckets of the plan
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 
@@ -119,5 +126,6 @@ def plan_within(
             "num_slots": num_slots, "batch_buckets": buckets, "max_len": max_len,
             "prefill_buckets": prefill, "max_frames": min(plan.max_frames, max_len - 1),
             "prefill_batches": tuple(b for b in plan.prefill_batches if b <= num_slots),
+            "admission_lane": tuple(b for b in plan.admission_lane if b in buckets),
         }
     )  # fmt: skip

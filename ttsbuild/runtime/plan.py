@@ -62,6 +62,12 @@ class EnginePlan(BaseModel):
     # Batch buckets whose talker step runs on runtime.cp_fused.decode_fused (5 launches per
     # layer instead of ~9: fused norm + linear, fused residual adds).
     fused_talker: tuple[int, ...] = ()
+    # Batch buckets of the admission lane (graph backend on CUDA): new requests' prefill and
+    # first frame run on a stream of their own (its own graphs, memory pool and code-predictor
+    # cache) beside the frame step of the streams already running, so a new request's first
+    # audio waits behind no other step. Up to max(admission_lane) new rows of a frame step
+    # take it; more join the regular step. (): off (prefill in order with frame steps).
+    admission_lane: tuple[int, ...] = ()
     # The talker's FP8 linears as W8A8 (activations quantised per row at run time, one
     # cuBLASLt FP8 GEMM: plugins.fp8_w8a8) from this many rows (prefill rows or decode
     # batch; multiples of 16); 0: weight-only everywhere. Off until timed on the GPU.
@@ -112,7 +118,8 @@ class EnginePlan(BaseModel):
             )
         if self.prefill_buckets[-1] >= self.max_len:
             raise ValueError("the largest prefill bucket must leave room for frames in max_len")
-        for name in ("fused_code_predictor", "persistent_code_predictor", "fused_talker"):
+        for name in ("fused_code_predictor", "persistent_code_predictor", "fused_talker",
+                     "admission_lane"):  # fmt: skip
             if not set(getattr(self, name)) <= set(self.batch_buckets):
                 raise ValueError(f"{name} must list batch buckets of the plan")
         if self.prefix_pool < 0 or self.max_prefix < 1:

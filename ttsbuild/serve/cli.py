@@ -91,6 +91,11 @@ def serve(
         "1,2,4 (requests admitted together share a step; default one per step; a compiled "
         "engine keeps its own)."
     ),  # fmt: skip
+    admission_lane: str = typer.Option(
+        None, "--admission-lane", help="GPU: batch buckets of the admission lane, e.g. 1,2 (a "
+        "new request's prefill and first frame on a CUDA stream of their own, beside the "
+        "frame step of running streams; empty: off; default: the engine's plan)."
+    ),  # fmt: skip
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve a checkpoint: OpenAI-compatible streaming speech over HTTP and WebSocket."""
@@ -136,13 +141,14 @@ def serve(
         _err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     batches = None if prefill_batches is None else parse_sizes(prefill_batches, "--prefill-batches")
+    lane = None if admission_lane is None else parse_sizes(admission_lane, "--admission-lane")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         engine = open_engine(
             checkpoint, device=device, num_slots=slots if slots or checkpoint is None else
             (None if _is_engine(checkpoint) else 8), max_len=max_len, kind=engine_kind,
             precision=precision, random_variant=random, guards=guard_config,
-            prefill_batches=batches,
+            prefill_batches=batches, admission_lane=lane,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")

@@ -24,7 +24,7 @@ from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import pdl_prologue
 
 _NUM_SMS: dict[int, int] = {}
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _MAX_TILES = 1 << 16
 _MAX_SPLIT = 8
 
@@ -41,9 +41,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
+    """The split-K arrival counters (each reset by the last program of its tile), one set per
+    CUDA stream: kernels of graphs captured on different streams may run concurrently (the
+    engine's lanes) and must not count into the same tiles."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def _cfg(bn, bk, split, warps, stages):
