@@ -3,6 +3,8 @@ and the result equals the reference engine on the same (dequantised) weights."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -36,3 +38,20 @@ def test_graph_engine_runs_compiled_weights_as_compiled(which, request):
 def test_open_engine_refuses_shapes_the_engine_was_not_compiled_for(fp8_engine):
     with pytest.raises(ValueError, match="compiled for at most"):
         open_engine(fp8_engine, "cpu", num_slots=200, kind="graph")
+
+
+def test_the_admission_lane_is_compiled_in_and_can_be_set_at_load(fp8_engine):
+    """compile's default plan has the lane on buckets 1 and 2; open_engine may set it to other
+    batch buckets of the plan (its graphs are captured at load) and refuses others clearly;
+    fewer slots drop the buckets above them."""
+    manifest = json.loads((fp8_engine / "manifest.json").read_text())
+    compiled = EnginePlan.model_validate(manifest["plan"])
+    assert compiled.admission_lane == (1, 2)
+    off = open_engine(fp8_engine, "cpu", kind="graph", admission_lane=())
+    assert off.plan.admission_lane == () and not off.backend.lane_on
+    one = open_engine(fp8_engine, "cpu", kind="graph", admission_lane=(1,))
+    assert one.plan.admission_lane == (1,) and one.backend.lane_on
+    with pytest.raises(ValueError, match=r"admission lane buckets \[3\] must be batch buckets"):
+        open_engine(fp8_engine, "cpu", kind="graph", admission_lane=(3,))
+    small = open_engine(fp8_engine, "cpu", kind="graph", num_slots=1)
+    assert small.plan.admission_lane == (1,)

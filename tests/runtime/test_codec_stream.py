@@ -148,6 +148,20 @@ def requests(seed: int) -> list[SynthesisRequest]:
             for i, t in enumerate(texts)]  # fmt: skip
 
 
+def one_step(engine, slots, pending, codes, pcm):
+    """Launch a frame step for the slots that can take one, read the step before it (codes),
+    decode up to two frames per slot (PCM); returns the new step (None: nothing launched)."""
+    active = [s for s in slots if engine.table[s].can_launch]
+    ticket = engine.launch_frames(active) if active else None
+    if pending is not None:
+        for out in engine.collect(pending):
+            if out.codes is not None:
+                codes[out.slot].append(out.codes)
+    for s, p in engine.collect_audio(engine.launch_audio(slots, max_frames=2)).items():
+        pcm[s].append(p)
+    return ticket
+
+
 def run(engine, reqs):
     """Frames launched one step ahead of reading, the codec two frames behind, so the ring
     (4 entries) wraps; then a slot is released and taken by a new request."""
@@ -156,19 +170,8 @@ def run(engine, reqs):
     codes = {s: [] for s in slots}
     pcm = {s: [] for s in slots}
     pending = None
-    while True:
-        active = [s for s in slots if engine.table[s].can_launch]
-        ticket = engine.launch_frames(active) if active else None
-        if pending is not None:
-            for out in engine.collect(pending):
-                if out.codes is not None:
-                    codes[out.slot].append(out.codes)
-        audio = engine.launch_audio(slots, max_frames=2)
-        for s, p in engine.collect_audio(audio).items():
-            pcm[s].append(p)
-        if ticket is None:
-            break
-        pending = ticket
+    while (pending := one_step(engine, slots, pending, codes, pcm)) is not None:
+        pass
     for s, p in engine.audio(slots).items():
         pcm[s].append(p)
     out = [(torch.stack(codes[s]), np.concatenate(pcm[s])) for s in slots]
@@ -238,14 +241,7 @@ def run_joining(engine, reqs, late):
             slots.append(engine.admit(late))
             engine.prefill(slots[-1:])
             codes[slots[-1]], pcm[slots[-1]] = [], []
-        active = [s for s in slots if engine.table[s].can_launch]
-        ticket = engine.launch_frames(active) if active else None
-        if pending is not None:
-            for out in engine.collect(pending):
-                if out.codes is not None:
-                    codes[out.slot].append(out.codes)
-        for s, p in engine.collect_audio(engine.launch_audio(slots, max_frames=2)).items():
-            pcm[s].append(p)
+        ticket = one_step(engine, slots, pending, codes, pcm)
         if ticket is None:
             break
         pending, step = ticket, step + 1

@@ -74,6 +74,11 @@ def test_plan_buckets_and_prompt_checks():
     small = EnginePlan.default(num_slots=3, max_len=100)
     assert small.batch_buckets == (1, 2, 3) and small.prefill_buckets == (32, 64)
     assert small.max_frames == 99 and small.fused_code_predictor == (1, 2, 3)
+    assert small.admission_lane == (1, 2)  # on by default where it was measured to pay
+    assert EnginePlan.default(num_slots=1).admission_lane == (1,)
+    assert EnginePlan.default(admission_lane=()).admission_lane == ()
+    with pytest.raises(ValueError, match="admission_lane"):
+        EnginePlan(**{**PLAN.model_dump(), "admission_lane": (3,)})
     with pytest.raises(ValueError, match="fused_code_predictor"):
         EnginePlan(**{**PLAN.model_dump(), "fused_code_predictor": (8,)})
 

@@ -140,7 +140,7 @@ def first_chunk_under_load(engine, load_req, new_req, load: int, n: int = 10,
 def bench_plan(
     precision: str, batches, fused_code_predictor: bool = True, persistent_cp_max_batch: int = 0,
     fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0, prefill_batches=(1,),
-    bf16_min_rows: int | None = None, admission_lane: tuple[int, ...] = (),
+    bf16_min_rows: int | None = None, admission_lane: tuple[int, ...] = (1, 2),
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured,
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
@@ -450,7 +450,7 @@ def run_engine_bench(
     w8a8_min_rows: int = 0,
     prefill_batches=(1,),
     bf16_min_rows: int | None = None,
-    admission_lane: tuple[int, ...] = (),
+    admission_lane: tuple[int, ...] = (1, 2),
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -552,8 +552,9 @@ def main() -> None:
                    "(0: never; default: the plan's)")
     p.add_argument("--prefill-batches", default="1",
                    help="prompts per captured prefill step, e.g. 1,2,4 (each timed)")
-    p.add_argument("--admission-lane", default="",
-                   help="batch buckets of the admission lane, e.g. 1,2,4 (default: off)")
+    p.add_argument("--admission-lane", default="1,2",
+                   help="batch buckets of the admission lane, as served by default (1,2; '' "
+                   "for off); the first chunk beside stepping rows is timed with it off and on")
     a = p.parse_args()
     t0 = time.perf_counter()
     plan = None

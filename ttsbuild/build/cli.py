@@ -67,8 +67,9 @@ def compile_engine(
         "(requests admitted together share a step; default one per step)."
     ),
     admission_lane: str = typer.Option(
-        "", "--admission-lane", help="Batch buckets of the admission lane, e.g. 1,2 (a new "
-        "request's prefill and first frame on a CUDA stream of their own; default off)."
+        None, "--admission-lane", help="Batch buckets of the admission lane (a new request's "
+        "prefill, first frame and first codec step on a CUDA stream of their own, ahead of "
+        "running streams; default 1,2: measured faster in serving; '' for off)."
     ),  # fmt: skip
     codec_chunks: str = typer.Option(
         "1,2,4,8", "--codec-chunks", help="Frames per captured codec step (must include 1)."
@@ -138,7 +139,8 @@ def compile_engine(
             max_frames=max_frames, max_len=max_len, num_slots=slots or max_batch,
             prefill_buckets=parse_sizes(prefill_buckets, "--prefill-buckets") if prefill_buckets
             else None, prefill_batches=parse_sizes(prefill_batches, "--prefill-batches"),
-            admission_lane=parse_sizes(admission_lane, "--admission-lane"),
+            admission_lane=None if admission_lane is None
+            else parse_sizes(admission_lane, "--admission-lane"),
             codec_chunks=parse_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
             max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
             persistent_cp_max_batch=persistent_cp_max_batch, w8a8_min_rows=w8a8_min_rows,

@@ -54,7 +54,7 @@ from ttsbuild.runtime.codec_engine import (
     PRECISIONS,
 )
 from ttsbuild.runtime.draft import DRAFT_FILE, read_draft
-from ttsbuild.runtime.plan import EnginePlan
+from ttsbuild.runtime.plan import EnginePlan, default_admission_lane
 
 LM_MODULES = ("talker", "code_predictor")
 # What the runtime does with a calibration file's scales (the manifest says it).
@@ -81,7 +81,8 @@ class BuildConfig:
     num_slots: int | None = None  # concurrent requests the engine holds (None: max batch)
     prefill_buckets: tuple[int, ...] | None = None  # captured prompt lengths (None: 32..512)
     prefill_batches: tuple[int, ...] = (1,)  # prompts per captured prefill step
-    admission_lane: tuple[int, ...] = ()  # batch buckets of the admission lane (): off
+    # batch buckets of the admission lane; (): off; None: 1 and 2 (runtime.plan's default)
+    admission_lane: tuple[int, ...] | None = None
     # Frames per captured codec step: a 64-row x 16-frame codec graph holds GBs of activations.
     codec_chunks: tuple[int, ...] = (1, 2, 4, 8)
     codec_ring: int = 64  # frames buffered per slot between the frame and codec stages
@@ -150,7 +151,9 @@ class BuildConfig:
             prefill_buckets=tuple(
                 self.prefill_buckets or (t for t in (32, 64, 128, 256, 512) if t < self.max_len)
             ), prefill_batches=tuple(self.prefill_batches),
-            admission_lane=tuple(self.admission_lane), codec_chunks=tuple(self.codec_chunks),
+            admission_lane=default_admission_lane(self.graph_batches)
+            if self.admission_lane is None else tuple(self.admission_lane),
+            codec_chunks=tuple(self.codec_chunks),
             codec_ring=self.codec_ring, max_len=self.max_len, max_text=self.max_text,
             max_frames=self.max_frames, precision=self.precision,
             code_predictor_fp8=self.fp8_code_predictor, codec_precision=self.codec_precision,

@@ -94,9 +94,12 @@ def open_engine(
             codec_precision="fp16" if device.type == "cuda" else "fp32", **extra,
         )  # fmt: skip
     if admission_lane is not None and tuple(admission_lane) != plan.admission_lane:
-        plan = EnginePlan.model_validate(
-            {**plan.model_dump(), "admission_lane": tuple(admission_lane)}
-        )  # validated: the lane's buckets must be batch buckets of the plan
+        if not set(admission_lane) <= set(plan.batch_buckets):
+            raise ValueError(
+                f"admission lane buckets {list(admission_lane)} must be batch buckets of the "
+                f"engine's plan {list(plan.batch_buckets)}"
+            )
+        plan = plan.model_copy(update={"admission_lane": tuple(sorted(set(admission_lane)))})
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 

@@ -22,6 +22,11 @@ def power_of_two_buckets(largest: int) -> tuple[int, ...]:
     return (*(2**i for i in range(largest.bit_length()) if 2**i < largest), largest)
 
 
+def default_admission_lane(buckets) -> tuple[int, ...]:
+    """The admission lane's buckets unless told otherwise: up to two new requests per step."""
+    return tuple(b for b in buckets if b <= 2)
+
+
 class EnginePlan(BaseModel):
     """Shapes and per-bucket choices of one engine. Field docs are the manifest's docs."""
 
@@ -67,6 +72,7 @@ class EnginePlan(BaseModel):
     # cache) beside the frame step of the streams already running, so a new request's first
     # audio waits behind no other step. Up to max(admission_lane) new rows of a frame step
     # take it; more join the regular step. (): off (prefill in order with frame steps).
+    # `default` and compile turn it on for buckets 1, 2 (measured in serving).
     admission_lane: tuple[int, ...] = ()
     # The talker's FP8 linears as W8A8 (activations quantised per row at run time, one
     # cuBLASLt FP8 GEMM: plugins.fp8_w8a8) from this many rows (prefill rows or decode
@@ -143,10 +149,13 @@ class EnginePlan(BaseModel):
     ) -> EnginePlan:
         """The plan of a checkpoint run without compiling: buckets are powers of two up to
         min(num_slots, 64) (one graph per bucket; larger batches are split), the fused code
-        predictor on buckets up to 8 (where it was measured faster)."""
+        predictor on buckets up to 8 (where it was measured faster), the admission lane on
+        buckets 1 and 2 (measured: p95 time to first audio 28.4 -> 25.3 / 25.5 ms at 10 req/s,
+        benchmarks/serve/2026-12-01-h200-lane)."""
         max_batch = min(num_slots, overrides.pop("max_batch", 64))
         buckets = power_of_two_buckets(max_batch)
         overrides.setdefault("fused_code_predictor", tuple(b for b in buckets if b <= 8))
+        overrides.setdefault("admission_lane", default_admission_lane(buckets))
         prefill = tuple(t for t in cls.model_fields["prefill_buckets"].default if t < max_len)
         # Codec graphs up to 8 frames: a 64-row x 16-frame codec graph holds GBs of activations
         # in its pool, and larger chunks decode as several steps at no loss.
