@@ -294,10 +294,16 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
         ev[0].record()
         be.trace = []
         engine.prefill([slot])
+        # With the admission lane the prefill, frame and codec step run on its stream: the
+        # current stream follows each (it runs nothing else) so the events split the parts.
+        done = be.fresh.get(slot)
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
         ev[1].record()
         start = be.trace[0]  # the prefill's first kernel queued: its inputs are staged
         be.trace = None
         ticket = engine.launch_frames([slot])  # frame 0 cannot be EOS: the codec need not wait
+        be.driver.device_wait([ticket.handle.ticket])  # one row: one step, on either lane
         ev[2].record()
         audio = engine.launch_audio([slot], max_frames=1)
         # The codec runs on its own lane: the current stream waits for it, so the last event
