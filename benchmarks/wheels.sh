@@ -1,5 +1,10 @@
 # Sourced (from the repo root) by the scripts that run on the GPU host. That host is bare: the
-# web stack travels as wheels in .whl (../shared/tools/gpu-wheels.sh). Where $PY (default
+# web stack travels as wheels in .whl (../shared/tools/gpu-wheels.sh). For serving runs
+# (checked 2026-12-01): `gpu-wheels.sh .whl websockets opentelemetry-api httptools uvloop
+# annotated-doc av soxr prometheus-client httpx httpcore h11 anyio sniffio typer rich
+# shellingham markdown-it-py mdurl`, then move the calibration-only wheels (pulp,
+# nvidia_modelopt, omegaconf: 18 MB) out of .whl so the tree and .whl fit the 64 MiB carry.
+# On a warm host whose /tmp/site lacks one of them, install .whl there again by hand. Where $PY (default
 # python3) cannot import fastapi, install them into /tmp/site; then put the repo and /tmp/site
 # on PYTHONPATH, unbuffered. Also defines the helpers those scripts share (below).
 PY=${PY:-python3}
