@@ -31,13 +31,14 @@ exactly there (`_RingOrder`):
   - a slot's next occupant is prefilled (which resets the slot's codec state, decode counter
     and guards) only after its previous occupant's last codec step (only a cancelled request
     can still have one in flight).
-The admission lane (plan.admission_lane; off by default): a new request's prefill, first frame
-and first one-frame codec step run on a third stream, of the highest priority (frame steps of
-running streams come next, the codec last), with their own graphs, memory pool, I/O rows and
-code-predictor cache, so its first audio waits behind no step of other streams; `_RingOrder`
-names one step per lane, and a row's next regular steps follow its steps there. A prompt
-prefix seen for the first time is prefilled in the request's own slot, never the scratch
-slot (padding rows of steps on other lanes write that one meanwhile).
+The admission lane (plan.admission_lane; compile and EnginePlan.default put buckets 1, 2 on
+it): a new request's prefill, first frame and first one-frame codec step run on a third
+stream, of the highest priority (frame steps of running streams come next, the codec last),
+with their own graphs, memory pool, I/O rows and code-predictor cache, so its first audio
+waits behind no step of other streams; `_RingOrder` names one step per lane, and a row's next
+regular steps follow its steps there. A prompt prefix seen for the first time is prefilled in
+the request's own slot, never the scratch slot (padding rows of steps on other lanes write
+that one meanwhile).
 The silence guard's state is written by codec steps and read by frame steps without an event
 (a stop may come one chunk later; see generation.guards). Codec graphs have their own memory
 pool and their own input rows: graphs sharing a pool may reuse each other's intermediates and
@@ -92,8 +93,8 @@ class _Staged:
 
 @dataclass
 class _Split:
-    """A frame step run as two steps (admission lane + regular): each part's row indices in
-    the step's order, and its step."""
+    """A frame or codec step run as two steps (admission lane + regular): each part's row
+    indices in the step's order, and its step."""
 
     parts: list[tuple[list[int], _Staged]]
     rows: int
@@ -200,7 +201,7 @@ class _Admission:
     plan: SlotPlan
     prefix_len: int = 0  # positions copied from the prefix pool (0: none)
     entry: object = None  # prefix_cache._Entry held until the prefill is launched
-    follow: tuple[int, ...] = ()  # steps its prefill waits for (admission lane only)
+    follow: tuple[int, ...] = ()  # steps its prefill waits for (the slot's last occupant's)
 
 
 class GraphBackend:
@@ -364,9 +365,10 @@ class GraphBackend:
         else:
             self.lm_lane = self.codec_lane = 0  # the caller's current stream for both
         self.ring_order = _RingOrder(S, plan.codec_ring)
-        # The admission lane (plan.admission_lane): prefill steps and new rows' first frames on
-        # a stream of their own with their own graphs, pool, I/O rows and code-predictor cache
-        # (everything else they touch is indexed by slot), beside the regular frame steps.
+        # The admission lane (plan.admission_lane): prefill steps and new rows' first frame and
+        # first codec step on a stream of their own with their own graphs, pool, I/O rows and
+        # code-predictor cache (everything else they touch is indexed by slot), beside the
+        # regular steps.
         self.lane_buckets = plan.admission_lane
         # Whether new requests take the lane (a switch between steps, for side-by-side
         # measurements and for a server that turns it off under load; rows already prefilled
