@@ -109,6 +109,8 @@ class EnginePlan(BaseModel):
             raise ValueError(f"prefill_batches must start at 1 and stay within {self.num_slots} "
                              f"slots: {self.prefill_batches}")  # fmt: skip
         ascending("codec_chunks", self.codec_chunks)
+        if self.admission_lane:
+            ascending("admission_lane", self.admission_lane)
         if not 1 <= self.num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots must be 1..{MAX_SLOTS}, got {self.num_slots}")
         if self.batch_buckets[-1] > self.num_slots:
