@@ -819,19 +819,24 @@ class GraphBackend:
         """One frame step for `slots`. With the admission lane, rows prefilled there and not
         yet stepped (up to its largest bucket) take their first frame on it, beside the
         regular step of the others: two steps, read back as one."""
-        fresh = [s for s in slots if s in self.fresh] if self.lane_on else []
-        if len(fresh) > (self.lane_buckets[-1] if self.lane_on else 0):
-            fresh = []  # too many at once: all join the regular step
-        first = set(fresh)
-        rest = [s for s in slots if s not in first]
-        parts = []
-        if fresh:
-            parts.append(([i for i, s in enumerate(slots) if s in first], self._lane_frames(fresh)))
-        if rest:
-            parts.append(([i for i, s in enumerate(slots) if s not in first],
-                          self._regular_frames(rest)))  # fmt: skip
+        staged = self._split(slots, self.fresh if self.lane_on else (), self._lane_frames,
+                             self._regular_frames)  # fmt: skip
         for s in slots:
             self.fresh.pop(s, None)
+        return staged
+
+    def _split(self, slots: list[int], fresh, on_lane, regular) -> _Staged | _Split:
+        """Launch the rows of `slots` in `fresh` with on_lane (when at least one is and the
+        lane's largest bucket holds them all; else every row joins the regular step), the
+        others with regular: one step, or two read back as one."""
+        first = {s for s in slots if s in fresh}
+        if len(first) > (self.lane_buckets[-1] if first else 0):
+            first = set()  # too many at once
+        parts = []
+        for launch, take in ((on_lane, True), (regular, False)):
+            index = [i for i, s in enumerate(slots) if (s in first) == take]
+            if index:
+                parts.append((index, launch([slots[i] for i in index])))
         return parts[0][1] if len(parts) == 1 else _Split(parts, len(slots))
 
     def _regular_frames(self, slots: list[int]) -> _Staged:
@@ -875,14 +880,14 @@ class GraphBackend:
 
     def read_frames(self, staged: _Staged | _Split) -> torch.Tensor:
         if isinstance(staged, _Split):
-            return torch.from_numpy(self._read_split(staged, lambda t: t.numpy()))
+            return torch.from_numpy(self._read_split(staged))
         return self._read(staged).clone()
 
-    def _read_split(self, staged: _Split, as_array) -> np.ndarray:
+    def _read_split(self, staged: _Split) -> np.ndarray:
         """A step run as two: each part's rows into their places, one array."""
         out = None
         for index, part in staged.parts:
-            rows = as_array(self._read(part))
+            rows = self._read(part).numpy()
             if out is None:
                 out = np.empty((staged.rows, rows.shape[1]), dtype=rows.dtype)
             out[index] = rows
@@ -893,19 +898,10 @@ class GraphBackend:
         """One codec step of n frames for `slots`. With the admission lane, a one-frame step
         of rows whose first frame ran there (up to its largest bucket) runs there too, at its
         priority, beside a regular codec step of the others: two steps, read back as one."""
-        fresh = [s for s in slots if s in self.codec_fresh] if self.lane_on and n == 1 else []
-        if len(fresh) > (self.lane_buckets[-1] if fresh else 0):
-            fresh = []
-        first = set(fresh)
-        parts = []
-        if fresh:
-            parts.append(([i for i, s in enumerate(slots) if s in first], self._lane_codec(fresh)))
-        rest = [s for s in slots if s not in first]
-        if rest:
-            parts.append(([i for i, s in enumerate(slots) if s not in first],
-                          self._regular_codec(rest, n)))  # fmt: skip
+        staged = self._split(slots, self.codec_fresh if self.lane_on and n == 1 else (),
+                             self._lane_codec, lambda rows: self._regular_codec(rows, n))
         self.codec_fresh.difference_update(slots)
-        return parts[0][1] if len(parts) == 1 else _Split(parts, len(slots))
+        return staged
 
     def _regular_codec(self, slots: list[int], n: int) -> _Staged:
         width = n * SAMPLES_PER_FRAME
@@ -945,7 +941,7 @@ class GraphBackend:
 
     def read_codec(self, staged: _Staged | _Split) -> np.ndarray:
         if isinstance(staged, _Split):
-            return self._read_split(staged, lambda t: t.numpy())
+            return self._read_split(staged)
         return self._read(staged).numpy().copy()
 
     def ready(self, staged: _Staged | _Split) -> bool:
