@@ -258,3 +258,49 @@ def test_graph_backend_matches_eager_backend_with_joins_and_leaves(models):
         got = np.concatenate(pcm[i])
         assert got.shape == ref_pcm.shape and np.abs(got - ref_pcm).max() <= 1e-5
     assert engine.free_slots() == PLAN.num_slots
+
+
+@pytest.fixture(scope="module")
+def text_models(tiny_checkpoint):
+    """The tiny stand-in with a text projection whose outputs matter: its random weights
+    (std 0.02) make every text token's embedding nearly the same (within ~2e-3 of tts_pad),
+    so a text track read one frame off would go unnoticed."""
+    m = Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
+    with torch.no_grad():
+        for lin in (m.talker.text_projection.linear_fc1, m.talker.text_projection.linear_fc2):
+            lin.weight.mul_(40.0)
+    return m
+
+
+@pytest.mark.parametrize("lane", [(), (1, 2)])
+def test_graph_backend_matches_eager_past_the_end_of_streamed_text(text_models, lane):
+    """Short streamed texts, frames well past their last text token (tts_pad from there on):
+    the talker step runs at the start of a frame on the previous frame's codes and text
+    token, and a new row's first frame (on the admission lane, or in a regular step beside
+    stepped rows) uses its prefill's logits. Codes must equal the eager reference's."""
+    models = text_models
+    texts = ["Hi.", "Yes, okay.", "Go"]
+    reqs = [SynthesisRequest(text=t, voice="ryan", seed=3 + i, max_frames=14, non_streaming=False)
+            for i, t in enumerate(texts)]  # fmt: skip
+    eager = EagerEngine(models, plan=PLAN, keep_codes=True)
+    reference = [synthesize(eager, r, chunk_frames=2)[1]["codes"] for r in reqs]
+    plan = EnginePlan(**{**PLAN.model_dump(), "admission_lane": lane})
+    engine = GraphEngine(models, plan, use_graphs=False, keep_codes=True)
+    text_lens = []
+    slots = {}
+    for i, r in enumerate(reqs):  # each joins rows already stepping (from the third step on)
+        s = engine.admit(r)
+        engine.prefill([s])
+        text_lens.append(int(engine.backend.text_len[s]))
+        slots[s] = i
+        for _ in range(2):
+            engine.frames([s for s in slots if engine.table[s].can_launch])
+            engine.audio(list(slots))
+    while any(engine.table[s].can_launch for s in slots):
+        engine.frames([s for s in slots if engine.table[s].can_launch])
+        engine.audio(list(slots))
+    track = engine.backend.text_track
+    assert (track[next(iter(slots)), 0] - engine.backend.tts_pad).abs().max() > 0.1
+    for s, i in slots.items():
+        assert reference[i].shape[0] > text_lens[i] + 2, (reference[i].shape, text_lens[i])
+        assert torch.equal(engine.codes_of(s), reference[i]), i

@@ -2,8 +2,10 @@
 
 Stages (each batched over the slots given):
   prefill(slots)       prompt -> talker KV cache, codebook-0 logits ready
-  frames(slots)        codebook 0 + code predictor (codebooks 1..15) + the next talker step;
-                       returns each slot's new frame, or marks it finished
+  frames(slots)        codebook 0 + code predictor (codebooks 1..15) + the talker step on the
+                       new frame (the graph backend runs it at the start of the next step,
+                       so a first frame waits for no talker step); returns each slot's new
+                       frame, or marks it finished
   audio(slots)         the codec on every frame not yet decoded -> PCM for each slot
 A request's frames never leave the engine between stages: `audio` reads them where
 `frames` wrote them. Both engines are one `runtime.core.EngineCore` (slot table, EOS and

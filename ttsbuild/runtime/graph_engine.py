@@ -10,9 +10,10 @@ Stages (graphs captured at load):
   text     (a request's trailing text track from its staged text ids, per length bucket)
   prefill  (one request, padded to a length bucket: its prompt embeddings built from staged
             ids, its cached prefix KV copied in (runtime.prefix_cache), the rest prefilled)
-  frame    (codebook 0 sampling + the 15-step code predictor with on-device sampling + the
-            next talker step, for B rows: one graph per batch bucket; codes go straight
-            into the ring the codec reads)
+  frame    (the talker step on each row's previous frame, codebook 0 sampling + the 15-step
+            code predictor with on-device sampling, for B rows: one graph per batch bucket;
+            codes go straight into the ring the codec reads; a new row's first frame skips
+            the talker: its prefill left the logits)
   codec    (n frames for B rows: gathers the rows' codec state, steps, scatters it back)
 Each step goes through the C++ step driver: the slot ids are staged in pinned host memory,
 the graph is replayed, and the step's codes / PCM are copied into pinned host memory on a
@@ -445,9 +446,19 @@ class GraphBackend:
         self, rows: torch.Tensor, lane: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame for `rows` (slots): returns the codes [B, G] (also left in the ring) and
-        each row's StopCode [B]. lane: the admission lane's step (see _code_predictor)."""
+        each row's StopCode [B].
+
+        Talker first: the step runs the talker on each row's previous frame (its codes in the
+        ring) to get this frame's codebook-0 logits, then samples the frame. A fresh row (no
+        frame yet) has those logits from its prefill: its talker outputs are discarded and its
+        position stays (the cache entry it wrote is written again by its next step), so a
+        new request's first frame costs no talker step, and no talker step runs after a
+        stream's last frame. lane: the admission lane's step, which holds fresh rows only and
+        runs no talker at all (see _code_predictor for its code-predictor cache)."""
         G = self.cfg.num_code_groups
         fi, seeds = self.frame_idx[rows], self.seed[rows]
+        if not lane:
+            self._talker_step(rows, fi)
         tsamp = self.talker_sampling.select(rows)
         logits = apply_repetition_penalty(
             self.logits[rows], self.history[rows], tsamp.repetition_penalty
@@ -462,10 +473,16 @@ class GraphBackend:
         stop = frame_stop_codes(self.guard_state, self.guards, rows, c0, self.cfg.codec_ids.eos)
         self.codes[rows, :, fi % self.plan.codec_ring] = codes
         self.frame_idx[rows] = fi + 1
+        return codes, stop
 
-        text_pos = fi.clamp(max=self.plan.max_text - 1)
+    def _talker_step(self, rows: torch.Tensor, fi: torch.Tensor) -> None:
+        """The talker over each row's frame fi - 1 (its codes + that frame's text) -> the
+        hidden state and codebook-0 logits of frame fi; rows with fi == 0 keep theirs."""
+        prev = fi - 1
+        codes = self.codes[rows, :, prev % self.plan.codec_ring]  # fresh rows: any old entry
+        text_pos = prev.clamp(min=0, max=self.plan.max_text - 1)
         text = torch.where(
-            (fi < self.text_len[rows])[:, None], self.text_track[rows, text_pos], self.tts_pad
+            (prev < self.text_len[rows])[:, None], self.text_track[rows, text_pos], self.tts_pad
         )
         x = self._embed_frame(codes) + text
         pos = self.position[rows].clamp(max=self.max_len - 1)
@@ -473,10 +490,10 @@ class GraphBackend:
             h = decode_fused(self.talker_stack, x, self.kv_k, self.kv_v, rows, pos)
         else:
             h = self.talker_stack.decode(x, self.kv_k, self.kv_v, rows, pos)
-        self.hidden[rows] = h
-        self.logits[rows] = self.codec_head(h).float()
-        self.position[rows] = pos + 1
-        return codes, stop
+        stepped = (fi > 0)[:, None]
+        self.hidden[rows] = torch.where(stepped, h, self.hidden[rows])
+        self.logits[rows] = torch.where(stepped, self.codec_head(h).float(), self.logits[rows])
+        self.position[rows] = pos + (fi > 0).to(pos.dtype)
 
     def _admit_body(self, b: int) -> None:
         """Write the staged settings of the b requests being prefilled into their slots and
