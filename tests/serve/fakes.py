@@ -65,7 +65,9 @@ class FakeEngine:
     with `async_prefill` (a graph replay that does not sync the host), only occupies the lane.
     `instant`: a step counts as done (ready) as soon as it is launched, for loops driven by
     real time (the fake clock moves only when a step is read); otherwise when the fake clock
-    reaches its end. Launch and read
+    reaches its end. `admission_lane`: a prefill, a frame step of rows not yet stepped and a
+    codec step of rows not yet decoded take an "admit" lane of their own (the GPU engine's
+    admission lane: beside the other steps). Launch and read
     calls are logged in order in `log`; `calls` keeps (stage, slots) per launch."""
 
     clock: FakeClock
@@ -79,7 +81,8 @@ class FakeEngine:
     calls: list = field(default_factory=list)  # (stage, slots)
     log: list = field(default_factory=list)  # ("launch" | "read", kind, ticket id, slots)
     models: object = field(default_factory=lambda: FakeModels())
-    lane_free: dict = field(default_factory=lambda: {"lm": 0.0, "codec": 0.0})
+    admission_lane: bool = False
+    lane_free: dict = field(default_factory=lambda: {"lm": 0.0, "codec": 0.0, "admit": 0.0})
     tickets: int = 0
 
     @property
@@ -113,9 +116,12 @@ class FakeEngine:
         self.calls.append(("prefill", list(slots)))
         for s in slots:
             self.slots[s].prefilled = True
-        self.lane_free["lm"] = max(self.clock.t, self.lane_free["lm"]) + self.cost_s["prefill"]
+        lane = "admit" if self.admission_lane else "lm"
+        self.lane_free[lane] = max(self.clock.t, self.lane_free[lane]) + self.cost_s["prefill"]
+        for s in slots:  # a frame step on another lane follows it
+            self.slots[s].frames_ready_at = self.lane_free[lane]
         if not self.async_prefill:
-            self.clock.t = self.lane_free["lm"]
+            self.clock.t = self.lane_free[lane]
 
     def can_launch(self, slot: int) -> bool:
         st = self.slots[slot]
@@ -125,17 +131,34 @@ class FakeEngine:
         st = self.slots[slot]
         return st.frames - st.decoded
 
-    def _run(self, kind: str, lane: str, slots, start: float, outputs) -> FakeTicket:
-        cost = self.cost_s[kind] + self.per_row_s[kind] * len(slots)
-        start = max(start, self.clock.t, self.lane_free[lane])
-        self.lane_free[lane] = start + cost
+    def _run(self, kind: str, parts, outputs) -> FakeTicket:
+        """One step of `kind` in parts [(lane, slots, start)] (the admission lane's rows and
+        the others): each occupies its lane from `start`; the step ends with the last."""
+        done_at, slots = 0.0, []
+        for lane, rows, start in parts:
+            cost = self.cost_s[kind] + self.per_row_s[kind] * len(rows)
+            begin = max(start, self.clock.t, self.lane_free[lane])
+            self.lane_free[lane] = begin + cost
+            done_at, slots = max(done_at, begin + cost), slots + list(rows)
+            if kind == "frames":  # the frames exist when their own part ends
+                for s in rows:
+                    self.slots[s].frames_ready_at = begin + cost
         self.tickets += 1
-        ticket = FakeTicket(kind, list(slots), start + cost, outputs, self.tickets)
-        self.log.append(("launch", kind, ticket.id, list(slots)))
+        ticket = FakeTicket(kind, slots, done_at, outputs, self.tickets)
+        self.log.append(("launch", kind, ticket.id, slots))
         return ticket
+
+    def _split(self, slots, first: bool, lane: str) -> list:
+        """(lane, rows) parts: rows on their first step of a kind take the admission lane."""
+        parts = [("admit", [s for s in slots if first(s)])] if self.admission_lane else []
+        rest = [s for s in slots if not (self.admission_lane and first(s))]
+        return [(ln, rows) for ln, rows in [*parts, (lane, rest)] if rows]
 
     def launch_frames(self, slots) -> FakeTicket:
         self.calls.append(("frames", list(slots)))
+        parts = [(lane, rows, max(self.slots[s].frames_ready_at for s in rows))  # prefill
+                 for lane, rows in self._split(slots, lambda s: self.slots[s].frames == 0,
+                                               "lm")]  # fmt: skip
         outputs = []
         for s in slots:
             st = self.slots[s]
@@ -143,20 +166,19 @@ class FakeEngine:
             st.frames += 1
             finished = st.frames >= st.request.frames
             outputs.append(SimpleNamespace(slot=s, codes=1, finished=finished))
-        ticket = self._run("frames", "lm", slots, 0.0, outputs)
-        for s in slots:
-            self.slots[s].frames_ready_at = ticket.done_at
-        return ticket
+        return self._run("frames", parts, outputs)
 
     def launch_audio(self, slots, max_frames=None) -> FakeTicket:
         self.calls.append(("audio", list(slots)))
-        pcm, inputs_at = {}, 0.0
+        lane = "codec" if self.codec_lane else "lm"
+        parts = [(ln, rows, max(self.slots[s].frames_ready_at for s in rows))
+                 for ln, rows in self._split(slots, lambda s: self.slots[s].decoded == 0, lane)]
+        pcm = {}
         for s in slots:
             st = self.slots[s]
             pcm[s] = [0.0] * ((st.frames - st.decoded) * FRAME_SAMPLES)
             st.decoded = st.frames
-            inputs_at = max(inputs_at, st.frames_ready_at)
-        return self._run("audio", "codec" if self.codec_lane else "lm", slots, inputs_at, pcm)
+        return self._run("audio", parts, pcm)
 
     def ready(self, ticket: FakeTicket) -> bool:
         return self.instant or self.clock.t >= ticket.done_at

@@ -19,18 +19,19 @@ COST = {"prefill": 0.004, "frames": 0.008, "audio": 0.004}  # GPU-like steps
 
 
 class Harness:
-    def __init__(self, num_slots=8, codec_lane=True, pipelined=True, **cfg):
+    def __init__(self, num_slots=8, codec_lane=True, pipelined=True, express=False,
+                 admission_lane=False, **cfg):  # fmt: skip
         self.clock = FakeClock()
         # A GPU-like engine: a prefill is a graph replay that does not hold the host.
         self.engine = FakeEngine(self.clock, num_slots=num_slots, cost_s=dict(COST),
                                  codec_lane=codec_lane, async_prefill=pipelined,
-                                 instant=False)  # fmt: skip
+                                 instant=False, admission_lane=admission_lane)  # fmt: skip
         config = SchedulerConfig(num_slots=num_slots, admit_by_capacity=False,
                                  max_buffered_s=1e6, stream_buffer_s=1e6, **cfg)  # fmt: skip
         self.sched = Scheduler(config, self.clock, initial_cost_s=0.01)
         self.runner = Runner(self.engine, FakeRequestError)
         self.loop = EngineLoop(self.sched, self.runner, clock=self.clock,
-                               sleep=self.clock.advance)  # fmt: skip
+                               sleep=self.clock.advance, express=express)  # fmt: skip
         self.pipelined = pipelined
         self.events: dict[int, list] = {}
 
@@ -131,6 +132,41 @@ def test_first_audio_waits_behind_at_most_one_frame_step():
     waits = sorted(s.first_audio_at - s.arrived_at - own_path for s in done)
     assert waits[-1] <= COST["frames"] + h.loop.poll_s + 1e-9
     assert waits[0] >= -1e-9
+
+
+def _first_audio_waits(h, seed=7, seconds=6.0):
+    """Arrivals at random moments beside running streams, at least one first chunk's own
+    path apart (the admission lane runs one arrival's work at a time): each first chunk's
+    wait beyond its own prefill, frame and codec steps."""
+    rng = random.Random(seed)
+    own_path = COST["prefill"] + COST["frames"] + COST["audio"]
+    arrivals, next_at = [], 0.0
+    while h.clock.t < seconds:
+        if h.clock.t >= next_at and len(h.sched.by_slot) < 12:
+            arrivals.append(h.submit(frames=rng.randint(10, 60)))
+            next_at = h.clock.t + rng.uniform(own_path, 0.2)
+        if not h.step():
+            h.clock.advance(0.003)
+    done = [s for s in arrivals if s.first_audio_at is not None]
+    assert len(done) >= 40
+    for s in done:  # every stream's audio whole and in order, express turns or not
+        if s.status is Status.FINISHED:
+            check_stream_events(h, s, s.request.frames)
+    return sorted(s.first_audio_at - s.arrived_at - own_path for s in done)
+
+
+def test_express_admission_runs_a_first_chunk_beside_the_steps_in_flight():
+    """With an admission lane, an arrival is admitted while the loop waits for a frame step,
+    and its first codec step is launched right behind its first frame: its first chunk
+    waits for no step of other streams (only the loop's poll); without express admission
+    the same arrivals wait behind the frame step in flight, and a turn for the codec step."""
+    express = _first_audio_waits(Harness(num_slots=16, express=True, admission_lane=True))
+    assert express[0] >= -1e-9
+    poll = 0.0002
+    assert express[-1] <= 2 * poll + 1e-9, express[-5:]
+    plain = _first_audio_waits(Harness(num_slots=16, admission_lane=True))
+    # one arrival in ten or more waits behind a prefill's or codec step's worth of loop turn
+    assert plain[int(0.9 * (len(plain) - 1))] > express[-1] + 0.75 * COST["prefill"]
 
 
 def test_a_slot_taken_over_while_its_steps_are_in_flight_gets_none_of_their_results():

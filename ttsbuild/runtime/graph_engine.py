@@ -961,6 +961,12 @@ class GraphBackend:
             return self._read_split(staged)
         return self._read(staged).numpy().copy()
 
+    @property
+    def concurrent_admission(self) -> bool:
+        """New rows' prefill, first frame and first codec step run on the admission lane's
+        own stream, beside the steps in flight (a GPU with the lane on)."""
+        return self._admit_stream is not None and self.lane_on
+
     def ready(self, staged: _Staged | _Split) -> bool:
         if isinstance(staged, _Split):
             return all(self.ready(part) for _, part in staged.parts)

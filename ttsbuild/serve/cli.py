@@ -96,6 +96,11 @@ def serve(
         "new request's prefill and first frame on a CUDA stream of their own, beside the "
         "frame step of running streams; empty: off; default: the engine's plan)."
     ),  # fmt: skip
+    express_admission: bool = typer.Option(
+        True, help="With an admission lane on a GPU: admit a request that arrives while a "
+        "frame step runs at once, and launch its first codec step right behind its first "
+        "frame (--no-express-admission: at the next loop turn)."
+    ),  # fmt: skip
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve a checkpoint: OpenAI-compatible streaming speech over HTTP and WebSocket."""
@@ -134,6 +139,7 @@ def serve(
         drop_bootstrap_frame=drop_bootstrap_frame,
         trim_onset=trim_onset,
         voices_dir=str(voices_dir) if voices_dir is not None else None,
+        express_admission=express_admission,
     )
     try:
         guard_config = parse_guards(guards, budget_margin, silence_seconds)

@@ -94,3 +94,7 @@ class ServeConfig:
     # model lacks. A map given here must name only the model's speakers (checked at startup).
     voice_aliases: dict[str, str] | None = None
     encode_workers: int = 2  # threads running the mp3/opus/aac/flac/G.711 encoders
+    # An engine whose admission lane runs beside other steps (a GPU): admit an arrival while
+    # the loop waits for a frame step, and launch a first codec step right behind its first
+    # frame (serve.loop.EngineLoop express). False: every arrival waits for the next turn.
+    express_admission: bool = True

@@ -140,7 +140,14 @@ class EngineLoop:
     next frame step is on the device before the last one is read, and a codec step (on its
     own stream on a GPU) never holds the frame loop: its audio is read once it is done
     (polled), at the latest when nothing else is left to do. At most `frames_ahead` frame
-    steps stay in flight after a turn; audio reaches its streams in launch order."""
+    steps stay in flight after a turn; audio reaches its streams in launch order.
+
+    `express` (an engine with an admission lane, whose new rows' prefill, first frame and
+    first codec step run beside the steps in flight): a request that arrives while the loop
+    waits for a frame step is admitted at once, in a turn of its own (Scheduler.plan
+    "new"), instead of after that step; and right after a turn launched new rows' first
+    frame, their first codec step is launched behind it (plan "first-audio"), not a turn
+    later. Without a lane both would only queue work behind the steps in flight."""
 
     def __init__(
         self,
@@ -151,9 +158,12 @@ class EngineLoop:
         poll_s: float = 0.0002,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
+        express: bool = False,
     ):
         self.scheduler = scheduler
         self.runner = runner
+        self.express = express
+        self._express_turn = False  # the next turn admits the arrival that cut a wait short
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.idle_wait_s = idle_wait_s
@@ -168,23 +178,42 @@ class EngineLoop:
 
     def step(self) -> bool:
         """One turn; False when there was nothing to do."""
+        only, self._express_turn = ("new" if self._express_turn else None), False
         with self.lock:
-            plan = self.scheduler.plan()
+            plan = self.scheduler.plan(only)
             if plan.is_empty and not self.in_flight:
                 events = self.scheduler.commit(plan, StepResult())
         if plan.is_empty and not self.in_flight:
             _deliver(events)
             return False
         if not plan.is_empty:
-            step = self.runner.launch(plan, self.clock)
-            with self.lock:
-                step.launched = self.scheduler.commit_launch(plan, step.result)
-                events = self.scheduler.events()
-            _deliver(events)
-            self.in_flight.append(step)
+            step = self._launch(plan)
+            if self.express and plan.stage is Stage.FRAMES and step.result.launched:
+                with self.lock:  # new rows' first frame is on the device: their codec step next
+                    due = self.scheduler.first_audio_due()
+                    plan = self.scheduler.plan("first-audio") if due else plan
+                if due and not plan.is_empty:
+                    self._launch(plan)
         self._read_back(must=plan.is_empty)
         self.steps += 1
         return True
+
+    def _launch(self, plan) -> InFlight:
+        step = self.runner.launch(plan, self.clock)
+        with self.lock:
+            step.launched = self.scheduler.commit_launch(plan, step.result)
+            events = self.scheduler.events()
+        _deliver(events)
+        self.in_flight.append(step)
+        return step
+
+    def _arrival(self) -> bool:
+        """express: a queued request would be admitted now (the caller stops waiting)."""
+        if not (self.express and self.scheduler.queue):  # the queue's length: no lock needed
+            return False
+        with self.lock:
+            self._express_turn = self.scheduler.arrival_admissible()
+        return self._express_turn
 
     def _read_back(self, must: bool) -> None:
         """Read back every stage that is done, oldest first within its kind (frame steps,
@@ -206,9 +235,11 @@ class EngineLoop:
                 due = self.in_flight[0]
             else:
                 return
+            if self._arrival():
+                return  # admit it now; the step waited for is read in a later turn
             audio_in_flight = any(step.stage is Stage.AUDIO for step in self.in_flight)
-            if audio_in_flight and self.poll_s > 0:
-                self.sleep(self.poll_s)  # a codec step may finish first: poll again
+            if (audio_in_flight or self.express) and self.poll_s > 0:
+                self.sleep(self.poll_s)  # a codec step or an arrival may come first: poll
             else:
                 self._commit(due)  # waits for it
                 must = False

@@ -469,13 +469,23 @@ class Scheduler:
         )
 
     # -- engine thread -----------------------------------------------------------------------
-    def plan(self) -> Plan:
+    def plan(self, only: str | None = None) -> Plan:
+        """The next turn's work. `only` narrows it for a turn the loop inserts while steps
+        are in flight (serve.loop.EngineLoop): "new" admits and prefills queued streams and
+        gives their first frame, nothing else (an arrival need not wait for the frame step
+        in flight: with the engine's admission lane its work runs beside it); "first-audio"
+        launches the first codec step of streams whose first frame was just launched,
+        nothing else (admissions and prompts wait for the next turn)."""
         now = self.clock()
         release, self.to_release = self.to_release, []
         held = [s for s in self.by_slot.values() if s.status is Status.PREFILL]
-        admit = self._admissions(now, len(held))
+        admit = [] if only == "first-audio" else self._admissions(now, len(held))
         ready = self._ready(now)
-        run_prefill = self._prefill_now(ready)
+        run_prefill = only != "first-audio" and self._prefill_now(ready)
+        if only == "new":
+            ready = []
+        elif only == "first-audio":  # their first codec step, alone on the engine's lane
+            ready = [r for r in ready if r.stage is Stage.AUDIO and _first_chunk_due(r.stream)]
         if run_prefill:
             ready += [self._rank(s, Stage.FRAMES, now, new=True) for s in held + admit]
         ready.sort(key=lambda r: r.order)
@@ -487,6 +497,21 @@ class Scheduler:
             self._last_commit = None  # idle: the next step's cost starts fresh
         self.observer.on_plan(plan, len(self.queue) - len(admit), len(self.by_slot))
         return plan
+
+    def arrival_admissible(self) -> bool:
+        """A queued stream would be admitted by a turn planned now (a free slot, capacity)."""
+        if not self.queue:
+            return False
+        held = sum(1 for s in self.by_slot.values() if s.status is Status.PREFILL)
+        return bool(self._admissions(self.clock(), held))
+
+    def first_audio_due(self) -> bool:
+        """A stream waiting for its first audio has the frames of its first chunk (certain
+        ones in flight included) and no codec step launched."""
+        return any(
+            _first_chunk_due(s) and s.next_stage() is Stage.AUDIO and not self._paused(s)
+            for s in self.by_slot.values()
+        )
 
     def commit(self, plan: Plan, result: StepResult) -> list[tuple[Sink, Event]]:
         """Account a plan whose work was launched and read back at once."""
@@ -765,5 +790,10 @@ class Scheduler:
 
 
 CANCEL = "cancel"  # guards.StopReason.CANCEL (this module stays free of torch imports)
+def _first_chunk_due(s: Stream) -> bool:
+    """No codec step of this stream launched yet."""
+    return s.first_audio_at is None and s.audio_steps == 0 and s.audio_inflight == 0
+
+
 CLASS_ORDER = {"deadline": 0, "first-audio": 1, "soon": 2, "round-robin": 3}
 # A plan's reason is its anchor's class, or "codec-first" (see _chunk_runs_dry_during_frames).

@@ -117,7 +117,10 @@ class SpeechService:
         # chunk, the bootstrap frame it may carry, and the step launched before it is read.
         self.max_chunk_frames = self.plan.codec_ring - 2
         self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
-        self.loop = EngineLoop(self.scheduler, Runner(engine, RequestError))
+        # Express admission pays only where the lane's work runs beside the steps in flight.
+        lane = bool(getattr(getattr(engine, "backend", None), "concurrent_admission", False))
+        self.loop = EngineLoop(self.scheduler, Runner(engine, RequestError),
+                               express=config.express_admission and lane)  # fmt: skip
         self.ready = False
         self.event_loop: asyncio.AbstractEventLoop | None = None
         self.encode_pool = ThreadPoolExecutor(config.encode_workers, "encode")
