@@ -11,7 +11,7 @@ import pytest
 
 from ttsbuild.serve.config import FRAME_SAMPLES, SchedulerConfig
 from ttsbuild.serve.loop import EngineLoop, Runner
-from ttsbuild.serve.scheduler import Chunk, Done, Scheduler, Status
+from ttsbuild.serve.scheduler import Chunk, Done, NullObserver, Scheduler, Status
 
 from .fakes import FakeClock, FakeEngine, FakeRequest, FakeRequestError
 
@@ -134,7 +134,7 @@ def test_first_audio_waits_behind_at_most_one_frame_step():
     assert waits[0] >= -1e-9
 
 
-def _first_audio_waits(h, seed=7, seconds=6.0):
+def _first_audio_waits(h, seed=7, seconds=6.0, min_done=40):
     """Arrivals at random moments beside running streams, at least one first chunk's own
     path apart (the admission lane runs one arrival's work at a time): each first chunk's
     wait beyond its own prefill, frame and codec steps."""
@@ -148,7 +148,7 @@ def _first_audio_waits(h, seed=7, seconds=6.0):
         if not h.step():
             h.clock.advance(0.003)
     done = [s for s in arrivals if s.first_audio_at is not None]
-    assert len(done) >= 40
+    assert len(done) >= min_done
     for s in done:  # every stream's audio whole and in order, express turns or not
         if s.status is Status.FINISHED:
             check_stream_events(h, s, s.request.frames)
@@ -167,6 +167,24 @@ def test_express_admission_runs_a_first_chunk_beside_the_steps_in_flight():
     plain = _first_audio_waits(Harness(num_slots=16, admission_lane=True))
     # one arrival in ten or more waits behind a prefill's or codec step's worth of loop turn
     assert plain[int(0.9 * (len(plain) - 1))] > express[-1] + 0.75 * COST["prefill"]
+
+
+def test_first_audio_phases_add_up_to_the_time_to_first_audio():
+    """The metrics' phases of a first chunk (admit, frame, codec, read) partition its time."""
+    seen = []
+
+    class Recorder(NullObserver):
+        def on_first_audio(self, ttfa_s, phases=None):
+            seen.append((ttfa_s, phases))
+
+    h = Harness(num_slots=16, express=True, admission_lane=True)
+    h.sched.observer = Recorder()
+    waits = _first_audio_waits(h, seconds=2.0, min_done=10)
+    assert len(seen) == len(waits)
+    for ttfa, phases in seen:
+        assert set(phases) == {"admit", "frame", "codec", "read"}
+        assert min(phases.values()) >= 0 and sum(phases.values()) == pytest.approx(ttfa)
+        assert phases["read"] >= COST["audio"] - 1e-9  # the codec step runs in that phase
 
 
 def test_a_slot_taken_over_while_its_steps_are_in_flight_gets_none_of_their_results():

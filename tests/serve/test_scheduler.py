@@ -347,7 +347,7 @@ class TtfaAndLateness(LatenessRecorder):
         super().__init__()
         self.ttfa = []
 
-    def on_first_audio(self, ttfa_s: float) -> None:
+    def on_first_audio(self, ttfa_s: float, phases=None) -> None:
         self.ttfa.append(ttfa_s)
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ttsbuild.serve.scheduler import Plan, Stage
+from ttsbuild.serve.scheduler import FIRST_AUDIO_PHASES, Plan, Stage
 
 _LATENCY_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10)
+# time to first audio and its phases: millisecond steps where the targets are (15-40 ms)
+_TTFA_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.012, 0.014, 0.016,
+                 0.018, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5, 10)
 _LATENESS_BUCKETS = (-1, -0.5, -0.2, -0.1, -0.05, -0.02, 0, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # guards.StopReason values, listed so every series exists (at 0) from the start.
@@ -21,7 +24,13 @@ class ServeMetrics:
         self.registry = r = registry or CollectorRegistry()
         self.ttfa = Histogram(
             "tts_time_to_first_audio_seconds", "Arrival to first audio chunk handed to the client",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            buckets=_TTFA_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttfa_phases = Histogram(
+            "tts_first_audio_phase_seconds", "Where time to first audio goes, as the engine "
+            "thread sees it: admit (arrival -> admission launched), frame (-> first frame step "
+            "launched), codec (-> first codec step launched), read (-> audio handed over)",
+            ["phase"], buckets=_TTFA_BUCKETS, registry=r,
         )  # fmt: skip
         self.lateness = Histogram(
             "tts_chunk_lateness_seconds",
@@ -54,6 +63,8 @@ class ServeMetrics:
         )  # fmt: skip
         for reason in STOP_REASONS:
             self.stops.labels(reason)
+        for phase in FIRST_AUDIO_PHASES:
+            self.ttfa_phases.labels(phase)
         for stage in Stage:
             self.batch.labels(stage.value)
             self.stage_seconds.labels(stage.value)
@@ -71,8 +82,10 @@ class ServeMetrics:
         if frames:
             self.frames.inc(frames)
 
-    def on_first_audio(self, ttfa_s: float) -> None:
+    def on_first_audio(self, ttfa_s: float, phases: dict[str, float] | None = None) -> None:
         self.ttfa.observe(ttfa_s)
+        for phase, seconds in (phases or {}).items():
+            self.ttfa_phases.labels(phase).observe(seconds)
 
     def on_chunk(self, lateness_s: float) -> None:
         self.lateness.observe(lateness_s)

@@ -152,6 +152,8 @@ class Stream:
     samples_sent: int = 0
     samples_unsent: int = 0  # handed to the sink, not yet acked as written to the client
     admitted_at: float | None = None
+    first_frame_at: float | None = None  # its first frame step launched
+    first_codec_at: float | None = None  # its first codec step launched
     first_audio_at: float | None = None
     behind: bool = False  # its latest chunk came after its playback had run dry
     last_served_at: float = 0.0
@@ -260,7 +262,7 @@ class Observer(Protocol):
 
     def on_plan(self, plan: Plan, queue_depth: int, active: int) -> None: ...
     def on_step(self, stage: Stage, batch: int, elapsed_s: float, frames: int) -> None: ...
-    def on_first_audio(self, ttfa_s: float) -> None: ...
+    def on_first_audio(self, ttfa_s: float, phases: dict[str, float] | None = None) -> None: ...
     def on_chunk(self, lateness_s: float) -> None: ...
     def on_reject(self, reason: str) -> None: ...
     def on_stop(self, reason: str) -> None: ...
@@ -269,7 +271,7 @@ class Observer(Protocol):
 class NullObserver:
     def on_plan(self, plan: Plan, queue_depth: int, active: int) -> None: ...
     def on_step(self, stage: Stage, batch: int, elapsed_s: float, frames: int) -> None: ...
-    def on_first_audio(self, ttfa_s: float) -> None: ...
+    def on_first_audio(self, ttfa_s: float, phases: dict[str, float] | None = None) -> None: ...
     def on_chunk(self, lateness_s: float) -> None: ...
     def on_reject(self, reason: str) -> None: ...
     def on_stop(self, reason: str) -> None: ...
@@ -536,7 +538,11 @@ class Scheduler:
                     s.inflight += 1
                     s.certain += slot in launched.certain
                     s.frame_step = self._frame_steps
+                    if s.first_frame_at is None:
+                        s.first_frame_at = now
             elif result.decoded.get(slot, 0) > 0:
+                if s.first_codec_at is None:
+                    s.first_codec_at = now
                 s.decoded += result.decoded[slot]
                 s.audio_steps += 1
                 s.audio_inflight += 1
@@ -730,7 +736,7 @@ class Scheduler:
         if s.first_audio_at is None:
             s.first_audio_at = now
             if due is None:
-                self.observer.on_first_audio(now - s.arrived_at)
+                self.observer.on_first_audio(now - s.arrived_at, _first_audio_phases(s, now))
         if due is not None:
             self.observer.on_chunk(now - due)
             s.behind = now > due
@@ -790,6 +796,20 @@ class Scheduler:
 
 
 CANCEL = "cancel"  # guards.StopReason.CANCEL (this module stays free of torch imports)
+def _first_audio_phases(s: Stream, now: float) -> dict[str, float] | None:
+    """Where a first chunk's time went, as the engine thread saw it: arrival -> admitted
+    (its admission turn launched), -> first frame step launched, -> first codec step
+    launched, -> its audio read back and handed over."""
+    marks = (s.arrived_at, s.admitted_at, s.first_frame_at, s.first_codec_at, now)
+    if any(m is None for m in marks):
+        return None
+    spans = zip(FIRST_AUDIO_PHASES, marks[:-1], marks[1:], strict=True)
+    return {name: b - a for name, a, b in spans}
+
+
+FIRST_AUDIO_PHASES = ("admit", "frame", "codec", "read")
+
+
 def _first_chunk_due(s: Stream) -> bool:
     """No codec step of this stream launched yet."""
     return s.first_audio_at is None and s.audio_steps == 0 and s.audio_inflight == 0
