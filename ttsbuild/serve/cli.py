@@ -7,6 +7,7 @@ Register it on the main app:
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -30,6 +31,10 @@ def serve(
     profile: ProfileName = typer.Option(
         ProfileName.low_latency, help="Chunk schedule and deadline margins: low-latency "
         "[1,2,4,8,12] frames, balanced [4,4,8,16,25], throughput [25]."
+    ),  # fmt: skip
+    chunk_schedule: str = typer.Option(
+        None, "--chunk-schedule", help="Frames per audio chunk, e.g. 1,2,4,8 (the last entry "
+        "repeats); default: the profile's. A request may still ask for its own."
     ),  # fmt: skip
     device: str | None = typer.Option(None, help="cpu, cuda, cuda:1 (default: cuda if any)."),
     slots: int | None = typer.Option(
@@ -118,6 +123,14 @@ def serve(
     if checkpoint is not None and not checkpoint.is_dir():
         _err.print(f"[red]error:[/] {checkpoint} is not a directory")
         raise typer.Exit(2)
+    chosen = PROFILES[profile]
+    if chunk_schedule is not None:
+        sizes = parse_sizes(chunk_schedule, "--chunk-schedule")
+        if not sizes or min(sizes) < 1:
+            _err.print(f"[red]error:[/] --chunk-schedule wants frame counts >= 1, got "
+                       f"{chunk_schedule!r}")  # fmt: skip
+            raise typer.Exit(2)
+        chosen = replace(chosen, chunk_schedule=sizes)
     aliases = {} if voice_alias else None
     for item in voice_alias:
         name, _, speaker = item.partition("=")
@@ -128,7 +141,7 @@ def serve(
     config = ServeConfig(
         voice_aliases=aliases,
         scheduler=SchedulerConfig(
-            profile=PROFILES[profile],
+            profile=chosen,
             num_slots=256,  # bounded by the engine's plan below
             max_queue=max_queue,
             queue_timeout_s=queue_timeout,

@@ -116,6 +116,10 @@ class SpeechService:
         # Frames a stream may have launched but not decoded stay below the code ring: one
         # chunk, the bootstrap frame it may carry, and the step launched before it is read.
         self.max_chunk_frames = self.plan.codec_ring - 2
+        default = config.scheduler.profile.chunk_schedule
+        if max(default) > self.max_chunk_frames:
+            raise ValueError(f"chunk schedule {list(default)}: entries must be at most "
+                             f"{self.max_chunk_frames} frames for this engine")  # fmt: skip
         self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
         # Express admission pays only where the lane's work runs beside the steps in flight.
         lane = bool(getattr(getattr(engine, "backend", None), "concurrent_admission", False))

@@ -1,0 +1,32 @@
+"""`ttsbuild serve` flags: bad values are usage errors (exit 2) before any model loads."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+from ttsbuild.cli import app
+from ttsbuild.serve.config import PROFILES, ProfileName, SchedulerConfig, ServeConfig
+from ttsbuild.serve.service import SpeechService
+
+from .fakes import FakeClock, FakeEngine
+
+
+@pytest.mark.parametrize("value, message", [("0,2", "frame counts >= 1"),
+                                            ("1,x", "comma-separated integers")])  # fmt: skip
+def test_a_bad_chunk_schedule_is_a_usage_error(value, message):
+    result = CliRunner().invoke(app, ["serve", "--random", "tiny", "--chunk-schedule", value])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
+def test_a_chunk_schedule_beyond_the_code_ring_is_refused_at_startup():
+    engine = FakeEngine(FakeClock())
+    too_long = replace(PROFILES[ProfileName.low_latency], chunk_schedule=(1, 2, 100))
+    config = ServeConfig(scheduler=SchedulerConfig(profile=too_long))
+    with pytest.raises(ValueError, match="at most 62 frames"):
+        SpeechService(engine, config)
+    fits = replace(too_long, chunk_schedule=(1, 2, 4, 8))
+    SpeechService(engine, ServeConfig(scheduler=SchedulerConfig(profile=fits)))
