@@ -1,0 +1,62 @@
+"""Where time to first audio goes, from `ttsbuild serve`'s /metrics saved after each rate of
+a sweep (`rps-R/server_metrics.txt`): the histogram `tts_time_to_first_audio_seconds` and its
+phases `tts_first_audio_phase_seconds{phase}` (admit: arrival -> admission launched; frame:
+-> first frame step launched; codec: -> first codec step launched; read: -> audio handed
+over). The metrics are cumulative per server: give the files of one server in the order of
+its rates, and each rate is shown as the difference from the one before. Quantiles are the
+upper edges of the histogram buckets that hold them.
+
+    python benchmarks/serve/first_audio_phases.py DIR/rps-20/server_metrics.txt DIR/rps-40/...
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+PHASES = ("admit", "frame", "codec", "read")
+QUANTILES = (0.5, 0.9, 0.95, 0.99)
+
+
+def load(path: str) -> dict[str, float]:
+    samples = {}
+    for line in open(path):
+        m = re.match(r"(\S+?)(\{[^}]*\})? ([-\d.e+]+|[+-]Inf|NaN)$", line.strip())
+        if m and not line.startswith("#"):
+            samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return samples
+
+
+def summary(now: dict, before: dict, name: str, label: str = "") -> tuple[int, float, list]:
+    """(count, mean ms, bucket upper edges in ms holding each quantile) since `before`."""
+    buckets = []
+    for key, value in now.items():
+        if key.startswith(name + "_bucket{") and label in key:
+            le = re.search(r'le="([^"]+)"', key).group(1)
+            edge = float("inf") if le == "+Inf" else float(le)
+            buckets.append((edge, value - before.get(key, 0.0)))
+    buckets.sort()
+    total = buckets[-1][1] if buckets else 0
+    sum_key = f"{name}_sum" + (f"{{{label}}}" if label else "")
+    mean = (now.get(sum_key, 0) - before.get(sum_key, 0)) / total * 1e3 if total else 0.0
+    if not total:
+        return 0, mean, []
+    edges = [next(e * 1e3 for e, c in buckets if c >= q * total) for q in QUANTILES]
+    return int(total), mean, edges
+
+
+def main(paths: list[str]) -> None:
+    before: dict[str, float] = {}
+    for path in paths:
+        now = load(path)
+        n, mean, edges = summary(now, before, "tts_time_to_first_audio_seconds")
+        print(f"{path}: {n} first chunks, mean {mean:.2f} ms, p50/p90/p95/p99 <= {edges} ms")
+        for phase in PHASES:
+            _, mean, edges = summary(now, before, "tts_first_audio_phase_seconds",
+                                     f'phase="{phase}"')  # fmt: skip
+            print(f"  {phase:6s} mean {mean:6.2f} ms, p50/p90/p95/p99 <= {edges} ms")
+        before = now
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
