@@ -166,6 +166,15 @@ def test_voices_health_ready_metrics(server):
         'tts_schedule_decisions_total{reason="first-audio"}', 'tts_requests_total{api="http"',
     ]:  # fmt: skip
         assert name in text, name
+    # the engine thread's host time per call, and the event loop's lag, were observed
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    for part in ("plan", "admit", "prefill", "launch_frames", "launch_audio", "collect_frames",
+                 "collect_audio", "commit"):  # fmt: skip
+        assert float(samples[f'tts_engine_host_seconds_count{{part="{part}"}}']) > 0, part
+    assert float(samples["tts_event_loop_lag_seconds_count"]) > 0
+    phases = [f'tts_first_audio_phase_seconds_count{{phase="{p}"}}' for p in
+              ("admit", "frame", "codec", "read")]  # fmt: skip
+    assert all(float(samples[k]) > 0 for k in phases)
 
 
 def test_dropping_the_bootstrap_frame_as_for_real_checkpoints(tiny_ckpt):

@@ -60,12 +60,23 @@ class InFlight:
     launched: Launched | None = None  # the scheduler's record (set by the loop)
 
 
-class Runner:
-    """Executes a plan on the engine; knows nothing of policy."""
+HostTimer = Callable[[str, float], None]  # (part, seconds) of the engine thread's own time
 
-    def __init__(self, engine: Engine, request_error: type[Exception] = ValueError):
+
+def _no_timer(part: str, seconds: float) -> None:
+    pass
+
+
+class Runner:
+    """Executes a plan on the engine; knows nothing of policy. `timer` hears the host time of
+    each engine call (admit, prefill, launch_frames, launch_audio, collect_frames,
+    collect_audio): where the engine thread's time goes, e.g. a launch that blocks."""
+
+    def __init__(self, engine: Engine, request_error: type[Exception] = ValueError,
+                 timer: HostTimer | None = None):  # fmt: skip
         self.engine = engine
         self.request_error = request_error
+        self.timer = timer or _no_timer
         self._last_read = dict.fromkeys(Stage, float("-inf"))  # per stage: clock at last read
 
     def execute(self, plan: Plan, clock: Callable[[], float] = time.perf_counter) -> StepResult:
@@ -74,16 +85,19 @@ class Runner:
 
     def launch(self, plan: Plan, clock: Callable[[], float] = time.perf_counter) -> InFlight:
         """Release, admit and prefill, then launch the stage without waiting for it."""
-        engine, result = self.engine, StepResult()
+        engine, result, timer = self.engine, StepResult(), self.timer
         for slot in plan.release:
             engine.release(slot)
         new_slots = []
         for stream in plan.admit:
+            start = time.perf_counter()
             try:
                 slot = engine.admit(stream.request)
             except self.request_error as exc:
                 result.admitted[stream.id] = str(exc)
                 continue
+            finally:
+                timer("admit", time.perf_counter() - start)
             result.admitted[stream.id] = slot
             new_slots.append(slot)
             result.seeds[stream.id] = engine.seed_of(slot)
@@ -91,7 +105,9 @@ class Runner:
             result.prefilled = plan.prefill + new_slots
         if result.prefilled:
             start = clock()
+            host = time.perf_counter()
             engine.prefill(result.prefilled)
+            timer("prefill", time.perf_counter() - host)
             result.prefill_s = clock() - start
         result.stage_slots = list(plan.slots)
         if plan.stage is Stage.FRAMES and plan.frames_take_new:
@@ -99,6 +115,7 @@ class Runner:
         start, ticket = clock(), None
         if not result.stage_slots:
             return InFlight(plan.stage, result, None, start)
+        host = time.perf_counter()
         if plan.stage is Stage.FRAMES:
             # A row whose last frame is still in flight cannot be launched again.
             rows = [s for s in result.stage_slots if engine.can_launch(s)]
@@ -106,9 +123,11 @@ class Runner:
             ticket = engine.launch_frames(rows) if rows else None
             result.launched = rows
             result.certain = [s for s in rows if engine.pending_frames(s) > known[s]]
+            timer("launch_frames", time.perf_counter() - host)
         elif plan.stage is Stage.AUDIO:
             result.decoded = {s: engine.pending_frames(s) for s in result.stage_slots}
             ticket = engine.launch_audio(result.stage_slots)
+            timer("launch_audio", time.perf_counter() - host)
         return InFlight(plan.stage, result, ticket, start)
 
     def ready(self, step: InFlight) -> bool:
@@ -117,13 +136,16 @@ class Runner:
     def collect(self, step: InFlight, clock: Callable[[], float] = time.perf_counter) -> StepResult:
         """Read a launched stage back (waits for it) into its StepResult."""
         engine, result = self.engine, step.result
+        host = time.perf_counter()
         if step.ticket is not None and step.stage is Stage.FRAMES:
             for out in engine.collect(step.ticket):
                 result.frames[out.slot] = (out.codes is not None, out.finished)
                 if out.finished:
                     result.stopped_by[out.slot] = str(engine.stopped_by(out.slot))
+            self.timer("collect_frames", time.perf_counter() - host)
         elif step.ticket is not None and step.stage is Stage.AUDIO:
             result.pcm = engine.collect_audio(step.ticket)
+            self.timer("collect_audio", time.perf_counter() - host)
         # A stage's cost: from its launch, or from when the previous step of its kind was read
         # (launched ahead, it queued behind that one): back to back, steps cost their spacing.
         now = clock()
@@ -179,10 +201,12 @@ class EngineLoop:
     def step(self) -> bool:
         """One turn; False when there was nothing to do."""
         only, self._express_turn = ("new" if self._express_turn else None), False
-        with self.lock:
+        start = time.perf_counter()
+        with self.lock:  # the lock's wait counts: the asyncio side holds it to submit
             plan = self.scheduler.plan(only)
             if plan.is_empty and not self.in_flight:
                 events = self.scheduler.commit(plan, StepResult())
+        self.runner.timer("plan", time.perf_counter() - start)
         if plan.is_empty and not self.in_flight:
             _deliver(events)
             return False
@@ -200,10 +224,12 @@ class EngineLoop:
 
     def _launch(self, plan) -> InFlight:
         step = self.runner.launch(plan, self.clock)
+        start = time.perf_counter()
         with self.lock:
             step.launched = self.scheduler.commit_launch(plan, step.result)
             events = self.scheduler.events()
         _deliver(events)
+        self.runner.timer("commit", time.perf_counter() - start)
         self.in_flight.append(step)
         return step
 
@@ -247,9 +273,11 @@ class EngineLoop:
     def _commit(self, step: InFlight) -> None:
         self.in_flight.remove(step)
         result = self.runner.collect(step, self.clock)
+        start = time.perf_counter()
         with self.lock:
             events = self.scheduler.commit_collect(step.launched, result)
         _deliver(events)
+        self.runner.timer("commit", time.perf_counter() - start)
 
     def run(self) -> None:
         try:

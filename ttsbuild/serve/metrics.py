@@ -12,6 +12,10 @@ _TTFA_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.012, 0
                  0.018, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5, 10)
 _LATENESS_BUCKETS = (-1, -0.5, -0.2, -0.1, -0.05, -0.02, 0, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# host time of engine-thread calls and event-loop lag: from tens of microseconds up
+_HOST_BUCKETS = (2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5)
+ENGINE_HOST_PARTS = ("plan", "admit", "prefill", "launch_frames", "launch_audio",
+                     "collect_frames", "collect_audio", "commit")  # fmt: skip
 # guards.StopReason values, listed so every series exists (at 0) from the start.
 STOP_REASONS = ("eos", "text_budget", "repetition", "silence", "max_frames", "length_rule",
                 "cancel")  # fmt: skip
@@ -63,6 +67,19 @@ class ServeMetrics:
         )  # fmt: skip
         for reason in STOP_REASONS:
             self.stops.labels(reason)
+        self.engine_host = Histogram(
+            "tts_engine_host_seconds", "Host time of the engine thread's calls: plan (the "
+            "scheduler, its lock's wait included), admit, prefill and the stage launches "
+            "(staging and graph launches), collect (reading a finished step back), commit "
+            "(accounting and handing chunks over)", ["part"], buckets=_HOST_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.event_loop_lag = Histogram(
+            "tts_event_loop_lag_seconds", "How late a 10 ms timer of the HTTP event loop fires "
+            "(a busy event loop, or its thread waiting for the GIL)", buckets=_HOST_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        for part in ENGINE_HOST_PARTS:
+            self.engine_host.labels(part)
         for phase in FIRST_AUDIO_PHASES:
             self.ttfa_phases.labels(phase)
         for stage in Stage:
@@ -81,6 +98,10 @@ class ServeMetrics:
         self.stage_seconds.labels(stage.value).observe(elapsed_s)
         if frames:
             self.frames.inc(frames)
+
+    def on_host(self, part: str, seconds: float) -> None:
+        """serve.loop's HostTimer."""
+        self.engine_host.labels(part).observe(seconds)
 
     def on_first_audio(self, ttfa_s: float, phases: dict[str, float] | None = None) -> None:
         self.ttfa.observe(ttfa_s)

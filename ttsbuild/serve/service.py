@@ -123,8 +123,10 @@ class SpeechService:
         self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
         # Express admission pays only where the lane's work runs beside the steps in flight.
         lane = bool(getattr(getattr(engine, "backend", None), "concurrent_admission", False))
-        self.loop = EngineLoop(self.scheduler, Runner(engine, RequestError),
+        runner = Runner(engine, RequestError, timer=self.metrics.on_host)
+        self.loop = EngineLoop(self.scheduler, runner,
                                express=config.express_admission and lane)  # fmt: skip
+        self.lag_probe: asyncio.Task | None = None
         self.ready = False
         self.event_loop: asyncio.AbstractEventLoop | None = None
         self.encode_pool = ThreadPoolExecutor(config.encode_workers, "encode")
@@ -168,8 +170,23 @@ class SpeechService:
         """Start the engine thread; call from the event loop that will serve requests."""
         self.event_loop = asyncio.get_running_loop()
         self.loop.start()
+        self.lag_probe = self.event_loop.create_task(self._probe_event_loop_lag())
+
+    async def _probe_event_loop_lag(self, period_s: float = 0.01) -> None:
+        """Every period, how late the event loop wakes (tts_event_loop_lag_seconds)."""
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(period_s)
+            self.metrics.event_loop_lag.observe(max(0.0, time.perf_counter() - start - period_s))
 
     def stop(self) -> None:
+        probe, loop = self.lag_probe, self.event_loop
+        if probe is not None and loop is not None and not loop.is_closed():
+            try:
+                same_thread = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                same_thread = False
+            probe.cancel() if same_thread else loop.call_soon_threadsafe(probe.cancel)
         self.loop.stop()
         self.encode_pool.shutdown(wait=False, cancel_futures=True)
 
