@@ -78,6 +78,13 @@ class ServeMetrics:
             "(a busy event loop, or its thread waiting for the GIL)", buckets=_HOST_BUCKETS,
             registry=r,
         )  # fmt: skip
+        self.gc_pause = Histogram(
+            "tts_gc_pause_seconds", "Pauses of Python's cyclic garbage collector, by "
+            "generation (every thread stops)", ["generation"], buckets=_HOST_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        for generation in "012":
+            self.gc_pause.labels(generation)
         for part in ENGINE_HOST_PARTS:
             self.engine_host.labels(part)
         for phase in FIRST_AUDIO_PHASES:
