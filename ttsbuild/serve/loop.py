@@ -214,10 +214,10 @@ class EngineLoop:
             step = self._launch(plan)
             if self.express and plan.stage is Stage.FRAMES and step.result.launched:
                 with self.lock:  # new rows' first frame is on the device: their codec step next
-                    due = self.scheduler.first_audio_due()
-                    plan = self.scheduler.plan("first-audio") if due else plan
-                if due and not plan.is_empty:
-                    self._launch(plan)
+                    first = self.scheduler.plan("first-audio") if (
+                        self.scheduler.first_audio_due()) else None  # fmt: skip
+                if first is not None and not first.is_empty:
+                    self._launch(first)
         self._read_back(must=plan.is_empty)
         self.steps += 1
         return True
