@@ -80,4 +80,13 @@ for SET in $DATASETS; do
     "$PY" -c 'import json, sys; from ttsbuild.bench.sweep import capacity_line
 print(sys.argv[2] + ": " + capacity_line(json.load(open(sys.argv[1]))))' "$RESULTS/$SET/sweep.json" "$SET"
 done
-echo "== results in $RESULTS/<set>/ (sweep.json, rps-R/server_metrics.txt, plots) and $RESULTS/server.log"
+for SET in $DATASETS; do  # where first chunks' time went, per rate (the server's /metrics)
+    rates=$(ls -d "$RESULTS/$SET"/rps-* 2>/dev/null | sort -t- -k2 -g)
+    # shellcheck disable=SC2086
+    [ -z "$rates" ] || "$PY" benchmarks/serve/first_audio_phases.py \
+        $(for r in $rates; do echo "$r/server_metrics.txt"; done) | tee "$RESULTS/$SET/phases.txt"
+done
+# one file to bring back from a device host (it returns few files, two folders deep)
+tar czf "$RESULTS.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
+echo "== results in $RESULTS/<set>/ (sweep.json, rps-R/server_metrics.txt, plots, phases.txt),"
+echo "   $RESULTS/server.log, all of it in $RESULTS.tgz"

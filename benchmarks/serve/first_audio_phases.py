@@ -2,9 +2,11 @@
 a sweep (`rps-R/server_metrics.txt`): the histogram `tts_time_to_first_audio_seconds` and its
 phases `tts_first_audio_phase_seconds{phase}` (admit: arrival -> admission launched; frame:
 -> first frame step launched; codec: -> first codec step launched; read: -> audio handed
-over). The metrics are cumulative per server: give the files of one server in the order of
-its rates, and each rate is shown as the difference from the one before. Quantiles are the
-upper edges of the histogram buckets that hold them.
+over); then what the engine thread and the event loop spent their time on, where the
+server has those metrics: `tts_engine_host_seconds{part}`, `tts_event_loop_lag_seconds`,
+`tts_gc_pause_seconds{generation}`. The metrics are cumulative per server: give the files of
+one server in the order of its rates, and each rate is shown as the difference from the one
+before. Quantiles are the upper edges of the histogram buckets that hold them.
 
     python benchmarks/serve/first_audio_phases.py DIR/rps-20/server_metrics.txt DIR/rps-40/...
 """
@@ -15,6 +17,8 @@ import re
 import sys
 
 PHASES = ("admit", "frame", "codec", "read")
+HOST_PARTS = ("plan", "admit", "prefill", "launch_frames", "launch_audio", "collect_frames",
+              "collect_audio", "commit")  # fmt: skip
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 
 
@@ -55,6 +59,15 @@ def main(paths: list[str]) -> None:
             _, mean, edges = summary(now, before, "tts_first_audio_phase_seconds",
                                      f'phase="{phase}"')  # fmt: skip
             print(f"  {phase:6s} mean {mean:6.2f} ms, p50/p90/p95/p99 <= {edges} ms")
+        rows = [("engine " + part, "tts_engine_host_seconds", f'part="{part}"')
+                for part in HOST_PARTS]  # fmt: skip
+        rows += [("event-loop lag", "tts_event_loop_lag_seconds", "")]
+        rows += [(f"gc gen {g}", "tts_gc_pause_seconds", f'generation="{g}"') for g in "012"]
+        for title, name, label in rows:
+            n, mean, edges = summary(now, before, name, label)
+            if n:
+                print(f"  {title:22s} n {n:7d}, mean {mean:6.3f} ms, p50/p90/p95/p99 <= "
+                      f"{edges} ms, total {n * mean / 1e3:.2f} s")  # fmt: skip
         before = now
 
 
