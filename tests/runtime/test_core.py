@@ -304,3 +304,36 @@ def test_graph_backend_matches_eager_past_the_end_of_streamed_text(text_models, 
     for s, i in slots.items():
         assert reference[i].shape[0] > text_lens[i] + 2, (reference[i].shape, text_lens[i])
         assert torch.equal(engine.codes_of(s), reference[i]), i
+
+
+def test_a_lone_streams_next_frame_step_follows_its_first_codec_step_on_the_lane(models):
+    """With the admission lane, a regular frame step holding only rows whose first codec step
+    ran on the lane is ordered after that step (the first chunk has the device to itself); a
+    step that also holds another stream's rows is not held back by it."""
+    plan = EnginePlan(**{**PLAN.model_dump(), "admission_lane": (1, 2)})
+    engine = GraphEngine(models, plan, use_graphs=False, keep_codes=True)
+    be = engine.backend
+    seen = []
+    launch = be._launch
+
+    def spy(ring, slots, step, outputs, width, rows_in, lane, after, buckets=None):
+        staged = launch(ring, slots, step, outputs, width, rows_in, lane, after, buckets)
+        seen.append((list(slots), list(after), staged.ticket))
+        return staged
+
+    be._launch = spy
+    old = engine.admit(req(0, 12))
+    engine.prefill([old])
+    engine.frames([old])  # its first frame, on the lane
+    engine.audio([old], max_frames=1)  # its first codec step, on the lane
+    first_codec = seen[-1][2]
+    engine.frames([old])
+    assert first_codec in seen[-1][1]  # alone: follows its first codec step
+    new = engine.admit(req(1, 12))
+    engine.prefill([new])
+    engine.frames([new])
+    engine.audio([new], max_frames=1)
+    engine.frames([old, new])
+    assert seen[-1][0] == [old, new] and seen[-1][2] > first_codec
+    lane_codec_of_new = seen[-2][2]
+    assert lane_codec_of_new not in seen[-1][1]  # beside another stream's row: not held back

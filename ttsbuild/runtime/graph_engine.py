@@ -396,6 +396,7 @@ class GraphBackend:
         self.lane_frames: dict[int, int] = {}  # slot -> its first frame's step (ticket)
         self.codec_fresh: set[int] = set()  # first frame there, no codec step yet
         self.lane_codecs: dict[int, int] = {}  # slot -> its first codec step's (ticket)
+        self.first_codec: dict[int, int] = {}  # ...until the slot's next regular frame step
         if self.lane_buckets:
             nb = self.lane_buckets[-1]
             lane_cp = (c.num_layers, nb, c.num_kv_heads, G, c.head_dim)
@@ -653,6 +654,7 @@ class GraphBackend:
         self.lane_frames.pop(slot, None)
         self.codec_fresh.discard(slot)
         self.lane_codecs.pop(slot, None)
+        self.first_codec.pop(slot, None)
         admission = self.pending.pop(slot, None)
         if admission is not None and admission.entry is not None:
             self.prefix.release(admission.entry)
@@ -897,6 +899,12 @@ class GraphBackend:
             torch.cuda.current_stream(self.device).wait_event(done)
         after = self.ring_order.before_frames(slots)
         after += [self.lane_frames.pop(s) for s in slots if s in self.lane_frames]
+        # A step of only rows whose first codec step went to the admission lane (a stream on
+        # its own, at low load) waits for that step: the first chunk then has the device to
+        # itself, and no other stream's rows are held back.
+        firsts = [self.first_codec.pop(s, None) for s in slots]
+        if None not in firsts:
+            after += firsts
         staged = self._launch(self.frame_staging, slots, step, self.frame_out, G + 1,
                               self.rows_in, self.lm_lane, sorted(set(after)))  # fmt: skip
         self.ring_order.frames_launched(slots, staged.ticket, self.lm_lane)
@@ -979,7 +987,7 @@ class GraphBackend:
                               after, self.lane_buckets)  # fmt: skip
         self.ring_order.codec_launched(slots, 1, staged.ticket, self.admit_lane)
         for s in slots:
-            self.lane_codecs[s] = staged.ticket
+            self.lane_codecs[s] = self.first_codec[s] = staged.ticket
         return staged
 
     def read_codec(self, staged: _Staged | _Split) -> np.ndarray:
