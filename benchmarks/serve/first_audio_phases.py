@@ -18,7 +18,7 @@ import sys
 
 PHASES = ("admit", "frame", "codec", "read")
 HOST_PARTS = ("plan", "admit", "prefill", "launch_frames", "launch_audio", "collect_frames",
-              "collect_audio", "commit")  # fmt: skip
+              "collect_audio", "commit", "poll_lag")  # fmt: skip
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 
 

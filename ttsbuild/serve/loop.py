@@ -265,7 +265,10 @@ class EngineLoop:
                 return  # admit it now; the step waited for is read in a later turn
             audio_in_flight = any(step.stage is Stage.AUDIO for step in self.in_flight)
             if (audio_in_flight or self.express) and self.poll_s > 0:
+                start = time.perf_counter()
                 self.sleep(self.poll_s)  # a codec step or an arrival may come first: poll
+                # how late the thread is back: the OS, and the GIL held by the event loop
+                self.runner.timer("poll_lag", max(0.0, time.perf_counter() - start - self.poll_s))
             else:
                 self._commit(due)  # waits for it
                 must = False

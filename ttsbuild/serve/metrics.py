@@ -15,7 +15,7 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # host time of engine-thread calls and event-loop lag: from tens of microseconds up
 _HOST_BUCKETS = (2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5)
 ENGINE_HOST_PARTS = ("plan", "admit", "prefill", "launch_frames", "launch_audio",
-                     "collect_frames", "collect_audio", "commit")  # fmt: skip
+                     "collect_frames", "collect_audio", "commit", "poll_lag")  # fmt: skip
 # guards.StopReason values, listed so every series exists (at 0) from the start.
 STOP_REASONS = ("eos", "text_budget", "repetition", "silence", "max_frames", "length_rule",
                 "cancel")  # fmt: skip
@@ -71,7 +71,8 @@ class ServeMetrics:
             "tts_engine_host_seconds", "Host time of the engine thread's calls: plan (the "
             "scheduler, its lock's wait included), admit, prefill and the stage launches "
             "(staging and graph launches), collect (reading a finished step back), commit "
-            "(accounting and handing chunks over)", ["part"], buckets=_HOST_BUCKETS, registry=r,
+            "(accounting and handing chunks over), poll_lag (how late the thread is back from a "
+            "0.2 ms poll: the OS and the GIL)", ["part"], buckets=_HOST_BUCKETS, registry=r,
         )  # fmt: skip
         self.event_loop_lag = Histogram(
             "tts_event_loop_lag_seconds", "How late a 10 ms timer of the HTTP event loop fires "
