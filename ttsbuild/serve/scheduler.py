@@ -796,6 +796,8 @@ class Scheduler:
 
 
 CANCEL = "cancel"  # guards.StopReason.CANCEL (this module stays free of torch imports)
+
+
 def _first_audio_phases(s: Stream, now: float) -> dict[str, float] | None:
     """Where a first chunk's time went, as the engine thread saw it: arrival -> admitted
     (its admission turn launched), -> first frame step launched, -> first codec step
