@@ -171,8 +171,10 @@ class FakeEngine:
     def launch_audio(self, slots, max_frames=None) -> FakeTicket:
         self.calls.append(("audio", list(slots)))
         lane = "codec" if self.codec_lane else "lm"
-        parts = [(ln, rows, max(self.slots[s].frames_ready_at for s in rows))
-                 for ln, rows in self._split(slots, lambda s: self.slots[s].decoded == 0, lane)]
+        parts = [
+            (ln, rows, max(self.slots[s].frames_ready_at for s in rows))
+            for ln, rows in self._split(slots, lambda s: self.slots[s].decoded == 0, lane)
+        ]
         pcm = {}
         for s in slots:
             st = self.slots[s]

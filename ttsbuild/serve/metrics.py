@@ -8,8 +8,10 @@ from ttsbuild.serve.scheduler import FIRST_AUDIO_PHASES, Plan, Stage
 
 _LATENCY_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10)
 # time to first audio and its phases: millisecond steps where the targets are (15-40 ms)
-_TTFA_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.012, 0.014, 0.016,
-                 0.018, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+_TTFA_BUCKETS = tuple(  # 1-6 ms by 1 ms, then 2 ms steps to 20, then coarser
+    [i / 1000 for i in (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 18, 20, 25, 30, 40, 50, 75)]
+    + [0.1, 0.2, 0.5, 1, 2, 5, 10]
+)
 _LATENESS_BUCKETS = (-1, -0.5, -0.2, -0.1, -0.05, -0.02, 0, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # host time of engine-thread calls and event-loop lag: from tens of microseconds up

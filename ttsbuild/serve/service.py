@@ -281,7 +281,8 @@ class SpeechService:
                 started["t"] = time.perf_counter()
             elif "t" in started:
                 self.metrics.gc_pause.labels(str(info["generation"])).observe(
-                    time.perf_counter() - started.pop("t"))
+                    time.perf_counter() - started.pop("t")
+                )
 
         if on_gc not in gc.callbacks:
             gc.callbacks.append(on_gc)
