@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 import sys
 
-PHASES = ("admit", "frame", "codec", "read")
-HOST_PARTS = ("plan", "admit", "prefill", "launch_frames", "launch_audio", "collect_frames",
-              "collect_audio", "commit", "poll_lag")  # fmt: skip
+from ttsbuild.serve.metrics import ENGINE_HOST_PARTS as HOST_PARTS
+from ttsbuild.serve.scheduler import FIRST_AUDIO_PHASES as PHASES
+
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 
 

@@ -113,38 +113,18 @@ def test_codec_steps_run_beside_frame_steps_without_holding_them():
     assert serial >= frame_steps_only + 8 * COST["audio"]  # one codec step per chunk at least
 
 
-def test_first_audio_waits_behind_at_most_one_frame_step():
-    """Arrivals at random moments while other streams run: a first chunk comes after its own
-    prefill, frame and codec steps, behind at most the one frame step in flight when it came
-    (the pipelined loop polls codec steps every 0.2 ms of fake time)."""
-    rng = random.Random(7)
-    h = Harness(num_slots=16)
-    own_path = COST["prefill"] + COST["frames"] + COST["audio"]
-    arrivals, next_at = [], 0.0
-    while h.clock.t < 6.0:
-        if h.clock.t >= next_at and len(h.sched.by_slot) < 12:
-            arrivals.append(h.submit(frames=rng.randint(10, 60)))
-            next_at = h.clock.t + rng.uniform(0.0, 0.2)
-        if not h.step():
-            h.clock.advance(0.003)
-    done = [s for s in arrivals if s.first_audio_at is not None]
-    assert len(done) >= 40
-    waits = sorted(s.first_audio_at - s.arrived_at - own_path for s in done)
-    assert waits[-1] <= COST["frames"] + h.loop.poll_s + 1e-9
-    assert waits[0] >= -1e-9
-
-
-def _first_audio_waits(h, seed=7, seconds=6.0, min_done=40):
-    """Arrivals at random moments beside running streams, at least one first chunk's own
-    path apart (the admission lane runs one arrival's work at a time): each first chunk's
-    wait beyond its own prefill, frame and codec steps."""
+def _first_audio_waits(h, seed=7, seconds=6.0, min_done=40, min_gap=None):
+    """Arrivals at random moments beside running streams, at least `min_gap` apart (default
+    one first chunk's own path: the admission lane runs one arrival's work at a time): each
+    first chunk's wait beyond its own prefill, frame and codec steps."""
     rng = random.Random(seed)
     own_path = COST["prefill"] + COST["frames"] + COST["audio"]
+    min_gap = own_path if min_gap is None else min_gap
     arrivals, next_at = [], 0.0
     while h.clock.t < seconds:
         if h.clock.t >= next_at and len(h.sched.by_slot) < 12:
             arrivals.append(h.submit(frames=rng.randint(10, 60)))
-            next_at = h.clock.t + rng.uniform(own_path, 0.2)
+            next_at = h.clock.t + rng.uniform(min_gap, 0.2)
         if not h.step():
             h.clock.advance(0.003)
     done = [s for s in arrivals if s.first_audio_at is not None]
@@ -153,6 +133,16 @@ def _first_audio_waits(h, seed=7, seconds=6.0, min_done=40):
         if s.status is Status.FINISHED:
             check_stream_events(h, s, s.request.frames)
     return sorted(s.first_audio_at - s.arrived_at - own_path for s in done)
+
+
+def test_first_audio_waits_behind_at_most_one_frame_step():
+    """Arrivals at random moments while other streams run: a first chunk comes after its own
+    prefill, frame and codec steps, behind at most the one frame step in flight when it came
+    (the pipelined loop polls codec steps every 0.2 ms of fake time)."""
+    h = Harness(num_slots=16)
+    waits = _first_audio_waits(h, min_gap=0.0)
+    assert waits[-1] <= COST["frames"] + h.loop.poll_s + 1e-9
+    assert waits[0] >= -1e-9
 
 
 def test_express_admission_runs_a_first_chunk_beside_the_steps_in_flight():

@@ -127,9 +127,8 @@ class SpeechService:
         # chunk, the bootstrap frame it may carry, and the step launched before it is read.
         self.max_chunk_frames = self.plan.codec_ring - 2
         default = config.scheduler.profile.chunk_schedule
-        if max(default) > self.max_chunk_frames:
-            raise ValueError(f"chunk schedule {list(default)}: entries must be at most "
-                             f"{self.max_chunk_frames} frames for this engine")  # fmt: skip
+        if problem := self._schedule_problem(default):
+            raise ValueError(f"chunk schedule {list(default)}: {problem}")
         self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
         # Express admission pays only where the lane's work runs beside the steps in flight.
         lane = bool(getattr(getattr(engine, "backend", None), "concurrent_admission", False))
@@ -137,6 +136,7 @@ class SpeechService:
         self.loop = EngineLoop(self.scheduler, runner,
                                express=config.express_admission and lane)  # fmt: skip
         self.lag_probe: asyncio.Task | None = None
+        self._gc_callback: Callable | None = None  # watch_gc's, while started
         self.ready = False
         self.event_loop: asyncio.AbstractEventLoop | None = None
         self.encode_pool = ThreadPoolExecutor(config.encode_workers, "encode")
@@ -198,9 +198,9 @@ class SpeechService:
             except RuntimeError:
                 same_thread = False
             probe.cancel() if same_thread else loop.call_soon_threadsafe(probe.cancel)
-        callback = getattr(self, "_gc_callback", None)
-        if callback in gc.callbacks:
-            gc.callbacks.remove(callback)
+        if self._gc_callback in gc.callbacks:
+            gc.callbacks.remove(self._gc_callback)
+        self._gc_callback = None
         self.loop.stop()
         if self.config.gc_freeze:
             gc.unfreeze()  # the interpreter's own clean-up at exit sees everything again
@@ -221,11 +221,16 @@ class SpeechService:
 
         return threaded
 
+    def _schedule_problem(self, schedule) -> str | None:
+        """Why this engine cannot run a chunk schedule (None: it can)."""
+        if max(schedule) > self.max_chunk_frames:
+            return f"entries must be at most {self.max_chunk_frames} frames for this engine"
+        return None
+
     def chunk_schedule(self, requested: list[int] | None) -> tuple[int, ...]:
         schedule = tuple(requested or self.config.scheduler.profile.chunk_schedule)
-        if max(schedule) > self.max_chunk_frames:
-            raise ApiError(400, f"chunk_schedule entries must be at most {self.max_chunk_frames} "
-                           "frames for this engine", param="chunk_schedule")  # fmt: skip
+        if problem := self._schedule_problem(schedule):
+            raise ApiError(400, f"chunk_schedule {problem}", param="chunk_schedule")
         if self.drop_bootstrap:  # the first chunk carries the dropped frame too
             schedule = (schedule[0] + 1, *schedule[1:])
         return schedule
@@ -284,7 +289,7 @@ class SpeechService:
                     time.perf_counter() - started.pop("t")
                 )
 
-        if on_gc not in gc.callbacks:
+        if self._gc_callback is None:
             gc.callbacks.append(on_gc)
             self._gc_callback = on_gc
 
