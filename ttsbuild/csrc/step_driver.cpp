@@ -27,6 +27,7 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <optional>
 #include <utility>
 #include <unordered_map>
 #include <vector>
@@ -139,7 +140,12 @@ class StepDriver {
         ended = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
       }
       {
-        py::gil_scoped_release no_gil;
+        // The GIL stays held through a launch unless asked otherwise: a launch queues work
+        // and returns in microseconds, while taking the GIL back after releasing it can take
+        // the interpreter's whole switch interval (5 ms) when another thread (the server's
+        // event loop) holds it meanwhile.
+        std::optional<py::gil_scoped_release> no_gil;
+        if (launch_releases_gil_) no_gil.emplace();
         c10::cuda::CUDAStreamGuard on_lane(compute);
         if (lane.stream && lane.join) {
           at::cuda::CUDAEvent fork;
@@ -160,7 +166,8 @@ class StepDriver {
         step();
       }
       {
-        py::gil_scoped_release no_gil;
+        std::optional<py::gil_scoped_release> no_gil;
+        if (launch_releases_gil_) no_gil.emplace();
         if (ended) ended->record(compute);
         step_done->record(compute);
         if (lane.stream && lane.join) step_done->block(caller);
@@ -217,10 +224,15 @@ class StepDriver {
     if (it == pending_.end()) return;
     auto event = it->second;
     pending_.erase(it);
+    if (event->query()) return;  // done: no GIL round trip (see launch)
     py::gil_scoped_release no_gil;
     event->synchronize();
 #endif
   }
+
+  // Whether launch() releases the GIL while it queues the step (default: no, see launch).
+  void set_launch_releases_gil(bool on) { launch_releases_gil_ = on; }
+  bool launch_releases_gil() const { return launch_releases_gil_; }
 
   int64_t in_flight() const {
 #ifdef TTSBUILD_WITH_CUDA
@@ -279,6 +291,7 @@ class StepDriver {
 
   bool cuda_;
   bool timing_ = false;
+  bool launch_releases_gil_ = false;
   int64_t next_ticket_ = 0;
   std::vector<Lane> lanes_;
 #ifdef TTSBUILD_WITH_CUDA
@@ -317,5 +330,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("step_times", &StepDriver::step_times, py::arg("ticket"))
       .def("ready", &StepDriver::ready, py::arg("ticket"))
       .def("wait", &StepDriver::wait, py::arg("ticket"))
+      .def_property("launch_releases_gil", &StepDriver::launch_releases_gil,
+                    &StepDriver::set_launch_releases_gil)
       .def_property_readonly("in_flight", &StepDriver::in_flight);
 }

@@ -50,6 +50,13 @@ def driver_module(cuda: bool):
 
 
 def make_driver(device: torch.device):
-    """A StepDriver for `device` (a CUDA device: graphs + copy stream; CPU: eager steps)."""
+    """A StepDriver for `device` (a CUDA device: graphs + copy stream; CPU: eager steps).
+
+    Its launches keep the GIL (a launch queues work in microseconds; giving the GIL up and
+    taking it back can cost the interpreter's switch interval, 5 ms, while the server's event
+    loop thread runs). `TTSBUILD_LAUNCH_RELEASES_GIL=1` releases it during launches, as
+    before, for side-by-side timing."""
     cuda = device.type == "cuda"
-    return driver_module(cuda).StepDriver(cuda)
+    driver = driver_module(cuda).StepDriver(cuda)
+    driver.launch_releases_gil = os.environ.get("TTSBUILD_LAUNCH_RELEASES_GIL") == "1"
+    return driver

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-import av
 import numpy as np
 import soxr
 
 from ttsbuild.serve.audio import pcm16, wav_header
 from ttsbuild.serve.config import SAMPLE_RATE
 from ttsbuild.serve.tsm import TimeStretch
+
+if TYPE_CHECKING:
+    import av
 
 PCM_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
 
@@ -79,6 +82,9 @@ class _FFmpegEncoder:
     """float32 mono chunks -> bytes of an FFmpeg codec, muxed when the format has a container."""
 
     def __init__(self, fmt: AudioFormat, rate: int):
+        import av  # here, not at import: a server streaming PCM alone never loads FFmpeg
+
+        self.av = av
         self.rate = rate
         self.samples = 0
         self.out = _Bytes()
@@ -94,7 +100,7 @@ class _FFmpegEncoder:
     def push(self, pcm: np.ndarray) -> bytes:
         if not len(pcm):
             return b""
-        frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="flt", layout="mono")
+        frame = self.av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="flt", layout="mono")
         frame.sample_rate, frame.pts = self.rate, self.samples
         frame.time_base = Fraction(1, self.rate)
         self.samples += len(pcm)
