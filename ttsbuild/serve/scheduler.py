@@ -341,6 +341,7 @@ class Scheduler:
         self._steps: deque[tuple[float, float, int, int]] = deque()
         self.frame_cost = RowCost()
         self._last_commit: float | None = None  # None: the loop idled since
+        self._in_flight = 0  # stages launched (commit_launch) and not yet read back
         self._frame_steps = 0  # frame steps launched (Stream.frame_step)
 
     # -- asyncio side ------------------------------------------------------------------------
@@ -495,7 +496,7 @@ class Scheduler:
         plan = Plan(release=release, admit=admit, prefill=prefill, stage=None, slots=[])
         if ready:
             self._choose_stage(plan, ready)
-        if plan.is_empty:
+        if plan.is_empty and not self._in_flight:
             self._last_commit = None  # idle: the next step's cost starts fresh
         self.observer.on_plan(plan, len(self.queue) - len(admit), len(self.by_slot))
         return plan
@@ -524,6 +525,7 @@ class Scheduler:
         frames in flight or frames handed to the codec (so the next plan can be made before
         this stage is read back). Events wait in the outbox (`events`)."""
         now = self.clock()
+        self._in_flight += 1
         for stream in plan.admit:
             self._commit_admission(stream, result.admitted[stream.id], result, now)
         self._commit_prefill(result, now)
@@ -554,6 +556,7 @@ class Scheduler:
     def commit_collect(self, launched: Launched, result: StepResult) -> list[tuple[Sink, Event]]:
         """Account a launched stage read back (`result` as filled by the runner)."""
         now = self.clock()
+        self._in_flight -= 1
         if launched.stage is not None:
             self._commit_stage(launched, result, now)
         if result.prefilled or result.stage_slots:
@@ -717,9 +720,14 @@ class Scheduler:
         # engine work, whatever the stage: every stage's time is part of the cost of a frame,
         # and so is the loop's own time between back-to-back steps (planning, committing,
         # handing chunks over), which the stage timing alone does not see.
+        # Steps in flight together (a codec step beside a frame step, the admission lane's
+        # steps beside both) share that time: from one read back to the next, the engine was
+        # busy once, not once per step. While the loop did not idle since the last read, all
+        # of that time counts (planning and handing chunks over included); after an idle
+        # spell, the step's own time.
         busy = result.prefill_s + result.stage_s
         if self._last_commit is not None:
-            busy = max(busy, now - self._last_commit)
+            busy = now - self._last_commit
         self._last_commit = now
         new_frames = sum(new for new, _ in result.frames.values())
         frame_rows = len(result.stage_slots) if result.frames else 0
