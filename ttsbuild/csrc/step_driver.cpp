@@ -119,6 +119,12 @@ class StepDriver {
     check_pairs(h2d_src, h2d_dst, "input");
     check_pairs(d2h_src, d2h_dst, "output");
     check_lane(lane_id);
+#ifdef TTSBUILD_WITH_CUDA
+    if (cuda_) {
+      check_host(h2d_src, "input source");
+      check_host(d2h_dst, "output destination");
+    }
+#endif
     for (int64_t t : after) check_ticket(t);
     const int64_t ticket = next_ticket_++;
 #ifdef TTSBUILD_WITH_CUDA
@@ -277,6 +283,22 @@ class StepDriver {
   void check_lane(int64_t lane) const {
     TORCH_CHECK(lane >= 0 && lane < static_cast<int64_t>(lanes_.size()), "unknown lane ", lane);
   }
+
+#ifdef TTSBUILD_WITH_CUDA
+  // Host buffers of an asynchronous copy must be pinned and contiguous: otherwise the copy
+  // goes through pageable memory, and the CUDA runtime makes the host wait for the stream.
+  static void check_host(const std::vector<at::Tensor>& host, const char* what) {
+    for (size_t i = 0; i < host.size(); ++i) {
+      const auto& t = host[i];
+      if (!t.is_cpu()) continue;
+      TORCH_CHECK(t.is_contiguous(), what, " ", i, " is a strided host tensor (sizes ",
+                  t.sizes(), ", strides ", t.strides(),
+                  "): its copy would wait for the step on the host; pass a contiguous one");
+      TORCH_CHECK(t.is_pinned(), what, " ", i,
+                  " is not in pinned host memory: its copy would wait for the step on the host");
+    }
+  }
+#endif
 
   void check_ticket(int64_t ticket) const {
     TORCH_CHECK(ticket >= 0 && ticket < next_ticket_, "unknown ticket ", ticket);
