@@ -85,7 +85,26 @@ def test_staged_outputs_are_contiguous_for_every_rows_and_width():
                 view = ring.output_rows(k, rows, width)
                 assert view.shape == (rows, width) and view.is_contiguous()
                 assert view.data_ptr() == ring.outputs[k].data_ptr()
+                assert ring.input_rows(k, rows).data_ptr() == ring.inputs[k].data_ptr()
                 assert ring.output_rows(k, rows, width) is view  # one object per shape
+
+
+def test_the_staging_ring_grows_instead_of_failing_when_every_entry_is_in_flight():
+    """At 40 req/s on the H200, once codec launches no longer waited for their step, more
+    than eight codec steps were in flight at once and the fixed ring failed the engine."""
+    from types import SimpleNamespace
+
+    ring = _StagingRing(((4,), torch.int64), ((4, 3), torch.float32), pinned=False)
+    steps = []
+    for i in range(STAGING_DEPTH + 3):  # none read: every take needs an entry of its own
+        k = ring.take()
+        ring.inputs_np[k][:2] = [i, i]
+        ring.owner[k] = SimpleNamespace(read=False)
+        steps.append(k)
+    assert sorted(steps) == list(range(STAGING_DEPTH + 3)) and len(ring.owner) == len(steps)
+    assert [int(ring.inputs[k][0]) for k in steps] == list(range(len(steps)))  # none rewritten
+    ring.owner[steps[5]].read = True  # only that one may be reused
+    assert ring.take() == steps[5] and len(ring.owner) == STAGING_DEPTH + 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory)")

@@ -12,7 +12,7 @@ import pytest
 
 from ttsbuild.serve.config import FRAME_SAMPLES, SchedulerConfig
 from ttsbuild.serve.loop import EngineLoop, Runner
-from ttsbuild.serve.scheduler import Chunk, Done, NullObserver, Scheduler, Status
+from ttsbuild.serve.scheduler import Chunk, Done, NullObserver, Scheduler, Stage, Status
 
 from .fakes import FakeClock, FakeEngine, FakeRequest, FakeRequestError
 
@@ -224,3 +224,25 @@ def test_capacity_counts_the_time_of_steps_in_flight_together_once():
     assert len(audio_steps) >= 90  # they did run beside the frame steps
     measured = h.sched.capacity(now) * (1 + h.sched.config.capacity_margin)
     assert measured == pytest.approx(produced / now, rel=0.1)
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_codec_steps_in_flight_stay_bounded_when_the_codec_falls_behind(limit):
+    """A codec step three times as long as a frame step: without a bound the loop queued a
+    codec step on the codec stream every turn (on the H200 at 40 req/s, more than the eight
+    its staging ring held); with one, a stream's next chunk waits for a turn after the oldest
+    codec step is read and joins a larger batch. Every stream's audio still comes whole."""
+    h = Harness(num_slots=8, max_audio_in_flight=limit)
+    h.engine.cost_s["audio"] = 3 * COST["frames"]
+    streams = [h.submit(frames=90, schedule=(1, 2)) for _ in range(6)]
+    most, batches = 0, []
+    while not all(s.status is Status.FINISHED for s in streams):
+        if not h.step():
+            h.clock.advance(0.001)
+        audio = [step for step in h.loop.in_flight if step.stage is Stage.AUDIO]
+        most = max(most, len(audio))
+        batches += [len(step.result.stage_slots) for step in audio]
+    for s in streams:
+        check_stream_events(h, s, 90, schedule=(1, 2))
+    assert most <= limit + 1  # + a first chunk's codec step, which never waits
+    assert max(batches) >= 4  # later chunks gathered into shared codec steps

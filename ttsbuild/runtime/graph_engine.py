@@ -102,32 +102,46 @@ class _Split:
 
 
 class _StagingRing:
-    """Host buffers (pinned on CUDA) for the inputs and outputs of in-flight steps: entry k is
-    reused only after its step was read, so an asynchronous copy never sees it change."""
+    """Host buffers (pinned on CUDA) for the inputs and outputs of in-flight steps, one pair
+    per entry: an entry is reused only after its step was read, so an asynchronous copy never
+    sees it change. The ring starts with STAGING_DEPTH entries and grows by one when every
+    entry belongs to a step not yet read (a codec call can launch one step per chunk size and
+    more, and the loop may run several calls ahead): a new entry costs a pinned allocation,
+    once; running out would have failed the whole engine."""
 
     def __init__(self, inputs: tuple, outputs: tuple, pinned: bool):
-        def alloc(shape_dtype):
-            shape, dtype = shape_dtype
-            t = torch.zeros((STAGING_DEPTH, *shape), dtype=dtype)
-            return t.pin_memory() if pinned else t
-
-        self.inputs = alloc(inputs)
-        self.outputs = alloc(outputs)
-        self.inputs_np = self.inputs.numpy()  # the same memory: numpy writes cost ~1 us
-        self.owner: list[_Staged | None] = [None] * STAGING_DEPTH
+        self.shapes, self.pinned = (inputs, outputs), pinned
+        self.inputs: list[torch.Tensor] = []
+        self.outputs: list[torch.Tensor] = []
+        self.inputs_np: list[np.ndarray] = []  # the same memory: numpy writes cost ~1 us
+        self.owner: list[_Staged | None] = []
+        for _ in range(STAGING_DEPTH):
+            self._add()
         self.next = 0
         self._views: dict[tuple, torch.Tensor] = {}  # the launches' views, made once
 
+    def _add(self) -> int:
+        def alloc(shape_dtype):
+            shape, dtype = shape_dtype
+            t = torch.zeros(shape, dtype=dtype)
+            return t.pin_memory() if self.pinned else t
+
+        self.inputs.append(alloc(self.shapes[0]))
+        self.outputs.append(alloc(self.shapes[1]))
+        self.inputs_np.append(self.inputs[-1].numpy())
+        self.owner.append(None)
+        return len(self.owner) - 1
+
     def input_rows(self, k: int, rows: int) -> torch.Tensor:
-        """inputs[k, :rows], one view object per (k, rows)."""
+        """inputs[k][:rows], one view object per (k, rows)."""
         view = self._views.get((k, rows))
         if view is None:
-            view = self._views[(k, rows)] = self.inputs[k, :rows]
+            view = self._views[(k, rows)] = self.inputs[k][:rows]
         return view
 
     def output_rows(self, k: int, rows: int, width: int) -> torch.Tensor:
         """The first rows * width values of entry k as a contiguous [rows, width] (one view
-        object per (k, rows, width)). Not outputs[k, :rows, :width]: a device-to-host copy into
+        object per (k, rows, width)). Not outputs[k][:rows, :width]: a device-to-host copy into
         a strided view goes through a pageable temporary, and such a copy waits for the step
         on the host (on the H200, codec steps of several rows and fewer frames than the
         widest chunk blocked `launch_audio` 6 ms on average at 20 req/s)."""
@@ -138,11 +152,17 @@ class _StagingRing:
         return view
 
     def take(self) -> int:
-        k = self.next
-        prev = self.owner[k]
-        if prev is not None and not prev.read:
-            raise RuntimeError(f"more than {STAGING_DEPTH} steps launched and not read")
-        self.next = (k + 1) % STAGING_DEPTH
+        """An entry whose step was read (or that never had one), the oldest first."""
+        n = len(self.owner)
+        for i in range(n):
+            k = (self.next + i) % n
+            prev = self.owner[k]
+            if prev is None or prev.read:
+                self.next = (k + 1) % n
+                return k
+        k = self._add()
+        log.info("staging ring grown to %d entries (steps launched and not yet read)", k + 1)
+        self.next = 0
         return k
 
 
@@ -838,8 +858,8 @@ class GraphBackend:
         if self.use_graphs:
             rows = next(b for b in buckets if b >= B) if buckets else self.plan.bucket(B)
         k = ring.take()
-        ring.inputs_np[k, :B] = slots
-        ring.inputs_np[k, B:rows] = self.scratch
+        ring.inputs_np[k][:B] = slots
+        ring.inputs_np[k][B:rows] = self.scratch
         host_out = ring.output_rows(k, B, width)
         ticket = self.driver.launch(
             step(rows), [ring.input_rows(k, rows)], [self._rows_view(rows_in, rows)],

@@ -75,6 +75,10 @@ class SchedulerConfig:
     admit_by_capacity: bool = True
     capacity_window_s: float = 1.0
     capacity_margin: float = 0.5  # 0.3 let ramping streams run late at 2x overload (fake clock)
+    # Codec steps launched and not yet read back, at most (first chunks excepted): one more
+    # waits for a turn after the oldest is read, gathering more rows, instead of queueing on
+    # the codec stream behind them (a pipelined engine; a serial one has at most one).
+    max_audio_in_flight: int = 2
 
 
 @dataclass(frozen=True)

@@ -342,6 +342,7 @@ class Scheduler:
         self.frame_cost = RowCost()
         self._last_commit: float | None = None  # None: the loop idled since
         self._in_flight = 0  # stages launched (commit_launch) and not yet read back
+        self._audio_in_flight = 0  # of which codec steps (SchedulerConfig.max_audio_in_flight)
         self._frame_steps = 0  # frame steps launched (Stream.frame_step)
 
     # -- asyncio side ------------------------------------------------------------------------
@@ -484,6 +485,8 @@ class Scheduler:
         held = [s for s in self.by_slot.values() if s.status is Status.PREFILL]
         admit = [] if only == "first-audio" else self._admissions(now, len(held))
         ready = self._ready(now)
+        if self._audio_in_flight >= self.config.max_audio_in_flight:
+            ready = [r for r in ready if r.stage is not Stage.AUDIO or _first_chunk_due(r.stream)]
         run_prefill = only != "first-audio" and self._prefill_now(ready)
         if only == "new":
             ready = []
@@ -551,12 +554,15 @@ class Scheduler:
             else:
                 continue  # nothing to decode after all: no audio step for it
             launched.rows[slot] = s
+        if launched.stage is Stage.AUDIO and launched.rows:
+            self._audio_in_flight += 1
         return launched
 
     def commit_collect(self, launched: Launched, result: StepResult) -> list[tuple[Sink, Event]]:
         """Account a launched stage read back (`result` as filled by the runner)."""
         now = self.clock()
         self._in_flight -= 1
+        self._audio_in_flight -= bool(launched.stage is Stage.AUDIO and launched.rows)
         if launched.stage is not None:
             self._commit_stage(launched, result, now)
         if result.prefilled or result.stage_slots:
