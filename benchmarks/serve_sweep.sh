@@ -83,7 +83,9 @@ done
 for SET in $DATASETS; do  # where first chunks' time went, per rate (the server's /metrics)
     rates=$(ls -d "$RESULTS/$SET"/rps-* 2>/dev/null | sort -t- -k2 -g)
     # shellcheck disable=SC2086
-    [ -z "$rates" ] || "$PY" benchmarks/serve/first_audio_phases.py \
+    start=()
+    [ ! -f "$RESULTS/$SET/server_metrics_start.txt" ] || start=(--start "$RESULTS/$SET/server_metrics_start.txt")
+    [ -z "$rates" ] || "$PY" benchmarks/serve/first_audio_phases.py "${start[@]}" \
         $(for r in $rates; do echo "$r/server_metrics.txt"; done) | tee "$RESULTS/$SET/phases.txt"
 done
 # one file to bring back from a device host (it returns few files, two folders deep)

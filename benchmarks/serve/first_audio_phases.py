@@ -3,12 +3,15 @@ a sweep (`rps-R/server_metrics.txt`): the histogram `tts_time_to_first_audio_sec
 phases `tts_first_audio_phase_seconds{phase}` (admit: arrival -> admission launched; frame:
 -> first frame step launched; codec: -> first codec step launched; read: -> audio handed
 over); then what the engine thread and the event loop spent their time on, where the
-server has those metrics: `tts_engine_host_seconds{part}`, `tts_event_loop_lag_seconds`,
+server has those metrics: `tts_http_phase_seconds{phase}` (the event loop's share: resolve,
+handoff, send), `tts_engine_host_seconds{part}`, `tts_event_loop_lag_seconds`,
 `tts_gc_pause_seconds{generation}`. The metrics are cumulative per server: give the files of
 one server in the order of its rates, and each rate is shown as the difference from the one
-before. Quantiles are the upper edges of the histogram buckets that hold them.
+before (the first from `--start FILE`, the metrics saved before the first rate, if given).
+Quantiles are the upper edges of the histogram buckets that hold them.
 
-    python benchmarks/serve/first_audio_phases.py DIR/rps-20/server_metrics.txt DIR/rps-40/...
+    python benchmarks/serve/first_audio_phases.py [--start DIR/server_metrics_start.txt] \
+        DIR/rps-20/server_metrics.txt DIR/rps-40/...
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import re
 import sys
 
 from ttsbuild.serve.metrics import ENGINE_HOST_PARTS as HOST_PARTS
+from ttsbuild.serve.metrics import HTTP_PHASES
 from ttsbuild.serve.scheduler import FIRST_AUDIO_PHASES as PHASES
 
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
@@ -51,6 +55,8 @@ def summary(now: dict, before: dict, name: str, label: str = "") -> tuple[int, f
 
 def main(paths: list[str]) -> None:
     before: dict[str, float] = {}
+    if paths[:1] == ["--start"]:
+        before, paths = load(paths[1]), paths[2:]
     for path in paths:
         now = load(path)
         n, mean, edges = summary(now, before, "tts_time_to_first_audio_seconds")
@@ -59,8 +65,10 @@ def main(paths: list[str]) -> None:
             _, mean, edges = summary(now, before, "tts_first_audio_phase_seconds",
                                      f'phase="{phase}"')  # fmt: skip
             print(f"  {phase:6s} mean {mean:6.2f} ms, p50/p90/p95/p99 <= {edges} ms")
-        rows = [("engine " + part, "tts_engine_host_seconds", f'part="{part}"')
-                for part in HOST_PARTS]  # fmt: skip
+        rows = [("http " + phase, "tts_http_phase_seconds", f'phase="{phase}"')
+                for phase in HTTP_PHASES]  # fmt: skip
+        rows += [("engine " + part, "tts_engine_host_seconds", f'part="{part}"')
+                 for part in HOST_PARTS]  # fmt: skip
         rows += [("event-loop lag", "tts_event_loop_lag_seconds", "")]
         rows += [(f"gc gen {g}", "tts_gc_pause_seconds", f'generation="{g}"') for g in "012"]
         for title, name, label in rows:

@@ -177,6 +177,30 @@ def test_voices_health_ready_metrics(server):
     assert all(float(samples[k]) > 0 for k in phases)
 
 
+def test_the_event_loops_share_of_first_audio_is_timed(server):
+    """tts_http_phase_seconds: resolve (before the scheduler sees the request), handoff (the
+    engine thread's first chunk -> its handler) and send (-> bytes written), once per stream."""
+    url, _ = server
+
+    def samples():
+        lines = httpx.get(url + "/metrics").text.splitlines()
+        pairs = (line.rsplit(" ", 1) for line in lines if line.startswith("tts_http_phase"))
+        return {k: float(v) for k, v in pairs}
+
+    before = samples()
+    requests = 3
+    for i in range(requests):
+        r = post(url, {**GOOD, "seed": 100 + i, "response_format": "pcm"})
+        assert r.status_code == 200 and len(r.content) > 0
+    after = samples()
+    for phase in ("resolve", "handoff", "send"):
+        key = f'tts_http_phase_seconds_{{}}{{{{phase="{phase}"}}}}'
+        count = after[key.format("count")] - before.get(key.format("count"), 0)
+        spent = after[key.format("sum")] - before.get(key.format("sum"), 0)
+        assert count == requests, phase
+        assert 0 < spent / count < 1.0, phase
+
+
 def test_startup_objects_are_frozen_and_collector_pauses_timed(server):
     """After the warm-up the startup heap is out of the cyclic collector's reach (a full
     collection of it is a ~0.2 s pause of every thread), and the pauses show in /metrics."""

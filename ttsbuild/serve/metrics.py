@@ -18,6 +18,11 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _HOST_BUCKETS = (2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5)
 ENGINE_HOST_PARTS = ("plan", "admit", "prefill", "launch_frames", "launch_audio",
                      "collect_frames", "collect_audio", "commit", "poll_lag")  # fmt: skip
+# The HTTP side of time to first audio (the event loop's share, around the engine thread's):
+# resolve (validate, tokenize and lay out the prompt before the scheduler sees the request),
+# handoff (the engine thread hands the first chunk over -> the stream's handler has it), send
+# (-> its bytes are written to the connection, encoding included).
+HTTP_PHASES = ("resolve", "handoff", "send")
 # guards.StopReason values, listed so every series exists (at 0) from the start.
 STOP_REASONS = ("eos", "text_budget", "repetition", "silence", "max_frames", "length_rule",
                 "cancel")  # fmt: skip
@@ -37,6 +42,12 @@ class ServeMetrics:
             "thread sees it: admit (arrival -> admission launched), frame (-> first frame step "
             "launched), codec (-> first codec step launched), read (-> audio handed over)",
             ["phase"], buckets=_TTFA_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.http_phases = Histogram(
+            "tts_http_phase_seconds", "The event loop's share of time to first audio: resolve "
+            "(validate and tokenize before the scheduler sees the request), handoff (first "
+            "chunk handed over by the engine thread -> its handler has it), send (-> its bytes "
+            "written to the connection)", ["phase"], buckets=_TTFA_BUCKETS, registry=r,
         )  # fmt: skip
         self.lateness = Histogram(
             "tts_chunk_lateness_seconds",
@@ -92,6 +103,8 @@ class ServeMetrics:
             self.engine_host.labels(part)
         for phase in FIRST_AUDIO_PHASES:
             self.ttfa_phases.labels(phase)
+        for phase in HTTP_PHASES:
+            self.http_phases.labels(phase)
         for stage in Stage:
             self.batch.labels(stage.value)
             self.stage_seconds.labels(stage.value)

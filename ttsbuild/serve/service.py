@@ -39,9 +39,12 @@ class StreamHandle:
         self.seed: int | None = None
         self.stats: dict | None = None
         self.closed = False
+        self.first_chunk_at: float | None = None  # when the engine thread handed it over
 
     def sink(self, event: Event) -> None:
         """Called on the engine thread: only hand over (encoding is the consumer's work)."""
+        if self.first_chunk_at is None and isinstance(event, Chunk):
+            self.first_chunk_at = time.perf_counter()
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def admitted(self) -> None:
@@ -55,11 +58,16 @@ class StreamHandle:
     async def chunks(self) -> AsyncIterator[np.ndarray]:
         """float32 24 kHz chunks until the stream ends; each one acked once the caller resumes
         us (it has been sent)."""
+        phases = self.service.metrics.http_phases
         while True:
             event = await self.queue.get()
             if isinstance(event, Chunk):
+                got = time.perf_counter()
                 yield event.pcm
                 self.service.loop.ack(self.stream_id, len(event.pcm))
+                if event.seq == 0 and self.first_chunk_at is not None:
+                    phases.labels("handoff").observe(got - self.first_chunk_at)
+                    phases.labels("send").observe(time.perf_counter() - got)
             elif isinstance(event, Done):
                 self.stats = event.stats
                 return
@@ -253,9 +261,12 @@ class SpeechService:
         segment of a session): this one's chunks are due by that playback, not by their own.
         `continuation`: a later segment of an admitted WebSocket session (never refused)."""
         handle = StreamHandle(self, asyncio.get_running_loop())
+        start = time.perf_counter()
+        resolved = self._resolve(self.with_clone(request))
+        self.metrics.http_phases.labels("resolve").observe(time.perf_counter() - start)
         try:
             stream = self.loop.submit(
-                self._resolve(self.with_clone(request)), handle.sink,
+                resolved, handle.sink,
                 self.chunk_schedule(chunk_schedule),
                 self._trimmer(), follows.stream_id if follows is not None else None,
                 continuation,
