@@ -3,7 +3,9 @@
 #   OUT=out STEPS="driver tests engine check ab" bash benchmarks/runtime/gpu_session.sh
 # driver: the step driver (`ensure_driver`: says why a carried build does not import and
 #         builds it then; the build comes back under $OUT)
-# tests:  GPU tests of the prefill kernel path, the prefix cache and W8A8
+# tests:  GPU tests of the step driver's host side (test_driver_host.py, alone first, with
+#         faulthandler: it crashed once on the H200, 2026-12-02), then of the prefill kernel
+#         path, the prefix cache and W8A8
 # engine: engine microbenchmark, served plan (first chunk, prefill by bucket, frame, codec)
 # check:  graph path vs eager path (tiny); with --kernels (CHECK_ARGS): the plan's optional
 #         paths too, batched prefill (prefill_batches 1,2,4) among them
@@ -29,6 +31,11 @@ for step in $STEPS; do
         ensure_driver "$OUT/build.log" || exit 1
         [ ! -f "$OUT/build.log" ] || cp ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so "$OUT/" ;;
     tests)
+        log "GPU tests: the step driver's host side"
+        timeout -k 5 120 python3 -X faulthandler -m pytest -v -s -p no:cacheprovider \
+            tests/runtime/test_driver_host.py > "$OUT/gpu_tests_driver.log" 2>&1
+        echo "driver host tests rc=$?"; grep -E "PASSED|FAILED|ERROR|Fatal|line [0-9]+ in test_" \
+            "$OUT/gpu_tests_driver.log" | head -20
         log "GPU tests: prefill kernel path, prefix cache, W8A8"
         TRITON_F32_DEFAULT=ieee timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
             tests/runtime/test_cp_fused.py tests/plugins/test_fp8_w8a8.py \
