@@ -14,6 +14,9 @@
 # lane:   engine microbenchmark with the admission lane on buckets $LANE (default 1,2): a new
 #         request's first chunk beside B stepping rows, the lane switched off and on in one
 #         engine (`first_chunk_under_load`)
+# green:  SMs reserved for the admission lane ($RESERVE, default 16; regular steps in green
+#         contexts of the others): graph vs eager with the reserve, then the engine
+#         microbenchmark's first chunk beside stepping rows with it (compare with `lane`)
 # ab:     serving A/B at $AB_RPS req/s, $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B.
 #         (2026-12-01: Python's GIL switch interval, 5 ms against 0.5 ms, through a
@@ -55,6 +58,14 @@ for step in $STEPS; do
         log "engine microbenchmark, admission lane ${LANE:-1,2} (off and on side by side)"
         engine_bench lane --admission-lane "${LANE:-1,2}"
         grep -E "stepping rows" "$OUT/engine_bench_lane.log" ;;
+    green)
+        log "graph vs eager (tiny) with ${RESERVE:-16} SMs reserved for the admission lane"
+        timeout -k 5 200 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny \
+            --admission-lane 1,2 --lane-reserved-sms "${RESERVE:-16}" 2>&1 \
+            | tee "$OUT/graph_vs_eager_green.log" | grep -E "PASS|FAIL|Error"
+        log "engine microbenchmark, lane ${LANE:-1,2} with ${RESERVE:-16} SMs reserved"
+        engine_bench green --admission-lane "${LANE:-1,2}" --lane-reserved-sms "${RESERVE:-16}"
+        grep -E "stepping rows" "$OUT/engine_bench_green.log" ;;
     ab)
         for side in A B; do
             args=AB_$side; args=${!args:-}

@@ -13,7 +13,7 @@ Checks, per precision of the language models (the codec is fp32 in both):
         agree within 1e-2.
 Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
     python benchmarks/runtime/graph_vs_eager.py [--variant tiny|1.7b-customvoice] [--kernels]
-        [--admission-lane 1,2]
+        [--admission-lane 1,2 [--lane-reserved-sms 16]]
 """
 
 from __future__ import annotations
@@ -119,14 +119,16 @@ MIN_SNR_DB = 45.0
 
 
 def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
-          kernels: bool = False, lane: tuple[int, ...] = ()) -> bool:
+          kernels: bool = False, lane: tuple[int, ...] = (), reserved: int = 0) -> bool:
     name = f"{variant} {str(dtype).removeprefix('torch.')} {'greedy' if greedy else 'sampled'}"
     name += " (kernel choices on)" if kernels else ""
     name += f" (admission lane {list(lane)})" if lane else ""
+    name += f" ({reserved} SMs reserved for it)" if reserved else ""
     models = random_models(variant, device=device, dtype=dtype)
     plan = EnginePlan(num_slots=8, batch_buckets=(1, 2, 4, 8), max_len=512, max_text=256,
                       prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4), codec_ring=16,
-                      admission_lane=lane, **(KERNEL_CHOICES if kernels else {}))
+                      admission_lane=lane, lane_reserved_sms=reserved,
+                      **(KERNEL_CHOICES if kernels else {}))  # fmt: skip
     reqs = requests(greedy)
     t0 = time.perf_counter()
     ref = run_reference(models, reqs, plan)
@@ -186,6 +188,9 @@ def main() -> int:
     p.add_argument("--admission-lane", default="",
                    help="also check fp32 with the admission lane on these buckets, e.g. 1,2 "
                    "(new rows' prefill and first frame on their own stream)")
+    p.add_argument("--lane-reserved-sms", type=int, default=0,
+                   help="with --admission-lane: also check with this many SMs kept free of "
+                   "the regular steps for the lane (regular steps in green contexts)")
     a = p.parse_args()
     lane = tuple(int(b) for b in a.admission_lane.split(",") if b.strip())
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -208,6 +213,9 @@ def main() -> int:
         if a.kernels:
             results.append(check(a.variant, torch.float32, greedy=True, device=a.device,
                                  kernels=True, lane=lane))
+        if a.lane_reserved_sms:
+            results += [check(a.variant, torch.float32, greedy=g, device=a.device, lane=lane,
+                              reserved=a.lane_reserved_sms) for g in (True, False)]
     if a.device == "cuda":
         results.append(check(a.variant, torch.bfloat16, greedy=True, device=a.device))
     return 0 if all(results) else 1

@@ -333,3 +333,20 @@ def test_first_chunk_under_load_measures_a_one_frame_chunk_beside_stepping_rows(
     assert engine.free_slots() == PLAN.num_slots
     if buckets:  # each new request's first frame ran on the lane
         assert not engine.backend.fresh and engine.backend.lane_frames == {}
+
+
+def test_sms_reserved_for_the_lane_are_a_cuda_matter(models):
+    """lane_reserved_sms moves the regular steps into green contexts on CUDA only: on the CPU
+    the engine runs as without it, and asking for a reserve without a lane is refused."""
+    from ttsbuild.runtime.loader import open_engine
+
+    plan = PLAN.model_copy(update={"admission_lane": (1, 2), "lane_reserved_sms": 16})
+    engine = GraphEngine(models, plan, use_graphs=False, codec_stream=True)
+    backend = engine.backend
+    assert backend._green == [] and backend.admit_lane not in (0, backend.codec_lane)
+    with pytest.raises(ValueError, match="needs an admission_lane"):
+        open_engine(None, "cpu", num_slots=2, max_len=256, random_variant="tiny",
+                    admission_lane=(), lane_reserved_sms=8)  # fmt: skip
+    eager = open_engine(None, "cpu", num_slots=2, max_len=256, random_variant="tiny",
+                        admission_lane=(1,), lane_reserved_sms=8)  # fmt: skip
+    assert eager.plan.lane_reserved_sms == 8

@@ -52,6 +52,7 @@ def req(i: int, frames: int = 7, **kw) -> SynthesisRequest:
         (dict(prefill_batches=(2, 4)), "must start at 1"),
         (dict(prefill_batches=(1, 4, 2)), "strictly ascending"),
         (dict(admission_lane=(2, 1)), "admission_lane must be strictly ascending"),
+        (dict(admission_lane=(), lane_reserved_sms=16), "needs an admission_lane"),
         (dict(num_slots=2, batch_buckets=(1, 2), prefill_batches=(1, 4)), "within 2 slots"),
     ],
 )

@@ -121,3 +121,39 @@ def test_host_buffers_that_would_make_a_copy_wait_are_refused():
     out = pinned.view(-1)[:24].view(4, 6)
     drv.wait(drv.launch(lambda: None, [], [], [src], [out]))
     torch.testing.assert_close(out, src.cpu())
+
+
+def test_external_lanes_need_a_cuda_driver():
+    from ttsbuild import _driver
+
+    with pytest.raises(RuntimeError, match="no external streams|needs a CUDA step driver"):
+        _driver.StepDriver(False).add_external_lane(1234, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (green contexts)")
+def test_a_graph_replays_on_a_green_context_lane():
+    """EnginePlan.lane_reserved_sms: the regular steps' graphs are replayed on streams of
+    green contexts (captured elsewhere); their results must be those of the primary context."""
+    from torch.cuda.green_contexts import GreenContext
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    green = GreenContext.create(num_sms=total // 2, device_id=0)
+    stream = green.Stream()
+    x = torch.randn(1 << 20, device="cuda")
+    y = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.mul(x, 3.0, out=y)  # warm up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.mul(x, 3.0, out=y)
+        y.add_(1.0)
+    drv = make_driver(torch.device("cuda"))
+    lane = drv.add_external_lane(stream.cuda_stream, False)
+    assert drv.lane_stream(lane) == stream.cuda_stream
+    out = torch.empty(16).pin_memory()
+    x.normal_()
+    ticket = drv.launch(graph, [], [], [y[:16]], [out], lane)
+    drv.wait(ticket)
+    torch.testing.assert_close(out, (x[:16] * 3 + 1).cpu())

@@ -141,6 +141,7 @@ def bench_plan(
     precision: str, batches, fused_code_predictor: bool = True, persistent_cp_max_batch: int = 0,
     fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0, prefill_batches=(1,),
     bf16_min_rows: int | None = None, admission_lane: tuple[int, ...] = (1, 2),
+    lane_reserved_sms: int = 0,
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured,
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
@@ -161,6 +162,7 @@ def bench_plan(
         w8a8_min_rows=w8a8_min_rows,
         prefill_batches=tuple(prefill_batches),
         admission_lane=tuple(b for b in buckets if b in admission_lane),
+        lane_reserved_sms=lane_reserved_sms,
         **({} if bf16_min_rows is None else {"bf16_min_rows": bf16_min_rows}),
     )
 
@@ -462,6 +464,7 @@ def run_engine_bench(
     prefill_batches=(1,),
     bf16_min_rows: int | None = None,
     admission_lane: tuple[int, ...] = (1, 2),
+    lane_reserved_sms: int = 0,
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -474,7 +477,7 @@ def run_engine_bench(
     for p in precisions if plan is None else ():
         p_plan = bench_plan(
             p, batches, fused_code_predictor, persistent_cp_max_batch, fused_talker_max_batch,
-            w8a8_min_rows, prefill_batches, bf16_min_rows, admission_lane,
+            w8a8_min_rows, prefill_batches, bf16_min_rows, admission_lane, lane_reserved_sms,
         )
         results.append(bench_precision(models, p_plan, batches, iters, log))
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
@@ -566,6 +569,9 @@ def main() -> None:
     p.add_argument("--admission-lane", default="1,2",
                    help="batch buckets of the admission lane, as served by default (1,2; '' "
                    "for off); the first chunk beside stepping rows is timed with it off and on")
+    p.add_argument("--lane-reserved-sms", type=int, default=0,
+                   help="SMs kept free of the regular steps for the admission lane (regular "
+                   "steps in CUDA green contexts of the others; 0: off)")
     a = p.parse_args()
     t0 = time.perf_counter()
     plan = None
@@ -592,6 +598,7 @@ def main() -> None:
         prefill_batches=tuple(int(b) for b in a.prefill_batches.split(",")),
         bf16_min_rows=a.bf16_min_rows,
         admission_lane=tuple(int(b) for b in a.admission_lane.split(",") if b),
+        lane_reserved_sms=a.lane_reserved_sms,
     )
 
 

@@ -99,6 +99,25 @@ class StepDriver {
     return static_cast<int64_t>(lanes_.size()) - 1;
   }
 
+  // A lane on a stream made elsewhere (e.g. a green context's stream, so the lane's steps
+  // run on that context's SMs), given as its cudaStream_t; it gets its own copy stream. join:
+  // as for add_lane. The stream must outlive the driver.
+  int64_t add_external_lane(int64_t stream_ptr, bool join) {
+    Lane lane;
+    lane.join = join;
+#ifdef TTSBUILD_WITH_CUDA
+    TORCH_CHECK(cuda_, "an external stream needs a CUDA step driver");
+    TORCH_CHECK(stream_ptr != 0, "an external lane needs a stream (got a null cudaStream_t)");
+    lane.stream = std::make_unique<c10::cuda::CUDAStream>(c10::cuda::getStreamFromExternal(
+        reinterpret_cast<cudaStream_t>(stream_ptr), c10::cuda::current_device()));
+    lane.copy_stream = copy_stream();
+#else
+    TORCH_CHECK(false, "the step driver was built without CUDA: it has no external streams");
+#endif
+    lanes_.push_back(std::move(lane));
+    return static_cast<int64_t>(lanes_.size()) - 1;
+  }
+
   int64_t lanes() const { return static_cast<int64_t>(lanes_.size()); }
 
   // The CUDA stream a lane's steps run on (0: the caller's current stream, or no CUDA).
@@ -342,6 +361,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("cuda", &StepDriver::cuda)
       .def("add_lane", &StepDriver::add_lane, py::arg("high_priority"), py::arg("join"),
            py::arg("priority") = 0)
+      .def("add_external_lane", &StepDriver::add_external_lane, py::arg("stream"),
+           py::arg("join"))
       .def_property_readonly("lanes", &StepDriver::lanes)
       .def("lane_stream", &StepDriver::lane_stream, py::arg("lane"))
       .def("launch", &StepDriver::launch, py::arg("step"), py::arg("h2d_src"),

@@ -398,7 +398,14 @@ class GraphBackend:
         )
         self.driver = make_driver(dev)
         self.codec_stream = (dev.type == "cuda") if codec_stream is None else codec_stream
-        if self.codec_stream:
+        self._green: list = []  # green contexts of the regular steps (lane_reserved_sms)
+        if self.codec_stream and plan.lane_reserved_sms and dev.type == "cuda":
+            # The regular steps on the SMs left after the lane's reserve (see the plan field);
+            # the lane below stays on the whole device, at the highest priority.
+            lm_stream, codec_stream = self._green_streams(dev, plan.lane_reserved_sms)
+            self.lm_lane = self.driver.add_external_lane(lm_stream.cuda_stream, join=True)
+            self.codec_lane = self.driver.add_external_lane(codec_stream.cuda_stream, join=False)
+        elif self.codec_stream:
             # Three ranks of CUDA stream priority: the admission lane (below) first, then the
             # frame steps of running streams, then the codec.
             self.lm_lane = self.driver.add_lane(high_priority=True, join=True,
@@ -869,6 +876,26 @@ class GraphBackend:
         staged = _Staged(ticket, host_out, k)
         ring.owner[k] = staged
         return staged
+
+    def _green_streams(self, dev: torch.device, reserved: int) -> list[torch.cuda.Stream]:
+        """Two streams (frame steps, codec steps) in green contexts of all but `reserved` SMs
+        (torch.cuda.green_contexts; both contexts take the same SMs, which is what the two
+        regular lanes share anyway). The contexts are kept for as long as the backend."""
+        try:
+            from torch.cuda.green_contexts import GreenContext
+        except ImportError as exc:
+            raise RuntimeError(f"lane_reserved_sms needs CUDA green contexts (torch "
+                               f"{torch.__version__} has none): {exc}") from None  # fmt: skip
+        total = torch.cuda.get_device_properties(dev).multi_processor_count
+        if not 0 < reserved < total:
+            raise ValueError(f"lane_reserved_sms must be 1..{total - 1} on this GPU "
+                             f"({total} SMs), got {reserved}")  # fmt: skip
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        self._green = [GreenContext.create(num_sms=total - reserved, device_id=index)
+                       for _ in range(2)]  # fmt: skip
+        log.info("regular steps on %d of %d SMs; %d kept for the admission lane",
+                 total - reserved, total, reserved)  # fmt: skip
+        return [g.Stream() for g in self._green]
 
     def _rows_view(self, t: torch.Tensor, rows: int, width: int | None = None) -> torch.Tensor:
         """t[:rows] (or t[:rows, :width]) of a buffer the backend keeps: one view object per

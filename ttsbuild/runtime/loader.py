@@ -47,6 +47,7 @@ def open_engine(
     guards: GuardConfig | None = None,
     prefill_batches: tuple[int, ...] | None = None,
     admission_lane: tuple[int, ...] | None = None,
+    lane_reserved_sms: int | None = None,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
     `random_variant`, e.g. "1.7b-customvoice", when path is None).
@@ -59,7 +60,9 @@ def open_engine(
     "bf16" or "fp8"; a compiled engine's is the one it was compiled with. prefill_batches
     (checkpoints): prompts per captured prefill step (`EnginePlan.prefill_batches`).
     admission_lane: batch buckets of the admission lane (`EnginePlan.admission_lane`; its
-    graphs are captured at load, so a compiled engine takes it too); None: the plan's."""
+    graphs are captured at load, so a compiled engine takes it too); None: the plan's.
+    lane_reserved_sms: SMs kept free of regular steps for that lane
+    (`EnginePlan.lane_reserved_sms`, a compiled engine takes it too); None: the plan's."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = resolve_device(device)
@@ -100,6 +103,11 @@ def open_engine(
                 f"engine's plan {list(plan.batch_buckets)}"
             )
         plan = plan.model_copy(update={"admission_lane": tuple(sorted(set(admission_lane)))})
+    if lane_reserved_sms is not None and lane_reserved_sms != plan.lane_reserved_sms:
+        # validated like the plan itself (a reserve needs the lane)
+        plan = EnginePlan.model_validate(
+            {**plan.model_dump(), "lane_reserved_sms": lane_reserved_sms}
+        )
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 

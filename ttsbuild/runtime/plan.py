@@ -74,6 +74,13 @@ class EnginePlan(BaseModel):
     # take it; more join the regular step. (): off (prefill in order with frame steps).
     # `default` and compile turn it on for buckets 1, 2 (measured in serving).
     admission_lane: tuple[int, ...] = ()
+    # SMs kept free of the regular steps for the admission lane (CUDA, needs the lane): frame
+    # and codec steps of running streams run in green contexts of the other SMs, the lane in
+    # the whole device at a higher priority, so a new request's first chunk always has these
+    # SMs to itself. (Stream priority alone does not preempt a regular step's resident
+    # blocks: on the H200 a first chunk beside 63 stepping rows took 8.8 ms against 6.1 idle.)
+    # 0: off. Not yet timed on the GPU.
+    lane_reserved_sms: int = Field(0, ge=0)
     # The talker's FP8 linears as W8A8 (activations quantised per row at run time, one
     # cuBLASLt FP8 GEMM: plugins.fp8_w8a8) from this many rows (prefill rows or decode
     # batch; multiples of 16); 0: weight-only everywhere. Off until timed on the GPU.
@@ -111,6 +118,8 @@ class EnginePlan(BaseModel):
         ascending("codec_chunks", self.codec_chunks)
         if self.admission_lane:
             ascending("admission_lane", self.admission_lane)
+        if self.lane_reserved_sms and not self.admission_lane:
+            raise ValueError("lane_reserved_sms needs an admission_lane to reserve them for")
         if not 1 <= self.num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots must be 1..{MAX_SLOTS}, got {self.num_slots}")
         if self.batch_buckets[-1] > self.num_slots:

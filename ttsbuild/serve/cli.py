@@ -101,6 +101,11 @@ def serve(
         "new request's prefill and first frame on a CUDA stream of their own, beside the "
         "frame step of running streams; empty: off; default: the engine's plan)."
     ),  # fmt: skip
+    lane_reserved_sms: int = typer.Option(
+        None, "--lane-reserved-sms", min=0, help="GPU, with an admission lane: SMs kept free "
+        "of running streams' steps for new requests' first chunks (the regular steps run in "
+        "CUDA green contexts of the other SMs); 0: off; default: the engine's plan."
+    ),  # fmt: skip
     express_admission: bool = typer.Option(
         True, help="With an admission lane on a GPU: admit a request that arrives while a "
         "frame step runs at once, and launch its first codec step right behind its first "
@@ -173,7 +178,7 @@ def serve(
             checkpoint, device=device, num_slots=slots if slots or checkpoint is None else
             (None if _is_engine(checkpoint) else 8), max_len=max_len, kind=engine_kind,
             precision=precision, random_variant=random, guards=guard_config,
-            prefill_batches=batches, admission_lane=lane,
+            prefill_batches=batches, admission_lane=lane, lane_reserved_sms=lane_reserved_sms,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")
