@@ -1,0 +1,60 @@
+"""The step driver's CUDA code path compiles, checked where CUDA headers exist but torch is a
+CPU build (the CI machine and the development machine): the CUDA-only parts of
+`csrc/step_driver.cpp` are otherwise first compiled on the GPU host, where a mistake costs
+device time. g++ -fsyntax-only against torch's headers and the CUDA runtime headers; the few
+library headers a CPU wheel's ATen/cuda headers name but do not need here (cuBLAS, cuSPARSE,
+cuSOLVER, the CMake macros) are stubbed."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch.utils.cpp_extension as ext
+
+SOURCE = Path(__file__).resolve().parents[2] / "ttsbuild" / "csrc" / "step_driver.cpp"
+CUDA_INCLUDE = Path(ext.CUDA_HOME or "/usr/local/cuda") / "include"
+STUBS = {
+    "cusparse.h": "typedef struct cusparseContext* cusparseHandle_t;\n"
+    "typedef int cusparseStatus_t;\n",
+    "cublas_v2.h": "typedef struct cublasContext* cublasHandle_t;\ntypedef int cublasStatus_t;\n",
+    "cublasLt.h": "typedef struct cublasLtContext* cublasLtHandle_t;\n",
+    "cusolverDn.h": "typedef struct cusolverDnContext* cusolverDnHandle_t;\n",
+    "cusolver_common.h": "typedef int cusolverStatus_t;\n",
+    "c10/cuda/impl/cuda_cmake_macros.h": "#define C10_CUDA_BUILD_SHARED_LIBS\n",
+}
+
+
+def compile_cuda_path(source: Path, stubs: Path) -> subprocess.CompletedProcess:
+    for name, text in STUBS.items():
+        (stubs / name).parent.mkdir(parents=True, exist_ok=True)
+        (stubs / name).write_text(text)
+    includes = [*ext.include_paths(), sysconfig.get_paths()["include"], str(CUDA_INCLUDE),
+                str(stubs)]  # fmt: skip
+    cmd = ["g++", "-std=c++17", "-fsyntax-only", "-DTTSBUILD_WITH_CUDA",
+           "-DTORCH_EXTENSION_NAME=_driver", "-DTORCH_API_INCLUDE_EXTENSION_H",
+           *(f"-I{p}" for p in includes), str(source)]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+needs_headers = pytest.mark.skipif(
+    shutil.which("g++") is None or not (CUDA_INCLUDE / "cuda_runtime_api.h").exists(),
+    reason="needs g++ and the CUDA runtime headers",
+)
+
+
+@needs_headers
+def test_the_cuda_code_path_of_the_step_driver_compiles(tmp_path):
+    result = compile_cuda_path(SOURCE, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@needs_headers
+def test_the_check_sees_a_mistake_in_the_cuda_path(tmp_path):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text(SOURCE.read_text().replace("getStreamFromExternal(", "getStreamFromExtern("))
+    result = compile_cuda_path(broken, tmp_path / "stubs")
+    assert result.returncode != 0 and "getStreamFromExtern" in result.stderr
