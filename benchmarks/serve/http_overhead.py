@@ -74,8 +74,16 @@ def main() -> None:
             if i >= 5:
                 ttfb.append(first * 1e3)
                 ttfa.append((ttfa_sum(client, url) - before) * 1e3)
+        text = client.get(url + "/metrics").text
     server.should_exit = True
     gap = [b - s for b, s in zip(ttfb, ttfa, strict=True)]
+    # the server's own split of its HTTP side (tts_http_phase_seconds), warm-up included
+    phases = {}
+    for phase in ("resolve", "handoff", "send"):
+        total, count = (
+            float(re.search(rf'^tts_http_phase_seconds_{k}{{phase="{phase}"}} (\S+)$', text,
+                            re.M).group(1)) for k in ("sum", "count"))  # fmt: skip
+        phases[phase] = total / count * 1e3 if count else 0.0
 
     def row(name, xs):
         xs = sorted(xs)
@@ -87,6 +95,7 @@ def main() -> None:
     print(row("client first byte", ttfb))
     print(row("server first audio", ttfa))
     print(row("HTTP layer (diff)", gap))
+    print("of which (server means): " + ", ".join(f"{k} {v:.2f} ms" for k, v in phases.items()))
 
 
 if __name__ == "__main__":
