@@ -351,3 +351,21 @@ def test_voice_aliases_are_checked_against_the_model_at_startup():
     for bad in ({"alloy": "nobody"}, {"ryan": "ryan"}):
         with pytest.raises(ValueError):
             SpeechService(engine, ServeConfig(voice_aliases=bad))
+
+
+def test_slow_first_chunks_are_logged_with_their_phases_at_most_once_a_second(caplog):
+    from ttsbuild.serve.metrics import ServeMetrics
+
+    m = ServeMetrics(slow_first_audio_s=0.02)
+    phases = {"admit": 0.001, "frame": 0.0, "codec": 0.0005, "read": 0.03}
+    with caplog.at_level("WARNING", logger="ttsbuild.serve.metrics"):
+        m.on_first_audio(0.015, phases)  # under the bar: not logged
+        m.on_first_audio(0.0315, phases)
+        m.on_first_audio(0.04, phases)  # within the second: counted, not logged
+        m._slow_logged_at -= 1.0
+        m.on_first_audio(0.05, None)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[0].startswith("slow first audio: 31.5 ms (admit 1.0, frame 0.0, codec 0.5, "
+                               "read 30.0 ms) with 0 slots in use")  # fmt: skip
+    assert "50.0 ms (no phases" in lines[1] and "1 more since the last one" in lines[1]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ttsbuild.serve.scheduler import FIRST_AUDIO_PHASES, Plan, Stage
@@ -28,11 +31,21 @@ STOP_REASONS = ("eos", "text_budget", "repetition", "silence", "max_frames", "le
                 "cancel")  # fmt: skip
 
 
-class ServeMetrics:
-    """Implements the scheduler's Observer; the app adds HTTP/WS-level counts."""
+log = logging.getLogger(__name__)
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+
+class ServeMetrics:
+    """Implements the scheduler's Observer; the app adds HTTP/WS-level counts. A first chunk
+    slower than `slow_first_audio_s` is logged (a warning, at most one a second, with the
+    count of those not logged since) with its phases and the slots in use: the tail's
+    outliers, one by one, for a server log next to a sweep's histograms."""
+
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 slow_first_audio_s: float = 0.025):  # fmt: skip
         self.registry = r = registry or CollectorRegistry()
+        self.slow_first_audio_s = slow_first_audio_s
+        self._slow_logged_at = float("-inf")
+        self._slow_unlogged = 0
         self.ttfa = Histogram(
             "tts_time_to_first_audio_seconds", "Arrival to first audio chunk handed to the client",
             buckets=_TTFA_BUCKETS, registry=r,
@@ -130,6 +143,19 @@ class ServeMetrics:
         self.ttfa.observe(ttfa_s)
         for phase, seconds in (phases or {}).items():
             self.ttfa_phases.labels(phase).observe(seconds)
+        if ttfa_s > self.slow_first_audio_s:
+            self._log_slow(ttfa_s, phases)
+
+    def _log_slow(self, ttfa_s: float, phases: dict[str, float] | None) -> None:
+        now = time.monotonic()
+        if now - self._slow_logged_at < 1.0:
+            self._slow_unlogged += 1
+            return
+        split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in (phases or {}).items())
+        more = f"; {self._slow_unlogged} more since the last one" if self._slow_unlogged else ""
+        log.warning("slow first audio: %.1f ms (%s ms) with %d slots in use%s", ttfa_s * 1e3,
+                    split or "no phases", int(self.active._value.get()), more)  # fmt: skip
+        self._slow_logged_at, self._slow_unlogged = now, 0
 
     def on_chunk(self, lateness_s: float) -> None:
         self.lateness.observe(lateness_s)
