@@ -4,6 +4,10 @@
 # annotated-doc av soxr prometheus-client httpx httpcore h11 anyio sniffio typer rich
 # shellingham markdown-it-py mdurl`, then move the calibration-only wheels (pulp,
 # nvidia_modelopt, omegaconf: 18 MB) out of .whl so the tree and .whl fit the 64 MiB carry.
+# (2026-12-02: PyAV's 35 MB wheel moved out too, to .whl-av/: a server streaming PCM never
+# imports it (serve/formats.py loads it in the FFmpeg encoders), which leaves room for a
+# Triton cache, .tc/tc.tgz, 17 MB: `tar xzf .tc/tc.tgz -C /tmp; export
+# TRITON_CACHE_DIR=/tmp/tc` cut a server's start from ~210 s to ~40 s.)
 # On a warm host whose /tmp/site lacks one of them, install .whl there again by hand. Where $PY (default
 # python3) cannot import fastapi, install them into /tmp/site; then put the repo and /tmp/site
 # on PYTHONPATH, unbuffered. Also defines the helpers those scripts share (below).
