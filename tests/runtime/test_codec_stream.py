@@ -344,7 +344,7 @@ def test_sms_reserved_for_the_lane_are_a_cuda_matter(models):
     engine = GraphEngine(models, plan, use_graphs=False, codec_stream=True)
     backend = engine.backend
     assert backend._green == [] and backend.admit_lane not in (0, backend.codec_lane)
-    with pytest.raises(ValueError, match="needs an admission_lane"):
+    with pytest.raises(ValueError, match="needs an admission lane"):
         open_engine(None, "cpu", num_slots=2, max_len=256, random_variant="tiny",
                     admission_lane=(), lane_reserved_sms=8)  # fmt: skip
     eager = open_engine(None, "cpu", num_slots=2, max_len=256, random_variant="tiny",

@@ -104,10 +104,10 @@ def open_engine(
             )
         plan = plan.model_copy(update={"admission_lane": tuple(sorted(set(admission_lane)))})
     if lane_reserved_sms is not None and lane_reserved_sms != plan.lane_reserved_sms:
-        # validated like the plan itself (a reserve needs the lane)
-        plan = EnginePlan.model_validate(
-            {**plan.model_dump(), "lane_reserved_sms": lane_reserved_sms}
-        )
+        if lane_reserved_sms and not plan.admission_lane:
+            raise ValueError("lane_reserved_sms needs an admission lane to reserve them for "
+                             "(--admission-lane)")  # fmt: skip
+        plan = plan.model_copy(update={"lane_reserved_sms": lane_reserved_sms})
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 
