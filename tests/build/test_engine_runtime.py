@@ -55,3 +55,14 @@ def test_the_admission_lane_is_compiled_in_and_can_be_set_at_load(fp8_engine):
         open_engine(fp8_engine, "cpu", kind="graph", admission_lane=(3,))
     small = open_engine(fp8_engine, "cpu", kind="graph", num_slots=1)
     assert small.plan.admission_lane == (1,)
+
+
+def test_the_bf16_copies_of_a_compiled_fp8_engine_can_be_set_at_load(fp8_engine):
+    """`serve --bf16-min-rows`: the talker's FP8 linears get bf16 copies (made at load) used
+    from that many rows; 0 keeps the FP8 weights alone."""
+    on = open_engine(fp8_engine, "cpu", kind="graph", bf16_min_rows=16)
+    dense = on.backend.talker_stack.layers[0].qkv
+    assert on.plan.bf16_min_rows == 16 and dense.bf16_min_rows == 16
+    assert dense.bf16_weight is not None and dense.bf16_weight.shape == dense.weight.shape
+    off = open_engine(fp8_engine, "cpu", kind="graph", bf16_min_rows=0)
+    assert off.backend.talker_stack.layers[0].qkv.bf16_weight is None

@@ -48,6 +48,7 @@ def open_engine(
     prefill_batches: tuple[int, ...] | None = None,
     admission_lane: tuple[int, ...] | None = None,
     lane_reserved_sms: int | None = None,
+    bf16_min_rows: int | None = None,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
     `random_variant`, e.g. "1.7b-customvoice", when path is None).
@@ -62,7 +63,10 @@ def open_engine(
     admission_lane: batch buckets of the admission lane (`EnginePlan.admission_lane`; its
     graphs are captured at load, so a compiled engine takes it too); None: the plan's.
     lane_reserved_sms: SMs kept free of regular steps for that lane
-    (`EnginePlan.lane_reserved_sms`, a compiled engine takes it too); None: the plan's."""
+    (`EnginePlan.lane_reserved_sms`, a compiled engine takes it too); None: the plan's.
+    bf16_min_rows: the talker's FP8 linears on bf16 copies from this many rows
+    (`EnginePlan.bf16_min_rows`, a runtime choice: the copies are made at load); None: the
+    plan's."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = resolve_device(device)
@@ -108,6 +112,10 @@ def open_engine(
             raise ValueError("lane_reserved_sms needs an admission lane to reserve them for "
                              "(--admission-lane)")  # fmt: skip
         plan = plan.model_copy(update={"lane_reserved_sms": lane_reserved_sms})
+    if bf16_min_rows is not None and bf16_min_rows != plan.bf16_min_rows:
+        if bf16_min_rows < 0:
+            raise ValueError(f"bf16_min_rows must be >= 0, got {bf16_min_rows}")
+        plan = plan.model_copy(update={"bf16_min_rows": bf16_min_rows})
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 

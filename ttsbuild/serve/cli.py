@@ -106,6 +106,11 @@ def serve(
         "of running streams' steps for new requests' first chunks (the regular steps run in "
         "CUDA green contexts of the other SMs); 0: off; default: the engine's plan."
     ),  # fmt: skip
+    bf16_min_rows: int = typer.Option(
+        None, "--bf16-min-rows", min=0, help="FP8 engines on a GPU: the talker's linears on "
+        "bf16 copies of their weights (made at load, cuBLAS) from this many rows, e.g. 16 "
+        "(0: never; costs the weights again; default: the engine's plan)."
+    ),  # fmt: skip
     express_admission: bool = typer.Option(
         True, help="With an admission lane on a GPU: admit a request that arrives while a "
         "frame step runs at once, and launch its first codec step right behind its first "
@@ -179,6 +184,7 @@ def serve(
             (None if _is_engine(checkpoint) else 8), max_len=max_len, kind=engine_kind,
             precision=precision, random_variant=random, guards=guard_config,
             prefill_batches=batches, admission_lane=lane, lane_reserved_sms=lane_reserved_sms,
+            bf16_min_rows=bf16_min_rows,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")
