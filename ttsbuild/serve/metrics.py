@@ -46,6 +46,7 @@ class ServeMetrics:
         self.slow_first_audio_s = slow_first_audio_s
         self._slow_logged_at = float("-inf")
         self._slow_unlogged = 0
+        self._active = 0  # slots in use at the last plan (the gauge's value, for the log)
         self.ttfa = Histogram(
             "tts_time_to_first_audio_seconds", "Arrival to first audio chunk handed to the client",
             buckets=_TTFA_BUCKETS, registry=r,
@@ -126,6 +127,7 @@ class ServeMetrics:
     def on_plan(self, plan: Plan, queue_depth: int, active: int) -> None:
         self.queue_depth.set(queue_depth)
         self.active.set(active)
+        self._active = active
         if plan.stage is not None:
             self.decisions.labels(plan.reason).inc()
 
@@ -154,7 +156,7 @@ class ServeMetrics:
         split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in (phases or {}).items())
         more = f"; {self._slow_unlogged} more since the last one" if self._slow_unlogged else ""
         log.warning("slow first audio: %.1f ms (%s ms) with %d slots in use%s", ttfa_s * 1e3,
-                    split or "no phases", int(self.active._value.get()), more)  # fmt: skip
+                    split or "no phases", self._active, more)  # fmt: skip
         self._slow_logged_at, self._slow_unlogged = now, 0
 
     def on_chunk(self, lateness_s: float) -> None:
