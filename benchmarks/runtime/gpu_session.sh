@@ -18,7 +18,8 @@
 #         contexts of the others): graph vs eager with the reserve, then the engine
 #         microbenchmark's first chunk beside stepping rows with it (compare with `lane`)
 # ab:     serving A/B at $AB_RPS req/s, $AB_DURATION each, until $DEADLINE_S seconds into the
-#         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B.
+#         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
+#         more sides: AB_SIDES="A B C" with $AB_C, ...).
 #         (2026-12-01: Python's GIL switch interval, 5 ms against 0.5 ms, through a
 #         `--gil-switch-ms` flag: no difference at 10 req/s, and the flag was removed.)
 set -uo pipefail
@@ -67,7 +68,7 @@ for step in $STEPS; do
         engine_bench green --admission-lane "${LANE:-1,2}" --lane-reserved-sms "${RESERVE:-16}"
         grep -E "stepping rows" "$OUT/engine_bench_green.log" ;;
     ab)
-        for side in A B; do
+        for side in ${AB_SIDES:-A B}; do
             args=AB_$side; args=${!args:-}
             left=$((DEADLINE_S - SECONDS))
             if [ "$left" -lt 100 ]; then log "skip side $side: ${left}s left"; continue; fi

@@ -66,3 +66,26 @@ def test_the_bf16_copies_of_a_compiled_fp8_engine_can_be_set_at_load(fp8_engine)
     assert dense.bf16_weight is not None and dense.bf16_weight.shape == dense.weight.shape
     off = open_engine(fp8_engine, "cpu", kind="graph", bf16_min_rows=0)
     assert off.backend.talker_stack.layers[0].qkv.bf16_weight is None
+
+
+def test_the_largest_batch_bucket_can_be_lowered_at_load_never_raised(fp8_engine):
+    """`serve --max-batch`: the plan's buckets stop at that size (and the plan's per-bucket
+    choices with them); more than was compiled is a clear error."""
+    compiled = open_engine(fp8_engine, "cpu", kind="graph").plan
+    assert compiled.max_batch >= 2, compiled.batch_buckets
+    one = open_engine(fp8_engine, "cpu", kind="graph", max_batch=1)
+    assert one.plan.batch_buckets == (1,) and one.plan.admission_lane == (1,)
+    assert set(one.plan.fused_code_predictor) <= {1}
+    with pytest.raises(ValueError, match="exceeds the plan's largest batch bucket"):
+        open_engine(fp8_engine, "cpu", kind="graph", max_batch=compiled.max_batch + 1)
+
+
+def test_a_checkpoint_plan_takes_batches_above_64_when_asked(ckpt):
+    """A checkpoint's default plan stops at 64 rows per step; --max-batch 128 with 128 slots
+    captures a 128-row bucket (slots up to 256, issue 9)."""
+    default = open_engine(ckpt, "cpu", num_slots=128, kind="eager").plan
+    assert default.max_batch == 64
+    wide = open_engine(ckpt, "cpu", num_slots=128, kind="eager", max_batch=128).plan
+    assert wide.batch_buckets[-2:] == (64, 128) and wide.num_slots == 128
+    with pytest.raises(ValueError, match="exceeds the plan's largest batch bucket"):
+        open_engine(ckpt, "cpu", num_slots=32, kind="eager", max_batch=64)

@@ -49,6 +49,7 @@ def open_engine(
     admission_lane: tuple[int, ...] | None = None,
     lane_reserved_sms: int | None = None,
     bf16_min_rows: int | None = None,
+    max_batch: int | None = None,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
     `random_variant`, e.g. "1.7b-customvoice", when path is None).
@@ -96,10 +97,14 @@ def open_engine(
             )
     else:
         extra = {} if prefill_batches is None else {"prefill_batches": tuple(prefill_batches)}
+        if max_batch is not None:
+            extra["max_batch"] = max_batch
         plan = EnginePlan.default(
             num_slots=num_slots or 32, max_len=max_len or 2048, precision=precision or "bf16",
             codec_precision="fp16" if device.type == "cuda" else "fp32", **extra,
         )  # fmt: skip
+    if max_batch is not None and max_batch != plan.max_batch:
+        plan = plan_max_batch(plan, max_batch, path or random_variant)
     if admission_lane is not None and tuple(admission_lane) != plan.admission_lane:
         if not set(admission_lane) <= set(plan.batch_buckets):
             raise ValueError(
@@ -122,6 +127,34 @@ def open_engine(
     from ttsbuild.runtime.graph_engine import GraphEngine
 
     return GraphEngine(models, plan, release_modules=True, guards=guards)
+
+
+# EnginePlan fields that list batch buckets (a subset of batch_buckets)
+BUCKET_SUBSETS = ("fused_code_predictor", "persistent_code_predictor", "fused_talker",
+                  "admission_lane")  # fmt: skip
+
+
+def plan_max_batch(plan: EnginePlan, max_batch: int, where) -> EnginePlan:
+    """`plan` with its batch buckets cut at `max_batch` (one of them, or the slot count);
+    asking for more than the plan captures is an error."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if max_batch > plan.max_batch:
+        raise ValueError(
+            f"{where}: max_batch {max_batch} exceeds the plan's largest batch bucket "
+            f"{plan.max_batch} (a checkpoint: ask for as many slots; an engine: recompile "
+            "with --max-batch)"
+        )
+    buckets = tuple(b for b in plan.batch_buckets if b < max_batch) + (max_batch,)
+    keep = set(buckets)
+    return plan.model_copy(
+        update={
+            "batch_buckets": buckets,
+            **{name: tuple(b for b in getattr(plan, name) if b in keep)
+               for name in BUCKET_SUBSETS},
+            "speculative": {b: v for b, v in plan.speculative.items() if b in keep},
+        }
+    )  # fmt: skip
 
 
 def plan_within(

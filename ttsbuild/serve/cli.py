@@ -111,6 +111,11 @@ def serve(
         "bf16 copies of their weights (made at load, cuBLAS) from this many rows, e.g. 16 "
         "(0: never; costs the weights again; default: the engine's plan)."
     ),  # fmt: skip
+    max_batch: int = typer.Option(
+        None, "--max-batch", min=1, help="GPU: the largest batch bucket, rows per captured "
+        "step (more rows split into several steps), at most the slots; default: the "
+        "engine's plan (a checkpoint's stops at 64)."
+    ),  # fmt: skip
     express_admission: bool = typer.Option(
         True, help="With an admission lane on a GPU: admit a request that arrives while a "
         "frame step runs at once, and launch its first codec step right behind its first "
@@ -158,6 +163,7 @@ def serve(
         scheduler=SchedulerConfig(
             profile=chosen,
             num_slots=256,  # bounded by the engine's plan below
+            max_batch=256,  # ditto: the plan's largest batch bucket
             max_queue=max_queue,
             queue_timeout_s=queue_timeout,
             max_buffered_s=max_buffered,
@@ -184,7 +190,7 @@ def serve(
             (None if _is_engine(checkpoint) else 8), max_len=max_len, kind=engine_kind,
             precision=precision, random_variant=random, guards=guard_config,
             prefill_batches=batches, admission_lane=lane, lane_reserved_sms=lane_reserved_sms,
-            bf16_min_rows=bf16_min_rows,
+            bf16_min_rows=bf16_min_rows, max_batch=max_batch,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")
