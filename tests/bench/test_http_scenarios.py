@@ -20,6 +20,8 @@ SCENARIOS = {
     # 0.1 s of audio, then the next chunk 0.3 s later: due at +0.1, 0.2 s stall; the third
     # chunk (+0.35) is then due at +0.5: on time.
     "late-chunk": Reply(chunks=[(0.0, tone(0.1)), (0.3, tone(0.2)), (0.05, tone(0.1))]),
+    # headers at once, the first audio 0.2 s later (a server still making it)
+    "slow-first": Reply(chunks=[(0.2, tone(0.1))]),
     "stalled": Reply(chunks=[(0.0, tone(0.1)), (3.0, tone(0.1))]),
     "disconnect": Reply(chunks=[(0.0, tone(0.1)), (0.05, tone(0.1))], disconnect=True),
     "too-many": Reply(status=429),
@@ -60,6 +62,13 @@ def test_leading_silence_delays_audible_ttfa_but_not_first_playable(server):
     assert r.e2e_s == pytest.approx(r.ttfa_s, abs=TOL)
     assert r.rtf == pytest.approx(r.e2e_s / 0.8)
     assert r.underruns == 0 and r.stall_s == 0.0
+
+
+def test_response_headers_are_timed_apart_from_the_first_audio(server):
+    r = one_request(server.http_url, "slow-first")
+    assert r.outcome == "ok" and r.headers_s is not None
+    assert 0 <= r.headers_s < TOL * 2
+    assert r.ttfa_s - r.headers_s == pytest.approx(0.2, abs=TOL)
 
 
 def test_late_chunk_is_one_underrun_with_known_stall(server):

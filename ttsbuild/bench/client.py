@@ -34,6 +34,7 @@ class Trace:
     sent_at: float  # when the request was handed to the transport
     outcome: Outcome = Outcome.ok
     http_status: int | None = None
+    headers_at: float | None = None  # HTTP: the response's status line and headers arrived
     error: str | None = None
     sample_rate_header: int | None = None  # from x-sample-rate (HTTP) or the started event (WS)
     chunk_times: list[float] = field(default_factory=list)  # arrival of each body chunk
@@ -72,6 +73,7 @@ async def http_speech(
     try:
         async with asyncio.timeout(timeouts.total_s):
             async with client.stream("POST", url, json=body, headers=headers) as response:
+                trace.headers_at = time.perf_counter()
                 trace.http_status = response.status_code
                 if not response.is_success:
                     await _fail_on_status(trace, response)

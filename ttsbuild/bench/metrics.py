@@ -31,6 +31,7 @@ PERCENTILES = (50, 95, 99)
 # Timings summarised as p50/p95/p99 (all seconds, except rtf which is a ratio).
 TIMING_FIELDS = (
     "dispatch_lag_s",
+    "headers_s",
     "ttfb_s",
     "first_playable_s",
     "ttfa_s",
@@ -56,6 +57,9 @@ class RequestRecord:
     http_status: int | None
     error: str | None
     dispatch_lag_s: float  # actual send - scheduled send: the harness's own lateness
+    # HTTP: response headers arrived (ttsbuild serve sends them once the request holds an
+    # engine slot, so headers_s -> ttfa_s is the first chunk's own making and delivery)
+    headers_s: float | None
     ttfb_s: float | None  # first body byte (WAV header included)
     first_playable_s: float | None  # first complete audio sample
     ttfa_s: float | None  # audible onset: arrival of the bytes holding its first sample
@@ -94,6 +98,7 @@ def analyse(
         http_status=trace.http_status,
         error=trace.error,
         dispatch_lag_s=trace.sent_at - scheduled_at,
+        headers_s=_since(trace.headers_at, scheduled_at),
         ttfb_s=_since(trace.chunk_times[0], scheduled_at) if trace.chunk_times else None,
         first_playable_s=None,
         ttfa_s=None,

@@ -20,6 +20,7 @@ _RUN_TIMINGS = (
     ("ttfa_s", "audible TTFA (ms)", 1e3),
     ("first_playable_s", "first playable (ms)", 1e3),
     ("ttfb_s", "first byte (ms)", 1e3),
+    ("headers_s", "response headers (ms)", 1e3),
     ("leading_silence_s", "leading silence (ms)", 1e3),
     ("e2e_s", "end to end (ms)", 1e3),
     ("rtf", "real-time factor", 1.0),
