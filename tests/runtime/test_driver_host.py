@@ -157,3 +157,38 @@ def test_a_graph_replays_on_a_green_context_lane():
     ticket = drv.launch(graph, [], [], [y[:16]], [out], lane)
     drv.wait(ticket)
     torch.testing.assert_close(out, (x[:16] * 3 + 1).cpu())
+
+
+def test_refusals_are_runtime_errors_and_step_errors_pass_through():
+    """Every refusal leaves the driver as a RuntimeError raised at its binding (on the H200
+    image each one used to kill the process with a segmentation fault in pybind11's
+    exception translation); an exception raised by a step itself keeps its type."""
+    from ttsbuild.runtime.driver import driver_module
+
+    cuda = torch.cuda.is_available()
+    drv = make_driver(torch.device("cuda" if cuda else "cpu"))
+    x = torch.randn(3, device="cuda" if cuda else "cpu")
+    with pytest.raises(RuntimeError, match="lane priority is <= 0"):
+        drv.add_lane(False, False, 5)
+    with pytest.raises(RuntimeError, match="unknown ticket"):
+        drv.wait(12345)
+    with pytest.raises(RuntimeError, match="unknown ticket"):
+        drv.ready(-1)
+    with pytest.raises(RuntimeError, match="1 sources but 0 destinations"):
+        drv.launch(lambda: None, [], [], [x], [])
+    with pytest.raises(RuntimeError, match="shape"):
+        drv.launch(lambda: None, [], [], [x], [torch.zeros(4)])
+    with pytest.raises(RuntimeError, match="unknown lane|lane"):
+        drv.launch(lambda: None, [], [], [], [], 7)
+
+    def broken():
+        raise ValueError("a step's own error")
+
+    with pytest.raises(ValueError, match="a step's own error"):
+        drv.wait(drv.launch(broken, [], [], [], []))
+    out = torch.zeros(3).pin_memory() if cuda else torch.zeros(3)
+    drv.wait(drv.launch(lambda: x.mul_(2.0), [], [], [x], [out]))  # still usable
+    torch.testing.assert_close(out, x.cpu())
+    if not driver_module(False).built_with_cuda():
+        with pytest.raises(RuntimeError, match="built without CUDA"):
+            driver_module(False).StepDriver(True)

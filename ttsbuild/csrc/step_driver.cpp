@@ -353,27 +353,75 @@ bool built_with_cuda() {
 #endif
 }
 
+namespace {
+
+// Errors leave the driver as Python RuntimeErrors raised here, at the binding, never through
+// pybind11's exception translators: on the H200 image (torch 2.11, the driver built with
+// /opt/gcc's g++) every refusal that reached the translators (a TORCH_CHECK in any method, a
+// bad lane priority or an unknown ticket alike) killed the process with a segmentation fault
+// instead (benchmarks/runtime/driver_errors_probe.py), while the CPU build raised. Python
+// errors from a step (the eager backend's functions) pass through as they are.
+[[noreturn]] void raise_runtime_error(const char* message) {
+  PyErr_SetString(PyExc_RuntimeError, message);
+  throw py::error_already_set();
+}
+
+template <typename R, typename C, typename... A, typename M>
+auto guarded_impl(M method) {
+  return [method](C& self, A... args) -> R {
+    try {
+      return (self.*method)(std::forward<A>(args)...);
+    } catch (const py::error_already_set&) {
+      throw;
+    } catch (const c10::Error& e) {
+      raise_runtime_error(e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      raise_runtime_error(e.what());
+    }
+  };
+}
+
+template <typename R, typename C, typename... A>
+auto guarded(R (C::*method)(A...)) {
+  return guarded_impl<R, C, A...>(method);
+}
+
+template <typename R, typename C, typename... A>
+auto guarded(R (C::*method)(A...) const) {
+  return guarded_impl<R, const C, A...>(method);
+}
+
+std::unique_ptr<StepDriver> make_step_driver(bool cuda) {
+  try {
+    return std::make_unique<StepDriver>(cuda);
+  } catch (const c10::Error& e) {
+    raise_runtime_error(e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ttsbuild's step driver: launch a step, copy its outputs out behind an event.";
   m.def("built_with_cuda", &built_with_cuda);
   py::class_<StepDriver>(m, "StepDriver")
-      .def(py::init<bool>(), py::arg("cuda"))
+      .def(py::init(&make_step_driver), py::arg("cuda"))
       .def_property_readonly("cuda", &StepDriver::cuda)
-      .def("add_lane", &StepDriver::add_lane, py::arg("high_priority"), py::arg("join"),
+      .def("add_lane", guarded(&StepDriver::add_lane), py::arg("high_priority"), py::arg("join"),
            py::arg("priority") = 0)
-      .def("add_external_lane", &StepDriver::add_external_lane, py::arg("stream"),
+      .def("add_external_lane", guarded(&StepDriver::add_external_lane), py::arg("stream"),
            py::arg("join"))
-      .def_property_readonly("lanes", &StepDriver::lanes)
-      .def("lane_stream", &StepDriver::lane_stream, py::arg("lane"))
-      .def("launch", &StepDriver::launch, py::arg("step"), py::arg("h2d_src"),
+      .def_property_readonly("lanes", guarded(&StepDriver::lanes))
+      .def("lane_stream", guarded(&StepDriver::lane_stream), py::arg("lane"))
+      .def("launch", guarded(&StepDriver::launch), py::arg("step"), py::arg("h2d_src"),
            py::arg("h2d_dst"), py::arg("d2h_src"), py::arg("d2h_dst"), py::arg("lane") = 0,
            py::arg("after") = std::vector<int64_t>{})
-      .def("device_wait", &StepDriver::device_wait, py::arg("tickets"))
-      .def("enable_timing", &StepDriver::enable_timing, py::arg("on"))
-      .def("step_times", &StepDriver::step_times, py::arg("ticket"))
-      .def("ready", &StepDriver::ready, py::arg("ticket"))
-      .def("wait", &StepDriver::wait, py::arg("ticket"))
+      .def("device_wait", guarded(&StepDriver::device_wait), py::arg("tickets"))
+      .def("enable_timing", guarded(&StepDriver::enable_timing), py::arg("on"))
+      .def("step_times", guarded(&StepDriver::step_times), py::arg("ticket"))
+      .def("ready", guarded(&StepDriver::ready), py::arg("ticket"))
+      .def("wait", guarded(&StepDriver::wait), py::arg("ticket"))
       .def_property("launch_releases_gil", &StepDriver::launch_releases_gil,
                     &StepDriver::set_launch_releases_gil)
-      .def_property_readonly("in_flight", &StepDriver::in_flight);
+      .def_property_readonly("in_flight", guarded(&StepDriver::in_flight));
 }
