@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ttsbuild.runtime.plan import EnginePlan
+from ttsbuild.runtime.plan import DEFAULT_BF16_MIN_ROWS, DEFAULT_LANE_RESERVED_SMS, EnginePlan
 
 HBM_BYTES_PER_S = 4.0e12  # H200 weight-read floor used throughout GPU.md
 TEXT = (
@@ -141,12 +141,16 @@ def bench_plan(
     precision: str, batches, fused_code_predictor: bool = True, persistent_cp_max_batch: int = 0,
     fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0, prefill_batches=(1,),
     bf16_min_rows: int | None = None, admission_lane: tuple[int, ...] = (1, 2),
-    lane_reserved_sms: int = 0,
+    lane_reserved_sms: int | None = None,
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured,
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
-    run it (fused_code_predictor=False: the unfused path everywhere)."""
+    run it (fused_code_predictor=False: the unfused path everywhere); bf16_min_rows and
+    lane_reserved_sms None: as served (DEFAULT_BF16_MIN_ROWS for FP8, DEFAULT_LANE_RESERVED_SMS
+    with a lane)."""
     num_slots = max(batches)
+    if bf16_min_rows is None:
+        bf16_min_rows = DEFAULT_BF16_MIN_ROWS if precision == "fp8" else 0
     buckets = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, *batches) if b <= num_slots}))
     return EnginePlan(
         num_slots=num_slots,
@@ -161,9 +165,10 @@ def bench_plan(
         fused_talker=tuple(b for b in buckets if b <= fused_talker_max_batch),
         w8a8_min_rows=w8a8_min_rows,
         prefill_batches=tuple(prefill_batches),
-        admission_lane=tuple(b for b in buckets if b in admission_lane),
-        lane_reserved_sms=lane_reserved_sms,
-        **({} if bf16_min_rows is None else {"bf16_min_rows": bf16_min_rows}),
+        admission_lane=(lane := tuple(b for b in buckets if b in admission_lane)),
+        lane_reserved_sms=(DEFAULT_LANE_RESERVED_SMS if lane else 0)
+        if lane_reserved_sms is None else lane_reserved_sms,
+        bf16_min_rows=bf16_min_rows,
     )
 
 
@@ -464,7 +469,7 @@ def run_engine_bench(
     prefill_batches=(1,),
     bf16_min_rows: int | None = None,
     admission_lane: tuple[int, ...] = (1, 2),
-    lane_reserved_sms: int = 0,
+    lane_reserved_sms: int | None = None,
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -569,9 +574,9 @@ def main() -> None:
     p.add_argument("--admission-lane", default="1,2",
                    help="batch buckets of the admission lane, as served by default (1,2; '' "
                    "for off); the first chunk beside stepping rows is timed with it off and on")
-    p.add_argument("--lane-reserved-sms", type=int, default=0,
+    p.add_argument("--lane-reserved-sms", type=int, default=None,
                    help="SMs kept free of the regular steps for the admission lane (regular "
-                   "steps in CUDA green contexts of the others; 0: off)")
+                   "steps in CUDA green contexts of the others; 0: off; default: as served)")
     a = p.parse_args()
     t0 = time.perf_counter()
     plan = None

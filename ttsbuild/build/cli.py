@@ -12,6 +12,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from ttsbuild.runtime.plan import DEFAULT_BF16_MIN_ROWS, DEFAULT_LANE_RESERVED_SMS
+
 _err = Console(stderr=True, soft_wrap=True)
 
 
@@ -92,9 +94,15 @@ def compile_engine(
         "FP8 tensor-core GEMMs) from this many rows, e.g. 16 (0: weight-only everywhere).",
     ),  # fmt: skip
     bf16_min_rows: int = typer.Option(
-        0, "--bf16-min-rows", min=0,
+        DEFAULT_BF16_MIN_ROWS, "--bf16-min-rows", min=0,
         help="FP8 engines: the talker's linears on bf16 copies of their weights (dequantised "
-        "at load, cuBLAS) from this many rows, e.g. 16 (0: never; costs the weights again).",
+        "at load, cuBLAS) from this many rows (0: never; costs the weights again).",
+    ),  # fmt: skip
+    lane_reserved_sms: int = typer.Option(
+        DEFAULT_LANE_RESERVED_SMS, "--lane-reserved-sms", min=0,
+        help="GPU SMs kept free of running streams' steps for new requests' first chunks "
+        "(the admission lane; the regular steps run in CUDA green contexts of the other SMs); "
+        "0: off. Ignored without an admission lane.",
     ),  # fmt: skip
     prefix_pool: int = typer.Option(
         16, "--prefix-pool", min=0,
@@ -144,7 +152,7 @@ def compile_engine(
             codec_chunks=parse_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
             max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
             persistent_cp_max_batch=persistent_cp_max_batch, w8a8_min_rows=w8a8_min_rows,
-            bf16_min_rows=bf16_min_rows,
+            bf16_min_rows=bf16_min_rows, lane_reserved_sms=lane_reserved_sms,
             prefix_pool=prefix_pool, max_prefix=max_prefix,
             quality_texts=quality_texts, quality_frames=quality_frames,
             force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,

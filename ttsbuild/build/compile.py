@@ -54,7 +54,12 @@ from ttsbuild.runtime.codec_engine import (
     PRECISIONS,
 )
 from ttsbuild.runtime.draft import DRAFT_FILE, read_draft
-from ttsbuild.runtime.plan import EnginePlan, default_admission_lane
+from ttsbuild.runtime.plan import (
+    DEFAULT_BF16_MIN_ROWS,
+    DEFAULT_LANE_RESERVED_SMS,
+    EnginePlan,
+    default_admission_lane,
+)
 
 LM_MODULES = ("talker", "code_predictor")
 # What the runtime does with a calibration file's scales (the manifest says it).
@@ -93,7 +98,10 @@ class BuildConfig:
     # FP8 talker linears as W8A8 from this many rows (prefill, large buckets); 0: never
     w8a8_min_rows: int = 0
     # FP8 talker linears on bf16 copies of their weights from this many rows; 0: never
-    bf16_min_rows: int = 0
+    bf16_min_rows: int = DEFAULT_BF16_MIN_ROWS
+    # SMs kept for the admission lane (regular steps in green contexts of the others; 0: off;
+    # only with an admission lane)
+    lane_reserved_sms: int = DEFAULT_LANE_RESERVED_SMS
     prefix_pool: int = 16  # prompt-prefix KV entries kept on the device (0: no prefix cache)
     max_prefix: int = 128  # positions per prefix entry
     # Speculative code predictor per bucket: {bucket: ("self" | "draft", window)}; off ({})
@@ -146,13 +154,14 @@ class BuildConfig:
 
     def runtime_plan(self) -> EnginePlan:
         """The static plan the runtime obeys (written into the manifest)."""
+        lane = (default_admission_lane(self.graph_batches) if self.admission_lane is None
+                else tuple(self.admission_lane))  # fmt: skip
         return EnginePlan(
             num_slots=self.num_slots or self.max_batch, batch_buckets=tuple(self.graph_batches),
             prefill_buckets=tuple(
                 self.prefill_buckets or (t for t in (32, 64, 128, 256, 512) if t < self.max_len)
             ), prefill_batches=tuple(self.prefill_batches),
-            admission_lane=default_admission_lane(self.graph_batches)
-            if self.admission_lane is None else tuple(self.admission_lane),
+            admission_lane=lane, lane_reserved_sms=self.lane_reserved_sms if lane else 0,
             codec_chunks=tuple(self.codec_chunks),
             codec_ring=self.codec_ring, max_len=self.max_len, max_text=self.max_text,
             max_frames=self.max_frames, precision=self.precision,
@@ -165,7 +174,7 @@ class BuildConfig:
             ),
             prefix_pool=self.prefix_pool, max_prefix=self.max_prefix,
             speculative=dict(self.speculative), w8a8_min_rows=self.w8a8_min_rows,
-            bf16_min_rows=self.bf16_min_rows,
+            bf16_min_rows=self.bf16_min_rows if self.precision == "fp8" else 0,
         )  # fmt: skip
 
     def fp8_groups(self) -> list[str]:

@@ -101,6 +101,10 @@ class _Split:
     rows: int
 
 
+class GreenContextsUnavailable(RuntimeError):
+    """This torch or CUDA driver cannot make green contexts (EnginePlan.lane_reserved_sms)."""
+
+
 class _StagingRing:
     """Host buffers (pinned on CUDA) for the inputs and outputs of in-flight steps, one pair
     per entry: an entry is reused only after its step was read, so an asynchronous copy never
@@ -399,10 +403,18 @@ class GraphBackend:
         self.driver = make_driver(dev)
         self.codec_stream = (dev.type == "cuda") if codec_stream is None else codec_stream
         self._green: list = []  # green contexts of the regular steps (lane_reserved_sms)
+        green_streams = None
         if self.codec_stream and plan.lane_reserved_sms and dev.type == "cuda":
             # The regular steps on the SMs left after the lane's reserve (see the plan field);
             # the lane below stays on the whole device, at the highest priority.
-            lm_stream, codec_stream = self._green_streams(dev, plan.lane_reserved_sms)
+            try:
+                green_streams = self._green_streams(dev, plan.lane_reserved_sms)
+            except GreenContextsUnavailable as exc:
+                log.warning("the plan keeps %d SMs for the admission lane; running without "
+                            "the reserve: %s", plan.lane_reserved_sms, exc)  # fmt: skip
+        self.lane_reserved_sms = plan.lane_reserved_sms if green_streams else 0  # as it runs
+        if green_streams:
+            lm_stream, codec_stream = green_streams
             self.lm_lane = self.driver.add_external_lane(lm_stream.cuda_stream, join=True)
             self.codec_lane = self.driver.add_external_lane(codec_stream.cuda_stream, join=False)
         elif self.codec_stream:
@@ -884,15 +896,18 @@ class GraphBackend:
         try:
             from torch.cuda.green_contexts import GreenContext
         except ImportError as exc:
-            raise RuntimeError(f"lane_reserved_sms needs CUDA green contexts (torch "
-                               f"{torch.__version__} has none): {exc}") from None  # fmt: skip
+            raise GreenContextsUnavailable(f"torch {torch.__version__} has no CUDA green "
+                                           f"contexts ({exc})") from None  # fmt: skip
         total = torch.cuda.get_device_properties(dev).multi_processor_count
         if not 0 < reserved < total:
             raise ValueError(f"lane_reserved_sms must be 1..{total - 1} on this GPU "
                              f"({total} SMs), got {reserved}")  # fmt: skip
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        self._green = [GreenContext.create(num_sms=total - reserved, device_id=index)
-                       for _ in range(2)]  # fmt: skip
+        try:
+            self._green = [GreenContext.create(num_sms=total - reserved, device_id=index)
+                           for _ in range(2)]  # fmt: skip
+        except RuntimeError as exc:  # a CUDA driver without green contexts (< 12.4)
+            raise GreenContextsUnavailable(f"cannot create green contexts: {exc}") from None
         log.info("regular steps on %d of %d SMs; %d kept for the admission lane",
                  total - reserved, total, reserved)  # fmt: skip
         return [g.Stream() for g in self._green]

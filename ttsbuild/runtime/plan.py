@@ -22,6 +22,10 @@ def power_of_two_buckets(largest: int) -> tuple[int, ...]:
     return (*(2**i for i in range(largest.bit_length()) if 2**i < largest), largest)
 
 
+DEFAULT_LANE_RESERVED_SMS = 16  # of the H200's 132 (see EnginePlan.lane_reserved_sms)
+DEFAULT_BF16_MIN_ROWS = 16  # FP8 talker linears on bf16 copies from 16 rows (bf16_min_rows)
+
+
 def default_admission_lane(buckets) -> tuple[int, ...]:
     """The admission lane's buckets unless told otherwise: up to two new requests per step."""
     return tuple(b for b in buckets if b <= 2)
@@ -79,7 +83,11 @@ class EnginePlan(BaseModel):
     # the whole device at a higher priority, so a new request's first chunk always has these
     # SMs to itself. (Stream priority alone does not preempt a regular step's resident
     # blocks: on the H200 a first chunk beside 63 stepping rows took 8.8 ms against 6.1 idle.)
-    # 0: off. Not yet timed on the GPU.
+    # 0: off. `default` and compile reserve DEFAULT_LANE_RESERVED_SMS where there is a lane
+    # (serving at 40 req/s on the H200, one minute per side: p95 time to first audio 49.2 ms
+    # without, 46.3 with 16 SMs, 43.0 with 16 SMs and bf16_min_rows 16;
+    # benchmarks/serve/2026-12-02-h200-reserve-ab). A runtime without green contexts (torch
+    # too old) runs without the reserve and says so.
     lane_reserved_sms: int = Field(0, ge=0)
     # The talker's FP8 linears as W8A8 (activations quantised per row at run time, one
     # cuBLASLt FP8 GEMM: plugins.fp8_w8a8) from this many rows (prefill rows or decode
@@ -89,7 +97,7 @@ class EnginePlan(BaseModel):
     # cuBLAS; runtime.fast_model.Dense.keep_bf16) from this many rows (prefill rows or decode
     # batch); 0: never. Measured: from ~16 rows cuBLAS on bf16 beats the FP8 kernels on the
     # H200 despite twice the bytes (benchmarks/kernels/RESULTS.md); costs the talker's linear
-    # weights again in bf16 (2.6 GiB for 1.7B).
+    # weights again in bf16 (2.6 GiB for 1.7B). `default` and compile: 16 for FP8 talkers.
     bf16_min_rows: int = Field(0, ge=0)
     # Prefix KV cache (graph backend): the talker KV of prompt prefixes that depend only on
     # (voice, language, instruct, text mode), kept on the device and copied into a slot at
@@ -167,6 +175,10 @@ class EnginePlan(BaseModel):
         buckets = power_of_two_buckets(max_batch)
         overrides.setdefault("fused_code_predictor", tuple(b for b in buckets if b <= 8))
         overrides.setdefault("admission_lane", default_admission_lane(buckets))
+        overrides.setdefault(
+            "lane_reserved_sms", DEFAULT_LANE_RESERVED_SMS if overrides["admission_lane"] else 0
+        )
+        overrides.setdefault("bf16_min_rows", DEFAULT_BF16_MIN_ROWS if precision == "fp8" else 0)
         prefill = tuple(t for t in cls.model_fields["prefill_buckets"].default if t < max_len)
         # Codec graphs up to 8 frames: a 64-row x 16-frame codec graph holds GBs of activations
         # in its pool, and larger chunks decode as several steps at no loss.
