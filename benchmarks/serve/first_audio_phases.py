@@ -3,11 +3,12 @@ a sweep (`rps-R/server_metrics.txt`): the histogram `tts_time_to_first_audio_sec
 phases `tts_first_audio_phase_seconds{phase}` (admit: arrival -> admission launched; frame:
 -> first frame step launched; codec: -> first codec step launched; read: -> audio handed
 over); then what the engine thread and the event loop spent their time on, where the
-server has those metrics: `tts_http_phase_seconds{phase}` (the event loop's share: resolve,
-handoff, send), `tts_engine_host_seconds{part}`, `tts_event_loop_lag_seconds`,
-`tts_gc_pause_seconds{generation}`. The metrics are cumulative per server: give the files of
-one server in the order of its rates, and each rate is shown as the difference from the one
-before (the first from `--start FILE`, the metrics saved before the first rate, if given).
+server has those metrics: `tts_http_phase_seconds{phase}` (the event loop's share:
+receive, resolve, admitted, handoff, send), `tts_engine_host_seconds{part}`,
+`tts_event_loop_lag_seconds`, `tts_gc_pause_seconds{generation}`. The metrics are
+cumulative per server: give the files of one server in the order of its rates, and each
+rate is shown as the difference from the one before (the first from `--start FILE`, the
+metrics saved before the first rate, if given).
 Quantiles are the upper edges of the histogram buckets that hold them.
 
     python benchmarks/serve/first_audio_phases.py [--start DIR/server_metrics_start.txt] \

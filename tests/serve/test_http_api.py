@@ -178,8 +178,10 @@ def test_voices_health_ready_metrics(server):
 
 
 def test_the_event_loops_share_of_first_audio_is_timed(server):
-    """tts_http_phase_seconds: resolve (before the scheduler sees the request), handoff (the
-    engine thread's first chunk -> its handler) and send (-> bytes written), once per stream."""
+    """tts_http_phase_seconds: receive (body read and validated), resolve (before the
+    scheduler sees the request), admitted (-> the handler has the admission), handoff (the
+    engine thread's first chunk -> its handler) and send (-> bytes written), once per
+    stream."""
     url, _ = server
 
     def samples():
@@ -193,7 +195,7 @@ def test_the_event_loops_share_of_first_audio_is_timed(server):
         r = post(url, {**GOOD, "seed": 100 + i, "response_format": "pcm"})
         assert r.status_code == 200 and len(r.content) > 0
     after = samples()
-    for phase in ("resolve", "handoff", "send"):
+    for phase in ("receive", "resolve", "admitted", "handoff", "send"):
         key = f'tts_http_phase_seconds_{{}}{{{{phase="{phase}"}}}}'
         count = after[key.format("count")] - before.get(key.format("count"), 0)
         spent = after[key.format("sum")] - before.get(key.format("sum"), 0)

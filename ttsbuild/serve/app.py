@@ -8,6 +8,7 @@ import base64
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request, WebSocket
@@ -106,6 +107,7 @@ def create_app(service: SpeechService, warm_up: bool = True) -> FastAPI:
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
+        entered = time.perf_counter()
         try:
             body = validate(SpeechBody, parse_json(await _read_body(request, service), 1 << 62))
             fmt, rate = audio_format(body, "mp3")
@@ -113,6 +115,7 @@ def create_app(service: SpeechService, warm_up: bool = True) -> FastAPI:
             if sse and not body.stream:
                 raise ApiError(400, "stream_format 'sse' streams: drop stream: false", "stream")
             req = to_request(body, body.input, service.catalog)
+            metrics.http_phases.labels("receive").observe(time.perf_counter() - entered)
             handle = await service.open(req, body.chunk_schedule)
         except RequestError as exc:
             metrics.requests.labels("http", "invalid").inc()

@@ -22,10 +22,13 @@ _HOST_BUCKETS = (2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-
 ENGINE_HOST_PARTS = ("plan", "admit", "prefill", "launch_frames", "launch_audio",
                      "collect_frames", "collect_audio", "commit", "poll_lag")  # fmt: skip
 # The HTTP side of time to first audio (the event loop's share, around the engine thread's):
-# resolve (validate, tokenize and lay out the prompt before the scheduler sees the request),
-# handoff (the engine thread hands the first chunk over -> the stream's handler has it), send
-# (-> its bytes are written to the connection, encoding included).
-HTTP_PHASES = ("resolve", "handoff", "send")
+# receive (the handler runs -> the request body read, parsed and validated), resolve
+# (tokenize and lay out the prompt before the scheduler sees the request), admitted (-> the
+# handler has the engine's admission and can send the response headers: the engine thread's
+# admission and its handoff), handoff (the engine thread hands the first chunk over -> the
+# stream's handler has it), send (-> its bytes are written to the connection, encoding
+# included).
+HTTP_PHASES = ("receive", "resolve", "admitted", "handoff", "send")
 # guards.StopReason values, listed so every series exists (at 0) from the start.
 STOP_REASONS = ("eos", "text_budget", "repetition", "silence", "max_frames", "length_rule",
                 "cancel")  # fmt: skip
@@ -58,10 +61,12 @@ class ServeMetrics:
             ["phase"], buckets=_TTFA_BUCKETS, registry=r,
         )  # fmt: skip
         self.http_phases = Histogram(
-            "tts_http_phase_seconds", "The event loop's share of time to first audio: resolve "
-            "(validate and tokenize before the scheduler sees the request), handoff (first "
-            "chunk handed over by the engine thread -> its handler has it), send (-> its bytes "
-            "written to the connection)", ["phase"], buckets=_TTFA_BUCKETS, registry=r,
+            "tts_http_phase_seconds", "The event loop's share of time to first audio: receive "
+            "(handler entry -> body read and validated), resolve (tokenize before the "
+            "scheduler sees the request), admitted (-> the handler has the admission: headers "
+            "can go), handoff (first chunk handed over by the engine thread -> its handler has "
+            "it), send (-> its bytes written to the connection)", ["phase"],
+            buckets=_TTFA_BUCKETS, registry=r,
         )  # fmt: skip
         self.lateness = Histogram(
             "tts_chunk_lateness_seconds",

@@ -280,8 +280,10 @@ class SpeechService:
     async def open(self, request: SynthesisRequest, chunk_schedule: list[int] | None = None):
         """Queue a request and wait until it holds an engine slot (or is refused)."""
         handle = self.submit(request, chunk_schedule)
+        submitted = time.perf_counter()
         try:
             await handle.admitted()
+            self.metrics.http_phases.labels("admitted").observe(time.perf_counter() - submitted)
         except BaseException:
             handle.close()
             raise
