@@ -13,6 +13,12 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 
 SOURCES = ["ttsbuild/csrc/step_driver.cpp"]
 ARGS = {"cxx": ["-O2", "-std=c++17"]}
+# Link the C++ runtime the process already has (torch's), never a private copy: a compiler
+# wrapper that adds -static-libstdc++ (the GPU image's CXX=/opt/gcc/bin/g++ does) gave the
+# driver its own libstdc++, whose streams formatted no numbers and whose exceptions killed
+# the process with a segmentation fault (benchmarks/runtime/driver_errors_probe.py). An
+# explicit -lstdc++ resolves every C++ runtime symbol from the shared library first.
+LINK = ["-lstdc++"]
 
 
 def driver_extension():
@@ -20,10 +26,10 @@ def driver_extension():
     has_cuda = torch.version.cuda is not None and CUDA_HOME is not None
     if want_cuda == "1" or (want_cuda == "auto" and has_cuda):
         return CUDAExtension(
-            "ttsbuild._driver", SOURCES, extra_compile_args=ARGS,
+            "ttsbuild._driver", SOURCES, extra_compile_args=ARGS, extra_link_args=LINK,
             define_macros=[("TTSBUILD_WITH_CUDA", None)],
         )  # fmt: skip
-    return CppExtension("ttsbuild._driver", SOURCES, extra_compile_args=ARGS)
+    return CppExtension("ttsbuild._driver", SOURCES, extra_compile_args=ARGS, extra_link_args=LINK)
 
 
 setup(ext_modules=[driver_extension()], cmdclass={"build_ext": BuildExtension})

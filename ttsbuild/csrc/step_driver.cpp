@@ -355,12 +355,11 @@ bool built_with_cuda() {
 
 namespace {
 
-// Errors leave the driver as Python RuntimeErrors raised here, at the binding, never through
-// pybind11's exception translators: on the H200 image (torch 2.11, the driver built with
-// /opt/gcc's g++) every refusal that reached the translators (a TORCH_CHECK in any method, a
-// bad lane priority or an unknown ticket alike) killed the process with a segmentation fault
-// instead (benchmarks/runtime/driver_errors_probe.py), while the CPU build raised. Python
-// errors from a step (the eager backend's functions) pass through as they are.
+// Errors leave the driver as Python RuntimeErrors raised here, at the binding, with the
+// message alone (no C++ backtrace); Python errors from a step (the eager backend's functions)
+// pass through as they are. (On the H200 image every refusal once killed the process with a
+// segmentation fault: the driver had been linked with a private static libstdc++, see
+// setup.py; not the translators, as first suspected.)
 [[noreturn]] void raise_runtime_error(const char* message) {
   PyErr_SetString(PyExc_RuntimeError, message);
   throw py::error_already_set();

@@ -40,6 +40,7 @@ def driver_module(cuda: bool):
             name="ttsbuild_driver_cuda" if cuda else "ttsbuild_driver",
             sources=[str(SOURCE)],
             extra_cflags=["-O2", "-std=c++17"] + (["-DTTSBUILD_WITH_CUDA"] if cuda else []),
+            extra_ldflags=["-lstdc++"],  # the process's libstdc++, never a private one (setup.py)
             with_cuda=cuda,
         )
     what = "a CUDA build of " if cuda else ""
