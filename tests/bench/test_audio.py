@@ -129,3 +129,30 @@ def test_playback_starts_at_first_playable_frame():
     result = simulate_playback(np.array([0.0, 0.05, 0.4]), np.array([0, 0, 10]), 1000)
     assert result is not None and result.start_s == 0.4
     assert simulate_playback(np.array([0.0]), np.array([0]), 1000) is None
+
+
+def test_blockwise_onset_equals_the_whole_utterance_scan():
+    """audible_onset scans blocks from the start; its answer must be the first loud pair of
+    the whole-utterance scan, wherever the onset falls (block edges included)."""
+    from ttsbuild.bench.audio import ONSET_THRESHOLD_DBFS, window_levels_dbfs
+
+    def whole(x: np.ndarray):
+        loud = window_levels_dbfs(x, SR) >= ONSET_THRESHOLD_DBFS
+        hits = np.flatnonzero(loud[:-1] & loud[1:]) if len(loud) >= 2 else []
+        return int(hits[0]) * round(0.02 * SR) if len(hits) else None
+
+    rng = np.random.default_rng()
+    window = round(0.02 * SR)
+    cases = 0
+    for silent_windows in [0, 1, 14, 15, 16, 17, 46, 47, 48, 111, 112, 300]:
+        for loud_windows in (1, 2, 3):
+            lead = rng.normal(0, 10, silent_windows * window + rng.integers(0, window))
+            burst = rng.normal(0, 3000, loud_windows * window)
+            tail = rng.normal(0, 10, rng.integers(0, 40) * window)
+            # a lone loud window inside the silence: never an onset by itself
+            if silent_windows > 4:
+                lead[2 * window : 3 * window] = rng.normal(0, 3000, window)
+            x = np.concatenate([lead, burst, tail]).astype(np.float32)
+            assert audible_onset(x, SR) == whole(x), (silent_windows, loud_windows)
+            cases += whole(x) is not None
+    assert cases > 12  # most cases have an onset: the comparison is not all None

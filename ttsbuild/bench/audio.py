@@ -121,13 +121,25 @@ def window_levels_dbfs(samples: np.ndarray, sample_rate: int) -> np.ndarray:
 
 def audible_onset(samples: np.ndarray, sample_rate: int) -> int | None:
     """Frame index where the first sustained sound starts: the first of two consecutive 20 ms
-    windows both at >= -45 dBFS. None when the audio never gets there. Resolution: 20 ms."""
-    loud = window_levels_dbfs(samples, sample_rate) >= ONSET_THRESHOLD_DBFS
-    sustained = loud[:-1] & loud[1:] if len(loud) >= ONSET_WINDOWS_NEEDED else loud[:0]
-    hits = np.flatnonzero(sustained)
-    if len(hits) == 0:
-        return None
-    return int(hits[0]) * round(ONSET_WINDOW_S * sample_rate)
+    windows both at >= -45 dBFS. None when the audio never gets there. Resolution: 20 ms.
+
+    Levels are computed block by block from the start (blocks of 16 windows, doubling), so
+    the usual onset near the start costs a fraction of the whole utterance's levels: the
+    load generator runs this on its event loop as each request ends (1.3 ms for 6.5 s of
+    audio on every window, during which other streams' chunks would wait for a timestamp)."""
+    assert ONSET_WINDOWS_NEEDED == 2  # pairs of windows below
+    window = round(ONSET_WINDOW_S * sample_rate)
+    n_windows = len(samples) // window
+    first, block = 0, 16
+    while first < n_windows - 1:
+        last = min(n_windows, first + block)
+        part = samples[first * window : last * window]
+        loud = window_levels_dbfs(part, sample_rate) >= ONSET_THRESHOLD_DBFS
+        hits = np.flatnonzero(loud[:-1] & loud[1:])
+        if len(hits):
+            return (first + int(hits[0])) * window
+        first, block = last - 1, block * 2  # the block's last window pairs with the next's first
+    return None
 
 
 @dataclass(frozen=True)
