@@ -183,7 +183,8 @@ def serve(
         raise typer.Exit(2) from None
     batches = None if prefill_batches is None else parse_sizes(prefill_batches, "--prefill-batches")
     lane = None if admission_lane is None else parse_sizes(admission_lane, "--admission-lane")
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     try:
         engine = open_engine(
             checkpoint, device=device, num_slots=slots if slots or checkpoint is None else

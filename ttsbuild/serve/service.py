@@ -298,9 +298,8 @@ class SpeechService:
             if phase == "start":
                 started["t"] = time.perf_counter()
             elif "t" in started:
-                self.metrics.gc_pause.labels(str(info["generation"])).observe(
-                    time.perf_counter() - started.pop("t")
-                )
+                self.metrics.on_gc_pause(info["generation"], time.perf_counter() - started.pop("t"),
+                                         info.get("collected", 0))  # fmt: skip
 
         if self._gc_callback is None:
             gc.callbacks.append(on_gc)

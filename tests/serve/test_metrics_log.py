@@ -1,0 +1,35 @@
+"""What the server logs beside its metrics: late chunks (at most once a second, with how many
+were not logged) and long collector pauses, so a sweep's log shows when they happened."""
+
+from __future__ import annotations
+
+import logging
+
+from ttsbuild.serve.metrics import ServeMetrics
+
+
+def test_late_chunks_are_counted_and_logged_once_a_second(caplog):
+    metrics = ServeMetrics()
+    with caplog.at_level(logging.WARNING, logger="ttsbuild.serve.metrics"):
+        metrics.on_chunk(-0.010)  # on time: no log, no underrun
+        metrics.on_chunk(0.0042)
+        metrics.on_chunk(0.0015)  # within the second: counted, not logged
+        metrics.on_chunk(0.0030)
+        metrics._late_logged_at -= 1.5  # a second and a half later
+        metrics.on_chunk(0.0021)
+    late = [r.getMessage() for r in caplog.records if "late for its playback" in r.getMessage()]
+    assert late[0].startswith("chunk late for its playback by 4.2 ms")
+    assert "2 more since the last one" in late[1] and "by 2.1 ms" in late[1]
+    assert len(late) == 2
+    assert metrics.underruns._value.get() == 4
+
+
+def test_collector_pauses_are_timed_and_long_ones_logged(caplog):
+    metrics = ServeMetrics()
+    with caplog.at_level(logging.WARNING, logger="ttsbuild.serve.metrics"):
+        metrics.on_gc_pause(0, 0.0007, 120)
+        metrics.on_gc_pause(2, 0.0081, 5)
+    logged = [r.getMessage() for r in caplog.records if "collector pause" in r.getMessage()]
+    assert logged == ["collector pause: generation 2, 8.1 ms, 5 objects collected"]
+    assert metrics.gc_pause.labels("0")._sum.get() == 0.0007
+    assert metrics.gc_pause.labels("2")._sum.get() == 0.0081
