@@ -3,9 +3,12 @@
 #   OUT=out STEPS="driver tests engine check ab" bash benchmarks/runtime/gpu_session.sh
 # driver: the step driver (`ensure_driver`: says why a carried build does not import and
 #         builds it then; the build comes back under $OUT)
+# probe:  the step driver's refusals, each in a process of its own (driver_errors_probe.py:
+#         all 7 crashed on the H200 until setup.py linked -lstdc++, 2026-12-02)
 # tests:  GPU tests of the step driver's host side (test_driver_host.py, alone first, with
-#         faulthandler: it crashed once on the H200, 2026-12-02), then of the prefill kernel
-#         path, the prefix cache and W8A8
+#         faulthandler), then of the prefill kernel path, the prefix cache and W8A8
+# wide:   engine microbenchmark at batches 1,64,128,256 (slots up to 256, issue 9's batch-256
+#         target), the served plan
 # engine: engine microbenchmark, served plan (first chunk, prefill by bucket, frame, codec)
 # check:  graph path vs eager path (tiny); with --kernels (CHECK_ARGS): the plan's optional
 #         paths too, batched prefill (prefill_batches 1,2,4) among them
@@ -34,6 +37,13 @@ for step in $STEPS; do
     driver)  # a fresh build comes back under $OUT, to carry next time
         ensure_driver "$OUT/build.log" || exit 1
         [ ! -f "$OUT/build.log" ] || cp ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so "$OUT/" ;;
+    probe)
+        log "the step driver's refusals, one process each"
+        timeout -k 5 120 python3 benchmarks/runtime/driver_errors_probe.py > "$OUT/probe.log" 2>&1
+        echo "probe rc=$?"; grep -v "^   " "$OUT/probe.log" | tail -10 ;;
+    wide)
+        log "engine microbenchmark, batches 1,64,128,256"
+        BATCHES=1,64,128,256 engine_bench wide ;;
     tests)
         log "GPU tests: the step driver's host side"
         timeout -k 5 120 python3 -X faulthandler -m pytest -v -s -p no:cacheprovider \
