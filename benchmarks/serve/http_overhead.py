@@ -37,6 +37,7 @@ def main() -> None:
     from ttsbuild.runtime.loader import open_engine
     from ttsbuild.serve.app import create_app
     from ttsbuild.serve.config import SchedulerConfig, ServeConfig
+    from ttsbuild.serve.metrics import HTTP_PHASES
     from ttsbuild.serve.service import SpeechService
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -58,12 +59,13 @@ def main() -> None:
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     body = {"model": "tts-1", "input": TEXT, "voice": "ryan", "response_format": "pcm",
             "stream": True, "max_frames": a.max_frames}  # fmt: skip
-    ttfb, ttfa = [], []
+    ttfb, ttfa, headers = [], [], []
     with httpx.Client(timeout=60) as client:
         for i in range(a.requests + 5):  # 5 warm-up requests
             before = ttfa_sum(client, url)
             t0 = time.perf_counter()
             with client.stream("POST", url + "/v1/audio/speech", json=body) as r:
+                got_headers = time.perf_counter() - t0
                 if r.status_code != 200:
                     raise SystemExit(f"HTTP {r.status_code}: {r.read()[:200]!r}")
                 it = r.iter_raw()
@@ -72,6 +74,7 @@ def main() -> None:
                 for _ in it:
                     pass
             if i >= 5:
+                headers.append(got_headers * 1e3)
                 ttfb.append(first * 1e3)
                 ttfa.append((ttfa_sum(client, url) - before) * 1e3)
         text = client.get(url + "/metrics").text
@@ -79,7 +82,7 @@ def main() -> None:
     gap = [b - s for b, s in zip(ttfb, ttfa, strict=True)]
     # the server's own split of its HTTP side (tts_http_phase_seconds), warm-up included
     phases = {}
-    for phase in ("resolve", "handoff", "send"):
+    for phase in HTTP_PHASES:
         total, count = (
             float(re.search(rf'^tts_http_phase_seconds_{k}{{phase="{phase}"}} (\S+)$', text,
                             re.M).group(1)) for k in ("sum", "count"))  # fmt: skip
@@ -92,10 +95,12 @@ def main() -> None:
 
     print(f"uvicorn loop={a.loop} http={a.http}, {a.requests} sequential requests "
           f"({a.variant} on {a.device}, {a.max_frames} frames each)")
+    print(row("client headers", headers))
     print(row("client first byte", ttfb))
     print(row("server first audio", ttfa))
     print(row("HTTP layer (diff)", gap))
-    print("of which (server means): " + ", ".join(f"{k} {v:.2f} ms" for k, v in phases.items()))
+    print("server means (admitted overlaps the server's first audio; the others add to it): "
+          + ", ".join(f"{k} {v:.2f} ms" for k, v in phases.items()))
 
 
 if __name__ == "__main__":
