@@ -2,8 +2,9 @@
 # web stack travels as wheels in .whl (../shared/tools/gpu-wheels.sh). For serving runs
 # (checked 2026-12-01): `gpu-wheels.sh .whl websockets opentelemetry-api httptools uvloop
 # annotated-doc av soxr prometheus-client httpx httpcore h11 anyio sniffio typer rich
-# shellingham markdown-it-py mdurl`, then move the calibration-only wheels (pulp,
-# nvidia_modelopt, omegaconf: 18 MB) out of .whl so the tree and .whl fit the 64 MiB carry.
+# shellingham markdown-it-py mdurl` (2026-12-02, the bench's HTTP client: aiohttp
+# aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna), then move the
+# calibration-only wheels (pulp, nvidia_modelopt, omegaconf: 18 MB) out of .whl so the tree and .whl fit the 64 MiB carry.
 # (2026-12-02: PyAV's 35 MB wheel moved out too, to .whl-av/: a server streaming PCM never
 # imports it (serve/formats.py loads it in the FFmpeg encoders), which leaves room for a
 # Triton cache, .tc/tc.tgz, 17 MB: `tar xzf .tc/tc.tgz -C /tmp; export
@@ -12,7 +13,7 @@
 # python3) cannot import fastapi, install them into /tmp/site; then put the repo and /tmp/site
 # on PYTHONPATH, unbuffered. Also defines the helpers those scripts share (below).
 PY=${PY:-python3}
-if [ -d .whl ] && ! PYTHONPATH=/tmp/site "$PY" -c 'import fastapi' 2>/dev/null; then
+if [ -d .whl ] && ! PYTHONPATH=/tmp/site "$PY" -c 'import fastapi, aiohttp' 2>/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl
 fi

@@ -24,6 +24,7 @@ def settings_for(
     extra_fields: dict | None = None,
     headers: dict | None = None,
     word_interval_s: float = 0.01,
+    http_client: str = "aiohttp",
 ) -> RunSettings:
     return RunSettings(
         target=Target(
@@ -48,6 +49,7 @@ def settings_for(
         gpu_hour_usd=None,
         gpus=1,
         dataset="test",
+        http_client=http_client,
     )
 
 

@@ -62,6 +62,7 @@ def test_duration_rate_and_field_parsing():
         (["--dataset", "/nonexistent/prompts.txt"], "does not exist"),
         (["--dataset", "EMPTY"], "no prompts"),
         (["--mode", "grpc"], "--mode"),
+        (["--http-client", "curl"], "--http-client"),
         (["--arrival", "bursty"], "--arrival"),
         (["--field", "nokey"], "--field"),
         (["--body-format", "mp3"], "--body-format"),

@@ -44,14 +44,20 @@ def script(request):
     return SCENARIOS[request["input"]]
 
 
+@pytest.fixture(params=["aiohttp", "httpx"])
+def http_client(request):
+    """Every scenario through both HTTP client libraries the harness can use."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def server():
     with FakeSpeechServer(script) as running:
         yield running
 
 
-def test_leading_silence_delays_audible_ttfa_but_not_first_playable(server):
-    r = one_request(server.http_url, "silence-first")
+def test_leading_silence_delays_audible_ttfa_but_not_first_playable(server, http_client):
+    r = one_request(server.http_url, http_client=http_client, text="silence-first")
     assert r.outcome == "ok" and r.http_status == 200
     assert 0 <= r.dispatch_lag_s < TOL
     assert r.ttfb_s == pytest.approx(r.first_playable_s)
@@ -64,15 +70,15 @@ def test_leading_silence_delays_audible_ttfa_but_not_first_playable(server):
     assert r.underruns == 0 and r.stall_s == 0.0
 
 
-def test_response_headers_are_timed_apart_from_the_first_audio(server):
-    r = one_request(server.http_url, "slow-first")
+def test_response_headers_are_timed_apart_from_the_first_audio(server, http_client):
+    r = one_request(server.http_url, http_client=http_client, text="slow-first")
     assert r.outcome == "ok" and r.headers_s is not None
     assert 0 <= r.headers_s < TOL * 2
     assert r.ttfa_s - r.headers_s == pytest.approx(0.2, abs=TOL)
 
 
-def test_late_chunk_is_one_underrun_with_known_stall(server):
-    r = one_request(server.http_url, "late-chunk")
+def test_late_chunk_is_one_underrun_with_known_stall(server, http_client):
+    r = one_request(server.http_url, http_client=http_client, text="late-chunk")
     assert r.outcome == "ok"
     assert r.underruns == 1
     assert r.stall_s == pytest.approx(0.2, abs=TOL)
@@ -80,19 +86,19 @@ def test_late_chunk_is_one_underrun_with_known_stall(server):
     assert r.e2e_s - r.first_playable_s == pytest.approx(0.35, abs=TOL)
 
 
-def test_stalled_stream_times_out(server):
+def test_stalled_stream_times_out(server, http_client):
     started = time.perf_counter()
-    r = one_request(server.http_url, "stalled", stall_s=0.3)
+    r = one_request(server.http_url, http_client=http_client, text="stalled", stall_s=0.3)
     assert time.perf_counter() - started < 2.0  # gave up at the stall timeout, not at 3 s
     assert r.outcome == "timeout"
     assert r.e2e_s is None and r.ttfb_s is not None
     assert r.audio_s == pytest.approx(0.1, abs=1e-9)
 
 
-def test_disconnect_mid_stream_is_a_failure(server):
-    r = one_request(server.http_url, "disconnect")
+def test_disconnect_mid_stream_is_a_failure(server, http_client):
+    r = one_request(server.http_url, http_client=http_client, text="disconnect")
     assert r.outcome == "failed"
-    assert "RemoteProtocolError" in r.error
+    assert ("RemoteProtocolError" if http_client == "httpx" else "ClientPayloadError") in r.error
     assert r.audio_s == pytest.approx(0.2, abs=1e-9)
 
 
@@ -104,15 +110,15 @@ def test_disconnect_mid_stream_is_a_failure(server):
         ("server-error", 500, "failed"),
     ],
 )
-def test_error_statuses(server, case, status, outcome):
-    r = one_request(server.http_url, case)
+def test_error_statuses(server, http_client, case, status, outcome):
+    r = one_request(server.http_url, http_client=http_client, text=case)
     assert (r.outcome, r.http_status) == (outcome, status)
     assert "scripted error" in r.error
     assert r.ttfa_s is None and r.underruns is None
 
 
-def test_streaming_wav_header_is_skipped_and_its_rate_used(server):
-    r = one_request(server.http_url, "wav")
+def test_streaming_wav_header_is_skipped_and_its_rate_used(server, http_client):
+    r = one_request(server.http_url, http_client=http_client, text="wav")
     assert r.outcome == "ok"
     assert r.sample_rate == 16_000
     assert r.audio_s == pytest.approx(0.5, abs=1e-9)
@@ -121,23 +127,25 @@ def test_streaming_wav_header_is_skipped_and_its_rate_used(server):
     assert r.underruns == 0
 
 
-def test_forced_pcm_format_treats_a_wav_header_as_audio(server):
-    r = one_request(server.http_url, "wav", body_format=BodyFormat.pcm)
+def test_forced_pcm_format_treats_a_wav_header_as_audio(server, http_client):
+    r = one_request(server.http_url, http_client=http_client, text="wav",
+                    body_format=BodyFormat.pcm)  # fmt: skip
     assert r.sample_rate == 24_000
     assert r.first_playable_s == pytest.approx(r.ttfb_s)  # header bytes count as samples
 
 
-def test_x_sample_rate_header_is_respected(server):
-    r = one_request(server.http_url, "rate-header")
+def test_x_sample_rate_header_is_respected(server, http_client):
+    r = one_request(server.http_url, http_client=http_client, text="rate-header")
     assert r.sample_rate == 16_000
     assert r.audio_s == pytest.approx(1.0, abs=1e-9)
 
 
-def test_request_body_and_headers_come_from_configuration(server):
+def test_request_body_and_headers_come_from_configuration(server, http_client):
     before = len(server.requests)
     one_request(
         server.http_url,
-        "silence-first",
+        text="silence-first",
+        http_client=http_client,
         extra_fields={"response_format": "wav", "stream_format": "audio", "speed": 1.5},
         headers={"x-foo": "bar", "authorization": "Bearer t"},
     )

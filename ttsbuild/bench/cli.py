@@ -76,6 +76,10 @@ SampleRate = Annotated[
 RequestTimeout = Annotated[str, typer.Option(help="Whole-request limit.")]
 StallTimeout = Annotated[str, typer.Option(help="Longest wait for the next bytes.")]
 MaxConnections = Annotated[int, typer.Option(help="HTTP connection pool size.")]
+HttpClientOpt = Annotated[
+    str, typer.Option(help="HTTP client library: aiohttp (less of the harness's own time per "
+                      "request) or httpx.")
+]
 GpuHourUsd = Annotated[
     float | None, typer.Option(help="$ per GPU-hour, for cost per 1M characters.")
 ]
@@ -133,10 +137,11 @@ def _settings(
     max_connections: int,
     gpu_hour_usd: float | None,
     gpus: int,
+    http_client: str = "aiohttp",
 ) -> tuple[RunSettings, list[str]]:
     """Validate every flag and build the run settings and prompt list (no side effects)."""
     from ttsbuild.bench.audio import BodyFormat
-    from ttsbuild.bench.client import Timeouts
+    from ttsbuild.bench.client import HttpClient, Timeouts
     from ttsbuild.bench.runner import RunSettings
     from ttsbuild.bench.schedule import BUILTIN_DATASETS, ArrivalProcess, load_prompts
     from ttsbuild.bench.target import (
@@ -150,6 +155,7 @@ def _settings(
     from ttsbuild.bench.units import parse_duration, parse_key_value
 
     mode_value = _choice("--mode", Mode, mode)
+    client_value = _choice("--http-client", HttpClient, http_client)
     arrival_value = _choice("--arrival", ArrivalProcess, arrival)
     endpoint = _parse("--url", endpoint_url, url, mode_value)
     file_config = (
@@ -206,6 +212,7 @@ def _settings(
         gpu_hour_usd=gpu_hour_usd,
         gpus=gpus,
         dataset=f"{dataset} (built in)" if dataset in BUILTIN_DATASETS else dataset,
+        http_client=client_value,
     )
     prompts = _parse("--dataset", load_prompts, dataset)
     return settings, prompts
@@ -236,6 +243,7 @@ def run(
     max_connections: MaxConnections = 1024,
     gpu_hour_usd: GpuHourUsd = None,
     gpus: Gpus = 1,
+    http_client: HttpClientOpt = "aiohttp",
 ) -> None:
     """One open-loop run at a fixed rate; writes config.json, requests.jsonl, summary.json."""
     from ttsbuild.bench.units import parse_rate
@@ -248,6 +256,7 @@ def run(
         target_config=target_config, body_format=body_format, sample_rate=sample_rate,
         request_timeout=request_timeout, stall_timeout=stall_timeout,
         max_connections=max_connections, gpu_hour_usd=gpu_hour_usd, gpus=gpus,
+        http_client=http_client,
     )  # fmt: skip
     from rich.console import Console
 
@@ -290,6 +299,7 @@ def sweep(
     max_connections: MaxConnections = 1024,
     gpu_hour_usd: GpuHourUsd = None,
     gpus: Gpus = 1,
+    http_client: HttpClientOpt = "aiohttp",
     slo_ttfa_p95: Annotated[
         str, typer.Option(help="Capacity = the highest rate with p95 audible TTFA within this, "
                           "no underrun and no failed, refused or timed-out request.")
@@ -314,6 +324,7 @@ def sweep(
         target_config=target_config, body_format=body_format, sample_rate=sample_rate,
         request_timeout=request_timeout, stall_timeout=stall_timeout,
         max_connections=max_connections, gpu_hour_usd=gpu_hour_usd, gpus=gpus,
+        http_client=http_client,
     )  # fmt: skip
     from rich.console import Console
 

@@ -8,6 +8,7 @@ down with the server and so under-reports latency exactly when the server is ove
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import platform
 import time
@@ -16,7 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from ttsbuild import __version__
-from ttsbuild.bench.client import Outcome, Timeouts, Trace, http_speech, split_words, ws_speech
+from ttsbuild.bench.client import (
+    HttpClient,
+    Outcome,
+    Timeouts,
+    Trace,
+    http_speech,
+    http_speech_aiohttp,
+    open_session,
+    split_words,
+    ws_speech,
+)
 from ttsbuild.bench.metrics import RequestRecord, analyse, summarise
 from ttsbuild.bench.schedule import ArrivalProcess, PlannedRequest, plan_requests
 from ttsbuild.bench.target import Mode, Target
@@ -46,6 +57,7 @@ class RunSettings:
     gpu_hour_usd: float | None
     gpus: int
     dataset: str  # path of the prompt file, for the record
+    http_client: str = HttpClient.aiohttp  # the library HTTP requests go through
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -99,14 +111,7 @@ def run_benchmark(
 async def _run(
     settings: RunSettings, planned: list[PlannedRequest], progress: RunProgress
 ) -> list[RequestRecord]:
-    import httpx
-
-    pool = httpx.Limits(
-        max_connections=settings.max_connections,
-        max_keepalive_connections=settings.max_connections,
-    )
-    timeout = httpx.Timeout(settings.timeouts.stall_s)
-    async with httpx.AsyncClient(limits=pool, timeout=timeout) as client:
+    async with _http_client(settings) as client:
         loop = asyncio.get_running_loop()
         # One origin on both clocks: the loop clock schedules, perf_counter timestamps.
         origin_loop = loop.time() + _START_LEAD_S
@@ -119,6 +124,27 @@ async def _run(
                 asyncio.create_task(_one(client, settings, request, scheduled_at, progress))
             )
         return list(await asyncio.gather(*tasks))
+
+
+@contextlib.asynccontextmanager
+async def _http_client(settings: RunSettings):
+    """The HTTP client of a run (settings.http_client), closed at its end."""
+    if settings.http_client == HttpClient.aiohttp:
+        session = open_session(settings.max_connections, settings.timeouts)
+        try:
+            yield session
+        finally:
+            await session.close()
+        return
+    import httpx
+
+    pool = httpx.Limits(
+        max_connections=settings.max_connections,
+        max_keepalive_connections=settings.max_connections,
+    )
+    timeout = httpx.Timeout(settings.timeouts.stall_s)
+    async with httpx.AsyncClient(limits=pool, timeout=timeout) as client:
+        yield client
 
 
 async def _sleep_until(
@@ -156,7 +182,9 @@ async def _one(
                 settings.timeouts,
             )
         else:
-            trace = await http_speech(
+            speech = (http_speech_aiohttp if settings.http_client == HttpClient.aiohttp
+                      else http_speech)  # fmt: skip
+            trace = await speech(
                 client,
                 target.url,
                 target.http_body(request.text, request.voice),
