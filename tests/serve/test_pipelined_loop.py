@@ -246,3 +246,28 @@ def test_codec_steps_in_flight_stay_bounded_when_the_codec_falls_behind(limit):
         check_stream_events(h, s, 90, schedule=(1, 2))
     assert most <= limit + 1  # + a first chunk's codec step, which never waits
     assert max(batches) >= 4  # later chunks gathered into shared codec steps
+
+
+def test_a_paced_loop_waits_for_the_next_due_frame_step_and_keeps_deadlines():
+    """pace_slack_s in the pipelined loop: while no frame step is due the loop launches none
+    (codec work still runs) and its idle wait ends when the next one is due; streams stay
+    ahead of their playback."""
+    h = Harness(pace_slack_s=0.3)
+    h.sched.observer = observer = type("Late", (NullObserver,), {
+        "lateness": [], "on_chunk": lambda self, s: self.lateness.append(s)})()  # fmt: skip
+    streams = [h.submit(frames=150, schedule=(1, 2, 4, 8, 12))]
+    h.run_until(lambda: h.clock.t > 0.3)
+    streams.append(h.submit(frames=150, schedule=(1, 2, 4, 8, 12)))
+    waits = []
+    for _ in range(100_000):
+        if all(s.status is Status.FINISHED for s in streams):
+            break
+        if not h.step():
+            waits.append(h.loop.idle_s)
+            h.clock.advance(min(0.001, h.loop.idle_s))
+    assert all(s.status is Status.FINISHED for s in streams)
+    assert observer.lateness and max(observer.lateness) <= 0
+    # the loop idled between paced steps, each wait ending at the next due step (< 20 ms)
+    assert waits and min(waits) < h.loop.idle_wait_s
+    frame_steps = [c for c in h.engine.calls if c[0] == "frames"]
+    assert len(frame_steps) < 2 * 150 * 0.8  # rows shared steps: fewer steps than frames

@@ -79,6 +79,14 @@ class SchedulerConfig:
     # waits for a turn after the oldest is read, gathering more rows, instead of queueing on
     # the codec stream behind them (a pipelined engine; a serial one has at most one).
     max_audio_in_flight: int = 2
+    # Paced frame steps (0: off, every turn steps every ready stream): a frame step runs only
+    # when a stream needs one, i.e. a new stream waits for its first audio or a stream's slack
+    # (seconds before its client's buffer runs dry, the next chunk's making counted) is below
+    # this; every ready stream rides along. Streams then make audio at the rate deadlines
+    # need (the ramp's 2x real time, not the ~10x of back-to-back steps), so more of them are
+    # generating at once and each step carries more rows: the GPU's fixed cost per step is
+    # spread over more frames. Needs slots (and batch buckets) for the extra streams.
+    pace_slack_s: float = 0.0
 
 
 @dataclass(frozen=True)

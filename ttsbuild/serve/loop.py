@@ -191,6 +191,7 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self.frames_ahead = frames_ahead
         self.poll_s = poll_s
+        self.idle_s = idle_wait_s  # this idle wait (shorter when a paced frame step is near)
         self.clock, self.sleep = clock, sleep
         self.in_flight: list[InFlight] = []  # launch order
         self.steps = 0
@@ -207,6 +208,10 @@ class EngineLoop:
             if plan.is_empty and not self.in_flight:
                 events = self.scheduler.commit(plan, StepResult())
         self.runner.timer("plan", time.perf_counter() - start)
+        # paced frame steps: when the next one is due (the loop waits no longer than that)
+        due_at = None if plan.frames_due_in is None else self.clock() + plan.frames_due_in
+        self.idle_s = self.idle_wait_s if due_at is None else min(self.idle_wait_s,
+                                                                  plan.frames_due_in)  # fmt: skip
         if plan.is_empty and not self.in_flight:
             _deliver(events)
             return False
@@ -218,7 +223,7 @@ class EngineLoop:
                         self.scheduler.first_audio_due()) else None  # fmt: skip
                 if first is not None and not first.is_empty:
                     self._launch(first)
-        self._read_back(must=plan.is_empty)
+        self._read_back(must=plan.is_empty, due_at=due_at)
         self.steps += 1
         return True
 
@@ -241,10 +246,11 @@ class EngineLoop:
             self._express_turn = self.scheduler.arrival_admissible()
         return self._express_turn
 
-    def _read_back(self, must: bool) -> None:
+    def _read_back(self, must: bool, due_at: float | None = None) -> None:
         """Read back every stage that is done, oldest first within its kind (frame steps,
         codec steps); wait while more than `frames_ahead` frame steps are in flight, or, with
-        `must` (nothing was launched this turn), until one stage was read."""
+        `must` (nothing was launched this turn), until one stage was read or, paced, until a
+        frame step is due (`due_at`, clock time)."""
         while self.in_flight:
             heads = {}
             for step in self.in_flight:
@@ -259,12 +265,15 @@ class EngineLoop:
                 due = frames[0]
             elif must:
                 due = self.in_flight[0]
+                if due_at is not None and self.clock() >= due_at:
+                    return  # a paced frame step is due: plan it now
             else:
                 return
             if self._arrival():
                 return  # admit it now; the step waited for is read in a later turn
             audio_in_flight = any(step.stage is Stage.AUDIO for step in self.in_flight)
-            if (audio_in_flight or self.express) and self.poll_s > 0:
+            paced = must and due_at is not None
+            if (audio_in_flight or self.express or paced) and self.poll_s > 0:
                 start = time.perf_counter()
                 self.sleep(self.poll_s)  # a codec step or an arrival may come first: poll
                 # how late the thread is back: the OS, and the GIL held by the event loop
@@ -286,7 +295,7 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 if not self.step():
-                    self.wake.wait(self.idle_wait_s)
+                    self.wake.wait(self.idle_s)
                     self.wake.clear()
         except Exception as exc:  # fail every stream and report unhealthy, never hang
             self.error = exc

@@ -34,6 +34,14 @@ comes from running averages of measured stage times. The one exception to "promp
 turn": when a stream's playback would run dry during the prefill (its slack, safety margin
 included, is shorter), the prompts wait a turn (the new requests keep their slots).
 
+Paced frame steps (SchedulerConfig.pace_slack_s > 0): a frame step is launched only when one
+is due, i.e. a stream waits for its first audio (new ones included) or some stream's slack for
+FRAMES is below the pace; until then codec work goes first, and the loop waits until the next
+is due (Plan.frames_due_in). Every ready stream rides along in the step. A GPU frame step costs
+about the same for one row as for sixty-four, so instead of every stream running at the
+engine's full speed (~10x real time, few streams at once, small steps), streams run about as
+fast as their deadlines need, more of them generate at once and each step carries more rows.
+
 Admission (submit, at once): a full queue answers 429 (queue_full); audio produced but unsent
 (slow or stalled clients) above max_buffered_s answers 503; an engine at capacity answers 429
 (capacity) with the numbers behind the decision. At capacity means: an admitted stream had a
@@ -64,6 +72,10 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from ttsbuild.serve.config import FRAME_SAMPLES, SAMPLE_RATE, SchedulerConfig
+
+# Paced frame steps: one due within this counts as due now (a wait that short is noise, and
+# clock arithmetic would otherwise approach the due time without reaching it)
+PACE_RESOLUTION_S = 1e-4
 
 
 class Stage(StrEnum):
@@ -224,6 +236,9 @@ class Plan:
     slots: list[int]  # the stage's batch of held slots, anchor first
     frames_take_new: bool = False  # the FRAMES batch also takes every slot prefilled this turn
     reason: str = "idle"  # why the anchor went first: its priority class
+    # Paced frame steps (SchedulerConfig.pace_slack_s): seconds until a frame step is due when
+    # none is now (None: one is due, or pacing is off, or no stream waits for frames)
+    frames_due_in: float | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -608,9 +623,29 @@ class Scheduler:
         deadlines = [r.slack + margin for r in ready if r.klass == "deadline"]
         return not deadlines or min(deadlines) >= self.cost_s[Stage.PREFILL]
 
+    def _frames_due_in(self, ready: list[Ready]) -> float | None:
+        """Paced frame steps: seconds until a frame step is due (<= 0: now); None when no
+        stream waits for frames or pacing is off (a step is then due whenever rows are ready).
+        Due: a new stream or one waiting for its first audio, or a stream whose slack is below
+        pace_slack_s."""
+        pace = self.config.pace_slack_s
+        frames = [r for r in ready if r.stage is Stage.FRAMES]
+        if pace <= 0 or not frames:
+            return None
+        if any(r.new or r.slack is None for r in frames):
+            return 0.0
+        return min(r.slack for r in frames) - pace
+
     def _choose_stage(self, plan: Plan, ready: list[Ready]) -> None:
         """The anchor's stage; its batch: the max_batch most urgent rows ready for it, this
-        turn's new rows all together or not at all."""
+        turn's new rows all together or not at all. Paced (pace_slack_s): no frame step before
+        one is due; the codec's work goes first meanwhile."""
+        due_in = self._frames_due_in(ready)
+        if due_in is not None and due_in > PACE_RESOLUTION_S:
+            plan.frames_due_in = due_in
+            ready = [r for r in ready if r.stage is not Stage.FRAMES]
+            if not ready:
+                return
         anchor, reason = ready[0], ready[0].klass
         if anchor.stage is Stage.FRAMES and self._chunk_runs_dry_during_frames(ready):
             anchor, reason = next(r for r in ready if r.stage is Stage.AUDIO), "codec-first"
