@@ -5,6 +5,7 @@ same codes and audio as the one-lane engine."""
 from __future__ import annotations
 
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -350,3 +351,21 @@ def test_sms_reserved_for_the_lane_are_a_cuda_matter(models):
     eager = open_engine(None, "cpu", num_slots=2, max_len=256, random_variant="tiny",
                         admission_lane=(1,), lane_reserved_sms=8)  # fmt: skip
     assert eager.plan.lane_reserved_sms == 8
+
+
+def test_a_reserve_the_gpu_cannot_give_is_skipped_not_fatal(models, monkeypatch):
+    """The plans' default reserve (16 SMs) on a GPU too small for it, or a torch or CUDA
+    driver without green contexts: the engine runs without the reserve (the caller logs it)
+    instead of failing to load."""
+    from types import SimpleNamespace
+
+    from ttsbuild.runtime import graph_engine
+
+    backend = GraphEngine(models, PLAN, use_graphs=False).backend
+    small = SimpleNamespace(multi_processor_count=20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: small)
+    with pytest.raises(graph_engine.GreenContextsUnavailable, match="at most 10 can be kept"):
+        backend._green_streams(torch.device("cuda:0"), 16)
+    monkeypatch.setitem(sys.modules, "torch.cuda.green_contexts", None)  # an older torch
+    with pytest.raises(graph_engine.GreenContextsUnavailable, match="no CUDA green contexts"):
+        backend._green_streams(torch.device("cuda:0"), 4)

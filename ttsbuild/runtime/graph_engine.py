@@ -899,14 +899,15 @@ class GraphBackend:
             raise GreenContextsUnavailable(f"torch {torch.__version__} has no CUDA green "
                                            f"contexts ({exc})") from None  # fmt: skip
         total = torch.cuda.get_device_properties(dev).multi_processor_count
-        if not 0 < reserved < total:
-            raise ValueError(f"lane_reserved_sms must be 1..{total - 1} on this GPU "
-                             f"({total} SMs), got {reserved}")  # fmt: skip
+        if not 0 < reserved <= total // 2:  # a plan's default made for a bigger GPU, say
+            raise GreenContextsUnavailable(f"{reserved} SMs would leave the running streams "
+                                           f"too few of this GPU's {total} (at most "
+                                           f"{total // 2} can be kept)")  # fmt: skip
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         try:
             self._green = [GreenContext.create(num_sms=total - reserved, device_id=index)
                            for _ in range(2)]  # fmt: skip
-        except RuntimeError as exc:  # a CUDA driver without green contexts (< 12.4)
+        except (RuntimeError, AttributeError, NotImplementedError) as exc:  # e.g. CUDA < 12.4
             raise GreenContextsUnavailable(f"cannot create green contexts: {exc}") from None
         log.info("regular steps on %d of %d SMs; %d kept for the admission lane",
                  total - reserved, total, reserved)  # fmt: skip

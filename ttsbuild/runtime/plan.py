@@ -87,7 +87,8 @@ class EnginePlan(BaseModel):
     # (serving at 40 req/s on the H200, one minute per side: p95 time to first audio 49.2 ms
     # without, 46.3 with 16 SMs, 43.0 with 16 SMs and bf16_min_rows 16;
     # benchmarks/serve/2026-12-02-h200-reserve-ab). A runtime without green contexts (torch
-    # too old) runs without the reserve and says so.
+    # or CUDA driver too old), or a GPU where it would be more than half the SMs, runs
+    # without the reserve and says so.
     lane_reserved_sms: int = Field(0, ge=0)
     # The talker's FP8 linears as W8A8 (activations quantised per row at run time, one
     # cuBLASLt FP8 GEMM: plugins.fp8_w8a8) from this many rows (prefill rows or decode
