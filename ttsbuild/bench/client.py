@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -82,15 +83,8 @@ async def http_speech(
     try:
         async with asyncio.timeout(timeouts.total_s):
             async with client.stream("POST", url, json=body, headers=headers) as response:
-                trace.headers_at = time.perf_counter()
-                trace.http_status = response.status_code
-                if not response.is_success:
-                    await _fail_on_status(trace, response)
-                    return trace
-                trace.sample_rate_header = _int_or_none(response.headers.get("x-sample-rate"))
-                async for data in response.aiter_raw():
-                    trace.add_chunk(time.perf_counter(), data)
-                trace.finished_at = time.perf_counter()
+                await _record(trace, response.status_code, response.headers,
+                              response.aiter_raw(), response.aread)  # fmt: skip
     except (TimeoutError, httpx.TimeoutException) as err:
         trace.fail(Outcome.timeout, _describe(err) or "request timed out")
     except httpx.HTTPError as err:
@@ -112,24 +106,36 @@ async def http_speech_aiohttp(
     try:
         async with asyncio.timeout(timeouts.total_s):
             async with session.post(url, json=body, headers=headers) as response:
-                trace.headers_at = time.perf_counter()
-                trace.http_status = response.status
-                if not 200 <= response.status < 300:
-                    outcome = (Outcome.rejected if response.status in REJECTED_STATUSES
-                               else Outcome.failed)  # fmt: skip
-                    detail = (await response.content.read(_ERROR_BODY_CHARS))
-                    text = detail.decode("utf-8", "replace")
-                    trace.fail(outcome, f"HTTP {response.status}: {text}".strip())
-                    return trace
-                trace.sample_rate_header = _int_or_none(response.headers.get("x-sample-rate"))
-                async for data in response.content.iter_any():
-                    trace.add_chunk(time.perf_counter(), data)
-                trace.finished_at = time.perf_counter()
+                await _record(trace, response.status, response.headers,
+                              response.content.iter_any(),
+                              lambda: response.content.read(_ERROR_BODY_CHARS))  # fmt: skip
     except TimeoutError as err:  # the total timeout, or no bytes for the stall timeout
         trace.fail(Outcome.timeout, _describe(err) if str(err) else "request timed out")
     except aiohttp.ClientError as err:
         trace.fail(Outcome.failed, _describe(err))
     return trace
+
+
+async def _record(
+    trace: Trace,
+    status: int,
+    headers: Any,
+    body: AsyncIterator[bytes],
+    read_error: Callable[[], Awaitable[bytes]],
+) -> None:
+    """A response into the trace, whichever client made it: the headers' arrival, the status
+    (a non-2xx one with the start of its body), then each body chunk as it arrives."""
+    trace.headers_at = time.perf_counter()
+    trace.http_status = status
+    if not 200 <= status < 300:
+        outcome = Outcome.rejected if status in REJECTED_STATUSES else Outcome.failed
+        detail = (await read_error())[:_ERROR_BODY_CHARS].decode("utf-8", "replace")
+        trace.fail(outcome, f"HTTP {status}: {detail}".strip())
+        return
+    trace.sample_rate_header = _int_or_none(headers.get("x-sample-rate"))
+    async for data in body:
+        trace.add_chunk(time.perf_counter(), data)
+    trace.finished_at = time.perf_counter()
 
 
 def open_session(max_connections: int, timeouts: Timeouts) -> Any:
@@ -148,12 +154,6 @@ def open_session(max_connections: int, timeouts: Timeouts) -> Any:
                                       sock_read=timeouts.stall_s),  # fmt: skip
         auto_decompress=False,
     )
-
-
-async def _fail_on_status(trace: Trace, response: httpx.Response) -> None:
-    outcome = Outcome.rejected if response.status_code in REJECTED_STATUSES else Outcome.failed
-    detail = (await response.aread())[:_ERROR_BODY_CHARS].decode("utf-8", "replace")
-    trace.fail(outcome, f"HTTP {response.status_code}: {detail}".strip())
 
 
 async def ws_speech(
