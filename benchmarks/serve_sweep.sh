@@ -32,6 +32,7 @@ WARMUP=${WARMUP:-5s}
 DEVICE=${DEVICE:-cuda}
 RESULTS=${RESULTS:-$OUT/serve_sweep}
 SERVE_ARGS=${SERVE_ARGS:-}  # more `ttsbuild serve` flags, e.g. "--capacity-margin 0.3"
+BENCH_ARGS=${BENCH_ARGS:-}  # more `ttsbuild bench sweep` flags, e.g. "--http-client httpx"
 mkdir -p "$WORK" "$RESULTS"
 
 cli() { "$PY" -m ttsbuild.cli "$@"; }
@@ -74,7 +75,7 @@ for SET in $DATASETS; do
     echo "== $SET: rps $RPS, $DURATION each after $WARMUP warm-up ($VOICES)"
     # shellcheck disable=SC2086
     cli bench sweep --url "$URL" --dataset "$SET" --rps "$RPS" --duration "$DURATION" \
-        --warmup "$WARMUP" $VOICES --metrics-url auto --output "$RESULTS/$SET"
+        --warmup "$WARMUP" $VOICES --metrics-url auto --output "$RESULTS/$SET" $BENCH_ARGS
 done
 for SET in $DATASETS; do
     "$PY" -c 'import json, sys; from ttsbuild.bench.sweep import capacity_line
