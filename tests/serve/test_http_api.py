@@ -364,7 +364,7 @@ def test_slow_first_chunks_are_logged_with_their_phases_at_most_once_a_second(ca
         m.on_first_audio(0.015, phases)  # under the bar: not logged
         m.on_first_audio(0.0315, phases)
         m.on_first_audio(0.04, phases)  # within the second: counted, not logged
-        m._slow_logged_at -= 1.0
+        m._slow_log.logged_at -= 1.0
         m.on_first_audio(0.05, None)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2

@@ -15,7 +15,7 @@ def test_late_chunks_are_counted_and_logged_once_a_second(caplog):
         metrics.on_chunk(0.0042)
         metrics.on_chunk(0.0015)  # within the second: counted, not logged
         metrics.on_chunk(0.0030)
-        metrics._late_logged_at -= 1.5  # a second and a half later
+        metrics._late_log.logged_at -= 1.5  # a second and a half later
         metrics.on_chunk(0.0021)
     late = [r.getMessage() for r in caplog.records if "late for its playback" in r.getMessage()]
     assert late[0].startswith("chunk late for its playback by 4.2 ms")

@@ -412,7 +412,6 @@ class GraphBackend:
             except GreenContextsUnavailable as exc:
                 log.warning("the plan keeps %d SMs for the admission lane; running without "
                             "the reserve: %s", plan.lane_reserved_sms, exc)  # fmt: skip
-        self.lane_reserved_sms = plan.lane_reserved_sms if green_streams else 0  # as it runs
         if green_streams:
             lm_stream, codec_stream = green_streams
             self.lm_lane = self.driver.add_external_lane(lm_stream.cuda_stream, join=True)

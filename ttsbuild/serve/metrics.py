@@ -37,6 +37,24 @@ STOP_REASONS = ("eos", "text_budget", "repetition", "silence", "max_frames", "le
 log = logging.getLogger(__name__)
 
 
+class _OncePerSecond:
+    """A warning that may be logged at most once a second: `due()` says whether this one is
+    (None: not, it is counted) and gives the suffix telling how many were left out since."""
+
+    def __init__(self):
+        self.logged_at = float("-inf")
+        self.unlogged = 0
+
+    def due(self) -> str | None:
+        now = time.monotonic()
+        if now - self.logged_at < 1.0:
+            self.unlogged += 1
+            return None
+        more = f"; {self.unlogged} more since the last one" if self.unlogged else ""
+        self.logged_at, self.unlogged = now, 0
+        return more
+
+
 class ServeMetrics:
     """Implements the scheduler's Observer; the app adds HTTP/WS-level counts. A first chunk
     slower than `slow_first_audio_s` is logged (a warning, at most one a second, with the
@@ -47,10 +65,8 @@ class ServeMetrics:
                  slow_first_audio_s: float = 0.025):  # fmt: skip
         self.registry = r = registry or CollectorRegistry()
         self.slow_first_audio_s = slow_first_audio_s
-        self._slow_logged_at = float("-inf")
-        self._slow_unlogged = 0
-        self._late_logged_at = float("-inf")
-        self._late_unlogged = 0
+        self._slow_log = _OncePerSecond()
+        self._late_log = _OncePerSecond()
         self._active = 0  # slots in use at the last plan (the gauge's value, for the log)
         self.ttfa = Histogram(
             "tts_time_to_first_audio_seconds", "Arrival to first audio chunk handed to the client",
@@ -156,15 +172,11 @@ class ServeMetrics:
             self._log_slow(ttfa_s, phases)
 
     def _log_slow(self, ttfa_s: float, phases: dict[str, float] | None) -> None:
-        now = time.monotonic()
-        if now - self._slow_logged_at < 1.0:
-            self._slow_unlogged += 1
+        if (more := self._slow_log.due()) is None:
             return
         split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in (phases or {}).items())
-        more = f"; {self._slow_unlogged} more since the last one" if self._slow_unlogged else ""
         log.warning("slow first audio: %.1f ms (%s ms) with %d slots in use%s", ttfa_s * 1e3,
                     split or "no phases", self._active, more)  # fmt: skip
-        self._slow_logged_at, self._slow_unlogged = now, 0
 
     def on_chunk(self, lateness_s: float) -> None:
         self.lateness.observe(lateness_s)
@@ -176,14 +188,10 @@ class ServeMetrics:
         """A chunk ready after its client's buffer ran dry, logged (at most once a second)
         with the time, so late chunks can be matched with what else happened then (collector
         pauses, refusals): at 40 req/s on the H200 they came in clusters ~17 s apart."""
-        now = time.monotonic()
-        if now - self._late_logged_at < 1.0:
-            self._late_unlogged += 1
+        if (more := self._late_log.due()) is None:
             return
-        more = f"; {self._late_unlogged} more since the last one" if self._late_unlogged else ""
         log.warning("chunk late for its playback by %.1f ms with %d slots in use%s",
                     lateness_s * 1e3, self._active, more)  # fmt: skip
-        self._late_logged_at, self._late_unlogged = now, 0
 
     def on_gc_pause(self, generation: int, seconds: float, collected: int) -> None:
         """A cyclic-collector pause (every thread stopped); pauses over 5 ms are logged."""
