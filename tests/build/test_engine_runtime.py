@@ -55,6 +55,7 @@ def test_the_admission_lane_is_compiled_in_and_can_be_set_at_load(fp8_engine):
         open_engine(fp8_engine, "cpu", kind="graph", admission_lane=(3,))
     small = open_engine(fp8_engine, "cpu", kind="graph", num_slots=1)
     assert small.plan.admission_lane == (1,)
+    assert set(small.plan.fused_code_predictor) <= set(small.plan.batch_buckets) == {1}
 
 
 def test_the_bf16_copies_of_a_compiled_fp8_engine_can_be_set_at_load(fp8_engine):

@@ -146,15 +146,18 @@ def plan_max_batch(plan: EnginePlan, max_batch: int, where) -> EnginePlan:
             "with --max-batch)"
         )
     buckets = tuple(b for b in plan.batch_buckets if b < max_batch) + (max_batch,)
+    return plan.model_copy(update=_buckets_update(plan, buckets))
+
+
+def _buckets_update(plan: EnginePlan, buckets: tuple[int, ...]) -> dict:
+    """The plan fields to change for these batch buckets: the buckets, and every per-bucket
+    choice cut to them."""
     keep = set(buckets)
-    return plan.model_copy(
-        update={
-            "batch_buckets": buckets,
-            **{name: tuple(b for b in getattr(plan, name) if b in keep)
-               for name in BUCKET_SUBSETS},
-            "speculative": {b: v for b, v in plan.speculative.items() if b in keep},
-        }
-    )  # fmt: skip
+    return {
+        "batch_buckets": buckets,
+        **{name: tuple(b for b in getattr(plan, name) if b in keep) for name in BUCKET_SUBSETS},
+        "speculative": {b: v for b, v in plan.speculative.items() if b in keep},
+    }
 
 
 def plan_within(
@@ -175,9 +178,9 @@ def plan_within(
     prefill = tuple(t for t in plan.prefill_buckets if t < max_len) or (max_len - 1,)
     return plan.model_copy(
         update={
-            "num_slots": num_slots, "batch_buckets": buckets, "max_len": max_len,
+            **_buckets_update(plan, buckets),
+            "num_slots": num_slots, "max_len": max_len,
             "prefill_buckets": prefill, "max_frames": min(plan.max_frames, max_len - 1),
             "prefill_batches": tuple(b for b in plan.prefill_batches if b <= num_slots),
-            "admission_lane": tuple(b for b in plan.admission_lane if b in buckets),
         }
     )  # fmt: skip
