@@ -6,19 +6,26 @@ Everything else about the package is in pyproject.toml.
 """
 
 import os
+import sys
 
 import torch
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
+# the source tree's own helper (PEP 517 builds do not put the tree on sys.path)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ttsbuild.runtime.link import cxx_runtime_link_args  # noqa: E402
+
 SOURCES = ["ttsbuild/csrc/step_driver.cpp"]
 ARGS = {"cxx": ["-O2", "-std=c++17"]}
 # Link the C++ runtime the process already has (torch's), never a private copy: a compiler
-# wrapper that adds -static-libstdc++ (the GPU image's CXX=/opt/gcc/bin/g++ does) gave the
+# wrapper that links libstdc++ statically (the GPU image's CXX=/opt/gcc/bin/g++ does) gave the
 # driver its own libstdc++, whose streams formatted no numbers and whose exceptions killed
-# the process with a segmentation fault (benchmarks/runtime/driver_errors_probe.py). An
-# explicit -lstdc++ resolves every C++ runtime symbol from the shared library first.
-LINK = ["-lstdc++"]
+# the process with a segmentation fault (benchmarks/runtime/driver_errors_probe.py). A plain
+# -lstdc++ did not help there (2026-12-02; the wrapper's link line was not logged: a g++
+# with -static-libstdc++ may link a plain -lstdc++ statically too). The shared library's own
+# path is an input file that any compiler driver hands to the linker as it is.
+LINK = cxx_runtime_link_args()
 
 
 def driver_extension():

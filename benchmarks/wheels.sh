@@ -26,8 +26,11 @@ ensure_driver() {
     local why
     why=$("$PY" -c 'import torch, ttsbuild._driver as d; assert d.built_with_cuda()' 2>&1) && return 0
     echo "== building the step driver (CUDA): it does not import: $(tail -1 <<<"$why")"
-    "$PY" setup.py -q build_ext --inplace > "${1:-/dev/null}" 2>&1 || {
+    "$PY" setup.py build_ext --inplace > "${1:-/dev/null}" 2>&1 || {
         echo "driver build failed"; [ -z "${1:-}" ] || tail -20 "$1"; return 1; }
+    # the C++ runtime it binds (a private, static libstdc++ crashed every refusal, 2026-12-02)
+    echo "== step driver built; libstdc++: $(ldd ttsbuild/_driver*.so 2>/dev/null \
+        | grep -o 'libstdc++[^ ]* => [^ ]*' || echo 'none (a private static copy?)')"
 }
 
 # engine_bench NAME [ARGS...]: the engine microbenchmark (random 1.7B CustomVoice weights,

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ttsbuild.runtime.link import cxx_runtime_link_args
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "step_driver.cpp"
@@ -40,7 +42,7 @@ def driver_module(cuda: bool):
             name="ttsbuild_driver_cuda" if cuda else "ttsbuild_driver",
             sources=[str(SOURCE)],
             extra_cflags=["-O2", "-std=c++17"] + (["-DTTSBUILD_WITH_CUDA"] if cuda else []),
-            extra_ldflags=["-lstdc++"],  # the process's libstdc++, never a private one (setup.py)
+            extra_ldflags=cxx_runtime_link_args(),  # the process's libstdc++ (setup.py)
             with_cuda=cuda,
         )
     what = "a CUDA build of " if cuda else ""
