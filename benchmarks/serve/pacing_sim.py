@@ -44,7 +44,7 @@ class Counts(NullObserver):
         self.late = 0
         self.chunks = 0
 
-    def on_chunk(self, lateness_s: float) -> None:
+    def on_chunk(self, lateness_s: float, chunk: int = 0, played_s: float = 0.0) -> None:
         self.chunks += 1
         self.late += lateness_s > 0
 

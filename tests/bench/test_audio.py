@@ -104,24 +104,27 @@ def test_frames_complete_when_their_last_byte_arrives():
 # Playback simulation: chunk arrival times (s) and cumulative frames at 1000 frames/s, so
 # frame counts read as milliseconds of audio.
 @pytest.mark.parametrize(
-    ("times", "end_frames", "underruns", "stall"),
+    ("times", "end_frames", "underrun_at", "stall"),
     [
         # every chunk before it is due: no underrun
-        ([0.0, 0.09, 0.19], [100, 200, 300], 0, 0.0),
+        ([0.0, 0.09, 0.19], [100, 200, 300], (), 0.0),
         # arriving exactly when due is on time
-        ([0.0, 0.1, 0.2], [100, 200, 300], 0, 0.0),
-        # second chunk 50 ms late; the third is then due at 0.25 and arrives at 0.25
-        ([0.0, 0.15, 0.25], [100, 200, 300], 1, 0.05),
+        ([0.0, 0.1, 0.2], [100, 200, 300], (), 0.0),
+        # second chunk 50 ms late (after 0.1 s of audio); the third is then due at 0.25
+        ([0.0, 0.15, 0.25], [100, 200, 300], (0.1,), 0.05),
         # two separate stalls: 0.1 s, then due 0.2+0.1=0.3 but arrives 0.5 -> 0.2 s
-        ([0.0, 0.2, 0.5], [100, 200, 300], 2, 0.3),
+        ([0.0, 0.2, 0.5], [100, 200, 300], (0.1, 0.2), 0.3),
+        # a short first chunk: the second, due after 30 ms of audio, is late
+        ([0.0, 0.04, 0.12], [30, 130, 230], (0.03,), 0.01),
         # header-only and empty chunks neither start playback nor underrun
-        ([0.0, 0.05, 0.4, 0.45], [0, 0, 100, 200], 0, 0.0),
+        ([0.0, 0.05, 0.4, 0.45], [0, 0, 100, 200], (), 0.0),
     ],
 )
-def test_playback_simulation_exact(times, end_frames, underruns, stall):
+def test_playback_simulation_exact(times, end_frames, underrun_at, stall):
     result = simulate_playback(np.array(times), np.array(end_frames), 1000)
     assert result is not None
-    assert result.underruns == underruns
+    assert result.underruns == len(underrun_at)
+    assert result.underrun_at_s == pytest.approx(underrun_at, abs=1e-12)
     assert result.stall_s == pytest.approx(stall, abs=1e-12)
 
 

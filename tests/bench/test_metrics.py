@@ -65,6 +65,7 @@ def record(index, outcome="ok", warmup=False, ttfa=0.1, underruns=0, chars=10, a
     trace = Trace(sent_at=0.0, outcome=Outcome(outcome))
     r = analyse(planned(index, "x" * chars, warmup), 0.0, trace, BodyFormat.pcm, 24_000)
     r.ttfa_s, r.underruns, r.stall_s, r.audio_s = ttfa, underruns, 0.0, audio
+    r.underrun_at_s = [0.08 * index * (k + 1) for k in range(underruns)]
     return r
 
 
@@ -81,7 +82,8 @@ def test_summary_counts_percentiles_underrun_rate_and_cost():
     ttfa = s["timings"]["ttfa_s"]
     assert ttfa["count"] == 8
     assert (ttfa["p50"], ttfa["p95"], ttfa["p99"]) == pytest.approx((0.04, 0.08, 0.08))
-    assert s["underruns"] == {"total": 2, "requests_with_underrun": 2, "rate": 0.25}
+    assert s["underruns"] == {"total": 2, "requests_with_underrun": 2, "rate": 0.25,
+                              "at_s": pytest.approx([0.32, 0.64])}  # requests 4 and 8
     assert s["throughput"]["chars_per_s"] == pytest.approx(8 * 10 / 2.0)
     assert s["throughput"]["audio_s_per_s"] == pytest.approx(8 * 1.0 / 2.0)
     # 2 GPUs at $3.60/h = $0.002/s; 40 chars/s -> $50 per 1M chars

@@ -12,13 +12,13 @@ def test_late_chunks_are_counted_and_logged_once_a_second(caplog):
     metrics = ServeMetrics()
     with caplog.at_level(logging.WARNING, logger="ttsbuild.serve.metrics"):
         metrics.on_chunk(-0.010)  # on time: no log, no underrun
-        metrics.on_chunk(0.0042)
+        metrics.on_chunk(0.0042, 1, 0.08)  # the ramp's second chunk
         metrics.on_chunk(0.0015)  # within the second: counted, not logged
         metrics.on_chunk(0.0030)
         metrics._late_log.logged_at -= 1.5  # a second and a half later
         metrics.on_chunk(0.0021)
     late = [r.getMessage() for r in caplog.records if "late for its playback" in r.getMessage()]
-    assert late[0].startswith("chunk late for its playback by 4.2 ms")
+    assert late[0].startswith("chunk 1 (after 0.08 s of audio) late for its playback by 4.2 ms")
     assert "2 more since the last one" in late[1] and "by 2.1 ms" in late[1]
     assert len(late) == 2
     assert metrics.underruns._value.get() == 4

@@ -163,7 +163,7 @@ class LatenessRecorder(NullObserver):
     def __init__(self):
         self.lateness = []
 
-    def on_chunk(self, lateness_s: float) -> None:
+    def on_chunk(self, lateness_s: float, chunk: int = 0, played_s: float = 0.0) -> None:
         self.lateness.append(lateness_s)
 
 

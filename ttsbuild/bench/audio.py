@@ -147,6 +147,9 @@ class PlaybackResult:
     start_s: float  # arrival of the first playable frame: playback begins there
     underruns: int  # times the player ran dry after starting
     stall_s: float  # total seconds spent waiting for late audio
+    # where in the audio each underrun happened (seconds of audio played before it): which
+    # chunk ran late, e.g. the ramp's second one at 0.08 s or a steady-state one later
+    underrun_at_s: tuple[float, ...] = ()
 
 
 def simulate_playback(
@@ -162,7 +165,7 @@ def simulate_playback(
     None if no frame ever arrived.
     """
     start = None
-    underruns, stall = 0, 0.0
+    stall, at = 0.0, []
     frames_before = 0
     for arrived, frames_after in zip(chunk_times, end_frames, strict=True):
         if frames_after <= frames_before:
@@ -172,9 +175,9 @@ def simulate_playback(
         else:
             due = start + frames_before / sample_rate + stall
             if arrived > due + _DUE_TOLERANCE_S:
-                underruns += 1
+                at.append(frames_before / sample_rate)
                 stall += float(arrived) - due
         frames_before = int(frames_after)
     if start is None:
         return None
-    return PlaybackResult(start_s=start, underruns=underruns, stall_s=stall)
+    return PlaybackResult(start_s=start, underruns=len(at), stall_s=stall, underrun_at_s=tuple(at))

@@ -69,6 +69,7 @@ class RequestRecord:
     rtf: float | None  # e2e_s / audio_s; < 1 means faster than real time
     underruns: int | None  # zero-buffer playback: times the player ran dry
     stall_s: float | None  # zero-buffer playback: total waiting after playback began
+    underrun_at_s: list[float] | None  # zero-buffer playback: audio played before each underrun
     text_done_to_audio_s: float | None  # WS: audible onset - time the last word was sent
     sample_rate: int | None
     body_bytes: int
@@ -108,6 +109,7 @@ def analyse(
         rtf=None,
         underruns=None,
         stall_s=None,
+        underrun_at_s=None,
         text_done_to_audio_s=None,
         sample_rate=None,
         body_bytes=len(trace.body),
@@ -143,6 +145,7 @@ def _add_audio_metrics(
         record.first_playable_s = playback.start_s - scheduled_at
         record.underruns = playback.underruns
         record.stall_s = playback.stall_s
+        record.underrun_at_s = [round(t, 4) for t in playback.underrun_at_s]
     if record.e2e_s is not None:
         record.rtf = record.e2e_s / record.audio_s
     onset = audible_onset(decode_mono(bytes(trace.body), fmt), fmt.sample_rate)
@@ -225,6 +228,9 @@ def summarise(
                 if with_playback
                 else None
             ),
+            # seconds of audio played before each underrun, earliest first (at most 100):
+            # the ramp's early chunks, or later ones
+            "at_s": sorted(t for r in with_playback for t in r.underrun_at_s or ())[:100],
         },
         "no_audible_onset": sum(r.ttfa_s is None for r in ok),
         "throughput": {

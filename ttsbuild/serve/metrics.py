@@ -178,20 +178,22 @@ class ServeMetrics:
         log.warning("slow first audio: %.1f ms (%s ms) with %d slots in use%s", ttfa_s * 1e3,
                     split or "no phases", self._active, more)  # fmt: skip
 
-    def on_chunk(self, lateness_s: float) -> None:
+    def on_chunk(self, lateness_s: float, chunk: int = 0, played_s: float = 0.0) -> None:
+        """A chunk handed over: lateness against its client's playback (> 0: the buffer ran
+        dry); `chunk` its index in the stream, `played_s` the audio sent before it."""
         self.lateness.observe(lateness_s)
         if lateness_s > 0:
             self.underruns.inc()
-            self._log_late(lateness_s)
+            self._log_late(lateness_s, chunk, played_s)
 
-    def _log_late(self, lateness_s: float) -> None:
+    def _log_late(self, lateness_s: float, chunk: int, played_s: float) -> None:
         """A chunk ready after its client's buffer ran dry, logged (at most once a second)
         with the time, so late chunks can be matched with what else happened then (collector
         pauses, refusals): at 40 req/s on the H200 they came in clusters ~17 s apart."""
         if (more := self._late_log.due()) is None:
             return
-        log.warning("chunk late for its playback by %.1f ms with %d slots in use%s",
-                    lateness_s * 1e3, self._active, more)  # fmt: skip
+        log.warning("chunk %d (after %.2f s of audio) late for its playback by %.1f ms with %d "
+                    "slots in use%s", chunk, played_s, lateness_s * 1e3, self._active, more)
 
     def on_gc_pause(self, generation: int, seconds: float, collected: int) -> None:
         """A cyclic-collector pause (every thread stopped); pauses over 5 ms are logged."""
