@@ -254,7 +254,7 @@ def test_a_paced_loop_waits_for_the_next_due_frame_step_and_keeps_deadlines():
     ahead of their playback."""
     h = Harness(pace_slack_s=0.3)
     h.sched.observer = observer = type("Late", (NullObserver,), {
-        "lateness": [], "on_chunk": lambda self, s: self.lateness.append(s)})()  # fmt: skip
+        "lateness": [], "on_chunk": lambda self, s, *_: self.lateness.append(s)})()  # fmt: skip
     streams = [h.submit(frames=150, schedule=(1, 2, 4, 8, 12))]
     h.run_until(lambda: h.clock.t > 0.3)
     streams.append(h.submit(frames=150, schedule=(1, 2, 4, 8, 12)))

@@ -383,6 +383,7 @@ class TtfaAndLateness(LatenessRecorder):
 
 def test_ramp_speed_is_the_generation_speed_growing_chunks_need():
     assert ramp_speed((1, 2, 4, 8, 12)) == 2.0  # each chunk twice the audio played before it
+    assert ramp_speed((1, 1, 2, 4, 8, 12)) == 1.875  # low-latency's: chunk 5 (8) after 8 frames
     assert ramp_speed((4, 4, 8, 16, 25)) == pytest.approx(28 / 16)
     assert ramp_speed((25,)) == 1.0
 

@@ -30,7 +30,7 @@ def serve(
     port: int = typer.Option(8000, help="TCP port (0: pick a free one)."),
     profile: ProfileName = typer.Option(
         ProfileName.low_latency, help="Chunk schedule and deadline margins: low-latency "
-        "[1,2,4,8,12] frames, balanced [4,4,8,16,25], throughput [25]."
+        "[1,1,2,4,8,12] frames, balanced [4,4,8,16,25], throughput [25]."
     ),  # fmt: skip
     chunk_schedule: str = typer.Option(
         None, "--chunk-schedule", help="Frames per audio chunk, e.g. 1,2,4,8 (the last entry "

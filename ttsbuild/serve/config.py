@@ -30,8 +30,14 @@ class Profile:
     safety_margin_s: float  # deadline = playback start + audio sent - this
 
 
+# low-latency's ramp starts with two one-frame chunks: with [1, 2, 4, 8, 12] every underrun at
+# 40 req/s on the H200 was the second chunk (two frames to make and decode within the first
+# chunk's 80 ms); with [1, 1, 2, 4, 8, 12] 1 underrun request against 11, 0 refusals against 4,
+# p95 first audio 39.6 against 44.0 ms, for 8 % more codec steps
+# (benchmarks/serve/2026-12-02-h200-ramp-ab).
 PROFILES = {
-    ProfileName.low_latency: Profile(ProfileName.low_latency, (1, 2, 4, 8, 12), 0.025, 1.0, 0.05),
+    ProfileName.low_latency: Profile(ProfileName.low_latency, (1, 1, 2, 4, 8, 12), 0.025, 1.0,
+                                     0.05),
     ProfileName.balanced: Profile(ProfileName.balanced, (4, 4, 8, 16, 25), 0.05, 1.0, 0.1),
     ProfileName.throughput: Profile(ProfileName.throughput, (25,), 0.1, 2.0, 0.2),
 }

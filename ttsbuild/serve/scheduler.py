@@ -51,7 +51,7 @@ capacity_window_s, i.e. real-time streams the engine sustains at the batch it ra
 the batch the new stream makes by the frame step's measured cost per row (flat on a GPU,
 proportional on a CPU; proportional until steps of two sizes were seen), less
 capacity_margin. Demand: the streams generating, queued and new, a stream whose chunks still
-grow counting its ramp speed (2x real time for [1, 2, 4, 8, 12]). An engine with no demand
+grow counting its ramp speed (1.875x real time for [1, 1, 2, 4, 8, 12]). An engine with no demand
 always takes a stream, so an idle server never refuses and a device too slow for even one
 real-time stream serves one at a time; without evidence in the window only slots limit. A
 request that finds every slot held waits for one up to queue_timeout_s (then 429 no_slot). A
