@@ -149,16 +149,18 @@ def requests(seed: int) -> list[SynthesisRequest]:
             for i, t in enumerate(texts)]  # fmt: skip
 
 
-def one_step(engine, slots, pending, codes, pcm):
+def one_step(engine, slots, pending, codes, pcm, audio_frames=2):
     """Launch a frame step for the slots that can take one, read the step before it (codes),
-    decode up to two frames per slot (PCM); returns the new step (None: nothing launched)."""
+    decode up to `audio_frames` frames per slot (PCM); returns the new step (None: nothing
+    launched)."""
     active = [s for s in slots if engine.table[s].can_launch]
     ticket = engine.launch_frames(active) if active else None
     if pending is not None:
         for out in engine.collect(pending):
             if out.codes is not None:
                 codes[out.slot].append(out.codes)
-    for s, p in engine.collect_audio(engine.launch_audio(slots, max_frames=2)).items():
+    launched = engine.launch_audio(slots, max_frames=audio_frames)
+    for s, p in engine.collect_audio(launched).items():
         pcm[s].append(p)
     return ticket
 
@@ -228,10 +230,10 @@ def assert_same_audio(want: np.ndarray, got: np.ndarray) -> None:
     assert np.abs(want - got).max() <= 1e-5 * np.abs(want).max()
 
 
-def run_joining(engine, reqs, late):
+def run_joining(engine, reqs, late, audio_frames=2):
     """Two requests from the start, a third joining after two steps (its first frame beside
-    their third), frames read one step late, audio two frames behind; codes and PCM per
-    request."""
+    their third), frames read one step late, audio up to `audio_frames` frames a step; codes
+    and PCM per request."""
     slots = [engine.admit(r) for r in reqs]
     engine.prefill(slots)
     codes = {s: [] for s in slots}
@@ -242,7 +244,7 @@ def run_joining(engine, reqs, late):
             slots.append(engine.admit(late))
             engine.prefill(slots[-1:])
             codes[slots[-1]], pcm[slots[-1]] = [], []
-        ticket = one_step(engine, slots, pending, codes, pcm)
+        ticket = one_step(engine, slots, pending, codes, pcm, audio_frames)
         if ticket is None:
             break
         pending, step = ticket, step + 1
@@ -286,6 +288,38 @@ def test_the_admission_lane_gives_the_same_codes_and_audio(models, buckets):
         later = regular if kind == "frame" else codecs
         nxt = next((a for u, a, r in later if u > t and set(rows) & set(r)), None)
         assert nxt is not None and t in nxt
+
+
+def test_the_lane_takes_a_rows_first_one_frame_codec_steps_and_the_regular_lane_follows(models):
+    """lane_codec_steps = 2 (serve --lane-chunks 2): a row whose first frame ran on the lane
+    also has its second one-frame codec step there (the ramp's second chunk, made from a frame
+    of the regular lane), then its codec steps go to the regular codec lane, each ordered after
+    the one before it: the codes and PCM of the one-lane engine."""
+    one = GraphEngine(models, PLAN, use_graphs=False, codec_stream=False)
+    plan = PLAN.model_copy(update={"admission_lane": (1, 2)})
+    three = GraphEngine(models, plan, use_graphs=False, codec_stream=True)
+    three.backend.lane_codec_steps = 2
+    three.backend.driver = rec = RecordingDriver(three.backend.driver)
+    reqs, late = requests(60)[:2], SynthesisRequest(text="Late again.", voice="eric", seed=3)
+    expected = run_joining(one, reqs, late, audio_frames=1)
+    got = run_joining(three, reqs, late, audio_frames=1)
+    for (c1, p1), (c2, p2) in zip(expected, got, strict=True):
+        assert c1.shape[0] > 3 and torch.equal(c1, c2)
+        assert_same_audio(p1, p2)
+
+    lane, lm = three.backend.admit_lane, three.backend.lm_lane
+    codec_lane = three.backend.codec_lane
+    launches = [(t, ln, a, rows, rec.kinds[t]) for t, ln, a, rows in rec.launches]
+    for row in (0, 1, 2):  # the first two, together, then the late one
+        mine = [(t, ln, a, k) for t, ln, a, rows, k in launches if row in rows]
+        codecs = [(t, ln, a) for t, ln, a, k in mine if k == "codec"]
+        assert [ln for _, ln, _ in codecs[:2]] == [lane, lane]
+        assert codecs[2:] and all(ln == codec_lane for _, ln, _ in codecs[2:])
+        # the second lane step waits for the regular frame step that made its frame; the
+        # first regular codec step waits for the second lane step (the codec state)
+        assert any(lanes == lm for lanes in
+                   [next(ln for t, ln, _, _ in mine if t == u) for u in codecs[1][2]])
+        assert codecs[1][0] in codecs[2][2]
 
 
 def test_the_admission_lane_switched_off_runs_in_order_with_the_same_codes(models):

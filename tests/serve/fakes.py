@@ -44,6 +44,7 @@ class _Slot:
     prefilled: bool = False
     frames: int = 0  # launched (the fake has no EOS: every launched frame is real)
     decoded: int = 0
+    audio_steps: int = 0  # codec steps that decoded something
     frames_ready_at: float = 0.0  # when the last launched frame exists on the "device"
 
 
@@ -67,7 +68,8 @@ class FakeEngine:
     real time (the fake clock moves only when a step is read); otherwise when the fake clock
     reaches its end. `admission_lane`: a prefill, a frame step of rows not yet stepped and a
     codec step of rows not yet decoded take an "admit" lane of their own (the GPU engine's
-    admission lane: beside the other steps). Launch and read
+    admission lane: beside the other steps; with `lane_codec_steps` > 1 also a row's next
+    one-frame codec steps up to that many, as GraphBackend does). Launch and read
     calls are logged in order in `log`; `calls` keeps (stage, slots) per launch."""
 
     clock: FakeClock
@@ -84,6 +86,7 @@ class FakeEngine:
     admission_lane: bool = False
     lane_free: dict = field(default_factory=lambda: {"lm": 0.0, "codec": 0.0, "admit": 0.0})
     tickets: int = 0
+    lane_codec_steps: int = 1
 
     @property
     def plan(self) -> EnginePlan:
@@ -173,14 +176,20 @@ class FakeEngine:
         lane = "codec" if self.codec_lane else "lm"
         parts = [
             (ln, rows, max(self.slots[s].frames_ready_at for s in rows))
-            for ln, rows in self._split(slots, lambda s: self.slots[s].decoded == 0, lane)
+            for ln, rows in self._split(slots, self._lane_codec_row, lane)
         ]
         pcm = {}
         for s in slots:
             st = self.slots[s]
             pcm[s] = [0.0] * ((st.frames - st.decoded) * FRAME_SAMPLES)
+            st.audio_steps += st.frames > st.decoded
             st.decoded = st.frames
         return self._run("audio", parts, pcm)
+
+    def _lane_codec_row(self, s: int) -> bool:
+        st = self.slots[s]
+        return st.decoded == 0 or (st.audio_steps < self.lane_codec_steps
+                                   and st.frames - st.decoded == 1)  # fmt: skip
 
     def ready(self, ticket: FakeTicket) -> bool:
         return self.instant or self.clock.t >= ticket.done_at

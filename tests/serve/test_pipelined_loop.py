@@ -226,6 +226,35 @@ def test_capacity_counts_the_time_of_steps_in_flight_together_once():
     assert measured == pytest.approx(produced / now, rel=0.1)
 
 
+def codec_calls_of_a_new_stream(lane_chunks: int) -> list[list[int]]:
+    """The rows of each codec step that decoded a new stream's first two chunks (one frame
+    each), beside four running streams that keep a slow codec lane busy."""
+    h = Harness(num_slots=8, express=True, admission_lane=True, max_audio_in_flight=1,
+                lane_chunks=lane_chunks)  # fmt: skip
+    h.engine.lane_codec_steps = lane_chunks
+    h.engine.cost_s["audio"] = 3 * COST["frames"]
+    running = [h.submit(frames=2000, schedule=(1,)) for _ in range(4)]
+    h.run_until(lambda: all(len(h.chunks(s)) >= 5 for s in running))
+    before = len(h.engine.calls)
+    new = h.submit(frames=20, schedule=(1, 1, 2, 4, 8))
+    h.run_until(lambda: new.status is Status.FINISHED)
+    check_stream_events(h, new, 20, schedule=(1, 1, 2, 4, 8))
+    steps = [rows for kind, rows in h.engine.calls[before:] if kind == "audio" and new.slot in rows]
+    return steps[:2]
+
+
+def test_the_ramps_second_one_frame_chunk_is_decoded_alone_when_the_lane_takes_it():
+    """lane_chunks = 2 (serve --lane-chunks 2): a stream's second chunk, one frame, gets a
+    codec step of its own in the loop's first-audio turn, past the codec steps in flight, which
+    the engine runs on its admission lane; with 1 it waits for a regular codec step shared with
+    the running streams (read back with them). At 40 req/s on the H200 every late chunk was a
+    second one."""
+    new_slot = 4  # the four running streams hold slots 0-3
+    assert codec_calls_of_a_new_stream(2) == [[new_slot], [new_slot]]
+    first, second = codec_calls_of_a_new_stream(1)
+    assert first == [new_slot] and len(second) > 1
+
+
 @pytest.mark.parametrize("limit", [1, 2])
 def test_codec_steps_in_flight_stay_bounded_when_the_codec_falls_behind(limit):
     """A codec step three times as long as a frame step: without a bound the loop queued a

@@ -437,8 +437,14 @@ class GraphBackend:
         self.admit_lane, self._admit_stream = 0, None
         self.fresh: dict[int, torch.cuda.Event | None] = {}  # prefilled there, no frame yet
         self.lane_frames: dict[int, int] = {}  # slot -> its first frame's step (ticket)
-        self.codec_fresh: set[int] = set()  # first frame there, no codec step yet
-        self.lane_codecs: dict[int, int] = {}  # slot -> its first codec step's (ticket)
+        # A row whose first frame ran there also has its first `lane_codec_steps` one-frame
+        # codec steps there while every codec step before them did (the ramp's one-frame
+        # chunks: with the regular codec lane busy, the second chunk was the one that ran
+        # late, benchmarks/serve/2026-12-02-h200-ramp-ab); a codec step on the regular lane
+        # ends that. Set between steps (serve sets it with the scheduler's lane_chunks).
+        self.lane_codec_steps = 1
+        self.codec_fresh: dict[int, int] = {}  # slot -> lane codec steps it may still take
+        self.lane_codecs: dict[int, int] = {}  # slot -> its last codec step's there (ticket)
         self.first_codec: dict[int, int] = {}  # ...until the slot's next regular frame step
         if self.lane_buckets:
             nb = self.lane_buckets[-1]
@@ -695,7 +701,7 @@ class GraphBackend:
     def release(self, slot: int) -> None:
         self.fresh.pop(slot, None)
         self.lane_frames.pop(slot, None)
-        self.codec_fresh.discard(slot)
+        self.codec_fresh.pop(slot, None)
         self.lane_codecs.pop(slot, None)
         self.first_codec.pop(slot, None)
         admission = self.pending.pop(slot, None)
@@ -993,7 +999,7 @@ class GraphBackend:
         self.ring_order.frames_launched(slots, staged.ticket, self.admit_lane)
         for s in slots:
             self.lane_frames[s] = staged.ticket
-        self.codec_fresh.update(slots)
+        self.codec_fresh.update(dict.fromkeys(slots, self.lane_codec_steps))
         return staged
 
     def read_frames(self, staged: _Staged | _Split) -> torch.Tensor:
@@ -1014,12 +1020,11 @@ class GraphBackend:
     @torch.no_grad()
     def launch_codec(self, slots: list[int], n: int) -> _Staged | _Split:
         """One codec step of n frames for `slots`. With the admission lane, a one-frame step
-        of rows whose first frame ran there (up to its largest bucket) runs there too, at its
-        priority, beside a regular codec step of the others: two steps, read back as one."""
-        staged = self._split(slots, self.codec_fresh if self.lane_on and n == 1 else (),
-                             self._lane_codec, lambda rows: self._regular_codec(rows, n))
-        self.codec_fresh.difference_update(slots)
-        return staged
+        of rows whose first frame ran there (up to its largest bucket; their first
+        `lane_codec_steps` such steps) runs there too, at its priority, beside a regular codec
+        step of the others: two steps, read back as one."""
+        return self._split(slots, self.codec_fresh if self.lane_on and n == 1 else (),
+                           self._lane_codec, lambda rows: self._regular_codec(rows, n))
 
     def _regular_codec(self, slots: list[int], n: int) -> _Staged:
         width = n * SAMPLES_PER_FRAME
@@ -1034,14 +1039,17 @@ class GraphBackend:
         # (the codec state and decode counter it carries on)
         after = self.ring_order.before_codec(slots, n)
         after += [self.lane_codecs.pop(s) for s in slots if s in self.lane_codecs]
+        for s in slots:  # its codec state now follows this lane: no more lane steps
+            self.codec_fresh.pop(s, None)
         staged = self._launch(self.codec_staging, slots, step, self.pcm_out, width,
                               self.codec_rows_in, self.codec_lane, sorted(set(after)))  # fmt: skip
         self.ring_order.codec_launched(slots, n, staged.ticket, self.codec_lane)
         return staged
 
     def _lane_codec(self, slots: list[int]) -> _Staged:
-        """New rows' first one-frame codec step on the admission lane (after their first
-        frame there: its stream's order)."""
+        """New rows' first one-frame codec steps on the admission lane (after their frames,
+        wherever those ran, and after their codec steps before, all there: its stream's
+        order)."""
         def step(rows: int):
             if self.use_graphs:
                 return self.graphs[("first_codec", rows)]
@@ -1054,7 +1062,11 @@ class GraphBackend:
                               after, self.lane_buckets)  # fmt: skip
         self.ring_order.codec_launched(slots, 1, staged.ticket, self.admit_lane)
         for s in slots:
-            self.lane_codecs[s] = self.first_codec[s] = staged.ticket
+            if self.codec_fresh[s] == self.lane_codec_steps:  # its first codec step
+                self.first_codec[s] = staged.ticket
+            self.lane_codecs[s] = staged.ticket
+            if (left := self.codec_fresh.pop(s) - 1) > 0:
+                self.codec_fresh[s] = left
         return staged
 
     def read_codec(self, staged: _Staged | _Split) -> np.ndarray:

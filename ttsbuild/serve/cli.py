@@ -119,7 +119,14 @@ def serve(
         "step is spread further (give it slots: --slots, --max-batch). 0: off (every stream "
         "in back-to-back steps). Simulated with the H200's step costs: 0.2 s cut the engine's "
         "work by 38 percent at 20 req/s and 11 at 40, no late chunk (benchmarks/serve/"
-        "pacing_sim.py); not yet served on a GPU."
+        "pacing_sim.py); served on the H200 at 40 req/s it changed nothing: some stream is "
+        "always ramping, so steps stay due (benchmarks/serve/2026-12-02-h200-harness-fixed)."
+    ),  # fmt: skip
+    lane_chunks: int = typer.Option(
+        1, "--lane-chunks", min=1, max=4, help="GPU, with an admission lane: a stream's first "
+        "chunks whose codec steps run on that lane when they are one frame (the first always), "
+        "beside the regular codec lane's steps; 2 takes the low-latency ramp's second chunk "
+        "there too (the one that ran late at 40 req/s on the H200). Not yet served on a GPU."
     ),  # fmt: skip
     max_batch: int = typer.Option(
         None, "--max-batch", min=1, help="GPU: the largest batch bucket, rows per captured "
@@ -180,6 +187,7 @@ def serve(
             admit_by_capacity=admit_by_capacity,
             capacity_margin=capacity_margin,
             pace_slack_s=pace_slack,
+            lane_chunks=lane_chunks,
         ),
         drop_bootstrap_frame=drop_bootstrap_frame,
         trim_onset=trim_onset,

@@ -85,6 +85,11 @@ class SchedulerConfig:
     # waits for a turn after the oldest is read, gathering more rows, instead of queueing on
     # the codec stream behind them (a pipelined engine; a serial one has at most one).
     max_audio_in_flight: int = 2
+    # A stream's first chunks whose codec steps the engine's admission lane runs (one-frame
+    # chunks only; the first always): excepted from max_audio_in_flight and launched in the
+    # loop's first-audio turn, beside the regular codec lane's steps. 1: the first chunk only.
+    # serve sets the engine's GraphBackend.lane_codec_steps to match (--lane-chunks).
+    lane_chunks: int = 1
     # Paced frame steps (0: off, every turn steps every ready stream): a frame step runs only
     # when a stream needs one, i.e. a new stream waits for its first audio or a stream's slack
     # (seconds before its client's buffer runs dry, the next chunk's making counted) is below

@@ -501,12 +501,12 @@ class Scheduler:
         admit = [] if only == "first-audio" else self._admissions(now, len(held))
         ready = self._ready(now)
         if self._audio_in_flight >= self.config.max_audio_in_flight:
-            ready = [r for r in ready if r.stage is not Stage.AUDIO or _first_chunk_due(r.stream)]
+            ready = [r for r in ready if r.stage is not Stage.AUDIO or self._lane_chunk(r.stream)]
         run_prefill = only != "first-audio" and self._prefill_now(ready)
         if only == "new":
             ready = []
-        elif only == "first-audio":  # their first codec step, alone on the engine's lane
-            ready = [r for r in ready if r.stage is Stage.AUDIO and _first_chunk_due(r.stream)]
+        elif only == "first-audio":  # their first codec steps, alone on the engine's lane
+            ready = [r for r in ready if r.stage is Stage.AUDIO and self._lane_chunk(r.stream)]
         if run_prefill:
             ready += [self._rank(s, Stage.FRAMES, now, new=True) for s in held + admit]
         ready.sort(key=lambda r: r.order)
@@ -530,9 +530,16 @@ class Scheduler:
         """A stream waiting for its first audio has the frames of its first chunk (certain
         ones in flight included) and no codec step launched."""
         return any(
-            _first_chunk_due(s) and s.next_stage() is Stage.AUDIO and not self._paused(s)
+            self._lane_chunk(s) and s.next_stage() is Stage.AUDIO and not self._paused(s)
             for s in self.by_slot.values()
         )
+
+    def _lane_chunk(self, s: Stream) -> bool:
+        """A chunk whose codec step the engine's admission lane runs: the stream's first, and
+        with lane_chunks > 1 its next one-frame chunks up to that many (excepted from
+        max_audio_in_flight, launched in the loop's first-audio turns)."""
+        return _first_chunk_due(s) or (
+            s.audio_steps < self.config.lane_chunks and s.next_chunk_frames() == 1)
 
     def commit(self, plan: Plan, result: StepResult) -> list[tuple[Sink, Event]]:
         """Account a plan whose work was launched and read back at once."""

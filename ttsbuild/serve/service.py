@@ -137,9 +137,15 @@ class SpeechService:
         default = config.scheduler.profile.chunk_schedule
         if problem := self._schedule_problem(default):
             raise ValueError(f"chunk schedule {list(default)}: {problem}")
-        self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
         # Express admission pays only where the lane's work runs beside the steps in flight.
         lane = bool(getattr(getattr(engine, "backend", None), "concurrent_admission", False))
+        if sched_cfg.lane_chunks < 1:
+            raise ValueError(f"lane_chunks must be >= 1, got {sched_cfg.lane_chunks}")
+        if lane:  # the engine's lane takes the one-frame codec steps the scheduler sends it
+            engine.backend.lane_codec_steps = sched_cfg.lane_chunks
+        else:
+            sched_cfg = replace(sched_cfg, lane_chunks=1)
+        self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
         runner = Runner(engine, RequestError, timer=self.metrics.on_host)
         self.loop = EngineLoop(self.scheduler, runner,
                                express=config.express_admission and lane)  # fmt: skip
