@@ -527,8 +527,9 @@ class Scheduler:
         return bool(self._admissions(self.clock(), held))
 
     def first_audio_due(self) -> bool:
-        """A stream waiting for its first audio has the frames of its first chunk (certain
-        ones in flight included) and no codec step launched."""
+        """A stream has the frames of a chunk the engine's lane decodes (`_lane_chunk`: its
+        first, waiting for first audio; with lane_chunks > 1 its next one-frame ones), certain
+        ones in flight included, and no codec step launched for it."""
         return any(
             self._lane_chunk(s) and s.next_stage() is Stage.AUDIO and not self._paused(s)
             for s in self.by_slot.values()
