@@ -117,10 +117,10 @@ def serve(
         "new stream waits for its first audio; every ready stream rides along. More streams "
         "then generate at once, each step carries more rows, and the GPU's fixed cost per "
         "step is spread further (give it slots: --slots, --max-batch). 0: off (every stream "
-        "in back-to-back steps). Simulated with the H200's step costs: 0.2 s cut the engine's "
-        "work by 38 percent at 20 req/s and 11 at 40, no late chunk (benchmarks/serve/"
-        "pacing_sim.py); served on the H200 at 40 req/s it changed nothing: some stream is "
-        "always ramping, so steps stay due (benchmarks/serve/2026-12-02-h200-harness-fixed)."
+        "in back-to-back steps). Served on the H200 at 40 req/s, 0.2 changed nothing: some "
+        "stream is always ramping, so steps stay due. Simulated with the H200's step costs, "
+        "0.01 cut the engine's work by 30 percent at 40 req/s with no late chunk, 86 streams "
+        "at once (benchmarks/serve/2026-12-02-cpu-pacing-sim); not yet served."
     ),  # fmt: skip
     lane_chunks: int = typer.Option(
         1, "--lane-chunks", min=1, max=4, help="GPU, with an admission lane: a stream's first "
