@@ -5,7 +5,8 @@ phases `tts_first_audio_phase_seconds{phase}` (admit: arrival -> admission launc
 over); then what the engine thread and the event loop spent their time on, where the
 server has those metrics: `tts_http_phase_seconds{phase}` (the event loop's share:
 receive, resolve, admitted, handoff, send), `tts_engine_host_seconds{part}`,
-`tts_event_loop_lag_seconds`, `tts_gc_pause_seconds{generation}`. The metrics are
+`tts_event_loop_lag_seconds`, `tts_gc_pause_seconds{generation}`,
+`tts_codec_launches_per_step`. The metrics are
 cumulative per server: give the files of one server in the order of its rates, and each
 rate is shown as the difference from the one before (the first from `--start FILE`, the
 metrics saved before the first rate, if given).
@@ -77,6 +78,10 @@ def main(paths: list[str]) -> None:
             if n:
                 print(f"  {title:22s} n {n:7d}, mean {mean:6.3f} ms, p50/p90/p95/p99 <= "
                       f"{edges} ms, total {n * mean / 1e3:.2f} s")  # fmt: skip
+        n, mean, edges = summary(now, before, "tts_codec_launches_per_step")
+        if n:  # a count, not seconds: summary's ms scale undone
+            print(f"  codec launches per step n {n:7d}, mean {mean / 1e3:.2f}, "
+                  f"p50/p90/p95/p99 <= {[e / 1e3 for e in edges]}")  # fmt: skip
         before = now
 
 

@@ -403,3 +403,23 @@ def test_a_reserve_the_gpu_cannot_give_is_skipped_not_fatal(models, monkeypatch)
     monkeypatch.setitem(sys.modules, "torch.cuda.green_contexts", None)  # an older torch
     with pytest.raises(graph_engine.GreenContextsUnavailable, match="no CUDA green contexts"):
         backend._green_streams(torch.device("cuda:0"), 4)
+
+
+def test_a_codec_step_launches_once_per_chunk_size_its_rows_decode(models):
+    """launch_audio splits each row's frames into the plan's codec chunk sizes (1, 2, 4 here)
+    and launches each size once for the rows that need it: rows of 3 and 2 frames make 2 + 1
+    and 2, two launches (what serve's tts_codec_launches_per_step counts)."""
+    engine = GraphEngine(models, PLAN, use_graphs=False, codec_stream=False)
+    reqs = [SynthesisRequest(text=t, voice="ryan", seed=i, max_frames=40) for i, t in
+            enumerate(["The birch canoe slid on the smooth planks.", "Glue the sheet."])]
+    a, b = (engine.admit(r) for r in reqs)
+    engine.prefill([a, b])
+    engine.frames([a, b])
+    engine.audio([b])  # b's first frame decoded on its own
+    for _ in range(2):
+        engine.frames([a, b])
+    assert (engine.pending_frames(a), engine.pending_frames(b)) == (3, 2)
+    ticket = engine.launch_audio([a, b])
+    assert sorted(group for group, _ in ticket.launched) == [[a], [a, b]]  # 2 for both, 1 for a
+    pcm = engine.collect_audio(ticket)
+    assert (len(pcm[a]), len(pcm[b])) == (3 * 1920, 2 * 1920)

@@ -33,3 +33,29 @@ def test_collector_pauses_are_timed_and_long_ones_logged(caplog):
     assert logged == ["collector pause: generation 2, 8.1 ms, 5 objects collected"]
     assert metrics.gc_pause.labels("0")._sum.get() == 0.0007
     assert metrics.gc_pause.labels("2")._sum.get() == 0.0081
+
+
+def test_codec_launches_per_step_are_counted_from_the_engines_ticket():
+    """The runner reports how many codec launches a codec step made (the engine's ticket
+    lists them; a fake's has no list and reports nothing)."""
+    from types import SimpleNamespace
+
+    from ttsbuild.serve.loop import Runner
+    from ttsbuild.serve.scheduler import Plan, Stage
+
+    class Engine:
+        def __init__(self, launches):
+            self.launches = launches
+
+        def pending_frames(self, slot):
+            return 3
+
+        def launch_audio(self, slots, max_frames=None):
+            return SimpleNamespace(launched=[object()] * self.launches) if self.launches else 7
+
+    metrics = ServeMetrics()
+    for launches in (3, 1, 0):
+        runner = Runner(Engine(launches), codec_launches=metrics.on_codec_launches)
+        runner.launch(Plan(release=[], admit=[], prefill=None, stage=Stage.AUDIO, slots=[0, 1]))
+    assert metrics.codec_launches._sum.get() == 4  # 3 + 1; the ticket without a list: none
+    assert metrics.codec_launches._buckets[0].get() == 1  # one step of one launch

@@ -70,13 +70,17 @@ def _no_timer(part: str, seconds: float) -> None:
 class Runner:
     """Executes a plan on the engine; knows nothing of policy. `timer` hears the host time of
     each engine call (admit, prefill, launch_frames, launch_audio, collect_frames,
-    collect_audio): where the engine thread's time goes, e.g. a launch that blocks."""
+    collect_audio): where the engine thread's time goes, e.g. a launch that blocks.
+    `codec_launches` hears how many codec launches each codec step made (engines whose
+    ticket lists them, `launched`: one per chunk size its rows decode)."""
 
     def __init__(self, engine: Engine, request_error: type[Exception] = ValueError,
-                 timer: HostTimer | None = None):  # fmt: skip
+                 timer: HostTimer | None = None,
+                 codec_launches: Callable[[int], None] | None = None):  # fmt: skip
         self.engine = engine
         self.request_error = request_error
         self.timer = timer or _no_timer
+        self.codec_launches = codec_launches
         self._last_read = dict.fromkeys(Stage, float("-inf"))  # per stage: clock at last read
 
     def execute(self, plan: Plan, clock: Callable[[], float] = time.perf_counter) -> StepResult:
@@ -128,6 +132,8 @@ class Runner:
             result.decoded = {s: engine.pending_frames(s) for s in result.stage_slots}
             ticket = engine.launch_audio(result.stage_slots)
             timer("launch_audio", time.perf_counter() - host)
+            if self.codec_launches is not None and hasattr(ticket, "launched"):
+                self.codec_launches(len(ticket.launched))
         return InFlight(plan.stage, result, ticket, start)
 
     def ready(self, step: InFlight) -> bool:

@@ -102,6 +102,11 @@ class ServeMetrics:
             "tts_stage_seconds", "Engine time per stage call", ["stage"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.codec_launches = Histogram(
+            "tts_codec_launches_per_step", "Codec launches per codec step: one per chunk size "
+            "its rows decode (a row of 12 frames is 8 + 4; rows of 4 and 5 frames make 4 and "
+            "1), each a whole codec pass", buckets=(1, 2, 3, 4, 6, 8), registry=r,
+        )  # fmt: skip
         self.decisions = Counter("tts_schedule_decisions", "Plans by anchor reason", ["reason"],
                                  registry=r)  # fmt: skip
         self.frames = Counter("tts_frames", "Codec frames generated (rate() = frames/s)",
@@ -163,6 +168,10 @@ class ServeMetrics:
     def on_host(self, part: str, seconds: float) -> None:
         """serve.loop's HostTimer."""
         self.engine_host.labels(part).observe(seconds)
+
+    def on_codec_launches(self, launches: int) -> None:
+        """serve.loop.Runner's: how many codec launches a codec step made."""
+        self.codec_launches.observe(launches)
 
     def on_first_audio(self, ttfa_s: float, phases: dict[str, float] | None = None) -> None:
         self.ttfa.observe(ttfa_s)

@@ -146,7 +146,8 @@ class SpeechService:
         else:
             sched_cfg = replace(sched_cfg, lane_chunks=1)
         self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
-        runner = Runner(engine, RequestError, timer=self.metrics.on_host)
+        runner = Runner(engine, RequestError, timer=self.metrics.on_host,
+                        codec_launches=self.metrics.on_codec_launches)  # fmt: skip
         self.loop = EngineLoop(self.scheduler, runner,
                                express=config.express_admission and lane)  # fmt: skip
         self.lag_probe: asyncio.Task | None = None
