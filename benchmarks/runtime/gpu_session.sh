@@ -20,6 +20,10 @@
 # green:  SMs reserved for the admission lane ($RESERVE, default 16; regular steps in green
 #         contexts of the others): graph vs eager with the reserve, then the engine
 #         microbenchmark's first chunk beside stepping rows with it (compare with `lane`)
+# sweep:  serving sweep at $SWEEP_RPS req/s (default 1,10,20,30,40), 60 s each, one server,
+#         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
+#         CustomVoice checkpoint's first chunk, two frames with the silent one dropped), until
+#         $DEADLINE_S seconds into the run
 # ab:     serving A/B at $AB_RPS req/s, $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
@@ -77,6 +81,14 @@ for step in $STEPS; do
         log "engine microbenchmark, lane ${LANE:-1,2} with ${RESERVE:-16} SMs reserved"
         engine_bench green --admission-lane "${LANE:-1,2}" --lane-reserved-sms "${RESERVE:-16}"
         grep -E "stepping rows" "$OUT/engine_bench_green.log" ;;
+    sweep)
+        left=$((DEADLINE_S - SECONDS))
+        log "serving sweep at ${SWEEP_RPS:-1,10,20,30,40} req/s: serve ${SWEEP_ARGS:-} (${left}s left)"
+        RESULTS=$OUT/sweep SERVE_ARGS="${SWEEP_ARGS:-}" PY=python3 SLOTS=64 PRECISION=fp8 \
+            IN_MEMORY=1 DATASETS=voice-agent RPS=${SWEEP_RPS:-1,10,20,30,40} DURATION=60s \
+            WARMUP=2s timeout -k 5 $((left - 10)) bash benchmarks/serve_sweep.sh \
+            > "$OUT/sweep.log" 2>&1
+        grep -E "^│|capacity" "$OUT/sweep.log" | tail -7 ;;
     ab)
         for side in ${AB_SIDES:-A B}; do
             args=AB_$side; args=${!args:-}
