@@ -73,6 +73,7 @@ CHOICES = {
     "codec kernels": {"codec_precision": "fp16", "codec_conv": "triton", "codec_fused": True},
     "batched prefill": {"prefill_batches": (1, 2)},
     "admission lane": {"admission_lane": (1, 2), "fused_code_predictor": (2,)},
+    "two lane frames": {"admission_lane": (1, 2), "lane_frames": 2},
 }
 
 
@@ -99,7 +100,11 @@ def test_graph_bodies_are_capture_safe(models, choice):
     assert prefill_batches == set(backend.plan.prefill_batches)
     lane = {key for key, _, where in bodies if where == "admit" and key[0] in ("first",
                                                                                  "first_codec")}
-    assert lane == {(k, b) for k in ("first", "first_codec") for b in backend.lane_buckets}
+    assert lane == {(k, b) for k in ("first", "first_codec") for b in backend.lane_buckets} | {
+        ("first_codec", b, 2) for b in backend.lane_buckets if backend.plan.lane_frames == 2}
+    second = {key for key, _, where in bodies if where == "admit" and key[0] == "second"}
+    assert second == {("second", b) for b in backend.lane_buckets
+                      if backend.plan.lane_frames == 2}  # fmt: skip
     for key, body, _ in bodies:
         with CaptureSafety() as mode:
             body()

@@ -322,6 +322,64 @@ def test_the_lane_takes_a_rows_first_one_frame_codec_steps_and_the_regular_lane_
         assert codecs[1][0] in codecs[2][2]
 
 
+def run_in_pairs(engine, reqs, late):
+    """run_joining, but audio decoded two frames at a time (a row with fewer waits): a first
+    chunk of two frames, as a real CustomVoice checkpoint's (the bootstrap frame dropped)."""
+    slots = [engine.admit(r) for r in reqs]
+    engine.prefill(slots)
+    codes = {s: [] for s in slots}
+    pcm = {s: [] for s in slots}
+    pending, step = None, 0
+    while True:
+        if step == 2:
+            slots.append(engine.admit(late))
+            engine.prefill(slots[-1:])
+            codes[slots[-1]], pcm[slots[-1]] = [], []
+        active = [s for s in slots if engine.table[s].can_launch]
+        ticket = engine.launch_frames(active) if active else None
+        if pending is not None:
+            for out in engine.collect(pending):
+                if out.codes is not None:
+                    codes[out.slot].append(out.codes)
+        pairs = [s for s in slots if engine.pending_frames(s) >= 2]
+        if pairs:
+            for s, p in engine.collect_audio(engine.launch_audio(pairs, max_frames=2)).items():
+                pcm[s].append(p)
+        if ticket is None:
+            break
+        pending, step = ticket, step + 1
+    for s, p in engine.audio(slots).items():
+        pcm[s].append(p)
+    return [(torch.stack(codes[s]), np.concatenate(pcm[s])) for s in slots]
+
+
+def test_two_lane_frames_give_a_first_chunk_of_two_frames_there_and_the_same_audio(models):
+    """plan.lane_frames 2: a new row's first two frames (the second with the talker) and its
+    first two-frame codec step run on the admission lane; its next regular frame step follows
+    the second lane frame, its next regular codec step the lane's codec step: the codes and PCM
+    of the one-lane engine."""
+    one = GraphEngine(models, PLAN, use_graphs=False, codec_stream=False)
+    plan = PLAN.model_copy(update={"admission_lane": (1, 2), "lane_frames": 2})
+    three = GraphEngine(models, plan, use_graphs=False, codec_stream=True)
+    three.backend.driver = rec = RecordingDriver(three.backend.driver)
+    reqs, late = requests(70)[:2], SynthesisRequest(text="Late again.", voice="eric", seed=5)
+    expected = run_in_pairs(one, reqs, late)
+    got = run_in_pairs(three, reqs, late)
+    for (c1, p1), (c2, p2) in zip(expected, got, strict=True):
+        assert c1.shape[0] > 3 and torch.equal(c1, c2)
+        assert_same_audio(p1, p2)
+
+    lane, lm, codec = three.backend.admit_lane, three.backend.lm_lane, three.backend.codec_lane
+    for row in (0, 1, 2):  # the first two, together, then the late one
+        mine = [(t, ln, a, rec.kinds[t]) for t, ln, a, rows in rec.launches if row in rows]
+        frames = [(t, ln, a) for t, ln, a, k in mine if k == "frame"]
+        codecs = [(t, ln, a) for t, ln, a, k in mine if k == "codec"]
+        assert [ln for _, ln, _ in frames[:3]] == [lane, lane, lm]
+        assert frames[1][0] in frames[2][2]  # the regular step follows the second lane frame
+        assert codecs[0][1] == lane and all(ln == codec for _, ln, _ in codecs[1:])
+        assert codecs[1:] and codecs[0][0] in codecs[1][2]
+
+
 def test_the_admission_lane_switched_off_runs_in_order_with_the_same_codes(models):
     """lane_on = False between steps: new rows prefill and take their first frame in order
     with the regular steps (no step on the lane), and switching it back on mid-run (the late

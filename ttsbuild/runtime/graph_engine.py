@@ -94,7 +94,7 @@ class _Staged:
 
 @dataclass
 class _Split:
-    """A frame or codec step run as two steps (admission lane + regular): each part's row
+    """A frame or codec step run as several (admission lane + regular): each part's row
     indices in the step's order, and its step."""
 
     parts: list[tuple[list[int], _Staged]]
@@ -436,7 +436,9 @@ class GraphBackend:
         self.lane_on = bool(self.lane_buckets)
         self.admit_lane, self._admit_stream = 0, None
         self.fresh: dict[int, torch.cuda.Event | None] = {}  # prefilled there, no frame yet
-        self.lane_frames: dict[int, int] = {}  # slot -> its first frame's step (ticket)
+        self.lane_frames: dict[int, int] = {}  # slot -> its last frame's step there (ticket)
+        # plan.lane_frames 2: rows whose first frame ran there and whose second may too
+        self.second: dict[int, int] = {}
         # A row whose first frame ran there also has its first `lane_codec_steps` one-frame
         # codec steps there while every codec step before them did (the ramp's one-frame
         # chunks: with the regular codec lane busy, the second chunk was the one that ran
@@ -458,9 +460,10 @@ class GraphBackend:
             )
             # and the first one-frame codec step of those rows
             self.lane_codec_rows_in = self.lane_rows_in.clone()
-            self.lane_pcm = zeros(nb, SAMPLES_PER_FRAME)
+            lane_width = plan.lane_frames * SAMPLES_PER_FRAME
+            self.lane_pcm = zeros(nb, lane_width)
             self.lane_codec_staging = _StagingRing(
-                ((nb,), torch.int64), ((nb, SAMPLES_PER_FRAME), torch.float32), pinned
+                ((nb,), torch.int64), ((nb, lane_width), torch.float32), pinned
             )
             if self.codec_stream:
                 self.admit_lane = self.driver.add_lane(high_priority=True, join=False)
@@ -510,7 +513,7 @@ class GraphBackend:
         return self.cp_fused.frame_unfused(*args, self.cp_positions)
 
     def _frame_body(
-        self, rows: torch.Tensor, lane: bool = False
+        self, rows: torch.Tensor, lane: bool = False, talker: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame for `rows` (slots): returns the codes [B, G] (also left in the ring) and
         each row's StopCode [B].
@@ -520,11 +523,12 @@ class GraphBackend:
         frame yet) has those logits from its prefill: its talker outputs are discarded and its
         position stays (the cache entry it wrote is written again by its next step), so a
         new request's first frame costs no talker step, and no talker step runs after a
-        stream's last frame. lane: the admission lane's step, which holds fresh rows only and
-        runs no talker at all (see _code_predictor for its code-predictor cache)."""
+        stream's last frame. lane: the admission lane's step (see _code_predictor for its
+        code-predictor cache), which holds fresh rows only and runs no talker, unless `talker`
+        (its second frame step, plan.lane_frames 2)."""
         G = self.cfg.num_code_groups
         fi, seeds = self.frame_idx[rows], self.seed[rows]
-        if not lane:
+        if (not lane) if talker is None else talker:
             self._talker_step(rows, fi)
         tsamp = self.talker_sampling.select(rows)
         logits = apply_repetition_penalty(
@@ -649,10 +653,22 @@ class GraphBackend:
                            lambda rows=rows, out=out: _write_frame(
                                out, *self._frame_body(rows, lane=True)),
                            "admit"))  # fmt: skip
-            rows, pcm = self.lane_codec_rows_in[:b], self.lane_pcm[:b]
+            rows, pcm = self.lane_codec_rows_in[:b], self.lane_pcm[:b, :SAMPLES_PER_FRAME]
             bodies.append((("first_codec", b),
                            lambda rows=rows, pcm=pcm: pcm.copy_(self._codec_body(rows, 1)),
                            "admit"))  # fmt: skip
+            if r.lane_frames > 1:  # the second frame there, and a first codec step of both
+                rows, out = self.lane_rows_in[:b], self.lane_out[:b]
+                bodies.append((("second", b),
+                               lambda rows=rows, out=out: _write_frame(
+                                   out, *self._frame_body(rows, lane=True, talker=True)),
+                               "admit"))  # fmt: skip
+                n = r.lane_frames
+                rows, pcm = self.lane_codec_rows_in[:b], self.lane_pcm[:b]
+                bodies.append((("first_codec", b, n),
+                               lambda rows=rows, pcm=pcm, n=n: pcm.copy_(
+                                   self._codec_body(rows, n)),
+                               "admit"))  # fmt: skip
         return bodies
 
     def capture(self) -> None:
@@ -700,6 +716,7 @@ class GraphBackend:
 
     def release(self, slot: int) -> None:
         self.fresh.pop(slot, None)
+        self.second.pop(slot, None)
         self.lane_frames.pop(slot, None)
         self.codec_fresh.pop(slot, None)
         self.lane_codecs.pop(slot, None)
@@ -935,24 +952,32 @@ class GraphBackend:
     @torch.no_grad()
     def launch_frames(self, slots: list[int]) -> _Staged | _Split:
         """One frame step for `slots`. With the admission lane, rows prefilled there and not
-        yet stepped (up to its largest bucket) take their first frame on it, beside the
-        regular step of the others: two steps, read back as one."""
-        staged = self._split(slots, self.fresh if self.lane_on else (), self._lane_frames,
-                             self._regular_frames)  # fmt: skip
+        yet stepped (up to its largest bucket) take their first frame on it (and, with
+        plan.lane_frames 2, their second), beside the regular step of the others: several
+        steps, read back as one."""
+        lanes = [(self.fresh, self._lane_frames), (self.second, self._lane_second)]
+        was_second = [s for s in slots if s in self.second]
+        staged = self._split(slots, lanes if self.lane_on else [], self._regular_frames)
         for s in slots:
             self.fresh.pop(s, None)
+        for s in was_second:
+            self.second.pop(s, None)
         return staged
 
-    def _split(self, slots: list[int], fresh, on_lane, regular) -> _Staged | _Split:
-        """Launch the rows of `slots` in `fresh` with on_lane (when at least one is and the
-        lane's largest bucket holds them all; else every row joins the regular step), the
-        others with regular: one step, or two read back as one."""
-        first = {s for s in slots if s in fresh}
-        if len(first) > (self.lane_buckets[-1] if first else 0):
-            first = set()  # too many at once
+    def _split(self, slots: list[int], lanes, regular) -> _Staged | _Split:
+        """Launch the rows of `slots` in each lane group's rows with its launcher ([(rows,
+        launcher)], in order; a group runs when the lane's largest bucket holds all of its
+        rows here, else they join the regular step), the others with regular: one step, or
+        several read back as one."""
+        taken: dict[int, int] = {}
+        for g, (eligible, _) in enumerate(lanes):
+            rows = [s for s in slots if s in eligible and s not in taken]
+            if rows and len(rows) <= self.lane_buckets[-1]:
+                taken.update(dict.fromkeys(rows, g))
+        groups = [(launch, g) for g, (_, launch) in enumerate(lanes)] + [(regular, None)]
         parts = []
-        for launch, take in ((on_lane, True), (regular, False)):
-            index = [i for i, s in enumerate(slots) if (s in first) == take]
+        for launch, g in groups:
+            index = [i for i, s in enumerate(slots) if taken.get(s) == g]
             if index:
                 parts.append((index, launch([slots[i] for i in index])))
         return parts[0][1] if len(parts) == 1 else _Split(parts, len(slots))
@@ -1000,6 +1025,28 @@ class GraphBackend:
         for s in slots:
             self.lane_frames[s] = staged.ticket
         self.codec_fresh.update(dict.fromkeys(slots, self.lane_codec_steps))
+        if self.plan.lane_frames > 1:
+            self.second.update(dict.fromkeys(slots, staged.ticket))
+        return staged
+
+    def _lane_second(self, slots: list[int]) -> _Staged:
+        """Rows' second frame on the admission lane, right after their first there (its
+        stream's order): the talker on the first, then the code predictor (plan.lane_frames)."""
+        G = self.cfg.num_code_groups
+
+        def step(rows: int):
+            if self.use_graphs:
+                return self.graphs[("second", rows)]
+            out = self.lane_out[:rows]
+            return lambda: _write_frame(
+                out, *self._frame_body(self.lane_rows_in[:rows], lane=True, talker=True))
+
+        staged = self._launch(self.lane_staging, slots, step, self.lane_out, G + 1,
+                              self.lane_rows_in, self.admit_lane,
+                              self.ring_order.before_frames(slots), self.lane_buckets)  # fmt: skip
+        self.ring_order.frames_launched(slots, staged.ticket, self.admit_lane)
+        for s in slots:
+            self.lane_frames[s] = staged.ticket
         return staged
 
     def read_frames(self, staged: _Staged | _Split) -> torch.Tensor:
@@ -1023,8 +1070,9 @@ class GraphBackend:
         of rows whose first frame ran there (up to its largest bucket; their first
         `lane_codec_steps` such steps) runs there too, at its priority, beside a regular codec
         step of the others: two steps, read back as one."""
-        return self._split(slots, self.codec_fresh if self.lane_on and n == 1 else (),
-                           self._lane_codec, lambda rows: self._regular_codec(rows, n))
+        on_lane = self.lane_on and n in (1, self.plan.lane_frames)
+        lanes = [(self.codec_fresh, lambda rows: self._lane_codec(rows, n))] if on_lane else []
+        return self._split(slots, lanes, lambda rows: self._regular_codec(rows, n))
 
     def _regular_codec(self, slots: list[int], n: int) -> _Staged:
         width = n * SAMPLES_PER_FRAME
@@ -1046,21 +1094,21 @@ class GraphBackend:
         self.ring_order.codec_launched(slots, n, staged.ticket, self.codec_lane)
         return staged
 
-    def _lane_codec(self, slots: list[int]) -> _Staged:
+    def _lane_codec(self, slots: list[int], n: int = 1) -> _Staged:
         """New rows' first one-frame codec steps on the admission lane (after their frames,
         wherever those ran, and after their codec steps before, all there: its stream's
         order)."""
         def step(rows: int):
             if self.use_graphs:
-                return self.graphs[("first_codec", rows)]
-            pcm = self.lane_pcm[:rows]
-            return lambda: pcm.copy_(self._codec_body(self.lane_codec_rows_in[:rows], 1))
+                return self.graphs[("first_codec", rows) if n == 1 else ("first_codec", rows, n)]
+            pcm = self.lane_pcm[:rows, : n * SAMPLES_PER_FRAME]
+            return lambda: pcm.copy_(self._codec_body(self.lane_codec_rows_in[:rows], n))
 
-        after = self.ring_order.before_codec(slots, 1)
+        after = self.ring_order.before_codec(slots, n)
         staged = self._launch(self.lane_codec_staging, slots, step, self.lane_pcm,
-                              SAMPLES_PER_FRAME, self.lane_codec_rows_in, self.admit_lane,
+                              n * SAMPLES_PER_FRAME, self.lane_codec_rows_in, self.admit_lane,
                               after, self.lane_buckets)  # fmt: skip
-        self.ring_order.codec_launched(slots, 1, staged.ticket, self.admit_lane)
+        self.ring_order.codec_launched(slots, n, staged.ticket, self.admit_lane)
         for s in slots:
             if self.codec_fresh[s] == self.lane_codec_steps:  # its first codec step
                 self.first_codec[s] = staged.ticket

@@ -90,6 +90,13 @@ class EnginePlan(BaseModel):
     # or CUDA driver too old), or a GPU where it would be more than half the SMs, runs
     # without the reserve and says so.
     lane_reserved_sms: int = Field(0, ge=0)
+    # A new row's first frames on the admission lane, and its first codec step of that many
+    # frames there too: 1, or 2 for a first chunk of two frames (a real CustomVoice
+    # checkpoint's: the silent bootstrap frame, dropped, and the first audible one; with 1 its
+    # second frame and two-frame codec step wait for the regular lanes). 2 captures a lane
+    # frame step with the talker and a two-frame lane codec step per lane bucket. Not yet
+    # captured on a GPU.
+    lane_frames: int = Field(1, ge=1, le=2)
     # The talker's FP8 linears as W8A8 (activations quantised per row at run time, one
     # cuBLASLt FP8 GEMM: plugins.fp8_w8a8) from this many rows (prefill rows or decode
     # batch; multiples of 16); 0: weight-only everywhere. Off until timed on the GPU.
@@ -129,6 +136,11 @@ class EnginePlan(BaseModel):
             ascending("admission_lane", self.admission_lane)
         if self.lane_reserved_sms and not self.admission_lane:
             raise ValueError("lane_reserved_sms needs an admission_lane to reserve them for")
+        if self.lane_frames > 1 and not self.admission_lane:
+            raise ValueError("lane_frames needs an admission_lane to run them on")
+        if self.lane_frames > 1 and self.lane_frames not in self.codec_chunks:
+            raise ValueError(f"lane_frames {self.lane_frames} must be one of the codec_chunks "
+                             f"{self.codec_chunks}")
         if not 1 <= self.num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots must be 1..{MAX_SLOTS}, got {self.num_slots}")
         if self.batch_buckets[-1] > self.num_slots:
