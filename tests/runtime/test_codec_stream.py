@@ -481,3 +481,21 @@ def test_a_codec_step_launches_once_per_chunk_size_its_rows_decode(models):
     assert sorted(group for group, _ in ticket.launched) == [[a], [a, b]]  # 2 for both, 1 for a
     pcm = engine.collect_audio(ticket)
     assert (len(pcm[a]), len(pcm[b])) == (3 * 1920, 2 * 1920)
+
+
+def test_lane_frames_need_a_lane_and_a_codec_chunk_of_their_size():
+    from ttsbuild.runtime.loader import open_engine
+
+    def engine(**kw):
+        return open_engine(None, "cpu", num_slots=2, max_len=256, random_variant="tiny", **kw)
+
+    with pytest.raises(ValueError, match="needs an admission lane"):
+        engine(admission_lane=(), lane_frames=2)
+    with pytest.raises(ValueError, match="must be 1 or 2"):
+        engine(admission_lane=(1,), lane_frames=3)
+    assert engine(admission_lane=(1,), lane_frames=2).plan.lane_frames == 2
+    with pytest.raises(ValueError, match="lane_frames needs an admission_lane"):
+        EnginePlan(**{**PLAN.model_dump(), "lane_frames": 2})
+    with pytest.raises(ValueError, match="one of the codec_chunks"):
+        EnginePlan(**{**PLAN.model_dump(), "admission_lane": (1,), "lane_frames": 2,
+                      "codec_chunks": (1, 4)})  # fmt: skip

@@ -255,6 +255,36 @@ def test_the_ramps_second_one_frame_chunk_is_decoded_alone_when_the_lane_takes_i
     assert first == [new_slot] and len(second) > 1
 
 
+def frame_calls_of_a_new_stream(lane_frames: int) -> list[tuple[str, list[int]]]:
+    """The engine calls that carried a new stream's first two frames and first codec step
+    (a first chunk of two frames, as a real checkpoint's with its bootstrap frame dropped),
+    beside four running streams that are mostly waiting for frames (chunks of eight)."""
+    h = Harness(num_slots=8, express=True, admission_lane=True, lane_frames=lane_frames)
+    schedule = (2, 1, 2, 4)
+    running = [h.submit(frames=400, schedule=(8,)) for _ in range(4)]
+    h.run_until(lambda: all(len(h.chunks(s)) >= 3 for s in running))
+    before = len(h.engine.calls)
+    new = h.submit(frames=20, schedule=schedule)
+    h.run_until(lambda: new.status is Status.FINISHED)
+    check_stream_events(h, new, 20, schedule=schedule)
+    mine = [(kind, rows) for kind, rows in h.engine.calls[before:]
+            if new.slot in rows and kind != "prefill"]  # fmt: skip
+    return mine[:3]
+
+
+def test_a_first_chunk_of_two_frames_gets_both_in_express_turns_when_the_lane_makes_them():
+    """lane_frames 2 (serve --lane-frames 2): right after a new stream's first frame, an
+    express turn gives it its second, alone (the engine's admission lane makes it), then its
+    first codec step, alone; with 1 the second frame rides along in the running streams' next
+    regular step."""
+    new_slot = 4  # the four running streams hold slots 0-3
+    first, second, codec = frame_calls_of_a_new_stream(2)
+    assert first[0] == "frames" and second == ("frames", [new_slot])
+    assert codec == ("audio", [new_slot])
+    first, second, _ = frame_calls_of_a_new_stream(1)
+    assert second[0] == "frames" and len(second[1]) == 5  # with the four running streams
+
+
 @pytest.mark.parametrize("limit", [1, 2])
 def test_codec_steps_in_flight_stay_bounded_when_the_codec_falls_behind(limit):
     """A codec step three times as long as a frame step: without a bound the loop queued a

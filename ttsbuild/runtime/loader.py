@@ -50,6 +50,7 @@ def open_engine(
     lane_reserved_sms: int | None = None,
     bf16_min_rows: int | None = None,
     max_batch: int | None = None,
+    lane_frames: int | None = None,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
     `random_variant`, e.g. "1.7b-customvoice", when path is None).
@@ -67,7 +68,8 @@ def open_engine(
     (`EnginePlan.lane_reserved_sms`, a compiled engine takes it too); None: the plan's.
     bf16_min_rows: the talker's FP8 linears on bf16 copies from this many rows
     (`EnginePlan.bf16_min_rows`, a runtime choice: the copies are made at load); None: the
-    plan's."""
+    plan's. lane_frames: a new request's first frames on the admission lane
+    (`EnginePlan.lane_frames`; its graphs are captured at load); None: the plan's."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = resolve_device(device)
@@ -121,6 +123,14 @@ def open_engine(
         if bf16_min_rows < 0:
             raise ValueError(f"bf16_min_rows must be >= 0, got {bf16_min_rows}")
         plan = plan.model_copy(update={"bf16_min_rows": bf16_min_rows})
+    if lane_frames is not None and lane_frames != plan.lane_frames:
+        if lane_frames > 1 and not plan.admission_lane:
+            raise ValueError("lane_frames needs an admission lane to run them on "
+                             "(--admission-lane)")  # fmt: skip
+        if lane_frames not in (1, *plan.codec_chunks[:2]):
+            raise ValueError(f"lane_frames must be 1 or 2 (a codec chunk size of the plan "
+                             f"{list(plan.codec_chunks)}), got {lane_frames}")  # fmt: skip
+        plan = plan.model_copy(update={"lane_frames": lane_frames})
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 

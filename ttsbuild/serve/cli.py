@@ -122,6 +122,12 @@ def serve(
         "0.01 cut the engine's work by 30 percent at 40 req/s with no late chunk, 86 streams "
         "at once (benchmarks/serve/2026-12-02-cpu-pacing-sim); not yet served."
     ),  # fmt: skip
+    lane_frames: int = typer.Option(
+        None, "--lane-frames", min=1, max=2, help="GPU, with an admission lane: a new "
+        "request's first frames there (2: a first chunk of two frames, as a real CustomVoice "
+        "checkpoint's with its silent first frame dropped, made and decoded on the lane; "
+        "default: the engine's plan, 1). Not yet served on a GPU."
+    ),  # fmt: skip
     lane_chunks: int = typer.Option(
         1, "--lane-chunks", min=1, max=4, help="GPU, with an admission lane: a stream's first "
         "chunks whose codec steps run on that lane when they are one frame (the first always), "
@@ -211,7 +217,7 @@ def serve(
             (None if _is_engine(checkpoint) else 8), max_len=max_len, kind=engine_kind,
             precision=precision, random_variant=random, guards=guard_config,
             prefill_batches=batches, admission_lane=lane, lane_reserved_sms=lane_reserved_sms,
-            bf16_min_rows=bf16_min_rows, max_batch=max_batch,
+            bf16_min_rows=bf16_min_rows, max_batch=max_batch, lane_frames=lane_frames,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")

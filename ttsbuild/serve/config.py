@@ -90,6 +90,10 @@ class SchedulerConfig:
     # loop's first-audio turn, beside the regular codec lane's steps. 1: the first chunk only.
     # serve sets the engine's GraphBackend.lane_codec_steps to match (--lane-chunks).
     lane_chunks: int = 1
+    # A new stream's first frames the engine's admission lane makes (its plan's lane_frames;
+    # serve sets it): with 2, a first chunk of two frames gets its second frame in the loop's
+    # express turn right after the first, on that lane.
+    lane_frames: int = 1
     # Paced frame steps (0: off, every turn steps every ready stream): a frame step runs only
     # when a stream needs one, i.e. a new stream waits for its first audio or a stream's slack
     # (seconds before its client's buffer runs dry, the next chunk's making counted) is below

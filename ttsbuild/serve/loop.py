@@ -224,6 +224,11 @@ class EngineLoop:
         if not plan.is_empty:
             step = self._launch(plan)
             if self.express and plan.stage is Stage.FRAMES and step.result.launched:
+                with self.lock:  # a first chunk of more frames: the next one at once
+                    more = self.scheduler.plan("first-frames") if (
+                        self.scheduler.first_frames_due()) else None  # fmt: skip
+                if more is not None and not more.is_empty:
+                    self._launch(more)
                 with self.lock:  # new rows' first frame is on the device: their codec step next
                     first = self.scheduler.plan("first-audio") if (
                         self.scheduler.first_audio_due()) else None  # fmt: skip

@@ -492,19 +492,25 @@ class Scheduler:
         """The next turn's work. `only` narrows it for a turn the loop inserts while steps
         are in flight (serve.loop.EngineLoop): "new" admits and prefills queued streams and
         gives their first frame, nothing else (an arrival need not wait for the frame step
-        in flight: with the engine's admission lane its work runs beside it); "first-audio"
-        launches the first codec step of streams whose first frame was just launched,
-        nothing else (admissions and prompts wait for the next turn)."""
+        in flight: with the engine's admission lane its work runs beside it); "first-frames"
+        gives streams waiting for their first audio whose first chunk needs more frames their
+        next frame, nothing else (a first chunk of two frames: the engine's lane runs it with
+        plan.lane_frames 2); "first-audio" launches the first codec step of streams whose
+        first chunk's frames were just launched, nothing else (admissions and prompts wait for
+        the next turn)."""
         now = self.clock()
         release, self.to_release = self.to_release, []
         held = [s for s in self.by_slot.values() if s.status is Status.PREFILL]
-        admit = [] if only == "first-audio" else self._admissions(now, len(held))
+        admit = [] if only in ("first-audio", "first-frames") else self._admissions(
+            now, len(held))
         ready = self._ready(now)
         if self._audio_in_flight >= self.config.max_audio_in_flight:
             ready = [r for r in ready if r.stage is not Stage.AUDIO or self._lane_chunk(r.stream)]
-        run_prefill = only != "first-audio" and self._prefill_now(ready)
+        run_prefill = only not in ("first-audio", "first-frames") and self._prefill_now(ready)
         if only == "new":
             ready = []
+        elif only == "first-frames":
+            ready = [r for r in ready if _first_frames_due(r.stream) and r.stage is Stage.FRAMES]
         elif only == "first-audio":  # their first codec steps, alone on the engine's lane
             ready = [r for r in ready if r.stage is Stage.AUDIO and self._lane_chunk(r.stream)]
         if run_prefill:
@@ -532,6 +538,15 @@ class Scheduler:
         ones in flight included, and no codec step launched for it."""
         return any(
             self._lane_chunk(s) and s.next_stage() is Stage.AUDIO and not self._paused(s)
+            for s in self.by_slot.values()
+        )
+
+    def first_frames_due(self) -> bool:
+        """A stream waiting for its first audio has its first frame launched and its first
+        chunk needs more (a first chunk of two frames), and the engine's lane makes them
+        (lane_frames > 1; elsewhere the frame rides along in the next regular step)."""
+        return self.config.lane_frames > 1 and any(
+            _first_frames_due(s) and s.next_stage() is Stage.FRAMES and not self._paused(s)
             for s in self.by_slot.values()
         )
 
@@ -867,6 +882,11 @@ def _first_audio_phases(s: Stream, now: float) -> dict[str, float] | None:
 
 
 FIRST_AUDIO_PHASES = ("admit", "frame", "codec", "read")
+
+
+def _first_frames_due(s: Stream) -> bool:
+    """Waiting for its first audio, first frame launched, no codec step yet."""
+    return _first_chunk_due(s) and s.status is Status.DECODING and s.frames + s.inflight > 0
 
 
 def _first_chunk_due(s: Stream) -> bool:

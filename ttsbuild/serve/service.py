@@ -143,8 +143,9 @@ class SpeechService:
             raise ValueError(f"lane_chunks must be >= 1, got {sched_cfg.lane_chunks}")
         if lane:  # the engine's lane takes the one-frame codec steps the scheduler sends it
             engine.backend.lane_codec_steps = sched_cfg.lane_chunks
+            sched_cfg = replace(sched_cfg, lane_frames=self.plan.lane_frames)
         else:
-            sched_cfg = replace(sched_cfg, lane_chunks=1)
+            sched_cfg = replace(sched_cfg, lane_chunks=1, lane_frames=1)
         self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
         runner = Runner(engine, RequestError, timer=self.metrics.on_host,
                         codec_launches=self.metrics.on_codec_launches)  # fmt: skip
