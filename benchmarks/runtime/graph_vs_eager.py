@@ -13,7 +13,7 @@ Checks, per precision of the language models (the codec is fp32 in both):
         agree within 1e-2.
 Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
     python benchmarks/runtime/graph_vs_eager.py [--variant tiny|1.7b-customvoice] [--kernels]
-        [--admission-lane 1,2 [--lane-reserved-sms 16]]
+        [--admission-lane 1,2 [--lane-reserved-sms 16] [--lane-frames 2]]
 """
 
 from __future__ import annotations
@@ -67,10 +67,11 @@ def run_reference(models, reqs, plan):
     return out
 
 
-def run_graph(engine: GraphEngine, reqs):
+def run_graph(engine: GraphEngine, reqs, audio_min: int = 1):
     """Join/leave schedule: 3 start (prefilled together); every 2 steps one more joins
     (prefilled between steps while earlier steps are still in flight); rows leave as they
-    reach their limits."""
+    reach their limits. Audio: up to 2 frames a step of rows with at least audio_min frames
+    pending (2: a first chunk of two frames, as a real checkpoint's) or finished."""
     waiting = list(enumerate(reqs))
     live: dict[int, int] = {}  # slot -> request index
     pcm: dict[int, list[np.ndarray]] = {i: [] for i in range(len(reqs))}
@@ -97,7 +98,9 @@ def run_graph(engine: GraphEngine, reqs):
         if pending is not None:
             engine.collect(pending)
         pending = ticket
-        for s, p in engine.audio(list(live), max_frames=2).items():
+        due = [s for s in live
+               if engine.pending_frames(s) >= audio_min or engine.is_finished(s)]  # fmt: skip
+        for s, p in (engine.audio(due, max_frames=2) if due else {}).items():
             pcm[live[s]].append(p)
         for s in [s for s in live if engine.is_finished(s) and engine.pending_frames(s) == 0]:
             codes[live[s]] = engine.codes_of(s)
@@ -119,22 +122,25 @@ MIN_SNR_DB = 45.0
 
 
 def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
-          kernels: bool = False, lane: tuple[int, ...] = (), reserved: int = 0) -> bool:
+          kernels: bool = False, lane: tuple[int, ...] = (), reserved: int = 0,
+          lane_frames: int = 1) -> bool:
     name = f"{variant} {str(dtype).removeprefix('torch.')} {'greedy' if greedy else 'sampled'}"
     name += " (kernel choices on)" if kernels else ""
     name += f" (admission lane {list(lane)})" if lane else ""
     name += f" ({reserved} SMs reserved for it)" if reserved else ""
+    name += f" ({lane_frames} frames and a {lane_frames}-frame codec step there)" if (
+        lane_frames > 1) else ""  # fmt: skip
     models = random_models(variant, device=device, dtype=dtype)
     plan = EnginePlan(num_slots=8, batch_buckets=(1, 2, 4, 8), max_len=512, max_text=256,
                       prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4), codec_ring=16,
-                      admission_lane=lane, lane_reserved_sms=reserved,
+                      admission_lane=lane, lane_reserved_sms=reserved, lane_frames=lane_frames,
                       **(KERNEL_CHOICES if kernels else {}))  # fmt: skip
     reqs = requests(greedy)
     t0 = time.perf_counter()
     ref = run_reference(models, reqs, plan)
     t1 = time.perf_counter()
     engine = GraphEngine(models, plan, keep_codes=True)  # graphs on CUDA, eager on CPU
-    got, batches = run_graph(engine, reqs)
+    got, batches = run_graph(engine, reqs, audio_min=lane_frames)
     t2 = time.perf_counter()
     exact = dtype == torch.float32
     ok = True
@@ -191,6 +197,10 @@ def main() -> int:
     p.add_argument("--lane-reserved-sms", type=int, default=0,
                    help="with --admission-lane: also check with this many SMs kept free of "
                    "the regular steps for the lane (regular steps in green contexts)")
+    p.add_argument("--lane-frames", type=int, default=1,
+                   help="with --admission-lane: also check with a new row's first frames and "
+                   "its first codec step of that many frames on the lane (2: a real "
+                   "checkpoint's first chunk)")
     a = p.parse_args()
     lane = tuple(int(b) for b in a.admission_lane.split(",") if b.strip())
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -216,6 +226,9 @@ def main() -> int:
         if a.lane_reserved_sms:
             results += [check(a.variant, torch.float32, greedy=g, device=a.device, lane=lane,
                               reserved=a.lane_reserved_sms) for g in (True, False)]
+        if a.lane_frames > 1:
+            results += [check(a.variant, torch.float32, greedy=g, device=a.device, lane=lane,
+                              lane_frames=a.lane_frames) for g in (True, False)]
     if a.device == "cuda":
         results.append(check(a.variant, torch.bfloat16, greedy=True, device=a.device))
     return 0 if all(results) else 1
