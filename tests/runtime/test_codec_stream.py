@@ -410,22 +410,32 @@ def test_the_admission_lane_switched_off_runs_in_order_with_the_same_codes(model
         assert on_lane == ([("frame", [2]), ("codec", [2])] if switch_back else [])
 
 
-@pytest.mark.parametrize("buckets", [(), (1, 2)])
-def test_first_chunk_under_load_measures_a_one_frame_chunk_beside_stepping_rows(models, buckets):
-    """The engine benchmark's under-load measurement on CPU: a new request's first chunk
-    while other rows step, with and without the admission lane; every slot is free after."""
+@pytest.mark.parametrize(("buckets", "first_frames"), [((), 1), ((1, 2), 1), ((), 2), ((1, 2), 2)])
+def test_first_chunk_under_load_measures_a_first_chunk_beside_stepping_rows(
+    models, buckets, first_frames
+):
+    """The engine benchmark's under-load measurement on CPU: a new request's first chunk (one
+    frame, or two as a real checkpoint's, the lane then making both: plan.lane_frames) while
+    other rows step, with and without the admission lane; every slot is free after."""
     from ttsbuild.bench.engine_bench import first_chunk_under_load
 
-    plan = PLAN.model_copy(update={"admission_lane": buckets})
-    engine = GraphEngine(models, plan, use_graphs=False, codec_stream=True)
+    update = {"admission_lane": buckets, "lane_frames": first_frames if buckets else 1}
+    engine = GraphEngine(models, PLAN.model_copy(update=update), use_graphs=False,
+                         codec_stream=True)  # fmt: skip
+    engine.backend.driver = rec = RecordingDriver(engine.backend.driver)
     load_req = SynthesisRequest(text="A long sentence that keeps the load busy for a while.",
                                 voice="ryan", seed=3, max_frames=40)  # fmt: skip
     new_req = SynthesisRequest(text="Hello there.", voice="eric", seed=0)
-    walls = first_chunk_under_load(engine, load_req, new_req, load=2, n=3, steps_between=2)
+    walls = first_chunk_under_load(engine, load_req, new_req, load=2, n=3, steps_between=2,
+                                   first_frames=first_frames)  # fmt: skip
     assert len(walls) == 3 and all(w > 0 for w in walls)
     assert engine.free_slots() == PLAN.num_slots
-    if buckets:  # each new request's first frame ran on the lane
+    if buckets:  # each new request's first frames ran on the lane
         assert not engine.backend.fresh and engine.backend.lane_frames == {}
+        new_slot = 2  # the load holds slots 0 and 1; each new request takes the next
+        lane = [rec.kinds[t] for t, ln, _, rows in rec.launches
+                if ln == engine.backend.admit_lane and rows == [new_slot]]  # fmt: skip
+        assert lane.count("frame") == 3 * first_frames and lane.count("codec") == 3
 
 
 def test_sms_reserved_for_the_lane_are_a_cuda_matter(models):

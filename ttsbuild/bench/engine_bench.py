@@ -98,8 +98,11 @@ def _pipelined_steps(engine, slots: list[int], steps: int) -> tuple[float, float
 
 
 def first_chunk_under_load(engine, load_req, new_req, load: int, n: int = 10,
-                           steps_between: int = 3) -> list[float]:
-    """ms from admitting `new_req` to its first 1-frame PCM chunk in host memory while `load`
+                           steps_between: int = 3, first_frames: int = 1) -> list[float]:
+    """ms from admitting `new_req` to its first PCM chunk of `first_frames` frames (2: a real
+    CustomVoice checkpoint's, whose silent first frame is dropped; the second frame is a step
+    of its own right after the first, as the server's express turn makes it, on the lane with
+    plan.lane_frames 2) in host memory while `load`
     rows of `load_req` keep stepping, n times. As the serving loop does it: frame steps are
     launched one ahead of reading, so a step of the load is in flight when the request
     arrives; the request is prefilled and joins the next frame step (on the admission lane,
@@ -121,14 +124,21 @@ def first_chunk_under_load(engine, load_req, new_req, load: int, n: int = 10,
         slot = engine.admit(replace(new_req, seed=i))
         engine.prefill([slot])
         ticket = engine.launch_frames(load_slots + [slot])
-        audio = engine.launch_audio([slot], max_frames=1)  # frame 0 is never EOS: known real
+        second = engine.launch_frames([slot]) if first_frames > 1 else None
+        # frames 0 and 1 are never EOS: known real at launch
+        audio = engine.launch_audio([slot], max_frames=first_frames)
         pcm = engine.collect_audio(audio)[slot]
         walls.append((time.perf_counter() - t0) * 1e3)
-        if pcm.shape != (1920,):
-            raise RuntimeError(f"a first chunk of {pcm.shape[0]} samples, not one frame")
+        if pcm.shape != (1920 * first_frames,):
+            raise RuntimeError(f"a first chunk of {pcm.shape[0]} samples, not {first_frames} "
+                               "frames")  # fmt: skip
         if pending is not None:
             engine.collect(pending)
         pending = ticket
+        if second is not None:  # read in launch order; the load's next step launched anew
+            engine.collect(pending)
+            engine.collect(second)
+            pending = engine.launch_frames(load_slots) if load_slots else None
         engine.release(slot)  # its row of the step in flight is dropped when read
     if pending is not None:
         engine.collect(pending)
@@ -142,6 +152,7 @@ def bench_plan(
     fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0, prefill_batches=(1,),
     bf16_min_rows: int | None = None, admission_lane: tuple[int, ...] = (1, 2),
     lane_reserved_sms: int | None = None,
+    lane_frames: int = 1,
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured,
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
@@ -169,6 +180,7 @@ def bench_plan(
         lane_reserved_sms=(DEFAULT_LANE_RESERVED_SMS if lane else 0)
         if lane_reserved_sms is None else lane_reserved_sms,
         bf16_min_rows=bf16_min_rows,
+        lane_frames=lane_frames if lane else 1,
     )
 
 
@@ -208,7 +220,8 @@ def _profile_host(engine, be, log, n: int = 10) -> None:
         + "\n".join(lines))
 
 
-def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_modules=False):
+def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_modules=False,
+                    first_frames: int = 1):  # fmt: skip
     from ttsbuild.runtime.graph_engine import GraphEngine, _capture
     from ttsbuild.runtime.request import SynthesisRequest
 
@@ -355,7 +368,8 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
     for load in sorted({min(b, plan.max_batch - 1) for b in batches} - {0}):
         for lane in lanes:  # side by side in one engine: the lane switched off, then on
             engine.backend.lane_on = lane
-            walls = first_chunk_under_load(engine, req, new_req, load, n=min(iters, 20))
+            walls = first_chunk_under_load(engine, req, new_req, load, n=min(iters, 20),
+                                           first_frames=first_frames)  # fmt: skip
             key = f"{load}{' lane' if lane else ''}"
             res.first_chunk_load_ms[key] = (statistics.median(walls), max(walls))
             log(f"[{precision}] first chunk beside {load} stepping rows"
@@ -470,6 +484,7 @@ def run_engine_bench(
     bf16_min_rows: int | None = None,
     admission_lane: tuple[int, ...] = (1, 2),
     lane_reserved_sms: int | None = None,
+    first_frames: int = 1,
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -478,13 +493,16 @@ def run_engine_bench(
     results = []
     if plan is not None:
         batches = tuple(b for b in batches if b <= plan.max_batch)
-        results.append(bench_precision(models, plan, batches, iters, log, release_modules=True))
+        results.append(bench_precision(models, plan, batches, iters, log, release_modules=True,
+                                       first_frames=first_frames))  # fmt: skip
     for p in precisions if plan is None else ():
         p_plan = bench_plan(
             p, batches, fused_code_predictor, persistent_cp_max_batch, fused_talker_max_batch,
             w8a8_min_rows, prefill_batches, bf16_min_rows, admission_lane, lane_reserved_sms,
+            lane_frames=first_frames,
         )
-        results.append(bench_precision(models, p_plan, batches, iters, log))
+        results.append(bench_precision(models, p_plan, batches, iters, log,
+                                       first_frames=first_frames))  # fmt: skip
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
     report = {
         "gpu": torch.cuda.get_device_name(),
@@ -577,6 +595,10 @@ def main() -> None:
     p.add_argument("--lane-reserved-sms", type=int, default=None,
                    help="SMs kept free of the regular steps for the admission lane (regular "
                    "steps in CUDA green contexts of the others; 0: off; default: as served)")
+    p.add_argument("--first-frames", type=int, choices=(1, 2), default=1,
+                   help="the first chunk beside stepping rows: 1 frame, or 2 (a real "
+                   "CustomVoice checkpoint's, its silent first frame dropped; the plan's "
+                   "admission lane then makes both, plan.lane_frames 2)")
     a = p.parse_args()
     t0 = time.perf_counter()
     plan = None
@@ -604,6 +626,7 @@ def main() -> None:
         bf16_min_rows=a.bf16_min_rows,
         admission_lane=tuple(int(b) for b in a.admission_lane.split(",") if b),
         lane_reserved_sms=a.lane_reserved_sms,
+        first_frames=a.first_frames,
     )
 
 
