@@ -20,6 +20,10 @@
 # green:  SMs reserved for the admission lane ($RESERVE, default 16; regular steps in green
 #         contexts of the others): graph vs eager with the reserve, then the engine
 #         microbenchmark's first chunk beside stepping rows with it (compare with `lane`)
+# bootstrap: a real CustomVoice checkpoint's first chunk (two frames, the silent first one
+#         dropped) with the lane making both (plan.lane_frames 2): graph vs eager (tiny) with
+#         it, then the engine microbenchmark's first chunk of two frames beside stepping rows,
+#         lane off and on
 # sweep:  serving sweep at $SWEEP_RPS req/s (default 1,10,20,30,40), 60 s each, one server,
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
 #         CustomVoice checkpoint's first chunk, two frames with the silent one dropped), until
@@ -81,6 +85,14 @@ for step in $STEPS; do
         log "engine microbenchmark, lane ${LANE:-1,2} with ${RESERVE:-16} SMs reserved"
         engine_bench green --admission-lane "${LANE:-1,2}" --lane-reserved-sms "${RESERVE:-16}"
         grep -E "stepping rows" "$OUT/engine_bench_green.log" ;;
+    bootstrap)
+        log "graph vs eager (tiny), the lane making two first frames"
+        timeout -k 5 200 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny \
+            --admission-lane 1,2 --lane-frames 2 2>&1 \
+            | tee "$OUT/graph_vs_eager_lane_frames.log" | grep -E "PASS|FAIL|Error"
+        log "engine microbenchmark, first chunk of two frames beside stepping rows"
+        engine_bench bootstrap --admission-lane 1,2 --first-frames 2
+        grep -E "stepping rows" "$OUT/engine_bench_bootstrap.log" ;;
     sweep)
         left=$((DEADLINE_S - SECONDS))
         log "serving sweep at ${SWEEP_RPS:-1,10,20,30,40} req/s: serve ${SWEEP_ARGS:-} (${left}s left)"
