@@ -149,17 +149,18 @@ def requests(seed: int) -> list[SynthesisRequest]:
             for i, t in enumerate(texts)]  # fmt: skip
 
 
-def one_step(engine, slots, pending, codes, pcm, audio_frames=2):
+def one_step(engine, slots, pending, codes, pcm, audio_frames=2, audio_min=1):
     """Launch a frame step for the slots that can take one, read the step before it (codes),
-    decode up to `audio_frames` frames per slot (PCM); returns the new step (None: nothing
-    launched)."""
+    decode up to `audio_frames` frames per slot with at least `audio_min` pending (PCM);
+    returns the new step (None: nothing launched)."""
     active = [s for s in slots if engine.table[s].can_launch]
     ticket = engine.launch_frames(active) if active else None
     if pending is not None:
         for out in engine.collect(pending):
             if out.codes is not None:
                 codes[out.slot].append(out.codes)
-    launched = engine.launch_audio(slots, max_frames=audio_frames)
+    due = [s for s in slots if engine.pending_frames(s) >= audio_min]
+    launched = engine.launch_audio(due, max_frames=audio_frames)
     for s, p in engine.collect_audio(launched).items():
         pcm[s].append(p)
     return ticket
@@ -230,10 +231,11 @@ def assert_same_audio(want: np.ndarray, got: np.ndarray) -> None:
     assert np.abs(want - got).max() <= 1e-5 * np.abs(want).max()
 
 
-def run_joining(engine, reqs, late, audio_frames=2):
+def run_joining(engine, reqs, late, audio_frames=2, audio_min=1):
     """Two requests from the start, a third joining after two steps (its first frame beside
-    their third), frames read one step late, audio up to `audio_frames` frames a step; codes
-    and PCM per request."""
+    their third), frames read one step late, audio up to `audio_frames` frames a step of rows
+    with at least `audio_min` pending (2: a first chunk of two frames, as a real CustomVoice
+    checkpoint's, the bootstrap frame dropped); codes and PCM per request."""
     slots = [engine.admit(r) for r in reqs]
     engine.prefill(slots)
     codes = {s: [] for s in slots}
@@ -244,7 +246,7 @@ def run_joining(engine, reqs, late, audio_frames=2):
             slots.append(engine.admit(late))
             engine.prefill(slots[-1:])
             codes[slots[-1]], pcm[slots[-1]] = [], []
-        ticket = one_step(engine, slots, pending, codes, pcm, audio_frames)
+        ticket = one_step(engine, slots, pending, codes, pcm, audio_frames, audio_min)
         if ticket is None:
             break
         pending, step = ticket, step + 1
@@ -322,37 +324,6 @@ def test_the_lane_takes_a_rows_first_one_frame_codec_steps_and_the_regular_lane_
         assert codecs[1][0] in codecs[2][2]
 
 
-def run_in_pairs(engine, reqs, late):
-    """run_joining, but audio decoded two frames at a time (a row with fewer waits): a first
-    chunk of two frames, as a real CustomVoice checkpoint's (the bootstrap frame dropped)."""
-    slots = [engine.admit(r) for r in reqs]
-    engine.prefill(slots)
-    codes = {s: [] for s in slots}
-    pcm = {s: [] for s in slots}
-    pending, step = None, 0
-    while True:
-        if step == 2:
-            slots.append(engine.admit(late))
-            engine.prefill(slots[-1:])
-            codes[slots[-1]], pcm[slots[-1]] = [], []
-        active = [s for s in slots if engine.table[s].can_launch]
-        ticket = engine.launch_frames(active) if active else None
-        if pending is not None:
-            for out in engine.collect(pending):
-                if out.codes is not None:
-                    codes[out.slot].append(out.codes)
-        pairs = [s for s in slots if engine.pending_frames(s) >= 2]
-        if pairs:
-            for s, p in engine.collect_audio(engine.launch_audio(pairs, max_frames=2)).items():
-                pcm[s].append(p)
-        if ticket is None:
-            break
-        pending, step = ticket, step + 1
-    for s, p in engine.audio(slots).items():
-        pcm[s].append(p)
-    return [(torch.stack(codes[s]), np.concatenate(pcm[s])) for s in slots]
-
-
 def test_two_lane_frames_give_a_first_chunk_of_two_frames_there_and_the_same_audio(models):
     """plan.lane_frames 2: a new row's first two frames (the second with the talker) and its
     first two-frame codec step run on the admission lane; its next regular frame step follows
@@ -363,8 +334,8 @@ def test_two_lane_frames_give_a_first_chunk_of_two_frames_there_and_the_same_aud
     three = GraphEngine(models, plan, use_graphs=False, codec_stream=True)
     three.backend.driver = rec = RecordingDriver(three.backend.driver)
     reqs, late = requests(70)[:2], SynthesisRequest(text="Late again.", voice="eric", seed=5)
-    expected = run_in_pairs(one, reqs, late)
-    got = run_in_pairs(three, reqs, late)
+    expected = run_joining(one, reqs, late, audio_frames=2, audio_min=2)
+    got = run_joining(three, reqs, late, audio_frames=2, audio_min=2)
     for (c1, p1), (c2, p2) in zip(expected, got, strict=True):
         assert c1.shape[0] > 3 and torch.equal(c1, c2)
         assert_same_audio(p1, p2)

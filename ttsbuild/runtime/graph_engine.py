@@ -955,7 +955,8 @@ class GraphBackend:
         yet stepped (up to its largest bucket) take their first frame on it (and, with
         plan.lane_frames 2, their second), beside the regular step of the others: several
         steps, read back as one."""
-        lanes = [(self.fresh, self._lane_frames), (self.second, self._lane_second)]
+        lanes = [(self.fresh, self._lane_frames),
+                 (self.second, lambda rows: self._lane_frames(rows, second=True))]
         was_second = [s for s in slots if s in self.second]
         staged = self._split(slots, lanes if self.lane_on else [], self._regular_frames)
         for s in slots:
@@ -1008,15 +1009,18 @@ class GraphBackend:
         self.ring_order.frames_launched(slots, staged.ticket, self.lm_lane)
         return staged
 
-    def _lane_frames(self, slots: list[int]) -> _Staged:
-        """New rows' first frame on the admission lane (after their prefill, on its stream)."""
+    def _lane_frames(self, slots: list[int], second: bool = False) -> _Staged:
+        """New rows' first frame on the admission lane (after their prefill, on its stream),
+        or, `second` (plan.lane_frames 2), their second right after it there: the talker on
+        the first, then the code predictor."""
         G = self.cfg.num_code_groups
 
         def step(rows: int):
             if self.use_graphs:
-                return self.graphs[("first", rows)]
+                return self.graphs[("second" if second else "first", rows)]
             out = self.lane_out[:rows]
-            return lambda: _write_frame(out, *self._frame_body(self.lane_rows_in[:rows], True))
+            return lambda: _write_frame(out, *self._frame_body(
+                self.lane_rows_in[:rows], lane=True, talker=second))
 
         staged = self._launch(self.lane_staging, slots, step, self.lane_out, G + 1,
                               self.lane_rows_in, self.admit_lane,
@@ -1024,29 +1028,10 @@ class GraphBackend:
         self.ring_order.frames_launched(slots, staged.ticket, self.admit_lane)
         for s in slots:
             self.lane_frames[s] = staged.ticket
-        self.codec_fresh.update(dict.fromkeys(slots, self.lane_codec_steps))
-        if self.plan.lane_frames > 1:
-            self.second.update(dict.fromkeys(slots, staged.ticket))
-        return staged
-
-    def _lane_second(self, slots: list[int]) -> _Staged:
-        """Rows' second frame on the admission lane, right after their first there (its
-        stream's order): the talker on the first, then the code predictor (plan.lane_frames)."""
-        G = self.cfg.num_code_groups
-
-        def step(rows: int):
-            if self.use_graphs:
-                return self.graphs[("second", rows)]
-            out = self.lane_out[:rows]
-            return lambda: _write_frame(
-                out, *self._frame_body(self.lane_rows_in[:rows], lane=True, talker=True))
-
-        staged = self._launch(self.lane_staging, slots, step, self.lane_out, G + 1,
-                              self.lane_rows_in, self.admit_lane,
-                              self.ring_order.before_frames(slots), self.lane_buckets)  # fmt: skip
-        self.ring_order.frames_launched(slots, staged.ticket, self.admit_lane)
-        for s in slots:
-            self.lane_frames[s] = staged.ticket
+        if not second:
+            self.codec_fresh.update(dict.fromkeys(slots, self.lane_codec_steps))
+            if self.plan.lane_frames > 1:
+                self.second.update(dict.fromkeys(slots, staged.ticket))
         return staged
 
     def read_frames(self, staged: _Staged | _Split) -> torch.Tensor:
