@@ -444,10 +444,8 @@ def test_a_reserve_the_gpu_cannot_give_is_skipped_not_fatal(models, monkeypatch)
         backend._green_streams(torch.device("cuda:0"), 4)
 
 
-def test_a_codec_step_launches_once_per_chunk_size_its_rows_decode(models):
-    """launch_audio splits each row's frames into the plan's codec chunk sizes (1, 2, 4 here)
-    and launches each size once for the rows that need it: rows of 3 and 2 frames make 2 + 1
-    and 2, two launches (what serve's tts_codec_launches_per_step counts)."""
+def rows_of_3_and_2_frames(models):
+    """An engine with two rows holding 3 and 2 frames not yet decoded."""
     engine = GraphEngine(models, PLAN, use_graphs=False, codec_stream=False)
     reqs = [SynthesisRequest(text=t, voice="ryan", seed=i, max_frames=40) for i, t in
             enumerate(["The birch canoe slid on the smooth planks.", "Glue the sheet."])]
@@ -458,10 +456,32 @@ def test_a_codec_step_launches_once_per_chunk_size_its_rows_decode(models):
     for _ in range(2):
         engine.frames([a, b])
     assert (engine.pending_frames(a), engine.pending_frames(b)) == (3, 2)
+    return engine, a, b
+
+
+def test_a_codec_step_launches_once_per_chunk_size_its_rows_decode(models):
+    """launch_audio splits each row's frames into the plan's codec chunk sizes (1, 2, 4 here)
+    and launches each size once for the rows that need it: rows of 3 and 2 frames make 2 + 1
+    and 2, two launches (what serve's tts_codec_launches_per_step counts)."""
+    engine, a, b = rows_of_3_and_2_frames(models)
     ticket = engine.launch_audio([a, b])
     assert sorted(group for group, _ in ticket.launched) == [[a], [a, b]]  # 2 for both, 1 for a
     pcm = engine.collect_audio(ticket)
     assert (len(pcm[a]), len(pcm[b])) == (3 * 1920, 2 * 1920)
+
+
+def test_per_row_frame_caps_decode_each_row_up_to_its_own(models):
+    """launch_audio(max_frames=[...]): one cap per slot (serve --exact-chunks: each row its
+    chunk), None for no cap; rows of 3 and 2 frames capped at 2 and none make one 2-frame
+    launch for both, and leave the first row's third frame for later."""
+    engine, a, b = rows_of_3_and_2_frames(models)
+    ticket = engine.launch_audio([a, b], max_frames=[2, None])
+    assert [group for group, _ in ticket.launched] == [[a, b]]  # one launch, not 2 + 1
+    pcm = engine.collect_audio(ticket)
+    assert (len(pcm[a]), len(pcm[b])) == (2 * 1920, 2 * 1920)
+    assert engine.pending_frames(a) == 1
+    with pytest.raises(ValueError, match="1 frame caps for 2 slots"):
+        engine.launch_audio([a, b], max_frames=[1])
 
 
 def test_lane_frames_need_a_lane_and_a_codec_chunk_of_their_size():

@@ -172,24 +172,30 @@ class FakeEngine:
         return self._run("frames", parts, outputs)
 
     def launch_audio(self, slots, max_frames=None) -> FakeTicket:
+        """Decode each slot's frames not yet decoded, at most max_frames (one cap for all, or
+        one per slot, None: no cap)."""
         self.calls.append(("audio", list(slots)))
+        caps = max_frames if isinstance(max_frames, list | tuple) else [max_frames] * len(slots)
+        todo = {}
+        for s, cap in zip(slots, caps, strict=True):
+            n = self.slots[s].frames - self.slots[s].decoded
+            todo[s] = n if cap is None else min(n, cap)
         lane = "codec" if self.codec_lane else "lm"
         parts = [
             (ln, rows, max(self.slots[s].frames_ready_at for s in rows))
-            for ln, rows in self._split(slots, self._lane_codec_row, lane)
+            for ln, rows in self._split(slots, lambda s: self._lane_codec_row(s, todo[s]), lane)
         ]
         pcm = {}
         for s in slots:
             st = self.slots[s]
-            pcm[s] = [0.0] * ((st.frames - st.decoded) * FRAME_SAMPLES)
-            st.audio_steps += st.frames > st.decoded
-            st.decoded = st.frames
+            pcm[s] = [0.0] * (todo[s] * FRAME_SAMPLES)
+            st.audio_steps += todo[s] > 0
+            st.decoded += todo[s]
         return self._run("audio", parts, pcm)
 
-    def _lane_codec_row(self, s: int) -> bool:
+    def _lane_codec_row(self, s: int, n: int) -> bool:
         st = self.slots[s]
-        return st.decoded == 0 or (st.audio_steps < self.lane_codec_steps
-                                   and st.frames - st.decoded == 1)  # fmt: skip
+        return st.decoded == 0 or (st.audio_steps < self.lane_codec_steps and n == 1)
 
     def ready(self, ticket: FakeTicket) -> bool:
         return self.instant or self.clock.t >= ticket.done_at

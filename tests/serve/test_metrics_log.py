@@ -59,3 +59,31 @@ def test_codec_launches_per_step_are_counted_from_the_engines_ticket():
         runner.launch(Plan(release=[], admit=[], prefill=None, stage=Stage.AUDIO, slots=[0, 1]))
     assert metrics.codec_launches._sum.get() == 4  # 3 + 1; the ticket without a list: none
     assert metrics.codec_launches._buckets[0].get() == 1  # one step of one launch
+
+
+def test_exact_chunks_cap_each_rows_codec_step_at_its_chunk():
+    """Plan.audio_frames (SchedulerConfig.exact_chunks) reaches the engine as per-row caps and
+    the step's accounting decodes no more than that; a plan without it passes no cap."""
+    from ttsbuild.serve.loop import Runner
+    from ttsbuild.serve.scheduler import Plan, Stage
+
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def pending_frames(self, slot):
+            return {0: 5, 1: 3}[slot]
+
+        def launch_audio(self, slots, max_frames=None):
+            self.calls.append((list(slots), max_frames))
+            return None
+
+    engine = Engine()
+    runner = Runner(engine)
+    plan = Plan(release=[], admit=[], prefill=None, stage=Stage.AUDIO, slots=[0, 1],
+                audio_frames={0: 4})  # row 1's generation ended: all it has
+    step = runner.launch(plan)
+    assert engine.calls == [([0, 1], [4, None])]
+    assert step.result.decoded == {0: 4, 1: 3}
+    runner.launch(Plan(release=[], admit=[], prefill=None, stage=Stage.AUDIO, slots=[0, 1]))
+    assert engine.calls[-1] == ([0, 1], None)

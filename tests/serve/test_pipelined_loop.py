@@ -330,3 +330,21 @@ def test_a_paced_loop_waits_for_the_next_due_frame_step_and_keeps_deadlines():
     assert waits and min(waits) < h.loop.idle_wait_s
     frame_steps = [c for c in h.engine.calls if c[0] == "frames"]
     assert len(frame_steps) < 2 * 150 * 0.8  # rows shared steps: fewer steps than frames
+
+
+def test_exact_chunks_cap_each_codec_step_at_the_streams_chunk():
+    """SchedulerConfig.exact_chunks (serve --exact-chunks): each codec step asks the engine for
+    the stream's next chunk exactly; the last chunk (generation ended) takes what is left."""
+    h = Harness(exact_chunks=True)
+    caps = []
+    launch = h.engine.launch_audio
+
+    def recording(slots, max_frames=None):
+        caps.append(max_frames)
+        return launch(slots, max_frames)
+
+    h.engine.launch_audio = recording
+    stream = h.submit(frames=20, schedule=(1, 2, 4))
+    h.run_until(lambda: stream.status is Status.FINISHED)
+    check_stream_events(h, stream, 20, schedule=(1, 2, 4))
+    assert caps[:5] == [[1], [2], [4], [4], [4]] and caps[-1] in ([None], None)

@@ -23,6 +23,7 @@ first frame without waiting for the host to read its codes.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -265,15 +266,21 @@ class EngineCore:
         """One frame for each slot, read back at once (launch + collect)."""
         return self.collect(self.launch_frames(slots))
 
-    def launch_audio(self, slots: list[int], max_frames: int | None = None) -> AudioTicket:
+    def launch_audio(
+        self, slots: list[int], max_frames: int | Sequence[int | None] | None = None
+    ) -> AudioTicket:
         """Launch the codec on each slot's frames known to be real and not yet decoded (at
-        most max_frames), in the plan's codec chunk sizes, batching slots that need the same
-        chunk. Returns at once; `collect_audio` reads the PCM."""
+        most max_frames: one cap for all, or one per slot, None for none), in the plan's
+        codec chunk sizes, batching slots that need the same chunk. Returns at once;
+        `collect_audio` reads the PCM."""
+        caps = max_frames if isinstance(max_frames, Sequence) else [max_frames] * len(slots)
+        if len(caps) != len(slots):
+            raise ValueError(f"{len(caps)} frame caps for {len(slots)} slots")
         todo = {}
-        for s in slots:
+        for s, cap in zip(slots, caps, strict=True):
             rec = self.table[s]
             n = rec.known_frames - rec.decoded
-            todo[s] = n if max_frames is None else min(n, max_frames)
+            todo[s] = n if cap is None else min(n, cap)
         launched = []
         for chunk in reversed(self.plan.codec_chunks):
             ready = [s for s, n in todo.items() if n >= chunk]

@@ -128,6 +128,12 @@ def serve(
         "checkpoint's with its silent first frame dropped, made and decoded on the lane; "
         "default: the engine's plan, 1). Not yet served on a GPU."
     ),  # fmt: skip
+    exact_chunks: bool = typer.Option(
+        False, "--exact-chunks", help="A codec step decodes each stream's next chunk exactly "
+        "(its schedule size), leaving frames made past it for the next one, so a step makes "
+        "fewer codec launches (without it a chunk of 4 with one more frame is 4 + 1). See "
+        "tts_codec_launches_per_step. Not yet served on a GPU."
+    ),  # fmt: skip
     lane_chunks: int = typer.Option(
         1, "--lane-chunks", min=1, max=4, help="GPU, with an admission lane: a stream's first "
         "chunks whose codec steps run on that lane when they are one frame (the first always), "
@@ -195,6 +201,7 @@ def serve(
             capacity_margin=capacity_margin,
             pace_slack_s=pace_slack,
             lane_chunks=lane_chunks,
+            exact_chunks=exact_chunks,
         ),
         drop_bootstrap_frame=drop_bootstrap_frame,
         trim_onset=trim_onset,

@@ -94,6 +94,11 @@ class SchedulerConfig:
     # serve sets it): with 2, a first chunk of two frames gets its second frame in the loop's
     # express turn right after the first, on that lane.
     lane_frames: int = 1
+    # A codec step decodes each row's next chunk exactly (its schedule size), leaving frames
+    # made past it (a frame step in flight when the chunk's frames were complete) for the next
+    # chunk; off: a row decodes every frame it has, and a chunk of 4 with one more is two codec
+    # launches (4 + 1). serve --exact-chunks; tts_codec_launches_per_step shows which pays.
+    exact_chunks: bool = False
     # Paced frame steps (0: off, every turn steps every ready stream): a frame step runs only
     # when a stream needs one, i.e. a new stream waits for its first audio or a stream's slack
     # (seconds before its client's buffer runs dry, the next chunk's making counted) is below

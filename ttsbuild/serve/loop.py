@@ -38,7 +38,9 @@ class Engine(Protocol):
     def prefill(self, slots: list[int]) -> None: ...
     def launch_frames(self, slots: list[int]) -> Any: ...
     def collect(self, ticket: Any) -> list[Any]: ...  # FrameOutput(slot, codes, finished)
-    def launch_audio(self, slots: list[int], max_frames: int | None = None) -> Any: ...
+    def launch_audio(
+        self, slots: list[int], max_frames: int | Sequence[int | None] | None = None
+    ) -> Any: ...
     def collect_audio(self, ticket: Any) -> dict[int, Any]: ...
     def ready(self, ticket: Any) -> bool: ...  # a launched step can be read without waiting
     def can_launch(self, slot: int) -> bool: ...  # not finished, under its frame limit
@@ -129,8 +131,12 @@ class Runner:
             result.certain = [s for s in rows if engine.pending_frames(s) > known[s]]
             timer("launch_frames", time.perf_counter() - host)
         elif plan.stage is Stage.AUDIO:
-            result.decoded = {s: engine.pending_frames(s) for s in result.stage_slots}
-            ticket = engine.launch_audio(result.stage_slots)
+            caps = [plan.audio_frames.get(s) for s in result.stage_slots]
+            result.decoded = {s: engine.pending_frames(s) if cap is None else
+                              min(engine.pending_frames(s), cap)
+                              for s, cap in zip(result.stage_slots, caps, strict=True)}  # fmt: skip
+            ticket = engine.launch_audio(result.stage_slots,
+                                         caps if plan.audio_frames else None)  # fmt: skip
             timer("launch_audio", time.perf_counter() - host)
             if self.codec_launches is not None and hasattr(ticket, "launched"):
                 self.codec_launches(len(ticket.launched))

@@ -235,6 +235,9 @@ class Plan:
     stage: Stage | None  # FRAMES or AUDIO
     slots: list[int]  # the stage's batch of held slots, anchor first
     frames_take_new: bool = False  # the FRAMES batch also takes every slot prefilled this turn
+    # AUDIO with SchedulerConfig.exact_chunks: the most frames each row decodes (its next
+    # chunk's size; a row missing here decodes all it has, as every row does without it)
+    audio_frames: dict[int, int] = field(default_factory=dict)
     reason: str = "idle"  # why the anchor went first: its priority class
     # Paced frame steps (SchedulerConfig.pace_slack_s): seconds until a frame step is due when
     # none is now (None: one is due, or pacing is off, or no stream waits for frames)
@@ -683,6 +686,9 @@ class Scheduler:
         if not plan.frames_take_new:
             rows = [r for r in candidates if not r.new][: self.config.max_batch]
         plan.slots = [r.stream.slot for r in rows if not r.new]
+        if anchor.stage is Stage.AUDIO and self.config.exact_chunks:
+            plan.audio_frames = {r.stream.slot: r.stream.next_chunk_frames() for r in rows
+                                 if not r.stream.generation_done}  # fmt: skip
         if not (plan.slots or plan.frames_take_new):
             plan.stage = None  # only new rows were ready, and they did not fit
 
