@@ -438,7 +438,7 @@ class GraphBackend:
         self.fresh: dict[int, torch.cuda.Event | None] = {}  # prefilled there, no frame yet
         self.lane_frames: dict[int, int] = {}  # slot -> its last frame's step there (ticket)
         # plan.lane_frames 2: rows whose first frame ran there and whose second may too
-        self.second: dict[int, int] = {}
+        self.second: set[int] = set()
         # A row whose first frame ran there also has its first `lane_codec_steps` one-frame
         # codec steps there while every codec step before them did (the ramp's one-frame
         # chunks: with the regular codec lane busy, the second chunk was the one that ran
@@ -716,7 +716,7 @@ class GraphBackend:
 
     def release(self, slot: int) -> None:
         self.fresh.pop(slot, None)
-        self.second.pop(slot, None)
+        self.second.discard(slot)
         self.lane_frames.pop(slot, None)
         self.codec_fresh.pop(slot, None)
         self.lane_codecs.pop(slot, None)
@@ -957,12 +957,11 @@ class GraphBackend:
         steps, read back as one."""
         lanes = [(self.fresh, self._lane_frames),
                  (self.second, lambda rows: self._lane_frames(rows, second=True))]
-        was_second = [s for s in slots if s in self.second]
+        was_second = self.second.intersection(slots)
         staged = self._split(slots, lanes if self.lane_on else [], self._regular_frames)
         for s in slots:
             self.fresh.pop(s, None)
-        for s in was_second:
-            self.second.pop(s, None)
+        self.second -= was_second
         return staged
 
     def _split(self, slots: list[int], lanes, regular) -> _Staged | _Split:
@@ -1031,7 +1030,7 @@ class GraphBackend:
         if not second:
             self.codec_fresh.update(dict.fromkeys(slots, self.lane_codec_steps))
             if self.plan.lane_frames > 1:
-                self.second.update(dict.fromkeys(slots, staged.ticket))
+                self.second.update(slots)
         return staged
 
     def read_frames(self, staged: _Staged | _Split) -> torch.Tensor:

@@ -127,7 +127,7 @@ def open_engine(
         if lane_frames > 1 and not plan.admission_lane:
             raise ValueError("lane_frames needs an admission lane to run them on "
                              "(--admission-lane)")  # fmt: skip
-        if lane_frames not in (1, *plan.codec_chunks[:2]):
+        if lane_frames not in (1, 2) or lane_frames not in plan.codec_chunks:
             raise ValueError(f"lane_frames must be 1 or 2 (a codec chunk size of the plan "
                              f"{list(plan.codec_chunks)}), got {lane_frames}")  # fmt: skip
         plan = plan.model_copy(update={"lane_frames": lane_frames})

@@ -539,19 +539,18 @@ class Scheduler:
         """A stream has the frames of a chunk the engine's lane decodes (`_lane_chunk`: its
         first, waiting for first audio; with lane_chunks > 1 its next one-frame ones), certain
         ones in flight included, and no codec step launched for it."""
-        return any(
-            self._lane_chunk(s) and s.next_stage() is Stage.AUDIO and not self._paused(s)
-            for s in self.by_slot.values()
-        )
+        return self._any_ready(self._lane_chunk, Stage.AUDIO)
 
     def first_frames_due(self) -> bool:
         """A stream waiting for its first audio has its first frame launched and its first
         chunk needs more (a first chunk of two frames), and the engine's lane makes them
         (lane_frames > 1; elsewhere the frame rides along in the next regular step)."""
-        return self.config.lane_frames > 1 and any(
-            _first_frames_due(s) and s.next_stage() is Stage.FRAMES and not self._paused(s)
-            for s in self.by_slot.values()
-        )
+        return self.config.lane_frames > 1 and self._any_ready(_first_frames_due, Stage.FRAMES)
+
+    def _any_ready(self, which: Callable[[Stream], bool], stage: Stage) -> bool:
+        """Some stream `which` picks is ready for `stage` and not paused."""
+        return any(which(s) and s.next_stage() is stage and not self._paused(s)
+                   for s in self.by_slot.values())  # fmt: skip
 
     def _lane_chunk(self, s: Stream) -> bool:
         """A chunk whose codec step the engine's admission lane runs: the stream's first, and
