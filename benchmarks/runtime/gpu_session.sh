@@ -96,7 +96,7 @@ for step in $STEPS; do
     sweep)
         left=$((DEADLINE_S - SECONDS))
         log "serving sweep at ${SWEEP_RPS:-1,10,20,30,40} req/s: serve ${SWEEP_ARGS:-} (${left}s left)"
-        RESULTS=$OUT/sweep SERVE_ARGS="${SWEEP_ARGS:-}" PY=python3 SLOTS=64 PRECISION=fp8 \
+        RESULTS=$OUT/sweep SERVE_ARGS="${SWEEP_ARGS:-}" PY=python3 SLOTS=${SLOTS:-64} PRECISION=fp8 \
             IN_MEMORY=1 DATASETS=voice-agent RPS=${SWEEP_RPS:-1,10,20,30,40} DURATION=60s \
             WARMUP=2s timeout -k 5 $((left - 10)) bash benchmarks/serve_sweep.sh \
             > "$OUT/sweep.log" 2>&1
@@ -107,7 +107,7 @@ for step in $STEPS; do
             left=$((DEADLINE_S - SECONDS))
             if [ "$left" -lt 100 ]; then log "skip side $side: ${left}s left"; continue; fi
             log "serving at ${AB_RPS:-10} req/s, side $side: serve $args (${left}s left)"
-            RESULTS=$OUT/ab_$side SERVE_ARGS="$args" PY=python3 SLOTS=64 \
+            RESULTS=$OUT/ab_$side SERVE_ARGS="$args" PY=python3 SLOTS=${SLOTS:-64} \
                 PRECISION=fp8 IN_MEMORY=1 DATASETS=voice-agent RPS=${AB_RPS:-10} \
                 DURATION=${AB_DURATION:-30s} WARMUP=1s timeout -k 5 $((left - 10)) \
                 bash benchmarks/serve_sweep.sh > "$OUT/ab_$side.log" 2>&1
