@@ -49,6 +49,11 @@ def test_the_admission_lane_is_compiled_in_and_can_be_set_at_load(fp8_engine):
     assert compiled.admission_lane == (1, 2)
     off = open_engine(fp8_engine, "cpu", kind="graph", admission_lane=())
     assert off.plan.admission_lane == () and not off.backend.lane_on
+    # what only a lane has goes with it (the compiled plan reserves SMs for it) ...
+    assert compiled.lane_reserved_sms > 0 and off.plan.lane_reserved_sms == 0
+    # ... and a plan the validators refuse cannot be made at load either
+    with pytest.raises(ValueError, match="needs an admission lane"):
+        open_engine(fp8_engine, "cpu", kind="graph", admission_lane=(), lane_reserved_sms=8)
     one = open_engine(fp8_engine, "cpu", kind="graph", admission_lane=(1,))
     assert one.plan.admission_lane == (1,) and one.backend.lane_on
     with pytest.raises(ValueError, match=r"admission lane buckets \[3\] must be batch buckets"):

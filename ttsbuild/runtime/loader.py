@@ -113,16 +113,23 @@ def open_engine(
                 f"admission lane buckets {list(admission_lane)} must be batch buckets of the "
                 f"engine's plan {list(plan.batch_buckets)}"
             )
-        plan = plan.model_copy(update={"admission_lane": tuple(sorted(set(admission_lane)))})
+        lane = tuple(sorted(set(admission_lane)))
+        off = {} if lane else {"lane_frames": 1}  # what only a lane has goes with it
+        if not lane:
+            if lane_reserved_sms:
+                raise ValueError("lane_reserved_sms needs an admission lane to reserve them "
+                                 "for (--admission-lane)")  # fmt: skip
+            off["lane_reserved_sms"] = 0
+        plan = plan_update(plan, admission_lane=lane, **off)
     if lane_reserved_sms is not None and lane_reserved_sms != plan.lane_reserved_sms:
         if lane_reserved_sms and not plan.admission_lane:
             raise ValueError("lane_reserved_sms needs an admission lane to reserve them for "
                              "(--admission-lane)")  # fmt: skip
-        plan = plan.model_copy(update={"lane_reserved_sms": lane_reserved_sms})
+        plan = plan_update(plan, lane_reserved_sms=lane_reserved_sms)
     if bf16_min_rows is not None and bf16_min_rows != plan.bf16_min_rows:
         if bf16_min_rows < 0:
             raise ValueError(f"bf16_min_rows must be >= 0, got {bf16_min_rows}")
-        plan = plan.model_copy(update={"bf16_min_rows": bf16_min_rows})
+        plan = plan_update(plan, bf16_min_rows=bf16_min_rows)
     if lane_frames is not None and lane_frames != plan.lane_frames:
         if lane_frames > 1 and not plan.admission_lane:
             raise ValueError("lane_frames needs an admission lane to run them on "
@@ -130,13 +137,19 @@ def open_engine(
         if lane_frames not in (1, 2) or lane_frames not in plan.codec_chunks:
             raise ValueError(f"lane_frames must be 1 or 2 (a codec chunk size of the plan "
                              f"{list(plan.codec_chunks)}), got {lane_frames}")  # fmt: skip
-        plan = plan.model_copy(update={"lane_frames": lane_frames})
+        plan = plan_update(plan, lane_frames=lane_frames)
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 
     from ttsbuild.runtime.graph_engine import GraphEngine
 
     return GraphEngine(models, plan, release_modules=True, guards=guards)
+
+
+def plan_update(plan: EnginePlan, **fields) -> EnginePlan:
+    """`plan` with these fields changed, validated as a whole (pydantic's model_copy skips
+    the validators: a plan that could not be compiled must not be loadable either)."""
+    return EnginePlan.model_validate({**plan.model_dump(), **fields})
 
 
 # EnginePlan fields that list batch buckets (a subset of batch_buckets)
@@ -156,7 +169,7 @@ def plan_max_batch(plan: EnginePlan, max_batch: int, where) -> EnginePlan:
             "with --max-batch)"
         )
     buckets = tuple(b for b in plan.batch_buckets if b < max_batch) + (max_batch,)
-    return plan.model_copy(update=_buckets_update(plan, buckets))
+    return plan_update(plan, **_buckets_update(plan, buckets))
 
 
 def _buckets_update(plan: EnginePlan, buckets: tuple[int, ...]) -> dict:
@@ -186,8 +199,9 @@ def plan_within(
         return plan
     buckets = tuple(b for b in plan.batch_buckets if b <= num_slots) or (num_slots,)
     prefill = tuple(t for t in plan.prefill_buckets if t < max_len) or (max_len - 1,)
-    return plan.model_copy(
-        update={
+    return plan_update(
+        plan,
+        **{
             **_buckets_update(plan, buckets),
             "num_slots": num_slots, "max_len": max_len,
             "prefill_buckets": prefill, "max_frames": min(plan.max_frames, max_len - 1),
