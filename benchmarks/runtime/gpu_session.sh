@@ -28,7 +28,7 @@
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
 #         CustomVoice checkpoint's first chunk, two frames with the silent one dropped), until
 #         $DEADLINE_S seconds into the run
-# ab:     serving A/B at $AB_RPS req/s, $AB_DURATION each, until $DEADLINE_S seconds into the
+# ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
 #         (2026-12-01: Python's GIL switch interval, 5 ms against 0.5 ms, through a
@@ -104,11 +104,12 @@ for step in $STEPS; do
     ab)
         for side in ${AB_SIDES:-A B}; do
             args=AB_$side; args=${!args:-}
+            rps=AB_RPS_$side; rps=${!rps:-${AB_RPS:-10}}  # a side's own rates, if given
             left=$((DEADLINE_S - SECONDS))
             if [ "$left" -lt 100 ]; then log "skip side $side: ${left}s left"; continue; fi
-            log "serving at ${AB_RPS:-10} req/s, side $side: serve $args (${left}s left)"
+            log "serving at $rps req/s, side $side: serve $args (${left}s left)"
             RESULTS=$OUT/ab_$side SERVE_ARGS="$args" PY=python3 SLOTS=${SLOTS:-64} \
-                PRECISION=fp8 IN_MEMORY=1 DATASETS=voice-agent RPS=${AB_RPS:-10} \
+                PRECISION=fp8 IN_MEMORY=1 DATASETS=voice-agent RPS=$rps \
                 DURATION=${AB_DURATION:-30s} WARMUP=1s timeout -k 5 $((left - 10)) \
                 bash benchmarks/serve_sweep.sh > "$OUT/ab_$side.log" 2>&1
             grep -E "^│|capacity" "$OUT/ab_$side.log" | tail -3
