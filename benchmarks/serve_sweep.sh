@@ -57,7 +57,10 @@ fi
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 URL=http://127.0.0.1:$PORT
 echo "== serving on $URL (profile $PROFILE, $SLOTS slots, $DEVICE); log: $RESULTS/server.log"
-cli serve "${MODEL_ARGS[@]}" --port "$PORT" --profile "$PROFILE" --slots "$SLOTS" \
+# started directly, not through cli(): `$!` of a backgrounded shell function is the subshell,
+# and killing it left the server running (2026-12-02: each A/B side's server stayed up, the
+# next side's ran out of GPU memory)
+"$PY" -m ttsbuild.cli serve "${MODEL_ARGS[@]}" --port "$PORT" --profile "$PROFILE" --slots "$SLOTS" \
     --device "$DEVICE" --max-queue 256 --log-level warning $SERVE_ARGS >"$RESULTS/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT

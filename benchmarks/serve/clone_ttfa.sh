@@ -59,7 +59,7 @@ start_server() {  # VARIANT LOG
     echo "== serving --random $1 (${PRECISION:-default precision}, $SLOTS slots) on $URL; log: $2"
     local precision=()
     [ -z "$PRECISION" ] || precision=(--precision "$PRECISION")
-    cli serve --random "$1" "${precision[@]}" --port "$PORT" --profile low-latency \
+    "$PY" -m ttsbuild.cli serve --random "$1" "${precision[@]}" --port "$PORT" --profile low-latency \
         --slots "$SLOTS" --device "$DEVICE" --max-queue 256 --log-level warning >"$2" 2>&1 &
     SERVER=$!
     for _ in $(seq 1 300); do

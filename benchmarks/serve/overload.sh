@@ -39,7 +39,7 @@ get() { "$PY" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.ur
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 URL=http://127.0.0.1:$PORT
 echo "== $(date -u +%T) serving $VARIANT ($PRECISION, $SLOTS slots, $PROFILE) on $URL"
-cli serve --random "$VARIANT" --precision "$PRECISION" --port "$PORT" --profile "$PROFILE" \
+"$PY" -m ttsbuild.cli serve --random "$VARIANT" --precision "$PRECISION" --port "$PORT" --profile "$PROFILE" \
     --slots "$SLOTS" --device cuda --max-queue 256 --log-level warning >"$RESULTS/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
