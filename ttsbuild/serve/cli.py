@@ -138,8 +138,9 @@ def serve(
         1, "--lane-chunks", min=1, max=4, help="GPU, with an admission lane: a stream's first "
         "chunks whose codec steps run on that lane when they are one frame (the first always), "
         "beside the regular codec lane's steps; 2 takes the low-latency ramp's second chunk "
-        "there too (the one that ran late at 40 req/s on the H200). Not yet served on a GPU; a CPU "
-        "model saw it make later chunks late where the lane is busy."
+        "there too (the one that ran late at 40 req/s on the H200). Measured worse on the "
+        "H200 (2026-12-02: at 40 req/s p95 first audio 84.7 against 33.2 ms, 11 underrun "
+        "requests against 0, the late chunks moved to the third): keep 1."
     ),  # fmt: skip
     max_batch: int = typer.Option(
         None, "--max-batch", min=1, help="GPU: the largest batch bucket, rows per captured "
