@@ -76,6 +76,7 @@ class FakeEngine:
     num_slots: int = 4
     cost_s: dict = field(default_factory=lambda: {"prefill": 0.01, "frames": 0.02, "audio": 0.01})
     per_row_s: dict = field(default_factory=lambda: {"frames": 0.0, "audio": 0.0})
+    audio_frame_s: float = 0.0  # a codec step's cost per frame it decodes, on top
     codec_lane: bool = False
     async_prefill: bool = False
     instant: bool = True
@@ -87,6 +88,7 @@ class FakeEngine:
     lane_free: dict = field(default_factory=lambda: {"lm": 0.0, "codec": 0.0, "admit": 0.0})
     tickets: int = 0
     lane_codec_steps: int = 1
+    lane_frames: int = 1  # a row's first frames on the admission lane (GraphBackend's plan)
 
     @property
     def plan(self) -> EnginePlan:
@@ -134,12 +136,15 @@ class FakeEngine:
         st = self.slots[slot]
         return st.frames - st.decoded
 
-    def _run(self, kind: str, parts, outputs) -> FakeTicket:
+    def _run(self, kind: str, parts, outputs, frames=None) -> FakeTicket:
         """One step of `kind` in parts [(lane, slots, start)] (the admission lane's rows and
-        the others): each occupies its lane from `start`; the step ends with the last."""
+        the others): each occupies its lane from `start`; the step ends with the last.
+        frames: slot -> frames it decodes (codec steps, for audio_frame_s)."""
         done_at, slots = 0.0, []
         for lane, rows, start in parts:
             cost = self.cost_s[kind] + self.per_row_s[kind] * len(rows)
+            if frames is not None:
+                cost += self.audio_frame_s * sum(frames[s] for s in rows)
             begin = max(start, self.clock.t, self.lane_free[lane])
             self.lane_free[lane] = begin + cost
             done_at, slots = max(done_at, begin + cost), slots + list(rows)
@@ -160,8 +165,7 @@ class FakeEngine:
     def launch_frames(self, slots) -> FakeTicket:
         self.calls.append(("frames", list(slots)))
         parts = [(lane, rows, max(self.slots[s].frames_ready_at for s in rows))  # prefill
-                 for lane, rows in self._split(slots, lambda s: self.slots[s].frames == 0,
-                                               "lm")]  # fmt: skip
+                 for lane, rows in self._split(slots, self._lane_frame_row, "lm")]
         outputs = []
         for s in slots:
             st = self.slots[s]
@@ -191,7 +195,11 @@ class FakeEngine:
             pcm[s] = [0.0] * (todo[s] * FRAME_SAMPLES)
             st.audio_steps += todo[s] > 0
             st.decoded += todo[s]
-        return self._run("audio", parts, pcm)
+        return self._run("audio", parts, pcm, todo)
+
+    def _lane_frame_row(self, s: int) -> bool:
+        st = self.slots[s]
+        return st.frames == 0 or (st.frames < self.lane_frames and st.decoded == 0)
 
     def _lane_codec_row(self, s: int, n: int) -> bool:
         st = self.slots[s]

@@ -345,6 +345,28 @@ def test_a_slow_engine_serves_one_stream_and_refuses_the_next_truthfully():
     h.submit()  # the stream finished: room again
 
 
+@pytest.mark.parametrize("admit_slack_s", [0.0, 0.01])
+def test_a_chunk_with_little_time_to_spare_stops_admission_only_with_admit_slack(admit_slack_s):
+    """SchedulerConfig.admit_slack_s: a stream whose latest chunk came 5 ms before its
+    playback ran dry counts as behind for admission when the slack asked for is 10 ms (and
+    not with 0, where only late chunks count); its next chunk with time to spare clears it."""
+    h = Harness(num_slots=4, admit_by_capacity=True, admit_slack_s=admit_slack_s)
+    s = h.submit(frames=40, schedule=(1,))
+    h.run_until(lambda: len(h.chunks(s)) >= 1)
+    due = s.playback_end()
+    h.sched._commit_audio(s, [0.0] * FRAME_SAMPLES, due - 0.005)  # 5 ms to spare
+    if admit_slack_s:
+        with pytest.raises(Rejected) as err:
+            h.submit()
+        assert err.value.reason == "capacity"
+        assert "less than 10 ms from it" in err.value.message
+    else:
+        h.submit()
+    h.sched._commit_audio(s, [0.0] * FRAME_SAMPLES, s.playback_end() - 0.05)  # 50 ms early
+    assert not s.behind
+    h.submit()
+
+
 def test_waiting_for_a_slot_ends_in_429_naming_the_slot_not_capacity():
     h = Harness(num_slots=1, queue_timeout_s=0.5, admit_by_capacity=False)
     h.submit(frames=1000)

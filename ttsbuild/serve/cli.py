@@ -65,6 +65,14 @@ def serve(
         0.5, min=0.0, help="Headroom admission keeps: streams are admitted while they need "
         "at most 1 / (1 + this) of the engine's measured real-time throughput."
     ),  # fmt: skip
+    admit_slack: float = typer.Option(
+        0.0, "--admit-slack", min=0.0, help="Seconds: also refuse new streams (429) while an "
+        "admitted stream's latest chunk came with less than this to spare before its "
+        "playback ran dry (0: only once one came late). A CPU model of the H200 under load "
+        "(benchmarks/serve/admission_sim.py), 60 req/s: 0.04 left 3 of 1470 admitted streams "
+        "with a late chunk against 104 of 1716 with 0, but refused 3 % at 40 req/s where 0 "
+        "refused none. Not yet served on a GPU."
+    ),  # fmt: skip
     drop_bootstrap_frame: bool | None = typer.Option(
         None, "--drop-bootstrap-frame/--keep-bootstrap-frame",
         help="Drop the silent first frame (default: drop for real checkpoints, keep stand-ins).",
@@ -201,6 +209,7 @@ def serve(
             max_buffered_s=max_buffered,
             admit_by_capacity=admit_by_capacity,
             capacity_margin=capacity_margin,
+            admit_slack_s=admit_slack,
             pace_slack_s=pace_slack,
             lane_chunks=lane_chunks,
             exact_chunks=exact_chunks,

@@ -81,6 +81,13 @@ class SchedulerConfig:
     admit_by_capacity: bool = True
     capacity_window_s: float = 1.0
     capacity_margin: float = 0.5  # 0.3 let ramping streams run late at 2x overload (fake clock)
+    # ...and refused while an admitted stream's latest chunk came less than this before its
+    # playback needed it (0: only once one came late). Throughput is not what runs out first
+    # on a GPU: at 60 req/s on the H200 streams were generated ~4x faster than real time
+    # (rtf p50 0.27) while 7 % of them underran at their second chunk, the steps it waits for
+    # being 2-3x slower beside each other than alone
+    # (benchmarks/serve/2026-12-02-h200-capacity-128).
+    admit_slack_s: float = 0.0
     # Codec steps launched and not yet read back, at most (first chunks excepted): one more
     # waits for a turn after the oldest is read, gathering more rows, instead of queueing on
     # the codec stream behind them (a pipelined engine; a serial one has at most one).

@@ -44,8 +44,10 @@ fast as their deadlines need, more of them generate at once and each step carrie
 
 Admission (submit, at once): a full queue answers 429 (queue_full); audio produced but unsent
 (slow or stalled clients) above max_buffered_s answers 503; an engine at capacity answers 429
-(capacity) with the numbers behind the decision. At capacity means: an admitted stream had a
-chunk late for its playback within the window (the engine is behind), or the demand would
+(capacity) with the numbers behind the decision. At capacity means: an admitted stream's latest
+chunk came late for its playback, or less than admit_slack_s before it (the engine is behind,
+or its latency about to make it so: under load the steps a chunk waits for grow slower long
+before the throughput runs out), or the demand would
 exceed the supply. Supply: audio seconds generated per second of engine work over the last
 capacity_window_s, i.e. real-time streams the engine sustains at the batch it ran, scaled to
 the batch the new stream makes by the frame step's measured cost per row (flat on a GPU,
@@ -167,7 +169,7 @@ class Stream:
     first_frame_at: float | None = None  # its first frame step launched
     first_codec_at: float | None = None  # its first codec step launched
     first_audio_at: float | None = None
-    behind: bool = False  # its latest chunk came after its playback had run dry
+    behind: bool = False  # its latest chunk came late, or within admit_slack_s of late
     last_served_at: float = 0.0
 
     def next_chunk_frames(self) -> int:
@@ -467,9 +469,10 @@ class Scheduler:
         return capacity is None or demand == 0 or demand + extra <= capacity
 
     def behind(self) -> int:
-        """Streams still generating whose latest chunk came late for their playback: the
-        engine is not keeping up, whatever the capacity estimate says (a stream that catches
-        up, its next chunk on time, no longer counts)."""
+        """Streams still generating whose latest chunk came late for their playback, or with
+        less than SchedulerConfig.admit_slack_s to spare: the engine is not keeping up (or
+        about to stop), whatever the capacity estimate says (a stream whose next chunk comes
+        with time to spare no longer counts)."""
         return sum(1 for s in self.by_slot.values() if s.behind and not s.generation_done)
 
     def _capacity_refusal(self, stream: Stream, now: float) -> str | None:
@@ -477,7 +480,10 @@ class Scheduler:
         if not self.config.admit_by_capacity:
             return None
         if late := self.behind():
-            return f"{late} admitted streams are behind their playback"
+            if not self.config.admit_slack_s:
+                return f"{late} admitted streams are behind their playback"
+            return (f"{late} admitted streams are behind their playback or less than "
+                    f"{1e3 * self.config.admit_slack_s:g} ms from it")
         streams = len(self.by_slot) + len(self.queue) + 1
         capacity = self.capacity(now, streams)
         demand = self.demand() + sum(q.demand() for q in self.queue)
@@ -816,7 +822,7 @@ class Scheduler:
                 self.observer.on_first_audio(now - s.arrived_at, _first_audio_phases(s, now))
         if due is not None:
             self.observer.on_chunk(now - due, s.chunks_sent, s.samples_sent / SAMPLE_RATE)
-            s.behind = now > due
+            s.behind = now > due - self.config.admit_slack_s
         self._emit(s, Chunk(s.chunks_sent, pcm))
         s.chunks_sent += 1
         s.samples_sent += len(pcm)

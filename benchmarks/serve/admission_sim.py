@@ -1,0 +1,166 @@
+"""Admission under load, on a CPU model of the pipelined server: the real scheduler and engine
+loop (serve.loop.EngineLoop, express admission, capacity admission on) driving the GPU-like
+fake engine (frame steps on one lane, codec steps on another, new rows' prefill, first frame
+and first codec step on an admission lane), voice-agent prompts, Poisson arrivals. Per rate
+and `admit_slack_s`: requests refused, admitted requests with a late chunk (an underrun at a
+zero-buffer client), their first-audio p95, audio made per second.
+
+    python benchmarks/serve/admission_sim.py [--rates 20,40,60,80] [--slacks 0,0.01,0.02]
+        [--schedules 1,1,2,4,8,12/2,1,2,4,8,12 --lane-frames 2]
+
+The fake's step costs grow with the batch as the H200's did *under load*, where the two lanes
+slow each other 2-3x (benchmarks/serve/2026-12-02-h200-capacity-128): a frame step
+4 ms + 0.14 ms per row (8 ms at 26 rows, 16 ms at 87: the H200 at 40 and 80 req/s), a codec
+step 3 ms + 0.15 ms per frame it decodes (21 ms for 121 frames), a prefill 2 ms. The model
+saturates at ~6,700 frames/s (the H200 at ~5,500), and, as on the H200, streams underrun at
+their second chunk long before that. Read it for how a policy moves refusals and underruns,
+not for absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.serve
+
+from tests.serve.fakes import FakeClock, FakeEngine, FakeRequest, FakeRequestError  # noqa: E402
+from ttsbuild.bench.schedule import load_prompts  # noqa: E402
+from ttsbuild.serve.config import SAMPLE_RATE, SchedulerConfig  # noqa: E402
+from ttsbuild.serve.loop import EngineLoop, Runner  # noqa: E402
+from ttsbuild.serve.scheduler import (  # noqa: E402
+    Chunk,
+    NullObserver,
+    Rejected,
+    Scheduler,
+    Status,
+)
+
+CHARS_PER_S = 14.0  # the stand-ins' speaking rate (see pacing_sim.py)
+FRAMES_PER_S = 12.5
+
+
+class Late(NullObserver):
+    def __init__(self):
+        self.late_chunks = 0
+
+    def on_chunk(self, lateness_s: float, chunk: int = 0, played_s: float = 0.0) -> None:
+        self.late_chunks += lateness_s > 0
+
+
+def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outcome:
+    rnd = random.Random(seed)
+    prompts = load_prompts("voice-agent")
+    clock = FakeClock()
+    engine = FakeEngine(
+        clock, num_slots=a.slots, codec_lane=True, async_prefill=True, instant=False,
+        admission_lane=True,
+        cost_s={"prefill": a.prefill_ms / 1e3, "frames": a.frame_ms / 1e3,
+                "audio": a.codec_ms / 1e3},
+        per_row_s={"frames": a.frame_row_ms / 1e3, "audio": 0.0},
+        audio_frame_s=a.codec_frame_ms / 1e3, lane_frames=a.lane_frames,
+    )  # fmt: skip
+    observer = Late()
+    config = SchedulerConfig(num_slots=a.slots, max_batch=a.slots, max_queue=256,
+                             queue_timeout_s=a.queue_timeout, max_buffered_s=1e6,
+                             stream_buffer_s=1e6, admit_slack_s=slack,
+                             lane_frames=a.lane_frames)  # fmt: skip
+    sched = Scheduler(config, clock, observer, initial_cost_s=0.01)
+    loop = EngineLoop(sched, Runner(engine, FakeRequestError), clock=clock, sleep=clock.advance,
+                      express=True)  # fmt: skip
+    streams, refused, late_streams = [], 0, set()
+    first: dict[int, float] = {}
+    next_at, t_end = 0.0, a.duration
+    while clock.t < t_end or any(s.status not in (Status.FINISHED, Status.FAILED)
+                                 for s in streams):  # fmt: skip
+        while clock.t >= next_at and next_at < t_end:
+            frames = max(4, round(len(rnd.choice(prompts)) / CHARS_PER_S * FRAMES_PER_S))
+            holder: list = []
+
+            def sink(event, holder=holder):
+                s = holder[0]
+                if isinstance(event, Chunk):
+                    first.setdefault(s.id, clock.t - s.arrived_at)
+                    sched.ack(s.id, len(event.pcm))
+                    # the audio sent before this chunk runs out at `due` (a zero-buffer client)
+                    due = s.playback_start() + (s.samples_sent - len(event.pcm)) / SAMPLE_RATE
+                    if event.seq and clock.t > due:
+                        late_streams.add(s.id)
+
+            try:
+                holder.append(sched.submit(FakeRequest(frames), sink, schedule))
+                streams.append(holder[0])
+            except Rejected:
+                refused += 1
+            next_at += rnd.expovariate(rate)
+        if not loop.step():
+            clock.advance(min(0.001, loop.idle_s))
+    failed = sum(s.status is Status.FAILED for s in streams)
+    admitted = [s for s in streams if s.status is Status.FINISHED]
+    ttfa = sorted(first[s.id] * 1e3 for s in admitted if s.id in first)
+    return Outcome(
+        rate=rate, slack=slack, sent=len(streams) + refused, refused=refused + failed,
+        refused_queued=failed, admitted=len(admitted),
+        late=sum(s.id in late_streams for s in admitted), late_chunks=observer.late_chunks,
+        ttfa_p50_ms=statistics.median(ttfa) if ttfa else float("nan"),
+        ttfa_p95_ms=ttfa[int(0.95 * (len(ttfa) - 1))] if ttfa else float("nan"),
+        audio_s_per_s=sum(s.samples_sent for s in admitted) / SAMPLE_RATE / a.duration,
+    )  # fmt: skip
+
+
+@dataclass
+class Outcome:
+    rate: float
+    slack: float
+    sent: int
+    refused: int  # at once, or after queueing for a slot (refused_queued)
+    refused_queued: int
+    admitted: int
+    late: int  # admitted streams with a late chunk
+    late_chunks: int
+    ttfa_p50_ms: float
+    ttfa_p95_ms: float
+    audio_s_per_s: float
+
+    def __str__(self) -> str:
+        return (f"{self.rate:5g} req/s admit_slack {self.slack * 1e3:2.0f} ms: {self.sent:5d} "
+                f"sent, {self.refused:4d} refused ({self.refused_queued} after queueing), "
+                f"{self.late:4d} of {self.admitted} admitted with a late chunk "
+                f"({self.late_chunks} late chunks), TTFA p50 {self.ttfa_p50_ms:6.1f} p95 "
+                f"{self.ttfa_p95_ms:6.1f} ms, {self.audio_s_per_s:6.1f} audio-s per s")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rates", default="20,40,60,80")
+    p.add_argument("--slacks", default="0,0.01,0.02,0.03")
+    p.add_argument("--slots", type=int, default=128)
+    p.add_argument("--schedules", default="1,1,2,4,8,12",
+                   help="chunk schedules to compare, '/' between, e.g. 1,1,2,4,8,12/2,1,2,4,8")
+    p.add_argument("--lane-frames", type=int, default=1,
+                   help="a new row's first frames on the admission lane (2: serve --lane-frames 2)")
+    p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--queue-timeout", type=float, default=2.0)
+    p.add_argument("--frame-ms", type=float, default=4.0)
+    p.add_argument("--frame-row-ms", type=float, default=0.14)
+    p.add_argument("--codec-ms", type=float, default=3.0)
+    p.add_argument("--codec-frame-ms", type=float, default=0.15)
+    p.add_argument("--prefill-ms", type=float, default=2.0)
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    a = parse_args()
+    for rate in (float(r) for r in a.rates.split(",")):
+        for slack in (float(x) for x in a.slacks.split(",")):
+            for sched in a.schedules.split("/"):
+                schedule = tuple(int(x) for x in sched.split(","))
+                print(f"[{sched}] {simulate(rate, slack, a, schedule)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
