@@ -66,6 +66,10 @@ def main() -> None:
     ap.add_argument("--opt-in-kernels", action="store_true",
                     help="also time 'triton' with the opt-in fusions on (CodecEngine(fused=True): "
                          "overlap-add, ring attention, snake in the 1x1 convs; row 'triton+k')")
+    ap.add_argument("--channels-last", action="store_true",
+                    help="also time 'triton' (with the fusions when --opt-in-kernels) with the "
+                         "convs' operands channels-last (CodecEngine(channels_last=True); rows "
+                         "'triton+cl', 'triton+k+cl')")
     ap.add_argument("--profile-impls", default=None,
                     help="implementations to profile (default: all of --conv-impls)")
     args = ap.parse_args()
@@ -78,6 +82,8 @@ def main() -> None:
     impls = args.conv_impls.split(",")
     if args.opt_in_kernels:
         impls.append("triton+k")
+    if args.channels_last:
+        impls += [i + "+cl" for i in impls if i.startswith("triton")]
     slots = max(64, max(batches))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
           f"{torch.backends.cudnn.version()}; precision {args.precision}")
@@ -86,8 +92,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for impl in impls:
         engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4,
-                             conv_impl=impl.removesuffix("+k"),
-                             fused=impl.endswith("+k"))
+                             conv_impl=impl.split("+")[0], fused="+k" in impl,
+                             channels_last=impl.endswith("+cl"))
         snr = codec_snr_db(engine, dec, random_codes(dec.config, 2, 24, seed=1))
         print(f"| {impl} | SNR vs fp32 decode: {snr:.1f} dB | | | |")
         for bench in [m == "on" for m in args.cudnn_benchmark.split(",")]:

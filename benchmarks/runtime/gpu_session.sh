@@ -24,6 +24,10 @@
 #         dropped) with the lane making both (plan.lane_frames 2): graph vs eager (tiny) with
 #         it, then the engine microbenchmark's first chunk of two frames beside stepping rows,
 #         lane off and on
+# codec:  the codec's kernel tests on the GPU (causal conv, snake + context, channels-last
+#         operands included), then profile_codec.py: the served codec (triton + fusions)
+#         against the same with channels-last conv operands (`+cl`), batches $CODEC_BATCHES
+#         (default 1,64,256), one graph-replayed one-frame step, SNR against fp32
 # sweep:  serving sweep at $SWEEP_RPS req/s (default 1,10,20,30,40), 60 s each, one server,
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
 #         CustomVoice checkpoint's first chunk, two frames with the silent one dropped), until
@@ -93,6 +97,15 @@ for step in $STEPS; do
         log "engine microbenchmark, first chunk of two frames beside stepping rows"
         engine_bench bootstrap --admission-lane 1,2 --first-frames 2
         grep -E "stepping rows" "$OUT/engine_bench_bootstrap.log" ;;
+    codec)
+        log "GPU tests: causal conv, snake + context"
+        timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_causal_conv.py \
+            tests/plugins/test_codec_context.py 2>&1 | tee "$OUT/gpu_tests_codec.log" | tail -2
+        log "codec step: triton + fusions, with and without channels-last conv operands"
+        timeout -k 5 300 python3 benchmarks/codec/profile_codec.py --batches "${CODEC_BATCHES:-1,64,256}" \
+            --conv-impls triton --opt-in-kernels --channels-last \
+            --profile-impls triton+k,triton+k+cl --top 12 2>&1 | grep -v Assertion \
+            | tee "$OUT/profile_codec.log" | grep -E "^\| triton" ;;
     sweep)
         left=$((DEADLINE_S - SECONDS))
         log "serving sweep at ${SWEEP_RPS:-1,10,20,30,40} req/s: serve ${SWEEP_ARGS:-} (${left}s left)"

@@ -66,6 +66,40 @@ def test_kernel_equals_reference(cin, cout, k, d, n, dtype, fused):
     assert rel_err(got, want) <= tol
 
 
+def _channels_last(t):
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("cin", "cout", "k", "d", "n"), [
+    (96, 96, 7, 9, 37),     # block 4's dilated conv
+    (192, 192, 1, 1, 70),   # a residual unit's 1x1 conv
+    (64, 96, 3, 2, 700),    # >= 2048 output rows: the 128 x 128 tile
+])
+@pytest.mark.parametrize("layouts", ["in", "in+out", "out+res"])
+def test_channels_last_operands_give_the_same_conv(cin, cout, k, d, n, layouts):
+    """An input (and a residual) as [B, C, L] views of contiguous [B, L, C] tensors, as
+    snake_context(channels_last=True) makes them, and a channels-last output
+    (channels_last=True: strides (n * Cout, 1, Cout)): the same values as the default layout,
+    kernel and reference alike."""
+    xin, weight, bias, residual = _inputs(3, cin, cout, k, d, n, torch.float16, KDEV,
+                                          cin + k * d + n)  # fmt: skip
+    w = pack_conv_weight(weight)
+    want = causal_conv(xin, w, bias, d, residual, use_triton=False)
+    if "in" in layouts.split("+"):
+        xin = _channels_last(xin)
+    if "res" in layouts:
+        residual = _channels_last(residual)
+    out_last = "out" in layouts
+    for use_triton in (False, True):
+        got = causal_conv(xin, w, bias, d, residual, channels_last=out_last,
+                          use_triton=use_triton)  # fmt: skip
+        assert got.shape == want.shape == (3, cout, n)
+        if out_last:
+            assert got.stride() == (n * cout, 1, cout)
+        assert rel_err(got, want) <= 2e-3
+
+
 @needs_kernel
 @pytest.mark.parametrize(("cin", "cout", "n"), [(96, 96, 700), (192, 192, 40), (40, 24, 5)])
 def test_kernel_with_snake_equals_snake_then_conv(cin, cout, n):

@@ -48,3 +48,25 @@ def test_kernel_equals_reference(snake, C, n, ctx, dtype):
     assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() <= tol
     if ctx:  # the same new tails (the rows' last ctx inputs), the other slots untouched
         assert ((tail.float() - ref_tail.float()).abs().max()).item() <= tol * 10
+
+
+@needs_kernel
+@pytest.mark.parametrize(("C", "n", "ctx", "x_channels_last"),
+                         [(96, 4, 6, False), (48, 30, 54, True), (40, 16, 2, True)])
+def test_channels_last_output_holds_the_same_values(C, n, ctx, x_channels_last):
+    """channels_last: xin is a [B, C, L] view of a contiguous [B, L, C] tensor, the same values
+    and the same tails as the default layout, from either layout of x."""
+    x, alpha, inv_beta, tail, rows = _inputs(3, C, n, ctx, 5, torch.float16, KDEV, C * n + ctx)
+    if x_channels_last:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    ref_tail = tail.clone()
+    want = snake_context(x, alpha, inv_beta, ref_tail, rows, use_triton=False)
+    for use_triton in (False, True):
+        got_tail = tail.clone()
+        got = snake_context(x, alpha, inv_beta, got_tail, rows, channels_last=True,
+                            use_triton=use_triton)  # fmt: skip
+        assert got.shape == want.shape == (3, C, ctx + n)
+        assert got.stride() == ((ctx + n) * C, 1, C)
+        err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+        assert err.item() <= 1e-3
+        assert ((got_tail.float() - ref_tail.float()).abs().max()).item() <= 1e-2

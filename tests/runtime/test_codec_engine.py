@@ -199,3 +199,27 @@ def test_resolve_conv_impl(monkeypatch):
     monkeypatch.setenv("TTSBUILD_CODEC_CONV", "fast")
     with pytest.raises(ValueError, match="TTSBUILD_CODEC_CONV"):
         resolve_conv_impl("auto", "cuda")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_channels_last_conv_operands_decode_the_same_audio(fused, monkeypatch):
+    """CodecEngine(channels_last=True): the implicit-GEMM convs' inputs and outputs as
+    channels-last views (the Triton kernels under TRITON_INTERPRET=1, else their references;
+    min rows 1: every half-precision conv takes that path). Only the memory layout changes:
+    the same audio as the default layout, chunk by chunk, and the same SNR against fp32."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    monkeypatch.setattr(ce, "IMPLICIT_MIN_ROWS", 1)
+    cfg = small_config()
+    dec = our_decoder(cfg, test_state(cfg, seed=34))
+    codes = rand_codes(cfg, 2, 6, seed=35)
+    plain = CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=fused)
+    last = CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=fused, channels_last=True)
+    assert last.channels_last and not plain.channels_last
+    want, got = ce.decode_with(plain, codes), ce.decode_with(last, codes)
+    assert got.shape == want.shape
+    rel = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+    assert rel <= 2e-3, rel
+    assert abs(codec_snr_db(plain, dec, codes) - codec_snr_db(last, dec, codes)) < 0.2
+    # only the implicit-GEMM path takes it: the cuDNN engine ignores the flag
+    assert not CodecEngine(dec, 2, "fp16", channels_last=True).channels_last

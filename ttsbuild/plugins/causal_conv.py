@@ -60,14 +60,18 @@ def causal_conv_reference(xin, w, bias, dilation, residual=None, alpha=None, inv
 
 
 def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None, *,
-                use_triton: bool | None = None):
+                channels_last: bool = False, use_triton: bool | None = None):
     """See the module docstring; one launch on the GPU. alpha, inv_beta: a SnakeBeta applied
-    to the input first (only where the input carries no left context that already had it)."""
+    to the input first (only where the input carries no left context that already had it).
+    channels_last: y is a [B, Cout, n] view of a contiguous [B, n, Cout] tensor, as
+    `snake_context(channels_last=True)` makes the input, so a conv reading y reads along
+    contiguous channels too (the kernel takes any input and residual strides)."""
     if xin.dtype not in (torch.float16, torch.bfloat16) or not want_triton(xin, use_triton):
         if use_triton and xin.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the causal_conv kernel takes fp16 or bf16, not {xin.dtype}")
-        return causal_conv_reference(xin, w, bias, dilation, residual, alpha, inv_beta)
-    return _causal_conv_triton(xin, w, bias, dilation, residual, alpha, inv_beta)
+        y = causal_conv_reference(xin, w, bias, dilation, residual, alpha, inv_beta)
+        return y.transpose(1, 2).contiguous().transpose(1, 2) if channels_last else y
+    return _causal_conv_triton(xin, w, bias, dilation, residual, alpha, inv_beta, channels_last)
 
 
 def _config(m: int, cin: int, cout: int) -> tuple[int, int, int, int]:
@@ -83,7 +87,8 @@ def _config(m: int, cin: int, cout: int) -> tuple[int, int, int, int]:
         max(16, triton.next_power_of_2(cout)), 4
 
 
-def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None):
+def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None,
+                        channels_last=False):
     import triton
 
     B, cin, L = xin.shape
@@ -95,7 +100,10 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     if n < 1:
         raise ValueError(f"input of {L} samples is shorter than the receptive field "
                          f"{(k - 1) * dilation + 1}")
-    out = torch.empty((B, cout, n), dtype=xin.dtype, device=xin.device)
+    if channels_last:
+        out = torch.empty((B, n, cout), dtype=xin.dtype, device=xin.device).transpose(1, 2)
+    else:
+        out = torch.empty((B, cout, n), dtype=xin.dtype, device=xin.device)
     if residual is not None and residual.shape != out.shape:
         raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
     bm, bci, bo, warps = _config(B * n, cin, cout)
@@ -106,6 +114,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
         xin, w, bias if bias is not None else w, res, out, alpha if snake else w,
         inv_beta if snake else w, B * n, cin, cout, n, dilation,
         xin.stride(0), xin.stride(1), xin.stride(2), res.stride(0), res.stride(1), res.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SNAKE=snake,
         BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=3,
     )  # fmt: skip
@@ -172,7 +181,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     @triton.jit
     def _causal_conv_kernel(
         x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, M, CIN, COUT, N, DIL,
-        sxb, sxc, sxt, srb, sro, srt,
+        sxb, sxc, sxt, srb, sro, srt, sob, soo, sot,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAKE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr,
     ):  # fmt: skip
@@ -210,7 +219,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             r = tl.load(res_ptr + (b * srb + t * srt)[:, None] + offs_o[None, :] * sro,
                         mask=mask, other=0.0)
             acc += r.to(tl.float32)
-        dst = out_ptr + (b * COUT * N + t)[:, None] + offs_o[None, :] * N
+        dst = out_ptr + (b * sob + t * sot)[:, None] + offs_o[None, :] * soo
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit

@@ -2,9 +2,12 @@
 slot-indexed tails, the tails advanced in place.
 
     snake_context(x [B, C, n], alpha [C, 1] | None, inv_beta [C, 1] | None,
-                  tail [S, C, ctx] | None, rows [B]) -> xin [B, C, ctx + n]
+                  tail [S, C, ctx] | None, rows [B], channels_last=False) -> xin [B, C, ctx + n]
     h = x + inv_beta * sin(alpha * x)^2 (fp32 math, rounded to x's dtype; h = x without alpha)
     xin[b] = cat(tail[rows[b]], h[b]);  tail[rows[b]] = xin[b, :, n:]  (the last ctx inputs)
+channels_last: xin is a [B, C, ctx + n] view of a contiguous [B, ctx + n, C] tensor (strides
+(L * C, 1, C)): the implicit-GEMM conv then reads its input tiles along contiguous channels
+(vector loads its compiler can pipeline) instead of gathering one element per channel row.
 
 Eager, that is SnakeBeta (~6 kernels with the casts) + index_select + cat + index_copy_; the
 kernel does it in one pass over x and the tails. Rows that share a slot (padding rows on the
@@ -22,26 +25,31 @@ import torch
 from ttsbuild.plugins._dispatch import triton_available, want_triton
 
 
-def snake_context_reference(x, alpha, inv_beta, tail, rows):
+def snake_context_reference(x, alpha, inv_beta, tail, rows, channels_last=False):
     if alpha is not None:
         xf = x.float()
         x = (xf + inv_beta * torch.sin(xf * alpha).pow(2)).to(x.dtype)
-    if tail is None or tail.shape[-1] == 0:
-        return x
-    ctx = tail.shape[-1]
-    xin = torch.cat([tail.index_select(0, rows), x], dim=-1)  # [B, C, ctx + n]
-    tail.index_copy_(0, rows, xin[..., -ctx:])
-    return xin
+    if tail is not None and tail.shape[-1]:
+        ctx = tail.shape[-1]
+        x = torch.cat([tail.index_select(0, rows), x], dim=-1)  # [B, C, ctx + n]
+        tail.index_copy_(0, rows, x[..., -ctx:])
+    return _channels_last(x) if channels_last else x
 
 
-def snake_context(x, alpha, inv_beta, tail, rows, *, use_triton: bool | None = None):
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    """x's values as a view of a contiguous [B, L, C] tensor."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def snake_context(x, alpha, inv_beta, tail, rows, *, channels_last: bool = False,
+                  use_triton: bool | None = None):
     """See the module docstring; one launch on the GPU."""
     if not want_triton(x, use_triton):
-        return snake_context_reference(x, alpha, inv_beta, tail, rows)
-    return _snake_context_triton(x, alpha, inv_beta, tail, rows)
+        return snake_context_reference(x, alpha, inv_beta, tail, rows, channels_last)
+    return _snake_context_triton(x, alpha, inv_beta, tail, rows, channels_last)
 
 
-def _snake_context_triton(x, alpha, inv_beta, tail, rows):
+def _snake_context_triton(x, alpha, inv_beta, tail, rows, channels_last=False):
     import triton
 
     B, C, n = x.shape
@@ -50,7 +58,10 @@ def _snake_context_triton(x, alpha, inv_beta, tail, rows):
                              tail.is_contiguous()):
         raise ValueError(f"tail must be contiguous [S, {C}, ctx] {x.dtype}, got "
                          f"{tuple(tail.shape)} {tail.dtype}")
-    out = torch.empty((B, C, ctx + n), dtype=x.dtype, device=x.device)
+    if channels_last:
+        out = torch.empty((B, ctx + n, C), dtype=x.dtype, device=x.device).transpose(1, 2)
+    else:
+        out = torch.empty((B, C, ctx + n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     block_t = triton.next_power_of_2(ctx + n)
@@ -59,6 +70,7 @@ def _snake_context_triton(x, alpha, inv_beta, tail, rows):
     _snake_context_kernel[(B, triton.cdiv(C, block_c))](
         x, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
         rows if ctx else x, out, C, n, ctx, x.stride(0), x.stride(1), x.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
         HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
         BLOCK_CTX=triton.next_power_of_2(max(ctx, 1)), num_warps=4,
     )  # fmt: skip
@@ -82,7 +94,7 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
     @triton.jit
     def _snake_context_kernel(
         x_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, rows_ptr, out_ptr, C, n, ctx,
-        stride_xb, stride_xc, stride_xt,
+        stride_xb, stride_xc, stride_xt, stride_ob, stride_oc, stride_ot,
         HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CTX: tl.constexpr,
     ):  # fmt: skip
@@ -120,6 +132,6 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
             new_tail = tl.where(from_tail[None, :], shifted, _snake(hx, alpha, inv_beta, HAS_SNAKE))
             tl.debug_barrier()  # every thread has read the old tail before any writes it
             tl.store(tail_row + i[None, :], new_tail, mask=c_mask[:, None] & (i < ctx)[None, :])
-        dst = out_ptr + (b * C + offs_c[:, None]) * (ctx + n) + t[None, :]
+        dst = out_ptr + b * stride_ob + offs_c[:, None] * stride_oc + t[None, :] * stride_ot
         tl.store(dst, xin, mask=c_mask[:, None] & (t < ctx + n)[None, :])
 

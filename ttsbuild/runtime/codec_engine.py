@@ -170,6 +170,7 @@ class CodecEngine:
         tf32_stages: tuple[str, ...] = DEFAULT_TF32_STAGES,
         conv_impl: str = "cudnn",
         fused: bool = False,
+        channels_last: bool = False,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -193,6 +194,13 @@ class CodecEngine:
         # implicit-GEMM conv's input load instead of a launch of its own.
         self.fused = fused
         self.fused_convs = fused and conv_impl == "triton"
+        # Off until timed on the GPU (profile_codec.py --channels-last): the implicit-GEMM
+        # convs' inputs and outputs as channels-last views ([B, C, T] shapes over contiguous
+        # [B, T, C] storage: snake_context / causal_conv channels_last), so the kernel reads
+        # its input tiles along contiguous channels, in vectors its compiler can pipeline,
+        # where [B, C, T] storage makes it gather one element per channel row (the conv at
+        # ~130 TFLOP/s, half of a batch-64 step; benchmarks/codec/RESULTS.md).
+        self.channels_last = channels_last and conv_impl == "triton"
         device = torch.device(device) if device is not None else next(codec.parameters()).device
         self.precision, self.device, self.max_chunk = precision, device, max_chunk
         self.config = cfg = codec.config
@@ -395,9 +403,13 @@ class CodecEngine:
                 and x.dtype != torch.float32 and x.shape[0] * x.shape[-1] >= IMPLICIT_MIN_ROWS):
             # no left context to keep: the SnakeBeta runs inside the conv's input load
             return causal_conv(x, w, conv.bias, conv.dilation[0], residual, alpha=alpha,
-                               inv_beta=inv_beta)
+                               inv_beta=inv_beta, channels_last=self.channels_last)
         tail = self.state[m.slot][0] if m.context else None
-        x = snake_context(x, alpha, inv_beta, tail, rows)  # [B, Cin, context + n]
+        # channels-last only where the implicit-GEMM kernel takes the conv (see __init__)
+        last = (self.channels_last and w is not None and x.dtype != torch.float32
+                and x.shape[0] * x.shape[-1] >= IMPLICIT_MIN_ROWS)  # fmt: skip
+        x = snake_context(x, alpha, inv_beta, tail, rows,
+                          channels_last=last)  # [B, Cin, context + n]
         if w is None:  # cuDNN: conv_impl "cudnn", and depthwise convs
             y = F.conv1d(st.mm_in(x), conv.weight, conv.bias, dilation=conv.dilation,
                          groups=conv.groups)
@@ -406,7 +418,7 @@ class CodecEngine:
         k, d = conv.kernel_size[0], conv.dilation[0]
         n = L - m.context
         if self.conv_impl == "triton" and x.dtype != torch.float32 and B * n >= IMPLICIT_MIN_ROWS:
-            return causal_conv(x, w, conv.bias, d, residual)
+            return causal_conv(x, w, conv.bias, d, residual, channels_last=last)
         # im2col: patches [B, n, k, Cin] (tap j of output t is input t + j * dilation), one
         # GEMM with the bias fused; the result is [B, Cout, n] as a view of [B, n, Cout].
         cols = x.unfold(2, m.context + 1, 1)[..., ::d]  # [B, Cin, n, k]

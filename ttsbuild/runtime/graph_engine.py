@@ -351,6 +351,7 @@ class GraphBackend:
         self.codec_engine = CodecEngine(
             models.codec, plan.num_slots, plan.codec_precision, dev, max_chunk=plan.max_chunk,
             conv_impl=resolve_conv_impl(plan.codec_conv, dev), fused=plan.codec_fused,
+            channels_last=plan.codec_channels_last,
         )
         if release_modules:
             models.offload_codec_decoder()  # the codec engine holds its own copy

@@ -61,6 +61,9 @@ class EnginePlan(BaseModel):
     # inside the 1x1 convs, one kernel each): 2-8 % faster on the H200 and the graph-vs-eager
     # check passes with them (benchmarks/codec/RESULTS.md, 2026-12-01).
     codec_fused: bool = True
+    # The codec's implicit-GEMM convs on channels-last operands (CodecEngine(channels_last=
+    # True)): same audio, layout only; off until profile_codec.py --channels-last is timed.
+    codec_channels_last: bool = False
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
