@@ -1,0 +1,79 @@
+"""How the implicit-GEMM conv kernel (plugins.causal_conv) loads its input tile, compiled
+offline for sm_90 (no GPU needed: Triton's NVIDIA backend and its ptxas): for [B, C, T]
+storage (the default: time contiguous, channel stride T) and for channels-last operands
+(CodecEngine(channels_last=True): channel stride 1, time stride C). Prints the global loads
+and cp.async copies in the PTX of each.
+
+    python benchmarks/codec/ptx_loads.py [--block-ci 32] [--warps 8] [--stages 3]
+
+The integer arguments are specialised as Triton specialises them at run time: a stride of 1
+as a constant, the others (and the pointers) as multiples of 16 (the codec's channel counts,
+96-1536, all are). The version of Triton here may not be the GPU host's; read the counts as
+what the layout lets the compiler do, and time it on the GPU (profile_codec.py
+--channels-last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+PTRS = ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "alpha_ptr", "inv_beta_ptr")
+
+
+def compile_ptx(channels_last: bool, a) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ttsbuild.plugins.causal_conv import _causal_conv_kernel as kernel
+
+    names = list(kernel.arg_names)
+    consts = {"K": 7, "HAS_BIAS": True, "HAS_RES": False, "HAS_SNAKE": False,
+              "BLOCK_M": 128, "BLOCK_CI": a.block_ci, "BLOCK_O": 128}  # fmt: skip
+    unit = "sxc" if channels_last else "sxt"  # the stride that is 1
+    consts[unit] = 1
+    sig = {n: "*fp16" if n in PTRS else "constexpr" if n in consts else "i32" for n in names}
+    aligned = [*PTRS, "CIN", "COUT", "sob", "srb"]
+    aligned += ["sxb", "sxt", "sot"] if channels_last else ["sxb", "sxc", "soo"]
+    src = ASTSource(
+        fn=kernel, signature=sig,
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )  # fmt: skip
+    options = {"num_warps": a.warps, "num_stages": a.stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def load_forms(ptx: str) -> collections.Counter:
+    """Global loads and async copies, operands stripped: what kind, how wide, how many."""
+    forms = collections.Counter()
+    for line in ptx.splitlines():
+        op = line.strip().split(";")[0]
+        if "ld.global" in op or "cp.async.cg" in op or "cp.async.ca" in op:
+            op = re.sub(r"^@%p\d+\s+", "@p ", op)
+            op = re.sub(r"\{[^}]*\}|\[[^\]]*\]|%r\d+", "_", op)
+            forms[op] += 1
+    return forms
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--block-ci", type=int, default=32)
+    p.add_argument("--warps", type=int, default=8)
+    p.add_argument("--stages", type=int, default=3)
+    a = p.parse_args()
+    import triton
+
+    print(f"triton {triton.__version__}, sm_90, BLOCK_M 128, BLOCK_CI {a.block_ci}, "
+          f"BLOCK_O 128, K 7, {a.warps} warps, {a.stages} stages")  # fmt: skip
+    for channels_last in (False, True):
+        forms = load_forms(compile_ptx(channels_last, a))
+        print(f"\n{'channels-last operands' if channels_last else '[B, C, T] operands'}:")
+        for form, count in sorted(forms.items()):
+            print(f"  {count:3d} x {form}")
+
+
+if __name__ == "__main__":
+    main()
