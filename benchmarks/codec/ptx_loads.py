@@ -1,8 +1,8 @@
 """How the implicit-GEMM conv kernel (plugins.causal_conv) loads its input tile, compiled
 offline for sm_90 (no GPU needed: Triton's NVIDIA backend and its ptxas): for [B, C, T]
 storage (the default: time contiguous, channel stride T) and for channels-last operands
-(CodecEngine(channels_last=True): channel stride 1, time stride C). Prints the global loads
-and cp.async copies in the PTX of each.
+(CodecEngine(channels_last=True): channel stride 1, time stride C). Prints the global loads,
+stores and cp.async copies in the PTX of each.
 
     python benchmarks/codec/ptx_loads.py [--block-ci 32] [--warps 8] [--stages 3]
 
@@ -32,8 +32,10 @@ def compile_ptx(channels_last: bool, a) -> str:
     names = list(kernel.arg_names)
     consts = {"K": 7, "HAS_BIAS": True, "HAS_RES": False, "HAS_SNAKE": False,
               "BLOCK_M": 128, "BLOCK_CI": a.block_ci, "BLOCK_O": 128}  # fmt: skip
-    unit = "sxc" if channels_last else "sxt"  # the stride that is 1
-    consts[unit] = 1
+    # the strides that are 1: the input's and the output's channel strides (channels-last),
+    # else their time strides
+    for unit in ("sxc", "soo") if channels_last else ("sxt", "sot"):
+        consts[unit] = 1
     sig = {n: "*fp16" if n in PTRS else "constexpr" if n in consts else "i32" for n in names}
     aligned = [*PTRS, "CIN", "COUT", "sob", "srb"]
     aligned += ["sxb", "sxt", "sot"] if channels_last else ["sxb", "sxc", "soo"]
@@ -47,11 +49,12 @@ def compile_ptx(channels_last: bool, a) -> str:
 
 
 def load_forms(ptx: str) -> collections.Counter:
-    """Global loads and async copies, operands stripped: what kind, how wide, how many."""
+    """Global loads, stores and async copies, operands stripped: what kind, how wide, how
+    many."""
     forms = collections.Counter()
     for line in ptx.splitlines():
         op = line.strip().split(";")[0]
-        if "ld.global" in op or "cp.async.cg" in op or "cp.async.ca" in op:
+        if "ld.global" in op or "st.global" in op or "cp.async.cg" in op or "cp.async.ca" in op:
             op = re.sub(r"^@%p\d+\s+", "@p ", op)
             op = re.sub(r"\{[^}]*\}|\[[^\]]*\]|%r\d+", "_", op)
             forms[op] += 1
