@@ -22,7 +22,9 @@ import re
 PTRS = ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "alpha_ptr", "inv_beta_ptr")
 
 
-def compile_ptx(channels_last: bool, a) -> str:
+def compile_ptx(channels_last: bool, a, k: int = 7, unit_conv: bool = False) -> str:
+    """unit_conv: a residual unit's 1x1 conv (k 1, SnakeBeta in the input load, the residual
+    added), else a conv of `k` taps with a bias."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -30,15 +32,18 @@ def compile_ptx(channels_last: bool, a) -> str:
     from ttsbuild.plugins.causal_conv import _causal_conv_kernel as kernel
 
     names = list(kernel.arg_names)
-    consts = {"K": 7, "HAS_BIAS": True, "HAS_RES": False, "HAS_SNAKE": False,
-              "BLOCK_M": 128, "BLOCK_CI": a.block_ci, "BLOCK_O": 128}  # fmt: skip
-    # the strides that are 1: the input's and the output's channel strides (channels-last),
-    # else their time strides
-    for unit in ("sxc", "soo") if channels_last else ("sxt", "sot"):
+    consts = {"K": 1 if unit_conv else k, "HAS_BIAS": True, "HAS_RES": unit_conv,
+              "HAS_SNAKE": unit_conv, "BLOCK_M": 128, "BLOCK_CI": a.block_ci,
+              "BLOCK_O": 128}  # fmt: skip
+    # the strides that are 1: the input's, output's and residual's channel strides
+    # (channels-last), else their time strides
+    for unit in ("sxc", "soo", "sro") if channels_last else ("sxt", "sot", "srt"):
         consts[unit] = 1
-    sig = {n: "*fp16" if n in PTRS else "constexpr" if n in consts else "i32" for n in names}
-    aligned = [*PTRS, "CIN", "COUT", "sob", "srb"]
-    aligned += ["sxb", "sxt", "sot"] if channels_last else ["sxb", "sxc", "soo"]
+    fp32 = ("alpha_ptr", "inv_beta_ptr")
+    sig = {n: ("*fp32" if n in fp32 else "*fp16") if n in PTRS else
+           "constexpr" if n in consts else "i32" for n in names}  # fmt: skip
+    aligned = [*PTRS, "CIN", "COUT", "sob", "srb", "sxb"]
+    aligned += ["sxt", "sot", "srt"] if channels_last else ["sxc", "soo", "sro"]
     src = ASTSource(
         fn=kernel, signature=sig,
         constexprs={(names.index(n),): v for n, v in consts.items()},
@@ -70,12 +75,16 @@ def main() -> None:
     import triton
 
     print(f"triton {triton.__version__}, sm_90, BLOCK_M 128, BLOCK_CI {a.block_ci}, "
-          f"BLOCK_O 128, K 7, {a.warps} warps, {a.stages} stages")  # fmt: skip
-    for channels_last in (False, True):
-        forms = load_forms(compile_ptx(channels_last, a))
-        print(f"\n{'channels-last operands' if channels_last else '[B, C, T] operands'}:")
-        for form, count in sorted(forms.items()):
-            print(f"  {count:3d} x {form}")
+          f"BLOCK_O 128, {a.warps} warps, {a.stages} stages")  # fmt: skip
+    for unit_conv in (False, True):
+        what = ("a residual unit's 1x1 conv (SnakeBeta in the load, residual added)"
+                if unit_conv else "a 7-tap conv with a bias")  # fmt: skip
+        for channels_last in (False, True):
+            forms = load_forms(compile_ptx(channels_last, a, unit_conv=unit_conv))
+            layout = "channels-last operands" if channels_last else "[B, C, T] operands"
+            print(f"\n{what}, {layout}:")
+            for form, count in sorted(forms.items()):
+                print(f"  {count:3d} x {form}")
 
 
 if __name__ == "__main__":
