@@ -8,8 +8,8 @@ zero-buffer client), their first-audio p95, audio made per second.
     python benchmarks/serve/admission_sim.py [--rates 20,40,60,80] [--slacks 0,0.01,0.02]
         [--schedules 1,1,2,4,8,12/2,1,2,4,8,12 --lane-frames 2]
 
-The fake's step costs grow with the batch as the H200's did *under load*, where the two lanes
-slow each other 2-3x (benchmarks/serve/2026-12-02-h200-capacity-128): a frame step
+The fake's step costs grow with the batch as the H200's step spacing did *under load*, 2-3x
+its microbenchmark times (benchmarks/serve/2026-12-02-h200-capacity-128): a frame step
 4 ms + 0.14 ms per row (8 ms at 26 rows, 16 ms at 87: the H200 at 40 and 80 req/s), a codec
 step 3 ms + 0.15 ms per frame it decodes (21 ms for 121 frames), a prefill 2 ms. The model
 saturates at ~6,700 frames/s (the H200 at ~5,500), and, as on the H200, streams underrun at

@@ -84,9 +84,9 @@ class SchedulerConfig:
     # ...and refused while an admitted stream's latest chunk came less than this before its
     # playback needed it (0: only once one came late). Throughput is not what runs out first
     # on a GPU: at 60 req/s on the H200 streams were generated ~4x faster than real time
-    # (rtf p50 0.27) while 7 % of them underran at their second chunk, the steps it waits for
-    # being 2-3x slower beside each other than alone
-    # (benchmarks/serve/2026-12-02-h200-capacity-128).
+    # (rtf p50 0.27) while 7 % of them underran at their second chunk: the frame and codec
+    # steps it waits for came 2-3x further apart than their microbenchmark times, sharing the
+    # GPU (benchmarks/serve/2026-12-02-h200-capacity-128).
     admit_slack_s: float = 0.0
     # Codec steps launched and not yet read back, at most (first chunks excepted): one more
     # waits for a turn after the oldest is read, gathering more rows, instead of queueing on
