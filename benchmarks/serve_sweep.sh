@@ -85,7 +85,10 @@ for SET in $DATASETS; do
 print(sys.argv[2] + ": " + capacity_line(json.load(open(sys.argv[1]))))' "$RESULTS/$SET/sweep.json" "$SET"
 done
 for SET in $DATASETS; do  # where first chunks' time went, per rate (the server's /metrics)
-    rates=$(ls -d "$RESULTS/$SET"/rps-* 2>/dev/null | sort -t- -k2 -g)
+    # in rate order (the path's other dashes, e.g. voice-agent, defeat `sort -t-`: the
+    # metrics are cumulative, and 100 sorted before 60 gave negative counts, 2026-12-02)
+    rates=$(ls -d "$RESULTS/$SET"/rps-* 2>/dev/null | sed 's/.*rps-\(.*\)$/\1 &/' | sort -g \
+        | cut -d' ' -f2-)
     # shellcheck disable=SC2086
     start=()
     [ ! -f "$RESULTS/$SET/server_metrics_start.txt" ] || start=(--start "$RESULTS/$SET/server_metrics_start.txt")
