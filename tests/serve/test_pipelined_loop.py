@@ -348,3 +348,35 @@ def test_exact_chunks_cap_each_codec_step_at_the_streams_chunk():
     h.run_until(lambda: stream.status is Status.FINISHED)
     check_stream_events(h, stream, 20, schedule=(1, 2, 4))
     assert caps[:5] == [[1], [2], [4], [4], [4]] and caps[-1] in ([None], None)
+
+
+def test_wait_idle_waits_for_the_engine_to_release_the_slots():
+    """A turn takes the slots to release from the scheduler under the lock and releases them
+    on the engine after it: wait_idle (what tests and shutdown wait on) returns only once the
+    engine has them back, however slow the release (here 0.3 s, on a real-time loop)."""
+    import threading
+    import time
+
+    from ttsbuild.serve.loop import EngineLoop as Loop
+
+    class SlowRelease(FakeEngine):
+        def release(self, slot):
+            time.sleep(0.3)
+            super().release(slot)
+
+    clock = FakeClock()
+    engine = SlowRelease(clock, num_slots=2)  # instant steps: the loop runs in real time
+    sched = Scheduler(SchedulerConfig(num_slots=2, admit_by_capacity=False), clock,
+                      initial_cost_s=0.01)  # fmt: skip
+    loop = Loop(sched, Runner(engine, FakeRequestError), idle_wait_s=0.01)
+    done = threading.Event()
+    with loop.lock:
+        sched.submit(FakeRequest(3), lambda e: done.set() if isinstance(e, Done) else None,
+                     (1, 2))  # fmt: skip
+    loop.start()
+    try:
+        assert done.wait(10)  # finished: its slot goes back to the engine in the next turn
+        assert loop.wait_idle(10)
+        assert engine.free_slots() == 2
+    finally:
+        loop.stop()

@@ -206,6 +206,7 @@ class EngineLoop:
         self.idle_s = idle_wait_s  # this idle wait (shorter when a paced frame step is near)
         self.clock, self.sleep = clock, sleep
         self.in_flight: list[InFlight] = []  # launch order
+        self._releasing = 0  # slots planned for release, not yet released on the engine
         self.steps = 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -216,7 +217,7 @@ class EngineLoop:
         only, self._express_turn = ("new" if self._express_turn else None), False
         start = time.perf_counter()
         with self.lock:  # the lock's wait counts: the asyncio side holds it to submit
-            plan = self.scheduler.plan(only)
+            plan = self._plan(only)
             if plan.is_empty and not self.in_flight:
                 events = self.scheduler.commit(plan, StepResult())
         self.runner.timer("plan", time.perf_counter() - start)
@@ -231,12 +232,12 @@ class EngineLoop:
             step = self._launch(plan)
             if self.express and plan.stage is Stage.FRAMES and step.result.launched:
                 with self.lock:  # a first chunk of more frames: the next one at once
-                    more = self.scheduler.plan("first-frames") if (
+                    more = self._plan("first-frames") if (
                         self.scheduler.first_frames_due()) else None  # fmt: skip
                 if more is not None and not more.is_empty:
                     self._launch(more)
                 with self.lock:  # new rows' first frame is on the device: their codec step next
-                    first = self.scheduler.plan("first-audio") if (
+                    first = self._plan("first-audio") if (
                         self.scheduler.first_audio_due()) else None  # fmt: skip
                 if first is not None and not first.is_empty:
                     self._launch(first)
@@ -244,8 +245,20 @@ class EngineLoop:
         self.steps += 1
         return True
 
+    def _plan(self, only: str | None) -> Plan:
+        """The scheduler's plan (the caller holds the lock); its slots to release count as
+        not yet released until the runner has released them (wait_idle)."""
+        plan = self.scheduler.plan(only)
+        self._releasing += len(plan.release)
+        return plan
+
     def _launch(self, plan) -> InFlight:
-        step = self.runner.launch(plan, self.clock)
+        try:
+            step = self.runner.launch(plan, self.clock)  # releases the plan's slots first
+        finally:
+            if plan.release:
+                with self.lock:
+                    self._releasing -= len(plan.release)
         start = time.perf_counter()
         with self.lock:
             step.launched = self.scheduler.commit_launch(plan, step.result)
@@ -364,12 +377,14 @@ class EngineLoop:
         self.wake.set()
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
-        """True once no slot is held and nothing is queued or waiting for release."""
+        """True once no slot is held and nothing is queued or waiting for release (on the
+        engine too: a turn takes the slots to release under the lock and releases them after
+        it)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self.lock:
                 s = self.scheduler
-                if not (s.by_slot or s.queue or s.to_release):
+                if not (s.by_slot or s.queue or s.to_release or self._releasing):
                     return True
             self.wake.set()
             time.sleep(0.005)
