@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from kernel_device import KDEV, needs_kernel
 
 from ttsbuild.plugins.causal_conv import causal_conv, causal_conv_reference, pack_conv_weight
+from ttsbuild.plugins.codec_context import to_channels_last
 
 
 def _inputs(B, cin, cout, k, d, n, dtype, device, seed):
@@ -66,10 +67,6 @@ def test_kernel_equals_reference(cin, cout, k, d, n, dtype, fused):
     assert rel_err(got, want) <= tol
 
 
-def _channels_last(t):
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
-
-
 @needs_kernel
 @pytest.mark.parametrize(("cin", "cout", "k", "d", "n"), [
     (96, 96, 7, 9, 37),     # block 4's dilated conv
@@ -87,9 +84,9 @@ def test_channels_last_operands_give_the_same_conv(cin, cout, k, d, n, layouts):
     w = pack_conv_weight(weight)
     want = causal_conv(xin, w, bias, d, residual, use_triton=False)
     if "in" in layouts.split("+"):
-        xin = _channels_last(xin)
+        xin = to_channels_last(xin)
     if "res" in layouts:
-        residual = _channels_last(residual)
+        residual = to_channels_last(residual)
     out_last = "out" in layouts
     for use_triton in (False, True):
         got = causal_conv(xin, w, bias, d, residual, channels_last=out_last,
@@ -122,7 +119,7 @@ def test_kernel_with_snake_equals_snake_then_conv(cin, cout, n):
 @needs_kernel
 def test_kernel_reads_a_strided_input():
     xin, weight, bias, _ = _inputs(2, 32, 48, 3, 2, 24, torch.float16, KDEV, 7)
-    strided = xin.transpose(1, 2).contiguous().transpose(1, 2)  # [B, C, T], C stride 1
+    strided = to_channels_last(xin)  # [B, C, T], C stride 1
     w = pack_conv_weight(weight)
     want = causal_conv(xin, w, bias, 2, use_triton=False)
     assert rel_err(causal_conv(strided, w, bias, 2, use_triton=True), want) <= 2e-3

@@ -8,7 +8,11 @@ import pytest
 import torch
 from kernel_device import KDEV, needs_kernel
 
-from ttsbuild.plugins.codec_context import snake_context, snake_context_reference
+from ttsbuild.plugins.codec_context import (
+    snake_context,
+    snake_context_reference,
+    to_channels_last,
+)
 
 
 def _inputs(B, C, n, ctx, S, dtype, device, seed):
@@ -58,7 +62,7 @@ def test_channels_last_output_holds_the_same_values(C, n, ctx, x_channels_last):
     and the same tails as the default layout, from either layout of x."""
     x, alpha, inv_beta, tail, rows = _inputs(3, C, n, ctx, 5, torch.float16, KDEV, C * n + ctx)
     if x_channels_last:
-        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        x = to_channels_last(x)
     ref_tail = tail.clone()
     want = snake_context(x, alpha, inv_beta, ref_tail, rows, use_triton=False)
     for use_triton in (False, True):

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ttsbuild.plugins._dispatch import triton_available, want_triton
+from ttsbuild.plugins.codec_context import to_channels_last
 
 
 def pack_conv_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,7 @@ def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None
         if use_triton and xin.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the causal_conv kernel takes fp16 or bf16, not {xin.dtype}")
         y = causal_conv_reference(xin, w, bias, dilation, residual, alpha, inv_beta)
-        return y.transpose(1, 2).contiguous().transpose(1, 2) if channels_last else y
+        return to_channels_last(y) if channels_last else y
     return _causal_conv_triton(xin, w, bias, dilation, residual, alpha, inv_beta, channels_last)
 
 

@@ -33,11 +33,11 @@ def snake_context_reference(x, alpha, inv_beta, tail, rows, channels_last=False)
         ctx = tail.shape[-1]
         x = torch.cat([tail.index_select(0, rows), x], dim=-1)  # [B, C, ctx + n]
         tail.index_copy_(0, rows, x[..., -ctx:])
-    return _channels_last(x) if channels_last else x
+    return to_channels_last(x) if channels_last else x
 
 
-def _channels_last(x: torch.Tensor) -> torch.Tensor:
-    """x's values as a view of a contiguous [B, L, C] tensor."""
+def to_channels_last(x: torch.Tensor) -> torch.Tensor:
+    """x [B, C, L]'s values as a [B, C, L] view of a contiguous [B, L, C] tensor."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 

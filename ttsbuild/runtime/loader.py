@@ -114,12 +114,8 @@ def open_engine(
                 f"engine's plan {list(plan.batch_buckets)}"
             )
         lane = tuple(sorted(set(admission_lane)))
-        off = {} if lane else {"lane_frames": 1}  # what only a lane has goes with it
-        if not lane:
-            if lane_reserved_sms:
-                raise ValueError("lane_reserved_sms needs an admission lane to reserve them "
-                                 "for (--admission-lane)")  # fmt: skip
-            off["lane_reserved_sms"] = 0
+        # what only a lane has goes with it (a reserve asked for beside is refused below)
+        off = {} if lane else {"lane_frames": 1, "lane_reserved_sms": 0}
         plan = plan_update(plan, admission_lane=lane, **off)
     if lane_reserved_sms is not None and lane_reserved_sms != plan.lane_reserved_sms:
         if lane_reserved_sms and not plan.admission_lane:
