@@ -74,6 +74,13 @@ def test_the_bf16_copies_of_a_compiled_fp8_engine_can_be_set_at_load(fp8_engine)
     assert off.backend.talker_stack.layers[0].qkv.bf16_weight is None
 
 
+def test_the_codec_conv_layout_can_be_set_at_load(fp8_engine):
+    """`serve --codec-channels-last`: a layout choice made at load, for compiled engines too."""
+    compiled = open_engine(fp8_engine, "cpu", kind="graph").plan.codec_channels_last
+    flipped = open_engine(fp8_engine, "cpu", kind="graph", codec_channels_last=not compiled)
+    assert flipped.plan.codec_channels_last is (not compiled)
+
+
 def test_the_largest_batch_bucket_can_be_lowered_at_load_never_raised(fp8_engine):
     """`serve --max-batch`: the plan's buckets stop at that size (and the plan's per-bucket
     choices with them); more than was compiled is a clear error."""

@@ -56,7 +56,8 @@ def test_kernel_equals_reference(snake, C, n, ctx, dtype):
 
 @needs_kernel
 @pytest.mark.parametrize(("C", "n", "ctx", "x_channels_last"),
-                         [(96, 4, 6, False), (48, 30, 54, True), (40, 16, 2, True)])
+                         [(96, 4, 6, False), (48, 30, 54, True), (40, 16, 2, True),
+                          (96, 300, 54, False), (130, 200, 6, True)])  # several time blocks
 def test_channels_last_output_holds_the_same_values(C, n, ctx, x_channels_last):
     """channels_last: xin is a [B, C, L] view of a contiguous [B, L, C] tensor, the same values
     and the same tails as the default layout, from either layout of x."""

@@ -13,9 +13,15 @@ Eager, that is SnakeBeta (~6 kernels with the casts) + index_select + cat + inde
 kernel does it in one pass over x and the tails. Rows that share a slot (padding rows on the
 scratch slot) race on that slot's tail: whichever wins, nobody reads the scratch slot.
 
-Triton: one program per (row, block of channels) holding the whole time axis (ctx + n <=
-~128 here), so every load of the old tail precedes a barrier and every store of the new one
+Triton: one program per (row, block of channels, block of time). The first time block holds
+all of the old tail's columns (BLOCK_T >= ctx), so only its programs read the old tail or write
+the new one, and every load of the old tail precedes a barrier and every store of the new one
 follows it (the new tail is the old one shifted by n, read by other threads of the program).
+[B, C, L] output: one time block of the whole axis, few channels (contiguous along time);
+channels-last output: 64-channel blocks by 64-column time blocks, so each program's rows are
+contiguous along channels (with the whole axis in one block, the last stage's 1974 columns
+left 2 channels per program: 4-byte pieces 192 bytes apart, the kernel at twice its
+[B, C, L] time on the H200, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -64,15 +70,21 @@ def _snake_context_triton(x, alpha, inv_beta, tail, rows, channels_last=False):
         out = torch.empty((B, C, ctx + n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    block_t = triton.next_power_of_2(ctx + n)
-    block_c = min(triton.next_power_of_2(C), max(1, 4096 // block_t))
+    block_ctx = triton.next_power_of_2(max(ctx, 1))
+    if channels_last:  # tiles contiguous along channels, the time axis split into blocks
+        block_c = min(triton.next_power_of_2(C), 64)
+        block_t = max(block_ctx, min(triton.next_power_of_2(ctx + n), 4096 // block_c))
+    else:  # the whole time axis in one block
+        block_t = triton.next_power_of_2(ctx + n)
+        block_c = min(triton.next_power_of_2(C), max(1, 4096 // block_t))
     snake = alpha is not None
-    _snake_context_kernel[(B, triton.cdiv(C, block_c))](
+    grid = (B, triton.cdiv(C, block_c), triton.cdiv(ctx + n, block_t))
+    _snake_context_kernel[grid](
         x, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
         rows if ctx else x, out, C, n, ctx, x.stride(0), x.stride(1), x.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
-        BLOCK_CTX=triton.next_power_of_2(max(ctx, 1)), num_warps=4,
+        BLOCK_CTX=block_ctx, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -100,7 +112,7 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
     ):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        t = tl.arange(0, BLOCK_T)
+        t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
         c_mask = offs_c < C
         alpha = tl.zeros([BLOCK_C], dtype=tl.float32)
         inv_beta = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -119,19 +131,21 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
             old = tl.load(tail_row + t[None, :], mask=c_mask[:, None] & (t < ctx)[None, :],
                           other=0.0)
             xin = tl.where((t < ctx)[None, :], old, xin)
-            # the new tail: xin[n + i] for i < ctx, from the old tail or from x (a block of
-            # BLOCK_CTX columns: the snake is not evaluated again over the whole time axis)
-            i = tl.arange(0, BLOCK_CTX)
-            src = n + i
-            from_tail = (src < ctx) & (i < ctx)
-            from_x = (src >= ctx) & (i < ctx)
-            shifted = tl.load(tail_row + src[None, :], mask=c_mask[:, None] & from_tail[None, :],
-                              other=0.0)
-            hx = tl.load(x_row + (src - ctx)[None, :] * stride_xt,
-                         mask=c_mask[:, None] & from_x[None, :], other=0.0)
-            new_tail = tl.where(from_tail[None, :], shifted, _snake(hx, alpha, inv_beta, HAS_SNAKE))
-            tl.debug_barrier()  # every thread has read the old tail before any writes it
-            tl.store(tail_row + i[None, :], new_tail, mask=c_mask[:, None] & (i < ctx)[None, :])
+            if tl.program_id(2) == 0:  # the block that read the old tail (BLOCK_T >= ctx)
+                # the new tail: xin[n + i] for i < ctx, from the old tail or from x (a block of
+                # BLOCK_CTX columns: the snake is not evaluated again over the whole time axis)
+                i = tl.arange(0, BLOCK_CTX)
+                src = n + i
+                from_tail = (src < ctx) & (i < ctx)
+                from_x = (src >= ctx) & (i < ctx)
+                shifted = tl.load(tail_row + src[None, :],
+                                  mask=c_mask[:, None] & from_tail[None, :], other=0.0)
+                hx = tl.load(x_row + (src - ctx)[None, :] * stride_xt,
+                             mask=c_mask[:, None] & from_x[None, :], other=0.0)
+                hx = _snake(hx, alpha, inv_beta, HAS_SNAKE)
+                new_tail = tl.where(from_tail[None, :], shifted, hx)
+                tl.debug_barrier()  # every thread has read the old tail before any writes it
+                tl.store(tail_row + i[None, :], new_tail, mask=c_mask[:, None] & (i < ctx)[None, :])
         dst = out_ptr + b * stride_ob + offs_c[:, None] * stride_oc + t[None, :] * stride_ot
         tl.store(dst, xin, mask=c_mask[:, None] & (t < ctx + n)[None, :])
 

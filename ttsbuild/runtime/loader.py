@@ -51,6 +51,7 @@ def open_engine(
     bf16_min_rows: int | None = None,
     max_batch: int | None = None,
     lane_frames: int | None = None,
+    codec_channels_last: bool | None = None,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
     `random_variant`, e.g. "1.7b-customvoice", when path is None).
@@ -69,7 +70,9 @@ def open_engine(
     bf16_min_rows: the talker's FP8 linears on bf16 copies from this many rows
     (`EnginePlan.bf16_min_rows`, a runtime choice: the copies are made at load); None: the
     plan's. lane_frames: a new request's first frames on the admission lane
-    (`EnginePlan.lane_frames`; its graphs are captured at load); None: the plan's."""
+    (`EnginePlan.lane_frames`; its graphs are captured at load); None: the plan's.
+    codec_channels_last: the codec's implicit-GEMM convs on channels-last operands
+    (`EnginePlan.codec_channels_last`, a layout chosen at load); None: the plan's."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = resolve_device(device)
@@ -134,6 +137,8 @@ def open_engine(
             raise ValueError(f"lane_frames must be 1 or 2 (a codec chunk size of the plan "
                              f"{list(plan.codec_chunks)}), got {lane_frames}")  # fmt: skip
         plan = plan_update(plan, lane_frames=lane_frames)
+    if codec_channels_last is not None and codec_channels_last != plan.codec_channels_last:
+        plan = plan_update(plan, codec_channels_last=codec_channels_last)
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 

@@ -137,6 +137,11 @@ def serve(
         "default: the engine's plan, 1). H200, 20 req/s, with --drop-bootstrap-frame: p95 "
         "first audio 24.7 ms, no underrun (benchmarks/serve/2026-12-02-h200-real-first-chunk)."
     ),  # fmt: skip
+    codec_channels_last: bool = typer.Option(
+        None, "--codec-channels-last/--no-codec-channels-last", help="GPU: the codec's "
+        "implicit-GEMM convolutions on channels-last operands (same audio, another layout); "
+        "default: the engine's plan."
+    ),  # fmt: skip
     exact_chunks: bool = typer.Option(
         False, "--exact-chunks", help="A codec step decodes each stream's next chunk exactly "
         "(its schedule size), leaving frames made past it for the next one, so a step makes "
@@ -236,6 +241,7 @@ def serve(
             precision=precision, random_variant=random, guards=guard_config,
             prefill_batches=batches, admission_lane=lane, lane_reserved_sms=lane_reserved_sms,
             bf16_min_rows=bf16_min_rows, max_batch=max_batch, lane_frames=lane_frames,
+            codec_channels_last=codec_channels_last,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")
