@@ -117,7 +117,8 @@ def run_graph(engine: GraphEngine, reqs, audio_min: int = 1):
 # and the PCM within the codec gate (SNR >= 45 dB against the eager backend's fp32 codec)
 # instead of 1e-3.
 KERNEL_CHOICES = dict(persistent_code_predictor=(1,), fused_code_predictor=(2, 4),
-                      codec_precision="fp16", codec_fused=True, prefill_batches=(1, 2, 4))
+                      codec_precision="fp16", codec_fused=True, codec_channels_last=True,
+                      prefill_batches=(1, 2, 4))
 MIN_SNR_DB = 45.0
 
 

@@ -62,8 +62,10 @@ class EnginePlan(BaseModel):
     # check passes with them (benchmarks/codec/RESULTS.md, 2026-12-01).
     codec_fused: bool = True
     # The codec's implicit-GEMM convs on channels-last operands (CodecEngine(channels_last=
-    # True)): same audio, layout only; off until profile_codec.py --channels-last is timed.
-    codec_channels_last: bool = False
+    # True)): same audio, layout only. H200, 2026-12-02: the one-frame step 1.06 / 4.56 /
+    # 15.30 -> 1.05 / 3.80 / 12.45 ms at batch 1 / 64 / 256; served at 60 req/s on 128
+    # slots, underrun requests 201 -> 70 (benchmarks/codec/RESULTS.md).
+    codec_channels_last: bool = True
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
