@@ -177,13 +177,17 @@ def test_overlap_add_reference_is_a_transposed_conv():
 @pytest.mark.parametrize(("n", "taps", "s", "cout"), [
     (1, 2, 8, 96), (4, 2, 5, 40), (7, 3, 2, 33), (2, 1, 2, 64), (1, 3, 4, 16), (16, 2, 3, 96),
 ])
-def test_overlap_add_kernel_equals_reference(n, taps, s, cout):
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_overlap_add_kernel_equals_reference(n, taps, s, cout, channels_last):
     z, spill, rows, bias = _oa_inputs(3, n, taps, s, cout, 5, torch.float16, KDEV, n + s)
     ref_spill = spill.clone()
     for step in range(2):  # the second step reads the spill the first one wrote
         want = overlap_add(z, ref_spill if taps > 1 else None, rows, bias, use_triton=False)
-        got = overlap_add(z, spill if taps > 1 else None, rows, bias, use_triton=True)
+        got = overlap_add(z, spill if taps > 1 else None, rows, bias,
+                          channels_last=channels_last, use_triton=True)
         assert got.shape == want.shape == (3, cout, n * s)
+        if channels_last:  # a [B, Cout, n * s] view of contiguous [B, n * s, Cout] storage
+            assert got.stride() == (n * s * cout, 1, cout)
         assert rel_err(got, want) <= 2e-3, step
         if taps > 1:
             assert rel_err(spill, ref_spill) <= 2e-3, step

@@ -138,16 +138,18 @@ def overlap_add_reference(z, spill, rows, bias):
     return y.reshape(B, n * s, cout).transpose(1, 2)  # [B, Cout, n * s]
 
 
-def overlap_add(z, spill, rows, bias, *, use_triton: bool | None = None):
+def overlap_add(z, spill, rows, bias, *, channels_last: bool = False,
+                use_triton: bool | None = None):
     """See the module docstring; one launch on the GPU. `spill` may be None when taps == 1.
-    Returns [B, Cout, n * s] (the eager path returns a transposed view, the kernel a
-    contiguous tensor)."""
+    Returns [B, Cout, n * s]: the eager path a transposed view (channels-last storage), the
+    kernel a contiguous tensor, or with channels_last a view of a contiguous
+    [B, n * s, Cout] one (the kernel then stores along z's contiguous channels)."""
     if not want_triton(z, use_triton):
         return overlap_add_reference(z, spill, rows, bias)
-    return _overlap_add_triton(z, spill, rows, bias)
+    return _overlap_add_triton(z, spill, rows, bias, channels_last)
 
 
-def _overlap_add_triton(z, spill, rows, bias):
+def _overlap_add_triton(z, spill, rows, bias, channels_last=False):
     import triton
 
     B, n, taps, s, cout = z.shape
@@ -156,7 +158,10 @@ def _overlap_add_triton(z, spill, rows, bias):
     if taps > 1 and (spill is None or spill.shape[1:] != (cout, (taps - 1) * s)
                      or not spill.is_contiguous() or spill.dtype != z.dtype):
         raise ValueError(f"spill must be contiguous [S, {cout}, {(taps - 1) * s}] {z.dtype}")
-    out = torch.empty((B, cout, n * s), dtype=z.dtype, device=z.device)
+    if channels_last:
+        out = torch.empty((B, n * s, cout), dtype=z.dtype, device=z.device).transpose(1, 2)
+    else:
+        out = torch.empty((B, cout, n * s), dtype=z.dtype, device=z.device)
     if out.numel() == 0:
         return out
     block_o = min(64, triton.next_power_of_2(cout))
@@ -168,6 +173,7 @@ def _overlap_add_triton(z, spill, rows, bias):
     grid = (B, triton.cdiv(span, block_u), triton.cdiv(cout, block_o))
     _overlap_add_kernel[grid](
         z, spill if taps > 1 else z, rows, bias, out, n, s, cout,
+        out.stride(0), out.stride(1), out.stride(2),
         TAPS=taps, BLOCK_U=block_u, BLOCK_O=block_o, num_warps=4,
     )  # fmt: skip
     return out
@@ -225,7 +231,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
 
     @triton.jit
     def _overlap_add_kernel(
-        z_ptr, spill_ptr, rows_ptr, bias_ptr, out_ptr, N, S, COUT,
+        z_ptr, spill_ptr, rows_ptr, bias_ptr, out_ptr, N, S, COUT, sob, soo, sou,
         TAPS: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_O: tl.constexpr,
     ):  # fmt: skip
         # Program: row b, output samples u = t * S + r (a block of them), channels o. It also
@@ -272,5 +278,5 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             tl.debug_barrier()  # every read of the old spill precedes any write of the new
             tl.store(sp_row + o[None, :] * ov + u[:, None], sp.to(out_ptr.dtype.element_ty),
                      mask=new_mask)
-        tl.store(out_ptr + (b * COUT + o[None, :]) * (N * S) + u[:, None],
+        tl.store(out_ptr + b * sob + o[None, :] * soo + u[:, None] * sou,
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)

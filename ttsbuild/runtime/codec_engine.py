@@ -388,9 +388,9 @@ class CodecEngine:
             yield stage
 
     # -- layers ------------------------------------------------------------------------------
-    def _act(self, m: nn.Module, x: Tensor, rows: Tensor) -> Tensor:
+    def _act(self, m: nn.Module, x: Tensor, rows: Tensor, channels_last: bool = False) -> Tensor:
         """SnakeBeta in fp32 math: x + inv_beta * sin(alpha * x)^2, cast back to x's dtype."""
-        return snake_context(x, *self._snake[m], None, rows)
+        return snake_context(x, *self._snake[m], None, rows, channels_last=channels_last)
 
     def _conv(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
               act: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
@@ -454,7 +454,8 @@ class CodecEngine:
         z = (st.mm_in(x.transpose(1, 2).reshape(B * n, cin)) @ w).view(B, n, taps, s, cout)
         spill = self.state[m.slot][0] if taps > 1 else None  # [S, Cout, overlap]
         kernel = None if self.fused_convs else False
-        return overlap_add(z, spill, rows, m.conv.bias, use_triton=kernel)
+        return overlap_add(z, spill, rows, m.conv.bias, channels_last=self.channels_last,
+                           use_triton=kernel)
 
     def _linear(self, m: nn.Linear, x: Tensor, st: _Stage) -> Tensor:
         return F.linear(st.mm_in(x), m.weight, m.bias)
@@ -480,7 +481,9 @@ class CodecEngine:
 
     def _decoder_block(self, m: DecoderBlock, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
         act, up, *units = m.block
-        x = self._conv_t(up, self._act(act, x, rows), rows, st)
+        # channels-last: the transposed conv's GEMM reads x^T without a copy
+        last = self.channels_last and up in self._tconv_w and x.dtype != torch.float32
+        x = self._conv_t(up, self._act(act, x, rows, channels_last=last), rows, st)
         for u in units:
             x = self._residual(u, x, rows, st)
         return x
