@@ -3,7 +3,7 @@ implementation, then the kernels of one eager step by total CUDA time.
 
     PYTHONPATH=. python3 benchmarks/codec/profile_codec.py [--batches 1,64] [--precision fp16]
         [--conv-impls cudnn,gemm,triton] [--cudnn-benchmark off,on] [--profile-batch 64]
-        [--profile-impls triton] [--top 25]
+        [--opt-in-kernels] [--channels-last] [--fused-output] [--profile-impls triton] [--top 25]
 
 GPU only. The real codec config with random weights. For each conv implementation and
 cudnn.benchmark off/on: the median graph-replay time of a one-frame step per batch, and the
@@ -70,6 +70,9 @@ def main() -> None:
                     help="also time 'triton' (with the fusions when --opt-in-kernels) with the "
                          "convs' operands channels-last (CodecEngine(channels_last=True); rows "
                          "'triton+cl', 'triton+k+cl')")
+    ap.add_argument("--fused-output", action="store_true",
+                    help="also time the last of those rows with the output stage as one kernel "
+                         "(CodecEngine(fused_output=True); row '...+o')")
     ap.add_argument("--profile-impls", default=None,
                     help="implementations to profile (default: all of --conv-impls)")
     args = ap.parse_args()
@@ -84,6 +87,8 @@ def main() -> None:
         impls.append("triton+k")
     if args.channels_last:
         impls += [i + "+cl" for i in impls if i.startswith("triton")]
+    if args.fused_output:
+        impls.append(impls[-1] + "+o")
     slots = max(64, max(batches))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
           f"{torch.backends.cudnn.version()}; precision {args.precision}")
@@ -93,7 +98,7 @@ def main() -> None:
     for impl in impls:
         engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4,
                              conv_impl=impl.split("+")[0], fused="+k" in impl,
-                             channels_last=impl.endswith("+cl"))
+                             channels_last="+cl" in impl, fused_output="+o" in impl)
         snr = codec_snr_db(engine, dec, random_codes(dec.config, 2, 24, seed=1))
         print(f"| {impl} | SNR vs fp32 decode: {snr:.1f} dB | | | |")
         for bench in [m == "on" for m in args.cudnn_benchmark.split(",")]:

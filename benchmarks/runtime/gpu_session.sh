@@ -25,9 +25,10 @@
 #         it, then the engine microbenchmark's first chunk of two frames beside stepping rows,
 #         lane off and on
 # codec:  the codec's kernel tests on the GPU (causal conv, snake + context, channels-last
-#         operands included), then profile_codec.py: the served codec (triton + fusions)
-#         against the same with channels-last conv operands (`+cl`), batches $CODEC_BATCHES
-#         (default 1,64,256), one graph-replayed one-frame step, SNR against fp32
+#         operands, the fused output stage), then profile_codec.py: triton + fusions without
+#         and with channels-last conv operands (`+cl`, served since 2026-12-02) and that with
+#         the output stage as one kernel (`+o`), batches $CODEC_BATCHES (default 1,64,256),
+#         one graph-replayed one-frame step, SNR against fp32
 # sweep:  serving sweep at $SWEEP_RPS req/s (default 1,10,20,30,40), 60 s each, one server,
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
 #         CustomVoice checkpoint's first chunk, two frames with the silent one dropped), until
@@ -100,11 +101,11 @@ for step in $STEPS; do
     codec)
         log "GPU tests: causal conv, snake + context"
         timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_causal_conv.py \
-            tests/plugins/test_codec_context.py 2>&1 | tee "$OUT/gpu_tests_codec.log" | tail -2
-        log "codec step: triton + fusions, with and without channels-last conv operands"
+            tests/plugins/test_codec_context.py tests/plugins/test_codec_output.py 2>&1 | tee "$OUT/gpu_tests_codec.log" | tail -2
+        log "codec step: triton + fusions, channels-last or not, the output stage fused or not"
         timeout -k 5 300 python3 benchmarks/codec/profile_codec.py --batches "${CODEC_BATCHES:-1,64,256}" \
-            --conv-impls triton --opt-in-kernels --channels-last \
-            --profile-impls triton+k,triton+k+cl --top 12 2>&1 | grep -v Assertion \
+            --conv-impls triton --opt-in-kernels --channels-last --fused-output \
+            --profile-impls triton+k+cl,triton+k+cl+o --top 12 2>&1 | grep -v Assertion \
             | tee "$OUT/profile_codec.log" | grep -E "^\| triton" ;;
     sweep)
         left=$((DEADLINE_S - SECONDS))

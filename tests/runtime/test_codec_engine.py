@@ -201,6 +201,27 @@ def test_resolve_conv_impl(monkeypatch):
         resolve_conv_impl("auto", "cuda")
 
 
+def test_the_fused_output_stage_decodes_the_same_audio():
+    """CodecEngine(fused_output=True): the output stage (SnakeBeta, context, the fp32 conv to
+    one channel, clamp) as one kernel (plugins.codec_output; the kernel under
+    TRITON_INTERPRET=1, else its reference). The same audio, chunk by chunk (its tail carried
+    across steps), as the stage's eager ops; the cuDNN engine ignores the flag."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    cfg = small_config()
+    dec = our_decoder(cfg, test_state(cfg, seed=36))
+    codes = rand_codes(cfg, 2, 6, seed=37)
+    kw = dict(conv_impl="triton", fused=True, channels_last=True)
+    plain = CodecEngine(dec, 2, "fp16", **kw)
+    fused = CodecEngine(dec, 2, "fp16", **kw, fused_output=True)
+    assert fused.fused_output and not plain.fused_output
+    want, got = ce.decode_with(plain, codes), ce.decode_with(fused, codes)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    rel = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+    assert rel <= 1e-5, rel
+    assert not CodecEngine(dec, 2, "fp16", fused_output=True).fused_output
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_channels_last_conv_operands_decode_the_same_audio(fused, monkeypatch):
     """CodecEngine(channels_last=True): the implicit-GEMM convs' inputs and outputs as

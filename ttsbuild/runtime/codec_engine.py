@@ -56,6 +56,7 @@ from ttsbuild.model.codec import (
 )
 from ttsbuild.plugins.causal_conv import causal_conv, overlap_add, pack_conv_weight
 from ttsbuild.plugins.codec_context import snake_context
+from ttsbuild.plugins.codec_output import codec_output
 from ttsbuild.plugins.norm_act import rms_norm, silu_mul
 from ttsbuild.plugins.ring_attention import ring_attention, ring_attention_reference
 
@@ -171,6 +172,7 @@ class CodecEngine:
         conv_impl: str = "cudnn",
         fused: bool = False,
         channels_last: bool = False,
+        fused_output: bool = False,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -201,6 +203,12 @@ class CodecEngine:
         # where [B, C, T] storage makes it gather one element per channel row (the conv at
         # ~130 TFLOP/s, half of a batch-64 step; benchmarks/codec/RESULTS.md).
         self.channels_last = channels_last and conv_impl == "triton"
+        # Off until timed on the GPU (profile_codec.py --fused-output): the output stage
+        # (SnakeBeta, left context, the fp32 conv to one channel, clamp) as one kernel
+        # (plugins.codec_output) reading the last block's half-precision output once, in place
+        # of a cast to fp32, the snake + context kernel, an im2col copy of 7x the stage's
+        # input and a GEMV with one column (~0.8 GB of traffic at 64 rows of one frame).
+        self.fused_output = fused_output and conv_impl != "cudnn"
         device = torch.device(device) if device is not None else next(codec.parameters()).device
         self.precision, self.device, self.max_chunk = precision, device, max_chunk
         self.config = cfg = codec.config
@@ -374,7 +382,16 @@ class CodecEngine:
                 else:
                     x = self._conv(m, x, rows, st)
         with self._in_stage(OUTPUT_STAGE) as st:
-            x = self._conv(c.decoder[-1], x.to(st.dtype), rows, st, act=c.decoder[-2])
+            act, out = c.decoder[-2], c.decoder[-1]
+            w = self._conv_w.get(out)
+            if (self.fused_output and w is not None and w.shape[-1] == 1
+                    and st.dtype == torch.float32 and out.conv.bias is not None):
+                tail = self.state[out.slot][0] if out.context else None
+                pcm = codec_output(x, w, out.conv.bias, *self._snake[act], tail, rows,
+                                   out.conv.dilation[0])  # [B, n * 1920] fp32, clamped
+                self.pos.index_copy_(0, rows, pos + n)
+                return pcm
+            x = self._conv(out, x.to(st.dtype), rows, st, act=act)
         self.pos.index_copy_(0, rows, pos + n)
         return x.float().clamp(-1.0, 1.0)[:, 0]  # [B, n * 1920]
 

@@ -351,7 +351,7 @@ class GraphBackend:
         self.codec_engine = CodecEngine(
             models.codec, plan.num_slots, plan.codec_precision, dev, max_chunk=plan.max_chunk,
             conv_impl=resolve_conv_impl(plan.codec_conv, dev), fused=plan.codec_fused,
-            channels_last=plan.codec_channels_last,
+            channels_last=plan.codec_channels_last, fused_output=plan.codec_fused_output,
         )
         if release_modules:
             models.offload_codec_decoder()  # the codec engine holds its own copy

@@ -52,6 +52,7 @@ def open_engine(
     max_batch: int | None = None,
     lane_frames: int | None = None,
     codec_channels_last: bool | None = None,
+    codec_fused_output: bool | None = None,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
     `random_variant`, e.g. "1.7b-customvoice", when path is None).
@@ -72,7 +73,9 @@ def open_engine(
     plan's. lane_frames: a new request's first frames on the admission lane
     (`EnginePlan.lane_frames`; its graphs are captured at load); None: the plan's.
     codec_channels_last: the codec's implicit-GEMM convs on channels-last operands
-    (`EnginePlan.codec_channels_last`, a layout chosen at load); None: the plan's."""
+    (`EnginePlan.codec_channels_last`, a layout chosen at load); None: the plan's.
+    codec_fused_output: the codec's output stage as one kernel (`EnginePlan.codec_fused_output`,
+    chosen at load); None: the plan's."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = resolve_device(device)
@@ -139,6 +142,8 @@ def open_engine(
         plan = plan_update(plan, lane_frames=lane_frames)
     if codec_channels_last is not None and codec_channels_last != plan.codec_channels_last:
         plan = plan_update(plan, codec_channels_last=codec_channels_last)
+    if codec_fused_output is not None and codec_fused_output != plan.codec_fused_output:
+        plan = plan_update(plan, codec_fused_output=codec_fused_output)
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 

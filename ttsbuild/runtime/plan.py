@@ -66,6 +66,10 @@ class EnginePlan(BaseModel):
     # 15.30 -> 1.05 / 3.80 / 12.45 ms at batch 1 / 64 / 256; served at 60 req/s on 128
     # slots, underrun requests 201 -> 70 (benchmarks/codec/RESULTS.md).
     codec_channels_last: bool = True
+    # The codec's output stage (SnakeBeta, context, the fp32 conv to one channel, clamp) as
+    # one kernel (CodecEngine(fused_output=True), plugins.codec_output): same audio to fp32
+    # rounding; off until profile_codec.py --fused-output is timed on the GPU.
+    codec_fused_output: bool = False
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()

@@ -1,0 +1,154 @@
+"""The codec's output stage in one launch: SnakeBeta, left context, the conv to one channel,
+clamp.
+
+    codec_output(x [B, C, n], w [k, C, 1], bias [1], alpha [C, 1], inv_beta [C, 1],
+                 tail [S, C, (k - 1) * d] fp32, rows [B], dilation d) -> pcm [B, n] fp32
+    xin[b] = cat(tail[rows[b]], snake(x[b]))     (snake in fp32 math of x's values)
+    pcm[b, t] = clamp(bias + sum_{j, c} w[j, c] * xin[b, c, t + j * d], -1, 1)
+    tail[rows[b]] = xin[b, :, n:]                 (the last (k - 1) * d inputs)
+
+The stage is strict fp32 (`codec_engine.DEFAULT_FP32_STAGES`): the kernel reads x in its own
+dtype, evaluates SnakeBeta and accumulates in fp32 without tensor cores, as the eager path
+does after its cast. Eager that path is a cast of x to fp32, the snake + context kernel over
+the fp32 copy, an im2col copy of k times its size and a GEMV with one output column; at 64
+rows of a one-frame step (96 channels, 1920 samples) that is ~0.8 GB of memory traffic
+where this kernel reads x once (~24 MB in fp16). Each output block recomputes the snake of
+its k taps' inputs (k = 7: 7 sines per input, ~30 us of arithmetic at 64 rows on an H200,
+against a bandwidth floor of ~10 us).
+
+Triton: one program per (row, block of output samples), a loop over channel blocks and taps.
+The first block (BLOCK_T >= the context) is the only one that reads the old tail; after its
+loop it writes the new one (every read of the old tail precedes a barrier, every write
+follows it, channel block by channel block).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ttsbuild.plugins._dispatch import triton_available, want_triton
+from ttsbuild.plugins.codec_context import snake_context_reference
+
+
+def codec_output_reference(x, w, bias, alpha, inv_beta, tail, rows, dilation: int = 1):
+    """The eager output stage (see the module docstring); updates `tail` in place."""
+    xin = snake_context_reference(x.float(), alpha, inv_beta, tail, rows)  # [B, C, ctx + n]
+    y = F.conv1d(xin, w.float().permute(2, 1, 0), bias.float(), dilation=dilation)
+    return y.clamp(-1.0, 1.0)[:, 0]
+
+
+def codec_output(x, w, bias, alpha, inv_beta, tail, rows, dilation: int = 1, *,
+                 use_triton: bool | None = None):
+    """See the module docstring; one launch on the GPU."""
+    k, C, cout = w.shape
+    ctx = (k - 1) * dilation
+    if cout != 1 or x.shape[1] != C or bias is None or bias.numel() != 1:
+        raise ValueError(f"codec_output is the conv to one channel with a bias: w [k, {C}, 1], "
+                         f"got w {tuple(w.shape)}, x {tuple(x.shape)}")
+    if ctx and (tail is None or tail.shape[1:] != (C, ctx) or tail.dtype != torch.float32
+                or not tail.is_contiguous()):
+        raise ValueError(f"tail must be contiguous fp32 [S, {C}, {ctx}]")
+    if not want_triton(x, use_triton):
+        return codec_output_reference(x, w, bias, alpha, inv_beta, tail if ctx else None, rows,
+                                      dilation)
+    return _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation)
+
+
+def _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation):
+    import triton
+
+    B, C, n = x.shape
+    k = w.shape[0]
+    ctx = (k - 1) * dilation
+    out = torch.empty((B, n), dtype=torch.float32, device=x.device)
+    if out.numel() == 0:
+        return out
+    block_ctx = triton.next_power_of_2(max(ctx, 1))
+    block_t = max(block_ctx, min(256, triton.next_power_of_2(n)))
+    block_c = min(32, triton.next_power_of_2(C))
+    snake = alpha is not None
+    _codec_output_kernel[(B, triton.cdiv(n, block_t))](
+        x, w, bias, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
+        rows, out, C, n, ctx, dilation, x.stride(0), x.stride(1), x.stride(2),
+        K=k, HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
+        BLOCK_CTX=block_ctx, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+if triton_available():  # the kernel exists only where Triton imports (not needed on CPU)
+    import triton
+    import triton.language as tl
+
+    from ttsbuild.plugins._tl._math import sin_f32
+
+    @triton.jit
+    def _snake_f32(v, al, ib, HAS_SNAKE: tl.constexpr):
+        v = v.to(tl.float32)
+        if HAS_SNAKE:
+            s = sin_f32(v * al[:, None])
+            v = v + ib[:, None] * (s * s)
+        return v
+
+    @triton.jit
+    def _codec_output_kernel(
+        x_ptr, w_ptr, bias_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, rows_ptr, out_ptr,
+        C, n, ctx, DIL, sxb, sxc, sxt,
+        K: tl.constexpr, HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CTX: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0).to(tl.int64)
+        first = tl.program_id(1) == 0
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = t < n
+        slot = tl.load(rows_ptr + b).to(tl.int64)
+        x_row = x_ptr + b * sxb
+        acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            c_mask = c < C
+            al = tl.zeros([BLOCK_C], dtype=tl.float32)
+            ib = tl.zeros([BLOCK_C], dtype=tl.float32)
+            if HAS_SNAKE:
+                al = tl.load(alpha_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+                ib = tl.load(inv_beta_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+            for j in tl.static_range(K):
+                i = t + j * DIL  # xin column: the tail below ctx, snake(x) from there on
+                from_x = t_mask & (i >= ctx)
+                v = tl.load(x_row + c[:, None] * sxc + (i - ctx)[None, :] * sxt,
+                            mask=c_mask[:, None] & from_x[None, :], other=0.0)
+                v = _snake_f32(v, al, ib, HAS_SNAKE)
+                if HAS_TAIL:
+                    from_tail = t_mask & (i < ctx)
+                    old = tl.load(tail_ptr + (slot * C + c[:, None]) * ctx + i[None, :],
+                                  mask=c_mask[:, None] & from_tail[None, :], other=0.0)
+                    v = tl.where(from_tail[None, :], old, v)
+                wj = tl.load(w_ptr + j * C + c, mask=c_mask, other=0.0).to(tl.float32)
+                acc += tl.sum(wj[:, None] * v, axis=0)
+        y = acc + tl.load(bias_ptr).to(tl.float32)
+        y = tl.minimum(tl.maximum(y, -1.0), 1.0)
+        tl.store(out_ptr + b * n + t, y, mask=t_mask)
+        if HAS_TAIL:
+            if first:  # the block that read the old tail (BLOCK_T >= ctx): the new tail
+                tl.debug_barrier()  # every read of the old tail above precedes the writes
+                i2 = tl.arange(0, BLOCK_CTX)
+                src = n + i2  # xin column of new tail entry i2
+                from_tail = (src < ctx) & (i2 < ctx)
+                from_x = (src >= ctx) & (i2 < ctx)
+                for c0 in range(0, C, BLOCK_C):
+                    c = c0 + tl.arange(0, BLOCK_C)
+                    c_mask = c < C
+                    al = tl.zeros([BLOCK_C], dtype=tl.float32)
+                    ib = tl.zeros([BLOCK_C], dtype=tl.float32)
+                    if HAS_SNAKE:
+                        al = tl.load(alpha_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+                        ib = tl.load(inv_beta_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+                    row = tail_ptr + (slot * C + c[:, None]) * ctx
+                    shifted = tl.load(row + src[None, :],
+                                      mask=c_mask[:, None] & from_tail[None, :], other=0.0)
+                    hx = tl.load(x_row + c[:, None] * sxc + (src - ctx)[None, :] * sxt,
+                                 mask=c_mask[:, None] & from_x[None, :], other=0.0)
+                    new = tl.where(from_tail[None, :], shifted, _snake_f32(hx, al, ib, HAS_SNAKE))
+                    tl.debug_barrier()  # this block's reads of the old tail precede its writes
+                    tl.store(row + i2[None, :], new, mask=c_mask[:, None] & (i2 < ctx)[None, :])
