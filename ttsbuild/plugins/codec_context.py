@@ -18,13 +18,15 @@ all of the old tail's columns (BLOCK_T >= ctx), so only its programs read the ol
 the new one, and every load of the old tail precedes a barrier and every store of the new one
 follows it (the new tail is the old one shifted by n, read by other threads of the program).
 [B, C, L] output: one time block of the whole axis, few channels (contiguous along time);
-channels-last output: 64-channel blocks by 64-column time blocks, so each program's rows are
-contiguous along channels (with the whole axis in one block, the last stage's 1974 columns
+channels-last output: blocks of channels by blocks of time (CHANNELS_LAST_TILE), so each
+program's rows are contiguous along channels (with the whole axis in one block, the last stage's 1974 columns
 left 2 channels per program: 4-byte pieces 192 bytes apart, the kernel at twice its
 [B, C, L] time on the H200, 2026-12-02).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -40,6 +42,19 @@ def snake_context_reference(x, alpha, inv_beta, tail, rows, channels_last=False)
         x = torch.cat([tail.index_select(0, rows), x], dim=-1)  # [B, C, ctx + n]
         tail.index_copy_(0, rows, x[..., -ctx:])
     return to_channels_last(x) if channels_last else x
+
+
+def _tile(spec: str) -> tuple[int, int, int]:
+    c, t, w = (int(v) for v in spec.split(","))
+    return c, t, w
+
+
+# Channels-last tiles (channels, time, warps). Offline sm_90 compiles (Triton 3.9, fp16,
+# snake + 64-column tail): 64 x 64 with 4 warps, timed on the H200 (0.70 ms for the step's
+# 21 launches at 64 rows against 0.51 for [B, C, T] tiles), takes 255 registers and spills
+# 256-696 bytes to the stack; 32 x 128 with 8 warps takes 102 registers and no stack, so it
+# is the default, not yet timed. TTSBUILD_SNAKE_CL_TILE="64,64,4" for the timed one.
+CHANNELS_LAST_TILE = _tile(os.environ.get("TTSBUILD_SNAKE_CL_TILE", "32,128,8"))
 
 
 def to_channels_last(x: torch.Tensor) -> torch.Tensor:
@@ -71,9 +86,11 @@ def _snake_context_triton(x, alpha, inv_beta, tail, rows, channels_last=False):
     if out.numel() == 0:
         return out
     block_ctx = triton.next_power_of_2(max(ctx, 1))
+    warps = 4
     if channels_last:  # tiles contiguous along channels, the time axis split into blocks
-        block_c = min(triton.next_power_of_2(C), 64)
-        block_t = max(block_ctx, min(triton.next_power_of_2(ctx + n), 4096 // block_c))
+        cl_c, cl_t, warps = CHANNELS_LAST_TILE
+        block_c = min(triton.next_power_of_2(C), cl_c)
+        block_t = max(block_ctx, min(triton.next_power_of_2(ctx + n), cl_t))
     else:  # the whole time axis in one block
         block_t = triton.next_power_of_2(ctx + n)
         block_c = min(triton.next_power_of_2(C), max(1, 4096 // block_t))
@@ -84,7 +101,7 @@ def _snake_context_triton(x, alpha, inv_beta, tail, rows, channels_last=False):
         rows if ctx else x, out, C, n, ctx, x.stride(0), x.stride(1), x.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
-        BLOCK_CTX=block_ctx, num_warps=4,
+        BLOCK_CTX=block_ctx, num_warps=warps,
     )  # fmt: skip
     return out
 
