@@ -73,6 +73,12 @@ def main() -> None:
     ap.add_argument("--fused-output", action="store_true",
                     help="also time the last of those rows with the output stage as one kernel "
                          "(CodecEngine(fused_output=True); row '...+o')")
+    ap.add_argument("--fused-attention", action="store_true",
+                    help="also time the last row before --fused-output with the pre-transformer's "
+                         "attention steps as one kernel each (CodecEngine(fused_attention=True); "
+                         "row '...+a', and '...+o+a' with --fused-output)")
+    ap.add_argument("--fused-only", action="store_true",
+                    help="leave out the rows without the opt-in fusions ('+k')")
     ap.add_argument("--profile-impls", default=None,
                     help="implementations to profile (default: all of --conv-impls)")
     args = ap.parse_args()
@@ -87,8 +93,15 @@ def main() -> None:
         impls.append("triton+k")
     if args.channels_last:
         impls += [i + "+cl" for i in impls if i.startswith("triton")]
+    if args.fused_only:
+        impls = [i for i in impls if "+k" in i]
+    served = impls[-1]
     if args.fused_output:
-        impls.append(impls[-1] + "+o")
+        impls.append(served + "+o")
+    if args.fused_attention:
+        impls.append(served + "+a")
+        if args.fused_output:
+            impls.append(served + "+o+a")
     slots = max(64, max(batches))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
           f"{torch.backends.cudnn.version()}; precision {args.precision}")
@@ -98,7 +111,8 @@ def main() -> None:
     for impl in impls:
         engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4,
                              conv_impl=impl.split("+")[0], fused="+k" in impl,
-                             channels_last="+cl" in impl, fused_output="+o" in impl)
+                             channels_last="+cl" in impl, fused_output="+o" in impl,
+                             fused_attention="+a" in impl)
         snr = codec_snr_db(engine, dec, random_codes(dec.config, 2, 24, seed=1))
         print(f"| {impl} | SNR vs fp32 decode: {snr:.1f} dB | | | |")
         for bench in [m == "on" for m in args.cudnn_benchmark.split(",")]:

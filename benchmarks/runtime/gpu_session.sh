@@ -27,7 +27,10 @@
 # codec:  the codec's kernel tests on the GPU (causal conv, snake + context, channels-last
 #         operands, the fused output stage), then profile_codec.py: triton + fusions without
 #         and with channels-last conv operands (`+cl`, served since 2026-12-02) and that with
-#         the output stage as one kernel (`+o`), batches $CODEC_BATCHES (default 1,64,256),
+#         the output stage as one kernel (`+o`), the pre-transformer's attention steps as one
+#         kernel each (`+a`), both (`+o+a`); with CODEC_TILE_AB=1 the same again with the
+#         snake + context kernel's alternative channels-last tile (TTSBUILD_SNAKE_CL_TILE),
+#         batches $CODEC_BATCHES (default 1,64,256),
 #         one graph-replayed one-frame step, SNR against fp32
 # sweep:  serving sweep at $SWEEP_RPS req/s (default 1,10,20,30,40), 60 s each, one server,
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
@@ -101,12 +104,20 @@ for step in $STEPS; do
     codec)
         log "GPU tests: causal conv, snake + context"
         timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_causal_conv.py \
-            tests/plugins/test_codec_context.py tests/plugins/test_codec_output.py 2>&1 | tee "$OUT/gpu_tests_codec.log" | tail -2
+            tests/plugins/test_codec_context.py tests/plugins/test_codec_output.py \
+            tests/plugins/test_ring_attention.py 2>&1 | tee "$OUT/gpu_tests_codec.log" | tail -2
         log "codec step: triton + fusions, channels-last or not, the output stage fused or not"
         timeout -k 5 300 python3 benchmarks/codec/profile_codec.py --batches "${CODEC_BATCHES:-1,64,256}" \
-            --conv-impls triton --opt-in-kernels --channels-last --fused-output \
-            --profile-impls triton+k+cl,triton+k+cl+o --top 12 2>&1 | grep -v Assertion \
-            | tee "$OUT/profile_codec.log" | grep -E "^\| triton" ;;
+            --conv-impls triton --opt-in-kernels --channels-last --fused-output --fused-attention --fused-only \
+            --profile-impls triton+k+cl,triton+k+cl+o+a --top 12 2>&1 | grep -v Assertion \
+            | tee "$OUT/profile_codec.log" | grep -E "^\| triton"
+        if [ -n "${CODEC_TILE_AB:-}" ]; then
+            log "codec step with the snake + context kernel's 32 x 128 x 8-warp channels-last tile"
+            TTSBUILD_SNAKE_CL_TILE=32,128,8 timeout -k 5 300 python3 benchmarks/codec/profile_codec.py \
+                --batches "${CODEC_BATCHES:-1,64,256}" --conv-impls triton --opt-in-kernels \
+                --channels-last --fused-only --profile-impls triton+k+cl --top 12 2>&1 | grep -v Assertion \
+                | tee "$OUT/profile_codec_tile.log" | grep -E "^\| triton"
+        fi ;;
     sweep)
         left=$((DEADLINE_S - SECONDS))
         log "serving sweep at ${SWEEP_RPS:-1,10,20,30,40} req/s: serve ${SWEEP_ARGS:-} (${left}s left)"

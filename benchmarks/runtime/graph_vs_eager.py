@@ -118,7 +118,8 @@ def run_graph(engine: GraphEngine, reqs, audio_min: int = 1):
 # instead of 1e-3.
 KERNEL_CHOICES = dict(persistent_code_predictor=(1,), fused_code_predictor=(2, 4),
                       codec_precision="fp16", codec_fused=True, codec_channels_last=True,
-                      codec_fused_output=True, prefill_batches=(1, 2, 4))
+                      codec_fused_output=True, codec_fused_attention=True,
+                      prefill_batches=(1, 2, 4))
 MIN_SNR_DB = 45.0
 
 

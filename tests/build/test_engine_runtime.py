@@ -81,6 +81,8 @@ def test_the_codec_conv_layout_can_be_set_at_load(fp8_engine):
     assert flipped.plan.codec_channels_last is (not compiled)
     fused = open_engine(fp8_engine, "cpu", kind="graph", codec_fused_output=True)
     assert fused.plan.codec_fused_output and fused.backend.codec_engine.fused_output is False
+    attn = open_engine(fp8_engine, "cpu", kind="graph", codec_fused_attention=True)
+    assert attn.plan.codec_fused_attention and attn.backend.codec_engine.fused_attention
 
 
 def test_the_largest_batch_bucket_can_be_lowered_at_load_never_raised(fp8_engine):

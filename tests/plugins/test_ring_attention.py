@@ -8,7 +8,12 @@ import pytest
 import torch
 from kernel_device import KDEV, needs_kernel
 
-from ttsbuild.plugins.ring_attention import ring_attention, ring_attention_reference
+from ttsbuild.plugins.ring_attention import (
+    ring_attention,
+    ring_attention_reference,
+    ring_attention_rope,
+    ring_attention_rope_reference,
+)
 
 
 def _inputs(B, n, H, Hkv, R, D, S, device, seed, dtype=torch.float32):
@@ -60,3 +65,78 @@ def test_kernel_refuses_bad_shapes():
         ring_attention(q, k_ring, v_ring, rows, mask[..., :5], 1.0, use_triton=True)
     with pytest.raises(ValueError, match="rings must be"):
         ring_attention(q, k_ring[..., :4], v_ring[..., :4], rows, mask, 1.0, use_triton=True)
+
+
+def _rope_inputs(B, n, H, R, D, S, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, n, 3 * H, D, generator=g)
+    k_ring = torch.randn(S, H, R, D, generator=g)
+    v_ring = torch.randn(S, H, R, D, generator=g)
+    rows = torch.randperm(S, generator=g)[:B]
+    pos = torch.randint(0, 3 * R, (B,), generator=g)
+    pos[0] = 0  # a fresh stream: every older ring entry at a negative frame, unseen
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    return [t.to(device) for t in (qkv, pos, rows, k_ring, v_ring, inv_freq)]
+
+
+def test_rope_reference_is_rope_then_the_window_in_float64():
+    """The fused layer's reference against the definition: RoPE of q and the new k at frames
+    pos + i, the new keys/values at ring index frame % R, and softmax attention over the
+    ring entries whose frames lie in (q - window, q] (frames of the ring tracked by hand)."""
+    B, n, H, R, D, S, W = 2, 3, 2, 11, 8, 4, 6
+    qkv, pos, rows, k_ring, v_ring, inv_freq = _rope_inputs(B, n, H, R, D, S, "cpu", 3)
+    pos[1] = 25  # a ring that has wrapped twice
+    frames = torch.full((S, R), -1, dtype=torch.long)  # the frame each ring entry holds
+    frames[rows[1]] = torch.tensor([25 - ((25 - 1 - r) % R) - 1 for r in range(R)])
+    old_k, old_v = k_ring.clone().double(), v_ring.clone().double()
+    y = ring_attention_rope_reference(qkv, pos, rows, k_ring, v_ring, inv_freq, W, 0.4)
+
+    def rope(x, frame):  # x [..., D]
+        ang = frame * inv_freq.double()
+        c, s_ = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
+        rot = torch.cat([-x[..., D // 2:], x[..., : D // 2]], dim=-1)
+        return x * c + rot * s_
+
+    for b in range(B):
+        slot = rows[b]
+        keys, values, held = old_k[slot].clone(), old_v[slot].clone(), frames[slot].clone()
+        for i in range(n):
+            f = int(pos[b]) + i
+            keys[:, f % R] = rope(qkv[b, i, H:2 * H].double(), f)
+            values[:, f % R] = qkv[b, i, 2 * H:].double()
+            held[f % R] = f
+        for i in range(n):
+            f = int(pos[b]) + i
+            seen = (held <= f) & (held > f - W) & (held >= 0)
+            for h in range(H):
+                s = keys[h] @ rope(qkv[b, i, h].double(), f) * 0.4
+                s = s.masked_fill(~seen, float("-inf"))
+                want = torch.softmax(s, 0) @ values[h]
+                assert (y[b, i, h * D:(h + 1) * D].double() - want).abs().max() < 1e-5
+        assert torch.allclose(k_ring[slot].double(), keys, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "R"), [(1, 75), (4, 87), (3, 20)])
+def test_rope_kernel_equals_reference_and_writes_the_same_rings(n, R):
+    """Queries/keys/values from one qkv projection, RoPE, the ring writes and the window mask
+    in one launch (the real codec's 16 heads of 64); two steps, the second at the positions
+    after the first, reading what the first wrote."""
+    qkv, pos, rows, k_ring, v_ring, inv_freq = _rope_inputs(3, n, 16, R, 64, 6, KDEV, n + R)
+    ref_k, ref_v = k_ring.clone(), v_ring.clone()
+    for step in range(2):
+        want = ring_attention_rope(qkv, pos, rows, ref_k, ref_v, inv_freq, 72, 0.125,
+                                   use_triton=False)  # fmt: skip
+        got = ring_attention_rope(qkv, pos, rows, k_ring, v_ring, inv_freq, 72, 0.125,
+                                  use_triton=True)  # fmt: skip
+        assert got.shape == want.shape == (3, n, 16 * 64)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, step
+        assert ((k_ring - ref_k).abs().max()).item() < 1e-5, step
+        assert torch.equal(v_ring, ref_v), step
+        pos, qkv = pos + n, qkv.flip(1).contiguous()
+
+
+def test_rope_refuses_grouped_heads():
+    qkv, pos, rows, k_ring, v_ring, inv_freq = _rope_inputs(2, 1, 4, 10, 8, 3, "cpu", 1)
+    with pytest.raises(ValueError, match="as many query as"):
+        ring_attention_rope(qkv[:, :, 2:], pos, rows, k_ring, v_ring, inv_freq, 5, 1.0)

@@ -201,6 +201,28 @@ def test_resolve_conv_impl(monkeypatch):
         resolve_conv_impl("auto", "cuda")
 
 
+def test_the_fused_attention_steps_decode_the_same_audio():
+    """CodecEngine(fused_attention=True): each pre-transformer layer's RoPE, ring writes,
+    window mask and attention in one kernel (the kernel under TRITON_INTERPRET=1, else its
+    reference). The same audio over 10 frames in chunks of 4 (the rings carried across steps,
+    a second stream started in a slot the first used), as the fused path's separate ops."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    cfg = small_config(num_key_value_heads=4)  # as many key/value as query heads, as the real
+    dec = our_decoder(cfg, test_state(cfg, seed=38))
+    plain = CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=True)
+    fused = CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=True, fused_attention=True)
+    assert fused.fused_attention and not plain.fused_attention
+    grouped = small_config()  # 4 query heads on 2 key/value heads: the separate ops stay
+    assert not CodecEngine(our_decoder(grouped, test_state(grouped, seed=38)), 2, "fp16",
+                           conv_impl="triton", fused=True, fused_attention=True).fused_attention
+    for seed in (39, 40):
+        codes = rand_codes(cfg, 2, 10, seed=seed)
+        want, got = ce.decode_with(plain, codes), ce.decode_with(fused, codes)
+        rel = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+        assert got.shape == want.shape and rel <= 1e-3, rel
+
+
 def test_the_fused_output_stage_decodes_the_same_audio():
     """CodecEngine(fused_output=True): the output stage (SnakeBeta, context, the fp32 conv to
     one channel, clamp) as one kernel (plugins.codec_output; the kernel under

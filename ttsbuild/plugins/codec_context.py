@@ -19,9 +19,9 @@ the new one, and every load of the old tail precedes a barrier and every store o
 follows it (the new tail is the old one shifted by n, read by other threads of the program).
 [B, C, L] output: one time block of the whole axis, few channels (contiguous along time);
 channels-last output: blocks of channels by blocks of time (CHANNELS_LAST_TILE), so each
-program's rows are contiguous along channels (with the whole axis in one block, the last stage's 1974 columns
-left 2 channels per program: 4-byte pieces 192 bytes apart, the kernel at twice its
-[B, C, L] time on the H200, 2026-12-02).
+program's rows are contiguous along channels (with the whole axis in one block, the last
+stage's 1974 columns left 2 channels per program: 4-byte pieces 192 bytes apart, the kernel
+at twice its [B, C, L] time on the H200, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ def _tile(spec: str) -> tuple[int, int, int]:
 
 
 # Channels-last tiles (channels, time, warps). Offline sm_90 compiles (Triton 3.9, fp16,
-# snake + 64-column tail): 64 x 64 with 4 warps, timed on the H200 (0.70 ms for the step's
-# 21 launches at 64 rows against 0.51 for [B, C, T] tiles), takes 255 registers and spills
-# 256-696 bytes to the stack; 32 x 128 with 8 warps takes 102 registers and no stack, so it
-# is the default, not yet timed. TTSBUILD_SNAKE_CL_TILE="64,64,4" for the timed one.
-CHANNELS_LAST_TILE = _tile(os.environ.get("TTSBUILD_SNAKE_CL_TILE", "32,128,8"))
+# snake + 64-column tail): 64 x 64 with 4 warps, the default, timed on the H200 (0.70 ms for
+# the step's 21 launches at 64 rows against 0.51 for [B, C, T] tiles), takes 255 registers
+# and spills 256-696 bytes to the stack; 32 x 128 with 8 warps takes 102 registers and no
+# stack: TTSBUILD_SNAKE_CL_TILE="32,128,8" to time it against the default.
+CHANNELS_LAST_TILE = _tile(os.environ.get("TTSBUILD_SNAKE_CL_TILE", "64,64,4"))
 
 
 def to_channels_last(x: torch.Tensor) -> torch.Tensor:

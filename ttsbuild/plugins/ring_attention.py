@@ -12,6 +12,17 @@ add, the softmax, a cast and the [B, H, n, D] -> [B, n, H * D] copy: ~7 kernels 
 The kernel: one program per (row, head) holds the head's keys and values ([R, D], R padded to
 a power of two) and loops over the n queries; fp32 math whatever the input dtype (the output
 takes q's dtype).
+
+    ring_attention_rope(qkv [B, n, H + 2 * Hkv, D], pos [B], rows [B], k_ring, v_ring,
+                        inv_freq [D / 2], window, scale) -> y [B, n, H * D]
+the whole attention step of a layer in one launch (H == Hkv, as the 12 Hz codec has):
+query frames q = pos + i; RoPE (angles q * inv_freq, rotate-half layout) of the queries and
+new keys; the new keys and values written into the rows' rings at q % R; the window mask
+(ring index r holds frame last - ((last - r) mod R), last = pos + n - 1, visible iff
+q - window < frame <= q and frame >= 0) made in the kernel. Eager that is ~20 launches of
+mask and cos/sin set-up per step plus RoPE (~5) and two ring scatters per layer; each program
+writes its own head's new entries, then (after a barrier) reads the ring, so no program reads
+what another writes (rows that share the scratch slot race there, and nobody reads it).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from ttsbuild.model.codec import apply_rope, window_mask
 from ttsbuild.plugins._dispatch import triton_available, want_triton
 
 
@@ -69,9 +81,61 @@ def _ring_attention_triton(q, k_ring, v_ring, rows, mask, scale):
     return out
 
 
+def ring_attention_rope_reference(qkv, pos, rows, k_ring, v_ring, inv_freq, window, scale):
+    """The eager ops (the codec engine's unfused layer): see the module docstring."""
+    B, n, heads, D = qkv.shape
+    Hkv, R = k_ring.shape[1], k_ring.shape[2]
+    H = heads - 2 * Hkv
+    q_pos = pos[:, None] + torch.arange(n, device=qkv.device)  # [B, n]
+    last = q_pos[:, -1:]
+    k_pos = last - (last - torch.arange(R, device=qkv.device)) % R  # [B, R]
+    mask = torch.zeros((B, 1, n, R), dtype=torch.float32, device=qkv.device).masked_fill_(
+        ~window_mask(q_pos, k_pos, window), float("-inf"))
+    freqs = q_pos.float()[..., None] * inv_freq  # [B, n, D / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]  # [B, n, 1, D]
+    qk = apply_rope(qkv[:, :, : H + Hkv], emb.cos().to(qkv.dtype), emb.sin().to(qkv.dtype))
+    q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
+    ring_idx = q_pos % R
+    k_ring[rows[:, None], :, ring_idx] = k.to(k_ring.dtype)
+    v_ring[rows[:, None], :, ring_idx] = v.to(v_ring.dtype)
+    return ring_attention_reference(q, k_ring, v_ring, rows, mask, scale)
+
+
+def ring_attention_rope(qkv, pos, rows, k_ring, v_ring, inv_freq, window: int, scale: float, *,
+                        use_triton: bool | None = None):
+    """See the module docstring; one launch on the GPU. Updates the rows' rings in place."""
+    B, n, heads, D = qkv.shape
+    S, Hkv, R, Dk = k_ring.shape
+    if heads != 3 * Hkv or Dk != D or D % 2 or v_ring.shape != k_ring.shape:
+        raise ValueError(f"ring_attention_rope needs qkv [B, n, 3 * Hkv, D] (as many query as "
+                         f"key/value heads) and rings [S, Hkv, R, D]; got qkv "
+                         f"{tuple(qkv.shape)}, rings {tuple(k_ring.shape)}")
+    if inv_freq.shape != (D // 2,):
+        raise ValueError(f"inv_freq must be [{D // 2}], got {tuple(inv_freq.shape)}")
+    if not want_triton(qkv, use_triton):
+        return ring_attention_rope_reference(qkv, pos, rows, k_ring, v_ring, inv_freq, window,
+                                             scale)  # fmt: skip
+    import triton
+
+    if not (k_ring.is_contiguous() and v_ring.is_contiguous()) or D & (D - 1):
+        raise ValueError(f"the kernel needs contiguous rings and a power-of-two head size, got "
+                         f"{D}")
+    out = torch.empty((B, n, Hkv * D), dtype=qkv.dtype, device=qkv.device)
+    if out.numel() == 0:
+        return out
+    _ring_attention_rope_kernel[(B, Hkv)](
+        qkv, pos, rows, k_ring, v_ring, inv_freq, out, n, R, int(window), float(scale),
+        qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
+        H=Hkv, D=D, BLOCK_R=triton.next_power_of_2(R), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 if triton_available():  # the kernel exists only where Triton imports (not needed on CPU)
     import triton
     import triton.language as tl
+
+    from ttsbuild.plugins._tl._math import cos_f32, sin_f32
 
     @triton.jit
     def _ring_attention_kernel(
@@ -100,3 +164,59 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             y = tl.sum(p[:, None] * values, axis=0)  # [D]
             tl.store(out_ptr + (b * N + i) * (H * D) + h * D + d,
                      y.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+    @triton.jit
+    def _rope(x_ptr, d, partner, sign, inv, qp):
+        """RoPE of one head vector at frame qp (rotate-half layout), fp32."""
+        ang = qp.to(tl.float32) * inv
+        x = tl.load(x_ptr + d).to(tl.float32)
+        xp = tl.load(x_ptr + partner).to(tl.float32)
+        return x * cos_f32(ang) + sign * xp * sin_f32(ang)
+
+    @triton.jit
+    def _ring_attention_rope_kernel(
+        qkv_ptr, pos_ptr, rows_ptr, k_ptr, v_ptr, inv_freq_ptr, out_ptr, N, R, W, scale,
+        sb, sn, sh, sd,
+        H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        slot = tl.load(rows_ptr + b).to(tl.int64)
+        p0 = tl.load(pos_ptr + b)
+        d = tl.arange(0, D)
+        partner = tl.where(d < D // 2, d + D // 2, d - D // 2)
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        inv = tl.load(inv_freq_ptr + d % (D // 2)).to(tl.float32)
+        row = qkv_ptr + b * sb
+        ring = (slot * H + h) * R * D
+        # 1. this head's new keys (RoPE) and values into the row's ring
+        for i in range(0, N):
+            qp = p0 + i
+            k = _rope(row + i * sn + (H + h) * sh, d * sd, partner * sd, sign, inv, qp)
+            v = tl.load(row + i * sn + (2 * H + h) * sh + d * sd)
+            at = ring + (qp % R) * D + d
+            tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty))
+            tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty))
+        tl.debug_barrier()  # the writes above precede the reads below (one program, one head)
+        # 2. attention of each query frame over the ring's window
+        r = tl.arange(0, BLOCK_R)
+        r_mask = r < R
+        kv = ring + r[:, None] * D + d[None, :]
+        keys = tl.load(k_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)  # [R, D]
+        values = tl.load(v_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)
+        last = p0 + N - 1
+        back = (last - r) % R
+        back = tl.where(back < 0, back + R, back)  # floor mod (C's % truncates)
+        k_pos = last - back  # [R]: the frame at ring index r
+        for i in range(0, N):
+            qp = p0 + i
+            q = _rope(row + i * sn + h * sh, d * sd, partner * sd, sign, inv, qp)
+            dist = qp - k_pos
+            visible = r_mask & (dist >= 0) & (dist < W) & (k_pos >= 0)
+            s = tl.sum(keys * q[None, :], axis=1) * scale
+            s = tl.where(visible, s, float("-inf"))
+            p = tl.exp(s - tl.max(s, axis=0))
+            p = p / tl.sum(p, axis=0)
+            y = tl.sum(p[:, None] * values, axis=0)  # [D]
+            tl.store(out_ptr + (b * N + i) * (H * D) + h * D + d,
+                     y.to(out_ptr.dtype.element_ty))

@@ -58,7 +58,11 @@ from ttsbuild.plugins.causal_conv import causal_conv, overlap_add, pack_conv_wei
 from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.codec_output import codec_output
 from ttsbuild.plugins.norm_act import rms_norm, silu_mul
-from ttsbuild.plugins.ring_attention import ring_attention, ring_attention_reference
+from ttsbuild.plugins.ring_attention import (
+    ring_attention,
+    ring_attention_reference,
+    ring_attention_rope,
+)
 
 PRECISIONS = {
     "fp32": torch.float32,
@@ -173,6 +177,7 @@ class CodecEngine:
         fused: bool = False,
         channels_last: bool = False,
         fused_output: bool = False,
+        fused_attention: bool = False,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -209,6 +214,13 @@ class CodecEngine:
         # of a cast to fp32, the snake + context kernel, an im2col copy of 7x the stage's
         # input and a GEMV with one column (~0.8 GB of traffic at 64 rows of one frame).
         self.fused_output = fused_output and conv_impl != "cudnn"
+        # Off until timed on the GPU (profile_codec.py --fused-attention): each
+        # pre-transformer layer's RoPE, ring writes, window mask and attention as one kernel
+        # (plugins.ring_attention.ring_attention_rope), where the fused path makes ~20 launches
+        # of mask and cos/sin set-up per step and 8 per layer (56 fewer of a batch-1 step's
+        # ~275, which is launch-bound). Needs as many query as key/value heads (the 12 Hz codec).
+        tr_heads = [(m.self_attn.n_head, m.self_attn.n_kv) for m in codec.pre_transformer.layers]
+        self.fused_attention = fused_attention and all(h == kv for h, kv in tr_heads)
         device = torch.device(device) if device is not None else next(codec.parameters()).device
         self.precision, self.device, self.max_chunk = precision, device, max_chunk
         self.config = cfg = codec.config
@@ -511,6 +523,13 @@ class CodecEngine:
 
     def _transformer(self, x: Tensor, rows: Tensor, pos: Tensor, st: _Stage) -> Tensor:
         tr = self.codec.pre_transformer  # x: [B, n, latent]
+        if self.fused_attention:
+            # the fused layers make their RoPE, ring writes and window mask in the attention
+            # kernel (plugins.ring_attention.ring_attention_rope)
+            h = self._linear(tr.input_proj, x, st)
+            for layer in tr.layers:
+                h = self._layer(layer, h, None, None, None, rows, None, st, pos=pos)
+            return self._linear(tr.output_proj, rms_norm(h, tr.norm.weight, tr.norm.eps), st)
         n, dev = x.shape[1], x.device
         q_pos = pos[:, None] + torch.arange(n, device=dev)  # [B, n]
         last = q_pos[:, -1:]
@@ -527,28 +546,41 @@ class CodecEngine:
             h = self._layer(layer, h, cos, sin, mask, rows, ring_idx, st)
         return self._linear(tr.output_proj, rms_norm(h, tr.norm.weight, tr.norm.eps), st)
 
-    def _layer(self, layer: TransformerLayer, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-               rows: Tensor, ring_idx: Tensor, st: _Stage) -> Tensor:
+    def _layer(self, layer: TransformerLayer, x: Tensor, cos: Tensor | None,
+               sin: Tensor | None, mask: Tensor | None, rows: Tensor, ring_idx: Tensor | None,
+               st: _Stage, pos: Tensor | None = None) -> Tensor:
+        """mask None: the fused attention step (RoPE, ring writes, mask in one kernel), at the
+        rows' positions `pos`."""
         a = layer.self_attn
         b, n, _ = x.shape
-        qkv_weight, qkv_bias, gate_up_weight = self._packed[layer]
+        qkv_weight, qkv_bias, _ = self._packed[layer]
         norm = layer.input_layernorm
         qkv = F.linear(st.mm_in(rms_norm(x, norm.weight, norm.eps)), qkv_weight, qkv_bias)
         qkv = qkv.view(b, n, a.n_head + 2 * a.n_kv, a.head_dim)
-        qk, v = qkv[:, :, : a.n_head + a.n_kv], qkv[:, :, a.n_head + a.n_kv :]  # [B, n, *, D]
-        qk = apply_rope(qk, cos, sin)  # q and k at once
-        q, k = qk[:, :, : a.n_head], qk[:, :, a.n_head :]  # [B, n, H, D], [B, n, Hkv, D]
         k_ring, v_ring = self.state[a.slot]  # [S, Hkv, R, D]
-        k_ring[rows[:, None], :, ring_idx] = k  # the rows' new frames into their rings
-        v_ring[rows[:, None], :, ring_idx] = v
         # Written out (plugins.ring_attention): a few frames against a ring of ~75 keys; SDPA
         # with a mask picks the memory-efficient kernel, 0.64 ms for the 8 layers at batch 64
         # against ~0.2 ms for plain matmuls. Every query sees itself: no row is all -inf.
         scale = a.head_dim ** -0.5
+        if mask is None:
+            y = ring_attention_rope(qkv, pos, rows, k_ring, v_ring, self.inv_freq, self.window,
+                                    scale)  # fmt: skip
+            return self._layer_tail(layer, y, x, st)
+        qk, v = qkv[:, :, : a.n_head + a.n_kv], qkv[:, :, a.n_head + a.n_kv :]  # [B, n, *, D]
+        qk = apply_rope(qk, cos, sin)  # q and k at once
+        q, k = qk[:, :, : a.n_head], qk[:, :, a.n_head :]  # [B, n, H, D], [B, n, Hkv, D]
+        k_ring[rows[:, None], :, ring_idx] = k  # the rows' new frames into their rings
+        v_ring[rows[:, None], :, ring_idx] = v
         if self.fused:
             y = ring_attention(q, k_ring, v_ring, rows, mask, scale)
         else:
             y = ring_attention_reference(q, k_ring, v_ring, rows, mask, scale, st.mm_in)
+        return self._layer_tail(layer, y, x, st)
+
+    def _layer_tail(self, layer: TransformerLayer, y: Tensor, x: Tensor, st: _Stage) -> Tensor:
+        """The layer after its attention: output projection, residual, MLP, residual."""
+        a = layer.self_attn
+        gate_up_weight = self._packed[layer][2]
         x = self._linear_residual(a.o_proj, layer.self_attn_layer_scale, y, x, st)
         norm = layer.post_attention_layernorm
         gate_up = F.linear(st.mm_in(rms_norm(x, norm.weight, norm.eps)), gate_up_weight)

@@ -352,6 +352,7 @@ class GraphBackend:
             models.codec, plan.num_slots, plan.codec_precision, dev, max_chunk=plan.max_chunk,
             conv_impl=resolve_conv_impl(plan.codec_conv, dev), fused=plan.codec_fused,
             channels_last=plan.codec_channels_last, fused_output=plan.codec_fused_output,
+            fused_attention=plan.codec_fused_attention,
         )
         if release_modules:
             models.offload_codec_decoder()  # the codec engine holds its own copy

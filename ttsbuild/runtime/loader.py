@@ -53,6 +53,7 @@ def open_engine(
     lane_frames: int | None = None,
     codec_channels_last: bool | None = None,
     codec_fused_output: bool | None = None,
+    codec_fused_attention: bool | None = None,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
     `random_variant`, e.g. "1.7b-customvoice", when path is None).
@@ -75,7 +76,8 @@ def open_engine(
     codec_channels_last: the codec's implicit-GEMM convs on channels-last operands
     (`EnginePlan.codec_channels_last`, a layout chosen at load); None: the plan's.
     codec_fused_output: the codec's output stage as one kernel (`EnginePlan.codec_fused_output`,
-    chosen at load); None: the plan's."""
+    chosen at load); None: the plan's. codec_fused_attention: the codec pre-transformer's
+    attention steps as one kernel each (`EnginePlan.codec_fused_attention`); None: the plan's."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = resolve_device(device)
@@ -144,6 +146,8 @@ def open_engine(
         plan = plan_update(plan, codec_channels_last=codec_channels_last)
     if codec_fused_output is not None and codec_fused_output != plan.codec_fused_output:
         plan = plan_update(plan, codec_fused_output=codec_fused_output)
+    if codec_fused_attention is not None and codec_fused_attention != plan.codec_fused_attention:
+        plan = plan_update(plan, codec_fused_attention=codec_fused_attention)
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 

@@ -70,6 +70,10 @@ class EnginePlan(BaseModel):
     # one kernel (CodecEngine(fused_output=True), plugins.codec_output): same audio to fp32
     # rounding; off until profile_codec.py --fused-output is timed on the GPU.
     codec_fused_output: bool = False
+    # Each codec pre-transformer layer's RoPE, ring writes, window mask and attention as one
+    # kernel (CodecEngine(fused_attention=True), plugins.ring_attention.ring_attention_rope):
+    # 56 fewer launches per step; off until profile_codec.py --fused-attention is timed.
+    codec_fused_attention: bool = False
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()

@@ -147,6 +147,11 @@ def serve(
         "stage (SnakeBeta, context, the conv to one channel, clamp) as one kernel; default: "
         "the engine's plan."
     ),  # fmt: skip
+    codec_fused_attention: bool = typer.Option(
+        None, "--codec-fused-attention/--no-codec-fused-attention", help="GPU: each codec "
+        "pre-transformer layer's RoPE, ring writes, window mask and attention as one kernel; "
+        "default: the engine's plan."
+    ),  # fmt: skip
     exact_chunks: bool = typer.Option(
         False, "--exact-chunks", help="A codec step decodes each stream's next chunk exactly "
         "(its schedule size), leaving frames made past it for the next one, so a step makes "
@@ -247,6 +252,7 @@ def serve(
             prefill_batches=batches, admission_lane=lane, lane_reserved_sms=lane_reserved_sms,
             bf16_min_rows=bf16_min_rows, max_batch=max_batch, lane_frames=lane_frames,
             codec_channels_last=codec_channels_last, codec_fused_output=codec_fused_output,
+            codec_fused_attention=codec_fused_attention,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")
