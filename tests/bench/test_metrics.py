@@ -48,6 +48,9 @@ def test_analyse_trace_with_silence_then_speech_and_one_late_chunk():
     assert r.rtf == pytest.approx(1.0 / 0.7)
     assert r.underruns == 1
     assert r.stall_s == pytest.approx(0.2)
+    # 80 ms blocks: 1-3 end in the silence (0.3 s, at 0.2), 4-6 in the first tone (0.3-0.5 s,
+    # at 0.4), 7-8 in the second (0.5-0.7 s, at 0.9)
+    assert r.audio_arrival_s == pytest.approx([0.2, 0.2, 0.2, 0.4, 0.4, 0.4, 0.9, 0.9])
 
 
 def test_analyse_rejected_and_corrupt_bodies():

@@ -28,6 +28,8 @@ from ttsbuild.bench.client import Outcome, Trace
 from ttsbuild.bench.schedule import PlannedRequest
 
 PERCENTILES = (50, 95, 99)
+# RequestRecord.audio_arrival_s: the first 8 blocks of 80 ms (one codec frame each)
+EARLY_BLOCK_S, EARLY_BLOCKS = 0.08, 8
 # Timings summarised as p50/p95/p99 (all seconds, except rtf which is a ratio).
 TIMING_FIELDS = (
     "dispatch_lag_s",
@@ -70,6 +72,9 @@ class RequestRecord:
     underruns: int | None  # zero-buffer playback: times the player ran dry
     stall_s: float | None  # zero-buffer playback: total waiting after playback began
     underrun_at_s: list[float] | None  # zero-buffer playback: audio played before each underrun
+    # arrival (since the scheduled send) of the bytes completing each of the first
+    # EARLY_BLOCKS 80 ms blocks of audio: where a stream's early chunks lost their time
+    audio_arrival_s: list[float] | None
     text_done_to_audio_s: float | None  # WS: audible onset - time the last word was sent
     sample_rate: int | None
     body_bytes: int
@@ -110,6 +115,7 @@ def analyse(
         underruns=None,
         stall_s=None,
         underrun_at_s=None,
+        audio_arrival_s=None,
         text_done_to_audio_s=None,
         sample_rate=None,
         body_bytes=len(trace.body),
@@ -146,6 +152,11 @@ def _add_audio_metrics(
         record.underruns = playback.underruns
         record.stall_s = playback.stall_s
         record.underrun_at_s = [round(t, 4) for t in playback.underrun_at_s]
+    block = round(EARLY_BLOCK_S * fmt.sample_rate)
+    record.audio_arrival_s = [
+        round(frame_arrival_time(k * block - 1, times, end_frames) - scheduled_at, 5)
+        for k in range(1, EARLY_BLOCKS + 1) if k * block <= total_frames
+    ]  # fmt: skip
     if record.e2e_s is not None:
         record.rtf = record.e2e_s / record.audio_s
     onset = audible_onset(decode_mono(bytes(trace.body), fmt), fmt.sample_rate)
