@@ -217,8 +217,9 @@ class CodecEngine:
         # Off until timed on the GPU (profile_codec.py --fused-attention): each
         # pre-transformer layer's RoPE, ring writes, window mask and attention as one kernel
         # (plugins.ring_attention.ring_attention_rope), where the fused path makes ~20 launches
-        # of mask and cos/sin set-up per step and 8 per layer (56 fewer of a batch-1 step's
-        # ~275, which is launch-bound). Needs as many query as key/value heads (the 12 Hz codec).
+        # of mask and cos/sin set-up per step and 8 per layer (RoPE, two ring scatters, the
+        # attention): ~76 fewer of a batch-1 step's ~275, which is launch-bound. Needs as many
+        # query as key/value heads (the 12 Hz codec).
         tr_heads = [(m.self_attn.n_head, m.self_attn.n_kv) for m in codec.pre_transformer.layers]
         self.fused_attention = fused_attention and all(h == kv for h, kv in tr_heads)
         device = torch.device(device) if device is not None else next(codec.parameters()).device

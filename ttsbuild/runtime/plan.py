@@ -72,7 +72,7 @@ class EnginePlan(BaseModel):
     codec_fused_output: bool = False
     # Each codec pre-transformer layer's RoPE, ring writes, window mask and attention as one
     # kernel (CodecEngine(fused_attention=True), plugins.ring_attention.ring_attention_rope):
-    # 56 fewer launches per step; off until profile_codec.py --fused-attention is timed.
+    # ~76 fewer launches per step; off until profile_codec.py --fused-attention is timed.
     codec_fused_attention: bool = False
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
