@@ -32,6 +32,9 @@
 #         snake + context kernel's alternative channels-last tile (TTSBUILD_SNAKE_CL_TILE),
 #         batches $CODEC_BATCHES (default 1,64,256),
 #         one graph-replayed one-frame step, SNR against fp32
+# convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
+#         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
+#         (sweep_conv.py; CONV_SWEEP_ARGS default --quick: 28 configs), batches $CONV_BATCHES
 # sweep:  serving sweep at $SWEEP_RPS req/s (default 1,10,20,30,40), 60 s each, one server,
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
 #         CustomVoice checkpoint's first chunk, two frames with the silent one dropped), until
@@ -118,6 +121,11 @@ for step in $STEPS; do
                 --channels-last --fused-only --profile-impls triton+k+cl --top 12 2>&1 | grep -v Assertion \
                 | tee "$OUT/profile_codec_tile.log" | grep -E "^\| triton"
         fi ;;
+    convsweep)
+        log "codec conv tiles: the served config against a grid, per stage shape, batches ${CONV_BATCHES:-64,256}"
+        timeout -k 5 420 python3 benchmarks/codec/sweep_conv.py --batches "${CONV_BATCHES:-64,256}" \
+            ${CONV_SWEEP_ARGS:---quick} 2>&1 | grep -v Assertion | tee "$OUT/sweep_conv.log" \
+            | grep -E "^\| [0-9]" ;;
     sweep)
         left=$((DEADLINE_S - SECONDS))
         log "serving sweep at ${SWEEP_RPS:-1,10,20,30,40} req/s: serve ${SWEEP_ARGS:-} (${left}s left)"

@@ -89,7 +89,9 @@ def _config(m: int, cin: int, cout: int) -> tuple[int, int, int, int]:
 
 
 def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None,
-                        channels_last=False):
+                        channels_last=False, config=None):
+    """config: (BLOCK_M, BLOCK_CI, BLOCK_O, num_warps, num_stages) in place of `_config`'s
+    (benchmarks/codec/sweep_conv.py times a grid of them)."""
     import triton
 
     B, cin, L = xin.shape
@@ -107,7 +109,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
         out = torch.empty((B, cout, n), dtype=xin.dtype, device=xin.device)
     if residual is not None and residual.shape != out.shape:
         raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
-    bm, bci, bo, warps = _config(B * n, cin, cout)
+    bm, bci, bo, warps, stages = config or (*_config(B * n, cin, cout), 3)
     grid = (triton.cdiv(B * n, bm), triton.cdiv(cout, bo))
     res = residual if residual is not None else out
     snake = alpha is not None
@@ -117,7 +119,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
         xin.stride(0), xin.stride(1), xin.stride(2), res.stride(0), res.stride(1), res.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SNAKE=snake,
-        BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=3,
+        BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

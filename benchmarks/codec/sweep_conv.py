@@ -1,0 +1,124 @@
+"""Tile configurations of the codec's implicit-GEMM conv (plugins.causal_conv) at the shapes a
+one-frame codec step runs, channels-last operands (what is served), on the GPU.
+
+    PYTHONPATH=. python3 benchmarks/codec/sweep_conv.py [--batches 64,256] [--quick]
+
+For each decoder stage (channels C, n samples per frame) and kind (the dilated k = 7 conv
+with a bias; the residual unit's 1x1 conv with SnakeBeta in its input load and the residual
+added), at each batch: the served configuration (`_config`, 3 stages) and every config of
+the grid (BLOCK_M, BLOCK_CI, BLOCK_O, warps, stages), each timed as a CUDA graph of 20
+launches (median of 5), its output checked against the served config's (a config that
+disagrees is reported, never chosen). Prints one table row per shape: served ms and TFLOP/s,
+the best config, its ms and TFLOP/s. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import pathlib
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+from ttsbuild.plugins.causal_conv import _causal_conv_triton, _config  # noqa: E402
+from ttsbuild.plugins.codec_context import to_channels_last  # noqa: E402
+
+# (C, n per frame) of the 12 Hz codec's decoder blocks (upsample rates 8, 5, 4, 3 after the
+# 4 latent steps per frame); the dilated convs take dilations 1, 3, 9 (context 6, 18, 54)
+STAGES = ((768, 32), (384, 160), (192, 640), (96, 1920))
+
+
+def grid(quick: bool):
+    tiles = itertools.product((64, 128, 256), (32, 64), (64, 128), (4, 8), (2, 3, 4))
+    for bm, bci, bo, warps, stages in tiles:
+        if bm * bo >= 128 * 128 and warps == 4:
+            continue  # a 128 x 128 (or larger) accumulator in one warpgroup spills
+        if quick and (stages == 2 or bm == 256):
+            continue
+        yield bm, bci, bo, warps, stages
+
+
+def time_call(fn, replays: int = 20, repeats: int = 5) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(replays):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / replays)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--quick", action="store_true", help="3 and 4 stages, BLOCK_M <= 128 only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("sweep_conv.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.float16
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; fp16, channels-last")
+    print("| C | n | kind | batch | served config | ms | TFLOP/s | best config | ms | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    configs = list(grid(args.quick))
+    for B in (int(b) for b in args.batches.split(",")):
+        for C, n in STAGES:
+            for kind in ("k7 d3", "1x1 snake+res"):
+                k, d = (7, 3) if kind.startswith("k7") else (1, 1)
+                ctx = (k - 1) * d
+                xin = to_channels_last(torch.randn(B, C, ctx + n, device=dev, dtype=dt))
+                w = (torch.randn(k, C, C, device=dev) / (k * C) ** 0.5).to(dt)
+                bias = torch.randn(C, device=dev, dtype=dt)
+                snake = kind.startswith("1x1")
+                alpha = torch.rand(C, 1, device=dev) + 0.5 if snake else None
+                inv_beta = torch.rand(C, 1, device=dev) + 0.5 if snake else None
+                res = to_channels_last(torch.randn(B, C, n, device=dev, dtype=dt)) \
+                    if snake else None
+
+                def run(cfg, xin=xin, w=w, bias=bias, d=d, res=res, a=alpha, ib=inv_beta):
+                    return _causal_conv_triton(xin, w, bias, d, res, a, ib, True, cfg)
+
+                served = (*_config(B * n, C, C), 3)
+                want = run(served).float()
+                flop = 2.0 * B * n * C * C * k
+                best, best_ms = served, time_call(lambda served=served: run(served))
+                served_ms, bad = best_ms, []
+                for cfg in configs:
+                    try:
+                        got = run(cfg).float()
+                    except Exception as exc:  # out of shared memory, etc.: not a candidate
+                        bad.append(f"{cfg}: {type(exc).__name__}")
+                        continue
+                    if ((got - want).abs().max() / want.abs().max()).item() > 1e-2:
+                        bad.append(f"{cfg}: disagrees")
+                        continue
+                    ms = time_call(lambda cfg=cfg: run(cfg))
+                    if ms < best_ms:
+                        best, best_ms = cfg, ms
+                print(f"| {C} | {n} | {kind} | {B} | {served} | {served_ms:.4f} | "
+                      f"{flop / served_ms / 1e9:.0f} | {best} | {best_ms:.4f} | "
+                      f"{flop / best_ms / 1e9:.0f} |", flush=True)
+                for line in bad[:5]:
+                    print(f"  skipped {line}")
+
+
+if __name__ == "__main__":
+    main()
