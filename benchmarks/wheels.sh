@@ -40,6 +40,6 @@ engine_bench() {
     local name=$1
     shift
     timeout -k 5 240 "$PY" -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
-        --precisions fp8 --iters 20 --out "$OUT/engine_$name" "$@" 2>&1 \
+        --precisions fp8 --iters 20 --out "$OUT/engine_$name" ${ENGINE_ARGS:-} "$@" 2>&1 \
         | tee "$OUT/engine_bench_$name.log" | grep -E "^\||first 1-frame|memory"
 }

@@ -8,7 +8,8 @@
 # tests:  GPU tests of the step driver's host side (test_driver_host.py, alone first, with
 #         faulthandler), then of the prefill kernel path, the prefix cache and W8A8
 # wide:   engine microbenchmark at batches 1,64,128,256 (slots up to 256, issue 9's batch-256
-#         target), the served plan
+#         target), the served plan; ENGINE_ARGS adds flags to every engine microbenchmark,
+#         e.g. "--plan-set codec_fused_attention=true --plan-set codec_fused_output=true"
 # engine: engine microbenchmark, served plan (first chunk, prefill by bucket, frame, codec)
 # check:  graph path vs eager path (tiny); with --kernels (CHECK_ARGS): the plan's optional
 #         paths too, batched prefill (prefill_batches 1,2,4) among them

@@ -153,12 +153,13 @@ def bench_plan(
     bf16_min_rows: int | None = None, admission_lane: tuple[int, ...] = (1, 2),
     lane_reserved_sms: int | None = None,
     lane_frames: int = 1,
+    plan_set: dict | None = None,
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured,
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
     run it (fused_code_predictor=False: the unfused path everywhere); bf16_min_rows and
     lane_reserved_sms None: as served (DEFAULT_BF16_MIN_ROWS for FP8, DEFAULT_LANE_RESERVED_SMS
-    with a lane)."""
+    with a lane). plan_set: more EnginePlan fields, e.g. {"codec_fused_output": True}."""
     num_slots = max(batches)
     if bf16_min_rows is None:
         bf16_min_rows = DEFAULT_BF16_MIN_ROWS if precision == "fp8" else 0
@@ -181,6 +182,7 @@ def bench_plan(
         if lane_reserved_sms is None else lane_reserved_sms,
         bf16_min_rows=bf16_min_rows,
         lane_frames=lane_frames if lane else 1,
+        **(plan_set or {}),
     )
 
 
@@ -485,6 +487,7 @@ def run_engine_bench(
     admission_lane: tuple[int, ...] = (1, 2),
     lane_reserved_sms: int | None = None,
     first_frames: int = 1,
+    plan_set: dict | None = None,
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -499,7 +502,7 @@ def run_engine_bench(
         p_plan = bench_plan(
             p, batches, fused_code_predictor, persistent_cp_max_batch, fused_talker_max_batch,
             w8a8_min_rows, prefill_batches, bf16_min_rows, admission_lane, lane_reserved_sms,
-            lane_frames=first_frames,
+            lane_frames=first_frames, plan_set=plan_set,
         )
         results.append(bench_precision(models, p_plan, batches, iters, log,
                                        first_frames=first_frames))  # fmt: skip
@@ -599,6 +602,9 @@ def main() -> None:
                    help="the first chunk beside stepping rows: 1 frame, or 2 (a real "
                    "CustomVoice checkpoint's, its silent first frame dropped; the plan's "
                    "admission lane then makes both, plan.lane_frames 2)")
+    p.add_argument("--plan-set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an EnginePlan field for the random-weight engines, VALUE as JSON "
+                        "(repeatable), e.g. codec_fused_attention=true")
     a = p.parse_args()
     t0 = time.perf_counter()
     plan = None
@@ -627,7 +633,23 @@ def main() -> None:
         admission_lane=tuple(int(b) for b in a.admission_lane.split(",") if b),
         lane_reserved_sms=a.lane_reserved_sms,
         first_frames=a.first_frames,
+        plan_set=parse_plan_set(a.plan_set),
     )
+
+
+def parse_plan_set(items: list[str]) -> dict:
+    """--plan-set FIELD=VALUE (VALUE as JSON: true, 8, "fp16", [1, 2]) -> {field: value},
+    checked against EnginePlan's fields."""
+    out = {}
+    for item in items:
+        field, sep, value = item.partition("=")
+        if not sep or field not in EnginePlan.model_fields:
+            raise SystemExit(f"--plan-set wants FIELD=VALUE with an EnginePlan field, got {item!r}")
+        try:
+            out[field] = json.loads(value)
+        except json.JSONDecodeError:
+            raise SystemExit(f"--plan-set {field}: {value!r} is not JSON") from None
+    return out
 
 
 if __name__ == "__main__":
