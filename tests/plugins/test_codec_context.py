@@ -75,3 +75,12 @@ def test_channels_last_output_holds_the_same_values(C, n, ctx, x_channels_last):
         err = (got.float() - want.float()).abs().max() / want.float().abs().max()
         assert err.item() <= 1e-3
         assert ((got_tail.float() - ref_tail.float()).abs().max()).item() <= 1e-2
+
+
+def test_the_channels_last_tile_setting_is_checked():
+    from ttsbuild.plugins.codec_context import _tile
+
+    assert _tile("32,128,8") == (32, 128, 8)
+    for bad in ("32,128", "a,b,c", "48,64,4", "0,64,4"):
+        with pytest.raises(ValueError, match="TTSBUILD_SNAKE_CL_TILE"):
+            _tile(bad)

@@ -45,7 +45,14 @@ def snake_context_reference(x, alpha, inv_beta, tail, rows, channels_last=False)
 
 
 def _tile(spec: str) -> tuple[int, int, int]:
-    c, t, w = (int(v) for v in spec.split(","))
+    """"channels,time,warps", each a power of two (TTSBUILD_SNAKE_CL_TILE)."""
+    try:
+        c, t, w = (int(v) for v in spec.split(","))
+    except ValueError:
+        raise ValueError(
+            f"TTSBUILD_SNAKE_CL_TILE must be 'channels,time,warps', got {spec!r}") from None
+    if any(v < 1 or v & (v - 1) for v in (c, t, w)):
+        raise ValueError(f"TTSBUILD_SNAKE_CL_TILE values must be powers of two, got {spec!r}")
     return c, t, w
 
 
