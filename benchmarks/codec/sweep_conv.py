@@ -7,9 +7,9 @@ For each decoder stage (channels C, n samples per frame) and kind (the dilated k
 with a bias; the residual unit's 1x1 conv with SnakeBeta in its input load and the residual
 added), at each batch: the served configuration (`_config`, 3 stages) and every config of
 the grid (BLOCK_M, BLOCK_CI, BLOCK_O, warps, stages), each timed as a CUDA graph of 20
-launches (median of 5), its output checked against the served config's (a config that
-disagrees is reported, never chosen). Prints one table row per shape: served ms and TFLOP/s,
-the best config, its ms and TFLOP/s. GPU only.
+launches (median of 5 runs of 5 replays), its output checked against the served config's
+(a config that disagrees is reported, never chosen). Prints one table row per shape: served
+ms and TFLOP/s, the best config, its ms and TFLOP/s. GPU only.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import pathlib
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from bench_codec import time_graph  # noqa: E402
 
 from ttsbuild.plugins.causal_conv import _causal_conv_triton, _config  # noqa: E402
 from ttsbuild.plugins.codec_context import to_channels_last  # noqa: E402
@@ -42,7 +44,8 @@ def grid(quick: bool):
         yield bm, bci, bo, warps, stages
 
 
-def time_call(fn, replays: int = 20, repeats: int = 5) -> float:
+def time_call(fn, launches: int = 20) -> float:
+    """ms per call: a CUDA graph of `launches` calls, timed by bench_codec.time_graph."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -51,19 +54,9 @@ def time_call(fn, replays: int = 20, repeats: int = 5) -> float:
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(replays):
+        for _ in range(launches):
             fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / replays)
-    return statistics.median(times)
+    return time_graph(g, replays=5, repeats=5) / launches
 
 
 def main() -> None:

@@ -120,6 +120,16 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
     from ttsbuild.plugins._tl._math import sin_f32
 
     @triton.jit
+    def snake_params(alpha_ptr, inv_beta_ptr, offs_c, c_mask, HAS_SNAKE: tl.constexpr):
+        """(alpha, inv_beta) fp32 [BLOCK_C] of these channels; zeros without a snake."""
+        alpha = tl.zeros(offs_c.shape, dtype=tl.float32)
+        inv_beta = tl.zeros(offs_c.shape, dtype=tl.float32)
+        if HAS_SNAKE:
+            alpha = tl.load(alpha_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+            inv_beta = tl.load(inv_beta_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+        return alpha, inv_beta
+
+    @triton.jit
     def _snake(v, alpha, inv_beta, HAS_SNAKE: tl.constexpr):
         if HAS_SNAKE:
             xf = v.to(tl.float32)
@@ -138,11 +148,7 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
         c_mask = offs_c < C
-        alpha = tl.zeros([BLOCK_C], dtype=tl.float32)
-        inv_beta = tl.zeros([BLOCK_C], dtype=tl.float32)
-        if HAS_SNAKE:
-            alpha = tl.load(alpha_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
-            inv_beta = tl.load(inv_beta_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+        alpha, inv_beta = snake_params(alpha_ptr, inv_beta_ptr, offs_c, c_mask, HAS_SNAKE)
         x_row = x_ptr + b * stride_xb + offs_c[:, None] * stride_xc
         # xin[t] for t < ctx + n: the old tail, then snake(x)
         in_x = (t >= ctx) & (t < ctx + n)

@@ -84,6 +84,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     import triton.language as tl
 
     from ttsbuild.plugins._tl._math import sin_f32
+    from ttsbuild.plugins.codec_context import snake_params
 
     @triton.jit
     def _snake_f32(v, al, ib, HAS_SNAKE: tl.constexpr):
@@ -110,11 +111,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         for c0 in range(0, C, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             c_mask = c < C
-            al = tl.zeros([BLOCK_C], dtype=tl.float32)
-            ib = tl.zeros([BLOCK_C], dtype=tl.float32)
-            if HAS_SNAKE:
-                al = tl.load(alpha_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-                ib = tl.load(inv_beta_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+            al, ib = snake_params(alpha_ptr, inv_beta_ptr, c, c_mask, HAS_SNAKE)
             for j in range(K):  # not unrolled (registers, above)
                 i = t + j * DIL  # xin column: the tail below ctx, snake(x) from there on
                 from_x = t_mask & (i >= ctx)
@@ -141,11 +138,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                 for c0 in range(0, C, BLOCK_C):
                     c = c0 + tl.arange(0, BLOCK_C)
                     c_mask = c < C
-                    al = tl.zeros([BLOCK_C], dtype=tl.float32)
-                    ib = tl.zeros([BLOCK_C], dtype=tl.float32)
-                    if HAS_SNAKE:
-                        al = tl.load(alpha_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-                        ib = tl.load(inv_beta_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+                    al, ib = snake_params(alpha_ptr, inv_beta_ptr, c, c_mask, HAS_SNAKE)
                     row = tail_ptr + (slot * C + c[:, None]) * ctx
                     shifted = tl.load(row + src[None, :],
                                       mask=c_mask[:, None] & from_tail[None, :], other=0.0)
