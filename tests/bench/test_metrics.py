@@ -5,7 +5,7 @@ import pytest
 from ttsbuild.bench.audio import BodyFormat
 from ttsbuild.bench.client import Outcome, Trace
 from ttsbuild.bench.fakeserver import silence, tone
-from ttsbuild.bench.metrics import analyse, nearest_rank, summarise
+from ttsbuild.bench.metrics import analyse, early_blocks, nearest_rank, summarise
 from ttsbuild.bench.schedule import PlannedRequest
 
 
@@ -92,3 +92,24 @@ def test_summary_counts_percentiles_underrun_rate_and_cost():
     # 2 GPUs at $3.60/h = $0.002/s; 40 chars/s -> $50 per 1M chars
     assert s["cost"]["usd_per_1m_chars"] == pytest.approx(50.0)
     assert summarise(records, 2.0, None, 1)["cost"] is None
+
+
+def test_early_blocks_are_timed_from_the_first_playable_sample():
+    """Block k of 80 ms plays out at k * 0.08 s after playback starts: the summary gives each
+    block's arrival after the first playable sample (p50 / p95 / max over the requests that
+    have it), so a block whose p95 nears that is where streams run dry."""
+    records = []
+    for i in range(20):
+        r = record(i + 1)
+        r.first_playable_s = 0.02 + 0.001 * i
+        second = 0.05 if i < 19 else 0.2  # one request's second block comes late
+        r.audio_arrival_s = [r.first_playable_s, r.first_playable_s + second]
+        if i < 10:  # half the requests are longer: a third block
+            r.audio_arrival_s.append(r.first_playable_s + 0.1)
+        records.append(r)
+    blocks = early_blocks(records)
+    assert set(blocks) == {"1", "2", "3"}
+    assert blocks["1"] == pytest.approx({"p50": 0.0, "p95": 0.0, "max": 0.0})
+    assert blocks["2"] == pytest.approx({"p50": 0.05, "p95": 0.05, "max": 0.2})
+    assert blocks["3"]["p95"] == pytest.approx(0.1)
+    assert summarise(records, 1.0, None, 1)["early_blocks"] == blocks

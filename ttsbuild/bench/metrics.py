@@ -196,6 +196,20 @@ def distribution(values: Sequence[float]) -> dict[str, float | int | None]:
     return stats
 
 
+def early_blocks(records: Sequence[RequestRecord]) -> dict[str, dict[str, float | None]]:
+    """Per early block k (1-based): p50 / p95 / max of its arrival after the request's first
+    playable sample, over the requests that have the block."""
+    out: dict[str, dict[str, float | None]] = {}
+    for k in range(1, EARLY_BLOCKS + 1):
+        late = [r.audio_arrival_s[k - 1] - r.first_playable_s for r in records
+                if r.audio_arrival_s and len(r.audio_arrival_s) >= k
+                and r.first_playable_s is not None]  # fmt: skip
+        if late:
+            out[str(k)] = {"p50": nearest_rank(late, 50), "p95": nearest_rank(late, 95),
+                           "max": max(late)}  # fmt: skip
+    return out
+
+
 def summarise(
     records: Sequence[RequestRecord],
     measured_s: float,
@@ -243,6 +257,10 @@ def summarise(
             # the ramp's early chunks, or later ones
             "at_s": sorted(t for r in with_playback for t in r.underrun_at_s or ())[:100],
         },
+        # seconds from the first playable sample to the arrival of each early 80 ms block's
+        # last byte: block k plays out at (k) * 0.08 s, so a p95 near or past it is where
+        # streams run dry (p50 / p95 / max per block)
+        "early_blocks": early_blocks(with_playback),
         "no_audible_onset": sum(r.ttfa_s is None for r in ok),
         "throughput": {
             "measured_s": measured_s,
