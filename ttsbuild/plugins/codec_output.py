@@ -25,17 +25,22 @@ follows it, channel block by channel block).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ttsbuild.plugins._dispatch import triton_available, want_triton
 from ttsbuild.plugins.codec_context import snake_context_reference
 
 
 def codec_output_reference(x, w, bias, alpha, inv_beta, tail, rows, dilation: int = 1):
-    """The eager output stage (see the module docstring); updates `tail` in place."""
+    """The eager output stage (see the module docstring); updates `tail` in place. The conv
+    sums its taps in float64 (on CUDA an fp32 conv1d would take TF32, cuDNN's default)."""
     xin = snake_context_reference(x.float(), alpha, inv_beta, tail, rows)  # [B, C, ctx + n]
-    y = F.conv1d(xin, w.float().permute(2, 1, 0), bias.float(), dilation=dilation)
-    return y.clamp(-1.0, 1.0)[:, 0]
+    n = xin.shape[-1] - (w.shape[0] - 1) * dilation
+    wd = w.double()[..., 0]  # [k, C]
+    y = bias.double() + sum(
+        torch.einsum("c,bct->bt", wd[j], xin[:, :, j * dilation: j * dilation + n].double())
+        for j in range(w.shape[0])
+    )  # fmt: skip
+    return y.clamp(-1.0, 1.0).float()
 
 
 def codec_output(x, w, bias, alpha, inv_beta, tail, rows, dilation: int = 1, *,
