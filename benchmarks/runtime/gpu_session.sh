@@ -111,7 +111,7 @@ for step in $STEPS; do
             tests/plugins/test_codec_context.py tests/plugins/test_codec_output.py \
             tests/plugins/test_ring_attention.py 2>&1 | tee "$OUT/gpu_tests_codec.log" | tail -2
         log "codec step: triton + fusions, channels-last or not, the output stage fused or not"
-        timeout -k 5 300 python3 benchmarks/codec/profile_codec.py --batches "${CODEC_BATCHES:-1,64,256}" \
+        timeout -k 5 420 python3 benchmarks/codec/profile_codec.py --batches "${CODEC_BATCHES:-1,64,256}" \
             --conv-impls triton --opt-in-kernels --channels-last --fused-output --fused-attention --fused-only \
             --profile-impls triton+k+cl,triton+k+cl+o+a --top 12 2>&1 | grep -v Assertion \
             | tee "$OUT/profile_codec.log" | grep -E "^\| triton"
