@@ -77,6 +77,9 @@ def main() -> None:
                     help="also time the last row before --fused-output with the pre-transformer's "
                          "attention steps as one kernel each (CodecEngine(fused_attention=True); "
                          "row '...+a', and '...+o+a' with --fused-output)")
+    ap.add_argument("--state-channels-last", action="store_true",
+                    help="also time the served row with its conv tails and spills stored along "
+                         "channels (CodecEngine(state_channels_last=True); row '...+s')")
     ap.add_argument("--fused-only", action="store_true",
                     help="leave out the rows without the opt-in fusions ('+k')")
     ap.add_argument("--profile-impls", default=None,
@@ -98,6 +101,8 @@ def main() -> None:
     served = impls[-1]
     if args.fused_output:
         impls.append(served + "+o")
+    if args.state_channels_last:
+        impls.append(served + "+s")
     if args.fused_attention:
         impls.append(served + "+a")
         if args.fused_output:
@@ -112,7 +117,7 @@ def main() -> None:
         engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4,
                              conv_impl=impl.split("+")[0], fused="+k" in impl,
                              channels_last="+cl" in impl, fused_output="+o" in impl,
-                             fused_attention="+a" in impl)
+                             fused_attention="+a" in impl, state_channels_last="+s" in impl)
         snr = codec_snr_db(engine, dec, random_codes(dec.config, 2, 24, seed=1))
         print(f"| {impl} | SNR vs fp32 decode: {snr:.1f} dB | | | |")
         for bench in [m == "on" for m in args.cudnn_benchmark.split(",")]:

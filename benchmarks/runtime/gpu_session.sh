@@ -29,7 +29,8 @@
 #         operands, the fused output stage), then profile_codec.py: triton + fusions without
 #         and with channels-last conv operands (`+cl`, served since 2026-12-02) and that with
 #         the output stage as one kernel (`+o`), the pre-transformer's attention steps as one
-#         kernel each (`+a`), both (`+o+a`); with CODEC_TILE_AB=1 the same again with the
+#         kernel each (`+a`), both (`+o+a`), tails and spills stored along channels (`+s`);
+#         with CODEC_TILE_AB=1 the same again with the
 #         snake + context kernel's alternative channels-last tile (TTSBUILD_SNAKE_CL_TILE),
 #         batches $CODEC_BATCHES (default 1,64,256),
 #         one graph-replayed one-frame step, SNR against fp32
@@ -112,7 +113,8 @@ for step in $STEPS; do
             tests/plugins/test_ring_attention.py 2>&1 | tee "$OUT/gpu_tests_codec.log" | tail -2
         log "codec step: triton + fusions, channels-last or not, the output stage fused or not"
         timeout -k 5 420 python3 benchmarks/codec/profile_codec.py --batches "${CODEC_BATCHES:-1,64,256}" \
-            --conv-impls triton --opt-in-kernels --channels-last --fused-output --fused-attention --fused-only \
+            --conv-impls triton --opt-in-kernels --channels-last --fused-output --fused-attention \
+            --state-channels-last --fused-only \
             --profile-impls triton+k+cl,triton+k+cl+o+a --top 12 2>&1 | grep -v Assertion \
             | tee "$OUT/profile_codec.log" | grep -E "^\| triton"
         if [ -n "${CODEC_TILE_AB:-}" ]; then

@@ -119,7 +119,7 @@ def run_graph(engine: GraphEngine, reqs, audio_min: int = 1):
 KERNEL_CHOICES = dict(persistent_code_predictor=(1,), fused_code_predictor=(2, 4),
                       codec_precision="fp16", codec_fused=True, codec_channels_last=True,
                       codec_fused_output=True, codec_fused_attention=True,
-                      prefill_batches=(1, 2, 4))
+                      codec_state_channels_last=True, prefill_batches=(1, 2, 4))
 MIN_SNR_DB = 45.0
 
 

@@ -177,9 +177,13 @@ def test_overlap_add_reference_is_a_transposed_conv():
 @pytest.mark.parametrize(("n", "taps", "s", "cout"), [
     (1, 2, 8, 96), (4, 2, 5, 40), (7, 3, 2, 33), (2, 1, 2, 64), (1, 3, 4, 16), (16, 2, 3, 96),
 ])
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_overlap_add_kernel_equals_reference(n, taps, s, cout, channels_last):
+@pytest.mark.parametrize(("channels_last", "spill_channels_last"),
+                         [(False, False), (True, False), (True, True)])
+def test_overlap_add_kernel_equals_reference(n, taps, s, cout, channels_last,
+                                             spill_channels_last):
     z, spill, rows, bias = _oa_inputs(3, n, taps, s, cout, 5, torch.float16, KDEV, n + s)
+    if spill_channels_last:  # [S, Cout, overlap] over [S, overlap, Cout] storage
+        spill = to_channels_last(spill)
     ref_spill = spill.clone()
     for step in range(2):  # the second step reads the spill the first one wrote
         want = overlap_add(z, ref_spill if taps > 1 else None, rows, bias, use_triton=False)

@@ -58,12 +58,17 @@ def test_kernel_equals_reference(snake, C, n, ctx, dtype):
 @pytest.mark.parametrize(("C", "n", "ctx", "x_channels_last"),
                          [(96, 4, 6, False), (48, 30, 54, True), (40, 16, 2, True),
                           (96, 300, 54, False), (130, 200, 6, True)])  # several time blocks
-def test_channels_last_output_holds_the_same_values(C, n, ctx, x_channels_last):
+@pytest.mark.parametrize("tail_channels_last", [False, True])
+def test_channels_last_output_holds_the_same_values(C, n, ctx, x_channels_last,
+                                                    tail_channels_last):
     """channels_last: xin is a [B, C, L] view of a contiguous [B, L, C] tensor, the same values
-    and the same tails as the default layout, from either layout of x."""
+    and the same tails as the default layout, from either layout of x, with tails stored either
+    way ([S, C, ctx] or a view of [S, ctx, C])."""
     x, alpha, inv_beta, tail, rows = _inputs(3, C, n, ctx, 5, torch.float16, KDEV, C * n + ctx)
     if x_channels_last:
         x = to_channels_last(x)
+    if tail_channels_last:
+        tail = to_channels_last(tail)
     ref_tail = tail.clone()
     want = snake_context(x, alpha, inv_beta, ref_tail, rows, use_triton=False)
     for use_triton in (False, True):

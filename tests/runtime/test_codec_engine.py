@@ -264,5 +264,13 @@ def test_channels_last_conv_operands_decode_the_same_audio(fused, monkeypatch):
     rel = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
     assert rel <= 2e-3, rel
     assert abs(codec_snr_db(plain, dec, codes) - codec_snr_db(last, dec, codes)) < 0.2
+    # its tails and spills stored along channels too: the same audio again
+    both = CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=fused, channels_last=True,
+                       state_channels_last=True)  # fmt: skip
+    tails = [t for group in both.state for t in group if t.dim() == 3]
+    assert tails and all(t.stride(1) == 1 for t in tails if t.dtype != torch.float32)
+    got = ce.decode_with(both, codes)
+    rel = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+    assert rel <= 2e-3, rel
     # only the implicit-GEMM path takes it: the cuDNN engine ignores the flag
     assert not CodecEngine(dec, 2, "fp16", channels_last=True).channels_last

@@ -129,7 +129,7 @@ def overlap_add_reference(z, spill, rows, bias):
     B, n, taps, s, cout = z.shape
     y = z[:, :, 0]  # [B, n, s, Cout]
     if taps > 1:
-        prev = spill.index_select(0, rows).view(B, cout, taps - 1, s).permute(0, 2, 3, 1)
+        prev = spill.index_select(0, rows).reshape(B, cout, taps - 1, s).permute(0, 2, 3, 1)
         full = torch.cat([y, y.new_zeros(B, taps - 1, s, cout)], dim=1)  # blocks 0..n+taps-2
         full[:, : taps - 1] += prev
         for j in range(1, taps):
@@ -157,9 +157,11 @@ def _overlap_add_triton(z, spill, rows, bias, channels_last=False):
     B, n, taps, s, cout = z.shape
     if not z.is_contiguous():
         raise ValueError("z must be contiguous [B, n, taps, stride, Cout]")
-    if taps > 1 and (spill is None or spill.shape[1:] != (cout, (taps - 1) * s)
-                     or not spill.is_contiguous() or spill.dtype != z.dtype):
-        raise ValueError(f"spill must be contiguous [S, {cout}, {(taps - 1) * s}] {z.dtype}")
+    ov = (taps - 1) * s
+    if taps > 1 and (spill is None or spill.shape[1:] != (cout, ov) or spill.dtype != z.dtype
+                     or spill.stride(0) != cout * ov or 1 not in spill.stride()[1:]):
+        raise ValueError(f"spill must be [S, {cout}, {ov}] {z.dtype} over contiguous "
+                         f"[S, {cout}, {ov}] or [S, {ov}, {cout}] storage")
     if channels_last:
         out = torch.empty((B, n * s, cout), dtype=z.dtype, device=z.device).transpose(1, 2)
     else:
@@ -176,6 +178,7 @@ def _overlap_add_triton(z, spill, rows, bias, channels_last=False):
     _overlap_add_kernel[grid](
         z, spill if taps > 1 else z, rows, bias, out, n, s, cout,
         out.stride(0), out.stride(1), out.stride(2),
+        *(spill.stride()[1:] if taps > 1 else (1, 1)),
         TAPS=taps, BLOCK_U=block_u, BLOCK_O=block_o, num_warps=4,
     )  # fmt: skip
     return out
@@ -233,7 +236,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
 
     @triton.jit
     def _overlap_add_kernel(
-        z_ptr, spill_ptr, rows_ptr, bias_ptr, out_ptr, N, S, COUT, sob, soo, sou,
+        z_ptr, spill_ptr, rows_ptr, bias_ptr, out_ptr, N, S, COUT, sob, soo, sou, spo, spu,
         TAPS: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_O: tl.constexpr,
     ):  # fmt: skip
         # Program: row b, output samples u = t * S + r (a block of them), channels o. It also
@@ -262,7 +265,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         if TAPS > 1:
             # the previous step's contributions to this step's first TAPS - 1 blocks
             from_spill = out_mask & (u < ov)[:, None]
-            acc += tl.load(sp_row + o[None, :] * ov + u[:, None], mask=from_spill,
+            acc += tl.load(sp_row + o[None, :] * spo + u[:, None] * spu, mask=from_spill,
                            other=0.0).to(tl.float32)
             # new spill sample u (< ov): block q = u // S of what follows this step
             q = t
@@ -275,10 +278,10 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                               mask=ok, other=0.0).to(tl.float32)
             # old spill blocks still ahead of the new end: block N + q of the old spill
             ahead = new_mask & ((N + q) < (TAPS - 1))[:, None]
-            sp += tl.load(sp_row + o[None, :] * ov + (u + N * S)[:, None], mask=ahead,
+            sp += tl.load(sp_row + o[None, :] * spo + (u + N * S)[:, None] * spu, mask=ahead,
                           other=0.0).to(tl.float32)
             tl.debug_barrier()  # every read of the old spill precedes any write of the new
-            tl.store(sp_row + o[None, :] * ov + u[:, None], sp.to(out_ptr.dtype.element_ty),
-                     mask=new_mask)
+            tl.store(sp_row + o[None, :] * spo + u[:, None] * spu,
+                     sp.to(out_ptr.dtype.element_ty), mask=new_mask)
         tl.store(out_ptr + b * sob + o[None, :] * soo + u[:, None] * sou,
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)

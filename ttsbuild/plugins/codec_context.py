@@ -82,10 +82,11 @@ def _snake_context_triton(x, alpha, inv_beta, tail, rows, channels_last=False):
 
     B, C, n = x.shape
     ctx = 0 if tail is None else tail.shape[-1]
-    if tail is not None and (tail.shape[1] != C or tail.dtype != x.dtype or not
-                             tail.is_contiguous()):
-        raise ValueError(f"tail must be contiguous [S, {C}, ctx] {x.dtype}, got "
-                         f"{tuple(tail.shape)} {tail.dtype}")
+    if tail is not None and (tail.shape[1] != C or tail.dtype != x.dtype
+                             or tail.stride(0) != C * ctx or 1 not in tail.stride()[1:]):
+        raise ValueError(f"tail must be [S, {C}, ctx] {x.dtype} over contiguous [S, {C}, ctx] "
+                         f"or [S, ctx, {C}] storage, got {tuple(tail.shape)} {tail.dtype} "
+                         f"strides {tail.stride()}")
     if channels_last:
         out = torch.empty((B, ctx + n, C), dtype=x.dtype, device=x.device).transpose(1, 2)
     else:
@@ -107,6 +108,7 @@ def _snake_context_triton(x, alpha, inv_beta, tail, rows, channels_last=False):
         x, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
         rows if ctx else x, out, C, n, ctx, x.stride(0), x.stride(1), x.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
+        *(tail.stride()[1:] if ctx else (1, 1)),
         HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
         BLOCK_CTX=block_ctx, num_warps=warps,
     )  # fmt: skip
@@ -140,7 +142,7 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
     @triton.jit
     def _snake_context_kernel(
         x_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, rows_ptr, out_ptr, C, n, ctx,
-        stride_xb, stride_xc, stride_xt, stride_ob, stride_oc, stride_ot,
+        stride_xb, stride_xc, stride_xt, stride_ob, stride_oc, stride_ot, stride_tc, stride_tt,
         HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CTX: tl.constexpr,
     ):  # fmt: skip
@@ -157,9 +159,9 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
         xin = _snake(h, alpha, inv_beta, HAS_SNAKE)
         if HAS_TAIL:
             slot = tl.load(rows_ptr + b).to(tl.int64)
-            tail_row = tail_ptr + (slot * C + offs_c[:, None]) * ctx
-            old = tl.load(tail_row + t[None, :], mask=c_mask[:, None] & (t < ctx)[None, :],
-                          other=0.0)
+            tail_row = tail_ptr + slot * C * ctx + offs_c[:, None] * stride_tc
+            old = tl.load(tail_row + t[None, :] * stride_tt,
+                          mask=c_mask[:, None] & (t < ctx)[None, :], other=0.0)
             xin = tl.where((t < ctx)[None, :], old, xin)
             if tl.program_id(2) == 0:  # the block that read the old tail (BLOCK_T >= ctx)
                 # the new tail: xin[n + i] for i < ctx, from the old tail or from x (a block of
@@ -168,14 +170,15 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
                 src = n + i
                 from_tail = (src < ctx) & (i < ctx)
                 from_x = (src >= ctx) & (i < ctx)
-                shifted = tl.load(tail_row + src[None, :],
+                shifted = tl.load(tail_row + src[None, :] * stride_tt,
                                   mask=c_mask[:, None] & from_tail[None, :], other=0.0)
                 hx = tl.load(x_row + (src - ctx)[None, :] * stride_xt,
                              mask=c_mask[:, None] & from_x[None, :], other=0.0)
                 hx = _snake(hx, alpha, inv_beta, HAS_SNAKE)
                 new_tail = tl.where(from_tail[None, :], shifted, hx)
                 tl.debug_barrier()  # every thread has read the old tail before any writes it
-                tl.store(tail_row + i[None, :], new_tail, mask=c_mask[:, None] & (i < ctx)[None, :])
+                tl.store(tail_row + i[None, :] * stride_tt, new_tail,
+                         mask=c_mask[:, None] & (i < ctx)[None, :])
         dst = out_ptr + b * stride_ob + offs_c[:, None] * stride_oc + t[None, :] * stride_ot
         tl.store(dst, xin, mask=c_mask[:, None] & (t < ctx + n)[None, :])
 

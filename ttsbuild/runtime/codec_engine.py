@@ -2,6 +2,7 @@
 
 Every streaming state tensor lives indexed by slot, like the talker's KV cache:
   conv tails        [slots, Cin, (kernel - 1) * dilation]   the last inputs a causal conv saw
+                    (state_channels_last: views of [slots, context, Cin] storage, spills too)
   transposed spills [slots, Cout, kernel - stride]          output spilling into the next step
   attention K/V     [slots, Hkv, R, D], a ring of R = sliding_window - 1 + max_chunk frames
   pos               [slots]                                 frames decoded
@@ -178,6 +179,7 @@ class CodecEngine:
         channels_last: bool = False,
         fused_output: bool = False,
         fused_attention: bool = False,
+        state_channels_last: bool = False,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -220,6 +222,13 @@ class CodecEngine:
         # of mask and cos/sin set-up per step and 8 per layer (RoPE, two ring scatters, the
         # attention): ~76 fewer of a batch-1 step's ~275, which is launch-bound. Needs as many
         # query as key/value heads (the 12 Hz codec).
+        # Off until timed on the GPU (profile_codec.py --state-channels-last, plan
+        # codec_state_channels_last): with channels-last operands, the half-precision stages'
+        # conv tails and transposed-conv spills stored [S, context, C] (as [S, C, context]
+        # views), so the snake + context and overlap-add kernels, whose tiles run along
+        # channels, read and write them along channels too (run 3 of 2026-12-02: the
+        # overlap-add 0.119 -> 0.170 ms at 64 rows once its output went channels-last).
+        self.state_channels_last = state_channels_last and self.channels_last
         tr_heads = [(m.self_attn.n_head, m.self_attn.n_kv) for m in codec.pre_transformer.layers]
         self.fused_attention = fused_attention and all(h == kv for h, kv in tr_heads)
         device = torch.device(device) if device is not None else next(codec.parameters()).device
@@ -250,13 +259,18 @@ class CodecEngine:
         self.state: list[tuple[Tensor, ...]] = []
         for m in self.codec.stateful:
             dtype = self._stage_of[m].dtype
+            along_c = self.state_channels_last and dtype != torch.float32
+
+            def zeros(S, C, L, dtype=dtype, along_c=along_c):  # [S, C, L]
+                if along_c:  # a view of [S, L, C] storage
+                    return torch.zeros((S, L, C), dtype=dtype, device=device).transpose(1, 2)
+                return torch.zeros((S, C, L), dtype=dtype, device=device)
+
             if isinstance(m, CausalConv1d):
-                shape = (S, m.conv.in_channels, m.context)
-                self.state.append((torch.zeros(shape, dtype=dtype, device=device),)
+                self.state.append((zeros(S, m.conv.in_channels, m.context),)
                                   if m.context else ())
             elif isinstance(m, CausalConvTranspose1d):
-                shape = (S, m.conv.out_channels, m.overlap)
-                self.state.append((torch.zeros(shape, dtype=dtype, device=device),)
+                self.state.append((zeros(S, m.conv.out_channels, m.overlap),)
                                   if m.overlap else ())
             else:  # Attention: a K and a V ring
                 shape = (S, m.n_kv, self.ring, m.head_dim)

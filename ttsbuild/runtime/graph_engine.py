@@ -353,6 +353,7 @@ class GraphBackend:
             conv_impl=resolve_conv_impl(plan.codec_conv, dev), fused=plan.codec_fused,
             channels_last=plan.codec_channels_last, fused_output=plan.codec_fused_output,
             fused_attention=plan.codec_fused_attention,
+            state_channels_last=plan.codec_state_channels_last,
         )
         if release_modules:
             models.offload_codec_decoder()  # the codec engine holds its own copy

@@ -74,6 +74,10 @@ class EnginePlan(BaseModel):
     # kernel (CodecEngine(fused_attention=True), plugins.ring_attention.ring_attention_rope):
     # ~76 fewer launches per step; off until profile_codec.py --fused-attention is timed.
     codec_fused_attention: bool = False
+    # With channels-last operands, the codec's half-precision conv tails and transposed-conv
+    # spills stored along channels (CodecEngine(state_channels_last=True)), as the kernels'
+    # tiles run; off until profile_codec.py --state-channels-last is timed.
+    codec_state_channels_last: bool = False
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
