@@ -81,21 +81,32 @@ def _ring_attention_triton(q, k_ring, v_ring, rows, mask, scale):
     return out
 
 
+def ring_step_inputs(pos, n: int, ring_frames, window: int, inv_freq, dtype):
+    """What a step's attention layers share, eager: (mask [B, 1, n, R] additive fp32,
+    cos, sin [B, n, 1, D] in `dtype`, ring_idx [B, n]) for query frames pos + i over a ring
+    whose index r holds frame last - ((last - r) mod R). ring_frames: arange(R) on the
+    device (the codec engine keeps one)."""
+    R = ring_frames.shape[0]
+    q_pos = pos[:, None] + torch.arange(n, device=pos.device)  # [B, n]
+    last = q_pos[:, -1:]
+    k_pos = last - (last - ring_frames) % R  # [B, R] frame at each index
+    visible = window_mask(q_pos, k_pos, window)  # [B, 1, n, R]
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=pos.device).masked_fill_(
+        ~visible, float("-inf"))  # additive, fp32 scores
+    freqs = q_pos.float()[..., None] * inv_freq  # [B, n, D / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]  # [B, n, 1, D]
+    return mask, emb.cos().to(dtype), emb.sin().to(dtype), q_pos % R
+
+
 def ring_attention_rope_reference(qkv, pos, rows, k_ring, v_ring, inv_freq, window, scale):
     """The eager ops (the codec engine's unfused layer): see the module docstring."""
     B, n, heads, D = qkv.shape
     Hkv, R = k_ring.shape[1], k_ring.shape[2]
     H = heads - 2 * Hkv
-    q_pos = pos[:, None] + torch.arange(n, device=qkv.device)  # [B, n]
-    last = q_pos[:, -1:]
-    k_pos = last - (last - torch.arange(R, device=qkv.device)) % R  # [B, R]
-    mask = torch.zeros((B, 1, n, R), dtype=torch.float32, device=qkv.device).masked_fill_(
-        ~window_mask(q_pos, k_pos, window), float("-inf"))
-    freqs = q_pos.float()[..., None] * inv_freq  # [B, n, D / 2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]  # [B, n, 1, D]
-    qk = apply_rope(qkv[:, :, : H + Hkv], emb.cos().to(qkv.dtype), emb.sin().to(qkv.dtype))
+    mask, cos, sin, ring_idx = ring_step_inputs(
+        pos, n, torch.arange(R, device=qkv.device), window, inv_freq, qkv.dtype)
+    qk = apply_rope(qkv[:, :, : H + Hkv], cos, sin)
     q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv:]
-    ring_idx = q_pos % R
     k_ring[rows[:, None], :, ring_idx] = k.to(k_ring.dtype)
     v_ring[rows[:, None], :, ring_idx] = v.to(v_ring.dtype)
     return ring_attention_reference(q, k_ring, v_ring, rows, mask, scale)

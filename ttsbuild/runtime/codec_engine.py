@@ -53,7 +53,6 @@ from ttsbuild.model.codec import (
     SnakeBeta,
     TransformerLayer,
     apply_rope,
-    window_mask,
 )
 from ttsbuild.plugins.causal_conv import causal_conv, overlap_add, pack_conv_weight
 from ttsbuild.plugins.codec_context import snake_context
@@ -63,6 +62,7 @@ from ttsbuild.plugins.ring_attention import (
     ring_attention,
     ring_attention_reference,
     ring_attention_rope,
+    ring_step_inputs,
 )
 
 PRECISIONS = {
@@ -203,12 +203,12 @@ class CodecEngine:
         # implicit-GEMM conv's input load instead of a launch of its own.
         self.fused = fused
         self.fused_convs = fused and conv_impl == "triton"
-        # Off until timed on the GPU (profile_codec.py --channels-last): the implicit-GEMM
-        # convs' inputs and outputs as channels-last views ([B, C, T] shapes over contiguous
-        # [B, T, C] storage: snake_context / causal_conv channels_last), so the kernel reads
-        # its input tiles along contiguous channels, in vectors its compiler can pipeline,
-        # where [B, C, T] storage makes it gather one element per channel row (the conv at
-        # ~130 TFLOP/s, half of a batch-64 step; benchmarks/codec/RESULTS.md).
+        # The implicit-GEMM convs' inputs and outputs as channels-last views ([B, C, T] shapes
+        # over contiguous [B, T, C] storage: snake_context / causal_conv channels_last), so the
+        # kernel reads its input tiles along contiguous channels, in vectors its compiler can
+        # pipeline, where [B, C, T] storage makes it gather one element per channel row; on in
+        # the served plan since the H200 timed it (one-frame step 4.56 -> 3.78 ms at 64 rows,
+        # benchmarks/codec/RESULTS.md).
         self.channels_last = channels_last and conv_impl == "triton"
         # Off until timed on the GPU (profile_codec.py --fused-output): the output stage
         # (SnakeBeta, left context, the fp32 conv to one channel, clamp) as one kernel
@@ -222,6 +222,8 @@ class CodecEngine:
         # of mask and cos/sin set-up per step and 8 per layer (RoPE, two ring scatters, the
         # attention): ~76 fewer of a batch-1 step's ~275, which is launch-bound. Needs as many
         # query as key/value heads (the 12 Hz codec).
+        tr_heads = [(m.self_attn.n_head, m.self_attn.n_kv) for m in codec.pre_transformer.layers]
+        self.fused_attention = fused_attention and all(h == kv for h, kv in tr_heads)
         # Off until timed on the GPU (profile_codec.py --state-channels-last, plan
         # codec_state_channels_last): with channels-last operands, the half-precision stages'
         # conv tails and transposed-conv spills stored [S, context, C] (as [S, C, context]
@@ -229,8 +231,6 @@ class CodecEngine:
         # channels, read and write them along channels too (run 3 of 2026-12-02: the
         # overlap-add 0.119 -> 0.170 ms at 64 rows once its output went channels-last).
         self.state_channels_last = state_channels_last and self.channels_last
-        tr_heads = [(m.self_attn.n_head, m.self_attn.n_kv) for m in codec.pre_transformer.layers]
-        self.fused_attention = fused_attention and all(h == kv for h, kv in tr_heads)
         device = torch.device(device) if device is not None else next(codec.parameters()).device
         self.precision, self.device, self.max_chunk = precision, device, max_chunk
         self.config = cfg = codec.config
@@ -538,27 +538,14 @@ class CodecEngine:
 
     def _transformer(self, x: Tensor, rows: Tensor, pos: Tensor, st: _Stage) -> Tensor:
         tr = self.codec.pre_transformer  # x: [B, n, latent]
-        if self.fused_attention:
-            # the fused layers make their RoPE, ring writes and window mask in the attention
-            # kernel (plugins.ring_attention.ring_attention_rope)
-            h = self._linear(tr.input_proj, x, st)
-            for layer in tr.layers:
-                h = self._layer(layer, h, None, None, None, rows, None, st, pos=pos)
-            return self._linear(tr.output_proj, rms_norm(h, tr.norm.weight, tr.norm.eps), st)
-        n, dev = x.shape[1], x.device
-        q_pos = pos[:, None] + torch.arange(n, device=dev)  # [B, n]
-        last = q_pos[:, -1:]
-        k_pos = last - (last - self._ring_frames) % self.ring  # [B, R] frame at each index
-        visible = window_mask(q_pos, k_pos, self.window)  # [B, 1, n, R]
-        mask = torch.zeros(visible.shape, dtype=torch.float32, device=dev).masked_fill_(
-            ~visible, float("-inf"))  # additive, fp32 scores
-        freqs = q_pos.float()[..., None] * self.inv_freq  # [B, n, D / 2]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]  # [B, n, 1, D]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        ring_idx = q_pos % self.ring  # [B, n]
+        if self.fused_attention:  # made in each layer's attention kernel (ring_attention_rope)
+            mask = cos = sin = ring_idx = None
+        else:  # once per step, shared by the layers
+            mask, cos, sin, ring_idx = ring_step_inputs(pos, x.shape[1], self._ring_frames,
+                                                        self.window, self.inv_freq, x.dtype)
         h = self._linear(tr.input_proj, x, st)
         for layer in tr.layers:
-            h = self._layer(layer, h, cos, sin, mask, rows, ring_idx, st)
+            h = self._layer(layer, h, cos, sin, mask, rows, ring_idx, st, pos)
         return self._linear(tr.output_proj, rms_norm(h, tr.norm.weight, tr.norm.eps), st)
 
     def _layer(self, layer: TransformerLayer, x: Tensor, cos: Tensor | None,

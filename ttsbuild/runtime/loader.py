@@ -142,12 +142,11 @@ def open_engine(
             raise ValueError(f"lane_frames must be 1 or 2 (a codec chunk size of the plan "
                              f"{list(plan.codec_chunks)}), got {lane_frames}")  # fmt: skip
         plan = plan_update(plan, lane_frames=lane_frames)
-    if codec_channels_last is not None and codec_channels_last != plan.codec_channels_last:
-        plan = plan_update(plan, codec_channels_last=codec_channels_last)
-    if codec_fused_output is not None and codec_fused_output != plan.codec_fused_output:
-        plan = plan_update(plan, codec_fused_output=codec_fused_output)
-    if codec_fused_attention is not None and codec_fused_attention != plan.codec_fused_attention:
-        plan = plan_update(plan, codec_fused_attention=codec_fused_attention)
+    codec = {"codec_channels_last": codec_channels_last, "codec_fused_output": codec_fused_output,
+             "codec_fused_attention": codec_fused_attention}  # layouts and kernels chosen at load
+    codec = {k: v for k, v in codec.items() if v is not None and v != getattr(plan, k)}
+    if codec:
+        plan = plan_update(plan, **codec)
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 
