@@ -82,6 +82,10 @@ def main() -> None:
                          "channels (CodecEngine(state_channels_last=True); row '...+s')")
     ap.add_argument("--fused-only", action="store_true",
                     help="leave out the rows without the opt-in fusions ('+k')")
+    ap.add_argument("--rows", default=None,
+                    help="the rows to time, in place of the ones the flags above make: "
+                         "comma-separated, each an implementation with its suffixes, e.g. "
+                         "triton+k+cl,triton+k+cl+o+s+a")
     ap.add_argument("--profile-impls", default=None,
                     help="implementations to profile (default: all of --conv-impls)")
     args = ap.parse_args()
@@ -107,6 +111,8 @@ def main() -> None:
         impls.append(served + "+a")
         if args.fused_output:
             impls.append(served + "+o+a")
+    if args.rows:
+        impls = args.rows.split(",")
     slots = max(64, max(batches))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
           f"{torch.backends.cudnn.version()}; precision {args.precision}")

@@ -26,14 +26,13 @@
 #         it, then the engine microbenchmark's first chunk of two frames beside stepping rows,
 #         lane off and on
 # codec:  the codec's kernel tests on the GPU (causal conv, snake + context, channels-last
-#         operands, the fused output stage), then profile_codec.py: triton + fusions without
-#         and with channels-last conv operands (`+cl`, served since 2026-12-02) and that with
-#         the output stage as one kernel (`+o`), the pre-transformer's attention steps as one
-#         kernel each (`+a`), both (`+o+a`), tails and spills stored along channels (`+s`);
-#         with CODEC_TILE_AB=1 the same again with the
-#         snake + context kernel's alternative channels-last tile (TTSBUILD_SNAKE_CL_TILE),
-#         batches $CODEC_BATCHES (default 1,64,256),
-#         one graph-replayed one-frame step, SNR against fp32
+#         operands, the fused output stage, ring attention), then profile_codec.py's
+#         one-frame step (graph-replayed, SNR against fp32) at batches $CODEC_BATCHES (default
+#         1,64,256): channels-last operands alone (`triton+k+cl`) and the served codec
+#         (`+o+s+a`: the output stage as one kernel, fused attention, tails and spills along
+#         channels; defaults since 2026-12-02); with CODEC_PDL_AB=1 the served row again with
+#         the codec kernels launched without PDL, with CODEC_TILE_AB=1 with the snake +
+#         context kernel's former 64 x 64 tile
 # convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
 #         (sweep_conv.py; CONV_SWEEP_ARGS default --quick: 28 configs), batches $CONV_BATCHES
@@ -111,18 +110,26 @@ for step in $STEPS; do
         timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_causal_conv.py \
             tests/plugins/test_codec_context.py tests/plugins/test_codec_output.py \
             tests/plugins/test_ring_attention.py 2>&1 | tee "$OUT/gpu_tests_codec.log" | tail -2
-        log "codec step: triton + fusions, channels-last or not, the output stage fused or not"
-        timeout -k 5 420 python3 benchmarks/codec/profile_codec.py --batches "${CODEC_BATCHES:-1,64,256}" \
-            --conv-impls triton --opt-in-kernels --channels-last --fused-output --fused-attention \
-            --state-channels-last --fused-only \
-            --profile-impls triton+k+cl,triton+k+cl+o+a --top 12 2>&1 | grep -v Assertion \
-            | tee "$OUT/profile_codec.log" | grep -E "^\| triton"
+        # rows: channels-last operands alone, and the served codec (2026-12-02: + the output
+        # stage as one kernel, fused attention, tails and spills along channels)
+        local_rows=triton+k+cl,triton+k+cl+o+s+a
+        log "codec step: $local_rows, codec kernels with PDL"
+        timeout -k 5 300 python3 benchmarks/codec/profile_codec.py --batches "${CODEC_BATCHES:-1,64,256}" \
+            --conv-impls triton --rows "$local_rows" --profile-impls triton+k+cl+o+s+a --top 12 \
+            2>&1 | grep -v Assertion | tee "$OUT/profile_codec.log" | grep -E "^\| triton"
+        if [ -n "${CODEC_PDL_AB:-}" ]; then
+            log "codec step, served row, codec kernels without PDL (TTSBUILD_CODEC_PDL=0)"
+            TTSBUILD_CODEC_PDL=0 timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
+                --batches "${CODEC_BATCHES:-1,64,256}" --conv-impls triton --rows triton+k+cl+o+s+a \
+                --profile-impls none 2>&1 | grep -v Assertion | tee "$OUT/profile_codec_nopdl.log" \
+                | grep -E "^\| triton"
+        fi
         if [ -n "${CODEC_TILE_AB:-}" ]; then
-            log "codec step with the snake + context kernel's 32 x 128 x 8-warp channels-last tile"
-            TTSBUILD_SNAKE_CL_TILE=32,128,8 timeout -k 5 300 python3 benchmarks/codec/profile_codec.py \
-                --batches "${CODEC_BATCHES:-1,64,256}" --conv-impls triton --opt-in-kernels \
-                --channels-last --fused-only --profile-impls triton+k+cl --top 12 2>&1 | grep -v Assertion \
-                | tee "$OUT/profile_codec_tile.log" | grep -E "^\| triton"
+            log "codec step, served row, the snake + context kernel's former 64 x 64 x 4-warp tile"
+            TTSBUILD_SNAKE_CL_TILE=64,64,4 timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
+                --batches "${CODEC_BATCHES:-1,64,256}" --conv-impls triton --rows triton+k+cl+o+s+a \
+                --profile-impls none 2>&1 | grep -v Assertion | tee "$OUT/profile_codec_tile.log" \
+                | grep -E "^\| triton"
         fi ;;
     convsweep)
         log "codec conv tiles: the served config against a grid, per stage shape, batches ${CONV_BATCHES:-64,256}"

@@ -83,6 +83,10 @@ def test_the_codec_conv_layout_can_be_set_at_load(fp8_engine):
     assert fused.plan.codec_fused_output and fused.backend.codec_engine.fused_output is False
     attn = open_engine(fp8_engine, "cpu", kind="graph", codec_fused_attention=True)
     assert attn.plan.codec_fused_attention and attn.backend.codec_engine.fused_attention
+    plain = open_engine(fp8_engine, "cpu", kind="graph", codec_fused_output=False,
+                        codec_fused_attention=False)
+    assert not plain.plan.codec_fused_output and not plain.plan.codec_fused_attention
+    assert plain.backend.codec_engine.fused_attention is False
 
 
 def test_the_largest_batch_bucket_can_be_lowered_at_load_never_raised(fp8_engine):

@@ -60,3 +60,11 @@ def pdl_early_reads() -> bool:
     `inputs_ready`) are read before the PDL wait; TTSBUILD_PDL_EARLY=0 reads them after it
     (side-by-side measurements)."""
     return os.environ.get("TTSBUILD_PDL_EARLY", "1") != "0"
+
+
+def codec_pdl_args(t: torch.Tensor) -> dict:
+    """The codec kernels' PDL launch arguments (`pdl_args`): on where `pdl_enabled` is, unless
+    TTSBUILD_CODEC_PDL=0 (the codec step with and without it side by side). The codec's
+    kernels wait for the previous kernel before their first global access, as the decode
+    kernels do, so a chain of them in the codec graph overlaps its launch gaps."""
+    return pdl_args(pdl_enabled(t) and os.environ.get("TTSBUILD_CODEC_PDL", "1") != "0")

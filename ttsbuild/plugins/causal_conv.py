@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ttsbuild.plugins._dispatch import triton_available, want_triton
+from ttsbuild.plugins._dispatch import codec_pdl_args, triton_available, want_triton
 from ttsbuild.plugins.codec_context import to_channels_last
 
 
@@ -120,6 +120,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
         out.stride(0), out.stride(1), out.stride(2),
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SNAKE=snake,
         BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=stages,
+        **codec_pdl_args(xin),
     )  # fmt: skip
     return out
 
@@ -179,7 +180,7 @@ def _overlap_add_triton(z, spill, rows, bias, channels_last=False):
         z, spill if taps > 1 else z, rows, bias, out, n, s, cout,
         out.stride(0), out.stride(1), out.stride(2),
         *(spill.stride()[1:] if taps > 1 else (1, 1)),
-        TAPS=taps, BLOCK_U=block_u, BLOCK_O=block_o, num_warps=4,
+        TAPS=taps, BLOCK_U=block_u, BLOCK_O=block_o, num_warps=4, **codec_pdl_args(z),
     )  # fmt: skip
     return out
 
@@ -188,15 +189,16 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     import triton
     import triton.language as tl
 
-    from ttsbuild.plugins._tl._math import sin_f32
+    from ttsbuild.plugins._tl._math import pdl_prologue, sin_f32
 
     @triton.jit
     def _causal_conv_kernel(
         x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, M, CIN, COUT, N, DIL,
         sxb, sxc, sxt, srb, sro, srt, sob, soo, sot,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAKE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         # output rows m = b * N + t over the whole batch: a tile spans rows of several
         # batch rows when n is short (a one-frame step at batch 64 is 64 x 4..1920 rows)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -237,8 +239,9 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     @triton.jit
     def _overlap_add_kernel(
         z_ptr, spill_ptr, rows_ptr, bias_ptr, out_ptr, N, S, COUT, sob, soo, sou, spo, spu,
-        TAPS: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_O: tl.constexpr,
+        TAPS: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_O: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         # Program: row b, output samples u = t * S + r (a block of them), channels o. It also
         # writes the new spill samples u' < (TAPS - 1) * S of its channels (sample n * S + u'
         # of the continued output), read from z and the old spill; all its reads of the old

@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from ttsbuild.plugins._dispatch import triton_available, want_triton
+from ttsbuild.plugins._dispatch import codec_pdl_args, triton_available, want_triton
 
 
 def snake_context_reference(x, alpha, inv_beta, tail, rows, channels_last=False):
@@ -57,11 +57,12 @@ def _tile(spec: str) -> tuple[int, int, int]:
 
 
 # Channels-last tiles (channels, time, warps). Offline sm_90 compiles (Triton 3.9, fp16,
-# snake + 64-column tail): 64 x 64 with 4 warps, the default, timed on the H200 (0.70 ms for
-# the step's 21 launches at 64 rows against 0.51 for [B, C, T] tiles), takes 255 registers
-# and spills 256-696 bytes to the stack; 32 x 128 with 8 warps takes 102 registers and no
-# stack: TTSBUILD_SNAKE_CL_TILE="32,128,8" to time it against the default.
-CHANNELS_LAST_TILE = _tile(os.environ.get("TTSBUILD_SNAKE_CL_TILE", "64,64,4"))
+# snake + 64-column tail): 64 x 64 with 4 warps takes 255 registers and spills 256-696 bytes
+# to the stack; 32 x 128 with 8 warps, the default, takes 102 registers and no stack. H200,
+# 2026-12-02, the codec's one-frame step (channels-last, no other opt-in fusion): 0.996 /
+# 3.672 / 11.945 ms with 64 x 64 against 0.958 / 3.451 / 11.316 with 32 x 128 at batch 1 /
+# 64 / 256. TTSBUILD_SNAKE_CL_TILE="channels,time,warps" times another.
+CHANNELS_LAST_TILE = _tile(os.environ.get("TTSBUILD_SNAKE_CL_TILE", "32,128,8"))
 
 
 def to_channels_last(x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +111,7 @@ def _snake_context_triton(x, alpha, inv_beta, tail, rows, channels_last=False):
         out.stride(0), out.stride(1), out.stride(2),
         *(tail.stride()[1:] if ctx else (1, 1)),
         HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
-        BLOCK_CTX=block_ctx, num_warps=warps,
+        BLOCK_CTX=block_ctx, num_warps=warps, **codec_pdl_args(x),
     )  # fmt: skip
     return out
 
@@ -119,7 +120,7 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
     import triton
     import triton.language as tl
 
-    from ttsbuild.plugins._tl._math import sin_f32
+    from ttsbuild.plugins._tl._math import pdl_prologue, sin_f32
 
     @triton.jit
     def snake_params(alpha_ptr, inv_beta_ptr, offs_c, c_mask, HAS_SNAKE: tl.constexpr):
@@ -145,7 +146,9 @@ if triton_available():  # the kernels exist only where Triton imports (not neede
         stride_xb, stride_xc, stride_xt, stride_ob, stride_oc, stride_ot, stride_tc, stride_tt,
         HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CTX: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         b = tl.program_id(0).to(tl.int64)
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ttsbuild.plugins._dispatch import triton_available, want_triton
+from ttsbuild.plugins._dispatch import codec_pdl_args, triton_available, want_triton
 from ttsbuild.plugins.codec_context import snake_context_reference
 
 
@@ -79,7 +79,7 @@ def _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation):
         x, w, bias, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
         rows, out, C, n, ctx, dilation, x.stride(0), x.stride(1), x.stride(2),
         K=k, HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
-        BLOCK_CTX=block_ctx, num_warps=4,
+        BLOCK_CTX=block_ctx, num_warps=4, **codec_pdl_args(x),
     )  # fmt: skip
     return out
 
@@ -88,7 +88,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     import triton
     import triton.language as tl
 
-    from ttsbuild.plugins._tl._math import sin_f32
+    from ttsbuild.plugins._tl._math import pdl_prologue, sin_f32
     from ttsbuild.plugins.codec_context import snake_params
 
     @triton.jit
@@ -105,7 +105,9 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         C, n, ctx, DIL, sxb, sxc, sxt,
         K: tl.constexpr, HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CTX: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         b = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) == 0
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)

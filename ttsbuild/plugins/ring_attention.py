@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from ttsbuild.model.codec import apply_rope, window_mask
-from ttsbuild.plugins._dispatch import triton_available, want_triton
+from ttsbuild.plugins._dispatch import codec_pdl_args, triton_available, want_triton
 
 
 def ring_attention_reference(q, k_ring, v_ring, rows, mask, scale,
@@ -76,7 +76,7 @@ def _ring_attention_triton(q, k_ring, v_ring, rows, mask, scale):
         q, k_ring, v_ring, rows, mask, out, n, R, float(scale),
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
         H=H, GROUP=H // Hkv, D=D, BLOCK_R=triton.next_power_of_2(R),
-        BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4, **codec_pdl_args(q),
     )  # fmt: skip
     return out
 
@@ -137,7 +137,7 @@ def ring_attention_rope(qkv, pos, rows, k_ring, v_ring, inv_freq, window: int, s
     _ring_attention_rope_kernel[(B, Hkv)](
         qkv, pos, rows, k_ring, v_ring, inv_freq, out, n, R, int(window), float(scale),
         qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
-        H=Hkv, D=D, BLOCK_R=triton.next_power_of_2(R), num_warps=4,
+        H=Hkv, D=D, BLOCK_R=triton.next_power_of_2(R), num_warps=4, **codec_pdl_args(qkv),
     )  # fmt: skip
     return out
 
@@ -146,15 +146,16 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     import triton
     import triton.language as tl
 
-    from ttsbuild.plugins._tl._math import cos_f32, sin_f32
+    from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
 
     @triton.jit
     def _ring_attention_kernel(
         q_ptr, k_ptr, v_ptr, rows_ptr, mask_ptr, out_ptr, N, R, scale,
         sqb, sqn, sqh, sqd,
         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         slot = tl.load(rows_ptr + b).to(tl.int64)
@@ -188,8 +189,9 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     def _ring_attention_rope_kernel(
         qkv_ptr, pos_ptr, rows_ptr, k_ptr, v_ptr, inv_freq_ptr, out_ptr, N, R, W, scale,
         sb, sn, sh, sd,
-        H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         slot = tl.load(rows_ptr + b).to(tl.int64)

@@ -68,16 +68,19 @@ class EnginePlan(BaseModel):
     codec_channels_last: bool = True
     # The codec's output stage (SnakeBeta, context, the fp32 conv to one channel, clamp) as
     # one kernel (CodecEngine(fused_output=True), plugins.codec_output): same audio to fp32
-    # rounding; off until profile_codec.py --fused-output is timed on the GPU.
-    codec_fused_output: bool = False
+    # rounding. H200, 2026-12-02 (one-frame step, channels-last): 0.996 / 3.672 / 11.945 ->
+    # 1.050 / 3.269 / 10.042 ms at batch 1 / 64 / 256 (benchmarks/codec/RESULTS.md).
+    codec_fused_output: bool = True
     # Each codec pre-transformer layer's RoPE, ring writes, window mask and attention as one
     # kernel (CodecEngine(fused_attention=True), plugins.ring_attention.ring_attention_rope):
-    # ~76 fewer launches per step; off until profile_codec.py --fused-attention is timed.
-    codec_fused_attention: bool = False
+    # ~76 fewer launches per step. H200, 2026-12-02: 0.996 / 3.672 / 11.945 -> 0.871 /
+    # 3.632 / 12.341 ms at batch 1 / 64 / 256; with the fused output stage 0.912 / 3.216 /
+    # 10.419 (both on beat neither at every batch).
+    codec_fused_attention: bool = True
     # With channels-last operands, the codec's half-precision conv tails and transposed-conv
     # spills stored along channels (CodecEngine(state_channels_last=True)), as the kernels'
-    # tiles run; off until profile_codec.py --state-channels-last is timed.
-    codec_state_channels_last: bool = False
+    # tiles run. H200, 2026-12-02: 0.996 / 3.672 / 11.945 -> 0.978 / 3.386 / 10.969 ms.
+    codec_state_channels_last: bool = True
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
