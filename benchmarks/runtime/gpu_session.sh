@@ -31,7 +31,7 @@
 #         1,64,256): channels-last operands alone (`triton+k+cl`) and the served codec
 #         (`+o+s+a`: the output stage as one kernel, fused attention, tails and spills along
 #         channels; defaults since 2026-12-02); with CODEC_PDL_AB=1 the served row again with
-#         the codec kernels launched without PDL, with CODEC_TILE_AB=1 with the snake +
+#         the codec kernels launched with PDL, with CODEC_TILE_AB=1 with the snake +
 #         context kernel's former 64 x 64 tile
 # convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
@@ -113,15 +113,15 @@ for step in $STEPS; do
         # rows: channels-last operands alone, and the served codec (2026-12-02: + the output
         # stage as one kernel, fused attention, tails and spills along channels)
         local_rows=triton+k+cl,triton+k+cl+o+s+a
-        log "codec step: $local_rows, codec kernels with PDL"
+        log "codec step: $local_rows"
         timeout -k 5 300 python3 benchmarks/codec/profile_codec.py --batches "${CODEC_BATCHES:-1,64,256}" \
             --conv-impls triton --rows "$local_rows" --profile-impls triton+k+cl+o+s+a --top 12 \
             2>&1 | grep -v Assertion | tee "$OUT/profile_codec.log" | grep -E "^\| triton"
         if [ -n "${CODEC_PDL_AB:-}" ]; then
-            log "codec step, served row, codec kernels without PDL (TTSBUILD_CODEC_PDL=0)"
-            TTSBUILD_CODEC_PDL=0 timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
+            log "codec step, served row, codec kernels with PDL (TTSBUILD_CODEC_PDL=1)"
+            TTSBUILD_CODEC_PDL=1 timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
                 --batches "${CODEC_BATCHES:-1,64,256}" --conv-impls triton --rows triton+k+cl+o+s+a \
-                --profile-impls none 2>&1 | grep -v Assertion | tee "$OUT/profile_codec_nopdl.log" \
+                --profile-impls none 2>&1 | grep -v Assertion | tee "$OUT/profile_codec_pdl.log" \
                 | grep -E "^\| triton"
         fi
         if [ -n "${CODEC_TILE_AB:-}" ]; then

@@ -63,8 +63,9 @@ def pdl_early_reads() -> bool:
 
 
 def codec_pdl_args(t: torch.Tensor) -> dict:
-    """The codec kernels' PDL launch arguments (`pdl_args`): on where `pdl_enabled` is, unless
-    TTSBUILD_CODEC_PDL=0 (the codec step with and without it side by side). The codec's
-    kernels wait for the previous kernel before their first global access, as the decode
-    kernels do, so a chain of them in the codec graph overlaps its launch gaps."""
-    return pdl_args(pdl_enabled(t) and os.environ.get("TTSBUILD_CODEC_PDL", "1") != "0")
+    """The codec kernels' PDL launch arguments (`pdl_args`): off unless TTSBUILD_CODEC_PDL=1
+    (and `pdl_enabled`). The kernels take it (each waits for the previous kernel before its
+    first global access, as the decode kernels do), but on the H200 (2026-12-02, the served
+    one-frame step) it was 0.856 -> 0.842 ms at batch 1 and slower from 8 rows on: 1.122 ->
+    1.185, 2.797 -> 2.868, 9.019 -> 9.076 ms at 8 / 64 / 256 (benchmarks/codec/RESULTS.md)."""
+    return pdl_args(pdl_enabled(t) and os.environ.get("TTSBUILD_CODEC_PDL", "0") == "1")
