@@ -101,12 +101,15 @@ def test_the_largest_batch_bucket_can_be_lowered_at_load_never_raised(fp8_engine
         open_engine(fp8_engine, "cpu", kind="graph", max_batch=compiled.max_batch + 1)
 
 
-def test_a_checkpoint_plan_takes_batches_above_64_when_asked(ckpt):
-    """A checkpoint's default plan stops at 64 rows per step; --max-batch 128 with 128 slots
-    captures a 128-row bucket (slots up to 256, issue 9)."""
-    default = open_engine(ckpt, "cpu", num_slots=128, kind="eager").plan
-    assert default.max_batch == 64
-    wide = open_engine(ckpt, "cpu", num_slots=128, kind="eager", max_batch=128).plan
-    assert wide.batch_buckets[-2:] == (64, 128) and wide.num_slots == 128
+def test_a_checkpoint_plan_takes_batches_above_128_when_asked(ckpt):
+    """A checkpoint's default plan stops at 128 rows per step (the slot count `compile` and a
+    GPU `serve` default to); --max-batch 256 with 256 slots captures a 256-row bucket (slots
+    up to 256, issue 9), and --max-batch lowers it."""
+    default = open_engine(ckpt, "cpu", num_slots=256, kind="eager").plan
+    assert default.max_batch == 128 and default.batch_buckets[-2:] == (64, 128)
+    wide = open_engine(ckpt, "cpu", num_slots=256, kind="eager", max_batch=256).plan
+    assert wide.batch_buckets[-2:] == (128, 256) and wide.num_slots == 256
+    low = open_engine(ckpt, "cpu", num_slots=128, kind="eager", max_batch=64).plan
+    assert low.max_batch == 64 and low.num_slots == 128
     with pytest.raises(ValueError, match="exceeds the plan's largest batch bucket"):
         open_engine(ckpt, "cpu", num_slots=32, kind="eager", max_batch=64)

@@ -39,7 +39,7 @@ def serve(
     device: str | None = typer.Option(None, help="cpu, cuda, cuda:1 (default: cuda if any)."),
     slots: int | None = typer.Option(
         None, help="Engine slots: requests generating at once (default: a compiled engine's "
-        "plan, else 8)."
+        "plan, else 128 on a GPU and 8 on a CPU)."
     ),  # fmt: skip
     max_len: int | None = typer.Option(
         None, help="Positions per slot, prompt + frames (default: the plan's, else 2048)."
@@ -68,10 +68,10 @@ def serve(
     admit_slack: float = typer.Option(
         0.0, "--admit-slack", min=0.0, help="Seconds: also refuse new streams (429) while an "
         "admitted stream's latest chunk came with less than this to spare before its "
-        "playback ran dry (0: only once one came late). A CPU model of the H200 under load "
-        "(benchmarks/serve/admission_sim.py), 60 req/s: 0.04 left 3 of 1470 admitted streams "
-        "with a late chunk against 104 of 1716 with 0, but refused 3 % at 40 req/s where 0 "
-        "refused none. Not yet served on a GPU."
+        "playback ran dry (0: only once one came late). H200, 128 slots: 0.04 at 80 req/s kept "
+        "p95 first audio at 35.8 ms (161 without) and underrun requests 25 (67), but refused "
+        "6 at 40 req/s and 175 at 60 that 0 served (benchmarks/serve/"
+        "2026-12-02-h200-admit-slack-128)."
     ),  # fmt: skip
     drop_bootstrap_frame: bool | None = typer.Option(
         None, "--drop-bootstrap-frame/--keep-bootstrap-frame",
@@ -169,7 +169,7 @@ def serve(
     max_batch: int = typer.Option(
         None, "--max-batch", min=1, help="GPU: the largest batch bucket, rows per captured "
         "step (more rows split into several steps), at most the slots; default: the "
-        "engine's plan (a checkpoint's stops at 64)."
+        "engine's plan (a checkpoint's stops at 128)."
     ),  # fmt: skip
     express_admission: bool = typer.Option(
         True, help="With an admission lane on a GPU: admit a request that arrives while a "
@@ -246,8 +246,8 @@ def serve(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     try:
         engine = open_engine(
-            checkpoint, device=device, num_slots=slots if slots or checkpoint is None else
-            (None if _is_engine(checkpoint) else 8), max_len=max_len, kind=engine_kind,
+            checkpoint, device=device, num_slots=slots or _default_slots(checkpoint, device),
+            max_len=max_len, kind=engine_kind,
             precision=precision, random_variant=random, guards=guard_config,
             prefill_batches=batches, admission_lane=lane, lane_reserved_sms=lane_reserved_sms,
             bf16_min_rows=bf16_min_rows, max_batch=max_batch, lane_frames=lane_frames,
@@ -269,6 +269,19 @@ def serve(
         _err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     uvicorn.run(create_app(service), host=host, port=port, log_level=log_level)
+
+
+def _default_slots(checkpoint: Path | None, device: str | None) -> int | None:
+    """Slots when --slots is not given: a compiled engine's plan (None); otherwise 128 on a
+    GPU, as `compile` makes by default (H200: README, "Serving"), and on a CPU 8 for a
+    checkpoint, the loader's default (None) for --random weights."""
+    if checkpoint is not None and _is_engine(checkpoint):
+        return None
+    import torch
+
+    if device.startswith("cuda") if device else torch.cuda.is_available():
+        return 128
+    return None if checkpoint is None else 8
 
 
 def _is_engine(path: Path) -> bool:
