@@ -117,11 +117,14 @@ def test_rope_reference_is_rope_then_the_window_in_float64():
 
 
 @needs_kernel
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize(("n", "R"), [(1, 75), (4, 87), (3, 20)])
-def test_rope_kernel_equals_reference_and_writes_the_same_rings(n, R):
+def test_rope_kernel_equals_reference_and_writes_the_same_rings(n, R, merge, monkeypatch):
     """Queries/keys/values from one qkv projection, RoPE, the ring writes and the window mask
     in one launch (the real codec's 16 heads of 64); two steps, the second at the positions
-    after the first, reading what the first wrote."""
+    after the first, reading what the first wrote. merge: the ring read first and the new
+    frames merged in registers (TTSBUILD_RING_MERGE=1), not written and read back."""
+    monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_MERGE", merge)
     qkv, pos, rows, k_ring, v_ring, inv_freq = _rope_inputs(3, n, 16, R, 64, 6, KDEV, n + R)
     ref_k, ref_v = k_ring.clone(), v_ring.clone()
     for step in range(2):
@@ -134,6 +137,28 @@ def test_rope_kernel_equals_reference_and_writes_the_same_rings(n, R):
         assert ((k_ring - ref_k).abs().max()).item() < 1e-5, step
         assert torch.equal(v_ring, ref_v), step
         pos, qkv = pos + n, qkv.flip(1).contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 5])
+def test_merged_rope_kernel_sees_half_precision_rings_as_stored(n, monkeypatch):
+    """Half-precision rings: the merged keys and values are the rounded values the ring
+    holds, so both kernels give the same output, and the reference's to fp32 rounding."""
+    qkv, pos, rows, k_ring, v_ring, inv_freq = _rope_inputs(4, n, 16, 75, 64, 5, KDEV, 11 + n)
+    qkv, k_ring, v_ring = qkv.half(), k_ring.half(), v_ring.half()
+    outs, rings = [], []
+    for merge in (False, True):
+        monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_MERGE", merge)
+        k, v = k_ring.clone(), v_ring.clone()
+        outs.append(ring_attention_rope(qkv, pos, rows, k, v, inv_freq, 60, 0.125,
+                                        use_triton=True).float())  # fmt: skip
+        rings.append((k, v))
+    ref_k, ref_v = k_ring.clone(), v_ring.clone()
+    want = ring_attention_rope(qkv, pos, rows, ref_k, ref_v, inv_freq, 60, 0.125,
+                               use_triton=False).float()  # fmt: skip
+    assert ((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item() < 1e-6
+    assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
+    assert ((outs[1] - want).abs().max() / want.abs().max()).item() < 2e-3
 
 
 def test_rope_refuses_grouped_heads():

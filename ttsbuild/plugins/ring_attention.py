@@ -27,6 +27,7 @@ what another writes (rows that share the scratch slot race there, and nobody rea
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -98,6 +99,13 @@ def ring_step_inputs(pos, n: int, ring_frames, window: int, inv_freq, dtype):
     return mask, emb.cos().to(dtype), emb.sin().to(dtype), q_pos % R
 
 
+# ring_attention_rope's kernel with the ring read before its new frames are written and
+# those merged in registers (TTSBUILD_RING_MERGE=1), instead of written, a block barrier and
+# the whole ring read back: one dependent global round trip fewer per layer; same results
+# (interpreter tests); off until timed on the GPU (gpu_session codec step, CODEC_RING_AB=1).
+RING_MERGE = os.environ.get("TTSBUILD_RING_MERGE", "0") == "1"
+
+
 def ring_attention_rope_reference(qkv, pos, rows, k_ring, v_ring, inv_freq, window, scale):
     """The eager ops (the codec engine's unfused layer): see the module docstring."""
     B, n, heads, D = qkv.shape
@@ -137,7 +145,8 @@ def ring_attention_rope(qkv, pos, rows, k_ring, v_ring, inv_freq, window: int, s
     _ring_attention_rope_kernel[(B, Hkv)](
         qkv, pos, rows, k_ring, v_ring, inv_freq, out, n, R, int(window), float(scale),
         qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
-        H=Hkv, D=D, BLOCK_R=triton.next_power_of_2(R), num_warps=4, **codec_pdl_args(qkv),
+        H=Hkv, D=D, BLOCK_R=triton.next_power_of_2(R), MERGE=RING_MERGE, num_warps=4,
+        **codec_pdl_args(qkv),
     )  # fmt: skip
     return out
 
@@ -189,7 +198,8 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     def _ring_attention_rope_kernel(
         qkv_ptr, pos_ptr, rows_ptr, k_ptr, v_ptr, inv_freq_ptr, out_ptr, N, R, W, scale,
         sb, sn, sh, sd,
-        H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+        H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, MERGE: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
         b = tl.program_id(0).to(tl.int64)
@@ -202,21 +212,31 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         inv = tl.load(inv_freq_ptr + d % (D // 2)).to(tl.float32)
         row = qkv_ptr + b * sb
         ring = (slot * H + h) * R * D
+        r = tl.arange(0, BLOCK_R)
+        r_mask = r < R
+        kv = ring + r[:, None] * D + d[None, :]
+        if MERGE:  # the ring's old contents now, the new frames merged in registers below
+            keys = tl.load(k_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)
+            values = tl.load(v_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)
         # 1. this head's new keys (RoPE) and values into the row's ring
         for i in range(0, N):
             qp = p0 + i
             k = _rope(row + i * sn + (H + h) * sh, d * sd, partner * sd, sign, inv, qp)
             v = tl.load(row + i * sn + (2 * H + h) * sh + d * sd)
             at = ring + (qp % R) * D + d
-            tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty))
-            tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty))
-        tl.debug_barrier()  # the writes above precede the reads below (one program, one head)
+            k = k.to(k_ptr.dtype.element_ty)
+            v = v.to(v_ptr.dtype.element_ty)
+            tl.store(k_ptr + at, k)
+            tl.store(v_ptr + at, v)
+            if MERGE:  # as stored (rounded to the ring's dtype), in place of what was loaded
+                hit = (r == qp % R)[:, None]
+                keys = tl.where(hit, k.to(tl.float32)[None, :], keys)
+                values = tl.where(hit, v.to(tl.float32)[None, :], values)
+        if not MERGE:
+            tl.debug_barrier()  # the writes above precede the reads below (one program, head)
+            keys = tl.load(k_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)
+            values = tl.load(v_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)
         # 2. attention of each query frame over the ring's window
-        r = tl.arange(0, BLOCK_R)
-        r_mask = r < R
-        kv = ring + r[:, None] * D + d[None, :]
-        keys = tl.load(k_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)  # [R, D]
-        values = tl.load(v_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)
         last = p0 + N - 1
         back = (last - r) % R
         back = tl.where(back < 0, back + R, back)  # floor mod (C's % truncates)
