@@ -86,6 +86,10 @@ def main() -> None:
                     help="the rows to time, in place of the ones the flags above make: "
                          "comma-separated, each an implementation with its suffixes, e.g. "
                          "triton+k+cl,triton+k+cl+o+s+a")
+    ap.add_argument("--fused-layers-max-rows", type=int, default=16,
+                    help="rows with '+l': CodecEngine(fused_layers_max_rows=...), steps of at "
+                         "most this many frames run the pre-transformer as fused_linear "
+                         "launches (larger batches of the same row take the GEMMs)")
     ap.add_argument("--profile-impls", default=None,
                     help="implementations to profile (default: all of --conv-impls)")
     args = ap.parse_args()
@@ -123,7 +127,9 @@ def main() -> None:
         engine = CodecEngine(dec, slots, args.precision, dev, max_chunk=4,
                              conv_impl=impl.split("+")[0], fused="+k" in impl,
                              channels_last="+cl" in impl, fused_output="+o" in impl,
-                             fused_attention="+a" in impl, state_channels_last="+s" in impl)
+                             fused_attention="+a" in impl, state_channels_last="+s" in impl,
+                             fused_layers_max_rows=(args.fused_layers_max_rows
+                                                    if "+l" in impl else 0))  # fmt: skip
         snr = codec_snr_db(engine, dec, random_codes(dec.config, 2, 24, seed=1))
         print(f"| {impl} | SNR vs fp32 decode: {snr:.1f} dB | | | |")
         for bench in [m == "on" for m in args.cudnn_benchmark.split(",")]:

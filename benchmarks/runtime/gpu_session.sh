@@ -33,6 +33,8 @@
 #         channels; defaults since 2026-12-02); with CODEC_PDL_AB=1 the served row again with
 #         the codec kernels launched with PDL, with CODEC_RING_AB=1 with the fused attention
 #         kernel merging its new frames in registers (TTSBUILD_RING_MERGE=1), with
+#         CODEC_LAYERS_AB=1 the served row and that with the pre-transformer as fused
+#         linears (`+l`, steps up to 16 frames) at $CODEC_LAYERS_BATCHES (1,2,4,8,16), with
 #         CODEC_TILE_AB=1 with the snake + context kernel's former 64 x 64 tile
 # convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
@@ -131,6 +133,13 @@ for step in $STEPS; do
                 --batches "${CODEC_BATCHES:-1,64,256}" --conv-impls triton --rows triton+k+cl+o+s+a \
                 --profile-impls triton+k+cl+o+s+a --top 6 2>&1 | grep -v Assertion \
                 | tee "$OUT/profile_codec_ring.log" | grep -E "^\| triton|ring_attention"
+        fi
+        if [ -n "${CODEC_LAYERS_AB:-}" ]; then
+            log "codec step, served row + the pre-transformer as fused linears up to 16 frames (+l)"
+            timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
+                --batches "${CODEC_LAYERS_BATCHES:-1,2,4,8,16}" --conv-impls triton \
+                --rows triton+k+cl+o+s+a,triton+k+cl+o+s+a+l --profile-impls none 2>&1 \
+                | grep -v Assertion | tee "$OUT/profile_codec_layers.log" | grep -E "^\| triton"
         fi
         if [ -n "${CODEC_TILE_AB:-}" ]; then
             log "codec step, served row, the snake + context kernel's former 64 x 64 x 4-warp tile"

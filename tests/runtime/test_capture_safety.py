@@ -73,6 +73,8 @@ CHOICES = {
     "codec kernels": {"codec_precision": "fp16", "codec_conv": "triton", "codec_fused": True,
                       "codec_channels_last": True, "codec_fused_output": True,
                       "codec_fused_attention": True, "codec_state_channels_last": True},
+    "codec fused layers": {"codec_precision": "fp16", "codec_conv": "triton", "codec_fused": True,
+                           "codec_fused_attention": True, "codec_fused_layers_max_rows": 2},
     "batched prefill": {"prefill_batches": (1, 2)},
     "admission lane": {"admission_lane": (1, 2), "fused_code_predictor": (2,)},
     "two lane frames": {"admission_lane": (1, 2), "lane_frames": 2},

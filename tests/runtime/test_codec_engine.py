@@ -223,6 +223,54 @@ def test_the_fused_attention_steps_decode_the_same_audio():
         assert got.shape == want.shape and rel <= 1e-3, rel
 
 
+def test_small_steps_run_the_transformer_as_fused_linears_with_the_same_audio(monkeypatch):
+    """CodecEngine(fused_layers_max_rows=R): a step of at most R frames (rows x chunk) runs
+    the pre-transformer as plugins.fused_linear launches (norm + qkv, o + residual, norm +
+    gate/up + SiLU, down + residual, the projections; the kernels under TRITON_INTERPRET=1,
+    else their references); larger steps keep the GEMM path. The same audio either way, over
+    chunks of 1 and 3 frames (rings carried across steps); off without the fused attention
+    or with a half-precision transformer stage."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    cfg = small_config(num_key_value_heads=4)
+    dec = our_decoder(cfg, test_state(cfg, seed=41))
+    plain = CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=True, fused_attention=True)
+    small = CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=True, fused_attention=True,
+                        fused_layers_max_rows=4)  # fmt: skip
+    assert small.fused_layers_max_rows == 4 and plain.fused_layers_max_rows == 0
+    assert CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=True,
+                       fused_layers_max_rows=4).fused_layers_max_rows == 0  # no fused attention
+    all_half = CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=True, fused_attention=True,
+                           fp32_stages=("output",), fused_layers_max_rows=4)  # fmt: skip
+    assert all_half.fused_layers_max_rows == 0  # layer scales not folded into fp16 weights
+    with pytest.raises(ValueError, match="fused_layers_max_rows"):
+        CodecEngine(dec, 2, "fp16", fused_layers_max_rows=-1)
+    calls = []
+    fused_path = ce.CodecEngine._transformer_fused
+    monkeypatch.setattr(ce.CodecEngine, "_transformer_fused",
+                        lambda self, x, *a: calls.append(x.shape[0] * x.shape[1])
+                        or fused_path(self, x, *a))  # fmt: skip
+    exact = CodecEngine(dec, 2, "fp32", conv_impl="triton", fused=True, fused_attention=True,
+                        fused_layers_max_rows=4)  # fmt: skip
+    for seed, chunk in ((42, 1), (43, 3)):
+        codes = rand_codes(cfg, 2, 9, seed=seed)
+        ref = ce.decode_with(dec, codes)  # the full fp32 decode
+        want = ce.decode_with(plain, codes, chunk=chunk)
+        calls.clear()
+        got = ce.decode_with(small, codes, chunk=chunk)
+        # 2 rows x 1 frame <= 4 takes the fused path; 2 x 3 = 6 frames the GEMMs
+        assert calls == ([2] * 9 if chunk == 1 else []), calls
+        # fp16 elsewhere: no further from the fp32 decode than the GEMM path (which rounds
+        # the transformer's GEMM inputs to TF32; the fused linears do not)
+        assert got.shape == want.shape == ref.shape
+        assert rel_err(got, ref) <= max(1.2 * rel_err(want, ref), 1e-4), (
+            rel_err(got, ref), rel_err(want, ref))
+        assert rel_err(got, want) <= 1e-2
+        calls.clear()
+        assert rel_err(ce.decode_with(exact, codes, chunk=chunk), ref) <= REL_TOL
+        assert calls == ([2] * 9 if chunk == 1 else []), calls
+
+
 def test_the_fused_output_stage_decodes_the_same_audio():
     """CodecEngine(fused_output=True): the output stage (SnakeBeta, context, the fp32 conv to
     one channel, clamp) as one kernel (plugins.codec_output; the kernel under

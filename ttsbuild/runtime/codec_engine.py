@@ -57,6 +57,7 @@ from ttsbuild.model.codec import (
 from ttsbuild.plugins.causal_conv import causal_conv, overlap_add, pack_conv_weight
 from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.codec_output import codec_output
+from ttsbuild.plugins.fused_linear import fused_linear
 from ttsbuild.plugins.norm_act import rms_norm, silu_mul
 from ttsbuild.plugins.ring_attention import (
     ring_attention,
@@ -180,6 +181,7 @@ class CodecEngine:
         fused_output: bool = False,
         fused_attention: bool = False,
         state_channels_last: bool = False,
+        fused_layers_max_rows: int = 0,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -210,13 +212,13 @@ class CodecEngine:
         # the served plan since the H200 timed it (one-frame step 4.56 -> 3.78 ms at 64 rows,
         # benchmarks/codec/RESULTS.md).
         self.channels_last = channels_last and conv_impl == "triton"
-        # Off until timed on the GPU (profile_codec.py --fused-output): the output stage
+        # On in the served plan since timed (benchmarks/codec/RESULTS.md): the output stage
         # (SnakeBeta, left context, the fp32 conv to one channel, clamp) as one kernel
         # (plugins.codec_output) reading the last block's half-precision output once, in place
         # of a cast to fp32, the snake + context kernel, an im2col copy of 7x the stage's
         # input and a GEMV with one column (~0.8 GB of traffic at 64 rows of one frame).
         self.fused_output = fused_output and conv_impl != "cudnn"
-        # Off until timed on the GPU (profile_codec.py --fused-attention): each
+        # On in the served plan since timed (benchmarks/codec/RESULTS.md): each
         # pre-transformer layer's RoPE, ring writes, window mask and attention as one kernel
         # (plugins.ring_attention.ring_attention_rope), where the fused path makes ~20 launches
         # of mask and cos/sin set-up per step and 8 per layer (RoPE, two ring scatters, the
@@ -224,13 +226,15 @@ class CodecEngine:
         # query as key/value heads (the 12 Hz codec).
         tr_heads = [(m.self_attn.n_head, m.self_attn.n_kv) for m in codec.pre_transformer.layers]
         self.fused_attention = fused_attention and all(h == kv for h, kv in tr_heads)
-        # Off until timed on the GPU (profile_codec.py --state-channels-last, plan
-        # codec_state_channels_last): with channels-last operands, the half-precision stages'
+        # On in the served plan since timed (plan codec_state_channels_last,
+        # benchmarks/codec/RESULTS.md): with channels-last operands, the half-precision stages'
         # conv tails and transposed-conv spills stored [S, context, C] (as [S, C, context]
         # views), so the snake + context and overlap-add kernels, whose tiles run along
         # channels, read and write them along channels too (run 3 of 2026-12-02: the
         # overlap-add 0.119 -> 0.170 ms at 64 rows once its output went channels-last).
         self.state_channels_last = state_channels_last and self.channels_last
+        if fused_layers_max_rows < 0:
+            raise ValueError(f"fused_layers_max_rows must be >= 0, got {fused_layers_max_rows}")
         device = torch.device(device) if device is not None else next(codec.parameters()).device
         self.precision, self.device, self.max_chunk = precision, device, max_chunk
         self.config = cfg = codec.config
@@ -246,6 +250,22 @@ class CodecEngine:
         }
         with torch.no_grad():
             self._load(codec, device)
+        # Off until timed on the GPU (profile_codec.py row '+l'): steps of at most this many
+        # frames (rows x chunk) run each pre-transformer layer as five launches of
+        # plugins.fused_linear (norm + qkv + bias; the fused attention; o + bias + residual;
+        # norm + gate/up + SiLU; down + bias + residual) and the input / output projections
+        # (final norm in the latter's prologue) as one each, in place of ~10 per layer
+        # (norms, cuBLAS GEMMs and their split-K reductions, addmm, silu_mul): a one-frame step
+        # at batch 1 is launch-bound (0.86 ms for 194 launches on the H200). Those GEMV tiles
+        # lose to cuBLAS at many rows, hence the bound. Needs the fused attention and the
+        # layer scales folded into o / down (a strict-fp32 transformer stage); fp32 FMA, no
+        # TF32 rounding.
+        tr = self.codec.pre_transformer
+        folded = all(layer.self_attn.o_proj in self._folded
+                     and layer.mlp.down_proj in self._folded for layer in tr.layers)
+        self.fused_layers_max_rows = (fused_layers_max_rows if self.fused_attention and folded
+                                      and self.stages["transformer"].dtype == torch.float32
+                                      else 0)  # fmt: skip
         self.window = cfg.sliding_window
         self.ring = cfg.sliding_window - 1 + max_chunk
         head_dim = cfg.head_dim
@@ -538,6 +558,8 @@ class CodecEngine:
 
     def _transformer(self, x: Tensor, rows: Tensor, pos: Tensor, st: _Stage) -> Tensor:
         tr = self.codec.pre_transformer  # x: [B, n, latent]
+        if 0 < x.shape[0] * x.shape[1] <= self.fused_layers_max_rows:
+            return self._transformer_fused(x, rows, pos)
         if self.fused_attention:  # made in each layer's attention kernel (ring_attention_rope)
             mask = cos = sin = ring_idx = None
         else:  # once per step, shared by the layers
@@ -547,6 +569,31 @@ class CodecEngine:
         for layer in tr.layers:
             h = self._layer(layer, h, cos, sin, mask, rows, ring_idx, st, pos)
         return self._linear(tr.output_proj, rms_norm(h, tr.norm.weight, tr.norm.eps), st)
+
+    def _transformer_fused(self, x: Tensor, rows: Tensor, pos: Tensor) -> Tensor:
+        """`_transformer` as fused_linear launches (see fused_layers_max_rows)."""
+        tr = self.codec.pre_transformer
+        b, n, _ = x.shape
+        h = fused_linear(x.reshape(b * n, -1), tr.input_proj.weight, bias=tr.input_proj.bias)
+        for layer in tr.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv_weight, qkv_bias, gate_up_weight = self._packed[layer]
+            norm = layer.input_layernorm
+            qkv = fused_linear(h, qkv_weight, norm_weight=norm.weight, eps=norm.eps,
+                               bias=qkv_bias)  # fmt: skip
+            k_ring, v_ring = self.state[a.slot]
+            y = ring_attention_rope(qkv.view(b, n, a.n_head + 2 * a.n_kv, a.head_dim), pos,
+                                    rows, k_ring, v_ring, self.inv_freq, self.window,
+                                    a.head_dim ** -0.5)  # fmt: skip
+            h = fused_linear(y.view(b * n, -1), a.o_proj.weight, bias=a.o_proj.bias,
+                             residual=h)  # fmt: skip
+            norm = layer.post_attention_layernorm
+            act = fused_linear(h, gate_up_weight, norm_weight=norm.weight, eps=norm.eps,
+                               gate_up=True)  # fmt: skip
+            h = fused_linear(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, residual=h)
+        out = fused_linear(h, tr.output_proj.weight, norm_weight=tr.norm.weight,
+                           eps=tr.norm.eps, bias=tr.output_proj.bias)  # fmt: skip
+        return out.view(b, n, -1)
 
     def _layer(self, layer: TransformerLayer, x: Tensor, cos: Tensor | None,
                sin: Tensor | None, mask: Tensor | None, rows: Tensor, ring_idx: Tensor | None,

@@ -354,6 +354,7 @@ class GraphBackend:
             channels_last=plan.codec_channels_last, fused_output=plan.codec_fused_output,
             fused_attention=plan.codec_fused_attention,
             state_channels_last=plan.codec_state_channels_last,
+            fused_layers_max_rows=plan.codec_fused_layers_max_rows,
         )
         if release_modules:
             models.offload_codec_decoder()  # the codec engine holds its own copy

@@ -81,6 +81,11 @@ class EnginePlan(BaseModel):
     # spills stored along channels (CodecEngine(state_channels_last=True)), as the kernels'
     # tiles run. H200, 2026-12-02: 0.996 / 3.672 / 11.945 -> 0.978 / 3.386 / 10.969 ms.
     codec_state_channels_last: bool = True
+    # Codec steps of at most this many frames (rows x chunk) run the pre-transformer as
+    # fused_linear launches (CodecEngine(fused_layers_max_rows=...): ~5 per layer instead of
+    # ~10; same audio, fp32 without TF32 rounding); 0: off, until profile_codec.py row '+l'
+    # is timed on the GPU.
+    codec_fused_layers_max_rows: int = Field(default=0, ge=0)
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
