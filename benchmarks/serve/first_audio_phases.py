@@ -6,7 +6,9 @@ over); then what the engine thread and the event loop spent their time on, where
 server has those metrics: `tts_http_phase_seconds{phase}` (the event loop's share:
 receive, resolve, admitted, handoff, send), `tts_engine_host_seconds{part}`,
 `tts_event_loop_lag_seconds`, `tts_gc_pause_seconds{generation}`,
-`tts_codec_launches_per_step`. The metrics are
+`tts_codec_launches_per_step`, and a stream's second chunk: `tts_second_chunk_gap_seconds`
+(first chunk handed over -> second) and its phases `tts_second_chunk_phase_seconds{phase}`
+(frames read back, codec step launched, audio handed over). The metrics are
 cumulative per server: give the files of one server in the order of its rates, and each
 rate is shown as the difference from the one before (the first from `--start FILE`, the
 metrics saved before the first rate, if given).
@@ -24,6 +26,7 @@ import sys
 from ttsbuild.serve.metrics import ENGINE_HOST_PARTS as HOST_PARTS
 from ttsbuild.serve.metrics import HTTP_PHASES
 from ttsbuild.serve.scheduler import FIRST_AUDIO_PHASES as PHASES
+from ttsbuild.serve.scheduler import SECOND_CHUNK_PHASES as SECOND_PHASES
 
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 
@@ -67,6 +70,13 @@ def main(paths: list[str]) -> None:
             _, mean, edges = summary(now, before, "tts_first_audio_phase_seconds",
                                      f'phase="{phase}"')  # fmt: skip
             print(f"  {phase:6s} mean {mean:6.2f} ms, p50/p90/p95/p99 <= {edges} ms")
+        n, mean, edges = summary(now, before, "tts_second_chunk_gap_seconds")
+        if n:  # servers since 2026-12-02 21:50
+            print(f"  second chunk: n {n}, gap mean {mean:.2f} ms, p50/p90/p95/p99 <= {edges} ms")
+            for phase in SECOND_PHASES:
+                _, mean, edges = summary(now, before, "tts_second_chunk_phase_seconds",
+                                         f'phase="{phase}"')  # fmt: skip
+                print(f"    {phase:6s} mean {mean:6.2f} ms, p50/p90/p95/p99 <= {edges} ms")
         rows = [("http " + phase, "tts_http_phase_seconds", f'phase="{phase}"')
                 for phase in HTTP_PHASES]  # fmt: skip
         rows += [("engine " + part, "tts_engine_host_seconds", f'part="{part}"')

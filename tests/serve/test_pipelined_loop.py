@@ -178,6 +178,39 @@ def test_first_audio_phases_add_up_to_the_time_to_first_audio():
         assert phases["read"] >= COST["audio"] - 1e-9  # the codec step runs in that phase
 
 
+def test_second_chunk_phases_add_up_to_the_gap_after_the_first():
+    """The metrics' phases of a second chunk (frames, codec, read) partition the time from the
+    first chunk's hand-over to the second's, where every underrun under load on the H200 was."""
+    seen, chunk_at = [], {}
+
+    class Recorder(NullObserver):
+        def on_second_chunk(self, gap_s, phases):
+            seen.append((gap_s, phases))
+
+    h = Harness(num_slots=16, express=True, admission_lane=True)
+    h.sched.observer = Recorder()
+    streams = []
+    for _ in range(6):
+        timed = []
+        streams.append(h.sched.submit(FakeRequest(20), lambda e, t=timed: t.append(
+            (h.clock(), e)), (1, 2, 4, 8)))  # fmt: skip
+        h.events[streams[-1].id] = timed
+        h.run_until(lambda t=timed: len(t) >= 2)  # admitted, and its first chunk maybe
+    h.run_until(lambda: all(s.status is Status.FINISHED for s in streams))
+    for s in streams:
+        times = [t for t, e in h.events[s.id] if isinstance(e, Chunk)]
+        chunk_at[s.id] = times[1] - times[0]
+    assert len(seen) == len(streams)
+    assert sorted(g for g, _ in seen) == pytest.approx(sorted(chunk_at.values()))
+    for gap, phases in seen:
+        assert set(phases) == {"frames", "codec", "read"}
+        assert min(phases.values()) >= 0 and sum(phases.values()) == pytest.approx(gap)
+        # its two frames take at least one frame step past the first chunk, its audio a codec
+        # step after they are made (the fake launches it when they are read back)
+        assert phases["frames"] >= COST["frames"] - 1e-9
+        assert phases["read"] == pytest.approx(COST["audio"])
+
+
 def test_a_slot_taken_over_while_its_steps_are_in_flight_gets_none_of_their_results():
     h = Harness(num_slots=1)
     old = h.submit(frames=200)

@@ -7,7 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ttsbuild.serve.scheduler import FIRST_AUDIO_PHASES, Plan, Stage
+from ttsbuild.serve.scheduler import FIRST_AUDIO_PHASES, SECOND_CHUNK_PHASES, Plan, Stage
 
 _LATENCY_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10)
 # time to first audio and its phases: millisecond steps where the targets are (15-40 ms)
@@ -78,6 +78,17 @@ class ServeMetrics:
             "launched), codec (-> first codec step launched), read (-> audio handed over)",
             ["phase"], buckets=_TTFA_BUCKETS, registry=r,
         )  # fmt: skip
+        self.second_chunk = Histogram(
+            "tts_second_chunk_gap_seconds", "A stream's second chunk handed over minus its first "
+            "(the first's playback, 80 ms at the low-latency ramp, is what it has to beat)",
+            buckets=_TTFA_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.second_chunk_phases = Histogram(
+            "tts_second_chunk_phase_seconds", "Where that gap goes, as the engine thread sees "
+            "it: frames (first chunk handed over -> the second's frames read back), codec (-> "
+            "its codec step launched), read (-> its audio handed over); 0 where already done",
+            ["phase"], buckets=_TTFA_BUCKETS, registry=r,
+        )  # fmt: skip
         self.http_phases = Histogram(
             "tts_http_phase_seconds", "The event loop's share of time to first audio: receive "
             "(handler entry -> body read and validated), resolve (tokenize before the "
@@ -145,6 +156,8 @@ class ServeMetrics:
             self.engine_host.labels(part)
         for phase in FIRST_AUDIO_PHASES:
             self.ttfa_phases.labels(phase)
+        for phase in SECOND_CHUNK_PHASES:
+            self.second_chunk_phases.labels(phase)
         for phase in HTTP_PHASES:
             self.http_phases.labels(phase)
         for stage in Stage:
@@ -186,6 +199,11 @@ class ServeMetrics:
         split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in (phases or {}).items())
         log.warning("slow first audio: %.1f ms (%s ms) with %d slots in use%s", ttfa_s * 1e3,
                     split or "no phases", self._active, more)  # fmt: skip
+
+    def on_second_chunk(self, gap_s: float, phases: dict[str, float]) -> None:
+        self.second_chunk.observe(gap_s)
+        for phase, seconds in phases.items():
+            self.second_chunk_phases.labels(phase).observe(seconds)
 
     def on_chunk(self, lateness_s: float, chunk: int = 0, played_s: float = 0.0) -> None:
         """A chunk handed over: lateness against its client's playback (> 0: the buffer ran

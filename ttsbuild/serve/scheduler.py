@@ -169,6 +169,9 @@ class Stream:
     first_frame_at: float | None = None  # its first frame step launched
     first_codec_at: float | None = None  # its first codec step launched
     first_audio_at: float | None = None
+    first_decoded: int = 0  # frames its first codec step took
+    second_frames_at: float | None = None  # the second chunk's frames all read back
+    second_codec_at: float | None = None  # its second codec step launched
     behind: bool = False  # its latest chunk came late, or within admit_slack_s of late
     last_served_at: float = 0.0
 
@@ -284,6 +287,7 @@ class Observer(Protocol):
     def on_step(self, stage: Stage, batch: int, elapsed_s: float, frames: int) -> None: ...
     def on_first_audio(self, ttfa_s: float, phases: dict[str, float] | None = None) -> None: ...
     def on_chunk(self, lateness_s: float, chunk: int = 0, played_s: float = 0.0) -> None: ...
+    def on_second_chunk(self, gap_s: float, phases: dict[str, float]) -> None: ...
     def on_reject(self, reason: str) -> None: ...
     def on_stop(self, reason: str) -> None: ...
 
@@ -293,6 +297,7 @@ class NullObserver:
     def on_step(self, stage: Stage, batch: int, elapsed_s: float, frames: int) -> None: ...
     def on_first_audio(self, ttfa_s: float, phases: dict[str, float] | None = None) -> None: ...
     def on_chunk(self, lateness_s: float, chunk: int = 0, played_s: float = 0.0) -> None: ...
+    def on_second_chunk(self, gap_s: float, phases: dict[str, float]) -> None: ...
     def on_reject(self, reason: str) -> None: ...
     def on_stop(self, reason: str) -> None: ...
 
@@ -597,6 +602,11 @@ class Scheduler:
                 s.decoded += result.decoded[slot]
                 s.audio_steps += 1
                 s.audio_inflight += 1
+                if s.audio_steps == 1:
+                    s.first_decoded = s.decoded
+                    _mark_second_frames(s, now)  # made before the first chunk was decoded
+                elif s.audio_steps == 2:
+                    s.second_codec_at = now
             else:
                 continue  # nothing to decode after all: no audio step for it
             launched.rows[slot] = s
@@ -779,6 +789,7 @@ class Scheduler:
                     s.certain -= slot in launched.certain
                 new, finished = result.frames.get(slot, (False, False))
                 s.frames += new
+                _mark_second_frames(s, now)
                 if finished:
                     s.generation_done = True
                     s.stopped_by = result.stopped_by.get(slot)
@@ -823,6 +834,8 @@ class Scheduler:
         if due is not None:
             self.observer.on_chunk(now - due, s.chunks_sent, s.samples_sent / SAMPLE_RATE)
             s.behind = now > due - self.config.admit_slack_s
+        if s.chunks_sent == 1 and (phases := _second_chunk_phases(s, now)) is not None:
+            self.observer.on_second_chunk(now - s.first_audio_at, phases)
         self._emit(s, Chunk(s.chunks_sent, pcm))
         s.chunks_sent += 1
         s.samples_sent += len(pcm)
@@ -893,6 +906,31 @@ def _first_audio_phases(s: Stream, now: float) -> dict[str, float] | None:
 
 
 FIRST_AUDIO_PHASES = ("admit", "frame", "codec", "read")
+
+
+def _mark_second_frames(s: Stream, now: float) -> None:
+    """Once its first codec step is launched: when the frames of its second chunk (the
+    schedule's second size past what the first took) are all read back."""
+    if s.second_frames_at is None and s.audio_steps >= 1:
+        size = s.chunk_schedule[min(1, len(s.chunk_schedule) - 1)]
+        if s.frames >= s.first_decoded + size:
+            s.second_frames_at = now
+
+
+def _second_chunk_phases(s: Stream, now: float) -> dict[str, float] | None:
+    """Where the time from a stream's first chunk (handed over) to its second went, as the
+    engine thread saw it: -> the second chunk's frames read back (0 if they were before),
+    -> its codec step launched (0 if that was before), -> its audio read back and handed
+    over. They add up to the gap, the first chunk's 80 ms of playback being what the second
+    must beat (the underruns under load are this chunk: benchmarks/serve/RESULTS.md)."""
+    t1, tf, tc = s.first_audio_at, s.second_frames_at, s.second_codec_at
+    if t1 is None or tf is None or tc is None:
+        return None  # e.g. generation ended short of a full second chunk
+    made = max(tf, t1)
+    return {"frames": made - t1, "codec": max(0.0, tc - made), "read": now - max(tc, made)}
+
+
+SECOND_CHUNK_PHASES = ("frames", "codec", "read")
 
 
 def _first_frames_due(s: Stream) -> bool:
