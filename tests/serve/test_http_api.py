@@ -366,7 +366,8 @@ def test_slow_first_chunks_are_logged_with_their_phases_at_most_once_a_second(ca
         m.on_first_audio(0.04, phases)  # within the second: counted, not logged
         m._slow_log.logged_at -= 1.0
         m.on_first_audio(0.05, None)
-    lines = [r.getMessage() for r in caplog.records]
+    # the same logger reports cyclic-collector pauses, which may land here at any time
+    lines = [r.getMessage() for r in caplog.records if "collector pause" not in r.getMessage()]
     assert len(lines) == 2
     assert lines[0].startswith("slow first audio: 31.5 ms (admit 1.0, frame 0.0, codec 0.5, "
                                "read 30.0 ms) with 0 slots in use")  # fmt: skip
