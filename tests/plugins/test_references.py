@@ -149,17 +149,22 @@ def test_fused_sample_reference_on_cpu_is_sample(dtype):
 
 
 @needs_kernel
-def test_fused_sample_kernel_thresholds_vs_reference():
+@pytest.mark.parametrize("radix_bits", [1, 4])
+@pytest.mark.parametrize("V", [2048, 3072])
+def test_fused_sample_kernel_thresholds_vs_reference(monkeypatch, radix_bits, V):
     """The kernel's top-k / top-p threshold searches (over the float bit patterns) against
     the reference's sort: every top_k x top_p pair, fine fp32, tied fp32 (a coarse grid),
     near-tied fp32 and bf16 logits, at random temperatures and spreads. Every row draws (fresh
     noise) from its filtered set, so a threshold off in any bit keeps or drops tokens that the
     draws then hit; the near ties (many tokens a few ulps to a few million ulps apart, at
-    exact power-of-2 temperatures) put such tokens next to the thresholds at every bit."""
-    from ttsbuild.plugins._tl.sampling import sample_triton
+    exact power-of-2 temperatures) put such tokens next to the thresholds at every bit.
+    Both searches: 4 bits per reduction (the default; at V 3072 the 16-warp program) and the
+    bit-by-bit one it replaced."""
+    from ttsbuild.plugins._tl import sampling as tl_sampling
 
-    g = torch.Generator().manual_seed(23)
-    V, reps = 2048, 4
+    monkeypatch.setattr(tl_sampling, "_RADIX_BITS", radix_bits)
+    g = torch.Generator().manual_seed(23 + V + radix_bits)
+    reps = 4
     ks = torch.tensor([1, 2, 50, V - 1, V, 0])
     ps = torch.tensor([0.1, 0.5, 0.9, 1.0])
     top_k, top_p = ks.repeat_interleave(len(ps)).repeat(reps), ps.repeat(len(ks) * reps)
@@ -188,7 +193,9 @@ def test_fused_sample_kernel_thresholds_vs_reference():
         seeds = torch.randint(0, 2**62, (B,), generator=g)
         ctr = torch.randint(0, 10**6, (B,), generator=g)
         ref = sample(logits, batch, seeds, ctr)
-        out = sample_triton(logits.to(KDEV), batch.to(KDEV), seeds.to(KDEV), ctr.to(KDEV))
+        out = tl_sampling.sample_triton(
+            logits.to(KDEV), batch.to(KDEV), seeds.to(KDEV), ctr.to(KDEV)
+        )
         out = out.cpu()
         bad = (out != ref).nonzero().flatten().tolist()
         scaled = logits.float() / batch.temperature[:, None]
@@ -198,4 +205,3 @@ def test_fused_sample_kernel_thresholds_vs_reference():
             gap = (cum - (1 - float(top_p[r]))).abs().min().item()
             assert top_p[r] < 1 and gap < 1e-5, (kind, r, int(top_k[r]), float(top_p[r]))
         assert len(bad) <= 1, (kind, bad)
-

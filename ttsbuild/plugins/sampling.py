@@ -3,8 +3,8 @@
 `fused_sample` = (optional `apply_repetition_penalty`) + `sample`: greedy argmax where
 do_sample is off, else Gumbel-max over the temperature / top-k / top-p filtered logits with
 the same counter-based noise. The kernel replaces the reference's sort by exact threshold
-searches over the float bit patterns (32 counting passes for the k-th largest value, 32
-mass passes for the top-p cut), so no host sync and no sort.
+searches over the float bit patterns (the k-th largest value, then the top-p cut, each found
+4 bits per block reduction: 8 counting and 8 mass passes), so no host sync and no sort.
 
 Exactness: temperature division (div_rn), Gumbel noise (the same 32-bit hash, libdevice
 logf), ties (kept, as the reference keeps ties with the k-th value) and argmax tie-breaks

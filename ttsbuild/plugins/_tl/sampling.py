@@ -1,12 +1,18 @@
 """Triton fused sampler: one program per row, the whole vocabulary in registers.
 
 Order keys: a float's bits, flipped so unsigned order = float order (-0.0 made +0.0 first
-so that it ties with +0.0 as in float compares). The k-th largest key is found bit by bit
+so that it ties with +0.0 as in float compares). The k-th largest key is found digit by digit
 (largest t with #{key >= t} >= k); the top-p cut likewise (largest t with
-mass{key <= t} <= 1 - top_p; keep keys > t, and always the maximum).
+mass{key <= t} <= 1 - top_p; keep keys > t, and always the maximum). A digit of RADIX_BITS bits
+takes one block reduction over all its 2^RADIX_BITS candidates (the counts fall, the masses
+grow, with the digit: the largest digit that still holds is the bit-by-bit search's choice),
+so 32 / RADIX_BITS reductions per search instead of 32: each reduction is a cross-warp
+round trip through shared memory, and at one program per row they are the kernel's latency.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -15,6 +21,22 @@ import triton.language as tl
 from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import exp_f32, log_f32, pdl_prologue
+
+# Bits per digit of the threshold searches: 4 (8 reductions per search), untimed; 1 is the
+# former bit-by-bit search (32), kept for side-by-side runs (TTSBUILD_SAMPLE_RADIX_BITS=1).
+_RADIX_ENV = os.environ.get("TTSBUILD_SAMPLE_RADIX_BITS", "4")
+if _RADIX_ENV not in ("1", "2", "4"):
+    raise ValueError(f"TTSBUILD_SAMPLE_RADIX_BITS must be 1, 2 or 4, got {_RADIX_ENV!r}")
+_RADIX_BITS = int(_RADIX_ENV)
+
+
+def _warps(block_v: int, radix_bits: int) -> int:
+    """Warps for a row of block_v: the [2^radix_bits, block_v] candidate tiles of the digit
+    searches in registers without spilling (offline sm_90 compile: 4096 x 16 candidates at
+    8 warps spills 616 bytes of stack; at 16 warps 82 registers; 2048 at 8 warps 95)."""
+    if block_v >= 4096 and radix_bits == 4:
+        return 16
+    return 8 if block_v >= 2048 else 4
 
 
 @triton.jit
@@ -32,7 +54,7 @@ def _sample_kernel(
     logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, dosample_ptr,
     seed_ptr, ctr_ptr, stride_ctr, hist_ptr, stride_hist, pen_ptr, out_ptr,
     BLOCK_V: tl.constexpr, HAS_PENALTY: tl.constexpr, IS_BF16: tl.constexpr,
-    PDL: tl.constexpr = False,
+    RADIX_BITS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0)
@@ -62,11 +84,14 @@ def _sample_kernel(
     k = tl.load(topk_ptr + row).to(tl.int32)
     k = tl.where((k <= 0) | (k > V), V, k)
     kth = tl.zeros((), tl.uint32)
+    digits = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)  # [R]: one candidate per digit value
     if k < V:
-        for i in tl.static_range(32):
-            cand = kth | (1 << (31 - i))
-            cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
-            kth = tl.where(cnt >= k, cand, kth)
+        for i in tl.static_range(32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (i + 1)
+            cand = kth | (digits << shift)  # [R]
+            cnt = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+            # the count falls as the digit grows: the largest digit still counting k
+            kth = kth | (tl.max(tl.where(cnt >= k, digits, 0), axis=0) << shift)
     keep = vmask & (key >= kth)
 
     # top-p over what top-k kept
@@ -79,10 +104,12 @@ def _sample_kernel(
         budget = 1.0 - top_p
         kmax = tl.max(tl.where(keep, key, 0), axis=0)
         cut = tl.zeros((), tl.uint32)
-        for i in tl.static_range(32):
-            cand = cut | (1 << (31 - i))
-            mass = tl.sum(tl.where(key <= cand, e, 0.0), axis=0) / total
-            cut = tl.where(mass <= budget, cand, cut)
+        for i in tl.static_range(32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (i + 1)
+            cand = cut | (digits << shift)  # [R]
+            mass = tl.sum(tl.where(key[None, :] <= cand[:, None], e[None, :], 0.0), axis=1) / total
+            # the mass grows with the digit: the largest digit still within the budget
+            cut = cut | (tl.max(tl.where(mass <= budget, digits, 0), axis=0) << shift)
         keep = keep & ((key > cut) | (key == kmax))
 
     # Gumbel-max with the counter-based noise of generation.sampling.uniform_noise
@@ -131,6 +158,6 @@ def sample_triton(
         else batch.do_sample,
         seeds, counters, counters.stride(0), hist, hstride, pen, out,
         BLOCK_V=block_v, HAS_PENALTY=has_pen, IS_BF16=logits.dtype == torch.bfloat16,
-        **pdl_args(pdl), num_warps=8 if block_v >= 2048 else 4,
+        RADIX_BITS=_RADIX_BITS, **pdl_args(pdl), num_warps=_warps(block_v, _RADIX_BITS),
     )  # fmt: skip
     return out
