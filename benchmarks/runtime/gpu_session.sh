@@ -36,6 +36,12 @@
 #         CODEC_LAYERS_AB=1 the served row and that with the pre-transformer as fused
 #         linears (`+l`, steps up to 16 frames) at $CODEC_LAYERS_BATCHES (1,2,4,8,16), with
 #         CODEC_TILE_AB=1 with the snake + context kernel's former 64 x 64 tile
+# cp:     the code predictor's frame (bench_cp_fused.py, fused path, FP8, batches
+#         $CP_BATCHES default 1,2,4,8), one process per variant of its switches: the
+#         sampler's threshold searches bit by bit (TTSBUILD_SAMPLE_RADIX_BITS=1, the timed
+#         baseline) or 4 bits per reduction (the default since 2026-12-03), and the attention
+#         run by the qkv GEMV's last programs (TTSBUILD_CP_ATTEND_IN_QKV=1); the GPU tests of
+#         the sampler and the fused code-predictor kernels first
 # convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
 #         (sweep_conv.py; CONV_SWEEP_ARGS default --quick: 28 configs), batches $CONV_BATCHES
@@ -78,6 +84,22 @@ for step in $STEPS; do
             tests/runtime/test_cp_fused.py tests/plugins/test_fp8_w8a8.py \
             tests/plugins/test_gpu_kernels.py -k "prefill or w8a8 or scaled_mm or decode_attention" \
             2>&1 | tee "$OUT/gpu_tests.log" | tail -3 ;;
+    cp)
+        log "GPU tests: sampler, fused code-predictor kernels"
+        TRITON_F32_DEFAULT=ieee timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
+            tests/plugins/test_references.py tests/plugins/test_fused_kernels.py \
+            tests/plugins/test_gpu_kernels.py tests/runtime/test_cp_fused.py \
+            -k "sample or attend or norm_linear or fused or cp" 2>&1 \
+            | tee "$OUT/gpu_tests_cp.log" | tail -3
+        for variant in "RADIX=1 ATTEND=0" "RADIX=4 ATTEND=0" "RADIX=4 ATTEND=1" "RADIX=1 ATTEND=1"; do
+            eval "$variant"
+            log "code predictor frame: sampler radix $RADIX bits, attention in qkv $ATTEND"
+            TTSBUILD_SAMPLE_RADIX_BITS=$RADIX TTSBUILD_CP_ATTEND_IN_QKV=$ATTEND PYTHONPATH=. \
+                timeout -k 5 200 python3 benchmarks/kernels/bench_cp_fused.py \
+                --batches "${CP_BATCHES:-1,2,4,8}" --precisions fp8 --paths unfused,fused \
+                --fp32-batches 1,8 > "$OUT/bench_cp_r${RADIX}_a${ATTEND}.log" 2>&1
+            echo "rc=$?"; grep -E "^(fp8|fp32|total)" "$OUT/bench_cp_r${RADIX}_a${ATTEND}.log"
+        done ;;
     engine)
         log "engine microbenchmark (served plan)"
         engine_bench served ;;
