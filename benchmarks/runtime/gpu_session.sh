@@ -42,6 +42,10 @@
 #         baseline) or 4 bits per reduction (the default since 2026-12-03), and the attention
 #         run by the qkv GEMV's last programs (TTSBUILD_CP_ATTEND_IN_QKV=1); the GPU tests of
 #         the sampler and the fused code-predictor kernels first
+# talker: the talker's decode step (bench_talker.py, FP8, batches $TALKER_BATCHES default
+#         1,8,64,128) with its attention as three launches and as one
+#         (TTSBUILD_TALKER_ATTEND_FUSED=1: qk_norm_rope_decode_attention), one process each,
+#         after the new kernel's GPU tests
 # convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
 #         (sweep_conv.py; CONV_SWEEP_ARGS default --quick: 28 configs), batches $CONV_BATCHES
@@ -99,6 +103,18 @@ for step in $STEPS; do
                 --batches "${CP_BATCHES:-1,2,4,8}" --precisions fp8 --paths unfused,fused \
                 --fp32-batches 1,8 > "$OUT/bench_cp_r${RADIX}_a${ATTEND}.log" 2>&1
             echo "rc=$?"; grep -E "^(fp8|fp32|total)" "$OUT/bench_cp_r${RADIX}_a${ATTEND}.log"
+        done ;;
+    talker)
+        log "GPU tests: the talker's one-launch decode attention"
+        TRITON_F32_DEFAULT=ieee timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider \
+            tests/plugins/test_qk_decode_attention.py tests/runtime/test_talker_attend.py 2>&1 \
+            | tee "$OUT/gpu_tests_talker.log" | tail -3
+        for fused in 0 1; do
+            log "talker step, attention in one launch: $fused"
+            TTSBUILD_TALKER_ATTEND_FUSED=$fused PYTHONPATH=. timeout -k 5 200 python3 \
+                benchmarks/kernels/bench_talker.py --batches "${TALKER_BATCHES:-1,8,64,128}" \
+                --precisions fp8 > "$OUT/bench_talker_attend$fused.log" 2>&1
+            echo "rc=$?"; tail -6 "$OUT/bench_talker_attend$fused.log"
         done ;;
     engine)
         log "engine microbenchmark (served plan)"

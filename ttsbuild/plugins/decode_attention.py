@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ttsbuild.plugins._dispatch import want_triton
+from ttsbuild.plugins.qk_norm_rope import inv_freq, qk_norm_rope_reference
 
 
 def decode_attention_reference(
@@ -57,3 +58,39 @@ def decode_attention(
     from ttsbuild.plugins._tl.decode_attention import decode_attention_triton
 
     return decode_attention_triton(q, k_cache, v_cache, slots, lengths, max_len, scale)
+
+
+def qk_norm_rope_decode_attention(
+    qkv: torch.Tensor,  # [R, (Hq + 2 Hkv) * D]: the layer's packed q/k/v of one token per row
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    positions: torch.Tensor,  # [R] int: each row's token position, < max_len
+    slots: torch.Tensor,  # [R] int
+    k_cache: torch.Tensor,  # [slots, Hkv, S, D]
+    v_cache: torch.Tensor,
+    max_len: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    theta: float,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """`qk_norm_rope` then `decode_attention` over positions [0, position] (the talker's
+    decode step): the attention output [R, Hq * D]; k and v of each row's token are written
+    into the caches. Triton: one launch (flash-decoding splits merged by the last to arrive)
+    instead of three."""
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
+    if not want_triton(qkv, use_triton):
+        q = qk_norm_rope_reference(
+            qkv, q_weight, k_weight, positions, slots, k_cache, v_cache, theta=theta, **kw
+        )
+        attn = decode_attention_reference(q, k_cache, v_cache, slots, positions + 1, max_len)
+        return attn.reshape(qkv.shape[0], -1)
+    from ttsbuild.plugins._tl.decode_attention import qk_norm_rope_decode_attention_triton
+
+    D = k_cache.shape[-1]
+    return qk_norm_rope_decode_attention_triton(
+        qkv, q_weight, k_weight, inv_freq(D, theta, qkv.device), positions, slots, k_cache,
+        v_cache, max_len, scale=D**-0.5, **kw,
+    )  # fmt: skip

@@ -13,6 +13,7 @@ On CPU the plugins fall back to their eager references.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from ttsbuild.model.config import DecoderStackConfig
 from ttsbuild.model.layers import DecoderStack
 from ttsbuild.plugins._dispatch import want_triton
-from ttsbuild.plugins.decode_attention import decode_attention
+from ttsbuild.plugins.decode_attention import decode_attention, qk_norm_rope_decode_attention
 from ttsbuild.plugins.fp8_linear import (
     FP8_DTYPE,
     dequantize_weight_fp8,
@@ -31,6 +32,11 @@ from ttsbuild.plugins.fp8_linear import (
 from ttsbuild.plugins.fp8_w8a8 import fp8_linear_w8a8, w8a8_supported
 from ttsbuild.plugins.norm_act import add_rms_norm, rms_norm, silu_mul
 from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
+
+# The decode step's attention (q/k norm + RoPE + cache write, flash-decoding splits, their
+# combine) as one launch instead of three (`qk_norm_rope_decode_attention`): 56 launches fewer
+# per talker step. Off until timed on the GPU (TTSBUILD_TALKER_ATTEND_FUSED=1 turns it on).
+TALKER_ATTEND_FUSED = os.environ.get("TTSBUILD_TALKER_ATTEND_FUSED", "0") == "1"
 
 
 class Dense:
@@ -187,6 +193,17 @@ class PackedStack:
             theta=c.rope_theta,
         )  # fmt: skip
 
+    def attend_decode(self, p, qkv, positions, slots, k_cache, v_cache) -> torch.Tensor:
+        """One token per row: q/k norm + RoPE, k and v into the cache at (slots, positions),
+        attention over positions [0, position]: the attention output [R, Hq * D] in one
+        launch (`qk_norm_rope_decode_attention`)."""
+        c = self.cfg
+        return qk_norm_rope_decode_attention(
+            qkv, p.q_norm, p.k_norm, positions, slots, k_cache, v_cache, k_cache.shape[2],
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps,
+            theta=c.rope_theta,
+        )  # fmt: skip
+
     @staticmethod
     def _mlp(p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
         """The MLP's output (before the residual add) of the post-attention-normed h."""
@@ -239,6 +256,9 @@ class PackedStack:
         max_len = k_cache.shape[3]
 
         def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
+            if TALKER_ATTEND_FUSED:
+                return self.attend_decode(p, p.qkv(h), positions, slots, k_cache[i],
+                                          v_cache[i])  # fmt: skip
             q = self._project_qk(p, p.qkv(h), positions, slots, k_cache[i], v_cache[i])
             attn = decode_attention(q, k_cache[i], v_cache[i], slots, lengths, max_len)
             return attn.reshape(h.shape[0], -1)

@@ -4,6 +4,10 @@ Grid (B, Hkv, SPLITS): a program takes the GROUP = Hq / Hkv query heads that sha
 head (padded to 16 rows for tl.dot) and one chunk of the row's positions, streams
 [BLOCK_S, D] K/V tiles with an online softmax. SPLITS == 1 writes the output; otherwise
 each split writes (m, l, unnormalised acc) and a combine kernel merges them.
+
+`_qk_attend_split_kernel` is the talker's whole decode attention in one launch: q/k norm,
+RoPE and the K/V cache write (`qk_norm_rope`) in each split's prologue, the combine by the
+last split to arrive.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import triton
 import triton.language as tl
 
 from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
-from ttsbuild.plugins._tl._math import pdl_prologue
+from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
+from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters
+from ttsbuild.plugins._tl.qk_norm_rope_attend import _norm_rope
 
 _LOG2E = 1.4426950408889634
 
@@ -110,6 +116,20 @@ def plan_splits(batch: int, kv_heads: int, max_len: int, block_s: int, sms: int 
     return triton.cdiv(max_len, chunk), chunk
 
 
+def _tiles(batch: int, kv_heads: int, max_len: int, device: torch.device,
+           splits: int | None) -> tuple[int, int, int]:  # fmt: skip
+    """(BLOCK_S, splits, chunk) of a launch: planned (`plan_splits`) or the given splits."""
+    block_s = 16 if max_len <= 16 else 64
+    if splits is None:
+        cuda = device.type == "cuda"
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+        splits, chunk = plan_splits(batch, kv_heads, max_len, block_s, sms)
+    else:
+        chunk = triton.cdiv(triton.cdiv(max_len, splits), block_s) * block_s
+        splits = triton.cdiv(max_len, chunk)
+    return block_s, splits, chunk
+
+
 def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -127,13 +147,7 @@ def decode_attention_triton(
         raise ValueError("q and the caches need a contiguous head_dim; k/v the same layout")
     group = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
-    block_s = 16 if max_len <= 16 else 64
-    if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        splits, chunk = plan_splits(B, Hkv, max_len, block_s, sms)
-    else:
-        chunk = triton.cdiv(triton.cdiv(max_len, splits), block_s) * block_s
-        splits = triton.cdiv(max_len, chunk)
+    block_s, splits, chunk = _tiles(B, Hkv, max_len, q.device, splits)
     out = torch.empty_like(q)
     if splits > 1:
         po = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
@@ -155,4 +169,180 @@ def decode_attention_triton(
             HQ=Hq, D=D, SPLITS=splits, BLOCK_SP=triton.next_power_of_2(splits),
             **pdl_args(pdl), num_warps=4,
         )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _qk_attend_split_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, f_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr,
+    pml_ptr, cnt_ptr, stride_row, stride_ob, stride_cslot, stride_ch, stride_cs, eps,
+    qk_scale, chunk,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_SP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """qk_norm_rope + the split kernel + the combine kernel above in one launch: program
+    (row, KV head, split) normalises and rotates its GROUP query heads and its KV head's new
+    key from the row's packed qkv; the split holding the row's position writes the new k/v
+    into the cache; every split attends its chunk of the positions below the position from
+    the cache (written by earlier steps), the one holding the position adds the new token
+    from registers (no store-to-load ordering needed); the last split of a (row, KV head)
+    to arrive (atomic counter, reset by it) merges the splits in split order."""
+    pdl_prologue(PDL)
+    HALF: tl.constexpr = D // 2
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    src = qkv_ptr + b * stride_row
+    offs_d = tl.arange(0, HALF)
+    offs_full = tl.arange(0, D)
+    ang = pos.to(tl.float32) * tl.load(f_ptr + offs_d)
+    c = cos_f32(ang)[None, :]
+    s = sin_f32(ang)[None, :]
+    cdt = kc_ptr.dtype.element_ty
+    qdt = qkv_ptr.dtype.element_ty
+
+    # the GROUP query heads as [BLOCK_G, HALF] halves, rounded to q's dtype (as the unfused q)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g[:, None] < GROUP
+    q_src = src + (kvh * GROUP + offs_g[:, None]) * D + offs_d[None, :]
+    q1, q2 = _norm_rope(
+        tl.load(q_src, mask=g_mask, other=0.0).to(tl.float32),
+        tl.load(q_src + HALF, mask=g_mask, other=0.0).to(tl.float32),
+        qw_ptr, offs_d, c, s, eps, D,
+    )  # fmt: skip
+    q1 = tl.where(g_mask, q1, 0.0).to(qdt)
+    q2 = tl.where(g_mask, q2, 0.0).to(qdt)
+    if DOT_F32:
+        q1 = q1.to(tl.float32)
+        q2 = q2.to(tl.float32)
+
+    head = slot * stride_cslot + kvh.to(tl.int64) * stride_ch
+    start = sp * chunk
+    holds_pos = (pos >= start) & (pos < start + chunk)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, D), tl.float32)
+    end = tl.minimum(start + chunk, pos)  # the cached positions of this chunk: below pos
+    for s0 in range(start, end, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < end
+        at = head + offs_s[:, None].to(tl.int64) * stride_cs
+        k1 = tl.load(kc_ptr + at + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        k2 = tl.load(kc_ptr + at + HALF + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        v = tl.load(vc_ptr + at + offs_full[None, :], mask=s_mask[:, None], other=0.0)
+        if DOT_F32:
+            k1 = k1.to(tl.float32)
+            k2 = k2.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * qk_scale  # log2 units
+        qk = tl.where(s_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if holds_pos:
+        # the new key and value, rounded as the cache stores them; written for later steps
+        k_src = src + (HQ + kvh) * D + offs_d[None, :]
+        kn1, kn2 = _norm_rope(
+            tl.load(k_src).to(tl.float32), tl.load(k_src + HALF).to(tl.float32),
+            kw_ptr, offs_d, c, s, eps, D,
+        )  # fmt: skip
+        kn1, kn2 = kn1.to(cdt), kn2.to(cdt)
+        vn = tl.load(src + (HQ + HKV + kvh) * D + offs_full).to(cdt)
+        new_at = head + pos * stride_cs
+        tl.store(kc_ptr + new_at + offs_d[None, :], kn1)
+        tl.store(kc_ptr + new_at + HALF + offs_d[None, :], kn2)
+        tl.store(vc_ptr + new_at + offs_full, vn)
+        score = tl.sum(q1.to(tl.float32) * kn1.to(tl.float32), axis=1)
+        score += tl.sum(q2.to(tl.float32) * kn2.to(tl.float32), axis=1)
+        score = score * qk_scale  # [BLOCK_G]
+        m_new = tl.maximum(m_i, score)
+        alpha = tl.exp2(m_i - m_new)
+        p_new = tl.exp2(score - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
+        m_i = m_new
+    heads = kvh * GROUP + offs_g
+    if SPLITS == 1:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * D + offs_full[None, :]
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask)
+    else:
+        # partials: po [B, Hq, SPLITS, D], pml [B, Hq, SPLITS, 2], as the split kernel's
+        prow = (b * HQ + heads).to(tl.int64) * SPLITS + sp
+        tl.store(po_ptr + prow[:, None] * D + offs_full[None, :], acc, mask=g_mask)
+        tl.store(pml_ptr + prow * 2, m_i, mask=offs_g < GROUP)
+        tl.store(pml_ptr + prow * 2 + 1, l_i, mask=offs_g < GROUP)
+        tl.debug_barrier()
+        item = b * HKV + kvh
+        arrived = tl.atomic_add(cnt_ptr + item, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            offs_sp = tl.arange(0, BLOCK_SP)
+            sp_mask = offs_sp < SPLITS
+            for g in tl.static_range(GROUP):
+                row = (b * HQ + kvh * GROUP + g) * SPLITS + offs_sp
+                m = tl.load(pml_ptr + row * 2, mask=sp_mask, other=float("-inf"),
+                            cache_modifier=".cg")  # fmt: skip
+                lsum = tl.load(pml_ptr + row * 2 + 1, mask=sp_mask, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+                w = tl.where(m > float("-inf"), tl.exp2(m - tl.max(m, axis=0)), 0.0)
+                o = tl.load(po_ptr + row[:, None] * D + offs_full[None, :], mask=sp_mask[:, None],
+                            other=0.0, cache_modifier=".cg")  # fmt: skip
+                num = tl.sum(o * w[:, None], axis=0)
+                den = tl.sum(lsum * w, axis=0)
+                dst = out_ptr + b * stride_ob + (kvh * GROUP + g) * D + offs_full
+                tl.store(dst, (num / den).to(out_ptr.dtype.element_ty))
+            tl.atomic_xchg(cnt_ptr + item, 0)
+
+
+def qk_norm_rope_decode_attention_triton(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    freqs: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    max_len: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    scale: float,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """The attention output [R, Hq * D] (see `_qk_attend_split_kernel`)."""
+    R = qkv.shape[0]
+    S, D = k_cache.shape[-2], k_cache.shape[-1]
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [R, (Hq + 2 Hkv) * D] row-major, got {tuple(qkv.shape)}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share a layout with contiguous head_dim")
+    max_len = min(max_len, S)
+    group = num_heads // num_kv_heads
+    out = torch.empty((R, num_heads * D), dtype=qkv.dtype, device=qkv.device)
+    if R == 0:
+        return out
+    block_s, splits, chunk = _tiles(R, num_kv_heads, max_len, qkv.device, splits)
+    if R * num_kv_heads > _MAX_TILES:
+        raise ValueError(f"{R} rows x {num_kv_heads} KV heads exceed the {_MAX_TILES} counters")
+    if splits > 1:
+        po = torch.empty((R, num_heads, splits, D), dtype=torch.float32, device=qkv.device)
+        pml = torch.empty((R, num_heads, splits, 2), dtype=torch.float32, device=qkv.device)
+    else:
+        po = pml = out
+    _qk_attend_split_kernel[(R, num_kv_heads, splits)](
+        qkv, q_weight, k_weight, freqs, positions.reshape(-1), slots.reshape(-1), k_cache,
+        v_cache, out, po, pml, _counters(qkv.device), qkv.stride(0), out.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, scale * _LOG2E, chunk,
+        HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=block_s, SPLITS=splits,
+        BLOCK_SP=triton.next_power_of_2(splits), DOT_F32=interpret_mode(),
+        **pdl_args(pdl_enabled(qkv)), num_warps=4, num_stages=3,
+    )  # fmt: skip
     return out
