@@ -43,9 +43,10 @@
 #         run by the qkv GEMV's last programs (TTSBUILD_CP_ATTEND_IN_QKV=1); the GPU tests of
 #         the sampler and the fused code-predictor kernels first
 # talker: the talker's decode step (bench_talker.py, FP8, batches $TALKER_BATCHES default
-#         1,8,64,128) with its attention as three launches and as one
-#         (TTSBUILD_TALKER_ATTEND_FUSED=1: qk_norm_rope_decode_attention), one process each,
-#         after the new kernel's GPU tests
+#         1,8,64,128), one process per variant: its attention as three launches or as one
+#         (TTSBUILD_TALKER_ATTEND_FUSED=1: qk_norm_rope_decode_attention), the FP8 gate/up
+#         GEMV and silu_mul as two or as one (TTSBUILD_GATE_UP_SILU=1: fp8_gate_up_silu);
+#         after the new kernels' GPU tests
 # convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
 #         (sweep_conv.py; CONV_SWEEP_ARGS default --quick: 28 configs), batches $CONV_BATCHES
@@ -105,16 +106,18 @@ for step in $STEPS; do
             echo "rc=$?"; grep -E "^(fp8|fp32|total)" "$OUT/bench_cp_r${RADIX}_a${ATTEND}.log"
         done ;;
     talker)
-        log "GPU tests: the talker's one-launch decode attention"
+        log "GPU tests: the talker's one-launch decode attention and gate/up + silu"
         TRITON_F32_DEFAULT=ieee timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider \
-            tests/plugins/test_qk_decode_attention.py tests/runtime/test_talker_attend.py 2>&1 \
-            | tee "$OUT/gpu_tests_talker.log" | tail -3
-        for fused in 0 1; do
-            log "talker step, attention in one launch: $fused"
-            TTSBUILD_TALKER_ATTEND_FUSED=$fused PYTHONPATH=. timeout -k 5 200 python3 \
-                benchmarks/kernels/bench_talker.py --batches "${TALKER_BATCHES:-1,8,64,128}" \
-                --precisions fp8 > "$OUT/bench_talker_attend$fused.log" 2>&1
-            echo "rc=$?"; tail -6 "$OUT/bench_talker_attend$fused.log"
+            tests/plugins/test_qk_decode_attention.py tests/plugins/test_fp8_gate_up.py \
+            tests/runtime/test_talker_fusions.py 2>&1 | tee "$OUT/gpu_tests_talker.log" | tail -3
+        for variant in "ATT=0 GU=0" "ATT=1 GU=0" "ATT=0 GU=1" "ATT=1 GU=1"; do
+            eval "$variant"
+            log "talker step: attention in one launch $ATT, gate/up + silu in one $GU"
+            TTSBUILD_TALKER_ATTEND_FUSED=$ATT TTSBUILD_GATE_UP_SILU=$GU PYTHONPATH=. \
+                timeout -k 5 200 python3 benchmarks/kernels/bench_talker.py \
+                --batches "${TALKER_BATCHES:-1,8,64,128}" --precisions fp8 \
+                > "$OUT/bench_talker_a${ATT}_g${GU}.log" 2>&1
+            echo "rc=$?"; tail -6 "$OUT/bench_talker_a${ATT}_g${GU}.log"
         done ;;
     engine)
         log "engine microbenchmark (served plan)"

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ttsbuild.plugins._dispatch import want_triton
+from ttsbuild.plugins.norm_act import silu_mul_reference
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -60,6 +61,28 @@ def fp8_linear(
     lead = x.shape[:-1]
     out = fp8_linear_triton(x.reshape(-1, x.shape[-1]), w_fp8, scale)
     return out.reshape(*lead, w_fp8.shape[0])
+
+
+def fp8_gate_up_silu(
+    x: torch.Tensor,  # [..., K] bf16
+    w_fp8: torch.Tensor,  # [2N, K] float8_e4m3fn: gate rows, then up rows
+    scale: torch.Tensor,  # [2N] fp32
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """silu_mul(fp8_linear(x, w, scale)): silu(gate) * up [..., N] in x's dtype, one launch
+    on the GPU (rounded as the two unfused kernels round)."""
+    if w_fp8.dtype != FP8_DTYPE:
+        raise TypeError(f"weight must be {FP8_DTYPE}, got {w_fp8.dtype}")
+    if w_fp8.shape[0] % 2:
+        raise ValueError(f"a packed gate/up weight has an even row count, got {w_fp8.shape[0]}")
+    if not want_triton(x, use_triton):
+        return silu_mul_reference(fp8_linear_reference(x, w_fp8, scale))
+    from ttsbuild.plugins._tl.fp8_linear import fp8_linear_triton
+
+    lead = x.shape[:-1]
+    out = fp8_linear_triton(x.reshape(-1, x.shape[-1]), w_fp8, scale, gate_up=True)
+    return out.reshape(*lead, w_fp8.shape[0] // 2)
 
 
 class FP8Linear(nn.Module):

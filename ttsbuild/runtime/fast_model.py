@@ -26,6 +26,7 @@ from ttsbuild.plugins.decode_attention import decode_attention, qk_norm_rope_dec
 from ttsbuild.plugins.fp8_linear import (
     FP8_DTYPE,
     dequantize_weight_fp8,
+    fp8_gate_up_silu,
     fp8_linear,
     quantize_weight_fp8,
 )
@@ -37,6 +38,10 @@ from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
 # combine) as one launch instead of three (`qk_norm_rope_decode_attention`): 56 launches fewer
 # per talker step. Off until timed on the GPU (TTSBUILD_TALKER_ATTEND_FUSED=1 turns it on).
 TALKER_ATTEND_FUSED = os.environ.get("TTSBUILD_TALKER_ATTEND_FUSED", "0") == "1"
+# The FP8 weight-only gate/up GEMV with silu(gate) * up in its epilogue (`fp8_gate_up_silu`):
+# one launch per layer fewer where the MLP runs on the FP8 kernel (below bf16_min_rows rows).
+# Off until timed on the GPU (TTSBUILD_GATE_UP_SILU=1 turns it on).
+GATE_UP_SILU = os.environ.get("TTSBUILD_GATE_UP_SILU", "0") == "1"
 
 
 class Dense:
@@ -83,6 +88,17 @@ class Dense:
                 return fp8_linear_w8a8(x, self.weight, self.scale)
             return fp8_linear(x, self.weight, self.scale)
         return F.linear(x, self.weight)
+
+    def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu_mul(self(x)) for a packed gate/up weight: one launch where the FP8
+        weight-only GEMV takes x (GATE_UP_SILU on), else the linear and then silu_mul."""
+        if GATE_UP_SILU and self.is_fp8:
+            rows = x.numel() // x.shape[-1]
+            bf16 = self.bf16_min_rows and rows >= self.bf16_min_rows
+            w8a8 = self.w8a8_min_rows and rows >= self.w8a8_min_rows
+            if not bf16 and not w8a8:
+                return fp8_gate_up_silu(x, self.weight, self.scale)
+        return silu_mul(self(x))
 
     def nbytes(self) -> int:
         """Bytes held: the weight as stored, its scale and the bf16 copy if kept."""
@@ -207,7 +223,7 @@ class PackedStack:
     @staticmethod
     def _mlp(p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
         """The MLP's output (before the residual add) of the post-attention-normed h."""
-        return p.down(silu_mul(p.gate_up(h)))
+        return p.down(p.gate_up.gate_up_silu(h))
 
     def _attend_by_position(self, B: int, T: int, positions, rows, k_cache, v_cache,
                             keys: int):  # fmt: skip

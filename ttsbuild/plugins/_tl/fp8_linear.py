@@ -8,6 +8,9 @@ out[m, n] = scale[n] * sum_k x[m, k] * float(w[n, k]), fp32 accumulation, bf16 o
 - M > 1: "swap AB" tensor-core tiles: acc[BLOCK_N, BLOCK_M] += w_tile @ x_tile^T, so the
   weight tile fills the MMA's 64-row side and the few activation rows its narrow side
   (BLOCK_M = 16/32/64 bucket of M).
+- GATE_UP: w is the packed [2N, K] gate/up matrix; each program streams gate rows n and up
+  rows N + n in the same K loop and writes silu(gate) * up, rounded as the unfused
+  `fp8_linear` + `silu_mul` round (the talker's MLP up half in one launch).
 - Split-K (SPLIT_K > 1) for shapes with too few N tiles to fill the 132 SMs: each split
   writes an fp32 partial, and the last split to arrive at a tile (an atomic counter that it
   resets to 0) sums the partials in split order and writes the output: one launch,
@@ -21,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
-from ttsbuild.plugins._tl._math import pdl_prologue
+from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue
 
 _NUM_SMS: dict[int, int] = {}
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -89,10 +92,15 @@ def _prune(configs, named_args, **kwargs):
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
     m_tiles = triton.cdiv(m, block_m)
     sms = _num_sms(named_args["out_ptr"].device)
+    gate_up = kwargs.get("GATE_UP", named_args.get("GATE_UP", False))
     kept = []
     for c in configs:
         bn, bk, split = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]
         if bk > k or k % (bk * split) != 0 and split > 1:
+            continue
+        if gate_up and bn * bk > 8192:
+            # two weight tiles (and for a GEMV two [BLOCK_N, BLOCK_K] accumulators) per
+            # program: larger tiles spill (offline sm_90 compile: 64 x 256 at 16 rows, 1 KB)
             continue
         tiles = triton.cdiv(n, bn) * m_tiles
         if split > 1 and (tiles >= 2 * sms or tiles > _MAX_TILES):
@@ -120,6 +128,7 @@ def _fp8_linear_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr,
+    GATE_UP: tl.constexpr = False,
     DOT_F32: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
@@ -135,62 +144,104 @@ def _fp8_linear_kernel(
     k_lo = pid_k * k_per_split
     k_hi = k_lo + k_per_split  # the last split may run past K: masked below (not EVEN)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    u_rows = w_rows + N * stride_wn  # GATE_UP: the up rows
 
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc2_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # GATE_UP only
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
                 w = tl.load(w_rows + offs_k[None, :])
+                if GATE_UP:
+                    w_u = tl.load(u_rows + offs_k[None, :])
                 xv = tl.load(x_ptr + offs_k)
             else:
                 k_mask = offs_k < K
-                w = tl.load(
-                    w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0
-                )
+                wk_mask = n_mask[:, None] & k_mask[None, :]
+                w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+                if GATE_UP:
+                    w_u = tl.load(u_rows + offs_k[None, :], mask=wk_mask, other=0.0)
                 xv = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
             acc2 += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+            if GATE_UP:
+                acc2_u += w_u.to(tl.float32) * xv.to(tl.float32)[None, :]
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
+        acc_u = tl.sum(acc2_u, axis=1)[:, None]
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # GATE_UP only
         x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
                 w = tl.load(w_rows + offs_k[None, :])
+                if GATE_UP:
+                    w_u = tl.load(u_rows + offs_k[None, :])
                 xt = tl.load(x_cols + offs_k[:, None], mask=m_mask[None, :], other=0.0)
             else:
                 k_mask = offs_k < K
-                w = tl.load(
-                    w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0
-                )
+                wk_mask = n_mask[:, None] & k_mask[None, :]
+                w = tl.load(w_rows + offs_k[None, :], mask=wk_mask, other=0.0)
+                if GATE_UP:
+                    w_u = tl.load(u_rows + offs_k[None, :], mask=wk_mask, other=0.0)
                 xt = tl.load(
                     x_cols + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0
                 )
             if DOT_F32:  # the interpreter mis-multiplies bf16 converted from fp8
                 acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+                if GATE_UP:
+                    acc_u = tl.dot(w_u.to(tl.float32), xt.to(tl.float32), acc_u)
             else:
                 acc = tl.dot(w.to(tl.bfloat16), xt, acc)
+                if GATE_UP:
+                    acc_u = tl.dot(w_u.to(tl.bfloat16), xt, acc_u)
 
     scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+    if GATE_UP:
+        scale_u = tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0)
+    else:
+        scale_u = scale
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     o_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
-        tl.store(out_ptrs, (acc * scale[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+        y = _epilogue(acc, acc_u, scale, scale_u, out_ptr.dtype.element_ty, GATE_UP)
+        tl.store(out_ptrs, y, mask=o_mask)
     else:
+        # partials ws [SPLIT_K, 2, M, N] (index 1: the up half)
         ws_offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-        tl.store(ws_ptr + pid_k * M * N + ws_offs, acc, mask=o_mask)
+        tl.store(ws_ptr + pid_k * 2 * M * N + ws_offs, acc, mask=o_mask)
+        if GATE_UP:
+            tl.store(ws_ptr + (pid_k * 2 + 1) * M * N + ws_offs, acc_u, mask=o_mask)
         tl.debug_barrier()
         tile = pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            total_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(
-                    ws_ptr + s * M * N + ws_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
+                    ws_ptr + s * 2 * M * N + ws_offs, mask=o_mask, other=0.0, cache_modifier=".cg"
                 )
-            tl.store(out_ptrs, (total * scale[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+                if GATE_UP:
+                    total_u += tl.load(ws_ptr + (s * 2 + 1) * M * N + ws_offs, mask=o_mask,
+                                       other=0.0, cache_modifier=".cg")  # fmt: skip
+            y = _epilogue(total, total_u, scale, scale_u, out_ptr.dtype.element_ty, GATE_UP)
+            tl.store(out_ptrs, y, mask=o_mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _epilogue(acc, acc_u, scale, scale_u, OUT_DTYPE: tl.constexpr, GATE_UP: tl.constexpr):
+    """The scaled output in OUT_DTYPE; GATE_UP: silu(gate) * up with gate, up, silu(gate) each
+    rounded to OUT_DTYPE first, as `fp8_linear` followed by `silu_mul` rounds them."""
+    y = (acc * scale[:, None]).to(OUT_DTYPE)
+    if GATE_UP:
+        g = y.to(tl.float32)
+        u = (acc_u * scale_u[:, None]).to(OUT_DTYPE).to(tl.float32)
+        s = tl.math.div_rn(g, 1.0 + exp_f32(-g)).to(OUT_DTYPE)  # F.silu, rounded as eager
+        y = (s.to(tl.float32) * u).to(OUT_DTYPE)
+    return y
 
 
 def _even(args):
@@ -205,7 +256,7 @@ def _quick_bench(kernel_call, quantiles):
 
 
 _heur = triton.heuristics({"EVEN": _even})(_fp8_linear_kernel)
-_KEY = ["N", "K", "BLOCK_M"]
+_KEY = ["N", "K", "BLOCK_M", "GATE_UP"]
 _gemv = triton.autotune(
     GEMV_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_quick_bench
 )(_heur)
@@ -222,14 +273,19 @@ def m_bucket(m: int) -> int:
 
 
 def fp8_linear_triton(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, config: dict | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    config: dict | None = None,
+    gate_up: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] bf16 (row-major), w [N, K] fp8, scale [N] fp32 -> [M, N] in x's dtype.
+    """x [M, K] bf16 (row-major), w [N, K] fp8, scale [N] fp32 -> [M, N] in x's dtype;
+    gate_up: w is [2N, K] (gate rows, then up rows) -> silu(gate) * up [M, N].
 
     config: optional fixed {BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages} (benchmarks).
     """
     M, K = x.shape
-    N = w.shape[0]
+    N = w.shape[0] // 2 if gate_up else w.shape[0]
     if w.shape[1] != K:
         raise ValueError(f"x has K={K} but the weight is {tuple(w.shape)}")
     if x.stride(-1) != 1:
@@ -238,7 +294,7 @@ def fp8_linear_triton(
     scale = scale.contiguous()
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     block_m = m_bucket(M)
-    ws = torch.empty(_MAX_SPLIT * M * N, dtype=torch.float32, device=x.device)
+    ws = torch.empty(_MAX_SPLIT * 2 * M * N, dtype=torch.float32, device=x.device)
     cnt = _counters(x.device)
 
     def grid(meta):
@@ -253,10 +309,10 @@ def fp8_linear_triton(
         c = dict(config)
         if block_m == 1 and "DOT_F32" in c:
             c["BLOCK_N"] = min(c["BLOCK_N"], 16)
-        _heur[grid(c)](*args, BLOCK_M=block_m, **c, **pdl_args(pdl))
+        _heur[grid(c)](*args, BLOCK_M=block_m, GATE_UP=gate_up, **c, **pdl_args(pdl))
     else:
         tuner = _gemv if block_m == 1 else _gemm
-        tuner[grid](*args, BLOCK_M=block_m, **pdl_args(pdl))
+        tuner[grid](*args, BLOCK_M=block_m, GATE_UP=gate_up, **pdl_args(pdl))
     return out
 
 

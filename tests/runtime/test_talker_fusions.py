@@ -1,6 +1,8 @@
-"""PackedStack.decode with the talker's decode attention as one launch
-(`fast_model.TALKER_ATTEND_FUSED`, plugins.decode_attention.qk_norm_rope_decode_attention):
-the same hidden states and caches as the three-kernel path, and as the fp32 reference."""
+"""PackedStack.decode with the talker's launch fusions switched on: the decode attention as
+one launch (`fast_model.TALKER_ATTEND_FUSED`, plugins.decode_attention
+.qk_norm_rope_decode_attention) and the FP8 gate/up GEMV with silu(gate) * up in its epilogue
+(`fast_model.GATE_UP_SILU`, plugins.fp8_linear.fp8_gate_up_silu): the same hidden states and
+caches as the unfused kernels, and as the fp32 reference."""
 
 import pytest
 import torch
@@ -9,34 +11,38 @@ from test_cp_fused import PRECISIONS, _f32_cpu, _inputs, _rel, _stack
 
 from ttsbuild.runtime import fast_model
 
+SWITCHES = ["TALKER_ATTEND_FUSED", "GATE_UP_SILU"]
 
+
+@pytest.mark.parametrize("switch", SWITCHES)
 @pytest.mark.parametrize("dtype,fp8", PRECISIONS)
-def test_references_equal_with_the_switch(dtype, fp8, monkeypatch):
+def test_references_equal_with_the_switch(dtype, fp8, switch, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors: both paths on the references
     stack = _stack(dtype, fp8)
     x, k, v, slots, positions = _inputs(dtype, "cpu", 80)
     k2, v2 = k.clone(), v.clone()
     ref = stack.decode(x, k, v, slots, positions)
-    monkeypatch.setattr(fast_model, "TALKER_ATTEND_FUSED", True)
+    monkeypatch.setattr(fast_model, switch, True)
     out = stack.decode(x, k2, v2, slots, positions)
     assert torch.equal(out, ref) and torch.equal(k, k2) and torch.equal(v, v2)
 
 
 @needs_kernel
+@pytest.mark.parametrize("switch", SWITCHES)
 @pytest.mark.parametrize("dtype,fp8", PRECISIONS)
-def test_kernel_path_matches_reference(dtype, fp8, monkeypatch):
+def test_kernel_path_matches_reference(dtype, fp8, switch, monkeypatch):
     stack = _stack(dtype, fp8, KDEV)
     x, k, v, slots, positions = _inputs(dtype, KDEV, 80)
     k_ref, v_ref = k.cpu().float(), v.cpu().float()
     k3, v3 = k.clone(), v.clone()
-    monkeypatch.setattr(fast_model, "TALKER_ATTEND_FUSED", True)
+    monkeypatch.setattr(fast_model, switch, True)
     out = stack.decode(x, k, v, slots, positions)
-    monkeypatch.setattr(fast_model, "TALKER_ATTEND_FUSED", False)
-    three = stack.decode(x, k3, v3, slots, positions)  # the three-kernel path
+    monkeypatch.setattr(fast_model, switch, False)
+    unfused = stack.decode(x, k3, v3, slots, positions)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the reference: unfused, CPU, fp32
     ref = _f32_cpu(stack).decode(x.cpu().float(), k_ref, v_ref, slots.cpu(), positions.cpu())
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert out.dtype == dtype and _rel(out.cpu(), ref) < tol
     assert _rel(k.cpu(), k_ref) < tol and _rel(v.cpu(), v_ref) < tol
     # later layers see the rounding of earlier ones: close, not equal
-    assert _rel(out.float(), three.float()) < tol and _rel(v.float(), v3.float()) < tol
+    assert _rel(out.float(), unfused.float()) < tol and _rel(v.float(), v3.float()) < tol
