@@ -38,8 +38,8 @@
 #         CODEC_TILE_AB=1 with the snake + context kernel's former 64 x 64 tile
 # cp:     the code predictor's frame (bench_cp_fused.py, fused path, FP8, batches
 #         $CP_BATCHES default 1,2,4,8), one process per variant of its switches: the
-#         sampler's threshold searches bit by bit (TTSBUILD_SAMPLE_RADIX_BITS=1, the timed
-#         baseline) or 4 bits per reduction (the default since 2026-12-03), and the attention
+#         sampler's threshold searches bit by bit (TTSBUILD_SAMPLE_RADIX_BITS=1, the default)
+#         or 4 bits per block reduction (built 2026-12-03, untimed), and the attention
 #         run by the qkv GEMV's last programs (TTSBUILD_CP_ATTEND_IN_QKV=1); the GPU tests of
 #         the sampler and the fused code-predictor kernels first
 # talker: the talker's decode step (bench_talker.py, FP8, batches $TALKER_BATCHES default

@@ -4,7 +4,7 @@
 do_sample is off, else Gumbel-max over the temperature / top-k / top-p filtered logits with
 the same counter-based noise. The kernel replaces the reference's sort by exact threshold
 searches over the float bit patterns (the k-th largest value, then the top-p cut, each found
-4 bits per block reduction: 8 counting and 8 mass passes), so no host sync and no sort.
+1 or, TTSBUILD_SAMPLE_RADIX_BITS=4, 4 bits per block reduction), so no host sync and no sort.
 
 Exactness: temperature division (div_rn), Gumbel noise (the same 32-bit hash, libdevice
 logf), ties (kept, as the reference keeps ties with the k-th value) and argmax tie-breaks

@@ -22,9 +22,10 @@ from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import exp_f32, log_f32, pdl_prologue
 
-# Bits per digit of the threshold searches: 4 (8 reductions per search), untimed; 1 is the
-# former bit-by-bit search (32), kept for side-by-side runs (TTSBUILD_SAMPLE_RADIX_BITS=1).
-_RADIX_ENV = os.environ.get("TTSBUILD_SAMPLE_RADIX_BITS", "4")
+# Bits per digit of the threshold searches: 1 (bit by bit, 32 reductions per search: the
+# timed default) until 4 (8 reductions) is timed on the GPU (TTSBUILD_SAMPLE_RADIX_BITS=4;
+# gpu_session.sh step cp times both).
+_RADIX_ENV = os.environ.get("TTSBUILD_SAMPLE_RADIX_BITS", "1")
 if _RADIX_ENV not in ("1", "2", "4"):
     raise ValueError(f"TTSBUILD_SAMPLE_RADIX_BITS must be 1, 2 or 4, got {_RADIX_ENV!r}")
 _RADIX_BITS = int(_RADIX_ENV)
