@@ -59,9 +59,29 @@ def _sample_kernel(
 ):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0)
+    token = sample_row(
+        row, logits_ptr + row.to(tl.int64) * stride_row, V, temp_ptr, topk_ptr, topp_ptr,
+        dosample_ptr, seed_ptr, ctr_ptr, stride_ctr, hist_ptr, stride_hist, pen_ptr,
+        BLOCK_V, HAS_PENALTY, IS_BF16, RADIX_BITS, False,
+    )  # fmt: skip
+    tl.store(out_ptr + row, token)
+
+
+@triton.jit
+def sample_row(
+    row, x_ptr, V, temp_ptr, topk_ptr, topp_ptr, dosample_ptr, seed_ptr, ctr_ptr, stride_ctr,
+    hist_ptr, stride_hist, pen_ptr,
+    BLOCK_V: tl.constexpr, HAS_PENALTY: tl.constexpr, IS_BF16: tl.constexpr,
+    RADIX_BITS: tl.constexpr, L2_ONLY: tl.constexpr,
+):  # fmt: skip
+    """The token (int64) of `row`, whose logits start at x_ptr, with that row's settings.
+    L2_ONLY: the logits were written by other programs of the same launch (read past L1)."""
     offs = tl.arange(0, BLOCK_V)
     vmask = offs < V
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=vmask, other=float("-inf"))
+    if L2_ONLY:
+        x = tl.load(x_ptr + offs, mask=vmask, other=float("-inf"), cache_modifier=".cg")
+    else:
+        x = tl.load(x_ptr + offs, mask=vmask, other=float("-inf"))
     x = x.to(tl.float32)
     if HAS_PENALTY:
         pen = tl.load(pen_ptr + row)
@@ -128,7 +148,7 @@ def _sample_kernel(
     score = tl.where(keep, scaled + gumbel, float("-inf"))
     drawn = tl.argmax(score, axis=0, tie_break_left=True)
     do_sample = tl.load(dosample_ptr + row)
-    tl.store(out_ptr + row, tl.where(do_sample != 0, drawn, greedy).to(tl.int64))
+    return tl.where(do_sample != 0, drawn, greedy).to(tl.int64)
 
 
 def sample_triton(
