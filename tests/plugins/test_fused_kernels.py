@@ -1,7 +1,8 @@
-"""fused_linear / qk_norm_rope_attend: the references on CPU, the Triton kernels against a
-float32 reference on fresh random inputs (on CUDA, or on CPU under TRITON_INTERPRET=1; the
-last test here runs the kernel tests of this file and of tests/runtime/test_cp_fused.py in a
-subprocess under the interpreter, so CPU CI checks the kernels too when triton is installed)."""
+"""fused_linear / qk_norm_rope_attend / norm_linear_attend: the references on CPU, the Triton
+kernels against a float32 reference on fresh random inputs (on CUDA, or on CPU under
+TRITON_INTERPRET=1; the last test here runs the kernel tests of this file and of
+tests/runtime/test_cp_fused.py in a subprocess under the interpreter, so CPU CI checks the
+kernels too when triton is installed)."""
 
 import os
 import subprocess
@@ -23,6 +24,7 @@ from ttsbuild.plugins.fused_linear import (
     linear_residual,
     norm_gate_up_silu,
     norm_linear,
+    norm_linear_attend,
 )
 from ttsbuild.plugins.norm_act import rms_norm_reference, silu_mul_reference
 from ttsbuild.plugins.qk_norm_rope import qk_norm_rope_reference
@@ -82,6 +84,26 @@ def test_qk_norm_rope_attend_reference_is_the_two_ops():
     q = qk_norm_rope_reference(qkv, qw, kw, pos, slots, kc2, vc2, **a)
     ref = decode_attention_reference(q, kc2, vc2, slots, pos + 1).reshape(R, -1)
     assert torch.equal(out, ref) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def test_norm_linear_attend_reference_is_the_two_ops():
+    g = torch.Generator().manual_seed(5)
+    R, K, Hq, Hkv, D, S = 3, 64, 4, 2, 16, 8
+    x = torch.randn(R, K, generator=g)
+    nw = 1 + 0.2 * torch.randn(K, generator=g)
+    w = torch.randn((Hq + 2 * Hkv) * D, K, generator=g) * K**-0.5
+    qw, kw = 1 + 0.2 * torch.randn(D, generator=g), 1 + 0.2 * torch.randn(D, generator=g)
+    pos, slots = torch.tensor([0, 5, 7]), torch.tensor([2, 0, 3])
+    kc, vc = torch.randn(4, Hkv, S, D, generator=g), torch.randn(4, Hkv, S, D, generator=g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    a = dict(num_heads=Hq, num_kv_heads=Hkv, eps=1e-6, theta=1e6)
+    out = norm_linear_attend(x, nw, w, None, qw, kw, pos, slots, kc, vc, use_triton=False, **a)
+    qkv = norm_linear(x, nw, w, eps=1e-6, use_triton=False)
+    ref = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc2, vc2, use_triton=False, **a)
+    assert torch.equal(out, ref) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    q, s = quantize_weight_fp8(w)
+    with pytest.raises(TypeError):
+        norm_linear_attend(x, nw, q, None, qw, kw, pos, slots, kc, vc, use_triton=False, **a)
 
 
 # ---------------------------------------------------------------- kernels vs fp32 reference
@@ -229,6 +251,57 @@ def test_qk_norm_rope_attend_kernel(R, S, dtype, ready):
     untouched[slots, pos] = False
     assert torch.equal(kc.float().transpose(1, 2)[untouched], kc_ref.transpose(1, 2)[untouched])
     assert torch.equal(vc.float().transpose(1, 2)[untouched], vc_ref.transpose(1, 2)[untouched])
+
+
+# The qkv GEMV's tiles: the per-shape plan; split-K (the last split of a tile counts it toward
+# its KV group); tiles wider than a head (narrowed to the head, so each counts toward one
+# group). A GEMV (one row) takes BLOCK_M 1 (_config).
+ATTEND_CONFIGS = [None, _SPLIT, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
+@pytest.mark.parametrize("R", [1, 3, 8])
+@pytest.mark.parametrize("config", ATTEND_CONFIGS)
+def test_norm_linear_attend_kernel(R, dtype, fp8, config):
+    Hq, Hkv, D, S, K, n_slots = 4, 2, 32, 17, 128, R + 3
+    g, x, w, s, w_ref = _linear_case(R * 37 + 3, R, K, (Hq + 2 * Hkv) * D, dtype, fp8)
+    nw = (1 + 0.3 * torch.randn(K, device=KDEV, generator=g)).to(dtype)
+    qw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
+    kw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
+    # per row: the last position, the first (attends to itself only), the middle, random
+    pos = torch.randint(0, S, (R,), device=KDEV, generator=g)
+    pos[: min(R, 3)] = torch.tensor([S - 1, 0, S // 2], device=KDEV)[: min(R, 3)]
+    slots = torch.randperm(n_slots, device=KDEV, generator=g)[:R]  # slot != row
+    kc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
+    vc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
+    kc_two, vc_two = kc.clone(), vc.clone()
+    kc_ref, vc_ref = kc.float().cpu().clone(), vc.float().cpu().clone()  # never aliases kc
+    a = dict(num_heads=Hq, num_kv_heads=Hkv, eps=1e-6, theta=1e6)
+    cfg = _config(config, R)
+    out = norm_linear_attend(x, nw, w, s, qw, kw, pos, slots, kc, vc, use_triton=True,
+                             config=cfg, **a)  # fmt: skip
+    qkv_ref = fused_linear_reference(x.float(), w_ref, s, norm_weight=nw.float(), eps=1e-6)
+    ref = qk_norm_rope_attend_reference(
+        qkv_ref.cpu(), qw.float().cpu(), kw.float().cpu(), pos.cpu(), slots.cpu(), kc_ref,
+        vc_ref, **a,
+    )  # fmt: skip
+    tol = _tol(dtype)
+    assert out.shape == (R, Hq * D) and out.dtype == dtype
+    assert _rel(out.cpu(), ref) < tol
+    assert _rel(kc.cpu(), kc_ref) < tol and _rel(vc.cpu(), vc_ref) < tol
+    # the two kernels it fuses (their GEMV on the same tiles, narrowed to a head as the fused
+    # one narrows them): the same bits, the same cache entries
+    if cfg is not None:
+        cfg = {**cfg, "BLOCK_N": min(cfg["BLOCK_N"], D)}
+    qkv = fused_linear(x, w, s, norm_weight=nw, eps=1e-6, use_triton=True, config=cfg)
+    two = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc_two, vc_two, use_triton=True, **a)
+    assert torch.equal(out, two) and torch.equal(kc, kc_two) and torch.equal(vc, vc_two)
+    # the arrival counters were reset: a second call gives the same bits (it rewrites the
+    # same cache entries and reads the same older ones)
+    again = norm_linear_attend(x, nw, w, s, qw, kw, pos, slots, kc, vc, use_triton=True,
+                               config=_config(config, R), **a)  # fmt: skip
+    assert torch.equal(again, out) and torch.equal(kc, kc_two) and torch.equal(vc, vc_two)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from torch import nn
 from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.model.config import DecoderStackConfig
 from ttsbuild.model.layers import DecoderStack
+from ttsbuild.runtime import cp_fused
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense, PackedStack
 
@@ -99,6 +100,37 @@ def test_decode_fused_kernels_match_decode(dtype, fp8, S, monkeypatch):
     assert _rel(k.cpu(), k_ref) < tol and _rel(v.cpu(), v_ref) < tol
     # final_norm=False is the residual stream: its norm is the output
     assert not torch.allclose(res.float(), out.float())
+
+
+def _decode_fused_switched(stack, x, k, v, slots, positions, monkeypatch):
+    """decode_fused with TTSBUILD_CP_ATTEND_IN_QKV off and on: outputs and caches."""
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(cp_fused, "ATTEND_IN_QKV", on)
+        kc, vc = k.clone(), v.clone()
+        out[on] = decode_fused(stack, x, kc, vc, slots, positions, inputs_ready=True), kc, vc
+    return out[False], out[True]
+
+
+@pytest.mark.parametrize("S", LENGTHS)
+def test_decode_fused_references_attend_in_qkv_is_off(S, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    stack = _stack(torch.bfloat16, False)
+    off, on = _decode_fused_switched(stack, *_inputs(torch.bfloat16, "cpu", S), monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
+def test_decode_fused_kernel_attend_in_qkv_is_off(dtype, fp8, monkeypatch):
+    # qkv + attention in one launch (norm_linear_attend) == the two launches: bit for bit
+    # under the interpreter, whose qkv tiles (BLOCK_N capped at 32 = head_dim) are the same in
+    # both; a GPU's plan takes 64-column tiles, narrowed to a head for the fused launch, whose
+    # MMA may round its sums differently
+    stack = _stack(dtype, fp8, KDEV)
+    off, on = _decode_fused_switched(stack, *_inputs(dtype, KDEV), monkeypatch)
+    tol = 0.0 if KDEV == "cpu" else 1e-5 if dtype == torch.float32 else 3e-2
+    assert all(_rel(b.cpu(), a.cpu()) <= tol for a, b in zip(off, on, strict=True))
 
 
 def _predictor(dtype, device, fp8=False, identity=False):

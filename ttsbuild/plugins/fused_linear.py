@@ -9,6 +9,9 @@ residual add. The named forms are the decoder layer's blocks:
 - linear_residual:    residual + x @ W.T                     (o + add, down + add)
 - norm_gate_up_silu:  silu(h @ Wg.T) * (h @ Wu.T), h = rms_norm(x)  (post norm + MLP up half)
 - gather_linear:      table[index] @ W.T + b                 (code embedding + projection)
+- norm_linear_attend: norm_linear (qkv) then `qk_norm_rope_attend` in one launch (the code
+                      predictor's short caches): the program that writes the last qkv tile of
+                      a KV head's group attends that group for every row
 
 The reference is the model's unfused ops in order (the CPU path equals the unfused runtime
 path). The kernel computes in fp32 and rounds to x's dtype where the eager ops round
@@ -23,6 +26,8 @@ import torch.nn.functional as F
 from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.fp8_linear import FP8_DTYPE, fp8_linear_reference
 from ttsbuild.plugins.norm_act import rms_norm_reference, silu_mul_reference
+from ttsbuild.plugins.qk_norm_rope import inv_freq
+from ttsbuild.plugins.qk_norm_rope_attend import qk_norm_rope_attend_reference
 
 
 def fused_linear_reference(
@@ -114,3 +119,41 @@ def norm_gate_up_silu(x, norm_weight, gate_up_weight, scale=None, *, eps, use_tr
 def gather_linear(table, index, weight, bias=None, scale=None, *, use_triton=None):
     """table[index] @ W.T + bias: [M, N]."""
     return fused_linear(table, weight, scale, index=index, bias=bias, use_triton=use_triton)
+
+
+def norm_linear_attend(
+    x: torch.Tensor,  # [R, K]: the layer input
+    norm_weight: torch.Tensor,  # [K]: the input norm
+    weight: torch.Tensor,  # [(Hq + 2 Hkv) * D, K]: the packed qkv projection
+    scale: torch.Tensor | None,  # FP8 weights only
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    positions: torch.Tensor,  # [R] int, < S
+    slots: torch.Tensor,  # [R] int
+    k_cache: torch.Tensor,  # [slots, Hkv, S, D], S <= MAX_POSITIONS
+    v_cache: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    theta: float,
+    use_triton: bool | None = None,
+    config: dict | None = None,  # the qkv GEMV's tiles (BLOCK_N is narrowed to divide D)
+) -> torch.Tensor:
+    """qk_norm_rope_attend(norm_linear(x, ...), ...): the attention output [R, Hq * D]; k and v
+    of each row's token are written into the caches. One launch on the GPU."""
+    if (scale is not None) != (weight.dtype == FP8_DTYPE):
+        raise TypeError("FP8 weights need their per-channel scale, other weights none")
+    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)
+    if not want_triton(x, use_triton):
+        qkv = fused_linear_reference(x, weight, scale, norm_weight=norm_weight, eps=eps)
+        return qk_norm_rope_attend_reference(
+            qkv, q_weight, k_weight, positions, slots, k_cache, v_cache, theta=theta, **kw
+        )
+    from ttsbuild.plugins._tl.fused_linear import norm_linear_attend_triton
+
+    D = k_cache.shape[-1]
+    return norm_linear_attend_triton(
+        x, norm_weight, weight, scale, q_weight, k_weight, inv_freq(D, theta, x.device),
+        positions, slots, k_cache, v_cache, attn_scale=D**-0.5, config=config, **kw,
+    )  # fmt: skip

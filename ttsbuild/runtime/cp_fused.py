@@ -6,6 +6,8 @@
   + decode_attention) -> linear_residual (o + add) -> norm_gate_up_silu (post norm + gate/up
   + silu * up) -> linear_residual (down + add)
 instead of ~9 launches (`plugins.fused_linear`, `plugins.qk_norm_rope_attend`).
+TTSBUILD_CP_ATTEND_IN_QKV=1 makes the first two one launch for the code predictor's caches
+(`norm_linear_attend`): four per layer.
 
 `FusedCodePredictor.frame` is one frame of the code predictor (codebooks 1..15 of B rows)
 with those layers: the final norm rides in the head GEMV's prologue (logits in fp32 straight
@@ -16,6 +18,8 @@ unfused path, which graph_engine runs where the plan picks no fused choice.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -28,12 +32,19 @@ from ttsbuild.plugins.fused_linear import (
     linear_residual,
     norm_gate_up_silu,
     norm_linear,
+    norm_linear_attend,
 )
 from ttsbuild.plugins.norm_act import rms_norm
 from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS, qk_norm_rope_attend
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime.fast_model import Dense, PackedStack
+
+# qkv and attention in one launch (`norm_linear_attend`) for caches of at most MAX_POSITIONS
+# positions and batches of at most ATTEND_IN_QKV_MAX_ROWS rows (one program per KV head
+# attends every row in turn). Off (TTSBUILD_CP_ATTEND_IN_QKV=0) until timed on the GPU.
+ATTEND_IN_QKV = os.environ.get("TTSBUILD_CP_ATTEND_IN_QKV", "0") == "1"
+ATTEND_IN_QKV_MAX_ROWS = 8
 
 
 def decode_fused(
@@ -55,17 +66,25 @@ def decode_fused(
     eps = c.rms_norm_eps
     heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=eps, theta=c.rope_theta)
     max_len = k_cache.shape[3]
+    attend_in_qkv = (
+        ATTEND_IN_QKV and max_len <= MAX_POSITIONS and x.shape[0] <= ATTEND_IN_QKV_MAX_ROWS
+    )
     residual = x
     for i, p in enumerate(stack.layers):
         kc, vc = k_cache[i], v_cache[i]
-        qkv = norm_linear(residual, p.input_norm, p.qkv.weight, p.qkv.scale, eps=eps)
-        if max_len <= MAX_POSITIONS:
-            attn = qk_norm_rope_attend(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc,
-                                       inputs_ready=inputs_ready, **heads)  # fmt: skip
+        if attend_in_qkv:
+            attn = norm_linear_attend(residual, p.input_norm, p.qkv.weight, p.qkv.scale,
+                                      p.q_norm, p.k_norm, positions, slots, kc, vc,
+                                      **heads)  # fmt: skip
         else:
-            q = qk_norm_rope(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc, **heads)
-            attn = decode_attention(q, kc, vc, slots, positions + 1, max_len)
-            attn = attn.reshape(x.shape[0], -1)
+            qkv = norm_linear(residual, p.input_norm, p.qkv.weight, p.qkv.scale, eps=eps)
+            if max_len <= MAX_POSITIONS:
+                attn = qk_norm_rope_attend(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc,
+                                           inputs_ready=inputs_ready, **heads)  # fmt: skip
+            else:
+                q = qk_norm_rope(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc, **heads)
+                attn = decode_attention(q, kc, vc, slots, positions + 1, max_len)
+                attn = attn.reshape(x.shape[0], -1)
         # Both residuals were written two or more launches back (the layer input before
         # qkv and attention; o's output before gate/up): read early under PDL.
         residual = linear_residual(attn, p.o.weight, p.o.scale, residual, residual_ready=True)
@@ -229,8 +248,16 @@ class FusedCodePredictor:
             residual = step(self._project(self.codec_embedding, codes[:, 0]), 1)
             for cb in range(1, G):
                 head = self.heads[cb - 1]
-                out.append(norm_linear(residual, self.stack.norm, head.weight, head.scale, eps=eps,
-                                       out_dtype=torch.float32))
+                out.append(
+                    norm_linear(
+                        residual,
+                        self.stack.norm,
+                        head.weight,
+                        head.scale,
+                        eps=eps,
+                        out_dtype=torch.float32,
+                    )
+                )
                 if cb + 1 < G:
                     residual = step(self._project(self.embeddings[cb - 1], codes[:, cb]), cb + 1)
             return torch.stack(out, dim=1)

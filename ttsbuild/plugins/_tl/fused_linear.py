@@ -18,10 +18,20 @@ MMA's wide side, the <= 64 rows its narrow side), so each weight tile is read on
 rows. Split-K when the N tiles alone cannot fill the SMs: each split writes an fp32 partial,
 the last to arrive (atomic counter, reset by it) sums them in split order and runs the
 epilogue: one launch, deterministic. Configs are fixed per shape (`plan`): no autotuning.
+
+`_norm_linear_attend_kernel` is the qkv GEMV followed, in the same launch, by
+`qk_norm_rope_attend`'s work (its helpers `old_kv` / `attend_item`). Tiles are narrowed to lie
+within one head, so each belongs to one KV group (its q heads, k head and v head). The
+program that writes a tile's output (every program without split-K, the last split with it)
+counts the tile on its group's counter (acq_rel, after a CTA barrier: split-K's protocol);
+the one that completes the group's (GROUP + 2) * D / BLOCK_N tiles (times the M tiles) runs
+the group's cache write and attention for every row, reading qkv through L2, and resets the
+counter. No program waits for another, so any scheduling order completes.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -31,6 +41,8 @@ import triton.language as tl
 from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_early_reads, pdl_enabled
 from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue
 from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
+from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_item, old_kv
+from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
 
 _MAX_SPLIT = 8
 # Under PDL, load the first weight block before waiting for the previous kernel.
@@ -156,15 +168,18 @@ def _epilogue(
 
 
 @triton.jit
-def _fused_linear_kernel(
+def _linear_program(
     x_ptr, idx_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GATHER: tl.constexpr, PRE_NORM: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    GATE_UP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0, RES_EARLY: tl.constexpr = False,
+    GATE_UP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, RES_EARLY: tl.constexpr,
 ):  # fmt: skip
+    """One program of `_fused_linear_kernel`. Returns whether it wrote its tile's output (the
+    split that summed the partials; always without split-K), for a kernel that follows up on
+    the output within the launch (`_norm_linear_attend_kernel`)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -252,6 +267,7 @@ def _fused_linear_kernel(
             out_ptr, stride_om,
             X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
         )  # fmt: skip
+        wrote = True
     else:
         # partials: ws [SPLIT_K, 2, M, N] fp32 (index 1: the up half), then the sums of
         # squares [SPLIT_K, M] (every N tile of a split writes the same values)
@@ -267,7 +283,8 @@ def _fused_linear_kernel(
         tl.debug_barrier()
         tile = pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+        wrote = arrived == SPLIT_K - 1
+        if wrote:
             tot_g = tl.zeros_like(acc_g)
             tot_u = tl.zeros_like(acc_u)
             tot_ss = tl.zeros_like(ss)
@@ -291,6 +308,72 @@ def _fused_linear_kernel(
                 X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
             )  # fmt: skip
             tl.atomic_xchg(cnt_ptr + tile, 0)
+    return wrote
+
+
+@triton.jit
+def _fused_linear_kernel(
+    x_ptr, idx_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, GATHER: tl.constexpr, PRE_NORM: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    GATE_UP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0, RES_EARLY: tl.constexpr = False,
+):  # fmt: skip
+    _linear_program(
+        x_ptr, idx_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
+        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GATHER, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES,
+        GATE_UP, DOT_F32, PDL, PREFETCH, RES_EARLY,
+    )  # fmt: skip
+
+
+@triton.jit
+def _norm_linear_attend_kernel(
+    x_ptr, nw_ptr, w_ptr, s_ptr, qkv_ptr, ws_ptr, cnt_ptr, gcnt_ptr,
+    qw_ptr, kw_ptr, f_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, att_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, stride_arow, stride_cslot, stride_ch, stride_cs,
+    eps, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
+):  # fmt: skip
+    # The qkv GEMV (norm_linear), then qk_norm_rope_attend's work for each KV group, run by
+    # the program that wrote the group's last qkv tile. A tile lies in one head (BLOCK_N
+    # divides D), so it counts toward one group: that of its q head, its k head or v head.
+    wrote = _linear_program(
+        x_ptr, x_ptr, nw_ptr, w_ptr, s_ptr, s_ptr, x_ptr, qkv_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_wn, 0, stride_om, eps,
+        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, False, True, HAS_SCALE, False, False, False,
+        DOT_F32, PDL, PREFETCH, False,
+    )  # fmt: skip
+    if wrote:
+        head = tl.program_id(0) * BLOCK_N // D
+        kvh = tl.where(
+            head < HQ, head // GROUP, tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV)
+        )
+        # every thread's qkv stores are issued before the release (as split-K's partials)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(gcnt_ptr + kvh, 1, sem="acq_rel")
+        if arrived == (GROUP + 2) * (D // BLOCK_N) * tl.num_programs(1) - 1:
+            # the acquire makes the other programs' qkv columns visible; attend_item reads
+            # them with .cg (L2, not a stale L1 line). Positions, slots and the cache below
+            # each position are old: nothing of this launch writes them but this program.
+            for row in range(0, M):
+                r = tl.cast(row, tl.int64)
+                pos = tl.load(pos_ptr + r).to(tl.int64)
+                slot = tl.load(slot_ptr + r).to(tl.int64)
+                ok1, ok2, ov1, ov2 = old_kv(kc_ptr, vc_ptr, kvh, pos, slot, stride_cslot,
+                                            stride_ch, stride_cs, D, BLOCK_S)  # fmt: skip
+                attend_item(
+                    qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, att_ptr, r, kvh, pos,
+                    slot, stride_om, stride_arow, stride_cslot, stride_ch, stride_cs, eps,
+                    qk_scale, ok1, ok2, ov1, ov2, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
+                )  # fmt: skip
+            tl.atomic_xchg(gcnt_ptr + kvh, 0)
 
 
 def plan(M: int, N: int, K: int, gate_up: bool, sms: int) -> dict:
@@ -313,6 +396,39 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int) -> dict:
     ):
         split *= 2
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
+
+
+def _launch(x, M, N, K, gate_up, config, out, *, head_dim=None, groups=0):
+    """How an [M, N] linear of x launches: the tile config (the per-shape `plan` unless given),
+    the grid, the split-K workspace, the arrival counters (split-K's per tile, then `groups`
+    more), PDL, and the K blocks loaded before the PDL wait. head_dim: tiles narrowed to lie
+    within one head of that many columns."""
+    sms = _num_sms(x.device)
+    c = dict(config) if config is not None else plan(M, N, K, gate_up, sms)
+    if interpret_mode():
+        c["BLOCK_N"] = min(c["BLOCK_N"], 32)  # the interpreter is slow on big tiles
+    if head_dim is not None:
+        c["BLOCK_N"] = math.gcd(c["BLOCK_N"], head_dim)
+    grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]), c["SPLIT_K"])
+    if c["SPLIT_K"] > 1 or groups:
+        if grid[0] * grid[1] + groups > _MAX_TILES:
+            raise ValueError("too many tiles for the arrival counters")
+        cnt = _counters(x.device)
+    else:
+        cnt = out
+    ws = out
+    if c["SPLIT_K"] > 1:
+        ws = torch.empty(c["SPLIT_K"] * (2 * M * N + M), dtype=torch.float32, device=x.device)
+    pdl = pdl_enabled(x)
+    prefetch = 0
+    if _PREFETCH and (pdl or interpret_mode()):  # the interpreter checks the code path
+        # K blocks loaded before the wait: a split's blocks up to _PREFETCH_BLOCKS (a GEMV
+        # program's 16 rows x 2 blocks of 512 FP8 weights: 16 KB in registers); the
+        # interpreter always takes 2, so both peeled blocks and the loop after them are tested
+        blocks = triton.cdiv(triton.cdiv(K, c["SPLIT_K"]), c["BLOCK_K"])
+        per_program = 2 if interpret_mode() else _PREFETCH_BLOCKS
+        prefetch = min(blocks, per_program if c["BLOCK_M"] == 1 else 1)
+    return c, grid, ws, cnt, pdl, prefetch
 
 
 def fused_linear_triton(
@@ -342,28 +458,8 @@ def fused_linear_triton(
     out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return out
-    sms = _num_sms(x.device)
-    c = dict(config) if config is not None else plan(M, N, K, gate_up, sms)
-    if interpret_mode():
-        c["BLOCK_N"] = min(c["BLOCK_N"], 32)  # the interpreter is slow on big tiles
-    grid = (triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(M, c["BLOCK_M"]), c["SPLIT_K"])
-    if c["SPLIT_K"] > 1:
-        if grid[0] * grid[1] > _MAX_TILES:
-            raise ValueError("too many tiles for split-K")
-        ws = torch.empty(c["SPLIT_K"] * (2 * M * N + M), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device)
-    else:
-        ws = cnt = out
+    c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, gate_up, config, out)
     dummy = out
-    pdl = pdl_enabled(x)
-    prefetch = 0
-    if _PREFETCH and (pdl or interpret_mode()):  # the interpreter checks the code path
-        # K blocks loaded before the wait: a split's blocks up to _PREFETCH_BLOCKS (a GEMV
-        # program's 16 rows x 2 blocks of 512 FP8 weights: 16 KB in registers); the
-        # interpreter always takes 2, so both peeled blocks and the loop after them are tested
-        blocks = triton.cdiv(triton.cdiv(K, c["SPLIT_K"]), c["BLOCK_K"])
-        per_program = 2 if interpret_mode() else _PREFETCH_BLOCKS
-        prefetch = min(blocks, per_program if c["BLOCK_M"] == 1 else 1)
     _fused_linear_kernel[grid](
         x, index if index is not None else dummy, norm_weight if norm_weight is not None else dummy,
         weight, scale if scale is not None else dummy, bias if bias is not None else dummy,
@@ -378,3 +474,55 @@ def fused_linear_triton(
         **pdl_args(pdl), num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
+
+
+def norm_linear_attend_triton(
+    x: torch.Tensor,  # [R, K]
+    norm_weight: torch.Tensor,  # [K]
+    weight: torch.Tensor,  # [(Hq + 2 Hkv) * D, K] bf16/fp32/float8_e4m3fn
+    scale: torch.Tensor | None,  # [(Hq + 2 Hkv) * D] fp32 for FP8 weights
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    freqs: torch.Tensor,  # [D / 2] fp32 RoPE inverse frequencies
+    positions: torch.Tensor,  # [R] int
+    slots: torch.Tensor,  # [R] int
+    k_cache: torch.Tensor,  # [slots, Hkv, S, D], S <= MAX_POSITIONS
+    v_cache: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    attn_scale: float,
+    config: dict | None = None,
+) -> torch.Tensor:
+    R, K = x.shape
+    N = weight.shape[0]
+    S, D = k_cache.shape[-2], k_cache.shape[-1]
+    if N != (num_heads + 2 * num_kv_heads) * D or weight.shape[1] != K:
+        raise ValueError(f"weight must be [(Hq + 2 Hkv) * {D}, {K}], got {tuple(weight.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need contiguous rows")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share a layout with contiguous head_dim")
+    if S > MAX_POSITIONS or D % 16:
+        raise ValueError(f"needs at most {MAX_POSITIONS} cache positions, head_dim % 16 == 0")
+    qkv = torch.empty((R, N), dtype=x.dtype, device=x.device)
+    attn = torch.empty((R, num_heads * D), dtype=x.dtype, device=x.device)
+    if R == 0:
+        return attn
+    c, grid, ws, cnt, pdl, prefetch = _launch(
+        x, R, N, K, False, config, qkv, head_dim=D, groups=num_kv_heads
+    )
+    group = num_heads // num_kv_heads
+    _norm_linear_attend_kernel[grid](
+        x, norm_weight, weight, scale if scale is not None else qkv, qkv, ws, cnt,
+        cnt[grid[0] * grid[1]:], q_weight, k_weight, freqs, positions.reshape(-1),
+        slots.reshape(-1), k_cache, v_cache, attn,
+        R, N, K, x.stride(0), weight.stride(0), qkv.stride(0), attn.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, attn_scale * _LOG2E,
+        **c, HAS_SCALE=scale is not None, DOT_F32=interpret_mode() or x.dtype == torch.float32,
+        HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(S),
+        PREFETCH=prefetch, **pdl_args(pdl), num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return attn
