@@ -39,9 +39,10 @@
 # cp:     the code predictor's frame (bench_cp_fused.py, fused path, FP8, batches
 #         $CP_BATCHES default 1,2,4,8), one process per variant of its switches: the
 #         sampler's threshold searches bit by bit (TTSBUILD_SAMPLE_RADIX_BITS=1, the default)
-#         or 4 bits per block reduction (built 2026-12-03, untimed), and the attention
-#         run by the qkv GEMV's last programs (TTSBUILD_CP_ATTEND_IN_QKV=1); the GPU tests of
-#         the sampler and the fused code-predictor kernels first
+#         or 4 bits per block reduction (built 2026-12-03, untimed), the attention run by
+#         the qkv GEMV's last programs (TTSBUILD_CP_ATTEND_IN_QKV=1), the sampler run by the
+#         head GEMV's last program at batch 1 (TTSBUILD_CP_SAMPLE_IN_HEAD=1); the GPU tests
+#         of the sampler and the fused code-predictor kernels first
 # talker: the talker's decode step (bench_talker.py, FP8, batches $TALKER_BATCHES default
 #         1,8,64,128), one process per variant: its attention as three launches or as one
 #         (TTSBUILD_TALKER_ATTEND_FUSED=1: qk_norm_rope_decode_attention), the FP8 gate/up
@@ -96,14 +97,17 @@ for step in $STEPS; do
             tests/plugins/test_gpu_kernels.py tests/runtime/test_cp_fused.py \
             -k "sample or attend or norm_linear or fused or cp" 2>&1 \
             | tee "$OUT/gpu_tests_cp.log" | tail -3
-        for variant in "RADIX=1 ATTEND=0" "RADIX=4 ATTEND=0" "RADIX=4 ATTEND=1" "RADIX=1 ATTEND=1"; do
+        for variant in "RADIX=1 ATTEND=0 HEAD=0" "RADIX=4 ATTEND=0 HEAD=0" \
+                "RADIX=1 ATTEND=1 HEAD=0" "RADIX=1 ATTEND=0 HEAD=1" "RADIX=4 ATTEND=1 HEAD=1"; do
             eval "$variant"
-            log "code predictor frame: sampler radix $RADIX bits, attention in qkv $ATTEND"
-            TTSBUILD_SAMPLE_RADIX_BITS=$RADIX TTSBUILD_CP_ATTEND_IN_QKV=$ATTEND PYTHONPATH=. \
+            name="r${RADIX}_a${ATTEND}_h${HEAD}"
+            log "code predictor frame: sampler radix $RADIX bits, attention in qkv $ATTEND, sampler in head $HEAD"
+            TTSBUILD_SAMPLE_RADIX_BITS=$RADIX TTSBUILD_CP_ATTEND_IN_QKV=$ATTEND \
+                TTSBUILD_CP_SAMPLE_IN_HEAD=$HEAD PYTHONPATH=. \
                 timeout -k 5 200 python3 benchmarks/kernels/bench_cp_fused.py \
                 --batches "${CP_BATCHES:-1,2,4,8}" --precisions fp8 --paths unfused,fused \
-                --fp32-batches 1,8 > "$OUT/bench_cp_r${RADIX}_a${ATTEND}.log" 2>&1
-            echo "rc=$?"; grep -E "^(fp8|fp32|total)" "$OUT/bench_cp_r${RADIX}_a${ATTEND}.log"
+                --fp32-batches 1,8 > "$OUT/bench_cp_$name.log" 2>&1
+            echo "rc=$?"; grep -E "^(fp8|fp32|total)" "$OUT/bench_cp_$name.log"
         done ;;
     talker)
         log "GPU tests: the talker's one-launch decode attention and gate/up + silu"

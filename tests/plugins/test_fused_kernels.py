@@ -261,7 +261,7 @@ ATTEND_CONFIGS = [None, _SPLIT, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "S
 
 @needs_kernel
 @pytest.mark.parametrize("dtype,fp8", PRECISIONS)
-@pytest.mark.parametrize("R", [1, 3, 8])
+@pytest.mark.parametrize("R", [1, 8])  # one row, and the most rows the switch takes
 @pytest.mark.parametrize("config", ATTEND_CONFIGS)
 def test_norm_linear_attend_kernel(R, dtype, fp8, config):
     Hq, Hkv, D, S, K, n_slots = 4, 2, 32, 17, 128, R + 3

@@ -373,3 +373,46 @@ def test_prefill_kernel_path_matches_reference(dtype, fp8, with_prefix, monkeypa
         for t in (k_out, v_out, k_ref, v_ref):
             t[:, 2, :, S - 1] = 0.0
     assert _rel(k_out, k_ref) < tol and _rel(v_out, v_ref) < tol
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_sample_in_head_references_equal_the_frame(do_sample, monkeypatch):
+    """cp_fused.SAMPLE_IN_HEAD (the head GEMV and its sampler as one launch) on the CPU
+    references: the same codes as the frame without it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cp = _predictor(torch.float32, "cpu")
+    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(
+        3, "cpu", do_sample
+    )
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(cp_fused, "SAMPLE_IN_HEAD", on)
+        monkeypatch.setattr(cp_fused, "SAMPLE_IN_HEAD_MAX_ROWS", 8)
+        k, v = torch.zeros(shape), torch.zeros(shape)
+        out[on] = cp.frame(hidden, c0, sampling, seeds, frames, k, v, slots, positions)
+    assert torch.equal(out[True], out[False]) and len(set(out[True][:, 1].tolist())) > 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_sample_in_head_triton_frame_equals_unfused_frame(B, do_sample, monkeypatch):
+    """fp32 activations, the head and sampler in one launch (rows sampled in turn by the
+    last program, B = 3 with the row limit raised): the unfused frame's codes. (Not named
+    `kernel`: CPU CI's interpreter run of the kernel tests would take ~100 s more.)"""
+    monkeypatch.setattr(cp_fused, "SAMPLE_IN_HEAD", True)
+    monkeypatch.setattr(cp_fused, "SAMPLE_IN_HEAD_MAX_ROWS", 8)
+    cp = _predictor(torch.float32, KDEV)
+    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(
+        B, KDEV, do_sample
+    )
+    k, v = torch.zeros(shape, device=KDEV), torch.zeros(shape, device=KDEV)
+    for _ in range(2):  # twice: the arrival counter was reset
+        fused = cp.frame(hidden.to(KDEV), c0, sampling, seeds, frames, k.clone(), v.clone(),
+                         slots, positions)  # fmt: skip
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        ref_cp = _predictor(torch.float32, "cpu")
+        ref = _unfused_on_cpu(ref_cp, hidden, c0, sampling, seeds, frames, shape, slots,
+                              positions)  # fmt: skip
+        monkeypatch.setenv("TRITON_INTERPRET", "1" if KDEV == "cpu" else "0")
+        assert torch.equal(fused.cpu(), ref)

@@ -9,6 +9,8 @@ residual add. The named forms are the decoder layer's blocks:
 - linear_residual:    residual + x @ W.T                     (o + add, down + add)
 - norm_gate_up_silu:  silu(h @ Wg.T) * (h @ Wu.T), h = rms_norm(x)  (post norm + MLP up half)
 - gather_linear:      table[index] @ W.T + b                 (code embedding + projection)
+- norm_linear_sample: norm_linear (a head, fp32 logits) then `fused_sample`, one launch: the
+                      program that writes the last logits tile samples every row
 - norm_linear_attend: norm_linear (qkv) then `qk_norm_rope_attend` in one launch (the code
                       predictor's short caches): the program that writes the last qkv tile of
                       a KV head's group attends that group for every row
@@ -23,11 +25,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.fp8_linear import FP8_DTYPE, fp8_linear_reference
 from ttsbuild.plugins.norm_act import rms_norm_reference, silu_mul_reference
 from ttsbuild.plugins.qk_norm_rope import inv_freq
 from ttsbuild.plugins.qk_norm_rope_attend import qk_norm_rope_attend_reference
+from ttsbuild.plugins.sampling import fused_sample_reference
 
 
 def fused_linear_reference(
@@ -157,3 +161,30 @@ def norm_linear_attend(
         x, norm_weight, weight, scale, q_weight, k_weight, inv_freq(D, theta, x.device),
         positions, slots, k_cache, v_cache, attn_scale=D**-0.5, config=config, **kw,
     )  # fmt: skip
+
+
+def norm_linear_sample(
+    x: torch.Tensor,  # [M, K]: the residual stream before the final norm
+    norm_weight: torch.Tensor,  # [K]
+    weight: torch.Tensor,  # [V, K]: the head
+    scale: torch.Tensor | None,  # FP8 weights only
+    batch: SamplingBatch,
+    seeds: torch.Tensor,  # [M] int64
+    counters: torch.Tensor,  # [M] int64
+    *,
+    eps: float,
+    use_triton: bool | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """fused_sample(norm_linear(x, ..., out_dtype=float32), batch, seeds, counters): the
+    tokens [M] int64. One launch on the GPU."""
+    if (scale is not None) != (weight.dtype == FP8_DTYPE):
+        raise TypeError("FP8 weights need their per-channel scale, other weights none")
+    if not want_triton(x, use_triton):
+        logits = fused_linear_reference(x, weight, scale, norm_weight=norm_weight, eps=eps,
+                                        out_dtype=torch.float32)  # fmt: skip
+        return fused_sample_reference(logits, batch, seeds, counters)
+    from ttsbuild.plugins._tl.fused_linear import norm_linear_sample_triton
+
+    return norm_linear_sample_triton(x, norm_weight, weight, scale, batch, seeds, counters,
+                                     eps=eps, config=config)[0]  # fmt: skip

@@ -33,6 +33,7 @@ from ttsbuild.plugins.fused_linear import (
     norm_gate_up_silu,
     norm_linear,
     norm_linear_attend,
+    norm_linear_sample,
 )
 from ttsbuild.plugins.norm_act import rms_norm
 from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
@@ -45,6 +46,12 @@ from ttsbuild.runtime.fast_model import Dense, PackedStack
 # attends every row in turn). Off (TTSBUILD_CP_ATTEND_IN_QKV=0) until timed on the GPU.
 ATTEND_IN_QKV = os.environ.get("TTSBUILD_CP_ATTEND_IN_QKV", "0") == "1"
 ATTEND_IN_QKV_MAX_ROWS = 8
+# Each codebook's head GEMV and its sampler in one launch (`norm_linear_sample`: the program
+# that writes the last logits tile samples every row in turn), for batches of at most
+# SAMPLE_IN_HEAD_MAX_ROWS rows: 15 launches fewer per frame. Off
+# (TTSBUILD_CP_SAMPLE_IN_HEAD=0) until timed on the GPU.
+SAMPLE_IN_HEAD = os.environ.get("TTSBUILD_CP_SAMPLE_IN_HEAD", "0") == "1"
+SAMPLE_IN_HEAD_MAX_ROWS = 1
 
 
 def decode_fused(
@@ -166,13 +173,18 @@ class FusedCodePredictor:
         step(self._project(hidden, None), 0)
         residual = step(self._project(self.codec_embedding, c0), 1)
         codes = [c0]
+        sample_in_head = SAMPLE_IN_HEAD and B <= SAMPLE_IN_HEAD_MAX_ROWS
         for cb in range(1, G):
             head = self.heads[cb - 1]
-            logits = norm_linear(
-                residual, self.stack.norm, head.weight, head.scale, eps=eps,
-                out_dtype=torch.float32,
-            )  # fmt: skip
-            code = fused_sample(logits, sampling, seeds, counters[:, cb])
+            if sample_in_head:
+                code = norm_linear_sample(residual, self.stack.norm, head.weight, head.scale,
+                                          sampling, seeds, counters[:, cb], eps=eps)  # fmt: skip
+            else:
+                logits = norm_linear(
+                    residual, self.stack.norm, head.weight, head.scale, eps=eps,
+                    out_dtype=torch.float32,
+                )  # fmt: skip
+                code = fused_sample(logits, sampling, seeds, counters[:, cb])
             codes.append(code)
             if cb + 1 < G:
                 residual = step(self._project(self.embeddings[cb - 1], code), cb + 1)

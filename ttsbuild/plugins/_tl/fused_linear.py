@@ -38,10 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_early_reads, pdl_enabled
+from ttsbuild.plugins._tl import sampling as _sampling
 from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue
 from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
 from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_item, old_kv
+from ttsbuild.plugins._tl.sampling import sample_row
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
 
 _MAX_SPLIT = 8
@@ -526,3 +529,78 @@ def norm_linear_attend_triton(
         PREFETCH=prefetch, **pdl_args(pdl), num_warps=4, num_stages=3,
     )  # fmt: skip
     return attn
+
+
+@triton.jit
+def _norm_linear_sample_kernel(
+    x_ptr, nw_ptr, w_ptr, s_ptr, logits_ptr, ws_ptr, cnt_ptr, done_ptr,
+    temp_ptr, topk_ptr, topp_ptr, dosample_ptr, seed_ptr, ctr_ptr, stride_ctr, tok_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
+):  # fmt: skip
+    # The head GEMV (norm_linear, fp32 logits), then the sampler over the logits of every row,
+    # run by the program that wrote the last logits tile (arrival counter as split-K's).
+    wrote = _linear_program(
+        x_ptr, x_ptr, nw_ptr, w_ptr, s_ptr, s_ptr, x_ptr, logits_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_wn, 0, stride_om, eps,
+        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, False, True, HAS_SCALE, False, False, False,
+        DOT_F32, PDL, PREFETCH, False,
+    )  # fmt: skip
+    if wrote:
+        tl.debug_barrier()  # every thread's logits stores are issued before the release
+        arrived = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+            for row in range(0, M):
+                r = tl.cast(row, tl.int64)
+                token = sample_row(
+                    r, logits_ptr + r * stride_om, N, temp_ptr, topk_ptr, topp_ptr,
+                    dosample_ptr, seed_ptr, ctr_ptr, stride_ctr, logits_ptr, 0, temp_ptr,
+                    BLOCK_V, False, False, RADIX_BITS, True,
+                )  # fmt: skip
+                tl.store(tok_ptr + r, token)
+            tl.atomic_xchg(done_ptr, 0)
+
+
+def _sample_radix_bits() -> int:
+    """The sampler's digit width (TTSBUILD_SAMPLE_RADIX_BITS, read at call time), at most 2
+    here: a 4-warp program holds [2^bits, V] candidate tiles (4 bits at V 2048 would spill)."""
+    return min(_sampling._RADIX_BITS, 2)
+
+
+def norm_linear_sample_triton(
+    x: torch.Tensor,  # [M, K]
+    norm_weight: torch.Tensor,  # [K]
+    weight: torch.Tensor,  # [V, K] bf16/fp32/float8_e4m3fn: the head
+    scale: torch.Tensor | None,  # [V] fp32 for FP8 weights
+    batch: SamplingBatch,
+    seeds: torch.Tensor,  # [M] int64
+    counters: torch.Tensor,  # [M] int64 (may be a strided column)
+    *,
+    eps: float,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [M] int64, the fp32 logits [M, V] they were drawn from)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"x [M, {K}] and weight [N, {K}] need contiguous rows")
+    logits = torch.empty((M, N), dtype=torch.float32, device=x.device)
+    tokens = torch.empty(M, dtype=torch.int64, device=x.device)
+    if M == 0:
+        return tokens, logits
+    c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, False, config, logits, groups=1)
+    do_sample = batch.do_sample
+    _norm_linear_sample_kernel[grid](
+        x, norm_weight, weight, scale if scale is not None else logits, logits, ws, cnt,
+        cnt[grid[0] * grid[1]:], batch.temperature.float(), batch.top_k, batch.top_p.float(),
+        do_sample.view(torch.uint8) if do_sample.dtype == torch.bool else do_sample,
+        seeds, counters, counters.stride(0), tokens,
+        M, N, K, x.stride(0), weight.stride(0), logits.stride(0), eps,
+        **c, HAS_SCALE=scale is not None, DOT_F32=interpret_mode() or x.dtype == torch.float32,
+        BLOCK_V=triton.next_power_of_2(N), RADIX_BITS=_sample_radix_bits(),
+        PREFETCH=prefetch, **pdl_args(pdl), num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return tokens, logits
