@@ -25,6 +25,19 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _online_step(qk, s_mask, v, m_i, l_i, acc):
+    """One [BLOCK_S] tile of the online softmax: scores qk [BLOCK_G, BLOCK_S] (log2 units,
+    masked by s_mask), values v [BLOCK_S, D] -> the running max, sum and accumulator."""
+    qk = tl.where(s_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, out_ptr, po_ptr, pml_ptr,
     stride_qb, stride_qh, stride_cslot, stride_ch, stride_cs, stride_ob, stride_oh,
@@ -65,13 +78,7 @@ def _attn_split_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_S], log2 units
-        qk = tl.where(s_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_step(qk, s_mask, v, m_i, l_i, acc)
     if SPLITS == 1:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -238,13 +245,7 @@ def _qk_attend_split_kernel(
             k2 = k2.to(tl.float32)
             v = v.to(tl.float32)
         qk = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * qk_scale  # log2 units
-        qk = tl.where(s_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_step(qk, s_mask, v, m_i, l_i, acc)
     if holds_pos:
         # the new key and value, rounded as the cache stores them; written for later steps
         k_src = src + (HQ + kvh) * D + offs_d[None, :]

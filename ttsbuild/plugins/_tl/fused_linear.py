@@ -333,6 +333,25 @@ def _fused_linear_kernel(
 
 
 @triton.jit
+def _norm_gemv_program(
+    x_ptr, nw_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+    stride_om, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """One program of norm_linear (input norm + linear, no gather, bias or residual), for the
+    kernels that follow up on its output within the launch; returns `_linear_program`'s
+    `wrote`."""
+    return _linear_program(
+        x_ptr, x_ptr, nw_ptr, w_ptr, s_ptr, s_ptr, x_ptr, out_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_wn, 0, stride_om, eps,
+        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, False, True, HAS_SCALE, False, False, False,
+        DOT_F32, PDL, PREFETCH, False,
+    )  # fmt: skip
+
+
+@triton.jit
 def _norm_linear_attend_kernel(
     x_ptr, nw_ptr, w_ptr, s_ptr, qkv_ptr, ws_ptr, cnt_ptr, gcnt_ptr,
     qw_ptr, kw_ptr, f_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, att_ptr,
@@ -347,11 +366,9 @@ def _norm_linear_attend_kernel(
     # The qkv GEMV (norm_linear), then qk_norm_rope_attend's work for each KV group, run by
     # the program that wrote the group's last qkv tile. A tile lies in one head (BLOCK_N
     # divides D), so it counts toward one group: that of its q head, its k head or v head.
-    wrote = _linear_program(
-        x_ptr, x_ptr, nw_ptr, w_ptr, s_ptr, s_ptr, x_ptr, qkv_ptr, ws_ptr, cnt_ptr,
-        M, N, K, stride_xm, stride_wn, 0, stride_om, eps,
-        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, False, True, HAS_SCALE, False, False, False,
-        DOT_F32, PDL, PREFETCH, False,
+    wrote = _norm_gemv_program(
+        x_ptr, nw_ptr, w_ptr, s_ptr, qkv_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+        stride_om, eps, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, HAS_SCALE, DOT_F32, PDL, PREFETCH,
     )  # fmt: skip
     if wrote:
         head = tl.program_id(0) * BLOCK_N // D
@@ -543,11 +560,10 @@ def _norm_linear_sample_kernel(
 ):  # fmt: skip
     # The head GEMV (norm_linear, fp32 logits), then the sampler over the logits of every row,
     # run by the program that wrote the last logits tile (arrival counter as split-K's).
-    wrote = _linear_program(
-        x_ptr, x_ptr, nw_ptr, w_ptr, s_ptr, s_ptr, x_ptr, logits_ptr, ws_ptr, cnt_ptr,
-        M, N, K, stride_xm, stride_wn, 0, stride_om, eps,
-        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, False, True, HAS_SCALE, False, False, False,
-        DOT_F32, PDL, PREFETCH, False,
+    wrote = _norm_gemv_program(
+        x_ptr, nw_ptr, w_ptr, s_ptr, logits_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+        stride_wn, stride_om, eps, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, HAS_SCALE, DOT_F32, PDL,
+        PREFETCH,
     )  # fmt: skip
     if wrote:
         tl.debug_barrier()  # every thread's logits stores are issued before the release
