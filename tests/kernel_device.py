@@ -18,3 +18,13 @@ elif interpret_mode() and HAS_TRITON:
 else:
     KDEV = None
 needs_kernel = pytest.mark.skipif(KDEV is None, reason="needs CUDA + Triton (or the interpreter)")
+
+
+def kernel_cases(full: list, interpreted: list) -> list:
+    """A kernel test's parameter cases: all of `full` on a GPU; under TRITON_INTERPRET (CPU
+    CI, where one case costs seconds) `interpreted`, a cover of them chosen so that every value
+    of every parameter still appears."""
+    missing = [case for case in interpreted if case not in full]
+    if missing:
+        raise ValueError(f"interpreted cases {missing} are not among the full cases")
+    return interpreted if KDEV == "cpu" else full

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_device import KDEV, needs_kernel
+from kernel_device import KDEV, kernel_cases, needs_kernel
 from torch import nn
 
 from ttsbuild.generation.sampling import SamplingBatch
@@ -21,6 +21,7 @@ CFG = DecoderStackConfig(
 )  # fmt: skip
 G, SLOTS, TALKER_H, V = 6, 5, 48, 40  # cache positions, slots, talker width, codebook size
 PRECISIONS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+_F32, _BF16, _FP8 = PRECISIONS  # under the interpreter, kernel tests take a cover of the grid
 
 
 def _rel(a, b):
@@ -85,8 +86,11 @@ def test_decode_fused_references_equal_decode(dtype, fp8, S, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("S", LENGTHS)
-@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
+@pytest.mark.parametrize(
+    "dtype,fp8,S",
+    kernel_cases([(*p, S) for S in LENGTHS for p in PRECISIONS],
+                 [(*_F32, 80), (*_BF16, G), (*_FP8, 80)]),
+)  # fmt: skip
 def test_decode_fused_kernels_match_decode(dtype, fp8, S, monkeypatch):
     stack = _stack(dtype, fp8, KDEV)
     x, k, v, slots, positions = _inputs(dtype, KDEV, S)
@@ -121,7 +125,7 @@ def test_decode_fused_references_attend_in_qkv_is_off(S, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
+@pytest.mark.parametrize("dtype,fp8", kernel_cases(PRECISIONS, [_BF16, _FP8]))
 def test_decode_fused_kernel_attend_in_qkv_is_off(dtype, fp8, monkeypatch):
     # qkv + attention in one launch (norm_linear_attend) == the two launches: bit for bit
     # under the interpreter, whose qkv tiles (BLOCK_N capped at 32 = head_dim) are the same in
@@ -330,8 +334,11 @@ def test_persistent_frame_kernel_equals_unfused_frame(identity, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,fp8", PRECISIONS)
-@pytest.mark.parametrize("with_prefix", [False, True])
+@pytest.mark.parametrize(
+    "dtype,fp8,with_prefix",
+    kernel_cases([(*p, w) for w in (False, True) for p in PRECISIONS],
+                 [(*_F32, True), (*_BF16, False), (*_FP8, True)]),
+)  # fmt: skip
 def test_prefill_kernel_path_matches_reference(dtype, fp8, with_prefix, monkeypatch):
     """PackedStack.prefill on the kernels (each token a decode-attention query over its row's
     cache up to its own position) == the reference (gathered, repeated, masked SDPA), on
