@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
+from ttsbuild.plugins._tl._layout import check_qkv_caches
 from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
 from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters
 from ttsbuild.plugins._tl.qk_norm_rope_attend import _norm_rope
@@ -320,10 +321,7 @@ def qk_norm_rope_decode_attention_triton(
     """The attention output [R, Hq * D] (see `_qk_attend_split_kernel`)."""
     R = qkv.shape[0]
     S, D = k_cache.shape[-2], k_cache.shape[-1]
-    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [R, (Hq + 2 Hkv) * D] row-major, got {tuple(qkv.shape)}")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must share a layout with contiguous head_dim")
+    check_qkv_caches(qkv, k_cache, v_cache, num_heads, num_kv_heads)
     max_len = min(max_len, S)
     group = num_heads // num_kv_heads
     out = torch.empty((R, num_heads * D), dtype=qkv.dtype, device=qkv.device)

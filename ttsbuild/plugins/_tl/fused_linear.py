@@ -41,6 +41,7 @@ import triton.language as tl
 from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_early_reads, pdl_enabled
 from ttsbuild.plugins._tl import sampling as _sampling
+from ttsbuild.plugins._tl._layout import check_qkv_caches
 from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue
 from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
 from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_item, old_kv
@@ -522,8 +523,7 @@ def norm_linear_attend_triton(
         raise ValueError(f"weight must be [(Hq + 2 Hkv) * {D}, {K}], got {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need contiguous rows")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must share a layout with contiguous head_dim")
+    check_qkv_caches(None, k_cache, v_cache, num_heads, num_kv_heads)
     if S > MAX_POSITIONS or D % 16:
         raise ValueError(f"needs at most {MAX_POSITIONS} cache positions, head_dim % 16 == 0")
     qkv = torch.empty((R, N), dtype=x.dtype, device=x.device)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
+from ttsbuild.plugins._tl._layout import check_qkv_caches
 from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
 
 
@@ -94,10 +95,7 @@ def qk_norm_rope_triton(
     del theta  # folded into freqs
     R = qkv.shape[0]
     D = k_cache.shape[-1]
-    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [R, (Hq + 2 Hkv) * D] row-major, got {tuple(qkv.shape)}")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must share a layout with contiguous head_dim")
+    check_qkv_caches(qkv, k_cache, v_cache, num_heads, num_kv_heads)
     q = torch.empty((R, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     _qk_norm_rope_kernel[(R, 3)](
         qkv, q_weight, k_weight, freqs, positions.reshape(-1), slots.reshape(-1), q,

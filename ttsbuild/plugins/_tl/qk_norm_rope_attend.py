@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ttsbuild.plugins._dispatch import pdl_args, pdl_early_reads, pdl_enabled
+from ttsbuild.plugins._tl._layout import check_qkv_caches
 from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
 
@@ -170,10 +171,7 @@ def qk_norm_rope_attend_triton(
 ) -> torch.Tensor:
     R = qkv.shape[0]
     S, D = k_cache.shape[-2], k_cache.shape[-1]
-    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * D or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [R, (Hq + 2 Hkv) * D] row-major, got {tuple(qkv.shape)}")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must share a layout with contiguous head_dim")
+    check_qkv_caches(qkv, k_cache, v_cache, num_heads, num_kv_heads)
     if S > MAX_POSITIONS:
         raise ValueError(f"caches of more than {MAX_POSITIONS} positions take decode_attention")
     group = num_heads // num_kv_heads
