@@ -172,7 +172,7 @@ class FakeEngine:
             assert st.prefilled and st.frames < st.request.frames
             st.frames += 1
             finished = st.frames >= st.request.frames
-            outputs.append(SimpleNamespace(slot=s, codes=1, finished=finished))
+            outputs.append(SimpleNamespace(slot=s, made=True, finished=finished))
         return self._run("frames", parts, outputs)
 
     def launch_audio(self, slots, max_frames=None) -> FakeTicket:

@@ -126,27 +126,41 @@ class SlotTable:
     def __getitem__(self, slot: int) -> SlotRecord:
         return self.records[slot]
 
-    def commit(self, slot: int, row: torch.Tensor, keep: bool) -> FrameOutput:
-        """Account one collected frame of `slot`: row = [groups codes, StopCode] (host)."""
+    def commit(self, slot: int, stop: int, rows: torch.Tensor, j: int, keep: bool) -> FrameOutput:
+        """Account one collected frame of `slot`: row j of a step's rows [B, groups codes +
+        StopCode] (host), whose StopCode the caller read (`stop`)."""
         rec = self.records[slot]
-        stop = StopCode(int(row[-1]))
-        if stop is not StopCode.CONTINUE:  # EOS or a guard: that frame itself is dropped
-            rec.finished, rec.stopped_by = True, str(stop.reason)
-            return FrameOutput(slot, None, True)
-        codes = row[:-1]
+        if stop != StopCode.CONTINUE:  # EOS or a guard: that frame itself is dropped
+            rec.finished, rec.stopped_by = True, str(StopCode(stop).reason)
+            return FrameOutput(slot, True)
         rec.committed += 1
         if keep:
-            rec.codes.append(codes)
+            rec.codes.append(rows[j, :-1])
         if rec.committed >= rec.plan.frame_limit:
             rec.finished, rec.stopped_by = True, rec.plan.limit_reason
-        return FrameOutput(slot, codes, rec.finished)
+        return FrameOutput(slot, rec.finished, rows, j)
 
 
-@dataclass
+@dataclass(slots=True)
 class FrameOutput:
+    """One row of a collected frame step. Its codes are a view of the step's rows made when
+    asked for: a tensor view costs microseconds of host time, and the server, which only
+    counts frames, would otherwise pay it for every row of every step."""
+
     slot: int
-    codes: torch.Tensor | None  # [groups], None when the request just finished (EOS)
     finished: bool
+    rows: torch.Tensor | None = field(default=None, repr=False)  # the step's [B, groups + 1]
+    row: int = 0
+
+    @property
+    def made(self) -> bool:
+        """A frame was made (False: the request ended at this step, EOS or a guard)."""
+        return self.rows is not None
+
+    @property
+    def codes(self) -> torch.Tensor | None:
+        """[groups], None when the request just finished (EOS or a guard)."""
+        return None if self.rows is None else self.rows[self.row, :-1]
 
 
 @dataclass
@@ -254,12 +268,14 @@ class EngineCore:
         if ticket.handle is None:
             return []
         codes = self.backend.read_frames(ticket.handle)
+        stops = codes[:, -1].tolist()  # one read: indexing a tensor per row costs ~5 us a row
         out = []
+        records = self.table.records
         for j, (slot, uid) in enumerate(ticket.rows):
-            rec = self.table.records.get(slot)
+            rec = records.get(slot)
             if rec is None or rec.uid != uid or rec.finished:
                 continue
-            out.append(self.table.commit(slot, codes[j], self.keep_codes))
+            out.append(self.table.commit(slot, stops[j], codes, j, self.keep_codes))
         return out
 
     def frames(self, slots: list[int]) -> list[FrameOutput]:
@@ -302,7 +318,9 @@ class EngineCore:
             for j, s in enumerate(group):
                 pieces[s].append(pcm[j])
         empty = np.zeros(0, dtype=np.float32)
-        return {s: np.concatenate(p) if p else empty for s, p in pieces.items()}
+        # one piece: its row of the read-back array, which nothing else holds (no copy)
+        return {s: (p[0] if len(p) == 1 else np.concatenate(p)) if p else empty
+                for s, p in pieces.items()}  # fmt: skip
 
     def audio(self, slots: list[int], max_frames: int | None = None) -> dict[int, np.ndarray]:
         """Decode and read back at once (launch_audio + collect_audio)."""

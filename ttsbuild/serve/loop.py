@@ -37,7 +37,7 @@ class Engine(Protocol):
     def admit(self, req: Any) -> int: ...
     def prefill(self, slots: list[int]) -> None: ...
     def launch_frames(self, slots: list[int]) -> Any: ...
-    def collect(self, ticket: Any) -> list[Any]: ...  # FrameOutput(slot, codes, finished)
+    def collect(self, ticket: Any) -> list[Any]: ...  # FrameOutput: slot, made, finished
     def launch_audio(
         self, slots: list[int], max_frames: int | Sequence[int | None] | None = None
     ) -> Any: ...
@@ -151,7 +151,7 @@ class Runner:
         host = time.perf_counter()
         if step.ticket is not None and step.stage is Stage.FRAMES:
             for out in engine.collect(step.ticket):
-                result.frames[out.slot] = (out.codes is not None, out.finished)
+                result.frames[out.slot] = (out.made, out.finished)
                 if out.finished:
                     result.stopped_by[out.slot] = str(engine.stopped_by(out.slot))
             self.timer("collect_frames", time.perf_counter() - host)
