@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers_scripts import communicate_all
 from kernel_device import HAS_TRITON, KDEV, kernel_cases, needs_kernel
 
 from ttsbuild.plugins._dispatch import interpret_mode
@@ -330,8 +331,7 @@ def test_kernels_under_the_interpreter():
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(SHARDS)
     ]  # fmt: skip
-    outputs = [shard.communicate(timeout=900) for shard in shards]
-    for shard, (out, err) in zip(shards, outputs, strict=True):
-        assert shard.returncode == 0, out[-4000:] + err[-2000:]
+    for returncode, out, err in communicate_all(shards, timeout=900):
+        assert returncode == 0, out[-4000:] + err[-2000:]
         last = out.splitlines()[-1]
         assert " passed" in last and "skipped" not in last and "deselected" in last, last

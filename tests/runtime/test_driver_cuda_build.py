@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.utils.cpp_extension as ext
+from helpers_scripts import communicate_all
 
 SOURCE = Path(__file__).resolve().parents[2] / "ttsbuild" / "csrc" / "step_driver.cpp"
 CUDA_INCLUDE = Path(ext.CUDA_HOME or "/usr/local/cuda") / "include"
@@ -53,13 +54,9 @@ def compiled(tmp_path_factory) -> dict[str, tuple[int, str]]:
     tmp = tmp_path_factory.mktemp("cuda-build")
     broken = tmp / "broken.cpp"
     broken.write_text(SOURCE.read_text().replace("getStreamFromExternal(", "getStreamFromExtern("))
-    runs = {"source": start_compile(SOURCE, tmp / "stubs"),
-            "broken": start_compile(broken, tmp / "stubs-broken")}  # fmt: skip
-    results = {}
-    for name, run in runs.items():
-        _, err = run.communicate(timeout=300)
-        results[name] = (run.returncode, err)
-    return results
+    runs = [start_compile(SOURCE, tmp / "stubs"), start_compile(broken, tmp / "stubs-broken")]
+    (ok, _, ok_err), (broken_rc, _, broken_err) = communicate_all(runs, timeout=300)
+    return {"source": (ok, ok_err), "broken": (broken_rc, broken_err)}
 
 
 @needs_headers

@@ -1,30 +1,26 @@
 """benchmarks/runtime/host_step.py (the frame step's host bookkeeping) keeps running, and
 the core's collected rows are what the backend returned: made frames carry their codes."""
 
-import importlib.util
-from pathlib import Path
-
+import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "runtime" / "host_step.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("host_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers_scripts import load_script, unload_script
 
 
-def test_host_step_times_a_step_of_every_row():
-    assert _load().time_step(5, reps=3) > 0
+@pytest.fixture(scope="module")
+def host_step():
+    module = load_script("benchmarks/runtime/host_step.py")
+    yield module
+    unload_script(module)
 
 
-def test_collected_rows_carry_the_backends_codes_and_stops():
+def test_host_step_times_a_step_of_every_row(host_step):
+    assert host_step.time_step(5, reps=3) > 0
+
+
+def test_collected_rows_carry_the_backends_codes_and_stops(host_step):
     from ttsbuild.runtime.core import EngineCore, SlotPlan
     from ttsbuild.runtime.plan import EnginePlan
 
-    host_step = _load()
     backend = host_step.StubBackend()
     engine = EngineCore(backend, EnginePlan.default(num_slots=8, max_len=64))
     plan = SlotPlan(prompt=None, params=None, frame_limit=2, by_length_rule=True, seed=0)

@@ -5,23 +5,15 @@ streams underrun the slack keeps more of them on time by refusing more."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SIM = Path(__file__).resolve().parents[2] / "benchmarks" / "serve" / "admission_sim.py"
+from helpers_scripts import load_script, unload_script
 
 
 @pytest.fixture(scope="module")
 def sim():
-    spec = importlib.util.spec_from_file_location("admission_sim", SIM)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/serve/admission_sim.py")
     yield module
-    sys.modules.pop(spec.name, None)
+    unload_script(module)
 
 
 def test_light_load_is_never_refused_and_never_late(sim):

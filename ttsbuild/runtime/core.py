@@ -318,7 +318,7 @@ class EngineCore:
             for j, s in enumerate(group):
                 pieces[s].append(pcm[j])
         empty = np.zeros(0, dtype=np.float32)
-        # one piece: its row of the read-back array, which nothing else holds (no copy)
+        # one piece: the backend's read made it fresh (nothing else holds it): no second copy
         return {s: (p[0] if len(p) == 1 else np.concatenate(p)) if p else empty
                 for s, p in pieces.items()}  # fmt: skip
 
