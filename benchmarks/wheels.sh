@@ -13,9 +13,15 @@
 # python3) cannot import fastapi, install them into /tmp/site; then put the repo and /tmp/site
 # on PYTHONPATH, unbuffered. Also defines the helpers those scripts share (below).
 PY=${PY:-python3}
-if [ -d .whl ] && ! PYTHONPATH=/tmp/site "$PY" -c 'import fastapi, aiohttp' 2>/dev/null; then
+# (2026-12-03: a run found fastapi and aiohttp but not pydantic, and every benchmark failed on
+# its import: the check names every package the runtime and the bench import.)
+if [ -d .whl ] && ! PYTHONPATH=/tmp/site "$PY" -c \
+        'import fastapi, aiohttp, pydantic, uvicorn, typer, prometheus_client' 2>/dev/null; then
+    echo "== installing $(ls .whl/*.whl | wc -l) wheels from .whl into /tmp/site"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl
+        --target /tmp/site .whl/*.whl || echo "== wheel install failed (rc $?)"
+elif [ ! -d .whl ]; then
+    echo "== no .whl here: carry it (../shared/tools/gpu-wheels.sh)"
 fi
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 

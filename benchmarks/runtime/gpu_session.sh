@@ -90,34 +90,38 @@ for step in $STEPS; do
             tests/runtime/test_cp_fused.py tests/plugins/test_fp8_w8a8.py \
             tests/plugins/test_gpu_kernels.py -k "prefill or w8a8 or scaled_mm or decode_attention" \
             2>&1 | tee "$OUT/gpu_tests.log" | tail -3 ;;
-    cp)
-        log "GPU tests: sampler, fused code-predictor kernels"
-        TRITON_F32_DEFAULT=ieee timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
-            tests/plugins/test_references.py tests/plugins/test_fused_kernels.py \
-            tests/plugins/test_gpu_kernels.py tests/runtime/test_cp_fused.py \
-            -k "sample or attend or norm_linear or fused or cp" 2>&1 \
-            | tee "$OUT/gpu_tests_cp.log" | tail -3
+    cp)  # CP_TESTS=0 skips the GPU tests (2026-12-03: over 240 s on a cold Triton cache)
+        if [ "${CP_TESTS:-1}" != 0 ]; then
+            log "GPU tests: sampler, fused code-predictor kernels"
+            TRITON_F32_DEFAULT=ieee timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
+                tests/plugins/test_references.py tests/plugins/test_fused_kernels.py \
+                tests/plugins/test_gpu_kernels.py tests/runtime/test_cp_fused.py \
+                -k "sample or attend or norm_linear or fused or cp" 2>&1 \
+                | tee "$OUT/gpu_tests_cp.log" | tail -3
+        fi
         for variant in "RADIX=1 ATTEND=0 HEAD=0" "RADIX=4 ATTEND=0 HEAD=0" \
                 "RADIX=1 ATTEND=1 HEAD=0" "RADIX=1 ATTEND=0 HEAD=1" "RADIX=4 ATTEND=1 HEAD=1"; do
             eval "$variant"
             name="r${RADIX}_a${ATTEND}_h${HEAD}"
             log "code predictor frame: sampler radix $RADIX bits, attention in qkv $ATTEND, sampler in head $HEAD"
             TTSBUILD_SAMPLE_RADIX_BITS=$RADIX TTSBUILD_CP_ATTEND_IN_QKV=$ATTEND \
-                TTSBUILD_CP_SAMPLE_IN_HEAD=$HEAD PYTHONPATH=. \
+                TTSBUILD_CP_SAMPLE_IN_HEAD=$HEAD \
                 timeout -k 5 200 python3 benchmarks/kernels/bench_cp_fused.py \
                 --batches "${CP_BATCHES:-1,2,4,8}" --precisions fp8 --paths unfused,fused \
                 --fp32-batches 1,8 > "$OUT/bench_cp_$name.log" 2>&1
             echo "rc=$?"; grep -E "^(fp8|fp32|total)" "$OUT/bench_cp_$name.log"
         done ;;
-    talker)
-        log "GPU tests: the talker's one-launch decode attention and gate/up + silu"
-        TRITON_F32_DEFAULT=ieee timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider \
-            tests/plugins/test_qk_decode_attention.py tests/plugins/test_fp8_gate_up.py \
-            tests/runtime/test_talker_fusions.py 2>&1 | tee "$OUT/gpu_tests_talker.log" | tail -3
+    talker)  # TALKER_TESTS=0 skips the GPU tests
+        if [ "${TALKER_TESTS:-1}" != 0 ]; then
+            log "GPU tests: the talker's one-launch decode attention and gate/up + silu"
+            TRITON_F32_DEFAULT=ieee timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider \
+                tests/plugins/test_qk_decode_attention.py tests/plugins/test_fp8_gate_up.py \
+                tests/runtime/test_talker_fusions.py 2>&1 | tee "$OUT/gpu_tests_talker.log" | tail -3
+        fi
         for variant in "ATT=0 GU=0" "ATT=1 GU=0" "ATT=0 GU=1" "ATT=1 GU=1"; do
             eval "$variant"
             log "talker step: attention in one launch $ATT, gate/up + silu in one $GU"
-            TTSBUILD_TALKER_ATTEND_FUSED=$ATT TTSBUILD_GATE_UP_SILU=$GU PYTHONPATH=. \
+            TTSBUILD_TALKER_ATTEND_FUSED=$ATT TTSBUILD_GATE_UP_SILU=$GU \
                 timeout -k 5 200 python3 benchmarks/kernels/bench_talker.py \
                 --batches "${TALKER_BATCHES:-1,8,64,128}" --precisions fp8 \
                 > "$OUT/bench_talker_a${ATT}_g${GU}.log" 2>&1

@@ -156,7 +156,10 @@ def test_merged_rope_kernel_sees_half_precision_rings_as_stored(n, monkeypatch):
     ref_k, ref_v = k_ring.clone(), v_ring.clone()
     want = ring_attention_rope(qkv, pos, rows, ref_k, ref_v, inv_freq, 60, 0.125,
                                use_triton=False).float()  # fmt: skip
-    assert ((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item() < 1e-6
+    # the outputs are half precision and the merged kernel sums in another order, so an
+    # element may round to its neighbouring half value (one ulp <= 2**-10 of the largest;
+    # H200 2026-12-03: 4.4e-6), never further
+    assert ((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item() <= 2**-10
     assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
     assert ((outs[1] - want).abs().max() / want.abs().max()).item() < 2e-3
 

@@ -83,9 +83,11 @@ class EnginePlan(BaseModel):
     codec_state_channels_last: bool = True
     # Codec steps of at most this many frames (rows x chunk) run the pre-transformer as
     # fused_linear launches (CodecEngine(fused_layers_max_rows=...): ~5 per layer instead of
-    # ~10; same audio, fp32 without TF32 rounding); 0: off, until profile_codec.py row '+l'
-    # is timed on the GPU.
-    codec_fused_layers_max_rows: int = Field(default=0, ge=0)
+    # ~10; same audio, fp32 without TF32 rounding); 0: off. H200, 2026-12-03 (profile_codec.py
+    # row '+l', one process): 0.846 -> 0.745 ms at 1 frame, but 0.978 / 1.063 / 1.114 / 1.454
+    # -> 2.595 / 2.679 / 2.733 / 2.929 ms at 2 / 4 / 8 / 16 frames: on for one-frame steps
+    # only (an idle engine's first chunk, a lone stream).
+    codec_fused_layers_max_rows: int = Field(default=1, ge=0)
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
