@@ -34,7 +34,8 @@
 #         the codec kernels launched with PDL, with CODEC_RING_AB=1 with the fused attention
 #         kernel merging its new frames in registers (TTSBUILD_RING_MERGE=1), with
 #         CODEC_LAYERS_AB=1 the served row and that with the pre-transformer as fused
-#         linears (`+l`, steps up to 16 frames) at $CODEC_LAYERS_BATCHES (1,2,4,8,16), with
+#         linears (`+l`, steps up to 16 frames) at $CODEC_LAYERS_BATCHES (1,2,4,8,16), then
+#         `+l` with fp32 rows as GEMVs (TTSBUILD_GEMV_ROWS_F32=16, built 2026-12-03), with
 #         CODEC_TILE_AB=1 with the snake + context kernel's former 64 x 64 tile
 # cp:     the code predictor's frame (bench_cp_fused.py, fused path, FP8, batches
 #         $CP_BATCHES default 1,2,4,8), one process per variant of its switches: the
@@ -189,6 +190,11 @@ for step in $STEPS; do
                 --batches "${CODEC_LAYERS_BATCHES:-1,2,4,8,16}" --conv-impls triton \
                 --rows triton+k+cl+o+s+a,triton+k+cl+o+s+a+l --profile-impls none 2>&1 \
                 | grep -v Assertion | tee "$OUT/profile_codec_layers.log" | grep -E "^\| triton"
+            log "codec step, +l with up to 16 fp32 rows as GEMVs (TTSBUILD_GEMV_ROWS_F32=16)"
+            TTSBUILD_GEMV_ROWS_F32=16 timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
+                --batches "${CODEC_LAYERS_BATCHES:-1,2,4,8,16}" --conv-impls triton \
+                --rows triton+k+cl+o+s+a+l --profile-impls none 2>&1 | grep -v Assertion \
+                | tee "$OUT/profile_codec_layers_gemv.log" | grep -E "^\| triton"
         fi
         if [ -n "${CODEC_TILE_AB:-}" ]; then
             log "codec step, served row, the snake + context kernel's former 64 x 64 x 4-warp tile"

@@ -71,6 +71,21 @@ def test_fused_linear_reference_is_the_unfused_ops():
         fused_linear(x, q)  # FP8 weight without its scale
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")
+def test_plan_runs_few_fp32_rows_as_gemvs_only_when_asked():
+    from ttsbuild.plugins._tl.fused_linear import plan
+
+    # the codec pre-transformer's qkv (N 3072, K 512) on the H200's 132 SMs
+    tiled = plan(4, 3072, 512, False, 132, fp32=True, gemv_rows_f32=0)
+    assert tiled["BLOCK_M"] == 16
+    assert plan(4, 3072, 512, False, 132, fp32=False, gemv_rows_f32=8)["BLOCK_M"] == 16
+    rows = plan(4, 3072, 512, False, 132, fp32=True, gemv_rows_f32=8)
+    one = plan(1, 3072, 512, False, 132, fp32=True, gemv_rows_f32=8)
+    assert rows["BLOCK_M"] == one["BLOCK_M"] == 1 and rows["BLOCK_K"] == one["BLOCK_K"]
+    assert rows["BLOCK_N"] == 16  # the 8-column form is for one row only
+    assert plan(9, 3072, 512, False, 132, fp32=True, gemv_rows_f32=8)["BLOCK_M"] == 16
+
+
 def test_qk_norm_rope_attend_reference_is_the_two_ops():
     g = torch.Generator().manual_seed(4)
     R, Hq, Hkv, D, S = 3, 4, 2, 16, 8
@@ -132,8 +147,10 @@ _SPLIT2 = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2}
 # the blocks loaded before the PDL wait (2) and the loop after them both run.
 # _NARROW: a GEMV of 8-column tiles without split-K (plan's TTSBUILD_GEMV_NARROW form).
 _NARROW = {"BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 128, "SPLIT_K": 1}
+# _ROWS: several rows as GEMVs, a program per row (plan's TTSBUILD_GEMV_ROWS_F32 form), split-K
+_ROWS = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2}
 CASES = [(1, 256, 64, None), (1, 256, 64, _SPLIT), (1, 200, 40, _SPLIT2), (5, 200, 40, _SPLIT),
-         (70, 128, 32, None), (1, 256, 40, _NARROW)]  # fmt: skip
+         (70, 128, 32, None), (1, 256, 40, _NARROW), (3, 200, 40, _ROWS)]  # fmt: skip
 PRECISIONS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
 
 

@@ -66,6 +66,13 @@ _PREFETCH_BLOCKS = int(_PREFETCH_BLOCKS_ENV)
 # and at batch 8 2.835 -> 2.822 ms (benchmarks/kernels/RESULTS.md, session 6);
 # TTSBUILD_GEMV_NARROW=0 for the split-K tiles.
 _GEMV_NARROW = os.environ.get("TTSBUILD_GEMV_NARROW", "1") != "0"
+# fp32 activations (the codec's pre-transformer) with at most this many rows: one GEMV program
+# per row and column tile (BLOCK_M 1) instead of 16-row tiles through tl.dot, which for fp32
+# is the IEEE (non-tensor-core) path. H200, 2026-12-03: the codec's pre-transformer as fused
+# linears cost 0.745 ms a step at 1 frame (a GEMV) but 2.595 / 2.929 ms at 2 / 16 frames
+# (16-row tiles), against 0.978 / 1.454 unfused (benchmarks/codec/RESULTS.md). 0: off (the
+# default until `benchmarks/codec/sweep_fused_linear.py` and profile_codec.py time it).
+_GEMV_ROWS_F32 = int(os.environ.get("TTSBUILD_GEMV_ROWS_F32", "0"))
 
 
 @triton.jit
@@ -397,11 +404,15 @@ def _norm_linear_attend_kernel(
             tl.atomic_xchg(gcnt_ptr + kvh, 0)
 
 
-def plan(M: int, N: int, K: int, gate_up: bool, sms: int) -> dict:
-    """Fixed tile config for a shape: BLOCK_M from M, split-K until ~one wave of programs."""
-    if M == 1:
+def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
+         gemv_rows_f32: int | None = None) -> dict:  # fmt: skip
+    """Fixed tile config for a shape: BLOCK_M from M, split-K until ~one wave of programs.
+    fp32: the activations are fp32; then up to gemv_rows_f32 rows (default
+    TTSBUILD_GEMV_ROWS_F32) run as GEMVs, a program per row and column tile."""
+    rows_as_gemv = _GEMV_ROWS_F32 if gemv_rows_f32 is None else gemv_rows_f32
+    if M == 1 or (fp32 and M <= rows_as_gemv):
         block_m, block_n, block_k = 1, 16, 256 if gate_up else 512
-        if _GEMV_NARROW and triton.cdiv(N, 16) < sms <= triton.cdiv(N, 8):
+        if M == 1 and _GEMV_NARROW and triton.cdiv(N, 16) < sms <= triton.cdiv(N, 8):
             block_n = 8
     else:
         block_m = min(64, max(16, triton.next_power_of_2(M)))
@@ -425,7 +436,8 @@ def _launch(x, M, N, K, gate_up, config, out, *, head_dim=None, groups=0):
     more), PDL, and the K blocks loaded before the PDL wait. head_dim: tiles narrowed to lie
     within one head of that many columns."""
     sms = _num_sms(x.device)
-    c = dict(config) if config is not None else plan(M, N, K, gate_up, sms)
+    c = (dict(config) if config is not None
+         else plan(M, N, K, gate_up, sms, fp32=x.dtype == torch.float32))  # fmt: skip
     if interpret_mode():
         c["BLOCK_N"] = min(c["BLOCK_N"], 32)  # the interpreter is slow on big tiles
     if head_dim is not None:
