@@ -305,7 +305,7 @@ class NullObserver:
 @dataclass(slots=True)
 class Ready:
     """A stream that can use a stage this turn, and how urgently (made once per stream per
-    turn: slotted and not frozen, whose __init__ costs a third as much)."""
+    turn: slotted and not frozen, whose __init__ took 0.18 us against 0.76 on this CPU)."""
 
     klass: str  # priority class (CLASS_ORDER)
     order: tuple  # sorts within and across classes

@@ -71,7 +71,7 @@ _GEMV_NARROW = os.environ.get("TTSBUILD_GEMV_NARROW", "1") != "0"
 # is the IEEE (non-tensor-core) path. H200, 2026-12-03: the codec's pre-transformer as fused
 # linears cost 0.745 ms a step at 1 frame (a GEMV) but 2.595 / 2.929 ms at 2 / 16 frames
 # (16-row tiles), against 0.978 / 1.454 unfused (benchmarks/codec/RESULTS.md). 0: off (the
-# default until `benchmarks/codec/sweep_fused_linear.py` and profile_codec.py time it).
+# default until profile_codec.py's '+l' rows time it: gpu_session.sh CODEC_LAYERS_AB=1).
 _GEMV_ROWS_F32 = int(os.environ.get("TTSBUILD_GEMV_ROWS_F32", "0"))
 
 
