@@ -68,6 +68,11 @@ DEADLINE_S=${DEADLINE_S:-560}
 mkdir -p "$OUT"
 source benchmarks/wheels.sh
 log() { echo "== $(date -u +%H:%M:%S) +${SECONDS}s $*"; }
+# Preflight: the modules every step imports, before any device time goes to a step that would
+# fail on an import (2026-12-03: a whole call's benchmarks failed on `import pydantic`).
+if ! why=$(python3 -c 'import ttsbuild.bench.engine_bench, ttsbuild.serve.cli' 2>&1); then
+    echo "== preflight failed: $(tail -1 <<<"$why")"; exit 1
+fi
 for step in $STEPS; do
     case $step in
     driver)  # a fresh build comes back under $OUT, to carry next time
