@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +27,19 @@ def load_script(relative: str) -> ModuleType:
 
 def unload_script(module: ModuleType) -> None:
     sys.modules.pop(module.__name__, None)
+
+
+def script_fixture(relative: str):
+    """A module-scoped fixture of the script at ROOT/relative (`load_script`), unloaded after
+    the module's tests: `sim = script_fixture("benchmarks/serve/admission_sim.py")`."""
+
+    @pytest.fixture(scope="module")
+    def script():
+        module = load_script(relative)
+        yield module
+        unload_script(module)
+
+    return script
 
 
 def communicate_all(processes: list[subprocess.Popen], timeout: float) -> list[tuple]:

@@ -1,16 +1,10 @@
 """benchmarks/runtime/host_step.py (the frame step's host bookkeeping) keeps running, and
 the core's collected rows are what the backend returned: made frames carry their codes."""
 
-import pytest
 import torch
-from helpers_scripts import load_script, unload_script
+from helpers_scripts import script_fixture
 
-
-@pytest.fixture(scope="module")
-def host_step():
-    module = load_script("benchmarks/runtime/host_step.py")
-    yield module
-    unload_script(module)
+host_step = script_fixture("benchmarks/runtime/host_step.py")
 
 
 def test_host_step_times_a_step_of_every_row(host_step):

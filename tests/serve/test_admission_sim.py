@@ -5,15 +5,9 @@ streams underrun the slack keeps more of them on time by refusing more."""
 
 from __future__ import annotations
 
-import pytest
-from helpers_scripts import load_script, unload_script
+from helpers_scripts import script_fixture
 
-
-@pytest.fixture(scope="module")
-def sim():
-    module = load_script("benchmarks/serve/admission_sim.py")
-    yield module
-    unload_script(module)
+sim = script_fixture("benchmarks/serve/admission_sim.py")
 
 
 def test_light_load_is_never_refused_and_never_late(sim):
