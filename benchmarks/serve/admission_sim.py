@@ -63,12 +63,13 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
                 "audio": a.codec_ms / 1e3},
         per_row_s={"frames": a.frame_row_ms / 1e3, "audio": 0.0},
         audio_frame_s=a.codec_frame_ms / 1e3, lane_frames=a.lane_frames,
+        lane_codec_steps=a.lane_chunks,
     )  # fmt: skip
     observer = Late()
     config = SchedulerConfig(num_slots=a.slots, max_batch=a.slots, max_queue=256,
                              queue_timeout_s=a.queue_timeout, max_buffered_s=1e6,
                              stream_buffer_s=1e6, admit_slack_s=slack,
-                             lane_frames=a.lane_frames)  # fmt: skip
+                             lane_frames=a.lane_frames, lane_chunks=a.lane_chunks)  # fmt: skip
     sched = Scheduler(config, clock, observer, initial_cost_s=0.01)
     loop = EngineLoop(sched, Runner(engine, FakeRequestError), clock=clock, sleep=clock.advance,
                       express=True)  # fmt: skip
@@ -143,6 +144,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="chunk schedules to compare, '/' between, e.g. 1,1,2,4,8,12/2,1,2,4,8")
     p.add_argument("--lane-frames", type=int, default=1,
                    help="a new row's first frames on the admission lane (2: serve --lane-frames 2)")
+    p.add_argument("--lane-chunks", type=int, default=1,
+                   help="a stream's first one-frame chunks decoded on the admission lane "
+                   "(serve --lane-chunks)")
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--queue-timeout", type=float, default=2.0)
     p.add_argument("--frame-ms", type=float, default=4.0)
