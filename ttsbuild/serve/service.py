@@ -153,6 +153,7 @@ class SpeechService:
                                express=config.express_admission and lane)  # fmt: skip
         self.lag_probe: asyncio.Task | None = None
         self._gc_callback: Callable | None = None  # watch_gc's, while started
+        self._gc_threshold: tuple[int, int, int] | None = None  # the interpreter's, while tuned
         self.ready = False
         self.event_loop: asyncio.AbstractEventLoop | None = None
         self.encode_pool = ThreadPoolExecutor(config.encode_workers, "encode")
@@ -220,6 +221,9 @@ class SpeechService:
         self.loop.stop()
         if self.config.gc_freeze:
             gc.unfreeze()  # the interpreter's own clean-up at exit sees everything again
+        if self._gc_threshold is not None:
+            gc.set_threshold(*self._gc_threshold)
+            self._gc_threshold = None
         self.encode_pool.shutdown(wait=False, cancel_futures=True)
 
     def encoder(self, pipeline: AudioPipeline):
@@ -342,6 +346,10 @@ class SpeechService:
         stats = await asyncio.gather(one(4), one(8))
         if self.config.gc_freeze:
             freeze_startup_objects()
+        if self.config.gc_threshold is not None and self._gc_threshold is None:
+            # collections of the live requests' objects, rarer (ServeConfig.gc_threshold)
+            self._gc_threshold = gc.get_threshold()
+            gc.set_threshold(*self.config.gc_threshold)
         self.ready = True
         log.info("warm-up done: %s", stats)
 
