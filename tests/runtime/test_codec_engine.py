@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import HAS_TRITON
 from test_codec import our_decoder, rand_codes, small_config, test_state
 
 from ttsbuild.build.codec_fold import fold_codec_state, load_folded_codec
@@ -269,6 +270,39 @@ def test_small_steps_run_the_transformer_as_fused_linears_with_the_same_audio(mo
         calls.clear()
         assert rel_err(ce.decode_with(exact, codes, chunk=chunk), ref) <= REL_TOL
         assert calls == ([2] * 9 if chunk == 1 else []), calls
+
+
+def test_fused_transformer_steps_ask_for_their_rows_as_gemvs(monkeypatch):
+    """The fused pre-transformer runs steps of at most fused_layers_max_rows rows, so it asks
+    fused_linear to run that many fp32 rows as GEMVs (16-row fp32 tiles went through tl.dot's
+    IEEE path: 2.6 ms a step from 2 rows on the H200; as GEMVs 0.82-1.03 ms at 2-8 rows)."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    cfg = small_config(num_key_value_heads=4)
+    dec = our_decoder(cfg, test_state(cfg, seed=44))
+    engine = CodecEngine(dec, 3, "fp32", conv_impl="triton", fused=True, fused_attention=True,
+                         fused_layers_max_rows=6)  # fmt: skip
+    asked, real = [], ce.fused_linear
+    monkeypatch.setattr(ce, "fused_linear", lambda *a, **kw: asked.append(
+        (a[0].shape[0], kw.get("gemv_rows_f32"))) or real(*a, **kw))  # fmt: skip
+    codes = rand_codes(cfg, 3, 4, seed=45)
+    ce.decode_with(engine, codes, chunk=2)  # 3 rows x 2 frames = 6: the fused path
+    layers = len(dec.pre_transformer.layers)
+    assert len(asked) == 2 * (2 + 4 * layers)  # two steps: projections + 4 per layer
+    assert {rows for rows, _ in asked} == {6} and {g for _, g in asked} == {6}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the launch plan imports it)")
+def test_fused_linear_launch_takes_the_callers_gemv_rows():
+    from ttsbuild.plugins._tl.fused_linear import _launch
+
+    x = torch.randn(4, 512)
+    out = torch.empty(4, 3072)
+    as_gemv = _launch(x, 4, 3072, 512, False, None, out, gemv_rows_f32=8)[0]
+    tiled = _launch(x, 4, 3072, 512, False, None, out, gemv_rows_f32=0)[0]
+    assert as_gemv["BLOCK_M"] == 1 and tiled["BLOCK_M"] == 16
+    half = _launch(x.half(), 4, 3072, 512, False, None, out, gemv_rows_f32=8)[0]
+    assert half["BLOCK_M"] == 16  # fp32 activations only
 
 
 def test_the_fused_output_stage_decodes_the_same_audio():

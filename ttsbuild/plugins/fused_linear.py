@@ -78,11 +78,14 @@ def fused_linear(
     use_triton: bool | None = None,
     config: dict | None = None,  # BLOCK_M/N/K, SPLIT_K: overrides the per-shape plan
     residual_ready: bool = False,
+    gemv_rows_f32: int | None = None,
 ) -> torch.Tensor:
     """[M, N] in out_dtype (default x's dtype); one launch on the GPU. residual_ready: the
     residual was written at least two kernels before this one (not by the kernel right
     before it), so under programmatic dependent launch it is read before waiting for that
-    kernel, with the weights."""
+    kernel, with the weights. gemv_rows_f32: fp32 x of at most this many rows runs as GEMVs,
+    a program per row and column tile (None: TTSBUILD_GEMV_ROWS_F32, default 0; see the
+    per-shape plan)."""
     if (scale is not None) != (weight.dtype == FP8_DTYPE):
         raise TypeError("FP8 weights need their per-channel scale, other weights none")
     kw = dict(
@@ -94,7 +97,7 @@ def fused_linear(
     from ttsbuild.plugins._tl.fused_linear import fused_linear_triton
 
     return fused_linear_triton(x, weight, scale, config=config, residual_ready=residual_ready,
-                               **kw)  # fmt: skip
+                               gemv_rows_f32=gemv_rows_f32, **kw)  # fmt: skip
 
 
 def norm_linear(x, norm_weight, weight, scale=None, *, eps, out_dtype=None, use_triton=None):

@@ -85,9 +85,12 @@ class EnginePlan(BaseModel):
     # fused_linear launches (CodecEngine(fused_layers_max_rows=...): ~5 per layer instead of
     # ~10; same audio, fp32 without TF32 rounding); 0: off. H200, 2026-12-03 (profile_codec.py
     # row '+l', one process): 0.846 -> 0.745 ms at 1 frame, but 0.978 / 1.063 / 1.114 / 1.454
-    # -> 2.595 / 2.679 / 2.733 / 2.929 ms at 2 / 4 / 8 / 16 frames: on for one-frame steps
-    # only (an idle engine's first chunk, a lone stream).
-    codec_fused_layers_max_rows: int = Field(default=1, ge=0)
+    # -> 2.595 / 2.679 / 2.733 / 2.929 ms at 2 / 4 / 8 / 16 frames (16-row fp32 tiles through
+    # tl.dot's IEEE path). With those rows as GEMVs (fused_linear's gemv_rows_f32, which the
+    # codec sets to this field; 2026-12-03, eleventh session, same script): 0.848 / 0.978 /
+    # 1.064 / 1.115 / 1.457 -> 0.742 / 0.824 / 0.935 / 1.029 / 1.507 ms at 1 / 2 / 4 / 8 /
+    # 16 rows: on up to 8 (benchmarks/codec/2026-12-03-h200-gemv-rows).
+    codec_fused_layers_max_rows: int = Field(default=8, ge=0)
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()

@@ -70,8 +70,10 @@ _GEMV_NARROW = os.environ.get("TTSBUILD_GEMV_NARROW", "1") != "0"
 # per row and column tile (BLOCK_M 1) instead of 16-row tiles through tl.dot, which for fp32
 # is the IEEE (non-tensor-core) path. H200, 2026-12-03: the codec's pre-transformer as fused
 # linears cost 0.745 ms a step at 1 frame (a GEMV) but 2.595 / 2.929 ms at 2 / 16 frames
-# (16-row tiles), against 0.978 / 1.454 unfused (benchmarks/codec/RESULTS.md). 0: off (the
-# default until profile_codec.py's '+l' rows time it: gpu_session.sh CODEC_LAYERS_AB=1).
+# (16-row tiles), against 0.978 / 1.454 unfused; as GEMVs 0.742 / 0.824 / 0.935 / 1.029 /
+# 1.507 ms at 1 / 2 / 4 / 8 / 16 rows (benchmarks/codec/RESULTS.md). The codec asks for it
+# per call (fused_linear's gemv_rows_f32, its fused_layers_max_rows); this is the default of
+# every other caller (fp32 models in checks): 0, off.
 _GEMV_ROWS_F32 = int(os.environ.get("TTSBUILD_GEMV_ROWS_F32", "0"))
 
 
@@ -430,14 +432,16 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
 
 
-def _launch(x, M, N, K, gate_up, config, out, *, head_dim=None, groups=0):
-    """How an [M, N] linear of x launches: the tile config (the per-shape `plan` unless given),
+def _launch(x, M, N, K, gate_up, config, out, *, head_dim=None, groups=0, gemv_rows_f32=None):
+    """How an [M, N] linear of x launches: the tile config (the per-shape `plan` unless given;
+    gemv_rows_f32 as there),
     the grid, the split-K workspace, the arrival counters (split-K's per tile, then `groups`
     more), PDL, and the K blocks loaded before the PDL wait. head_dim: tiles narrowed to lie
     within one head of that many columns."""
     sms = _num_sms(x.device)
     c = (dict(config) if config is not None
-         else plan(M, N, K, gate_up, sms, fp32=x.dtype == torch.float32))  # fmt: skip
+         else plan(M, N, K, gate_up, sms, fp32=x.dtype == torch.float32,
+                   gemv_rows_f32=gemv_rows_f32))  # fmt: skip
     if interpret_mode():
         c["BLOCK_N"] = min(c["BLOCK_N"], 32)  # the interpreter is slow on big tiles
     if head_dim is not None:
@@ -478,6 +482,7 @@ def fused_linear_triton(
     out_dtype: torch.dtype | None = None,
     config: dict | None = None,
     residual_ready: bool = False,
+    gemv_rows_f32: int | None = None,
 ) -> torch.Tensor:
     K = x.shape[1]
     if index is not None:
@@ -491,7 +496,8 @@ def fused_linear_triton(
     out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return out
-    c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, gate_up, config, out)
+    c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, gate_up, config, out,
+                                              gemv_rows_f32=gemv_rows_f32)  # fmt: skip
     dummy = out
     _fused_linear_kernel[grid](
         x, index if index is not None else dummy, norm_weight if norm_weight is not None else dummy,
