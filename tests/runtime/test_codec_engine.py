@@ -286,10 +286,12 @@ def test_fused_transformer_steps_ask_for_their_rows_as_gemvs(monkeypatch):
     monkeypatch.setattr(ce, "fused_linear", lambda *a, **kw: asked.append(
         (a[0].shape[0], kw.get("gemv_rows_f32"))) or real(*a, **kw))  # fmt: skip
     codes = rand_codes(cfg, 3, 4, seed=45)
-    ce.decode_with(engine, codes, chunk=2)  # 3 rows x 2 frames = 6: the fused path
+    got = ce.decode_with(engine, codes, chunk=2)  # 3 rows x 2 frames = 6: the fused path
     layers = len(dec.pre_transformer.layers)
     assert len(asked) == 2 * (2 + 4 * layers)  # two steps: projections + 4 per layer
     assert {rows for rows, _ in asked} == {6} and {g for _, g in asked} == {6}
+    # steps of several frames per row on the fused path decode the same audio
+    assert rel_err(got, ce.decode_with(dec, codes)) <= REL_TOL
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the launch plan imports it)")
