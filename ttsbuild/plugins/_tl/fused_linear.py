@@ -433,11 +433,10 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
 
 
 def _launch(x, M, N, K, gate_up, config, out, *, head_dim=None, groups=0, gemv_rows_f32=None):
-    """How an [M, N] linear of x launches: the tile config (the per-shape `plan` unless given;
-    gemv_rows_f32 as there),
-    the grid, the split-K workspace, the arrival counters (split-K's per tile, then `groups`
-    more), PDL, and the K blocks loaded before the PDL wait. head_dim: tiles narrowed to lie
-    within one head of that many columns."""
+    """How an [M, N] linear of x launches: the tile config (the per-shape `plan` unless given,
+    with gemv_rows_f32 as there), the grid, the split-K workspace, the arrival counters
+    (split-K's per tile, then `groups` more), PDL, and the K blocks loaded before the PDL
+    wait. head_dim: tiles narrowed to lie within one head of that many columns."""
     sms = _num_sms(x.device)
     c = (dict(config) if config is not None
          else plan(M, N, K, gate_up, sms, fp32=x.dtype == torch.float32,
