@@ -185,7 +185,7 @@ def serve(
         "10000,10,10", help="After the warm-up, the cyclic collector's thresholds "
         "(gc.set_threshold; 'python': the interpreter's 700,10,10). Serving makes no cyclic "
         "garbage, so at 700 a collection only scans the live requests' objects, every thread "
-        "stopped: on the H200 at 70 req/s ~730 gen-0, ~40 gen-1 and 3 gen-2 pauses a minute "
+        "stopped: on the H200 at 70 req/s ~450 gen-0, ~40 gen-1 and 3 gen-2 pauses a minute "
         "at 700, 4-5 gen-0 ones at 10000 (2026-12-03)."
     ),  # fmt: skip
     log_level: str = typer.Option("info", help="uvicorn log level."),

@@ -145,6 +145,6 @@ class ServeConfig:
     # (benchmarks/serve/gc_load.py: every collection found none), so at 700 each collection
     # only scans the live requests' objects: over HTTP at 8 req/s on a CPU 98 pauses a minute,
     # 0 at 10 000, tracked objects the same after the load. On the H200 at 70 req/s: 4-5
-    # gen-0 pauses a minute and no gen-1/gen-2 ones, against ~730 / ~40 / 3 at 700
+    # gen-0 pauses a minute and no gen-1/gen-2 ones, against ~450 / ~40 / 3 at 700
     # (benchmarks/serve/2026-12-03-h200-lane-frames-ab). None: the interpreter's.
     gc_threshold: tuple[int, int, int] | None = (10_000, 10, 10)
