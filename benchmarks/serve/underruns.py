@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 from collections import Counter
 from pathlib import Path
+
+from ttsbuild.bench.metrics import nearest_rank
 
 
 def load(run: Path) -> list[dict]:
@@ -28,14 +29,6 @@ def load(run: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         return [r for r in map(json.loads, f) if not r.get("warmup")]
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The nearest-rank quantile of values (nan when empty)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def clusters(times: list[float], window: float) -> list[tuple[float, int]]:
@@ -61,9 +54,9 @@ def report(run: Path, window: float) -> str:
     return "\n".join([
         f"{run.name}: {len(late)} of {len(records)} completed requests underran; first underrun "
         f"at playback s: {dict(sorted(where.items())) or '-'}",
-        f"  first -> second chunk gap ms: p50 {quantile(gaps, 0.5):.1f} p95 "
-        f"{quantile(gaps, 0.95):.1f} p99 {quantile(gaps, 0.99):.1f} max "
-        f"{max(gaps, default=float('nan')):.1f}",
+        "  first -> second chunk gap ms: " + " ".join(
+            f"{name} {nearest_rank(gaps, p) if gaps else float('nan'):.1f}"
+            for name, p in (("p50", 50), ("p95", 95), ("p99", 99), ("max", 100))),
         f"  underrun requests in {len(groups)} groups sent within {window:g} s of each other; "
         f"largest: " + (", ".join(f"{n} from {t:.2f} s" for t, n in big) or "-"),
     ])  # fmt: skip

@@ -34,13 +34,5 @@ def test_reports_underruns_gaps_and_groups(underruns, tmp_path):
     assert "2 groups" in text and "3 from 5.00 s" in text and "1 from 9.00 s" in text
     all_gaps = sorted(1e3 * g for g in [*gaps, 0.09, 0.09, 0.09, 0.09])
     assert f"max {all_gaps[-1]:.1f}" in text
-    assert f"p50 {underruns.quantile(all_gaps, 0.5):.1f}" in text
-
-
-def test_quantile_is_the_nearest_rank(underruns):
-    values = list(range(1, 101))
-    random.shuffle(values)
-    assert underruns.quantile(values, 0.5) == 50
-    assert underruns.quantile(values, 0.95) == 95
-    assert underruns.quantile(values, 0.99) == 99
-    assert underruns.quantile([7.0], 0.99) == 7.0
+    assert f"p50 {all_gaps[50]:.1f}" in text  # nearest ranks of 101: 51st, 100th
+    assert f"p99 {all_gaps[99]:.1f}" in text
