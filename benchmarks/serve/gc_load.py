@@ -2,10 +2,10 @@
 process (CPU, the tiny random model): how often each generation is collected, how long each
 pause is, and whether the objects the collector tracks grow with the requests served.
 
-On the H200 host at 70 req/s `tts_gc_pause_seconds` showed, per minute, ~730 generation-0
-collections of ~0.85 ms, ~40 of generation 1 (5-10 ms) and 3 of generation 2 (10-20 ms); every
-pause stops the engine thread and the event loop. This replays such load at a rate the CPU
-sustains and reports where the collector's work comes from:
+On the H200 host at 70 req/s `tts_gc_pause_seconds` showed, per minute, ~450 generation-0
+collections of ~0.87 ms, ~40 of generation 1 (~5.5 ms) and 3 of generation 2 (~11 ms), at the
+interpreter's thresholds; every pause stops the engine thread and the event loop. This replays
+such load at a rate the CPU sustains and reports where the collector's work comes from:
 
     python benchmarks/serve/gc_load.py [--mode service|http] [--rate 20] [--duration 60]
         [--max-frames 6] [--rounds 3] [--gc-threshold 700,10,10] [--types]
@@ -37,6 +37,9 @@ import sys
 import threading
 import time
 from collections import Counter, deque
+
+from ttsbuild.bench.metrics import nearest_rank
+from ttsbuild.serve.cli import parse_gc_threshold
 
 TEXT = "Thanks, Hannah. Your flight boards at gate twelve. Would you prefer Friday?"
 
@@ -102,7 +105,7 @@ def summary(watch: GcWatch, seconds: float) -> list[str]:
             continue
         ms = sorted(p[1] * 1e3 for p in ps)
         lines.append(f"  {g} | {len(ps) * 60 / seconds:8.1f} | {statistics.mean(ms):.3f} / "
-                     f"{ms[int(0.99 * (len(ms) - 1))]:.3f} / {ms[-1]:.3f} | "
+                     f"{nearest_rank(ms, 99):.3f} / {ms[-1]:.3f} | "
                      f"{statistics.mean(p[2] for p in ps):.1f}")  # fmt: skip
     lines.append("gc.get_stats() deltas: " + ", ".join(
         f"gen{g} " + " ".join(f"{k}+{watch.stats1[g][k] - watch.stats0[g][k]}"
@@ -142,20 +145,23 @@ async def one_request(service, i: int, a, served: list) -> None:
     served.append("ok")
 
 
-async def drive_service(service, a, on_tick) -> list:
-    served: list = []
-    tasks = set()
-    start = time.perf_counter()
-    i = 0
+async def steady_rate(a, request, on_tick=None) -> None:
+    """request(i) for i = 0, 1, ... at a.rate per second (request i leaves at i / rate) for
+    a.duration seconds, then waits for them all; on_tick(seconds since the start) between."""
+    tasks, start, i = [], time.perf_counter(), 0
     while (now := time.perf_counter() - start) < a.duration:
-        if i < now * a.rate:  # a steady rate: request i leaves at i / rate
-            task = asyncio.create_task(one_request(service, i, a, served))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        if i < now * a.rate:
+            tasks.append(asyncio.create_task(request(i)))
             i += 1
-        on_tick(now)
+        if on_tick is not None:
+            on_tick(now)
         await asyncio.sleep(min(0.005, max(0.0, i / a.rate - now)))
     await asyncio.gather(*tasks)
+
+
+async def drive_service(service, a, on_tick) -> list:
+    served: list = []
+    await steady_rate(a, lambda i: one_request(service, i, a, served), on_tick)
     return served
 
 
@@ -180,13 +186,7 @@ def client_main(url: str, a) -> None:
                 except httpx.HTTPError as exc:
                     outcome[type(exc).__name__] += 1
 
-            tasks, start, i = [], time.perf_counter(), 0
-            while (now := time.perf_counter() - start) < a.duration:
-                if i < now * a.rate:
-                    tasks.append(asyncio.create_task(one(i)))
-                    i += 1
-                await asyncio.sleep(min(0.005, max(0.0, i / a.rate - now)))
-            await asyncio.gather(*tasks)
+            await steady_rate(a, one)
         print(json.dumps({str(k): v for k, v in outcome.items()}))
 
     asyncio.run(run())
@@ -204,11 +204,16 @@ def main() -> None:
                    help="repeat the load; tracked objects (after gc.collect()) after each round")
     p.add_argument("--every", type=float, default=10.0, help="seconds between reports")
     p.add_argument("--gc-threshold", default=None,
-                   help="gc.set_threshold after the warm-up, e.g. 700,10,10 (the interpreter's); "
+                   help="gc.set_threshold after the warm-up, e.g. 700,10,10 or python (the "
+                   "interpreter's); "
                    "default: the server's (ServeConfig.gc_threshold)")
     p.add_argument("--types", action="store_true", help="which types survive and get promoted")
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)  # the http client process
     a = p.parse_args()
+    try:  # the server's own parser ('python': the interpreter's 700,10,10)
+        threshold = a.gc_threshold and (parse_gc_threshold(a.gc_threshold) or (700, 10, 10))
+    except ValueError as exc:
+        p.error(str(exc))
     if a.client:
         return client_main(a.client, a)
 
@@ -219,8 +224,8 @@ def main() -> None:
 
     def ready_snapshot() -> None:
         """After the warm-up (and its gc.freeze): the baseline, after a full collection."""
-        if a.gc_threshold:
-            gc.set_threshold(*(int(x) for x in a.gc_threshold.split(",")))
+        if threshold:
+            gc.set_threshold(*threshold)
         gc.collect()
         state["base"] = tracked()
         state["modules"] = set(sys.modules)
