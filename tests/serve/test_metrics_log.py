@@ -87,3 +87,34 @@ def test_exact_chunks_cap_each_rows_codec_step_at_its_chunk():
     assert step.result.decoded == {0: 4, 1: 3}
     runner.launch(Plan(release=[], admit=[], prefill=None, stage=Stage.AUDIO, slots=[0, 1]))
     assert engine.calls[-1] == ([0, 1], None)
+
+
+def test_stalls_are_logged_with_what_stalled_once_a_second_per_kind(caplog):
+    """Stalls that hold every stream at once (the grouped underruns under load): the event
+    loop late, the engine thread late back from a poll, a frame or codec step far over its
+    usual time; each kind at most once a second, the short ones only counted in histograms."""
+    from ttsbuild.serve.scheduler import Stage
+
+    metrics = ServeMetrics(stall_s=0.02)
+    with caplog.at_level(logging.WARNING, logger="ttsbuild.serve.metrics"):
+        metrics.on_event_loop_lag(0.004)  # usual: not logged
+        metrics.on_event_loop_lag(0.0315)
+        metrics.on_event_loop_lag(0.05)  # within the second: counted
+        metrics.on_host("poll_lag", 0.019)
+        metrics.on_host("collect_frames", 0.5)  # not a poll: never a stall
+        metrics.on_host("poll_lag", 0.0264)
+        metrics.on_step(Stage.FRAMES, 48, 0.012, 48)
+        metrics.on_step(Stage.FRAMES, 48, 0.0512, 48)
+        metrics.on_step(Stage.AUDIO, 9, 0.0433, 0)
+        metrics.on_step(Stage.PREFILL, 3, 0.09, 0)  # a prefill may be long: not a stall
+        metrics._stall_logs["event"].logged_at -= 1.5
+        metrics.on_event_loop_lag(0.0222)
+    stalls = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stall:")]
+    assert stalls == [
+        "stall: event loop woke 31.5 ms late with 0 slots in use",
+        "stall: engine thread back from a poll 26.4 ms late with 0 slots in use",
+        "stall: frames step 51.2 ms with 48 rows with 0 slots in use",
+        "stall: audio step 43.3 ms with 9 rows with 0 slots in use",
+        "stall: event loop woke 22.2 ms late with 0 slots in use; 1 more since the last one",
+    ]
+    assert metrics.event_loop_lag._sum.get() == 0.004 + 0.0315 + 0.05 + 0.0222

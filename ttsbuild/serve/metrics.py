@@ -34,6 +34,9 @@ STOP_REASONS = ("eos", "text_budget", "repetition", "silence", "max_frames", "le
                 "cancel")  # fmt: skip
 
 
+# kinds of stall logged (ServeMetrics.stall_s): by the first word of what stalled
+STALLS = ("frames", "audio", "engine", "event")
+
 log = logging.getLogger(__name__)
 
 
@@ -62,11 +65,18 @@ class ServeMetrics:
     outliers, one by one, for a server log next to a sweep's histograms."""
 
     def __init__(self, registry: CollectorRegistry | None = None,
-                 slow_first_audio_s: float = 0.025):  # fmt: skip
+                 slow_first_audio_s: float = 0.025, stall_s: float = 0.02):  # fmt: skip
         self.registry = r = registry or CollectorRegistry()
         self.slow_first_audio_s = slow_first_audio_s
+        # A stall that holds every stream at once, logged with the time (at most once a second
+        # per kind) to line up with the underruns a load run found: the event loop waking this
+        # late, the engine thread back this late from a poll, a frame or codec step this long
+        # (they came in groups at 70 req/s on the H200 with no collector pause behind them,
+        # benchmarks/serve/2026-12-03-h200-lane-frames-ab).
+        self.stall_s = stall_s
         self._slow_log = _OncePerSecond()
         self._late_log = _OncePerSecond()
+        self._stall_logs = {kind: _OncePerSecond() for kind in STALLS}
         self._active = 0  # slots in use at the last plan (the gauge's value, for the log)
         self.ttfa = Histogram(
             "tts_time_to_first_audio_seconds", "Arrival to first audio chunk handed to the client",
@@ -177,10 +187,26 @@ class ServeMetrics:
         self.stage_seconds.labels(stage.value).observe(elapsed_s)
         if frames:
             self.frames.inc(frames)
+        if stage is not Stage.PREFILL and elapsed_s > 2 * self.stall_s:  # ~4x their load time
+            self._log_stall(f"{stage.value} step", elapsed_s, f" with {batch} rows")
 
     def on_host(self, part: str, seconds: float) -> None:
         """serve.loop's HostTimer."""
         self.engine_host.labels(part).observe(seconds)
+        if part == "poll_lag" and seconds > self.stall_s:
+            self._log_stall("engine thread back from a poll", seconds, " late")
+
+    def on_event_loop_lag(self, seconds: float) -> None:
+        """How late the event loop's periodic timer fired (serve.service's probe)."""
+        self.event_loop_lag.observe(seconds)
+        if seconds > self.stall_s:
+            self._log_stall("event loop woke", seconds, " late")
+
+    def _log_stall(self, what: str, seconds: float, detail: str) -> None:
+        if (more := self._stall_logs[what.split()[0]].due()) is None:
+            return
+        log.warning("stall: %s %.1f ms%s with %d slots in use%s", what, seconds * 1e3, detail,
+                    self._active, more)  # fmt: skip
 
     def on_codec_launches(self, launches: int) -> None:
         """serve.loop.Runner's: how many codec launches a codec step made."""

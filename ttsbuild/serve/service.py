@@ -205,7 +205,7 @@ class SpeechService:
         while True:
             start = time.perf_counter()
             await asyncio.sleep(period_s)
-            self.metrics.event_loop_lag.observe(max(0.0, time.perf_counter() - start - period_s))
+            self.metrics.on_event_loop_lag(max(0.0, time.perf_counter() - start - period_s))
 
     def stop(self) -> None:
         probe, loop = self.lag_probe, self.event_loop
