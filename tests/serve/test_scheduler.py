@@ -497,3 +497,69 @@ def test_a_session_admitted_once_keeps_its_segments_at_capacity():
     h.run_until(lambda: any(isinstance(e, Done) for e in events))
     assert isinstance(events[0], Admitted)
     assert nxt.status is Status.FINISHED
+
+
+def _codec_steps(budget, arrivals=6, gap_s=0.12):
+    """Streams arriving one after another on an engine whose codec steps cost per frame
+    decoded (a GPU's codec); every codec step's frames per row, and the lateness of chunks."""
+    h = Harness(num_slots=8, max_batch=8, codec_step_frames=budget)
+    h.engine.cost_s = {"prefill": 0.002, "frames": 0.004, "audio": 0.001}
+    h.engine.audio_frame_s = 0.0008
+    h.sched.observer = recorder = LatenessRecorder()
+    steps = []
+    launch_audio = h.engine.launch_audio
+
+    def recording(slots, max_frames=None):
+        ticket = launch_audio(slots, max_frames)
+        steps.append({s: len(pcm) // FRAME_SAMPLES for s, pcm in ticket.outputs.items()})
+        return ticket
+
+    h.engine.launch_audio = recording
+    streams = []
+    for _ in range(arrivals):
+        streams.append(h.submit(frames=90))
+        start = h.clock.t
+        h.run_until(lambda start=start: h.clock.t > start + gap_s)
+    h.run_until(lambda: all(s.status is Status.FINISHED for s in streams))
+    for s in streams:  # every frame decoded once, in the stream's own chunks
+        assert sum(len(c.pcm) for c in h.chunks(s)) == 90 * FRAME_SAMPLES
+    return steps, recorder.lateness
+
+
+def test_codec_steps_stay_within_their_frame_budget_most_urgent_rows_first():
+    """codec_step_frames: a codec step's rows join in urgency order while their frames fit,
+    the first always; without it a step decodes every ready row's frames (up to 8 rows)."""
+    free, free_late = _codec_steps(0)
+    bounded, bounded_late = _codec_steps(10)
+    assert max(sum(step.values()) for step in free) > 10  # the bound has work to do
+    for step in bounded:
+        assert sum(step.values()) <= 10 or len(step) == 1, step
+    assert len(bounded) > len(free)  # the same frames in more, smaller steps
+    assert max(bounded_late) <= 0 and max(free_late) <= 0
+
+
+def test_codec_budget_takes_the_anchor_and_passes_over_rows_too_large():
+    h = Harness(num_slots=4, codec_step_frames=5)
+    sched = h.sched
+    pending = {0: 8, 1: 4, 2: 3, 3: 1}  # most urgent first
+
+    class S:
+        def __init__(self, n):
+            self.n, self.generation_done = n, False
+
+        def pending(self):
+            return self.n
+
+        def next_chunk_frames(self):
+            return 2
+
+    rows = [type("R", (), {"stream": S(n), "slot": slot})() for slot, n in pending.items()]
+    picked = sched._within_codec_budget(rows)
+    assert [r.slot for r in picked] == [0]  # the anchor alone is over the budget already
+    picked = sched._within_codec_budget(rows[1:])
+    assert [r.slot for r in picked] == [1, 3]  # 4 + 1; the 3-frame row passed over
+    sched.config = SchedulerConfig(num_slots=4, codec_step_frames=5, exact_chunks=True)
+    picked = sched._within_codec_budget(rows)  # exact chunks: 2 frames each at most
+    assert [r.slot for r in picked] == [0, 1, 3]  # 2 + 2 + 1: the third row's 2 passed over
+    sched.config = SchedulerConfig(num_slots=4, codec_step_frames=50, max_batch=3)
+    assert len(sched._within_codec_budget(rows)) == 3

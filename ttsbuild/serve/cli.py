@@ -158,6 +158,12 @@ def serve(
         "fewer codec launches (without it a chunk of 4 with one more frame is 4 + 1). See "
         "tts_codec_launches_per_step. Not yet served on a GPU."
     ),  # fmt: skip
+    codec_step_frames: int = typer.Option(
+        0, "--codec-step-frames", min=0, help="The most frames one codec step decodes over "
+        "all its streams (0: no bound): streams join in urgency order while their chunks fit "
+        "(the most urgent always), so a chunk due soon is not decoded beside the large "
+        "chunks of streams far ahead of their playback."
+    ),  # fmt: skip
     lane_chunks: int = typer.Option(
         1, "--lane-chunks", min=1, max=4, help="GPU, with an admission lane: a stream's first "
         "chunks whose codec steps run on that lane when they are one frame (the first always), "
@@ -235,6 +241,7 @@ def serve(
             pace_slack_s=pace_slack,
             lane_chunks=lane_chunks,
             exact_chunks=exact_chunks,
+            codec_step_frames=codec_step_frames,
         ),
         drop_bootstrap_frame=drop_bootstrap_frame,
         trim_onset=trim_onset,

@@ -106,6 +106,14 @@ class SchedulerConfig:
     # chunk; off: a row decodes every frame it has, and a chunk of 4 with one more is two codec
     # launches (4 + 1). serve --exact-chunks; tts_codec_launches_per_step shows which pays.
     exact_chunks: bool = False
+    # A codec step's frames, at most (0: no bound; the anchor's row always goes): rows join in
+    # urgency order while their frames fit, so a step that carries a chunk due soon is not
+    # also decoding the 8- and 12-frame chunks of streams seconds ahead of their playback. A
+    # codec step costs about its frames (unlike a frame step, whose rows are nearly free):
+    # at 70 req/s on the H200 steps of 17-64 streams' chunks took 20-45 ms beside the frame
+    # steps, and a stream's second chunk, due 80 ms after its first, waited for them
+    # (benchmarks/serve/2026-12-03-h200-stalls). serve --codec-step-frames.
+    codec_step_frames: int = 0
     # Paced frame steps (0: off, every turn steps every ready stream): a frame step runs only
     # when a stream needs one, i.e. a new stream waits for its first audio or a stream's slack
     # (seconds before its client's buffer runs dry, the next chunk's making counted) is below

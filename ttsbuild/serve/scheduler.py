@@ -742,6 +742,8 @@ class Scheduler:
             waits = anchor.stream.codec_waits_for()
             candidates = [r for r in candidates if r.stream.codec_waits_for() <= waits]
         rows = candidates[: self.config.max_batch]
+        if anchor.stage is Stage.AUDIO and self.config.codec_step_frames:
+            rows = candidates = self._within_codec_budget(candidates)
         new_ready = sum(r.new for r in ready)
         plan.stage, plan.reason = anchor.stage, reason
         plan.frames_take_new = new_ready > 0 and sum(r.new for r in rows) == new_ready
@@ -753,6 +755,25 @@ class Scheduler:
                                  if not r.stream.generation_done}  # fmt: skip
         if not (plan.slots or plan.frames_take_new):
             plan.stage = None  # only new rows were ready, and they did not fit
+
+    def _within_codec_budget(self, candidates: list[Ready]) -> list[Ready]:
+        """The codec step's rows, most urgent first, whose frames fit in codec_step_frames
+        (the first row always; a row too large is passed over for smaller ones behind it:
+        it is less urgent, and becomes more urgent turn by turn), at most max_batch."""
+        budget, exact = self.config.codec_step_frames, self.config.exact_chunks
+        rows, total = [], 0
+        for r in candidates:
+            s = r.stream
+            frames = s.pending()
+            if exact and not s.generation_done:
+                frames = min(frames, s.next_chunk_frames())
+            if rows and total + frames > budget:
+                continue
+            rows.append(r)
+            total += frames
+            if len(rows) == self.config.max_batch:
+                break
+        return rows
 
     def _chunk_runs_dry_during_frames(self, ready: list[Ready]) -> bool:
         """A chunk whose frames are all made, due before a frame step would end: a codec step
