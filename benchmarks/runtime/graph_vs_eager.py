@@ -114,13 +114,14 @@ def run_graph(engine: GraphEngine, reqs, audio_min: int = 1):
 # predictor pass at 1, the fused one at 2 and 4, the rest unfused), the first 3 prompts in
 # one prefill step (prefill_batches) and the fp16 codec engine
 # with its implicit-GEMM convs and opt-in fusions (the pre-transformer as fused linears on
-# codec steps of up to 4 frames); codes must still be identical in fp32,
+# codec steps of up to 8 frame-rows, the served default since afc8535; 4 until 2026-12-03);
+# codes must still be identical in fp32,
 # and the PCM within the codec gate (SNR >= 45 dB against the eager backend's fp32 codec)
 # instead of 1e-3.
 KERNEL_CHOICES = dict(persistent_code_predictor=(1,), fused_code_predictor=(2, 4),
                       codec_precision="fp16", codec_fused=True, codec_channels_last=True,
                       codec_fused_output=True, codec_fused_attention=True,
-                      codec_state_channels_last=True, codec_fused_layers_max_rows=4,
+                      codec_state_channels_last=True, codec_fused_layers_max_rows=8,
                       prefill_batches=(1, 2, 4))
 MIN_SNR_DB = 45.0
 
