@@ -288,13 +288,12 @@ def test_the_ramps_second_one_frame_chunk_is_decoded_alone_when_the_lane_takes_i
     assert first == [new_slot] and len(second) > 1
 
 
-def frame_calls_of_a_new_stream(lane_frames: int, schedule=(2, 1, 2, 4)
-                                ) -> list[tuple[str, list[int]]]:  # fmt: skip
+def frame_calls_of_a_new_stream(lane_frames: int) -> list[tuple[str, list[int]]]:
     """The engine calls that carried a new stream's first two frames and first codec step
-    (by default a first chunk of two frames, as a real checkpoint's with its bootstrap frame
-    dropped), beside four running streams that are mostly waiting for frames (chunks of
-    eight)."""
+    (a first chunk of two frames, as a real checkpoint's with its bootstrap frame dropped),
+    beside four running streams that are mostly waiting for frames (chunks of eight)."""
     h = Harness(num_slots=8, express=True, admission_lane=True, lane_frames=lane_frames)
+    schedule = (2, 1, 2, 4)
     running = [h.submit(frames=400, schedule=(8,)) for _ in range(4)]
     h.run_until(lambda: all(len(h.chunks(s)) >= 3 for s in running))
     before = len(h.engine.calls)
@@ -317,21 +316,6 @@ def test_a_first_chunk_of_two_frames_gets_both_in_express_turns_when_the_lane_ma
     assert codec == ("audio", [new_slot])
     first, second, _ = frame_calls_of_a_new_stream(1)
     assert second[0] == "frames" and len(second[1]) == 5  # with the four running streams
-
-
-def test_a_one_frame_first_chunks_second_frame_follows_its_codec_step_on_the_lane():
-    """lane_frames 2 with a first chunk of one frame (a stand-in's): right after the first
-    codec step's express turn, another gives the stream its second frame, alone (the engine's
-    lane makes it), instead of the next regular frame step, where it waited on the H200 for
-    the regular lane's cadence (benchmarks/serve/2026-12-03-h200-lane-frames-ab, B); with 1 the
-    second frame rides along in the running streams' next step."""
-    new_slot = 4
-    first, codec, second = frame_calls_of_a_new_stream(2, schedule=(1, 1, 2, 4))
-    assert first[0] == "frames" and codec == ("audio", [new_slot])
-    assert second == ("frames", [new_slot])
-    first, codec, second = frame_calls_of_a_new_stream(1, schedule=(1, 1, 2, 4))
-    assert codec == ("audio", [new_slot])
-    assert second[0] == "frames" and len(second[1]) == 5
 
 
 @pytest.mark.parametrize("limit", [1, 2])

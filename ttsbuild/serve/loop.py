@@ -241,11 +241,6 @@ class EngineLoop:
                         self.scheduler.first_audio_due()) else None  # fmt: skip
                 if first is not None and not first.is_empty:
                     self._launch(first)
-                    with self.lock:  # a one-frame first chunk: its second frame on the lane now
-                        second = self._plan("second-frame") if (
-                            self.scheduler.second_frame_due()) else None  # fmt: skip
-                    if second is not None and not second.is_empty:
-                        self._launch(second)
         self._read_back(must=plan.is_empty, due_at=due_at)
         self.steps += 1
         return True

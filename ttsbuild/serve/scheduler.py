@@ -512,25 +512,20 @@ class Scheduler:
         next frame, nothing else (a first chunk of two frames: the engine's lane runs it with
         plan.lane_frames 2); "first-audio" launches the first codec step of streams whose
         first chunk's frames were just launched, nothing else (admissions and prompts wait for
-        the next turn); "second-frame" gives streams whose one-frame first chunk was just
-        handed to the codec their second frame, nothing else (with plan.lane_frames 2 the
-        engine's lane runs it, right behind the first, instead of the next regular frame
-        step: the second chunk is the one that runs late under load)."""
+        the next turn)."""
         now = self.clock()
         release, self.to_release = self.to_release, []
         held = [s for s in self.by_slot.values() if s.status is Status.PREFILL]
-        express = only in ("first-audio", "first-frames", "second-frame")
-        admit = [] if express else self._admissions(now, len(held))
+        admit = [] if only in ("first-audio", "first-frames") else self._admissions(
+            now, len(held))
         ready = self._ready(now)
         if self._audio_in_flight >= self.config.max_audio_in_flight:
             ready = [r for r in ready if r.stage is not Stage.AUDIO or self._lane_chunk(r.stream)]
-        run_prefill = not express and self._prefill_now(ready)
+        run_prefill = only not in ("first-audio", "first-frames") and self._prefill_now(ready)
         if only == "new":
             ready = []
         elif only == "first-frames":
             ready = [r for r in ready if _first_frames_due(r.stream) and r.stage is Stage.FRAMES]
-        elif only == "second-frame":
-            ready = [r for r in ready if _second_frame_due(r.stream) and r.stage is Stage.FRAMES]
         elif only == "first-audio":  # their first codec steps, alone on the engine's lane
             ready = [r for r in ready if r.stage is Stage.AUDIO and self._lane_chunk(r.stream)]
         if run_prefill:
@@ -563,12 +558,6 @@ class Scheduler:
         chunk needs more (a first chunk of two frames), and the engine's lane makes them
         (lane_frames > 1; elsewhere the frame rides along in the next regular step)."""
         return self.config.lane_frames > 1 and self._any_ready(_first_frames_due, Stage.FRAMES)
-
-    def second_frame_due(self) -> bool:
-        """A stream's one-frame first chunk went to the codec and its second frame is not made
-        yet, and the engine's lane makes it (lane_frames > 1): the loop's "second-frame"
-        turn launches it at once instead of in the next regular frame step."""
-        return self.config.lane_frames > 1 and self._any_ready(_second_frame_due, Stage.FRAMES)
 
     def _any_ready(self, which: Callable[[Stream], bool], stage: Stage) -> bool:
         """Some stream `which` picks is ready for `stage` and not paused."""
@@ -1024,12 +1013,6 @@ SECOND_CHUNK_PHASES = ("frames", "codec", "read")
 def _first_frames_due(s: Stream) -> bool:
     """Waiting for its first audio, first frame launched, no codec step yet."""
     return _first_chunk_due(s) and s.status is Status.DECODING and s.frames + s.inflight > 0
-
-
-def _second_frame_due(s: Stream) -> bool:
-    """Its first codec step launched on one frame, the only frame made or in flight."""
-    return (s.status is Status.DECODING and s.audio_steps == 1 and s.first_decoded == 1
-            and s.frames + s.inflight == 1)  # fmt: skip
 
 
 def _first_chunk_due(s: Stream) -> bool:
