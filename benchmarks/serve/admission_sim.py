@@ -70,8 +70,7 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
                              queue_timeout_s=a.queue_timeout, max_buffered_s=1e6,
                              stream_buffer_s=1e6, admit_slack_s=slack,
                              lane_frames=a.lane_frames, lane_chunks=a.lane_chunks,
-                             codec_step_frames=a.codec_step_frames,
-                             max_starting=a.max_starting)  # fmt: skip
+                             codec_step_frames=a.codec_step_frames)  # fmt: skip
     sched = Scheduler(config, clock, observer, initial_cost_s=0.01)
     loop = EngineLoop(sched, Runner(engine, FakeRequestError), clock=clock, sleep=clock.advance,
                       express=True)  # fmt: skip
@@ -151,8 +150,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(serve --lane-chunks)")
     p.add_argument("--codec-step-frames", type=int, default=0,
                    help="a codec step's frames at most (serve --codec-step-frames; 0: no bound)")
-    p.add_argument("--max-starting", type=int, default=0,
-                   help="new streams waiting for their first audio at most (serve --max-starting)")
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--queue-timeout", type=float, default=2.0)
     p.add_argument("--frame-ms", type=float, default=4.0)

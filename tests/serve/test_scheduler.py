@@ -563,39 +563,3 @@ def test_codec_budget_takes_the_anchor_and_passes_over_rows_too_large():
     assert [r.slot for r in picked] == [0, 1, 3]  # 2 + 2 + 1: the third row's 2 passed over
     sched.config = SchedulerConfig(num_slots=4, codec_step_frames=50, max_batch=3)
     assert len(sched._within_codec_budget(rows)) == 3
-
-
-def test_a_burst_starts_at_most_max_starting_streams_at_once():
-    """max_starting: fresh streams admitted and waiting for their first audio are bounded; the
-    rest of a burst waits in the queue (slots free) and is admitted as first chunks go out,
-    in arrival order; a session's later segment is never held back by it."""
-    h = Harness(num_slots=8, max_starting=2)
-    burst = [h.submit(frames=12) for _ in range(5)]
-    starting, admitted_order = [], []
-    while not all(s.first_audio_at is not None for s in burst):
-        plan = h.step()
-        admitted_order += [s.id for s in plan.admit]
-        starting.append(h.sched.starting())
-        assert h.sched.starting() <= 2
-    assert max(starting) == 2 and admitted_order == [s.id for s in burst]
-    firsts = sorted(s.first_audio_at for s in burst)
-    assert firsts[2] > firsts[0]  # the third one started after a first chunk went out
-    h.run_until(lambda: all(s.status is Status.FINISHED for s in burst))
-
-    h = Harness(num_slots=8, max_starting=1)
-    held = h.submit(frames=12)  # waiting for its first audio: the bound is reached
-    h.step()
-    events = []
-    nxt = h.sched.submit(FakeRequest(5), events.append, None, None, continuation=True)
-    fresh = h.submit(frames=5)
-    assert held.first_audio_at is None
-    plan = h.step()  # (planned before this turn's codec step gives `held` its first audio)
-    assert nxt in plan.admit and fresh not in plan.admit
-    h.run_until(lambda: fresh.status is Status.FINISHED)
-
-
-def test_without_max_starting_a_burst_is_admitted_at_once():
-    h = Harness(num_slots=8)
-    burst = [h.submit(frames=12) for _ in range(5)]
-    plan = h.step()
-    assert plan.admit == burst and h.sched.starting() == 5

@@ -164,11 +164,6 @@ def serve(
         "(the most urgent always), so a chunk due soon is not decoded beside the large "
         "chunks of streams far ahead of their playback."
     ),  # fmt: skip
-    max_starting: int = typer.Option(
-        0, "--max-starting", min=0, help="New streams admitted and still waiting for their "
-        "first audio, at most (0: no bound): a request beyond it waits in the queue until one "
-        "of them has its first chunk, so a burst of arrivals starts one after another."
-    ),  # fmt: skip
     lane_chunks: int = typer.Option(
         1, "--lane-chunks", min=1, max=4, help="GPU, with an admission lane: a stream's first "
         "chunks whose codec steps run on that lane when they are one frame (the first always), "
@@ -247,7 +242,6 @@ def serve(
             lane_chunks=lane_chunks,
             exact_chunks=exact_chunks,
             codec_step_frames=codec_step_frames,
-            max_starting=max_starting,
         ),
         drop_bootstrap_frame=drop_bootstrap_frame,
         trim_onset=trim_onset,

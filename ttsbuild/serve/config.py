@@ -114,14 +114,6 @@ class SchedulerConfig:
     # steps, and a stream's second chunk, due 80 ms after its first, waited for them
     # (benchmarks/serve/2026-12-03-h200-stalls). serve --codec-step-frames.
     codec_step_frames: int = 0
-    # Fresh streams admitted and still waiting for their first audio, at most (0: no bound):
-    # an arrival beyond it waits in the queue until one of them has its first chunk. Poisson
-    # arrivals come in bursts, and at 70 req/s on the H200 the underruns were the second
-    # chunks of such bursts' streams (3-7 sent within ~30 ms, each second chunk 80-110 ms
-    # after its first against ~32 ms at p50), while at 100 req/s, with every slot held and
-    # arrivals admitted one by one as slots freed, second chunks came sooner
-    # (benchmarks/serve/2026-12-03-h200-stalls). serve --max-starting.
-    max_starting: int = 0
     # Paced frame steps (0: off, every turn steps every ready stream): a frame step runs only
     # when a stream needs one, i.e. a new stream waits for its first audio or a stream's slack
     # (seconds before its client's buffer runs dry, the next chunk's making counted) is below

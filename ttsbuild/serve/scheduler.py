@@ -644,22 +644,13 @@ class Scheduler:
         admit = [s for s in self.queue if s.continuation][: max(0, limit)]
         demand = self.demand() + sum(s.demand() for s in admit)
         fresh = (s for s in self.queue if not s.continuation)
-        room = limit - len(admit)
-        if cfg.max_starting:  # fresh streams still waiting for their first audio
-            room = min(room, cfg.max_starting - self.starting())
-        for s in itertools.islice(fresh, max(0, room)):
+        for s in itertools.islice(fresh, max(0, limit - len(admit))):
             capacity = self.capacity(now, len(self.by_slot) + len(admit) + 1)
             if not self._fits(demand, s.demand(), capacity):
                 break
             admit.append(s)
             demand += s.demand()
         return admit
-
-    def starting(self) -> int:
-        """Fresh streams (not later segments of a session) holding a slot whose first audio
-        is still to come (SchedulerConfig.max_starting)."""
-        return sum(1 for s in self.by_slot.values() if s.first_audio_at is None
-                   and not s.continuation and s.status in (Status.PREFILL, Status.DECODING))
 
     def _ready(self, now: float) -> list[Ready]:
         """`_rank(s, s.next_stage(), now)` of every stream ready for frames or audio and not
