@@ -51,7 +51,9 @@ class PrecisionResult:
     # ...with the request resolved (tokenized, its prompt laid out) before the clock starts,
     # as a server does at its edge before the engine sees it (host_resolve, timed apart)
     first_chunk_host_resolved_ms: float = 0.0
-    # medians: host time in admit, in the launch calls (prefill, frames, audio), in the read
+    # medians: host time resolving the request (tokenize, lay out the prompt; before
+    # 2026-12-03 host_admit included it), in admit, in the launch calls (prefill, frames,
+    # audio), in the read
     # (wait + copy); GPU time of the prefill, the frame and the codec step (events between)
     first_chunk_parts_ms: dict[str, float] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)  # GiB by kind, measured

@@ -162,7 +162,8 @@ def serve(
         0, "--codec-step-frames", min=0, help="The most frames one codec step decodes over "
         "all its streams (0: no bound): streams join in urgency order while their chunks fit "
         "(the most urgent always), so a chunk due soon is not decoded beside the large "
-        "chunks of streams far ahead of their playback."
+        "chunks of streams far ahead of their playback. H200, 70 req/s: 96 left no underrun "
+        "but refused 992 requests against 54 (less audio per GPU second): keep 0."
     ),  # fmt: skip
     lane_chunks: int = typer.Option(
         1, "--lane-chunks", min=1, max=4, help="GPU, with an admission lane: a stream's first "

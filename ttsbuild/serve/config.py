@@ -112,7 +112,10 @@ class SchedulerConfig:
     # codec step costs about its frames (unlike a frame step, whose rows are nearly free):
     # at 70 req/s on the H200 steps of 17-64 streams' chunks took 20-45 ms beside the frame
     # steps, and a stream's second chunk, due 80 ms after its first, waited for them
-    # (benchmarks/serve/2026-12-03-h200-stalls). serve --codec-step-frames.
+    # (benchmarks/serve/2026-12-03-h200-stalls). Served at 70 req/s on 256 slots, 96 made 0
+    # underrun requests against 33, but smaller steps made less audio per GPU second and the
+    # capacity admission refused 992 requests against 54 (p95 first audio 146 ms):
+    # benchmarks/serve/2026-12-03-h200-codec-budget-ab. Off. serve --codec-step-frames.
     codec_step_frames: int = 0
     # Paced frame steps (0: off, every turn steps every ready stream): a frame step runs only
     # when a stream needs one, i.e. a new stream waits for its first audio or a stream's slack
