@@ -15,20 +15,38 @@ step 3 ms + 0.15 ms per frame it decodes (21 ms for 121 frames), a prefill 2 ms.
 saturates at ~6,700 frames/s (the H200 at ~5,500), and, as on the H200, streams underrun at
 their second chunk long before that. Read it for how a policy moves refusals and underruns,
 not for absolute figures.
+
+`--shared-gpu` (2026-12-03) models the GPU the lanes share instead (SharedGpu): steps cost what
+they cost alone (the engine microbenchmark's figures) and slow each other down while they
+run at once, the admission lane taking the largest share. Calibrated (`--overlap 0.05`, the
+default) on the H200's defaults at 70 and 85 req/s, it ranks as the H200 did four policies
+the plain model mis-ranked or missed (benchmarks/serve/2026-12-03-cpu-shared-gpu-model):
+
+    python benchmarks/serve/admission_sim.py --shared-gpu --frame-ms 3.4 --frame-row-ms 0.038 \
+        --codec-ms 0.7 --codec-frame-ms 0.032 --prefill-ms 2.0 --slacks 0 --rates 70,85
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import random
 import statistics
 import sys
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.serve
 
-from tests.serve.fakes import FakeClock, FakeEngine, FakeRequest, FakeRequestError  # noqa: E402
+from tests.serve.fakes import (  # noqa: E402
+    FakeClock,
+    FakeEngine,
+    FakeRequest,
+    FakeRequestError,
+    FakeTicket,
+)
 from ttsbuild.bench.schedule import load_prompts  # noqa: E402
 from ttsbuild.serve.config import SAMPLE_RATE, SchedulerConfig  # noqa: E402
 from ttsbuild.serve.loop import EngineLoop, Runner  # noqa: E402
@@ -44,6 +62,124 @@ CHARS_PER_S = 14.0  # the stand-ins' speaking rate (see pacing_sim.py)
 FRAMES_PER_S = 12.5
 
 
+class SharedGpu:
+    """Steps on the engine's lanes (CUDA streams: "admit", "lm", "codec") sharing one GPU.
+    Each lane runs its steps in order; a step also waits for the steps it depends on
+    (another lane's frame it reads). Steps running at once share the GPU: n of them get
+    1 + overlap * (n - 1) times one step's throughput together (small steps leave SMs free),
+    split by their lanes' weights (CUDA stream priorities: the admission lane first), no
+    step faster than alone. A step's end is known only once nothing else is launched before
+    it: each launch re-plans every step not yet finished."""
+
+    def __init__(self, weights: dict[str, float], overlap: float):
+        self.weights, self.overlap = weights, overlap
+        self.t = 0.0
+        self.queues: dict[str, deque[int]] = {lane: deque() for lane in weights}
+        self.remaining: dict[int, float] = {}
+        self.deps: dict[int, tuple[int, ...]] = {}
+        self.lane_of: dict[int, str] = {}
+        self.ends: dict[int, float] = {}  # finished steps: when
+        self.planned: dict[int, float] = {}  # every step's end as planned at the last launch
+        self._ids = itertools.count()
+
+    def launch(self, lane: str, work_s: float, deps, now: float) -> int:
+        self._run(self.queues, self.remaining, self.ends, now)
+        pid = next(self._ids)
+        self.remaining[pid], self.lane_of[pid] = max(work_s, 1e-9), lane
+        self.deps[pid] = tuple(d for d in deps if d in self.remaining)  # not finished yet
+        self.queues[lane].append(pid)
+        ends = dict(self.ends)
+        queues = {lane: deque(q) for lane, q in self.queues.items()}
+        self._run(queues, dict(self.remaining), ends, math.inf)
+        self.planned = ends
+        return pid
+
+    def _run(self, queues, remaining, ends, until: float) -> None:
+        """Advance the steps in `queues` from self.t (only for the real state) to `until`."""
+        real = queues is self.queues
+        t = self.t
+        while True:
+            active = [q[0] for q in queues.values()
+                      if q and all(d in ends and ends[d] <= t for d in self.deps[q[0]])]
+            if not active:
+                break
+            weights = [self.weights[self.lane_of[p]] for p in active]
+            share = (1 + self.overlap * (len(active) - 1)) / sum(weights)
+            rates = [min(1.0, share * w) for w in weights]
+            dt = min(remaining[p] / r for p, r in zip(active, rates, strict=True))
+            if t + dt > until:
+                for p, r in zip(active, rates, strict=True):
+                    remaining[p] -= r * (until - t)
+                t = until
+                break
+            t += dt
+            for p, r in zip(active, rates, strict=True):
+                remaining[p] -= r * dt
+                if remaining[p] <= 1e-12:
+                    ends[p] = t
+                    queues[self.lane_of[p]].popleft()
+        if real:  # forget finished steps but those a queued step still waits for
+            self.t = max(t, until)
+            for p in [p for p in self.remaining if p in ends]:
+                del self.remaining[p], self.lane_of[p]
+            needed = {d for p in self.remaining for d in self.deps[p]}
+            for p in [p for p in self.deps if p not in self.remaining]:
+                del self.deps[p]
+            self.ends = {p: e for p, e in ends.items() if p in needed}
+
+
+class SharedGpuEngine(FakeEngine):
+    """The fake engine with its steps on a SharedGpu instead of independent lanes: the
+    admission lane's work slows the regular steps running beside it, as on the H200."""
+
+    def __init__(self, *args, gpu: SharedGpu, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gpu = gpu
+        self.made_by: dict[int, int] = {}  # slot -> the step that made its latest frame
+        self.unread: list = []
+
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        self.made_by.pop(slot, None)
+
+    def prefill(self, slots):
+        self.calls.append(("prefill", list(slots)))
+        lane = "admit" if self.admission_lane else "lm"
+        pid = self.gpu.launch(lane, self.cost_s["prefill"], [], self.clock.t)
+        for s in slots:
+            self.slots[s].prefilled = True
+            self.made_by[s] = pid
+
+    def _run(self, kind, parts, outputs, frames=None):
+        pids, slots = [], []
+        for lane, rows, _start in parts:
+            cost = self.cost_s[kind] + self.per_row_s[kind] * len(rows)
+            if frames is not None:
+                cost += self.audio_frame_s * sum(frames[s] for s in rows)
+            pid = self.gpu.launch(lane, cost, [self.made_by.get(s) for s in rows],
+                                  self.clock.t)  # fmt: skip
+            if kind == "frames":
+                for s in rows:
+                    self.made_by[s] = pid
+            pids.append(pid)
+            slots += list(rows)
+        self.tickets += 1
+        ticket = FakeTicket(kind, slots, 0.0, outputs, self.tickets)
+        ticket.pids = pids
+        self.unread.append(ticket)
+        ticket.ends = {}
+        for t in self.unread:  # every launch may move the ends of the steps in flight
+            t.ends = {p: self.gpu.planned.get(p, t.ends.get(p, self.clock.t)) for p in t.pids}
+            t.done_at = max(t.ends.values())
+        self.log.append(("launch", kind, ticket.id, slots))
+        return ticket
+
+    def _read(self, ticket):
+        if ticket in self.unread:
+            self.unread.remove(ticket)
+        return super()._read(ticket)
+
+
 class Late(NullObserver):
     def __init__(self):
         self.late_chunks = 0
@@ -56,9 +192,11 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
     rnd = random.Random(seed)
     prompts = load_prompts("voice-agent")
     clock = FakeClock()
-    engine = FakeEngine(
+    shared = {} if not a.shared_gpu else {"gpu": SharedGpu(
+        {"admit": a.weight_admit, "lm": a.weight_lm, "codec": 1.0}, a.overlap)}
+    engine = (SharedGpuEngine if a.shared_gpu else FakeEngine)(
         clock, num_slots=a.slots, codec_lane=True, async_prefill=True, instant=False,
-        admission_lane=True,
+        admission_lane=True, **shared,
         cost_s={"prefill": a.prefill_ms / 1e3, "frames": a.frame_ms / 1e3,
                 "audio": a.codec_ms / 1e3},
         per_row_s={"frames": a.frame_row_ms / 1e3, "audio": 0.0},
@@ -150,6 +288,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(serve --lane-chunks)")
     p.add_argument("--codec-step-frames", type=int, default=0,
                    help="a codec step's frames at most (serve --codec-step-frames; 0: no bound)")
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="lanes share one GPU (SharedGpu): give the step costs of one step "
+                   "alone (the engine microbenchmark's), not the spacing under load")
+    p.add_argument("--overlap", type=float, default=0.05,
+                   help="--shared-gpu: extra throughput per step running beside another")
+    p.add_argument("--weight-admit", type=float, default=3.0,
+                   help="--shared-gpu: the admission lane's share weight (codec lane: 1)")
+    p.add_argument("--weight-lm", type=float, default=1.5,
+                   help="--shared-gpu: the frame lane's share weight")
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--queue-timeout", type=float, default=2.0)
     p.add_argument("--frame-ms", type=float, default=4.0)

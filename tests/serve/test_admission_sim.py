@@ -5,6 +5,7 @@ streams underrun the slack keeps more of them on time by refusing more."""
 
 from __future__ import annotations
 
+import pytest
 from helpers_scripts import script_fixture
 
 sim = script_fixture("benchmarks/serve/admission_sim.py")
@@ -25,3 +26,31 @@ def test_the_admission_slack_trades_refusals_for_streams_on_time(sim):
     assert plain.late >= 10  # the model's overload: admitted streams underrun...
     assert slack.late <= plain.late / 3  # ...far fewer with the slack,
     assert slack.refused > plain.refused  # for more refusals
+
+
+def test_shared_gpu_steps_share_the_device_by_lane_weight_and_wait_for_their_inputs(sim):
+    """The --shared-gpu model: a step alone takes its cost; two at once share the device
+    (1 + overlap times one step's throughput, split by lane weight); a step launched later
+    moves the end of one already running; a step waits for the one that makes its input."""
+    gpu = sim.SharedGpu({"admit": 2.0, "lm": 1.0, "codec": 1.0}, overlap=0.5)
+    a = gpu.launch("lm", 1.0, [], now=0.0)
+    assert gpu.planned[a] == pytest.approx(1.0)  # alone
+    b = gpu.launch("codec", 0.25, [], now=0.5)  # beside it: 0.75 each (1.5 / 2)
+    assert gpu.planned[b] == pytest.approx(0.5 + 0.25 / 0.75)
+    assert gpu.planned[a] == pytest.approx(0.5 + 0.25 / 0.75 + (0.5 - 0.25) / 1.0)
+    c = gpu.launch("admit", 0.3, [a], now=0.6)  # waits for a, then runs at its own speed
+    assert gpu.planned[c] > gpu.planned[a]
+    d = gpu.launch("admit", 0.1, [], now=2.0)  # the device idle since: alone again
+    assert gpu.planned[d] == pytest.approx(2.1)
+    assert not gpu.deps.get(a) and a not in gpu.remaining  # finished ones are forgotten
+
+
+def test_shared_gpu_admission_lane_work_slows_the_regular_lanes(sim):
+    """On the shared device an admission-lane step (weight 3 to the frame lane's 1.5) takes
+    most of it: a frame step running beside it ends later than alone."""
+    alone = sim.SharedGpu({"admit": 3.0, "lm": 1.5, "codec": 1.0}, overlap=0.3)
+    frame = alone.launch("lm", 0.005, [], now=0.0)
+    shared = sim.SharedGpu({"admit": 3.0, "lm": 1.5, "codec": 1.0}, overlap=0.3)
+    frame2 = shared.launch("lm", 0.005, [], now=0.0)
+    shared.launch("admit", 0.004, [], now=0.0)
+    assert shared.planned[frame2] > alone.planned[frame] * 1.3
