@@ -18,8 +18,8 @@ not for absolute figures.
 
 `--shared-gpu` (2026-12-03) models the GPU the lanes share instead (SharedGpu): steps cost what
 they cost alone (the engine microbenchmark's figures) and slow each other down while they
-run at once, the admission lane taking the largest share. Calibrated (`--overlap 0.05`, the
-default) on the H200's defaults at 70 and 85 req/s, it ranks as the H200 did four policies
+run at once, the admission lane taking the largest share. Calibrated (`--overlap 0.1`, the
+default) on the H200's defaults at 70 and 85 req/s, it ranks as the H200 did the policies
 the plain model mis-ranked or missed (benchmarks/serve/2026-12-03-cpu-shared-gpu-model):
 
     python benchmarks/serve/admission_sim.py --shared-gpu --frame-ms 3.4 --frame-row-ms 0.038 \
@@ -132,9 +132,12 @@ class SharedGpuEngine(FakeEngine):
     """The fake engine with its steps on a SharedGpu instead of independent lanes: the
     admission lane's work slows the regular steps running beside it, as on the H200."""
 
-    def __init__(self, *args, gpu: SharedGpu, **kwargs):
+    def __init__(self, *args, gpu: SharedGpu, prefill_batch: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
         self.gpu = gpu
+        # prompts per prefill step (EnginePlan.prefill_batches' largest): more take more steps
+        # back to back, each costing one prompt's (their weights' read dominates)
+        self.prefill_batch = prefill_batch
         self.made_by: dict[int, int] = {}  # slot -> the step that made its latest frame
         self.unread: list = []
 
@@ -145,7 +148,8 @@ class SharedGpuEngine(FakeEngine):
     def prefill(self, slots):
         self.calls.append(("prefill", list(slots)))
         lane = "admit" if self.admission_lane else "lm"
-        pid = self.gpu.launch(lane, self.cost_s["prefill"], [], self.clock.t)
+        steps = -(-len(slots) // self.prefill_batch)
+        pid = self.gpu.launch(lane, steps * self.cost_s["prefill"], [], self.clock.t)
         for s in slots:
             self.slots[s].prefilled = True
             self.made_by[s] = pid
@@ -193,7 +197,8 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
     prompts = load_prompts("voice-agent")
     clock = FakeClock()
     shared = {} if not a.shared_gpu else {"gpu": SharedGpu(
-        {"admit": a.weight_admit, "lm": a.weight_lm, "codec": 1.0}, a.overlap)}
+        {"admit": a.weight_admit, "lm": a.weight_lm, "codec": 1.0}, a.overlap),
+        "prefill_batch": a.prefill_batch}
     engine = (SharedGpuEngine if a.shared_gpu else FakeEngine)(
         clock, num_slots=a.slots, codec_lane=True, async_prefill=True, instant=False,
         admission_lane=True, **shared,
@@ -208,7 +213,10 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
                              queue_timeout_s=a.queue_timeout, max_buffered_s=1e6,
                              stream_buffer_s=1e6, admit_slack_s=slack,
                              lane_frames=a.lane_frames, lane_chunks=a.lane_chunks,
-                             codec_step_frames=a.codec_step_frames)  # fmt: skip
+                             codec_step_frames=a.codec_step_frames,
+                             max_audio_in_flight=a.max_audio_in_flight,
+                             capacity_margin=a.capacity_margin,
+                             pace_slack_s=a.pace_slack)  # fmt: skip
     sched = Scheduler(config, clock, observer, initial_cost_s=0.01)
     loop = EngineLoop(sched, Runner(engine, FakeRequestError), clock=clock, sleep=clock.advance,
                       express=True)  # fmt: skip
@@ -291,12 +299,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shared-gpu", action="store_true",
                    help="lanes share one GPU (SharedGpu): give the step costs of one step "
                    "alone (the engine microbenchmark's), not the spacing under load")
-    p.add_argument("--overlap", type=float, default=0.05,
+    p.add_argument("--overlap", type=float, default=0.1,
                    help="--shared-gpu: extra throughput per step running beside another")
     p.add_argument("--weight-admit", type=float, default=3.0,
                    help="--shared-gpu: the admission lane's share weight (codec lane: 1)")
     p.add_argument("--weight-lm", type=float, default=1.5,
                    help="--shared-gpu: the frame lane's share weight")
+    p.add_argument("--prefill-batch", type=int, default=1,
+                   help="--shared-gpu: prompts per prefill step (serve --prefill-batches' "
+                   "largest); the plain model runs every turn's prompts as one step")
+    p.add_argument("--max-audio-in-flight", type=int, default=2)
+    p.add_argument("--capacity-margin", type=float, default=0.5)
+    p.add_argument("--pace-slack", type=float, default=0.0)
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--queue-timeout", type=float, default=2.0)
     p.add_argument("--frame-ms", type=float, default=4.0)

@@ -47,3 +47,12 @@ def test_slots_default_to_128_on_a_gpu_and_stay_small_on_a_cpu(tiny_ckpt, tmp_pa
     engine.mkdir()
     (engine / "manifest.json").write_text(f'{{"format": "{ENGINE_FORMAT}"}}')
     assert _default_slots(engine, "cuda") is None
+
+
+@pytest.mark.parametrize("flag, value", [("--max-audio-in-flight", "0"),
+                                         ("--max-audio-in-flight", "9"),
+                                         ("--codec-step-frames", "-1")])  # fmt: skip
+def test_scheduler_bounds_out_of_range_are_usage_errors(flag, value):
+    result = CliRunner().invoke(app, ["serve", "--random", "tiny", flag, value])
+    assert result.exit_code == 2
+    assert flag in " ".join(result.output.split())

@@ -158,6 +158,13 @@ def serve(
         "fewer codec launches (without it a chunk of 4 with one more frame is 4 + 1). See "
         "tts_codec_launches_per_step. Not yet served on a GPU."
     ),  # fmt: skip
+    max_audio_in_flight: int = typer.Option(
+        2, "--max-audio-in-flight", min=1, max=8, help="Codec steps launched and not yet "
+        "read back, at most (first chunks excepted): one more waits for a turn after the "
+        "oldest is read, gathering more streams. The CPU model with a shared GPU "
+        "(benchmarks/serve/admission_sim.py --shared-gpu) ranks 3 above 2 and 1 below; not "
+        "yet served on a GPU with 3."
+    ),  # fmt: skip
     codec_step_frames: int = typer.Option(
         0, "--codec-step-frames", min=0, help="The most frames one codec step decodes over "
         "all its streams (0: no bound): streams join in urgency order while their chunks fit "
@@ -243,6 +250,7 @@ def serve(
             lane_chunks=lane_chunks,
             exact_chunks=exact_chunks,
             codec_step_frames=codec_step_frames,
+            max_audio_in_flight=max_audio_in_flight,
         ),
         drop_bootstrap_frame=drop_bootstrap_frame,
         trim_onset=trim_onset,
