@@ -54,3 +54,17 @@ def test_shared_gpu_admission_lane_work_slows_the_regular_lanes(sim):
     frame2 = shared.launch("lm", 0.005, [], now=0.0)
     shared.launch("admit", 0.004, [], now=0.0)
     assert shared.planned[frame2] > alone.planned[frame] * 1.3
+
+
+@pytest.mark.parametrize("batch, steps", [(1, 3), (2, 2), (4, 1)])
+def test_shared_gpu_prompts_admitted_together_take_one_prefill_step_per_batch(sim, batch, steps):
+    from tests.serve.fakes import FakeClock, FakeRequest
+
+    gpu = sim.SharedGpu({"admit": 3.0, "lm": 1.5, "codec": 1.0}, overlap=0.1)
+    engine = sim.SharedGpuEngine(FakeClock(), num_slots=4, admission_lane=True, gpu=gpu,
+                                 prefill_batch=batch, cost_s={"prefill": 0.002, "frames": 0.004,
+                                                              "audio": 0.001})  # fmt: skip
+    slots = [engine.admit(FakeRequest(8)) for _ in range(3)]
+    engine.prefill(slots)
+    ticket = engine.launch_frames(slots)  # on the admission lane, after the prompts
+    assert ticket.done_at == pytest.approx(steps * 0.002 + 0.004)
