@@ -5,7 +5,10 @@ starts with one-frame chunks), the gap between a stream's first two chunks (p50 
 max: what a zero-buffer client must beat, 80 ms after a one-frame first chunk), and the
 underrun requests grouped by when they were sent: many in one short window point at a stall
 that held every stream (a collector pause, a burst of arrivals), a spread at a steady
-shortfall.
+shortfall; and the share of requests that underran by how many others were sent within
++-30 ms of each (8+ pooled): at a steady rate that count is Poisson around 2 x 0.03 x rate,
+and a share growing with it says local bursts of arrivals, not the mean load alone, make
+streams late.
 
     python benchmarks/serve/underruns.py DIR/rps-60 DIR/rps-70 [--window 0.5]
 """
@@ -13,6 +16,7 @@ shortfall.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 from collections import Counter
@@ -44,6 +48,25 @@ def clusters(times: list[float], window: float) -> list[tuple[float, int]]:
     return out
 
 
+NEIGHBOUR_WINDOW_S = 0.03
+NEIGHBOUR_POOL = 8  # this many others or more: one group
+
+
+def by_neighbours(records: list[dict]) -> dict[int, tuple[int, int]]:
+    """Others sent within NEIGHBOUR_WINDOW_S of each record (NEIGHBOUR_POOL: that many or
+    more) -> (records, of which with an underrun)."""
+    sent = sorted(r["scheduled_s"] for r in records)
+    out: dict[int, tuple[int, int]] = {}
+    for r in records:
+        t = r["scheduled_s"]
+        n = (bisect.bisect_right(sent, t + NEIGHBOUR_WINDOW_S)
+             - bisect.bisect_left(sent, t - NEIGHBOUR_WINDOW_S) - 1)  # fmt: skip
+        k = min(n, NEIGHBOUR_POOL)
+        total, late = out.get(k, (0, 0))
+        out[k] = (total + 1, late + bool(r.get("underruns")))
+    return dict(sorted(out.items()))
+
+
 def report(run: Path, window: float) -> str:
     records = [r for r in load(run) if r.get("outcome") == "ok"]
     late = [r for r in records if r.get("underruns")]
@@ -59,6 +82,9 @@ def report(run: Path, window: float) -> str:
             for name, p in (("p50", 50), ("p95", 95), ("p99", 99), ("max", 100))),
         f"  underrun requests in {len(groups)} groups sent within {window:g} s of each other; "
         f"largest: " + (", ".join(f"{n} from {t:.2f} s" for t, n in big) or "-"),
+        f"  underrun requests by others sent within {NEIGHBOUR_WINDOW_S * 1e3:g} ms: " + ", ".join(
+            f"{k}{'+' if k == NEIGHBOUR_POOL else ''}: {n_late} of {total}"
+            for k, (total, n_late) in by_neighbours(records).items()),
     ])  # fmt: skip
 
 

@@ -38,19 +38,17 @@ def test_reports_underruns_gaps_and_groups(underruns, tmp_path):
     assert f"p99 {all_gaps[99]:.1f}" in text
 
 
-arrival_bursts = script_fixture("benchmarks/serve/arrival_bursts.py")
 
-
-def test_arrival_bursts_groups_requests_by_neighbours_sent_close_by(arrival_bursts, tmp_path):
+def test_underruns_are_grouped_by_neighbours_sent_close_by(underruns, tmp_path):
     base = random.uniform(0, 5)
     lone = [record(base + i, 0.02, False) for i in range(1, 4)]  # a second apart: no others
     burst = [record(base + 10 + 0.002 * i, 0.09, i % 2 == 0) for i in range(10)]  # 9 others
     pair = [record(base + 20, 0.02, True), record(base + 20.02, 0.02, False)]  # one other
-    late_warmup = record(base + 30, 0.5, True, warmup=True)
-    groups = arrival_bursts.by_neighbours(lone + burst + pair + [late_warmup])
-    assert groups == {0: (3, 0), 1: (2, 1), arrival_bursts.POOL: (10, 5)}
+    groups = underruns.by_neighbours(lone + burst + pair)
+    assert groups == {0: (3, 0), 1: (2, 1), underruns.NEIGHBOUR_POOL: (10, 5)}
     run = tmp_path / "rps-70"
     run.mkdir()
+    late_warmup = record(base + 30, 0.5, True, warmup=True)  # left out by the report
     with gzip.open(run / "requests.jsonl.gz", "wt") as f:
-        f.writelines(json.dumps(r) + "\n" for r in lone + burst + pair)
-    arrival_bursts.main([str(run)])  # prints the same groups
+        f.writelines(json.dumps(r) + "\n" for r in lone + burst + pair + [late_warmup])
+    assert "within 30 ms: 0: 0 of 3, 1: 1 of 2, 8+: 5 of 10" in underruns.report(run, 0.5)
