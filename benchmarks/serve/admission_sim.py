@@ -294,7 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lane-chunks", type=int, default=1,
                    help="a stream's first one-frame chunks decoded on the admission lane "
                    "(serve --lane-chunks)")
-    p.add_argument("--codec-step-frames", type=int, default=0,
+    p.add_argument("--codec-step-frames", type=int, default=SchedulerConfig.codec_step_frames,
                    help="a codec step's frames at most (serve --codec-step-frames; 0: no bound)")
     p.add_argument("--shared-gpu", action="store_true",
                    help="lanes share one GPU (SharedGpu): give the step costs of one step "
@@ -308,9 +308,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-batch", type=int, default=1,
                    help="--shared-gpu: prompts per prefill step (serve --prefill-batches' "
                    "largest); the plain model runs every turn's prompts as one step")
-    p.add_argument("--max-audio-in-flight", type=int, default=2)
-    p.add_argument("--capacity-margin", type=float, default=0.5)
-    p.add_argument("--pace-slack", type=float, default=0.0)
+    p.add_argument("--max-audio-in-flight", type=int,
+                   default=SchedulerConfig.max_audio_in_flight)
+    p.add_argument("--capacity-margin", type=float, default=SchedulerConfig.capacity_margin)
+    p.add_argument("--pace-slack", type=float, default=SchedulerConfig.pace_slack_s)
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--queue-timeout", type=float, default=2.0)
     p.add_argument("--frame-ms", type=float, default=4.0)

@@ -107,7 +107,7 @@ def test_stalls_are_logged_with_what_stalled_once_a_second_per_kind(caplog):
         metrics.on_step(Stage.FRAMES, 48, 0.0512, 48)
         metrics.on_step(Stage.AUDIO, 9, 0.0433, 0)
         metrics.on_step(Stage.PREFILL, 3, 0.09, 0)  # a prefill may be long: not a stall
-        metrics._stall_logs["event"].logged_at -= 1.5
+        metrics._stall_logs["event loop woke"].logged_at -= 1.5
         metrics.on_event_loop_lag(0.0222)
     stalls = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stall:")]
     assert stalls == [

@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ttsbuild.serve.config import PROFILES, ProfileName
+from ttsbuild.serve.config import PROFILES, ProfileName, SchedulerConfig
 
 _err = Console(stderr=True, soft_wrap=True)
 
@@ -159,17 +159,19 @@ def serve(
         "tts_codec_launches_per_step. Not yet served on a GPU."
     ),  # fmt: skip
     max_audio_in_flight: int = typer.Option(
-        2, "--max-audio-in-flight", min=1, max=8, help="Codec steps launched and not yet "
-        "read back, at most (first chunks excepted): one more waits for a turn after the "
-        "oldest is read, gathering more streams. The CPU model with a shared GPU "
+        SchedulerConfig.max_audio_in_flight, "--max-audio-in-flight", min=1, max=8,
+        help="Codec steps launched and not yet read back, at most (first chunks excepted): "
+        "one more waits for a turn after the oldest is read, gathering more streams. The "
+        "CPU model with a shared GPU "
         "(benchmarks/serve/admission_sim.py --shared-gpu) ranks 3 above 2 and 1 below; not "
         "yet served on a GPU with 3."
     ),  # fmt: skip
     codec_step_frames: int = typer.Option(
-        0, "--codec-step-frames", min=0, help="The most frames one codec step decodes over "
-        "all its streams (0: no bound): streams join in urgency order while their chunks fit "
-        "(the most urgent always), so a chunk due soon is not decoded beside the large "
-        "chunks of streams far ahead of their playback. H200, 70 req/s: 96 left no underrun "
+        SchedulerConfig.codec_step_frames, "--codec-step-frames", min=0,
+        help="The most frames one codec step decodes over all its streams (0: no bound): "
+        "streams join in urgency order while their chunks fit (the most urgent always), so "
+        "a chunk due soon is not decoded beside the large chunks of streams far ahead of "
+        "their playback. H200, 70 req/s: 96 left no underrun "
         "but refused 992 requests against 54 (less audio per GPU second): keep 0."
     ),  # fmt: skip
     lane_chunks: int = typer.Option(
@@ -210,7 +212,7 @@ def serve(
     from ttsbuild.build.cli import parse_sizes
     from ttsbuild.runtime.loader import open_engine
     from ttsbuild.serve.app import create_app
-    from ttsbuild.serve.config import SchedulerConfig, ServeConfig
+    from ttsbuild.serve.config import ServeConfig
     from ttsbuild.serve.service import SpeechService
 
     if (checkpoint is None) == (random is None):

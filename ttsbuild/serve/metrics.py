@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -33,9 +34,6 @@ HTTP_PHASES = ("receive", "resolve", "admitted", "handoff", "send")
 STOP_REASONS = ("eos", "text_budget", "repetition", "silence", "max_frames", "length_rule",
                 "cancel")  # fmt: skip
 
-
-# kinds of stall logged (ServeMetrics.stall_s): by the first word of what stalled
-STALLS = ("frames", "audio", "engine", "event")
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +74,7 @@ class ServeMetrics:
         self.stall_s = stall_s
         self._slow_log = _OncePerSecond()
         self._late_log = _OncePerSecond()
-        self._stall_logs = {kind: _OncePerSecond() for kind in STALLS}
+        self._stall_logs: defaultdict[str, _OncePerSecond] = defaultdict(_OncePerSecond)
         self._active = 0  # slots in use at the last plan (the gauge's value, for the log)
         self.ttfa = Histogram(
             "tts_time_to_first_audio_seconds", "Arrival to first audio chunk handed to the client",
@@ -203,7 +201,7 @@ class ServeMetrics:
             self._log_stall("event loop woke", seconds, " late")
 
     def _log_stall(self, what: str, seconds: float, detail: str) -> None:
-        if (more := self._stall_logs[what.split()[0]].due()) is None:
+        if (more := self._stall_logs[what].due()) is None:  # once a second per kind
             return
         log.warning("stall: %s %.1f ms%s with %d slots in use%s", what, seconds * 1e3, detail,
                     self._active, more)  # fmt: skip
