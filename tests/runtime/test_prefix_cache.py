@@ -13,7 +13,7 @@ from engine_runs import finish
 from ttsbuild.convert.checkpoint import load_checkpoint
 from ttsbuild.generation.prompt import CODES, NO_CODE, VOICE, VoiceClone, reference_text
 from ttsbuild.runtime.engine import EagerEngine, Models, plan_admission
-from ttsbuild.runtime.graph_engine import _SCRATCH_VALUES, GraphEngine
+from ttsbuild.runtime.graph_engine import GraphEngine, _settings
 from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.prefix_cache import PrefixPool
 from ttsbuild.runtime.request import SamplingOverrides, SynthesisRequest
@@ -116,11 +116,12 @@ def test_staged_rows_embed_to_the_prompts_embeddings(custom, base, kind):
         prompt = plan_admission(models, req, backend.plan).prompt
         layout = prompt.layout
         n = layout.num_positions
-        values = {**_SCRATCH_VALUES, "slot": backend.scratch}
+        settings = _settings(slot=backend.scratch)
         trailing = layout.trailing_ids.numpy()
         for start in (0, min(prompt.shared_prefix_len, n - 1)):  # as GraphBackend.admit
             rows = layout.rows[start:].numpy()
-            b, length, text_length = backend._stage([(values, rows, trailing, layout.x_vector)])
+            b, length, text_length = backend._stage([(*settings, rows, trailing,
+                                                             layout.x_vector)])
             assert b == 1 and length == backend.plan.prefill_bucket(n - start)
             assert text_length == backend._text_bucket(trailing.shape[0])
             staged = backend.staging.prompt_rows(b, length)[0].cpu()
@@ -300,3 +301,52 @@ def test_prefix_pool_bookkeeping_and_copies(custom):
     assert torch.equal(dst_k[:, 2, :, :4], k[:, 1, :, :4])
     assert torch.equal(dst_v[:, 2, :, :4], v[:, 1, :, :4])
     assert not dst_k[:, 2, :, 4:].any() and not dst_k[:, :2].any()
+
+
+# -- staging prepared at the edge ----------------------------------------------------------
+
+
+@torch.no_grad()
+def test_settings_prepared_at_the_edge_reach_the_slot(custom):
+    """A request resolved at the edge carries its staged rows and prefix key (made once,
+    off the engine loop); admitted and prefilled, its slot holds its own settings, the same
+    as when the backend prepares it at admission."""
+    from ttsbuild.runtime.core import ResolvedRequest
+
+    engine = graph(custom, pool=4)
+    be = engine.backend
+    over = SamplingOverrides(temperature=0.55, top_k=17, top_p=0.85, repetition_penalty=1.07,
+                             subtalker_temperature=0.65, subtalker_top_k=9,
+                             subtalker_top_p=0.75, subtalker_do_sample=False)  # fmt: skip
+    req = SynthesisRequest(TEXT, voice="vivian", seed=123456, max_frames=7, sampling=over)
+    resolved = engine.resolve(req)
+    prep, layout = resolved.plan.staged, resolved.plan.prompt.layout
+    n = min(layout.shared_prefix_len, layout.num_positions - 1, be.prefix.max_prefix)
+    assert prep is not None and prep.prefix_len == n > 0
+    assert prep.prefix_key == layout.prefix_key(n)
+    assert np.array_equal(prep.ids, layout.rows.numpy())
+    bare = ResolvedRequest(req, resolved.plan.__class__(**{
+        **{f: getattr(resolved.plan, f) for f in resolved.plan.__dataclass_fields__},
+        "staged": None}))  # fmt: skip
+    params = resolved.plan.params
+    for r in (resolved, bare):
+        slot = engine.admit(r)
+        engine.prefill([slot])
+        t, c = be.talker_sampling, be.cp_sampling
+        got = (t.temperature[slot].item(), t.top_k[slot].item(), t.top_p[slot].item(),
+               t.repetition_penalty[slot].item(), bool(t.do_sample[slot]),
+               c.temperature[slot].item(), c.top_k[slot].item(), c.top_p[slot].item(),
+               bool(c.do_sample[slot]))  # fmt: skip
+        want = (params.talker.temperature, params.talker.top_k, params.talker.top_p,
+                params.talker.repetition_penalty, params.talker.do_sample,
+                params.code_predictor.temperature, params.code_predictor.top_k,
+                params.code_predictor.top_p, params.code_predictor.do_sample)  # fmt: skip
+        assert got == pytest.approx(want, rel=1e-6), (got, want)
+        assert (t.temperature[slot].item(), c.top_k[slot].item()) == pytest.approx((0.55, 9))
+        assert be.seed[slot].item() == 123456
+        assert be.eos_min_frames[slot].item() == resolved.plan.eos_from
+        assert be.text_len[slot].item() == layout.trailing_ids.shape[0]
+        assert be.position[slot].item() == layout.num_positions
+        engine.release(slot)
+    with pytest.raises(KeyError, match="not a prefill setting"):
+        _settings(temprature=1.0)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -58,6 +58,9 @@ class SlotPlan:
     seed: int
     limit_reason: str = "max_frames"  # what frame_limit is: text_budget, length_rule, ...
     guard_free: int = NEVER  # no guard (repetition, silence) can stop a frame before this
+    # the backend's host-side preparation of the prompt (`Backend.prepare`, made when the
+    # request is resolved at the edge; None: the backend prepares it at admission)
+    staged: Any = field(default=None, compare=False, repr=False)
 
     @property
     def eos_from(self) -> int:
@@ -183,6 +186,9 @@ class Backend(Protocol):
     num_code_groups: int
     eos_id: int
 
+    # Host work on a request that needs no slot (e.g. its staged prompt rows), done when it is
+    # resolved at the edge, off the engine loop; kept in SlotPlan.staged.
+    def prepare(self, plan: SlotPlan) -> Any: ...
     def admit(self, slot: int, plan: SlotPlan) -> None: ...
     def release(self, slot: int) -> None: ...
     def prefill(self, slots: list[int]) -> None: ...
@@ -215,7 +221,9 @@ class EngineCore:
         so that admitting it later only claims a slot. Raises RequestError."""
         from ttsbuild.runtime.engine import plan_admission
 
-        return ResolvedRequest(req, plan_admission(self.models, req, self.plan, self.guards))
+        plan = plan_admission(self.models, req, self.plan, self.guards)
+        staged = self.backend.prepare(plan)
+        return ResolvedRequest(req, plan if staged is None else replace(plan, staged=staged))
 
     def admit(self, req) -> int:
         """Validate and tokenize `req` (unless it is a ResolvedRequest), claim a slot.
@@ -408,6 +416,9 @@ class EagerBackend:
         self.num_code_groups = self.cfg.num_code_groups
         self.eos_id = self.cfg.codec_ids.eos
         self.slots: dict[int, _EagerSlot] = {}
+
+    def prepare(self, plan: SlotPlan) -> None:
+        return None  # nothing to stage: each slot runs the reference modules on its own
 
     def admit(self, slot: int, plan: SlotPlan) -> None:
         from ttsbuild.model.codec import CodecStream

@@ -208,11 +208,12 @@ class _AdmitStaging:
         """The device view [b, length, width] of the prompt rows of a (b, length) step."""
         return self.block[self.r0 : self.r0 + b * length * self.width].view(b, length, self.width)
 
-    def stage(self, rows: list[tuple[dict, np.ndarray, np.ndarray | None]], length: int,
-              text_length: int = 0) -> None:  # fmt: skip
-        """Stage one step: per row (settings, prompt rows [n, width], trailing ids or None),
-        rows padded to `length` (text id 0, no x-vector, no codes) and trailing ids
-        zero-padded to `text_length`; copy them to the device block on the current stream."""
+    def stage(self, rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]],
+              length: int, text_length: int = 0, stream=None) -> None:  # fmt: skip
+        """Stage one step: per row (settings: ints [len(_ADMIT_INTS)] and floats
+        [len(_ADMIT_FLOATS)], prompt rows [n, width], trailing ids or None), rows padded to
+        `length` (text id 0, no x-vector, no codes) and trailing ids zero-padded to
+        `text_length`; copy them to the device block on `stream` (the current stream)."""
         k = self.next
         self.next = (k + 1) % len(self.used)
         if self.pinned and self.used[k]:
@@ -223,9 +224,9 @@ class _AdmitStaging:
         trailing = h[self.t0 : self.t0 + len(rows) * text_length].reshape(len(rows), text_length)
         end = self.r0 + len(rows) * length * self.width
         prompt = h[self.r0 : end].reshape(len(rows), length, self.width)
-        for b, (values, row_ids, text) in enumerate(rows):
-            ints[b] = [values[n] for n in _ADMIT_INTS]
-            floats[b, : self.nf] = [values[n] for n in _ADMIT_FLOATS]
+        for b, (row_ints, row_floats, row_ids, text) in enumerate(rows):
+            ints[b] = row_ints
+            floats[b, : self.nf] = row_floats
             if text_length:
                 n = 0 if text is None else text.shape[0]
                 trailing[b, :n] = text if n else 0
@@ -236,8 +237,21 @@ class _AdmitStaging:
             prompt[b, n:, CODES:] = NO_CODE
         self.block[:end].copy_(self.host[k, :end], non_blocking=self.pinned)
         if self.pinned:
-            self.events[k].record()
+            self.events[k].record(stream)  # an explicit stream: no device lookup on this path
             self.used[k] = True
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A prompt's staging made once, when its request is resolved (`GraphBackend.prepare`):
+    the prefill step's inputs but for what depends on the slot and the prefix entry."""
+
+    ids: np.ndarray  # int64 [n, width] prompt rows
+    trailing: np.ndarray  # int64 [Lt] trailing text ids
+    ints: np.ndarray  # int64 [len(_ADMIT_INTS)]; slot, last, start, prefix entry set at staging
+    floats: np.ndarray  # float32 [len(_ADMIT_FLOATS)]
+    prefix_len: int = 0  # positions a prefix-pool entry would hold (0: no prefix pool)
+    prefix_key: bytes | None = None  # their content (PromptLayout.prefix_key)
 
 
 @dataclass
@@ -245,6 +259,7 @@ class _Admission:
     """A slot admitted and not yet prefilled: its plan and the prefix entry it holds."""
 
     plan: SlotPlan
+    prepared: _Prepared
     prefix_len: int = 0  # positions copied from the prefix pool (0: none)
     entry: object = None  # prefix_cache._Entry held until the prefill is launched
     follow: tuple[int, ...] = ()  # steps its prefill waits for (the slot's last occupant's)
@@ -281,6 +296,7 @@ class GraphBackend:
         G, V, H = cfg.num_code_groups, cfg.codec_vocab_size, cfg.talker.hidden_size
         S = plan.num_slots + 1  # + the scratch slot
         self.scratch = plan.num_slots
+        self._pad_settings = _settings(slot=self.scratch)  # a prefill step's padding rows
 
         # -- weights ----------------------------------------------------------------------
         packed = models.packed
@@ -709,16 +725,35 @@ class GraphBackend:
             buf[s] = 0
 
     # -- backend API (runtime.core.Backend) ---------------------------------------------------
+    def prepare(self, plan: SlotPlan) -> _Prepared:
+        """The request's prefill inputs as numpy rows and its prefix key, made when it is
+        resolved at the edge, so admitting and staging it is a few row copies."""
+        layout, params = plan.prompt.layout, plan.params
+        t, c = params.talker, params.code_predictor
+        ids = layout.rows.numpy()
+        trailing = layout.trailing_ids.numpy()
+        ints, floats = _settings(
+            position=layout.num_positions, seed=plan.seed, eos_min_frames=plan.eos_from,
+            text_len=trailing.shape[0], talker_top_k=t.top_k, cp_top_k=c.top_k,
+            talker_do_sample=t.do_sample, cp_do_sample=c.do_sample,
+            talker_temperature=t.temperature, talker_top_p=t.top_p,
+            talker_repetition_penalty=t.repetition_penalty, cp_temperature=c.temperature,
+            cp_top_p=c.top_p, cp_repetition_penalty=c.repetition_penalty)  # fmt: skip
+        n, key = 0, None
+        if self.prefix is not None:
+            n = min(layout.shared_prefix_len, layout.num_positions - 1, self.prefix.max_prefix)
+            key = layout.prefix_key(n)
+        return _Prepared(ids, trailing, ints, floats, n, key)
+
     def admit(self, slot: int, plan: SlotPlan) -> None:
         """Host-side only: the slot's settings are written by its prefill step (which, on the
         current stream, follows the slot's previous occupant's last codec step). A prompt
         prefix shared with other requests holds its prefix-pool entry until then."""
-        admission = _Admission(plan)
-        layout = plan.prompt.layout
-        if self.prefix is not None:
-            n = min(layout.shared_prefix_len, layout.num_positions - 1, self.prefix.max_prefix)
-            admission.entry = self.prefix.acquire(layout.prefix_key(n))
-            admission.prefix_len = n if admission.entry is not None else 0
+        prepared = plan.staged if isinstance(plan.staged, _Prepared) else self.prepare(plan)
+        admission = _Admission(plan, prepared)
+        if prepared.prefix_key is not None:
+            admission.entry = self.prefix.acquire(prepared.prefix_key)
+            admission.prefix_len = prepared.prefix_len if admission.entry is not None else 0
         self.pending[slot] = admission
         admission.follow = tuple(self.ring_order.admit(slot))  # its prefill waits for them
 
@@ -747,8 +782,10 @@ class GraphBackend:
             self._follow(follow)
             return self._prefill(slots)
         stream = self._admit_stream
-        current = torch.cuda.current_stream(self._cuda_index) if stream is not None else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        current = self._current() if stream is not None else None
+        # torch.cuda.set_stream, not torch.cuda.stream(): its context looks the device up
+        # (torch.cuda.current_device) on entry and exit, ~30 us a time on the H200's host
+        with self._on_stream(stream, current):
             if stream is not None and not self.lane_on:
                 stream.wait_stream(current)
             self._follow(follow)
@@ -756,7 +793,7 @@ class GraphBackend:
             done = None
             if stream is not None:
                 done = torch.cuda.Event()
-                done.record()
+                done.record(stream)
         if not self.lane_on:
             if done is not None:
                 current.wait_event(done)
@@ -789,33 +826,21 @@ class GraphBackend:
         """One prefill step for prompts of one length bucket (padded to a prefill batch)."""
         rows = []
         for slot, admission in members:
-            plan, params = admission.plan, admission.plan.params
-            layout = plan.prompt.layout
-            ids = layout.rows.numpy()
-            n, start, entry = layout.num_positions, admission.prefix_len, admission.entry
+            prep, x_vector = admission.prepared, admission.plan.prompt.layout.x_vector
+            n, start, entry = prep.ids.shape[0], admission.prefix_len, admission.entry
             if entry is not None and not entry.ready:
                 # First use of this prefix: prefill it alone into the request's own slot
                 # with the same step, and keep its KV (the request's prefill below copies it
                 # back and overwrites the rest). Not the scratch slot: the padding rows of a
                 # frame step on another lane may write the scratch slot's cache meanwhile.
-                self._run_prefill([({
-                    **_SCRATCH_VALUES, "slot": slot, "last": start - 1,
-                    "position": start, "start": 0, "prefix_entry": entry.index}, ids[:start],
-                    None, layout.x_vector)])  # fmt: skip
+                self._run_prefill([(*_settings(slot=slot, last=start - 1, position=start,
+                                               prefix_entry=entry.index),
+                                    prep.ids[:start], None, x_vector)])  # fmt: skip
                 self.prefix.store(self.kv_k, self.kv_v, slot, entry)
-            t, c = params.talker, params.code_predictor
-            trailing = layout.trailing_ids.numpy()
-            values = {
-                "slot": slot, "last": n - start - 1, "position": n, "start": start,
-                "prefix_entry": entry.index if entry is not None else 0, "seed": plan.seed,
-                "eos_min_frames": plan.eos_from, "text_len": trailing.shape[0],
-                "talker_top_k": t.top_k, "cp_top_k": c.top_k, "talker_do_sample": t.do_sample,
-                "cp_do_sample": c.do_sample, "talker_temperature": t.temperature,
-                "talker_top_p": t.top_p, "talker_repetition_penalty": t.repetition_penalty,
-                "cp_temperature": c.temperature, "cp_top_p": c.top_p,
-                "cp_repetition_penalty": c.repetition_penalty,
-            }  # fmt: skip
-            rows.append((values, ids[start:], trailing, layout.x_vector))
+            ints = prep.ints.copy()
+            ints[_SLOT], ints[_LAST], ints[_START] = slot, n - start - 1, start
+            ints[_ENTRY] = entry.index if entry is not None else 0
+            rows.append((ints, prep.floats, prep.ids[start:], prep.trailing, x_vector))
         self._run_prefill(rows)
 
     def _run_prefill(self, rows: list[tuple]) -> None:
@@ -825,7 +850,7 @@ class GraphBackend:
         self.prefill_steps += 1
         if self.trace is not None:  # benchmarks: when the GPU work of a prefill starts
             self.trace.append(torch.cuda.Event(enable_timing=True))
-            self.trace[-1].record()
+            self.trace[-1].record(self._current())
         if text_length:
             self._embed_text(b, text_length)
         if self.use_graphs and length in self.plan.prefill_buckets:
@@ -834,24 +859,25 @@ class GraphBackend:
             self._prefill_body(b, length)
 
     def _stage(self, rows: list[tuple]) -> tuple[int, int, int]:
-        """Rows (settings, prompt rows [T, 2 + G], trailing ids or None, x-vector or None),
+        """Rows (settings: ints and floats, prompt rows [T, 2 + G], trailing ids or None,
+        x-vector or None),
         padded to a prefill batch with rows for the scratch slot: prompt rows padded to the
         longest one's length bucket (its own length beyond the buckets), trailing ids to
         their text bucket, in one copy; x-vectors in another where a row has one.
         Returns (batch, length, text length; 0: no text)."""
         b = next(p for p in self.plan.prefill_batches if p >= len(rows))
-        n = max(r[1].shape[0] for r in rows)
+        n = max(r[2].shape[0] for r in rows)
         length = self.plan.prefill_bucket(n) or n
-        texts = [r[2].shape[0] for r in rows if r[2] is not None]
+        texts = [r[3].shape[0] for r in rows if r[3] is not None]
         text_length = self._text_bucket(max(texts)) if texts else 0
-        pad = ({**_SCRATCH_VALUES, "slot": self.scratch}, rows[0][1][:0], None, None)
+        pad = (*self._pad_settings, rows[0][2][:0], None, None)
         rows = rows + [pad] * (b - len(rows))
-        self.staging.stage([r[:3] for r in rows], length, text_length)
-        if any(r[3] is not None for r in rows):
+        self.staging.stage([r[:4] for r in rows], length, text_length, self._current())
+        if any(r[4] is not None for r in rows):
             xv = torch.zeros(b, self.admit_xvec.shape[1], dtype=self.dtype)
             for i, r in enumerate(rows):
-                if r[3] is not None:
-                    xv[i] = r[3].detach().to("cpu", self.dtype)
+                if r[4] is not None:
+                    xv[i] = r[4].detach().to("cpu", self.dtype)
             # non-blocking from pinned memory: the host allocator keeps it until its copy ran
             self.admit_xvec[:b].copy_(self._pinned(xv), True)
         return b, length, text_length
@@ -888,6 +914,24 @@ class GraphBackend:
             self.primed[key] = [t[slot].clone() for t in state]
             while len(self.primed) > self.plan.prefix_pool:
                 self.primed.popitem(last=False)
+
+    def _current(self) -> torch.cuda.Stream | None:
+        """The caller's current stream (None off CUDA), looked up by `_cuda_index`."""
+        return torch.cuda.current_stream(self._cuda_index) if self._cuda_index is not None \
+            else None  # fmt: skip
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _on_stream(stream: torch.cuda.Stream | None, current: torch.cuda.Stream | None):
+        """Make `stream` current (no-op for None), then `current` again."""
+        if stream is None:
+            yield
+            return
+        torch.cuda.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.cuda.set_stream(current)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if self.device.type == "cuda" else t  # copied non-blocking
@@ -1002,7 +1046,7 @@ class GraphBackend:
         # Rows prefilled on the admission lane follow its prefill (the caller's stream waits
         # for it; this lane forks from that stream), or their first frame there.
         for done in {id(e): e for s in slots if (e := self.fresh.get(s)) is not None}.values():
-            torch.cuda.current_stream(self._cuda_index).wait_event(done)
+            self._current().wait_event(done)
         after = self.ring_order.before_frames(slots)
         after += [self.lane_frames.pop(s) for s in slots if s in self.lane_frames]
         # A step of only rows whose first codec step went to the admission lane (a stream on
@@ -1277,6 +1321,19 @@ _SCRATCH_VALUES = dict.fromkeys(_ADMIT_INTS + _ADMIT_FLOATS, 0) | {
     "talker_temperature": 1.0, "talker_top_p": 1.0, "talker_repetition_penalty": 1.0,
     "cp_temperature": 1.0, "cp_top_p": 1.0, "cp_repetition_penalty": 1.0}  # fmt: skip
 _ADMIT_FLOAT_INDEX = {k: i for i, k in enumerate(_ADMIT_FLOATS)}
+_SLOT, _LAST, _START, _ENTRY = (_ADMIT_INT_INDEX[k] for k in ("slot", "last", "start",
+                                                               "prefix_entry"))  # fmt: skip
+
+
+def _settings(**values) -> tuple[np.ndarray, np.ndarray]:
+    """A prefill row's settings (`_SCRATCH_VALUES` but for `values`) as staged: int64
+    [len(_ADMIT_INTS)] and float32 [len(_ADMIT_FLOATS)]."""
+    unknown = values.keys() - _SCRATCH_VALUES.keys()
+    if unknown:
+        raise KeyError(f"not a prefill setting: {sorted(unknown)}")
+    values = _SCRATCH_VALUES | values
+    return (np.array([values[k] for k in _ADMIT_INTS], dtype=np.int64),
+            np.array([values[k] for k in _ADMIT_FLOATS], dtype=np.float32))  # fmt: skip
 _ADMIT_TARGETS = {
     "position": lambda b: b.position,
     "seed": lambda b: b.seed,
