@@ -13,8 +13,8 @@
 # engine: engine microbenchmark, served plan (first chunk, prefill by bucket, frame, codec)
 # check:  graph path vs eager path (tiny); with --kernels (CHECK_ARGS): the plan's optional
 #         paths too, batched prefill (prefill_batches 1,2,4) among them
-# batched: engine microbenchmark with --prefill-batches 1,2,4 (one step of B prompts per
-#         length bucket, timed beside one prompt)
+# batched: engine microbenchmark with --prefill-batches 1 (one prompt per step, the default
+#         before 2026-12-03; the served plan batches 1, 2 and 4 prompts per step)
 # lane:   engine microbenchmark with the admission lane on buckets $LANE (default 1,2): a new
 #         request's first chunk beside B stepping rows, the lane switched off and on in one
 #         engine (`first_chunk_under_load`)
@@ -141,8 +141,8 @@ for step in $STEPS; do
         timeout -k 5 240 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny \
             ${CHECK_ARGS:-} 2>&1 | tee "$OUT/graph_vs_eager.log" | grep -E "PASS|FAIL|Error" ;;
     batched)
-        log "engine microbenchmark, prefill batches 1,2,4"
-        engine_bench batched --prefill-batches 1,2,4 ;;
+        log "engine microbenchmark, one prompt per prefill step"
+        engine_bench single --prefill-batches 1 ;;
     lane)
         log "engine microbenchmark, admission lane ${LANE:-1,2} (off and on side by side)"
         engine_bench lane --admission-lane "${LANE:-1,2}"

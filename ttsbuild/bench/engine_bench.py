@@ -18,7 +18,12 @@ from pathlib import Path
 
 import torch
 
-from ttsbuild.runtime.plan import DEFAULT_BF16_MIN_ROWS, DEFAULT_LANE_RESERVED_SMS, EnginePlan
+from ttsbuild.runtime.plan import (
+    DEFAULT_BF16_MIN_ROWS,
+    DEFAULT_LANE_RESERVED_SMS,
+    EnginePlan,
+    default_prefill_batches,
+)
 
 HBM_BYTES_PER_S = 4.0e12  # H200 weight-read floor used throughout GPU.md
 TEXT = (
@@ -154,7 +159,7 @@ def first_chunk_under_load(engine, load_req, new_req, load: int, n: int = 10,
 
 def bench_plan(
     precision: str, batches, fused_code_predictor: bool = True, persistent_cp_max_batch: int = 0,
-    fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0, prefill_batches=(1,),
+    fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0, prefill_batches=None,
     bf16_min_rows: int | None = None, admission_lane: tuple[int, ...] = (1, 2),
     lane_reserved_sms: int | None = None,
     lane_frames: int = 1,
@@ -164,8 +169,11 @@ def bench_plan(
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
     run it (fused_code_predictor=False: the unfused path everywhere); bf16_min_rows and
     lane_reserved_sms None: as served (DEFAULT_BF16_MIN_ROWS for FP8, DEFAULT_LANE_RESERVED_SMS
-    with a lane). plan_set: more EnginePlan fields, e.g. {"codec_fused_output": True}."""
+    with a lane), prefill_batches None: as served (`default_prefill_batches`). plan_set: more
+    EnginePlan fields, e.g. {"codec_fused_output": True}."""
     num_slots = max(batches)
+    if prefill_batches is None:
+        prefill_batches = default_prefill_batches(num_slots)
     if bf16_min_rows is None:
         bf16_min_rows = DEFAULT_BF16_MIN_ROWS if precision == "fp8" else 0
     buckets = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, *batches) if b <= num_slots}))
@@ -492,7 +500,7 @@ def run_engine_bench(
     persistent_cp_max_batch: int = 0,
     fused_talker_max_batch: int = 0,
     w8a8_min_rows: int = 0,
-    prefill_batches=(1,),
+    prefill_batches=None,
     bf16_min_rows: int | None = None,
     admission_lane: tuple[int, ...] = (1, 2),
     lane_reserved_sms: int | None = None,
@@ -601,8 +609,9 @@ def main() -> None:
     p.add_argument("--bf16-min-rows", type=int, default=None,
                    help="the talker's FP8 linears on bf16 copies from this many rows "
                    "(0: never; default: the plan's)")
-    p.add_argument("--prefill-batches", default="1",
-                   help="prompts per captured prefill step, e.g. 1,2,4 (each timed)")
+    p.add_argument("--prefill-batches", default=None,
+                   help="prompts per captured prefill step, e.g. 1 (each timed; default: as "
+                   "served, 1,2,4 within the slots)")
     p.add_argument("--admission-lane", default="1,2",
                    help="batch buckets of the admission lane, as served by default (1,2; '' "
                    "for off); the first chunk beside stepping rows is timed with it off and on")
@@ -639,7 +648,8 @@ def main() -> None:
         persistent_cp_max_batch=a.persistent_cp_max_batch,
         fused_talker_max_batch=a.fused_talker_max_batch,
         w8a8_min_rows=a.w8a8_min_rows,
-        prefill_batches=tuple(int(b) for b in a.prefill_batches.split(",")),
+        prefill_batches=None if a.prefill_batches is None
+        else tuple(int(b) for b in a.prefill_batches.split(",")),
         bf16_min_rows=a.bf16_min_rows,
         admission_lane=tuple(int(b) for b in a.admission_lane.split(",") if b),
         lane_reserved_sms=a.lane_reserved_sms,

@@ -71,8 +71,9 @@ def compile_engine(
         None, "--prefill-buckets", help="Captured prompt lengths (default: 32..512 below max len)."
     ),
     prefill_batches: str = typer.Option(
-        "1", "--prefill-batches", help="Prompts per captured prefill step, e.g. 1,2,4 "
-        "(requests admitted together share a step; default one per step)."
+        None, "--prefill-batches", help="Prompts per captured prefill step, e.g. 1 (one per "
+        "step); requests admitted together share a step (default 1,2,4 within the slots: "
+        "measured fewer refusals and underruns at 70 req/s)."
     ),
     admission_lane: str = typer.Option(
         None, "--admission-lane", help="Batch buckets of the admission lane (a new request's "
@@ -152,7 +153,8 @@ def compile_engine(
                            else power_of_two_buckets(max_batch)),
             max_frames=max_frames, max_len=max_len, num_slots=slots or max_batch,
             prefill_buckets=parse_sizes(prefill_buckets, "--prefill-buckets") if prefill_buckets
-            else None, prefill_batches=parse_sizes(prefill_batches, "--prefill-batches"),
+            else None, prefill_batches=parse_sizes(prefill_batches, "--prefill-batches")
+            if prefill_batches else None,
             admission_lane=None if admission_lane is None
             else parse_sizes(admission_lane, "--admission-lane"),
             codec_chunks=parse_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,

@@ -59,6 +59,7 @@ from ttsbuild.runtime.plan import (
     DEFAULT_LANE_RESERVED_SMS,
     EnginePlan,
     default_admission_lane,
+    default_prefill_batches,
 )
 
 LM_MODULES = ("talker", "code_predictor")
@@ -85,7 +86,8 @@ class BuildConfig:
     max_len: int = 2048  # talker KV positions per slot (prompt + frames)
     num_slots: int | None = None  # concurrent requests the engine holds (None: max batch)
     prefill_buckets: tuple[int, ...] | None = None  # captured prompt lengths (None: 32..512)
-    prefill_batches: tuple[int, ...] = (1,)  # prompts per captured prefill step
+    # prompts per captured prefill step (None: 1, 2 and 4 within the slots, runtime.plan's)
+    prefill_batches: tuple[int, ...] | None = None
     # batch buckets of the admission lane; (): off; None: 1 and 2 (runtime.plan's default)
     admission_lane: tuple[int, ...] | None = None
     # Frames per captured codec step: a 64-row x 16-frame codec graph holds GBs of activations.
@@ -160,7 +162,8 @@ class BuildConfig:
             num_slots=self.num_slots or self.max_batch, batch_buckets=tuple(self.graph_batches),
             prefill_buckets=tuple(
                 self.prefill_buckets or (t for t in (32, 64, 128, 256, 512) if t < self.max_len)
-            ), prefill_batches=tuple(self.prefill_batches),
+            ), prefill_batches=tuple(self.prefill_batches) if self.prefill_batches is not None
+            else default_prefill_batches(self.num_slots or self.max_batch),
             admission_lane=lane, lane_reserved_sms=self.lane_reserved_sms if lane else 0,
             codec_chunks=tuple(self.codec_chunks),
             codec_ring=self.codec_ring, max_len=self.max_len, max_text=self.max_text,

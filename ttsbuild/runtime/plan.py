@@ -26,6 +26,14 @@ DEFAULT_LANE_RESERVED_SMS = 16  # of the H200's 132 (see EnginePlan.lane_reserve
 DEFAULT_BF16_MIN_ROWS = 16  # FP8 talker linears on bf16 copies from 16 rows (bf16_min_rows)
 
 
+def default_prefill_batches(num_slots: int) -> tuple[int, ...]:
+    """Prompts per captured prefill step unless told otherwise: up to four arrivals admitted
+    together share a step (H200, 70 req/s with 3 codec steps in flight: 4 refused and 3
+    underrun requests a minute against 40 and 32 one prompt per step,
+    benchmarks/serve/2026-12-03-h200-batched-prefill-ab)."""
+    return tuple(b for b in (1, 2, 4) if b <= num_slots)
+
+
 def default_admission_lane(buckets) -> tuple[int, ...]:
     """The admission lane's buckets unless told otherwise: up to two new requests per step."""
     return tuple(b for b in buckets if b <= 2)
@@ -218,6 +226,7 @@ class EnginePlan(BaseModel):
         buckets = power_of_two_buckets(max_batch)
         overrides.setdefault("fused_code_predictor", tuple(b for b in buckets if b <= 8))
         overrides.setdefault("admission_lane", default_admission_lane(buckets))
+        overrides.setdefault("prefill_batches", default_prefill_batches(num_slots))
         overrides.setdefault(
             "lane_reserved_sms", DEFAULT_LANE_RESERVED_SMS if overrides["admission_lane"] else 0
         )

@@ -101,8 +101,8 @@ def serve(
     ),
     prefill_batches: str = typer.Option(
         None, "--prefill-batches", help="Checkpoints: prompts per captured prefill step, e.g. "
-        "1,2,4 (requests admitted together share a step; default one per step; a compiled "
-        "engine keeps its own)."
+        "1 (requests admitted together share a step; default 1,2,4 within the slots; a "
+        "compiled engine keeps its own)."
     ),  # fmt: skip
     admission_lane: str = typer.Option(
         None, "--admission-lane", help="GPU: batch buckets of the admission lane, e.g. 1,2 (a "

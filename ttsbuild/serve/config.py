@@ -91,7 +91,10 @@ class SchedulerConfig:
     # Codec steps launched and not yet read back, at most (first chunks excepted): one more
     # waits for a turn after the oldest is read, gathering more rows, instead of queueing on
     # the codec stream behind them (a pipelined engine; a serial one has at most one).
-    max_audio_in_flight: int = 2
+    # 3 with batched prefill: at 70 req/s on the H200 4 refused and 3 underrun requests a
+    # minute against 40 and 32 with 2 and one prompt per prefill step
+    # (benchmarks/serve/2026-12-03-h200-batched-prefill-ab).
+    max_audio_in_flight: int = 3
     # A stream's first chunks whose codec steps the engine's admission lane runs (one-frame
     # chunks only; the first always): excepted from max_audio_in_flight and launched in the
     # loop's first-audio turn, beside the regular codec lane's steps. 1: the first chunk only.
