@@ -48,6 +48,7 @@ from tests.serve.fakes import (  # noqa: E402
     FakeTicket,
 )
 from ttsbuild.bench.schedule import load_prompts  # noqa: E402
+from ttsbuild.runtime.plan import default_prefill_batches  # noqa: E402
 from ttsbuild.serve.config import SAMPLE_RATE, SchedulerConfig  # noqa: E402
 from ttsbuild.serve.loop import EngineLoop, Runner  # noqa: E402
 from ttsbuild.serve.scheduler import (  # noqa: E402
@@ -132,12 +133,15 @@ class SharedGpuEngine(FakeEngine):
     """The fake engine with its steps on a SharedGpu instead of independent lanes: the
     admission lane's work slows the regular steps running beside it, as on the H200."""
 
-    def __init__(self, *args, gpu: SharedGpu, prefill_batch: int = 1, **kwargs):
+    def __init__(self, *args, gpu: SharedGpu, prefill_batch: int = 1,
+                 prefill_prompt_s: float = 0.0, **kwargs):  # fmt: skip
         super().__init__(*args, **kwargs)
         self.gpu = gpu
         # prompts per prefill step (EnginePlan.prefill_batches' largest): more take more steps
-        # back to back, each costing one prompt's (their weights' read dominates)
+        # back to back, each costing one prompt's (their weights' read dominates) plus
+        # prefill_prompt_s for every prompt after the first in the step
         self.prefill_batch = prefill_batch
+        self.prefill_prompt_s = prefill_prompt_s
         self.made_by: dict[int, int] = {}  # slot -> the step that made its latest frame
         self.unread: list = []
 
@@ -149,7 +153,8 @@ class SharedGpuEngine(FakeEngine):
         self.calls.append(("prefill", list(slots)))
         lane = "admit" if self.admission_lane else "lm"
         steps = -(-len(slots) // self.prefill_batch)
-        pid = self.gpu.launch(lane, steps * self.cost_s["prefill"], [], self.clock.t)
+        cost = steps * self.cost_s["prefill"] + (len(slots) - steps) * self.prefill_prompt_s
+        pid = self.gpu.launch(lane, cost, [], self.clock.t)
         for s in slots:
             self.slots[s].prefilled = True
             self.made_by[s] = pid
@@ -198,7 +203,8 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
     clock = FakeClock()
     shared = {} if not a.shared_gpu else {"gpu": SharedGpu(
         {"admit": a.weight_admit, "lm": a.weight_lm, "codec": 1.0}, a.overlap),
-        "prefill_batch": a.prefill_batch}
+        "prefill_batch": a.prefill_batch or max(default_prefill_batches(a.slots)),
+        "prefill_prompt_s": a.prefill_prompt_ms / 1e3}
     engine = (SharedGpuEngine if a.shared_gpu else FakeEngine)(
         clock, num_slots=a.slots, codec_lane=True, async_prefill=True, instant=False,
         admission_lane=True, **shared,
@@ -305,14 +311,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--shared-gpu: the admission lane's share weight (codec lane: 1)")
     p.add_argument("--weight-lm", type=float, default=1.5,
                    help="--shared-gpu: the frame lane's share weight")
-    p.add_argument("--prefill-batch", type=int, default=1,
+    p.add_argument("--prefill-batch", type=int, default=0,
                    help="--shared-gpu: prompts per prefill step (serve --prefill-batches' "
-                   "largest); the plain model runs every turn's prompts as one step")
+                   "largest; 0: as served, runtime.plan.default_prefill_batches); the plain "
+                   "model runs every turn's prompts as one step")
+    p.add_argument("--prefill-prompt-ms", type=float, default=0.15,
+                   help="--shared-gpu: a prefill step's cost for each prompt after its first "
+                   "(H200, 32-token prompts: 1.97 / 2.11 / 2.54 ms for 1 / 2 / 4)")
     p.add_argument("--max-audio-in-flight", type=int,
                    default=SchedulerConfig.max_audio_in_flight)
     p.add_argument("--capacity-margin", type=float, default=SchedulerConfig.capacity_margin)
     p.add_argument("--pace-slack", type=float, default=SchedulerConfig.pace_slack_s)
     p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="runs per setting, each with its own arrivals (seeds 0..N-1)")
     p.add_argument("--queue-timeout", type=float, default=2.0)
     p.add_argument("--frame-ms", type=float, default=4.0)
     p.add_argument("--frame-row-ms", type=float, default=0.14)
@@ -328,7 +340,9 @@ def main() -> None:
         for slack in (float(x) for x in a.slacks.split(",")):
             for sched in a.schedules.split("/"):
                 schedule = tuple(int(x) for x in sched.split(","))
-                print(f"[{sched}] {simulate(rate, slack, a, schedule)}", flush=True)
+                for seed in range(a.seeds):  # arrivals drawn afresh per seed
+                    tag = f"[{sched}]" + (f" seed {seed}" if a.seeds > 1 else "")
+                    print(f"{tag} {simulate(rate, slack, a, schedule, seed)}", flush=True)
 
 
 if __name__ == "__main__":
