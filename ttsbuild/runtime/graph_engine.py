@@ -859,11 +859,11 @@ class GraphBackend:
             self._prefill_body(b, length)
 
     def _stage(self, rows: list[tuple]) -> tuple[int, int, int]:
-        """Rows (settings: ints and floats, prompt rows [T, 2 + G], trailing ids or None,
-        x-vector or None),
-        padded to a prefill batch with rows for the scratch slot: prompt rows padded to the
-        longest one's length bucket (its own length beyond the buckets), trailing ids to
-        their text bucket, in one copy; x-vectors in another where a row has one.
+        """Rows (settings as `_settings` gives them: ints and floats; prompt rows [T, 2 + G];
+        trailing ids or None; x-vector or None), padded to a prefill batch with rows for the
+        scratch slot: prompt rows padded to the longest one's length bucket (its own length
+        beyond the buckets), trailing ids to their text bucket, in one copy; x-vectors in
+        another where a row has one.
         Returns (batch, length, text length; 0: no text)."""
         b = next(p for p in self.plan.prefill_batches if p >= len(rows))
         n = max(r[2].shape[0] for r in rows)
@@ -1334,6 +1334,8 @@ def _settings(**values) -> tuple[np.ndarray, np.ndarray]:
     values = _SCRATCH_VALUES | values
     return (np.array([values[k] for k in _ADMIT_INTS], dtype=np.int64),
             np.array([values[k] for k in _ADMIT_FLOATS], dtype=np.float32))  # fmt: skip
+
+
 _ADMIT_TARGETS = {
     "position": lambda b: b.position,
     "seed": lambda b: b.seed,
