@@ -5,6 +5,8 @@ full pool, and an entry overwritten while the request that used it still runs.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -325,9 +327,7 @@ def test_settings_prepared_at_the_edge_reach_the_slot(custom):
     assert prep is not None and prep.prefix_len == n > 0
     assert prep.prefix_key == layout.prefix_key(n)
     assert np.array_equal(prep.ids, layout.rows.numpy())
-    bare = ResolvedRequest(req, resolved.plan.__class__(**{
-        **{f: getattr(resolved.plan, f) for f in resolved.plan.__dataclass_fields__},
-        "staged": None}))  # fmt: skip
+    bare = ResolvedRequest(req, dataclasses.replace(resolved.plan, staged=None))
     params = resolved.plan.params
     for r in (resolved, bare):
         slot = engine.admit(r)
