@@ -24,6 +24,10 @@ the plain model mis-ranked or missed (benchmarks/serve/2026-12-03-cpu-shared-gpu
 
     python benchmarks/serve/admission_sim.py --shared-gpu --frame-ms 3.4 --frame-row-ms 0.038 \
         --codec-ms 0.7 --codec-frame-ms 0.032 --prefill-ms 2.0 --slacks 0 --rates 70,85
+
+The admission lane follows the server's default switch (`--lane-max-active`, the lane only
+while fewer streams hold slots); `--lane-max-active 0` keeps it on, `--no-lane` has none (as
+`serve --admission-lane=`). The model ranks the three as the H200 did at 70 and 85 req/s.
 """
 
 from __future__ import annotations
@@ -207,7 +211,7 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
         "prefill_prompt_s": a.prefill_prompt_ms / 1e3}
     engine = (SharedGpuEngine if a.shared_gpu else FakeEngine)(
         clock, num_slots=a.slots, codec_lane=True, async_prefill=True, instant=False,
-        admission_lane=True, **shared,
+        admission_lane=not a.no_lane, **shared,
         cost_s={"prefill": a.prefill_ms / 1e3, "frames": a.frame_ms / 1e3,
                 "audio": a.codec_ms / 1e3},
         per_row_s={"frames": a.frame_row_ms / 1e3, "audio": 0.0},
@@ -220,12 +224,14 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
                              stream_buffer_s=1e6, admit_slack_s=slack,
                              lane_frames=a.lane_frames, lane_chunks=a.lane_chunks,
                              codec_step_frames=a.codec_step_frames,
+                             lane_max_active=a.lane_max_active,
                              max_audio_in_flight=a.max_audio_in_flight,
                              capacity_margin=a.capacity_margin,
                              pace_slack_s=a.pace_slack)  # fmt: skip
     sched = Scheduler(config, clock, observer, initial_cost_s=0.01)
     loop = EngineLoop(sched, Runner(engine, FakeRequestError), clock=clock, sleep=clock.advance,
-                      express=True)  # fmt: skip
+                      express=not a.no_lane, lane_switch=None if a.no_lane or a.lane_max_active <= 0
+                      else lambda on: setattr(engine, "admission_lane", on))  # fmt: skip
     streams, refused, late_streams = [], 0, set()
     first: dict[int, float] = {}
     next_at, t_end = 0.0, a.duration
@@ -300,6 +306,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lane-chunks", type=int, default=1,
                    help="a stream's first one-frame chunks decoded on the admission lane "
                    "(serve --lane-chunks)")
+    p.add_argument("--no-lane", action="store_true",
+                   help="no admission lane: new rows' prefill, first frame and first codec step "
+                   "in the regular steps, express admission off (serve --admission-lane=)")
+    p.add_argument("--lane-max-active", type=int, default=SchedulerConfig.lane_max_active,
+                   help="the admission lane only while fewer streams hold slots (serve "
+                   "--lane-max-active; 0: always)")
     p.add_argument("--codec-step-frames", type=int, default=SchedulerConfig.codec_step_frames,
                    help="a codec step's frames at most (serve --codec-step-frames; 0: no bound)")
     p.add_argument("--shared-gpu", action="store_true",

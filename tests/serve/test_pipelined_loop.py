@@ -413,3 +413,58 @@ def test_wait_idle_waits_for_the_engine_to_release_the_slots():
         assert engine.free_slots() == 2
     finally:
         loop.stop()
+
+
+def test_the_admission_lane_goes_off_under_load_and_back_on_when_it_eases():
+    """lane_max_active: new streams take the admission lane (and express admission) only while
+    fewer streams than the limit hold slots; from the limit on the lane is off (new rows' first
+    frame and codec step run in the regular steps), until fewer than 3/4 of the limit hold
+    slots. Every stream's audio stays whole and in order across the switches."""
+    h = Harness(num_slots=16, express=True, admission_lane=True, lane_max_active=4)
+    switches = []
+
+    def switch(on: bool) -> None:
+        switches.append((on, len(h.sched.by_slot)))
+        h.engine.admission_lane = on
+
+    h.loop.lane_switch = switch
+    lane_at_first_frame = {}  # stream id -> the lane's state when its first frame launched
+
+    def run_until_framed(streams):
+        while not all(s.first_frame_at is not None for s in streams):
+            if not h.step():
+                h.clock.advance(0.001)
+            lane = h.engine.admission_lane  # as switched at the start of that turn
+            for s in streams:
+                if s.first_frame_at is not None:
+                    lane_at_first_frame.setdefault(s.id, lane)
+
+    first = [h.submit(frames=60) for _ in range(4)]  # one turn admits all four: lane on
+    run_until_framed(first)
+    assert all(lane_at_first_frame[s.id] for s in first)
+    more = [h.submit(frames=20) for _ in range(4)]  # 4 streams hold slots: lane off
+    run_until_framed(more)
+    assert switches[0] == (False, 4)
+    assert not any(lane_at_first_frame[s.id] for s in more)
+    assert not h.loop.express
+    h.run_until(lambda: all(s.status is Status.FINISHED for s in first + more))
+    for s in first + more:
+        check_stream_events(h, s, s.request.frames)
+    late = h.submit(frames=8)  # fewer than 3 in slots: the lane again, express admission too
+    h.run_until(lambda: late.status is Status.FINISHED)
+    check_stream_events(h, late, 8)
+    assert len(switches) == 2 and switches[1][0] is True and switches[1][1] < 3
+    assert h.engine.admission_lane and h.loop.express
+
+
+def test_lane_wanted_switches_with_hysteresis():
+    """Off at the limit, on again only below three quarters of it; 0: always on."""
+    sched = Scheduler(SchedulerConfig(num_slots=16, lane_max_active=8), FakeClock())
+    seen = []
+    for n in [0, 7, 8, 7, 6, 5, 8, 3, 0]:
+        sched.by_slot = dict.fromkeys(range(n))
+        seen.append(sched.lane_wanted())
+    assert seen == [True, True, False, False, False, True, False, True, True]
+    sched = Scheduler(SchedulerConfig(num_slots=16, lane_max_active=0), FakeClock())
+    sched.by_slot = dict.fromkeys(range(16))
+    assert sched.lane_wanted()

@@ -51,8 +51,28 @@ def test_slots_default_to_128_on_a_gpu_and_stay_small_on_a_cpu(tiny_ckpt, tmp_pa
 
 @pytest.mark.parametrize("flag, value", [("--max-audio-in-flight", "0"),
                                          ("--max-audio-in-flight", "9"),
-                                         ("--codec-step-frames", "-1")])  # fmt: skip
+                                         ("--codec-step-frames", "-1"),
+                                         ("--lane-max-active", "-1")])  # fmt: skip
 def test_scheduler_bounds_out_of_range_are_usage_errors(flag, value):
     result = CliRunner().invoke(app, ["serve", "--random", "tiny", flag, value])
     assert result.exit_code == 2
     assert flag in " ".join(result.output.split())
+
+
+def test_the_admission_lane_switch_reaches_the_engine_and_the_metrics():
+    """An engine with an admission lane gets a loop that switches it by load (lane_max_active):
+    the switch sets the backend's lane_on, express admission follows, /metrics shows it; with
+    lane_max_active 0 the lane is never switched."""
+    from types import SimpleNamespace
+
+    engine = FakeEngine(FakeClock())
+    engine.backend = SimpleNamespace(concurrent_admission=True, lane_on=True, lane_codec_steps=1)
+    service = SpeechService(engine, ServeConfig(scheduler=SchedulerConfig(lane_max_active=4)))
+    loop, gauge = service.loop, service.metrics.lane
+    assert loop.lane_switch is not None and loop.express and gauge._value.get() == 1
+    loop._switch_lane(False)
+    assert engine.backend.lane_on is False and not loop.express and gauge._value.get() == 0
+    loop._switch_lane(True)
+    assert engine.backend.lane_on is True and loop.express and gauge._value.get() == 1
+    never = SpeechService(engine, ServeConfig(scheduler=SchedulerConfig(lane_max_active=0)))
+    assert never.loop.lane_switch is None and never.loop.express

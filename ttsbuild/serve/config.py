@@ -100,6 +100,16 @@ class SchedulerConfig:
     # loop's first-audio turn, beside the regular codec lane's steps. 1: the first chunk only.
     # serve sets the engine's GraphBackend.lane_codec_steps to match (--lane-chunks).
     lane_chunks: int = 1
+    # The engine's admission lane takes new streams only while fewer than this many streams
+    # hold slots; from there on, until fewer than three quarters of it do, new streams take the
+    # regular steps (prefill fenced with them, first frame in the next frame step, first codec
+    # step in a regular one) and express admission pauses. 0: the lane whenever the engine has
+    # one. The lane's one-row steps buy first audio at low load and cost throughput at high
+    # load. H200, lane off throughout: 0 refused and 0 underrun requests at 70 and 85 req/s
+    # (p95 first audio 49.6 / 61.4 ms) against 3 / 1 at 70 and 102 / 45 at 85 with it
+    # (benchmarks/serve/2026-12-03-h200-lane-off); with it at 1-40 req/s p95 12.5-22.4 ms,
+    # where 40 req/s holds 30 streams on average, 43 at p95 (2026-12-03-h200-new-defaults).
+    lane_max_active: int = 48
     # A new stream's first frames the engine's admission lane makes (its plan's lane_frames;
     # serve sets it): with 2, a first chunk of two frames gets its second frame in the loop's
     # express turn right after the first, on that lane.

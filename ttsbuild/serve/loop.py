@@ -193,10 +193,16 @@ class EngineLoop:
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
         express: bool = False,
+        lane_switch: Callable[[bool], None] | None = None,
     ):
         self.scheduler = scheduler
         self.runner = runner
         self.express = express
+        # Turns the engine's admission lane on or off (Scheduler.lane_wanted, checked at the
+        # start of each turn); express admission follows it (it pays only beside a lane).
+        self.lane_switch = lane_switch
+        self._express_with_lane = express
+        self.lane = True
         self._express_turn = False  # the next turn admits the arrival that cut a wait short
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -217,6 +223,8 @@ class EngineLoop:
         only, self._express_turn = ("new" if self._express_turn else None), False
         start = time.perf_counter()
         with self.lock:  # the lock's wait counts: the asyncio side holds it to submit
+            if self.lane_switch is not None and self.scheduler.lane_wanted() != self.lane:
+                self._switch_lane(not self.lane)
             plan = self._plan(only)
             if plan.is_empty and not self.in_flight:
                 events = self.scheduler.commit(plan, StepResult())
@@ -244,6 +252,15 @@ class EngineLoop:
         self._read_back(must=plan.is_empty, due_at=due_at)
         self.steps += 1
         return True
+
+    def _switch_lane(self, on: bool) -> None:
+        """The admission lane on or off for the turns from this one (the engine orders a
+        stream's work across the switch: runtime.graph_engine's fresh rows and ring order)."""
+        self.lane_switch(on)
+        self.lane = on
+        self.express = self._express_with_lane and on
+        log.info("admission lane %s with %d streams in slots", "on" if on else "off",
+                 len(self.scheduler.by_slot))  # fmt: skip
 
     def _plan(self, only: str | None) -> Plan:
         """The scheduler's plan (the caller holds the lock); its slots to release count as

@@ -115,6 +115,10 @@ class ServeMetrics:
         self.queue_depth = Gauge("tts_queue_depth", "Requests waiting for a slot", registry=r)
         self.active = Gauge("tts_active_slots", "Requests holding an engine slot", registry=r)
         self.streams = Gauge("tts_active_streams", "Open HTTP/WS audio streams", registry=r)
+        self.lane = Gauge("tts_admission_lane", "1 while new streams take the engine's "
+                          "admission lane (--lane-max-active)", registry=r)  # fmt: skip
+        self.lane_switches = Counter("tts_admission_lane_switches", "Admission lane switched "
+                                     "on or off", ["to"], registry=r)  # fmt: skip
         self.batch = Histogram("tts_batch_size", "Rows per stage call", ["stage"],
                                buckets=_BATCH_BUCKETS, registry=r)  # fmt: skip
         self.stage_seconds = Histogram(
@@ -205,6 +209,11 @@ class ServeMetrics:
             return
         log.warning("stall: %s %.1f ms%s with %d slots in use%s", what, seconds * 1e3, detail,
                     self._active, more)  # fmt: skip
+
+    def on_lane(self, on: bool) -> None:
+        """The admission lane switched (serve.loop.EngineLoop's lane_switch)."""
+        self.lane.set(int(on))
+        self.lane_switches.labels("on" if on else "off").inc()
 
     def on_codec_launches(self, launches: int) -> None:
         """serve.loop.Runner's: how many codec launches a codec step made."""

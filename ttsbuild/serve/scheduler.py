@@ -369,6 +369,7 @@ class Scheduler:
         self._last_commit: float | None = None  # None: the loop idled since
         self._in_flight = 0  # stages launched (commit_launch) and not yet read back
         self._audio_in_flight = 0  # of which codec steps (SchedulerConfig.max_audio_in_flight)
+        self._lane = True  # lane_wanted()'s state
         self._frame_steps = 0  # frame steps launched (Stream.frame_step)
 
     # -- asyncio side ------------------------------------------------------------------------
@@ -539,6 +540,20 @@ class Scheduler:
             self._last_commit = None  # idle: the next step's cost starts fresh
         self.observer.on_plan(plan, len(self.queue) - len(admit), len(self.by_slot))
         return plan
+
+    def lane_wanted(self) -> bool:
+        """Whether the engine's admission lane should take new streams now
+        (SchedulerConfig.lane_max_active): off once that many streams hold slots, on again
+        when fewer than three quarters of it do (no flapping at the threshold)."""
+        limit = self.config.lane_max_active
+        if limit <= 0:
+            return True
+        active = len(self.by_slot)
+        if self._lane and active >= limit:
+            self._lane = False
+        elif not self._lane and active < (3 * limit) // 4:
+            self._lane = True
+        return self._lane
 
     def arrival_admissible(self) -> bool:
         """A queued stream would be admitted by a turn planned now (a free slot, capacity)."""

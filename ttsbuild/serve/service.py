@@ -149,8 +149,17 @@ class SpeechService:
         self.scheduler = Scheduler(sched_cfg, clock, self.metrics)
         runner = Runner(engine, RequestError, timer=self.metrics.on_host,
                         codec_launches=self.metrics.on_codec_launches)  # fmt: skip
-        self.loop = EngineLoop(self.scheduler, runner,
-                               express=config.express_admission and lane)  # fmt: skip
+        lane_switch = None
+        if lane and sched_cfg.lane_max_active > 0:  # the lane by load (lane_max_active)
+            backend = engine.backend
+
+            def lane_switch(on: bool) -> None:
+                backend.lane_on = on
+                self.metrics.on_lane(on)
+
+        self.metrics.lane.set(int(lane))
+        self.loop = EngineLoop(self.scheduler, runner, express=config.express_admission and lane,
+                               lane_switch=lane_switch)  # fmt: skip
         self.lag_probe: asyncio.Task | None = None
         self._gc_callback: Callable | None = None  # watch_gc's, while started
         self._gc_threshold: tuple[int, int, int] | None = None  # the interpreter's, while tuned
