@@ -12,7 +12,8 @@
 #         e.g. "--plan-set codec_fused_attention=true --plan-set codec_fused_output=true"
 # engine: engine microbenchmark, served plan (first chunk, prefill by bucket, frame, codec)
 # check:  graph path vs eager path (tiny); with --kernels (CHECK_ARGS): the plan's optional
-#         paths too, batched prefill (prefill_batches 1,2,4) among them
+#         paths too, batched prefill (prefill_batches 1,2,4) among them; with "--admission-lane
+#         1,2 --lane-switch" also the lane and the lane switched on and off between steps
 # batched: engine microbenchmark with --prefill-batches 1 (one prompt per step, the default
 #         before 2026-12-03; the served plan batches 1, 2 and 4 prompts per step)
 # lane:   engine microbenchmark with the admission lane on buckets $LANE (default 1,2): a new

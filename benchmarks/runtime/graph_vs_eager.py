@@ -13,7 +13,7 @@ Checks, per precision of the language models (the codec is fp32 in both):
         agree within 1e-2.
 Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
     python benchmarks/runtime/graph_vs_eager.py [--variant tiny|1.7b-customvoice] [--kernels]
-        [--admission-lane 1,2 [--lane-reserved-sms 16] [--lane-frames 2]]
+        [--admission-lane 1,2 [--lane-reserved-sms 16] [--lane-frames 2] [--lane-switch]]
 """
 
 from __future__ import annotations
@@ -67,11 +67,23 @@ def run_reference(models, reqs, plan):
     return out
 
 
-def run_graph(engine: GraphEngine, reqs, audio_min: int = 1):
+# The admission lane's state (on?) before a step's admission, after it (its frame step) and
+# before its codec step, per admission (odd steps) in turn, for --lane-switch: a row that
+# takes the lane all the way; one prefilled there whose first frame runs in a regular step;
+# one prefilled off it that meets it on; one whose first frame runs there and its first codec
+# step in a regular one. Even steps: off and on in turn.
+SWITCH_ADMIT = ((True, True, True), (True, False, False), (False, True, True),
+                (True, True, False))
+
+
+def run_graph(engine: GraphEngine, reqs, audio_min: int = 1, switch: bool = False):
     """Join/leave schedule: 3 start (prefilled together); every 2 steps one more joins
     (prefilled between steps while earlier steps are still in flight); rows leave as they
     reach their limits. Audio: up to 2 frames a step of rows with at least audio_min frames
-    pending (2: a first chunk of two frames, as a real checkpoint's) or finished."""
+    pending (2: a first chunk of two frames, as a real checkpoint's) or finished.
+    switch: the admission lane switched on and off between steps (SWITCH_ADMIT; the
+    server's --lane-max-active switches it between turns by load)."""
+
     waiting = list(enumerate(reqs))
     live: dict[int, int] = {}  # slot -> request index
     pcm: dict[int, list[np.ndarray]] = {i: [] for i in range(len(reqs))}
@@ -90,14 +102,22 @@ def run_graph(engine: GraphEngine, reqs, audio_min: int = 1):
 
     admit(3)
     while live or waiting:
+        before, after, audio = (SWITCH_ADMIT[step // 2 % len(SWITCH_ADMIT)] if step % 2
+                                else ((step // 2) % 2 == 1,) * 3)  # fmt: skip
+        if switch:
+            engine.backend.lane_on = before
         if waiting and (step % 2 == 1 or not live):
             admit()
+        if switch:
+            engine.backend.lane_on = after
         active = [s for s in live if engine.table[s].can_launch]
         ticket = engine.launch_frames(active) if active else None
         batches.add(len(active))
         if pending is not None:
             engine.collect(pending)
         pending = ticket
+        if switch:
+            engine.backend.lane_on = audio
         due = [s for s in live
                if engine.pending_frames(s) >= audio_min or engine.is_finished(s)]  # fmt: skip
         for s, p in (engine.audio(due, max_frames=2) if due else {}).items():
@@ -128,13 +148,14 @@ MIN_SNR_DB = 45.0
 
 def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
           kernels: bool = False, lane: tuple[int, ...] = (), reserved: int = 0,
-          lane_frames: int = 1) -> bool:
+          lane_frames: int = 1, switch: bool = False) -> bool:
     name = f"{variant} {str(dtype).removeprefix('torch.')} {'greedy' if greedy else 'sampled'}"
     name += " (kernel choices on)" if kernels else ""
     name += f" (admission lane {list(lane)})" if lane else ""
     name += f" ({reserved} SMs reserved for it)" if reserved else ""
     name += f" ({lane_frames} frames and a {lane_frames}-frame codec step there)" if (
         lane_frames > 1) else ""  # fmt: skip
+    name += " (switched on and off between steps)" if switch else ""
     models = random_models(variant, device=device, dtype=dtype)
     plan = EnginePlan(num_slots=8, batch_buckets=(1, 2, 4, 8), max_len=512, max_text=256,
                       prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4), codec_ring=16,
@@ -145,7 +166,7 @@ def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
     ref = run_reference(models, reqs, plan)
     t1 = time.perf_counter()
     engine = GraphEngine(models, plan, keep_codes=True)  # graphs on CUDA, eager on CPU
-    got, batches = run_graph(engine, reqs, audio_min=lane_frames)
+    got, batches = run_graph(engine, reqs, audio_min=lane_frames, switch=switch)
     t2 = time.perf_counter()
     exact = dtype == torch.float32
     ok = True
@@ -202,6 +223,9 @@ def main() -> int:
     p.add_argument("--lane-reserved-sms", type=int, default=0,
                    help="with --admission-lane: also check with this many SMs kept free of "
                    "the regular steps for the lane (regular steps in green contexts)")
+    p.add_argument("--lane-switch", action="store_true",
+                   help="with --admission-lane: also check with the lane switched on and off "
+                   "between steps (serve --lane-max-active switches it by load)")
     p.add_argument("--lane-frames", type=int, default=1,
                    help="with --admission-lane: also check with a new row's first frames and "
                    "its first codec step of that many frames on the lane (2: a real "
@@ -234,6 +258,9 @@ def main() -> int:
         if a.lane_frames > 1:
             results += [check(a.variant, torch.float32, greedy=g, device=a.device, lane=lane,
                               lane_frames=a.lane_frames) for g in (True, False)]
+        if a.lane_switch:
+            results += [check(a.variant, torch.float32, greedy=g, device=a.device, lane=lane,
+                              switch=a.lane_switch) for g in (True, False)]
     if a.device == "cuda":
         results.append(check(a.variant, torch.bfloat16, greedy=True, device=a.device))
     return 0 if all(results) else 1
