@@ -83,7 +83,6 @@ def run_graph(engine: GraphEngine, reqs, audio_min: int = 1, switch: bool = Fals
     pending (2: a first chunk of two frames, as a real checkpoint's) or finished.
     switch: the admission lane switched on and off between steps (SWITCH_ADMIT; the
     server's --lane-max-active switches it between turns by load)."""
-
     waiting = list(enumerate(reqs))
     live: dict[int, int] = {}  # slot -> request index
     pcm: dict[int, list[np.ndarray]] = {i: [] for i in range(len(reqs))}
