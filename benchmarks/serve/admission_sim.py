@@ -221,6 +221,7 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
     observer = Late()
     config = SchedulerConfig(num_slots=a.slots, max_batch=a.slots, max_queue=256,
                              queue_timeout_s=a.queue_timeout, max_buffered_s=1e6,
+                             refuse_long_waits=not a.queue_long_waits,
                              stream_buffer_s=1e6, admit_slack_s=slack,
                              lane_frames=a.lane_frames, lane_chunks=a.lane_chunks,
                              codec_step_frames=a.codec_step_frames,
@@ -337,7 +338,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--seeds", type=int, default=1,
                    help="runs per setting, each with its own arrivals (seeds 0..N-1)")
-    p.add_argument("--queue-timeout", type=float, default=2.0)
+    p.add_argument("--queue-timeout", type=float, default=None,
+                   help="seconds a request may wait for a slot (default: the profile's)")
+    p.add_argument("--queue-long-waits", action="store_true",
+                   help="queue requests expected to wait longer than that (serve "
+                   "--queue-long-waits) instead of refusing them at once")
     p.add_argument("--frame-ms", type=float, default=4.0)
     p.add_argument("--frame-row-ms", type=float, default=0.14)
     p.add_argument("--codec-ms", type=float, default=3.0)

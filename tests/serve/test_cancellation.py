@@ -25,11 +25,13 @@ def assert_nothing_left(service: SpeechService) -> None:
 
 def test_a_thousand_cancellations_through_the_service_leave_nothing_behind():
     engine = FakeEngine(FakeClock(), num_slots=8, cost_s={"prefill": 0, "frames": 0, "audio": 0})
-    # 100 requests at a time queue for 8 slots: admission by capacity would refuse most of
-    # them, and this test is about cancellation in every state
+    # 100 requests at a time queue for 8 slots: admission by capacity, or by the expected
+    # wait for a slot, would refuse most of them, and this test is about cancellation in
+    # every state
     config = ServeConfig(
         scheduler=SchedulerConfig(
-            num_slots=8, max_queue=2000, queue_timeout_s=60, admit_by_capacity=False
+            num_slots=8, max_queue=2000, queue_timeout_s=60, admit_by_capacity=False,
+            refuse_long_waits=False,
         )
     )
     service = SpeechService(engine, config)
@@ -75,7 +77,8 @@ def test_http_clients_that_disconnect_free_their_slots(tiny_ckpt):
     # a slow (shared, 2-core) machine from turning that wait into 429s; admission is tested
     # in test_scheduler.
     config = ServeConfig(
-        scheduler=SchedulerConfig(num_slots=4, queue_timeout_s=120.0, admit_by_capacity=False)
+        scheduler=SchedulerConfig(num_slots=4, queue_timeout_s=120.0, admit_by_capacity=False,
+                                  refuse_long_waits=False)
     )
     with running_server(tiny_ckpt, config) as (url, service):
         _disconnect_and_check(url, service)

@@ -210,7 +210,7 @@ def test_paced_frame_steps_carry_more_rows_and_keep_every_deadline():
 
 
 def test_queue_full_is_429_at_once():
-    h = Harness(num_slots=1, max_queue=2)
+    h = Harness(num_slots=1, max_queue=2, refuse_long_waits=False)  # they queue
     h.submit(), h.submit()
     with pytest.raises(Rejected) as err:
         h.submit()
@@ -218,7 +218,7 @@ def test_queue_full_is_429_at_once():
 
 
 def test_no_slot_within_the_bound_is_429():
-    h = Harness(num_slots=1, queue_timeout_s=0.5)
+    h = Harness(num_slots=1, queue_timeout_s=0.5, refuse_long_waits=False)
     first = h.submit(frames=1000)
     waiting = h.submit()
     h.run_until(lambda: h.events[waiting.id])
@@ -368,12 +368,114 @@ def test_a_chunk_with_little_time_to_spare_stops_admission_only_with_admit_slack
 
 
 def test_waiting_for_a_slot_ends_in_429_naming_the_slot_not_capacity():
-    h = Harness(num_slots=1, queue_timeout_s=0.5, admit_by_capacity=False)
+    h = Harness(num_slots=1, queue_timeout_s=0.5, admit_by_capacity=False,
+                refuse_long_waits=False)  # fmt: skip
     h.submit(frames=1000)
     waiting = h.submit()
     h.run_until(lambda: h.events[waiting.id])
     failed = h.events[waiting.id][0]
     assert failed.reason == "no_slot" and "no engine slot freed within 0.5 s" in failed.message
+
+
+def test_a_request_that_no_slot_would_take_soon_is_refused_at_once():
+    """Every slot held by long streams and none freed lately: a new request is answered 429
+    no_slot at submit (not after queue_wait_s), saying why; a free slot takes the next one."""
+    h = Harness(num_slots=2, admit_by_capacity=True)
+    long = [h.submit(frames=1000) for _ in range(2)]
+    h.run_until(lambda: all(h.chunks(s) for s in long))
+    assert h.sched.slot_wait(h.clock.t) == float("inf")
+    with pytest.raises(Rejected) as err:
+        h.submit()
+    assert err.value.status == 429 and err.value.reason == "no_slot"
+    assert "all 2 engine slots held, 0 requests queued" in err.value.message
+    assert "no slot freed in the last 2 s" in err.value.message
+    assert not h.sched.queue
+    h.sched.close(long[0].id)  # a slot frees: the next request queues and gets it
+    assert h.sched.slot_wait(h.clock.t) == 0
+    s = h.submit(frames=3)
+    h.run_until(lambda: s.status is Status.FINISHED)
+
+
+def _slots_freed_at_a_steady_rate(num_slots=2, **cfg):
+    """Both slots kept busy by short streams, a new one whenever one finishes, for 3 s
+    (capacity admission off: the slots alone decide)."""
+    h = Harness(num_slots=num_slots, max_queue=1000, **cfg)
+    live = []
+    while h.clock.t < 3.0:
+        live = [s for s in live if s.status is not Status.FINISHED]
+        while len(live) < num_slots:
+            live.append(h.submit(frames=3))
+        if h.step().is_empty:
+            h.clock.advance(0.005)
+    h.run_until(lambda: all(s.status is Status.DECODING for s in live))  # both slots held
+    return h
+
+
+@pytest.mark.parametrize("wait_s", [0.1, 0.3])
+def test_requests_queue_while_the_slots_freed_lately_would_take_them_in_time(wait_s):
+    """With slots freed at a measured rate r, a request queues while the requests ahead of it
+    (and itself) would get slots within queue_wait_s, i.e. floor(r * wait) of them; the next
+    is refused at once with the expected wait; the queued ones all get their slots."""
+    h = _slots_freed_at_a_steady_rate(queue_timeout_s=wait_s)
+    window = h.sched.config.release_window_s
+    freed = len([t for t in h.sched._releases if t >= h.clock.t - window])
+    rate = freed / window
+    assert rate > 10  # evidence: short streams through two slots
+    queued = []
+    with pytest.raises(Rejected) as err:
+        while True:
+            queued.append(h.submit(frames=3))
+    assert len(queued) == int(rate * wait_s)
+    assert err.value.reason == "no_slot" and f"{1e3 * wait_s:g} ms a request waits" in \
+        err.value.message  # fmt: skip
+    h.run_until(lambda: all(s.status is Status.FINISHED for s in queued))
+    assert not any(isinstance(e, Failed) for s in queued for e in h.events[s.id])
+
+
+def test_long_waits_queue_when_asked_and_time_out_naming_the_slot():
+    """refuse_long_waits False (serve --queue-long-waits): the same request queues, and is
+    answered 429 no_slot once the profile's wait is up."""
+    h = Harness(num_slots=1, admit_by_capacity=True, refuse_long_waits=False)
+    assert h.sched.config.queue_wait_s == PROFILES[ProfileName.low_latency].queue_wait_s
+    long = h.submit(frames=1000)
+    h.run_until(lambda: h.chunks(long))
+    waiting = h.submit()
+    h.run_until(lambda: h.events[waiting.id])
+    failed = h.events[waiting.id][0]
+    wait = PROFILES[ProfileName.low_latency].queue_wait_s
+    assert failed.reason == "no_slot" and f"no engine slot freed within {wait:g} s" in \
+        failed.message  # fmt: skip
+    assert waiting.status is Status.FAILED
+
+
+def test_a_request_that_waited_only_for_the_engines_turn_is_admitted_not_refused():
+    """A request that arrives during a long step, a slot free, is still queued when the step
+    is read back, past queue_wait_s: it was waiting for the turn, not for a slot, and the
+    next turn admits it."""
+    h = Harness(num_slots=2, queue_timeout_s=0.02)
+    h.engine.cost_s = {"prefill": 0.01, "frames": 0.1, "audio": 0.01}
+    first = h.submit(frames=40)
+    h.run_until(lambda: h.chunks(first))
+    plan = h.sched.plan()
+    result = h.runner.execute(plan, clock=h.clock)
+    late = h.submit(frames=3)  # arrives while the step runs; the step takes 50 ms more
+    h.clock.advance(0.05)
+    for sink, event in h.sched.commit(plan, result):
+        sink(event)
+    assert late.status is Status.QUEUED and not h.events[late.id]
+    h.step()
+    assert late.status is not Status.QUEUED and late.slot is not None
+    h.run_until(lambda: late.status is Status.FINISHED)
+    assert not any(isinstance(e, Failed) for e in h.events[late.id])
+
+
+def test_the_slot_wait_is_the_profiles_unless_set():
+    for name, profile in PROFILES.items():
+        assert SchedulerConfig(profile=profile).queue_wait_s == profile.queue_wait_s, name
+    assert SchedulerConfig(queue_timeout_s=1.5).queue_wait_s == 1.5
+    low = PROFILES[ProfileName.low_latency].queue_wait_s
+    assert low < PROFILES[ProfileName.balanced].queue_wait_s < \
+        PROFILES[ProfileName.throughput].queue_wait_s  # fmt: skip
 
 
 def test_a_following_stream_is_due_by_the_playback_of_the_one_before():

@@ -51,7 +51,16 @@ def serve(
         None, help="Graph engine linears: bf16 or fp8 (default: the engine manifest's)."
     ),
     max_queue: int = typer.Option(64, help="Requests waiting for a slot; more get 429."),
-    queue_timeout: float = typer.Option(2.0, help="Seconds a request may wait for a slot (429)."),
+    queue_timeout: float | None = typer.Option(
+        None, min=0.0, help="Seconds a request may wait for a slot; one that would wait longer, "
+        "by the rate slots were freed lately, gets 429 at once (default: the profile's: "
+        + ", ".join(f"{n.value} {p.queue_wait_s:g}" for n, p in PROFILES.items()) + ")."
+    ),  # fmt: skip
+    refuse_long_waits: bool = typer.Option(
+        True, "--refuse-long-waits/--queue-long-waits", help="A request that would wait "
+        "longer than --queue-timeout for a slot, by the rate slots were freed lately, gets "
+        "429 at once; else it queues and gets 429 when the wait is up."
+    ),  # fmt: skip
     max_buffered: float = typer.Option(
         120.0, help="Seconds of produced-but-unsent audio, all streams, above which new "
         "requests get 503."
@@ -250,6 +259,7 @@ def serve(
             max_batch=256,  # ditto: the plan's largest batch bucket
             max_queue=max_queue,
             queue_timeout_s=queue_timeout,
+            refuse_long_waits=refuse_long_waits,
             max_buffered_s=max_buffered,
             admit_by_capacity=admit_by_capacity,
             capacity_margin=capacity_margin,

@@ -56,7 +56,11 @@ capacity_margin. Demand: the streams generating, queued and new, a stream whose 
 grow counting its ramp speed (1.875x real time for [1, 1, 2, 4, 8, 12]). An engine with no demand
 always takes a stream, so an idle server never refuses and a device too slow for even one
 real-time stream serves one at a time; without evidence in the window only slots limit. A
-request that finds every slot held waits for one up to queue_timeout_s (then 429 no_slot). A
+request that finds every slot held waits for one up to SchedulerConfig.queue_wait_s (the
+profile's unless queue_timeout_s is set; then 429 no_slot), and is answered 429 no_slot at once
+when it would wait longer: the requests queued before it, less the free slots, over the rate
+slots were freed in the last release_window_s (none freed: it would). Under overload a wait
+for a slot is what a listener hears as first-audio latency, so low-latency's is short. A
 stream whose own unsent audio exceeds stream_buffer_s pauses (backpressure).
 
 Pure Python: no torch, no threads. The engine thread calls plan() and commit() under a lock;
@@ -371,6 +375,7 @@ class Scheduler:
         self._audio_in_flight = 0  # of which codec steps (SchedulerConfig.max_audio_in_flight)
         self._lane = True  # lane_wanted()'s state
         self._frame_steps = 0  # frame steps launched (Stream.frame_step)
+        self._releases: deque[float] = deque()  # when slots were freed (slot_wait)
 
     # -- asyncio side ------------------------------------------------------------------------
     def submit(
@@ -411,6 +416,9 @@ class Scheduler:
         if refusal is not None:
             self._reject("capacity")
             raise Rejected(429, "capacity", f"server at capacity: {refusal}; try again shortly")
+        if not continuation and (wait := self._slot_wait_refusal(now)) is not None:
+            self._reject("no_slot")
+            raise Rejected(429, "no_slot", f"server busy: {wait}; try again shortly")
         self.streams[stream.id] = stream
         self.queue.append(stream)
         return stream
@@ -502,6 +510,37 @@ class Scheduler:
             f"{capacity:.1f} with {streams} streams (measured over the last "
             f"{self.config.capacity_window_s:g} s, {self.config.capacity_margin:.0%} margin kept)"
         )
+
+    def slot_wait(self, now: float) -> float:
+        """Seconds a request queued now would wait for a slot, expected from the slots freed
+        over the last release_window_s: 0 while a slot is free for it and every request
+        queued before it, inf when none was freed."""
+        needed = len(self.queue) + 1 - (self.config.num_slots - len(self.by_slot))
+        if needed <= 0:
+            return 0.0
+        self._forget_releases(now)
+        n, window = len(self._releases), self.config.release_window_s
+        return needed * window / n if n else math.inf
+
+    def _forget_releases(self, now: float) -> None:
+        while self._releases and self._releases[0] < now - self.config.release_window_s:
+            self._releases.popleft()
+
+    def _slot_wait_refusal(self, now: float) -> str | None:
+        """Why a request submitted now would get no slot within queue_wait_s, as far as the
+        slots' recent releases tell (None: it may, or refuse_long_waits is off)."""
+        cfg = self.config
+        if not cfg.refuse_long_waits:
+            return None
+        wait, limit = self.slot_wait(now), cfg.queue_wait_s
+        if wait <= limit:
+            return None
+        held = f"all {cfg.num_slots} engine slots held, {len(self.queue)} requests queued"
+        if math.isinf(wait):
+            return f"{held} and no slot freed in the last {cfg.release_window_s:g} s"
+        return (f"{held}; at the {len(self._releases) / cfg.release_window_s:.0f} slots a "
+                f"second freed lately a slot would take ~{1e3 * wait:.0f} ms, more than the "
+                f"{1e3 * limit:g} ms a request waits")
 
     # -- engine thread -----------------------------------------------------------------------
     def plan(self, only: str | None = None) -> Plan:
@@ -950,8 +989,14 @@ class Scheduler:
         self._emit(s, Done(stats))
 
     def _expire_queue(self, now: float) -> None:
-        timeout = self.config.queue_timeout_s
+        """Answer 429 to queued requests past queue_wait_s that the next turn would not admit
+        either (one that only waited for the engine's turn, a slot free, is not refused)."""
+        timeout = self.config.queue_wait_s
         expired = [s for s in self.queue if not s.continuation and now - s.arrived_at > timeout]
+        if expired:
+            held = sum(1 for s in self.by_slot.values() if s.status is Status.PREFILL)
+            admissible = {s.id for s in self._admissions(now, held)}
+            expired = [s for s in expired if s.id not in admissible]
         for s in expired:
             self.queue.remove(s)
             s.status = Status.FAILED
@@ -966,6 +1011,9 @@ class Scheduler:
         if s.slot is not None and self.by_slot.get(s.slot) is s:
             del self.by_slot[s.slot]
             self.to_release.append(s.slot)
+            now = self.clock()
+            self._releases.append(now)
+            self._forget_releases(now)
 
     def _emit(self, s: Stream, event: Event) -> None:
         self._outbox.append((s.sink, event))

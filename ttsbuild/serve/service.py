@@ -327,9 +327,10 @@ class SpeechService:
             self._gc_callback = on_gc
 
     async def warm_up(self) -> None:
-        """Two short requests, one twice as long, through the whole path; /ready turns true
-        only after them. Steps of one and two rows show the scheduler how a step's cost grows
-        with the batch before real load arrives (see scheduler.RowCost)."""
+        """Two short requests, one twice as long, through the whole path (at once where two
+        slots allow); /ready turns true only after them. Steps of one and two rows show the
+        scheduler how a step's cost grows with the batch before real load arrives (see
+        scheduler.RowCost)."""
         models = self.engine.models
         clone = None
         if self.voice_store is not None:  # no voice need be registered yet: a neutral one
@@ -352,7 +353,10 @@ class SpeechService:
                 handle.close()
             return handle.stats
 
-        stats = await asyncio.gather(one(4), one(8))
+        if self.scheduler.config.num_slots >= 2:
+            stats = await asyncio.gather(one(4), one(8))
+        else:  # one at a time: the second would wait for the slot (queue_wait_s), then 429
+            stats = [await one(4), await one(8)]
         if self.config.gc_freeze:
             freeze_startup_objects()
         if self.config.gc_threshold is not None and self._gc_threshold is None:
