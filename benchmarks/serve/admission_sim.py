@@ -222,6 +222,8 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
     config = SchedulerConfig(num_slots=a.slots, max_batch=a.slots, max_queue=256,
                              queue_timeout_s=a.queue_timeout, max_buffered_s=1e6,
                              refuse_long_waits=not a.queue_long_waits,
+                             overload_wait_s=a.overload_wait,
+                             standing_queue_s=a.standing_queue,
                              stream_buffer_s=1e6, admit_slack_s=slack,
                              lane_frames=a.lane_frames, lane_chunks=a.lane_chunks,
                              codec_step_frames=a.codec_step_frames,
@@ -338,10 +340,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--seeds", type=int, default=1,
                    help="runs per setting, each with its own arrivals (seeds 0..N-1)")
-    p.add_argument("--queue-timeout", type=float, default=None,
-                   help="seconds a request may wait for a slot (default: the profile's)")
+    p.add_argument("--queue-timeout", type=float, default=SchedulerConfig.queue_timeout_s)
+    p.add_argument("--overload-wait", type=float, default=None,
+                   help="serve --overload-wait (default: the profile's)")
+    p.add_argument("--standing-queue", type=float, default=SchedulerConfig.standing_queue_s)
     p.add_argument("--queue-long-waits", action="store_true",
-                   help="queue requests expected to wait longer than that (serve "
+                   help="queue requests expected to wait longer than they may (serve "
                    "--queue-long-waits) instead of refusing them at once")
     p.add_argument("--frame-ms", type=float, default=4.0)
     p.add_argument("--frame-row-ms", type=float, default=0.14)

@@ -374,7 +374,7 @@ def test_waiting_for_a_slot_ends_in_429_naming_the_slot_not_capacity():
     waiting = h.submit()
     h.run_until(lambda: h.events[waiting.id])
     failed = h.events[waiting.id][0]
-    assert failed.reason == "no_slot" and "no engine slot freed within 0.5 s" in failed.message
+    assert failed.reason == "no_slot" and "no engine slot freed in the 0.5" in failed.message
 
 
 def test_a_request_that_no_slot_would_take_soon_is_refused_at_once():
@@ -433,19 +433,20 @@ def test_requests_queue_while_the_slots_freed_lately_would_take_them_in_time(wai
 
 
 def test_long_waits_queue_when_asked_and_time_out_naming_the_slot():
-    """refuse_long_waits False (serve --queue-long-waits): the same request queues, and is
-    answered 429 no_slot once the profile's wait is up."""
+    """refuse_long_waits False (serve --queue-long-waits): the request no slot would take
+    soon queues; once it waited standing_queue_s the queue stands, its wait is the profile's
+    overload wait, long past, and it is answered 429 no_slot saying so."""
     h = Harness(num_slots=1, admit_by_capacity=True, refuse_long_waits=False)
-    assert h.sched.config.queue_wait_s == PROFILES[ProfileName.low_latency].queue_wait_s
     long = h.submit(frames=1000)
     h.run_until(lambda: h.chunks(long))
     waiting = h.submit()
     h.run_until(lambda: h.events[waiting.id])
     failed = h.events[waiting.id][0]
-    wait = PROFILES[ProfileName.low_latency].queue_wait_s
-    assert failed.reason == "no_slot" and f"no engine slot freed within {wait:g} s" in \
-        failed.message  # fmt: skip
+    wait = PROFILES[ProfileName.low_latency].overload_wait_s
+    assert failed.reason == "no_slot" and "no engine slot freed in the 0.5" in failed.message
+    assert f"a request waits at most {wait:g} s" in failed.message
     assert waiting.status is Status.FAILED
+    assert h.clock.t - waiting.arrived_at < SchedulerConfig.standing_queue_s + 0.05
 
 
 def test_a_request_that_waited_only_for_the_engines_turn_is_admitted_not_refused():
@@ -469,13 +470,45 @@ def test_a_request_that_waited_only_for_the_engines_turn_is_admitted_not_refused
     assert not any(isinstance(e, Failed) for e in h.events[late.id])
 
 
-def test_the_slot_wait_is_the_profiles_unless_set():
+def test_the_overload_wait_is_the_profiles_unless_set():
     for name, profile in PROFILES.items():
-        assert SchedulerConfig(profile=profile).queue_wait_s == profile.queue_wait_s, name
-    assert SchedulerConfig(queue_timeout_s=1.5).queue_wait_s == 1.5
-    low = PROFILES[ProfileName.low_latency].queue_wait_s
-    assert low < PROFILES[ProfileName.balanced].queue_wait_s < \
-        PROFILES[ProfileName.throughput].queue_wait_s  # fmt: skip
+        assert SchedulerConfig(profile=profile).overload_wait == profile.overload_wait_s, name
+    assert SchedulerConfig(overload_wait_s=0.3).overload_wait == 0.3
+    low = PROFILES[ProfileName.low_latency].overload_wait_s
+    assert low < PROFILES[ProfileName.balanced].overload_wait_s < \
+        PROFILES[ProfileName.throughput].overload_wait_s  # fmt: skip
+
+
+def test_a_standing_queue_cuts_the_wait_for_a_slot_to_the_overload_wait():
+    """Arrivals at several times the rate two slots free up: at first requests queue (a burst
+    may pass), then, a request having waited standing_queue_s, the queue stands and requests
+    wait at most the overload wait (the rest 429 no_slot, most at once); when arrivals stop
+    and nobody is refused for standing_queue_s, queue_timeout_s applies again."""
+    h = Harness(num_slots=2, max_queue=1000, overload_wait_s=0.02, standing_queue_s=0.3)
+    streams, refused, next_arrival = [], [], 0.0
+    while h.clock.t < 3.0:
+        if h.clock.t >= next_arrival:
+            next_arrival += 0.02
+            try:
+                streams.append(h.submit(frames=10))
+            except Rejected as err:
+                refused.append((h.clock.t, err))
+        if h.step().is_empty:
+            h.clock.advance(0.005)
+    standing = h.sched._standing_since
+    assert standing is not None and 0.3 < standing < 1.0
+    waits = [(s.arrived_at, s.admitted_at - s.arrived_at) for s in streams if s.admitted_at]
+    assert max(w for t, w in waits if t < standing) > 0.25  # the queue took the burst
+    after = [w for t, w in waits if t > standing]
+    assert len(after) > 10 and max(after) <= 0.02 + 0.03  # + one turn
+    at_once = [t for t, err in refused if err.reason == "no_slot"]
+    assert len(at_once) > len(after)  # (before the first slot freed too: no evidence yet)
+    late = [e for s in streams for e in h.events[s.id] if isinstance(e, Failed)]
+    assert all(e.reason == "no_slot" for e in late)
+    h.run_until(lambda: not h.sched.queue and not h.sched.by_slot)
+    h.clock.advance(0.31)
+    assert h.sched.queue_wait(h.clock.t) == h.sched.config.queue_timeout_s
+    assert h.sched._standing_since is None
 
 
 def test_a_following_stream_is_due_by_the_playback_of_the_one_before():

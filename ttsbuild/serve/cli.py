@@ -51,15 +51,24 @@ def serve(
         None, help="Graph engine linears: bf16 or fp8 (default: the engine manifest's)."
     ),
     max_queue: int = typer.Option(64, help="Requests waiting for a slot; more get 429."),
-    queue_timeout: float | None = typer.Option(
-        None, min=0.0, help="Seconds a request may wait for a slot; one that would wait longer, "
-        "by the rate slots were freed lately, gets 429 at once (default: the profile's: "
-        + ", ".join(f"{n.value} {p.queue_wait_s:g}" for n, p in PROFILES.items()) + ")."
+    queue_timeout: float = typer.Option(
+        SchedulerConfig.queue_timeout_s, min=0.0, help="Seconds a request may wait for a slot "
+        "while queues come and go (then 429)."
+    ),  # fmt: skip
+    overload_wait: float | None = typer.Option(
+        None, min=0.0, help="Seconds a request may wait for a slot once a queue stands (a "
+        "request waited --standing-queue): default the profile's: "
+        + ", ".join(f"{n.value} {p.overload_wait_s:g}" for n, p in PROFILES.items()) + "."
+    ),  # fmt: skip
+    standing_queue: float = typer.Option(
+        SchedulerConfig.standing_queue_s, min=0.0, help="Seconds a request waits for a slot "
+        "before the queue counts as standing (overload), until no request was refused a slot "
+        "for as long."
     ),  # fmt: skip
     refuse_long_waits: bool = typer.Option(
         True, "--refuse-long-waits/--queue-long-waits", help="A request that would wait "
-        "longer than --queue-timeout for a slot, by the rate slots were freed lately, gets "
-        "429 at once; else it queues and gets 429 when the wait is up."
+        "for a slot longer than it may, by the rate slots were freed lately, gets 429 at "
+        "once; else it queues and gets 429 when its wait is up."
     ),  # fmt: skip
     max_buffered: float = typer.Option(
         120.0, help="Seconds of produced-but-unsent audio, all streams, above which new "
@@ -259,6 +268,8 @@ def serve(
             max_batch=256,  # ditto: the plan's largest batch bucket
             max_queue=max_queue,
             queue_timeout_s=queue_timeout,
+            overload_wait_s=overload_wait,
+            standing_queue_s=standing_queue,
             refuse_long_waits=refuse_long_waits,
             max_buffered_s=max_buffered,
             admit_by_capacity=admit_by_capacity,

@@ -28,9 +28,10 @@ class Profile:
     urgent_slack_s: float  # a stream whose slack falls below this anchors the next batch
     soon_slack_s: float  # ...below this it goes before round-robin work
     safety_margin_s: float  # deadline = playback start + audio sent - this
-    # The longest a new request may wait for an engine slot (SchedulerConfig.queue_timeout_s
-    # unless that is set): one the scheduler expects to wait longer is refused (429) at once.
-    queue_wait_s: float = 2.0
+    # The longest a new request may wait for an engine slot once a queue stands (overload;
+    # SchedulerConfig.overload_wait_s unless set there): one expected to wait longer is refused
+    # (429) at once, one queued longer is refused then.
+    overload_wait_s: float = 2.0
 
 
 # low-latency's ramp starts with two one-frame chunks: with [1, 2, 4, 8, 12] every underrun at
@@ -38,17 +39,16 @@ class Profile:
 # chunk's 80 ms); with [1, 1, 2, 4, 8, 12] 1 underrun request against 11, 0 refusals against 4,
 # p95 first audio 39.6 against 44.0 ms, for 8 % more codec steps
 # (benchmarks/serve/2026-12-02-h200-ramp-ab).
-# low-latency's wait for a slot: under overload that wait is first-audio latency. On the H200
-# no request was held over 30 ms between arrival and admission at 85 req/s or below
-# (benchmarks/serve/2026-12-03-h200-lane-off: tts_first_audio_phase_seconds{phase="admit"}),
-# so a short wait refuses nothing there; at 100 req/s on 256 slots 4,600 of 11,000 waited
-# over 0.2 s (2026-12-03-h200-256-slots). The CPU model at 170 req/s (2x the 85 measured),
-# 128 slots: p95 first audio 1.7 s with 2 s of queueing, 98 ms with 0.05 s, 65 ms with 0.02 s
-# and long waits refused at once (benchmarks/serve/2026-12-03-cpu-shared-gpu-model).
-LOW_LATENCY_QUEUE_WAIT_S = 0.02
+# low-latency's wait for a slot under overload: there that wait is first-audio latency. On
+# the H200 no request was held over 30 ms between arrival and admission at 85 req/s or below
+# (benchmarks/serve/2026-12-03-h200-lane-off: tts_first_audio_phase_seconds{phase="admit"});
+# at 100 req/s on 256 slots 4,600 of 11,000 waited over 0.2 s (2026-12-03-h200-256-slots).
+# The CPU model at 170 req/s (2x the 85 measured), 128 slots: p95 first audio 1.7 s with 2 s
+# of queueing, 70 ms with 0.02 s (benchmarks/serve/2026-12-03-cpu-shared-gpu-model).
+LOW_LATENCY_OVERLOAD_WAIT_S = 0.02
 PROFILES = {
     ProfileName.low_latency: Profile(ProfileName.low_latency, (1, 1, 2, 4, 8, 12), 0.025, 1.0,
-                                     0.05, LOW_LATENCY_QUEUE_WAIT_S),
+                                     0.05, LOW_LATENCY_OVERLOAD_WAIT_S),
     ProfileName.balanced: Profile(ProfileName.balanced, (4, 4, 8, 16, 25), 0.05, 1.0, 0.1, 0.5),
     ProfileName.throughput: Profile(ProfileName.throughput, (25,), 0.1, 2.0, 0.2),
 }
@@ -81,12 +81,17 @@ class SchedulerConfig:
     profile: Profile = PROFILES[ProfileName.low_latency]
     num_slots: int = 8  # engine slots (requests generating at once)
     max_queue: int = 64  # requests waiting for a slot; one more is answered 429 at once
-    # A request that gets no slot within this is answered 429 (None: the profile's
-    # queue_wait_s); one that would wait longer, as the slots freed over the last
-    # release_window_s tell, is answered 429 at once (refuse_long_waits).
-    queue_timeout_s: float | None = None
+    # Waiting for a slot (see scheduler.py): a request that gets none within queue_timeout_s
+    # is answered 429, and within overload_wait_s (None: the profile's) once a queue stands,
+    # i.e. a request waited standing_queue_s (until no request was refused a slot for that
+    # long). A burst queues; overload is refused quickly. One expected to wait longer than
+    # that, as the slots freed over the last release_window_s tell, is answered 429 at once
+    # (refuse_long_waits; False: it queues until its wait is up).
+    queue_timeout_s: float = 2.0
+    overload_wait_s: float | None = None
+    standing_queue_s: float = 0.5
     release_window_s: float = 2.0
-    refuse_long_waits: bool = True  # False: queue them (up to the wait, then 429 no_slot)
+    refuse_long_waits: bool = True
     max_batch: int = 64  # rows per stage call (the engine's slots bound it too)
     max_buffered_s: float = 120.0  # audio produced but not yet sent, all streams: above it 503
     stream_buffer_s: float = 20.0  # one stream's unsent audio above this pauses its generation
@@ -156,9 +161,10 @@ class SchedulerConfig:
     pace_slack_s: float = 0.0
 
     @property
-    def queue_wait_s(self) -> float:
-        """The longest a request waits for a slot: queue_timeout_s, else the profile's."""
-        return self.profile.queue_wait_s if self.queue_timeout_s is None else self.queue_timeout_s
+    def overload_wait(self) -> float:
+        """The wait for a slot once a queue stands: overload_wait_s, else the profile's."""
+        return self.profile.overload_wait_s if self.overload_wait_s is None \
+            else self.overload_wait_s  # fmt: skip
 
 
 @dataclass(frozen=True)

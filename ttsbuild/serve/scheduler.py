@@ -56,12 +56,15 @@ capacity_margin. Demand: the streams generating, queued and new, a stream whose 
 grow counting its ramp speed (1.875x real time for [1, 1, 2, 4, 8, 12]). An engine with no demand
 always takes a stream, so an idle server never refuses and a device too slow for even one
 real-time stream serves one at a time; without evidence in the window only slots limit. A
-request that finds every slot held waits for one up to SchedulerConfig.queue_wait_s (the
-profile's unless queue_timeout_s is set; then 429 no_slot), and is answered 429 no_slot at once
-when it would wait longer: the requests queued before it, less the free slots, over the rate
-slots were freed in the last release_window_s (none freed: it would). Under overload a wait
-for a slot is what a listener hears as first-audio latency, so low-latency's is short. A
-stream whose own unsent audio exceeds stream_buffer_s pauses (backpressure).
+request that finds every slot held waits for one (queue_wait): up to queue_timeout_s while
+queues come and go (a burst), up to the profile's overload wait (low-latency: 20 ms) once a
+queue stands, i.e. the request at its head was seen waiting longer than that throughout
+standing_queue_s, and until no request was refused (for any reason) for as long; then 429
+no_slot. Under overload a wait for a slot is what a listener hears as first-audio latency. A
+request that would wait longer than it may is answered 429 no_slot at once: the requests queued
+before it, less the free slots, over the rate slots were freed in the last release_window_s
+(none freed: it would). One that waited only for the engine's turn, a slot free for it, is never
+refused. A stream whose own unsent audio exceeds stream_buffer_s pauses (backpressure).
 
 Pure Python: no torch, no threads. The engine thread calls plan() and commit() under a lock;
 the asyncio side calls submit(), ack() and close(). PCM is opaque here (only len() is used).
@@ -376,6 +379,9 @@ class Scheduler:
         self._lane = True  # lane_wanted()'s state
         self._frame_steps = 0  # frame steps launched (Stream.frame_step)
         self._releases: deque[float] = deque()  # when slots were freed (slot_wait)
+        self._standing_since: float | None = None  # a queue stands (queue_wait)
+        self._above_since: float | None = None  # a queued request waited over the target
+        self._refused_at = -math.inf  # the latest refusal (429 or 503)
 
     # -- asyncio side ------------------------------------------------------------------------
     def submit(
@@ -526,21 +532,43 @@ class Scheduler:
         while self._releases and self._releases[0] < now - self.config.release_window_s:
             self._releases.popleft()
 
+    def queue_wait(self, now: float) -> float:
+        """The longest a request may wait for a slot now: the overload wait while a queue
+        stands, queue_timeout_s otherwise. A queue stands once the request at its head was
+        seen waiting longer than the overload wait throughout standing_queue_s, and until no
+        request was refused (for any reason) for that long."""
+        cfg = self.config
+        target = min(cfg.overload_wait, cfg.queue_timeout_s)
+        if self._standing_since is None:
+            oldest = next((s for s in self.queue if not s.continuation), None)
+            if oldest is None or now - oldest.arrived_at <= target:
+                self._above_since = None
+            elif self._above_since is None:
+                self._above_since = now
+            elif now - self._above_since > cfg.standing_queue_s:
+                self._standing_since = self._refused_at = now
+                self._above_since = None
+        elif now - self._refused_at > cfg.standing_queue_s:
+            self._standing_since = None
+        return cfg.queue_timeout_s if self._standing_since is None else target
+
     def _slot_wait_refusal(self, now: float) -> str | None:
-        """Why a request submitted now would get no slot within queue_wait_s, as far as the
+        """Why a request submitted now would get no slot within queue_wait, as far as the
         slots' recent releases tell (None: it may, or refuse_long_waits is off)."""
         cfg = self.config
         if not cfg.refuse_long_waits:
             return None
-        wait, limit = self.slot_wait(now), cfg.queue_wait_s
+        wait, limit = self.slot_wait(now), self.queue_wait(now)
         if wait <= limit:
             return None
         held = f"all {cfg.num_slots} engine slots held, {len(self.queue)} requests queued"
         if math.isinf(wait):
             return f"{held} and no slot freed in the last {cfg.release_window_s:g} s"
+        standing = "" if self._standing_since is None else (
+            f" (requests have waited for slots for {now - self._standing_since:.1f} s)")
         return (f"{held}; at the {len(self._releases) / cfg.release_window_s:.0f} slots a "
                 f"second freed lately a slot would take ~{1e3 * wait:.0f} ms, more than the "
-                f"{1e3 * limit:g} ms a request waits")
+                f"{1e3 * limit:g} ms a request waits{standing}")
 
     # -- engine thread -----------------------------------------------------------------------
     def plan(self, only: str | None = None) -> Plan:
@@ -989,9 +1017,9 @@ class Scheduler:
         self._emit(s, Done(stats))
 
     def _expire_queue(self, now: float) -> None:
-        """Answer 429 to queued requests past queue_wait_s that the next turn would not admit
+        """Answer 429 to queued requests past queue_wait that the next turn would not admit
         either (one that only waited for the engine's turn, a slot free, is not refused)."""
-        timeout = self.config.queue_wait_s
+        timeout = self.queue_wait(now)
         expired = [s for s in self.queue if not s.continuation and now - s.arrived_at > timeout]
         if expired:
             held = sum(1 for s in self.by_slot.values() if s.status is Status.PREFILL)
@@ -1000,10 +1028,14 @@ class Scheduler:
         for s in expired:
             self.queue.remove(s)
             s.status = Status.FAILED
+            waited = f"the {now - s.arrived_at:.2f} s it waited"
             if len(self.by_slot) >= self.config.num_slots:
-                reason, why = "no_slot", f"no engine slot freed within {timeout:g} s"
+                reason, why = "no_slot", f"no engine slot freed in {waited}"
             else:
-                reason, why = "capacity", f"the engine stayed at capacity for {timeout:g} s"
+                reason, why = "capacity", f"the engine stayed at capacity for {waited}"
+            if self._standing_since is not None:
+                why += (f" (requests have waited for slots for {now - self._standing_since:.1f}"
+                        f" s: a request waits at most {timeout:g} s)")
             self._reject(reason)
             self._emit(s, Failed(429, why, reason))
 
@@ -1019,6 +1051,7 @@ class Scheduler:
         self._outbox.append((s.sink, event))
 
     def _reject(self, reason: str) -> None:
+        self._refused_at = self.clock()
         self.observer.on_reject(reason)
 
 

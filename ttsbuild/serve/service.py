@@ -355,7 +355,7 @@ class SpeechService:
 
         if self.scheduler.config.num_slots >= 2:
             stats = await asyncio.gather(one(4), one(8))
-        else:  # one at a time: the second would wait for the slot (queue_wait_s), then 429
+        else:  # one at a time: the second would find the slot held, and 429
             stats = [await one(4), await one(8)]
         if self.config.gc_freeze:
             freeze_startup_objects()
