@@ -118,3 +118,14 @@ def test_stalls_are_logged_with_what_stalled_once_a_second_per_kind(caplog):
         "stall: event loop woke 22.2 ms late with 0 slots in use; 1 more since the last one",
     ]
     assert metrics.event_loop_lag._sum.get() == 0.004 + 0.0315 + 0.05 + 0.0222
+
+
+def test_a_standing_queue_sets_its_gauge_and_is_logged(caplog):
+    metrics = ServeMetrics()
+    with caplog.at_level(logging.INFO, logger="ttsbuild.serve.metrics"):
+        metrics.on_queue_standing(True, 0.02)
+        assert metrics.queue_standing._value.get() == 1
+        metrics.on_queue_standing(False, 2.0)
+    assert metrics.queue_standing._value.get() == 0
+    logged = [r.getMessage() for r in caplog.records if "queue for slots" in r.getMessage()]
+    assert "requests wait at most 20 ms" in logged[0] and "up to 2 s" in logged[1]

@@ -485,6 +485,13 @@ def test_a_standing_queue_cuts_the_wait_for_a_slot_to_the_overload_wait():
     wait at most the overload wait (the rest 429 no_slot, most at once); when arrivals stop
     and nobody is refused for standing_queue_s, queue_timeout_s applies again."""
     h = Harness(num_slots=2, max_queue=1000, overload_wait_s=0.02, standing_queue_s=0.3)
+    transitions = []
+
+    class Recorder(NullObserver):
+        def on_queue_standing(self, standing, wait_s):
+            transitions.append((standing, wait_s))
+
+    h.sched.observer = Recorder()
     streams, refused, next_arrival = [], [], 0.0
     while h.clock.t < 3.0:
         if h.clock.t >= next_arrival:
@@ -509,6 +516,7 @@ def test_a_standing_queue_cuts_the_wait_for_a_slot_to_the_overload_wait():
     h.clock.advance(0.31)
     assert h.sched.queue_wait(h.clock.t) == h.sched.config.queue_timeout_s
     assert h.sched._standing_since is None
+    assert transitions == [(True, 0.02), (False, 2.0)]  # (serve: tts_queue_standing, a log)
 
 
 def test_a_following_stream_is_due_by_the_playback_of_the_one_before():

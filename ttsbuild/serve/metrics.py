@@ -117,6 +117,9 @@ class ServeMetrics:
         self.streams = Gauge("tts_active_streams", "Open HTTP/WS audio streams", registry=r)
         self.lane = Gauge("tts_admission_lane", "1 while new streams take the engine's "
                           "admission lane (--lane-max-active)", registry=r)  # fmt: skip
+        self.queue_standing = Gauge("tts_queue_standing", "1 while a queue for slots stands "
+                                    "(overload: requests wait at most --overload-wait)",
+                                    registry=r)  # fmt: skip
         self.lane_switches = Counter("tts_admission_lane_switches", "Admission lane switched "
                                      "on or off", ["to"], registry=r)  # fmt: skip
         self.batch = Histogram("tts_batch_size", "Rows per stage call", ["stage"],
@@ -264,6 +267,14 @@ class ServeMetrics:
 
     def on_reject(self, reason: str) -> None:
         self.rejections.labels(reason).inc()
+
+    def on_queue_standing(self, standing: bool, wait_s: float) -> None:
+        self.queue_standing.set(int(standing))
+        if standing:
+            log.warning("a queue for slots stands (overload): requests wait at most %.0f ms "
+                        "for one, with %d slots in use", wait_s * 1e3, self._active)
+        else:
+            log.info("the queue for slots cleared: requests wait up to %g s for one", wait_s)
 
     def on_stop(self, reason: str) -> None:
         self.stops.labels(reason).inc()

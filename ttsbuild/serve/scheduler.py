@@ -297,6 +297,7 @@ class Observer(Protocol):
     def on_second_chunk(self, gap_s: float, phases: dict[str, float]) -> None: ...
     def on_reject(self, reason: str) -> None: ...
     def on_stop(self, reason: str) -> None: ...
+    def on_queue_standing(self, standing: bool, wait_s: float) -> None: ...
 
 
 class NullObserver:
@@ -307,6 +308,7 @@ class NullObserver:
     def on_second_chunk(self, gap_s: float, phases: dict[str, float]) -> None: ...
     def on_reject(self, reason: str) -> None: ...
     def on_stop(self, reason: str) -> None: ...
+    def on_queue_standing(self, standing: bool, wait_s: float) -> None: ...
 
 
 @dataclass(slots=True)
@@ -548,8 +550,10 @@ class Scheduler:
             elif now - self._above_since > cfg.standing_queue_s:
                 self._standing_since = self._refused_at = now
                 self._above_since = None
+                self.observer.on_queue_standing(True, target)
         elif now - self._refused_at > cfg.standing_queue_s:
             self._standing_since = None
+            self.observer.on_queue_standing(False, cfg.queue_timeout_s)
         return cfg.queue_timeout_s if self._standing_since is None else target
 
     def _slot_wait_refusal(self, now: float) -> str | None:
