@@ -44,7 +44,8 @@ class Profile:
 # (benchmarks/serve/2026-12-03-h200-lane-off: tts_first_audio_phase_seconds{phase="admit"});
 # at 100 req/s on 256 slots 4,600 of 11,000 waited over 0.2 s (2026-12-03-h200-256-slots).
 # The CPU model at 170 req/s (2x the 85 measured), 128 slots: p95 first audio 1.7 s with 2 s
-# of queueing, 70 ms with 0.02 s (benchmarks/serve/2026-12-03-cpu-shared-gpu-model).
+# of queueing, 70-75 ms with 0.02 s once a queue stands, and 100 req/s still refuses nothing
+# (benchmarks/serve/2026-12-03-cpu-shared-gpu-model). Not yet run on the H200.
 LOW_LATENCY_OVERLOAD_WAIT_S = 0.02
 PROFILES = {
     ProfileName.low_latency: Profile(ProfileName.low_latency, (1, 1, 2, 4, 8, 12), 0.025, 1.0,
