@@ -350,7 +350,8 @@ def test_a_chunk_with_little_time_to_spare_stops_admission_only_with_admit_slack
     """SchedulerConfig.admit_slack_s: a stream whose latest chunk came 5 ms before its
     playback ran dry counts as behind for admission when the slack asked for is 10 ms (and
     not with 0, where only late chunks count); its next chunk with time to spare clears it."""
-    h = Harness(num_slots=4, admit_by_capacity=True, admit_slack_s=admit_slack_s)
+    h = Harness(num_slots=4, admit_by_capacity=True, admit_slack_s=admit_slack_s,
+                overload_slack_s=0.0)  # (the margin under overload: the next test)
     s = h.submit(frames=40, schedule=(1,))
     h.run_until(lambda: len(h.chunks(s)) >= 1)
     due = s.playback_end()
@@ -363,7 +364,32 @@ def test_a_chunk_with_little_time_to_spare_stops_admission_only_with_admit_slack
     else:
         h.submit()
     h.sched._commit_audio(s, [0.0] * FRAME_SAMPLES, s.playback_end() - 0.05)  # 50 ms early
-    assert not s.behind
+    assert s.spare_s == pytest.approx(0.05) and h.sched.behind() == 0
+    h.submit()
+
+
+def test_the_overload_slack_holds_only_while_requests_are_being_refused():
+    """SchedulerConfig.overload_slack_s: a stream whose latest chunk came 30 ms before its
+    playback ran dry does not stop admission while nothing is refused; within
+    standing_queue_s of a refusal (here: a full queue) it does, saying with what margin;
+    once nothing was refused for that long, admission is as before."""
+    h = Harness(num_slots=4, admit_by_capacity=True, overload_slack_s=0.06, max_queue=1,
+                standing_queue_s=0.5)  # fmt: skip
+    s = h.submit(frames=400, schedule=(1,))
+    h.run_until(lambda: len(h.chunks(s)) >= 1)
+    h.sched._commit_audio(s, [0.0] * FRAME_SAMPLES, s.playback_end() - 0.03)  # 30 ms to spare
+    assert h.sched.admit_slack(h.clock.t) == 0.0 and h.sched.behind() == 0
+    queued = h.submit()  # nothing refused lately: admitted (to the queue)
+    with pytest.raises(Rejected) as full:
+        h.submit()
+    assert full.value.reason == "queue_full"
+    h.sched.close(queued.id)
+    assert h.sched.admit_slack(h.clock.t) == 0.06 and h.sched.behind() == 1
+    with pytest.raises(Rejected) as err:
+        h.submit()
+    assert err.value.reason == "capacity" and "less than 60 ms from it" in err.value.message
+    h.clock.advance(0.51)  # no refusal for standing_queue_s
+    assert h.sched.admit_slack(h.clock.t) == 0.0
     h.submit()
 
 

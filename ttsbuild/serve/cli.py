@@ -91,6 +91,11 @@ def serve(
         "6 at 40 req/s and 175 at 60 that 0 served (benchmarks/serve/"
         "2026-12-02-h200-admit-slack-128)."
     ),  # fmt: skip
+    overload_slack: float = typer.Option(
+        SchedulerConfig.overload_slack_s, "--overload-slack", min=0.0, help="Seconds: the "
+        "admission slack (see --admit-slack) while requests are being refused (one was in the "
+        "last --standing-queue seconds): under overload admitted streams keep this margin."
+    ),  # fmt: skip
     drop_bootstrap_frame: bool | None = typer.Option(
         None, "--drop-bootstrap-frame/--keep-bootstrap-frame",
         help="Drop the silent first frame (default: drop for real checkpoints, keep stand-ins).",
@@ -275,6 +280,7 @@ def serve(
             admit_by_capacity=admit_by_capacity,
             capacity_margin=capacity_margin,
             admit_slack_s=admit_slack,
+            overload_slack_s=overload_slack,
             pace_slack_s=pace_slack,
             lane_chunks=lane_chunks,
             lane_max_active=lane_max_active,

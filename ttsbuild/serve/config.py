@@ -110,6 +110,15 @@ class SchedulerConfig:
     # steps it waits for came 2-3x further apart than their microbenchmark times, sharing the
     # GPU (benchmarks/serve/2026-12-02-h200-capacity-128).
     admit_slack_s: float = 0.0
+    # ...and at least this while requests are being refused (one was, for any reason, in the
+    # last standing_queue_s): under overload admitted streams keep a margin; below it
+    # admission is as without (a rate with refusals fails the bench's capacity rule anyway).
+    # The H200 showed the slack protects under overload and costs refusals below it
+    # (admit_slack_s above); the CPU model at 170 req/s (2x the 85 measured) with 0.06 s:
+    # 128 slots p95 first audio 63-65 ms against 70-75, 0 late streams either way; 256 slots
+    # 2-9 late streams a 20 s against 150-405; 85 and 100 req/s unchanged
+    # (benchmarks/serve/2026-12-03-cpu-shared-gpu-model). Not yet run on the H200.
+    overload_slack_s: float = 0.06
     # Codec steps launched and not yet read back, at most (first chunks excepted): one more
     # waits for a turn after the oldest is read, gathering more rows, instead of queueing on
     # the codec stream behind them (a pipelined engine; a serial one has at most one).

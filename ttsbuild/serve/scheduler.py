@@ -179,7 +179,7 @@ class Stream:
     first_decoded: int = 0  # frames its first codec step took
     second_frames_at: float | None = None  # the second chunk's frames all read back
     second_codec_at: float | None = None  # its second codec step launched
-    behind: bool = False  # its latest chunk came late, or within admit_slack_s of late
+    spare_s: float = math.inf  # its latest chunk's time to spare before its playback (< 0: late)
     last_served_at: float = 0.0
 
     def next_chunk_frames(self) -> int:
@@ -491,22 +491,33 @@ class Scheduler:
         a device too slow for even one real-time stream serves one at a time."""
         return capacity is None or demand == 0 or demand + extra <= capacity
 
-    def behind(self) -> int:
+    def admit_slack(self, now: float) -> float:
+        """The time to spare an admitted stream's latest chunk must have come with for new
+        streams to be admitted: SchedulerConfig.admit_slack_s, at least overload_slack_s while
+        requests are being refused (one was in the last standing_queue_s)."""
+        cfg = self.config
+        if now - self._refused_at <= cfg.standing_queue_s:
+            return max(cfg.admit_slack_s, cfg.overload_slack_s)
+        return cfg.admit_slack_s
+
+    def behind(self, now: float | None = None) -> int:
         """Streams still generating whose latest chunk came late for their playback, or with
-        less than SchedulerConfig.admit_slack_s to spare: the engine is not keeping up (or
-        about to stop), whatever the capacity estimate says (a stream whose next chunk comes
-        with time to spare no longer counts)."""
-        return sum(1 for s in self.by_slot.values() if s.behind and not s.generation_done)
+        less than admit_slack(now) to spare: the engine is not keeping up (or about to stop),
+        whatever the capacity estimate says (a stream whose next chunk comes with time to
+        spare no longer counts)."""
+        slack = self.admit_slack(self.clock() if now is None else now)
+        return sum(1 for s in self.by_slot.values()
+                   if s.spare_s < slack and not s.generation_done)  # fmt: skip
 
     def _capacity_refusal(self, stream: Stream, now: float) -> str | None:
         """Why admitting `stream` would make admitted streams late (None: it would not)."""
         if not self.config.admit_by_capacity:
             return None
-        if late := self.behind():
-            if not self.config.admit_slack_s:
+        if late := self.behind(now):
+            if not (slack := self.admit_slack(now)):
                 return f"{late} admitted streams are behind their playback"
             return (f"{late} admitted streams are behind their playback or less than "
-                    f"{1e3 * self.config.admit_slack_s:g} ms from it")
+                    f"{1e3 * slack:g} ms from it")
         streams = len(self.by_slot) + len(self.queue) + 1
         capacity = self.capacity(now, streams)
         demand = self.demand() + sum(q.demand() for q in self.queue)
@@ -987,7 +998,7 @@ class Scheduler:
                 self.observer.on_first_audio(now - s.arrived_at, _first_audio_phases(s, now))
         if due is not None:
             self.observer.on_chunk(now - due, s.chunks_sent, s.samples_sent / SAMPLE_RATE)
-            s.behind = now > due - self.config.admit_slack_s
+            s.spare_s = due - now
         if s.chunks_sent == 1 and (phases := _second_chunk_phases(s, now)) is not None:
             self.observer.on_second_chunk(now - s.first_audio_at, phases)
         self._emit(s, Chunk(s.chunks_sent, pcm))
