@@ -52,7 +52,11 @@ def test_slots_default_to_128_on_a_gpu_and_stay_small_on_a_cpu(tiny_ckpt, tmp_pa
 @pytest.mark.parametrize("flag, value", [("--max-audio-in-flight", "0"),
                                          ("--max-audio-in-flight", "9"),
                                          ("--codec-step-frames", "-1"),
-                                         ("--lane-max-active", "-1")])  # fmt: skip
+                                         ("--lane-max-active", "-1"),
+                                         ("--queue-timeout", "-1"),
+                                         ("--overload-wait", "-0.5"),
+                                         ("--standing-queue", "-1"),
+                                         ("--overload-slack", "-0.01")])  # fmt: skip
 def test_scheduler_bounds_out_of_range_are_usage_errors(flag, value):
     result = CliRunner().invoke(app, ["serve", "--random", "tiny", flag, value])
     assert result.exit_code == 2
