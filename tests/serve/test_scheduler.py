@@ -372,7 +372,7 @@ def test_the_overload_slack_holds_only_while_requests_are_being_refused():
     """SchedulerConfig.overload_slack_s: a stream whose latest chunk came 30 ms before its
     playback ran dry does not stop admission while nothing is refused; within
     standing_queue_s of a refusal (here: a full queue) it does, saying with what margin;
-    once nothing was refused for that long, admission is as before."""
+    once nothing but that slack refused anything for that long, admission is as before."""
     h = Harness(num_slots=4, admit_by_capacity=True, overload_slack_s=0.06, max_queue=1,
                 standing_queue_s=0.5)  # fmt: skip
     s = h.submit(frames=400, schedule=(1,))
@@ -388,7 +388,10 @@ def test_the_overload_slack_holds_only_while_requests_are_being_refused():
     with pytest.raises(Rejected) as err:
         h.submit()
     assert err.value.reason == "capacity" and "less than 60 ms from it" in err.value.message
-    h.clock.advance(0.51)  # no refusal for standing_queue_s
+    h.clock.advance(0.3)
+    with pytest.raises(Rejected):  # refused by the slack alone: that does not prolong it,
+        h.submit()  # or one stray refusal at moderate load could keep it on for good
+    h.clock.advance(0.21)  # 0.51 s after the full queue
     assert h.sched.admit_slack(h.clock.t) == 0.0
     h.submit()
 
@@ -530,6 +533,7 @@ def test_a_standing_queue_cuts_the_wait_for_a_slot_to_the_overload_wait():
             h.clock.advance(0.005)
     standing = h.sched._standing_since
     assert standing is not None and 0.3 < standing < 1.0
+    assert h.sched.admit_slack(h.clock.t) == h.sched.config.overload_slack_s  # overloaded
     waits = [(s.arrived_at, s.admitted_at - s.arrived_at) for s in streams if s.admitted_at]
     assert max(w for t, w in waits if t < standing) > 0.25  # the queue took the burst
     after = [w for t, w in waits if t > standing]
@@ -541,7 +545,7 @@ def test_a_standing_queue_cuts_the_wait_for_a_slot_to_the_overload_wait():
     h.run_until(lambda: not h.sched.queue and not h.sched.by_slot)
     h.clock.advance(0.31)
     assert h.sched.queue_wait(h.clock.t) == h.sched.config.queue_timeout_s
-    assert h.sched._standing_since is None
+    assert h.sched._standing_since is None and h.sched.admit_slack(h.clock.t) == 0.0
     assert transitions == [(True, 0.02), (False, 2.0)]  # (serve: tts_queue_standing, a log)
 
 

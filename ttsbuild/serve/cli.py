@@ -94,7 +94,8 @@ def serve(
     overload_slack: float = typer.Option(
         SchedulerConfig.overload_slack_s, "--overload-slack", min=0.0, help="Seconds: the "
         "admission slack (see --admit-slack) while requests are being refused (one was in the "
-        "last --standing-queue seconds): under overload admitted streams keep this margin."
+        "last --standing-queue seconds, other than by this slack alone): under overload "
+        "admitted streams keep this margin."
     ),  # fmt: skip
     drop_bootstrap_frame: bool | None = typer.Option(
         None, "--drop-bootstrap-frame/--keep-bootstrap-frame",

@@ -110,9 +110,11 @@ class SchedulerConfig:
     # steps it waits for came 2-3x further apart than their microbenchmark times, sharing the
     # GPU (benchmarks/serve/2026-12-02-h200-capacity-128).
     admit_slack_s: float = 0.0
-    # ...and at least this while requests are being refused (one was, for any reason, in the
-    # last standing_queue_s): under overload admitted streams keep a margin; below it
-    # admission is as without (a rate with refusals fails the bench's capacity rule anyway).
+    # ...and at least this while requests are being refused (one was in the last
+    # standing_queue_s, other than by this slack alone: its own refusals do not keep it on,
+    # or one stray refusal at moderate load would): under overload admitted streams keep a
+    # margin; below it admission is as without (a rate with refusals fails the bench's
+    # capacity rule anyway).
     # The H200 showed the slack protects under overload and costs refusals below it
     # (admit_slack_s above); the CPU model at 170 req/s (2x the 85 measured) with 0.06 s:
     # 128 slots p95 first audio 63-65 ms against 70-75, 0 late streams either way; 256 slots

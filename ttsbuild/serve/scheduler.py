@@ -59,12 +59,13 @@ real-time stream serves one at a time; without evidence in the window only slots
 request that finds every slot held waits for one (queue_wait): up to queue_timeout_s while
 queues come and go (a burst), up to the profile's overload wait (low-latency: 20 ms) once a
 queue stands, i.e. the request at its head was seen waiting longer than that throughout
-standing_queue_s, and until no request was refused (for any reason) for as long; then 429
-no_slot. Under overload a wait for a slot is what a listener hears as first-audio latency. A
-request that would wait longer than it may is answered 429 no_slot at once: the requests queued
-before it, less the free slots, over the rate slots were freed in the last release_window_s
-(none freed: it would). One that waited only for the engine's turn, a slot free for it, is never
-refused. A stream whose own unsent audio exceeds stream_buffer_s pauses (backpressure).
+standing_queue_s, and until no request was refused, for any reason, for as long; then 429
+no_slot. Under overload a wait for a slot is what a listener hears as
+first-audio latency. A request that would wait longer than it may is answered 429 no_slot at
+once: the requests queued before it, less the free slots, over the rate slots were freed in the
+last release_window_s (none freed: it would). One that waited only for the engine's turn, a slot
+free for it, is never refused. A stream whose own unsent audio exceeds stream_buffer_s pauses
+(backpressure).
 
 Pure Python: no torch, no threads. The engine thread calls plan() and commit() under a lock;
 the asyncio side calls submit(), ack() and close(). PCM is opaque here (only len() is used).
@@ -384,6 +385,7 @@ class Scheduler:
         self._standing_since: float | None = None  # a queue stands (queue_wait)
         self._above_since: float | None = None  # a queued request waited over the target
         self._refused_at = -math.inf  # the latest refusal (429 or 503)
+        self._overload_at = -math.inf  # ...of those not by the overload slack alone
 
     # -- asyncio side ------------------------------------------------------------------------
     def submit(
@@ -422,8 +424,9 @@ class Scheduler:
         )
         refusal = None if continuation else self._capacity_refusal(stream, now)
         if refusal is not None:
-            self._reject("capacity")
-            raise Rejected(429, "capacity", f"server at capacity: {refusal}; try again shortly")
+            why, overloaded = refusal
+            self._reject("capacity", overloaded)
+            raise Rejected(429, "capacity", f"server at capacity: {why}; try again shortly")
         if not continuation and (wait := self._slot_wait_refusal(now)) is not None:
             self._reject("no_slot")
             raise Rejected(429, "no_slot", f"server busy: {wait}; try again shortly")
@@ -494,41 +497,48 @@ class Scheduler:
     def admit_slack(self, now: float) -> float:
         """The time to spare an admitted stream's latest chunk must have come with for new
         streams to be admitted: SchedulerConfig.admit_slack_s, at least overload_slack_s while
-        requests are being refused (one was in the last standing_queue_s)."""
+        the server is overloaded: a queue for slots stands (queue_wait), or a request was
+        refused in the last standing_queue_s other than by this slack alone (its own
+        refusals do not keep it on, or one stray refusal at moderate load would)."""
         cfg = self.config
-        if now - self._refused_at <= cfg.standing_queue_s:
+        if self._standing_since is not None or now - self._overload_at <= cfg.standing_queue_s:
             return max(cfg.admit_slack_s, cfg.overload_slack_s)
         return cfg.admit_slack_s
 
-    def behind(self, now: float | None = None) -> int:
+    def behind(self, now: float | None = None, slack: float | None = None) -> int:
         """Streams still generating whose latest chunk came late for their playback, or with
-        less than admit_slack(now) to spare: the engine is not keeping up (or about to stop),
-        whatever the capacity estimate says (a stream whose next chunk comes with time to
-        spare no longer counts)."""
-        slack = self.admit_slack(self.clock() if now is None else now)
+        less than `slack` (default admit_slack(now)) to spare: the engine is not keeping up
+        (or about to stop), whatever the capacity estimate says (a stream whose next chunk
+        comes with time to spare no longer counts)."""
+        if slack is None:
+            slack = self.admit_slack(self.clock() if now is None else now)
         return sum(1 for s in self.by_slot.values()
                    if s.spare_s < slack and not s.generation_done)  # fmt: skip
 
-    def _capacity_refusal(self, stream: Stream, now: float) -> str | None:
-        """Why admitting `stream` would make admitted streams late (None: it would not)."""
+    def _capacity_refusal(self, stream: Stream, now: float) -> tuple[str, bool] | None:
+        """Why admitting `stream` would make admitted streams late (None: it would not), and
+        whether the server is overloaded without the overload slack (False: that slack alone
+        refuses it)."""
         if not self.config.admit_by_capacity:
             return None
-        if late := self.behind(now):
-            if not (slack := self.admit_slack(now)):
-                return f"{late} admitted streams are behind their playback"
-            return (f"{late} admitted streams are behind their playback or less than "
-                    f"{1e3 * slack:g} ms from it")
         streams = len(self.by_slot) + len(self.queue) + 1
         capacity = self.capacity(now, streams)
         demand = self.demand() + sum(q.demand() for q in self.queue)
-        if self._fits(demand, stream.demand(), capacity):
+        fits = self._fits(demand, stream.demand(), capacity)
+        if late := self.behind(now):
+            overloaded = not fits or self.behind(now, self.config.admit_slack_s) > 0
+            if not (slack := self.admit_slack(now)):
+                return f"{late} admitted streams are behind their playback", overloaded
+            return (f"{late} admitted streams are behind their playback or less than "
+                    f"{1e3 * slack:g} ms from it"), overloaded  # fmt: skip
+        if fits:
             return None
         return (
             f"the streams generating or queued need {demand:.1f} real-time streams' worth of "
             f"generation and this one {stream.demand():.1f} more; the engine sustains "
             f"{capacity:.1f} with {streams} streams (measured over the last "
             f"{self.config.capacity_window_s:g} s, {self.config.capacity_margin:.0%} margin kept)"
-        )
+        ), True
 
     def slot_wait(self, now: float) -> float:
         """Seconds a request queued now would wait for a slot, expected from the slots freed
@@ -549,7 +559,7 @@ class Scheduler:
         """The longest a request may wait for a slot now: the overload wait while a queue
         stands, queue_timeout_s otherwise. A queue stands once the request at its head was
         seen waiting longer than the overload wait throughout standing_queue_s, and until no
-        request was refused (for any reason) for that long."""
+        request was refused, for any reason, for that long."""
         cfg = self.config
         target = min(cfg.overload_wait, cfg.queue_timeout_s)
         if self._standing_since is None:
@@ -1065,8 +1075,11 @@ class Scheduler:
     def _emit(self, s: Stream, event: Event) -> None:
         self._outbox.append((s.sink, event))
 
-    def _reject(self, reason: str) -> None:
+    def _reject(self, reason: str, overloaded: bool = True) -> None:
+        """Count a refusal; `overloaded` False: the overload slack alone refused it."""
         self._refused_at = self.clock()
+        if overloaded:
+            self._overload_at = self._refused_at
         self.observer.on_reject(reason)
 
 
