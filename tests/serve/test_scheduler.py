@@ -67,6 +67,21 @@ class Harness:
     def chunks(self, stream):
         return [e for e in self.events[stream.id] if isinstance(e, Chunk)]
 
+    def arrive_every(self, interval, until, frames):
+        """A request of `frames` every `interval` s until the clock reaches `until`, the
+        engine stepping in between: (the streams queued, [(time, Rejected) refused at once])."""
+        streams, refused, next_arrival = [], [], self.clock.t
+        while self.clock.t < until:
+            if self.clock.t >= next_arrival:
+                next_arrival += interval
+                try:
+                    streams.append(self.submit(frames=frames))
+                except Rejected as err:
+                    refused.append((self.clock.t, err))
+            if self.step().is_empty:
+                self.clock.advance(0.005)
+        return streams, refused
+
 
 def test_stream_runs_to_done_with_the_ramped_chunk_schedule():
     h = Harness()
@@ -282,17 +297,8 @@ def _overload(admit_by_capacity: bool):
     h = Harness(num_slots=16, max_batch=1, admit_by_capacity=admit_by_capacity,
                 queue_timeout_s=0.5, max_queue=64)  # fmt: skip
     h.sched.observer = recorder = LatenessRecorder()
-    refused_at_once, streams = [], []
-    next_arrival = 0.0
-    while h.clock.t < 6.0:
-        if h.clock.t >= next_arrival:
-            next_arrival += 0.1
-            try:
-                streams.append(h.submit(frames=60))
-            except Rejected as err:
-                refused_at_once.append(err)
-        if h.step().is_empty:
-            h.clock.advance(0.005)
+    streams, refused = h.arrive_every(0.1, 6.0, frames=60)
+    refused_at_once = [err for _, err in refused]
     refused_later = [
         e for s in streams for e in h.events[s.id] if isinstance(e, Failed) and e.status == 429
     ]
@@ -521,16 +527,7 @@ def test_a_standing_queue_cuts_the_wait_for_a_slot_to_the_overload_wait():
             transitions.append((standing, wait_s))
 
     h.sched.observer = Recorder()
-    streams, refused, next_arrival = [], [], 0.0
-    while h.clock.t < 3.0:
-        if h.clock.t >= next_arrival:
-            next_arrival += 0.02
-            try:
-                streams.append(h.submit(frames=10))
-            except Rejected as err:
-                refused.append((h.clock.t, err))
-        if h.step().is_empty:
-            h.clock.advance(0.005)
+    streams, refused = h.arrive_every(0.02, 3.0, frames=10)
     standing = h.sched._standing_since
     assert standing is not None and 0.3 < standing < 1.0
     assert h.sched.admit_slack(h.clock.t) == h.sched.config.overload_slack_s  # overloaded
