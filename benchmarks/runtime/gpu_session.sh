@@ -60,6 +60,11 @@
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
+# overload: issue 12's 2x check (benchmarks/serve/overload.sh) at $OVERLOAD_RPS req/s
+#         (default 170: twice the 85 measured), $SLOTS slots (default 128), one server per
+#         side of $OVERLOAD_SIDES (default "A"), `serve` flags $OVERLOAD_A, $OVERLOAD_B, ...
+#         (e.g. OVERLOAD_SIDES="A B" OVERLOAD_B="--queue-long-waits --standing-queue 1e9
+#         --overload-slack 0": before the standing queue), $OVERLOAD_DURATION (60s) each
 #         (2026-12-01: Python's GIL switch interval, 5 ms against 0.5 ms, through a
 #         `--gil-switch-ms` flag: no difference at 10 req/s, and the flag was removed.)
 set -uo pipefail
@@ -234,6 +239,17 @@ for step in $STEPS; do
                 DURATION=${AB_DURATION:-30s} WARMUP=1s timeout -k 5 $((left - 10)) \
                 bash benchmarks/serve_sweep.sh > "$OUT/ab_$side.log" 2>&1
             grep -E "^│|capacity" "$OUT/ab_$side.log" | tail -3
+        done ;;
+    overload)
+        for side in ${OVERLOAD_SIDES:-A}; do
+            args=OVERLOAD_$side; args=${!args:-}
+            left=$((DEADLINE_S - SECONDS))
+            if [ "$left" -lt 150 ]; then log "skip overload side $side: ${left}s left"; continue; fi
+            log "overload at ${OVERLOAD_RPS:-170} req/s, side $side: serve $args (${left}s left)"
+            OUT=$OUT/overload_$side RATE=${OVERLOAD_RPS:-170} SLOTS=${SLOTS:-128} SERVE_ARGS="$args" \
+                DURATION=${OVERLOAD_DURATION:-60s} WARMUP=2s PY=python3 timeout -k 5 $((left - 10)) \
+                bash benchmarks/serve/overload.sh > "$OUT/overload_$side.log" 2>&1
+            grep -E "^\| |refusals by reason" "$OUT/overload_$side.log" | tail -3
         done ;;
     esac
 done
