@@ -6,6 +6,7 @@ import asyncio
 import random
 
 import httpx
+import pytest
 
 from ttsbuild.runtime.request import SynthesisRequest
 from ttsbuild.serve.config import SchedulerConfig, ServeConfig
@@ -70,6 +71,47 @@ def test_a_thousand_cancellations_through_the_service_leave_nothing_behind():
     asyncio.run(asyncio.wait_for(main(), 60))
     assert_nothing_left(service)
     assert engine.free_slots() == 8 and not engine.slots and service.loop.error is None
+
+
+def test_a_request_no_slot_would_take_in_time_is_refused_at_once_and_nothing_leaks():
+    """One slot, held by a stream nobody reads (paused by backpressure), no slot freed within
+    the release window: the next request is answered 429 `no_slot` at once, as the API
+    error users get; once the held stream is closed its slot frees and the next is served."""
+    from ttsbuild.serve.schema import ApiError
+
+    engine = FakeEngine(FakeClock(), num_slots=1, cost_s={"prefill": 0, "frames": 0, "audio": 0})
+    config = ServeConfig(scheduler=SchedulerConfig(num_slots=1, admit_by_capacity=False,
+                                                   stream_buffer_s=1.0, release_window_s=0.5))
+    service = SpeechService(engine, config)
+
+    async def main() -> None:
+        service.start()
+        try:
+            await asyncio.sleep(0.6)  # the warm-up's slot releases leave the window
+            held = service.submit(SynthesisRequest(text="held", voice="ryan", seed=1,
+                                                   max_frames=10_000))  # fmt: skip
+            await held.admitted()
+            with pytest.raises(ApiError) as err:
+                service.submit(SynthesisRequest(text="next", voice="ryan", seed=2, max_frames=5))
+            assert err.value.status == 429 and err.value.code == "no_slot"
+            assert err.value.type == "rate_limit_error"
+            assert "all 1 engine slots held" in err.value.message
+            assert "no slot freed in the last 0.5 s" in err.value.message
+            held.close()  # its slot is freed by the next turn: a request now queues for it
+            after = service.submit(SynthesisRequest(text="after", voice="ryan", seed=3,
+                                                    max_frames=5))  # fmt: skip
+            try:
+                chunks = [c async for c in after.chunks()]
+            finally:
+                after.close()
+            assert chunks
+            assert service.loop.wait_idle(10)
+        finally:
+            service.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert_nothing_left(service)
+    assert service.metrics.rejections.labels("no_slot")._value.get() == 1
 
 
 def test_http_clients_that_disconnect_free_their_slots(tiny_ckpt):
