@@ -56,14 +56,14 @@ def serve(
         "while queues come and go (then 429)."
     ),  # fmt: skip
     overload_wait: float | None = typer.Option(
-        None, min=0.0, help="Seconds a request may wait for a slot once a queue stands (a "
-        "request waited --standing-queue): default the profile's: "
+        None, min=0.0, help="Seconds a request may wait for a slot once a queue stands (see "
+        "--standing-queue): default the profile's: "
         + ", ".join(f"{n.value} {p.overload_wait_s:g}" for n, p in PROFILES.items()) + "."
     ),  # fmt: skip
     standing_queue: float = typer.Option(
-        SchedulerConfig.standing_queue_s, min=0.0, help="Seconds a request waits for a slot "
-        "before the queue counts as standing (overload), until no request was refused a slot "
-        "for as long."
+        SchedulerConfig.standing_queue_s, min=0.0, help="Seconds the request at the head of "
+        "the queue must be seen waiting longer than --overload-wait before the queue counts "
+        "as standing (overload); it stands until nothing was refused for as long."
     ),  # fmt: skip
     refuse_long_waits: bool = typer.Option(
         True, "--refuse-long-waits/--queue-long-waits", help="A request that would wait "

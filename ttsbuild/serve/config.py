@@ -83,11 +83,12 @@ class SchedulerConfig:
     num_slots: int = 8  # engine slots (requests generating at once)
     max_queue: int = 64  # requests waiting for a slot; one more is answered 429 at once
     # Waiting for a slot (see scheduler.py): a request that gets none within queue_timeout_s
-    # is answered 429, and within overload_wait_s (None: the profile's) once a queue stands,
-    # i.e. a request waited standing_queue_s (until no request was refused a slot for that
-    # long). A burst queues; overload is refused quickly. One expected to wait longer than
-    # that, as the slots freed over the last release_window_s tell, is answered 429 at once
-    # (refuse_long_waits; False: it queues until its wait is up).
+    # is answered 429, and within overload_wait_s (None: the profile's) once a queue stands:
+    # its head was seen waiting longer than that throughout standing_queue_s, and it stands
+    # until nothing was refused for as long. A burst queues; overload is refused quickly. One
+    # expected to wait longer than it may, as the slots freed over the last release_window_s
+    # tell, is answered 429 at once (refuse_long_waits; False: it queues until its wait is
+    # up).
     queue_timeout_s: float = 2.0
     overload_wait_s: float | None = None
     standing_queue_s: float = 0.5
