@@ -259,20 +259,22 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
                 holder.append(sched.submit(FakeRequest(frames), sink, schedule))
                 streams.append(holder[0])
             except Rejected:
-                refused += 1
+                refused += next_at >= a.warmup
             next_at += rnd.expovariate(rate)
         if not loop.step():
             clock.advance(min(0.001, loop.idle_s))
-    failed = sum(s.status is Status.FAILED for s in streams)
-    admitted = [s for s in streams if s.status is Status.FINISHED]
+    measured = [s for s in streams if s.arrived_at >= a.warmup]  # as the bench's --warmup
+    failed = sum(s.status is Status.FAILED for s in measured)
+    admitted = [s for s in measured if s.status is Status.FINISHED]
     ttfa = sorted(first[s.id] * 1e3 for s in admitted if s.id in first)
     return Outcome(
-        rate=rate, slack=slack, sent=len(streams) + refused, refused=refused + failed,
+        rate=rate, slack=slack, sent=len(measured) + refused, refused=refused + failed,
         refused_queued=failed, admitted=len(admitted),
         late=sum(s.id in late_streams for s in admitted), late_chunks=observer.late_chunks,
         ttfa_p50_ms=statistics.median(ttfa) if ttfa else float("nan"),
         ttfa_p95_ms=ttfa[int(0.95 * (len(ttfa) - 1))] if ttfa else float("nan"),
-        audio_s_per_s=sum(s.samples_sent for s in admitted) / SAMPLE_RATE / a.duration,
+        audio_s_per_s=sum(s.samples_sent for s in admitted) / SAMPLE_RATE
+        / (a.duration - a.warmup),
     )  # fmt: skip
 
 
@@ -339,6 +341,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capacity-margin", type=float, default=SchedulerConfig.capacity_margin)
     p.add_argument("--pace-slack", type=float, default=SchedulerConfig.pace_slack_s)
     p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="seconds of arrivals left out of the figures (the bench's --warmup)")
     p.add_argument("--seeds", type=int, default=1,
                    help="runs per setting, each with its own arrivals (seeds 0..N-1)")
     p.add_argument("--queue-timeout", type=float, default=SchedulerConfig.queue_timeout_s)

@@ -18,6 +18,15 @@ def test_light_load_is_never_refused_and_never_late(sim):
     assert out.admitted == out.sent and out.ttfa_p95_ms < 40
 
 
+def test_a_warmup_leaves_the_first_arrivals_out_as_the_bench_does(sim):
+    whole = sim.simulate(20, 0.0, sim.parse_args(["--duration", "5"]), (1, 1, 2, 4, 8, 12))
+    a = sim.parse_args(["--duration", "5", "--warmup", "2"])
+    later = sim.simulate(20, 0.0, a, (1, 1, 2, 4, 8, 12))  # the same arrivals (seeded)
+    assert 0.45 * whole.sent < later.sent < 0.75 * whole.sent  # ~3 of 5 s
+    assert later.admitted == later.sent and later.refused == 0
+    assert 0.45 * whole.audio_s_per_s < later.audio_s_per_s < 1.5 * whole.audio_s_per_s
+
+
 def test_the_admission_slack_trades_refusals_for_streams_on_time(sim):
     a = sim.parse_args(["--duration", "8"])
     plain = sim.simulate(60, 0.0, a, (1, 1, 2, 4, 8, 12))
