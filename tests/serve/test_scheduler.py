@@ -414,7 +414,7 @@ def test_waiting_for_a_slot_ends_in_429_naming_the_slot_not_capacity():
 
 def test_a_request_that_no_slot_would_take_soon_is_refused_at_once():
     """Every slot held by long streams and none freed lately: a new request is answered 429
-    no_slot at submit (not after queue_wait_s), saying why; a free slot takes the next one."""
+    no_slot at submit (not after its wait), saying why; a free slot takes the next one."""
     h = Harness(num_slots=2, admit_by_capacity=True)
     long = [h.submit(frames=1000) for _ in range(2)]
     h.run_until(lambda: all(h.chunks(s) for s in long))
@@ -449,8 +449,8 @@ def _slots_freed_at_a_steady_rate(num_slots=2, **cfg):
 @pytest.mark.parametrize("wait_s", [0.1, 0.3])
 def test_requests_queue_while_the_slots_freed_lately_would_take_them_in_time(wait_s):
     """With slots freed at a measured rate r, a request queues while the requests ahead of it
-    (and itself) would get slots within queue_wait_s, i.e. floor(r * wait) of them; the next
-    is refused at once with the expected wait; the queued ones all get their slots."""
+    (and itself) would get slots within its wait (queue_wait), i.e. floor(r * wait) of them;
+    the next is refused at once with the expected wait; the queued ones all get their slots."""
     h = _slots_freed_at_a_steady_rate(queue_timeout_s=wait_s)
     window = h.sched.config.release_window_s
     freed = len([t for t in h.sched._releases if t >= h.clock.t - window])
@@ -469,7 +469,8 @@ def test_requests_queue_while_the_slots_freed_lately_would_take_them_in_time(wai
 
 def test_long_waits_queue_when_asked_and_time_out_naming_the_slot():
     """refuse_long_waits False (serve --queue-long-waits): the request no slot would take
-    soon queues; once it waited standing_queue_s the queue stands, its wait is the profile's
+    soon queues; once it was seen waiting over the overload wait throughout standing_queue_s
+    the queue stands, its wait is the profile's
     overload wait, long past, and it is answered 429 no_slot saying so."""
     h = Harness(num_slots=1, admit_by_capacity=True, refuse_long_waits=False)
     long = h.submit(frames=1000)
@@ -486,7 +487,7 @@ def test_long_waits_queue_when_asked_and_time_out_naming_the_slot():
 
 def test_a_request_that_waited_only_for_the_engines_turn_is_admitted_not_refused():
     """A request that arrives during a long step, a slot free, is still queued when the step
-    is read back, past queue_wait_s: it was waiting for the turn, not for a slot, and the
+    is read back, past its wait (queue_wait): it was waiting for the turn, not for a slot, and the
     next turn admits it."""
     h = Harness(num_slots=2, queue_timeout_s=0.02)
     h.engine.cost_s = {"prefill": 0.01, "frames": 0.1, "audio": 0.01}
@@ -516,9 +517,10 @@ def test_the_overload_wait_is_the_profiles_unless_set():
 
 def test_a_standing_queue_cuts_the_wait_for_a_slot_to_the_overload_wait():
     """Arrivals at several times the rate two slots free up: at first requests queue (a burst
-    may pass), then, a request having waited standing_queue_s, the queue stands and requests
-    wait at most the overload wait (the rest 429 no_slot, most at once); when arrivals stop
-    and nobody is refused for standing_queue_s, queue_timeout_s applies again."""
+    may pass), then, its head seen waiting over the overload wait throughout standing_queue_s,
+    the queue stands and requests wait at most the overload wait (the rest 429 no_slot, most
+    at once); when arrivals stop and nobody is refused for standing_queue_s, queue_timeout_s
+    applies again."""
     h = Harness(num_slots=2, max_queue=1000, overload_wait_s=0.02, standing_queue_s=0.3)
     transitions = []
 
