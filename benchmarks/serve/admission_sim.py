@@ -259,7 +259,7 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
                 holder.append(sched.submit(FakeRequest(frames), sink, schedule))
                 streams.append(holder[0])
             except Rejected:
-                refused += next_at >= a.warmup
+                refused += clock.t >= a.warmup  # as arrived_at below
             next_at += rnd.expovariate(rate)
         if not loop.step():
             clock.advance(min(0.001, loop.idle_s))
