@@ -32,15 +32,15 @@ def test_a_chunk_schedule_beyond_the_code_ring_is_refused_at_startup():
     SpeechService(engine, ServeConfig(scheduler=SchedulerConfig(profile=fits)))
 
 
-def test_slots_default_to_128_on_a_gpu_and_stay_small_on_a_cpu(tiny_ckpt, tmp_path):
-    """Without --slots: a GPU gets the 128 slots `compile` makes by default (measured on the
+def test_slots_default_to_256_on_a_gpu_and_stay_small_on_a_cpu(tiny_ckpt, tmp_path):
+    """Without --slots: a GPU gets the 256 slots `compile` makes by default (measured on the
     H200), a CPU 8 for a checkpoint and the loader's default for --random weights, and a
     compiled engine its own plan."""
     from ttsbuild.build.engine_dir import ENGINE_FORMAT
     from ttsbuild.serve.cli import _default_slots
 
-    assert _default_slots(tiny_ckpt, "cuda") == 128
-    assert _default_slots(None, "cuda:1") == 128
+    assert _default_slots(tiny_ckpt, "cuda") == 256
+    assert _default_slots(None, "cuda:1") == 256
     assert _default_slots(tiny_ckpt, "cpu") == 8
     assert _default_slots(None, "cpu") is None
     engine = tmp_path / "engine"

@@ -52,11 +52,12 @@ def compile_engine(
         False, "--fp8-code-predictor", help="FP8 code-predictor layers too (launch-bound)."
     ),
     max_batch: int = typer.Option(
-        128, "--max-batch", min=1, help="Streams per batch at most (and the default slot "
-        "count). 128: on the H200 (1.7B CustomVoice, FP8, voice-agent prompts) 128 slots held "
-        "p95 first audio at 15.6 / 21.3 ms at 20 / 40 req/s where 64 gave 19.9 / 33.2, and 64 "
-        "fill up past ~40 req/s (benchmarks/serve/2026-12-02-h200-sweep-128-fusions); KV "
-        "cache ~28 GiB at 2048 positions."
+        256, "--max-batch", min=1, help="Streams per batch at most (and the default slot "
+        "count). 256: on the H200 (1.7B CustomVoice, FP8, voice-agent prompts) 256 slots with "
+        "a 256-row step served 100 req/s with no refusal or underrun (p95 first audio 80 ms) "
+        "where 128 refused 18 %, and 64 fill up past ~40 req/s (benchmarks/serve/"
+        "2026-12-03-h200-capacity-256); KV cache ~56 GiB at 2048 positions (give a smaller "
+        "GPU --max-batch 64 or 128)."
     ),  # fmt: skip
     graph_batches: str = typer.Option(
         None, "--graph-batches",

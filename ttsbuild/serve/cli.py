@@ -39,7 +39,7 @@ def serve(
     device: str | None = typer.Option(None, help="cpu, cuda, cuda:1 (default: cuda if any)."),
     slots: int | None = typer.Option(
         None, help="Engine slots: requests generating at once (default: a compiled engine's "
-        "plan, else 128 on a GPU and 8 on a CPU)."
+        "plan, else 256 on a GPU and 8 on a CPU)."
     ),  # fmt: skip
     max_len: int | None = typer.Option(
         None, help="Positions per slot, prompt + frames (default: the plan's, else 2048)."
@@ -215,7 +215,7 @@ def serve(
     max_batch: int = typer.Option(
         None, "--max-batch", min=1, help="GPU: the largest batch bucket, rows per captured "
         "step (more rows split into several steps), at most the slots; default: the "
-        "engine's plan (a checkpoint's stops at 128)."
+        "engine's plan (a checkpoint's: up to 256 rows, the slots)."
     ),  # fmt: skip
     express_admission: bool = typer.Option(
         True, help="With an admission lane on a GPU: admit a request that arrives while a "
@@ -333,7 +333,7 @@ def serve(
 
 
 def _default_slots(checkpoint: Path | None, device: str | None) -> int | None:
-    """Slots when --slots is not given: a compiled engine's plan (None); otherwise 128 on a
+    """Slots when --slots is not given: a compiled engine's plan (None); otherwise 256 on a
     GPU, as `compile` makes by default (H200: README, "Serving"), and on a CPU 8 for a
     checkpoint, the loader's default (None) for --random weights."""
     if checkpoint is not None and _is_engine(checkpoint):
@@ -341,7 +341,7 @@ def _default_slots(checkpoint: Path | None, device: str | None) -> int | None:
     import torch
 
     if device.startswith("cuda") if device else torch.cuda.is_available():
-        return 128
+        return 256
     return None if checkpoint is None else 8
 
 

@@ -45,7 +45,8 @@ class Profile:
 # at 100 req/s on 256 slots 4,600 of 11,000 waited over 0.2 s (2026-12-03-h200-256-slots).
 # The CPU model at 170 req/s (2x the 85 measured), 128 slots: p95 first audio 1.7 s with 2 s
 # of queueing, 70-75 ms with 0.02 s once a queue stands, and 100 req/s still refuses nothing
-# (benchmarks/serve/2026-12-03-cpu-shared-gpu-model). Not yet run on the H200.
+# (benchmarks/serve/2026-12-03-cpu-shared-gpu-model). On the H200 at 200 req/s with 256 slots
+# no queue stood: the capacity check refused first (2026-12-03-h200-capacity-256).
 LOW_LATENCY_OVERLOAD_WAIT_S = 0.02
 PROFILES = {
     ProfileName.low_latency: Profile(ProfileName.low_latency, (1, 1, 2, 4, 8, 12), 0.025, 1.0,
@@ -117,11 +118,12 @@ class SchedulerConfig:
     # margin; below it admission is as without (a rate with refusals fails the bench's
     # capacity rule anyway).
     # The H200 showed the slack protects under overload and costs refusals below it
-    # (admit_slack_s above); the CPU model at 170 req/s (2x the 85 measured) with 0.06 s:
-    # 128 slots p95 first audio 63-65 ms against 70-75, 0 late streams either way; 256 slots
-    # 2-9 late streams a 20 s against 150-405; 85 and 100 req/s unchanged
-    # (benchmarks/serve/2026-12-03-cpu-shared-gpu-model). Not yet run on the H200.
-    overload_slack_s: float = 0.06
+    # (admit_slack_s above). At 200 req/s (2x the 100 measured on 256 slots) on the H200,
+    # side by side: 0.12 s left 0 underrun requests among 4,142 admitted (p95 first audio
+    # 79.8 ms), 0.06 s left 7 and 9 among ~6,040 (94.3 / 99.4 ms) in two runs
+    # (benchmarks/serve/2026-12-03-h200-capacity-256). The price: ~30 % fewer admitted under
+    # overload. Below capacity it stays off (100 req/s refused nothing with 0.06 s).
+    overload_slack_s: float = 0.12
     # Codec steps launched and not yet read back, at most (first chunks excepted): one more
     # waits for a turn after the oldest is read, gathering more rows, instead of queueing on
     # the codec stream behind them (a pipelined engine; a serial one has at most one).
