@@ -23,7 +23,7 @@ OUT=${OUT:-out}
 WORK=${WORK:-$OUT/serve_sweep_work}
 VARIANT=${VARIANT:-1.7b-customvoice}
 PROFILE=${PROFILE:-low-latency}
-SLOTS=${SLOTS:-64}
+SLOTS=${SLOTS:-256}  # as `serve` on a GPU (2026-12-03; the 64 of earlier sweeps: SLOTS=64)
 PRECISION=${PRECISION:-}  # bf16 or fp8 (default: the engine's own)
 DATASETS=${DATASETS:-voice-agent harvard}
 RPS=${RPS:-1,10,20,40,70,100,140,200}

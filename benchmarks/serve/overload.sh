@@ -6,7 +6,7 @@
 #   RATE=200 OUT=out bash benchmarks/serve/overload.sh        # RATE = 2 x the measured capacity
 #   CAPACITY=100 bash benchmarks/serve/overload.sh            # the same: RATE = 2 x CAPACITY
 #
-# Serves in-memory random weights of the 1.7B CustomVoice shapes (FP8, 128 slots as `serve` on a
+# Serves in-memory random weights of the 1.7B CustomVoice shapes (FP8, 256 slots as `serve` on a
 # GPU, low-latency profile), waits for /ready, runs one open-loop `ttsbuild bench run` of
 # voice-agent prompts (Poisson, DURATION after WARMUP), saves /metrics, then prints the 429s by
 # reason and, among admitted requests, failures, timeouts, underruns and the p95 audible TTFA
@@ -28,7 +28,7 @@ fi
 OUT=${OUT:-out}
 VARIANT=${VARIANT:-1.7b-customvoice}
 PRECISION=${PRECISION:-fp8}
-SLOTS=${SLOTS:-128}
+SLOTS=${SLOTS:-256}
 PROFILE=${PROFILE:-low-latency}
 DURATION=${DURATION:-60s}
 WARMUP=${WARMUP:-5s}
