@@ -62,8 +62,7 @@
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
 # overload: issue 12's 2x check (benchmarks/serve/overload.sh) at $OVERLOAD_RPS req/s
 #         (default 200: twice the 100 measured on 256 slots), $SLOTS slots (default 256), one
-#         server per
-#         side of $OVERLOAD_SIDES (default "A"), `serve` flags $OVERLOAD_A, $OVERLOAD_B, ...
+#         server per side of $OVERLOAD_SIDES (default "A"), `serve` flags $OVERLOAD_A, ...
 #         (e.g. OVERLOAD_SIDES="A B" OVERLOAD_B="--queue-long-waits --standing-queue 1e9
 #         --overload-slack 0": before the standing queue), $OVERLOAD_DURATION (60s) each
 #         (2026-12-01: Python's GIL switch interval, 5 ms against 0.5 ms, through a
