@@ -114,3 +114,65 @@ def test_a_checkpoint_plan_steps_all_its_slots_and_max_batch_lowers_it(ckpt):
     assert low.max_batch == 64 and low.num_slots == 128
     with pytest.raises(ValueError, match="exceeds the plan's largest batch bucket"):
         open_engine(ckpt, "cpu", num_slots=32, kind="eager", max_batch=64)
+
+
+def test_slots_fit_the_free_memory_with_the_reserve_kept():
+    """slots_that_fit: all that was asked for where it fits; otherwise multiples of 8 below
+    what fits (one slot's worth kept for the padding row), at least one. The real 1.7B
+    talker's slot at 2048 positions: ~235 MB of KV cache, so an 80 GB GPU holds 256 slots,
+    a 48 GB one 136 and a 24 GB one 32."""
+    from ttsbuild.model.config import DecoderStackConfig
+    from ttsbuild.runtime.loader import (
+        FIT_RESERVE_BYTES,
+        SLOT_STATE_BYTES,
+        slot_bytes,
+        slots_that_fit,
+    )
+
+    talker = DecoderStackConfig.from_official(_real_talker_config(), "talker")
+    per_slot = slot_bytes(talker, 2048)
+    assert per_slot == 2 * 28 * 8 * 128 * 2048 * 2 + SLOT_STATE_BYTES
+    assert slots_that_fit(256, per_slot, 75 * 10**9) == 256
+    assert slots_that_fit(256, per_slot, 44 * 10**9) == 136
+    assert slots_that_fit(256, per_slot, 20 * 10**9) == 32
+    assert slots_that_fit(256, per_slot, FIT_RESERVE_BYTES + 3 * per_slot) == 2  # below 8
+    assert slots_that_fit(256, per_slot, FIT_RESERVE_BYTES // 2) == 1
+    assert slots_that_fit(8, per_slot, 75 * 10**9) == 8
+    fit = slots_that_fit(256, per_slot, 44 * 10**9)
+    assert (fit + 1) * per_slot + FIT_RESERVE_BYTES <= 44 * 10**9
+
+
+def _real_talker_config() -> dict:
+    from importlib.resources import files
+
+    cfg = json.loads((files("ttsbuild.convert.variants") / "1.7b-customvoice.json").read_text())
+    return cfg["talker_config"]
+
+
+def test_slot_bytes_is_what_the_graph_engine_allocates_for_kv(ckpt):
+    """slot_bytes' KV part equals the graph engine's KV cache per row (slots + the padding
+    row), so the fit is computed on what is actually allocated."""
+    from ttsbuild.runtime.loader import SLOT_STATE_BYTES, slot_bytes
+
+    engine = open_engine(ckpt, "cpu", num_slots=3, max_len=96, kind="graph")
+    backend = getattr(engine, "backend", engine)
+    kv = backend.memory_report()["kv_cache"]
+    per_slot = slot_bytes(backend.models.cfg.talker, 96, backend.kv_k.element_size())
+    assert kv == 4 * (per_slot - SLOT_STATE_BYTES)
+
+
+def test_open_engine_fits_its_slots_to_a_cuda_device_s_free_memory(ckpt, monkeypatch):
+    """fit_slots on a CUDA device: the plan takes the slots that fit (here: a device with
+    room for 8 of the tiny model's slots beside the reserve), the batch buckets cut with
+    them; without fit_slots the slots asked for stand. (The device is faked: the fit is
+    computed before anything is allocated on it.)"""
+    import torch
+
+    from ttsbuild.runtime import loader
+
+    models = load_models(ckpt, device="cpu")
+    per_slot = loader.slot_bytes(models.cfg.talker, 256)
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device=None: (loader.FIT_RESERVE_BYTES + 9 * per_slot, 0))
+    assert loader._fit_slots(64, models, torch.device("cuda"), 256) == 8
+    assert loader._fit_slots(4, models, torch.device("cuda"), 256) == 4

@@ -80,3 +80,25 @@ def test_the_admission_lane_switch_reaches_the_engine_and_the_metrics():
     assert engine.backend.lane_on is True and loop.express and gauge._value.get() == 1
     never = SpeechService(engine, ServeConfig(scheduler=SchedulerConfig(lane_max_active=0)))
     assert never.loop.lane_switch is None and never.loop.express
+
+
+@pytest.mark.parametrize("flags, fit", [([], True), (["--slots", "16"], False)])
+def test_serve_fits_its_default_slots_to_the_device_and_never_the_slots_asked_for(
+    monkeypatch, flags, fit
+):
+    """Without --slots the engine may take fewer slots than the default where their KV cache
+    would not fit (open_engine(fit_slots=True)); --slots is taken as given (a KV cache too
+    large is then the engine's clear error, not a silent cut)."""
+    from ttsbuild.runtime import loader
+
+    seen = {}
+
+    def fake_open_engine(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(loader, "open_engine", fake_open_engine)
+    result = CliRunner().invoke(app, ["serve", "--random", "tiny", "--device", "cpu", *flags])
+    assert result.exit_code == 1 and "stop here" in result.output
+    assert seen["fit_slots"] is fit
+    assert seen["num_slots"] == (16 if flags else None)  # a CPU: --random's own default

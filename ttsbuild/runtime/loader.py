@@ -12,6 +12,12 @@ from ttsbuild.runtime.engine import EagerEngine
 from ttsbuild.runtime.plan import EnginePlan
 
 ENGINE_KINDS = ("auto", "graph", "eager")
+# Device memory a graph engine takes beyond its loaded weights and its slots' KV cache: the
+# talker's bf16 copies (bf16_min_rows), graph pools, codec workspace, activations and the
+# allocator's slack. H200, 1.7B CustomVoice FP8, 128 slots: 20.9 GiB reserved by the process
+# of which 7.1 KV cache and 8.5 weights as loaded (engine microbenchmark, 2026-12-03).
+FIT_RESERVE_BYTES = 10 << 30
+SLOT_STATE_BYTES = 6 << 20  # per slot beside its KV cache (H200: 0.64 GiB for 128 slots)
 
 
 def default_device() -> torch.device:
@@ -54,6 +60,7 @@ def open_engine(
     codec_channels_last: bool | None = None,
     codec_fused_output: bool | None = None,
     codec_fused_attention: bool | None = None,
+    fit_slots: bool = False,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
     `random_variant`, e.g. "1.7b-customvoice", when path is None).
@@ -77,7 +84,9 @@ def open_engine(
     (`EnginePlan.codec_channels_last`, a layout chosen at load); None: the plan's.
     codec_fused_output: the codec's output stage as one kernel (`EnginePlan.codec_fused_output`,
     chosen at load); None: the plan's. codec_fused_attention: the codec pre-transformer's
-    attention steps as one kernel each (`EnginePlan.codec_fused_attention`); None: the plan's."""
+    attention steps as one kernel each (`EnginePlan.codec_fused_attention`); None: the plan's.
+    fit_slots (a CUDA device): fewer slots than asked for (or than compiled) where their KV
+    cache would not fit in the device's free memory (`slots_that_fit`)."""
     if kind not in ENGINE_KINDS:
         raise ValueError(f"engine kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     device = resolve_device(device)
@@ -93,8 +102,14 @@ def open_engine(
     else:
         models = load_models(path, device=device, decoder_layers=not graph)
     compiled = models.manifest.get("plan")
+    fit = fit_slots and device.type == "cuda"
     if compiled is not None:
-        plan = plan_within(EnginePlan.model_validate(compiled), num_slots, max_len, path)
+        compiled = EnginePlan.model_validate(compiled)
+        if fit:
+            num_slots = _fit_slots(num_slots or compiled.num_slots, models, device,
+                                   max_len or compiled.max_len)  # fmt: skip
+            max_batch = None if max_batch is None else min(max_batch, num_slots)
+        plan = plan_within(compiled, num_slots, max_len, path)
         if precision is not None and precision != plan.precision:
             raise ValueError(
                 f"{path} was compiled for {plan.precision}; recompile with --precision "
@@ -107,6 +122,9 @@ def open_engine(
             )
     else:
         extra = {} if prefill_batches is None else {"prefill_batches": tuple(prefill_batches)}
+        if fit:
+            num_slots = _fit_slots(num_slots or 32, models, device, max_len or 2048)
+            max_batch = None if max_batch is None else min(max_batch, num_slots)
         if max_batch is not None:
             extra["max_batch"] = max_batch
         plan = EnginePlan.default(
@@ -153,6 +171,30 @@ def open_engine(
     from ttsbuild.runtime.graph_engine import GraphEngine
 
     return GraphEngine(models, plan, release_modules=True, guards=guards)
+
+
+def slot_bytes(talker, max_len: int, dtype_bytes: int = 2) -> int:
+    """Device bytes one slot takes: its talker KV cache (keys and values of every layer over
+    max_len positions) and SLOT_STATE_BYTES of other per-slot state."""
+    kv = 2 * talker.num_layers * talker.num_kv_heads * talker.head_dim * max_len * dtype_bytes
+    return kv + SLOT_STATE_BYTES
+
+
+def slots_that_fit(wanted: int, per_slot: int, free: int, reserve: int = FIT_RESERVE_BYTES) -> int:
+    """Slots, at most `wanted`, whose state fits in `free` bytes with `reserve` kept for the
+    rest of the engine (one more slot's worth for the padding row); multiples of 8 from 8 on,
+    and always at least one slot."""
+    fit = (free - reserve) // per_slot - 1
+    if fit >= wanted:
+        return wanted
+    return max(1, fit - fit % 8 if fit >= 8 else fit)
+
+
+def _fit_slots(wanted: int, models, device: torch.device, max_len: int) -> int:
+    """`slots_that_fit` on this CUDA device now (its weights loaded): the KV cache is
+    allocated at the engine's start, so slots that do not fit would fail it."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return slots_that_fit(wanted, slot_bytes(models.cfg.talker, max_len), free)
 
 
 def plan_update(plan: EnginePlan, **fields) -> EnginePlan:

@@ -39,7 +39,8 @@ def serve(
     device: str | None = typer.Option(None, help="cpu, cuda, cuda:1 (default: cuda if any)."),
     slots: int | None = typer.Option(
         None, help="Engine slots: requests generating at once (default: a compiled engine's "
-        "plan, else 256 on a GPU and 8 on a CPU)."
+        "plan, else 256 on a GPU and 8 on a CPU; on a GPU fewer where their KV cache would "
+        "not fit in its free memory)."
     ),  # fmt: skip
     max_len: int | None = typer.Option(
         None, help="Positions per slot, prompt + frames (default: the plan's, else 2048)."
@@ -305,9 +306,10 @@ def serve(
     lane = None if admission_lane is None else parse_sizes(admission_lane, "--admission-lane")
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    wanted = slots or _default_slots(checkpoint, device)
     try:
         engine = open_engine(
-            checkpoint, device=device, num_slots=slots or _default_slots(checkpoint, device),
+            checkpoint, device=device, num_slots=wanted, fit_slots=slots is None,
             max_len=max_len, kind=engine_kind,
             precision=precision, random_variant=random, guards=guard_config,
             prefill_batches=batches, admission_lane=lane, lane_reserved_sms=lane_reserved_sms,
@@ -324,6 +326,9 @@ def serve(
         f"{'stand-in' if manifest.get('standin') else 'real weights'}) on {engine.device}; "
         f"{type(engine).__name__}; profile {profile.value}, {engine.num_slots} slots"
     )
+    if slots is None and wanted is not None and engine.num_slots < wanted:
+        _err.print(f"[yellow]note:[/] {wanted} slots' KV cache does not fit in the device's "
+                   f"free memory: serving {engine.num_slots} (--slots, --max-len to choose)")
     try:
         service = SpeechService(engine, config)
     except ValueError as exc:  # a voice alias naming a speaker the model lacks
