@@ -54,6 +54,7 @@
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
 #         (sweep_conv.py; CONV_SWEEP_ARGS default --quick: 28 configs), batches $CONV_BATCHES
 # sweep:  serving sweep at $SWEEP_RPS req/s (default 1,10,20,30,40), 60 s each, one server,
+#         prompt sets $SWEEP_DATASETS (default voice-agent; "harvard" for issue 12's other set),
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
 #         CustomVoice checkpoint's first chunk, two frames with the silent one dropped), until
 #         $DEADLINE_S seconds into the run
@@ -223,7 +224,7 @@ for step in $STEPS; do
         left=$((DEADLINE_S - SECONDS))
         log "serving sweep at ${SWEEP_RPS:-1,10,20,30,40} req/s: serve ${SWEEP_ARGS:-} (${left}s left)"
         RESULTS=$OUT/sweep SERVE_ARGS="${SWEEP_ARGS:-}" PY=python3 SLOTS=${SLOTS:-256} PRECISION=fp8 \
-            IN_MEMORY=1 DATASETS=voice-agent RPS=${SWEEP_RPS:-1,10,20,30,40} DURATION=60s \
+            IN_MEMORY=1 DATASETS="${SWEEP_DATASETS:-voice-agent}" RPS=${SWEEP_RPS:-1,10,20,30,40} DURATION=60s \
             WARMUP=2s timeout -k 5 $((left - 10)) bash benchmarks/serve_sweep.sh \
             > "$OUT/sweep.log" 2>&1
         grep -E "^│|capacity" "$OUT/sweep.log" | tail -7 ;;
