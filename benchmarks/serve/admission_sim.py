@@ -225,6 +225,7 @@ def simulate(rate: float, slack: float, a, schedule=None, seed: int = 0) -> Outc
                              overload_wait_s=a.overload_wait,
                              standing_queue_s=a.standing_queue,
                              overload_slack_s=a.overload_slack,
+                             overload_admit_rate=a.overload_admit_rate,
                              stream_buffer_s=1e6, admit_slack_s=slack,
                              lane_frames=a.lane_frames, lane_chunks=a.lane_chunks,
                              codec_step_frames=a.codec_step_frames,
@@ -351,6 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--standing-queue", type=float, default=SchedulerConfig.standing_queue_s)
     p.add_argument("--overload-slack", type=float, default=SchedulerConfig.overload_slack_s,
                    help="serve --overload-slack")
+    p.add_argument("--overload-admit-rate", type=float,
+                   default=SchedulerConfig.overload_admit_rate, help="serve --overload-admit-rate")
     p.add_argument("--queue-long-waits", action="store_true",
                    help="queue requests expected to wait longer than they may (serve "
                    "--queue-long-waits) instead of refusing them at once")

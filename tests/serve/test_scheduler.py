@@ -402,6 +402,39 @@ def test_the_overload_slack_holds_only_while_requests_are_being_refused():
     h.submit()
 
 
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_under_overload_new_streams_come_no_faster_than_slots_are_freed(rate):
+    """SchedulerConfig.overload_admit_rate: while requests are being refused (here: a full
+    queue), a request is refused when the streams accepted over release_window_s already
+    exceed rate x the slots freed in it (plus one), saying so; its own refusals do not
+    prolong the overload, and once nothing else was refused for standing_queue_s admission
+    is as before. Off (0): the same request is accepted."""
+    h = Harness(num_slots=4, admit_by_capacity=True, overload_admit_rate=rate,
+                overload_slack_s=0.0, max_queue=2, standing_queue_s=0.5)  # fmt: skip
+    short = [h.submit(frames=3, schedule=(1,)) for _ in range(2)]
+    h.run_until(lambda: all(s.status is Status.FINISHED for s in short))  # 2 slots freed
+    long = h.submit(frames=400, schedule=(1,))  # nothing refused yet: accepted (3 accepted)
+    h.run_until(lambda: long.status is Status.DECODING)
+    queued = [h.submit(), h.submit()]  # 5 accepted, queued
+    with pytest.raises(Rejected) as full:
+        h.submit()
+    assert full.value.reason == "queue_full"  # a refusal: the server is overloaded
+    for q in queued:
+        h.sched.close(q.id)
+    if not rate:
+        h.submit()
+        return
+    with pytest.raises(Rejected) as err:
+        h.submit()
+    assert err.value.reason == "capacity"
+    assert "5 streams were admitted in the last 2 s and 2 finished" in err.value.message
+    h.clock.advance(0.3)
+    with pytest.raises(Rejected):  # still within 0.5 s of the full queue
+        h.submit()
+    h.clock.advance(0.21)  # 0.51 s after it: its own refusals did not prolong the overload
+    h.submit()
+
+
 def test_waiting_for_a_slot_ends_in_429_naming_the_slot_not_capacity():
     h = Harness(num_slots=1, queue_timeout_s=0.5, admit_by_capacity=False,
                 refuse_long_waits=False)  # fmt: skip

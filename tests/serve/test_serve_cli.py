@@ -56,7 +56,8 @@ def test_slots_default_to_256_on_a_gpu_and_stay_small_on_a_cpu(tiny_ckpt, tmp_pa
                                          ("--queue-timeout", "-1"),
                                          ("--overload-wait", "-0.5"),
                                          ("--standing-queue", "-1"),
-                                         ("--overload-slack", "-0.01")])  # fmt: skip
+                                         ("--overload-slack", "-0.01"),
+                                         ("--overload-admit-rate", "-1")])  # fmt: skip
 def test_scheduler_bounds_out_of_range_are_usage_errors(flag, value):
     result = CliRunner().invoke(app, ["serve", "--random", "tiny", flag, value])
     assert result.exit_code == 2

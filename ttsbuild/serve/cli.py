@@ -98,6 +98,14 @@ def serve(
         "last --standing-queue seconds, other than by this slack alone): under overload "
         "admitted streams keep this margin."
     ),  # fmt: skip
+    overload_admit_rate: float = typer.Option(
+        SchedulerConfig.overload_admit_rate, "--overload-admit-rate", min=0.0, help="While "
+        "requests are being refused (as for --overload-slack): accept new streams no faster "
+        "than this many times the rate slots were freed over the last 2 s (plus one), so a "
+        "burst of arrivals does not start a burst of streams; 0: off. CPU model at 200 req/s, "
+        "256 slots, --overload-slack 0.06: late streams 24 -> 10 over 5 runs, as many "
+        "admitted; not yet run on a GPU."
+    ),  # fmt: skip
     drop_bootstrap_frame: bool | None = typer.Option(
         None, "--drop-bootstrap-frame/--keep-bootstrap-frame",
         help="Drop the silent first frame (default: drop for real checkpoints, keep stand-ins).",
@@ -283,6 +291,7 @@ def serve(
             capacity_margin=capacity_margin,
             admit_slack_s=admit_slack,
             overload_slack_s=overload_slack,
+            overload_admit_rate=overload_admit_rate,
             pace_slack_s=pace_slack,
             lane_chunks=lane_chunks,
             lane_max_active=lane_max_active,

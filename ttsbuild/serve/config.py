@@ -124,6 +124,15 @@ class SchedulerConfig:
     # (benchmarks/serve/2026-12-03-h200-capacity-256). The price: ~30 % fewer admitted under
     # overload. Below capacity it stays off (100 req/s refused nothing with 0.06 s).
     overload_slack_s: float = 0.12
+    # While requests are being refused (as for overload_slack_s), admit new streams no faster
+    # than this many times the rate slots were freed over release_window_s (plus one): the
+    # streams generating stay as many as they are, and a burst of arrivals does not become
+    # a burst of new streams whose second chunks all wait behind each other. 0: off.
+    # The CPU model at 200 req/s (256 slots, overload slack 0.06, 5 runs of 20 s): 24 late
+    # streams against 10 with 1.0, 10,208 admitted against 10,179; with the slack at 0.12:
+    # 17 against 11 (benchmarks/serve/2026-12-03-cpu-shared-gpu-model). Not yet run on the
+    # H200 (whose underruns at 0.06 / 0.12 were 7-9 / 0 a minute): off.
+    overload_admit_rate: float = 0.0
     # Codec steps launched and not yet read back, at most (first chunks excepted): one more
     # waits for a turn after the oldest is read, gathering more rows, instead of queueing on
     # the codec stream behind them (a pipelined engine; a serial one has at most one).

@@ -382,6 +382,7 @@ class Scheduler:
         self._lane = True  # lane_wanted()'s state
         self._frame_steps = 0  # frame steps launched (Stream.frame_step)
         self._releases: deque[float] = deque()  # when slots were freed (slot_wait)
+        self._admits: deque[float] = deque()  # when new streams were accepted (ditto)
         self._standing_since: float | None = None  # a queue stands (queue_wait)
         self._above_since: float | None = None  # a queued request waited over the target
         self._refused_at = -math.inf  # the latest refusal (429 or 503)
@@ -432,6 +433,8 @@ class Scheduler:
             raise Rejected(429, "no_slot", f"server busy: {wait}; try again shortly")
         self.streams[stream.id] = stream
         self.queue.append(stream)
+        if not continuation:
+            self._admits.append(now)
         return stream
 
     def ack(self, stream_id: int, samples: int) -> None:
@@ -521,6 +524,15 @@ class Scheduler:
         refuses it)."""
         if not self.config.admit_by_capacity:
             return None
+        if (rate := self.config.overload_admit_rate) > 0 and (
+                now - self._overload_at <= self.config.standing_queue_s):
+            self._forget_releases(now)
+            window = self.config.release_window_s
+            while self._admits and self._admits[0] < now - window:
+                self._admits.popleft()
+            if len(self._admits) >= rate * len(self._releases) + 1:
+                return (f"{len(self._admits)} streams were admitted in the last {window:g} s "
+                        f"and {len(self._releases)} finished"), False
         streams = len(self.by_slot) + len(self.queue) + 1
         capacity = self.capacity(now, streams)
         demand = self.demand() + sum(q.demand() for q in self.queue)
