@@ -433,8 +433,9 @@ class Scheduler:
             raise Rejected(429, "no_slot", f"server busy: {wait}; try again shortly")
         self.streams[stream.id] = stream
         self.queue.append(stream)
-        if not continuation:
+        if not continuation and cfg.overload_admit_rate > 0:  # (none kept when it is off)
             self._admits.append(now)
+            self._forget_admits(now)
         return stream
 
     def ack(self, stream_id: int, samples: int) -> None:
@@ -527,12 +528,11 @@ class Scheduler:
         if (rate := self.config.overload_admit_rate) > 0 and (
                 now - self._overload_at <= self.config.standing_queue_s):
             self._forget_releases(now)
-            window = self.config.release_window_s
-            while self._admits and self._admits[0] < now - window:
-                self._admits.popleft()
+            self._forget_admits(now)
             if len(self._admits) >= rate * len(self._releases) + 1:
-                return (f"{len(self._admits)} streams were admitted in the last {window:g} s "
-                        f"and {len(self._releases)} finished"), False
+                return (f"{len(self._admits)} streams were admitted in the last "
+                        f"{self.config.release_window_s:g} s and {len(self._releases)} slots "
+                        "freed"), False
         streams = len(self.by_slot) + len(self.queue) + 1
         capacity = self.capacity(now, streams)
         demand = self.demand() + sum(q.demand() for q in self.queue)
@@ -566,6 +566,10 @@ class Scheduler:
     def _forget_releases(self, now: float) -> None:
         while self._releases and self._releases[0] < now - self.config.release_window_s:
             self._releases.popleft()
+
+    def _forget_admits(self, now: float) -> None:
+        while self._admits and self._admits[0] < now - self.config.release_window_s:
+            self._admits.popleft()
 
     def queue_wait(self, now: float) -> float:
         """The longest a request may wait for a slot now: the overload wait while a queue
