@@ -23,7 +23,7 @@ OUT=${OUT:-out}
 WORK=${WORK:-$OUT/serve_sweep_work}
 VARIANT=${VARIANT:-1.7b-customvoice}
 PROFILE=${PROFILE:-low-latency}
-SLOTS=${SLOTS:-256}  # as `serve` on a GPU (2026-12-03; the 64 of earlier sweeps: SLOTS=64)
+SLOTS=${SLOTS-}  # empty: `serve`'s own default (a GPU: 256, fewer where they do not fit)
 PRECISION=${PRECISION:-}  # bf16 or fp8 (default: the engine's own)
 DATASETS=${DATASETS:-voice-agent harvard}
 RPS=${RPS:-1,10,20,40,70,100,140,200}
@@ -56,11 +56,11 @@ fi
 
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 URL=http://127.0.0.1:$PORT
-echo "== serving on $URL (profile $PROFILE, $SLOTS slots, $DEVICE); log: $RESULTS/server.log"
+echo "== serving on $URL (profile $PROFILE, ${SLOTS:-default} slots, $DEVICE); log: $RESULTS/server.log"
 # started directly, not through cli(): `$!` of a backgrounded shell function is the subshell,
 # and killing it left the server running (2026-12-02: each A/B side's server stayed up, the
 # next side's ran out of GPU memory)
-"$PY" -m ttsbuild.cli serve "${MODEL_ARGS[@]}" --port "$PORT" --profile "$PROFILE" --slots "$SLOTS" \
+"$PY" -m ttsbuild.cli serve "${MODEL_ARGS[@]}" --port "$PORT" --profile "$PROFILE" ${SLOTS:+--slots "$SLOTS"} \
     --device "$DEVICE" --max-queue 256 --log-level warning $SERVE_ARGS >"$RESULTS/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT

@@ -62,7 +62,7 @@
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
 # overload: issue 12's 2x check (benchmarks/serve/overload.sh) at $OVERLOAD_RPS req/s
-#         (default 200: twice the 100 measured on 256 slots), $SLOTS slots (default 256), one
+#         (default 200: twice the 100 measured on 256 slots), $SLOTS slots (default: serve's), one
 #         server per side of $OVERLOAD_SIDES (default "A"), `serve` flags $OVERLOAD_A, ...
 #         (e.g. OVERLOAD_SIDES="A B" OVERLOAD_B="--queue-long-waits --standing-queue 1e9
 #         --overload-slack 0": before the standing queue), $OVERLOAD_DURATION (60s) each
@@ -223,7 +223,7 @@ for step in $STEPS; do
     sweep)
         left=$((DEADLINE_S - SECONDS))
         log "serving sweep at ${SWEEP_RPS:-1,10,20,30,40} req/s: serve ${SWEEP_ARGS:-} (${left}s left)"
-        RESULTS=$OUT/sweep SERVE_ARGS="${SWEEP_ARGS:-}" PY=python3 SLOTS=${SLOTS:-256} PRECISION=fp8 \
+        RESULTS=$OUT/sweep SERVE_ARGS="${SWEEP_ARGS:-}" PY=python3 SLOTS=${SLOTS-} PRECISION=fp8 \
             IN_MEMORY=1 DATASETS="${SWEEP_DATASETS:-voice-agent}" RPS=${SWEEP_RPS:-1,10,20,30,40} DURATION=60s \
             WARMUP=2s timeout -k 5 $((left - 10)) bash benchmarks/serve_sweep.sh \
             > "$OUT/sweep.log" 2>&1
@@ -235,7 +235,7 @@ for step in $STEPS; do
             left=$((DEADLINE_S - SECONDS))
             if [ "$left" -lt 100 ]; then log "skip side $side: ${left}s left"; continue; fi
             log "serving at $rps req/s, side $side: serve $args (${left}s left)"
-            RESULTS=$OUT/ab_$side SERVE_ARGS="$args" PY=python3 SLOTS=${SLOTS:-256} \
+            RESULTS=$OUT/ab_$side SERVE_ARGS="$args" PY=python3 SLOTS=${SLOTS-} \
                 PRECISION=fp8 IN_MEMORY=1 DATASETS=voice-agent RPS=$rps \
                 DURATION=${AB_DURATION:-30s} WARMUP=1s timeout -k 5 $((left - 10)) \
                 bash benchmarks/serve_sweep.sh > "$OUT/ab_$side.log" 2>&1
@@ -247,7 +247,7 @@ for step in $STEPS; do
             left=$((DEADLINE_S - SECONDS))
             if [ "$left" -lt 150 ]; then log "skip overload side $side: ${left}s left"; continue; fi
             log "overload at ${OVERLOAD_RPS:-200} req/s, side $side: serve $args (${left}s left)"
-            OUT=$OUT/overload_$side RATE=${OVERLOAD_RPS:-200} SLOTS=${SLOTS:-256} SERVE_ARGS="$args" \
+            OUT=$OUT/overload_$side RATE=${OVERLOAD_RPS:-200} SLOTS=${SLOTS-} SERVE_ARGS="$args" \
                 DURATION=${OVERLOAD_DURATION:-60s} WARMUP=2s PY=python3 timeout -k 5 $((left - 10)) \
                 bash benchmarks/serve/overload.sh > "$OUT/overload_$side.log" 2>&1
             grep -E "^\| |refusals by reason" "$OUT/overload_$side.log" | tail -3

@@ -28,7 +28,7 @@ fi
 OUT=${OUT:-out}
 VARIANT=${VARIANT:-1.7b-customvoice}
 PRECISION=${PRECISION:-fp8}
-SLOTS=${SLOTS:-256}
+SLOTS=${SLOTS-}  # empty: `serve`'s own default
 PROFILE=${PROFILE:-low-latency}
 DURATION=${DURATION:-60s}
 WARMUP=${WARMUP:-5s}
@@ -41,9 +41,9 @@ get() { "$PY" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.ur
 
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 URL=http://127.0.0.1:$PORT
-echo "== $(date -u +%T) serving $VARIANT ($PRECISION, $SLOTS slots, $PROFILE) on $URL"
+echo "== $(date -u +%T) serving $VARIANT ($PRECISION, ${SLOTS:-default} slots, $PROFILE) on $URL"
 "$PY" -m ttsbuild.cli serve --random "$VARIANT" --precision "$PRECISION" --port "$PORT" --profile "$PROFILE" \
-    --slots "$SLOTS" --device cuda --max-queue 256 --log-level warning ${SERVE_ARGS:-} \
+    ${SLOTS:+--slots "$SLOTS"} --device cuda --max-queue 256 --log-level warning ${SERVE_ARGS:-} \
     >"$RESULTS/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
