@@ -27,7 +27,7 @@ from ttsbuild.bench.metrics import nearest_rank  # noqa: E402
 # the server's message for each way of refusing (ttsbuild/serve/scheduler.py)
 KINDS = (
     ("slots held", "at once: no slot in time"),
-    ("no engine slot freed", "after queueing: no slot"),
+    ("no engine slot", "after queueing: no slot"),  # freed, or free but for those before it
     ("stayed at capacity", "after queueing: capacity"),
     ("behind their playback", "at once: streams behind"),
     ("real-time streams' worth", "at once: demand over supply"),

@@ -30,7 +30,9 @@ def test_refusals_by_kind_answer_times_and_the_target(overload, tmp_path):
     at_once = [refused("server busy: all 128 engine slots held, 3 requests queued; at the 90 "
                        "slots a second freed lately ...", "no_slot", random.uniform(1e-3, 4e-3))
                for _ in range(30)]  # fmt: skip
-    later = [refused("no engine slot freed in the 0.03 s it waited", "no_slot", 0.031)] * 5
+    later = [refused("no engine slot freed in the 0.03 s it waited", "no_slot", 0.031)] * 3
+    later += [refused("no engine slot for it in the 0.03 s it waited: 2 free, 4 requests queued "
+                      "before it", "no_slot", 0.03)] * 2  # fmt: skip
     behind = [refused("server at capacity: 2 admitted streams are behind their playback or "
                       "less than 60 ms from it; try again shortly", "capacity", 0.002)] * 5
     ttfas = [random.uniform(0.02, 0.06) for _ in range(100)]

@@ -447,6 +447,25 @@ def test_waiting_for_a_slot_ends_in_429_naming_the_slot_not_capacity():
     assert failed.reason == "no_slot" and "no engine slot freed in the 0.5" in failed.message
 
 
+def test_a_request_behind_others_for_the_last_free_slots_is_refused_for_no_slot():
+    """With one slot free and three requests queued past their wait, the first would take the
+    slot at the next turn and stays; the two behind it are refused as no_slot, saying how
+    many were before them (not "capacity": a slot is what they lacked)."""
+    h = Harness(num_slots=2, queue_timeout_s=0.05, refuse_long_waits=False)
+    long = h.submit(frames=1000)
+    h.run_until(lambda: long.status is Status.DECODING)
+    queued = [h.submit() for _ in range(3)]
+    h.clock.advance(0.1)
+    h.sched._expire_queue(h.clock.t)
+    for sink, event in h.sched.events():
+        sink(event)
+    assert queued[0].status is Status.QUEUED
+    for i, s in enumerate(queued[1:], start=1):
+        failed = h.events[s.id][0]
+        assert failed.reason == "no_slot", failed.message
+        assert f"1 free, {i} requests queued before it" in failed.message
+
+
 def test_a_request_that_no_slot_would_take_soon_is_refused_at_once():
     """Every slot held by long streams and none freed lately: a new request is answered 429
     no_slot at submit (not after its wait), saying why; a free slot takes the next one."""

@@ -1066,12 +1066,17 @@ class Scheduler:
             held = sum(1 for s in self.by_slot.values() if s.status is Status.PREFILL)
             admissible = {s.id for s in self._admissions(now, held)}
             expired = [s for s in expired if s.id not in admissible]
+        free = self.config.num_slots - len(self.by_slot)
+        ahead = {s.id: i for i, s in enumerate(self.queue)}  # requests queued before each
         for s in expired:
             self.queue.remove(s)
             s.status = Status.FAILED
             waited = f"the {now - s.arrived_at:.2f} s it waited"
-            if len(self.by_slot) >= self.config.num_slots:
+            if free <= 0:
                 reason, why = "no_slot", f"no engine slot freed in {waited}"
+            elif ahead[s.id] >= free:  # the free slots go to the requests before it
+                reason, why = "no_slot", (f"no engine slot for it in {waited}: {free} free, "
+                                          f"{ahead[s.id]} requests queued before it")
             else:
                 reason, why = "capacity", f"the engine stayed at capacity for {waited}"
             if self._standing_since is not None:
