@@ -46,7 +46,8 @@ class Profile:
 # The CPU model at 170 req/s (2x the 85 measured), 128 slots: p95 first audio 1.7 s with 2 s
 # of queueing, 70-75 ms with 0.02 s once a queue stands, and 100 req/s still refuses nothing
 # (benchmarks/serve/2026-12-03-cpu-shared-gpu-model). On the H200 at 200 req/s with 256 slots
-# no queue stood: the capacity check refused first (2026-12-03-h200-capacity-256).
+# a queue stood once, as the load met an idle server, and the capacity check refused the rest
+# of the minute at once (2026-12-03-h200-capacity-256).
 LOW_LATENCY_OVERLOAD_WAIT_S = 0.02
 PROFILES = {
     ProfileName.low_latency: Profile(ProfileName.low_latency, (1, 1, 2, 4, 8, 12), 0.025, 1.0,
