@@ -1066,6 +1066,8 @@ class Scheduler:
             held = sum(1 for s in self.by_slot.values() if s.status is Status.PREFILL)
             admissible = {s.id for s in self._admissions(now, held)}
             expired = [s for s in expired if s.id not in admissible]
+        if not expired:
+            return
         free = self.config.num_slots - len(self.by_slot)
         ahead = {s.id: i for i, s in enumerate(self.queue)}  # requests queued before each
         for s in expired:
