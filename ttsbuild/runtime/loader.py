@@ -102,13 +102,16 @@ def open_engine(
     else:
         models = load_models(path, device=device, decoder_layers=not graph)
     compiled = models.manifest.get("plan")
-    fit = fit_slots and device.type == "cuda"
     if compiled is not None:
         compiled = EnginePlan.model_validate(compiled)
-        if fit:
-            num_slots = _fit_slots(num_slots or compiled.num_slots, models, device,
-                                   max_len or compiled.max_len)  # fmt: skip
-            max_batch = None if max_batch is None else min(max_batch, num_slots)
+        default_slots, default_len = compiled.num_slots, compiled.max_len
+    else:
+        default_slots, default_len = 32, 2048  # a checkpoint's plan when not asked otherwise
+    if fit_slots and device.type == "cuda":
+        num_slots = _fit_slots(num_slots or default_slots, models, device,
+                               max_len or default_len)  # fmt: skip
+        max_batch = None if max_batch is None else min(max_batch, num_slots)
+    if compiled is not None:
         plan = plan_within(compiled, num_slots, max_len, path)
         if precision is not None and precision != plan.precision:
             raise ValueError(
@@ -122,13 +125,11 @@ def open_engine(
             )
     else:
         extra = {} if prefill_batches is None else {"prefill_batches": tuple(prefill_batches)}
-        if fit:
-            num_slots = _fit_slots(num_slots or 32, models, device, max_len or 2048)
-            max_batch = None if max_batch is None else min(max_batch, num_slots)
         if max_batch is not None:
             extra["max_batch"] = max_batch
         plan = EnginePlan.default(
-            num_slots=num_slots or 32, max_len=max_len or 2048, precision=precision or "bf16",
+            num_slots=num_slots or default_slots, max_len=max_len or default_len,
+            precision=precision or "bf16",
             codec_precision="fp16" if device.type == "cuda" else "fp32", **extra,
         )  # fmt: skip
     if max_batch is not None and max_batch != plan.max_batch:

@@ -435,7 +435,7 @@ class Scheduler:
         self.queue.append(stream)
         if not continuation and cfg.overload_admit_rate > 0:  # (none kept when it is off)
             self._admits.append(now)
-            self._forget_admits(now)
+            self._forget(self._admits, now)
         return stream
 
     def ack(self, stream_id: int, samples: int) -> None:
@@ -505,7 +505,7 @@ class Scheduler:
         refused in the last standing_queue_s other than by this slack alone (its own
         refusals do not keep it on, or one stray refusal at moderate load would)."""
         cfg = self.config
-        if self._standing_since is not None or now - self._overload_at <= cfg.standing_queue_s:
+        if self._standing_since is not None or self._refusing(now):
             return max(cfg.admit_slack_s, cfg.overload_slack_s)
         return cfg.admit_slack_s
 
@@ -525,10 +525,9 @@ class Scheduler:
         refuses it)."""
         if not self.config.admit_by_capacity:
             return None
-        if (rate := self.config.overload_admit_rate) > 0 and (
-                now - self._overload_at <= self.config.standing_queue_s):
-            self._forget_releases(now)
-            self._forget_admits(now)
+        if (rate := self.config.overload_admit_rate) > 0 and self._refusing(now):
+            self._forget(self._releases, now)
+            self._forget(self._admits, now)
             if len(self._admits) >= rate * len(self._releases) + 1:
                 return (f"{len(self._admits)} streams were admitted in the last "
                         f"{self.config.release_window_s:g} s and {len(self._releases)} slots "
@@ -559,17 +558,19 @@ class Scheduler:
         needed = len(self.queue) + 1 - (self.config.num_slots - len(self.by_slot))
         if needed <= 0:
             return 0.0
-        self._forget_releases(now)
+        self._forget(self._releases, now)
         n, window = len(self._releases), self.config.release_window_s
         return needed * window / n if n else math.inf
 
-    def _forget_releases(self, now: float) -> None:
-        while self._releases and self._releases[0] < now - self.config.release_window_s:
-            self._releases.popleft()
+    def _forget(self, times: deque[float], now: float) -> None:
+        """Drop the times (slot releases, acceptances) older than release_window_s."""
+        while times and times[0] < now - self.config.release_window_s:
+            times.popleft()
 
-    def _forget_admits(self, now: float) -> None:
-        while self._admits and self._admits[0] < now - self.config.release_window_s:
-            self._admits.popleft()
+    def _refusing(self, now: float) -> bool:
+        """A request was refused in the last standing_queue_s, other than by the overload
+        slack alone (the overload slack and overload_admit_rate hold while it is)."""
+        return now - self._overload_at <= self.config.standing_queue_s
 
     def queue_wait(self, now: float) -> float:
         """The longest a request may wait for a slot now: the overload wait while a queue
@@ -1093,7 +1094,7 @@ class Scheduler:
             self.to_release.append(s.slot)
             now = self.clock()
             self._releases.append(now)
-            self._forget_releases(now)
+            self._forget(self._releases, now)
 
     def _emit(self, s: Stream, event: Event) -> None:
         self._outbox.append((s.sink, event))
