@@ -6,11 +6,16 @@
 # probe:  the step driver's refusals, each in a process of its own (driver_errors_probe.py:
 #         all 7 crashed on the H200 until setup.py linked -lstdc++, 2026-12-02)
 # tests:  GPU tests of the step driver's host side (test_driver_host.py, alone first, with
-#         faulthandler), then of the prefill kernel path, the prefix cache and W8A8
+#         faulthandler), then of the prefill kernel path, the prefix cache and W8A8, then the
+#         prefill graph with its admission work forked (same codes and PCM as without)
 # wide:   engine microbenchmark at batches 1,64,128,256 (slots up to 256, issue 9's batch-256
 #         target), the served plan; ENGINE_ARGS adds flags to every engine microbenchmark,
 #         e.g. "--plan-set codec_fused_attention=true --plan-set codec_fused_output=true"
 # engine: engine microbenchmark, served plan (first chunk, prefill by bucket, frame, codec)
+# engine_env: the engine microbenchmark again for each ';'-separated group of environment
+#         switches in $ENGINE_ENV (e.g. "TTSBUILD_PREFILL_FORK=1;TTSBUILD_SAMPLE_WARPS=2"),
+#         labelled env1, env2, ...: right after `engine`, side by side in one call; `check`
+#         runs with the switches of $CHECK_ENV exported (one group)
 # check:  graph path vs eager path (tiny); with --kernels (CHECK_ARGS): the plan's optional
 #         paths too, batched prefill (prefill_batches 1,2,4) among them; with "--admission-lane
 #         1,2 --lane-switch" also the lane and the lane switched on and off between steps
@@ -50,6 +55,10 @@
 #         (TTSBUILD_TALKER_ATTEND_FUSED=1: qk_norm_rope_decode_attention), the FP8 gate/up
 #         GEMV and silu_mul as two or as one (TTSBUILD_GATE_UP_SILU=1: fp8_gate_up_silu);
 #         after the new kernels' GPU tests
+# sampler: the fused sampler's latency by warps per row (bench_sampler.py: 1, 2, 4, 8 warps at
+#         the code predictor's and the talker's vocabularies, batches 1 and 64, tokens checked
+#         against the reference); the profile of 2026-12-03 gave 18.7 us a call at 8 warps,
+#         16 calls a frame
 # convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
 #         (sweep_conv.py; CONV_SWEEP_ARGS default --quick: 28 configs), batches $CONV_BATCHES
@@ -102,7 +111,11 @@ for step in $STEPS; do
         TRITON_F32_DEFAULT=ieee timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
             tests/runtime/test_cp_fused.py tests/plugins/test_fp8_w8a8.py \
             tests/plugins/test_gpu_kernels.py -k "prefill or w8a8 or scaled_mm or decode_attention" \
-            2>&1 | tee "$OUT/gpu_tests.log" | tail -3 ;;
+            2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+        log "GPU test: the prefill graph's admission work on a forked stream (PREFILL_FORK)"
+        TRITON_F32_DEFAULT=ieee timeout -k 5 180 python3 -m pytest -q -p no:cacheprovider \
+            tests/runtime/test_graph_engine.py -k prefill_fork 2>&1 \
+            | tee "$OUT/gpu_tests_prefill_fork.log" | tail -3 ;;
     cp)  # CP_TESTS=0 skips the GPU tests (2026-12-03: over 240 s on a cold Triton cache)
         if [ "${CP_TESTS:-1}" != 0 ]; then
             log "GPU tests: sampler, fused code-predictor kernels"
@@ -143,10 +156,17 @@ for step in $STEPS; do
     engine)
         log "engine microbenchmark (served plan)"
         engine_bench served ;;
+    engine_env)  # one run per ';'-separated group of switches, labelled env1, env2, ...
+        IFS=';' read -ra groups <<<"${ENGINE_ENV:?set ENGINE_ENV}"
+        for i in "${!groups[@]}"; do
+            log "engine microbenchmark (served plan) with ${groups[$i]} -> env$((i + 1))"
+            ( export ${groups[$i]}; engine_bench "env$((i + 1))" )
+        done ;;
     check)
-        log "graph vs eager (tiny)"
-        timeout -k 5 240 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny \
-            ${CHECK_ARGS:-} 2>&1 | tee "$OUT/graph_vs_eager.log" | grep -E "PASS|FAIL|Error" ;;
+        log "graph vs eager (tiny) ${CHECK_ENV:-}"
+        ( [ -z "${CHECK_ENV:-}" ] || export $CHECK_ENV
+          timeout -k 5 240 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny \
+              ${CHECK_ARGS:-} 2>&1 | tee "$OUT/graph_vs_eager.log" | grep -E "PASS|FAIL|Error" ) ;;
     batched)
         log "engine microbenchmark, one prompt per prefill step"
         engine_bench single --prefill-batches 1 ;;
@@ -215,6 +235,10 @@ for step in $STEPS; do
                 --profile-impls none 2>&1 | grep -v Assertion | tee "$OUT/profile_codec_tile.log" \
                 | grep -E "^\| triton"
         fi ;;
+    sampler)
+        log "fused sampler by warps per row"
+        timeout -k 5 150 python3 benchmarks/kernels/bench_sampler.py --warps 8,4,2,1 \
+            --batches 1,64 2>&1 | tee "$OUT/bench_sampler.log" | grep -E "^\|" ;;
     convsweep)
         log "codec conv tiles: the served config against a grid, per stage shape, batches ${CONV_BATCHES:-64,256}"
         timeout -k 5 420 python3 benchmarks/codec/sweep_conv.py --batches "${CONV_BATCHES:-64,256}" \

@@ -139,3 +139,25 @@ def test_a_full_code_ring_is_an_error_not_garbage(models):
     want = big.audio([slot])[slot]
     assert [len(p) for p in got] == [3 * 1920, 2 * 1920]
     assert np.abs(np.concatenate(got) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_prefill_fork_changes_nothing_but_the_streams(tiny_checkpoint, monkeypatch):
+    """The prefill graph with its admission work on a forked stream (PREFILL_FORK) makes the
+    same codes and PCM as the graph without: the talker's layers read none of what the branch
+    writes, and the frame steps after it see all of it (the join). Three requests in one step,
+    the three text and sampling modes of REQUESTS, graphs captured both ways."""
+    import ttsbuild.runtime.graph_engine as ge
+
+    gpu = Models.load(load_checkpoint(tiny_checkpoint), device="cuda")
+    plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
+                      prefill_buckets=(32, 64), codec_chunks=(1, 2, 4), codec_ring=8)  # fmt: skip
+    runs = []
+    for fork in (False, True):
+        monkeypatch.setattr(ge, "PREFILL_FORK", fork)
+        engine = GraphEngine(gpu, plan, use_graphs=True)
+        runs.append(run_all(engine, REQUESTS))
+        assert bool(engine.backend._fork_streams) == fork  # captured with the branch or not
+    for (codes_a, pcm_a), (codes_b, pcm_b) in zip(*runs, strict=True):
+        assert torch.equal(codes_a, codes_b)
+        assert np.array_equal(pcm_a, pcm_b)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,13 @@ from ttsbuild.runtime.engine import Models
 from ttsbuild.runtime.fast_model import Dense, PackedStack
 from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.prefix_cache import PrefixPool
+
+# The prefill step's admission work (the new rows' settings, counters, text tracks, codec and
+# guard state resets: ~64 small kernels on the 1.7B, 0.19 ms of the 1x32 prefill's 1.85 ms of
+# kernel time in the 2026-12-03 profile) on a stream forked inside the captured graph, beside
+# the talker's layers, which read none of it; joined before the step ends. Off until timed
+# on the GPU (TTSBUILD_PREFILL_FORK=1 turns it on).
+PREFILL_FORK = os.environ.get("TTSBUILD_PREFILL_FORK", "0") == "1"
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +294,7 @@ class GraphBackend:
         # index first (cProfile on the H200: ~25 us a call on the launch path).
         self._cuda_index = (dev.index if dev.index is not None else torch.cuda.current_device()
                             ) if dev.type == "cuda" else None  # fmt: skip
+        self._fork_streams: dict[int, torch.cuda.Stream] = {}  # by the forking stream
         self.dtype = talker.codec_head.weight.dtype
         self.num_slots = plan.num_slots
         self.max_len = plan.max_len
@@ -617,7 +626,9 @@ class GraphBackend:
     def _prefill_body(self, b: int, length: int) -> None:
         """Admit b requests, copy their staged prefix entries into their slots, embed their
         staged prompt rows and prefill them from their staged start positions."""
-        self._admit_body(b)
+        join = self._beside(lambda: self._admit_body(b)) if PREFILL_FORK else None
+        if join is None:
+            self._admit_body(b)
         slots = self.prefill_slot[:b]
         start = keys = None
         if self.prefix is not None:
@@ -634,6 +645,23 @@ class GraphBackend:
         last = h.reshape(b * length, -1).index_select(0, last_row)  # [b, H]
         self.hidden.index_copy_(0, slots, last)
         self.logits.index_copy_(0, slots, self.codec_head(last).float())
+        if join is not None:
+            join()
+
+    def _beside(self, fn: Callable[[], None]) -> Callable[[], None] | None:
+        """Run fn on a stream forked from the current one (a branch of the graph being
+        captured, or a stream of its own when run eagerly); returns the join, which makes the
+        current stream wait for it. Without CUDA: None, and fn has not run."""
+        if self.device.type != "cuda":
+            return None
+        main = torch.cuda.current_stream(self._cuda_index)
+        side = self._fork_streams.get(main.cuda_stream)
+        if side is None:
+            side = self._fork_streams[main.cuda_stream] = torch.cuda.Stream(self._cuda_index)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            fn()
+        return lambda: main.wait_stream(side)
 
     def _codec_body(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         """n frames of audio for each of `rows`: [B, n * 1920] (fp32)."""

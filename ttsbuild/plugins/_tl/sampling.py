@@ -31,10 +31,20 @@ if _RADIX_ENV not in ("1", "2", "4"):
 _RADIX_BITS = int(_RADIX_ENV)
 
 
+# Warps per row's program, all vocabularies (unset: `_warps`' choice). For the engine-level A/B
+# of what benchmarks/kernels/bench_sampler.py times alone (the 2026-12-03 profile: 18.7 us a
+# call at 8 warps, 16 calls a frame, each mostly 32 dependent cross-warp reductions).
+_WARPS_ENV = os.environ.get("TTSBUILD_SAMPLE_WARPS", "")
+if _WARPS_ENV not in ("", "1", "2", "4", "8", "16"):
+    raise ValueError(f"TTSBUILD_SAMPLE_WARPS must be 1, 2, 4, 8 or 16, got {_WARPS_ENV!r}")
+
+
 def _warps(block_v: int, radix_bits: int) -> int:
     """Warps for a row of block_v: the [2^radix_bits, block_v] candidate tiles of the digit
     searches in registers without spilling (offline sm_90 compile: 4096 x 16 candidates at
     8 warps spills 616 bytes of stack; at 16 warps 82 registers; 2048 at 8 warps 95)."""
+    if _WARPS_ENV:
+        return int(_WARPS_ENV)
     if block_v >= 4096 and radix_bits == 4:
         return 16
     return 8 if block_v >= 2048 else 4
@@ -157,7 +167,12 @@ def sample_triton(
     seeds: torch.Tensor,
     counters: torch.Tensor,
     history: torch.Tensor | None = None,
+    *,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
+    """num_warps: warps per row's program (None: `_warps`' choice for the vocabulary); the
+    tokens do not depend on it (integer counts, first-index argmax; only the top-p mass
+    sums in another order)."""
     B, V = logits.shape
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"logits must be fp32/bf16/fp16, got {logits.dtype}")
@@ -179,6 +194,7 @@ def sample_triton(
         else batch.do_sample,
         seeds, counters, counters.stride(0), hist, hstride, pen, out,
         BLOCK_V=block_v, HAS_PENALTY=has_pen, IS_BF16=logits.dtype == torch.bfloat16,
-        RADIX_BITS=_RADIX_BITS, **pdl_args(pdl), num_warps=_warps(block_v, _RADIX_BITS),
+        RADIX_BITS=_RADIX_BITS, **pdl_args(pdl),
+        num_warps=num_warps or _warps(block_v, _RADIX_BITS),
     )  # fmt: skip
     return out
