@@ -55,10 +55,11 @@
 #         (TTSBUILD_TALKER_ATTEND_FUSED=1: qk_norm_rope_decode_attention), the FP8 gate/up
 #         GEMV and silu_mul as two or as one (TTSBUILD_GATE_UP_SILU=1: fp8_gate_up_silu);
 #         after the new kernels' GPU tests
-# sampler: the fused sampler's latency by warps per row (bench_sampler.py: 1, 2, 4, 8 warps at
-#         the code predictor's and the talker's vocabularies, batches 1 and 64, tokens checked
-#         against the reference); the profile of 2026-12-03 gave 18.7 us a call at 8 warps,
-#         16 calls a frame
+# sampler: the fused sampler's latency by warps per row and top-k search (bench_sampler.py:
+#         1, 2, 4, 8 warps, the 32-bit search and the early exit (TTSBUILD_SAMPLE_EARLY_EXIT),
+#         at the code predictor's and the talker's vocabularies, batches 1 and 64, tokens
+#         checked against the reference); the profile of 2026-12-03 gave 18.7 us a call at 8
+#         warps, 16 calls a frame; GPU tests of the threshold searches first
 # convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
 #         (sweep_conv.py; CONV_SWEEP_ARGS default --quick: 28 configs), batches $CONV_BATCHES
@@ -236,7 +237,10 @@ for step in $STEPS; do
                 | grep -E "^\| triton"
         fi ;;
     sampler)
-        log "fused sampler by warps per row"
+        log "GPU tests: the sampler's threshold searches"
+        timeout -k 5 180 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_references.py \
+            -k "thresholds or topk_threshold" 2>&1 | tee "$OUT/gpu_tests_sampler.log" | tail -2
+        log "fused sampler by warps per row and top-k search"
         timeout -k 5 150 python3 benchmarks/kernels/bench_sampler.py --warps 8,4,2,1 \
             --batches 1,64 2>&1 | tee "$OUT/bench_sampler.log" | grep -E "^\|" ;;
     convsweep)

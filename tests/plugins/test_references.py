@@ -3,7 +3,7 @@ threshold test runs the kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
 
 import pytest
 import torch
-from kernel_device import KDEV, needs_kernel
+from kernel_device import HAS_TRITON, KDEV, needs_kernel
 
 from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, sample
 from ttsbuild.model.config import DecoderStackConfig
@@ -149,20 +149,22 @@ def test_fused_sample_reference_on_cpu_is_sample(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("radix_bits", [1, 4])
+@pytest.mark.parametrize(("radix_bits", "early_exit"), [(1, False), (4, False), (1, True)])
 @pytest.mark.parametrize("V", [2048, 3072])
-def test_fused_sample_kernel_thresholds_vs_reference(monkeypatch, radix_bits, V):
+def test_fused_sample_kernel_thresholds_vs_reference(monkeypatch, radix_bits, early_exit, V):
     """The kernel's top-k / top-p threshold searches (over the float bit patterns) against
     the reference's sort: every top_k x top_p pair, fine fp32, tied fp32 (a coarse grid),
     near-tied fp32 and bf16 logits, at random temperatures and spreads. Every row draws (fresh
     noise) from its filtered set, so a threshold off in any bit keeps or drops tokens that the
     draws then hit; the near ties (many tokens a few ulps to a few million ulps apart, at
     exact power-of-2 temperatures) put such tokens next to the thresholds at every bit.
-    Both searches: 4 bits per reduction (the default; at V 3072 the 16-warp program) and the
-    bit-by-bit one it replaced."""
+    Every search: 4 bits per reduction, bit by bit (the default), and bit by bit stopped
+    once decided (EARLY_EXIT: the ties, the near ties and bf16 put equal or adjacent keys at
+    the k-th, where only the tie check or bit 32 may end it)."""
     from ttsbuild.plugins._tl import sampling as tl_sampling
 
     monkeypatch.setattr(tl_sampling, "_RADIX_BITS", radix_bits)
+    monkeypatch.setattr(tl_sampling, "EARLY_EXIT", early_exit)
     g = torch.Generator().manual_seed(23 + V + radix_bits)
     reps = 4
     ks = torch.tensor([1, 2, 50, V - 1, V, 0])
@@ -205,3 +207,65 @@ def test_fused_sample_kernel_thresholds_vs_reference(monkeypatch, radix_bits, V)
             gap = (cum - (1 - float(top_p[r]))).abs().min().item()
             assert top_p[r] < 1 and gap < 1e-5, (kind, r, int(top_k[r]), float(top_p[r]))
         assert len(bad) <= 1, (kind, bad)
+
+
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """The sampler's order keys of fp32 values, as int64 in [0, 2^32): unsigned order = float
+    order, -0.0 as +0.0 (an independent restatement of the kernel's transform)."""
+    x = torch.where(x == 0, torch.zeros_like(x), x)
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, bits ^ 0xFFFFFFFF, bits | 2**31)
+
+
+if HAS_TRITON:  # the kernel the threshold test runs: at module level, where Triton's JIT
+    import triton  # resolves the names it calls
+    import triton.language as tl
+
+    from ttsbuild.plugins._tl.sampling import topk_threshold_early
+
+    @triton.jit
+    def _threshold_kernel(key_ptr, k_ptr, out_ptr, BLOCK_V: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_V)
+        key = tl.load(key_ptr + row * BLOCK_V + offs).to(tl.uint32, bitcast=True)
+        t = topk_threshold_early(key, tl.load(k_ptr + row), BLOCK_V)
+        tl.store(out_ptr + row, t.to(tl.int32, bitcast=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize("V", [2048, 3072])
+def test_topk_threshold_early_keeps_exactly_the_top_k(V):
+    """`topk_threshold_early`'s threshold t keeps exactly the keys at or above the k-th
+    largest K (sort of fp32 order keys), whichever way its search ends: fine fp32 (decided by
+    the count, mostly before the tie check), bf16 and coarse grids (ties at K: the check after
+    TIE_CHECK_STEP bits, or bit 32), rows whose boundary is a few ulps wide, padding beyond V,
+    k from 1 to V - 1."""
+    g = torch.Generator().manual_seed(V)
+    block = 1 << (V - 1).bit_length()
+    rows = []
+    for kind in ("fp32", "bf16", "grid", "ulps"):
+        x = torch.randn(48, V, generator=g) * (0.5 + 4 * torch.rand(48, 1, generator=g))
+        if kind == "bf16":
+            x = x.to(torch.bfloat16).float() / 0.9
+        elif kind == "grid":
+            x = (x * 2).round() / 2
+        elif kind == "ulps":  # a third of the row within 64 ulps of 1.0
+            near = torch.rand(48, V, generator=g) < 0.33
+            ulps = torch.randint(0, 64, (48, V), generator=g).to(torch.int32)
+            x = torch.where(near, (torch.ones(48, V).view(torch.int32) - ulps).view(torch.float32),
+                            x - 3)  # fmt: skip
+        rows.append(x)
+    x = torch.cat(rows)
+    n = x.shape[0]
+    k = torch.tensor([1, 2, 50, 51, 64, V // 2, V - 1, 50], dtype=torch.int32).repeat(n // 8)
+    keys = torch.zeros(n, block, dtype=torch.int64)  # padding: key 0, below every value
+    keys[:, :V] = _order_keys(x)
+    dev = KDEV
+    out = torch.empty(n, dtype=torch.int32, device=dev)
+    _threshold_kernel[(n,)](keys.to(torch.int32).to(dev), k.to(dev), out, BLOCK_V=block)
+    t = out.cpu().to(torch.int64) & 0xFFFFFFFF
+    kth = keys.sort(dim=1, descending=True).values.gather(1, (k.long() - 1)[:, None])[:, 0]
+    kept = (keys >= t[:, None]).sum(1)
+    want = (keys >= kth[:, None]).sum(1)
+    assert (t <= kth).all(), "a threshold above the k-th largest key"
+    assert torch.equal(kept, want), (kept - want).nonzero().flatten().tolist()[:10]

@@ -39,6 +39,12 @@ if _WARPS_ENV not in ("", "1", "2", "4", "8", "16"):
     raise ValueError(f"TTSBUILD_SAMPLE_WARPS must be 1, 2, 4, 8 or 16, got {_WARPS_ENV!r}")
 
 
+# The bit-by-bit top-k search stopped once decided (`topk_threshold_early`: exact, ~half the
+# reductions on fine fp32 logits). Off until timed on the GPU (TTSBUILD_SAMPLE_EARLY_EXIT=1;
+# bench_sampler.py times both).
+EARLY_EXIT = os.environ.get("TTSBUILD_SAMPLE_EARLY_EXIT", "0") == "1"
+
+
 def _warps(block_v: int, radix_bits: int) -> int:
     """Warps for a row of block_v: the [2^radix_bits, block_v] candidate tiles of the digit
     searches in registers without spilling (offline sm_90 compile: 4096 x 16 candidates at
@@ -65,16 +71,51 @@ def _sample_kernel(
     logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, dosample_ptr,
     seed_ptr, ctr_ptr, stride_ctr, hist_ptr, stride_hist, pen_ptr, out_ptr,
     BLOCK_V: tl.constexpr, HAS_PENALTY: tl.constexpr, IS_BF16: tl.constexpr,
-    RADIX_BITS: tl.constexpr, PDL: tl.constexpr = False,
+    RADIX_BITS: tl.constexpr, PDL: tl.constexpr = False, EARLY_EXIT: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0)
     token = sample_row(
         row, logits_ptr + row.to(tl.int64) * stride_row, V, temp_ptr, topk_ptr, topp_ptr,
         dosample_ptr, seed_ptr, ctr_ptr, stride_ctr, hist_ptr, stride_hist, pen_ptr,
-        BLOCK_V, HAS_PENALTY, IS_BF16, RADIX_BITS, False,
+        BLOCK_V, HAS_PENALTY, IS_BF16, RADIX_BITS, False, EARLY_EXIT,
     )  # fmt: skip
     tl.store(out_ptr + row, token)
+
+
+# The bit-by-bit search's step after which `topk_threshold_early` checks once for ties at the
+# k-th largest key (equal keys never split, so only this check ends such a search before bit 32).
+TIE_CHECK_STEP = tl.constexpr(18)
+
+
+@triton.jit
+def topk_threshold_early(key, k, BLOCK_V: tl.constexpr):
+    """A threshold t with {key >= t} = {key >= K}, K the k-th largest of `key` (uint32
+    [BLOCK_V], padding 0, 0 < k < BLOCK_V): the bit-by-bit search for K (the largest t with
+    #{key >= t} >= k), stopped as soon as its prefix t decides the set:
+    - #{key >= t} == k: those k keys are the top k (a key in [t, K) would make k + 1);
+    - once, after TIE_CHECK_STEP bits: m = min{key >= t} with #{key > m} < k is K itself
+      (#{key >= m} >= k, and fewer than k above it), returned as t;
+    - else bit 32, where t = K.
+    Fine fp32 keys decide after ~16 of 32 bits (CPU simulation: median 16-17 at V 2048 /
+    3072, never over 25); bf16 ties end at the check."""
+    kth = tl.zeros((), tl.uint32)
+    count = tl.full((), BLOCK_V, tl.int32)  # keys >= 0: all of them, padding included
+    i = tl.zeros((), tl.int32)
+    while (count != k) & (i < 32):
+        cand = kth | (tl.full((), 1, tl.uint32) << (31 - i).to(tl.uint32))
+        cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
+        take = cnt >= k
+        kth = tl.where(take, cand, kth)
+        count = tl.where(take, cnt, count)
+        i += 1
+        if (i == TIE_CHECK_STEP) & (count != k):
+            m = tl.min(tl.where(key >= kth, key, tl.full((BLOCK_V,), 0xFFFFFFFF, tl.uint32)),
+                       axis=0)  # fmt: skip
+            if tl.sum((key > m).to(tl.int32), axis=0) < k:
+                kth = m
+                count = k
+    return kth
 
 
 @triton.jit
@@ -82,10 +123,12 @@ def sample_row(
     row, x_ptr, V, temp_ptr, topk_ptr, topp_ptr, dosample_ptr, seed_ptr, ctr_ptr, stride_ctr,
     hist_ptr, stride_hist, pen_ptr,
     BLOCK_V: tl.constexpr, HAS_PENALTY: tl.constexpr, IS_BF16: tl.constexpr,
-    RADIX_BITS: tl.constexpr, L2_ONLY: tl.constexpr,
+    RADIX_BITS: tl.constexpr, L2_ONLY: tl.constexpr, EARLY_EXIT: tl.constexpr = False,
 ):  # fmt: skip
     """The token (int64) of `row`, whose logits start at x_ptr, with that row's settings.
-    L2_ONLY: the logits were written by other programs of the same launch (read past L1)."""
+    L2_ONLY: the logits were written by other programs of the same launch (read past L1).
+    EARLY_EXIT (bit by bit only): the top-k search stops once its prefix decides the kept
+    set (`topk_threshold_early`)."""
     offs = tl.arange(0, BLOCK_V)
     vmask = offs < V
     if L2_ONLY:
@@ -116,7 +159,10 @@ def sample_row(
     k = tl.where((k <= 0) | (k > V), V, k)
     kth = tl.zeros((), tl.uint32)
     digits = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)  # [R]: one candidate per digit value
-    if k < V:
+    if EARLY_EXIT and RADIX_BITS == 1:
+        if k < V:
+            kth = topk_threshold_early(key, k, BLOCK_V)
+    elif k < V:
         for i in tl.static_range(32 // RADIX_BITS):
             shift = 32 - RADIX_BITS * (i + 1)
             cand = kth | (digits << shift)  # [R]
@@ -169,9 +215,11 @@ def sample_triton(
     history: torch.Tensor | None = None,
     *,
     num_warps: int | None = None,
+    early_exit: bool | None = None,
 ) -> torch.Tensor:
-    """num_warps: warps per row's program (None: `_warps`' choice for the vocabulary); the
-    tokens do not depend on it (integer counts, first-index argmax; only the top-p mass
+    """num_warps: warps per row's program (None: `_warps`' choice for the vocabulary);
+    early_exit: the top-k search stopped once decided (None: EARLY_EXIT). The tokens depend
+    on neither (integer counts, exact thresholds, first-index argmax; only the top-p mass
     sums in another order)."""
     B, V = logits.shape
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -195,6 +243,7 @@ def sample_triton(
         seeds, counters, counters.stride(0), hist, hstride, pen, out,
         BLOCK_V=block_v, HAS_PENALTY=has_pen, IS_BF16=logits.dtype == torch.bfloat16,
         RADIX_BITS=_RADIX_BITS, **pdl_args(pdl),
+        EARLY_EXIT=EARLY_EXIT if early_exit is None else early_exit,
         num_warps=num_warps or _warps(block_v, _RADIX_BITS),
     )  # fmt: skip
     return out
