@@ -24,10 +24,38 @@ follows it, channel block by channel block).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 from ttsbuild.plugins._dispatch import codec_pdl_args, triton_available, want_triton
 from ttsbuild.plugins.codec_context import snake_context_reference
+
+# Small steps' output tiles halved until the grid holds two programs per SM (`_spread`): a
+# one-frame step of one row is otherwise 15 programs of 128 samples on 132 SMs, each walking
+# every channel and tap (68.7 us at batch 1 in the 2026-12-03 profile, 9 % of the codec
+# step). The same sums in the same order per sample. Off until timed on the GPU
+# (TTSBUILD_CODEC_OUTPUT_SPREAD=1 turns it on).
+SPREAD = os.environ.get("TTSBUILD_CODEC_OUTPUT_SPREAD", "0") == "1"
+_H200_SMS = 132  # the grid rule's SM count off CUDA (the interpreter), as on the H200
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _H200_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _spread(B: int, n: int, block_ctx: int, block_t: int, sms: int) -> tuple[int, int]:
+    """(samples per program, warps): block_t halved, not below 16 or the context's block,
+    until B rows x ceil(n / block_t) programs fill two per SM; fewer warps for narrower
+    tiles (a [16, block_t] tile per channel block and tap)."""
+    floor = max(block_ctx, 16)
+    while block_t > floor and B * -(-n // block_t) < 2 * sms:
+        block_t //= 2
+    return block_t, 4 if block_t >= 64 else 2 if block_t >= 32 else 1
 
 
 def codec_output_reference(x, w, bias, alpha, inv_beta, tail, rows, dilation: int = 1):
@@ -74,12 +102,15 @@ def _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation):
     # 256 x 32 unrolled took 128 registers and 7.5 KB of stack (offline sm_90 compile)
     block_t = max(block_ctx, min(128, triton.next_power_of_2(n)))
     block_c = min(16, triton.next_power_of_2(C))
+    warps = 4
+    if SPREAD:
+        block_t, warps = _spread(B, n, block_ctx, block_t, _sm_count(x.device))
     snake = alpha is not None
     _codec_output_kernel[(B, triton.cdiv(n, block_t))](
         x, w, bias, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
         rows, out, C, n, ctx, dilation, x.stride(0), x.stride(1), x.stride(2),
         K=k, HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
-        BLOCK_CTX=block_ctx, num_warps=4, **codec_pdl_args(x),
+        BLOCK_CTX=block_ctx, num_warps=warps, **codec_pdl_args(x),
     )  # fmt: skip
     return out
 
