@@ -114,7 +114,7 @@ for step in $STEPS; do
             tests/plugins/test_gpu_kernels.py -k "prefill or w8a8 or scaled_mm or decode_attention" \
             2>&1 | tee "$OUT/gpu_tests.log" | tail -3
         log "GPU test: the prefill graph's admission work on a forked stream (PREFILL_FORK)"
-        TRITON_F32_DEFAULT=ieee timeout -k 5 180 python3 -m pytest -q -p no:cacheprovider \
+        TRITON_F32_DEFAULT=ieee timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider \
             tests/runtime/test_graph_engine.py -k prefill_fork 2>&1 \
             | tee "$OUT/gpu_tests_prefill_fork.log" | tail -3 ;;
     cp)  # CP_TESTS=0 skips the GPU tests (2026-12-03: over 240 s on a cold Triton cache)
@@ -160,6 +160,8 @@ for step in $STEPS; do
     engine_env)  # one run per ';'-separated group of switches, labelled env1, env2, ...
         IFS=';' read -ra groups <<<"${ENGINE_ENV:?set ENGINE_ENV}"
         for i in "${!groups[@]}"; do
+            left=$((DEADLINE_S - SECONDS))
+            if [ "$left" -lt 130 ]; then log "skip ${groups[$i]}: ${left}s left"; continue; fi
             log "engine microbenchmark (served plan) with ${groups[$i]} -> env$((i + 1))"
             ( export ${groups[$i]}; engine_bench "env$((i + 1))" )
         done ;;
