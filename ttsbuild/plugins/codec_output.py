@@ -24,7 +24,6 @@ follows it, channel block by channel block).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -38,14 +37,6 @@ from ttsbuild.plugins.codec_context import snake_context_reference
 # step). The same sums in the same order per sample. Off until timed on the GPU
 # (TTSBUILD_CODEC_OUTPUT_SPREAD=1 turns it on).
 SPREAD = os.environ.get("TTSBUILD_CODEC_OUTPUT_SPREAD", "0") == "1"
-_H200_SMS = 132  # the grid rule's SM count off CUDA (the interpreter), as on the H200
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _H200_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _spread(B: int, n: int, block_ctx: int, block_t: int, sms: int) -> tuple[int, int]:
@@ -103,8 +94,10 @@ def _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation):
     block_t = max(block_ctx, min(128, triton.next_power_of_2(n)))
     block_c = min(16, triton.next_power_of_2(C))
     warps = 4
-    if SPREAD:
-        block_t, warps = _spread(B, n, block_ctx, block_t, _sm_count(x.device))
+    if SPREAD:  # SMs as the linears count them (132, the H200's, off CUDA)
+        from ttsbuild.plugins._tl.fp8_linear import _num_sms
+
+        block_t, warps = _spread(B, n, block_ctx, block_t, _num_sms(x.device))
     snake = alpha is not None
     _codec_output_kernel[(B, triton.cdiv(n, block_t))](
         x, w, bias, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,

@@ -626,8 +626,10 @@ class GraphBackend:
     def _prefill_body(self, b: int, length: int) -> None:
         """Admit b requests, copy their staged prefix entries into their slots, embed their
         staged prompt rows and prefill them from their staged start positions."""
-        join = self._beside(lambda: self._admit_body(b)) if PREFILL_FORK else None
-        if join is None:
+        join = None
+        if PREFILL_FORK:
+            join = self._beside(lambda: self._admit_body(b))
+        else:
             self._admit_body(b)
         slots = self.prefill_slot[:b]
         start = keys = None
@@ -648,12 +650,13 @@ class GraphBackend:
         if join is not None:
             join()
 
-    def _beside(self, fn: Callable[[], None]) -> Callable[[], None] | None:
+    def _beside(self, fn: Callable[[], None]) -> Callable[[], None]:
         """Run fn on a stream forked from the current one (a branch of the graph being
         captured, or a stream of its own when run eagerly); returns the join, which makes the
-        current stream wait for it. Without CUDA: None, and fn has not run."""
+        current stream wait for it. Without CUDA fn runs in order and the join is nothing."""
         if self.device.type != "cuda":
-            return None
+            fn()
+            return lambda: None
         main = torch.cuda.current_stream(self._cuda_index)
         side = self._fork_streams.get(main.cuda_stream)
         if side is None:
