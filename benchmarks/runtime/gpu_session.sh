@@ -68,6 +68,8 @@
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
 #         CustomVoice checkpoint's first chunk, two frames with the silent one dropped), until
 #         $DEADLINE_S seconds into the run
+# a8:     the W8A8 Triton tiles: their GPU tests, `sweep_fp8.py --a8` (M in $A8_MS), and
+#         the engine bench with the talker's linears W8A8 from 16 rows (TTSBUILD_W8A8_GEMM=triton)
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
@@ -154,6 +156,16 @@ for step in $STEPS; do
                 > "$OUT/bench_talker_a${ATT}_g${GU}.log" 2>&1
             echo "rc=$?"; tail -6 "$OUT/bench_talker_a${ATT}_g${GU}.log"
         done ;;
+    a8)  # the FP8 x FP8 (W8A8) Triton tiles: GPU tests, sweep against cuBLAS, engine bench
+        log "GPU tests: W8A8 (row quantisation, cuBLASLt, the A8 tiles)"
+        timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_fp8_w8a8.py \
+            2>&1 | tee "$OUT/gpu_tests_a8.log" | tail -2
+        log "A8 tiles against cuBLAS bf16 / W8A8 at the talker's shapes"
+        timeout -k 5 "${A8_SWEEP_S:-240}" python3 benchmarks/kernels/sweep_fp8.py --a8 \
+            --ms "${A8_MS:-16,32,64,128,256}" --jobs 12 > "$OUT/sweep_a8.log" 2>&1
+        echo "rc=$?"; grep -vE "^  " "$OUT/sweep_a8.log" | tail -24
+        log "engine microbenchmark, the talker's linears W8A8 (Triton) from 16 rows, no bf16 copies"
+        TTSBUILD_W8A8_GEMM=triton engine_bench a8 --w8a8-min-rows 16 --bf16-min-rows 0 ;;
     engine)
         log "engine microbenchmark (served plan)"
         engine_bench served ;;

@@ -149,3 +149,48 @@ def test_w8a8_gemm_on_gpu(M, K, N):
     assert torch.equal(q.float(), rq.float()) and torch.equal(s, rs)
     out = fp8_linear_w8a8(x, wq, ws)
     assert _rel(out.float(), fp8_linear_w8a8_reference(x, wq, ws).float()) < 1e-2
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N", [(5, 256, 192), (32, 512, 256), (100, 384, 128)])
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_a8_tiles_against_float64(M, K, N, split, gate_up):
+    """The Triton FP8 x FP8 tiles (A8) on quantised rows: the float64 product of the same
+    FP8 operands and scales, rounded to bf16 once (and silu(gate) * up for gate_up)."""
+    from ttsbuild.plugins._tl.fp8_linear import fp8_linear_a8_triton
+
+    g = torch.Generator(device=KDEV).manual_seed(M * 7 + K + N + split)
+    x = _rows(M + N, M, K, device=KDEV).bfloat16()
+    rows = 2 * N if gate_up else N
+    wq, ws = quantize_weight_fp8(torch.randn(rows, K, device=KDEV, generator=g) * K**-0.5)
+    xq, sx = quantize_rows(x, use_triton=True)
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": split}
+    out = fp8_linear_a8_triton(xq, sx, wq, ws, config=cfg, gate_up=gate_up)
+    full = (xq.double() * sx.double()) @ (wq.double() * ws.double()[:, None]).t()
+    if gate_up:  # gate, up and silu(gate) each rounded to bf16, as the unfused kernels round
+        gate, up = (full[:, :N].bfloat16().double(), full[:, N:].bfloat16().double())
+        full = torch.nn.functional.silu(gate).bfloat16().double() * up
+    # gate_up rounds four times to bf16 (gate, up, silu, product): 2^-9 each, relative
+    tol = 2e-2 if gate_up else 1e-2
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16
+    assert _rel(out.float(), full) < tol
+    # each row carries its own scale: the 50x row is not swamped, nor are the small ones
+    for m in (0, 2, M - 1):
+        assert _rel(out[m].float(), full[m]) < tol
+    if gate_up:  # and the same as the unfused A8 product followed by silu_mul's rounding
+        plain = fp8_linear_a8_triton(xq, sx, wq, ws, config=cfg).double()
+        silu = torch.nn.functional.silu(plain[:, :N]).bfloat16().double()
+        assert _rel(out.float(), silu * plain[:, N:]) < 6e-3
+
+
+def test_a8_rejects_mismatched_operands():
+    from ttsbuild.plugins._tl.fp8_linear import fp8_linear_a8_triton
+
+    wq, ws = quantize_weight_fp8(torch.randn(64, 128))
+    x = torch.randn(4, 128)
+    with pytest.raises(TypeError, match="FP8 rows"):
+        fp8_linear_a8_triton(x.bfloat16(), torch.ones(4), wq, ws)
+    xq, sx = quantize_rows_reference(x)
+    with pytest.raises(ValueError, match="3 row scales for 4 rows"):
+        fp8_linear_a8_triton(xq, sx[:3], wq, ws)

@@ -5,7 +5,9 @@ sx = amax(|x_row|) / 448 at run time (dynamic per-token scaling: nothing to cali
 row of large activations does not cost the other rows their precision), and w keeps the
 per-output-channel scales of `quantize_weight_fp8`. On CUDA it is one Triton launch that
 quantises the rows (`_tl/fp8_w8a8.py`) and one cuBLASLt FP8 GEMM with row-wise scales
-(`torch._scaled_mm`, fp32 accumulation, bf16 out). It pays where the weight-only kernel runs
+(`torch._scaled_mm`, fp32 accumulation, bf16 out), or with `TTSBUILD_W8A8_GEMM=triton` our own
+FP8 x FP8 tiles (`_tl/fp8_linear.py`, A8: swap-AB, split-K to fill the SMs at few rows, any
+row count). It pays where the weight-only kernel runs
 out of steam: the talker's prefill (32-512 rows) and large decode buckets; at a few rows the
 GEMV of `fp8_linear` stays faster (`EnginePlan.w8a8_min_rows` picks, by measurement).
 
@@ -16,10 +18,18 @@ against the weight-only product on random inputs).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
+
+# Which FP8 GEMM runs W8A8 on CUDA: cuBLASLt (`torch._scaled_mm`, rows a multiple of 16) or
+# the Triton A8 tiles. Read at import.
+W8A8_GEMM = os.environ.get("TTSBUILD_W8A8_GEMM", "cublas")
+if W8A8_GEMM not in ("cublas", "triton"):
+    raise ValueError(f"TTSBUILD_W8A8_GEMM must be cublas or triton, got {W8A8_GEMM!r}")
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +53,11 @@ def quantize_rows(x: torch.Tensor, *, use_triton: bool | None = None):
 
 
 def w8a8_supported(rows: int, w_fp8: torch.Tensor) -> bool:
-    """Shapes cuBLASLt's FP8 GEMM takes: every dimension a multiple of 16."""
+    """Shapes the FP8 GEMM takes: for cuBLASLt every dimension a multiple of 16; the Triton
+    tiles mask rows and columns (K a multiple of 16: 16-byte rows)."""
     n, k = w_fp8.shape
+    if W8A8_GEMM == "triton":
+        return rows > 0 and k % 16 == 0
     return rows > 0 and rows % 16 == 0 and n % 16 == 0 and k % 16 == 0
 
 
@@ -76,9 +89,14 @@ def fp8_linear_w8a8(
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if not w8a8_supported(x2.shape[0], w_fp8):
-        raise ValueError(f"W8A8 needs rows, N and K multiples of 16: {x2.shape[0]} x "
+        raise ValueError(f"W8A8 ({W8A8_GEMM}) does not take {x2.shape[0]} rows x "
                          f"{tuple(w_fp8.shape)}")  # fmt: skip
     xq, sx = quantize_rows(x2, use_triton=True)
+    if W8A8_GEMM == "triton":
+        from ttsbuild.plugins._tl.fp8_linear import fp8_linear_a8_triton
+
+        out = fp8_linear_a8_triton(xq, sx, w_fp8, w_scale)
+        return out.reshape(*lead, w_fp8.shape[0])
     out = torch._scaled_mm(
         xq, w_fp8.t(), scale_a=sx, scale_b=w_scale.float().reshape(1, -1),
         out_dtype=torch.bfloat16,

@@ -15,6 +15,11 @@ out[m, n] = scale[n] * sum_k x[m, k] * float(w[n, k]), fp32 accumulation, bf16 o
   writes an fp32 partial, and the last split to arrive at a tile (an atomic counter that it
   resets to 0) sums the partials in split order and writes the output: one launch,
   deterministic. The counters are shared per device: one stream at a time.
+- A8 (M > 1): x is already FP8 (each row quantised with its own scale, `sx`:
+  `fp8_w8a8.quantize_rows`), so the tiles multiply FP8 x FP8 on the tensor cores with no
+  conversion in the loop, and the epilogue scales row m by sx[m] and column n by scale[n]
+  (W8A8; `fp8_linear_a8_triton`). The weight-only tiles convert each weight tile to bf16
+  first.
 """
 
 from __future__ import annotations
@@ -86,6 +91,20 @@ GEMM_CONFIGS = [
     _cfg(128, 128, 4, 4, 3),
 ]
 
+# FP8 x FP8 tiles (A8): the weight tile is the wgmma's 64/128-row side; K blocks of 128/256.
+A8_CONFIGS = [
+    _cfg(64, 128, 1, 4, 4),
+    _cfg(64, 256, 1, 4, 3),
+    _cfg(128, 128, 1, 4, 4),
+    _cfg(128, 256, 1, 8, 3),
+    _cfg(64, 128, 2, 4, 4),
+    _cfg(64, 256, 2, 4, 3),
+    _cfg(64, 128, 4, 4, 4),
+    _cfg(64, 256, 4, 4, 3),
+    _cfg(128, 128, 4, 4, 4),
+    _cfg(64, 128, 8, 4, 4),
+]
+
 
 def _prune(configs, named_args, **kwargs):
     n, k, m = named_args["N"], named_args["K"], named_args["M"]
@@ -117,6 +136,7 @@ def _fp8_linear_kernel(
     out_ptr,
     ws_ptr,
     cnt_ptr,
+    sx_ptr,
     M,
     N,
     K,
@@ -130,6 +150,7 @@ def _fp8_linear_kernel(
     EVEN: tl.constexpr,
     GATE_UP: tl.constexpr = False,
     DOT_F32: tl.constexpr = False,
+    A8: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
@@ -192,6 +213,10 @@ def _fp8_linear_kernel(
                 acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
                 if GATE_UP:
                     acc_u = tl.dot(w_u.to(tl.float32), xt.to(tl.float32), acc_u)
+            elif A8:  # FP8 x FP8 on the tensor cores, fp32 accumulation
+                acc = tl.dot(w, xt, acc)
+                if GATE_UP:
+                    acc_u = tl.dot(w_u, xt, acc_u)
             else:
                 acc = tl.dot(w.to(tl.bfloat16), xt, acc)
                 if GATE_UP:
@@ -204,8 +229,12 @@ def _fp8_linear_kernel(
         scale_u = scale
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     o_mask = n_mask[:, None] & m_mask[None, :]
+    if A8:
+        sx = tl.load(sx_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+    else:
+        sx = 1.0
     if SPLIT_K == 1:
-        y = _epilogue(acc, acc_u, scale, scale_u, out_ptr.dtype.element_ty, GATE_UP)
+        y = _epilogue(acc * sx, acc_u * sx, scale, scale_u, out_ptr.dtype.element_ty, GATE_UP)
         tl.store(out_ptrs, y, mask=o_mask)
     else:
         # partials ws [SPLIT_K, 2, M, N] (index 1: the up half)
@@ -226,7 +255,8 @@ def _fp8_linear_kernel(
                 if GATE_UP:
                     total_u += tl.load(ws_ptr + (s * 2 + 1) * M * N + ws_offs, mask=o_mask,
                                        other=0.0, cache_modifier=".cg")  # fmt: skip
-            y = _epilogue(total, total_u, scale, scale_u, out_ptr.dtype.element_ty, GATE_UP)
+            y = _epilogue(total * sx, total_u * sx, scale, scale_u, out_ptr.dtype.element_ty,
+                          GATE_UP)  # fmt: skip
             tl.store(out_ptrs, y, mask=o_mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
@@ -263,13 +293,51 @@ _gemv = triton.autotune(
 _gemm = triton.autotune(
     GEMM_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_quick_bench
 )(_heur)
+_gemm_a8 = triton.autotune(
+    A8_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_quick_bench
+)(_heur)
 
 
-def m_bucket(m: int) -> int:
-    """BLOCK_M for M rows: 1 (GEMV) or 16/32/64 (tensor-core tiles)."""
-    if m == 1:
+def m_bucket(m: int, a8: bool = False) -> int:
+    """BLOCK_M for M rows: 1 (GEMV) or 16/32/64 (tensor-core tiles; A8 also 128)."""
+    if m == 1 and not a8:
         return 1
-    return min(64, max(16, triton.next_power_of_2(m)))
+    return min(128 if a8 else 64, max(16, triton.next_power_of_2(m)))
+
+
+def _launch(x, w, scale, sx, out_dtype, config, gate_up):
+    M, K = x.shape
+    N = w.shape[0] // 2 if gate_up else w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"x has K={K} but the weight is {tuple(w.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    w = w.contiguous()
+    scale = scale.contiguous()
+    a8 = sx is not None
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    block_m = m_bucket(M, a8)
+    ws = torch.empty(_MAX_SPLIT * 2 * M * N, dtype=torch.float32, device=x.device)
+    cnt = _counters(x.device)
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, block_m), meta["SPLIT_K"])
+
+    args = (x, w, scale, out, ws, cnt, sx if a8 else scale, M, N, K, x.stride(0), w.stride(0),
+            out.stride(0))  # fmt: skip
+    pdl = pdl_enabled(x)
+    if interpret_mode():
+        config = config or {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}
+        config = {**config, "DOT_F32": True}
+    if config is not None:
+        c = dict(config)
+        if block_m == 1 and "DOT_F32" in c:
+            c["BLOCK_N"] = min(c["BLOCK_N"], 16)
+        _heur[grid(c)](*args, BLOCK_M=block_m, GATE_UP=gate_up, A8=a8, **c, **pdl_args(pdl))
+    else:
+        tuner = _gemm_a8 if a8 else _gemv if block_m == 1 else _gemm
+        tuner[grid](*args, BLOCK_M=block_m, GATE_UP=gate_up, A8=a8, **pdl_args(pdl))
+    return out
 
 
 def fp8_linear_triton(
@@ -284,42 +352,33 @@ def fp8_linear_triton(
 
     config: optional fixed {BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages} (benchmarks).
     """
-    M, K = x.shape
-    N = w.shape[0] // 2 if gate_up else w.shape[0]
-    if w.shape[1] != K:
-        raise ValueError(f"x has K={K} but the weight is {tuple(w.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    w = w.contiguous()
-    scale = scale.contiguous()
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    block_m = m_bucket(M)
-    ws = torch.empty(_MAX_SPLIT * 2 * M * N, dtype=torch.float32, device=x.device)
-    cnt = _counters(x.device)
-
-    def grid(meta):
-        return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, block_m), meta["SPLIT_K"])
-
-    args = (x, w, scale, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0))
-    pdl = pdl_enabled(x)
-    if interpret_mode():
-        config = config or {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}
-        config = {**config, "DOT_F32": True}
-    if config is not None:
-        c = dict(config)
-        if block_m == 1 and "DOT_F32" in c:
-            c["BLOCK_N"] = min(c["BLOCK_N"], 16)
-        _heur[grid(c)](*args, BLOCK_M=block_m, GATE_UP=gate_up, **c, **pdl_args(pdl))
-    else:
-        tuner = _gemv if block_m == 1 else _gemm
-        tuner[grid](*args, BLOCK_M=block_m, GATE_UP=gate_up, **pdl_args(pdl))
-    return out
+    return _launch(x, w, scale, None, x.dtype, config, gate_up)
 
 
-def best_config(M: int, N: int, K: int) -> dict | None:
+def fp8_linear_a8_triton(
+    xq: torch.Tensor,
+    sx: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    config: dict | None = None,
+    gate_up: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """W8A8: xq [M, K] fp8 rows with scales sx [M] (or [M, 1]) fp32, w [N, K] fp8, scale
+    [N] fp32 -> [M, N] out_dtype: sx[m] * scale[n] * sum_k xq[m, k] w[n, k] (fp32 sums);
+    gate_up as in `fp8_linear_triton`."""
+    if xq.dtype != w.dtype:
+        raise TypeError(f"A8 needs FP8 rows like the weight ({w.dtype}), got {xq.dtype}")
+    sx = sx.reshape(-1).float().contiguous()
+    if sx.numel() != xq.shape[0]:
+        raise ValueError(f"{sx.numel()} row scales for {xq.shape[0]} rows")
+    return _launch(xq, w, scale, sx, out_dtype, config, gate_up)
+
+
+def best_config(M: int, N: int, K: int, a8: bool = False) -> dict | None:
     """The autotuner's pick for this shape (after a call), for reports."""
-    tuner = _gemv if m_bucket(M) == 1 else _gemm
+    tuner = _gemm_a8 if a8 else _gemv if m_bucket(M) == 1 else _gemm
     for key, cfg in tuner.cache.items():
-        if tuple(key[:3]) == (N, K, m_bucket(M)):
+        if tuple(key[:3]) == (N, K, m_bucket(M, a8)):
             return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return None
