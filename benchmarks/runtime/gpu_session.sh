@@ -68,8 +68,10 @@
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
 #         CustomVoice checkpoint's first chunk, two frames with the silent one dropped), until
 #         $DEADLINE_S seconds into the run
-# a8:     the W8A8 Triton tiles: their GPU tests, `sweep_fp8.py --a8` (M in $A8_MS), and
-#         the engine bench with the talker's linears W8A8 from 16 rows (TTSBUILD_W8A8_GEMM=triton)
+# a8:     the W8A8 Triton tiles: their GPU tests; the engine bench as served, then with the
+#         talker's linears W8A8 (TTSBUILD_W8A8_GEMM=triton) from 16 rows with no bf16 copies,
+#         below 128 rows only, and with silu(gate) * up in the A8 epilogue; then, time left,
+#         `sweep_fp8.py --a8` (M in $A8_MS)
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
@@ -156,16 +158,29 @@ for step in $STEPS; do
                 > "$OUT/bench_talker_a${ATT}_g${GU}.log" 2>&1
             echo "rc=$?"; tail -6 "$OUT/bench_talker_a${ATT}_g${GU}.log"
         done ;;
-    a8)  # the FP8 x FP8 (W8A8) Triton tiles: GPU tests, sweep against cuBLAS, engine bench
+    a8)  # the FP8 x FP8 (W8A8) Triton tiles: GPU tests, engine benches side by side, sweep
         log "GPU tests: W8A8 (row quantisation, cuBLASLt, the A8 tiles)"
         timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_fp8_w8a8.py \
             2>&1 | tee "$OUT/gpu_tests_a8.log" | tail -2
-        log "A8 tiles against cuBLAS bf16 / W8A8 at the talker's shapes"
-        timeout -k 5 "${A8_SWEEP_S:-240}" python3 benchmarks/kernels/sweep_fp8.py --a8 \
-            --ms "${A8_MS:-16,32,64,128,256}" --jobs 12 > "$OUT/sweep_a8.log" 2>&1
-        echo "rc=$?"; grep -vE "^  " "$OUT/sweep_a8.log" | tail -24
-        log "engine microbenchmark, the talker's linears W8A8 (Triton) from 16 rows, no bf16 copies"
-        TTSBUILD_W8A8_GEMM=triton engine_bench a8 --w8a8-min-rows 16 --bf16-min-rows 0 ;;
+        log "engine microbenchmark: the served plan (bf16 copies from 16 rows)"
+        engine_bench served
+        for side in "a8 --w8a8-min-rows 16 --bf16-min-rows 0" \
+                    "a8hybrid --w8a8-min-rows 16 --bf16-min-rows 128" \
+                    "a8gateup --w8a8-min-rows 16 --bf16-min-rows 0"; do
+            left=$((DEADLINE_S - SECONDS))
+            if [ "$left" -lt 100 ]; then log "skip $side: ${left}s left"; continue; fi
+            log "engine microbenchmark: W8A8 on the Triton tiles, $side"
+            # shellcheck disable=SC2086
+            TTSBUILD_W8A8_GEMM=triton TTSBUILD_A8_GATE_UP_SILU=$([[ $side == a8gateup* ]] \
+                && echo 1 || echo 0) engine_bench $side
+        done
+        left=$((DEADLINE_S - SECONDS))
+        if [ "$left" -gt 90 ]; then
+            log "A8 tiles against cuBLAS bf16 / W8A8 at the talker's shapes"
+            timeout -k 5 $((left - 10)) python3 benchmarks/kernels/sweep_fp8.py --a8 \
+                --ms "${A8_MS:-16,32,64,128}" --jobs 14 > "$OUT/sweep_a8.log" 2>&1
+            echo "rc=$?"; grep -vE "^  |compile failed" "$OUT/sweep_a8.log" | tail -20
+        fi ;;
     engine)
         log "engine microbenchmark (served plan)"
         engine_bench served ;;

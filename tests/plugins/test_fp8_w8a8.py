@@ -104,6 +104,29 @@ def test_dense_routes_by_rows():
     assert torch.equal(d(odd), fp8_linear(odd, d.weight, d.scale))
 
 
+def test_gate_up_silu_routes_to_w8a8(monkeypatch):
+    """With TTSBUILD_A8_GATE_UP_SILU a packed gate/up Dense at >= w8a8_min_rows rows takes the
+    W8A8 product followed by silu(gate) * up (fused on CUDA; the reference product and
+    `silu_mul` elsewhere); below, the weight-only product."""
+    from ttsbuild.plugins.norm_act import silu_mul
+    from ttsbuild.runtime import fast_model
+
+    K, N = 256, 48
+    w = torch.randn(2 * N, K, generator=torch.Generator().manual_seed(4)) * K**-0.5
+    d = Dense.make(w, fp8=True)
+    d.w8a8_min_rows = 16
+    monkeypatch.setattr(fast_model, "A8_GATE_UP_SILU", True)
+    big, small = _rows(5, 32, K).bfloat16(), _rows(6, 8, K).bfloat16()
+    w8a8 = silu_mul(fp8_linear_w8a8_reference(big, d.weight, d.scale))
+    weight_only = silu_mul(fp8_linear(big, d.weight, d.scale))
+    assert not torch.equal(w8a8, weight_only)  # the two paths are told apart
+    got = d.gate_up_silu(big)
+    assert got.shape == (32, N) and torch.equal(got, w8a8)
+    full = fp8_linear_w8a8_reference(big, d.weight, d.scale).double()
+    assert _rel(got, torch.nn.functional.silu(full[:, :N]) * full[:, N:]) < 2e-2
+    assert torch.equal(d.gate_up_silu(small), silu_mul(fp8_linear(small, d.weight, d.scale)))
+
+
 def test_dense_bf16_copy_from_min_rows():
     K, N = 256, 64
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(10)) * K**-0.5
@@ -153,19 +176,19 @@ def test_w8a8_gemm_on_gpu(M, K, N):
 
 @needs_kernel
 @pytest.mark.parametrize("M,K,N", [(5, 256, 192), (32, 512, 256), (100, 384, 128)])
-@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("split", [1, 2, None])  # None: the rule's config (a8_config)
 @pytest.mark.parametrize("gate_up", [False, True])
 def test_a8_tiles_against_float64(M, K, N, split, gate_up):
     """The Triton FP8 x FP8 tiles (A8) on quantised rows: the float64 product of the same
     FP8 operands and scales, rounded to bf16 once (and silu(gate) * up for gate_up)."""
     from ttsbuild.plugins._tl.fp8_linear import fp8_linear_a8_triton
 
-    g = torch.Generator(device=KDEV).manual_seed(M * 7 + K + N + split)
+    g = torch.Generator(device=KDEV).manual_seed(M * 7 + K + N + (split or 3))
     x = _rows(M + N, M, K, device=KDEV).bfloat16()
     rows = 2 * N if gate_up else N
     wq, ws = quantize_weight_fp8(torch.randn(rows, K, device=KDEV, generator=g) * K**-0.5)
     xq, sx = quantize_rows(x, use_triton=True)
-    cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": split}
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": split} if split else None
     out = fp8_linear_a8_triton(xq, sx, wq, ws, config=cfg, gate_up=gate_up)
     full = (xq.double() * sx.double()) @ (wq.double() * ws.double()[:, None]).t()
     if gate_up:  # gate, up and silu(gate) each rounded to bf16, as the unfused kernels round

@@ -77,9 +77,16 @@ def fp8_linear_w8a8(
     w_scale: torch.Tensor,  # [N] fp32
     *,
     use_triton: bool | None = None,
+    gate_up: bool = False,
 ) -> torch.Tensor:
     """[..., N] bf16: rows quantised to FP8, one FP8 tensor-core GEMM (CUDA); the reference
-    elsewhere."""
+    elsewhere. gate_up: w is a packed [2N, K] gate/up matrix and the result is
+    silu(gate) * up [..., N], in the GEMM's epilogue on the Triton tiles (rounded as
+    `silu_mul` after the plain product rounds)."""
+    if gate_up and (W8A8_GEMM != "triton" or not want_triton(x, use_triton) or not x.is_cuda):
+        from ttsbuild.plugins.norm_act import silu_mul
+
+        return silu_mul(fp8_linear_w8a8(x, w_fp8, w_scale, use_triton=use_triton))
     if w_fp8.dtype != FP8_DTYPE:
         raise TypeError(f"weight must be {FP8_DTYPE}, got {w_fp8.dtype}")
     if not want_triton(x, use_triton) or not x.is_cuda:
@@ -95,8 +102,8 @@ def fp8_linear_w8a8(
     if W8A8_GEMM == "triton":
         from ttsbuild.plugins._tl.fp8_linear import fp8_linear_a8_triton
 
-        out = fp8_linear_a8_triton(xq, sx, w_fp8, w_scale)
-        return out.reshape(*lead, w_fp8.shape[0])
+        out = fp8_linear_a8_triton(xq, sx, w_fp8, w_scale, gate_up=gate_up)
+        return out.reshape(*lead, out.shape[-1])
     out = torch._scaled_mm(
         xq, w_fp8.t(), scale_a=sx, scale_b=w_scale.float().reshape(1, -1),
         out_dtype=torch.bfloat16,

@@ -42,6 +42,9 @@ TALKER_ATTEND_FUSED = os.environ.get("TTSBUILD_TALKER_ATTEND_FUSED", "0") == "1"
 # one launch per layer fewer where the MLP runs on the FP8 kernel (below bf16_min_rows rows).
 # Off until timed on the GPU (TTSBUILD_GATE_UP_SILU=1 turns it on).
 GATE_UP_SILU = os.environ.get("TTSBUILD_GATE_UP_SILU", "0") == "1"
+# The same for the W8A8 Triton tiles (`fp8_linear_w8a8(gate_up=True)`, rows at or above
+# w8a8_min_rows): off until timed on the GPU (TTSBUILD_A8_GATE_UP_SILU=1 turns it on).
+A8_GATE_UP_SILU = os.environ.get("TTSBUILD_A8_GATE_UP_SILU", "0") == "1"
 
 
 class Dense:
@@ -92,12 +95,15 @@ class Dense:
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu_mul(self(x)) for a packed gate/up weight: one launch where the FP8
         weight-only GEMV takes x (GATE_UP_SILU on), else the linear and then silu_mul."""
-        if GATE_UP_SILU and self.is_fp8:
+        if (GATE_UP_SILU or A8_GATE_UP_SILU) and self.is_fp8:
             rows = x.numel() // x.shape[-1]
             bf16 = self.bf16_min_rows and rows >= self.bf16_min_rows
-            w8a8 = self.w8a8_min_rows and rows >= self.w8a8_min_rows
-            if not bf16 and not w8a8:
+            w8a8 = (self.w8a8_min_rows and rows >= self.w8a8_min_rows
+                    and x.dtype == torch.bfloat16 and w8a8_supported(rows, self.weight))
+            if GATE_UP_SILU and not bf16 and not w8a8:
                 return fp8_gate_up_silu(x, self.weight, self.scale)
+            if A8_GATE_UP_SILU and not bf16 and w8a8:
+                return fp8_linear_w8a8(x, self.weight, self.scale, gate_up=True)
         return silu_mul(self(x))
 
     def nbytes(self) -> int:

@@ -24,6 +24,8 @@ out[m, n] = scale[n] * sum_k x[m, k] * float(w[n, k]), fp32 accumulation, bf16 o
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -92,6 +94,8 @@ GEMM_CONFIGS = [
 ]
 
 # FP8 x FP8 tiles (A8): the weight tile is the wgmma's 64/128-row side; K blocks of 128/256.
+# Configs by rule (`a8_config`); TTSBUILD_A8_AUTOTUNE=1 lets the autotuner pick from these.
+A8_AUTOTUNE = os.environ.get("TTSBUILD_A8_AUTOTUNE", "0") == "1"
 A8_CONFIGS = [
     _cfg(64, 128, 1, 4, 4),
     _cfg(64, 256, 1, 4, 3),
@@ -305,6 +309,32 @@ def m_bucket(m: int, a8: bool = False) -> int:
     return min(128 if a8 else 64, max(16, triton.next_power_of_2(m)))
 
 
+def a8_config(M: int, N: int, K: int, sms: int = 132) -> dict:
+    """The A8 tiles' config, by rule rather than the autotuner: its quick timings (warm L2,
+    no graph) picked configs up to 1.8x slower than the best of a 64-config sweep on the
+    H200 (benchmarks/kernels/2026-12-04-h200-a8/sweep_a8.log, the talker's four shapes at
+    16-128 rows). What the sweep's winners share:
+    - 64-row weight tiles and K blocks of 256 (128 x 128 tiles once M >= 128 and the N tiles
+      alone fill the SMs: gate_up at 128 rows);
+    - split-K only when each split still streams >= 1536 columns (down, K = 6144: 4 splits;
+      the 2048-column o projection is faster whole with 32 tiles on 132 SMs);
+    - 4 warps (8 only tie); 4 stages, 3 where the N tiles alone fill the SMs at K blocks of
+      256 (gate_up at 16-32 rows)."""
+    bm = m_bucket(M, a8=True)
+    if bm >= 128 and triton.cdiv(N, 128) >= sms // 2:
+        bn, bk = 128, 128
+    elif bm >= 64 and triton.cdiv(N, 64) >= sms:
+        bn, bk = 64, 128
+    else:
+        bn, bk = 64, 256
+    bk = min(bk, max(32, triton.next_power_of_2(K) // 2 if K < bk else bk))
+    split = 1
+    while split < _MAX_SPLIT and K % (bk * split * 2) == 0 and K // (split * 2) >= 1536:
+        split *= 2
+    stages = 3 if bk == 256 and triton.cdiv(N, bn) >= sms else 4
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": stages}
+
+
 def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     M, K = x.shape
     N = w.shape[0] // 2 if gate_up else w.shape[0]
@@ -329,6 +359,8 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     if interpret_mode():
         config = config or {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}
         config = {**config, "DOT_F32": True}
+    if config is None and a8 and not A8_AUTOTUNE:
+        config = a8_config(M, N, K, _num_sms(x.device))
     if config is not None:
         c = dict(config)
         if block_m == 1 and "DOT_F32" in c:
