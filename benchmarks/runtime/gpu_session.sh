@@ -68,10 +68,10 @@
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
 #         CustomVoice checkpoint's first chunk, two frames with the silent one dropped), until
 #         $DEADLINE_S seconds into the run
-# a8:     the W8A8 Triton tiles: their GPU tests; the engine bench as served, then with the
-#         talker's linears W8A8 (TTSBUILD_W8A8_GEMM=triton) from 16 rows with no bf16 copies,
-#         below 128 rows only, and with silu(gate) * up in the A8 epilogue; then, time left,
-#         `sweep_fp8.py --a8` (M in $A8_MS)
+# a8:     the W8A8 Triton tiles: their GPU tests; the engine bench as served (W8A8 16-127
+#         rows), then with bf16 copies from 16 rows (the defaults before 2026-12-04), with the
+#         norms writing quantised rows (TTSBUILD_A8_NORM_QUANT) and with silu(gate) * up in
+#         the A8 epilogue (TTSBUILD_A8_GATE_UP_SILU); then, time left, `sweep_fp8.py --a8`
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
@@ -159,20 +159,23 @@ for step in $STEPS; do
             echo "rc=$?"; tail -6 "$OUT/bench_talker_a${ATT}_g${GU}.log"
         done ;;
     a8)  # the FP8 x FP8 (W8A8) Triton tiles: GPU tests, engine benches side by side, sweep
-        log "GPU tests: W8A8 (row quantisation, cuBLASLt, the A8 tiles)"
-        timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_fp8_w8a8.py \
+        log "GPU tests: W8A8 (row quantisation, cuBLASLt, the A8 tiles, the norms' quantised rows)"
+        timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_fp8_w8a8.py \
+            tests/plugins/test_norm_act.py tests/runtime/test_talker_fusions.py \
             2>&1 | tee "$OUT/gpu_tests_a8.log" | tail -2
-        log "engine microbenchmark: the served plan (bf16 copies from 16 rows)"
+        log "engine microbenchmark: the served plan (W8A8 16-127 rows, bf16 copies from 128)"
         engine_bench served
-        for side in "a8 --w8a8-min-rows 16 --bf16-min-rows 0" \
-                    "a8hybrid --w8a8-min-rows 16 --bf16-min-rows 128" \
-                    "a8gateup --w8a8-min-rows 16 --bf16-min-rows 0"; do
+        # name, environment, engine-bench flags: the defaults before 2026-12-04 (bf16 copies
+        # from 16 rows), then the two A8 switches
+        for side in "bf16from16|X=0|--w8a8-min-rows 0 --bf16-min-rows 16" \
+                    "normquant|TTSBUILD_A8_NORM_QUANT=1|" \
+                    "gateup|TTSBUILD_A8_GATE_UP_SILU=1|"; do
+            IFS='|' read -r name env flags <<<"$side"
             left=$((DEADLINE_S - SECONDS))
-            if [ "$left" -lt 100 ]; then log "skip $side: ${left}s left"; continue; fi
-            log "engine microbenchmark: W8A8 on the Triton tiles, $side"
+            if [ "$left" -lt 100 ]; then log "skip $name: ${left}s left"; continue; fi
+            log "engine microbenchmark: $name ($env $flags)"
             # shellcheck disable=SC2086
-            TTSBUILD_W8A8_GEMM=triton TTSBUILD_A8_GATE_UP_SILU=$([[ $side == a8gateup* ]] \
-                && echo 1 || echo 0) engine_bench $side
+            ( export $env; engine_bench "$name" $flags )
         done
         left=$((DEADLINE_S - SECONDS))
         if [ "$left" -gt 90 ]; then

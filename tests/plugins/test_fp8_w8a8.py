@@ -7,6 +7,7 @@ import pytest
 import torch
 from kernel_device import KDEV, needs_kernel
 
+from ttsbuild.plugins import fp8_w8a8
 from ttsbuild.plugins.fp8_linear import FP8_MAX, fp8_linear, quantize_weight_fp8
 from ttsbuild.plugins.fp8_w8a8 import (
     fp8_linear_w8a8,
@@ -87,7 +88,7 @@ def test_w8a8_against_weight_only(M, K, N):
     assert _rel(out.float(), exact) > 1e-4  # it did quantise the activations
 
 
-def test_dense_routes_by_rows():
+def test_dense_routes_by_rows(monkeypatch):
     K, N = 256, 64
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(9)) * K**-0.5
     d = Dense.make(w, fp8=True)
@@ -99,7 +100,10 @@ def test_dense_routes_by_rows():
     d.w8a8_min_rows = 16
     assert torch.equal(d(big), w8a8)
     assert torch.equal(d(small), fp8_linear(small, d.weight, d.scale))  # < 16 rows
-    odd = _rows(3, 24, K).bfloat16()  # >= 16 rows but not a multiple of 16: weight-only
+    odd = _rows(3, 24, K).bfloat16()  # >= 16 rows, not a multiple of 16: the Triton tiles
+    assert w8a8_supported(24, d.weight)  # take them (the default GEMM), cuBLASLt does not
+    assert torch.equal(d(odd), fp8_linear_w8a8(odd, d.weight, d.scale))
+    monkeypatch.setattr(fp8_w8a8, "W8A8_GEMM", "cublas")
     assert not w8a8_supported(24, d.weight)
     assert torch.equal(d(odd), fp8_linear(odd, d.weight, d.scale))
 
@@ -217,3 +221,26 @@ def test_a8_rejects_mismatched_operands():
     xq, sx = quantize_rows_reference(x)
     with pytest.raises(ValueError, match="3 row scales for 4 rows"):
         fp8_linear_a8_triton(xq, sx[:3], wq, ws)
+
+
+def test_dense_takes_rows_quantised_by_the_norm_only_for_that_tensor():
+    """`Dense.hand_quantized(x, (q, s))`: the next call with x itself multiplies those FP8 rows
+    (here deliberately a different quantisation, to see it used), a call with any other tensor
+    quantises its own, and either call drops what was handed."""
+    K, N = 256, 64
+    d = Dense.make(torch.randn(N, K, generator=torch.Generator().manual_seed(3)) * K**-0.5,
+                   fp8=True)  # fmt: skip
+    d.w8a8_min_rows = 16
+    x = _rows(7, 32, K).bfloat16()
+    own = fp8_linear_w8a8_reference(x, d.weight, d.scale)
+    q, s = quantize_rows_reference(x.float() * 0.7)
+    s = s / 0.7  # represents x again, rounded on another grid
+    handed = fp8_linear_w8a8_reference(x, d.weight, d.scale, quantized=(q, s))
+    assert not torch.equal(handed, own) and _rel(handed, own) < 3e-2
+    d.hand_quantized(x, (q, s))
+    assert torch.equal(d(x), handed)
+    assert torch.equal(d(x), own)  # taken once
+    d.hand_quantized(x, (q, s))
+    assert torch.equal(d(x.clone()), own)  # another tensor: its own rows
+    assert d._quantized is None
+    assert d.takes_w8a8(32) and not d.takes_w8a8(8)

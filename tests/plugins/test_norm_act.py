@@ -123,6 +123,39 @@ def test_add_rms_norm_kernel(shape, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1024), (33, 2048), (2, 9, 1000)])
+def test_norm_writes_its_rows_quantised(shape, residual):
+    """quantize=True: the normed rows (bf16, unchanged) and, in the same launch, those rows
+    quantised to FP8 with a scale per row exactly as `quantize_rows_reference` of the normed
+    output (the input of a W8A8 linear after the norm)."""
+    from ttsbuild.plugins.fp8_w8a8 import quantize_rows_reference
+
+    g = _gen(11 + sum(shape) + residual)
+    N = shape[-1]
+    x = (torch.randn(shape, device=KDEV, generator=g) * 3).bfloat16()
+    res = (torch.randn(shape, device=KDEV, generator=g) * 2).bfloat16()
+    w = (1 + 0.3 * torch.randn(N, device=KDEV, generator=g)).bfloat16()
+    if residual:
+        new_res, out, (q, s) = add_rms_norm(x, res, w, 1e-6, use_triton=True, quantize=True)
+        plain_res, plain = add_rms_norm(x, res, w, 1e-6, use_triton=True)
+        assert torch.equal(new_res, plain_res)
+    else:
+        out, (q, s) = rms_norm(x, w, 1e-6, use_triton=True, quantize=True)
+        plain = rms_norm(x, w, 1e-6, use_triton=True)
+    assert torch.equal(out, plain)
+    rq, rs = quantize_rows_reference(out.reshape(-1, N))
+    assert q.shape == (out.numel() // N, N) and s.shape == (out.numel() // N, 1)
+    assert torch.equal(s, rs) and torch.equal(q.float(), rq.float())
+    if s.numel() > 1:  # a scale per row, not one for all
+        assert len(set(s.flatten().tolist())) > 1
+    # and the reference path (CPU, no kernel) hands back the same pairing
+    if not residual:
+        cpu_out, (cq, cs) = rms_norm(x.cpu(), w.cpu(), 1e-6, use_triton=False, quantize=True)
+        assert torch.equal(cs, quantize_rows_reference(cpu_out.reshape(-1, N))[1])
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 2 * 3072), (64, 2 * 6144), (2, 5, 2 * 3072), (3, 2 * 300)])
 def test_silu_mul_kernel(shape, dtype):

@@ -46,3 +46,50 @@ def test_kernel_path_matches_reference(dtype, fp8, switch, monkeypatch):
     assert _rel(k.cpu(), k_ref) < tol and _rel(v.cpu(), v_ref) < tol
     # later layers see the rounding of earlier ones: close, not equal
     assert _rel(out.float(), unfused.float()) < tol and _rel(v.float(), v3.float()) < tol
+
+
+def _a8_stack(device, monkeypatch, handed):
+    """The FP8 stack with every linear W8A8 (from 1 row), counting the norms' hand-offs."""
+    stack = _stack(torch.bfloat16, True, device)
+    stack.set_w8a8_min_rows(1)
+    real = fast_model.Dense.hand_quantized
+
+    def spy(self, x, quantized):
+        handed.append(quantized[0].shape)
+        real(self, x, quantized)
+
+    monkeypatch.setattr(fast_model.Dense, "hand_quantized", spy)
+    return stack
+
+
+def test_norms_quantising_for_w8a8_change_nothing_on_the_references(monkeypatch):
+    """`A8_NORM_QUANT`: the norm before each W8A8 qkv and gate/up linear hands its rows
+    quantised (two per layer), and the stack's output and caches are the same bits."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    handed = []
+    stack = _a8_stack("cpu", monkeypatch, handed)
+    x, k, v, slots, positions = _inputs(torch.bfloat16, "cpu", 80)
+    k2, v2 = k.clone(), v.clone()
+    ref = stack.decode(x, k, v, slots, positions)
+    assert handed == []
+    monkeypatch.setattr(fast_model, "A8_NORM_QUANT", True)
+    out = stack.decode(x, k2, v2, slots, positions)
+    assert len(handed) == 2 * len(stack.layers)
+    assert all(shape == (4, x.shape[-1]) for shape in handed)
+    assert all(d._quantized is None for p in stack.layers for d in (p.qkv, p.gate_up))
+    assert torch.equal(out, ref) and torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@needs_kernel
+def test_norms_quantising_for_w8a8_on_the_kernels(monkeypatch):
+    """The same on the kernels: the norm kernel's quantised rows are the row quantisation
+    kernel's bits, so the stack's output and caches do not change."""
+    handed = []
+    stack = _a8_stack(KDEV, monkeypatch, handed)
+    x, k, v, slots, positions = _inputs(torch.bfloat16, KDEV, 80)
+    k2, v2 = k.clone(), v.clone()
+    ref = stack.decode(x, k, v, slots, positions)
+    monkeypatch.setattr(fast_model, "A8_NORM_QUANT", True)
+    out = stack.decode(x, k2, v2, slots, positions)
+    assert len(handed) == 2 * len(stack.layers)
+    assert torch.equal(out, ref) and torch.equal(k, k2) and torch.equal(v, v2)

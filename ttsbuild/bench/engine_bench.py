@@ -21,6 +21,7 @@ import torch
 from ttsbuild.runtime.plan import (
     DEFAULT_BF16_MIN_ROWS,
     DEFAULT_LANE_RESERVED_SMS,
+    DEFAULT_W8A8_MIN_ROWS,
     EnginePlan,
     default_prefill_batches,
 )
@@ -159,7 +160,7 @@ def first_chunk_under_load(engine, load_req, new_req, load: int, n: int = 10,
 
 def bench_plan(
     precision: str, batches, fused_code_predictor: bool = True, persistent_cp_max_batch: int = 0,
-    fused_talker_max_batch: int = 0, w8a8_min_rows: int = 0, prefill_batches=None,
+    fused_talker_max_batch: int = 0, w8a8_min_rows: int | None = None, prefill_batches=None,
     bf16_min_rows: int | None = None, admission_lane: tuple[int, ...] = (1, 2),
     lane_reserved_sms: int | None = None,
     lane_frames: int = 1,
@@ -167,15 +168,18 @@ def bench_plan(
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured,
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
-    run it (fused_code_predictor=False: the unfused path everywhere); bf16_min_rows and
-    lane_reserved_sms None: as served (DEFAULT_BF16_MIN_ROWS for FP8, DEFAULT_LANE_RESERVED_SMS
-    with a lane), prefill_batches None: as served (`default_prefill_batches`). plan_set: more
-    EnginePlan fields, e.g. {"codec_fused_output": True}."""
+    run it (fused_code_predictor=False: the unfused path everywhere); bf16_min_rows,
+    w8a8_min_rows and lane_reserved_sms None: as served (DEFAULT_BF16_MIN_ROWS and
+    DEFAULT_W8A8_MIN_ROWS for FP8, DEFAULT_LANE_RESERVED_SMS with a lane), prefill_batches
+    None: as served (`default_prefill_batches`). plan_set: more EnginePlan fields, e.g.
+    {"codec_fused_output": True}."""
     num_slots = max(batches)
     if prefill_batches is None:
         prefill_batches = default_prefill_batches(num_slots)
     if bf16_min_rows is None:
         bf16_min_rows = DEFAULT_BF16_MIN_ROWS if precision == "fp8" else 0
+    if w8a8_min_rows is None:
+        w8a8_min_rows = DEFAULT_W8A8_MIN_ROWS if precision == "fp8" else 0
     buckets = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, *batches) if b <= num_slots}))
     return EnginePlan(
         num_slots=num_slots,
@@ -499,7 +503,7 @@ def run_engine_bench(
     fused_code_predictor: bool = True,
     persistent_cp_max_batch: int = 0,
     fused_talker_max_batch: int = 0,
-    w8a8_min_rows: int = 0,
+    w8a8_min_rows: int | None = None,
     prefill_batches=None,
     bf16_min_rows: int | None = None,
     admission_lane: tuple[int, ...] = (1, 2),
@@ -604,8 +608,9 @@ def main() -> None:
                    help="buckets up to this run the persistent code-predictor pass")
     p.add_argument("--fused-talker-max-batch", type=int, default=0,
                    help="buckets up to this run the talker step on the fused kernels")
-    p.add_argument("--w8a8-min-rows", type=int, default=0,
-                   help="the talker's FP8 linears as W8A8 from this many rows (0: never)")
+    p.add_argument("--w8a8-min-rows", type=int, default=None,
+                   help="the talker's FP8 linears as W8A8 from this many rows (0: never; "
+                   "default: the plan's)")
     p.add_argument("--bf16-min-rows", type=int, default=None,
                    help="the talker's FP8 linears on bf16 copies from this many rows "
                    "(0: never; default: the plan's)")

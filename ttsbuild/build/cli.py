@@ -12,7 +12,11 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ttsbuild.runtime.plan import DEFAULT_BF16_MIN_ROWS, DEFAULT_LANE_RESERVED_SMS
+from ttsbuild.runtime.plan import (
+    DEFAULT_BF16_MIN_ROWS,
+    DEFAULT_LANE_RESERVED_SMS,
+    DEFAULT_W8A8_MIN_ROWS,
+)
 
 _err = Console(stderr=True, soft_wrap=True)
 
@@ -97,9 +101,9 @@ def compile_engine(
         "(0: never); takes precedence over the fused kernels.",
     ),  # fmt: skip
     w8a8_min_rows: int = typer.Option(
-        0, "--w8a8-min-rows", min=0,
+        DEFAULT_W8A8_MIN_ROWS, "--w8a8-min-rows", min=0,
         help="FP8 engines: the talker's linears as W8A8 (FP8 activations scaled per row, "
-        "FP8 tensor-core GEMMs) from this many rows, e.g. 16 (0: weight-only everywhere).",
+        "FP8 tensor-core tiles) from this many rows up to --bf16-min-rows (0: weight-only).",
     ),  # fmt: skip
     bf16_min_rows: int = typer.Option(
         DEFAULT_BF16_MIN_ROWS, "--bf16-min-rows", min=0,

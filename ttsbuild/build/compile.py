@@ -57,6 +57,7 @@ from ttsbuild.runtime.draft import DRAFT_FILE, read_draft
 from ttsbuild.runtime.plan import (
     DEFAULT_BF16_MIN_ROWS,
     DEFAULT_LANE_RESERVED_SMS,
+    DEFAULT_W8A8_MIN_ROWS,
     EnginePlan,
     default_admission_lane,
     default_prefill_batches,
@@ -98,7 +99,7 @@ class BuildConfig:
     # one persistent launch per code-predictor pass on buckets up to this (0: never)
     persistent_cp_max_batch: int = 0
     # FP8 talker linears as W8A8 from this many rows (prefill, large buckets); 0: never
-    w8a8_min_rows: int = 0
+    w8a8_min_rows: int = DEFAULT_W8A8_MIN_ROWS
     # FP8 talker linears on bf16 copies of their weights from this many rows; 0: never
     bf16_min_rows: int = DEFAULT_BF16_MIN_ROWS
     # SMs kept for the admission lane (regular steps in green contexts of the others; 0: off;
@@ -176,7 +177,8 @@ class BuildConfig:
                 b for b in self.graph_batches if b <= self.persistent_cp_max_batch
             ),
             prefix_pool=self.prefix_pool, max_prefix=self.max_prefix,
-            speculative=dict(self.speculative), w8a8_min_rows=self.w8a8_min_rows,
+            speculative=dict(self.speculative),
+            w8a8_min_rows=self.w8a8_min_rows if self.precision == "fp8" else 0,
             bf16_min_rows=self.bf16_min_rows if self.precision == "fp8" else 0,
         )  # fmt: skip
 

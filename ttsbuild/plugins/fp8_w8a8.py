@@ -5,9 +5,9 @@ sx = amax(|x_row|) / 448 at run time (dynamic per-token scaling: nothing to cali
 row of large activations does not cost the other rows their precision), and w keeps the
 per-output-channel scales of `quantize_weight_fp8`. On CUDA it is one Triton launch that
 quantises the rows (`_tl/fp8_w8a8.py`) and one cuBLASLt FP8 GEMM with row-wise scales
-(`torch._scaled_mm`, fp32 accumulation, bf16 out), or with `TTSBUILD_W8A8_GEMM=triton` our own
-FP8 x FP8 tiles (`_tl/fp8_linear.py`, A8: swap-AB, split-K to fill the SMs at few rows, any
-row count). It pays where the weight-only kernel runs
+(`torch._scaled_mm`, fp32 accumulation, bf16 out) with `TTSBUILD_W8A8_GEMM=cublas`, or by
+default our own FP8 x FP8 tiles (`_tl/fp8_linear.py`, A8: swap-AB, split-K to fill the SMs at
+few rows, any row count). It pays where the weight-only kernel runs
 out of steam: the talker's prefill (32-512 rows) and large decode buckets; at a few rows the
 GEMV of `fp8_linear` stays faster (`EnginePlan.w8a8_min_rows` picks, by measurement).
 
@@ -25,9 +25,11 @@ import torch
 from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
 
-# Which FP8 GEMM runs W8A8 on CUDA: cuBLASLt (`torch._scaled_mm`, rows a multiple of 16) or
-# the Triton A8 tiles. Read at import.
-W8A8_GEMM = os.environ.get("TTSBUILD_W8A8_GEMM", "cublas")
+# Which FP8 GEMM runs W8A8 on CUDA: the Triton A8 tiles (default: 1.3-2x faster than
+# cuBLASLt at 16-128 rows of the talker's shapes on the H200,
+# benchmarks/kernels/2026-12-04-h200-a8) or cuBLASLt (`torch._scaled_mm`, rows a multiple of
+# 16; TTSBUILD_W8A8_GEMM=cublas). Read at import.
+W8A8_GEMM = os.environ.get("TTSBUILD_W8A8_GEMM", "triton")
 if W8A8_GEMM not in ("cublas", "triton"):
     raise ValueError(f"TTSBUILD_W8A8_GEMM must be cublas or triton, got {W8A8_GEMM!r}")
 
@@ -62,11 +64,15 @@ def w8a8_supported(rows: int, w_fp8: torch.Tensor) -> bool:
 
 
 def fp8_linear_w8a8_reference(
-    x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor
+    x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The same quantisation, the product in fp32 of the dequantised operands."""
+    """The same quantisation (or x's rows as quantised already), the product in fp32 of the
+    dequantised operands."""
     lead = x.shape[:-1]
-    xq, sx = quantize_rows_reference(x.reshape(-1, x.shape[-1]))
+    if quantized is None:
+        quantized = quantize_rows_reference(x.reshape(-1, x.shape[-1]))
+    xq, sx = quantized
     out = (xq.float() * sx) @ (w_fp8.float() * w_scale.float()[:, None]).t()
     return out.to(x.dtype).reshape(*lead, w_fp8.shape[0])
 
@@ -78,19 +84,23 @@ def fp8_linear_w8a8(
     *,
     use_triton: bool | None = None,
     gate_up: bool = False,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[..., N] bf16: rows quantised to FP8, one FP8 tensor-core GEMM (CUDA); the reference
     elsewhere. gate_up: w is a packed [2N, K] gate/up matrix and the result is
     silu(gate) * up [..., N], in the GEMM's epilogue on the Triton tiles (rounded as
-    `silu_mul` after the plain product rounds)."""
+    `silu_mul` after the plain product rounds). quantized: x's rows already quantised, (q
+    [R, K] e4m3, scale [R, 1]) as `quantize_rows(x)` gives (a norm that wrote them, e.g.
+    `add_rms_norm(quantize=True)`); then x gives only the output's leading shape."""
     if gate_up and (W8A8_GEMM != "triton" or not want_triton(x, use_triton) or not x.is_cuda):
         from ttsbuild.plugins.norm_act import silu_mul
 
-        return silu_mul(fp8_linear_w8a8(x, w_fp8, w_scale, use_triton=use_triton))
+        return silu_mul(fp8_linear_w8a8(x, w_fp8, w_scale, use_triton=use_triton,
+                                         quantized=quantized))  # fmt: skip
     if w_fp8.dtype != FP8_DTYPE:
         raise TypeError(f"weight must be {FP8_DTYPE}, got {w_fp8.dtype}")
     if not want_triton(x, use_triton) or not x.is_cuda:
-        return fp8_linear_w8a8_reference(x, w_fp8, w_scale)
+        return fp8_linear_w8a8_reference(x, w_fp8, w_scale, quantized=quantized)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the FP8 GEMM writes bf16: x must be bf16, got {x.dtype}")
     lead, K = x.shape[:-1], x.shape[-1]
@@ -98,7 +108,7 @@ def fp8_linear_w8a8(
     if not w8a8_supported(x2.shape[0], w_fp8):
         raise ValueError(f"W8A8 ({W8A8_GEMM}) does not take {x2.shape[0]} rows x "
                          f"{tuple(w_fp8.shape)}")  # fmt: skip
-    xq, sx = quantize_rows(x2, use_triton=True)
+    xq, sx = quantize_rows(x2, use_triton=True) if quantized is None else quantized
     if W8A8_GEMM == "triton":
         from ttsbuild.plugins._tl.fp8_linear import fp8_linear_a8_triton
 

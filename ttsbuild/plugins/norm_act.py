@@ -57,15 +57,26 @@ def snake_beta_reference(
 # ----------------------------------------------------------------------------- dispatch
 
 
+def _quantized(h: torch.Tensor):
+    from ttsbuild.plugins.fp8_w8a8 import quantize_rows_reference
+
+    return quantize_rows_reference(h.reshape(-1, h.shape[-1]))
+
+
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: bool | None = None
-) -> torch.Tensor:
-    """RMSNorm over the last dim, one launch on the GPU."""
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: bool | None = None,
+    quantize: bool = False,
+):  # fmt: skip
+    """RMSNorm over the last dim, one launch on the GPU. quantize: (normed, (q, scale)), the
+    normed rows also quantised to FP8 per row (`fp8_w8a8.quantize_rows` of the normed
+    output, for a W8A8 linear after it) in the same launch."""
     if not want_triton(x, use_triton):
-        return rms_norm_reference(x, weight, eps)
+        h = rms_norm_reference(x, weight, eps)
+        return (h, _quantized(h)) if quantize else h
     from ttsbuild.plugins._tl.norm_act import rms_norm_triton
 
-    return rms_norm_triton(x, None, weight, eps)[1]
+    out = rms_norm_triton(x, None, weight, eps, quantize=quantize)
+    return (out[1], out[2]) if quantize else out[1]
 
 
 def add_rms_norm(
@@ -75,13 +86,16 @@ def add_rms_norm(
     eps: float,
     *,
     use_triton: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(new_residual = residual + x, rms_norm(new_residual)), one launch on the GPU."""
+    quantize: bool = False,
+):
+    """(new_residual = residual + x, rms_norm(new_residual)), one launch on the GPU.
+    quantize: (new_residual, normed, (q, scale)) as `rms_norm(quantize=True)`."""
     if not want_triton(x, use_triton):
-        return add_rms_norm_reference(x, residual, weight, eps)
+        res, h = add_rms_norm_reference(x, residual, weight, eps)
+        return (res, h, _quantized(h)) if quantize else (res, h)
     from ttsbuild.plugins._tl.norm_act import rms_norm_triton
 
-    return rms_norm_triton(x, residual, weight, eps)
+    return rms_norm_triton(x, residual, weight, eps, quantize=quantize)
 
 
 def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:

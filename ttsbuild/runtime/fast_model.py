@@ -45,6 +45,11 @@ GATE_UP_SILU = os.environ.get("TTSBUILD_GATE_UP_SILU", "0") == "1"
 # The same for the W8A8 Triton tiles (`fp8_linear_w8a8(gate_up=True)`, rows at or above
 # w8a8_min_rows): off until timed on the GPU (TTSBUILD_A8_GATE_UP_SILU=1 turns it on).
 A8_GATE_UP_SILU = os.environ.get("TTSBUILD_A8_GATE_UP_SILU", "0") == "1"
+# The norm before a W8A8 qkv or gate/up linear also writes its rows quantised to FP8
+# (`add_rms_norm(quantize=True)`): the row quantisation's own launch goes, two per talker
+# layer (1.5 us each at 2048 columns in graph replays on the H200). Off until timed on the GPU
+# (TTSBUILD_A8_NORM_QUANT=1 turns it on).
+A8_NORM_QUANT = os.environ.get("TTSBUILD_A8_NORM_QUANT", "0") == "1"
 
 
 class Dense:
@@ -62,6 +67,27 @@ class Dense:
         self.w8a8_min_rows = 0
         self.bf16_min_rows = 0
         self.bf16_weight: torch.Tensor | None = None
+        # (x, (q, scale)): x's rows quantised by the norm that wrote x (`hand_quantized`),
+        # taken by the next call on that same tensor and dropped by any call
+        self._quantized: tuple | None = None
+
+    def takes_w8a8(self, rows: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+        """Whether an input of `rows` rows of `dtype` runs W8A8 here."""
+        return bool(
+            self.is_fp8 and dtype == torch.bfloat16
+            and not (self.bf16_min_rows and rows >= self.bf16_min_rows)
+            and self.w8a8_min_rows and rows >= self.w8a8_min_rows
+            and w8a8_supported(rows, self.weight)
+        )  # fmt: skip
+
+    def hand_quantized(self, x: torch.Tensor, quantized: tuple) -> None:
+        """x's rows already quantised to FP8 per row ((q, scale), as `quantize_rows(x)`), for
+        the next call with x itself to use instead of quantising again."""
+        self._quantized = (x, quantized)
+
+    def _take_quantized(self, x: torch.Tensor):
+        held, self._quantized = self._quantized, None
+        return held[1] if held is not None and held[0] is x else None
 
     def keep_bf16(self, min_rows: int) -> None:
         """Inputs of at least min_rows rows (0: none) run on a bf16 copy of the weight,
@@ -82,13 +108,13 @@ class Dense:
         return self.weight.dtype == FP8_DTYPE
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        quantized = self._take_quantized(x)
         if self.is_fp8:
             rows = x.numel() // x.shape[-1]
             if self.bf16_min_rows and rows >= self.bf16_min_rows and x.dtype == torch.bfloat16:
                 return F.linear(x, self.bf16_weight)
-            if (self.w8a8_min_rows and rows >= self.w8a8_min_rows
-                    and x.dtype == torch.bfloat16 and w8a8_supported(rows, self.weight)):
-                return fp8_linear_w8a8(x, self.weight, self.scale)
+            if self.takes_w8a8(rows, x.dtype):
+                return fp8_linear_w8a8(x, self.weight, self.scale, quantized=quantized)
             return fp8_linear(x, self.weight, self.scale)
         return F.linear(x, self.weight)
 
@@ -103,7 +129,8 @@ class Dense:
             if GATE_UP_SILU and not bf16 and not w8a8:
                 return fp8_gate_up_silu(x, self.weight, self.scale)
             if A8_GATE_UP_SILU and not bf16 and w8a8:
-                return fp8_linear_w8a8(x, self.weight, self.scale, gate_up=True)
+                return fp8_linear_w8a8(x, self.weight, self.scale, gate_up=True,
+                                       quantized=self._take_quantized(x))  # fmt: skip
         return silu_mul(self(x))
 
     def nbytes(self) -> int:
@@ -254,12 +281,23 @@ class PackedStack:
         attend(i, p, h) -> the attention output (before o) of layer i for normed h."""
         eps = self.cfg.rms_norm_eps
         residual, delta = x, None
+        rows = x.numel() // x.shape[-1]
         for i, p in enumerate(self.layers):
+            quant = A8_NORM_QUANT and p.qkv.takes_w8a8(rows, x.dtype)
             if delta is None:
-                h = rms_norm(residual, p.input_norm, eps)
+                out = rms_norm(residual, p.input_norm, eps, quantize=quant)
+                h, q = out if quant else (out, None)
             else:
-                residual, h = add_rms_norm(delta, residual, p.input_norm, eps)
-            residual, h = add_rms_norm(p.o(attend(i, p, h)), residual, p.post_norm, eps)
+                residual, h, *q = add_rms_norm(delta, residual, p.input_norm, eps,
+                                               quantize=quant)  # fmt: skip
+                q = q[0] if q else None
+            if q is not None:
+                p.qkv.hand_quantized(h, q)
+            quant = A8_NORM_QUANT and p.gate_up.takes_w8a8(rows, x.dtype)
+            residual, h, *q = add_rms_norm(p.o(attend(i, p, h)), residual, p.post_norm, eps,
+                                           quantize=quant)  # fmt: skip
+            if q:
+                p.gate_up.hand_quantized(h, q[0])
             delta = self._mlp(p, h)
         if delta is None:
             return rms_norm(residual, self.norm, eps)

@@ -55,6 +55,7 @@ def open_engine(
     admission_lane: tuple[int, ...] | None = None,
     lane_reserved_sms: int | None = None,
     bf16_min_rows: int | None = None,
+    w8a8_min_rows: int | None = None,
     max_batch: int | None = None,
     lane_frames: int | None = None,
     codec_channels_last: bool | None = None,
@@ -78,7 +79,9 @@ def open_engine(
     (`EnginePlan.lane_reserved_sms`, a compiled engine takes it too); None: the plan's.
     bf16_min_rows: the talker's FP8 linears on bf16 copies from this many rows
     (`EnginePlan.bf16_min_rows`, a runtime choice: the copies are made at load); None: the
-    plan's. lane_frames: a new request's first frames on the admission lane
+    plan's. w8a8_min_rows: the talker's FP8 linears as W8A8 from this many rows
+    (`EnginePlan.w8a8_min_rows`, a runtime choice); None: the plan's. lane_frames: a new
+    request's first frames on the admission lane
     (`EnginePlan.lane_frames`; its graphs are captured at load); None: the plan's.
     codec_channels_last: the codec's implicit-GEMM convs on channels-last operands
     (`EnginePlan.codec_channels_last`, a layout chosen at load); None: the plan's.
@@ -153,6 +156,10 @@ def open_engine(
         if bf16_min_rows < 0:
             raise ValueError(f"bf16_min_rows must be >= 0, got {bf16_min_rows}")
         plan = plan_update(plan, bf16_min_rows=bf16_min_rows)
+    if w8a8_min_rows is not None and w8a8_min_rows != plan.w8a8_min_rows:
+        if w8a8_min_rows < 0:
+            raise ValueError(f"w8a8_min_rows must be >= 0, got {w8a8_min_rows}")
+        plan = plan_update(plan, w8a8_min_rows=w8a8_min_rows)
     if lane_frames is not None and lane_frames != plan.lane_frames:
         if lane_frames > 1 and not plan.admission_lane:
             raise ValueError("lane_frames needs an admission lane to run them on "

@@ -23,7 +23,11 @@ def power_of_two_buckets(largest: int) -> tuple[int, ...]:
 
 
 DEFAULT_LANE_RESERVED_SMS = 16  # of the H200's 132 (see EnginePlan.lane_reserved_sms)
-DEFAULT_BF16_MIN_ROWS = 16  # FP8 talker linears on bf16 copies from 16 rows (bf16_min_rows)
+# FP8 talkers: linears as W8A8 on the Triton A8 tiles from 16 rows, on bf16 copies from 128
+# (benchmarks/kernels/2026-12-04-h200-a8: prefill 1x32 1.97 -> 1.70 ms, talker step at batch 64
+# 1.94 -> 1.78 ms against bf16 copies from 16; from 128 rows the copies are as fast or faster)
+DEFAULT_W8A8_MIN_ROWS = 16
+DEFAULT_BF16_MIN_ROWS = 128
 
 
 def default_prefill_batches(num_slots: int) -> tuple[int, ...]:
@@ -135,15 +139,19 @@ class EnginePlan(BaseModel):
     # frame step with the talker and a two-frame lane codec step per lane bucket. Not yet
     # captured on a GPU.
     lane_frames: int = Field(1, ge=1, le=2)
-    # The talker's FP8 linears as W8A8 (activations quantised per row at run time, one
-    # cuBLASLt FP8 GEMM: plugins.fp8_w8a8) from this many rows (prefill rows or decode
-    # batch; multiples of 16); 0: weight-only everywhere. Off until timed on the GPU.
+    # The talker's FP8 linears as W8A8 (activations quantised per row at run time, FP8 x FP8
+    # tensor-core tiles: plugins.fp8_w8a8, the Triton A8 tiles unless TTSBUILD_W8A8_GEMM=cublas)
+    # from this many rows (prefill rows or decode batch) up to bf16_min_rows; 0: weight-only.
+    # `default` and compile: 16 for FP8 talkers (DEFAULT_W8A8_MIN_ROWS). Each activation is
+    # rounded to e4m3 with its row's scale: ~2-3 % relative error per product on random
+    # rows, against 2^-9 for the bf16 copies.
     w8a8_min_rows: int = Field(0, ge=0)
     # The talker's FP8 linears on bf16 copies of their weights (dequantised once at load,
     # cuBLAS; runtime.fast_model.Dense.keep_bf16) from this many rows (prefill rows or decode
     # batch); 0: never. Measured: from ~16 rows cuBLAS on bf16 beats the FP8 kernels on the
-    # H200 despite twice the bytes (benchmarks/kernels/RESULTS.md); costs the talker's linear
-    # weights again in bf16 (2.6 GiB for 1.7B). `default` and compile: 16 for FP8 talkers.
+    # H200 despite twice the bytes (benchmarks/kernels/RESULTS.md), and from ~128 rows than
+    # the A8 tiles; costs the talker's linear weights again in bf16 (2.6 GiB for 1.7B).
+    # Checked before w8a8_min_rows. `default` and compile: 128 for FP8 talkers.
     bf16_min_rows: int = Field(0, ge=0)
     # Prefix KV cache (graph backend): the talker KV of prompt prefixes that depend only on
     # (voice, language, instruct, text mode), kept on the device and copied into a slot at
@@ -233,6 +241,7 @@ class EnginePlan(BaseModel):
             "lane_reserved_sms", DEFAULT_LANE_RESERVED_SMS if overrides["admission_lane"] else 0
         )
         overrides.setdefault("bf16_min_rows", DEFAULT_BF16_MIN_ROWS if precision == "fp8" else 0)
+        overrides.setdefault("w8a8_min_rows", DEFAULT_W8A8_MIN_ROWS if precision == "fp8" else 0)
         prefill = tuple(t for t in cls.model_fields["prefill_buckets"].default if t < max_len)
         # Codec graphs up to 8 frames: a 64-row x 16-frame codec graph holds GBs of activations
         # in its pool, and larger chunks decode as several steps at no loss.

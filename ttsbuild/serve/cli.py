@@ -152,6 +152,11 @@ def serve(
         "bf16 copies of their weights (made at load, cuBLAS) from this many rows, e.g. 16 "
         "(0: never; costs the weights again; default: the engine's plan)."
     ),  # fmt: skip
+    w8a8_min_rows: int = typer.Option(
+        None, "--w8a8-min-rows", min=0, help="FP8 engines on a GPU: the talker's linears as "
+        "W8A8 (activations quantised to FP8 per row, FP8 tensor-core tiles) from this many "
+        "rows up to --bf16-min-rows, e.g. 16 (0: weight-only; default: the engine's plan)."
+    ),  # fmt: skip
     pace_slack: float = typer.Option(
         0.0, "--pace-slack", min=0.0, help="Paced frame steps: a frame step runs only when a "
         "stream's slack (seconds before its client's buffer runs dry) falls below this, or a "
@@ -322,7 +327,8 @@ def serve(
             max_len=max_len, kind=engine_kind,
             precision=precision, random_variant=random, guards=guard_config,
             prefill_batches=batches, admission_lane=lane, lane_reserved_sms=lane_reserved_sms,
-            bf16_min_rows=bf16_min_rows, max_batch=max_batch, lane_frames=lane_frames,
+            bf16_min_rows=bf16_min_rows, w8a8_min_rows=w8a8_min_rows, max_batch=max_batch,
+            lane_frames=lane_frames,
             codec_channels_last=codec_channels_last, codec_fused_output=codec_fused_output,
             codec_fused_attention=codec_fused_attention,
         )

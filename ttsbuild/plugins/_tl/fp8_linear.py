@@ -309,17 +309,22 @@ def m_bucket(m: int, a8: bool = False) -> int:
     return min(128 if a8 else 64, max(16, triton.next_power_of_2(m)))
 
 
-def a8_config(M: int, N: int, K: int, sms: int = 132) -> dict:
+_A8_SMEM = 200 * 1024  # of the H200's 227 KB a block may use: the stages' tiles stay under it
+
+
+def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> dict:
     """The A8 tiles' config, by rule rather than the autotuner: its quick timings (warm L2,
     no graph) picked configs up to 1.8x slower than the best of a 64-config sweep on the
     H200 (benchmarks/kernels/2026-12-04-h200-a8/sweep_a8.log, the talker's four shapes at
     16-128 rows). What the sweep's winners share:
-    - 64-row weight tiles and K blocks of 256 (128 x 128 tiles once M >= 128 and the N tiles
-      alone fill the SMs: gate_up at 128 rows);
+    - 64-row weight tiles and K blocks of 256 (K blocks of 128 where the N tiles alone fill
+      the SMs from 64 rows: gate_up; 128 x 128 tiles from 128 rows where half do);
     - split-K only when each split still streams >= 1536 columns (down, K = 6144: 4 splits;
       the 2048-column o projection is faster whole with 32 tiles on 132 SMs);
     - 4 warps (8 only tie); 4 stages, 3 where the N tiles alone fill the SMs at K blocks of
-      256 (gate_up at 16-32 rows)."""
+      256 (gate_up at 16-32 rows).
+    Stages (then the K block) shrink until the stages' tiles fit in shared memory: each holds
+    the weight tile (two for gate_up) and the [BLOCK_K, BLOCK_M] activation tile, FP8."""
     bm = m_bucket(M, a8=True)
     if bm >= 128 and triton.cdiv(N, 128) >= sms // 2:
         bn, bk = 128, 128
@@ -332,6 +337,14 @@ def a8_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     while split < _MAX_SPLIT and K % (bk * split * 2) == 0 and K // (split * 2) >= 1536:
         split *= 2
     stages = 3 if bk == 256 and triton.cdiv(N, bn) >= sms else 4
+
+    def smem(stages: int, bk: int) -> int:
+        return stages * ((2 if gate_up else 1) * bn * bk + bk * bm)
+
+    while stages > 2 and smem(stages, bk) > _A8_SMEM:
+        stages -= 1
+    while bk > 32 and smem(stages, bk) > _A8_SMEM:
+        bk //= 2
     return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": stages}
 
 
@@ -360,7 +373,7 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
         config = config or {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}
         config = {**config, "DOT_F32": True}
     if config is None and a8 and not A8_AUTOTUNE:
-        config = a8_config(M, N, K, _num_sms(x.device))
+        config = a8_config(M, N, K, _num_sms(x.device), gate_up)
     if config is not None:
         c = dict(config)
         if block_m == 1 and "DOT_F32" in c:

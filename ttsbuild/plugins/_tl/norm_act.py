@@ -11,15 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
+from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue, sin_f32
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr,
     stride_x, stride_r, stride_o, stride_ro, N, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = False,
+    FMAX: tl.constexpr = 448.0, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -36,8 +37,14 @@ def _rms_norm_kernel(
         xf = x.to(tl.float32)
         y = (xf * (1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=0) / N + eps))).to(x.dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    out = w * y.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (w * y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+    if QUANT:  # the normed row (as stored) quantised to FP8 with its own scale, for W8A8
+        of = out.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(of), axis=0) / FMAX, 1e-12)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(of, scale), -FMAX), FMAX)
+        tl.store(q_ptr + row * N + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(qs_ptr + row, scale)
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -46,9 +53,12 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(residual + x or None, normed); shapes as x."""
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    quantize: bool = False,
+):  # fmt: skip
+    """(residual + x or None, normed); shapes as x. quantize: also the normed rows quantised
+    to FP8 with a scale per row, as `fp8_w8a8.quantize_rows` would from the normed output:
+    (residual or None, normed, (q [R, N] e4m3, scale [R, 1] fp32))."""
     N = x.shape[-1]
     if weight.shape != (N,):
         raise ValueError(f"weight must be [{N}], got {tuple(weight.shape)}")
@@ -63,17 +73,30 @@ def rms_norm_triton(
     else:
         r2, res_out, res_dtype = x2, x2, x.dtype
     out = torch.empty((R, N), dtype=torch.promote_types(weight.dtype, res_dtype), device=x.device)
+    if quantize:
+        from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
+
+        # The interpreter's fp32 -> e4m3 cast rounds some values a binade down: there the
+        # kernel writes fp32 and torch casts (as quantize_rows_triton does).
+        q = torch.empty((R, N), dtype=torch.float32 if interpret_mode() else FP8_DTYPE,
+                        device=x.device)  # fmt: skip
+        qs = torch.empty((R, 1), dtype=torch.float32, device=x.device)
+    else:
+        q, qs, FP8_MAX = out, out, 448.0
     if R > 0:
         block = triton.next_power_of_2(N)
         _rms_norm_kernel[(R,)](
-            x2, r2, weight, out, res_out,
+            x2, r2, weight, out, res_out, q, qs,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), N, eps,
-            HAS_RES=residual is not None, BLOCK=block,
+            HAS_RES=residual is not None, BLOCK=block, QUANT=quantize, FMAX=FP8_MAX,
             **pdl_args(pdl_enabled(x)),
             num_warps=4 if block <= 2048 else 8,
         )  # fmt: skip
     out = out.reshape(x.shape)
-    return (res_out.reshape(x.shape) if residual is not None else None), out
+    res = res_out.reshape(x.shape) if residual is not None else None
+    if quantize:
+        return res, out, (q.to(FP8_DTYPE), qs)
+    return res, out
 
 
 @triton.jit
