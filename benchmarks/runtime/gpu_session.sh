@@ -70,7 +70,8 @@
 #         $DEADLINE_S seconds into the run
 # a8:     the W8A8 Triton tiles: their GPU tests; the engine bench as served (W8A8 16-127
 #         rows), then with bf16 copies from 16 rows (the defaults before 2026-12-04), with the
-#         norms writing quantised rows (TTSBUILD_A8_NORM_QUANT) and with silu(gate) * up in
+#         norms writing quantised rows (TTSBUILD_A8_NORM_QUANT), silu_mul too
+#         (TTSBUILD_A8_SILU_QUANT), and with silu(gate) * up in
 #         the A8 epilogue (TTSBUILD_A8_GATE_UP_SILU); then, time left, `sweep_fp8.py --a8`
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
@@ -169,6 +170,7 @@ for step in $STEPS; do
         # from 16 rows), then the two A8 switches
         for side in "bf16from16|X=0|--w8a8-min-rows 0 --bf16-min-rows 16" \
                     "normquant|TTSBUILD_A8_NORM_QUANT=1|" \
+                    "siluquant|TTSBUILD_A8_SILU_QUANT=1|" \
                     "gateup|TTSBUILD_A8_GATE_UP_SILU=1|"; do
             IFS='|' read -r name env flags <<<"$side"
             left=$((DEADLINE_S - SECONDS))

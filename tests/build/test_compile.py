@@ -155,6 +155,26 @@ def test_quality_gate_refuses_one_layer_scaled_by_4(ckpt, tmp_path, monkeypatch,
     assert not (tmp_path / "e").exists()
 
 
+def test_quality_gate_runs_the_talkers_linears_as_served(ckpt, tmp_path, monkeypatch):
+    """The gate measures what runs: the prompts' prefill (>= the plan's w8a8_min_rows rows)
+    through W8A8, the few-row decode steps weight-only."""
+    from ttsbuild.runtime import fast_model
+
+    rows_w8a8 = []
+    real = fast_model.fp8_linear_w8a8
+
+    def counting(x, *args, **kwargs):
+        rows_w8a8.append(x.numel() // x.shape[-1])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(fast_model, "fp8_linear_w8a8", counting)
+    cfg = BuildConfig(precision="fp8", onnx=False, **QUICK)
+    assert cfg.runtime_plan().w8a8_min_rows == 16
+    manifest = compile_engine_dir(ckpt, tmp_path / "e", cfg)
+    assert manifest["quality"]["passed"] and "W8A8" in manifest["quality"]["activations"]
+    assert rows_w8a8 and min(rows_w8a8) >= 16
+
+
 def test_failing_compile_leaves_nothing(ckpt, tmp_path, monkeypatch):
     from ttsbuild.build import onnx_codec
 

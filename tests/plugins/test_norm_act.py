@@ -194,3 +194,20 @@ def test_snake_beta_module_dispatch():
         x = torch.randn(2, 32, 50, device=KDEV) * 2
         ref = snake_beta_reference(x.double(), m.alpha.double(), m.beta.double())
         assert _rel(m(x), ref) < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 2 * 1024), (17, 2 * 3072), (2, 3, 2 * 500)])
+def test_silu_mul_writes_its_rows_quantised(shape):
+    """silu_mul(quantize=True): silu(gate) * up as the plain kernel writes it and, in the same
+    launch (a program per row), its rows quantised as `quantize_rows_reference` of it."""
+    from ttsbuild.plugins.fp8_w8a8 import quantize_rows_reference
+
+    g = _gen(5 + sum(shape))
+    gu = (torch.randn(shape, device=KDEV, generator=g) * 2).bfloat16()
+    act, (q, s) = silu_mul(gu, use_triton=True, quantize=True)
+    assert torch.equal(act, silu_mul(gu, use_triton=True))
+    rq, rs = quantize_rows_reference(act.reshape(-1, act.shape[-1]))
+    assert torch.equal(s, rs) and torch.equal(q.float(), rq.float())
+    ref_act, (cq, cs) = silu_mul(gu.cpu(), use_triton=False, quantize=True)
+    assert torch.equal(cs, quantize_rows_reference(ref_act.reshape(-1, act.shape[-1]))[1])

@@ -63,8 +63,9 @@ def _a8_stack(device, monkeypatch, handed):
 
 
 def test_norms_quantising_for_w8a8_change_nothing_on_the_references(monkeypatch):
-    """`A8_NORM_QUANT`: the norm before each W8A8 qkv and gate/up linear hands its rows
-    quantised (two per layer), and the stack's output and caches are the same bits."""
+    """`A8_NORM_QUANT` / `A8_SILU_QUANT`: the norm before each W8A8 qkv and gate/up linear, and
+    silu_mul before down, hand their rows quantised (three per layer), and the stack's output
+    and caches are the same bits."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     handed = []
     stack = _a8_stack("cpu", monkeypatch, handed)
@@ -73,10 +74,14 @@ def test_norms_quantising_for_w8a8_change_nothing_on_the_references(monkeypatch)
     ref = stack.decode(x, k, v, slots, positions)
     assert handed == []
     monkeypatch.setattr(fast_model, "A8_NORM_QUANT", True)
+    monkeypatch.setattr(fast_model, "A8_SILU_QUANT", True)
     out = stack.decode(x, k2, v2, slots, positions)
-    assert len(handed) == 2 * len(stack.layers)
-    assert all(shape == (4, x.shape[-1]) for shape in handed)
-    assert all(d._quantized is None for p in stack.layers for d in (p.qkv, p.gate_up))
+    # qkv's and gate/up's inputs from the norms, down's from silu_mul, every layer
+    assert len(handed) == 3 * len(stack.layers)
+    inter = stack.layers[0].down.weight.shape[1]
+    assert sorted({s[1] for s in handed}) == sorted({x.shape[-1], inter})
+    assert all(s[0] == 4 for s in handed)
+    assert all(d._quantized is None for p in stack.layers for d in (p.qkv, p.gate_up, p.down))
     assert torch.equal(out, ref) and torch.equal(k, k2) and torch.equal(v, v2)
 
 
@@ -90,6 +95,7 @@ def test_norms_quantising_for_w8a8_on_the_kernels(monkeypatch):
     k2, v2 = k.clone(), v.clone()
     ref = stack.decode(x, k, v, slots, positions)
     monkeypatch.setattr(fast_model, "A8_NORM_QUANT", True)
+    monkeypatch.setattr(fast_model, "A8_SILU_QUANT", True)
     out = stack.decode(x, k2, v2, slots, positions)
-    assert len(handed) == 2 * len(stack.layers)
+    assert len(handed) == 3 * len(stack.layers)
     assert torch.equal(out, ref) and torch.equal(k, k2) and torch.equal(v, v2)

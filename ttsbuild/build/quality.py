@@ -14,10 +14,13 @@ each where the plan uses it). Measured separately:
   codebooks 1..15 (code predictor, fed the talker states each side computed): the same
     figures, for each code-predictor path the plan uses.
 Teacher forcing keeps the comparison per step: a free-running comparison would diverge after
-the first different sample and measure sampling noise, not quantisation error. Activations
-stay bf16: the runtime's FP8 linears are weight-only (the calibrated activation and KV
-scales an engine may carry are not used by any runtime path yet), so the gate measures
-weight rounding and the kernels.
+the first different sample and measure sampling noise, not quantisation error. The talker's
+linears run by rows as the plan serves them (`check_quality` sets the stack's
+w8a8_min_rows / bf16_min_rows): the prompts' prefill, 16-127 rows by default, as W8A8 (each
+activation row quantised to FP8 with its own scale at run time), the decode steps of a few
+rows weight-only. Other activations stay bf16 (the calibrated activation and KV scales an
+engine may carry are not used by any runtime path yet), so the gate measures weight
+rounding, the prefill's activation rounding and the kernels.
 
 The gate (`ttsbuild compile` refuses the engine unless --force-quality), for each group:
   top-1 agreement >= 0.85 and mean KL <= 0.02 nats.
@@ -47,8 +50,10 @@ MIN_TOP1 = 0.85
 MAX_KL = 0.02
 CANDIDATE = ("runtime kernels on the engine's packed weights: PackedStack prefill + batched "
              "decode (talker), FusedCodePredictor.frame_logits (code predictor)")
-ACTIVATIONS = ("bf16 activations, bf16 KV cache: the FP8 linears are weight-only; calibrated "
-               "input/KV scales, where an engine has them, are not used by the runtime")
+ACTIVATIONS = ("bf16 activations, bf16 KV cache; the talker's FP8 linears W8A8 (rows quantised "
+               "per row at run time) from the plan's w8a8_min_rows to its bf16_min_rows, "
+               "weight-only below; calibrated input/KV scales, where an engine has them, are "
+               "not used by the runtime")
 
 
 class QualityError(ValueError):

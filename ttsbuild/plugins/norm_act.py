@@ -98,10 +98,18 @@ def add_rms_norm(
     return rms_norm_triton(x, residual, weight, eps, quantize=quantize)
 
 
-def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
-    """silu(gate_up[..., :I]) * gate_up[..., I:] -> [..., I], one launch on the GPU."""
+def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None,
+             quantize: bool = False):  # fmt: skip
+    """silu(gate_up[..., :I]) * gate_up[..., I:] -> [..., I], one launch on the GPU.
+    quantize: (that, (q, scale)), its rows also quantised to FP8 per row in the same launch
+    (one program per row then), for a W8A8 linear after it."""
     if not want_triton(gate_up, use_triton):
-        return silu_mul_reference(gate_up)
+        act = silu_mul_reference(gate_up)
+        return (act, _quantized(act)) if quantize else act
+    if quantize:
+        from ttsbuild.plugins._tl.norm_act import silu_mul_quant_triton
+
+        return silu_mul_quant_triton(gate_up)
     from ttsbuild.plugins._tl.norm_act import silu_mul_triton
 
     return silu_mul_triton(gate_up)

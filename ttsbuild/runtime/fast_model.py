@@ -50,6 +50,10 @@ A8_GATE_UP_SILU = os.environ.get("TTSBUILD_A8_GATE_UP_SILU", "0") == "1"
 # layer (1.5 us each at 2048 columns in graph replays on the H200). Off until timed on the GPU
 # (TTSBUILD_A8_NORM_QUANT=1 turns it on).
 A8_NORM_QUANT = os.environ.get("TTSBUILD_A8_NORM_QUANT", "0") == "1"
+# The same for the MLP's silu(gate) * up before a W8A8 down projection (`silu_mul(quantize=True)`,
+# one program per row): the down input's quantisation launch goes (3.9 us at 6144 columns).
+# Off until timed on the GPU (TTSBUILD_A8_SILU_QUANT=1 turns it on).
+A8_SILU_QUANT = os.environ.get("TTSBUILD_A8_SILU_QUANT", "0") == "1"
 
 
 class Dense:
@@ -71,10 +75,13 @@ class Dense:
         # taken by the next call on that same tensor and dropped by any call
         self._quantized: tuple | None = None
 
-    def takes_w8a8(self, rows: int, dtype: torch.dtype = torch.bfloat16) -> bool:
-        """Whether an input of `rows` rows of `dtype` runs W8A8 here."""
+    def takes_w8a8(self, rows: int, dtype: torch.dtype = torch.bfloat16,
+                   cuda: bool = True) -> bool:  # fmt: skip
+        """Whether an input of `rows` rows of `dtype` runs W8A8 here: bf16 on CUDA (the FP8
+        GEMM writes bf16); off CUDA the reference takes fp32 too (a CPU run of an FP8 engine,
+        e.g. the compile's quality gate, then rounds its activations as the GPU does)."""
         return bool(
-            self.is_fp8 and dtype == torch.bfloat16
+            self.is_fp8 and (dtype == torch.bfloat16 or not cuda and dtype == torch.float32)
             and not (self.bf16_min_rows and rows >= self.bf16_min_rows)
             and self.w8a8_min_rows and rows >= self.w8a8_min_rows
             and w8a8_supported(rows, self.weight)
@@ -113,7 +120,7 @@ class Dense:
             rows = x.numel() // x.shape[-1]
             if self.bf16_min_rows and rows >= self.bf16_min_rows and x.dtype == torch.bfloat16:
                 return F.linear(x, self.bf16_weight)
-            if self.takes_w8a8(rows, x.dtype):
+            if self.takes_w8a8(rows, x.dtype, x.is_cuda):
                 return fp8_linear_w8a8(x, self.weight, self.scale, quantized=quantized)
             return fp8_linear(x, self.weight, self.scale)
         return F.linear(x, self.weight)
@@ -124,8 +131,7 @@ class Dense:
         if (GATE_UP_SILU or A8_GATE_UP_SILU) and self.is_fp8:
             rows = x.numel() // x.shape[-1]
             bf16 = self.bf16_min_rows and rows >= self.bf16_min_rows
-            w8a8 = (self.w8a8_min_rows and rows >= self.w8a8_min_rows
-                    and x.dtype == torch.bfloat16 and w8a8_supported(rows, self.weight))
+            w8a8 = self.takes_w8a8(rows, x.dtype, x.is_cuda)
             if GATE_UP_SILU and not bf16 and not w8a8:
                 return fp8_gate_up_silu(x, self.weight, self.scale)
             if A8_GATE_UP_SILU and not bf16 and w8a8:
@@ -256,6 +262,11 @@ class PackedStack:
     @staticmethod
     def _mlp(p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
         """The MLP's output (before the residual add) of the post-attention-normed h."""
+        rows = h.numel() // h.shape[-1]
+        if A8_SILU_QUANT and p.down.takes_w8a8(rows, h.dtype, h.is_cuda):
+            act, q = silu_mul(p.gate_up(h), quantize=True)
+            p.down.hand_quantized(act, q)
+            return p.down(act)
         return p.down(p.gate_up.gate_up_silu(h))
 
     def _attend_by_position(self, B: int, T: int, positions, rows, k_cache, v_cache,
@@ -283,7 +294,7 @@ class PackedStack:
         residual, delta = x, None
         rows = x.numel() // x.shape[-1]
         for i, p in enumerate(self.layers):
-            quant = A8_NORM_QUANT and p.qkv.takes_w8a8(rows, x.dtype)
+            quant = A8_NORM_QUANT and p.qkv.takes_w8a8(rows, x.dtype, x.is_cuda)
             if delta is None:
                 out = rms_norm(residual, p.input_norm, eps, quantize=quant)
                 h, q = out if quant else (out, None)
@@ -293,7 +304,7 @@ class PackedStack:
                 q = q[0] if q else None
             if q is not None:
                 p.qkv.hand_quantized(h, q)
-            quant = A8_NORM_QUANT and p.gate_up.takes_w8a8(rows, x.dtype)
+            quant = A8_NORM_QUANT and p.gate_up.takes_w8a8(rows, x.dtype, x.is_cuda)
             residual, h, *q = add_rms_norm(p.o(attend(i, p, h)), residual, p.post_norm, eps,
                                            quantize=quant)  # fmt: skip
             if q:

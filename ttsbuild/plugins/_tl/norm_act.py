@@ -117,6 +117,57 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _silu_mul_quant_kernel(
+    gu_ptr, out_ptr, q_ptr, qs_ptr, stride_gu, stride_o, I,
+    BLOCK: tl.constexpr, FMAX: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """One program per row (the row's amax needs all of it): silu(gate) * up as
+    `_silu_mul_kernel` rounds it, stored, then quantised to FP8 with the row's scale."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < I
+    src = gu_ptr + row * stride_gu + offs
+    g = tl.load(src, mask=mask, other=0.0)
+    u = tl.load(src + I, mask=mask, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    s = tl.math.div_rn(gf, 1.0 + exp_f32(-gf)).to(g.dtype)
+    out = (s.to(tl.float32) * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+    of = out.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(of), axis=0) / FMAX, 1e-12)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(of, scale), -FMAX), FMAX)
+    tl.store(q_ptr + row * I + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(qs_ptr + row, scale)
+
+
+def silu_mul_quant_triton(gate_up: torch.Tensor):
+    """(silu(gate) * up [..., I], (its rows quantised to FP8 [R, I], scales [R, 1])) in one
+    launch, one program per row."""
+    from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
+
+    two_i = gate_up.shape[-1]
+    if two_i % 2:
+        raise ValueError(f"gate_up last dim must be even, got {two_i}")
+    I = two_i // 2
+    gu = _rows(gate_up, two_i)
+    R = gu.shape[0]
+    out = torch.empty((R, I), dtype=gate_up.dtype, device=gate_up.device)
+    # the interpreter's fp32 -> e4m3 cast: fp32 here, torch casts (as quantize_rows_triton)
+    q = torch.empty((R, I), dtype=torch.float32 if interpret_mode() else FP8_DTYPE,
+                    device=gate_up.device)  # fmt: skip
+    qs = torch.empty((R, 1), dtype=torch.float32, device=gate_up.device)
+    if R > 0:
+        block = triton.next_power_of_2(I)
+        _silu_mul_quant_kernel[(R,)](
+            gu, out, q, qs, gu.stride(0), out.stride(0), I, BLOCK=block, FMAX=FP8_MAX,
+            **pdl_args(pdl_enabled(gu)), num_warps=4 if block <= 2048 else 8 if block <= 4096
+            else 16,
+        )  # fmt: skip
+    return out.reshape(*gate_up.shape[:-1], I), (q.to(FP8_DTYPE), qs)
+
+
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     two_i = gate_up.shape[-1]
     if two_i % 2:
