@@ -74,6 +74,21 @@ def test_the_bf16_copies_of_a_compiled_fp8_engine_can_be_set_at_load(fp8_engine)
     assert off.backend.talker_stack.layers[0].qkv.bf16_weight is None
 
 
+def test_w8a8_of_a_compiled_fp8_engine_can_be_set_at_load(fp8_engine):
+    """`serve --w8a8-min-rows`: compiled with the default (W8A8 from 16 rows), set at load to
+    another threshold or 0 (weight-only), on every talker linear; a negative one is refused."""
+    served = open_engine(fp8_engine, "cpu", kind="graph")
+    layer = served.backend.talker_stack.layers[0]
+    assert served.plan.w8a8_min_rows == 16
+    assert {d.w8a8_min_rows for d in (layer.qkv, layer.o, layer.gate_up, layer.down)} == {16}
+    off = open_engine(fp8_engine, "cpu", kind="graph", w8a8_min_rows=0)
+    assert off.plan.w8a8_min_rows == 0
+    assert not off.backend.talker_stack.layers[0].qkv.takes_w8a8(32, cuda=False)
+    assert served.backend.talker_stack.layers[0].qkv.takes_w8a8(32, cuda=False)
+    with pytest.raises(ValueError, match="w8a8_min_rows must be >= 0"):
+        open_engine(fp8_engine, "cpu", kind="graph", w8a8_min_rows=-1)
+
+
 def test_the_codec_conv_layout_can_be_set_at_load(fp8_engine):
     """`serve --codec-channels-last`: a layout choice made at load, for compiled engines too."""
     compiled = open_engine(fp8_engine, "cpu", kind="graph").plan.codec_channels_last
