@@ -2,8 +2,9 @@
 
 Ahead of time, once: fuse q/k/v and gate/up; quantise the chosen weight groups to FP8 e4m3
 with per-output-channel scales (activation and KV scales from the calibration file are
-recorded, but no runtime path reads them yet: the FP8 linears are weight-only and the KV
-cache is bf16; the manifest's calibration.runtime_use says so); fold the codec; export the
+recorded, but no runtime path reads them yet: the FP8 linears are weight-only or scale their
+activations per row at run time (W8A8), and the KV cache is bf16; the manifest's
+calibration.runtime_use says so); fold the codec; export the
 codec step to ONNX and check it in onnxruntime; measure FP8 quality of the runtime's kernels
 against the bf16 model and refuse an engine below the gate (`build.quality`); measure the
 codec at its compute precision against the fp32 decoder (SNR over random codes) and refuse a
@@ -66,9 +67,10 @@ from ttsbuild.runtime.plan import (
 LM_MODULES = ("talker", "code_predictor")
 # What the runtime does with a calibration file's scales (the manifest says it).
 CALIBRATION_RUNTIME_USE = (
-    "none yet: the runtime's FP8 linears are weight-only (bf16 activations) and its "
-    "KV cache is bf16; input_scale and k/v_scale are recorded for a W8A8 kernel or an "
-    "FP8 KV cache, which no runtime path has"
+    "none yet: the runtime's FP8 linears are weight-only (bf16 activations) or, at the "
+    "plan's W8A8 rows, quantise activations with a scale per row computed at run time; its "
+    "KV cache is bf16; input_scale and k/v_scale are recorded for static activation scales "
+    "or an FP8 KV cache, which no runtime path has"
 )
 
 
@@ -231,8 +233,9 @@ def _tensor_groups(cfg: BuildConfig, calibrated: bool) -> dict[str, dict]:
     groups = {}
     for group, why_fp8, why_bf16 in (
         ("talker.layers",
-         "decode is weight-read bound: 1 byte per weight instead of 2 (weight-only FP8 GEMV; "
-         "an input_scale, where calibrated, is recorded but not read: activations stay bf16)",
+         "decode is weight-read bound: 1 byte per weight instead of 2 (weight-only FP8 GEMV "
+         "below the plan's w8a8_min_rows, W8A8 tiles with per-row activation scales from it; "
+         "an input_scale, where calibrated, is recorded but not read)",
          "bf16 engine"),
         ("code_predictor.layers",
          "requested (--fp8-code-predictor)",
