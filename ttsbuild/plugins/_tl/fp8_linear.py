@@ -24,8 +24,6 @@ out[m, n] = scale[n] * sum_k x[m, k] * float(w[n, k]), fp32 accumulation, bf16 o
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -92,23 +90,6 @@ GEMM_CONFIGS = [
     _cfg(64, 256, 2, 4, 3),
     _cfg(128, 128, 4, 4, 3),
 ]
-
-# FP8 x FP8 tiles (A8): the weight tile is the wgmma's 64/128-row side; K blocks of 128/256.
-# Configs by rule (`a8_config`); TTSBUILD_A8_AUTOTUNE=1 lets the autotuner pick from these.
-A8_AUTOTUNE = os.environ.get("TTSBUILD_A8_AUTOTUNE", "0") == "1"
-A8_CONFIGS = [
-    _cfg(64, 128, 1, 4, 4),
-    _cfg(64, 256, 1, 4, 3),
-    _cfg(128, 128, 1, 4, 4),
-    _cfg(128, 256, 1, 8, 3),
-    _cfg(64, 128, 2, 4, 4),
-    _cfg(64, 256, 2, 4, 3),
-    _cfg(64, 128, 4, 4, 4),
-    _cfg(64, 256, 4, 4, 3),
-    _cfg(128, 128, 4, 4, 4),
-    _cfg(64, 128, 8, 4, 4),
-]
-
 
 def _prune(configs, named_args, **kwargs):
     n, k, m = named_args["N"], named_args["K"], named_args["M"]
@@ -297,9 +278,6 @@ _gemv = triton.autotune(
 _gemm = triton.autotune(
     GEMM_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_quick_bench
 )(_heur)
-_gemm_a8 = triton.autotune(
-    A8_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_quick_bench
-)(_heur)
 
 
 def m_bucket(m: int, a8: bool = False) -> int:
@@ -372,7 +350,7 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     if interpret_mode():
         config = config or {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}
         config = {**config, "DOT_F32": True}
-    if config is None and a8 and not A8_AUTOTUNE:
+    if config is None and a8:  # by rule (`a8_config`), never the autotuner
         config = a8_config(M, N, K, _num_sms(x.device), gate_up)
     if config is not None:
         c = dict(config)
@@ -380,7 +358,7 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
             c["BLOCK_N"] = min(c["BLOCK_N"], 16)
         _heur[grid(c)](*args, BLOCK_M=block_m, GATE_UP=gate_up, A8=a8, **c, **pdl_args(pdl))
     else:
-        tuner = _gemm_a8 if a8 else _gemv if block_m == 1 else _gemm
+        tuner = _gemv if block_m == 1 else _gemm
         tuner[grid](*args, BLOCK_M=block_m, GATE_UP=gate_up, A8=a8, **pdl_args(pdl))
     return out
 
@@ -421,8 +399,10 @@ def fp8_linear_a8_triton(
 
 
 def best_config(M: int, N: int, K: int, a8: bool = False) -> dict | None:
-    """The autotuner's pick for this shape (after a call), for reports."""
-    tuner = _gemm_a8 if a8 else _gemv if m_bucket(M) == 1 else _gemm
+    """The autotuner's pick for this shape (after a call), for reports; A8: the rule's."""
+    if a8:
+        return a8_config(M, N, K)
+    tuner = _gemv if m_bucket(M) == 1 else _gemm
     for key, cfg in tuner.cache.items():
         if tuple(key[:3]) == (N, K, m_bucket(M, a8)):
             return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

@@ -74,13 +74,9 @@ def rms_norm_triton(
         r2, res_out, res_dtype = x2, x2, x.dtype
     out = torch.empty((R, N), dtype=torch.promote_types(weight.dtype, res_dtype), device=x.device)
     if quantize:
-        from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
+        from ttsbuild.plugins.fp8_linear import FP8_MAX
 
-        # The interpreter's fp32 -> e4m3 cast rounds some values a binade down: there the
-        # kernel writes fp32 and torch casts (as quantize_rows_triton does).
-        q = torch.empty((R, N), dtype=torch.float32 if interpret_mode() else FP8_DTYPE,
-                        device=x.device)  # fmt: skip
-        qs = torch.empty((R, 1), dtype=torch.float32, device=x.device)
+        q, qs = _fp8_rows(R, N, x.device)
     else:
         q, qs, FP8_MAX = out, out, 448.0
     if R > 0:
@@ -95,7 +91,7 @@ def rms_norm_triton(
     out = out.reshape(x.shape)
     res = res_out.reshape(x.shape) if residual is not None else None
     if quantize:
-        return res, out, (q.to(FP8_DTYPE), qs)
+        return res, out, (_fp8(q), qs)
     return res, out
 
 
@@ -142,22 +138,41 @@ def _silu_mul_quant_kernel(
     tl.store(qs_ptr + row, scale)
 
 
-def silu_mul_quant_triton(gate_up: torch.Tensor):
-    """(silu(gate) * up [..., I], (its rows quantised to FP8 [R, I], scales [R, 1])) in one
-    launch, one program per row."""
-    from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
+def _fp8_rows(R: int, N: int, device):
+    """Buffers for R rows quantised to FP8 and their scales. The interpreter's fp32 -> e4m3
+    cast rounds some values a binade down: there the kernel writes fp32 and `_fp8` casts
+    (as quantize_rows_triton does)."""
+    from ttsbuild.plugins.fp8_linear import FP8_DTYPE
 
+    q = torch.empty((R, N), dtype=torch.float32 if interpret_mode() else FP8_DTYPE,
+                    device=device)  # fmt: skip
+    return q, torch.empty((R, 1), dtype=torch.float32, device=device)
+
+
+def _fp8(q: torch.Tensor) -> torch.Tensor:
+    from ttsbuild.plugins.fp8_linear import FP8_DTYPE
+
+    return q.to(FP8_DTYPE)
+
+
+def _gate_up_rows(gate_up: torch.Tensor):
+    """(I, the [R, 2I] rows, R, an [R, I] output) of a packed gate/up tensor."""
     two_i = gate_up.shape[-1]
     if two_i % 2:
         raise ValueError(f"gate_up last dim must be even, got {two_i}")
-    I = two_i // 2
     gu = _rows(gate_up, two_i)
     R = gu.shape[0]
-    out = torch.empty((R, I), dtype=gate_up.dtype, device=gate_up.device)
-    # the interpreter's fp32 -> e4m3 cast: fp32 here, torch casts (as quantize_rows_triton)
-    q = torch.empty((R, I), dtype=torch.float32 if interpret_mode() else FP8_DTYPE,
-                    device=gate_up.device)  # fmt: skip
-    qs = torch.empty((R, 1), dtype=torch.float32, device=gate_up.device)
+    return two_i // 2, gu, R, torch.empty((R, two_i // 2), dtype=gate_up.dtype,
+                                          device=gate_up.device)  # fmt: skip
+
+
+def silu_mul_quant_triton(gate_up: torch.Tensor):
+    """(silu(gate) * up [..., I], (its rows quantised to FP8 [R, I], scales [R, 1])) in one
+    launch, one program per row."""
+    from ttsbuild.plugins.fp8_linear import FP8_MAX
+
+    I, gu, R, out = _gate_up_rows(gate_up)
+    q, qs = _fp8_rows(R, I, gate_up.device)
     if R > 0:
         block = triton.next_power_of_2(I)
         _silu_mul_quant_kernel[(R,)](
@@ -165,17 +180,11 @@ def silu_mul_quant_triton(gate_up: torch.Tensor):
             **pdl_args(pdl_enabled(gu)), num_warps=4 if block <= 2048 else 8 if block <= 4096
             else 16,
         )  # fmt: skip
-    return out.reshape(*gate_up.shape[:-1], I), (q.to(FP8_DTYPE), qs)
+    return out.reshape(*gate_up.shape[:-1], I), (_fp8(q), qs)
 
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
-    two_i = gate_up.shape[-1]
-    if two_i % 2:
-        raise ValueError(f"gate_up last dim must be even, got {two_i}")
-    I = two_i // 2
-    gu = _rows(gate_up, two_i)
-    R = gu.shape[0]
-    out = torch.empty((R, I), dtype=gate_up.dtype, device=gate_up.device)
+    I, gu, R, out = _gate_up_rows(gate_up)
     if R > 0:
         block = min(1024, triton.next_power_of_2(I))
         _silu_mul_kernel[(R, triton.cdiv(I, block))](
