@@ -72,7 +72,9 @@
 #         rows), then with bf16 copies from 16 rows (the defaults before 2026-12-04), with the
 #         norms writing quantised rows (TTSBUILD_A8_NORM_QUANT), silu_mul too
 #         (TTSBUILD_A8_SILU_QUANT), and with silu(gate) * up in
-#         the A8 epilogue (TTSBUILD_A8_GATE_UP_SILU); then, time left, `sweep_fp8.py --a8`
+#         the A8 epilogue (TTSBUILD_A8_GATE_UP_SILU), an FP8 code predictor, and one with
+#         W8A8 on its unfused path (plan cp_w8a8_min_rows 16: batch 64); then, time left,
+#         `sweep_fp8.py --a8`
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
@@ -171,7 +173,9 @@ for step in $STEPS; do
         for side in "bf16from16|X=0|--w8a8-min-rows 0 --bf16-min-rows 16" \
                     "normquant|TTSBUILD_A8_NORM_QUANT=1|" \
                     "siluquant|TTSBUILD_A8_SILU_QUANT=1|" \
-                    "gateup|TTSBUILD_A8_GATE_UP_SILU=1|"; do
+                    "gateup|TTSBUILD_A8_GATE_UP_SILU=1|" \
+                    "cpfp8|X=0|--plan-set code_predictor_fp8=true" \
+                    "cpw8a8|X=0|--plan-set code_predictor_fp8=true --plan-set cp_w8a8_min_rows=16"; do
             IFS='|' read -r name env flags <<<"$side"
             left=$((DEADLINE_S - SECONDS))
             if [ "$left" -lt 100 ]; then log "skip $name: ${left}s left"; continue; fi

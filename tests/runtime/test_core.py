@@ -366,3 +366,20 @@ def test_default_plans_reserve_sms_for_the_lane_and_pick_the_fp8_talkers_linears
     bf16 = BuildConfig(precision="bf16", max_batch=8, graph_batches=(1, 2, 4, 8),
                        admission_lane=()).runtime_plan()  # fmt: skip
     assert (bf16.lane_reserved_sms, bf16.bf16_min_rows, bf16.w8a8_min_rows) == (0, 0, 0)
+
+
+def test_the_code_predictors_w8a8_threshold_reaches_its_linears_and_heads(models):
+    """`EnginePlan.cp_w8a8_min_rows` (off by default): an FP8 code predictor's packed linears
+    and heads take W8A8 from that many rows (its unfused path, batch buckets above the fused
+    ones), and not below; the talker keeps its own threshold."""
+    plan = EnginePlan(num_slots=16, max_len=256, max_text=64, batch_buckets=(1, 2, 4, 8, 16),
+                      prefill_buckets=(32,), codec_chunks=(1,), codec_ring=8, precision="fp8",
+                      code_predictor_fp8=True, cp_w8a8_min_rows=16, w8a8_min_rows=32,
+                      fused_code_predictor=(1, 2, 4, 8))  # fmt: skip
+    assert EnginePlan.default(num_slots=8, precision="fp8").cp_w8a8_min_rows == 0
+    backend = GraphEngine(models, plan, use_graphs=False).backend
+    cp = backend.cp_stack.layers[0]
+    for dense in (cp.qkv, cp.o, cp.gate_up, cp.down, *backend.cp_heads):
+        assert dense.is_fp8 and dense.w8a8_min_rows == 16
+        assert dense.takes_w8a8(16) and not dense.takes_w8a8(8)
+    assert backend.talker_stack.layers[0].qkv.w8a8_min_rows == 32

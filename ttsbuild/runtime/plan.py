@@ -146,6 +146,11 @@ class EnginePlan(BaseModel):
     # rounded to e4m3 with its row's scale: ~2-3 % relative error per product on random
     # rows, against 2^-9 for the bf16 copies.
     w8a8_min_rows: int = Field(0, ge=0)
+    # The same for the code predictor's FP8 linears and heads on its unfused path (batch
+    # buckets outside fused_code_predictor, e.g. 16-256): there the weight-only swap-AB tiles
+    # stream 0.5-1.4 TB/s where the A8 tiles reach 1.5-3.0 (the talker's shapes, 16-128 rows).
+    # 0: weight-only. Off until timed on the GPU (engine bench `--plan-set cp_w8a8_min_rows=16`).
+    cp_w8a8_min_rows: int = Field(0, ge=0)
     # The talker's FP8 linears on bf16 copies of their weights (dequantised once at load,
     # cuBLAS; runtime.fast_model.Dense.keep_bf16) from this many rows (prefill rows or decode
     # batch); 0: never. Measured: from ~16 rows cuBLAS on bf16 beats the FP8 kernels on the
