@@ -461,12 +461,9 @@ def check_quality(ckpt, packed, sizes, cfg: BuildConfig, device, log) -> dict:
     plan = cfg.runtime_plan()
     runtime = RuntimeLM.from_packed(reference.cfg, packed, sizes, dtype, device,
                                     plan.code_predictor_fp8)
-    # the talker's linears by rows as the plan serves them: W8A8, bf16 copies, weight-only
-    runtime.talker.set_w8a8_min_rows(plan.w8a8_min_rows)
-    runtime.talker.set_bf16_min_rows(plan.bf16_min_rows)
-    runtime.code_predictor.stack.set_w8a8_min_rows(plan.cp_w8a8_min_rows)
-    for head in runtime.code_predictor.heads:
-        head.w8a8_min_rows = plan.cp_w8a8_min_rows
+    # the linears by rows as the plan serves them: W8A8, bf16 copies, weight-only
+    runtime.talker.set_linear_paths(plan, runtime.code_predictor.stack,
+                                    runtime.code_predictor.heads)  # fmt: skip
     items = generate_corpus(reference, load_texts(None, cfg.quality_texts), seed=cfg.seed,
                             max_frames=cfg.quality_frames)
     report = measure_quality(reference, runtime, items, code_predictor_paths(plan),

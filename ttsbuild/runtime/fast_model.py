@@ -134,7 +134,7 @@ class Dense:
             w8a8 = self.takes_w8a8(rows, x.dtype, x.is_cuda)
             if GATE_UP_SILU and not bf16 and not w8a8:
                 return fp8_gate_up_silu(x, self.weight, self.scale)
-            if A8_GATE_UP_SILU and not bf16 and w8a8:
+            if A8_GATE_UP_SILU and w8a8:  # (takes_w8a8 is false where the bf16 copy runs)
                 return fp8_linear_w8a8(x, self.weight, self.scale, gate_up=True,
                                        quantized=self._take_quantized(x))  # fmt: skip
         return silu_mul(self(x))
@@ -232,6 +232,17 @@ class PackedStack:
             for d in (p.qkv, p.o, p.gate_up, p.down):
                 d.keep_bf16(rows)
 
+    def set_linear_paths(self, plan, code_predictor: PackedStack, cp_heads) -> None:
+        """The plan's path for the FP8 linears by rows, on this (the talker's) stack and on
+        the code predictor's stack and heads: W8A8 from w8a8_min_rows / cp_w8a8_min_rows, bf16
+        copies from bf16_min_rows (the talker's), weight-only below. One place for the engine
+        and the quality gate that measures it."""
+        self.set_w8a8_min_rows(plan.w8a8_min_rows)
+        self.set_bf16_min_rows(plan.bf16_min_rows)
+        code_predictor.set_w8a8_min_rows(plan.cp_w8a8_min_rows)
+        for head in cp_heads:
+            head.w8a8_min_rows = plan.cp_w8a8_min_rows
+
     def set_w8a8_min_rows(self, rows: int) -> None:
         """W8A8 for the FP8 linears from `rows` rows on (0: weight-only everywhere)."""
         for p in self.layers:
@@ -293,22 +304,24 @@ class PackedStack:
         eps = self.cfg.rms_norm_eps
         residual, delta = x, None
         rows = x.numel() // x.shape[-1]
-        for i, p in enumerate(self.layers):
-            quant = A8_NORM_QUANT and p.qkv.takes_w8a8(rows, x.dtype, x.is_cuda)
+
+        def norm(delta, residual, weight, then: Dense):
+            """(residual, normed) for the linear `then`, handed its input's rows quantised
+            where it runs W8A8 and A8_NORM_QUANT is on."""
+            quant = A8_NORM_QUANT and then.takes_w8a8(rows, x.dtype, x.is_cuda)
             if delta is None:
-                out = rms_norm(residual, p.input_norm, eps, quantize=quant)
-                h, q = out if quant else (out, None)
+                out = rms_norm(residual, weight, eps, quantize=quant)
+                (h, q), res = (out if quant else (out, None)), residual
             else:
-                residual, h, *q = add_rms_norm(delta, residual, p.input_norm, eps,
-                                               quantize=quant)  # fmt: skip
+                res, h, *q = add_rms_norm(delta, residual, weight, eps, quantize=quant)
                 q = q[0] if q else None
             if q is not None:
-                p.qkv.hand_quantized(h, q)
-            quant = A8_NORM_QUANT and p.gate_up.takes_w8a8(rows, x.dtype, x.is_cuda)
-            residual, h, *q = add_rms_norm(p.o(attend(i, p, h)), residual, p.post_norm, eps,
-                                           quantize=quant)  # fmt: skip
-            if q:
-                p.gate_up.hand_quantized(h, q[0])
+                then.hand_quantized(h, q)
+            return res, h
+
+        for i, p in enumerate(self.layers):
+            residual, h = norm(delta, residual, p.input_norm, p.qkv)
+            residual, h = norm(p.o(attend(i, p, h)), residual, p.post_norm, p.gate_up)
             delta = self._mlp(p, h)
         if delta is None:
             return rms_norm(residual, self.norm, eps)

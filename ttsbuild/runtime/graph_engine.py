@@ -316,15 +316,11 @@ class GraphBackend:
         else:
             self.talker_stack = PackedStack.from_module(talker.model, fp8)
             self.cp_stack = PackedStack.from_module(cp.model, plan.code_predictor_fp8)
-        self.talker_stack.set_w8a8_min_rows(plan.w8a8_min_rows)
-        self.talker_stack.set_bf16_min_rows(plan.bf16_min_rows)
         if release_modules:
             models.drop_decoder_layers()  # the packed stacks are the only copy from here on
         self.codec_head = Dense(talker.codec_head.weight.detach())
         self.cp_heads = [Dense.make(h.weight.detach(), plan.code_predictor_fp8) for h in cp.lm_head]
-        self.cp_stack.set_w8a8_min_rows(plan.cp_w8a8_min_rows)
-        for head in self.cp_heads:
-            head.w8a8_min_rows = plan.cp_w8a8_min_rows
+        self.talker_stack.set_linear_paths(plan, self.cp_stack, self.cp_heads)
         self.cp_proj = cp.small_to_mtp_projection
         self.codec_embedding = talker.model.codec_embedding.weight.detach()  # [V, H]
         # Codebooks 1..15 input embeddings stacked: [G - 1, codebook_size, H]

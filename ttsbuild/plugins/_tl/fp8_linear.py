@@ -91,6 +91,7 @@ GEMM_CONFIGS = [
     _cfg(128, 128, 4, 4, 3),
 ]
 
+
 def _prune(configs, named_args, **kwargs):
     n, k, m = named_args["N"], named_args["K"], named_args["M"]
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))

@@ -11,8 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
+from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue, sin_f32
+from ttsbuild.plugins._tl.fp8_w8a8 import as_fp8, fp8_row_buffers, store_fp8_row
+from ttsbuild.plugins.fp8_linear import FP8_MAX
 
 
 @triton.jit
@@ -40,11 +42,7 @@ def _rms_norm_kernel(
     out = (w * y.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
     if QUANT:  # the normed row (as stored) quantised to FP8 with its own scale, for W8A8
-        of = out.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(of), axis=0) / FMAX, 1e-12)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(of, scale), -FMAX), FMAX)
-        tl.store(q_ptr + row * N + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(qs_ptr + row, scale)
+        store_fp8_row(out.to(tl.float32), q_ptr, qs_ptr, row, N, offs, mask, FMAX)
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -73,12 +71,7 @@ def rms_norm_triton(
     else:
         r2, res_out, res_dtype = x2, x2, x.dtype
     out = torch.empty((R, N), dtype=torch.promote_types(weight.dtype, res_dtype), device=x.device)
-    if quantize:
-        from ttsbuild.plugins.fp8_linear import FP8_MAX
-
-        q, qs = _fp8_rows(R, N, x.device)
-    else:
-        q, qs, FP8_MAX = out, out, 448.0
+    q, qs = fp8_row_buffers(R, N, x.device) if quantize else (out, out)
     if R > 0:
         block = triton.next_power_of_2(N)
         _rms_norm_kernel[(R,)](
@@ -91,7 +84,7 @@ def rms_norm_triton(
     out = out.reshape(x.shape)
     res = res_out.reshape(x.shape) if residual is not None else None
     if quantize:
-        return res, out, (_fp8(q), qs)
+        return res, out, (as_fp8(q), qs)
     return res, out
 
 
@@ -131,28 +124,7 @@ def _silu_mul_quant_kernel(
     s = tl.math.div_rn(gf, 1.0 + exp_f32(-gf)).to(g.dtype)
     out = (s.to(tl.float32) * u).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
-    of = out.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(of), axis=0) / FMAX, 1e-12)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(of, scale), -FMAX), FMAX)
-    tl.store(q_ptr + row * I + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(qs_ptr + row, scale)
-
-
-def _fp8_rows(R: int, N: int, device):
-    """Buffers for R rows quantised to FP8 and their scales. The interpreter's fp32 -> e4m3
-    cast rounds some values a binade down: there the kernel writes fp32 and `_fp8` casts
-    (as quantize_rows_triton does)."""
-    from ttsbuild.plugins.fp8_linear import FP8_DTYPE
-
-    q = torch.empty((R, N), dtype=torch.float32 if interpret_mode() else FP8_DTYPE,
-                    device=device)  # fmt: skip
-    return q, torch.empty((R, 1), dtype=torch.float32, device=device)
-
-
-def _fp8(q: torch.Tensor) -> torch.Tensor:
-    from ttsbuild.plugins.fp8_linear import FP8_DTYPE
-
-    return q.to(FP8_DTYPE)
+    store_fp8_row(out.to(tl.float32), q_ptr, qs_ptr, row, I, offs, mask, FMAX)
 
 
 def _gate_up_rows(gate_up: torch.Tensor):
@@ -169,10 +141,8 @@ def _gate_up_rows(gate_up: torch.Tensor):
 def silu_mul_quant_triton(gate_up: torch.Tensor):
     """(silu(gate) * up [..., I], (its rows quantised to FP8 [R, I], scales [R, 1])) in one
     launch, one program per row."""
-    from ttsbuild.plugins.fp8_linear import FP8_MAX
-
     I, gu, R, out = _gate_up_rows(gate_up)
-    q, qs = _fp8_rows(R, I, gate_up.device)
+    q, qs = fp8_row_buffers(R, I, gate_up.device)
     if R > 0:
         block = triton.next_power_of_2(I)
         _silu_mul_quant_kernel[(R,)](
@@ -180,7 +150,7 @@ def silu_mul_quant_triton(gate_up: torch.Tensor):
             **pdl_args(pdl_enabled(gu)), num_warps=4 if block <= 2048 else 8 if block <= 4096
             else 16,
         )  # fmt: skip
-    return out.reshape(*gate_up.shape[:-1], I), (_fp8(q), qs)
+    return out.reshape(*gate_up.shape[:-1], I), (as_fp8(q), qs)
 
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
