@@ -118,6 +118,10 @@ def main() -> None:
         t = time.perf_counter()
         runtime = RuntimeLM.from_packed(ref.cfg, packed, sizes, dtype, device,
                                         plan.code_predictor_fp8)
+        # the linears by rows as the plan serves them, as compile's gate runs them (until
+        # 2026-12-04 this script ran every FP8 linear weight-only)
+        runtime.talker.set_linear_paths(plan, runtime.code_predictor.stack,
+                                        runtime.code_predictor.heads)  # fmt: skip
         r = measure_quality(ref, runtime, items, paths, reference_logits=ref_logits)
         rows.append({"engine": name, "seconds": round(time.perf_counter() - t, 2),
                      **r.to_dict()})
