@@ -75,6 +75,10 @@
 #         the A8 epilogue (TTSBUILD_A8_GATE_UP_SILU), an FP8 code predictor, and one with
 #         W8A8 on its unfused path (plan cp_w8a8_min_rows 16: batch 64); then, time left,
 #         `sweep_fp8.py --a8`
+# switches: the talker's kernel switches side by side in ONE process (bench_switches.py:
+#         a CUDA graph per variant and shape, replayed in interleaved rounds; ratios to the
+#         baseline within a round): $SWITCH_VARIANTS (default: the A8 switches one by one and
+#         all three), $SWITCH_SHAPES (default decode 1 and 64, prefill 1x32, 1x64, 4x64)
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
@@ -190,6 +194,14 @@ for step in $STEPS; do
                 --ms "${A8_MS:-16,32,64,128}" --jobs 14 > "$OUT/sweep_a8.log" 2>&1
             echo "rc=$?"; grep -vE "^  |compile failed" "$OUT/sweep_a8.log" | tail -20
         fi ;;
+    switches)
+        log "talker switches side by side in one process (bench_switches.py)"
+        args=()
+        [ -n "${SWITCH_VARIANTS:-}" ] && args+=(--variants "$SWITCH_VARIANTS")
+        [ -n "${SWITCH_SHAPES:-}" ] && args+=(--shapes "$SWITCH_SHAPES")
+        timeout -k 5 300 python3 benchmarks/kernels/bench_switches.py "${args[@]}" \
+            --out "$OUT/bench_switches.json" > "$OUT/bench_switches.log" 2>&1
+        echo "rc=$?"; grep -vE "^  |compile failed" "$OUT/bench_switches.log" | tail -30 ;;
     engine)
         log "engine microbenchmark (served plan)"
         engine_bench served ;;

@@ -1,0 +1,266 @@
+"""The talker's kernel switches timed side by side in ONE process.
+
+Separate processes drift by more than these switches change: on 2026-12-04 the talker's
+one-row step read 1.00-1.21 ms across seven engine-bench processes that all ran the same code
+for it (`2026-12-04-h200-a8-sides/`). Here each variant (a set of `fast_model` switches, read
+when a graph is captured) gets its own CUDA graph per shape, and the variants' graphs are
+replayed in rounds, interleaved, the order rotated every round. Per shape and variant: the
+median ms over rounds, the median of its per-round ratio to the baseline (no switch; a ratio
+taken within one round cancels drift between rounds) with the spread of those ratios, and the
+relative difference of its output to the baseline's (0: the same bits).
+
+Shapes: `decode:B` (PackedStack.decode, B rows at positions ~600 of a 1024-position cache) and
+`prefill:BxT` (PackedStack.prefill, B prompts of T tokens). The stack is the 1.7B CustomVoice
+talker (random weights, FP8, the plan's default linear paths: W8A8 from 16 rows, bf16 copies
+from 128).
+
+    PYTHONPATH=. python3 benchmarks/kernels/bench_switches.py [--out bench_switches.json] \
+        [--variants "A8_NORM_QUANT;A8_SILU_QUANT;A8_NORM_QUANT,A8_SILU_QUANT"] \
+        [--shapes decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64] [--rounds 9]
+
+(--variants: ';' between variants, ',' between the switches of one; the default is the
+three A8 switches one by one and all three together.)
+
+`--tiny`: the tiny model on the CPU, eager calls timed by the host clock: checks the script
+and the switches' bit-equality on the CPU references (tests/runtime/test_bench_switches.py),
+times nothing that matters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from ttsbuild.runtime import fast_model
+
+# fast_model's switches a variant may turn on (every one is off in the baseline, whatever the
+# environment says)
+SWITCHES = ("A8_NORM_QUANT", "A8_SILU_QUANT", "A8_GATE_UP_SILU", "GATE_UP_SILU",
+            "TALKER_ATTEND_FUSED")  # fmt: skip
+DEFAULT_VARIANTS = ("A8_NORM_QUANT;A8_SILU_QUANT;A8_GATE_UP_SILU;"
+                    "A8_NORM_QUANT,A8_SILU_QUANT,A8_GATE_UP_SILU")  # fmt: skip
+DEFAULT_SHAPES = "decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64"
+CACHE_POSITIONS = 1024
+
+
+def parse_variants(text: str) -> list[tuple[str, dict[str, bool]]]:
+    """'A;B,C' -> [('base', {}), ('A', {A}), ('B+C', {B, C})]: the baseline first."""
+    variants = [("base", {})]
+    for item in text.split(";"):
+        names = [n.strip() for n in item.split(",") if n.strip()]
+        if not names:
+            continue
+        unknown = [n for n in names if n not in SWITCHES]
+        if unknown:
+            raise ValueError(f"unknown switch {unknown[0]!r}; known: {', '.join(SWITCHES)}")
+        variants.append(("+".join(names), dict.fromkeys(names, True)))
+    return variants
+
+
+def parse_shapes(text: str) -> list[tuple[str, int, int]]:
+    """'decode:64,prefill:4x32' -> [('decode', 64, 1), ('prefill', 4, 32)]."""
+    shapes = []
+    for item in text.split(","):
+        kind, _, size = item.strip().partition(":")
+        try:
+            if kind == "decode":
+                shapes.append((kind, int(size), 1))
+            elif kind == "prefill":
+                b, _, t = size.partition("x")
+                shapes.append((kind, int(b), int(t)))
+            else:
+                raise ValueError(kind)
+        except ValueError:
+            raise ValueError(f"bad shape {item!r}: decode:B or prefill:BxT") from None
+        if min(shapes[-1][1:]) < 1:
+            raise ValueError(f"bad shape {item!r}: sizes must be positive")
+    return shapes
+
+
+@contextlib.contextmanager
+def switched(flags: dict[str, bool]):
+    """fast_model's switches as `flags` says (the rest off) for the block, restored after."""
+    old = {n: getattr(fast_model, n) for n in SWITCHES}
+    try:
+        for n in SWITCHES:
+            setattr(fast_model, n, flags.get(n, False))
+        yield
+    finally:
+        for n, v in old.items():
+            setattr(fast_model, n, v)
+
+
+def make_stack(variant: str, device: str, dtype: torch.dtype):
+    """(talker config, FP8 PackedStack on the plan's default linear paths) of random weights."""
+    from ttsbuild.convert.init_random import load_variant
+    from ttsbuild.model.config import ModelConfig
+    from ttsbuild.model.layers import DecoderStack
+    from ttsbuild.runtime.plan import DEFAULT_BF16_MIN_ROWS, DEFAULT_W8A8_MIN_ROWS
+
+    cfg = ModelConfig.from_official(load_variant(variant)[0]).talker
+    torch.manual_seed(0)
+    with torch.device(device):
+        module = DecoderStack(cfg)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.02)
+    stack = fast_model.PackedStack.from_module(module.to(dtype), True)
+    stack.set_w8a8_min_rows(DEFAULT_W8A8_MIN_ROWS)
+    stack.set_bf16_min_rows(DEFAULT_BF16_MIN_ROWS)
+    return cfg, stack
+
+
+def shape_call(stack, cfg, shape: tuple[str, int, int], device: str, dtype: torch.dtype):
+    """A call running `shape` on fresh random inputs (its output returned); the same inputs
+    and caches for every variant. Each call writes the same cache entries it then reads."""
+    kind, B, T = shape
+    g = torch.Generator(device=device).manual_seed(B * 1000 + T)
+    cache = (cfg.num_layers, B, cfg.num_kv_heads, CACHE_POSITIONS, cfg.head_dim)
+    k = torch.randn(cache, device=device, generator=g).to(dtype)
+    v = torch.randn(cache, device=device, generator=g).to(dtype)
+    slots = torch.arange(B, device=device)
+    if kind == "decode":
+        x = torch.randn(B, cfg.hidden_size, device=device, generator=g).to(dtype)
+        pos = torch.randint(CACHE_POSITIONS // 2, CACHE_POSITIONS * 5 // 8, (B,), device=device,
+                            generator=g)  # fmt: skip
+        return lambda: stack.decode(x, k, v, slots, pos)
+    x = torch.randn(B, T, cfg.hidden_size, device=device, generator=g).to(dtype)
+    return lambda: stack.prefill(x, k, v, slots)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / a.norm()).item()
+
+
+class Runner:
+    """One variant's call at one shape: a CUDA graph on the GPU (replayed, timed by events),
+    the eager call on the CPU (timed by the host clock). `output` after a run is the call's."""
+
+    def __init__(self, call, flags: dict[str, bool], cuda: bool):
+        from ttsbuild.runtime.graph_engine import _capture
+
+        self.cuda, self.flags, self.output = cuda, flags, None
+
+        def step():
+            self.output = call()
+
+        self._step, self.graph = step, None
+        if cuda:
+            with switched(flags):  # read while the graph is captured: its kernels keep them
+                self.graph = _capture(step, None)  # the captured output: the graph's own
+
+    def run(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            with switched(self.flags):  # the eager call reads them as it runs
+                self._step()
+
+    def time_ms(self, replays: int) -> float:
+        """Median ms of `replays` runs."""
+        times = []
+        for _ in range(replays):
+            if self.cuda:
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                self.run()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                self.run()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def bench_shape(runners: dict[str, Runner], rounds: int, replays: int) -> dict[str, dict]:
+    """Interleaved rounds over the variants (order rotated each round) -> per variant: median
+    ms, median / min / max of the per-round ratio to 'base'."""
+    names = list(runners)
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for n in order:
+            per_round[n].append(runners[n].time_ms(replays))
+    out = {}
+    for n in names:
+        ratios = [t / b for t, b in zip(per_round[n], per_round["base"], strict=True)]
+        out[n] = {"ms": statistics.median(per_round[n]), "ratio": statistics.median(ratios),
+                  "ratio_min": min(ratios), "ratio_max": max(ratios),
+                  "rounds_ms": per_round[n]}  # fmt: skip
+    return out
+
+
+def run(variants, shapes, rounds: int, replays: int, tiny: bool, log=print) -> list[dict]:
+    cuda = not tiny
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    cfg, stack = make_stack("tiny" if tiny else "1.7b-customvoice", device, dtype)
+    rows = []
+    log(f"{'shape':14s} {'variant':52s} {'ms':>8s} {'ratio':>7s} {'ratio range':>15s} "
+        f"{'rel diff':>9s}")  # fmt: skip
+    for shape in shapes:
+        call = shape_call(stack, cfg, shape, device, dtype)
+        runners = {name: Runner(call, flags, cuda) for name, flags in variants}
+        # outputs once more, one variant after another (each writes what it then reads)
+        outputs = {}
+        for name, runner in runners.items():
+            runner.run()
+            outputs[name] = runner.output.detach().clone()
+        if cuda:
+            torch.cuda.synchronize()
+        timed = bench_shape(runners, rounds, replays)
+        label = f"{shape[0]} {shape[1]}" + (f"x{shape[2]}" if shape[0] == "prefill" else "")
+        for name, t in timed.items():
+            diff = rel_diff(outputs["base"], outputs[name])
+            rows.append({"shape": label, "variant": name, "rel_diff": diff, **t})
+            log(f"{label:14s} {name:52s} {t['ms']:8.3f} {t['ratio']:7.3f} "
+                f"{t['ratio_min']:7.3f}-{t['ratio_max']:.3f} {diff:9.2e}")  # fmt: skip
+        del runners, call
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    help="';'-separated variants, each a ','-separated set of switches "
+                         f"({', '.join(SWITCHES)}); the baseline (none) always runs")  # fmt: skip
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (a check)")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        variants, shapes = parse_variants(args.variants), parse_shapes(args.shapes)
+        if args.rounds < 1 or args.replays < 1:
+            raise ValueError("--rounds and --replays must be at least 1")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.tiny and not torch.cuda.is_available():
+        print("error: needs a CUDA GPU (or --tiny)", file=sys.stderr)
+        return 2
+    if not args.tiny:
+        print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    rows = run(variants, shapes, args.rounds, args.replays, args.tiny)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""benchmarks/kernels/bench_switches.py on the CPU (--tiny): every variant really runs its
+switches, the quantised-row switches change no bit on the references, and bad arguments are
+refused with exit 2."""
+
+import pytest
+from helpers_scripts import script_fixture
+
+from ttsbuild.runtime import fast_model
+
+bench = script_fixture("benchmarks/kernels/bench_switches.py")
+
+
+def test_arguments_are_parsed_and_bad_ones_refused(bench, capsys):
+    assert bench.parse_variants("A8_NORM_QUANT; A8_SILU_QUANT,A8_GATE_UP_SILU;") == [
+        ("base", {}), ("A8_NORM_QUANT", {"A8_NORM_QUANT": True}),
+        ("A8_SILU_QUANT+A8_GATE_UP_SILU", {"A8_SILU_QUANT": True, "A8_GATE_UP_SILU": True}),
+    ]  # fmt: skip
+    assert bench.parse_shapes("decode:64, prefill:4x32") == [("decode", 64, 1),
+                                                             ("prefill", 4, 32)]  # fmt: skip
+    for argv in (
+        ["--variants", "A8_NORM_QUANTS"],
+        ["--shapes", "prefill:4"],
+        ["--shapes", "decode:0"],
+        ["--shapes", "verify:2"],
+        ["--rounds", "0"],
+    ):
+        assert bench.main([*argv, "--tiny"]) == 2
+        assert "error:" in capsys.readouterr().err
+
+
+def test_variants_run_their_switches_and_keep_the_bits(bench, monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors: the references
+    seen = {"handed": 0, "gate_up": 0}
+    real_hand, real_w8a8 = fast_model.Dense.hand_quantized, fast_model.fp8_linear_w8a8
+
+    def hand(self, x, quantized):
+        seen["handed"] += 1
+        real_hand(self, x, quantized)
+
+    def w8a8(*args, **kwargs):
+        seen["gate_up"] += bool(kwargs.get("gate_up"))
+        return real_w8a8(*args, **kwargs)
+
+    monkeypatch.setattr(fast_model.Dense, "hand_quantized", hand)
+    monkeypatch.setattr(fast_model, "fp8_linear_w8a8", w8a8)
+    counts = {}
+    real_run = bench.Runner.run
+
+    def run(self):
+        before = dict(seen)
+        real_run(self)
+        key = tuple(sorted(self.flags))
+        counts[key] = {k: seen[k] - before[k] for k in seen}
+
+    monkeypatch.setattr(bench.Runner, "run", run)
+    # 16 prompt rows: W8A8 (the plan's default from 16 rows), where the switches act
+    variants = bench.parse_variants("A8_NORM_QUANT;A8_SILU_QUANT;A8_GATE_UP_SILU")
+    rows = bench.run(variants, [("prefill", 1, 16)], rounds=2, replays=1, tiny=True,
+                     log=lambda *_: None)  # fmt: skip
+    assert [r["variant"] for r in rows] == [name for name, _ in variants]
+    layers = len(bench.make_stack("tiny", "cpu", bench.torch.float32)[1].layers)
+    assert counts[()] == {"handed": 0, "gate_up": 0}
+    # the norms before qkv and gate/up hand their rows quantised; silu_mul before down
+    assert counts[("A8_NORM_QUANT",)] == {"handed": 2 * layers, "gate_up": 0}
+    assert counts[("A8_SILU_QUANT",)] == {"handed": layers, "gate_up": 0}
+    assert counts[("A8_GATE_UP_SILU",)] == {"handed": 0, "gate_up": layers}
+    for r in rows:
+        assert r["rel_diff"] == 0.0, r  # the same bits as the baseline on the references
+        assert r["ms"] > 0 and len(r["rounds_ms"]) == 2
+        assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
+    base = next(r for r in rows if r["variant"] == "base")
+    assert base["ratio"] == base["ratio_min"] == base["ratio_max"] == 1.0
+
+
+@pytest.mark.parametrize("flags", [{}, {"A8_NORM_QUANT": True, "GATE_UP_SILU": True}])
+def test_switched_sets_only_its_flags_and_restores_them(bench, monkeypatch, flags):
+    monkeypatch.setattr(fast_model, "A8_SILU_QUANT", True)  # as if the environment said so
+    with bench.switched(flags):
+        assert {n: getattr(fast_model, n) for n in bench.SWITCHES} == {
+            n: flags.get(n, False) for n in bench.SWITCHES
+        }
+    assert fast_model.A8_SILU_QUANT is True and fast_model.A8_NORM_QUANT is False
