@@ -46,9 +46,10 @@ PEAK_BW = 4.0e12  # bytes/s, as bench_kernels.py
 DEV = "cuda"
 
 
-def build(cfg: ModelConfig, dtype: torch.dtype, fp8: bool, seed: int = 0) -> FusedCodePredictor:
+def build(cfg: ModelConfig, dtype: torch.dtype, fp8: bool, seed: int = 0,
+          device: str = DEV) -> FusedCodePredictor:  # fmt: skip
     torch.manual_seed(seed)
-    with torch.device(DEV):
+    with torch.device(device):
         cp = CodePredictor(cfg)
     with torch.no_grad():
         for name, p in cp.named_parameters():
@@ -57,7 +58,7 @@ def build(cfg: ModelConfig, dtype: torch.dtype, fp8: bool, seed: int = 0) -> Fus
             else:
                 p.normal_(0.0, 0.02)
         # codebook-0 input embeddings (the talker's table; random at talker width)
-        codec_embedding = torch.randn(cfg.codec_vocab_size, cfg.talker.hidden_size, device=DEV)
+        codec_embedding = torch.randn(cfg.codec_vocab_size, cfg.talker.hidden_size, device=device)
     cp = cp.to(dtype)
     embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
     return FusedCodePredictor(
@@ -72,29 +73,30 @@ def build(cfg: ModelConfig, dtype: torch.dtype, fp8: bool, seed: int = 0) -> Fus
 class Frame:
     """Static buffers of one batch and the frame of one path over them."""
 
-    def __init__(self, fcp: FusedCodePredictor, B: int, path: str, seed: int = 1):
+    def __init__(self, fcp: FusedCodePredictor, B: int, path: str, seed: int = 1,
+                 device: str = DEV):  # fmt: skip
         c = fcp.stack.cfg
         G = fcp.num_code_groups
         dtype = fcp.embeddings.dtype
-        g = torch.Generator(device=DEV).manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)
         self.fcp, self.path, self.B = fcp, path, B
-        self.hidden = torch.randn(B, fcp.embeddings.shape[-1], device=DEV, generator=g).to(dtype)
-        self.c0 = torch.randint(0, fcp.codec_embedding.shape[0], (B,), device=DEV, generator=g)
-        self.seeds = torch.randint(0, 2**40, (B,), device=DEV, generator=g)
-        self.frames = torch.zeros(B, dtype=torch.int64, device=DEV)
+        self.hidden = torch.randn(B, fcp.embeddings.shape[-1], device=device, generator=g).to(dtype)
+        self.c0 = torch.randint(0, fcp.codec_embedding.shape[0], (B,), device=device, generator=g)
+        self.seeds = torch.randint(0, 2**40, (B,), device=device, generator=g)
+        self.frames = torch.zeros(B, dtype=torch.int64, device=device)
         self.sampling = SamplingBatch(
-            do_sample=torch.zeros(B, dtype=torch.bool, device=DEV),
-            temperature=torch.full((B,), 0.9, device=DEV),
-            top_k=torch.full((B,), 50, dtype=torch.int64, device=DEV),
-            top_p=torch.full((B,), 1.0, device=DEV),
-            repetition_penalty=torch.ones(B, device=DEV),
+            do_sample=torch.zeros(B, dtype=torch.bool, device=device),
+            temperature=torch.full((B,), 0.9, device=device),
+            top_k=torch.full((B,), 50, dtype=torch.int64, device=device),
+            top_p=torch.full((B,), 1.0, device=device),
+            repetition_penalty=torch.ones(B, device=device),
         )
         shape = (c.num_layers, B, c.num_kv_heads, G, c.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=DEV)
-        self.v = torch.zeros(shape, dtype=dtype, device=DEV)
-        self.slots = torch.arange(B, device=DEV)
-        self.positions = [torch.full((B,), i, device=DEV) for i in range(G)]
-        self.codes = torch.zeros(B, G, dtype=torch.int64, device=DEV)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.slots = torch.arange(B, device=device)
+        self.positions = [torch.full((B,), i, device=device) for i in range(G)]
+        self.codes = torch.zeros(B, G, dtype=torch.int64, device=device)
 
     def __call__(self) -> None:
         run = {"unfused": self.fcp.frame_unfused, "fused": self.fcp.frame,

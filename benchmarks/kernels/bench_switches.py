@@ -1,4 +1,4 @@
-"""The talker's kernel switches timed side by side in ONE process.
+"""The talker's and the code predictor's kernel switches timed side by side in ONE process.
 
 Separate processes drift by more than these switches change: on 2026-12-04 the talker's
 one-row step read 1.00-1.21 ms across seven engine-bench processes that all ran the same code
@@ -9,17 +9,20 @@ median ms over rounds, the median of its per-round ratio to the baseline (no swi
 taken within one round cancels drift between rounds) with the spread of those ratios, and the
 relative difference of its output to the baseline's (0: the same bits).
 
-Shapes: `decode:B` (PackedStack.decode, B rows at positions ~600 of a 1024-position cache) and
-`prefill:BxT` (PackedStack.prefill, B prompts of T tokens). The stack is the 1.7B CustomVoice
-talker (random weights, FP8, the plan's default linear paths: W8A8 from 16 rows, bf16 copies
-from 128).
+Shapes: `decode:B` (PackedStack.decode, B rows at positions ~600 of a 1024-position cache),
+`prefill:BxT` (PackedStack.prefill, B prompts of T tokens): the 1.7B CustomVoice talker (random
+weights, FP8, the plan's default linear paths: W8A8 from 16 rows, bf16 copies from 128); and
+`cp:B` (FusedCodePredictor.frame, the code predictor's 15 passes for B rows, greedy: bf16 as
+served, `bench_cp_fused.build`), where the output compared is the codes (the fraction that
+differ).
 
     PYTHONPATH=. python3 benchmarks/kernels/bench_switches.py [--out bench_switches.json] \
         [--variants "A8_NORM_QUANT;A8_SILU_QUANT;A8_NORM_QUANT,A8_SILU_QUANT"] \
-        [--shapes decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64] [--rounds 9]
+        [--shapes decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cp:8] [--rounds 9]
 
-(--variants: ';' between variants, ',' between the switches of one; the default is the
-three A8 switches one by one and all three together.)
+(--variants: ';' between variants, ',' between the switches of one; the default: the three
+A8 switches one by one and all three together, then the code predictor's two. A switch that a
+shape's path never reads times that shape's baseline again: a check of the method's noise.)
 
 `--tiny`: the tiny model on the CPU, eager calls timed by the host clock: checks the script
 and the switches' bit-equality on the CPU references (tests/runtime/test_bench_switches.py),
@@ -34,18 +37,28 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from ttsbuild.runtime import fast_model
+from ttsbuild.runtime import cp_fused, fast_model
 
-# fast_model's switches a variant may turn on (every one is off in the baseline, whatever the
-# environment says)
-SWITCHES = ("A8_NORM_QUANT", "A8_SILU_QUANT", "A8_GATE_UP_SILU", "GATE_UP_SILU",
-            "TALKER_ATTEND_FUSED")  # fmt: skip
-DEFAULT_VARIANTS = ("A8_NORM_QUANT;A8_SILU_QUANT;A8_GATE_UP_SILU;"
-                    "A8_NORM_QUANT,A8_SILU_QUANT,A8_GATE_UP_SILU")  # fmt: skip
-DEFAULT_SHAPES = "decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64"
+# The switches a variant may turn on: name -> (module, attribute), each read when a kernel
+# path is chosen. Every one is off in the baseline, whatever the environment says.
+SWITCHES = {
+    "A8_NORM_QUANT": (fast_model, "A8_NORM_QUANT"),
+    "A8_SILU_QUANT": (fast_model, "A8_SILU_QUANT"),
+    "A8_GATE_UP_SILU": (fast_model, "A8_GATE_UP_SILU"),
+    "GATE_UP_SILU": (fast_model, "GATE_UP_SILU"),
+    "TALKER_ATTEND_FUSED": (fast_model, "TALKER_ATTEND_FUSED"),
+    "CP_ATTEND_IN_QKV": (cp_fused, "ATTEND_IN_QKV"),
+    "CP_SAMPLE_IN_HEAD": (cp_fused, "SAMPLE_IN_HEAD"),
+}
+DEFAULT_VARIANTS = (
+    "A8_NORM_QUANT;A8_SILU_QUANT;A8_GATE_UP_SILU;A8_NORM_QUANT,A8_SILU_QUANT,A8_GATE_UP_SILU;"
+    "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD"
+)
+DEFAULT_SHAPES = "decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cp:8"
 CACHE_POSITIONS = 1024
 
 
@@ -64,12 +77,12 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, bool]]]:
 
 
 def parse_shapes(text: str) -> list[tuple[str, int, int]]:
-    """'decode:64,prefill:4x32' -> [('decode', 64, 1), ('prefill', 4, 32)]."""
+    """'decode:64,prefill:4x32,cp:1' -> [('decode', 64, 1), ('prefill', 4, 32), ('cp', 1, 1)]."""
     shapes = []
     for item in text.split(","):
         kind, _, size = item.strip().partition(":")
         try:
-            if kind == "decode":
+            if kind in ("decode", "cp"):
                 shapes.append((kind, int(size), 1))
             elif kind == "prefill":
                 b, _, t = size.partition("x")
@@ -77,7 +90,7 @@ def parse_shapes(text: str) -> list[tuple[str, int, int]]:
             else:
                 raise ValueError(kind)
         except ValueError:
-            raise ValueError(f"bad shape {item!r}: decode:B or prefill:BxT") from None
+            raise ValueError(f"bad shape {item!r}: decode:B, prefill:BxT or cp:B") from None
         if min(shapes[-1][1:]) < 1:
             raise ValueError(f"bad shape {item!r}: sizes must be positive")
     return shapes
@@ -85,25 +98,30 @@ def parse_shapes(text: str) -> list[tuple[str, int, int]]:
 
 @contextlib.contextmanager
 def switched(flags: dict[str, bool]):
-    """fast_model's switches as `flags` says (the rest off) for the block, restored after."""
-    old = {n: getattr(fast_model, n) for n in SWITCHES}
+    """The switches as `flags` says (the rest off) for the block, restored after."""
+    old = {n: getattr(*SWITCHES[n]) for n in SWITCHES}
     try:
-        for n in SWITCHES:
-            setattr(fast_model, n, flags.get(n, False))
+        for n, (module, attr) in SWITCHES.items():
+            setattr(module, attr, flags.get(n, False))
         yield
     finally:
         for n, v in old.items():
-            setattr(fast_model, n, v)
+            setattr(*SWITCHES[n], v)
+
+
+def model_config(variant: str):
+    from ttsbuild.convert.init_random import load_variant
+    from ttsbuild.model.config import ModelConfig
+
+    return ModelConfig.from_official(load_variant(variant)[0])
 
 
 def make_stack(variant: str, device: str, dtype: torch.dtype):
     """(talker config, FP8 PackedStack on the plan's default linear paths) of random weights."""
-    from ttsbuild.convert.init_random import load_variant
-    from ttsbuild.model.config import ModelConfig
     from ttsbuild.model.layers import DecoderStack
     from ttsbuild.runtime.plan import DEFAULT_BF16_MIN_ROWS, DEFAULT_W8A8_MIN_ROWS
 
-    cfg = ModelConfig.from_official(load_variant(variant)[0]).talker
+    cfg = model_config(variant).talker
     torch.manual_seed(0)
     with torch.device(device):
         module = DecoderStack(cfg)
@@ -119,10 +137,31 @@ def make_stack(variant: str, device: str, dtype: torch.dtype):
     return cfg, stack
 
 
-def shape_call(stack, cfg, shape: tuple[str, int, int], device: str, dtype: torch.dtype):
+def cp_call(variant: str, B: int, device: str, dtype: torch.dtype):
+    """The code predictor's frame for B rows (bench_cp_fused's model and buffers; bf16 weights
+    as served): a call returning the frame's codes [B, G]."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        import bench_cp_fused
+    finally:
+        sys.path.pop(0)
+    fcp = bench_cp_fused.build(model_config(variant), dtype, fp8=False, device=device)
+    frame = bench_cp_fused.Frame(fcp, B, "fused", device=device)
+
+    def call():
+        frame()
+        return frame.codes
+
+    return call
+
+
+def shape_call(stack, cfg, shape: tuple[str, int, int], device: str, dtype: torch.dtype,
+               variant: str):  # fmt: skip
     """A call running `shape` on fresh random inputs (its output returned); the same inputs
     and caches for every variant. Each call writes the same cache entries it then reads."""
     kind, B, T = shape
+    if kind == "cp":
+        return cp_call(variant, B, device, dtype)
     g = torch.Generator(device=device).manual_seed(B * 1000 + T)
     cache = (cfg.num_layers, B, cfg.num_kv_heads, CACHE_POSITIONS, cfg.head_dim)
     k = torch.randn(cache, device=device, generator=g).to(dtype)
@@ -138,6 +177,9 @@ def shape_call(stack, cfg, shape: tuple[str, int, int], device: str, dtype: torc
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative difference of b to a; for codes, the fraction of entries that differ."""
+    if not a.is_floating_point():
+        return (a != b).double().mean().item()
     a, b = a.double(), b.double()
     return ((a - b).norm() / a.norm()).item()
 
@@ -205,12 +247,13 @@ def bench_shape(runners: dict[str, Runner], rounds: int, replays: int) -> dict[s
 def run(variants, shapes, rounds: int, replays: int, tiny: bool, log=print) -> list[dict]:
     cuda = not tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    cfg, stack = make_stack("tiny" if tiny else "1.7b-customvoice", device, dtype)
+    variant = "tiny" if tiny else "1.7b-customvoice"
+    cfg, stack = make_stack(variant, device, dtype)
     rows = []
     log(f"{'shape':14s} {'variant':52s} {'ms':>8s} {'ratio':>7s} {'ratio range':>15s} "
         f"{'rel diff':>9s}")  # fmt: skip
     for shape in shapes:
-        call = shape_call(stack, cfg, shape, device, dtype)
+        call = shape_call(stack, cfg, shape, device, dtype, variant)
         runners = {name: Runner(call, flags, cuda) for name, flags in variants}
         # outputs once more, one variant after another (each writes what it then reads)
         outputs = {}

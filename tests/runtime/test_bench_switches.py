@@ -72,11 +72,50 @@ def test_variants_run_their_switches_and_keep_the_bits(bench, monkeypatch, tmp_p
     assert base["ratio"] == base["ratio_min"] == base["ratio_max"] == 1.0
 
 
-@pytest.mark.parametrize("flags", [{}, {"A8_NORM_QUANT": True, "GATE_UP_SILU": True}])
+@pytest.mark.parametrize("flags", [{}, {"A8_NORM_QUANT": True, "CP_ATTEND_IN_QKV": True}])
 def test_switched_sets_only_its_flags_and_restores_them(bench, monkeypatch, flags):
+    from ttsbuild.runtime import cp_fused
+
     monkeypatch.setattr(fast_model, "A8_SILU_QUANT", True)  # as if the environment said so
     with bench.switched(flags):
-        assert {n: getattr(fast_model, n) for n in bench.SWITCHES} == {
+        assert {n: getattr(*bench.SWITCHES[n]) for n in bench.SWITCHES} == {
             n: flags.get(n, False) for n in bench.SWITCHES
         }
     assert fast_model.A8_SILU_QUANT is True and fast_model.A8_NORM_QUANT is False
+    assert cp_fused.ATTEND_IN_QKV is False
+
+
+def test_code_predictor_variants_run_their_switches(bench, monkeypatch):
+    """cp:B runs the code predictor's frame; its two switches take their one-launch kernels
+    (qkv + attention per layer and pass, head + sampler per codebook) and keep the codes."""
+    from ttsbuild.runtime import cp_fused
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    calls = {"attend": 0, "sample": 0}
+    for key, name in (("attend", "norm_linear_attend"), ("sample", "norm_linear_sample")):
+        real = getattr(cp_fused, name)
+
+        def spy(*args, _real=real, _key=key, **kwargs):
+            calls[_key] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(cp_fused, name, spy)
+    counts = {}
+    real_run = bench.Runner.run
+
+    def run(self):
+        before = dict(calls)
+        real_run(self)
+        counts[tuple(sorted(self.flags))] = {k: calls[k] - before[k] for k in calls}
+
+    monkeypatch.setattr(bench.Runner, "run", run)
+    variants = bench.parse_variants("CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD")
+    rows = bench.run(variants, [("cp", 1, 1)], rounds=1, replays=1, tiny=True,
+                     log=lambda *_: None)  # fmt: skip
+    cfg = bench.model_config("tiny").code_predictor
+    groups = bench.model_config("tiny").num_code_groups
+    assert counts[()] == {"attend": 0, "sample": 0}
+    # every layer of every pass (G passes: [h, E0(c0)] then one per codebook 1..G-2)
+    assert counts[("CP_ATTEND_IN_QKV",)] == {"attend": cfg.num_layers * groups, "sample": 0}
+    assert counts[("CP_SAMPLE_IN_HEAD",)] == {"attend": 0, "sample": groups - 1}
+    assert [r["rel_diff"] for r in rows] == [0.0, 0.0, 0.0]  # greedy codes: all the same
