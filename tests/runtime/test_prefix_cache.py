@@ -133,8 +133,9 @@ def test_staged_rows_embed_to_the_prompts_embeddings(custom, base, kind):
             got = backend.embedder.rows(staged, backend.admit_xvec[0])
             assert torch.isfinite(got).all()
             assert_close(got[: n - start], prompt.embeds[start:])
-        backend._embed_text(b, text_length)
-        assert_close(backend.admit_text[0, : prompt.num_trailing], prompt.trailing_text)
+        backend._embed_text(b, text_length)  # into the staged slot's text track
+        assert_close(backend.text_track[backend.scratch, : prompt.num_trailing],
+                     prompt.trailing_text)  # fmt: skip
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
