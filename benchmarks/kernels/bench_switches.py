@@ -13,15 +13,17 @@ Shapes: `decode:B` (PackedStack.decode, B rows at positions ~600 of a 1024-posit
 `prefill:BxT` (PackedStack.prefill, B prompts of T tokens): the 1.7B CustomVoice talker (random
 weights, FP8, the plan's default linear paths: W8A8 from 16 rows, bf16 copies from 128); and
 `cp:B` (FusedCodePredictor.frame, the code predictor's 15 passes for B rows, greedy: bf16 as
-served, `bench_cp_fused.build`), where the output compared is the codes (the fraction that
-differ).
+served, `bench_cp_fused.build`) and `cpp:B` (the same frame on the persistent pass,
+`frame_persistent`: one launch per pass), where the output compared is the codes (the
+fraction that differ).
 
     PYTHONPATH=. python3 benchmarks/kernels/bench_switches.py [--out bench_switches.json] \
         [--variants "A8_NORM_QUANT;A8_SILU_QUANT;A8_NORM_QUANT,A8_SILU_QUANT"] \
-        [--shapes decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cp:8] [--rounds 9]
+        [--shapes decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cpp:1] [--rounds 9]
 
 (--variants: ';' between variants, ',' between the switches of one; the default: the three
-A8 switches one by one and all three together, then the code predictor's two. A switch that a
+A8 switches one by one and all three together, then the code predictor's two and the
+persistent pass's L2 prefetch. A switch that a
 shape's path never reads times that shape's baseline again: a check of the method's noise.)
 
 `--tiny`: the tiny model on the CPU, eager calls timed by the host clock: checks the script
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from ttsbuild.plugins import cp_pass
 from ttsbuild.runtime import cp_fused, fast_model
 
 # The switches a variant may turn on: name -> (module, attribute), each read when a kernel
@@ -53,12 +56,13 @@ SWITCHES = {
     "TALKER_ATTEND_FUSED": (fast_model, "TALKER_ATTEND_FUSED"),
     "CP_ATTEND_IN_QKV": (cp_fused, "ATTEND_IN_QKV"),
     "CP_SAMPLE_IN_HEAD": (cp_fused, "SAMPLE_IN_HEAD"),
+    "CP_PASS_PREFETCH": (cp_pass, "PREFETCH"),
 }
 DEFAULT_VARIANTS = (
     "A8_NORM_QUANT;A8_SILU_QUANT;A8_GATE_UP_SILU;A8_NORM_QUANT,A8_SILU_QUANT,A8_GATE_UP_SILU;"
-    "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD"
+    "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD;CP_PASS_PREFETCH"
 )
-DEFAULT_SHAPES = "decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cp:8"
+DEFAULT_SHAPES = "decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cp:8,cpp:1"
 CACHE_POSITIONS = 1024
 
 
@@ -82,7 +86,7 @@ def parse_shapes(text: str) -> list[tuple[str, int, int]]:
     for item in text.split(","):
         kind, _, size = item.strip().partition(":")
         try:
-            if kind in ("decode", "cp"):
+            if kind in ("decode", "cp", "cpp"):
                 shapes.append((kind, int(size), 1))
             elif kind == "prefill":
                 b, _, t = size.partition("x")
@@ -90,7 +94,7 @@ def parse_shapes(text: str) -> list[tuple[str, int, int]]:
             else:
                 raise ValueError(kind)
         except ValueError:
-            raise ValueError(f"bad shape {item!r}: decode:B, prefill:BxT or cp:B") from None
+            raise ValueError(f"bad shape {item!r}: decode:B, prefill:BxT, cp:B or cpp:B") from None
         if min(shapes[-1][1:]) < 1:
             raise ValueError(f"bad shape {item!r}: sizes must be positive")
     return shapes
@@ -137,16 +141,18 @@ def make_stack(variant: str, device: str, dtype: torch.dtype):
     return cfg, stack
 
 
-def cp_call(variant: str, B: int, device: str, dtype: torch.dtype):
-    """The code predictor's frame for B rows (bench_cp_fused's model and buffers; bf16 weights
-    as served): a call returning the frame's codes [B, G]."""
+def cp_call(variant: str, B: int, device: str, dtype: torch.dtype, path: str = "fused"):
+    """The code predictor's frame for B rows on `path` (fused, persistent; bench_cp_fused's
+    model and buffers; bf16 weights as served): a call returning the frame's codes [B, G]."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     try:
         import bench_cp_fused
     finally:
         sys.path.pop(0)
     fcp = bench_cp_fused.build(model_config(variant), dtype, fp8=False, device=device)
-    frame = bench_cp_fused.Frame(fcp, B, "fused", device=device)
+    if path == "persistent":
+        fcp.enable_persistent(B)
+    frame = bench_cp_fused.Frame(fcp, B, path, device=device)
 
     def call():
         frame()
@@ -160,8 +166,8 @@ def shape_call(stack, cfg, shape: tuple[str, int, int], device: str, dtype: torc
     """A call running `shape` on fresh random inputs (its output returned); the same inputs
     and caches for every variant. Each call writes the same cache entries it then reads."""
     kind, B, T = shape
-    if kind == "cp":
-        return cp_call(variant, B, device, dtype)
+    if kind in ("cp", "cpp"):
+        return cp_call(variant, B, device, dtype, "fused" if kind == "cp" else "persistent")
     g = torch.Generator(device=device).manual_seed(B * 1000 + T)
     cache = (cfg.num_layers, B, cfg.num_kv_heads, CACHE_POSITIONS, cfg.head_dim)
     k = torch.randn(cache, device=device, generator=g).to(dtype)

@@ -78,9 +78,9 @@
 # switches: the talker's kernel switches side by side in ONE process (bench_switches.py:
 #         a CUDA graph per variant and shape, replayed in interleaved rounds; ratios to the
 #         baseline within a round): $SWITCH_VARIANTS (default: the A8 switches one by one and
-#         all three, the code predictor's attention-in-qkv and sampler-in-head),
-#         $SWITCH_SHAPES (default talker decode 1 and 64, prefill 1x32, 1x64, 4x64, code
-#         predictor frame 1 and 8)
+#         all three, the code predictor's attention-in-qkv and sampler-in-head, the
+#         persistent pass's L2 prefetch), $SWITCH_SHAPES (default talker decode 1 and 64,
+#         prefill 1x32, 1x64, 4x64, code predictor frame 1 and 8, persistent frame 1)
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
@@ -201,7 +201,8 @@ for step in $STEPS; do
         args=()
         [ -n "${SWITCH_VARIANTS:-}" ] && args+=(--variants "$SWITCH_VARIANTS")
         [ -n "${SWITCH_SHAPES:-}" ] && args+=(--shapes "$SWITCH_SHAPES")
-        timeout -k 5 300 python3 benchmarks/kernels/bench_switches.py "${args[@]}" \
+        timeout -k 5 $((DEADLINE_S - SECONDS > 60 ? DEADLINE_S - SECONDS - 10 : 50)) \
+            python3 -u benchmarks/kernels/bench_switches.py "${args[@]}" \
             --out "$OUT/bench_switches.json" > "$OUT/bench_switches.log" 2>&1
         echo "rc=$?"; grep -vE "^  |compile failed" "$OUT/bench_switches.log" | tail -30 ;;
     engine)

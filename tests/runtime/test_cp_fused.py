@@ -314,6 +314,33 @@ def test_persistent_pass_kernel_matches_reference(B, dtype, fp8, monkeypatch):
     assert not torch.equal(k.cpu().float(), torch.randn(shape, generator=g))  # written to
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the L2 prefetch is sm_90 PTX")
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_persistent_pass_l2_prefetch_changes_no_bit(B, fp8, monkeypatch):
+    """TTSBUILD_CP_PASS_PREFETCH: the next stages' weights brought into L2 ahead of their
+    stage change what is read from where, never a value: the same bits with it on."""
+    from ttsbuild.plugins import cp_pass
+
+    cp = _predictor(torch.bfloat16, "cuda", fp8=fp8)
+    cp.enable_persistent(max_rows=4)
+    g = torch.Generator().manual_seed(5 + B)
+    shape = (CFG.num_layers, SLOTS, CFG.num_kv_heads, G, CFG.head_dim)
+    caches = torch.randn(2, *shape, generator=g).to("cuda", torch.bfloat16)
+    idx = torch.randint(0, V, (B,), generator=g).cuda()
+    slots = torch.tensor([3, 0, 4][:B], device="cuda")
+    outs = {}
+    for prefetch in (False, True):
+        monkeypatch.setattr(cp_pass, "PREFETCH", prefetch)
+        k, v = caches[0].clone(), caches[1].clone()
+        x, logits = cp_pass.run_pass(cp.passes, cp.pass_buffers, cp.embeddings[2], idx, 4, k, v,
+                                     slots, cp.heads[1], use_triton=True)  # fmt: skip
+        outs[prefetch] = (x.clone(), logits.clone(), k, v)
+    assert not torch.equal(outs[False][2], caches[0])  # the pass ran and wrote its keys
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert torch.equal(a, b)
+
+
 @needs_kernel
 @pytest.mark.parametrize("identity", [False, True])
 def test_persistent_frame_kernel_equals_unfused_frame(identity, monkeypatch):

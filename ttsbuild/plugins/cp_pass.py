@@ -12,6 +12,7 @@ views of the stacks, so no weight is held twice.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,12 @@ _LOG2E = 1.4426950408889634
 _FIELDS = ("input_norm", "q_norm", "k_norm", "post_norm")
 _DENSE = ("qkv", "o", "gate_up", "down")
 _BARRIERS: dict[torch.device, torch.Tensor] = {}
+# Each program brings its tiles of the next two stages' weights into L2 while the current
+# stage runs (`cp.async.bulk.prefetch.L2`, sm_90): a stage after the grid barrier then reads
+# its weights from L2, not HBM. The 2026-11-30 profile: a stage's own work ~5 us against ~1 us
+# of weight streaming, a few dependent memory round trips. Off until timed on the GPU
+# (TTSBUILD_CP_PASS_PREFETCH=1 turns it on; read at each launch).
+PREFETCH = os.environ.get("TTSBUILD_CP_PASS_PREFETCH", "0") == "1"
 
 
 @dataclass
@@ -190,7 +197,15 @@ def run_pass(
             cp_pass_kernel[(nprog,)](*args, stage, stage + 1, *rest, **meta, SYNC=False)
     else:
         sync = not race_stages
-        cp_pass_kernel[(nprog,)](*args, 0, last, *rest, **meta, SYNC=sync, num_warps=num_warps)
+        # a bulk prefetch takes 16-byte aligned blocks of 16-byte multiples: every weight row
+        rows_bytes = [H * welt, c.num_heads * D * welt, I * welt]
+        if w.proj_weight is not None:
+            rows_bytes.append(src_k * w.proj_weight.element_size())
+        if head is not None:
+            rows_bytes.append(H * head.weight.element_size())
+        prefetch = PREFETCH and all(b % 16 == 0 for b in rows_bytes)
+        cp_pass_kernel[(nprog,)](*args, 0, last, *rest, **meta, SYNC=sync, PREFETCH=prefetch,
+                                 HAS_HEAD=head is not None, num_warps=num_warps)  # fmt: skip
     return bufs.x[:B], (None if head is None else bufs.logits[:B])
 
 

@@ -57,6 +57,65 @@ def _grid_sync(bar_ptr, NPROG):
 
 
 @triton.jit
+def _l2_prefetch(ptr, nbytes):
+    """Bring [ptr, ptr + nbytes) into L2 ahead of its use: one `cp.async.bulk.prefetch.L2`
+    (sm_90), issued by the program's thread 0; nothing waits for it. ptr 16-byte aligned,
+    nbytes a multiple of 16."""
+    addr = ptr.to(tl.int64) + tl.zeros([1], tl.int64)
+    size = tl.zeros([1], tl.int32) + nbytes
+    tl.inline_asm_elementwise(
+        "{ .reg .pred pf_p; .reg .b32 pf_t; mov.u32 pf_t, %tid.x; setp.eq.u32 pf_p, pf_t, 0; "
+        "@pf_p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_linear(w_ptr, pid, NPROG, N: tl.constexpr, K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):  # fmt: skip
+    """This program's weight tiles of a `_linear_stage` (the same tiles, dealt the same way)
+    into L2: a tile's BLOCK_N rows of [N, K] row-major weights are one contiguous block."""
+    ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    for tile in range(pid, tl.cdiv(N, BLOCK_N), NPROG):
+        n0 = tile * BLOCK_N
+        base = w_ptr + n0.to(tl.int64) * K
+        nbytes = tl.minimum(N - n0, BLOCK_N) * (K * ELT)
+        _l2_prefetch(base, nbytes)
+        if GATE_UP:  # the up half of the packed matrix
+            _l2_prefetch(base + N * K, nbytes)
+
+
+@triton.jit
+def _prefetch_stage(
+    stage, pid, NPROG, pw_ptr, qkv_w_ptr, o_w_ptr, gu_w_ptr, down_w_ptr, head_w_ptr,
+    L: tl.constexpr, H: tl.constexpr, I: tl.constexpr, V: tl.constexpr, NQKV: tl.constexpr,
+    NO: tl.constexpr, SRC_K: tl.constexpr, BN_PROJ: tl.constexpr, BN_QKV: tl.constexpr,
+    BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr, BN_HEAD: tl.constexpr,
+    HAS_PROJ: tl.constexpr, HAS_HEAD: tl.constexpr,
+):  # fmt: skip
+    """The weights `stage` of `cp_pass_kernel` will read, this program's tiles, into L2 (an
+    attention stage reads none)."""
+    if stage == 0:
+        if HAS_PROJ:
+            _prefetch_linear(pw_ptr, pid, NPROG, H, SRC_K, BN_PROJ, False)
+    elif stage == 1 + STAGES_PER_LAYER * L:
+        if HAS_HEAD:
+            _prefetch_linear(head_w_ptr, pid, NPROG, V, H, BN_HEAD, False)
+    elif stage < 1 + STAGES_PER_LAYER * L:
+        rel = stage - 1
+        lw = tl.cast(rel // STAGES_PER_LAYER, tl.int64)
+        kind = rel % STAGES_PER_LAYER
+        if kind == 0:
+            _prefetch_linear(qkv_w_ptr + lw * NQKV * H, pid, NPROG, NQKV, H, BN_QKV, False)
+        elif kind == 2:
+            _prefetch_linear(o_w_ptr + lw * H * NO, pid, NPROG, H, NO, BN_O, False)
+        elif kind == 3:
+            _prefetch_linear(gu_w_ptr + lw * 2 * I * H, pid, NPROG, I, H, BN_GU, True)
+        elif kind == 4:
+            _prefetch_linear(down_w_ptr + lw * H * I, pid, NPROG, H, I, BN_DOWN, False)
+
+
+@triton.jit
 def barrier_bench_kernel(bar_ptr, n):
     """n grid barriers and nothing else: what one costs (benchmarks/kernels)."""
     for _ in range(n):
@@ -165,6 +224,7 @@ def cp_pass_kernel(
     BN_DOWN: tl.constexpr, BN_HEAD: tl.constexpr,
     HAS_PROJ: tl.constexpr, HAS_PBIAS: tl.constexpr,
     FP8: tl.constexpr, HEAD_FP8: tl.constexpr, DOT_F32: tl.constexpr, SYNC: tl.constexpr,
+    PREFETCH: tl.constexpr = False, HAS_HEAD: tl.constexpr = True,
 ):  # fmt: skip
     pid = tl.program_id(0)
     NPROG = tl.num_programs(0)
@@ -173,6 +233,14 @@ def cp_pass_kernel(
     GROUP: tl.constexpr = HQ // HKV
     pos64 = tl.cast(pos, tl.int64)
     for stage in range(stage_lo, stage_hi):
+        if PREFETCH:  # the next two stages' weights into L2 while this one runs
+            for ahead in tl.static_range(1, 3):
+                if stage + ahead < stage_hi:
+                    _prefetch_stage(
+                        stage + ahead, pid, NPROG, pw_ptr, qkv_w_ptr, o_w_ptr, gu_w_ptr,
+                        down_w_ptr, head_w_ptr, L, H, I, V, NQKV, NO, SRC_K, BN_PROJ, BN_QKV,
+                        BN_O, BN_GU, BN_DOWN, BN_HEAD, HAS_PROJ, HAS_HEAD,
+                    )  # fmt: skip
         if stage == 0:
             if HAS_PROJ:  # x = table[idx] @ Wp.T + bias
                 _linear_stage(
