@@ -22,9 +22,10 @@ fraction that differ).
         [--shapes decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cpp:1] [--rounds 9]
 
 (--variants: ';' between variants, ',' between the switches of one; the default: the three
-A8 switches one by one and all three together, then the code predictor's two and the
-persistent pass's L2 prefetch. A switch that a
-shape's path never reads times that shape's baseline again: a check of the method's noise.)
+A8 switches one by one and all three together, then the code predictor's two, and the
+persistent pass's L2 prefetch and attention in its qkv stage, one by one and together. A
+switch that a shape's path never reads times that shape's baseline again: a check of the
+method's noise.)
 
 `--tiny`: the tiny model on the CPU, eager calls timed by the host clock: checks the script
 and the switches' bit-equality on the CPU references (tests/runtime/test_bench_switches.py),
@@ -57,10 +58,12 @@ SWITCHES = {
     "CP_ATTEND_IN_QKV": (cp_fused, "ATTEND_IN_QKV"),
     "CP_SAMPLE_IN_HEAD": (cp_fused, "SAMPLE_IN_HEAD"),
     "CP_PASS_PREFETCH": (cp_pass, "PREFETCH"),
+    "CP_PASS_ATTEND_IN_QKV": (cp_pass, "ATTEND_IN_QKV"),
 }
 DEFAULT_VARIANTS = (
     "A8_NORM_QUANT;A8_SILU_QUANT;A8_GATE_UP_SILU;A8_NORM_QUANT,A8_SILU_QUANT,A8_GATE_UP_SILU;"
-    "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD;CP_PASS_PREFETCH"
+    "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD;CP_PASS_PREFETCH;CP_PASS_ATTEND_IN_QKV;"
+    "CP_PASS_PREFETCH,CP_PASS_ATTEND_IN_QKV"
 )
 DEFAULT_SHAPES = "decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cp:8,cpp:1"
 CACHE_POSITIONS = 1024

@@ -79,8 +79,10 @@
 #         a CUDA graph per variant and shape, replayed in interleaved rounds; ratios to the
 #         baseline within a round): $SWITCH_VARIANTS (default: the A8 switches one by one and
 #         all three, the code predictor's attention-in-qkv and sampler-in-head, the
-#         persistent pass's L2 prefetch), $SWITCH_SHAPES (default talker decode 1 and 64,
-#         prefill 1x32, 1x64, 4x64, code predictor frame 1 and 8, persistent frame 1)
+#         persistent pass's L2 prefetch and attention in its qkv stage), $SWITCH_SHAPES
+#         (default talker decode 1 and 64, prefill 1x32, 1x64, 4x64, code predictor frame 1
+#         and 8, persistent frame 1); the persistent pass's GPU tests first (SWITCH_TESTS=0
+#         skips them)
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
@@ -196,8 +198,14 @@ for step in $STEPS; do
                 --ms "${A8_MS:-16,32,64,128}" --jobs 14 > "$OUT/sweep_a8.log" 2>&1
             echo "rc=$?"; grep -vE "^  |compile failed" "$OUT/sweep_a8.log" | tail -20
         fi ;;
-    switches)
-        log "talker switches side by side in one process (bench_switches.py)"
+    switches)  # SWITCH_TESTS=0 skips the persistent pass's GPU tests
+        if [ "${SWITCH_TESTS:-1}" != 0 ]; then
+            log "GPU tests: the persistent code-predictor pass (L2 prefetch, attention in qkv)"
+            timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
+                tests/runtime/test_cp_fused.py -k "persistent_pass" 2>&1 \
+                | tee "$OUT/gpu_tests_switches.log" | tail -2
+        fi
+        log "kernel switches side by side in one process (bench_switches.py)"
         args=()
         [ -n "${SWITCH_VARIANTS:-}" ] && args+=(--variants "$SWITCH_VARIANTS")
         [ -n "${SWITCH_SHAPES:-}" ] && args+=(--shapes "$SWITCH_SHAPES")

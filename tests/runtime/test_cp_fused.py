@@ -269,13 +269,18 @@ def test_persistent_frame_references_equal_fused_frame(identity, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("attend_in_qkv", [False, True])
 @pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("dtype,fp8", PRECISIONS)
-def test_persistent_pass_kernel_matches_reference(B, dtype, fp8, monkeypatch):
+def test_persistent_pass_kernel_matches_reference(B, dtype, fp8, attend_in_qkv, monkeypatch):
     """One pass (projection + layers + head) in one launch against the fp32 references on the
-    same weights, rows at a position of caches holding random keys/values."""
+    same weights, rows at a position of caches holding random keys/values; attend_in_qkv:
+    each KV group attended by the program that wrote its last qkv tile
+    (TTSBUILD_CP_PASS_ATTEND_IN_QKV), with no attention stage and no barrier between."""
+    from ttsbuild.plugins import cp_pass
     from ttsbuild.plugins.cp_pass import PassBuffers, PassWeights, run_pass
 
+    monkeypatch.setattr(cp_pass, "ATTEND_IN_QKV", attend_in_qkv)
     cp = _predictor(dtype, KDEV, fp8=fp8)
     cp.enable_persistent(max_rows=4)
     g = torch.Generator().manual_seed(11 + B)

@@ -12,6 +12,7 @@ views of the stacks, so no weight is held twice.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -33,6 +34,12 @@ _BARRIERS: dict[torch.device, torch.Tensor] = {}
 # of weight streaming, a few dependent memory round trips. Off until timed on the GPU
 # (TTSBUILD_CP_PASS_PREFETCH=1 turns it on; read at each launch).
 PREFETCH = os.environ.get("TTSBUILD_CP_PASS_PREFETCH", "0") == "1"
+# The qkv stage's programs count their tiles per KV group and the one that writes a group's
+# last tile attends it for every row (norm_linear_attend's protocol), so the attention stage
+# and one grid barrier per layer go (5 of a pass's 27 barriers; one costs ~1.9 us on the H200).
+# Off until timed on the GPU (TTSBUILD_CP_PASS_ATTEND_IN_QKV=1; read at each launch).
+ATTEND_IN_QKV = os.environ.get("TTSBUILD_CP_PASS_ATTEND_IN_QKV", "0") == "1"
+_GROUP_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @dataclass
@@ -165,6 +172,7 @@ def run_pass(
         head.scale if head is not None and head.scale is not None else dummy,
         inv_freq(D, c.rope_theta, dev), slots, k_cache, v_cache,
         bufs.x, bufs.qkv, bufs.attn, bufs.act, bufs.logits, _barrier(dev),
+        _group_counters(dev, c.num_kv_heads),
         B, pos,
     )  # fmt: skip
     rest = (
@@ -179,18 +187,23 @@ def run_pass(
     def bn(n, k, elt=welt, halves=1):
         return _block_n(n, k * elt * halves, bm, nprog)
 
+    attend_in_qkv = ATTEND_IN_QKV
+    bn_qkv = bn(nqkv, H)
+    if attend_in_qkv:  # a qkv tile within one head: it counts toward one KV group
+        bn_qkv = math.gcd(bn_qkv, D)
+
     meta = dict(
         L=c.num_layers, H=H, I=I, V=V,
         HQ=c.num_heads, HKV=c.num_kv_heads, D=D, BLOCK_G=1 << (group - 1).bit_length(),
         BLOCK_S=1 << (S - 1).bit_length(), SRC_K=src_k, STRIDE_SRC=src.stride(0), BM=bm,
         BLOCK_K=256 if bm == 1 else 128,
-        BN_PROJ=bn(H, src_k, src.element_size()), BN_QKV=bn(nqkv, H), BN_O=bn(H, c.num_heads * D),
+        BN_PROJ=bn(H, src_k, src.element_size()), BN_QKV=bn_qkv, BN_O=bn(H, c.num_heads * D),
         BN_GU=bn(I, H, halves=2), BN_DOWN=bn(H, I),
         BN_HEAD=bn(V, H, 1 if head is None else head.weight.element_size()),
         HAS_PROJ=w.proj_weight is not None,
         HAS_PBIAS=w.proj_bias is not None, FP8=w.fp8,
         HEAD_FP8=head is not None and head.scale is not None,
-        DOT_F32=interp or src.dtype == torch.float32,
+        DOT_F32=interp or src.dtype == torch.float32, ATTEND_IN_QKV=attend_in_qkv,
     )  # fmt: skip
     if interp:  # programs run one after another: one launch per stage, no barrier
         for stage in range(last):
@@ -218,6 +231,16 @@ def _block_n(n: int, tile_row_bytes: int, bm: int, nprog: int, max_bytes: int = 
     while b > least and b * tile_row_bytes > max_bytes:
         b //= 2
     return max(b, least)
+
+
+def _group_counters(device: torch.device, groups: int) -> torch.Tensor:
+    """ATTEND_IN_QKV's tile counters, one per KV group, each reset by the program that
+    completes its group (so zero between stages)."""
+    t = _GROUP_COUNTERS.get(device)
+    if t is None or t.numel() < groups:
+        t = _GROUP_COUNTERS[device] = torch.zeros(max(groups, 64), dtype=torch.int32,
+                                                  device=device)  # fmt: skip
+    return t
 
 
 def _barrier(device: torch.device) -> torch.Tensor:

@@ -155,11 +155,17 @@ def _linear_stage(
     BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr,
     PRE_NORM: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RES: tl.constexpr, GATE_UP: tl.constexpr, DOT_F32: tl.constexpr,
+    gcnt_ptr=None, COUNT: tl.constexpr = False, HQ: tl.constexpr = 1, HKV: tl.constexpr = 1,
+    D: tl.constexpr = 1, GROUP: tl.constexpr = 1,
 ):  # fmt: skip
     """out[b, n] = epilogue(sum_k prologue(x)[b, k] w[n, k]) for this program's column tiles
     (w is [N, K] row-major, [2N, K] with GATE_UP; HAS_RES: out is the residual, updated in
     place). The K loop is unrolled (K is a constant), so a tile's weight loads are all
-    issued before the first is used: a program has one tile in flight, not one K step."""
+    issued before the first is used: a program has one tile in flight, not one K step.
+    COUNT (the qkv stage, BLOCK_N dividing D): each tile written counts toward its KV group
+    (that of its q head, k head or v head) on gcnt_ptr; returns a bit mask of the groups whose
+    last tile this program wrote (their counters reset), for it to attend."""
+    won = tl.cast(0, tl.int32)
     offs_m = tl.arange(0, BM)
     m_mask = offs_m < B
     if GATHER:
@@ -206,6 +212,38 @@ def _linear_stage(
             out_ptr, STRIDE_O,
             X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
         )  # fmt: skip
+        if COUNT:  # as norm_linear_attend's protocol: stores issued, then the release
+            head = tile * BLOCK_N // D
+            kvh = tl.where(
+                head < HQ, head // GROUP, tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV)
+            )
+            tl.debug_barrier()
+            arrived = tl.atomic_add(gcnt_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+            if arrived == (GROUP + 2) * (D // BLOCK_N) - 1:
+                tl.atomic_xchg(gcnt_ptr + kvh, 0, sem="relaxed", scope="gpu")
+                won = won | (1 << kvh)
+    return won
+
+
+@triton.jit
+def _attend(
+    qkv_ptr, q_norm_ptr, k_norm_ptr, freqs_ptr, kc_ptr, vc_ptr, attn_ptr, slots_ptr, row, kvh,
+    pos64, eps, qk_scale, stride_cslot, stride_ch, stride_cs,
+    NQKV: tl.constexpr, NO: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+    D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """One (row, KV head) of a layer (its caches and norms given): q/k norm + RoPE + K/V cache
+    write + attention, qk_norm_rope_attend's body."""
+    row = tl.cast(row, tl.int64)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    ok1, ok2, ov1, ov2 = old_kv(
+        kc_ptr, vc_ptr, kvh, pos64, slot, stride_cslot, stride_ch, stride_cs, D, BLOCK_S,
+    )  # fmt: skip
+    attend_item(
+        qkv_ptr, q_norm_ptr, k_norm_ptr, freqs_ptr, kc_ptr, vc_ptr, attn_ptr, row, kvh, pos64,
+        slot, NQKV, NO, stride_cslot, stride_ch, stride_cs, eps, qk_scale, ok1, ok2, ov1, ov2,
+        HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["B", "pos", "stage_lo", "stage_hi"])
@@ -214,7 +252,7 @@ def cp_pass_kernel(
     in_norm_ptr, qkv_w_ptr, qkv_s_ptr, q_norm_ptr, k_norm_ptr, o_w_ptr, o_s_ptr,
     post_norm_ptr, gu_w_ptr, gu_s_ptr, down_w_ptr, down_s_ptr, norm_ptr, head_w_ptr,
     head_s_ptr, freqs_ptr, slots_ptr, kc_ptr, vc_ptr,
-    x_ptr, qkv_ptr, attn_ptr, act_ptr, logits_ptr, bar_ptr,
+    x_ptr, qkv_ptr, attn_ptr, act_ptr, logits_ptr, bar_ptr, gcnt_ptr,
     B, pos, stage_lo, stage_hi, eps, qk_scale,
     stride_cl, stride_cslot, stride_ch, stride_cs,
     L: tl.constexpr, H: tl.constexpr, I: tl.constexpr, V: tl.constexpr, HQ: tl.constexpr,
@@ -225,6 +263,7 @@ def cp_pass_kernel(
     HAS_PROJ: tl.constexpr, HAS_PBIAS: tl.constexpr,
     FP8: tl.constexpr, HEAD_FP8: tl.constexpr, DOT_F32: tl.constexpr, SYNC: tl.constexpr,
     PREFETCH: tl.constexpr = False, HAS_HEAD: tl.constexpr = True,
+    ATTEND_IN_QKV: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     NPROG = tl.num_programs(0)
@@ -267,27 +306,34 @@ def cp_pass_kernel(
             rel = stage - 1
             lw = tl.cast(rel // STAGES_PER_LAYER, tl.int64)
             kind = rel % STAGES_PER_LAYER
+            kc_l, vc_l = kc_ptr + lw * stride_cl, vc_ptr + lw * stride_cl
             if kind == 0:  # qkv = rms_norm(x) @ Wqkv.T
-                _linear_stage(
+                won = _linear_stage(
                     x_ptr, idx_ptr, in_norm_ptr + lw * H, qkv_w_ptr + lw * NQKV * H,
                     qkv_s_ptr + lw * NQKV, qkv_w_ptr, qkv_ptr, B, eps, pid, NPROG,
                     NQKV, H, H, NQKV,
                     BM, BN_QKV, BLOCK_K, False, True, FP8, False, False, False, DOT_F32,
+                    gcnt_ptr, ATTEND_IN_QKV, HQ, HKV, D, GROUP,
                 )  # fmt: skip
+                if ATTEND_IN_QKV:  # the groups whose last qkv tile this program wrote
+                    for g in range(HKV):
+                        if ((won >> g) & 1) != 0:
+                            for row in range(B):
+                                _attend(
+                                    qkv_ptr, q_norm_ptr + lw * D, k_norm_ptr + lw * D,
+                                    freqs_ptr, kc_l, vc_l, attn_ptr, slots_ptr, row, g, pos64,
+                                    eps, qk_scale, stride_cslot, stride_ch, stride_cs,
+                                    NQKV, NO, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
+                                )  # fmt: skip
             elif kind == 1:  # per (row, KV head): norm + RoPE + cache write + attention
-                for item in range(pid, B * HKV, NPROG):
-                    row = tl.cast(item // HKV, tl.int64)
-                    slot = tl.load(slots_ptr + row).to(tl.int64)
-                    ok1, ok2, ov1, ov2 = old_kv(
-                        kc_ptr + lw * stride_cl, vc_ptr + lw * stride_cl, item % HKV, pos64,
-                        slot, stride_cslot, stride_ch, stride_cs, D, BLOCK_S,
-                    )  # fmt: skip
-                    attend_item(
-                        qkv_ptr, q_norm_ptr + lw * D, k_norm_ptr + lw * D, freqs_ptr,
-                        kc_ptr + lw * stride_cl, vc_ptr + lw * stride_cl, attn_ptr, row,
-                        item % HKV, pos64, slot, NQKV, NO, stride_cslot, stride_ch, stride_cs,
-                        eps, qk_scale, ok1, ok2, ov1, ov2, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
-                    )  # fmt: skip
+                if not ATTEND_IN_QKV:  # (else done at the end of the qkv stage)
+                    for item in range(pid, B * HKV, NPROG):
+                        _attend(
+                            qkv_ptr, q_norm_ptr + lw * D, k_norm_ptr + lw * D, freqs_ptr,
+                            kc_l, vc_l, attn_ptr, slots_ptr, item // HKV, item % HKV, pos64,
+                            eps, qk_scale, stride_cslot, stride_ch, stride_cs,
+                            NQKV, NO, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
+                        )  # fmt: skip
             elif kind == 2:  # x += attn @ Wo.T
                 _linear_stage(
                     attn_ptr, idx_ptr, post_norm_ptr, o_w_ptr + lw * H * NO, o_s_ptr + lw * H,
@@ -307,5 +353,8 @@ def cp_pass_kernel(
                     BM, BN_DOWN, BLOCK_K, False, False, FP8, False, True, False, DOT_F32,
                 )  # fmt: skip
         if SYNC:
-            if stage + 1 < stage_hi:
+            # with ATTEND_IN_QKV a qkv stage needs none: its (empty) attention stage's comes
+            qkv_stage = stage >= 1 and stage < 1 + STAGES_PER_LAYER * L and (
+                (stage - 1) % STAGES_PER_LAYER == 0)
+            if stage + 1 < stage_hi and not (ATTEND_IN_QKV and qkv_stage):
                 _grid_sync(bar_ptr, NPROG)
