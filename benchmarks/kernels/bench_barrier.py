@@ -3,10 +3,11 @@
     PYTHONPATH=. python3 benchmarks/kernels/bench_barrier.py
 
 GPU only. (1) `barrier_bench_kernel`: n grid barriers and nothing else, for several program
-counts and warps per program: us per barrier. (2) One pass of the 1.7B CustomVoice code
-predictor (bf16, random weights, batch 1, projection + 5 layers + head: 26 barriers) as a
-CUDA graph of 15 passes, with the barriers and with the stages racing (no barriers: garbage
-results, the stages' own time), for the same program counts and warps.
+counts and warps per program: us per barrier, the generation barrier (`_grid_sync`, served)
+and the counting one (`_grid_sync_count`, TTSBUILD_CP_PASS_COUNT_BARRIER). (2) One pass of
+the 1.7B CustomVoice code predictor (bf16, random weights, batch 1, projection + 5 layers +
+head: 26 barriers) as a CUDA graph of 15 passes, with the barriers and with the stages racing
+(no barriers: garbage results, the stages' own time), for the same program counts and warps.
 """
 
 from __future__ import annotations
@@ -41,12 +42,15 @@ def main() -> int:
     bar = _barrier(dev)
     n = 1000
     print(f"device {torch.cuda.get_device_name()}, {sms} SMs")
-    print("grid barrier alone: us per barrier")
+    print("grid barrier alone: us per barrier (generation / counting)")
     for nprog in (sms, sms // 2, sms // 4):
         for warps in (4, 8):
-            g = graph_of(lambda p=nprog, w=warps: barrier_bench_kernel[(p,)](bar, n, num_warps=w))
-            ms = _time_graph(g, 10)
-            print(f"  programs {nprog:4d} warps {warps}: {1e3 * ms / n:7.3f} us")
+            us = []
+            for count in (False, True):
+                g = graph_of(lambda p=nprog, w=warps, c=count: barrier_bench_kernel[(p,)](
+                    bar, n, COUNT=c, num_warps=w))  # fmt: skip
+                us.append(1e3 * _time_graph(g, 10) / n)
+            print(f"  programs {nprog:4d} warps {warps}: {us[0]:7.3f} / {us[1]:7.3f} us")
 
     cfg = ModelConfig.from_official(load_variant("1.7b-customvoice")[0])
     fcp = build(cfg, torch.bfloat16, fp8=False)

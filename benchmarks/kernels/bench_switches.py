@@ -23,7 +23,8 @@ fraction that differ).
 
 (--variants: ';' between variants, ',' between the switches of one; the default: the three
 A8 switches one by one and all three together, then the code predictor's two, and the
-persistent pass's L2 prefetch and attention in its qkv stage, one by one and together. A
+persistent pass's L2 prefetch, attention in its qkv stage and counting barrier, one by one
+and together. A
 switch that a shape's path never reads times that shape's baseline again: a check of the
 method's noise.)
 
@@ -59,11 +60,12 @@ SWITCHES = {
     "CP_SAMPLE_IN_HEAD": (cp_fused, "SAMPLE_IN_HEAD"),
     "CP_PASS_PREFETCH": (cp_pass, "PREFETCH"),
     "CP_PASS_ATTEND_IN_QKV": (cp_pass, "ATTEND_IN_QKV"),
+    "CP_PASS_COUNT_BARRIER": (cp_pass, "COUNT_BARRIER"),
 }
 DEFAULT_VARIANTS = (
     "A8_NORM_QUANT;A8_SILU_QUANT;A8_GATE_UP_SILU;A8_NORM_QUANT,A8_SILU_QUANT,A8_GATE_UP_SILU;"
     "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD;CP_PASS_PREFETCH;CP_PASS_ATTEND_IN_QKV;"
-    "CP_PASS_PREFETCH,CP_PASS_ATTEND_IN_QKV"
+    "CP_PASS_COUNT_BARRIER;CP_PASS_PREFETCH,CP_PASS_ATTEND_IN_QKV,CP_PASS_COUNT_BARRIER"
 )
 DEFAULT_SHAPES = "decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cp:8,cpp:1"
 CACHE_POSITIONS = 1024

@@ -75,14 +75,14 @@
 #         the A8 epilogue (TTSBUILD_A8_GATE_UP_SILU), an FP8 code predictor, and one with
 #         W8A8 on its unfused path (plan cp_w8a8_min_rows 16: batch 64); then, time left,
 #         `sweep_fp8.py --a8`
-# switches: the talker's kernel switches side by side in ONE process (bench_switches.py:
-#         a CUDA graph per variant and shape, replayed in interleaved rounds; ratios to the
-#         baseline within a round): $SWITCH_VARIANTS (default: the A8 switches one by one and
-#         all three, the code predictor's attention-in-qkv and sampler-in-head, the
-#         persistent pass's L2 prefetch and attention in its qkv stage), $SWITCH_SHAPES
-#         (default talker decode 1 and 64, prefill 1x32, 1x64, 4x64, code predictor frame 1
-#         and 8, persistent frame 1); the persistent pass's GPU tests first (SWITCH_TESTS=0
-#         skips them)
+# switches: kernel switches side by side in ONE process (bench_switches.py: a CUDA graph
+#         per variant and shape, replayed in interleaved rounds; ratios to the baseline within
+#         a round): $SWITCH_VARIANTS (default: the A8 switches one by one and all three, the
+#         code predictor's attention-in-qkv and sampler-in-head, the persistent pass's L2
+#         prefetch, attention in its qkv stage and counting barrier), $SWITCH_SHAPES (default
+#         talker decode 1 and 64, prefill 1x32, 1x64, 4x64, code predictor frame 1 and 8,
+#         persistent frame 1); first the persistent pass's GPU tests (SWITCH_TESTS=0 skips
+#         them) and bench_barrier.py (the generation and the counting grid barrier)
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
@@ -205,6 +205,9 @@ for step in $STEPS; do
                 tests/runtime/test_cp_fused.py -k "persistent_pass" 2>&1 \
                 | tee "$OUT/gpu_tests_switches.log" | tail -2
         fi
+        log "grid barriers: generation vs counting, and a persistent pass's stages (bench_barrier.py)"
+        timeout -k 5 150 python3 -u benchmarks/kernels/bench_barrier.py > "$OUT/bench_barrier.log" 2>&1
+        echo "rc=$?"; tail -12 "$OUT/bench_barrier.log"
         log "kernel switches side by side in one process (bench_switches.py)"
         args=()
         [ -n "${SWITCH_VARIANTS:-}" ] && args+=(--variants "$SWITCH_VARIANTS")

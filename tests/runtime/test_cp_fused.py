@@ -319,12 +319,18 @@ def test_persistent_pass_kernel_matches_reference(B, dtype, fp8, attend_in_qkv, 
     assert not torch.equal(k.cpu().float(), torch.randn(shape, generator=g))  # written to
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the L2 prefetch is sm_90 PTX")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sm_90 PTX and grid barriers")
+@pytest.mark.parametrize("switches", [("PREFETCH",), ("COUNT_BARRIER",),
+                                      ("PREFETCH", "COUNT_BARRIER")])
 @pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_persistent_pass_l2_prefetch_changes_no_bit(B, fp8, monkeypatch):
-    """TTSBUILD_CP_PASS_PREFETCH: the next stages' weights brought into L2 ahead of their
-    stage change what is read from where, never a value: the same bits with it on."""
+def test_persistent_pass_gpu_switches_change_no_bit(B, fp8, switches, monkeypatch):
+    """The persistent pass's GPU-only switches change how a pass waits and where its weights
+    come from, never a value: TTSBUILD_CP_PASS_PREFETCH (the next stages' weights into L2)
+    and TTSBUILD_CP_PASS_COUNT_BARRIER (the counting grid barrier, which the interpreter,
+    one launch per stage, never runs), alone and together: the same bits as without, over
+    three passes in a row (the counting barrier's count is zeroed at each launch's end: a
+    stale count would let the next launch's stages race)."""
     from ttsbuild.plugins import cp_pass
 
     cp = _predictor(torch.bfloat16, "cuda", fp8=fp8)
@@ -335,13 +341,17 @@ def test_persistent_pass_l2_prefetch_changes_no_bit(B, fp8, monkeypatch):
     idx = torch.randint(0, V, (B,), generator=g).cuda()
     slots = torch.tensor([3, 0, 4][:B], device="cuda")
     outs = {}
-    for prefetch in (False, True):
-        monkeypatch.setattr(cp_pass, "PREFETCH", prefetch)
+    for on in (False, True):
+        for name in switches:
+            monkeypatch.setattr(cp_pass, name, on)
         k, v = caches[0].clone(), caches[1].clone()
-        x, logits = cp_pass.run_pass(cp.passes, cp.pass_buffers, cp.embeddings[2], idx, 4, k, v,
-                                     slots, cp.heads[1], use_triton=True)  # fmt: skip
-        outs[prefetch] = (x.clone(), logits.clone(), k, v)
-    assert not torch.equal(outs[False][2], caches[0])  # the pass ran and wrote its keys
+        got = []
+        for pos in (2, 3, 4):
+            x, logits = cp_pass.run_pass(cp.passes, cp.pass_buffers, cp.embeddings[2], idx, pos,
+                                         k, v, slots, cp.heads[1], use_triton=True)  # fmt: skip
+            got += [x.clone(), logits.clone()]
+        outs[on] = (*got, k, v)
+    assert not torch.equal(outs[False][-2], caches[0])  # the passes ran and wrote their keys
     for a, b in zip(outs[False], outs[True], strict=True):
         assert torch.equal(a, b)
 

@@ -40,6 +40,11 @@ PREFETCH = os.environ.get("TTSBUILD_CP_PASS_PREFETCH", "0") == "1"
 # Off until timed on the GPU (TTSBUILD_CP_PASS_ATTEND_IN_QKV=1; read at each launch).
 ATTEND_IN_QKV = os.environ.get("TTSBUILD_CP_PASS_ATTEND_IN_QKV", "0") == "1"
 _GROUP_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# The counting grid barrier (`_tl.cp_pass._grid_sync_count`): one atomic per program per
+# barrier and a wait for the count, instead of the generation barrier's arrival, reset and
+# flip (1.86 us a barrier alone on the H200, 2026-11-30). Off until timed on the GPU
+# (TTSBUILD_CP_PASS_COUNT_BARRIER=1; read at each launch).
+COUNT_BARRIER = os.environ.get("TTSBUILD_CP_PASS_COUNT_BARRIER", "0") == "1"
 
 
 @dataclass
@@ -218,7 +223,8 @@ def run_pass(
             rows_bytes.append(H * head.weight.element_size())
         prefetch = PREFETCH and all(b % 16 == 0 for b in rows_bytes)
         cp_pass_kernel[(nprog,)](*args, 0, last, *rest, **meta, SYNC=sync, PREFETCH=prefetch,
-                                 HAS_HEAD=head is not None, num_warps=num_warps)  # fmt: skip
+                                 HAS_HEAD=head is not None, COUNT_BARRIER=COUNT_BARRIER,
+                                 num_warps=num_warps)  # fmt: skip
     return bufs.x[:B], (None if head is None else bufs.logits[:B])
 
 
@@ -244,8 +250,9 @@ def _group_counters(device: torch.device, groups: int) -> torch.Tensor:
 
 
 def _barrier(device: torch.device) -> torch.Tensor:
-    """The grid barrier's count (word 0) and generation (word 32, its own 128-byte line);
-    never reset (see the kernel)."""
+    """The grid barrier's count (word 0) and generation (word 32, its own 128-byte line),
+    never reset (see the kernel); the counting barrier's exit word (word 64, a third line).
+    Both barriers leave the count at 0 when a launch ends."""
     if device not in _BARRIERS:
-        _BARRIERS[device] = torch.zeros(64, dtype=torch.int32, device=device)
+        _BARRIERS[device] = torch.zeros(96, dtype=torch.int32, device=device)
     return _BARRIERS[device]

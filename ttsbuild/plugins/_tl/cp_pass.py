@@ -37,6 +37,7 @@ STAGES_PER_LAYER = tl.constexpr(5)
 
 
 GEN_OFFSET = tl.constexpr(32)  # the generation word sits a 128-byte line after the count
+EXIT_OFFSET = tl.constexpr(64)  # the counting barrier's exit word, a line further
 
 
 @triton.jit
@@ -116,10 +117,55 @@ def _prefetch_stage(
 
 
 @triton.jit
-def barrier_bench_kernel(bar_ptr, n):
-    """n grid barriers and nothing else: what one costs (benchmarks/kernels)."""
-    for _ in range(n):
-        _grid_sync(bar_ptr, tl.num_programs(0))
+def _ld_acquire(ptr):
+    """*ptr (int32) by a gpu-scope acquire load (`ld.acquire.gpu`, sm_70+)."""
+    return tl.inline_asm_elementwise(
+        "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr.to(tl.int64)], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _grid_sync_count(bar_ptr, target):
+    """A counting grid barrier: arrive (release), then wait until the count reaches `target`
+    (the launch's barriers so far times its programs) and acquire. The count is not reset
+    between barriers (`_count_exit` zeroes it when the launch ends), so the last program to
+    arrive makes no second and third atomic (reset, generation flip) before the others may
+    go on, and no program reads a generation word first: about half the dependent L2 round
+    trips of `_grid_sync` on the critical path."""
+    tl.debug_barrier()  # this program's stores of the stage are issued
+    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")  # (a `red`: nothing waits for it)
+    # Polls with acquire loads: an acquire RMW after a relaxed poll loop, as `_grid_sync`
+    # has it, compiles to nothing when its result is unused (no atom in its PTX, 2026-12-04)
+    cur = _ld_acquire(bar_ptr)
+    while cur < target:
+        cur = _ld_acquire(bar_ptr)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _count_exit(bar_ptr, NPROG):
+    """A launch's end under `_grid_sync_count`: the last program out (every program has
+    passed every barrier by then) zeroes the count and the exit word for the next launch,
+    which stream order starts after this one ends."""
+    tl.debug_barrier()
+    out = tl.atomic_add(bar_ptr + EXIT_OFFSET, 1, sem="acq_rel", scope="gpu")
+    if out == NPROG - 1:
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(bar_ptr + EXIT_OFFSET, 0, sem="release", scope="gpu")
+
+
+@triton.jit
+def barrier_bench_kernel(bar_ptr, n, COUNT: tl.constexpr = False):
+    """n grid barriers and nothing else: what one costs (benchmarks/kernels); COUNT: the
+    counting barrier."""
+    for i in range(n):
+        if COUNT:
+            _grid_sync_count(bar_ptr, (i + 1) * tl.num_programs(0))
+        else:
+            _grid_sync(bar_ptr, tl.num_programs(0))
+    if COUNT:
+        _count_exit(bar_ptr, tl.num_programs(0))
 
 
 @triton.jit
@@ -263,9 +309,10 @@ def cp_pass_kernel(
     HAS_PROJ: tl.constexpr, HAS_PBIAS: tl.constexpr,
     FP8: tl.constexpr, HEAD_FP8: tl.constexpr, DOT_F32: tl.constexpr, SYNC: tl.constexpr,
     PREFETCH: tl.constexpr = False, HAS_HEAD: tl.constexpr = True,
-    ATTEND_IN_QKV: tl.constexpr = False,
+    ATTEND_IN_QKV: tl.constexpr = False, COUNT_BARRIER: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    nsync = tl.cast(0, tl.int32)  # COUNT_BARRIER: the barriers passed so far
     NPROG = tl.num_programs(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     NO: tl.constexpr = HQ * D
@@ -357,4 +404,11 @@ def cp_pass_kernel(
             qkv_stage = stage >= 1 and stage < 1 + STAGES_PER_LAYER * L and (
                 (stage - 1) % STAGES_PER_LAYER == 0)
             if stage + 1 < stage_hi and not (ATTEND_IN_QKV and qkv_stage):
-                _grid_sync(bar_ptr, NPROG)
+                if COUNT_BARRIER:
+                    nsync += 1
+                    _grid_sync_count(bar_ptr, nsync * NPROG)
+                else:
+                    _grid_sync(bar_ptr, NPROG)
+    if SYNC:
+        if COUNT_BARRIER:
+            _count_exit(bar_ptr, NPROG)
