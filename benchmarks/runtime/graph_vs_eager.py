@@ -145,6 +145,14 @@ KERNEL_CHOICES = dict(persistent_code_predictor=(1,), fused_code_predictor=(2, 4
 MIN_SNR_DB = 45.0
 
 
+def _kernel_choices(lane: bool) -> dict:
+    """KERNEL_CHOICES, less the persistent code predictor beside an admission lane (it needs
+    every SM at once: EnginePlan refuses the two together)."""
+    if not lane:
+        return KERNEL_CHOICES
+    return {k: v for k, v in KERNEL_CHOICES.items() if k != "persistent_code_predictor"}
+
+
 def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
           kernels: bool = False, lane: tuple[int, ...] = (), reserved: int = 0,
           lane_frames: int = 1, switch: bool = False) -> bool:
@@ -159,7 +167,7 @@ def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
     plan = EnginePlan(num_slots=8, batch_buckets=(1, 2, 4, 8), max_len=512, max_text=256,
                       prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4), codec_ring=16,
                       admission_lane=lane, lane_reserved_sms=reserved, lane_frames=lane_frames,
-                      **(KERNEL_CHOICES if kernels else {}))  # fmt: skip
+                      **(_kernel_choices(bool(lane)) if kernels else {}))  # fmt: skip
     reqs = requests(greedy)
     t0 = time.perf_counter()
     ref = run_reference(models, reqs, plan)

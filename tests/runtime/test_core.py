@@ -53,6 +53,7 @@ def req(i: int, frames: int = 7, **kw) -> SynthesisRequest:
         (dict(prefill_batches=(1, 4, 2)), "strictly ascending"),
         (dict(admission_lane=(2, 1)), "admission_lane must be strictly ascending"),
         (dict(admission_lane=(), lane_reserved_sms=16), "needs an admission_lane"),
+        (dict(admission_lane=(1,), persistent_code_predictor=(1,)), "every SM at once"),
         (dict(num_slots=2, batch_buckets=(1, 2), prefill_batches=(1, 4)), "within 2 slots"),
     ],
 )
@@ -366,6 +367,15 @@ def test_default_plans_reserve_sms_for_the_lane_and_pick_the_fp8_talkers_linears
     bf16 = BuildConfig(precision="bf16", max_batch=8, graph_batches=(1, 2, 4, 8),
                        admission_lane=()).runtime_plan()  # fmt: skip
     assert (bf16.lane_reserved_sms, bf16.bf16_min_rows, bf16.w8a8_min_rows) == (0, 0, 0)
+    # a persistent code predictor needs every SM: compile's default lane is off with it, and
+    # a lane asked for beside it is refused
+    persistent = BuildConfig(precision="fp8", max_batch=8, graph_batches=(1, 2, 4, 8),
+                             persistent_cp_max_batch=1).runtime_plan()  # fmt: skip
+    assert persistent.persistent_code_predictor == (1,)
+    assert (persistent.admission_lane, persistent.lane_reserved_sms) == ((), 0)
+    with pytest.raises(ValueError, match="every SM at once"):
+        BuildConfig(precision="fp8", max_batch=8, graph_batches=(1, 2, 4, 8),
+                    persistent_cp_max_batch=1, admission_lane=(1,)).runtime_plan()  # fmt: skip
 
 
 def test_the_code_predictors_w8a8_threshold_reaches_its_linears_and_heads(models):

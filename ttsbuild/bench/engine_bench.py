@@ -194,7 +194,9 @@ def bench_plan(
         fused_talker=tuple(b for b in buckets if b <= fused_talker_max_batch),
         w8a8_min_rows=w8a8_min_rows,
         prefill_batches=tuple(prefill_batches),
-        admission_lane=(lane := tuple(b for b in buckets if b in admission_lane)),
+        # (no lane under a persistent code predictor: it needs every SM, EnginePlan refuses both)
+        admission_lane=(lane := tuple(b for b in buckets if b in admission_lane
+                                      and not persistent_cp_max_batch)),
         lane_reserved_sms=(DEFAULT_LANE_RESERVED_SMS if lane else 0)
         if lane_reserved_sms is None else lane_reserved_sms,
         bf16_min_rows=bf16_min_rows,

@@ -91,7 +91,8 @@ class BuildConfig:
     prefill_buckets: tuple[int, ...] | None = None  # captured prompt lengths (None: 32..512)
     # prompts per captured prefill step (None: 1, 2 and 4 within the slots, runtime.plan's)
     prefill_batches: tuple[int, ...] | None = None
-    # batch buckets of the admission lane; (): off; None: 1 and 2 (runtime.plan's default)
+    # batch buckets of the admission lane; (): off; None: 1 and 2 (runtime.plan's default),
+    # off where persistent_cp_max_batch is set (EnginePlan refuses the two together)
     admission_lane: tuple[int, ...] | None = None
     # Frames per captured codec step: a 64-row x 16-frame codec graph holds GBs of activations.
     codec_chunks: tuple[int, ...] = (1, 2, 4, 8)
@@ -159,8 +160,10 @@ class BuildConfig:
 
     def runtime_plan(self) -> EnginePlan:
         """The static plan the runtime obeys (written into the manifest)."""
-        lane = (default_admission_lane(self.graph_batches) if self.admission_lane is None
-                else tuple(self.admission_lane))  # fmt: skip
+        # the default lane is off under a persistent code predictor (which needs every SM)
+        lane = (default_admission_lane(self.graph_batches)
+                if self.admission_lane is None and not self.persistent_cp_max_batch
+                else tuple(self.admission_lane or ()))  # fmt: skip
         return EnginePlan(
             num_slots=self.num_slots or self.max_batch, batch_buckets=tuple(self.graph_batches),
             prefill_buckets=tuple(

@@ -189,6 +189,12 @@ class EnginePlan(BaseModel):
             raise ValueError("lane_reserved_sms needs an admission_lane to reserve them for")
         if self.lane_frames > 1 and not self.admission_lane:
             raise ValueError("lane_frames needs an admission_lane to run them on")
+        if self.persistent_code_predictor and self.admission_lane:
+            # Its grid (a program per SM) waits at grid barriers until every program runs: two
+            # lanes' passes each holding part of the SMs, or a green context of fewer SMs than
+            # the grid, would wait on each other for ever.
+            raise ValueError("persistent_code_predictor needs every SM at once: it cannot run "
+                             "beside an admission_lane (turn one of them off)")
         if self.lane_frames > 1 and self.lane_frames not in self.codec_chunks:
             raise ValueError(f"lane_frames {self.lane_frames} must be one of the codec_chunks "
                              f"{self.codec_chunks}")
