@@ -6,8 +6,9 @@
 # probe:  the step driver's refusals, each in a process of its own (driver_errors_probe.py:
 #         all 7 crashed on the H200 until setup.py linked -lstdc++, 2026-12-02)
 # tests:  GPU tests of the step driver's host side (test_driver_host.py, alone first, with
-#         faulthandler), then of the prefill kernel path, the prefix cache and W8A8, then the
-#         prefill graph with its admission work forked (same codes and PCM as without)
+#         faulthandler), then of the prefill kernel path, the prefix cache and W8A8, the
+#         talker's fusions and the norms' quantised rows, then the prefill graph with its
+#         admission work forked (same codes and PCM as without)
 # wide:   engine microbenchmark at batches 1,64,128,256 (slots up to 256, issue 9's batch-256
 #         target), the served plan; ENGINE_ARGS adds flags to every engine microbenchmark,
 #         e.g. "--plan-set codec_fused_attention=true --plan-set codec_fused_output=true"
@@ -128,6 +129,10 @@ for step in $STEPS; do
             tests/runtime/test_cp_fused.py tests/plugins/test_fp8_w8a8.py \
             tests/plugins/test_gpu_kernels.py -k "prefill or w8a8 or scaled_mm or decode_attention" \
             2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+        log "GPU tests: the talker's fusions, the norms' quantised rows (no TRITON_F32_DEFAULT here: the tests' conftest sets it)"
+        timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
+            tests/runtime/test_talker_fusions.py tests/plugins/test_norm_act.py 2>&1 \
+            | tee "$OUT/gpu_tests_talker_norms.log" | tail -3
         log "GPU test: the prefill graph's admission work on a forked stream (PREFILL_FORK)"
         TRITON_F32_DEFAULT=ieee timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider \
             tests/runtime/test_graph_engine.py -k prefill_fork 2>&1 \
