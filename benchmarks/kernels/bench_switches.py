@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import statistics
 import sys
@@ -125,21 +126,20 @@ def model_config(variant: str):
     return ModelConfig.from_official(load_variant(variant)[0])
 
 
+def _sibling(name: str):
+    """A script beside this one (bench_cp_fused, bench_talker), imported as a module."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
 def make_stack(variant: str, device: str, dtype: torch.dtype):
     """(talker config, FP8 PackedStack on the plan's default linear paths) of random weights."""
-    from ttsbuild.model.layers import DecoderStack
     from ttsbuild.runtime.plan import DEFAULT_BF16_MIN_ROWS, DEFAULT_W8A8_MIN_ROWS
 
-    cfg = model_config(variant).talker
-    torch.manual_seed(0)
-    with torch.device(device):
-        module = DecoderStack(cfg)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.02)
+    cfg, module = _sibling("bench_talker").random_talker(variant, device)
     stack = fast_model.PackedStack.from_module(module.to(dtype), True)
     stack.set_w8a8_min_rows(DEFAULT_W8A8_MIN_ROWS)
     stack.set_bf16_min_rows(DEFAULT_BF16_MIN_ROWS)
@@ -149,11 +149,7 @@ def make_stack(variant: str, device: str, dtype: torch.dtype):
 def cp_call(variant: str, B: int, device: str, dtype: torch.dtype, path: str = "fused"):
     """The code predictor's frame for B rows on `path` (fused, persistent; bench_cp_fused's
     model and buffers; bf16 weights as served): a call returning the frame's codes [B, G]."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    try:
-        import bench_cp_fused
-    finally:
-        sys.path.pop(0)
+    bench_cp_fused = _sibling("bench_cp_fused")
     fcp = bench_cp_fused.build(model_config(variant), dtype, fp8=False, device=device)
     if path == "persistent":
         fcp.enable_persistent(B)

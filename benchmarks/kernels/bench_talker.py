@@ -47,6 +47,26 @@ def time_batch(stack, cfg, B: int, replays: int) -> tuple[dict, float]:
     return ms, ((a - b).norm() / a.norm()).item()
 
 
+def random_talker(variant: str, device: str):
+    """(talker config, its DecoderStack) of a shipped variant's shapes, random weights: norms
+    near 1, the rest N(0, 0.02), seed 0."""
+    from ttsbuild.convert.init_random import load_variant
+    from ttsbuild.model.config import ModelConfig
+    from ttsbuild.model.layers import DecoderStack
+
+    cfg = ModelConfig.from_official(load_variant(variant)[0]).talker
+    torch.manual_seed(0)
+    with torch.device(device):
+        module = DecoderStack(cfg)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.02)
+    return cfg, module
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,64")
@@ -56,22 +76,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    from ttsbuild.convert.init_random import load_variant
-    from ttsbuild.model.config import ModelConfig
-    from ttsbuild.model.layers import DecoderStack
     from ttsbuild.runtime.fast_model import PackedStack
 
-    dev = "cuda"
-    cfg = ModelConfig.from_official(load_variant("1.7b-customvoice")[0]).talker
-    torch.manual_seed(0)
-    with torch.device(dev):
-        module = DecoderStack(cfg)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.02)
+    cfg, module = random_talker("1.7b-customvoice", "cuda")
     module = module.bfloat16()
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'prec':5s} {'B':>3s} {'unfused ms':>11s} {'fused ms':>9s} {'speedup':>8s} "
