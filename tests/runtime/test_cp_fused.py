@@ -357,9 +357,14 @@ def test_persistent_pass_gpu_switches_change_no_bit(B, fp8, switches, monkeypatc
 
 
 @needs_kernel
+@pytest.mark.parametrize("attend_in_qkv", [False, True])
 @pytest.mark.parametrize("identity", [False, True])
-def test_persistent_frame_kernel_equals_unfused_frame(identity, monkeypatch):
-    """fp32: the persistent kernel's frame gives the unfused reference frame's greedy codes."""
+def test_persistent_frame_kernel_equals_unfused_frame(identity, attend_in_qkv, monkeypatch):
+    """fp32: the persistent kernel's frame gives the unfused reference frame's greedy codes,
+    with the attention in the qkv stage too (TTSBUILD_CP_PASS_ATTEND_IN_QKV)."""
+    from ttsbuild.plugins import cp_pass
+
+    monkeypatch.setattr(cp_pass, "ATTEND_IN_QKV", attend_in_qkv)
     B = 3
     cp = _predictor(torch.float32, KDEV, identity=identity)
     cp.enable_persistent(max_rows=B)
