@@ -24,9 +24,8 @@ fraction that differ).
 (--variants: ';' between variants, ',' between the switches of one; the default: the three
 A8 switches one by one and all three together, then the code predictor's two, and the
 persistent pass's L2 prefetch, attention in its qkv stage and counting barrier, one by one
-and together. A
-switch that a shape's path never reads times that shape's baseline again: a check of the
-method's noise.)
+and together. A variant runs on the shapes its switches act on: the talker's on decode and
+prefill, the code predictor's on cp, the persistent pass's on cpp.)
 
 `--tiny`: the tiny model on the CPU, eager calls timed by the host clock: checks the script
 and the switches' bit-equality on the CPU references (tests/runtime/test_bench_switches.py),
@@ -51,6 +50,9 @@ from ttsbuild.runtime import cp_fused, fast_model
 
 # The switches a variant may turn on: name -> (module, attribute), each read when a kernel
 # path is chosen. Every one is off in the baseline, whatever the environment says.
+# Which shape kinds each module's switches act on: a variant runs on a shape where one of its
+# switches acts (the baseline everywhere).
+ACTS_ON = {fast_model: ("decode", "prefill"), cp_fused: ("cp",), cp_pass: ("cpp",)}
 SWITCHES = {
     "A8_NORM_QUANT": (fast_model, "A8_NORM_QUANT"),
     "A8_SILU_QUANT": (fast_model, "A8_SILU_QUANT"),
@@ -68,7 +70,8 @@ DEFAULT_VARIANTS = (
     "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD;CP_PASS_PREFETCH;CP_PASS_ATTEND_IN_QKV;"
     "CP_PASS_COUNT_BARRIER;CP_PASS_PREFETCH,CP_PASS_ATTEND_IN_QKV,CP_PASS_COUNT_BARRIER"
 )
-DEFAULT_SHAPES = "decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cp:8,cpp:1"
+# the code predictor's first (most at stake at batch 1, and last to compile)
+DEFAULT_SHAPES = "cpp:1,cp:1,cp:8,decode:1,prefill:1x32,prefill:1x64,decode:64,prefill:4x64"
 CACHE_POSITIONS = 1024
 
 
@@ -251,6 +254,12 @@ def bench_shape(runners: dict[str, Runner], rounds: int, replays: int) -> dict[s
     return out
 
 
+def acts(flags: dict[str, bool], kind: str) -> bool:
+    """Whether a variant runs on a shape kind: the baseline (no switch) everywhere, the others
+    where one of their switches acts."""
+    return not flags or any(kind in ACTS_ON[SWITCHES[n][0]] for n in flags)
+
+
 def run(variants, shapes, rounds: int, replays: int, tiny: bool, log=print) -> list[dict]:
     cuda = not tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -261,7 +270,8 @@ def run(variants, shapes, rounds: int, replays: int, tiny: bool, log=print) -> l
         f"{'rel diff':>9s}")  # fmt: skip
     for shape in shapes:
         call = shape_call(stack, cfg, shape, device, dtype, variant)
-        runners = {name: Runner(call, flags, cuda) for name, flags in variants}
+        runners = {name: Runner(call, flags, cuda) for name, flags in variants
+                   if acts(flags, shape[0])}  # fmt: skip
         # outputs once more, one variant after another (each writes what it then reads)
         outputs = {}
         for name, runner in runners.items():

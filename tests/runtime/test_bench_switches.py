@@ -119,3 +119,17 @@ def test_code_predictor_variants_run_their_switches(bench, monkeypatch):
     assert counts[("CP_ATTEND_IN_QKV",)] == {"attend": cfg.num_layers * groups, "sample": 0}
     assert counts[("CP_SAMPLE_IN_HEAD",)] == {"attend": 0, "sample": groups - 1}
     assert [r["rel_diff"] for r in rows] == [0.0, 0.0, 0.0]  # greedy codes: all the same
+
+
+def test_a_variant_runs_only_on_the_shapes_its_switches_act_on(bench, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert bench.acts({}, "cpp") and bench.acts({"A8_NORM_QUANT": True}, "prefill")
+    assert not bench.acts({"A8_NORM_QUANT": True}, "cp")
+    assert bench.acts({"A8_NORM_QUANT": True, "CP_PASS_PREFETCH": True}, "cpp")
+    variants = bench.parse_variants("A8_SILU_QUANT;CP_SAMPLE_IN_HEAD")
+    rows = bench.run(variants, [("decode", 1, 1), ("cp", 1, 1)], rounds=1, replays=1,
+                     tiny=True, log=lambda *_: None)  # fmt: skip
+    assert [(r["shape"], r["variant"]) for r in rows] == [
+        ("decode 1", "base"), ("decode 1", "A8_SILU_QUANT"),
+        ("cp 1", "base"), ("cp 1", "CP_SAMPLE_IN_HEAD"),
+    ]  # fmt: skip
