@@ -99,3 +99,36 @@ def test_qk_norm_rope_attend_at_code_predictor_shapes(B, dtype):
     assert _rel(out, ref) < tol
     assert _rel(kc[slots, :, pos], kc_ref[slots, :, pos]) < tol
     assert torch.equal(vc.float(), vc_ref)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("name", ["cp.qkv", "cp.gate_up", "cp.down", "talker.down"])
+def test_l2_ahead_changes_no_bit(name, fp8, monkeypatch):
+    """TTSBUILD_PDL_L2_AHEAD: a program's weight tile brought into L2 before its PDL wait
+    changes where the weights come from, never a value: the same bits as without, and the
+    launch does take the path (a tile without split-K at one row)."""
+    from ttsbuild.plugins._tl import fused_linear as tl_fused
+    from ttsbuild.plugins._tl.fp8_linear import _num_sms
+
+    K, N, mode = SHAPES[name]
+    g = torch.Generator(device=DEV).manual_seed(N + K)
+    rows = 2 * N if mode == "gate_up" else N
+    w = torch.randn(rows, K, device=DEV, generator=g) * K**-0.5
+    w, s = quantize_weight_fp8(w) if fp8 else (w.bfloat16(), None)
+    x = (torch.randn(1, K, device=DEV, generator=g) * 2).bfloat16()
+    kw = {}
+    if mode in ("norm", "gate_up"):
+        nw = (1 + 0.2 * torch.randn(K, device=DEV, generator=g)).bfloat16()
+        kw = dict(norm_weight=nw, eps=1e-6, gate_up=mode == "gate_up")
+    if mode == "residual":
+        kw = dict(residual=(torch.randn(1, N, device=DEV, generator=g) * 3).bfloat16())
+    config = tl_fused.plan(1, N, K, mode == "gate_up", _num_sms(x.device))
+    config["SPLIT_K"] = 1  # (L2_AHEAD takes tiles without split-K)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(tl_fused, "L2_AHEAD", on)
+        taken = tl_fused._l2_ahead(w, K, config, tl_fused.pdl_enabled(x))
+        assert taken == on or not tl_fused.pdl_enabled(x)
+        outs.append(fused_linear(x, w, s, config=config, **kw))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])

@@ -73,3 +73,17 @@ def pdl_prologue(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def l2_prefetch(ptr, nbytes):
+    """Bring [ptr, ptr + nbytes) into L2 ahead of its use: one `cp.async.bulk.prefetch.L2`
+    (sm_90), issued by the program's thread 0; nothing waits for it. ptr 16-byte aligned,
+    nbytes a multiple of 16. GPU only (inline PTX): callers keep it out of the interpreter."""
+    addr = ptr.to(tl.int64) + tl.zeros([1], tl.int64)
+    size = tl.zeros([1], tl.int32) + nbytes
+    tl.inline_asm_elementwise(
+        "{ .reg .pred pf_p; .reg .b32 pf_t; mov.u32 pf_t, %tid.x; setp.eq.u32 pf_p, pf_t, 0; "
+        "@pf_p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip

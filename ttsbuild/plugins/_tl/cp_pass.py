@@ -30,6 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ttsbuild.plugins._tl._math import l2_prefetch
 from ttsbuild.plugins._tl.fused_linear import _epilogue, _load_residual, _mac, _out_vectors
 from ttsbuild.plugins._tl.qk_norm_rope_attend import attend_item, old_kv
 
@@ -58,20 +59,6 @@ def _grid_sync(bar_ptr, NPROG):
 
 
 @triton.jit
-def _l2_prefetch(ptr, nbytes):
-    """Bring [ptr, ptr + nbytes) into L2 ahead of its use: one `cp.async.bulk.prefetch.L2`
-    (sm_90), issued by the program's thread 0; nothing waits for it. ptr 16-byte aligned,
-    nbytes a multiple of 16."""
-    addr = ptr.to(tl.int64) + tl.zeros([1], tl.int64)
-    size = tl.zeros([1], tl.int32) + nbytes
-    tl.inline_asm_elementwise(
-        "{ .reg .pred pf_p; .reg .b32 pf_t; mov.u32 pf_t, %tid.x; setp.eq.u32 pf_p, pf_t, 0; "
-        "@pf_p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _prefetch_linear(w_ptr, pid, NPROG, N: tl.constexpr, K: tl.constexpr,
                      BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):  # fmt: skip
     """This program's weight tiles of a `_linear_stage` (the same tiles, dealt the same way)
@@ -81,9 +68,9 @@ def _prefetch_linear(w_ptr, pid, NPROG, N: tl.constexpr, K: tl.constexpr,
         n0 = tile * BLOCK_N
         base = w_ptr + n0.to(tl.int64) * K
         nbytes = tl.minimum(N - n0, BLOCK_N) * (K * ELT)
-        _l2_prefetch(base, nbytes)
+        l2_prefetch(base, nbytes)
         if GATE_UP:  # the up half of the packed matrix
-            _l2_prefetch(base + N * K, nbytes)
+            l2_prefetch(base + N * K, nbytes)
 
 
 @triton.jit

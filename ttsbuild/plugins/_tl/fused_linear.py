@@ -42,7 +42,7 @@ from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_early_reads, pdl_enabled
 from ttsbuild.plugins._tl import sampling as _sampling
 from ttsbuild.plugins._tl._layout import check_qkv_caches
-from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue
+from ttsbuild.plugins._tl._math import exp_f32, l2_prefetch, pdl_prologue
 from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
 from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_item, old_kv
 from ttsbuild.plugins._tl.sampling import sample_row
@@ -60,6 +60,11 @@ _PREFETCH_BLOCKS_ENV = os.environ.get("TTSBUILD_PDL_PREFETCH_BLOCKS", "2")
 if _PREFETCH_BLOCKS_ENV not in ("1", "2"):
     raise ValueError(f"TTSBUILD_PDL_PREFETCH_BLOCKS must be 1 or 2, got {_PREFETCH_BLOCKS_ENV!r}")
 _PREFETCH_BLOCKS = int(_PREFETCH_BLOCKS_ENV)
+# Under PDL a program also brings its whole weight tile into L2 before waiting for the
+# previous kernel (one `cp.async.bulk.prefetch.L2` from thread 0; tiles without split-K, whose
+# rows are one contiguous block): the K blocks past the ones loaded early then come from L2,
+# not HBM. Off until timed on the GPU (TTSBUILD_PDL_L2_AHEAD=1; read at each launch).
+L2_AHEAD = os.environ.get("TTSBUILD_PDL_L2_AHEAD", "0") == "1"
 # A GEMV (M = 1) whose 16-column tiles leave SMs idle: 8-column tiles (one program per 8
 # columns, no split-K: no partials, atomic and second pass) when that fills the SMs, instead
 # of split-K. Measured on the H200: the code predictor's frame at batch 1 2.104 -> 2.084 ms
@@ -188,11 +193,12 @@ def _linear_program(
     SPLIT_K: tl.constexpr, GATHER: tl.constexpr, PRE_NORM: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     GATE_UP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, RES_EARLY: tl.constexpr,
+    PREFETCH: tl.constexpr, RES_EARLY: tl.constexpr, L2_AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     """One program of `_fused_linear_kernel`. Returns whether it wrote its tile's output (the
     split that summed the partials; always without split-K), for a kernel that follows up on
-    the output within the launch (`_norm_linear_attend_kernel`)."""
+    the output within the launch (`_norm_linear_attend_kernel`). L2_AHEAD (no split-K, rows of
+    K contiguous weights): the tile's weight rows into L2 before the PDL wait."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -225,6 +231,14 @@ def _linear_program(
         if GATE_UP:
             wu1 = tl.load(u_rows + offs_k1[None, :], mask=w_mask1, other=0.0)
         nw1 = _norm_block(nw_ptr, offs_k1, offs_k1 < k_hi, PRE_NORM)
+    if L2_AHEAD:
+        ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        n0 = pid_n * BLOCK_N
+        tile = w_ptr + n0.to(tl.int64) * K
+        nbytes = tl.minimum(N - n0, BLOCK_N) * K * ELT
+        l2_prefetch(tile, nbytes)
+        if GATE_UP:
+            l2_prefetch(tile + N * K, nbytes)
     if SPLIT_K == 1:
         sc, sc_u, bias = _out_vectors(s_ptr, b_ptr, offs_n, n_mask, N, HAS_SCALE, HAS_BIAS,
                                       GATE_UP)  # fmt: skip
@@ -332,13 +346,13 @@ def _fused_linear_kernel(
     SPLIT_K: tl.constexpr, GATHER: tl.constexpr, PRE_NORM: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     GATE_UP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0, RES_EARLY: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0, RES_EARLY: tl.constexpr = False, L2_AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     _linear_program(
         x_ptr, idx_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, r_ptr, out_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
         BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GATHER, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES,
-        GATE_UP, DOT_F32, PDL, PREFETCH, RES_EARLY,
+        GATE_UP, DOT_F32, PDL, PREFETCH, RES_EARLY, L2_AHEAD,
     )  # fmt: skip
 
 
@@ -509,9 +523,20 @@ def fused_linear_triton(
         GATE_UP=gate_up, DOT_F32=interpret_mode() or x.dtype == torch.float32,
         PREFETCH=prefetch,
         RES_EARLY=residual is not None and residual_ready and prefetch > 0 and pdl_early_reads(),
-        **pdl_args(pdl), num_warps=4, num_stages=3,
+        L2_AHEAD=_l2_ahead(weight, K, c, pdl), **pdl_args(pdl), num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
+
+
+def _l2_ahead(weight: torch.Tensor, K: int, config: dict, pdl: bool) -> bool:
+    """Whether a launch brings its tiles' weights into L2 before the PDL wait (`L2_AHEAD`): on
+    the GPU under PDL, tiles without split-K (a tile's rows one contiguous block) whose blocks
+    a bulk prefetch takes (16-byte aligned, 16-byte multiples)."""
+    return bool(
+        L2_AHEAD and pdl and not interpret_mode() and config["SPLIT_K"] == 1
+        and weight.stride(0) == K and K * weight.element_size() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )  # fmt: skip
 
 
 def norm_linear_attend_triton(
