@@ -24,9 +24,10 @@ fraction that differ).
 (--variants: ';' between variants, ',' between the switches of one; the default: the three
 A8 switches one by one and all three together, then the code predictor's two, the persistent
 pass's L2 prefetch, attention in its qkv stage and counting barrier, one by one and together,
-and the fused linears' weight tiles into L2 before their PDL wait. A variant runs on the
-shapes its switches act on: the talker's on decode and prefill, the code predictor's and the
-fused linears' on cp, the persistent pass's on cpp.)
+and the fused linears' and the FP8 tiles' weights into L2 before their PDL wait (both
+TTSBUILD_PDL_L2_AHEAD). A variant runs on the shapes its switches act on: the talker's and
+the FP8 tiles' on decode and prefill, the code predictor's and the fused linears' on cp, the
+persistent pass's on cpp.)
 
 `--tiny`: the tiny model on the CPU, eager calls timed by the host clock: checks the script
 and the switches' bit-equality on the CPU references (tests/runtime/test_bench_switches.py),
@@ -47,6 +48,7 @@ from pathlib import Path
 import torch
 
 from ttsbuild.plugins import cp_pass
+from ttsbuild.plugins._tl import fp8_linear as tl_fp8_linear
 from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
 from ttsbuild.runtime import cp_fused, fast_model
 
@@ -55,7 +57,7 @@ from ttsbuild.runtime import cp_fused, fast_model
 # Which shape kinds each module's switches act on: a variant runs on a shape where one of its
 # switches acts (the baseline everywhere).
 ACTS_ON = {fast_model: ("decode", "prefill"), cp_fused: ("cp",), cp_pass: ("cpp",),
-           tl_fused_linear: ("cp",)}  # fmt: skip
+           tl_fused_linear: ("cp",), tl_fp8_linear: ("decode", "prefill")}  # fmt: skip
 SWITCHES = {
     "A8_NORM_QUANT": (fast_model, "A8_NORM_QUANT"),
     "A8_SILU_QUANT": (fast_model, "A8_SILU_QUANT"),
@@ -68,12 +70,13 @@ SWITCHES = {
     "CP_PASS_ATTEND_IN_QKV": (cp_pass, "ATTEND_IN_QKV"),
     "CP_PASS_COUNT_BARRIER": (cp_pass, "COUNT_BARRIER"),
     "PDL_L2_AHEAD": (tl_fused_linear, "L2_AHEAD"),
+    "FP8_L2_AHEAD": (tl_fp8_linear, "L2_AHEAD"),
 }
 DEFAULT_VARIANTS = (
     "A8_NORM_QUANT;A8_SILU_QUANT;A8_GATE_UP_SILU;A8_NORM_QUANT,A8_SILU_QUANT,A8_GATE_UP_SILU;"
     "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD;CP_PASS_PREFETCH;CP_PASS_ATTEND_IN_QKV;"
     "CP_PASS_COUNT_BARRIER;CP_PASS_PREFETCH,CP_PASS_ATTEND_IN_QKV,CP_PASS_COUNT_BARRIER;"
-    "PDL_L2_AHEAD"
+    "PDL_L2_AHEAD;FP8_L2_AHEAD"
 )
 # the code predictor's first (most at stake at batch 1, and last to compile)
 DEFAULT_SHAPES = "cpp:1,cp:1,cp:8,decode:1,prefill:1x32,prefill:1x64,decode:64,prefill:4x64"

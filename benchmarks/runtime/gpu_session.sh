@@ -80,8 +80,8 @@
 #         per variant and shape, replayed in interleaved rounds; ratios to the baseline within
 #         a round): $SWITCH_VARIANTS (default: the A8 switches one by one and all three, the
 #         code predictor's attention-in-qkv and sampler-in-head, the persistent pass's L2
-#         prefetch, attention in its qkv stage and counting barrier, the fused linears' L2
-#         prefetch before the PDL wait), $SWITCH_SHAPES (default
+#         prefetch, attention in its qkv stage and counting barrier, the fused linears' and
+#         the FP8 tiles' L2 prefetch before the PDL wait), $SWITCH_SHAPES (default
 #         talker decode 1 and 64, prefill 1x32, 1x64, 4x64, code predictor frame 1 and 8,
 #         persistent frame 1); first the persistent pass's GPU tests (SWITCH_TESTS=0 skips
 #         them) and bench_barrier.py (the generation and the counting grid barrier)
@@ -206,7 +206,7 @@ for step in $STEPS; do
         fi ;;
     switches)  # SWITCH_TESTS=0 skips the persistent pass's GPU tests
         if [ "${SWITCH_TESTS:-1}" != 0 ]; then
-            log "GPU tests: the persistent code-predictor pass (L2 prefetch, attention in qkv, counting barrier), the fused linears' L2-ahead"
+            log "GPU tests: the persistent code-predictor pass (L2 prefetch, attention in qkv, counting barrier), the L2-ahead of the fused linears and the FP8 tiles"
             timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
                 tests/runtime/test_cp_fused.py tests/plugins/test_gpu_fused_kernels.py \
                 -k "persistent_pass or persistent_frame or l2_ahead" 2>&1 \

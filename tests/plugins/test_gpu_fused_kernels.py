@@ -132,3 +132,30 @@ def test_l2_ahead_changes_no_bit(name, fp8, monkeypatch):
         outs.append(fused_linear(x, w, s, config=config, **kw))
     torch.cuda.synchronize()
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_fp8_linear_l2_ahead_changes_no_bit(rows, gate_up, monkeypatch):
+    """The same switch for the FP8 tiles (`_tl.fp8_linear.L2_AHEAD`): the weight-only GEMV at
+    one row and the W8A8 tiles at 32 rows, without split-K, give the same bits with it on."""
+    from ttsbuild.plugins._tl import fp8_linear as tl_fp8
+    from ttsbuild.plugins.fp8_w8a8 import quantize_rows
+
+    K, N = 2048, 2048
+    g = torch.Generator(device=DEV).manual_seed(rows + 2 * gate_up)
+    w, s = quantize_weight_fp8(torch.randn((2 if gate_up else 1) * N, K, device=DEV,
+                                           generator=g) * K**-0.5)  # fmt: skip
+    x = (torch.randn(rows, K, device=DEV, generator=g) * 2).bfloat16()
+    config = {"BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(tl_fp8, "L2_AHEAD", on)
+        if rows == 1:
+            outs.append(tl_fp8.fp8_linear_triton(x, w, s, config=config, gate_up=gate_up))
+        else:
+            xq, sx = quantize_rows(x)
+            outs.append(tl_fp8.fp8_linear_a8_triton(xq, sx, w, s, config=config,
+                                                    gate_up=gate_up))  # fmt: skip
+    torch.cuda.synchronize()
+    assert outs[0].abs().max() > 0 and torch.equal(outs[0], outs[1])

@@ -24,17 +24,24 @@ out[m, n] = scale[n] * sum_k x[m, k] * float(w[n, k]), fp32 accumulation, bf16 o
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
-from ttsbuild.plugins._tl._math import exp_f32, pdl_prologue
+from ttsbuild.plugins._tl._math import exp_f32, l2_prefetch, pdl_prologue
 
 _NUM_SMS: dict[int, int] = {}
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _MAX_TILES = 1 << 16
 _MAX_SPLIT = 8
+# Under PDL a tile without split-K brings its FP8 weight rows into L2 before waiting for the
+# previous kernel (one `cp.async.bulk.prefetch.L2` from thread 0), so its K loop reads L2,
+# not HBM: the talker's GEMVs and W8A8 tiles. Off until timed on the GPU
+# (TTSBUILD_PDL_L2_AHEAD=1, as for plugins._tl.fused_linear; read at each launch).
+L2_AHEAD = os.environ.get("TTSBUILD_PDL_L2_AHEAD", "0") == "1"
 
 
 def _num_sms(device: torch.device) -> int:
@@ -138,7 +145,16 @@ def _fp8_linear_kernel(
     DOT_F32: tl.constexpr = False,
     A8: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    L2_AHEAD: tl.constexpr = False,
 ):
+    if L2_AHEAD:  # (under PDL) the tile's FP8 weight rows into L2 before the wait
+        if SPLIT_K == 1:  # a tile without split-K: its rows are one contiguous block
+            n0 = tl.program_id(0) * BLOCK_N
+            tile = w_ptr + n0.to(tl.int64) * K
+            nbytes = tl.minimum(N - n0, BLOCK_N) * K
+            l2_prefetch(tile, nbytes)
+            if GATE_UP:
+                l2_prefetch(tile + N * K, nbytes)
     pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -348,6 +364,9 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     args = (x, w, scale, out, ws, cnt, sx if a8 else scale, M, N, K, x.stride(0), w.stride(0),
             out.stride(0))  # fmt: skip
     pdl = pdl_enabled(x)
+    # the bulk prefetch takes 16-byte aligned blocks of 16-byte multiples (FP8: K bytes a row)
+    l2 = bool(L2_AHEAD and pdl and not interpret_mode() and K % 16 == 0
+              and w.data_ptr() % 16 == 0)  # fmt: skip
     if interpret_mode():
         config = config or {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}
         config = {**config, "DOT_F32": True}
@@ -357,10 +376,11 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
         c = dict(config)
         if block_m == 1 and "DOT_F32" in c:
             c["BLOCK_N"] = min(c["BLOCK_N"], 16)
-        _heur[grid(c)](*args, BLOCK_M=block_m, GATE_UP=gate_up, A8=a8, **c, **pdl_args(pdl))
+        _heur[grid(c)](*args, BLOCK_M=block_m, GATE_UP=gate_up, A8=a8, L2_AHEAD=l2, **c,
+                       **pdl_args(pdl))  # fmt: skip
     else:
         tuner = _gemv if block_m == 1 else _gemm
-        tuner[grid](*args, BLOCK_M=block_m, GATE_UP=gate_up, A8=a8, **pdl_args(pdl))
+        tuner[grid](*args, BLOCK_M=block_m, GATE_UP=gate_up, A8=a8, L2_AHEAD=l2, **pdl_args(pdl))
     return out
 
 
