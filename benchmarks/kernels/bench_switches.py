@@ -268,7 +268,10 @@ def acts(flags: dict[str, bool], kind: str) -> bool:
     return not flags or any(kind in ACTS_ON[SWITCHES[n][0]] for n in flags)
 
 
-def run(variants, shapes, rounds: int, replays: int, tiny: bool, log=print) -> list[dict]:
+def run(variants, shapes, rounds: int, replays: int, tiny: bool, log=print,
+        out: str | None = None) -> list[dict]:  # fmt: skip
+    """Every shape's rows (also written to `out` as JSON after each shape: a run cut by its
+    time limit keeps what it measured)."""
     cuda = not tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     variant = "tiny" if tiny else "1.7b-customvoice"
@@ -297,6 +300,9 @@ def run(variants, shapes, rounds: int, replays: int, tiny: bool, log=print) -> l
         del runners, call
         if cuda:
             torch.cuda.empty_cache()
+        if out:
+            with open(out, "w", encoding="utf-8") as f:
+                json.dump(rows, f, indent=1)
     return rows
 
 
@@ -323,10 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.tiny:
         print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    rows = run(variants, shapes, args.rounds, args.replays, args.tiny)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
+    run(variants, shapes, args.rounds, args.replays, args.tiny, out=args.out)
     return 0
 
 

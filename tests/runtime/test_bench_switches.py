@@ -133,3 +133,18 @@ def test_a_variant_runs_only_on_the_shapes_its_switches_act_on(bench, monkeypatc
         ("decode 1", "base"), ("decode 1", "A8_SILU_QUANT"),
         ("cp 1", "base"), ("cp 1", "CP_SAMPLE_IN_HEAD"),
     ]  # fmt: skip
+
+
+def test_rows_are_written_after_each_shape(bench, monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    out = tmp_path / "rows.json"
+    assert bench.main(["--tiny", "--rounds", "1", "--replays", "1", "--variants",
+                       "A8_SILU_QUANT", "--shapes", "decode:1,prefill:1x16",
+                       "--out", str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert [(r["shape"], r["variant"]) for r in rows] == [
+        ("decode 1", "base"), ("decode 1", "A8_SILU_QUANT"),
+        ("prefill 1x16", "base"), ("prefill 1x16", "A8_SILU_QUANT"),
+    ]  # fmt: skip
