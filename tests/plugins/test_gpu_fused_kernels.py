@@ -127,7 +127,7 @@ def test_l2_ahead_changes_no_bit(name, fp8, monkeypatch):
     outs = []
     for on in (False, True):
         monkeypatch.setattr(tl_fused, "L2_AHEAD", on)
-        taken = tl_fused._l2_ahead(w, K, config, tl_fused.pdl_enabled(x))
+        taken = tl_fused._l2_ahead(w, config, tl_fused.pdl_enabled(x))
         assert taken == on or not tl_fused.pdl_enabled(x)
         outs.append(fused_linear(x, w, s, config=config, **kw))
     torch.cuda.synchronize()

@@ -62,6 +62,16 @@ def pdl_early_reads() -> bool:
     return os.environ.get("TTSBUILD_PDL_EARLY", "1") != "0"
 
 
+def bulk_prefetchable(w: torch.Tensor) -> bool:
+    """Whether `_tl._math.l2_prefetch_tile` takes w's row blocks: on the GPU (not the
+    interpreter: inline PTX), rows contiguous, 16-byte aligned and a 16-byte multiple long."""
+    return bool(
+        w.is_cuda and not interpret_mode() and w.stride(-1) == 1
+        and w.stride(-2) == w.shape[-1] and w.shape[-1] * w.element_size() % 16 == 0
+        and w.data_ptr() % 16 == 0
+    )  # fmt: skip
+
+
 def codec_pdl_args(t: torch.Tensor) -> dict:
     """The codec kernels' PDL launch arguments (`pdl_args`): off unless TTSBUILD_CODEC_PDL=1
     (and `pdl_enabled`). The kernels take it (each waits for the previous kernel before its

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ttsbuild.plugins._dispatch import interpret_mode, want_triton
+from ttsbuild.plugins._dispatch import bulk_prefetchable, interpret_mode, want_triton
 from ttsbuild.plugins._tl.fp8_linear import _num_sms
 from ttsbuild.plugins.fused_linear import fused_linear, norm_linear
 from ttsbuild.plugins.qk_norm_rope import inv_freq
@@ -215,13 +215,9 @@ def run_pass(
             cp_pass_kernel[(nprog,)](*args, stage, stage + 1, *rest, **meta, SYNC=False)
     else:
         sync = not race_stages
-        # a bulk prefetch takes 16-byte aligned blocks of 16-byte multiples: every weight row
-        rows_bytes = [H * welt, c.num_heads * D * welt, I * welt]
-        if w.proj_weight is not None:
-            rows_bytes.append(src_k * w.proj_weight.element_size())
-        if head is not None:
-            rows_bytes.append(H * head.weight.element_size())
-        prefetch = PREFETCH and all(b % 16 == 0 for b in rows_bytes)
+        weights = [st[name] for name in _DENSE] + [w.proj_weight]
+        weights += [] if head is None else [head.weight]
+        prefetch = PREFETCH and all(bulk_prefetchable(t) for t in weights if t is not None)
         cp_pass_kernel[(nprog,)](*args, 0, last, *rest, **meta, SYNC=sync, PREFETCH=prefetch,
                                  HAS_HEAD=head is not None, COUNT_BARRIER=COUNT_BARRIER,
                                  num_warps=num_warps)  # fmt: skip

@@ -87,3 +87,16 @@ def l2_prefetch(ptr, nbytes):
         "@pf_p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
     )  # fmt: skip
+
+
+@triton.jit
+def l2_prefetch_tile(w_ptr, n0, N, K, BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):
+    """Rows [n0, n0 + BLOCK_N) of an [N, K] row-major weight (and of its up half, rows N on,
+    with GATE_UP) into L2: one contiguous block each (`l2_prefetch`). Callers check
+    `_dispatch.bulk_prefetchable(weight)`."""
+    ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    tile = w_ptr + n0.to(tl.int64) * K
+    nbytes = tl.minimum(N - n0, BLOCK_N) * K * ELT
+    l2_prefetch(tile, nbytes)
+    if GATE_UP:
+        l2_prefetch(tile + N * K, nbytes)

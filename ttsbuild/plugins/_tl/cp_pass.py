@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._tl._math import l2_prefetch
+from ttsbuild.plugins._tl._math import l2_prefetch_tile
 from ttsbuild.plugins._tl.fused_linear import _epilogue, _load_residual, _mac, _out_vectors
 from ttsbuild.plugins._tl.qk_norm_rope_attend import attend_item, old_kv
 
@@ -63,14 +63,8 @@ def _prefetch_linear(w_ptr, pid, NPROG, N: tl.constexpr, K: tl.constexpr,
                      BLOCK_N: tl.constexpr, GATE_UP: tl.constexpr):  # fmt: skip
     """This program's weight tiles of a `_linear_stage` (the same tiles, dealt the same way)
     into L2: a tile's BLOCK_N rows of [N, K] row-major weights are one contiguous block."""
-    ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
     for tile in range(pid, tl.cdiv(N, BLOCK_N), NPROG):
-        n0 = tile * BLOCK_N
-        base = w_ptr + n0.to(tl.int64) * K
-        nbytes = tl.minimum(N - n0, BLOCK_N) * (K * ELT)
-        l2_prefetch(base, nbytes)
-        if GATE_UP:  # the up half of the packed matrix
-            l2_prefetch(base + N * K, nbytes)
+        l2_prefetch_tile(w_ptr, tile * BLOCK_N, N, K, BLOCK_N, GATE_UP)
 
 
 @triton.jit

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
-from ttsbuild.plugins._tl._math import exp_f32, l2_prefetch, pdl_prologue
+from ttsbuild.plugins._dispatch import bulk_prefetchable, interpret_mode, pdl_args, pdl_enabled
+from ttsbuild.plugins._tl._math import exp_f32, l2_prefetch_tile, pdl_prologue
 
 _NUM_SMS: dict[int, int] = {}
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -149,12 +149,7 @@ def _fp8_linear_kernel(
 ):
     if L2_AHEAD:  # (under PDL) the tile's FP8 weight rows into L2 before the wait
         if SPLIT_K == 1:  # a tile without split-K: its rows are one contiguous block
-            n0 = tl.program_id(0) * BLOCK_N
-            tile = w_ptr + n0.to(tl.int64) * K
-            nbytes = tl.minimum(N - n0, BLOCK_N) * K
-            l2_prefetch(tile, nbytes)
-            if GATE_UP:
-                l2_prefetch(tile + N * K, nbytes)
+            l2_prefetch_tile(w_ptr, tl.program_id(0) * BLOCK_N, N, K, BLOCK_N, GATE_UP)
     pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -364,9 +359,7 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     args = (x, w, scale, out, ws, cnt, sx if a8 else scale, M, N, K, x.stride(0), w.stride(0),
             out.stride(0))  # fmt: skip
     pdl = pdl_enabled(x)
-    # the bulk prefetch takes 16-byte aligned blocks of 16-byte multiples (FP8: K bytes a row)
-    l2 = bool(L2_AHEAD and pdl and not interpret_mode() and K % 16 == 0
-              and w.data_ptr() % 16 == 0)  # fmt: skip
+    l2 = L2_AHEAD and pdl and bulk_prefetchable(w)
     if interpret_mode():
         config = config or {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}
         config = {**config, "DOT_F32": True}

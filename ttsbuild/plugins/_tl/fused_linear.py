@@ -39,10 +39,16 @@ import triton
 import triton.language as tl
 
 from ttsbuild.generation.sampling import SamplingBatch
-from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_early_reads, pdl_enabled
+from ttsbuild.plugins._dispatch import (
+    bulk_prefetchable,
+    interpret_mode,
+    pdl_args,
+    pdl_early_reads,
+    pdl_enabled,
+)
 from ttsbuild.plugins._tl import sampling as _sampling
 from ttsbuild.plugins._tl._layout import check_qkv_caches
-from ttsbuild.plugins._tl._math import exp_f32, l2_prefetch, pdl_prologue
+from ttsbuild.plugins._tl._math import exp_f32, l2_prefetch_tile, pdl_prologue
 from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
 from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_item, old_kv
 from ttsbuild.plugins._tl.sampling import sample_row
@@ -232,13 +238,7 @@ def _linear_program(
             wu1 = tl.load(u_rows + offs_k1[None, :], mask=w_mask1, other=0.0)
         nw1 = _norm_block(nw_ptr, offs_k1, offs_k1 < k_hi, PRE_NORM)
     if L2_AHEAD:
-        ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        n0 = pid_n * BLOCK_N
-        tile = w_ptr + n0.to(tl.int64) * K
-        nbytes = tl.minimum(N - n0, BLOCK_N) * K * ELT
-        l2_prefetch(tile, nbytes)
-        if GATE_UP:
-            l2_prefetch(tile + N * K, nbytes)
+        l2_prefetch_tile(w_ptr, pid_n * BLOCK_N, N, K, BLOCK_N, GATE_UP)
     if SPLIT_K == 1:
         sc, sc_u, bias = _out_vectors(s_ptr, b_ptr, offs_n, n_mask, N, HAS_SCALE, HAS_BIAS,
                                       GATE_UP)  # fmt: skip
@@ -523,20 +523,16 @@ def fused_linear_triton(
         GATE_UP=gate_up, DOT_F32=interpret_mode() or x.dtype == torch.float32,
         PREFETCH=prefetch,
         RES_EARLY=residual is not None and residual_ready and prefetch > 0 and pdl_early_reads(),
-        L2_AHEAD=_l2_ahead(weight, K, c, pdl), **pdl_args(pdl), num_warps=4, num_stages=3,
+        L2_AHEAD=_l2_ahead(weight, c, pdl), **pdl_args(pdl), num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
 
 
-def _l2_ahead(weight: torch.Tensor, K: int, config: dict, pdl: bool) -> bool:
+def _l2_ahead(weight: torch.Tensor, config: dict, pdl: bool) -> bool:
     """Whether a launch brings its tiles' weights into L2 before the PDL wait (`L2_AHEAD`): on
-    the GPU under PDL, tiles without split-K (a tile's rows one contiguous block) whose blocks
-    a bulk prefetch takes (16-byte aligned, 16-byte multiples)."""
-    return bool(
-        L2_AHEAD and pdl and not interpret_mode() and config["SPLIT_K"] == 1
-        and weight.stride(0) == K and K * weight.element_size() % 16 == 0
-        and weight.data_ptr() % 16 == 0
-    )  # fmt: skip
+    the GPU under PDL, tiles without split-K (a tile's rows one contiguous block) of a weight
+    whose row blocks a bulk prefetch takes (`bulk_prefetchable`)."""
+    return L2_AHEAD and pdl and config["SPLIT_K"] == 1 and bulk_prefetchable(weight)
 
 
 def norm_linear_attend_triton(
