@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ttsbuild.plugins._tl._math import l2_prefetch_tile
 from ttsbuild.plugins._tl.fused_linear import _epilogue, _load_residual, _mac, _out_vectors
-from ttsbuild.plugins._tl.qk_norm_rope_attend import attend_item, old_kv
+from ttsbuild.plugins._tl.qk_norm_rope_attend import attend_item, kv_group_of, old_kv
 
 STAGES_PER_LAYER = tl.constexpr(5)
 
@@ -240,10 +240,7 @@ def _linear_stage(
             X_DTYPE, PRE_NORM, HAS_SCALE, HAS_BIAS, HAS_RES, GATE_UP,
         )  # fmt: skip
         if COUNT:  # as norm_linear_attend's protocol: stores issued, then the release
-            head = tile * BLOCK_N // D
-            kvh = tl.where(
-                head < HQ, head // GROUP, tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV)
-            )
+            kvh = kv_group_of(tile * BLOCK_N // D, HQ, HKV, GROUP)
             tl.debug_barrier()
             arrived = tl.atomic_add(gcnt_ptr + kvh, 1, sem="acq_rel", scope="gpu")
             if arrived == (GROUP + 2) * (D // BLOCK_N) - 1:

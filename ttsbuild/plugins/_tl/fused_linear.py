@@ -50,7 +50,7 @@ from ttsbuild.plugins._tl import sampling as _sampling
 from ttsbuild.plugins._tl._layout import check_qkv_caches
 from ttsbuild.plugins._tl._math import exp_f32, l2_prefetch_tile, pdl_prologue
 from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
-from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_item, old_kv
+from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_item, kv_group_of, old_kv
 from ttsbuild.plugins._tl.sampling import sample_row
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
 
@@ -395,10 +395,7 @@ def _norm_linear_attend_kernel(
         stride_om, eps, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, HAS_SCALE, DOT_F32, PDL, PREFETCH,
     )  # fmt: skip
     if wrote:
-        head = tl.program_id(0) * BLOCK_N // D
-        kvh = tl.where(
-            head < HQ, head // GROUP, tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV)
-        )
+        kvh = kv_group_of(tl.program_id(0) * BLOCK_N // D, HQ, HKV, GROUP)
         # every thread's qkv stores are issued before the release (as split-K's partials)
         tl.debug_barrier()
         arrived = tl.atomic_add(gcnt_ptr + kvh, 1, sem="acq_rel")

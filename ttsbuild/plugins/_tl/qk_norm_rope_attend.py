@@ -56,6 +56,15 @@ def old_kv(kc_ptr, vc_ptr, kvh, pos, slot, stride_cslot, stride_ch, stride_cs,
 
 
 @triton.jit
+def kv_group_of(head, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr):
+    """The KV group of packed qkv head `head` (q heads 0..HQ-1, then HKV k heads, then HKV v
+    heads): what a qkv tile counts toward where the last writer of a group attends it."""
+    return tl.where(
+        head < HQ, head // GROUP, tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV)
+    )
+
+
+@triton.jit
 def attend_item(
     qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row, kvh, pos, slot,
     stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
