@@ -204,7 +204,7 @@ for step in $STEPS; do
                 --ms "${A8_MS:-16,32,64,128}" --jobs 14 > "$OUT/sweep_a8.log" 2>&1
             echo "rc=$?"; grep -vE "^  |compile failed" "$OUT/sweep_a8.log" | tail -20
         fi ;;
-    switches)  # SWITCH_TESTS=0 skips the persistent pass's GPU tests
+    switches)  # SWITCH_TESTS=0 skips the persistent pass's GPU tests, SWITCH_BARRIER=0 the barrier bench
         if [ "${SWITCH_TESTS:-1}" != 0 ]; then
             log "GPU tests: the persistent code-predictor pass (L2 prefetch, attention in qkv, counting barrier), the L2-ahead of the fused linears and the FP8 tiles"
             timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
@@ -212,9 +212,11 @@ for step in $STEPS; do
                 -k "persistent_pass or persistent_frame or l2_ahead" 2>&1 \
                 | tee "$OUT/gpu_tests_switches.log" | tail -2
         fi
-        log "grid barriers: generation vs counting, and a persistent pass's stages (bench_barrier.py)"
-        timeout -k 5 150 python3 -u benchmarks/kernels/bench_barrier.py > "$OUT/bench_barrier.log" 2>&1
-        echo "rc=$?"; tail -12 "$OUT/bench_barrier.log"
+        if [ "${SWITCH_BARRIER:-1}" != 0 ]; then  # SWITCH_BARRIER=0 skips bench_barrier.py
+            log "grid barriers: generation vs counting, and a persistent pass's stages (bench_barrier.py)"
+            timeout -k 5 150 python3 -u benchmarks/kernels/bench_barrier.py > "$OUT/bench_barrier.log" 2>&1
+            echo "rc=$?"; tail -12 "$OUT/bench_barrier.log"
+        fi
         log "kernel switches side by side in one process (bench_switches.py)"
         args=()
         [ -n "${SWITCH_VARIANTS:-}" ] && args+=(--variants "$SWITCH_VARIANTS")

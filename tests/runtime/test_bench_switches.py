@@ -77,6 +77,7 @@ def test_switched_sets_only_its_flags_and_restores_them(bench, monkeypatch, flag
     from ttsbuild.runtime import cp_fused
 
     monkeypatch.setattr(fast_model, "A8_SILU_QUANT", True)  # as if the environment said so
+    monkeypatch.setattr(fast_model, "A8_NORM_QUANT", False)  # (on by default)
     with bench.switched(flags):
         assert {n: getattr(*bench.SWITCHES[n]) for n in bench.SWITCHES} == {
             n: flags.get(n, False) for n in bench.SWITCHES

@@ -48,6 +48,13 @@ def test_kernel_path_matches_reference(dtype, fp8, switch, monkeypatch):
     assert _rel(out.float(), unfused.float()) < tol and _rel(v.float(), v3.float()) < tol
 
 
+def _a8_switches(monkeypatch, norm=False, silu=False, gate_up=False):
+    """The A8 switches as given (the served defaults turn NORM_QUANT and GATE_UP_SILU on)."""
+    monkeypatch.setattr(fast_model, "A8_NORM_QUANT", norm)
+    monkeypatch.setattr(fast_model, "A8_SILU_QUANT", silu)
+    monkeypatch.setattr(fast_model, "A8_GATE_UP_SILU", gate_up)
+
+
 def _a8_stack(device, monkeypatch, handed):
     """The FP8 stack with every linear W8A8 (from 1 row), counting the norms' hand-offs."""
     stack = _stack(torch.bfloat16, True, device)
@@ -71,10 +78,10 @@ def test_norms_quantising_for_w8a8_change_nothing_on_the_references(monkeypatch)
     stack = _a8_stack("cpu", monkeypatch, handed)
     x, k, v, slots, positions = _inputs(torch.bfloat16, "cpu", 80)
     k2, v2 = k.clone(), v.clone()
+    _a8_switches(monkeypatch)
     ref = stack.decode(x, k, v, slots, positions)
     assert handed == []
-    monkeypatch.setattr(fast_model, "A8_NORM_QUANT", True)
-    monkeypatch.setattr(fast_model, "A8_SILU_QUANT", True)
+    _a8_switches(monkeypatch, norm=True, silu=True)
     out = stack.decode(x, k2, v2, slots, positions)
     # qkv's and gate/up's inputs from the norms, down's from silu_mul, every layer
     assert len(handed) == 3 * len(stack.layers)
@@ -82,6 +89,24 @@ def test_norms_quantising_for_w8a8_change_nothing_on_the_references(monkeypatch)
     assert sorted({s[1] for s in handed}) == sorted({x.shape[-1], inter})
     assert all(s[0] == 4 for s in handed)
     assert all(d._quantized is None for p in stack.layers for d in (p.qkv, p.gate_up, p.down))
+    assert torch.equal(out, ref) and torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_served_a8_switches_change_nothing_on_the_references(monkeypatch):
+    """The served defaults (A8_NORM_QUANT and A8_GATE_UP_SILU on, A8_SILU_QUANT off): the norms
+    hand qkv and gate/up their quantised rows (two per layer; down's input comes from the
+    gate/up epilogue) and the stack's output and caches are the bits of all three off."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    handed = []
+    stack = _a8_stack("cpu", monkeypatch, handed)
+    x, k, v, slots, positions = _inputs(torch.bfloat16, "cpu", 80)
+    k2, v2 = k.clone(), v.clone()
+    _a8_switches(monkeypatch)
+    ref = stack.decode(x, k, v, slots, positions)
+    _a8_switches(monkeypatch, norm=True, gate_up=True)
+    out = stack.decode(x, k2, v2, slots, positions)
+    assert len(handed) == 2 * len(stack.layers)
+    assert {s[1] for s in handed} == {x.shape[-1]}
     assert torch.equal(out, ref) and torch.equal(k, k2) and torch.equal(v, v2)
 
 
@@ -93,9 +118,9 @@ def test_norms_quantising_for_w8a8_on_the_kernels(monkeypatch):
     stack = _a8_stack(KDEV, monkeypatch, handed)
     x, k, v, slots, positions = _inputs(torch.bfloat16, KDEV, 80)
     k2, v2 = k.clone(), v.clone()
+    _a8_switches(monkeypatch)
     ref = stack.decode(x, k, v, slots, positions)
-    monkeypatch.setattr(fast_model, "A8_NORM_QUANT", True)
-    monkeypatch.setattr(fast_model, "A8_SILU_QUANT", True)
+    _a8_switches(monkeypatch, norm=True, silu=True)
     out = stack.decode(x, k2, v2, slots, positions)
     assert len(handed) == 3 * len(stack.layers)
     assert torch.equal(out, ref) and torch.equal(k, k2) and torch.equal(v, v2)

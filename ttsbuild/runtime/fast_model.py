@@ -43,16 +43,21 @@ TALKER_ATTEND_FUSED = os.environ.get("TTSBUILD_TALKER_ATTEND_FUSED", "0") == "1"
 # Off until timed on the GPU (TTSBUILD_GATE_UP_SILU=1 turns it on).
 GATE_UP_SILU = os.environ.get("TTSBUILD_GATE_UP_SILU", "0") == "1"
 # The same for the W8A8 Triton tiles (`fp8_linear_w8a8(gate_up=True)`, rows at or above
-# w8a8_min_rows): off until timed on the GPU (TTSBUILD_A8_GATE_UP_SILU=1 turns it on).
-A8_GATE_UP_SILU = os.environ.get("TTSBUILD_A8_GATE_UP_SILU", "0") == "1"
+# w8a8_min_rows). On by default since 2026-12-04 (H200, in one process, the talker's output
+# the same bits as without: with A8_NORM_QUANT, prefill 1x32 / 1x64 -4.9 / -3.9 %, decode
+# 32 / 64 rows -3.2 / -2.5 %; benchmarks/kernels/2026-12-04-h200-switches-inproc/);
+# TTSBUILD_A8_GATE_UP_SILU=0 turns it off.
+A8_GATE_UP_SILU = os.environ.get("TTSBUILD_A8_GATE_UP_SILU", "1") == "1"
 # The norm before a W8A8 qkv or gate/up linear also writes its rows quantised to FP8
 # (`add_rms_norm(quantize=True)`): the row quantisation's own launch goes, two per talker
-# layer (1.5 us each at 2048 columns in graph replays on the H200). Off until timed on the GPU
-# (TTSBUILD_A8_NORM_QUANT=1 turns it on).
-A8_NORM_QUANT = os.environ.get("TTSBUILD_A8_NORM_QUANT", "0") == "1"
+# layer (1.5 us each at 2048 columns in graph replays on the H200). On by default since
+# 2026-12-04 (alone: prefill 1x32 -2.2 %, decode 64 rows -1.4 %, same bits; figures above);
+# TTSBUILD_A8_NORM_QUANT=0 turns it off.
+A8_NORM_QUANT = os.environ.get("TTSBUILD_A8_NORM_QUANT", "1") == "1"
 # The same for the MLP's silu(gate) * up before a W8A8 down projection (`silu_mul(quantize=True)`,
 # one program per row): the down input's quantisation launch goes (3.9 us at 6144 columns).
-# Off until timed on the GPU (TTSBUILD_A8_SILU_QUANT=1 turns it on).
+# Off: slower in one process on the H200 (prefill 1x32 +1.4 %, 1x64 +1.8 %, 2026-12-04);
+# TTSBUILD_A8_SILU_QUANT=1 turns it on.
 A8_SILU_QUANT = os.environ.get("TTSBUILD_A8_SILU_QUANT", "0") == "1"
 
 
