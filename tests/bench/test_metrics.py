@@ -94,6 +94,31 @@ def test_summary_counts_percentiles_underrun_rate_and_cost():
     assert summarise(records, 2.0, None, 1)["cost"] is None
 
 
+def test_refusals_are_timed_apart_and_reach_the_sweep_row():
+    """The time to a 429/503 (send -> its response headers) is its own distribution, over the
+    measured refusals only: "refused at once" under overload is a number in the summary and
+    in the sweep's row, and no refusal's time enters the served requests' timings."""
+    from ttsbuild.bench.report import sweep_row
+
+    records = [record(0, "rejected", warmup=True)]
+    records += [record(i) for i in range(1, 5)]
+    records += [record(i, "rejected") for i in range(5, 25)]
+    records[0].headers_s = 9.0  # a warm-up refusal: not counted
+    for i, r in enumerate(records[5:]):
+        r.headers_s = 0.001 * (i + 1)  # 1..20 ms
+    for r in records[1:5]:
+        r.headers_s = 0.5
+    s = summarise(records, measured_s=1.0, gpu_hour_usd=None, gpus=1)
+    refused = s["timings"]["rejected_s"]
+    assert refused["count"] == 20 and refused["max"] == pytest.approx(0.020)
+    assert (refused["p50"], refused["p95"]) == pytest.approx((0.010, 0.019))
+    assert s["timings"]["headers_s"]["count"] == 4  # the served requests' headers only
+    assert sweep_row(5.0, s)["rejected_p95_s"] == pytest.approx(0.019)
+    none_refused = summarise(records[1:5], 1.0, None, 1)
+    assert none_refused["timings"]["rejected_s"]["count"] == 0
+    assert sweep_row(5.0, none_refused)["rejected_p95_s"] is None
+
+
 def test_early_blocks_are_timed_from_the_first_playable_sample():
     """Block k of 80 ms plays out at k * 0.08 s after playback starts: the summary gives each
     block's arrival after the first playable sample (p50 / p95 / max over the requests that

@@ -87,6 +87,16 @@ Gpus = Annotated[int, typer.Option(help="GPUs behind the endpoint, for the cost 
 Output = Annotated[Path, typer.Option(help="Directory for the result files.", show_default=False)]
 
 
+def _wide_console() -> Any:
+    """The console for result tables: the terminal's width, or 200 columns where the output is
+    a file or a pipe (rich's default 80 would cut a sweep table's cells to '…' in a log)."""
+    import sys
+
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def _bad(flag: str, message: str) -> typer.BadParameter:
     return typer.BadParameter(message, param_hint=f"'{flag}'")
 
@@ -268,7 +278,8 @@ def run(
     with new_progress(console) as progress, track(progress, f"{settings.rate:g} req/s", counters):
         result = run_benchmark(settings, prompts, counters)
     paths = write_outputs(output, result)
-    Console().print(run_table(result.summary, f"{settings.target.url} at {settings.rate:g} req/s"))
+    title = f"{settings.target.url} at {settings.rate:g} req/s"
+    _wide_console().print(run_table(result.summary, title))
     console.print(f"wrote {', '.join(str(p) for p in paths.values())}")
 
 
@@ -326,8 +337,6 @@ def sweep(
         max_connections=max_connections, gpu_hour_usd=gpu_hour_usd, gpus=gpus,
         http_client=http_client,
     )  # fmt: skip
-    from rich.console import Console
-
     from ttsbuild.bench.sweep import METRICS_START_FILE, ServiceLevel, run_sweep, scrape
     from ttsbuild.bench.target import metrics_endpoint
 
@@ -338,7 +347,7 @@ def sweep(
     output.mkdir(parents=True, exist_ok=True)
     if scrape_url is not None:
         (output / METRICS_START_FILE).write_text(baseline)
-    run_sweep(settings, rates, prompts, output, Console(), ServiceLevel(slo_s), scrape_url)
+    run_sweep(settings, rates, prompts, output, _wide_console(), ServiceLevel(slo_s), scrape_url)
 
 
 @app.command()

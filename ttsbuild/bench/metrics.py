@@ -244,6 +244,12 @@ def summarise(
                 ]
             )
             for name in TIMING_FIELDS
+        }
+        | {
+            # send -> the refusal's response headers (429/503): "refused at once" under overload
+            "rejected_s": distribution([r.headers_s for r in measured
+                                        if r.outcome == Outcome.rejected
+                                        and r.headers_s is not None])  # fmt: skip
         },
         "underruns": {
             "total": sum(r.underruns for r in with_playback),

@@ -27,6 +27,7 @@ _RUN_TIMINGS = (
     ("stall_s", "stall per request (ms)", 1e3),
     ("text_done_to_audio_s", "last word -> audio (ms)", 1e3),
     ("dispatch_lag_s", "dispatch lag (ms)", 1e3),
+    ("rejected_s", "refusal 429/503 (ms)", 1e3),
 )
 
 
@@ -41,8 +42,8 @@ def run_table(summary: dict[str, Any], title: str) -> Table:
     for column in ("p50", "p95", "p99", "max", "n"):
         table.add_column(column, justify="right")
     for key, label, scale in _RUN_TIMINGS:
-        stats = summary["timings"][key]
-        if stats["count"] == 0:
+        stats = summary["timings"].get(key)  # (summaries written before rejected_s lack it)
+        if not stats or stats["count"] == 0:
             continue
         digits = 3 if scale == 1.0 else 1
         cells = [_fmt(stats[k], scale, digits) for k in ("p50", "p95", "p99", "max")]
@@ -94,6 +95,7 @@ def sweep_row(rate: float, summary: dict[str, Any]) -> dict[str, Any]:
         "ttfa_p50_s": ttfa["p50"],
         "ttfa_p95_s": ttfa["p95"],
         "ttfa_p99_s": ttfa["p99"],
+        "rejected_p95_s": summary["timings"].get("rejected_s", {}).get("p95"),
         "underrun_rate": summary["underruns"]["rate"],
         "rtf_p50": summary["timings"]["rtf"]["p50"],
         "dispatch_lag_p99_s": summary["timings"]["dispatch_lag_s"]["p99"],
@@ -106,7 +108,7 @@ def sweep_row(rate: float, summary: dict[str, Any]) -> dict[str, Any]:
 def sweep_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="latency vs offered rate", title_justify="left")
     columns = (
-        "RPS", "ok/sent", "rej", "fail", "t/o", "TTFA p50 ms", "p95 ms", "p99 ms",
+        "RPS", "ok/sent", "rej", "rej p95 ms", "fail", "t/o", "TTFA p50 ms", "p95 ms", "p99 ms",
         "underrun %", "RTF p50", "chars/s", "audio s/s", "$/1M chars", "SLO",
     )  # fmt: skip
     for column in columns:
@@ -116,6 +118,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
             f"{row['rps']:g}",
             f"{row['completed']}/{row['sent']}",
             str(row["rejected"]),
+            _fmt(row.get("rejected_p95_s"), 1e3),
             str(row["failed"]),
             str(row["timed_out"]),
             _fmt(row["ttfa_p50_s"], 1e3),
