@@ -5,7 +5,8 @@ one-row step read 1.00-1.21 ms across seven engine-bench processes that all ran 
 for it (`2026-12-04-h200-a8-sides/`). Here each variant (a set of `fast_model` switches, read
 when a graph is captured) gets its own CUDA graph per shape, and the variants' graphs are
 replayed in rounds, interleaved, the order rotated every round. Per shape and variant: the
-median ms over rounds, the median of its per-round ratio to the baseline (no switch; a ratio
+median ms over rounds, the median of its per-round ratio to the baseline (the switches as
+served: their values when this script starts, i.e. the defaults or the environment's; a ratio
 taken within one round cancels drift between rounds) with the spread of those ratios, and the
 relative difference of its output to the baseline's (0: the same bits).
 
@@ -18,13 +19,14 @@ served, `bench_cp_fused.build`) and `cpp:B` (the same frame on the persistent pa
 fraction that differ).
 
     PYTHONPATH=. python3 benchmarks/kernels/bench_switches.py [--out bench_switches.json] \
-        [--variants "A8_NORM_QUANT;A8_SILU_QUANT;A8_NORM_QUANT,A8_SILU_QUANT"] \
+        [--variants="-A8_NORM_QUANT;A8_SILU_QUANT;-A8_NORM_QUANT,-A8_GATE_UP_SILU"] \
         [--shapes decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cpp:1] [--rounds 9]
 
-(--variants: ';' between variants, ',' between the switches of one; the default: the three
-A8 switches one by one and all three together, then the code predictor's two, the persistent
-pass's L2 prefetch, attention in its qkv stage and counting barrier, one by one and together,
-and the fused linears' and the FP8 tiles' weights into L2 before their PDL wait (both
+(--variants: ';' between variants, ',' between the switches of one; NAME turns a switch on,
+-NAME off, the others stay as served. The default: the served A8 switches off one by one and
+together, A8_SILU_QUANT on, then the code predictor's two, the persistent pass's L2 prefetch,
+attention in its qkv stage and counting barrier, one by one and together, and the fused
+linears' and the FP8 tiles' weights into L2 before their PDL wait (both
 TTSBUILD_PDL_L2_AHEAD). A variant runs on the shapes its switches act on: the talker's and
 the FP8 tiles' on decode and prefill, the code predictor's and the fused linears' on cp, the
 persistent pass's on cpp.)
@@ -52,8 +54,8 @@ from ttsbuild.plugins._tl import fp8_linear as tl_fp8_linear
 from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
 from ttsbuild.runtime import cp_fused, fast_model
 
-# The switches a variant may turn on: name -> (module, attribute), each read when a kernel
-# path is chosen. Every one is off in the baseline, whatever the environment says.
+# The switches a variant may turn on or off: name -> (module, attribute), each read when a
+# kernel path is chosen. The baseline has them as served (`SERVED`, read at import).
 # Which shape kinds each module's switches act on: a variant runs on a shape where one of its
 # switches acts (the baseline everywhere).
 ACTS_ON = {fast_model: ("decode", "prefill"), cp_fused: ("cp",), cp_pass: ("cpp",),
@@ -72,8 +74,9 @@ SWITCHES = {
     "PDL_L2_AHEAD": (tl_fused_linear, "L2_AHEAD"),
     "FP8_L2_AHEAD": (tl_fp8_linear, "L2_AHEAD"),
 }
+SERVED = {n: bool(getattr(*SWITCHES[n])) for n in SWITCHES}  # the switches as served
 DEFAULT_VARIANTS = (
-    "A8_NORM_QUANT;A8_SILU_QUANT;A8_GATE_UP_SILU;A8_NORM_QUANT,A8_SILU_QUANT,A8_GATE_UP_SILU;"
+    "-A8_NORM_QUANT;-A8_GATE_UP_SILU;-A8_NORM_QUANT,-A8_GATE_UP_SILU;A8_SILU_QUANT;"
     "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD;CP_PASS_PREFETCH;CP_PASS_ATTEND_IN_QKV;"
     "CP_PASS_COUNT_BARRIER;CP_PASS_PREFETCH,CP_PASS_ATTEND_IN_QKV,CP_PASS_COUNT_BARRIER;"
     "PDL_L2_AHEAD;FP8_L2_AHEAD"
@@ -84,16 +87,24 @@ CACHE_POSITIONS = 1024
 
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, bool]]]:
-    """'A;B,C' -> [('base', {}), ('A', {A}), ('B+C', {B, C})]: the baseline first."""
+    """'A;B,-C' -> [('base', {}), ('A', {A: on}), ('B+-C', {B: on, C: off})]: the baseline
+    (every switch as served) first. A variant that sets nothing differently from the baseline
+    is refused: it would time the baseline against itself."""
     variants = [("base", {})]
     for item in text.split(";"):
         names = [n.strip() for n in item.split(",") if n.strip()]
         if not names:
             continue
-        unknown = [n for n in names if n not in SWITCHES]
+        flags = {n.removeprefix("-"): not n.startswith("-") for n in names}
+        unknown = [n for n in flags if n not in SWITCHES]
         if unknown:
             raise ValueError(f"unknown switch {unknown[0]!r}; known: {', '.join(SWITCHES)}")
-        variants.append(("+".join(names), dict.fromkeys(names, True)))
+        if len(flags) < len(names):
+            raise ValueError(f"variant {item.strip()!r} names a switch twice")
+        if all(SERVED[n] == on for n, on in flags.items()):
+            raise ValueError(f"variant {item.strip()!r} is the baseline (every switch in it "
+                             "is already served that way)")  # fmt: skip
+        variants.append(("+".join(names), flags))
     return variants
 
 
@@ -119,11 +130,11 @@ def parse_shapes(text: str) -> list[tuple[str, int, int]]:
 
 @contextlib.contextmanager
 def switched(flags: dict[str, bool]):
-    """The switches as `flags` says (the rest off) for the block, restored after."""
+    """The switches as `flags` says (the rest as served) for the block, restored after."""
     old = {n: getattr(*SWITCHES[n]) for n in SWITCHES}
     try:
         for n, (module, attr) in SWITCHES.items():
-            setattr(module, attr, flags.get(n, False))
+            setattr(module, attr, flags.get(n, SERVED[n]))
         yield
     finally:
         for n, v in old.items():
@@ -263,7 +274,7 @@ def bench_shape(runners: dict[str, Runner], rounds: int, replays: int) -> dict[s
 
 
 def acts(flags: dict[str, bool], kind: str) -> bool:
-    """Whether a variant runs on a shape kind: the baseline (no switch) everywhere, the others
+    """Whether a variant runs on a shape kind: the baseline (as served) everywhere, the others
     where one of their switches acts."""
     return not flags or any(kind in ACTS_ON[SWITCHES[n][0]] for n in flags)
 
@@ -309,8 +320,9 @@ def run(variants, shapes, rounds: int, replays: int, tiny: bool, log=print,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
-                    help="';'-separated variants, each a ','-separated set of switches "
-                         f"({', '.join(SWITCHES)}); the baseline (none) always runs")  # fmt: skip
+                    help="';'-separated variants, each a ','-separated set of switches, "
+                         f"NAME on or -NAME off ({', '.join(SWITCHES)}), the rest as "
+                         "served; the baseline (as served) always runs")  # fmt: skip
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--replays", type=int, default=20)

@@ -78,7 +78,8 @@
 #         `sweep_fp8.py --a8`
 # switches: kernel switches side by side in ONE process (bench_switches.py: a CUDA graph
 #         per variant and shape, replayed in interleaved rounds; ratios to the baseline within
-#         a round): $SWITCH_VARIANTS (default: the A8 switches one by one and all three, the
+#         a round; the baseline: the switches as served): $SWITCH_VARIANTS (NAME on, -NAME
+#         off; default: the served A8 switches off one by one and both, A8_SILU_QUANT, the
 #         code predictor's attention-in-qkv and sampler-in-head, the persistent pass's L2
 #         prefetch, attention in its qkv stage and counting barrier, the fused linears' and
 #         the FP8 tiles' L2 prefetch before the PDL wait), $SWITCH_SHAPES (default
@@ -219,7 +220,7 @@ for step in $STEPS; do
         fi
         log "kernel switches side by side in one process (bench_switches.py)"
         args=()
-        [ -n "${SWITCH_VARIANTS:-}" ] && args+=(--variants "$SWITCH_VARIANTS")
+        [ -n "${SWITCH_VARIANTS:-}" ] && args+=("--variants=$SWITCH_VARIANTS")  # (may start with -)
         [ -n "${SWITCH_SHAPES:-}" ] && args+=(--shapes "$SWITCH_SHAPES")
         timeout -k 5 $((DEADLINE_S - SECONDS > 60 ? DEADLINE_S - SECONDS - 10 : 50)) \
             python3 -u benchmarks/kernels/bench_switches.py "${args[@]}" \

@@ -10,15 +10,27 @@ from ttsbuild.runtime import fast_model
 bench = script_fixture("benchmarks/kernels/bench_switches.py")
 
 
-def test_arguments_are_parsed_and_bad_ones_refused(bench, capsys):
-    assert bench.parse_variants("A8_NORM_QUANT; A8_SILU_QUANT,A8_GATE_UP_SILU;") == [
-        ("base", {}), ("A8_NORM_QUANT", {"A8_NORM_QUANT": True}),
+def _served(bench, monkeypatch, **on):
+    """The baseline's switches: all off but `on` (what the tests count from), whatever the
+    defaults and the environment say."""
+    monkeypatch.setattr(bench, "SERVED", {n: on.get(n, False) for n in bench.SWITCHES})
+
+
+def test_arguments_are_parsed_and_bad_ones_refused(bench, capsys, monkeypatch):
+    _served(bench, monkeypatch, A8_NORM_QUANT=True)
+    assert bench.parse_variants("-A8_NORM_QUANT; A8_SILU_QUANT,A8_GATE_UP_SILU;") == [
+        ("base", {}), ("-A8_NORM_QUANT", {"A8_NORM_QUANT": False}),
         ("A8_SILU_QUANT+A8_GATE_UP_SILU", {"A8_SILU_QUANT": True, "A8_GATE_UP_SILU": True}),
     ]  # fmt: skip
+    for text in ("A8_NORM_QUANT", "-A8_SILU_QUANT", "A8_NORM_QUANT,-A8_SILU_QUANT",
+                 "A8_SILU_QUANT,-A8_SILU_QUANT"):  # the baseline again, or a switch twice
+        with pytest.raises(ValueError):
+            bench.parse_variants(text)
     assert bench.parse_shapes("decode:64, prefill:4x32") == [("decode", 64, 1),
                                                              ("prefill", 4, 32)]  # fmt: skip
     for argv in (
         ["--variants", "A8_NORM_QUANTS"],
+        ["--variants=-A8_SILU_QUANT"],
         ["--shapes", "prefill:4"],
         ["--shapes", "decode:0"],
         ["--shapes", "verify:2"],
@@ -30,6 +42,7 @@ def test_arguments_are_parsed_and_bad_ones_refused(bench, capsys):
 
 def test_variants_run_their_switches_and_keep_the_bits(bench, monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors: the references
+    _served(bench, monkeypatch)
     seen = {"handed": 0, "gate_up": 0}
     real_hand, real_w8a8 = fast_model.Dense.hand_quantized, fast_model.fp8_linear_w8a8
 
@@ -72,18 +85,29 @@ def test_variants_run_their_switches_and_keep_the_bits(bench, monkeypatch, tmp_p
     assert base["ratio"] == base["ratio_min"] == base["ratio_max"] == 1.0
 
 
-@pytest.mark.parametrize("flags", [{}, {"A8_NORM_QUANT": True, "CP_ATTEND_IN_QKV": True}])
-def test_switched_sets_only_its_flags_and_restores_them(bench, monkeypatch, flags):
+@pytest.mark.parametrize("flags", [{}, {"A8_NORM_QUANT": False, "CP_ATTEND_IN_QKV": True}])
+def test_switched_sets_its_flags_the_rest_as_served_and_restores_them(bench, monkeypatch,
+                                                                      flags):  # fmt: skip
     from ttsbuild.runtime import cp_fused
 
-    monkeypatch.setattr(fast_model, "A8_SILU_QUANT", True)  # as if the environment said so
-    monkeypatch.setattr(fast_model, "A8_NORM_QUANT", False)  # (on by default)
+    _served(bench, monkeypatch, A8_NORM_QUANT=True, A8_GATE_UP_SILU=True)
+    monkeypatch.setattr(fast_model, "A8_SILU_QUANT", True)  # changed since the script started
+    monkeypatch.setattr(fast_model, "A8_NORM_QUANT", False)
     with bench.switched(flags):
         assert {n: getattr(*bench.SWITCHES[n]) for n in bench.SWITCHES} == {
-            n: flags.get(n, False) for n in bench.SWITCHES
+            n: flags.get(n, n in ("A8_NORM_QUANT", "A8_GATE_UP_SILU")) for n in bench.SWITCHES
         }
     assert fast_model.A8_SILU_QUANT is True and fast_model.A8_NORM_QUANT is False
     assert cp_fused.ATTEND_IN_QKV is False
+
+
+def test_the_baseline_is_the_served_switches(bench):
+    """SERVED is read from the modules when the script starts (the defaults, or what the
+    environment turned on or off): the baseline times what is served."""
+    assert bench.SERVED == {n: bool(getattr(*bench.SWITCHES[n])) for n in bench.SWITCHES}
+    assert bench.SERVED["A8_NORM_QUANT"] == fast_model.A8_NORM_QUANT
+    for _name, flags in bench.parse_variants(bench.DEFAULT_VARIANTS)[1:]:
+        assert any(bench.SERVED[n] != on for n, on in flags.items())
 
 
 def test_code_predictor_variants_run_their_switches(bench, monkeypatch):
@@ -92,6 +116,7 @@ def test_code_predictor_variants_run_their_switches(bench, monkeypatch):
     from ttsbuild.runtime import cp_fused
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _served(bench, monkeypatch)
     calls = {"attend": 0, "sample": 0}
     for key, name in (("attend", "norm_linear_attend"), ("sample", "norm_linear_sample")):
         real = getattr(cp_fused, name)
@@ -124,6 +149,7 @@ def test_code_predictor_variants_run_their_switches(bench, monkeypatch):
 
 def test_a_variant_runs_only_on_the_shapes_its_switches_act_on(bench, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _served(bench, monkeypatch)
     assert bench.acts({}, "cpp") and bench.acts({"A8_NORM_QUANT": True}, "prefill")
     assert not bench.acts({"A8_NORM_QUANT": True}, "cp")
     assert bench.acts({"A8_NORM_QUANT": True, "CP_PASS_PREFETCH": True}, "cpp")
