@@ -64,6 +64,9 @@
 # convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
 #         (sweep_conv.py; CONV_SWEEP_ARGS default --quick: 28 configs), batches $CONV_BATCHES
+# profile: profile_graphs.py with TTSBUILD_PDL=0 (each kernel's own time) at batches
+#         $PROFILE_BATCHES (default 1,64): frame, prefill 32/64, codec; the top $PROFILE_TOP
+#         kernels of each graph by total time
 # sweep:  serving sweep at $SWEEP_RPS req/s (default 1,10,20,30,40), 60 s each, one server,
 #         prompt sets $SWEEP_DATASETS (default voice-agent; "harvard" for issue 12's other set),
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
@@ -317,6 +320,12 @@ for step in $STEPS; do
         log "fused sampler by warps per row and top-k search"
         timeout -k 5 150 python3 benchmarks/kernels/bench_sampler.py --warps 8,4,2,1 \
             --batches 1,64 2>&1 | tee "$OUT/bench_sampler.log" | grep -E "^\|" ;;
+    profile)  # where the captured steps' time goes, each kernel's own time (PDL off)
+        log "profile of the captured steps (profile_graphs.py, TTSBUILD_PDL=0), batches ${PROFILE_BATCHES:-1,64}"
+        TTSBUILD_PDL=0 timeout -k 5 300 python3 -u benchmarks/kernels/profile_graphs.py \
+            --batches "${PROFILE_BATCHES:-1,64}" --top "${PROFILE_TOP:-25}" \
+            > "$OUT/profile_pdl0.log" 2>&1
+        echo "rc=$?"; grep -vE "^  " "$OUT/profile_pdl0.log" | tail -12 ;;
     convsweep)
         log "codec conv tiles: the served config against a grid, per stage shape, batches ${CONV_BATCHES:-64,256}"
         timeout -k 5 420 python3 benchmarks/codec/sweep_conv.py --batches "${CONV_BATCHES:-64,256}" \
