@@ -69,10 +69,15 @@ def _a8_stack(device, monkeypatch, handed):
     return stack
 
 
-def test_norms_quantising_for_w8a8_change_nothing_on_the_references(monkeypatch):
-    """`A8_NORM_QUANT` / `A8_SILU_QUANT`: the norm before each W8A8 qkv and gate/up linear, and
-    silu_mul before down, hand their rows quantised (three per layer), and the stack's output
-    and caches are the same bits."""
+@pytest.mark.parametrize(
+    "switches,down_handed",
+    [({"norm": True, "silu": True}, True),  # down's input quantised by silu_mul
+     ({"norm": True, "gate_up": True}, False)],  # as served: down's input from gate/up's epilogue
+)  # fmt: skip
+def test_a8_switches_change_nothing_on_the_references(monkeypatch, switches, down_handed):
+    """`A8_NORM_QUANT` (+ `A8_SILU_QUANT`, or + `A8_GATE_UP_SILU` as served): the norm before
+    each W8A8 qkv and gate/up linear, and silu_mul before down where it runs, hand their rows
+    quantised, and the stack's output and caches are the bits of all three off."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     handed = []
     stack = _a8_stack("cpu", monkeypatch, handed)
@@ -81,32 +86,14 @@ def test_norms_quantising_for_w8a8_change_nothing_on_the_references(monkeypatch)
     _a8_switches(monkeypatch)
     ref = stack.decode(x, k, v, slots, positions)
     assert handed == []
-    _a8_switches(monkeypatch, norm=True, silu=True)
+    _a8_switches(monkeypatch, **switches)
     out = stack.decode(x, k2, v2, slots, positions)
-    # qkv's and gate/up's inputs from the norms, down's from silu_mul, every layer
-    assert len(handed) == 3 * len(stack.layers)
+    # qkv's and gate/up's inputs from the norms (and down's from silu_mul), every layer
+    assert len(handed) == (3 if down_handed else 2) * len(stack.layers)
     inter = stack.layers[0].down.weight.shape[1]
-    assert sorted({s[1] for s in handed}) == sorted({x.shape[-1], inter})
-    assert all(s[0] == 4 for s in handed)
+    widths = {x.shape[-1], inter} if down_handed else {x.shape[-1]}
+    assert {s[1] for s in handed} == widths and all(s[0] == 4 for s in handed)
     assert all(d._quantized is None for p in stack.layers for d in (p.qkv, p.gate_up, p.down))
-    assert torch.equal(out, ref) and torch.equal(k, k2) and torch.equal(v, v2)
-
-
-def test_served_a8_switches_change_nothing_on_the_references(monkeypatch):
-    """The served defaults (A8_NORM_QUANT and A8_GATE_UP_SILU on, A8_SILU_QUANT off): the norms
-    hand qkv and gate/up their quantised rows (two per layer; down's input comes from the
-    gate/up epilogue) and the stack's output and caches are the bits of all three off."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    handed = []
-    stack = _a8_stack("cpu", monkeypatch, handed)
-    x, k, v, slots, positions = _inputs(torch.bfloat16, "cpu", 80)
-    k2, v2 = k.clone(), v.clone()
-    _a8_switches(monkeypatch)
-    ref = stack.decode(x, k, v, slots, positions)
-    _a8_switches(monkeypatch, norm=True, gate_up=True)
-    out = stack.decode(x, k2, v2, slots, positions)
-    assert len(handed) == 2 * len(stack.layers)
-    assert {s[1] for s in handed} == {x.shape[-1]}
     assert torch.equal(out, ref) and torch.equal(k, k2) and torch.equal(v, v2)
 
 
