@@ -7,8 +7,9 @@
 #         all 7 crashed on the H200 until setup.py linked -lstdc++, 2026-12-02)
 # tests:  GPU tests of the step driver's host side (test_driver_host.py, alone first, with
 #         faulthandler), then of the prefill kernel path, the prefix cache and W8A8, the
-#         talker's fusions and the norms' quantised rows, then the prefill graph with its
-#         admission work forked (same codes and PCM as without)
+#         talker's fusions and the norms' quantised rows, then the admission writes as one
+#         launch (ADMIT_FUSED) and the prefill graph with its admission work forked (same
+#         codes and PCM as without)
 # wide:   engine microbenchmark at batches 1,64,128,256 (slots up to 256, issue 9's batch-256
 #         target), the served plan; ENGINE_ARGS adds flags to every engine microbenchmark,
 #         e.g. "--plan-set codec_fused_attention=true --plan-set codec_fused_output=true"
@@ -138,9 +139,10 @@ for step in $STEPS; do
         timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
             tests/runtime/test_talker_fusions.py tests/plugins/test_norm_act.py 2>&1 \
             | tee "$OUT/gpu_tests_talker_norms.log" | tail -3
-        log "GPU test: the prefill graph's admission work on a forked stream (PREFILL_FORK)"
+        log "GPU tests: the admission writes as one launch (ADMIT_FUSED), the prefill graph's admission work on a forked stream (PREFILL_FORK)"
         TRITON_F32_DEFAULT=ieee timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider \
-            tests/runtime/test_graph_engine.py -k prefill_fork 2>&1 \
+            tests/plugins/test_slot_writes.py tests/runtime/test_graph_engine.py \
+            -k "slot_writes or admission or prefill_fork" 2>&1 \
             | tee "$OUT/gpu_tests_prefill_fork.log" | tail -3 ;;
     cp)  # CP_TESTS=0 skips the GPU tests (2026-12-03: over 240 s on a cold Triton cache)
         if [ "${CP_TESTS:-1}" != 0 ]; then

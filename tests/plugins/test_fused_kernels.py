@@ -1,7 +1,8 @@
 """fused_linear / qk_norm_rope_attend / norm_linear_attend: the references on CPU, the Triton
 kernels against a float32 reference on fresh random inputs (on CUDA, or on CPU under
-TRITON_INTERPRET=1; the last test here runs the kernel tests of this file and of
-tests/runtime/test_cp_fused.py in a subprocess under the interpreter, so CPU CI checks the
+TRITON_INTERPRET=1; the last test here runs the kernel tests of this file, of
+tests/runtime/test_cp_fused.py, of tests/plugins/test_slot_writes.py and
+tests/runtime/test_graph_engine.py in a subprocess under the interpreter, so CPU CI checks the
 kernels too when triton is installed)."""
 
 import os
@@ -339,8 +340,11 @@ SHARDS = 2
 def test_kernels_under_the_interpreter():
     # two shards at once (TTSBUILD_TEST_SHARD, tests/conftest.py): this process only waits,
     # so a 2-core CI machine runs them side by side
+    tests = Path(__file__).parents[1]
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-           str(Path(__file__).parents[1] / "runtime" / "test_cp_fused.py"),
+           str(tests / "runtime" / "test_cp_fused.py"),
+           str(tests / "plugins" / "test_slot_writes.py"),
+           str(tests / "runtime" / "test_graph_engine.py"),
            "-k", "kernel and not interpreter"]  # fmt: skip
     shards = [
         subprocess.Popen(cmd, env={**os.environ, "TRITON_INTERPRET": "1",

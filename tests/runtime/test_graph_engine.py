@@ -161,3 +161,69 @@ def test_prefill_fork_changes_nothing_but_the_streams(tiny_checkpoint, monkeypat
     for (codes_a, pcm_a), (codes_b, pcm_b) in zip(*runs, strict=True):
         assert torch.equal(codes_a, codes_b)
         assert np.array_equal(pcm_a, pcm_b)
+
+
+def test_admission_as_one_launch_changes_nothing(models, monkeypatch):
+    """ADMIT_FUSED: the prefill step's admission writes through plugins.slot_writes (the
+    reference ops here on CPU) make the same codes and PCM, and its table covers the engine's
+    real state tensors (every codec state row is a dense block)."""
+    import ttsbuild.runtime.graph_engine as ge
+
+    plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
+                      prefill_buckets=(32, 64), codec_chunks=(1, 2, 4), codec_ring=8)  # fmt: skip
+    runs = []
+    for fused in (False, True):
+        monkeypatch.setattr(ge, "ADMIT_FUSED", fused)
+        engine = GraphEngine(models, plan, use_graphs=False)
+        assert (engine.backend.slot_writes is not None) == fused
+        runs.append(run_all(engine, REQUESTS))
+    for (codes_a, pcm_a), (codes_b, pcm_b) in zip(*runs, strict=True):
+        assert torch.equal(codes_a, codes_b)
+        assert np.array_equal(pcm_a, pcm_b)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() or __import__("ttsbuild.plugins._dispatch",
+                                                  fromlist=["x"]).interpret_mode()),
+    reason="needs CUDA + Triton (or the interpreter)",
+)  # fmt: skip
+def test_admission_kernel_writes_what_the_eager_admission_writes(tiny_checkpoint, monkeypatch):
+    """The one-launch admission kernel on the engine's own state tensors (every one filled
+    with random values first) against `_admit_body`'s per-tensor ops: the same bytes in every
+    state tensor and setting, for two slots of a two-prompt prefill."""
+    import ttsbuild.runtime.graph_engine as ge
+    from ttsbuild.runtime.graph_engine import _ADMIT_FLOATS, _ADMIT_INT_INDEX, _ADMIT_INTS
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(ge, "ADMIT_FUSED", True)
+    m = Models.load(load_checkpoint(tiny_checkpoint), device=dev)
+    plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2),
+                      prefill_buckets=(32,), prefill_batches=(1, 2), codec_chunks=(1,),
+                      codec_ring=8)  # fmt: skip
+    backend = GraphEngine(m, plan, use_graphs=False).backend
+    writes = backend.slot_writes
+    tensors = [*writes.zero, *(t for t, _, _ in writes.settings)]
+    g = torch.Generator().manual_seed(11)
+    for t in tensors:  # random bytes' worth of values, none zero
+        t.copy_((torch.rand(t.shape, generator=g) * 100 + 1).to(t.dtype))
+    start = [t.clone() for t in tensors]
+    ints = torch.randint(1, 1000, (2, len(_ADMIT_INTS)), generator=g)
+    ints[:, _ADMIT_INT_INDEX["slot"]] = torch.tensor([3, 1])
+    floats = torch.rand(2, len(_ADMIT_FLOATS), generator=g) + 0.25
+    floats[1, 0] = 0.0  # a do_sample of 0: False
+    backend.admit_ints[:2].copy_(ints)
+    backend.admit_floats[:2].copy_(floats)
+    backend.slot_writes = None  # the per-tensor ops
+    backend._admit_body(2)
+    eager = [t.clone() for t in tensors]
+    for t, s in zip(tensors, start, strict=True):
+        t.copy_(s)
+    writes(backend.prefill_slot[:2], backend.admit_ints[:2], backend.admit_floats[:2],
+           use_triton=True)  # fmt: skip
+    for got, want, s in zip(tensors, eager, start, strict=True):
+        assert torch.equal(got, want)
+        assert torch.equal(got[[0, 2]], s[[0, 2]])  # the other slots untouched
+    for t in writes.zero:
+        assert not t[[1, 3]].any()  # every value was nonzero before
+    assert backend.seed[3].item() == ints[0, _ADMIT_INT_INDEX["seed"]].item()
+    assert backend.talker_sampling.do_sample[1].item() is False

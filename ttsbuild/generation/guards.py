@@ -246,9 +246,12 @@ class GuardState:
         """Start new requests in `rows` (slot indices: a device tensor inside captured steps,
         where `t[rows] = 0` would copy a CPU scalar, which CUDA-graph capture refuses)."""
         rows = torch.as_tensor(rows, dtype=torch.int64, device=self.heard.device).reshape(-1)
-        for t in (self.recent_c0, self.frames_seen, self.silent_frames):
+        for t in self.tensors():
             t.index_fill_(0, rows, 0)
-        self.heard.index_fill_(0, rows, False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The per-slot tensors a new request starts from zero (False)."""
+        return [self.recent_c0, self.frames_seen, self.silent_frames, self.heard]
 
 
 def push_codebook0(state: GuardState, cfg: GuardConfig, rows: torch.Tensor, c0: torch.Tensor):

@@ -67,6 +67,7 @@ from ttsbuild.generation.guards import GuardConfig, GuardState, frame_stop_codes
 from ttsbuild.generation.prompt import CODES, NO_CODE, PromptEmbedder
 from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.plugins.sampling import fused_sample
+from ttsbuild.plugins.slot_writes import SlotWrites
 from ttsbuild.runtime.codec_engine import CodecEngine, resolve_conv_impl
 from ttsbuild.runtime.core import EngineCore, SlotPlan
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
@@ -83,6 +84,11 @@ from ttsbuild.runtime.prefix_cache import PrefixPool
 # the talker's layers, which read none of it; joined before the step ends. Off until timed
 # on the GPU (TTSBUILD_PREFILL_FORK=1 turns it on).
 PREFILL_FORK = os.environ.get("TTSBUILD_PREFILL_FORK", "0") == "1"
+# The same admission work as one launch (plugins.slot_writes: zero the slots' rows of every
+# state tensor, write their staged settings) instead of ~60 index_fill_ / index_copy_
+# kernels on the prefill's critical path. The same writes; off until timed on the GPU
+# (TTSBUILD_ADMIT_FUSED=1 turns it on).
+ADMIT_FUSED = os.environ.get("TTSBUILD_ADMIT_FUSED", "0") == "1"
 
 log = logging.getLogger(__name__)
 
@@ -417,6 +423,9 @@ class GraphBackend:
         self.primed_hits = 0
         self.admit_ints = self.staging.ints  # [prefill batch, len(_ADMIT_INTS)]
         self.admit_floats = self.staging.floats
+        # The admission writes as one launch (ADMIT_FUSED), over the state tensors as they
+        # stay for the engine's life.
+        self.slot_writes = self._slot_writes() if ADMIT_FUSED else None
         # views per row: the slot, the last prompt row, its first position, the prefix entry
         i = _ADMIT_INT_INDEX
         self.prefill_slot = self.admit_ints[:, i["slot"]]
@@ -597,11 +606,25 @@ class GraphBackend:
         self.logits[rows] = torch.where(stepped, self.codec_head(h).float(), self.logits[rows])
         self.position[rows] = pos + (fi > 0).to(pos.dtype)
 
+    def _slot_writes(self) -> SlotWrites:
+        """`_admit_body`'s writes as a SlotWrites: the same tensors, the same values."""
+        zero = [self.frame_idx, self.decoded, self.history, *self.codec_engine.tensors(),
+                *self.guard_state.tensors()]  # fmt: skip
+        settings = [(_ADMIT_TARGETS[name](self), "int", i)
+                    for name, i in _ADMIT_INT_INDEX.items() if name in _ADMIT_TARGETS]
+        for name, i in _ADMIT_FLOAT_INDEX.items():
+            target = _ADMIT_TARGETS[name](self)
+            settings.append((target, "bool" if target.dtype == torch.bool else "float", i))
+        return SlotWrites(zero, settings)
+
     def _admit_body(self, b: int) -> None:
         """Write the staged settings of the b requests being prefilled into their slots and
         reset the slots' generation state (codec state, history, counters)."""
         slots = self.prefill_slot[:b]
         ints, floats = self.admit_ints[:b], self.admit_floats[:b]
+        if self.slot_writes is not None:
+            self.slot_writes(slots, ints, floats)
+            return
         for name, i in _ADMIT_INT_INDEX.items():
             if name in _ADMIT_TARGETS:  # not the slot, last row, start or prefix entry
                 _ADMIT_TARGETS[name](self).index_copy_(0, slots, ints[:, i])
