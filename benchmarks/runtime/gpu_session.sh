@@ -65,6 +65,9 @@
 # convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
 #         (sweep_conv.py; CONV_SWEEP_ARGS default --quick: 28 configs), batches $CONV_BATCHES
+# chain:  bench_chain.py: us per launch in a captured chain of 420 dependent kernels (empty,
+#         a 1024-element hand-off with a reduction over 1-128 programs, the code predictor's
+#         linears at one row), with and without PDL: the floor under a frame's ~420 launches
 # profile: profile_graphs.py with TTSBUILD_PDL=0 (each kernel's own time) at batches
 #         $PROFILE_BATCHES (default 1,64): frame, prefill 32/64, codec; the top $PROFILE_TOP
 #         kernels of each graph by total time
@@ -322,6 +325,11 @@ for step in $STEPS; do
         log "fused sampler by warps per row and top-k search"
         timeout -k 5 150 python3 benchmarks/kernels/bench_sampler.py --warps 8,4,2,1 \
             --batches 1,64 2>&1 | tee "$OUT/bench_sampler.log" | grep -E "^\|" ;;
+    chain)  # what one dependent kernel costs in a captured chain (bench_chain.py)
+        log "dependent-launch chains: empty, hop, the code predictor's linears (bench_chain.py)"
+        timeout -k 5 240 python3 -u benchmarks/kernels/bench_chain.py --out "$OUT/bench_chain.json" \
+            > "$OUT/bench_chain.log" 2>&1
+        echo "rc=$?"; tail -9 "$OUT/bench_chain.log" ;;
     profile)  # where the captured steps' time goes, each kernel's own time (PDL off)
         log "profile of the captured steps (profile_graphs.py, TTSBUILD_PDL=0), batches ${PROFILE_BATCHES:-1,64}"
         TTSBUILD_PDL=0 timeout -k 5 300 python3 -u benchmarks/kernels/profile_graphs.py \
