@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -123,7 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in per_pdl[True]:
         us = {}
         for pdl in (True, False):
-            graph = _capture(per_pdl[pdl][name], None)
+            # the linears read TTSBUILD_PDL when they launch (plugins._dispatch.pdl_enabled)
+            old = os.environ.get("TTSBUILD_PDL")
+            os.environ["TTSBUILD_PDL"] = "1" if pdl else "0"
+            try:
+                graph = _capture(per_pdl[pdl][name], None)
+            finally:
+                if old is None:
+                    del os.environ["TTSBUILD_PDL"]
+                else:
+                    os.environ["TTSBUILD_PDL"] = old
             us[pdl] = 1e3 * _time_graph(graph, args.replays) / args.launches
             del graph
         rows.append({"chain": name, "us_per_launch_pdl": us[True], "us_per_launch": us[False]})
