@@ -142,10 +142,11 @@ for step in $STEPS; do
         timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider \
             tests/runtime/test_talker_fusions.py tests/plugins/test_norm_act.py 2>&1 \
             | tee "$OUT/gpu_tests_talker_norms.log" | tail -3
-        log "GPU tests: the admission writes as one launch (ADMIT_FUSED), the prefill graph's admission work on a forked stream (PREFILL_FORK)"
+        log "GPU tests: the admission writes as one launch (ADMIT_FUSED), the prefix copy of its own positions (PREFIX_COPY_KERNEL), the prefill graph's admission work on a forked stream (PREFILL_FORK)"
         TRITON_F32_DEFAULT=ieee timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider \
-            tests/plugins/test_slot_writes.py tests/runtime/test_graph_engine.py \
-            -k "slot_writes or admission or prefill_fork" 2>&1 \
+            tests/plugins/test_slot_writes.py tests/plugins/test_kv_copy.py \
+            tests/runtime/test_graph_engine.py \
+            -k "slot_writes or admission or prefix_copy or prefill_fork" 2>&1 \
             | tee "$OUT/gpu_tests_prefill_fork.log" | tail -3 ;;
     cp)  # CP_TESTS=0 skips the GPU tests (2026-12-03: over 240 s on a cold Triton cache)
         if [ "${CP_TESTS:-1}" != 0 ]; then

@@ -171,12 +171,14 @@ def test_admission_as_one_launch_changes_nothing(models, monkeypatch):
 
     plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
                       prefill_buckets=(32, 64), codec_chunks=(1, 2, 4), codec_ring=8)  # fmt: skip
-    runs = []
+    runs, states = [], []
     for fused in (False, True):
         monkeypatch.setattr(ge, "ADMIT_FUSED", fused)
         engine = GraphEngine(models, plan, use_graphs=False)
         assert (engine.backend.slot_writes is not None) == fused
         runs.append(run_all(engine, REQUESTS))
+        states.append((engine.backend.hidden.clone(), engine.backend.logits.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
     for (codes_a, pcm_a), (codes_b, pcm_b) in zip(*runs, strict=True):
         assert torch.equal(codes_a, codes_b)
         assert np.array_equal(pcm_a, pcm_b)
@@ -227,3 +229,40 @@ def test_admission_kernel_writes_what_the_eager_admission_writes(tiny_checkpoint
         assert not t[[1, 3]].any()  # every value was nonzero before
     assert backend.seed[3].item() == ints[0, _ADMIT_INT_INDEX["seed"]].item()
     assert backend.talker_sampling.do_sample[1].item() is False
+
+
+def test_prefix_copy_of_its_own_positions_changes_nothing(models, monkeypatch):
+    """COPY_KERNEL: the prefix pool's entry copied into a slot only below the row's start
+    (plugins.kv_copy's semantics, its reference standing in for the kernel here) makes the
+    same codes and PCM as copying all max_prefix positions: the requests run twice, so the
+    second round's prefixes are pool hits, and the same last hidden states and logits (a copy
+    one position short fails this)."""
+    import ttsbuild.runtime.prefix_cache as pc
+    from ttsbuild.plugins.kv_copy import prefix_copy_reference
+
+    plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
+                      prefill_buckets=(32, 64), codec_chunks=(1, 2, 4), codec_ring=8)  # fmt: skip
+    starts = []
+
+    def spy(k, v, pk, pv, slots, entries, start):
+        starts.extend(start.tolist())
+        prefix_copy_reference(k, v, pk, pv, slots, entries, start)
+
+    runs, states = [], []
+    for kernel in (False, True):
+        monkeypatch.setattr(pc, "COPY_KERNEL", kernel)
+        monkeypatch.setattr(pc, "want_triton", lambda t, use=None: True)
+        monkeypatch.setattr(pc, "prefix_copy", spy)
+        engine = GraphEngine(models, plan, use_graphs=False)
+        # the second round in reverse order: each slot gets another voice's prefix than the
+        # one its cache holds from the first round, so only the copy can put it there
+        runs.append([run_all(engine, REQUESTS), run_all(engine, REQUESTS[::-1])])
+        assert engine.backend.prefix.hits >= len(REQUESTS)
+        # the tiny model's codes can miss a changed key; its last hidden states cannot
+        states.append((engine.backend.hidden.clone(), engine.backend.logits.clone()))
+    assert starts and max(starts) > 0  # the kernel's path ran, with real prefixes
+    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
+    for round_a, round_b in zip(*runs, strict=True):
+        for (codes_a, pcm_a), (codes_b, pcm_b) in zip(round_a, round_b, strict=True):
+            assert torch.equal(codes_a, codes_b)
+            assert np.array_equal(pcm_a, pcm_b)

@@ -656,7 +656,8 @@ class GraphBackend:
         slots = self.prefill_slot[:b]
         start = keys = None
         if self.prefix is not None:
-            self.prefix.copy_into(self.kv_k, self.kv_v, slots, self.prefix_entry[:b])
+            self.prefix.copy_into(self.kv_k, self.kv_v, slots, self.prefix_entry[:b],
+                                  self.prefill_start[:b])  # fmt: skip
             start, keys = self.prefill_start[:b], self.prefix.max_prefix + length
         rows = self.staging.prompt_rows(b, length).reshape(b * length, -1)
         # each token's voice (one prompt: its x-vector broadcasts; no copy, no extra launch)

@@ -16,12 +16,20 @@ was prefilled from it cannot change that slot: its copy ran first.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from ttsbuild.model.config import DecoderStackConfig
+from ttsbuild.plugins._dispatch import want_triton
+from ttsbuild.plugins.kv_copy import prefix_copy, prefix_copy_supported
+
+# The prefix's own positions in one launch (plugins.kv_copy) instead of all max_prefix
+# positions through a gathered copy (4 kernels, ~58 MB per prefill step on the 1.7B at
+# max_prefix 128). Off until timed on the GPU (TTSBUILD_PREFIX_COPY_KERNEL=1 turns it on).
+COPY_KERNEL = os.environ.get("TTSBUILD_PREFIX_COPY_KERNEL", "0") == "1"
 
 
 @dataclass
@@ -85,11 +93,17 @@ class PrefixPool:
         self.v[:, entry.index].copy_(v_cache[:, slot, :, :n])
         entry.ready = True
 
-    def copy_into(self, k_cache, v_cache, slot: torch.Tensor, index: torch.Tensor) -> None:
-        """Entry `index` [1] -> the first max_prefix positions of `slot` [1] (device indices,
+    def copy_into(self, k_cache, v_cache, slot: torch.Tensor, index: torch.Tensor,
+                  start: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Entry `index` [b] -> the first max_prefix positions of `slot` [b] (device indices,
         fixed shapes: runs inside the prefill graph). Positions past the real prefix are
         overwritten by the prefill that follows or masked from it, then written by decoding
-        before it reads them."""
+        before it reads them. With `start` [b] (each row's prefix length) and COPY_KERNEL,
+        only the positions below it, in one launch (plugins.kv_copy)."""
+        if (start is not None and COPY_KERNEL and want_triton(k_cache, None)
+                and prefix_copy_supported(k_cache, self.k)):  # fmt: skip
+            prefix_copy(k_cache, v_cache, self.k, self.v, slot, index, start)
+            return
         n = self.max_prefix
         k_cache[:, :, :, :n].index_copy_(1, slot, self.k.index_select(1, index))
         v_cache[:, :, :, :n].index_copy_(1, slot, self.v.index_select(1, index))
