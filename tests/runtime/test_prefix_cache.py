@@ -13,7 +13,14 @@ import torch
 from engine_runs import finish
 
 from ttsbuild.convert.checkpoint import load_checkpoint
-from ttsbuild.generation.prompt import CODES, NO_CODE, VOICE, VoiceClone, reference_text
+from ttsbuild.generation.prompt import (
+    CODES,
+    NO_CODE,
+    VOICE,
+    PromptEmbedder,
+    VoiceClone,
+    reference_text,
+)
 from ttsbuild.runtime.engine import EagerEngine, Models, plan_admission
 from ttsbuild.runtime.graph_engine import GraphEngine, _settings
 from ttsbuild.runtime.plan import EnginePlan
@@ -132,6 +139,10 @@ def test_staged_rows_embed_to_the_prompts_embeddings(custom, base, kind):
             assert (staged[n - start :, CODES:] == NO_CODE).all()  # no codes
             got = backend.embedder.rows(staged, backend.admit_xvec[0])
             assert torch.isfinite(got).all()
+            # the stacked tables' one gather: the bits of one gather per codebook
+            assert backend.embedder.stacked_rest is not None
+            per_table = PromptEmbedder(backend.embedder.embed_text, backend.embedder.tables)
+            assert torch.equal(got, per_table.rows(staged, backend.admit_xvec[0]))
             assert_close(got[: n - start], prompt.embeds[start:])
         backend._embed_text(b, text_length)  # into the staged slot's text track
         assert_close(backend.text_track[backend.scratch, : prompt.num_trailing],

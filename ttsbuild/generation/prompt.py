@@ -137,9 +137,19 @@ class PromptEmbedder:
     """Layout rows -> talker input embeddings: the text projection and the codebooks' input
     tables (codebook 0: the talker's codec embedding; 1..G-1: the code predictor's)."""
 
-    def __init__(self, embed_text, tables: list[torch.Tensor]):
+    def __init__(self, embed_text, tables: list[torch.Tensor],
+                 stacked_rest: torch.Tensor | None = None):  # fmt: skip
         self.embed_text = embed_text  # ids [...] -> P(ids) [..., hidden]
         self.tables = tables  # [vocab_k, hidden] per codebook (only codebook 0 without a CP)
+        # tables[1:] as one [G - 1, vocab, hidden] tensor (the graph backend's stacked code
+        # predictor embeddings): their rows gathered in one launch instead of one per
+        # codebook, into the same [G, T, hidden] block as the per-table gathers (same bits)
+        self.stacked_rest = stacked_rest
+        if stacked_rest is not None:
+            if stacked_rest.shape[0] != len(tables) - 1:
+                raise ValueError(f"stacked_rest holds {stacked_rest.shape[0]} tables, "
+                                 f"tables[1:] {len(tables) - 1}")  # fmt: skip
+            self._books = torch.arange(len(tables) - 1, device=stacked_rest.device)[:, None]
 
     @classmethod
     def of(cls, talker: Talker, code_predictor=None) -> PromptEmbedder:
@@ -154,7 +164,11 @@ class PromptEmbedder:
         text = self.embed_text(rows[:, TEXT])
         codes = rows[:, CODES : CODES + len(self.tables)]
         books = codes.clamp(min=0).T  # [G, T]
-        per_book = torch.stack([t[ids] for t, ids in zip(self.tables, books, strict=True)])
+        if self.stacked_rest is not None:
+            rest = self.stacked_rest[self._books, books[1:]]  # [G - 1, T, hidden]
+            per_book = torch.cat([self.tables[0][books[0]][None], rest])
+        else:
+            per_book = torch.stack([t[ids] for t, ids in zip(self.tables, books, strict=True)])
         codec = per_book.masked_fill((codes < 0).T[..., None], 0).sum(0)  # [T, hidden]
         if x_vector is not None:
             voice = x_vector.to(device=codec.device, dtype=codec.dtype)

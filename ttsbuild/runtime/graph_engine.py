@@ -338,7 +338,8 @@ class GraphBackend:
             self.cp_fused.enable_persistent(max(plan.persistent_code_predictor))
         # Prompt rows -> embeddings, the same function the reference prompt uses.
         self.embedder = PromptEmbedder(
-            talker.embed_text, [self.codec_embedding, *self.cp_embeddings]
+            talker.embed_text, [self.codec_embedding, *self.cp_embeddings],
+            stacked_rest=self.cp_embeddings,
         )
         self.cp_spec = _speculative(self.cp_fused, plan, models.draft_heads)
 
