@@ -152,12 +152,15 @@ def test_prefill_fork_changes_nothing_but_the_streams(tiny_checkpoint, monkeypat
     gpu = Models.load(load_checkpoint(tiny_checkpoint), device="cuda")
     plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
                       prefill_buckets=(32, 64), codec_chunks=(1, 2, 4), codec_ring=8)  # fmt: skip
-    runs = []
+    runs, states = [], []
     for fork in (False, True):
         monkeypatch.setattr(ge, "PREFILL_FORK", fork)
         engine = GraphEngine(gpu, plan, use_graphs=True)
         runs.append(run_all(engine, REQUESTS))
         assert bool(engine.backend._fork_streams) == fork  # captured with the branch or not
+        # (the tiny model's codes can miss a changed input; its last hidden states cannot)
+        states.append((engine.backend.hidden.clone(), engine.backend.logits.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
     for (codes_a, pcm_a), (codes_b, pcm_b) in zip(*runs, strict=True):
         assert torch.equal(codes_a, codes_b)
         assert np.array_equal(pcm_a, pcm_b)
