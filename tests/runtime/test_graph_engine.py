@@ -41,11 +41,32 @@ def models(tiny_checkpoint):
     return Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
 
 
+# The graph engine's plan in these tests: 4 slots, every batch bucket up to 4.
+PLAN = dict(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
+            prefill_buckets=(32, 64), codec_chunks=(1, 2, 4), codec_ring=8)  # fmt: skip
+
+
 def run_all(engine, requests, chunk=3):
     """All requests in one batch; audio pulled in chunks of `chunk` frames as they come."""
-    slots = [engine.admit(r) for r in requests]
-    engine.prefill(slots)
+    slots, _ = _prefilled(engine, requests)
     return finish(engine, slots, chunk)
+
+
+def _outputs(engine, *rounds):
+    """Each round of requests run (`run_all`), then the backend's last hidden states and
+    logits (the tiny model's codes can miss a changed input; its hidden states cannot)."""
+    runs = [run_all(engine, requests) for requests in rounds]
+    return runs, (engine.backend.hidden.clone(), engine.backend.logits.clone())
+
+
+def _assert_same_outputs(a, b) -> None:
+    """Two `_outputs` bit for bit: every round's codes and PCM, the hidden states, logits."""
+    (runs_a, state_a), (runs_b, state_b) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(state_a, state_b, strict=True))
+    for round_a, round_b in zip(runs_a, runs_b, strict=True):
+        for (codes_a, pcm_a), (codes_b, pcm_b) in zip(round_a, round_b, strict=True):
+            assert torch.equal(codes_a, codes_b)
+            assert np.array_equal(pcm_a, pcm_b)
 
 
 def _prefilled(engine, requests):
@@ -65,19 +86,7 @@ def test_fast_engine_matches_reference_engine(models):
     eager = EagerEngine(models, num_slots=4, max_len=256)
     ref_slots, ref_hidden = _prefilled(eager, REQUESTS)
     reference = finish(eager, ref_slots, 3)
-    fast = GraphEngine(
-        models,
-        EnginePlan(
-            num_slots=4,
-            max_len=256,
-            max_text=64,
-            batch_buckets=(1, 2, 4),
-            prefill_buckets=(32, 64),
-            codec_chunks=(1, 2, 4),
-            codec_ring=8,
-        ),
-        use_graphs=False,
-    )
+    fast = GraphEngine(models, EnginePlan(**PLAN), use_graphs=False)
     slots, hidden = _prefilled(fast, REQUESTS)
     got = finish(fast, slots, 3)
     for want, h in zip(ref_hidden, hidden, strict=True):
@@ -169,20 +178,14 @@ def test_prefill_fork_changes_nothing_but_the_streams(tiny_checkpoint, monkeypat
     import ttsbuild.runtime.graph_engine as ge
 
     gpu = Models.load(load_checkpoint(tiny_checkpoint), device="cuda")
-    plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
-                      prefill_buckets=(32, 64), codec_chunks=(1, 2, 4), codec_ring=8)  # fmt: skip
-    runs, states = [], []
+    plan = EnginePlan(**PLAN)
+    outputs = []
     for fork in (False, True):
         monkeypatch.setattr(ge, "PREFILL_FORK", fork)
         engine = GraphEngine(gpu, plan, use_graphs=True)
-        runs.append(run_all(engine, REQUESTS))
+        outputs.append(_outputs(engine, REQUESTS))
         assert bool(engine.backend._fork_streams) == fork  # captured with the branch or not
-        # (the tiny model's codes can miss a changed input; its last hidden states cannot)
-        states.append((engine.backend.hidden.clone(), engine.backend.logits.clone()))
-    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
-    for (codes_a, pcm_a), (codes_b, pcm_b) in zip(*runs, strict=True):
-        assert torch.equal(codes_a, codes_b)
-        assert np.array_equal(pcm_a, pcm_b)
+    _assert_same_outputs(*outputs)
 
 
 def test_admission_as_one_launch_changes_nothing(models, monkeypatch):
@@ -190,20 +193,17 @@ def test_admission_as_one_launch_changes_nothing(models, monkeypatch):
     reference ops here on CPU) make the same codes and PCM, and its table covers the engine's
     real state tensors (every codec state row is a dense block)."""
     import ttsbuild.runtime.graph_engine as ge
+    from ttsbuild.plugins._dispatch import triton_available
 
-    plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
-                      prefill_buckets=(32, 64), codec_chunks=(1, 2, 4), codec_ring=8)  # fmt: skip
-    runs, states = [], []
+    plan = EnginePlan(**PLAN)
+    outputs = []
     for fused in (False, True):
         monkeypatch.setattr(ge, "ADMIT_FUSED", fused)
         engine = GraphEngine(models, plan, use_graphs=False)
-        assert (engine.backend.slot_writes is not None) == fused
-        runs.append(run_all(engine, REQUESTS))
-        states.append((engine.backend.hidden.clone(), engine.backend.logits.clone()))
-    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
-    for (codes_a, pcm_a), (codes_b, pcm_b) in zip(*runs, strict=True):
-        assert torch.equal(codes_a, codes_b)
-        assert np.array_equal(pcm_a, pcm_b)
+        table = engine.backend.slot_writes.table  # the kernel's, built only when fused
+        assert (table is not None) == (fused and triton_available())
+        outputs.append(_outputs(engine, REQUESTS))
+    _assert_same_outputs(*outputs)
 
 
 @pytest.mark.skipif(
@@ -237,7 +237,7 @@ def test_admission_kernel_writes_what_the_eager_admission_writes(tiny_checkpoint
     floats[1, 0] = 0.0  # a do_sample of 0: False
     backend.admit_ints[:2].copy_(ints)
     backend.admit_floats[:2].copy_(floats)
-    backend.slot_writes = None  # the per-tensor ops
+    backend.slot_writes = backend._slot_writes(kernel=False)  # the per-tensor ops
     backend._admit_body(2)
     eager = [t.clone() for t in tensors]
     for t, s in zip(tensors, start, strict=True):
@@ -262,15 +262,14 @@ def test_prefix_copy_of_its_own_positions_changes_nothing(models, monkeypatch):
     import ttsbuild.runtime.prefix_cache as pc
     from ttsbuild.plugins.kv_copy import prefix_copy_reference
 
-    plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
-                      prefill_buckets=(32, 64), codec_chunks=(1, 2, 4), codec_ring=8)  # fmt: skip
+    plan = EnginePlan(**PLAN)
     starts = []
 
     def spy(k, v, pk, pv, slots, entries, start):
         starts.extend(start.tolist())
         prefix_copy_reference(k, v, pk, pv, slots, entries, start)
 
-    runs, states = [], []
+    outputs = []
     for kernel in (False, True):
         monkeypatch.setattr(pc, "COPY_KERNEL", kernel)
         monkeypatch.setattr(pc, "want_triton", lambda t, use=None: True)
@@ -278,13 +277,7 @@ def test_prefix_copy_of_its_own_positions_changes_nothing(models, monkeypatch):
         engine = GraphEngine(models, plan, use_graphs=False)
         # the second round in reverse order: each slot gets another voice's prefix than the
         # one its cache holds from the first round, so only the copy can put it there
-        runs.append([run_all(engine, REQUESTS), run_all(engine, REQUESTS[::-1])])
+        outputs.append(_outputs(engine, REQUESTS, REQUESTS[::-1]))
         assert engine.backend.prefix.hits >= len(REQUESTS)
-        # the tiny model's codes can miss a changed key; its last hidden states cannot
-        states.append((engine.backend.hidden.clone(), engine.backend.logits.clone()))
     assert starts and max(starts) > 0  # the kernel's path ran, with real prefixes
-    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
-    for round_a, round_b in zip(*runs, strict=True):
-        for (codes_a, pcm_a), (codes_b, pcm_b) in zip(round_a, round_b, strict=True):
-            assert torch.equal(codes_a, codes_b)
-            assert np.array_equal(pcm_a, pcm_b)
+    _assert_same_outputs(*outputs)

@@ -50,10 +50,13 @@ def _dense_rows(t: torch.Tensor) -> bool:
 class SlotWrites:
     """See the module docstring. Built once per engine from its state tensors."""
 
-    def __init__(self, zero: list[torch.Tensor], settings: list[tuple[torch.Tensor, str, int]]):
+    def __init__(self, zero: list[torch.Tensor], settings: list[tuple[torch.Tensor, str, int]],
+                 *, kernel: bool = True):  # fmt: skip
+        """kernel: build the device table for the one-launch kernel (its zeroed tensors'
+        rows must be dense blocks); else every call runs the per-tensor ops."""
         entries = []
         for t in zero:
-            if not _dense_rows(t):
+            if kernel and not _dense_rows(t):
                 raise ValueError(f"a zeroed tensor's rows must be dense blocks: shape "
                                  f"{tuple(t.shape)}, strides {t.stride()}")  # fmt: skip
             entries.append((t, KINDS["zero"], 0))
@@ -71,7 +74,7 @@ class SlotWrites:
         self.device = devices.pop() if devices else torch.device("cpu")
         self.table = None
         self.max_chunks = 1
-        if entries and triton_available():
+        if kernel and entries and triton_available():
             rows = [(t.data_ptr(), t[0].numel() * t.element_size() if k == KINDS["zero"]
                      else t.element_size(), t.stride(0) * t.element_size(), k, c)
                     for t, k, c in entries]  # fmt: skip

@@ -424,9 +424,9 @@ class GraphBackend:
         self.primed_hits = 0
         self.admit_ints = self.staging.ints  # [prefill batch, len(_ADMIT_INTS)]
         self.admit_floats = self.staging.floats
-        # The admission writes as one launch (ADMIT_FUSED), over the state tensors as they
+        # The admission writes (one launch with ADMIT_FUSED), over the state tensors as they
         # stay for the engine's life.
-        self.slot_writes = self._slot_writes() if ADMIT_FUSED else None
+        self.slot_writes = self._slot_writes(ADMIT_FUSED)
         # views per row: the slot, the last prompt row, its first position, the prefix entry
         i = _ADMIT_INT_INDEX
         self.prefill_slot = self.admit_ints[:, i["slot"]]
@@ -607,36 +607,24 @@ class GraphBackend:
         self.logits[rows] = torch.where(stepped, self.codec_head(h).float(), self.logits[rows])
         self.position[rows] = pos + (fi > 0).to(pos.dtype)
 
-    def _slot_writes(self) -> SlotWrites:
-        """`_admit_body`'s writes as a SlotWrites: the same tensors, the same values."""
+    def _slot_writes(self, kernel: bool) -> SlotWrites:
+        """What `_admit_body` writes: the slots' settings from the staged rows, and their
+        generation state (counters, history, codec state, guards) zeroed. kernel: as one
+        launch on the GPU (ADMIT_FUSED); else the per-tensor ops."""
         zero = [self.frame_idx, self.decoded, self.history, *self.codec_engine.tensors(),
                 *self.guard_state.tensors()]  # fmt: skip
+        # (not the slot, the last row, the start or the prefix entry: no per-slot tensor)
         settings = [(_ADMIT_TARGETS[name](self), "int", i)
                     for name, i in _ADMIT_INT_INDEX.items() if name in _ADMIT_TARGETS]
         for name, i in _ADMIT_FLOAT_INDEX.items():
             target = _ADMIT_TARGETS[name](self)
             settings.append((target, "bool" if target.dtype == torch.bool else "float", i))
-        return SlotWrites(zero, settings)
+        return SlotWrites(zero, settings, kernel=kernel)
 
     def _admit_body(self, b: int) -> None:
         """Write the staged settings of the b requests being prefilled into their slots and
         reset the slots' generation state (codec state, history, counters)."""
-        slots = self.prefill_slot[:b]
-        ints, floats = self.admit_ints[:b], self.admit_floats[:b]
-        if self.slot_writes is not None:
-            self.slot_writes(slots, ints, floats)
-            return
-        for name, i in _ADMIT_INT_INDEX.items():
-            if name in _ADMIT_TARGETS:  # not the slot, last row, start or prefix entry
-                _ADMIT_TARGETS[name](self).index_copy_(0, slots, ints[:, i])
-        for name, i in _ADMIT_FLOAT_INDEX.items():
-            target = _ADMIT_TARGETS[name](self)
-            target.index_copy_(0, slots, floats[:, i].to(target.dtype))
-        self.frame_idx.index_fill_(0, slots, 0)
-        self.decoded.index_fill_(0, slots, 0)
-        self.history.index_fill_(0, slots, False)
-        self.codec_engine.reset(slots)
-        self.guard_state.reset(slots)
+        self.slot_writes(self.prefill_slot[:b], self.admit_ints[:b], self.admit_floats[:b])
 
     def _text_body(self, b: int, length: int) -> None:
         """The staged trailing text ids of b rows -> the first `length` positions of their
