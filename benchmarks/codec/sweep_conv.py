@@ -89,7 +89,7 @@ def main() -> None:
                 def run(cfg, xin=xin, w=w, bias=bias, d=d, res=res, a=alpha, ib=inv_beta):
                     return _causal_conv_triton(xin, w, bias, d, res, a, ib, True, cfg)
 
-                served = (*_config(B * n, C, C), 3)
+                served = (*_config(B * n, C, C, k), 3)
                 want = run(served).float()
                 flop = 2.0 * B * n * C * C * k
                 best, best_ms = served, time_call(lambda served=served: run(served))

@@ -51,6 +51,7 @@ def test_fp32_input_takes_the_reference_and_refuses_the_kernel():
     (96, 1, 7, 1, 20),      # one output channel (tile masked down)
     (48, 40, 3, 2, 16),
     (64, 96, 3, 2, 700),    # >= 2048 output rows: the 128 x 128 tile, tiles across rows
+    (96, 160, 1, 1, 700),   # >= 2048 rows of a 1x1 conv: its 64 x 128 tile, 32-channel steps
 ])
 # bf16 only on CUDA: the interpreter's tl.dot mishandles bf16 operands (numpy has no bf16).
 @pytest.mark.parametrize("dtype", [torch.float16] + [torch.bfloat16] * (KDEV == "cuda"))

@@ -75,13 +75,19 @@ def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None
     return _causal_conv_triton(xin, w, bias, dilation, residual, alpha, inv_beta, channels_last)
 
 
-def _config(m: int, cin: int, cout: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_CI, BLOCK_O, num_warps) for M = B * n output rows: 128 x 128 tiles
-    with two warpgroups where there are rows enough, else tiles of >= 16 (the MMA minimum)
-    no wider than the problem, so masked lanes stay few."""
+def _config(m: int, cin: int, cout: int, k: int = 7) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_CI, BLOCK_O, num_warps) for M = B * n output rows of a width-k conv:
+    128 x 128 tiles with two warpgroups where there are rows enough, else tiles of >= 16 (the
+    MMA minimum) no wider than the problem, so masked lanes stay few. A 1x1 conv (the
+    residual units' second, with SnakeBeta on its input) has k times less work per row and is
+    memory-bound: 64-row tiles of one warpgroup and 32-channel K steps, which ran 1.3-1.8x
+    faster at every decoder stage at 64 and 256 rows on the H200 (sweep_conv.py,
+    benchmarks/codec/2026-12-04-h200-convsweep); the k = 7 convs are at the grid's best."""
     import triton
 
     block_ci = 64 if cin % 64 == 0 else 32
+    if m >= 2048 and k == 1:
+        return 64, 32, 128 if cout > 64 else 64, 4
     if m >= 2048:
         return 128, block_ci, 128 if cout > 64 else 64, 8
     return min(64, max(16, triton.next_power_of_2(m))), block_ci, 64 if cout >= 64 else \
@@ -109,7 +115,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
         out = torch.empty((B, cout, n), dtype=xin.dtype, device=xin.device)
     if residual is not None and residual.shape != out.shape:
         raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
-    bm, bci, bo, warps, stages = config or (*_config(B * n, cin, cout), 3)
+    bm, bci, bo, warps, stages = config or (*_config(B * n, cin, cout, k), 3)
     grid = (triton.cdiv(B * n, bm), triton.cdiv(cout, bo))
     res = residual if residual is not None else out
     snake = alpha is not None

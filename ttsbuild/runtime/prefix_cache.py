@@ -28,8 +28,9 @@ from ttsbuild.plugins.kv_copy import prefix_copy, prefix_copy_supported
 
 # The prefix's own positions in one launch (plugins.kv_copy) instead of all max_prefix
 # positions through a gathered copy (4 kernels, ~58 MB per prefill step on the 1.7B at
-# max_prefix 128). Off until timed on the GPU (TTSBUILD_PREFIX_COPY_KERNEL=1 turns it on).
-COPY_KERNEL = os.environ.get("TTSBUILD_PREFIX_COPY_KERNEL", "0") == "1"
+# max_prefix 128). On since 2026-12-04 (timed with graph_engine.ADMIT_FUSED, see there);
+# TTSBUILD_PREFIX_COPY_KERNEL=0 turns it off.
+COPY_KERNEL = os.environ.get("TTSBUILD_PREFIX_COPY_KERNEL", "1") == "1"
 
 
 @dataclass
