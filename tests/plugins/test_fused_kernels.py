@@ -103,6 +103,27 @@ def test_qk_norm_rope_attend_reference_is_the_two_ops():
     assert torch.equal(out, ref) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
+def test_qk_norm_rope_attend_reference_of_two_tokens_is_two_calls():
+    """tokens=2: qkv rows [token 0 of B rows, token 1 of them], token 1 at position + 1
+    attends over token 0's new entry: the same as two one-token calls in turn."""
+    g = torch.Generator().manual_seed(6)
+    B, Hq, Hkv, D, S = 3, 4, 2, 16, 8
+    qkv = torch.randn(2 * B, (Hq + 2 * Hkv) * D, generator=g)
+    qw, kw = 1 + 0.2 * torch.randn(D, generator=g), 1 + 0.2 * torch.randn(D, generator=g)
+    pos, slots = torch.tensor([0, 3, 6]), torch.tensor([2, 0, 3])
+    kc, vc = torch.randn(4, Hkv, S, D, generator=g), torch.randn(4, Hkv, S, D, generator=g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    a = dict(num_heads=Hq, num_kv_heads=Hkv, eps=1e-6, theta=1e6)
+    out = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc, vc, use_triton=False, tokens=2, **a)
+    first = qk_norm_rope_attend(qkv[:B], qw, kw, pos, slots, kc2, vc2, use_triton=False, **a)
+    second = qk_norm_rope_attend(qkv[B:], qw, kw, pos + 1, slots, kc2, vc2, use_triton=False,
+                                 **a)  # fmt: skip
+    assert torch.equal(out, torch.cat([first, second]))
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    with pytest.raises(ValueError, match="2 tokens per row"):
+        qk_norm_rope_attend(qkv[:5], qw, kw, pos, slots, kc, vc, use_triton=False, tokens=2, **a)
+
+
 def test_norm_linear_attend_reference_is_the_two_ops():
     g = torch.Generator().manual_seed(5)
     R, K, Hq, Hkv, D, S = 3, 64, 4, 2, 16, 8
@@ -270,6 +291,38 @@ def test_qk_norm_rope_attend_kernel(R, S, dtype, ready):
     untouched[slots, pos] = False
     assert torch.equal(kc.float().transpose(1, 2)[untouched], kc_ref.transpose(1, 2)[untouched])
     assert torch.equal(vc.float().transpose(1, 2)[untouched], vc_ref.transpose(1, 2)[untouched])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,S", [(1, 16), (5, 17)])
+@pytest.mark.parametrize("ready", [False, True])
+def test_qk_norm_rope_attend_two_tokens_kernel(B, S, dtype, ready):
+    """tokens=2 (the code predictor's prefill pass): token 1 of each row attends over the
+    entry token 0 wrote in the same launch, not the stale one the cache held (random here,
+    as every other entry)."""
+    g = _gen(B * 37 + S)
+    Hq, Hkv, D, n_slots = 4, 2, 32, B + 3
+    qkv = torch.randn(2 * B, (Hq + 2 * Hkv) * D, device=KDEV, generator=g).to(dtype)
+    qw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
+    kw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
+    pos = torch.randint(0, S - 1, (B,), device=KDEV, generator=g)
+    pos[0] = 0  # the frame's prefill: positions 0 and 1
+    if B > 1:
+        pos[1] = S - 2  # the cache's last two positions
+    slots = torch.randperm(n_slots, device=KDEV, generator=g)[:B]
+    kc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
+    vc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
+    kc_ref, vc_ref = kc.float(), vc.float()
+    a = dict(num_heads=Hq, num_kv_heads=Hkv, eps=1e-6, theta=1e6)
+    out = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc, vc, use_triton=True,
+                              inputs_ready=ready, tokens=2, **a)  # fmt: skip
+    ref = qk_norm_rope_attend(qkv.float(), qw.float(), kw.float(), pos, slots, kc_ref, vc_ref,
+                              use_triton=False, tokens=2, **a)  # fmt: skip
+    tol = _tol(dtype)
+    assert out.shape == (2 * B, Hq * D) and _rel(out, ref) < tol
+    assert _rel(out[B:], ref[B:]) < tol  # token 1 on its own (token 0's error cannot hide it)
+    assert _rel(kc.float(), kc_ref) < tol and _rel(vc.float(), vc_ref) < tol
 
 
 # The qkv GEMV's tiles: the per-shape plan; split-K (the last split of a tile counts it toward

@@ -147,6 +147,37 @@ def test_code_predictor_variants_run_their_switches(bench, monkeypatch):
     assert [r["rel_diff"] for r in rows] == [0.0, 0.0, 0.0]  # greedy codes: all the same
 
 
+def test_the_pair_prefill_variant_runs_its_two_token_pass(bench, monkeypatch):
+    """CP_PAIR_PREFILL: the frame's prefill as one pass of both tokens (every layer's
+    attention once with tokens=2), the baseline never; the same greedy codes."""
+    from ttsbuild.runtime import cp_fused
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _served(bench, monkeypatch)
+    pairs = {"n": 0}
+    real = cp_fused.qk_norm_rope_attend
+
+    def spy(*args, tokens=1, **kwargs):
+        pairs["n"] += tokens == 2
+        return real(*args, tokens=tokens, **kwargs)
+
+    monkeypatch.setattr(cp_fused, "qk_norm_rope_attend", spy)
+    counts = {}
+    real_run = bench.Runner.run
+
+    def run(self):
+        before = pairs["n"]
+        real_run(self)
+        counts[tuple(sorted(self.flags))] = pairs["n"] - before
+
+    monkeypatch.setattr(bench.Runner, "run", run)
+    rows = bench.run(bench.parse_variants("CP_PAIR_PREFILL"), [("cp", 1, 1)], rounds=1,
+                     replays=1, tiny=True, log=lambda *_: None)  # fmt: skip
+    layers = bench.model_config("tiny").code_predictor.num_layers
+    assert counts == {(): 0, ("CP_PAIR_PREFILL",): layers}
+    assert [r["rel_diff"] for r in rows] == [0.0, 0.0]
+
+
 def test_a_variant_runs_only_on_the_shapes_its_switches_act_on(bench, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     _served(bench, monkeypatch)

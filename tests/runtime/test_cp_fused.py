@@ -429,6 +429,49 @@ def test_prefill_kernel_path_matches_reference(dtype, fp8, with_prefix, monkeypa
     assert _rel(k_out, k_ref) < tol and _rel(v_out, v_ref) < tol
 
 
+@pytest.mark.parametrize("identity", [False, True])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_pair_prefill_references_equal_the_frame(do_sample, identity, monkeypatch):
+    """cp_fused.PAIR_PREFILL (the frame's two prefill tokens as one pass of 2B rows) on the
+    CPU references: the same codes and caches as two one-token passes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cp = _predictor(torch.float32, "cpu", identity=identity)
+    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(
+        3, "cpu", do_sample
+    )
+    if identity:
+        hidden = torch.randn(3, CFG.hidden_size)
+    out, caches = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(cp_fused, "PAIR_PREFILL", on)
+        k, v = torch.zeros(shape), torch.zeros(shape)
+        out[on] = cp.frame(hidden, c0, sampling, seeds, frames, k, v, slots, positions)
+        caches[on] = (k, v)
+    assert torch.equal(out[True], out[False]) and len(set(out[True][:, 1].tolist())) > 1
+    for a, b in zip(caches[True], caches[False], strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5) and a.abs().sum() > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("fp8", [False, True])
+def test_pair_prefill_kernel_frame_equals_unfused_frame(fp8, monkeypatch):
+    """fp32 activations, PAIR_PREFILL's pass of both prefill tokens through the kernels: the
+    unfused frame's greedy codes (three rows, in slots whose caches hold stale values that a
+    wrong read of position 0 would pick up)."""
+    monkeypatch.setattr(cp_fused, "PAIR_PREFILL", True)
+    B = 3
+    cp = _predictor(torch.float32, KDEV, fp8=fp8)
+    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(B, KDEV, False)
+    g = torch.Generator().manual_seed(12)
+    k = torch.randn(shape, generator=g).to(KDEV)
+    v = torch.randn(shape, generator=g).to(KDEV)
+    fused = cp.frame(hidden.to(KDEV), c0, sampling, seeds, frames, k, v, slots, positions)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref_cp = _predictor(torch.float32, "cpu", fp8=fp8)
+    ref = _unfused_on_cpu(ref_cp, hidden, c0, sampling, seeds, frames, shape, slots, positions)
+    assert torch.equal(fused.cpu(), ref)
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_sample_in_head_references_equal_the_frame(do_sample, monkeypatch):
     """cp_fused.SAMPLE_IN_HEAD (the head GEMV and its sampler as one launch) on the CPU

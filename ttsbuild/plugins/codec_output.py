@@ -41,7 +41,9 @@ SPREAD = os.environ.get("TTSBUILD_CODEC_OUTPUT_SPREAD", "1") != "0"
 # 6 channel blocks x 7 taps was a chain of 42 dependent load rounds per program (48.6 us at
 # batch 1, PDL off, 2026-12-04 profile, against ~10 us of work); unrolled, a block's 7 taps'
 # loads are in flight together, 3 rounds per program. Sums in another order (channel blocks
-# of 32, not 16). Off until timed on the GPU (TTSBUILD_CODEC_OUTPUT_UNROLL=1 turns it on).
+# of 32, not 16). Timed on the H200 (2026-12-04): the batch-1 codec step 0.75 -> 0.80 ms,
+# slower (every tap still recomputes its inputs' SnakeBeta: the arithmetic, not the load
+# latency, is the program's critical path). Off; TTSBUILD_CODEC_OUTPUT_UNROLL=1 turns it on.
 UNROLL_SMALL = os.environ.get("TTSBUILD_CODEC_OUTPUT_UNROLL", "0") == "1"
 
 

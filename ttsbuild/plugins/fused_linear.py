@@ -79,8 +79,10 @@ def fused_linear(
     config: dict | None = None,  # BLOCK_M/N/K, SPLIT_K: overrides the per-shape plan
     residual_ready: bool = False,
     gemv_rows_f32: int | None = None,
+    out: torch.Tensor | None = None,  # [M, N] rows contiguous: written in place and returned
 ) -> torch.Tensor:
-    """[M, N] in out_dtype (default x's dtype); one launch on the GPU. residual_ready: the
+    """[M, N] in out_dtype (default x's dtype); one launch on the GPU. out: the result's
+    storage (e.g. rows of a larger buffer that several launches fill). residual_ready: the
     residual was written at least two kernels before this one (not by the kernel right
     before it), so under programmatic dependent launch it is read before waiting for that
     kernel, with the weights. gemv_rows_f32: fp32 x of at most this many rows runs as GEMVs,
@@ -92,12 +94,19 @@ def fused_linear(
         index=index, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
         gate_up=gate_up, out_dtype=out_dtype,
     )  # fmt: skip
+    if out is not None:
+        M = index.shape[0] if index is not None else x.shape[0]
+        N = weight.shape[0] // 2 if gate_up else weight.shape[0]
+        if out.shape != (M, N) or out.dtype != (out_dtype or x.dtype) or out.stride(1) != 1:
+            raise ValueError(f"out must be [{M}, {N}] {out_dtype or x.dtype} with contiguous "
+                             f"rows, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if not want_triton(x, use_triton):
-        return fused_linear_reference(x, weight, scale, **kw)
+        y = fused_linear_reference(x, weight, scale, **kw)
+        return y if out is None else out.copy_(y)
     from ttsbuild.plugins._tl.fused_linear import fused_linear_triton
 
     return fused_linear_triton(x, weight, scale, config=config, residual_ready=residual_ready,
-                               gemv_rows_f32=gemv_rows_f32, **kw)  # fmt: skip
+                               gemv_rows_f32=gemv_rows_f32, out=out, **kw)  # fmt: skip
 
 
 def norm_linear(x, norm_weight, weight, scale=None, *, eps, out_dtype=None, use_triton=None):

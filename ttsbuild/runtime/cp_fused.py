@@ -13,7 +13,8 @@ TTSBUILD_CP_ATTEND_IN_QKV=1 makes the first two one launch for the code predicto
 with those layers: the final norm rides in the head GEMV's prologue (logits in fp32 straight
 to the fused sampler), the next code's embedding lookup in the projection's prologue, and
 the two-token prefill [h_t, E0(c0)] runs as two single-token passes (the same causal
-attention, written to the same cache positions, in fewer launches). `frame_unfused` is the
+attention, written to the same cache positions, in fewer launches), or with PAIR_PREFILL as
+one pass of both tokens. `frame_unfused` is the
 unfused path, which graph_engine runs where the plan picks no fused choice.
 """
 
@@ -52,6 +53,12 @@ ATTEND_IN_QKV_MAX_ROWS = 8
 # (TTSBUILD_CP_SAMPLE_IN_HEAD=0) until timed on the GPU.
 SAMPLE_IN_HEAD = os.environ.get("TTSBUILD_CP_SAMPLE_IN_HEAD", "0") == "1"
 SAMPLE_IN_HEAD_MAX_ROWS = 1
+# The frame's two-token prefill [h_t, E0(c0)] as one pass of 2B rows (qk_norm_rope_attend
+# with tokens=2: the program of a row's KV head runs both tokens in turn) instead of two
+# single-token passes: 26 launches fewer per frame, of a chain of ~446 (2.05 ms at batch 1 on
+# the H200, 2026-12-04). The same causal attention; the linears run 2B-row tiles. Off
+# (TTSBUILD_CP_PAIR_PREFILL=0) until timed on the GPU.
+PAIR_PREFILL = os.environ.get("TTSBUILD_CP_PAIR_PREFILL", "0") == "1"
 
 
 def decode_fused(
@@ -64,17 +71,25 @@ def decode_fused(
     *,
     final_norm: bool = True,
     inputs_ready: bool = False,
+    tokens: int = 1,
 ) -> torch.Tensor:
     """PackedStack.decode in five launches per layer. final_norm=False returns the residual
     stream before the final norm (for a consumer that fuses the norm: `norm_linear`).
     inputs_ready: positions and slots were written two or more launches before x's
-    projection (qk_norm_rope_attend may then read them, and the cache, early)."""
+    projection (qk_norm_rope_attend may then read them, and the cache, early).
+    tokens: x holds that many consecutive tokens of the B rows of slots / positions, token by
+    token ([tokens * B, hidden], token t of row i at position positions[i] + t), run as one
+    pass (`qk_norm_rope_attend(tokens=)`; short caches only)."""
     c = stack.cfg
     eps = c.rms_norm_eps
     heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=eps, theta=c.rope_theta)
     max_len = k_cache.shape[3]
+    if tokens > 1 and max_len > MAX_POSITIONS:
+        raise ValueError(f"several tokens per row in one pass need a cache of at most "
+                         f"{MAX_POSITIONS} positions, not {max_len}")  # fmt: skip
     attend_in_qkv = (
         ATTEND_IN_QKV and max_len <= MAX_POSITIONS and x.shape[0] <= ATTEND_IN_QKV_MAX_ROWS
+        and tokens == 1
     )
     residual = x
     for i, p in enumerate(stack.layers):
@@ -87,7 +102,8 @@ def decode_fused(
             qkv = norm_linear(residual, p.input_norm, p.qkv.weight, p.qkv.scale, eps=eps)
             if max_len <= MAX_POSITIONS:
                 attn = qk_norm_rope_attend(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc,
-                                           inputs_ready=inputs_ready, **heads)  # fmt: skip
+                                           inputs_ready=inputs_ready, tokens=tokens,
+                                           **heads)  # fmt: skip
             else:
                 q = qk_norm_rope(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc, **heads)
                 attn = decode_attention(q, kc, vc, slots, positions + 1, max_len)
@@ -141,11 +157,14 @@ class FusedCodePredictor:
     def num_code_groups(self) -> int:
         return len(self.heads) + 1
 
-    def _project(self, table: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-        """small_to_mtp_projection(table[index]) (or of table itself), one launch."""
+    def _project(self, table: torch.Tensor, index: torch.Tensor | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """small_to_mtp_projection(table[index]) (or of table itself), one launch; into out
+        where given."""
         if self.proj_weight is None:
-            return table if index is None else table[index]
-        return fused_linear(table, self.proj_weight, index=index, bias=self.proj_bias)
+            y = table if index is None else table[index]
+            return y if out is None else out.copy_(y)
+        return fused_linear(table, self.proj_weight, index=index, bias=self.proj_bias, out=out)
 
     def frame(
         self,
@@ -170,8 +189,16 @@ class FusedCodePredictor:
                                 inputs_ready=True)  # fmt: skip
 
         counters = _counters(frames, G)
-        step(self._project(hidden, None), 0)
-        residual = step(self._project(self.codec_embedding, c0), 1)
+        if PAIR_PREFILL:  # [h_t, E0(c0)] as one pass of 2B rows, token by token
+            x = torch.empty((2 * B, self.stack.cfg.hidden_size), dtype=hidden.dtype,
+                            device=hidden.device)  # fmt: skip
+            self._project(hidden, None, out=x[:B])
+            self._project(self.codec_embedding, c0, out=x[B:])
+            residual = decode_fused(self.stack, x, k_cache, v_cache, slots, positions[0][:B],
+                                    final_norm=False, inputs_ready=True, tokens=2)[B:]
+        else:
+            step(self._project(hidden, None), 0)
+            residual = step(self._project(self.codec_embedding, c0), 1)
         codes = [c0]
         sample_in_head = SAMPLE_IN_HEAD and B <= SAMPLE_IN_HEAD_MAX_ROWS
         for cb in range(1, G):

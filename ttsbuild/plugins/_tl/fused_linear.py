@@ -493,6 +493,7 @@ def fused_linear_triton(
     config: dict | None = None,
     residual_ready: bool = False,
     gemv_rows_f32: int | None = None,
+    out: torch.Tensor | None = None,  # [M, N], rows contiguous (checked by fused_linear)
 ) -> torch.Tensor:
     K = x.shape[1]
     if index is not None:
@@ -503,7 +504,8 @@ def fused_linear_triton(
         raise ValueError(f"x [M, {K}] and weight [N, {K}] need contiguous rows")
     if residual is not None and (residual.shape != (M, N) or residual.stride(1) != 1):
         raise ValueError(f"residual must be [{M}, {N}] row-major, got {tuple(residual.shape)}")
-    out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return out
     c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, gate_up, config, out,

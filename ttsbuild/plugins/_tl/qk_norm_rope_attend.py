@@ -141,10 +141,13 @@ def _qk_norm_rope_attend_kernel(
     stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False,
+    EARLY: tl.constexpr = False, TOKENS: tl.constexpr = 1, B=1,
 ):  # fmt: skip
     # EARLY: positions, slots and the cached entries below each position were written two or
     # more launches back: read before the PDL wait (only qkv is the previous kernel's).
+    # TOKENS > 1: program (i, kvh) runs qkv rows i, i + B, ..., i + (TOKENS - 1) B in turn, at
+    # positions pos[i] + t of slot slots[i]; token t > 0 reads the entries tokens 0..t-1 wrote
+    # (this program's own stores: a barrier between, no other program involved).
     if not EARLY:
         pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -160,6 +163,15 @@ def _qk_norm_rope_attend_kernel(
         stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
         ok1, ok2, ov1, ov2, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
     )  # fmt: skip
+    for t in tl.static_range(1, TOKENS):
+        tl.debug_barrier()  # token t - 1's cache stores precede token t's loads (one CTA)
+        ok1, ok2, ov1, ov2 = old_kv(kc_ptr, vc_ptr, kvh, pos + t, slot, stride_cslot, stride_ch,
+                                    stride_cs, D, BLOCK_S)  # fmt: skip
+        attend_item(
+            qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row + t * B, kvh, pos + t,
+            slot, stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
+            ok1, ok2, ov1, ov2, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
+        )  # fmt: skip
 
 
 def qk_norm_rope_attend_triton(
@@ -177,6 +189,7 @@ def qk_norm_rope_attend_triton(
     eps: float,
     scale: float,
     inputs_ready: bool = False,
+    tokens: int = 1,
 ) -> torch.Tensor:
     R = qkv.shape[0]
     S, D = k_cache.shape[-2], k_cache.shape[-1]
@@ -188,12 +201,14 @@ def qk_norm_rope_attend_triton(
     if R == 0:
         return out
     pdl = pdl_enabled(qkv)
-    _qk_norm_rope_attend_kernel[(R, num_kv_heads)](
+    B = R // tokens
+    _qk_norm_rope_attend_kernel[(B, num_kv_heads)](
         qkv, q_weight, k_weight, freqs, positions.reshape(-1), slots.reshape(-1),
         k_cache, v_cache, out, qkv.stride(0), out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, scale * _LOG2E,
         HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(S),
-        EARLY=inputs_ready and pdl_early_reads(), **pdl_args(pdl), num_warps=4,
+        EARLY=inputs_ready and pdl_early_reads(), TOKENS=tokens, B=B, **pdl_args(pdl),
+        num_warps=4,
     )  # fmt: skip
     return out
