@@ -78,9 +78,12 @@ def _draft_near(cp, scale=0.15, seed=9):
     return heads + scale * torch.randn(heads.shape, generator=g)
 
 
+@pytest.mark.parametrize("fused_verify", [False, True])
 @pytest.mark.parametrize("B", [1, 4])  # head_logits: gathered heads (1) and all heads (4)
 @pytest.mark.parametrize("kind", ["self", "draft"])
-def test_greedy_codes_equal_the_target(kind, B):
+def test_greedy_codes_equal_the_target(kind, B, fused_verify, monkeypatch):
+    """With the verify pass as `extend` and as the fused decode over k + 1 tokens."""
+    monkeypatch.setattr(cp_spec, "FUSED_VERIFY", fused_verify)
     cp = _predictor(torch.float32, "cpu")
     hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(B, "cpu", False)
     ref = cp.frame_unfused(
@@ -206,10 +209,14 @@ def test_a_wrong_rule_fails_the_frame_test(target_run, kind, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("fused_verify", [False, True])
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_kernel_path_matches_the_references(do_sample, monkeypatch):
+def test_kernel_path_matches_the_references(do_sample, fused_verify, monkeypatch):
     """fp32 on the kernels (CUDA, or the interpreter): the same codes as the reference path
-    (greedy: all; sampled: Gumbel-max over logits equal to rounding, so nearly all)."""
+    (greedy: all; sampled: Gumbel-max over logits equal to rounding, so nearly all); the
+    verify pass as `extend` or as the fused decode over k + 1 tokens (rows at different
+    depths after the first round)."""
+    monkeypatch.setattr(cp_spec, "FUSED_VERIFY", fused_verify)
     B = 3
     cp = _predictor(torch.float32, KDEV)
     hidden, c0, sampling, seeds, frames, *_ = _frame_inputs(B, KDEV, do_sample)

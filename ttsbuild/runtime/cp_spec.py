@@ -35,13 +35,14 @@ check, not a pass. Without them every round runs (on the CPU the host stops earl
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
 
 from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, uniform_noise
 from ttsbuild.plugins.sampling import fused_sample
-from ttsbuild.runtime.cp_fused import FusedCodePredictor
+from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense
 from ttsbuild.runtime.plan import MAX_SPEC_WINDOW
 
@@ -50,6 +51,14 @@ _FIELDS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
 MAX_WINDOW = MAX_SPEC_WINDOW
 # Counter kinds (bits 28+): frame * G + codebook stays below 2^28 for frames < 2^24.
 DRAFT_DRAW, ACCEPT_TEST, FINAL_DRAW = 1, 2, 3
+# The verify pass over k + 1 positions on the fused decode kernels (`cp_fused.decode_fused`
+# with tokens=k + 1: five launches a layer, each row's k + 1 tokens attended in turn by one
+# program per KV head) for batches up to FUSED_VERIFY_MAX_ROWS rows (the fused code
+# predictor's buckets), instead of `PackedStack.extend` (~9 launches a layer). Built
+# 2026-12-04, not yet timed; speculation itself is off in every bucket of the served plan.
+# TTSBUILD_SPEC_FUSED_VERIFY=0 turns it off.
+FUSED_VERIFY = os.environ.get("TTSBUILD_SPEC_FUSED_VERIFY", "1") == "1"
+FUSED_VERIFY_MAX_ROWS = 8
 
 
 def conditional_nodes_available() -> bool:
@@ -280,7 +289,13 @@ class SpeculativeCodePredictor:
         in_codes = torch.cat([pending[:, None], drafts], dim=1)
         tables = (books - 2).clamp(0, G - 2)  # input of position c + 1 is codebook c's code
         x = cp.proj(cp.embeddings[tables, in_codes])  # [B, k + 1, H]
-        h = cp.stack.extend(x, self.k_cache, self.v_cache, self.slots[:B], depth + 1)
+        if FUSED_VERIFY and B <= FUSED_VERIFY_MAX_ROWS:  # token by token: [(k + 1) B, H]
+            h = decode_fused(cp.stack, x.transpose(0, 1).reshape((k + 1) * B, -1),
+                             self.k_cache, self.v_cache, self.slots[:B], depth + 1,
+                             tokens=k + 1)  # fmt: skip
+            h = h.view(k + 1, B, -1).transpose(0, 1)  # [B, k + 1, H]
+        else:
+            h = cp.stack.extend(x, self.k_cache, self.v_cache, self.slots[:B], depth + 1)
         p = target_probs(head_logits(self.heads, h, books), sampling)
 
         u = noise(seeds, spec_counters(frames, books[:, :k], ACCEPT_TEST, G), 1)[..., 0]
