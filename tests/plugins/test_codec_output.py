@@ -25,6 +25,17 @@ def _inputs(B, C, n, k, d, S, dtype, device, seed):
     return [t.to(device) for t in (x, w, bias, alpha, inv_beta, tail, rows)]
 
 
+class _Spy:
+    """A launcher that records its launches (kernel[grid](...))."""
+
+    def __init__(self, kernel, launched):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(grid)
+        return self.kernel[grid]
+
+
 def rel_err(got, want):
     return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
 
@@ -56,17 +67,24 @@ def test_shapes_it_cannot_run_are_refused():
 @pytest.mark.parametrize(("C", "n", "k", "d"), [(96, 300, 7, 1), (40, 3, 7, 1), (33, 20, 3, 3)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("spread", [False, True, "unroll"])
+@pytest.mark.parametrize("spread", [False, True, "unroll", "window"])
 def test_kernel_equals_reference_over_two_steps(C, n, k, d, dtype, channels_last, spread,
                                                 monkeypatch):  # fmt: skip
     """Output blocks past the first (n 300: two; with the small-step spread, 128 -> 16
     samples a program: nineteen), a chunk shorter than the context (n 3: the new tail partly
     the old one, shifted), x of either layout, two steps (the second reads the tails the
-    first wrote); "unroll": the spread's small tiles with their taps unrolled."""
+    first wrote); "unroll": the spread's small tiles with their taps unrolled; "window":
+    in two phases, the input window once into a scratch, then the taps."""
     import ttsbuild.plugins.codec_output as co
 
     monkeypatch.setattr(co, "SPREAD", bool(spread))
     monkeypatch.setattr(co, "UNROLL_SMALL", spread == "unroll")
+    monkeypatch.setattr(co, "WINDOW_SMALL", spread == "window")
+    if spread == "window":  # the two-phase kernel must be the one that runs
+        launched = []
+        real = co._codec_output_window_kernel
+        monkeypatch.setattr(co, "_codec_output_window_kernel",
+                            _Spy(real, launched), raising=True)  # fmt: skip
     x, w, bias, alpha, inv_beta, tail, rows = _inputs(3, C, n, k, d, 5, dtype, KDEV,
                                                       C + n + k + d)  # fmt: skip
     ref_tail = tail.clone()
@@ -78,3 +96,5 @@ def test_kernel_equals_reference_over_two_steps(C, n, k, d, dtype, channels_last
         assert rel_err(got, want) <= 1e-5, step
         assert rel_err(tail, ref_tail) <= 1e-6, step
         x = x.flip(-1).contiguous()
+    if spread == "window":
+        assert len(launched) == 2

@@ -45,6 +45,13 @@ SPREAD = os.environ.get("TTSBUILD_CODEC_OUTPUT_SPREAD", "1") != "0"
 # slower (every tap still recomputes its inputs' SnakeBeta: the arithmetic, not the load
 # latency, is the program's critical path). Off; TTSBUILD_CODEC_OUTPUT_UNROLL=1 turns it on.
 UNROLL_SMALL = os.environ.get("TTSBUILD_CODEC_OUTPUT_UNROLL", "0") == "1"
+# Spread tiles of <= 32 samples in two phases (`_codec_output_window_kernel`): the program's
+# input window [C, BLOCK_T + BLOCK_CTX] (tail or SnakeBeta of x) once into an fp32 scratch,
+# then each tap a shifted read of it, accumulated per channel and reduced once at the end.
+# Each input's SnakeBeta is computed once, not once per tap (7x fewer sines), and no
+# cross-lane reduction sits in the loop. Built 2026-12-04, not yet timed: off
+# (TTSBUILD_CODEC_OUTPUT_WINDOW=1 turns it on).
+WINDOW_SMALL = os.environ.get("TTSBUILD_CODEC_OUTPUT_WINDOW", "0") == "1"
 
 
 def _spread(B: int, n: int, block_ctx: int, block_t: int, sms: int) -> tuple[int, int]:
@@ -110,6 +117,18 @@ def _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation):
         if UNROLL_SMALL and block_t <= 32:
             block_c, unroll = min(32, triton.next_power_of_2(C)), True
     snake = alpha is not None
+    if SPREAD and WINDOW_SMALL and block_t <= 32:
+        blocks = triton.cdiv(n, block_t)
+        block_c = min(32, triton.next_power_of_2(C))
+        win = block_t + block_ctx
+        scratch = torch.empty((B * blocks, C, win), dtype=torch.float32, device=x.device)
+        _codec_output_window_kernel[(B, blocks)](
+            x, w, bias, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
+            rows, out, scratch, C, n, ctx, dilation, x.stride(0), x.stride(1), x.stride(2),
+            K=k, HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
+            BLOCK_CTX=block_ctx, WIN=win, num_warps=warps, **codec_pdl_args(x),
+        )  # fmt: skip
+        return out
     _codec_output_kernel[(B, triton.cdiv(n, block_t))](
         x, w, bias, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
         rows, out, C, n, ctx, dilation, x.stride(0), x.stride(1), x.stride(2),
@@ -184,20 +203,94 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         tl.store(out_ptr + b * n + t, y, mask=t_mask)
         if HAS_TAIL:
             if first:  # the block that read the old tail (BLOCK_T >= ctx): the new tail
-                tl.debug_barrier()  # every read of the old tail above precedes the writes
-                i2 = tl.arange(0, BLOCK_CTX)
-                src = n + i2  # xin column of new tail entry i2
-                from_tail = (src < ctx) & (i2 < ctx)
-                from_x = (src >= ctx) & (i2 < ctx)
-                for c0 in range(0, C, BLOCK_C):
-                    c = c0 + tl.arange(0, BLOCK_C)
-                    c_mask = c < C
-                    al, ib = snake_params(alpha_ptr, inv_beta_ptr, c, c_mask, HAS_SNAKE)
-                    row = tail_ptr + (slot * C + c[:, None]) * ctx
-                    shifted = tl.load(row + src[None, :],
-                                      mask=c_mask[:, None] & from_tail[None, :], other=0.0)
-                    hx = tl.load(x_row + c[:, None] * sxc + (src - ctx)[None, :] * sxt,
-                                 mask=c_mask[:, None] & from_x[None, :], other=0.0)
-                    new = tl.where(from_tail[None, :], shifted, _snake_f32(hx, al, ib, HAS_SNAKE))
-                    tl.debug_barrier()  # this block's reads of the old tail precede its writes
-                    tl.store(row + i2[None, :], new, mask=c_mask[:, None] & (i2 < ctx)[None, :])
+                _new_tail(x_row, alpha_ptr, inv_beta_ptr, tail_ptr, slot, C, n, ctx, sxc, sxt,
+                          HAS_SNAKE, BLOCK_C, BLOCK_CTX)  # fmt: skip
+
+    @triton.jit
+    def _window_piece(x_row, tail_ptr, scratch, slot, c, c_mask, al, ib, i, col, C, n, ctx,
+                      sxc, sxt, WIN: tl.constexpr, HAS_SNAKE: tl.constexpr,
+                      HAS_TAIL: tl.constexpr):  # fmt: skip
+        """xin columns i (scratch columns col) of channels c into the scratch, fp32: the old
+        tail below ctx, SnakeBeta of x from there to n + ctx, zeros past it."""
+        from_x = (i >= ctx) & (i < n + ctx)
+        v = tl.load(x_row + c[:, None] * sxc + (i - ctx)[None, :] * sxt,
+                    mask=c_mask[:, None] & from_x[None, :], other=0.0)
+        v = _snake_f32(v, al, ib, HAS_SNAKE)
+        if HAS_TAIL:
+            from_tail = i < ctx
+            old = tl.load(tail_ptr + (slot * C + c[:, None]) * ctx + i[None, :],
+                          mask=c_mask[:, None] & from_tail[None, :], other=0.0)
+            v = tl.where(from_tail[None, :], old, v)
+        tl.store(scratch + c[:, None] * WIN + col[None, :], v, mask=c_mask[:, None])
+
+    @triton.jit
+    def _codec_output_window_kernel(
+        x_ptr, w_ptr, bias_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, rows_ptr, out_ptr,
+        scratch_ptr, C, n, ctx, DIL, sxb, sxc, sxt,
+        K: tl.constexpr, HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CTX: tl.constexpr,
+        WIN: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """The output stage of one (row, block of BLOCK_T samples) in two phases (see
+        WINDOW_SMALL): the input window once into the program's scratch [C, WIN], a
+        barrier, then the K taps as shifted reads of it."""
+        pdl_prologue(PDL)
+        b = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        first = blk == 0
+        t0 = blk * BLOCK_T
+        slot = tl.load(rows_ptr + b).to(tl.int64)
+        x_row = x_ptr + b * sxb
+        scratch = scratch_ptr + (b * tl.num_programs(1) + blk) * C * WIN
+        col_a = tl.arange(0, BLOCK_T)
+        col_b = BLOCK_T + tl.arange(0, BLOCK_CTX)
+        for c0 in range(0, C, BLOCK_C):  # 1. the window: xin columns t0 .. t0 + WIN - 1
+            c = c0 + tl.arange(0, BLOCK_C)
+            c_mask = c < C
+            al, ib = snake_params(alpha_ptr, inv_beta_ptr, c, c_mask, HAS_SNAKE)
+            _window_piece(x_row, tail_ptr, scratch, slot, c, c_mask, al, ib, t0 + col_a, col_a,
+                          C, n, ctx, sxc, sxt, WIN, HAS_SNAKE, HAS_TAIL)  # fmt: skip
+            _window_piece(x_row, tail_ptr, scratch, slot, c, c_mask, al, ib, t0 + col_b, col_b,
+                          C, n, ctx, sxc, sxt, WIN, HAS_SNAKE, HAS_TAIL)  # fmt: skip
+        tl.debug_barrier()  # the window's stores precede every tap's reads (one CTA)
+        acc = tl.zeros([BLOCK_C, BLOCK_T], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):  # 2. the taps: sample t reads window column t + j d
+            c = c0 + tl.arange(0, BLOCK_C)
+            c_mask = c < C
+            for j in tl.static_range(K):
+                v = tl.load(scratch + c[:, None] * WIN + (j * DIL + col_a)[None, :],
+                            mask=c_mask[:, None], other=0.0)
+                wj = tl.load(w_ptr + j * C + c, mask=c_mask, other=0.0).to(tl.float32)
+                acc += wj[:, None] * v
+        t = t0 + col_a
+        t_mask = t < n
+        y = tl.sum(acc, axis=0) + tl.load(bias_ptr).to(tl.float32)
+        y = tl.minimum(tl.maximum(y, -1.0), 1.0)
+        tl.store(out_ptr + b * n + t, y, mask=t_mask)
+        if HAS_TAIL:
+            if first:  # its window held the old tail (BLOCK_T >= ctx): the new tail
+                _new_tail(x_row, alpha_ptr, inv_beta_ptr, tail_ptr, slot, C, n, ctx, sxc, sxt,
+                          HAS_SNAKE, BLOCK_C, BLOCK_CTX)  # fmt: skip
+
+    @triton.jit
+    def _new_tail(x_row, alpha_ptr, inv_beta_ptr, tail_ptr, slot, C, n, ctx, sxc, sxt,
+                  HAS_SNAKE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CTX: tl.constexpr):
+        """The row's new tail: the last ctx columns of xin (the old tail shifted, or SnakeBeta
+        of x), written after every read of the old one (barriers)."""
+        tl.debug_barrier()  # every read of the old tail above precedes the writes
+        i2 = tl.arange(0, BLOCK_CTX)
+        src = n + i2  # xin column of new tail entry i2
+        from_tail = (src < ctx) & (i2 < ctx)
+        from_x = (src >= ctx) & (i2 < ctx)
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            c_mask = c < C
+            al, ib = snake_params(alpha_ptr, inv_beta_ptr, c, c_mask, HAS_SNAKE)
+            row = tail_ptr + (slot * C + c[:, None]) * ctx
+            shifted = tl.load(row + src[None, :],
+                              mask=c_mask[:, None] & from_tail[None, :], other=0.0)
+            hx = tl.load(x_row + c[:, None] * sxc + (src - ctx)[None, :] * sxt,
+                         mask=c_mask[:, None] & from_x[None, :], other=0.0)
+            new = tl.where(from_tail[None, :], shifted, _snake_f32(hx, al, ib, HAS_SNAKE))
+            tl.debug_barrier()  # this block's reads of the old tail precede its writes
+            tl.store(row + i2[None, :], new, mask=c_mask[:, None] & (i2 < ctx)[None, :])
