@@ -258,25 +258,33 @@ def test_gather_linear_kernel(M, dtype, fp8):
     assert codes[:, 0].stride(0) == 2 and torch.equal(strided, out)
 
 
+def _attend_case(g, R, S, dtype, tokens=1):
+    """Fresh random inputs of qk_norm_rope_attend: qkv [tokens * R, ...], its q/k norm
+    weights, R distinct slots of R + 3, K/V caches of random values (every entry: a stale
+    read shows), the head counts."""
+    Hq, Hkv, D, n_slots = 4, 2, 32, R + 3
+    qkv = torch.randn(tokens * R, (Hq + 2 * Hkv) * D, device=KDEV, generator=g).to(dtype)
+    qw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
+    kw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
+    slots = torch.randperm(n_slots, device=KDEV, generator=g)[:R]
+    kc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
+    vc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
+    return qkv, qw, kw, slots, kc, vc, dict(num_heads=Hq, num_kv_heads=Hkv, eps=1e-6, theta=1e6)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("R,S", [(1, 16), (6, 16), (5, 17)])
 @pytest.mark.parametrize("ready", [False, True])  # True: positions, slots, cache read early
 def test_qk_norm_rope_attend_kernel(R, S, dtype, ready):
     g = _gen(R * 31 + S)
-    Hq, Hkv, D, n_slots = 4, 2, 32, R + 3
-    qkv = torch.randn(R, (Hq + 2 * Hkv) * D, device=KDEV, generator=g).to(dtype)
-    qw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
-    kw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
+    qkv, qw, kw, slots, kc, vc, a = _attend_case(g, R, S, dtype)
+    n_slots, Hq, D = kc.shape[0], a["num_heads"], kc.shape[-1]
     pos = torch.randint(0, S, (R,), device=KDEV, generator=g)
     pos[0] = S - 1  # the last position, and (below) the first: attends to itself only
     if R > 1:
         pos[1] = 0
-    slots = torch.randperm(n_slots, device=KDEV, generator=g)[:R]
-    kc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
-    vc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
     kc_ref, vc_ref = kc.float(), vc.float()
-    a = dict(num_heads=Hq, num_kv_heads=Hkv, eps=1e-6, theta=1e6)
     out = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc, vc, use_triton=True,
                               inputs_ready=ready, **a)  # fmt: skip
     ref = qk_norm_rope_attend_reference(
@@ -302,19 +310,13 @@ def test_qk_norm_rope_attend_two_tokens_kernel(B, S, dtype, ready):
     entry token 0 wrote in the same launch, not the stale one the cache held (random here,
     as every other entry)."""
     g = _gen(B * 37 + S)
-    Hq, Hkv, D, n_slots = 4, 2, 32, B + 3
-    qkv = torch.randn(2 * B, (Hq + 2 * Hkv) * D, device=KDEV, generator=g).to(dtype)
-    qw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
-    kw = (1 + 0.2 * torch.randn(D, device=KDEV, generator=g)).to(dtype)
+    qkv, qw, kw, slots, kc, vc, a = _attend_case(g, B, S, dtype, tokens=2)
+    Hq, D = a["num_heads"], kc.shape[-1]
     pos = torch.randint(0, S - 1, (B,), device=KDEV, generator=g)
     pos[0] = 0  # the frame's prefill: positions 0 and 1
     if B > 1:
         pos[1] = S - 2  # the cache's last two positions
-    slots = torch.randperm(n_slots, device=KDEV, generator=g)[:B]
-    kc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
-    vc = torch.randn(n_slots, Hkv, S, D, device=KDEV, generator=g).to(dtype)
     kc_ref, vc_ref = kc.float(), vc.float()
-    a = dict(num_heads=Hq, num_kv_heads=Hkv, eps=1e-6, theta=1e6)
     out = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc, vc, use_triton=True,
                               inputs_ready=ready, tokens=2, **a)  # fmt: skip
     ref = qk_norm_rope_attend(qkv.float(), qw.float(), kw.float(), pos, slots, kc_ref, vc_ref,

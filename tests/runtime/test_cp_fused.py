@@ -180,16 +180,22 @@ def _unfused_on_cpu(cp, hidden, c0, sampling, seeds, frames, shape, slots, posit
     )  # fmt: skip
 
 
+def _cpu_frame_case(B, do_sample, identity):
+    """A CPU fp32 predictor (its projection Linear, or Identity) and a frame's inputs."""
+    cp = _predictor(torch.float32, "cpu", identity=identity)
+    hidden, *rest = _frame_inputs(B, "cpu", do_sample)
+    if identity:
+        hidden = torch.randn(B, CFG.hidden_size)
+    return cp, hidden, *rest
+
+
 @pytest.mark.parametrize("identity", [False, True])
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_fused_frame_references_equal_unfused_frame(do_sample, identity, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    cp = _predictor(torch.float32, "cpu", identity=identity)
-    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(
-        4, "cpu", do_sample
+    cp, hidden, c0, sampling, seeds, frames, shape, slots, positions = _cpu_frame_case(
+        4, do_sample, identity
     )
-    if identity:
-        hidden = torch.randn(4, CFG.hidden_size)
     caches = [torch.zeros(shape) for _ in range(4)]
     args = (hidden, c0, sampling, seeds, frames)
     fused = cp.frame(*args, caches[0], caches[1], slots, positions)
@@ -435,12 +441,9 @@ def test_pair_prefill_references_equal_the_frame(do_sample, identity, monkeypatc
     """cp_fused.PAIR_PREFILL (the frame's two prefill tokens as one pass of 2B rows) on the
     CPU references: the same codes and caches as two one-token passes."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    cp = _predictor(torch.float32, "cpu", identity=identity)
-    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(
-        3, "cpu", do_sample
+    cp, hidden, c0, sampling, seeds, frames, shape, slots, positions = _cpu_frame_case(
+        3, do_sample, identity
     )
-    if identity:
-        hidden = torch.randn(3, CFG.hidden_size)
     out, caches = {}, {}
     for on in (False, True):
         monkeypatch.setattr(cp_fused, "PAIR_PREFILL", on)
