@@ -14,8 +14,8 @@ with those layers: the final norm rides in the head GEMV's prologue (logits in f
 to the fused sampler), the next code's embedding lookup in the projection's prologue, and
 the two-token prefill [h_t, E0(c0)] runs as two single-token passes (the same causal
 attention, written to the same cache positions, in fewer launches), or with PAIR_PREFILL as
-one pass of both tokens. `frame_unfused` is the
-unfused path, which graph_engine runs where the plan picks no fused choice.
+one pass of both tokens. `frame_unfused` is the unfused path, which graph_engine runs where
+the plan picks no fused choice.
 """
 
 from __future__ import annotations
