@@ -34,8 +34,7 @@
 #         it, then the engine microbenchmark's first chunk of two frames beside stepping rows,
 #         lane off and on
 # codectests: the codec kernels' GPU tests for the conv at >= 2048 rows (the 1x1 conv's own
-#         tiles since 2026-12-04) and the output stage's unrolled and two-phase (window)
-#         small tiles
+#         tiles since 2026-12-04) and the output stage's two-phase (window) small tiles
 # codec:  the codec's kernel tests on the GPU (causal conv, snake + context, channels-last
 #         operands, the fused output stage, ring attention), then profile_codec.py's
 #         one-frame step (graph-replayed, SNR against fp32) at batches $CODEC_BATCHES (default
@@ -277,10 +276,10 @@ for step in $STEPS; do
         log "engine microbenchmark, first chunk of two frames beside stepping rows"
         engine_bench bootstrap --admission-lane 1,2 --first-frames 2
         grep -E "stepping rows" "$OUT/engine_bench_bootstrap.log" ;;
-    codectests)  # the codec kernels' GPU tests touched by the 1x1 conv tiles and the output unroll
-        log "GPU tests: causal conv at >= 2048 rows (the 1x1 conv's tiles), the output stage (spread, unrolled)"
+    codectests)  # the codec kernels' GPU tests touched by the 1x1 conv tiles and the output window
+        log "GPU tests: causal conv at >= 2048 rows (the 1x1 conv's tiles), the output stage (two-phase window)"
         timeout -k 5 "${CODECTESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider tests/plugins/test_causal_conv.py \
-            tests/plugins/test_codec_output.py -k "700 or unroll or window" 2>&1 \
+            tests/plugins/test_codec_output.py -k "700 or window" 2>&1 \
             | tee "$OUT/gpu_tests_codec.log" | tail -2 ;;
     codec)
         log "GPU tests: causal conv, snake + context"

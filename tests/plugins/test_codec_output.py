@@ -67,18 +67,17 @@ def test_shapes_it_cannot_run_are_refused():
 @pytest.mark.parametrize(("C", "n", "k", "d"), [(96, 300, 7, 1), (40, 3, 7, 1), (33, 20, 3, 3)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("spread", [False, True, "unroll", "window"])
+@pytest.mark.parametrize("spread", [False, True, "window"])
 def test_kernel_equals_reference_over_two_steps(C, n, k, d, dtype, channels_last, spread,
                                                 monkeypatch):  # fmt: skip
     """Output blocks past the first (n 300: two; with the small-step spread, 128 -> 16
     samples a program: nineteen), a chunk shorter than the context (n 3: the new tail partly
     the old one, shifted), x of either layout, two steps (the second reads the tails the
-    first wrote); "unroll": the spread's small tiles with their taps unrolled; "window":
-    in two phases, the input window once into a scratch, then the taps."""
+    first wrote); "window": the spread's small tiles in two phases, the input window once
+    into a scratch, then the taps."""
     import ttsbuild.plugins.codec_output as co
 
     monkeypatch.setattr(co, "SPREAD", bool(spread))
-    monkeypatch.setattr(co, "UNROLL_SMALL", spread == "unroll")
     monkeypatch.setattr(co, "WINDOW_SMALL", spread == "window")
     if spread == "window":  # the two-phase kernel must be the one that runs
         launched = []

@@ -37,20 +37,14 @@ from ttsbuild.plugins.codec_context import snake_context_reference
 # step). The same sums in the same order per sample. On by default since timed on the H200
 # (codec step at batch 1 0.77 -> 0.75 ms, 2026-12-04); TTSBUILD_CODEC_OUTPUT_SPREAD=0 turns it off.
 SPREAD = os.environ.get("TTSBUILD_CODEC_OUTPUT_SPREAD", "1") != "0"
-# Spread tiles of <= 32 samples with 32-channel blocks and the taps unrolled: the loop of
-# 6 channel blocks x 7 taps was a chain of 42 dependent load rounds per program (48.6 us at
-# batch 1, PDL off, 2026-12-04 profile, against ~10 us of work); unrolled, a block's 7 taps'
-# loads are in flight together, 3 rounds per program. Sums in another order (channel blocks
-# of 32, not 16). Timed on the H200 (2026-12-04): the batch-1 codec step 0.75 -> 0.80 ms,
-# slower (every tap still recomputes its inputs' SnakeBeta: the arithmetic, not the load
-# latency, is the program's critical path). Off; TTSBUILD_CODEC_OUTPUT_UNROLL=1 turns it on.
-UNROLL_SMALL = os.environ.get("TTSBUILD_CODEC_OUTPUT_UNROLL", "0") == "1"
 # Spread tiles of <= 32 samples in two phases (`_codec_output_window_kernel`): the program's
 # input window [C, BLOCK_T + BLOCK_CTX] (tail or SnakeBeta of x) once into an fp32 scratch,
 # then each tap a shifted read of it, accumulated per channel and reduced once at the end.
 # Each input's SnakeBeta is computed once, not once per tap (7x fewer sines), and no
-# cross-lane reduction sits in the loop. Built 2026-12-04, not yet timed: off
-# (TTSBUILD_CODEC_OUTPUT_WINDOW=1 turns it on).
+# cross-lane reduction sits in the loop. (The taps unrolled alone, each still computing its
+# own sines, made the batch-1 codec step slower on the H200, 0.75 -> 0.80 ms, 2026-12-04,
+# and were removed.) Built 2026-12-04, not yet timed: off (TTSBUILD_CODEC_OUTPUT_WINDOW=1
+# turns it on).
 WINDOW_SMALL = os.environ.get("TTSBUILD_CODEC_OUTPUT_WINDOW", "0") == "1"
 
 
@@ -109,13 +103,10 @@ def _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation):
     block_t = max(block_ctx, min(128, triton.next_power_of_2(n)))
     block_c = min(16, triton.next_power_of_2(C))
     warps = 4
-    unroll = False
     if SPREAD:  # SMs as the linears count them (132, the H200's, off CUDA)
         from ttsbuild.plugins._tl.fp8_linear import _num_sms
 
         block_t, warps = _spread(B, n, block_ctx, block_t, _num_sms(x.device))
-        if UNROLL_SMALL and block_t <= 32:
-            block_c, unroll = min(32, triton.next_power_of_2(C)), True
     snake = alpha is not None
     if SPREAD and WINDOW_SMALL and block_t <= 32:
         blocks = triton.cdiv(n, block_t)
@@ -133,7 +124,7 @@ def _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation):
         x, w, bias, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
         rows, out, C, n, ctx, dilation, x.stride(0), x.stride(1), x.stride(2),
         K=k, HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
-        BLOCK_CTX=block_ctx, UNROLL=unroll, num_warps=warps, **codec_pdl_args(x),
+        BLOCK_CTX=block_ctx, num_warps=warps, **codec_pdl_args(x),
     )  # fmt: skip
     return out
 
@@ -154,29 +145,12 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         return v
 
     @triton.jit
-    def _tap(x_row, tail_ptr, w_ptr, slot, c, c_mask, t, t_mask, shift, j, al, ib, C, ctx,
-             sxc, sxt, HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr):  # fmt: skip
-        """Tap j's share of the block's outputs: sum over c of w[j, c] * xin[c, t + shift]."""
-        i = t + shift  # xin column: the tail below ctx, snake(x) from there on
-        from_x = t_mask & (i >= ctx)
-        v = tl.load(x_row + c[:, None] * sxc + (i - ctx)[None, :] * sxt,
-                    mask=c_mask[:, None] & from_x[None, :], other=0.0)
-        v = _snake_f32(v, al, ib, HAS_SNAKE)
-        if HAS_TAIL:
-            from_tail = t_mask & (i < ctx)
-            old = tl.load(tail_ptr + (slot * C + c[:, None]) * ctx + i[None, :],
-                          mask=c_mask[:, None] & from_tail[None, :], other=0.0)
-            v = tl.where(from_tail[None, :], old, v)
-        wj = tl.load(w_ptr + j * C + c, mask=c_mask, other=0.0).to(tl.float32)
-        return tl.sum(wj[:, None] * v, axis=0)
-
-    @triton.jit
     def _codec_output_kernel(
         x_ptr, w_ptr, bias_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, rows_ptr, out_ptr,
         C, n, ctx, DIL, sxb, sxc, sxt,
         K: tl.constexpr, HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CTX: tl.constexpr,
-        UNROLL: tl.constexpr, PDL: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
         b = tl.program_id(0).to(tl.int64)
@@ -190,14 +164,19 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             c = c0 + tl.arange(0, BLOCK_C)
             c_mask = c < C
             al, ib = snake_params(alpha_ptr, inv_beta_ptr, c, c_mask, HAS_SNAKE)
-            if UNROLL:  # small tiles: every tap's loads in flight at once
-                for j in tl.static_range(K):
-                    acc += _tap(x_row, tail_ptr, w_ptr, slot, c, c_mask, t, t_mask, j * DIL, j,
-                                al, ib, C, ctx, sxc, sxt, HAS_SNAKE, HAS_TAIL)
-            else:
-                for j in range(K):  # not unrolled (registers, above)
-                    acc += _tap(x_row, tail_ptr, w_ptr, slot, c, c_mask, t, t_mask, j * DIL, j,
-                                al, ib, C, ctx, sxc, sxt, HAS_SNAKE, HAS_TAIL)
+            for j in range(K):  # not unrolled (registers, above)
+                i = t + j * DIL  # xin column: the tail below ctx, snake(x) from there on
+                from_x = t_mask & (i >= ctx)
+                v = tl.load(x_row + c[:, None] * sxc + (i - ctx)[None, :] * sxt,
+                            mask=c_mask[:, None] & from_x[None, :], other=0.0)
+                v = _snake_f32(v, al, ib, HAS_SNAKE)
+                if HAS_TAIL:
+                    from_tail = t_mask & (i < ctx)
+                    old = tl.load(tail_ptr + (slot * C + c[:, None]) * ctx + i[None, :],
+                                  mask=c_mask[:, None] & from_tail[None, :], other=0.0)
+                    v = tl.where(from_tail[None, :], old, v)
+                wj = tl.load(w_ptr + j * C + c, mask=c_mask, other=0.0).to(tl.float32)
+                acc += tl.sum(wj[:, None] * v, axis=0)
         y = acc + tl.load(bias_ptr).to(tl.float32)
         y = tl.minimum(tl.maximum(y, -1.0), 1.0)
         tl.store(out_ptr + b * n + t, y, mask=t_mask)
