@@ -23,9 +23,11 @@ fraction that differ).
         [--shapes decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cpp:1] [--rounds 9]
 
 (--variants: ';' between variants, ',' between the switches of one; NAME turns a switch on,
--NAME off, the others stay as served. The default: the served A8 switches off one by one and
-together, A8_SILU_QUANT on, then the code predictor's two, the persistent pass's L2 prefetch,
-attention in its qkv stage and counting barrier, one by one and together, and the fused
+-NAME off, the others stay as served. The default: the code predictor's two-token prefill
+pass (CP_PAIR_PREFILL), the served A8 switches off one by one and together, A8_SILU_QUANT
+on, then the code predictor's attention-in-qkv and sampler-in-head, the persistent pass's
+L2 prefetch, attention in its qkv stage and counting barrier, one by one and together, and
+the fused
 linears' and the FP8 tiles' weights into L2 before their PDL wait (both
 TTSBUILD_PDL_L2_AHEAD). A variant runs on the shapes its switches act on: the talker's and
 the FP8 tiles' on decode and prefill, the code predictor's and the fused linears' on cp, the
