@@ -24,7 +24,8 @@ fraction that differ).
 
 (--variants: ';' between variants, ',' between the switches of one; NAME turns a switch on,
 -NAME off, the others stay as served. The default: the code predictor's two-token prefill
-pass (CP_PAIR_PREFILL), the served A8 switches off one by one and together, A8_SILU_QUANT
+pass off (-CP_PAIR_PREFILL, served since 2026-12-04), the served A8 switches off one by one
+and together, A8_SILU_QUANT
 on, then the code predictor's attention-in-qkv and sampler-in-head, the persistent pass's
 L2 prefetch, attention in its qkv stage and counting barrier, one by one and together, and
 the fused
@@ -79,7 +80,7 @@ SWITCHES = {
 }
 SERVED = {n: bool(getattr(*SWITCHES[n])) for n in SWITCHES}  # the switches as served
 DEFAULT_VARIANTS = (
-    "CP_PAIR_PREFILL;-A8_NORM_QUANT;-A8_GATE_UP_SILU;-A8_NORM_QUANT,-A8_GATE_UP_SILU;A8_SILU_QUANT;"
+    "-CP_PAIR_PREFILL;-A8_NORM_QUANT;-A8_GATE_UP_SILU;-A8_NORM_QUANT,-A8_GATE_UP_SILU;A8_SILU_QUANT;"
     "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD;CP_PASS_PREFETCH;CP_PASS_ATTEND_IN_QKV;"
     "CP_PASS_COUNT_BARRIER;CP_PASS_PREFETCH,CP_PASS_ATTEND_IN_QKV,CP_PASS_COUNT_BARRIER;"
     "PDL_L2_AHEAD;FP8_L2_AHEAD"

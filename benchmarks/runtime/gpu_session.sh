@@ -33,8 +33,15 @@
 #         dropped) with the lane making both (plan.lane_frames 2): graph vs eager (tiny) with
 #         it, then the engine microbenchmark's first chunk of two frames beside stepping rows,
 #         lane off and on
+# pytest: the GPU tests named by $GPU_PYTEST (pytest arguments: files, -k ...), after the wheels
+#         are on the path, with -k "$GPU_PYTEST_K" where given (2026-12-04: a pytest run before this script's setup failed on
+#         `import pydantic`), log $OUT/gpu_pytest.log
 # codectests: the codec kernels' GPU tests for the conv at >= 2048 rows (the 1x1 conv's own
 #         tiles since 2026-12-04) and the output stage's two-phase (window) small tiles
+# codec_env: the served codec step (profile_codec.py, row triton+k+cl+o+s+a, batches
+#         $CODEC_BATCHES default 1,64) as served and with each ';'-separated group of switches in
+#         $CODEC_ENV, alternated $CODEC_ROUNDS times (default 2; one process each: compare the
+#         rounds' spread with the difference), e.g. CODEC_ENV="TTSBUILD_CODEC_OUTPUT_WINDOW=1"
 # codec:  the codec's kernel tests on the GPU (causal conv, snake + context, channels-last
 #         operands, the fused output stage, ring attention), then profile_codec.py's
 #         one-frame step (graph-replayed, SNR against fp32) at batches $CODEC_BATCHES (default
@@ -276,11 +283,30 @@ for step in $STEPS; do
         log "engine microbenchmark, first chunk of two frames beside stepping rows"
         engine_bench bootstrap --admission-lane 1,2 --first-frames 2
         grep -E "stepping rows" "$OUT/engine_bench_bootstrap.log" ;;
+    pytest)
+        log "GPU tests: ${GPU_PYTEST:?GPU_PYTEST names the tests}"
+        # shellcheck disable=SC2086  # pytest arguments, split on purpose
+        timeout -k 5 "${GPU_PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider $GPU_PYTEST \
+            ${GPU_PYTEST_K:+-k "$GPU_PYTEST_K"} 2>&1 | tee "$OUT/gpu_pytest.log" | tail -3 ;;
     codectests)  # the codec kernels' GPU tests touched by the 1x1 conv tiles and the output window
         log "GPU tests: causal conv at >= 2048 rows (the 1x1 conv's tiles), the output stage (two-phase window)"
         timeout -k 5 "${CODECTESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider tests/plugins/test_causal_conv.py \
             tests/plugins/test_codec_output.py -k "700 or window" 2>&1 \
             | tee "$OUT/gpu_tests_codec.log" | tail -2 ;;
+    codec_env)
+        IFS=';' read -ra codec_groups <<< "${CODEC_ENV:?CODEC_ENV names the switches}"
+        for round in $(seq "${CODEC_ROUNDS:-2}"); do
+            for i in $(seq 0 "${#codec_groups[@]}"); do
+                group=""; label=served
+                [ "$i" = 0 ] || { group=${codec_groups[$((i - 1))]}; label="env$i ($group)"; }
+                log "codec step round $round: $label"
+                # shellcheck disable=SC2086  # the group's VAR=VALUE words, split on purpose
+                env $group timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
+                    --batches "${CODEC_BATCHES:-1,64}" --conv-impls triton \
+                    --rows triton+k+cl+o+s+a --profile-impls none 2>&1 | grep -v Assertion \
+                    | tee "$OUT/profile_codec_r${round}_$i.log" | grep -E "^\| triton"
+            done
+        done ;;
     codec)
         log "GPU tests: causal conv, snake + context"
         timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_causal_conv.py \

@@ -75,7 +75,7 @@ def _draft_near(cp, scale=0.15, seed=9):
     """Draft heads = the target's + noise: high but imperfect acceptance (q != p)."""
     g = torch.Generator().manual_seed(seed)
     heads = torch.stack([h.weight for h in cp.heads])
-    return heads + scale * torch.randn(heads.shape, generator=g)
+    return heads + scale * torch.randn(heads.shape, generator=g).to(heads.device)  # CPU draws
 
 
 @pytest.mark.parametrize("fused_verify", [False, True])

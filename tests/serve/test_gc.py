@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import logging
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -33,9 +36,27 @@ def serve(url: str, requests: int, start: int) -> None:
 
 
 def tracked_after_collection() -> int:
-    """Objects the collector tracks (the frozen startup heap aside) once garbage is gone."""
-    gc.collect()
-    return len(gc.get_objects())
+    """Objects the collector tracks (the frozen startup heap aside) once garbage is gone: the
+    least of three counts 50 ms apart, so that what the server's and the client's threads hold
+    for a moment (weak references with their callbacks, ~2 a thread still winding down) is not
+    counted as left behind. The log records pytest's capture handler keeps are dropped first:
+    the server's timing warnings (a slow first audio, a late chunk: a loaded 2-core CI
+    machine) are kept there, ~3 tracked objects each, and are not the server's. (CI,
+    2026-12-04: 151 more objects after 40 requests, once; 8-9 on an idle machine.)"""
+    counts = []
+    for i in range(3):
+        time.sleep(0.05 * (i > 0))
+        for handler in logging.getLogger().handlers:
+            if hasattr(handler, "records") and hasattr(handler, "reset"):  # LogCaptureHandler
+                handler.reset()
+        gc.collect()
+        counts.append(len(gc.get_objects()))
+    return min(counts)
+
+
+def grown_types(limit: int = 6) -> list[tuple[str, int]]:
+    """The most common types among the tracked objects: where a leak is, when there is one."""
+    return Counter(type(o).__name__ for o in gc.get_objects()).most_common(limit)
 
 
 def test_served_requests_leave_no_tracked_objects_behind(tiny_ckpt):
@@ -50,7 +71,7 @@ def test_served_requests_leave_no_tracked_objects_behind(tiny_ckpt):
         assert service.loop.wait_idle()
         grown = tracked_after_collection() - before
         assert not service.scheduler.streams  # every stream closed and forgotten
-    assert grown < 80, f"{grown} more tracked objects after 40 requests"  # < 2 per request
+    assert grown < 80, f"{grown} more tracked objects after 40 requests: {grown_types()}"
 
 
 def test_collector_thresholds_are_set_after_warm_up_and_restored_at_shutdown(tiny_ckpt):

@@ -43,9 +43,10 @@ SPREAD = os.environ.get("TTSBUILD_CODEC_OUTPUT_SPREAD", "1") != "0"
 # Each input's SnakeBeta is computed once, not once per tap (7x fewer sines), and no
 # cross-lane reduction sits in the loop. (The taps unrolled alone, each still computing its
 # own sines, made the batch-1 codec step slower on the H200, 0.75 -> 0.80 ms, 2026-12-04,
-# and were removed.) Built 2026-12-04, not yet timed: off (TTSBUILD_CODEC_OUTPUT_WINDOW=1
-# turns it on).
-WINDOW_SMALL = os.environ.get("TTSBUILD_CODEC_OUTPUT_WINDOW", "0") == "1"
+# and were removed.) On by default since timed on the H200 (the served codec step at batch 1
+# 0.825 -> 0.796 ms in both of two alternated rounds, one process each; batch 64 the same,
+# 2026-12-04); TTSBUILD_CODEC_OUTPUT_WINDOW=0 turns it off.
+WINDOW_SMALL = os.environ.get("TTSBUILD_CODEC_OUTPUT_WINDOW", "1") != "0"
 
 
 def _spread(B: int, n: int, block_ctx: int, block_t: int, sms: int) -> tuple[int, int]:

@@ -56,9 +56,11 @@ SAMPLE_IN_HEAD_MAX_ROWS = 1
 # The frame's two-token prefill [h_t, E0(c0)] as one pass of 2B rows (qk_norm_rope_attend
 # with tokens=2: the program of a row's KV head runs both tokens in turn) instead of two
 # single-token passes: 26 launches fewer per frame, of a chain of ~446 (2.05 ms at batch 1 on
-# the H200, 2026-12-04). The same causal attention; the linears run 2B-row tiles. Off
-# (TTSBUILD_CP_PAIR_PREFILL=0) until timed on the GPU.
-PAIR_PREFILL = os.environ.get("TTSBUILD_CP_PAIR_PREFILL", "0") == "1"
+# the H200, 2026-12-04). The same causal attention; the linears run 2B-row tiles. On by
+# default since timed on the H200 (bench_switches.py, one process: the frame at 1 / 8 rows
+# 2.053 / 2.643 -> 1.986 / 2.530 ms, -3.2 / -4.3 %, the same codes, 2026-12-04);
+# TTSBUILD_CP_PAIR_PREFILL=0 turns it off.
+PAIR_PREFILL = os.environ.get("TTSBUILD_CP_PAIR_PREFILL", "1") != "0"
 
 
 def decode_fused(
