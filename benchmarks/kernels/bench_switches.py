@@ -23,8 +23,9 @@ fraction that differ).
         [--shapes decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cpp:1] [--rounds 9]
 
 (--variants: ';' between variants, ',' between the switches of one; NAME turns a switch on,
--NAME off, the others stay as served. The default: the code predictor's two-token prefill
-pass off (-CP_PAIR_PREFILL, served since 2026-12-04), the served A8 switches off one by one
+-NAME off, the others stay as served. The default: the code predictor's attention and o
+projection in one launch (CP_ATTEND_O, built 2026-12-04), its two-token prefill pass off
+(-CP_PAIR_PREFILL, served since 2026-12-04), the served A8 switches off one by one
 and together, A8_SILU_QUANT
 on, then the code predictor's attention-in-qkv and sampler-in-head, the persistent pass's
 L2 prefetch, attention in its qkv stage and counting barrier, one by one and together, and
@@ -72,6 +73,7 @@ SWITCHES = {
     "CP_ATTEND_IN_QKV": (cp_fused, "ATTEND_IN_QKV"),
     "CP_SAMPLE_IN_HEAD": (cp_fused, "SAMPLE_IN_HEAD"),
     "CP_PAIR_PREFILL": (cp_fused, "PAIR_PREFILL"),
+    "CP_ATTEND_O": (cp_fused, "ATTEND_O"),
     "CP_PASS_PREFETCH": (cp_pass, "PREFETCH"),
     "CP_PASS_ATTEND_IN_QKV": (cp_pass, "ATTEND_IN_QKV"),
     "CP_PASS_COUNT_BARRIER": (cp_pass, "COUNT_BARRIER"),
@@ -80,7 +82,7 @@ SWITCHES = {
 }
 SERVED = {n: bool(getattr(*SWITCHES[n])) for n in SWITCHES}  # the switches as served
 DEFAULT_VARIANTS = (
-    "-CP_PAIR_PREFILL;-A8_NORM_QUANT;-A8_GATE_UP_SILU;-A8_NORM_QUANT,-A8_GATE_UP_SILU;A8_SILU_QUANT;"
+    "CP_ATTEND_O;-CP_PAIR_PREFILL;-A8_NORM_QUANT;-A8_GATE_UP_SILU;-A8_NORM_QUANT,-A8_GATE_UP_SILU;A8_SILU_QUANT;"
     "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD;CP_PASS_PREFETCH;CP_PASS_ATTEND_IN_QKV;"
     "CP_PASS_COUNT_BARRIER;CP_PASS_PREFETCH,CP_PASS_ATTEND_IN_QKV,CP_PASS_COUNT_BARRIER;"
     "PDL_L2_AHEAD;FP8_L2_AHEAD"

@@ -17,6 +17,7 @@ from helpers_scripts import communicate_all
 from kernel_device import HAS_TRITON, KDEV, kernel_cases, needs_kernel
 
 from ttsbuild.plugins._dispatch import interpret_mode
+from ttsbuild.plugins.attend_o import attend_o_residual
 from ttsbuild.plugins.decode_attention import decode_attention_reference
 from ttsbuild.plugins.fp8_linear import fp8_linear_reference, quantize_weight_fp8
 from ttsbuild.plugins.fused_linear import (
@@ -382,6 +383,66 @@ def test_norm_linear_attend_kernel(R, dtype, fp8, config):
     again = norm_linear_attend(x, nw, w, s, qw, kw, pos, slots, kc, vc, use_triton=True,
                                config=_config(config, R), **a)  # fmt: skip
     assert torch.equal(again, out) and torch.equal(kc, kc_two) and torch.equal(vc, vc_two)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,fp8", kernel_cases(PRECISIONS, PRECISIONS[1:]))
+@pytest.mark.parametrize("B,S,block_n", kernel_cases([(1, 16, None), (1, 17, 16), (5, 17, 16)],
+                                                     [(1, 17, 16), (5, 17, 16)]))
+@pytest.mark.parametrize("ready", [False, True])  # True: positions, slots, cache, residual early
+def test_attend_o_residual_kernel(B, S, block_n, dtype, fp8, ready):
+    """The attention and the o projection + residual in one launch (split-K over the KV
+    groups, N tiles past N masked) against the fp32 reference; the caches as the attention
+    kernel alone writes them (bits); a second call the same bits (counters reset)."""
+    g = _gen(B * 41 + S)
+    qkv, qw, kw, slots, kc, vc, a = _attend_case(g, B, S, dtype)
+    Hq, D, N = a["num_heads"], kc.shape[-1], 40
+    w = torch.randn(N, Hq * D, device=KDEV, generator=g) * (Hq * D) ** -0.5
+    w, s = quantize_weight_fp8(w) if fp8 else (w.to(dtype), None)
+    w_ref = w if fp8 else w.float()
+    res = torch.randn(B, N, device=KDEV, generator=g).to(dtype)
+    pos = torch.randint(0, S, (B,), device=KDEV, generator=g)
+    pos[0] = S - 1
+    if B > 1:
+        pos[1] = 0  # attends to itself only
+    kc_two, vc_two = kc.clone(), vc.clone()
+    kc_ref, vc_ref = kc.float().cpu().clone(), vc.float().cpu().clone()
+    out = attend_o_residual(qkv, qw, kw, pos, slots, kc, vc, w, s, res, use_triton=True,
+                            inputs_ready=ready, residual_ready=ready, block_n=block_n, **a)
+    attn_ref = qk_norm_rope_attend_reference(qkv.float().cpu(), qw.float().cpu(),
+                                             kw.float().cpu(), pos.cpu(), slots.cpu(), kc_ref,
+                                             vc_ref, **a)  # fmt: skip
+    ref = fused_linear_reference(attn_ref.to(dtype).float(), w_ref.cpu(), None if s is None
+                                 else s.cpu(), residual=res.float().cpu())  # fmt: skip
+    assert out.shape == (B, N) and out.dtype == dtype
+    assert _rel(out.cpu(), ref) < _tol(dtype)
+    attn = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc_two, vc_two, use_triton=True, **a)
+    assert torch.equal(kc, kc_two) and torch.equal(vc, vc_two)
+    two = linear_residual(attn, w, s, res, use_triton=True)
+    assert _rel(out, two) < _tol(dtype)
+    again = attend_o_residual(qkv, qw, kw, pos, slots, kc, vc, w, s, res, use_triton=True,
+                              inputs_ready=ready, residual_ready=ready, block_n=block_n, **a)
+    assert torch.equal(again, out) and torch.equal(kc, kc_two)
+
+
+def test_attend_o_residual_reference_is_the_two_ops():
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(3, 8 * 32, generator=g)
+    qw, kw = 1 + 0.2 * torch.randn(32, generator=g), 1 + 0.2 * torch.randn(32, generator=g)
+    kc, vc = torch.randn(5, 2, 16, 32, generator=g), torch.randn(5, 2, 16, 32, generator=g)
+    w, res = torch.randn(24, 4 * 32, generator=g), torch.randn(3, 24, generator=g)
+    pos, slots = torch.tensor([3, 0, 15]), torch.tensor([4, 1, 2])
+    a = dict(num_heads=4, num_kv_heads=2, eps=1e-6, theta=1e6)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = attend_o_residual(qkv, qw, kw, pos, slots, kc, vc, w, None, res, use_triton=False,
+                            **a)  # fmt: skip
+    attn = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc2, vc2, use_triton=False, **a)
+    assert torch.equal(out, res + F.linear(attn, w))
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    with pytest.raises(ValueError, match="one token per row"):
+        attend_o_residual(qkv[:2], qw, kw, pos, slots, kc, vc, w, None, res[:2], **a)
+    with pytest.raises(TypeError, match="FP8"):
+        attend_o_residual(qkv, qw, kw, pos, slots, kc, vc, w, torch.ones(24), res, **a)
 
 
 SHARDS = 2

@@ -147,32 +147,42 @@ def test_code_predictor_variants_run_their_switches(bench, monkeypatch):
     assert [r["rel_diff"] for r in rows] == [0.0, 0.0, 0.0]  # greedy codes: all the same
 
 
-def test_the_pair_prefill_variant_runs_its_two_token_pass(bench, monkeypatch):
-    """CP_PAIR_PREFILL: the frame's prefill as one pass of both tokens (every layer's
-    attention once with tokens=2), the baseline never; the same greedy codes."""
+def _counted_per_variant(bench, monkeypatch, name, counts_call, variant, shapes):
+    """Run `variant` against the baseline (switches all off but it) on the tiny model, with
+    cp_fused.<name> spied: per variant's flags, how many calls `counts_call(kwargs)` counted.
+    Returns (counts, rows)."""
     from ttsbuild.runtime import cp_fused
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     _served(bench, monkeypatch)
-    pairs = {"n": 0}
-    real = cp_fused.qk_norm_rope_attend
+    calls = {"n": 0}
+    real = getattr(cp_fused, name)
 
-    def spy(*args, tokens=1, **kwargs):
-        pairs["n"] += tokens == 2
-        return real(*args, tokens=tokens, **kwargs)
+    def spy(*args, **kwargs):
+        calls["n"] += counts_call(kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(cp_fused, "qk_norm_rope_attend", spy)
+    monkeypatch.setattr(cp_fused, name, spy)
     counts = {}
     real_run = bench.Runner.run
 
     def run(self):
-        before = pairs["n"]
+        before = calls["n"]
         real_run(self)
-        counts[tuple(sorted(self.flags))] = pairs["n"] - before
+        counts[tuple(sorted(self.flags))] = calls["n"] - before
 
     monkeypatch.setattr(bench.Runner, "run", run)
-    rows = bench.run(bench.parse_variants("CP_PAIR_PREFILL"), [("cp", 1, 1)], rounds=1,
-                     replays=1, tiny=True, log=lambda *_: None)  # fmt: skip
+    rows = bench.run(bench.parse_variants(variant), shapes, rounds=1, replays=1, tiny=True,
+                     log=lambda *_: None)  # fmt: skip
+    return counts, rows
+
+
+def test_the_pair_prefill_variant_runs_its_two_token_pass(bench, monkeypatch):
+    """CP_PAIR_PREFILL: the frame's prefill as one pass of both tokens (every layer's
+    attention once with tokens=2), the baseline never; the same greedy codes."""
+    counts, rows = _counted_per_variant(bench, monkeypatch, "qk_norm_rope_attend",
+                                        lambda kw: kw.get("tokens", 1) == 2, "CP_PAIR_PREFILL",
+                                        [("cp", 1, 1)])  # fmt: skip
     layers = bench.model_config("tiny").code_predictor.num_layers
     assert counts == {(): 0, ("CP_PAIR_PREFILL",): layers}
     assert [r["rel_diff"] for r in rows] == [0.0, 0.0]
@@ -206,3 +216,15 @@ def test_rows_are_written_after_each_shape(bench, monkeypatch, tmp_path):
         ("decode 1", "base"), ("decode 1", "A8_SILU_QUANT"),
         ("prefill 1x16", "base"), ("prefill 1x16", "A8_SILU_QUANT"),
     ]  # fmt: skip
+
+
+def test_the_attend_o_variant_runs_its_launch(bench, monkeypatch):
+    """CP_ATTEND_O: every one-token pass's layers run attend_o_residual, the baseline never;
+    the same greedy codes."""
+    counts, rows = _counted_per_variant(bench, monkeypatch, "attend_o_residual", lambda kw: 1,
+                                        "CP_ATTEND_O", [("cp", 1, 1)])  # fmt: skip
+    cfg = bench.model_config("tiny")
+    # the prefill as two one-token passes (the pair pass off here), then one per codebook
+    passes = cfg.num_code_groups
+    assert counts == {(): 0, ("CP_ATTEND_O",): cfg.code_predictor.num_layers * passes}
+    assert [r["rel_diff"] for r in rows] == [0.0, 0.0]

@@ -106,11 +106,12 @@ def test_decode_fused_kernels_match_decode(dtype, fp8, S, monkeypatch):
     assert not torch.allclose(res.float(), out.float())
 
 
-def _decode_fused_switched(stack, x, k, v, slots, positions, monkeypatch):
-    """decode_fused with TTSBUILD_CP_ATTEND_IN_QKV off and on: outputs and caches."""
+def _decode_fused_switched(stack, x, k, v, slots, positions, monkeypatch, switch="ATTEND_IN_QKV"):
+    """decode_fused with a switch (TTSBUILD_CP_ATTEND_IN_QKV, TTSBUILD_CP_ATTEND_O) off and on:
+    outputs and caches."""
     out = {}
     for on in (False, True):
-        monkeypatch.setattr(cp_fused, "ATTEND_IN_QKV", on)
+        monkeypatch.setattr(cp_fused, switch, on)
         kc, vc = k.clone(), v.clone()
         out[on] = decode_fused(stack, x, kc, vc, slots, positions, inputs_ready=True), kc, vc
     return out[False], out[True]
@@ -135,6 +136,36 @@ def test_decode_fused_kernel_attend_in_qkv_is_off(dtype, fp8, monkeypatch):
     off, on = _decode_fused_switched(stack, *_inputs(dtype, KDEV), monkeypatch)
     tol = 0.0 if KDEV == "cpu" else 1e-5 if dtype == torch.float32 else 3e-2
     assert all(_rel(b.cpu(), a.cpu()) <= tol for a, b in zip(off, on, strict=True))
+
+
+@pytest.mark.parametrize("S", LENGTHS)
+def test_decode_fused_references_attend_o_is_off(S, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    stack = _stack(torch.bfloat16, False)
+    off, on = _decode_fused_switched(stack, *_inputs(torch.bfloat16, "cpu", S), monkeypatch,
+                                     "ATTEND_O")  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,fp8", kernel_cases(PRECISIONS, [_BF16, _FP8]))
+def test_decode_fused_kernel_attend_o_is_off(dtype, fp8, monkeypatch):
+    # attention + o projection + residual in one launch (attend_o_residual) against the two
+    # launches: the o projection's sums split by KV group instead of by K block, so equal to
+    # rounding (bf16: a few ulps of the residual stream); the caches bit for bit
+    stack = _stack(dtype, fp8, KDEV)
+    off, on = _decode_fused_switched(stack, *_inputs(dtype, KDEV), monkeypatch, "ATTEND_O")
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert _rel(on[0].cpu(), off[0].cpu()) <= tol
+    assert torch.equal(on[1], off[1]) and torch.equal(on[2], off[2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attend_o_kernel_frame_equals_unfused_frame(fp8, monkeypatch):
+    """fp32 activations, ATTEND_O's launch in every one-token pass: the unfused frame's greedy
+    codes (three rows, stale cache values that a wrong read would pick up)."""
+    _switched_kernel_frame_equals_unfused("ATTEND_O", fp8, 13, monkeypatch)
 
 
 def _predictor(dtype, device, fp8=False, identity=False):
@@ -465,11 +496,17 @@ def test_pair_prefill_kernel_frame_equals_unfused_frame(fp8, monkeypatch):
     """fp32 activations, PAIR_PREFILL's pass of both prefill tokens through the kernels: the
     unfused frame's greedy codes (three rows, in slots whose caches hold stale values that a
     wrong read of position 0 would pick up)."""
-    monkeypatch.setattr(cp_fused, "PAIR_PREFILL", True)
+    _switched_kernel_frame_equals_unfused("PAIR_PREFILL", fp8, 12, monkeypatch)
+
+
+def _switched_kernel_frame_equals_unfused(switch, fp8, seed, monkeypatch):
+    """cp_fused.<switch> on, fp32 activations, the frame through the kernels: the unfused
+    frame's greedy codes on the CPU (three rows, caches of stale random values)."""
+    monkeypatch.setattr(cp_fused, switch, True)
     B = 3
     cp = _predictor(torch.float32, KDEV, fp8=fp8)
     hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(B, KDEV, False)
-    g = torch.Generator().manual_seed(12)
+    g = torch.Generator().manual_seed(seed)
     k = torch.randn(shape, generator=g).to(KDEV)
     v = torch.randn(shape, generator=g).to(KDEV)
     fused = cp.frame(hidden.to(KDEV), c0, sampling, seeds, frames, k, v, slots, positions)

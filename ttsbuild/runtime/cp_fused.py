@@ -7,7 +7,9 @@
   + silu * up) -> linear_residual (down + add)
 instead of ~9 launches (`plugins.fused_linear`, `plugins.qk_norm_rope_attend`).
 TTSBUILD_CP_ATTEND_IN_QKV=1 makes the first two one launch for the code predictor's caches
-(`norm_linear_attend`): four per layer.
+(`norm_linear_attend`): four per layer. TTSBUILD_CP_ATTEND_O=1 makes the second and third
+one launch instead (`attend_o_residual`: each program attends its KV group itself and
+multiplies it by its share of the o projection): four per layer.
 
 `FusedCodePredictor.frame` is one frame of the code predictor (codebooks 1..15 of B rows)
 with those layers: the final norm rides in the head GEMV's prologue (logits in fp32 straight
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.plugins.attend_o import attend_o_residual
 from ttsbuild.plugins.cp_pass import PassBuffers, PassWeights, run_pass
 from ttsbuild.plugins.decode_attention import decode_attention
 from ttsbuild.plugins.fused_linear import (
@@ -61,6 +64,14 @@ SAMPLE_IN_HEAD_MAX_ROWS = 1
 # 2.053 / 2.643 -> 1.986 / 2.530 ms, -3.2 / -4.3 %, the same codes, 2026-12-04);
 # TTSBUILD_CP_PAIR_PREFILL=0 turns it off.
 PAIR_PREFILL = os.environ.get("TTSBUILD_CP_PAIR_PREFILL", "1") != "0"
+# A layer's attention and its o projection + residual add in one launch
+# (`plugins.attend_o.attend_o_residual`: split-K over the KV groups, each group's attention
+# recomputed by every program of its N tiles) for one-token passes over caches of at most
+# MAX_POSITIONS positions and batches of at most ATTEND_O_MAX_ROWS rows: 5 launches (and
+# dependent hops) fewer per pass, ~65 per frame. Built 2026-12-04, off until timed on the GPU
+# (TTSBUILD_CP_ATTEND_O=1 turns it on).
+ATTEND_O = os.environ.get("TTSBUILD_CP_ATTEND_O", "0") == "1"
+ATTEND_O_MAX_ROWS = 8
 
 
 def decode_fused(
@@ -93,10 +104,21 @@ def decode_fused(
         ATTEND_IN_QKV and max_len <= MAX_POSITIONS and x.shape[0] <= ATTEND_IN_QKV_MAX_ROWS
         and tokens == 1
     )
+    attend_o = (
+        ATTEND_O and not attend_in_qkv and max_len <= MAX_POSITIONS and tokens == 1
+        and x.shape[0] <= ATTEND_O_MAX_ROWS
+    )
     residual = x
     for i, p in enumerate(stack.layers):
         kc, vc = k_cache[i], v_cache[i]
-        if attend_in_qkv:
+        if attend_o:
+            qkv = norm_linear(residual, p.input_norm, p.qkv.weight, p.qkv.scale, eps=eps)
+            # the residual was written before the qkv projection: read early under PDL
+            residual = attend_o_residual(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc,
+                                         p.o.weight, p.o.scale, residual,
+                                         inputs_ready=inputs_ready, residual_ready=True,
+                                         **heads)  # fmt: skip
+        elif attend_in_qkv:
             attn = norm_linear_attend(residual, p.input_norm, p.qkv.weight, p.qkv.scale,
                                       p.q_norm, p.k_norm, positions, slots, kc, vc,
                                       **heads)  # fmt: skip
@@ -110,9 +132,11 @@ def decode_fused(
                 q = qk_norm_rope(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc, **heads)
                 attn = decode_attention(q, kc, vc, slots, positions + 1, max_len)
                 attn = attn.reshape(x.shape[0], -1)
-        # Both residuals were written two or more launches back (the layer input before
-        # qkv and attention; o's output before gate/up): read early under PDL.
-        residual = linear_residual(attn, p.o.weight, p.o.scale, residual, residual_ready=True)
+        if not attend_o:
+            # Both residuals were written two or more launches back (the layer input before
+            # qkv and attention; o's output before gate/up): read early under PDL.
+            residual = linear_residual(attn, p.o.weight, p.o.scale, residual,
+                                       residual_ready=True)  # fmt: skip
         act = norm_gate_up_silu(residual, p.post_norm, p.gate_up.weight, p.gate_up.scale, eps=eps)
         residual = linear_residual(act, p.down.weight, p.down.scale, residual,
                                    residual_ready=True)  # fmt: skip

@@ -65,17 +65,18 @@ def kv_group_of(head, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def attend_item(
-    qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row, kvh, pos, slot,
-    stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
-    ok1, ok2, ov1, ov2,
+def attend_group(
+    qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, row, kvh, pos, slot,
+    stride_row, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
+    ok1, ok2, ov1, ov2, store_kv,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """One (row, KV head): its k/v into the cache at `pos`, its GROUP query heads attended
-    over positions [0, pos] (ok1..ov2: the cached ones below pos, from `old_kv`). q/k/v are
-    read with .cg (L2, not a stale L1 line), so a persistent kernel can call this on qkv
-    written by other programs (plugins/_tl/cp_pass)."""
+    """One (row, KV head): its k/v into the cache at `pos` (where store_kv), its GROUP query
+    heads attended over positions [0, pos] (ok1..ov2: the cached ones below pos, from
+    `old_kv`). Returns the heads' outputs as fp32 [BLOCK_G, D/2] halves (rows past GROUP
+    zero). q/k/v are read with .cg (L2, not a stale L1 line), so a persistent kernel can call
+    this on qkv written by other programs (plugins/_tl/cp_pass)."""
     HALF: tl.constexpr = D // 2
     src = qkv_ptr + row * stride_row
     offs_d = tl.arange(0, HALF)
@@ -95,13 +96,14 @@ def attend_item(
     v_src = src + (HQ + HKV + kvh) * D + offs_d[None, :]
     v1 = tl.load(v_src, cache_modifier=".cg").to(cdt)
     v2 = tl.load(v_src + HALF, cache_modifier=".cg").to(cdt)
-    head = kc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
-    new_at = pos * stride_cs + offs_d[None, :]
-    tl.store(head + new_at, k1)
-    tl.store(head + new_at + HALF, k2)
-    vhead = vc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
-    tl.store(vhead + new_at, v1)
-    tl.store(vhead + new_at + HALF, v2)
+    if store_kv:
+        head = kc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
+        new_at = pos * stride_cs + offs_d[None, :]
+        tl.store(head + new_at, k1)
+        tl.store(head + new_at + HALF, k2)
+        vhead = vc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
+        tl.store(vhead + new_at, v1)
+        tl.store(vhead + new_at + HALF, v2)
 
     # the GROUP query heads: [BLOCK_G, HALF] halves, rounded to q's dtype as the unfused q
     offs_g = tl.arange(0, BLOCK_G)
@@ -130,6 +132,27 @@ def attend_item(
     p = p / tl.sum(p, axis=1)[:, None]
     o1 = tl.sum(p[:, :, None] * vt1[None, :, :], axis=1)  # [BLOCK_G, HALF]
     o2 = tl.sum(p[:, :, None] * vt2[None, :, :], axis=1)
+    return tl.where(g_mask, o1, 0.0), tl.where(g_mask, o2, 0.0)
+
+
+@triton.jit
+def attend_item(
+    qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row, kvh, pos, slot,
+    stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
+    ok1, ok2, ov1, ov2,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """`attend_group` (the k/v stored), its heads' outputs stored in out's row."""
+    HALF: tl.constexpr = D // 2
+    o1, o2 = attend_group(
+        qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, row, kvh, pos, slot,
+        stride_row, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
+        ok1, ok2, ov1, ov2, True, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
+    )  # fmt: skip
+    offs_d = tl.arange(0, HALF)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g[:, None] < GROUP
     dst = out_ptr + row * stride_orow + (kvh * GROUP + offs_g[:, None]) * D + offs_d[None, :]
     tl.store(dst, o1.to(out_ptr.dtype.element_ty), mask=g_mask)
     tl.store(dst + HALF, o2.to(out_ptr.dtype.element_ty), mask=g_mask)
