@@ -6,7 +6,9 @@ talker's shapes.
 GPU only. One program per row searches the top-k threshold bit by bit: 32 dependent block
 reductions, each a cross-warp round trip through shared memory at 8 warps; with fewer warps a
 reduction is mostly warp shuffles and each thread walks more of the vocabulary. The early
-exit (`topk_threshold_early`, TTSBUILD_SAMPLE_EARLY_EXIT) stops the search once decided. For
+exit (`topk_threshold_early`, TTSBUILD_SAMPLE_EARLY_EXIT) stops the search once decided; the
+first try (TTSBUILD_SAMPLE_FIRST_TRY) takes the unrestricted Gumbel-max winner when it is in
+the top k, with no search (the search after it where not). For
 each (vocabulary, batch, search, warps): us per call, from a CUDA graph of 16 calls (a
 frame's samplers) replayed; and the tokens against the reference sampler (exact: the same
 threshold, noise and tie-breaks; top-p is 1.0 here as in the 12 Hz models' config). Logits
@@ -57,8 +59,9 @@ def main() -> int:
                 history = torch.rand(B, V, device=dev, generator=gen) < 0.05
             ref = fused_sample_reference(logits, batch, seeds, counters, history)
             default = _warps(1 << (V - 1).bit_length(), _RADIX_BITS)
-            for early, w in ((e, int(x)) for e in (False, True) for x in args.warps.split(",")):
-                kw = dict(num_warps=w, early_exit=early)
+            searches = [(False, False), (True, False), (True, True)]  # (early exit, first try)
+            for (early, first), w in ((e, int(x)) for e in searches for x in args.warps.split(",")):
+                kw = dict(num_warps=w, early_exit=early, first_try=first)
                 out = sample_triton(logits, batch, seeds, counters, history, **kw)
                 equal = int((out == ref).sum())
                 s = torch.cuda.Stream()
@@ -81,8 +84,9 @@ def main() -> int:
                 end.record()
                 end.synchronize()
                 us = start.elapsed_time(end) * 1e3 / (args.replays * 16)
-                mark = " (default)" if w == default and not early else ""
-                search = "early exit" if early else "32 bits"
+                mark = " (default)" if w == default and early and not first else ""
+                search = ("first try, then early exit" if first else "early exit" if early
+                          else "32 bits")  # fmt: skip
                 print(f"| {V} ({who}) | {B} | {search} | {w}{mark} | {us:.2f} | {equal}/{B} |",
                       flush=True)  # fmt: skip
     return 0

@@ -24,16 +24,15 @@ fraction that differ).
 
 (--variants: ';' between variants, ',' between the switches of one; NAME turns a switch on,
 -NAME off, the others stay as served. The default: the code predictor's attention and o
-projection in one launch (CP_ATTEND_O, built 2026-12-04), its two-token prefill pass off
-(-CP_PAIR_PREFILL, served since 2026-12-04), the served A8 switches off one by one
-and together, A8_SILU_QUANT
-on, then the code predictor's attention-in-qkv and sampler-in-head, the persistent pass's
-L2 prefetch, attention in its qkv stage and counting barrier, one by one and together, and
-the fused
-linears' and the FP8 tiles' weights into L2 before their PDL wait (both
-TTSBUILD_PDL_L2_AHEAD). A variant runs on the shapes its switches act on: the talker's and
-the FP8 tiles' on decode and prefill, the code predictor's and the fused linears' on cp, the
-persistent pass's on cpp.)
+projection in one launch (CP_ATTEND_O, built 2026-12-04), the sampler's unrestricted draw
+tried first (SAMPLE_FIRST_TRY, built 2026-12-04), both together, its two-token prefill pass
+off (-CP_PAIR_PREFILL, served since 2026-12-04), the served A8 switches off one by one and
+together, A8_SILU_QUANT on, then the code predictor's attention-in-qkv and sampler-in-head,
+the persistent pass's L2 prefetch, attention in its qkv stage and counting barrier, one by
+one and together, and the fused linears' and the FP8 tiles' weights into L2 before their PDL
+wait (both TTSBUILD_PDL_L2_AHEAD). A variant runs on the shapes its switches act on: the
+talker's and the FP8 tiles' on decode and prefill, the code predictor's and the fused
+linears' and the sampler's on cp, the persistent pass's on cpp.)
 
 `--tiny`: the tiny model on the CPU, eager calls timed by the host clock: checks the script
 and the switches' bit-equality on the CPU references (tests/runtime/test_bench_switches.py),
@@ -56,6 +55,7 @@ import torch
 from ttsbuild.plugins import cp_pass
 from ttsbuild.plugins._tl import fp8_linear as tl_fp8_linear
 from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
+from ttsbuild.plugins._tl import sampling as tl_sampling
 from ttsbuild.runtime import cp_fused, fast_model
 
 # The switches a variant may turn on or off: name -> (module, attribute), each read when a
@@ -63,7 +63,8 @@ from ttsbuild.runtime import cp_fused, fast_model
 # Which shape kinds each module's switches act on: a variant runs on a shape where one of its
 # switches acts (the baseline everywhere).
 ACTS_ON = {fast_model: ("decode", "prefill"), cp_fused: ("cp",), cp_pass: ("cpp",),
-           tl_fused_linear: ("cp",), tl_fp8_linear: ("decode", "prefill")}  # fmt: skip
+           tl_fused_linear: ("cp",), tl_fp8_linear: ("decode", "prefill"),
+           tl_sampling: ("cp",)}  # fmt: skip
 SWITCHES = {
     "A8_NORM_QUANT": (fast_model, "A8_NORM_QUANT"),
     "A8_SILU_QUANT": (fast_model, "A8_SILU_QUANT"),
@@ -74,6 +75,7 @@ SWITCHES = {
     "CP_SAMPLE_IN_HEAD": (cp_fused, "SAMPLE_IN_HEAD"),
     "CP_PAIR_PREFILL": (cp_fused, "PAIR_PREFILL"),
     "CP_ATTEND_O": (cp_fused, "ATTEND_O"),
+    "SAMPLE_FIRST_TRY": (tl_sampling, "FIRST_TRY"),
     "CP_PASS_PREFETCH": (cp_pass, "PREFETCH"),
     "CP_PASS_ATTEND_IN_QKV": (cp_pass, "ATTEND_IN_QKV"),
     "CP_PASS_COUNT_BARRIER": (cp_pass, "COUNT_BARRIER"),
@@ -82,7 +84,7 @@ SWITCHES = {
 }
 SERVED = {n: bool(getattr(*SWITCHES[n])) for n in SWITCHES}  # the switches as served
 DEFAULT_VARIANTS = (
-    "CP_ATTEND_O;-CP_PAIR_PREFILL;-A8_NORM_QUANT;-A8_GATE_UP_SILU;-A8_NORM_QUANT,-A8_GATE_UP_SILU;A8_SILU_QUANT;"
+    "CP_ATTEND_O;SAMPLE_FIRST_TRY;CP_ATTEND_O,SAMPLE_FIRST_TRY;-CP_PAIR_PREFILL;-A8_NORM_QUANT;-A8_GATE_UP_SILU;-A8_NORM_QUANT,-A8_GATE_UP_SILU;A8_SILU_QUANT;"
     "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD;CP_PASS_PREFETCH;CP_PASS_ATTEND_IN_QKV;"
     "CP_PASS_COUNT_BARRIER;CP_PASS_PREFETCH,CP_PASS_ATTEND_IN_QKV,CP_PASS_COUNT_BARRIER;"
     "PDL_L2_AHEAD;FP8_L2_AHEAD"

@@ -5,7 +5,12 @@ import pytest
 import torch
 from kernel_device import HAS_TRITON, KDEV, needs_kernel
 
-from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, sample
+from ttsbuild.generation.sampling import (
+    SamplingBatch,
+    filter_top_k_top_p,
+    sample,
+    uniform_noise,
+)
 from ttsbuild.model.config import DecoderStackConfig
 from ttsbuild.model.layers import Attention
 from ttsbuild.plugins.decode_attention import decode_attention, decode_attention_reference
@@ -149,9 +154,11 @@ def test_fused_sample_reference_on_cpu_is_sample(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize(("radix_bits", "early_exit"), [(1, False), (4, False), (1, True)])
+@pytest.mark.parametrize(("radix_bits", "early_exit", "first_try"),
+                         [(1, False, False), (4, False, False), (1, True, False), (1, True, True)])
 @pytest.mark.parametrize("V", [2048, 3072])
-def test_fused_sample_kernel_thresholds_vs_reference(monkeypatch, radix_bits, early_exit, V):
+def test_fused_sample_kernel_thresholds_vs_reference(monkeypatch, radix_bits, early_exit,
+                                                     first_try, V):  # fmt: skip
     """The kernel's top-k / top-p threshold searches (over the float bit patterns) against
     the reference's sort: every top_k x top_p pair, fine fp32, tied fp32 (a coarse grid),
     near-tied fp32 and bf16 logits, at random temperatures and spreads. Every row draws (fresh
@@ -160,12 +167,16 @@ def test_fused_sample_kernel_thresholds_vs_reference(monkeypatch, radix_bits, ea
     exact power-of-2 temperatures) put such tokens next to the thresholds at every bit.
     Every search: 4 bits per reduction, bit by bit (the default), and bit by bit stopped
     once decided (EARLY_EXIT: the ties, the near ties and bf16 put equal or adjacent keys at
-    the k-th, where only the tie check or bit 32 may end it)."""
+    the k-th, where only the tie check or bit 32 may end it); and the unrestricted draw tried
+    first (FIRST_TRY: rows of top-p 1 whose winner is in the top k skip the search, the others
+    fall back to it; the count below checks that both happen). Every fourth row greedy."""
     from ttsbuild.plugins._tl import sampling as tl_sampling
 
     monkeypatch.setattr(tl_sampling, "_RADIX_BITS", radix_bits)
     monkeypatch.setattr(tl_sampling, "EARLY_EXIT", early_exit)
+    monkeypatch.setattr(tl_sampling, "FIRST_TRY", first_try)
     g = torch.Generator().manual_seed(23 + V + radix_bits)
+    first_hits = set()
     reps = 4
     ks = torch.tensor([1, 2, 50, V - 1, V, 0])
     ps = torch.tensor([0.1, 0.5, 0.9, 1.0])
@@ -186,7 +197,7 @@ def test_fused_sample_kernel_thresholds_vs_reference(monkeypatch, radix_bits, ea
         logits[0, :20], logits[1, 20:40], logits[2, 64:] = 0.0, -0.0, float("-inf")
         logits = logits.to(torch.bfloat16 if kind == "bf16" else torch.float32)
         batch = SamplingBatch(
-            do_sample=torch.ones(B, dtype=torch.bool),
+            do_sample=torch.arange(B) % 7 != 6,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -195,6 +206,14 @@ def test_fused_sample_kernel_thresholds_vs_reference(monkeypatch, radix_bits, ea
         seeds = torch.randint(0, 2**62, (B,), generator=g)
         ctr = torch.randint(0, 10**6, (B,), generator=g)
         ref = sample(logits, batch, seeds, ctr)
+        if first_try:  # which sampled rows of top-p 1 the unrestricted draw decides
+            scaled = logits.float() / batch.temperature[:, None]
+            gumbel = -torch.log(-torch.log(uniform_noise(seeds, ctr, V)))
+            unrestricted = (scaled + gumbel).argmax(-1)
+            above = (scaled > scaled.gather(1, unrestricted[:, None])).sum(1)
+            k_eff = torch.where((top_k <= 0) | (top_k > V), V, top_k)
+            rows = batch.do_sample & (top_p >= 1)
+            first_hits |= set((above[rows] < k_eff[rows]).tolist())
         out = tl_sampling.sample_triton(
             logits.to(KDEV), batch.to(KDEV), seeds.to(KDEV), ctr.to(KDEV)
         )
@@ -207,6 +226,7 @@ def test_fused_sample_kernel_thresholds_vs_reference(monkeypatch, radix_bits, ea
             gap = (cum - (1 - float(top_p[r]))).abs().min().item()
             assert top_p[r] < 1 and gap < 1e-5, (kind, r, int(top_k[r]), float(top_p[r]))
         assert len(bad) <= 1, (kind, bad)
+    assert not first_try or first_hits == {True, False}  # both the first try and its fallback
 
 
 def _order_keys(x: torch.Tensor) -> torch.Tensor:

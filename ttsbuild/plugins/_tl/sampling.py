@@ -45,6 +45,15 @@ if _WARPS_ENV not in ("", "1", "2", "4", "8", "16"):
 # TTSBUILD_SAMPLE_EARLY_EXIT=0 turns it off (bench_sampler.py times both).
 EARLY_EXIT = os.environ.get("TTSBUILD_SAMPLE_EARLY_EXIT", "1") != "0"
 
+# Sampling rows with top-p 1 (the 12 Hz models' config) try the unrestricted Gumbel-max first:
+# its winner is the top-k draw exactly when fewer than k keys lie above the winner's (one
+# count instead of the threshold search; the winner is the maximum over a superset of the
+# kept set, so over the set too, ties to the first index alike). A trained model's logits put
+# nearly all the mass in the top k, so the search is then skipped; flat logits fall back to it
+# (three block reductions more). Built 2026-12-04, off until timed on the GPU
+# (TTSBUILD_SAMPLE_FIRST_TRY=1 turns it on; bench_sampler.py times both).
+FIRST_TRY = os.environ.get("TTSBUILD_SAMPLE_FIRST_TRY", "0") == "1"
+
 
 def _warps(block_v: int, radix_bits: int) -> int:
     """Warps for a row of block_v: the [2^radix_bits, block_v] candidate tiles of the digit
@@ -73,13 +82,14 @@ def _sample_kernel(
     seed_ptr, ctr_ptr, stride_ctr, hist_ptr, stride_hist, pen_ptr, out_ptr,
     BLOCK_V: tl.constexpr, HAS_PENALTY: tl.constexpr, IS_BF16: tl.constexpr,
     RADIX_BITS: tl.constexpr, PDL: tl.constexpr = False, EARLY_EXIT: tl.constexpr = False,
+    FIRST_TRY: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0)
     token = sample_row(
         row, logits_ptr + row.to(tl.int64) * stride_row, V, temp_ptr, topk_ptr, topp_ptr,
         dosample_ptr, seed_ptr, ctr_ptr, stride_ctr, hist_ptr, stride_hist, pen_ptr,
-        BLOCK_V, HAS_PENALTY, IS_BF16, RADIX_BITS, False, EARLY_EXIT,
+        BLOCK_V, HAS_PENALTY, IS_BF16, RADIX_BITS, False, EARLY_EXIT, FIRST_TRY,
     )  # fmt: skip
     tl.store(out_ptr + row, token)
 
@@ -120,16 +130,35 @@ def topk_threshold_early(key, k, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _gumbel(seed_ptr, ctr_ptr, row, stride_ctr, offs):
+    """Gumbel noise [BLOCK_V] of the row's draw: the counter-based noise of
+    generation.sampling.uniform_noise."""
+    seed = tl.load(seed_ptr + row)
+    ctr = tl.load(ctr_ptr + row * stride_ctr)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    skey = _hash32(lo) ^ _hash32(hi ^ 0x68E31DA4)
+    stream = _hash32(skey ^ _hash32(((ctr + 0x1B873593) & 0xFFFFFFFF).to(tl.uint32)))
+    cols = _hash32(offs.to(tl.uint32) + 0x3C6EF372)
+    rbits = _hash32(stream ^ cols)
+    u = ((rbits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = tl.minimum(u, 0.999999940395355224609375)  # 1 - 2^-24: the top bin rounds to 1.0
+    return -log_f32(-log_f32(u))
+
+
+@triton.jit
 def sample_row(
     row, x_ptr, V, temp_ptr, topk_ptr, topp_ptr, dosample_ptr, seed_ptr, ctr_ptr, stride_ctr,
     hist_ptr, stride_hist, pen_ptr,
     BLOCK_V: tl.constexpr, HAS_PENALTY: tl.constexpr, IS_BF16: tl.constexpr,
     RADIX_BITS: tl.constexpr, L2_ONLY: tl.constexpr, EARLY_EXIT: tl.constexpr = False,
+    FIRST_TRY: tl.constexpr = False,
 ):  # fmt: skip
     """The token (int64) of `row`, whose logits start at x_ptr, with that row's settings.
     L2_ONLY: the logits were written by other programs of the same launch (read past L1).
     EARLY_EXIT (bit by bit only): the top-k search stops once its prefix decides the kept
-    set (`topk_threshold_early`)."""
+    set (`topk_threshold_early`). FIRST_TRY: a sampling row with top-p 1 takes the
+    unrestricted Gumbel-max winner when it is in the top k (see the module's FIRST_TRY)."""
     offs = tl.arange(0, BLOCK_V)
     vmask = offs < V
     if L2_ONLY:
@@ -155,56 +184,59 @@ def sample_row(
     key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     key = tl.where(vmask, key, 0)  # padding below every real value (-inf included)
 
-    # top-k: the k-th largest key (ties with it kept)
+    do_sample = tl.load(dosample_ptr + row)
     k = tl.load(topk_ptr + row).to(tl.int32)
     k = tl.where((k <= 0) | (k > V), V, k)
-    kth = tl.zeros((), tl.uint32)
-    digits = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)  # [R]: one candidate per digit value
-    if EARLY_EXIT and RADIX_BITS == 1:
-        if k < V:
-            kth = topk_threshold_early(key, k, BLOCK_V)
-    elif k < V:
-        for i in tl.static_range(32 // RADIX_BITS):
-            shift = 32 - RADIX_BITS * (i + 1)
-            cand = kth | (digits << shift)  # [R]
-            cnt = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-            # the count falls as the digit grows: the largest digit still counting k
-            kth = kth | (tl.max(tl.where(cnt >= k, digits, 0), axis=0) << shift)
-    keep = vmask & (key >= kth)
-
-    # top-p over what top-k kept
     top_p = tl.load(topp_ptr + row)
-    if top_p < 1.0:
-        z = tl.where(keep, scaled, float("-inf"))
-        zmax = tl.max(z, axis=0)
-        e = tl.where(keep, exp_f32(z - zmax), 0.0)
-        total = tl.sum(e, axis=0)
-        budget = 1.0 - top_p
-        kmax = tl.max(tl.where(keep, key, 0), axis=0)
-        cut = tl.zeros((), tl.uint32)
-        for i in tl.static_range(32 // RADIX_BITS):
-            shift = 32 - RADIX_BITS * (i + 1)
-            cand = cut | (digits << shift)  # [R]
-            mass = tl.sum(tl.where(key[None, :] <= cand[:, None], e[None, :], 0.0), axis=1) / total
-            # the mass grows with the digit: the largest digit still within the budget
-            cut = cut | (tl.max(tl.where(mass <= budget, digits, 0), axis=0) << shift)
-        keep = keep & ((key > cut) | (key == kmax))
+    drawn = tl.zeros((), tl.int32)
+    found = tl.zeros((), tl.int32)
+    if FIRST_TRY:
+        if do_sample == 0:
+            found = tl.full((), 1, tl.int32)  # greedy: no search
+        elif top_p >= 1.0:
+            first = tl.argmax(scaled + _gumbel(seed_ptr, ctr_ptr, row, stride_ctr, offs), axis=0,
+                              tie_break_left=True)  # fmt: skip
+            first_key = tl.max(tl.where(offs == first, key, 0), axis=0)
+            found = (tl.sum((key > first_key).to(tl.int32), axis=0) < k).to(tl.int32)
+            drawn = first
+    if found == 0:
+        # top-k: the k-th largest key (ties with it kept)
+        kth = tl.zeros((), tl.uint32)
+        digits = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)  # [R]: a candidate per digit value
+        if EARLY_EXIT and RADIX_BITS == 1:
+            if k < V:
+                kth = topk_threshold_early(key, k, BLOCK_V)
+        elif k < V:
+            for i in tl.static_range(32 // RADIX_BITS):
+                shift = 32 - RADIX_BITS * (i + 1)
+                cand = kth | (digits << shift)  # [R]
+                cnt = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+                # the count falls as the digit grows: the largest digit still counting k
+                kth = kth | (tl.max(tl.where(cnt >= k, digits, 0), axis=0) << shift)
+        keep = vmask & (key >= kth)
 
-    # Gumbel-max with the counter-based noise of generation.sampling.uniform_noise
-    seed = tl.load(seed_ptr + row)
-    ctr = tl.load(ctr_ptr + row * stride_ctr)
-    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    skey = _hash32(lo) ^ _hash32(hi ^ 0x68E31DA4)
-    stream = _hash32(skey ^ _hash32(((ctr + 0x1B873593) & 0xFFFFFFFF).to(tl.uint32)))
-    cols = _hash32(offs.to(tl.uint32) + 0x3C6EF372)
-    rbits = _hash32(stream ^ cols)
-    u = ((rbits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    u = tl.minimum(u, 0.999999940395355224609375)  # 1 - 2^-24: the top bin rounds to 1.0
-    gumbel = -log_f32(-log_f32(u))
-    score = tl.where(keep, scaled + gumbel, float("-inf"))
-    drawn = tl.argmax(score, axis=0, tie_break_left=True)
-    do_sample = tl.load(dosample_ptr + row)
+        # top-p over what top-k kept
+        if top_p < 1.0:
+            z = tl.where(keep, scaled, float("-inf"))
+            zmax = tl.max(z, axis=0)
+            e = tl.where(keep, exp_f32(z - zmax), 0.0)
+            total = tl.sum(e, axis=0)
+            budget = 1.0 - top_p
+            kmax = tl.max(tl.where(keep, key, 0), axis=0)
+            cut = tl.zeros((), tl.uint32)
+            for i in tl.static_range(32 // RADIX_BITS):
+                shift = 32 - RADIX_BITS * (i + 1)
+                cand = cut | (digits << shift)  # [R]
+                mass = tl.sum(tl.where(key[None, :] <= cand[:, None], e[None, :], 0.0),
+                              axis=1) / total  # fmt: skip
+                # the mass grows with the digit: the largest digit still within the budget
+                cut = cut | (tl.max(tl.where(mass <= budget, digits, 0), axis=0) << shift)
+            keep = keep & ((key > cut) | (key == kmax))
+        # Gumbel-max (the first try's noise recomputed, so that the search runs with no more
+        # live registers than without it)
+        gumbel = _gumbel(seed_ptr, ctr_ptr, row, stride_ctr, offs)
+        score = tl.where(keep, scaled + gumbel, float("-inf"))
+        drawn = tl.argmax(score, axis=0, tie_break_left=True)
     return tl.where(do_sample != 0, drawn, greedy).to(tl.int64)
 
 
@@ -217,11 +249,13 @@ def sample_triton(
     *,
     num_warps: int | None = None,
     early_exit: bool | None = None,
+    first_try: bool | None = None,
 ) -> torch.Tensor:
     """num_warps: warps per row's program (None: `_warps`' choice for the vocabulary);
-    early_exit: the top-k search stopped once decided (None: EARLY_EXIT). The tokens depend
-    on neither (integer counts, exact thresholds, first-index argmax; only the top-p mass
-    sums in another order)."""
+    early_exit: the top-k search stopped once decided (None: EARLY_EXIT); first_try: the
+    unrestricted draw tried first (None: FIRST_TRY). The tokens depend on none of them
+    (integer counts, exact thresholds, first-index argmax; only the top-p mass sums in another
+    order)."""
     B, V = logits.shape
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"logits must be fp32/bf16/fp16, got {logits.dtype}")
@@ -245,6 +279,7 @@ def sample_triton(
         BLOCK_V=block_v, HAS_PENALTY=has_pen, IS_BF16=logits.dtype == torch.bfloat16,
         RADIX_BITS=_RADIX_BITS, **pdl_args(pdl),
         EARLY_EXIT=EARLY_EXIT if early_exit is None else early_exit,
+        FIRST_TRY=FIRST_TRY if first_try is None else first_try,
         num_warps=num_warps or _warps(block_v, _RADIX_BITS),
     )  # fmt: skip
     return out
