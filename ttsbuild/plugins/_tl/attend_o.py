@@ -29,9 +29,8 @@ import triton.language as tl
 
 from ttsbuild.plugins._dispatch import pdl_args, pdl_early_reads, pdl_enabled
 from ttsbuild.plugins._tl._layout import check_qkv_caches
-from ttsbuild.plugins._tl._math import pdl_prologue
 from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters
-from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_group, old_kv
+from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_group, row_old_kv
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
 
 
@@ -66,14 +65,9 @@ def _attend_o_kernel(
     r_at = r_ptr + row * stride_rm + offs_n
     if RES_EARLY:  # the caller vouches the residual is older than the launch before this one
         r = tl.load(r_at, mask=n_mask, other=0.0).to(tl.float32)
-    if not EARLY:
-        pdl_prologue(PDL)
-    pos = tl.load(pos_ptr + row).to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    ok1, ok2, ov1, ov2 = old_kv(kc_ptr, vc_ptr, kvh, pos, slot, stride_cslot, stride_ch,
-                                stride_cs, D, BLOCK_S)  # fmt: skip
-    if EARLY:
-        pdl_prologue(PDL)
+    pos, slot, ok1, ok2, ov1, ov2 = row_old_kv(pos_ptr, slot_ptr, kc_ptr, vc_ptr, row, kvh,
+                                               stride_cslot, stride_ch, stride_cs, D, BLOCK_S,
+                                               PDL, EARLY)  # fmt: skip
     if not RES_EARLY:
         r = tl.load(r_at, mask=n_mask, other=0.0).to(tl.float32)
     o1, o2 = attend_group(

@@ -56,6 +56,24 @@ def old_kv(kc_ptr, vc_ptr, kvh, pos, slot, stride_cslot, stride_ch, stride_cs,
 
 
 @triton.jit
+def row_old_kv(pos_ptr, slot_ptr, kc_ptr, vc_ptr, row, kvh, stride_cslot, stride_ch, stride_cs,
+               D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+               EARLY: tl.constexpr):  # fmt: skip
+    """The row's position and slot and its KV head's cached entries below the position
+    (`old_kv`): (pos, slot, ok1, ok2, ov1, ov2). With EARLY (all written two or more
+    launches back) read before the PDL wait, else after it; the wait is passed either way."""
+    if not EARLY:
+        pdl_prologue(PDL)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    ok1, ok2, ov1, ov2 = old_kv(kc_ptr, vc_ptr, kvh, pos, slot, stride_cslot, stride_ch,
+                                stride_cs, D, BLOCK_S)  # fmt: skip
+    if EARLY:
+        pdl_prologue(PDL)
+    return pos, slot, ok1, ok2, ov1, ov2
+
+
+@triton.jit
 def kv_group_of(head, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr):
     """The KV group of packed qkv head `head` (q heads 0..HQ-1, then HKV k heads, then HKV v
     heads): what a qkv tile counts toward where the last writer of a group attends it."""
@@ -171,16 +189,11 @@ def _qk_norm_rope_attend_kernel(
     # TOKENS > 1: program (i, kvh) runs qkv rows i, i + B, ..., i + (TOKENS - 1) B in turn, at
     # positions pos[i] + t of slot slots[i]; token t > 0 reads the entries tokens 0..t-1 wrote
     # (this program's own stores: a barrier between, no other program involved).
-    if not EARLY:
-        pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    pos = tl.load(pos_ptr + row).to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    ok1, ok2, ov1, ov2 = old_kv(kc_ptr, vc_ptr, kvh, pos, slot, stride_cslot, stride_ch,
-                                stride_cs, D, BLOCK_S)  # fmt: skip
-    if EARLY:
-        pdl_prologue(PDL)
+    pos, slot, ok1, ok2, ov1, ov2 = row_old_kv(pos_ptr, slot_ptr, kc_ptr, vc_ptr, row, kvh,
+                                               stride_cslot, stride_ch, stride_cs, D, BLOCK_S,
+                                               PDL, EARLY)  # fmt: skip
     attend_item(
         qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row, kvh, pos, slot,
         stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
