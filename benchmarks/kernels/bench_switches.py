@@ -15,7 +15,8 @@ Shapes: `decode:B` (PackedStack.decode, B rows at positions ~600 of a 1024-posit
 weights, FP8, the plan's default linear paths: W8A8 from 16 rows, bf16 copies from 128); and
 `cp:B` (FusedCodePredictor.frame, the code predictor's 15 passes for B rows, greedy: bf16 as
 served, `bench_cp_fused.build`) and `cpp:B` (the same frame on the persistent pass,
-`frame_persistent`: one launch per pass), where the output compared is the codes (the
+`frame_persistent`: one launch per pass) and `cpunf:B` (`frame_unfused`, the served path of
+batches past the fused code predictor's), where the output compared is the codes (the
 fraction that differ).
 
     PYTHONPATH=. python3 benchmarks/kernels/bench_switches.py [--out bench_switches.json] \
@@ -23,16 +24,18 @@ fraction that differ).
         [--shapes decode:1,decode:64,prefill:1x32,prefill:1x64,prefill:4x64,cp:1,cpp:1] [--rounds 9]
 
 (--variants: ';' between variants, ',' between the switches of one; NAME turns a switch on,
--NAME off, the others stay as served. The default: the code predictor's attention and o
-projection in one launch (CP_ATTEND_O, built 2026-12-04), the sampler's unrestricted draw
-tried first (SAMPLE_FIRST_TRY, built 2026-12-04), both together, its two-token prefill pass
-off (-CP_PAIR_PREFILL, served since 2026-12-04), the served A8 switches off one by one and
-together, A8_SILU_QUANT on, then the code predictor's attention-in-qkv and sampler-in-head,
-the persistent pass's L2 prefetch, attention in its qkv stage and counting barrier, one by
-one and together, and the fused linears' and the FP8 tiles' weights into L2 before their PDL
-wait (both TTSBUILD_PDL_L2_AHEAD). A variant runs on the shapes its switches act on: the
-talker's and the FP8 tiles' on decode and prefill, the code predictor's and the fused
-linears' and the sampler's on cp, the persistent pass's on cpp.)
+-NAME off, the others stay as served. The default: the sampler's unrestricted draw tried first
+off (-SAMPLE_FIRST_TRY, served since 2026-12-04), the short-cache attention in one launch on the
+unfused code predictor (SHORT_ATTEND_FUSED, built 2026-12-04), the code predictor's attention
+and o projection in one launch (CP_ATTEND_O, 2026-12-04: +3 % at 1 row, +33 % at 8), its two-
+token prefill pass off (-CP_PAIR_PREFILL, served since 2026-12-04), the served A8 switches off
+one by one and together, A8_SILU_QUANT on, then the code predictor's attention-in-qkv and
+sampler-in-head, the persistent pass's L2 prefetch, attention in its qkv stage and counting
+barrier, one by one and together, and the fused linears' and the FP8 tiles' weights into L2
+before their PDL wait (both TTSBUILD_PDL_L2_AHEAD). A variant runs on the shapes its switches
+act on: the talker's and the FP8 tiles' on decode and prefill, the code predictor's and the
+fused linears' and the sampler's on cp, the persistent pass's on cpp, the short-cache attention
+on cpunf.)
 
 `--tiny`: the tiny model on the CPU, eager calls timed by the host clock: checks the script
 and the switches' bit-equality on the CPU references (tests/runtime/test_bench_switches.py),
@@ -65,12 +68,15 @@ from ttsbuild.runtime import cp_fused, fast_model
 ACTS_ON = {fast_model: ("decode", "prefill"), cp_fused: ("cp",), cp_pass: ("cpp",),
            tl_fused_linear: ("cp",), tl_fp8_linear: ("decode", "prefill"),
            tl_sampling: ("cp",)}  # fmt: skip
+# switches acting elsewhere than their module's others
+ACTS_ON_SWITCH = {"SHORT_ATTEND_FUSED": ("cpunf",)}
 SWITCHES = {
     "A8_NORM_QUANT": (fast_model, "A8_NORM_QUANT"),
     "A8_SILU_QUANT": (fast_model, "A8_SILU_QUANT"),
     "A8_GATE_UP_SILU": (fast_model, "A8_GATE_UP_SILU"),
     "GATE_UP_SILU": (fast_model, "GATE_UP_SILU"),
     "TALKER_ATTEND_FUSED": (fast_model, "TALKER_ATTEND_FUSED"),
+    "SHORT_ATTEND_FUSED": (fast_model, "SHORT_ATTEND_FUSED"),
     "CP_ATTEND_IN_QKV": (cp_fused, "ATTEND_IN_QKV"),
     "CP_SAMPLE_IN_HEAD": (cp_fused, "SAMPLE_IN_HEAD"),
     "CP_PAIR_PREFILL": (cp_fused, "PAIR_PREFILL"),
@@ -84,13 +90,14 @@ SWITCHES = {
 }
 SERVED = {n: bool(getattr(*SWITCHES[n])) for n in SWITCHES}  # the switches as served
 DEFAULT_VARIANTS = (
-    "CP_ATTEND_O;SAMPLE_FIRST_TRY;CP_ATTEND_O,SAMPLE_FIRST_TRY;-CP_PAIR_PREFILL;-A8_NORM_QUANT;-A8_GATE_UP_SILU;-A8_NORM_QUANT,-A8_GATE_UP_SILU;A8_SILU_QUANT;"
+    "-SAMPLE_FIRST_TRY;SHORT_ATTEND_FUSED;CP_ATTEND_O;-CP_PAIR_PREFILL;-A8_NORM_QUANT;-A8_GATE_UP_SILU;-A8_NORM_QUANT,-A8_GATE_UP_SILU;A8_SILU_QUANT;"
     "CP_ATTEND_IN_QKV;CP_SAMPLE_IN_HEAD;CP_PASS_PREFETCH;CP_PASS_ATTEND_IN_QKV;"
     "CP_PASS_COUNT_BARRIER;CP_PASS_PREFETCH,CP_PASS_ATTEND_IN_QKV,CP_PASS_COUNT_BARRIER;"
     "PDL_L2_AHEAD;FP8_L2_AHEAD"
 )
 # the code predictor's first (most at stake at batch 1, and last to compile)
-DEFAULT_SHAPES = "cpp:1,cp:1,cp:8,decode:1,prefill:1x32,prefill:1x64,decode:64,prefill:4x64"
+DEFAULT_SHAPES = ("cpp:1,cp:1,cp:8,cpunf:64,decode:1,prefill:1x32,prefill:1x64,decode:64,"
+                  "prefill:4x64")
 CACHE_POSITIONS = 1024
 
 
@@ -122,7 +129,7 @@ def parse_shapes(text: str) -> list[tuple[str, int, int]]:
     for item in text.split(","):
         kind, _, size = item.strip().partition(":")
         try:
-            if kind in ("decode", "cp", "cpp"):
+            if kind in ("decode", "cp", "cpp", "cpunf"):
                 shapes.append((kind, int(size), 1))
             elif kind == "prefill":
                 b, _, t = size.partition("x")
@@ -130,7 +137,8 @@ def parse_shapes(text: str) -> list[tuple[str, int, int]]:
             else:
                 raise ValueError(kind)
         except ValueError:
-            raise ValueError(f"bad shape {item!r}: decode:B, prefill:BxT, cp:B or cpp:B") from None
+            raise ValueError(f"bad shape {item!r}: decode:B, prefill:BxT, cp:B, cpp:B or "
+                             "cpunf:B") from None  # fmt: skip
         if min(shapes[-1][1:]) < 1:
             raise ValueError(f"bad shape {item!r}: sizes must be positive")
     return shapes
@@ -177,7 +185,8 @@ def make_stack(variant: str, device: str, dtype: torch.dtype):
 
 
 def cp_call(variant: str, B: int, device: str, dtype: torch.dtype, path: str = "fused"):
-    """The code predictor's frame for B rows on `path` (fused, persistent; bench_cp_fused's
+    """The code predictor's frame for B rows on `path` (fused, persistent, unfused: the
+    served path of buckets past fused_code_predictor's; bench_cp_fused's
     model and buffers; bf16 weights as served): a call returning the frame's codes [B, G]."""
     bench_cp_fused = _sibling("bench_cp_fused")
     fcp = bench_cp_fused.build(model_config(variant), dtype, fp8=False, device=device)
@@ -197,8 +206,9 @@ def shape_call(stack, cfg, shape: tuple[str, int, int], device: str, dtype: torc
     """A call running `shape` on fresh random inputs (its output returned); the same inputs
     and caches for every variant. Each call writes the same cache entries it then reads."""
     kind, B, T = shape
-    if kind in ("cp", "cpp"):
-        return cp_call(variant, B, device, dtype, "fused" if kind == "cp" else "persistent")
+    if kind in ("cp", "cpp", "cpunf"):
+        path = {"cp": "fused", "cpp": "persistent", "cpunf": "unfused"}[kind]
+        return cp_call(variant, B, device, dtype, path)
     g = torch.Generator(device=device).manual_seed(B * 1000 + T)
     cache = (cfg.num_layers, B, cfg.num_kv_heads, CACHE_POSITIONS, cfg.head_dim)
     k = torch.randn(cache, device=device, generator=g).to(dtype)
@@ -284,7 +294,8 @@ def bench_shape(runners: dict[str, Runner], rounds: int, replays: int) -> dict[s
 def acts(flags: dict[str, bool], kind: str) -> bool:
     """Whether a variant runs on a shape kind: the baseline (as served) everywhere, the others
     where one of their switches acts."""
-    return not flags or any(kind in ACTS_ON[SWITCHES[n][0]] for n in flags)
+    return not flags or any(kind in ACTS_ON_SWITCH.get(n, ACTS_ON[SWITCHES[n][0]])
+                            for n in flags)  # fmt: skip
 
 
 def run(variants, shapes, rounds: int, replays: int, tiny: bool, log=print,

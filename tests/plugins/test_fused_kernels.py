@@ -119,7 +119,10 @@ def test_qk_norm_rope_attend_reference_of_two_tokens_is_two_calls():
     first = qk_norm_rope_attend(qkv[:B], qw, kw, pos, slots, kc2, vc2, use_triton=False, **a)
     second = qk_norm_rope_attend(qkv[B:], qw, kw, pos + 1, slots, kc2, vc2, use_triton=False,
                                  **a)  # fmt: skip
-    assert torch.equal(out, torch.cat([first, second]))
+    # the same math on 2B rows instead of B: the CPU's kernels may block the sums otherwise
+    # (an AMD EPYC host, torch 2.13: 1 ulp apart in 3 of the 768 outputs)
+    both = torch.cat([first, second])
+    assert ((out - both).norm() / both.norm()).item() < 1e-6
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     with pytest.raises(ValueError, match="2 tokens per row"):
         qk_norm_rope_attend(qkv[:5], qw, kw, pos, slots, kc, vc, use_triton=False, tokens=2, **a)

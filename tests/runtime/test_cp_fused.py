@@ -152,12 +152,15 @@ def test_decode_fused_references_attend_o_is_off(S, monkeypatch):
 def test_decode_fused_kernel_attend_o_is_off(dtype, fp8, monkeypatch):
     # attention + o projection + residual in one launch (attend_o_residual) against the two
     # launches: the o projection's sums split by KV group instead of by K block, so equal to
-    # rounding (bf16: a few ulps of the residual stream); the caches bit for bit
+    # rounding (bf16: a few ulps of the residual stream); the caches bit for bit under the
+    # interpreter, and on a GPU to the same rounding (a later layer's K/V are projected from
+    # the residual stream the earlier layers' o sums wrote: H200 2026-12-04, fp32, not equal)
     stack = _stack(dtype, fp8, KDEV)
     off, on = _decode_fused_switched(stack, *_inputs(dtype, KDEV), monkeypatch, "ATTEND_O")
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert _rel(on[0].cpu(), off[0].cpu()) <= tol
-    assert torch.equal(on[1], off[1]) and torch.equal(on[2], off[2])
+    cache_tol = 0.0 if KDEV == "cpu" else tol
+    assert all(_rel(on[i].cpu(), off[i].cpu()) <= cache_tol for i in (1, 2))
 
 
 @needs_kernel

@@ -1,17 +1,37 @@
 """PackedStack.decode with the talker's launch fusions switched on: the decode attention as
 one launch (`fast_model.TALKER_ATTEND_FUSED`, plugins.decode_attention
 .qk_norm_rope_decode_attention) and the FP8 gate/up GEMV with silu(gate) * up in its epilogue
-(`fast_model.GATE_UP_SILU`, plugins.fp8_linear.fp8_gate_up_silu): the same hidden states and
+(`fast_model.GATE_UP_SILU`, plugins.fp8_linear.fp8_gate_up_silu), and, over a short cache
+(the code predictor's unfused path), q/k norm + RoPE + cache write + attention as one launch
+(`fast_model.SHORT_ATTEND_FUSED`, plugins.qk_norm_rope_attend): the same hidden states and
 caches as the unfused kernels, and as the fp32 reference."""
 
 import pytest
 import torch
 from kernel_device import KDEV, needs_kernel
-from test_cp_fused import PRECISIONS, _f32_cpu, _inputs, _rel, _stack
+from test_cp_fused import PRECISIONS, G, _f32_cpu, _inputs, _rel, _stack
 
 from ttsbuild.runtime import fast_model
 
-SWITCHES = ["TALKER_ATTEND_FUSED", "GATE_UP_SILU"]
+SWITCHES = ["TALKER_ATTEND_FUSED", "GATE_UP_SILU", "SHORT_ATTEND_FUSED"]
+
+
+def _positions(switch):
+    """Cache positions: the code predictor's for the short-cache switch, the talker's else."""
+    return G if switch == "SHORT_ATTEND_FUSED" else 80
+
+
+def _count_short(monkeypatch):
+    """Count the fused short-cache launches PackedStack.decode makes."""
+    calls = []
+    real = fast_model.qk_norm_rope_attend
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fast_model, "qk_norm_rope_attend", spy)
+    return calls
 
 
 @pytest.mark.parametrize("switch", SWITCHES)
@@ -19,12 +39,26 @@ SWITCHES = ["TALKER_ATTEND_FUSED", "GATE_UP_SILU"]
 def test_references_equal_with_the_switch(dtype, fp8, switch, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors: both paths on the references
     stack = _stack(dtype, fp8)
-    x, k, v, slots, positions = _inputs(dtype, "cpu", 80)
+    x, k, v, slots, positions = _inputs(dtype, "cpu", _positions(switch))
     k2, v2 = k.clone(), v.clone()
+    calls = _count_short(monkeypatch)
     ref = stack.decode(x, k, v, slots, positions)
     monkeypatch.setattr(fast_model, switch, True)
     out = stack.decode(x, k2, v2, slots, positions)
     assert torch.equal(out, ref) and torch.equal(k, k2) and torch.equal(v, v2)
+    # the short-cache switch takes the fused call in every layer, and only when it is on
+    assert calls == ([x.shape[0]] * len(stack.layers) if switch == "SHORT_ATTEND_FUSED" else [])
+
+
+def test_short_attend_leaves_long_caches_alone(monkeypatch):
+    """A cache longer than the fused kernel's tile (the talker's) keeps the two kernels."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    stack = _stack(torch.bfloat16, False)
+    x, k, v, slots, positions = _inputs(torch.bfloat16, "cpu", 80)
+    calls = _count_short(monkeypatch)
+    monkeypatch.setattr(fast_model, "SHORT_ATTEND_FUSED", True)
+    stack.decode(x, k, v, slots, positions)
+    assert calls == []
 
 
 @needs_kernel
@@ -32,11 +66,13 @@ def test_references_equal_with_the_switch(dtype, fp8, switch, monkeypatch):
 @pytest.mark.parametrize("dtype,fp8", PRECISIONS)
 def test_kernel_path_matches_reference(dtype, fp8, switch, monkeypatch):
     stack = _stack(dtype, fp8, KDEV)
-    x, k, v, slots, positions = _inputs(dtype, KDEV, 80)
+    x, k, v, slots, positions = _inputs(dtype, KDEV, _positions(switch))
     k_ref, v_ref = k.cpu().float(), v.cpu().float()
     k3, v3 = k.clone(), v.clone()
+    calls = _count_short(monkeypatch)
     monkeypatch.setattr(fast_model, switch, True)
     out = stack.decode(x, k, v, slots, positions)
+    assert len(calls) == (len(stack.layers) if switch == "SHORT_ATTEND_FUSED" else 0)
     monkeypatch.setattr(fast_model, switch, False)
     unfused = stack.decode(x, k3, v3, slots, positions)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the reference: unfused, CPU, fp32

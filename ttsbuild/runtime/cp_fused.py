@@ -69,7 +69,9 @@ PAIR_PREFILL = os.environ.get("TTSBUILD_CP_PAIR_PREFILL", "1") != "0"
 # recomputed by every program of its N tiles) for one-token passes over caches of at most
 # MAX_POSITIONS positions and batches of at most ATTEND_O_MAX_ROWS rows: 5 launches (and
 # dependent hops) fewer per pass, 70 per frame (14 one-token passes beside the pair pass).
-# Built 2026-12-04, off until timed on the GPU (TTSBUILD_CP_ATTEND_O=1 turns it on).
+# Off: slower on the H200 (2026-12-04, one process: the frame at 1 / 8 rows +3 / +33 %, the
+# attention recomputed in every N tile costing more than the launches it saves;
+# benchmarks/kernels/2026-12-04-h200-first-try/). TTSBUILD_CP_ATTEND_O=1 turns it on.
 ATTEND_O = os.environ.get("TTSBUILD_CP_ATTEND_O", "0") == "1"
 ATTEND_O_MAX_ROWS = 8
 

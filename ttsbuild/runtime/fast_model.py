@@ -33,6 +33,7 @@ from ttsbuild.plugins.fp8_linear import (
 from ttsbuild.plugins.fp8_w8a8 import fp8_linear_w8a8, w8a8_supported
 from ttsbuild.plugins.norm_act import add_rms_norm, rms_norm, silu_mul
 from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
+from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS, qk_norm_rope_attend
 
 # The decode step's attention (q/k norm + RoPE + cache write, flash-decoding splits, their
 # combine) as one launch instead of three (`qk_norm_rope_decode_attention`): 56 launches fewer
@@ -59,6 +60,13 @@ A8_NORM_QUANT = os.environ.get("TTSBUILD_A8_NORM_QUANT", "1") == "1"
 # Off: slower in one process on the H200 (prefill 1x32 +1.4 %, 1x64 +1.8 %, 2026-12-04);
 # TTSBUILD_A8_SILU_QUANT=1 turns it on.
 A8_SILU_QUANT = os.environ.get("TTSBUILD_A8_SILU_QUANT", "0") == "1"
+# Decode over a short cache (at most MAX_POSITIONS positions: the code predictor's, on its
+# unfused path, batches past fused_code_predictor's) with q/k norm + RoPE + cache write +
+# attention in one launch (`qk_norm_rope_attend`, one program per row and KV head, as the
+# fused path runs it) instead of qk_norm_rope and decode_attention's split and combine
+# kernels: two launches fewer per layer, 140 per frame. Off until timed on the GPU
+# (TTSBUILD_SHORT_ATTEND_FUSED=1 turns it on).
+SHORT_ATTEND_FUSED = os.environ.get("TTSBUILD_SHORT_ATTEND_FUSED", "0") == "1"
 
 
 class Dense:
@@ -343,8 +351,15 @@ class PackedStack:
         """One token per row at `positions`; returns the final-norm hidden [B, hidden]."""
         lengths = positions + 1
         max_len = k_cache.shape[3]
+        c = self.cfg
+        short = SHORT_ATTEND_FUSED and max_len <= MAX_POSITIONS
 
         def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
+            if short:
+                return qk_norm_rope_attend(p.qkv(h), p.q_norm, p.k_norm, positions, slots,
+                                           k_cache[i], v_cache[i], num_heads=c.num_heads,
+                                           num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps,
+                                           theta=c.rope_theta)  # fmt: skip
             if TALKER_ATTEND_FUSED:
                 return self.attend_decode(p, p.qkv(h), positions, slots, k_cache[i],
                                           v_cache[i])  # fmt: skip

@@ -50,9 +50,11 @@ EARLY_EXIT = os.environ.get("TTSBUILD_SAMPLE_EARLY_EXIT", "1") != "0"
 # count instead of the threshold search; the winner is the maximum over a superset of the
 # kept set, so over the set too, ties to the first index alike). A trained model's logits put
 # nearly all the mass in the top k, so the search is then skipped; flat logits fall back to it
-# (three block reductions more). Built 2026-12-04, off until timed on the GPU
-# (TTSBUILD_SAMPLE_FIRST_TRY=1 turns it on; bench_sampler.py times both).
-FIRST_TRY = os.environ.get("TTSBUILD_SAMPLE_FIRST_TRY", "0") == "1"
+# (three block reductions more). On by default since timed on the H200 (2026-12-04, one
+# process, 9 rounds: the code-predictor frame at 1 / 8 rows 1.979 / 2.523 -> 1.849 / 2.412 ms,
+# the same codes; benchmarks/kernels/2026-12-04-h200-first-try/); TTSBUILD_SAMPLE_FIRST_TRY=0
+# turns it off (bench_sampler.py times both).
+FIRST_TRY = os.environ.get("TTSBUILD_SAMPLE_FIRST_TRY", "1") != "0"
 
 
 def _warps(block_v: int, radix_bits: int) -> int:
