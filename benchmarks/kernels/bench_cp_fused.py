@@ -2,7 +2,10 @@
 kernels) vs the persistent pass (plugins.cp_pass: one launch per pass).
 
     PYTHONPATH=. python3 benchmarks/kernels/bench_cp_fused.py [--batches 1,8,32,64]
-        [--paths unfused,fused,persistent]
+        [--paths unfused,fused,persistent,split8]
+
+(splitN: `frame_split`, parts of N rows side by side on their own streams, parts of up to 8
+rows on the fused path.)
 
 GPU only. 1.7B CustomVoice code-predictor shapes (5 layers, hidden 1024, 16/8 heads x 128,
 intermediate 3072, heads 1024 -> 2048, projection 2048 -> 1024), random weights. For each
@@ -22,6 +25,7 @@ check (fp32 kernels are compiled for them only).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -99,8 +103,12 @@ class Frame:
         self.codes = torch.zeros(B, G, dtype=torch.int64, device=device)
 
     def __call__(self) -> None:
-        run = {"unfused": self.fcp.frame_unfused, "fused": self.fcp.frame,
-               "persistent": self.fcp.frame_persistent}[self.path]  # fmt: skip
+        if self.path.startswith("split"):  # splitN: parts of N rows, fused up to 8 rows
+            run = functools.partial(self.fcp.frame_split, rows=int(self.path[5:]),
+                                    fused=(1, 2, 4, 8))  # fmt: skip
+        else:
+            run = {"unfused": self.fcp.frame_unfused, "fused": self.fcp.frame,
+                   "persistent": self.fcp.frame_persistent}[self.path]  # fmt: skip
         args = (self.hidden, self.c0, self.sampling, self.seeds, self.frames, self.k, self.v)
         self.codes.copy_(run(*args, self.slots, self.positions))
 

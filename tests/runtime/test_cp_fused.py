@@ -254,6 +254,46 @@ def test_fused_frame_kernels_equal_unfused_frame(fp8, monkeypatch):
     assert torch.equal(fused.cpu(), ref)
 
 
+@pytest.mark.parametrize("rows,fused", [(2, (2,)), (3, (1,)), (5, ())])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_split_frame_references_equal_unfused_frame(do_sample, rows, fused, monkeypatch):
+    """frame_split: parts of `rows` rows (the last one shorter), each on the fused path where
+    its size is in `fused`: the whole frame's codes and caches, sampling included (each
+    row's sampler counters and cache slot are its own)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    B = SLOTS
+    cp, hidden, c0, sampling, seeds, frames, shape, slots, positions = _cpu_frame_case(
+        B, do_sample, False
+    )
+    slots = torch.tensor([4, 0, 3, 1, 2])  # not the row order: a part writes its rows' slots
+    caches = [torch.zeros(shape) for _ in range(4)]
+    args = (hidden, c0, sampling, seeds, frames)
+    split = cp.frame_split(*args, caches[0], caches[1], slots, positions, rows=rows, fused=fused)
+    whole = cp.frame_unfused(*args, caches[2], caches[3], slots, positions)
+    assert split.shape == (B, G) and torch.equal(split, whole)
+    assert torch.allclose(caches[0], caches[2], atol=1e-5)
+    assert torch.allclose(caches[1], caches[3], atol=1e-5)
+    assert len(set(split[:, 1].tolist())) > 1
+    with pytest.raises(ValueError, match="rows must be"):
+        cp.frame_split(*args, caches[0], caches[1], slots, positions, rows=0)
+
+
+@needs_kernel
+def test_split_frame_kernels_equal_unfused_frame(monkeypatch):
+    """fp32 activations, parts of 2 rows on the fused kernels and the last one unfused (on
+    CUDA each part on its own stream): the unfused frame's greedy codes on the references."""
+    B = SLOTS
+    cp = _predictor(torch.float32, KDEV)
+    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(B, KDEV, False)
+    k, v = torch.zeros(shape, device=KDEV), torch.zeros(shape, device=KDEV)
+    split = cp.frame_split(hidden.to(KDEV), c0, sampling, seeds, frames, k, v, slots,
+                           positions, rows=2, fused=(2,))  # fmt: skip
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref_cp = _predictor(torch.float32, "cpu")
+    ref = _unfused_on_cpu(ref_cp, hidden, c0, sampling, seeds, frames, shape, slots, positions)
+    assert torch.equal(split.cpu(), ref)
+
+
 def test_graph_engine_flag_gives_the_same_codes(tiny_checkpoint):
     """The plan's per-bucket kernel choices (fused / persistent code predictor, fused talker)
     switch the frame's kernels, never its codes (eager, CPU references)."""

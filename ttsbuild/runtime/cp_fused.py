@@ -164,6 +164,7 @@ class FusedCodePredictor:
     ):
         self.stack, self.heads, self.proj = stack, heads, proj
         self.codec_embedding, self.embeddings = codec_embedding, embeddings
+        self._streams: list[torch.cuda.Stream] = []  # frame_split's, made when first used
         if isinstance(proj, nn.Linear):
             self.proj_weight = proj.weight.detach()
             self.proj_bias = None if proj.bias is None else proj.bias.detach()
@@ -244,6 +245,44 @@ class FusedCodePredictor:
             if cb + 1 < G:
                 residual = step(self._project(self.embeddings[cb - 1], code), cb + 1)
         return torch.stack(codes, dim=1)
+
+    def frame_split(
+        self, hidden, c0, sampling, seeds, frames, k_cache, v_cache, slots, positions, *,
+        rows: int, fused: tuple[int, ...] = (),
+    ) -> torch.Tensor:  # fmt: skip
+        """The same frame as independent frames of at most `rows` rows each (a row's passes
+        read and write only its own cache slot and sampler counters), each part on a CUDA
+        stream of its own, forked from the current stream and joined back: inside a graph
+        capture, parallel branches. The frame is a chain of ~420 dependent launches whose
+        time hardly grows with the rows (latency, not bandwidth), so parts run side by side
+        instead of one wide chain. A part takes the fused path where its size is in `fused`,
+        the unfused one otherwise. On the CPU the parts run in turn."""
+        B = hidden.shape[0]
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        parts = [slice(i, min(B, i + rows)) for i in range(0, B, rows)]
+        codes = torch.empty((B, self.num_code_groups), dtype=torch.int64, device=hidden.device)
+        main = torch.cuda.current_stream(hidden.device) if hidden.is_cuda else None
+        streams = self._side_streams(len(parts), hidden.device) if main is not None else None
+        for i, part in enumerate(parts):
+            run = self.frame if part.stop - part.start in fused else self.frame_unfused
+            args = (hidden[part], c0[part], sampling.select(part), seeds[part], frames[part],
+                    k_cache, v_cache, slots[part], positions)  # fmt: skip
+            if streams is None:
+                codes[part] = run(*args)
+                continue
+            streams[i].wait_stream(main)
+            with torch.cuda.stream(streams[i]):
+                codes[part] = run(*args)
+        for stream in streams or ():
+            main.wait_stream(stream)
+        return codes
+
+    def _side_streams(self, n: int, device: torch.device) -> list[torch.cuda.Stream]:
+        """n CUDA streams kept for `frame_split` (made once, reused by every capture)."""
+        while len(self._streams) < n:
+            self._streams.append(torch.cuda.Stream(device))
+        return self._streams[:n]
 
     def frame_persistent(
         self, hidden, c0, sampling, seeds, frames, k_cache, v_cache, slots, positions
