@@ -256,7 +256,10 @@ class FusedCodePredictor:
         capture, parallel branches. The frame is a chain of ~420 dependent launches whose
         time hardly grows with the rows (latency, not bandwidth), so parts run side by side
         instead of one wide chain. A part takes the fused path where its size is in `fused`,
-        the unfused one otherwise. On the CPU the parts run in turn."""
+        the unfused one otherwise. On the CPU the parts run in turn. Not served: on the H200
+        (2026-12-04) only two parts gain (16 rows as 2 x 8 fused: 3.31 -> 2.98 ms); from four
+        the branches queue behind each other (64 rows as 8 x 8: 7.6 ms against 3.6 unfused;
+        benchmarks/kernels/2026-12-04-h200-cp-split/)."""
         B = hidden.shape[0]
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")

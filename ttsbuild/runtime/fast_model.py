@@ -64,8 +64,9 @@ A8_SILU_QUANT = os.environ.get("TTSBUILD_A8_SILU_QUANT", "0") == "1"
 # unfused path, batches past fused_code_predictor's) with q/k norm + RoPE + cache write +
 # attention in one launch (`qk_norm_rope_attend`, one program per row and KV head, as the
 # fused path runs it) instead of qk_norm_rope and decode_attention's split and combine
-# kernels: two launches fewer per layer, 140 per frame. Off until timed on the GPU
-# (TTSBUILD_SHORT_ATTEND_FUSED=1 turns it on).
+# kernels: two launches fewer per layer, 140 per frame. Off: not faster on the H200
+# (2026-12-04, one process: the frame at 16 / 64 / 256 rows 0.996 / 0.999 / 1.121;
+# benchmarks/runtime/2026-12-04-h200-first-try-engine/). TTSBUILD_SHORT_ATTEND_FUSED=1 turns it on.
 SHORT_ATTEND_FUSED = os.environ.get("TTSBUILD_SHORT_ATTEND_FUSED", "0") == "1"
 
 
