@@ -168,3 +168,47 @@ def test_corrupt_vocab_is_reported(tmp_path, standin_dir):
 def test_unknown_id_in_decode(ours):
     with pytest.raises(KeyError):
         ours.decode([100000])
+
+
+def _ascii_fuzz(n: int, seed: int) -> list[str]:
+    """Random ASCII strings weighted to the pre-tokenizer's corners: contractions in either
+    case, digit runs, whitespace and newline runs, the control characters Python's \\s takes
+    and Unicode's White_Space does not (\\x1c-\\x1f), punctuation runs."""
+    import random
+    import string
+
+    rng = random.Random(seed)
+    atoms = [*string.ascii_letters, *string.digits, *string.punctuation, " ", "  ", "\t", "\n",
+             "\r\n", "\r", "\x0b", "\x0c", "\x1c", "\x1f", "\x00", "\x7f", "'s", "'S", "'LL",
+             "'re", "'Ve", "'m", "'d", "'t", " the", "...", "\n\n", "   \n", "42"]  # fmt: skip
+    return ["".join(rng.choice(atoms) for _ in range(rng.randint(0, 24))) for _ in range(n)]
+
+
+def test_ascii_split_is_the_pre_tokenizers_split():
+    """`ascii_words` (Python's re on ASCII text) against `tokenizers`' own Split with the
+    Qwen2 regex, on fuzzed ASCII and the corpus's ASCII texts."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from ttsbuild.text.tokenizer import QWEN2_PRETOKENIZE_REGEX, ascii_words
+
+    split = pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated")
+    texts = _ascii_fuzz(4000, 0) + [t for t in _corpus() if t.isascii()]
+    for text in texts:
+        assert ascii_words(text) == [p for p, _ in split.pre_tokenize_str(text)], repr(text)
+
+
+def test_ascii_words_path_equals_whole_piece_encoding(standin_dir):
+    """ASCII pieces are encoded word by word from the table: the ids of `tokenizers`
+    encoding the whole piece, and the table is what serves them the second time."""
+    tok = TextTokenizer.from_dir(standin_dir)
+    texts = _ascii_fuzz(2000, 1) + [TEMPLATE.format(text=t) for t in _ascii_fuzz(200, 2)]
+    for text in texts:
+        want = []
+        for piece in tok._pieces(text):
+            added = tok._added_by_content.get(piece)
+            want += [added.id] if added else tok._bpe.encode(piece, add_special_tokens=False).ids
+        assert tok.encode(text) == want, repr(text)
+    assert len(tok._words) > 100
+    words = len(tok._words)
+    tok.encode(texts[3])  # words seen before: nothing new in the table
+    assert len(tok._words) == words
