@@ -171,8 +171,9 @@ class TextTokenizer:
             self._split = re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
         else:
             self._split = None
-        # The chat template's fixed pieces ("assistant\n", "\n") recur in every request: short
-        # pieces are encoded once (admission is on the path to first audio).
+        # Admission is on the path to first audio: ASCII pieces (the chat template's
+        # "assistant\n" and "\n" among them) are encoded word by word from `_words`; other
+        # short pieces are encoded once, whole, into `_short`.
         self._short: dict[str, tuple[int, ...]] = {}
         self._words: dict[str, tuple[int, ...]] = {}  # ASCII words, each BPE-encoded once
         self.vocab_size = max([*vocab.values(), *self._added_by_id, -1]) + 1
