@@ -77,6 +77,15 @@ def run_table(summary: dict[str, Any], title: str) -> Table:
     )
     if cost is not None:
         table.add_row("cost", f"${_fmt(cost['usd_per_1m_chars'], 1, 2)} / 1M chars", "", "", "", "")
+    harness = summary.get("harness")  # (summaries written before 2026-12-04 lack it)
+    if harness and harness["loop_lag_s"]["count"]:
+        # the harness's own pauses: chunks it read late through them look like underruns
+        lag, stalls = harness["loop_lag_s"], harness["stalls"]
+        table.add_row(
+            "harness loop lag (ms)",
+            *(_fmt(lag[k], 1e3, 1) for k in ("p50", "p95", "p99", "max")),
+            f"{len(stalls)} over {harness['stalls_over_s'] * 1e3:g} ms",
+        )
     return table
 
 
@@ -102,6 +111,8 @@ def sweep_row(rate: float, summary: dict[str, Any]) -> dict[str, Any]:
         "chars_per_s": summary["throughput"]["chars_per_s"],
         "audio_s_per_s": summary["throughput"]["audio_s_per_s"],
         "usd_per_1m_chars": cost["usd_per_1m_chars"] if cost else None,
+        # the harness's own longest pause (its loop late): an underrun beside one is suspect
+        "harness_lag_max_s": (summary.get("harness") or {}).get("loop_lag_s", {}).get("max"),
     }
 
 
@@ -109,7 +120,8 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="latency vs offered rate", title_justify="left")
     columns = (
         "RPS", "ok/sent", "rej", "rej p95 ms", "fail", "t/o", "TTFA p50 ms", "p95 ms", "p99 ms",
-        "underrun %", "RTF p50", "chars/s", "audio s/s", "$/1M chars", "SLO",
+        "underrun %", "RTF p50", "chars/s", "audio s/s", "$/1M chars", "harness lag max ms",
+        "SLO",
     )  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
@@ -129,6 +141,7 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
             f"{row['chars_per_s']:.1f}",
             f"{row['audio_s_per_s']:.2f}",
             _fmt(row["usd_per_1m_chars"], 1, 2),
+            _fmt(row.get("harness_lag_max_s"), 1e3),
             {True: "met", False: "missed"}.get(row.get("meets_slo"), "-"),
         )
     return table

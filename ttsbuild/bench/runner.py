@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import platform
 import time
@@ -28,7 +29,7 @@ from ttsbuild.bench.client import (
     split_words,
     ws_speech,
 )
-from ttsbuild.bench.metrics import RequestRecord, analyse, summarise
+from ttsbuild.bench.metrics import RequestRecord, analyse, distribution, summarise
 from ttsbuild.bench.schedule import ArrivalProcess, PlannedRequest, plan_requests
 from ttsbuild.bench.target import Mode, Target
 
@@ -40,6 +41,20 @@ _SPIN_S = 0.001
 # A timed wait on Linux may end this share of its length late (poll/epoll timer slack, 0.1 %),
 # counted twice for margin.
 _TIMER_SLACK = 0.002
+# The harness's own pauses are timestamped as the server's: while its event loop is stopped
+# (its cyclic collector, or a busy loop) chunks wait unread in the socket, and are read late
+# all at once, which looks exactly like a server's late chunks. On the H200 at 100 req/s the
+# only underruns of two 60 s runs were five streams each in their first 80 ms of playback
+# while, by the server's own clock, every chunk had >= 20 ms to spare; on a 2-core CPU the
+# same schedule stops this harness for 25-31 ms in a full collection ~7 s in. So during a run
+# the objects alive are frozen out of the collector's scans every _FREEZE_EVERY_S (a full
+# collection then scans only the last half second's survivors; young cycles are still
+# collected), and the loop's own lateness is measured every _PROBE_S and reported
+# (summary["harness"]): a run whose harness stalled says so.
+_PROBE_S = 0.005
+_FREEZE_EVERY_S = 0.5
+HARNESS_STALL_S = 0.01  # harness pauses at least this long are listed with their times
+_MAX_STALLS_LISTED = 100
 
 
 @dataclass(frozen=True)
@@ -103,27 +118,126 @@ def run_benchmark(
     planned = plan(settings, prompts)
     progress = progress or RunProgress(planned=len(planned))
     started_unix = time.time()
-    records = asyncio.run(_run(settings, planned, progress))
+    watch = HarnessWatch()
+    with watch.collector_held_back():
+        records = asyncio.run(_run(settings, planned, progress, watch))
     summary = summarise(records, settings.duration_s, settings.gpu_hour_usd, settings.gpus)
+    summary["harness"] = watch.summary()
     return RunResult(settings, records, summary, started_unix, len(planned))
 
 
+@dataclass
+class HarnessWatch:
+    """The harness's own pauses during a run, on the schedule's clock (seconds since the run's
+    origin, comparable with RequestRecord.scheduled_s): the event loop's lateness at each
+    probe, and the cyclic collector's pauses."""
+
+    lags: list[tuple[float, float]] = field(default_factory=list)  # (at, seconds late)
+    gc_pauses: list[tuple[float, int, float]] = field(default_factory=list)  # (at, gen, s)
+    origin_perf: float | None = None  # perf_counter of the schedule's origin
+
+    def at(self, perf: float) -> float:
+        return perf - (self.origin_perf if self.origin_perf is not None else perf)
+
+    @contextlib.contextmanager
+    def collector_held_back(self):
+        """Freeze what is alive now out of the collector's scans and time its pauses; on exit,
+        unfreeze (unless something froze objects before: theirs stay frozen)."""
+        frozen_before = gc.get_freeze_count()
+        started: list[float] = []
+
+        def on_gc(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                started[:] = [time.perf_counter()]
+            elif started:
+                end = time.perf_counter()
+                self.gc_pauses.append((self.at(started[0]), info["generation"], end - started[0]))
+                started.clear()
+
+        gc.collect()
+        gc.freeze()
+        gc.callbacks.append(on_gc)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(on_gc)
+            if frozen_before == 0:
+                gc.unfreeze()
+
+    async def probe(self) -> None:
+        """Wake every _PROBE_S, recording how late; freeze survivors every _FREEZE_EVERY_S."""
+        loop = asyncio.get_running_loop()
+        frozen_at = loop.time()
+        while True:
+            asked = loop.time()
+            await asyncio.sleep(_PROBE_S)
+            now = loop.time()
+            self.lags.append((self.at(time.perf_counter()), max(0.0, now - asked - _PROBE_S)))
+            if now - frozen_at >= _FREEZE_EVERY_S:
+                gc.freeze()
+                frozen_at = now
+
+    def summary(self) -> dict[str, Any]:
+        lags = [lag for _, lag in self.lags]
+        pauses = [s for _, _, s in self.gc_pauses]
+        stalls = sorted(
+            [("event loop", at, lag) for at, lag in self.lags if lag >= HARNESS_STALL_S]
+            + [(f"collector gen {g}", at, s) for at, g, s in self.gc_pauses if s >= HARNESS_STALL_S]
+        )  # fmt: skip
+        return {
+            "loop_lag_s": distribution(lags),
+            "gc_pause_s": distribution(pauses),
+            # (what, seconds since the origin, seconds): match them with requests' scheduled_s
+            "stalls": [[what, round(at, 4), round(s, 4)] for what, at, s in stalls][
+                :_MAX_STALLS_LISTED
+            ],
+            "stalls_over_s": HARNESS_STALL_S,
+        }
+
+
 async def _run(
-    settings: RunSettings, planned: list[PlannedRequest], progress: RunProgress
+    settings: RunSettings,
+    planned: list[PlannedRequest],
+    progress: RunProgress,
+    watch: HarnessWatch | None = None,
 ) -> list[RequestRecord]:
+    watch = watch or HarnessWatch()
     async with _http_client(settings) as client:
         loop = asyncio.get_running_loop()
         # One origin on both clocks: the loop clock schedules, perf_counter timestamps.
         origin_loop = loop.time() + _START_LEAD_S
         origin_perf = time.perf_counter() + (origin_loop - loop.time())
-        tasks = []
-        for request in planned:
-            await _sleep_until(loop, origin_loop + request.send_at_s)
-            scheduled_at = origin_perf + request.send_at_s
-            tasks.append(
-                asyncio.create_task(_one(client, settings, request, scheduled_at, progress))
-            )
-        return list(await asyncio.gather(*tasks))
+        watch.origin_perf = origin_perf
+        probe = asyncio.create_task(watch.probe())
+        # Each request stores its record and the last one to finish says so: no gather() over
+        # every task at the end of the schedule, which registers a callback on each (~15 ms of
+        # stopped loop for 6,000 requests on a 2-core CPU, while the last arrivals still play).
+        records: list[RequestRecord | None] = [None] * len(planned)
+        remaining = [len(planned)]
+        all_done = asyncio.Event()
+
+        async def one(i: int, request: PlannedRequest, scheduled_at: float) -> None:
+            try:
+                records[i] = await _one(client, settings, request, scheduled_at, progress)
+            finally:
+                remaining[0] -= 1
+                if not remaining[0]:
+                    all_done.set()
+
+        try:
+            tasks = []  # strong references: the loop holds tasks weakly
+            for i, request in enumerate(planned):
+                await _sleep_until(loop, origin_loop + request.send_at_s)
+                tasks.append(asyncio.create_task(one(i, request, origin_perf + request.send_at_s)))
+            if tasks:
+                await all_done.wait()
+            for task in tasks:  # a harness bug surfaces here rather than as a missing record
+                task.result()
+            return [r for r in records if r is not None]
+        finally:
+            probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probe
 
 
 @contextlib.asynccontextmanager

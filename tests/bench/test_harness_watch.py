@@ -1,0 +1,99 @@
+"""The harness measures its own pauses and keeps the cyclic collector from causing them.
+
+A stopped harness loop timestamps every chunk it reads afterwards late, which looks like a
+server's underrun (see runner.HarnessWatch); these tests stop it on purpose and check that the
+run's summary says when, and by how much.
+"""
+
+import asyncio
+import gc
+import time
+
+from ttsbuild.bench.fakeserver import FakeSpeechServer, Reply, tone
+from ttsbuild.bench.runner import HARNESS_STALL_S, HarnessWatch, run_benchmark
+from ttsbuild.bench.schedule import ArrivalProcess
+
+from .helpers import settings_for
+
+
+def _watch_through(blocks: list[tuple[float, float]]) -> HarnessWatch:
+    """Run the probe on a fresh loop while coroutines block the loop at the given times
+    (seconds after the origin) for the given durations."""
+    watch = HarnessWatch()
+
+    async def main() -> None:
+        watch.origin_perf = time.perf_counter()
+        probe = asyncio.create_task(watch.probe())
+        for at, seconds in blocks:
+            await asyncio.sleep(max(0.0, at - watch.at(time.perf_counter())))
+            time.sleep(seconds)  # the loop is stopped: nothing else runs
+        await asyncio.sleep(0.05)
+        probe.cancel()
+
+    with watch.collector_held_back():
+        asyncio.run(main())
+    return watch
+
+
+def test_a_stopped_loop_is_reported_with_its_time_and_length():
+    watch = _watch_through([(0.1, 0.06), (0.3, 0.035)])
+    stalls = [s for s in watch.summary()["stalls"] if s[0] == "event loop"]
+    assert len(stalls) >= 2, stalls
+    (_, at1, lag1), (_, at2, lag2) = sorted(stalls, key=lambda s: -s[2])[:2]
+    # the longest is the 60 ms block, reported when the probe woke after it (~0.16 s)
+    assert 0.055 <= lag1 <= 0.2 and 0.14 <= at1 <= 0.4
+    assert 0.03 <= lag2 <= 0.2 and at2 >= 0.3
+    assert watch.summary()["loop_lag_s"]["max"] >= 0.055
+
+
+def test_a_quiet_loop_lists_no_stall_and_nothing_stays_frozen():
+    frozen_before = gc.get_freeze_count()
+    watch = _watch_through([])
+    summary = watch.summary()
+    assert summary["loop_lag_s"]["count"] >= 5
+    # a 2-core CI machine may wake the loop late now and then, but not by 10 ms every time
+    assert summary["loop_lag_s"]["p50"] < HARNESS_STALL_S
+    assert gc.get_freeze_count() == frozen_before
+
+
+def test_collector_pauses_are_timed_and_the_run_freezes_what_was_alive():
+    watch = HarnessWatch()
+    garbage = []
+    with watch.collector_held_back():
+        assert gc.get_freeze_count() > 0  # the heap alive at the start is out of the scans
+        for _ in range(1000):  # cyclic garbage made during the run is still collected
+            a: list = []
+            a.append(a)
+            garbage.append(a)
+        del a
+        garbage.clear()
+        assert gc.collect() >= 1000
+    assert any(gen == 2 and seconds > 0 for _, gen, seconds in watch.gc_pauses)
+
+
+def _speech(_request):
+    return Reply(chunks=[(0.0, tone(0.1)), (0.02, tone(0.1))])
+
+
+def test_a_run_reports_the_harness_section():
+    with FakeSpeechServer(_speech) as server:
+        settings = settings_for(
+            server.http_url, rate=20.0, duration_s=0.5, arrival=ArrivalProcess.constant
+        )
+        result = run_benchmark(settings, ["one", "two", "three"])
+    assert [r.index for r in result.records] == list(range(len(result.records)))
+    assert result.summary["requests"]["completed"] == len(result.records) == 10
+    harness = result.summary["harness"]
+    assert harness["loop_lag_s"]["count"] >= 50  # 0.5 s of 5 ms probes, and the tail
+    assert harness["stalls_over_s"] == HARNESS_STALL_S
+    for what, at, seconds in harness["stalls"]:
+        assert seconds >= HARNESS_STALL_S and at > -1.0 and what
+    # and the run's table shows it
+    from rich.console import Console
+
+    from ttsbuild.bench.report import run_table
+
+    console = Console(record=True, width=200)
+    console.print(run_table(result.summary, "run"))
+    row = next(line for line in console.export_text().splitlines() if "harness loop lag" in line)
+    assert f"{len(harness['stalls'])} over 10 ms" in row
