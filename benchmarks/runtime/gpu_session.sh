@@ -20,7 +20,8 @@
 #         runs with the switches of $CHECK_ENV exported (one group)
 # check:  graph path vs eager path (tiny); with --kernels (CHECK_ARGS): the plan's optional
 #         paths too, batched prefill (prefill_batches 1,2,4) among them; with "--admission-lane
-#         1,2 --lane-switch" also the lane and the lane switched on and off between steps
+#         1,2 --lane-switch" also the lane and the lane switched on and off between steps;
+#         limited to $CHECK_S seconds (default 240: with --kernels the bf16 mode needs more)
 # batched: engine microbenchmark with --prefill-batches 1 (one prompt per step, the default
 #         before 2026-12-03; the served plan batches 1, 2 and 4 prompts per step)
 # lane:   engine microbenchmark with the admission lane on buckets $LANE (default 1,2): a new
@@ -258,7 +259,7 @@ for step in $STEPS; do
     check)
         log "graph vs eager (tiny) ${CHECK_ENV:-}"
         ( [ -z "${CHECK_ENV:-}" ] || export $CHECK_ENV
-          timeout -k 5 240 python3 benchmarks/runtime/graph_vs_eager.py --variant tiny \
+          timeout -k 5 "${CHECK_S:-240}" python3 benchmarks/runtime/graph_vs_eager.py --variant tiny \
               ${CHECK_ARGS:-} 2>&1 | tee "$OUT/graph_vs_eager.log" | grep -E "PASS|FAIL|Error" ) ;;
     batched)
         log "engine microbenchmark, one prompt per prefill step"
