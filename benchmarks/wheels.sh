@@ -3,7 +3,8 @@
 # (checked 2026-12-01): `gpu-wheels.sh .whl websockets opentelemetry-api httptools uvloop
 # annotated-doc av soxr prometheus-client httpx httpcore h11 anyio sniffio typer rich
 # shellingham markdown-it-py mdurl` (2026-12-02, the bench's HTTP client: aiohttp
-# aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna), then move the
+# aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna; 2026-12-04, the GPU
+# tests' tests/runtime/test_clone_engine.py and voice clips: soundfile cffi pycparser), then move the
 # calibration-only wheels (pulp, nvidia_modelopt, omegaconf: 18 MB) out of .whl so the tree and .whl fit the 64 MiB carry.
 # (2026-12-02: PyAV's 35 MB wheel moved out too, to .whl-av/: a server streaming PCM never
 # imports it (serve/formats.py loads it in the FFmpeg encoders), which leaves room for a
