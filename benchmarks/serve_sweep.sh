@@ -32,7 +32,7 @@ WARMUP=${WARMUP:-5s}
 DEVICE=${DEVICE:-cuda}
 RESULTS=${RESULTS:-$OUT/serve_sweep}
 SERVE_ARGS=${SERVE_ARGS:-}  # more `ttsbuild serve` flags, e.g. "--capacity-margin 0.3"
-BENCH_ARGS=${BENCH_ARGS:-}  # more `ttsbuild bench sweep` flags, e.g. "--http-client httpx"
+BENCH_ARGS=${BENCH_ARGS:-}  # more `ttsbuild bench sweep` flags, e.g. "--workers 4" or "--http-client httpx"
 mkdir -p "$WORK" "$RESULTS"
 
 cli() { "$PY" -m ttsbuild.cli "$@"; }

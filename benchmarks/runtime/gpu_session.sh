@@ -85,7 +85,8 @@
 #         prompt sets $SWEEP_DATASETS (default voice-agent; "harvard" for issue 12's other set),
 #         `serve $SWEEP_ARGS` (e.g. --drop-bootstrap-frame: a stand-in making a real
 #         CustomVoice checkpoint's first chunk, two frames with the silent one dropped), until
-#         $DEADLINE_S seconds into the run
+#         $DEADLINE_S seconds into the run; $BENCH_ARGS goes to `bench sweep` (and to the
+#         overload step's `bench run`), e.g. "--workers 4": the schedule sent by four processes
 # a8:     the W8A8 Triton tiles: their GPU tests; the engine bench as served (W8A8 16-127
 #         rows), then with bf16 copies from 16 rows (the defaults before 2026-12-04), with the
 #         norms writing quantised rows (TTSBUILD_A8_NORM_QUANT), silu_mul too

@@ -33,6 +33,7 @@ PROFILE=${PROFILE:-low-latency}
 DURATION=${DURATION:-60s}
 WARMUP=${WARMUP:-5s}
 SLO_TTFA_S=${SLO_TTFA_S:-0.1}
+BENCH_ARGS=${BENCH_ARGS:-}  # more `ttsbuild bench run` flags, e.g. "--workers 4"
 RESULTS=$OUT/overload
 mkdir -p "$RESULTS"
 
@@ -59,7 +60,7 @@ VOICES=$(get "$URL/v1/voices" | "$PY" -c \
 echo "== $(date -u +%T) $RATE req/s of voice-agent prompts for $DURATION after $WARMUP warm-up"
 # shellcheck disable=SC2086
 cli bench run --url "$URL" --rps "$RATE" --duration "$DURATION" --warmup "$WARMUP" \
-    --dataset voice-agent $VOICES --request-timeout 30s --output "$RESULTS/run" | tail -3
+    --dataset voice-agent $VOICES --request-timeout 30s --output "$RESULTS/run" $BENCH_ARGS | tail -3
 get "$URL/metrics" >"$RESULTS/server_metrics.txt" || echo "(no /metrics)"
 
 "$PY" benchmarks/serve/overload_summary.py "$RESULTS/run" --rate "$RATE" --slo-ttfa "$SLO_TTFA_S" \

@@ -80,6 +80,7 @@ def test_duration_rate_and_field_parsing():
         (["--body-format", "mp3"], "--body-format"),
         (["--url", "localhost:8000"], "--url"),
         (["--target-config", "/nonexistent.json"], "does not exist"),
+        (["--workers", "0"], "--workers"),
     ],
 )
 def test_bad_flags_fail_cleanly_without_output(tmp_path, flags, message):

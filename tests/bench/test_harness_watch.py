@@ -8,6 +8,7 @@ run's summary says when, and by how much.
 import asyncio
 import gc
 import time
+from dataclasses import replace
 
 from ttsbuild.bench.fakeserver import FakeSpeechServer, Reply, tone
 from ttsbuild.bench.runner import HARNESS_STALL_S, HarnessWatch, run_benchmark
@@ -97,3 +98,49 @@ def test_a_run_reports_the_harness_section():
     console.print(run_table(result.summary, "run"))
     row = next(line for line in console.export_text().splitlines() if "harness loop lag" in line)
     assert f"{len(harness['stalls'])} over 10 ms" in row
+
+
+def test_two_worker_processes_send_the_schedule_on_one_origin():
+    """The schedule split over two processes: every request once, in schedule order, each sent
+    at its own time (so the workers share the origin), the counters summed, and the harness
+    section from both workers."""
+    from ttsbuild.bench.fakeserver import serve_in_subprocess
+    from ttsbuild.bench.runner import RunProgress
+
+    with serve_in_subprocess() as (http_url, _ws_url):
+        settings = replace(
+            settings_for(http_url, rate=40.0, duration_s=1.0, arrival=ArrivalProcess.poisson),
+            workers=2,
+        )
+        progress = RunProgress(planned=0)
+        result = run_benchmark(settings, ["one two", "three four five"], progress)
+    records = result.records
+    assert [r.index for r in records] == list(range(len(records)))
+    assert len(records) == result.summary["requests"]["sent"] > 20
+    assert all(r.outcome == "ok" for r in records), {r.outcome for r in records}
+    assert progress.sent == progress.finished == len(records) and progress.not_ok == 0
+    # sent on time by either worker: a worker on its own origin would be ~0.5 s early or late
+    lags = sorted(r.dispatch_lag_s for r in records)
+    assert lags[0] > -0.002 and lags[len(lags) // 2] < 0.02, lags[:3] + lags[-3:]
+    assert {r.index % 2 for r in records} == {0, 1}
+    harness = result.summary["harness"]
+    assert harness["workers"] == 2 and harness["loop_lag_s"]["count"] >= 2 * 150
+
+
+def test_a_worker_that_fails_is_reported_not_waited_for():
+    """A request the server refuses is a failed request, not a failed worker; a worker that
+    cannot run its share (here: settings without a target) ends the run with its error."""
+    import pytest
+
+    from ttsbuild.bench.fakeserver import serve_in_subprocess
+
+    with serve_in_subprocess() as (http_url, _ws_url):
+        settings = replace(settings_for(http_url, rate=5.0, duration_s=0.5), workers=2)
+        settings = replace(settings, target=replace(settings.target, url="http://127.0.0.1:1/"))
+        started = time.perf_counter()
+        result = run_benchmark(settings, ["one"])
+    # a refused connection is a failed request, not a failed worker: the run completes
+    assert result.summary["requests"]["failed"] == len(result.records) > 0
+    assert time.perf_counter() - started < 30
+    with pytest.raises(RuntimeError, match="bench worker . failed: AttributeError"):
+        run_benchmark(replace(settings, target=None), ["one"])

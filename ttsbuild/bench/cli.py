@@ -76,6 +76,14 @@ SampleRate = Annotated[
 RequestTimeout = Annotated[str, typer.Option(help="Whole-request limit.")]
 StallTimeout = Annotated[str, typer.Option(help="Longest wait for the next bytes.")]
 MaxConnections = Annotated[int, typer.Option(help="HTTP connection pool size.")]
+Workers = Annotated[
+    int,
+    typer.Option(
+        help="Processes sending the schedule, each on its own event loop (request i from "
+        "worker i % N): one loop reading ~100 streams at 100 req/s runs a few ms late itself "
+        "(see the run's 'harness loop lag'), and chunks it reads late look like the server's."
+    ),
+]
 HttpClientOpt = Annotated[
     str, typer.Option(help="HTTP client library: aiohttp (less of the harness's own time per "
                       "request) or httpx.")
@@ -148,6 +156,7 @@ def _settings(
     gpu_hour_usd: float | None,
     gpus: int,
     http_client: str = "aiohttp",
+    workers: int = 1,
 ) -> tuple[RunSettings, list[str]]:
     """Validate every flag and build the run settings and prompt list (no side effects)."""
     from ttsbuild.bench.audio import BodyFormat
@@ -192,6 +201,8 @@ def _settings(
         raise _bad("--max-connections", "must be at least 1")
     if gpus < 1:
         raise _bad("--gpus", "must be at least 1")
+    if workers < 1:
+        raise _bad("--workers", "must be at least 1")
     if gpu_hour_usd is not None and gpu_hour_usd < 0:
         raise _bad("--gpu-hour-usd", "must not be negative")
     if not voice or any(not v.strip() for v in voice):
@@ -223,6 +234,7 @@ def _settings(
         gpus=gpus,
         dataset=f"{dataset} (built in)" if dataset in BUILTIN_DATASETS else dataset,
         http_client=client_value,
+        workers=workers,
     )
     prompts = _parse("--dataset", load_prompts, dataset)
     return settings, prompts
@@ -254,6 +266,7 @@ def run(
     gpu_hour_usd: GpuHourUsd = None,
     gpus: Gpus = 1,
     http_client: HttpClientOpt = "aiohttp",
+    workers: Workers = 1,
 ) -> None:
     """One open-loop run at a fixed rate; writes config.json, requests.jsonl, summary.json."""
     from ttsbuild.bench.units import parse_rate
@@ -266,7 +279,7 @@ def run(
         target_config=target_config, body_format=body_format, sample_rate=sample_rate,
         request_timeout=request_timeout, stall_timeout=stall_timeout,
         max_connections=max_connections, gpu_hour_usd=gpu_hour_usd, gpus=gpus,
-        http_client=http_client,
+        http_client=http_client, workers=workers,
     )  # fmt: skip
     from rich.console import Console
 
@@ -311,6 +324,7 @@ def sweep(
     gpu_hour_usd: GpuHourUsd = None,
     gpus: Gpus = 1,
     http_client: HttpClientOpt = "aiohttp",
+    workers: Workers = 1,
     slo_ttfa_p95: Annotated[
         str, typer.Option(help="Capacity = the highest rate with p95 audible TTFA within this, "
                           "no underrun and no failed, refused or timed-out request.")
@@ -335,7 +349,7 @@ def sweep(
         target_config=target_config, body_format=body_format, sample_rate=sample_rate,
         request_timeout=request_timeout, stall_timeout=stall_timeout,
         max_connections=max_connections, gpu_hour_usd=gpu_hour_usd, gpus=gpus,
-        http_client=http_client,
+        http_client=http_client, workers=workers,
     )  # fmt: skip
     from ttsbuild.bench.sweep import METRICS_START_FILE, ServiceLevel, run_sweep, scrape
     from ttsbuild.bench.target import metrics_endpoint
