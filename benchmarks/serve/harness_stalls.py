@@ -10,8 +10,9 @@ dispatch lag, TTFA and underruns.
     python benchmarks/serve/harness_stalls.py [--rate 100] [--duration 60] [--workers 1]
         [--frame-ms 12] [--no-freeze]
 
---no-freeze: the harness's collector as before 2026-12-04 (nothing frozen during the run), for
-the comparison in benchmarks/serve/2026-12-04-h200-sweep-harness-watch/README.md.
+--no-freeze (one worker only): the harness's collector as before 2026-12-04 (nothing frozen
+during the run), for the comparison in
+benchmarks/serve/2026-12-04-h200-sweep-harness-watch/README.md.
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ def main() -> None:
     p.add_argument("--no-freeze", action="store_true")
     a = p.parse_args()
     if a.no_freeze:
+        if a.workers > 1:
+            p.error("--no-freeze patches this process only: use it with --workers 1")
         runner._FREEZE_EVERY_S = float("inf")
-        runner.gc.freeze = lambda: None  # (the module's `gc`: only the harness's calls)
+        runner.gc.freeze = lambda: None  # gc.freeze itself: nothing else in this process calls it
     with serve_in_subprocess(voice_agent_reply) as (http_url, _ws_url):
         target = Target(
             url=endpoint_url(http_url, Mode.http),
