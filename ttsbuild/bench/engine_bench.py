@@ -62,6 +62,9 @@ class PrecisionResult:
     # audio), in the read
     # (wait + copy); GPU time of the prefill, the frame and the codec step (events between)
     first_chunk_parts_ms: dict[str, float] = field(default_factory=dict)
+    # engine.resolve of the same request back to back (caches warm), median: against
+    # host_resolve above (each after a GPU round trip), what the host's cold start costs
+    host_resolve_hot_ms: float = 0.0
     memory: dict[str, float] = field(default_factory=dict)  # GiB by kind, measured
     # "B" (and "B lane": the admission lane on, where the plan has one; timed in the same
     # engine) -> median / max ms from a new request to its first 1-frame PCM chunk while B
@@ -389,6 +392,12 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
     res.first_chunk_gpu_ms = statistics.median(gpus)
     res.first_chunk_host_ms = statistics.median(hosts)
     res.first_chunk_host_resolved_ms = statistics.median(resolved_hosts)
+    hot = []
+    for i in range(200):
+        t0 = time.perf_counter()
+        engine.resolve(SynthesisRequest(text=TEXT[:60], voice="ryan", seed=i))
+        hot.append((time.perf_counter() - t0) * 1e3)
+    res.host_resolve_hot_ms = statistics.median(hot)
     new_req = SynthesisRequest(text=TEXT[:60], voice="ryan", seed=0)
     lanes = (False, True) if plan.admission_lane else (False,)
     for load in sorted({min(b, plan.max_batch - 1) for b in batches} - {0}):
@@ -575,7 +584,8 @@ def format_table(results: list[PrecisionResult]) -> str:
             f"{r.first_chunk_ms:.2f} ms (p90 {r.first_chunk_p90_ms:.2f}; GPU "
             f"{r.first_chunk_gpu_ms:.2f}, host beyond GPU {r.first_chunk_host_ms:.2f}, "
             f"{r.first_chunk_host_resolved_ms:.2f} from a request resolved at the edge; medians "
-            f"{', '.join(f'{k} {v:.2f}' for k, v in r.first_chunk_parts_ms.items())}); "
+            f"{', '.join(f'{k} {v:.2f}' for k, v in r.first_chunk_parts_ms.items())}; "
+            f"host_resolve back to back {r.host_resolve_hot_ms:.3f}); "
             f"beside B stepping rows, median / max ms: {{{load}}}; "
             f"memory GiB {', '.join(f'{k} {v:.2f}' for k, v in r.memory.items())}"
         )
