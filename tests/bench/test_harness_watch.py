@@ -144,3 +144,36 @@ def test_a_worker_that_fails_is_reported_not_waited_for():
     assert time.perf_counter() - started < 30
     with pytest.raises(RuntimeError, match="bench worker . failed: AttributeError"):
         run_benchmark(replace(settings, target=None), ["one"])
+
+
+def _record(index: int, scheduled_s: float, underrun_at: float | None, stall_s: float = 0.005):
+    from ttsbuild.bench.metrics import RequestRecord
+
+    return RequestRecord(
+        index=index, warmup=False, scheduled_s=scheduled_s, voice="a", chars=10, outcome="ok",
+        http_status=200, error=None, dispatch_lag_s=0.0, headers_s=0.005, ttfb_s=0.01,
+        first_playable_s=0.03, ttfa_s=0.03, leading_silence_s=0.0, e2e_s=1.0, audio_s=1.0,
+        rtf=1.0, underruns=int(underrun_at is not None), stall_s=stall_s if underrun_at else 0.0,
+        underrun_at_s=[underrun_at] if underrun_at is not None else [], audio_arrival_s=None,
+        text_done_to_audio_s=None, sample_rate=24000, body_bytes=48000, text="x" * 10,
+    )  # fmt: skip
+
+
+def test_underruns_beside_a_harness_stall_are_named():
+    from ttsbuild.bench.runner import underruns_beside_stalls
+
+    watch = HarnessWatch(lags=[(0.5, 0.001), (2.15, 0.04), (5.0, 0.012)])  # stopped 2.11-2.15 s
+    records = [
+        # ran dry at 2.0 + 0.03 + 0.08 = 2.11 s, its chunk 5 ms late: inside the stop
+        _record(0, 2.0, 0.08),
+        # ran dry at 1.11 s: the harness was running then
+        _record(1, 1.0, 0.08),
+        # no underrun at all, though it played through the stop
+        _record(2, 2.05, None),
+        # ran dry at 4.99 s, 20 ms late: the 12 ms stop at 4.988-5.0 s overlaps
+        _record(3, 4.88, 0.08, stall_s=0.02),
+        # ran dry at 5.2 s: after the stop ended
+        _record(4, 5.09, 0.08),
+    ]
+    assert underruns_beside_stalls(records, [watch]) == 2
+    assert underruns_beside_stalls(records, [HarnessWatch(lags=[(2.15, 0.004)])]) == 0

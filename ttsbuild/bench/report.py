@@ -64,7 +64,8 @@ def run_table(summary: dict[str, Any], title: str) -> Table:
         f"total {underruns['total']}",
         f"requests {underruns['requests_with_underrun']}",
         f"rate {_fmt(underruns['rate'], 100)}%",
-        "",
+        # (summaries written before 2026-12-04 lack it)
+        f"{underruns.get('beside_harness_stall', '-')} beside a harness stall",
         "",
     )
     table.add_row(

@@ -132,7 +132,25 @@ def run_benchmark(
         watches = [watch]
     summary = summarise(records, settings.duration_s, settings.gpu_hour_usd, settings.gpus)
     summary["harness"] = harness_summary(watches)
+    # counted all the same (the capacity rule does not excuse them), but named
+    summary["underruns"]["beside_harness_stall"] = underruns_beside_stalls(records, watches)
     return RunResult(settings, records, summary, started_unix, len(planned))
+
+
+def underruns_beside_stalls(records: list[RequestRecord], watches: list[HarnessWatch]) -> int:
+    """Measured requests whose first underrun came while the harness itself was stopped: one of
+    its loop's pauses of HARNESS_STALL_S or more overlaps the span from 20 ms before the player
+    ran dry to the late chunk's arrival (the request's stall). Such an underrun may be the
+    harness's own (it read the chunk late), not the server's."""
+    stopped = [(at - lag, at) for w in watches for at, lag in w.lags if lag >= HARNESS_STALL_S]
+    count = 0
+    for r in records:
+        if r.warmup or not r.underruns or r.first_playable_s is None or not r.underrun_at_s:
+            continue
+        dry = r.scheduled_s + r.first_playable_s + r.underrun_at_s[0]
+        late_by = r.stall_s if r.underruns == 1 and r.stall_s else 0.001
+        count += any(a < dry + late_by and b > dry - 0.02 for a, b in stopped)
+    return count
 
 
 @dataclass
