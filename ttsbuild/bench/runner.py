@@ -292,11 +292,12 @@ def _run_in_workers(
     ]
     stop = threading.Event()
 
-    def mirror() -> None:  # the parent's counters, for a UI polling them
+    def pull() -> None:  # the parent's counters: the workers' summed
+        progress.sent, progress.finished, progress.not_ok = (sum(counts[i::3]) for i in range(3))
+
+    def mirror() -> None:  # ...kept current for a UI polling them
         while not stop.wait(0.1):
-            progress.sent, progress.finished, progress.not_ok = (
-                sum(counts[i::3]) for i in range(3)
-            )
+            pull()
 
     for proc in procs:
         proc.start()
@@ -331,7 +332,7 @@ def _run_in_workers(
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    progress.sent, progress.finished, progress.not_ok = (sum(counts[i::3]) for i in range(3))
+    pull()
     records.sort(key=lambda r: r.index)
     return records, watches
 
