@@ -177,3 +177,13 @@ def test_underruns_beside_a_harness_stall_are_named():
     ]
     assert underruns_beside_stalls(records, [watch]) == 2
     assert underruns_beside_stalls(records, [HarnessWatch(lags=[(2.15, 0.004)])]) == 0
+
+
+def test_every_stall_is_counted_though_only_the_first_hundred_are_listed():
+    from ttsbuild.bench.runner import harness_summary
+
+    watch = HarnessWatch(lags=[(0.01 * i, 0.011 + 1e-5 * i) for i in range(150)] + [(2.0, 0.002)])
+    summary = harness_summary([watch])
+    assert summary["stall_count"] == 150
+    assert len(summary["stalls"]) == 100
+    assert summary["stalls"][0] == ["event loop", 0.0, 0.011]  # earliest first

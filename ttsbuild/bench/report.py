@@ -81,11 +81,12 @@ def run_table(summary: dict[str, Any], title: str) -> Table:
     harness = summary.get("harness")  # (summaries written before 2026-12-04 lack it)
     if harness and harness["loop_lag_s"]["count"]:
         # the harness's own pauses: chunks it read late through them look like underruns
-        lag, stalls = harness["loop_lag_s"], harness["stalls"]
+        lag = harness["loop_lag_s"]
+        stalls = harness.get("stall_count", len(harness["stalls"]))  # (before: the list only)
         table.add_row(
             "harness loop lag (ms)",
             *(_fmt(lag[k], 1e3, 1) for k in ("p50", "p95", "p99", "max")),
-            f"{len(stalls)} over {harness['stalls_over_s'] * 1e3:g} ms",
+            f"{stalls} over {harness['stalls_over_s'] * 1e3:g} ms",
         )
     return table
 

@@ -228,6 +228,7 @@ def harness_summary(watches: list[HarnessWatch]) -> dict[str, Any]:
         "stalls": [[what, round(at, 4), round(s, 4)] for at, what, s in stalls][
             :_MAX_STALLS_LISTED
         ],
+        "stall_count": len(stalls),  # all of them: the list holds the first _MAX_STALLS_LISTED
         "stalls_over_s": HARNESS_STALL_S,
     }
 
