@@ -12,7 +12,7 @@ OUT    ?= out
 
 # The C++ step driver (ttsbuild/csrc) is compiled here, against the torch just installed:
 # hence no build isolation (an isolated build would compile against another torch).
-$(VENV)/.installed: pyproject.toml setup.py ttsbuild/csrc/step_driver.cpp
+$(VENV)/.installed: pyproject.toml setup.py ttsbuild/csrc/step_driver.cpp ttsbuild/csrc/graph_while.cu
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip "setuptools>=68" wheel
 	$(if $(TORCH),$(PIP) install -q "$(TORCH)")

@@ -31,7 +31,10 @@ export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 # it did not import; the build's output goes to LOG (default: discarded).
 ensure_driver() {
     local why
-    why=$("$PY" -c 'import torch, ttsbuild._driver as d; assert d.built_with_cuda()' 2>&1) && return 0
+    # a build without capture_while (graph_while.cu, 2026-12-04) is stale: build it again
+    why=$("$PY" -c 'import torch, ttsbuild._driver as d
+assert d.built_with_cuda(), "built without CUDA"
+assert hasattr(d, "capture_while"), "built without graph_while.cu"' 2>&1) && return 0
     echo "== building the step driver (CUDA): it does not import: $(tail -1 <<<"$why")"
     "$PY" setup.py build_ext --inplace > "${1:-/dev/null}" 2>&1 || {
         echo "driver build failed"; [ -z "${1:-}" ] || tail -20 "$1"; return 1; }

@@ -18,9 +18,11 @@ self-speculative draft stays near chance; what a trained model's heads share is 
 modelled). Draft kinds: "self" (the target's own heads) and "draft" (heads distilled here,
 in a few hundred steps, on the target's own sampled frames from random talker states: the
 `ttsbuild distill-draft` objective, runtime/draft.py layout).
-Rounds after every row is done are IF nodes of the graph when torch has conditional nodes
-(`CUDAGraph.begin_capture_to_if_node`); the table says which ran (--conditional off runs all
-rounds, to measure what IF nodes save). Writes spec.json (and the table) under --out.
+The rounds are one WHILE node of the graph when the step driver has them
+(`runtime.graph_while`, --loop), else IF nodes when torch has conditional nodes in Python
+(`CUDAGraph.begin_capture_to_if_node`, --conditional); the table says which ran. At batch 1,
+window 3 it also times the same frame with every round run (what the loop saves). Writes
+spec.json (and the table) under --out.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from ttsbuild.runtime.cp_spec import (  # noqa: E402
 )
 from ttsbuild.runtime.fast_model import Dense  # noqa: E402
 from ttsbuild.runtime.graph_engine import _capture  # noqa: E402
+from ttsbuild.runtime.graph_while import while_nodes_available  # noqa: E402
 
 DEV = "cuda"
 
@@ -129,15 +132,16 @@ def train(heads, opt, h, p, held, steps, window, g) -> None:
 
 
 def capture_spec(spec, fn) -> torch.cuda.CUDAGraph:
-    """Capture with IF nodes; if this torch refuses them, say so and capture all rounds."""
+    """Capture with the WHILE node (or IF nodes); if the capture refuses it, say so and
+    capture all rounds from here on."""
     try:
         return _capture(fn, None)
     except RuntimeError as exc:
-        if not spec.conditional:
+        if not (spec.loop or spec.conditional):
             raise
-        print(f"IF-node capture failed ({str(exc).splitlines()[0][:160]}); all rounds from "
-              "here on", flush=True)
-        spec.conditional = False
+        print(f"{rounds_of(spec).upper()}-node capture failed "
+              f"({str(exc).splitlines()[0][:200]}); all rounds from here on", flush=True)
+        spec.loop = spec.conditional = False
         return _capture(fn, None)
 
 
@@ -150,7 +154,7 @@ def bench_target(fcp, name, args, results) -> None:
           f"{fmt(distilled['draft_expected_acceptance'])}")  # fmt: skip
     results[name] = {"distilled": distilled, "rows": []}
     spec = SpeculativeCodePredictor(fcp, max(args.batches), max(args.windows), draft,
-                                    conditional=args.conditional)  # fmt: skip
+                                    conditional=args.conditional, loop=args.loop)  # fmt: skip
     paths = args.paths
     print(f"{'B':>3s} " + " ".join(f"{'off ' + p:>14s}" for p in paths)
           + f" {'kind':>5s} {'k':>2s} {'spec ms':>8s} {'x best':>6s} {'passes/row':>10s} "
@@ -176,10 +180,11 @@ def bench_target(fcp, name, args, results) -> None:
                 def run(k=k, kind=kind, out=out, inputs=inputs):
                     out.copy_(spec.frame(*inputs, kind, k))
 
+                spec.prepare(B, k, kind)
                 graph = capture_spec(spec, run)
                 ms = time_graph_ms(graph, args.replays)
                 del graph
-                row = {"batch": B, "kind": kind, "window": k, "ms": ms,
+                row = {"batch": B, "kind": kind, "window": k, "ms": ms, "rounds": rounds_of(spec),
                        "conditional": spec.conditional, "off_ms": base, **stats}
                 results[name]["rows"].append(row)  # fmt: skip
                 acc = stats["acceptance_per_depth"]
@@ -196,22 +201,33 @@ def time_spec(spec, fcp, B: int, kind: str, k: int, replays: int) -> float:
     frame.sampling = sampled(B)
     inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
     out = torch.zeros(B, fcp.num_code_groups, dtype=torch.int64, device=DEV)
+    spec.prepare(B, k, kind)
     graph = capture_spec(spec, lambda: out.copy_(spec.frame(*inputs, kind, k)))
     return time_graph_ms(graph, replays)
 
 
+def rounds_of(spec) -> str:
+    """How the rounds of the frame just captured ran."""
+    if spec.loop:
+        return "while"
+    return "if" if spec.conditional else "all"
+
+
 def conditional_saving(spec, fcp, args, results, name) -> None:
-    """Batch 1, window 3: the graph with IF nodes vs every round run (what IF nodes save)."""
-    if not spec.conditional:
+    """Batch 1, window 3: the graph with the loop (WHILE or IF nodes) vs every round run."""
+    if not (spec.loop or spec.conditional):
         return
+    loop, conditional = spec.loop, spec.conditional
     for kind in ("self", "draft"):
-        with_if = time_spec(spec, fcp, 1, kind, 3, args.replays)
-        spec.conditional = False
+        how = rounds_of(spec)
+        looped = time_spec(spec, fcp, 1, kind, 3, args.replays)
+        spec.loop = spec.conditional = False
         every = time_spec(spec, fcp, 1, kind, 3, args.replays)
-        spec.conditional = True
-        results[name][f"if_nodes_b1_k3_{kind}"] = {"if_nodes_ms": with_if, "all_rounds_ms": every}
-        print(f"batch 1, {kind}, window 3: {with_if:.3f} ms with IF nodes, {every:.3f} ms with "
-              "every round run")  # fmt: skip
+        spec.loop, spec.conditional = loop, conditional
+        results[name][f"loop_b1_k3_{kind}"] = {"rounds": how, "loop_ms": looped,
+                                               "all_rounds_ms": every}  # fmt: skip
+        print(f"batch 1, {kind}, window 3: {looped:.3f} ms with the rounds as {how} nodes, "
+              f"{every:.3f} ms with every round run")  # fmt: skip
 
 
 @torch.no_grad()
@@ -259,6 +275,8 @@ def main() -> int:
     ap.add_argument("--distill-steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--conditional", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--loop", choices=["auto", "on", "off"], default="auto",
+                    help="the rounds as one WHILE node (the step driver's graph_while.cu)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -268,6 +286,7 @@ def main() -> int:
     args.windows = [int(w) for w in args.windows.split(",")]
     args.paths = [p for p in args.paths.split(",") if p]
     args.conditional = {"auto": None, "on": True, "off": False}[args.conditional]
+    args.loop = {"auto": None, "on": True, "off": False}[args.loop]
     torch.backends.cuda.matmul.allow_tf32 = False
     config, _, _ = load_variant("1.7b-customvoice")
     cfg = ModelConfig.from_official(config)
@@ -275,7 +294,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; conditional IF nodes: "
           f"{'available' if conditional_nodes_available() else 'NOT available'}, "
           f"{'used' if ifnodes else 'not used'} (rounds after all rows finish "
-          f"{'are skipped' if ifnodes else 'run in full'})")  # fmt: skip
+          f"{'are skipped' if ifnodes else 'run in full'}); WHILE nodes (step driver): "
+          f"{'available' if while_nodes_available() else 'NOT available'}")  # fmt: skip
     results = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
                "conditional_nodes": ifnodes, "args": {k: v for k, v in vars(args).items()}}
     t0 = time.time()

@@ -3,7 +3,8 @@ CPU build (the CI machine and the development machine): the CUDA-only parts of
 `csrc/step_driver.cpp` are otherwise first compiled on the GPU host, where a mistake costs
 device time. g++ -fsyntax-only against torch's headers and the CUDA runtime headers; the few
 library headers a CPU wheel's ATen/cuda headers name but do not need here (cuBLAS, cuSPARSE,
-cuSOLVER, the CMake macros) are stubbed."""
+cuSOLVER, the CMake macros) are stubbed. The WHILE-node source (`csrc/graph_while.cu`, device
+code) is compiled by nvcc for sm_90 where nvcc exists (this machine; not the CI machine)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.utils.cpp_extension as ext
 from helpers_scripts import communicate_all
 
 SOURCE = Path(__file__).resolve().parents[2] / "ttsbuild" / "csrc" / "step_driver.cpp"
+WHILE_SOURCE = SOURCE.with_name("graph_while.cu")
 CUDA_INCLUDE = Path(ext.CUDA_HOME or "/usr/local/cuda") / "include"
 STUBS = {
     "cusparse.h": "typedef struct cusparseContext* cusparseHandle_t;\n"
@@ -35,7 +37,7 @@ def start_compile(source: Path, stubs: Path) -> subprocess.Popen:
         (stubs / name).write_text(text)
     includes = [*ext.include_paths(), sysconfig.get_paths()["include"], str(CUDA_INCLUDE),
                 str(stubs)]  # fmt: skip
-    cmd = ["g++", "-std=c++17", "-fsyntax-only", "-DTTSBUILD_WITH_CUDA",
+    cmd = ["g++", "-std=c++17", "-fsyntax-only", "-DTTSBUILD_WITH_CUDA", "-DTTSBUILD_GRAPH_WHILE",
            "-DTORCH_EXTENSION_NAME=_driver", "-DTORCH_API_INCLUDE_EXTENSION_H",
            *(f"-I{p}" for p in includes), str(source)]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -69,3 +71,27 @@ def test_the_cuda_code_path_of_the_step_driver_compiles(compiled):
 def test_the_check_sees_a_mistake_in_the_cuda_path(compiled):
     returncode, stderr = compiled["broken"]
     assert returncode != 0 and "getStreamFromExtern" in stderr
+
+
+NVCC = shutil.which("nvcc") or str(Path(ext.CUDA_HOME or "/usr/local/cuda") / "bin" / "nvcc")
+
+
+def nvcc_compile(source: Path, out: Path) -> subprocess.CompletedProcess:
+    cmd = [NVCC, "-std=c++17", "-arch=sm_90", "-c", str(source), "-o", str(out)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(not Path(NVCC).exists(), reason="needs nvcc")
+def test_the_while_node_source_compiles_for_hopper(tmp_path):
+    done = nvcc_compile(WHILE_SOURCE, tmp_path / "graph_while.o")
+    assert done.returncode == 0, done.stderr[-3000:]
+    symbols = subprocess.run(["nm", "-C", str(tmp_path / "graph_while.o")], capture_output=True,
+                             text=True).stdout  # fmt: skip
+    # the host function the binding declares, with its C++ signature
+    signature = "ttsbuild_capture_while(" + ", ".join(["unsigned long"] * 4 + ["int"]) + ")"
+    assert f"T {signature}" in symbols
+    broken = tmp_path / "broken.cu"
+    broken.write_text(WHILE_SOURCE.read_text().replace("cudaGraphAddChildGraphNode(",
+                                                       "cudaGraphAddChildGraphNod("))
+    done = nvcc_compile(broken, tmp_path / "broken.o")
+    assert done.returncode != 0 and "cudaGraphAddChildGraphNod" in done.stderr

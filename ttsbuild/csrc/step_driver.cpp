@@ -26,6 +26,7 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -390,6 +391,27 @@ auto guarded(R (C::*method)(A...) const) {
   return guarded_impl<R, const C, A...>(method);
 }
 
+#ifdef TTSBUILD_GRAPH_WHILE
+}  // namespace
+
+// graph_while.cu (compiled by nvcc into the same extension where CUDA is there)
+const char* ttsbuild_capture_while(std::uintptr_t stream_ptr, std::uintptr_t body_graph,
+                                   std::uintptr_t flag_ptr, std::uintptr_t counter_ptr,
+                                   int max_iterations);
+
+namespace {
+
+// A WHILE node at the capturing stream's current position: the body graph (a cudaGraph_t)
+// runs while the int32 at flag is non-zero, at most max_iterations times (graph_while.cu).
+void capture_while(std::uintptr_t stream, std::uintptr_t body_graph, std::uintptr_t flag,
+                   std::uintptr_t counter, int max_iterations) {
+  if (const char* error = ttsbuild_capture_while(stream, body_graph, flag, counter,
+                                                 max_iterations)) {
+    raise_runtime_error(error);
+  }
+}
+#endif
+
 std::unique_ptr<StepDriver> make_step_driver(bool cuda) {
   try {
     return std::make_unique<StepDriver>(cuda);
@@ -403,6 +425,11 @@ std::unique_ptr<StepDriver> make_step_driver(bool cuda) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ttsbuild's step driver: launch a step, copy its outputs out behind an event.";
   m.def("built_with_cuda", &built_with_cuda);
+#ifdef TTSBUILD_GRAPH_WHILE
+  m.def("capture_while", &capture_while, py::arg("stream"), py::arg("body_graph"),
+        py::arg("flag"), py::arg("counter"), py::arg("max_iterations"),
+        "A WHILE node at the capturing stream's current position (ttsbuild/csrc/graph_while.cu).");
+#endif
   py::class_<StepDriver>(m, "StepDriver")
       .def(py::init(&make_step_driver), py::arg("cuda"))
       .def_property_readonly("cuda", &StepDriver::cuda)

@@ -27,10 +27,13 @@ row's codes do not depend on the other rows of its batch.
 On the device: fixed shapes, no host sync. Each row's depth (the last codebook it has)
 lives on the device, rows accept different lengths; a row past codebook G - 1 runs on with
 clamped indices and writes only columns >= G of its code buffer, which are dropped. A
-frame needs at most G - 2 rounds; while a CUDA graph is being captured and torch has
-conditional nodes (`CUDAGraph.begin_capture_to_if_node`), every round after the first is an
-IF node on "some row is not done", so rounds after all rows finished cost a condition
-check, not a pass. Without them every round runs (on the CPU the host stops early).
+frame needs at most G - 2 rounds. Captured into a CUDA graph, the rounds are one WHILE node
+on "some row is not done" when the step driver has them (`runtime.graph_while`: the round is
+captured ahead as a body graph of its own by `prepare(B, window, kind)`, reading the frame's
+inputs from this object's buffers), so rounds after all rows finished cost nothing but the
+node's check; else, where torch has conditional nodes in Python
+(`CUDAGraph.begin_capture_to_if_node`), every round after the first is an IF node; without
+either, every round runs (on the CPU the host stops early).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, unif
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense
+from ttsbuild.runtime.graph_while import WhileBody, while_nodes_available
 from ttsbuild.runtime.plan import MAX_SPEC_WINDOW
 
 SPEC_KINDS = ("self", "draft")
@@ -175,6 +179,7 @@ class SpeculativeCodePredictor:
         draft_heads: torch.Tensor | None = None,  # [G - 1, V, H] (runtime.draft)
         conditional: bool | None = None,  # IF nodes under capture (None: when available)
         stats: bool = False,  # count drafts tested / accepted per depth, passes (benchmarks)
+        loop: bool | None = None,  # the rounds as a WHILE node under capture (None: if built)
     ):
         if not 1 <= max_window <= MAX_WINDOW:
             raise ValueError(f"speculation window must be 1..{MAX_WINDOW}, got {max_window}")
@@ -190,6 +195,9 @@ class SpeculativeCodePredictor:
             )
         self.draft_heads = None if draft_heads is None else draft_heads.to(dev, dtype)
         self.conditional = conditional_nodes_available() if conditional is None else conditional
+        on_gpu = torch.device(dev).type == "cuda"
+        self.loop = (on_gpu and while_nodes_available()) if loop is None else loop
+        self.bodies: dict[tuple[int, int, str], WhileBody] = {}  # (B, window, kind)
         # On CPU (never captured) stop once every row is done; reads a device value, so the
         # capture-safety test turns it off (tests/runtime/test_capture_safety.py).
         self.early_exit_on_cpu = True
@@ -203,6 +211,12 @@ class SpeculativeCodePredictor:
         self.source = torch.zeros(max_batch, c.hidden_size, dtype=dtype, device=dev)
         self.codes = torch.zeros(max_batch, G + W + 2, dtype=torch.int64, device=dev)
         self.plain = plain_sampling(max_batch, dev)
+        # A frame's inputs as the rounds read them: fixed addresses, so a round captured
+        # ahead (the WHILE body) reads the inputs of the frame that runs it.
+        self.in_sampling = plain_sampling(max_batch, dev)
+        self.in_seeds = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.in_frames = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.live = torch.zeros(1, dtype=torch.int32, device=dev)  # some row is not done
         self.trash = G + W + 1  # the column that writes past a row's accepted codes go to
         self.stats = stats
         # drafts tested [0] / accepted [1] at offset t; passes of rows, passes of batches
@@ -234,7 +248,16 @@ class SpeculativeCodePredictor:
             raise ValueError(f"window {window} outside 1..{self.max_window}")
         heads = self.heads_of(kind)
         B, G, cp = hidden.shape[0], self.groups, self.cp
+        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+        body = self.bodies.get((B, window, kind)) if capturing and self.loop else None
+        if capturing and self.loop and body is None:
+            raise RuntimeError(
+                f"the speculative rounds of batch {B}, window {window}, kind {kind!r} are a "
+                "WHILE node under capture: call prepare(B, window, kind) before capturing"
+            )
         slots = self.slots[:B]
+        self._stage(sampling, seeds, frames, B)
+        sampling, seeds, frames = self._staged(B)
         # Codebook 1: the plain first pass (positions 0, 1) and the target's own sampler.
         x = torch.stack([hidden, cp.codec_embedding[c0]], dim=1)  # [B, 2, H]
         h = cp.stack.prefill(cp.proj(x), self.k_cache, self.v_cache, slots)[:, -1]
@@ -247,7 +270,10 @@ class SpeculativeCodePredictor:
         if self.stats:  # scalar adds: no host-to-device copy (graph-safe)
             self.passes[0::2] += B
             self.passes[1::2] += 1
-        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+        if body is not None:  # every round on the device: a WHILE node on "some row live"
+            self._set_live(B)
+            body.run(max_iterations=G - 2)
+            return codes[:, :G].clone()
         for r in range(G - 2):  # each round decides >= 1 codebook of every live row
             args = (heads, sampling, seeds, frames, window, B)
             if r == 0:
@@ -264,6 +290,36 @@ class SpeculativeCodePredictor:
             else:
                 self._round(*args)
         return codes[:, :G].clone()
+
+    def prepare(self, B: int, window: int, kind: str) -> None:
+        """Capture the round of B rows, window `window`, draft `kind` as a WHILE body (GPU,
+        outside any capture; a no-op without WHILE nodes). Frames captured later with these
+        settings run their rounds as one WHILE node."""
+        if not self.loop or (B, window, kind) in self.bodies:
+            return
+        if not 1 <= window <= self.max_window:
+            raise ValueError(f"window {window} outside 1..{self.max_window}")
+        heads = self.heads_of(kind)
+        sampling, seeds, frames = self._staged(B)
+
+        def step() -> None:
+            self._round(heads, sampling, seeds, frames, window, B)
+            self._set_live(B)
+
+        self.bodies[(B, window, kind)] = WhileBody.capture(step, self.live)
+
+    def _stage(self, sampling: SamplingBatch, seeds, frames, B: int) -> None:
+        for f in _FIELDS:
+            getattr(self.in_sampling, f)[:B].copy_(getattr(sampling, f))
+        self.in_seeds[:B].copy_(seeds)
+        self.in_frames[:B].copy_(frames)
+
+    def _staged(self, B: int) -> tuple[SamplingBatch, torch.Tensor, torch.Tensor]:
+        sampling = SamplingBatch(**{f: getattr(self.in_sampling, f)[:B] for f in _FIELDS})
+        return sampling, self.in_seeds[:B], self.in_frames[:B]
+
+    def _set_live(self, B: int) -> None:
+        self.live.copy_((self.depth[:B] < self.groups - 1).any().reshape(1))
 
     def _round(self, heads, sampling, seeds, frames, k: int, B: int) -> None:
         """Draft k codebooks past each row's depth, verify them in one pass, keep the

@@ -19,6 +19,7 @@ from ttsbuild.runtime.link import cxx_runtime_link_args
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "step_driver.cpp"
+WHILE_SOURCE = SOURCE.with_name("graph_while.cu")  # with CUDA (setup.py's graph_while_wanted)
 
 
 class DriverUnavailable(ImportError):
@@ -38,10 +39,12 @@ def driver_module(cuda: bool):
         from torch.utils.cpp_extension import load
 
         log.info("building the step driver just in time (cuda=%s)", cuda)
+        flags = ["-DTTSBUILD_WITH_CUDA", "-DTTSBUILD_GRAPH_WHILE"] if cuda else []
         return load(
             name="ttsbuild_driver_cuda" if cuda else "ttsbuild_driver",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O2", "-std=c++17"] + (["-DTTSBUILD_WITH_CUDA"] if cuda else []),
+            sources=[str(SOURCE)] + ([str(WHILE_SOURCE)] if cuda else []),
+            extra_cflags=["-O2", "-std=c++17"] + flags,
+            extra_cuda_cflags=["-O2", "-std=c++17"],
             extra_ldflags=cxx_runtime_link_args(),  # the process's libstdc++ (setup.py)
             with_cuda=cuda,
         )

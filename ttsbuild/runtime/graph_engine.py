@@ -754,6 +754,9 @@ class GraphBackend:
         admit_capture = torch.cuda.Stream() if self.lane_buckets else lm_capture
         where = {"lm": (pool, lm_capture), "codec": (codec_pool, codec_capture),
                  "admit": (admit_pool, admit_capture)}  # fmt: skip
+        if self.cp_spec is not None:  # speculative rounds: WHILE bodies, captured first
+            for B, (kind, window) in sorted(self.plan.speculative.items()):
+                self.cp_spec.prepare(B, window, kind)
         for key, body, lane in self.graph_bodies():
             self.graphs[key] = _capture(body, *where[lane])
         self._reset_scratch()

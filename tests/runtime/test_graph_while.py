@@ -1,0 +1,154 @@
+"""runtime.graph_while: WHILE nodes added to a graph under capture (the step driver's
+csrc/graph_while.cu), and the speculative code predictor's rounds as one WHILE node.
+
+GPU only, with a step driver built with graph_while.cu (CUDA >= 12.4); on the CPU machines the
+source's compile is checked by test_driver_cuda_build.py and the rounds' staging (the inputs
+the WHILE body reads) by test_cp_spec.py's CPU tests, which run the same frame()."""
+
+import pytest
+import torch
+
+from ttsbuild.runtime.graph_while import WhileBody, while_nodes_available
+
+pytestmark = pytest.mark.skipif(
+    not while_nodes_available(),
+    reason="needs a GPU and the step driver built with graph_while.cu",
+)
+
+
+class Counter:
+    """Body: x += step; live = x < limit. The loop's trip count lives in device tensors, so
+    one captured graph runs a different number of iterations per replay."""
+
+    def __init__(self):
+        dev = "cuda"
+        self.x = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.step = torch.ones(1, dtype=torch.int64, device=dev)
+        self.limit = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.live = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.trail = torch.zeros(64, dtype=torch.int64, device=dev)  # x after each iteration
+
+    def body(self) -> None:
+        self.x += self.step
+        self.trail[self.x.clamp(0, 63)] = self.x  # a scatter: a kernel reading x's new value
+        self.live.copy_((self.x < self.limit).to(torch.int32))
+
+    def graph(self, body: WhileBody, max_iterations: int, scratch: torch.Tensor):
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(graph, stream=stream):
+            self.x.zero_()
+            self.trail.zero_()
+            self.live.copy_((self.x < self.limit).to(torch.int32))
+            body.run(max_iterations)
+            scratch.copy_(self.x * 10 + 1)  # work after the loop sees its last iteration
+        return graph
+
+
+def test_the_loop_runs_until_the_body_clears_its_flag():
+    c = Counter()
+    body = WhileBody.capture(c.body, c.live)
+    after = torch.zeros(1, dtype=torch.int64, device="cuda")
+    graph = c.graph(body, 20, after)
+    for limit, want in ((3, 3), (7, 7), (1, 1), (0, 0), (50, 20), (20, 20)):
+        # limit 0: the flag is clear before the first iteration; 50: the cap of 20 stops it
+        c.limit.fill_(limit)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(c.x) == want, (limit, int(c.x))
+        assert body.iterations() == want
+        assert int(after) == want * 10 + 1
+        trail = c.trail.cpu()
+        assert trail[1 : want + 1].tolist() == list(range(1, want + 1))
+        assert int(trail[want + 1 :].abs().sum()) == 0
+
+
+def test_steps_of_another_size_and_a_body_run_twice_in_one_graph():
+    c = Counter()
+    body = WhileBody.capture(c.body, c.live)
+    c.step.fill_(3)
+    c.limit.fill_(10)
+    out = torch.zeros(2, dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        c.x.zero_()
+        c.live.fill_(1)
+        body.run(100)
+        out[0] = c.x[0]
+        c.x.fill_(-5)
+        c.live.fill_(1)
+        body.run(100)
+        out[1] = c.x[0]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.tolist() == [12, 10]  # 0 -> 12 (four steps of 3), -5 -> 10 (five)
+
+
+def test_refusals():
+    c = Counter()
+    body = WhileBody.capture(c.body, c.live)
+    with pytest.raises(RuntimeError, match="graph being captured"):
+        body.run(3)
+    with pytest.raises(ValueError, match="int32"):
+        WhileBody(body.graph, torch.zeros(1, dtype=torch.int64, device="cuda"))
+
+
+def _spec_case(do_sample: bool):
+    from test_cp_fused import _frame_inputs, _predictor
+    from test_cp_spec import _draft_near
+
+    from ttsbuild.runtime.cp_spec import SpeculativeCodePredictor
+
+    B = 3
+    cp = _predictor(torch.float32, "cuda")
+    hidden, c0, sampling, seeds, frames, *_ = _frame_inputs(B, "cuda", do_sample)
+    draft = _draft_near(cp).to("cuda")
+    looped = SpeculativeCodePredictor(cp, B, 3, draft_heads=draft, loop=True, stats=True)
+    every = SpeculativeCodePredictor(cp, B, 3, draft_heads=draft, loop=False, conditional=False)
+    return looped, every, (hidden.cuda(), c0, sampling, seeds, frames)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("kind", ["self", "draft"])
+def test_speculative_rounds_as_a_while_node_give_the_codes_of_every_round_run(kind, do_sample):
+    """The captured frame with its rounds as one WHILE node == the same frame with every
+    round run (eager, same kernels): the same codes, bit for bit; and the loop stopped early
+    (the near-target draft accepts most codebooks, so fewer than G - 2 rounds were needed)."""
+    looped, every, inputs = _spec_case(do_sample)
+    want = every.frame(*inputs, kind, 3)
+    looped.prepare(inputs[0].shape[0], 3, kind)
+    out = torch.zeros_like(want)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        out.copy_(looped.frame(*inputs, kind, 3))
+    looped.reset_stats()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    body = looped.bodies[(inputs[0].shape[0], 3, kind)]
+    rounds = body.iterations()
+    G = looped.groups
+    assert 1 <= rounds < G - 2, rounds
+    # the stats count a batch pass per round with a live row, plus the first pass
+    assert looped.report()["passes_per_batch_frame"] == rounds + 1
+    # a second replay with other seeds: the graph follows its inputs
+    inputs[3].add_(1)
+    want = every.frame(*inputs, kind, 3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+def test_capturing_a_looped_frame_without_its_body_is_refused():
+    looped, _, inputs = _spec_case(False)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with pytest.raises(RuntimeError, match="prepare"):
+        with torch.cuda.graph(graph, stream=stream):
+            looped.frame(*inputs, "self", 3)
