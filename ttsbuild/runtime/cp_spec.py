@@ -45,6 +45,7 @@ import torch
 
 from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, uniform_noise
 from ttsbuild.plugins.sampling import fused_sample
+from ttsbuild.plugins.spec_accept import spec_accept, spec_accept_reference
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense
 from ttsbuild.runtime.graph_while import WhileBody, while_nodes_available
@@ -63,6 +64,10 @@ DRAFT_DRAW, ACCEPT_TEST, FINAL_DRAW = 1, 2, 3
 # TTSBUILD_SPEC_FUSED_VERIFY=0 turns it off.
 FUSED_VERIFY = os.environ.get("TTSBUILD_SPEC_FUSED_VERIFY", "1") == "1"
 FUSED_VERIFY_MAX_ROWS = 8
+# A round's acceptance (the draft's and the target's filtered distributions, the tests, the
+# residual or bonus draw: ~45 launches) as one kernel (`plugins.spec_accept`) wherever the
+# kernels run. Built 2026-12-04, not yet timed; TTSBUILD_SPEC_FUSED_ACCEPT=0 turns it off.
+FUSED_ACCEPT = os.environ.get("TTSBUILD_SPEC_FUSED_ACCEPT", "1") == "1"
 
 
 def conditional_nodes_available() -> bool:
@@ -210,7 +215,6 @@ class SpeculativeCodePredictor:
         self.pending = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.source = torch.zeros(max_batch, c.hidden_size, dtype=dtype, device=dev)
         self.codes = torch.zeros(max_batch, G + W + 2, dtype=torch.int64, device=dev)
-        self.plain = plain_sampling(max_batch, dev)
         # A frame's inputs as the rounds read them: fixed addresses, so a round captured
         # ahead (the WHILE body) reads the inputs of the frame that runs it.
         self.in_sampling = plain_sampling(max_batch, dev)
@@ -334,7 +338,6 @@ class SpeculativeCodePredictor:
         # draft: codebooks d+1..d+k from the hidden state at depth d, drawn from
         # q = target_probs(draft logits) by the fused sampler (one launch for all B * k)
         draft_logits = head_logits(heads, source[:, None], books[:, :k])  # [B, k, V]
-        q = target_probs(draft_logits, sampling)
         counters = spec_counters(frames, books[:, :k], DRAFT_DRAW, G).reshape(-1)
         drafts = fused_sample(
             draft_logits.reshape(B * k, V), per_draft(sampling, k), seeds.repeat_interleave(k),
@@ -352,14 +355,11 @@ class SpeculativeCodePredictor:
             h = h.view(k + 1, B, -1).transpose(0, 1)  # [B, k + 1, H]
         else:
             h = cp.stack.extend(x, self.k_cache, self.v_cache, self.slots[:B], depth + 1)
-        p = target_probs(head_logits(self.heads, h, books), sampling)
-
-        u = noise(seeds, spec_counters(frames, books[:, :k], ACCEPT_TEST, G), 1)[..., 0]
-        accepted, dist, ok = speculative_accept(p, q, drafts, u)
-        final_book = books.gather(1, accepted[:, None])  # [B, 1]
-        plain = SamplingBatch(**{f: getattr(self.plain, f)[:B] for f in _FIELDS})
-        counters = spec_counters(frames, final_book, FINAL_DRAW, G)[:, 0]
-        final = fused_sample(torch.log(dist), plain, seeds, counters)[:, None]  # [B, 1]
+        target_logits = head_logits(self.heads, h, books)  # [B, k + 1, V]
+        accept = spec_accept if FUSED_ACCEPT else spec_accept_reference  # (kernel or ops)
+        accepted, final, ok = accept(draft_logits, target_logits, drafts, books, sampling,
+                                     seeds, frames, G)  # fmt: skip
+        final = final[:, None]  # [B, 1]
 
         # codes[d+1+j] = drafts[j] for j < accepted, final at j = accepted
         values = torch.where(steps == accepted[:, None], final, torch.cat([drafts, final], 1))

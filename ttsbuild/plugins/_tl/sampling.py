@@ -132,11 +132,9 @@ def topk_threshold_early(key, k, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _gumbel(seed_ptr, ctr_ptr, row, stride_ctr, offs):
-    """Gumbel noise [BLOCK_V] of the row's draw: the counter-based noise of
-    generation.sampling.uniform_noise."""
-    seed = tl.load(seed_ptr + row)
-    ctr = tl.load(ctr_ptr + row * stride_ctr)
+def uniforms(seed, ctr, offs):
+    """u in (0, 1) at columns `offs` of the draw keyed by (seed, ctr) (int64 values): the
+    counter-based noise of generation.sampling.uniform_noise."""
     lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     skey = _hash32(lo) ^ _hash32(hi ^ 0x68E31DA4)
@@ -144,8 +142,73 @@ def _gumbel(seed_ptr, ctr_ptr, row, stride_ctr, offs):
     cols = _hash32(offs.to(tl.uint32) + 0x3C6EF372)
     rbits = _hash32(stream ^ cols)
     u = ((rbits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    u = tl.minimum(u, 0.999999940395355224609375)  # 1 - 2^-24: the top bin rounds to 1.0
-    return -log_f32(-log_f32(u))
+    return tl.minimum(u, 0.999999940395355224609375)  # 1 - 2^-24: the top bin rounds to 1.0
+
+
+@triton.jit
+def gumbel_noise(seed, ctr, offs):
+    """Gumbel noise at columns `offs` of the draw keyed by (seed, ctr)."""
+    return -log_f32(-log_f32(uniforms(seed, ctr, offs)))
+
+
+@triton.jit
+def _gumbel(seed_ptr, ctr_ptr, row, stride_ctr, offs):
+    """Gumbel noise [BLOCK_V] of the row's draw: the counter-based noise of
+    generation.sampling.uniform_noise."""
+    seed = tl.load(seed_ptr + row)
+    ctr = tl.load(ctr_ptr + row * stride_ctr)
+    return gumbel_noise(seed, ctr, offs)
+
+
+@triton.jit
+def scaled_keys(x, temp, vmask):
+    """x / temperature (fp32, -0.0 made +0.0) and its order keys (uint32, padding 0: below
+    every real value, -inf included)."""
+    scaled = tl.math.div_rn(x, temp + tl.zeros_like(x))
+    scaled = tl.where(scaled == 0.0, 0.0, scaled)  # -0.0 -> +0.0
+    bits = scaled.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    return scaled, tl.where(vmask, key, 0)
+
+
+@triton.jit
+def kept_set(key, scaled, vmask, k, top_p, V, BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr,
+             EARLY_EXIT: tl.constexpr):  # fmt: skip
+    """The tokens top-k (k in 1..V; ties with the k-th value kept) then top-p (over what top-k
+    kept; the maximum always kept) keep: a bool [BLOCK_V]."""
+    # top-k: the k-th largest key (ties with it kept)
+    kth = tl.zeros((), tl.uint32)
+    digits = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)  # [R]: a candidate per digit value
+    if EARLY_EXIT and RADIX_BITS == 1:
+        if k < V:
+            kth = topk_threshold_early(key, k, BLOCK_V)
+    elif k < V:
+        for i in tl.static_range(32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (i + 1)
+            cand = kth | (digits << shift)  # [R]
+            cnt = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+            # the count falls as the digit grows: the largest digit still counting k
+            kth = kth | (tl.max(tl.where(cnt >= k, digits, 0), axis=0) << shift)
+    keep = vmask & (key >= kth)
+
+    # top-p over what top-k kept
+    if top_p < 1.0:
+        z = tl.where(keep, scaled, float("-inf"))
+        zmax = tl.max(z, axis=0)
+        e = tl.where(keep, exp_f32(z - zmax), 0.0)
+        total = tl.sum(e, axis=0)
+        budget = 1.0 - top_p
+        kmax = tl.max(tl.where(keep, key, 0), axis=0)
+        cut = tl.zeros((), tl.uint32)
+        for i in tl.static_range(32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (i + 1)
+            cand = cut | (digits << shift)  # [R]
+            mass = tl.sum(tl.where(key[None, :] <= cand[:, None], e[None, :], 0.0),
+                          axis=1) / total  # fmt: skip
+            # the mass grows with the digit: the largest digit still within the budget
+            cut = cut | (tl.max(tl.where(mass <= budget, digits, 0), axis=0) << shift)
+        keep = keep & ((key > cut) | (key == kmax))
+    return keep
 
 
 @triton.jit
@@ -180,11 +243,7 @@ def sample_row(
     greedy = tl.argmax(x, axis=0, tie_break_left=True)
 
     temp = tl.load(temp_ptr + row)
-    scaled = tl.math.div_rn(x, temp + tl.zeros_like(x))
-    scaled = tl.where(scaled == 0.0, 0.0, scaled)  # -0.0 -> +0.0
-    bits = scaled.to(tl.uint32, bitcast=True)
-    key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-    key = tl.where(vmask, key, 0)  # padding below every real value (-inf included)
+    scaled, key = scaled_keys(x, temp, vmask)
 
     do_sample = tl.load(dosample_ptr + row)
     k = tl.load(topk_ptr + row).to(tl.int32)
@@ -202,38 +261,7 @@ def sample_row(
             found = (tl.sum((key > first_key).to(tl.int32), axis=0) < k).to(tl.int32)
             drawn = first
     if found == 0:
-        # top-k: the k-th largest key (ties with it kept)
-        kth = tl.zeros((), tl.uint32)
-        digits = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)  # [R]: a candidate per digit value
-        if EARLY_EXIT and RADIX_BITS == 1:
-            if k < V:
-                kth = topk_threshold_early(key, k, BLOCK_V)
-        elif k < V:
-            for i in tl.static_range(32 // RADIX_BITS):
-                shift = 32 - RADIX_BITS * (i + 1)
-                cand = kth | (digits << shift)  # [R]
-                cnt = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-                # the count falls as the digit grows: the largest digit still counting k
-                kth = kth | (tl.max(tl.where(cnt >= k, digits, 0), axis=0) << shift)
-        keep = vmask & (key >= kth)
-
-        # top-p over what top-k kept
-        if top_p < 1.0:
-            z = tl.where(keep, scaled, float("-inf"))
-            zmax = tl.max(z, axis=0)
-            e = tl.where(keep, exp_f32(z - zmax), 0.0)
-            total = tl.sum(e, axis=0)
-            budget = 1.0 - top_p
-            kmax = tl.max(tl.where(keep, key, 0), axis=0)
-            cut = tl.zeros((), tl.uint32)
-            for i in tl.static_range(32 // RADIX_BITS):
-                shift = 32 - RADIX_BITS * (i + 1)
-                cand = cut | (digits << shift)  # [R]
-                mass = tl.sum(tl.where(key[None, :] <= cand[:, None], e[None, :], 0.0),
-                              axis=1) / total  # fmt: skip
-                # the mass grows with the digit: the largest digit still within the budget
-                cut = cut | (tl.max(tl.where(mass <= budget, digits, 0), axis=0) << shift)
-            keep = keep & ((key > cut) | (key == kmax))
+        keep = kept_set(key, scaled, vmask, k, top_p, V, BLOCK_V, RADIX_BITS, EARLY_EXIT)
         # Gumbel-max (the first try's noise recomputed, so that the search runs with no more
         # live registers than without it)
         gumbel = _gumbel(seed_ptr, ctr_ptr, row, stride_ctr, offs)

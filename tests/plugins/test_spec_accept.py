@@ -1,0 +1,95 @@
+"""plugins.spec_accept: a speculative round's acceptance in one kernel against the chain of
+reference ops it replaces (runtime.cp_spec), on fresh random logits of several sharpnesses,
+greedy and sampled rows, top-k / top-p on and off; and the greedy rule stated directly."""
+
+import pytest
+import torch
+from kernel_device import KDEV, needs_kernel
+
+from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.plugins.sampling import fused_sample
+from ttsbuild.plugins.spec_accept import spec_accept
+from ttsbuild.runtime.cp_spec import DRAFT_DRAW, per_draft, spec_counters
+
+G = 16
+
+
+def _case(B: int, k: int, V: int, seed: int, greedy_only: bool = False):
+    """Target logits, draft logits near them (some rows equal: all accepted), drafts drawn
+    from the draft's distribution as a round draws them, on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    sharp = torch.tensor([0.5, 2.0, 6.0])[torch.randint(0, 3, (B,), generator=g)]
+    target = torch.randn(B, k + 1, V, generator=g) * sharp[:, None, None]
+    noise = torch.tensor([0.0, 0.3, 1.5])[torch.randint(0, 3, (B,), generator=g)]
+    draft = target[:, :k] + noise[:, None, None] * torch.randn(B, k, V, generator=g)
+    sampling = SamplingBatch(
+        do_sample=torch.zeros(B, dtype=torch.bool) if greedy_only
+        else torch.rand(B, generator=g) < 0.8,
+        temperature=torch.tensor([0.7, 1.0, 1.3])[torch.randint(0, 3, (B,), generator=g)],
+        top_k=torch.tensor([0, 5, 50])[torch.randint(0, 3, (B,), generator=g)],
+        top_p=torch.tensor([1.0, 0.8, 0.95])[torch.randint(0, 3, (B,), generator=g)],
+        repetition_penalty=torch.ones(B),
+    )  # fmt: skip
+    seeds = torch.randint(0, 2**62, (B,), generator=g)
+    frames = torch.randint(0, 5000, (B,), generator=g)
+    depth = torch.randint(1, G - 1, (B,), generator=g)
+    books = depth[:, None] + 1 + torch.arange(k + 1)
+    counters = spec_counters(frames, books[:, :k], DRAFT_DRAW, G).reshape(-1)
+    drafts = fused_sample(draft.reshape(B * k, V), per_draft(sampling, k),
+                          seeds.repeat_interleave(k), counters,
+                          use_triton=False).reshape(B, k)  # fmt: skip
+    return draft, target, drafts, books, sampling, seeds, frames
+
+
+def _on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+def _sampling_on(s: SamplingBatch, device) -> SamplingBatch:
+    return SamplingBatch(**{f: getattr(s, f).to(device) for f in s.__dataclass_fields__})
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,V,seed", [(1, 300, 1), (3, 300, 2), (4, 2048, 3)])
+def test_spec_accept_kernel_equals_the_reference_ops(k, V, seed, monkeypatch):
+    B = 24
+    draft, target, drafts, books, sampling, seeds, frames = _case(B, k, V, seed)
+    dev = _on(KDEV, draft, target, drafts, books, seeds, frames)
+    got = spec_accept(dev[0], dev[1], dev[2], dev[3], _sampling_on(sampling, KDEV), dev[4],
+                      dev[5], G, use_triton=True)  # fmt: skip
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the reference: the torch ops on the CPU
+    accepted, final, ok = spec_accept(draft, target, drafts, books, sampling, seeds, frames, G,
+                                      use_triton=False)  # fmt: skip
+    # the case covers every outcome: a rejection at the first draft, one later, all accepted
+    assert (accepted == 0).any() and (accepted == k).any(), accepted
+    if k > 1:
+        assert ((accepted > 0) & (accepted < k)).any(), accepted
+    assert torch.equal(got[0].cpu(), accepted)
+    assert torch.equal(got[1].cpu(), final)
+    tested = torch.arange(k)[None, :] <= accepted[:, None]  # the tests that were run
+    assert torch.equal(got[2].cpu()[tested], ok[tested])
+    assert not got[2].cpu()[~tested].any()
+
+
+@needs_kernel
+def test_spec_accept_kernel_greedy_rule():
+    """Greedy rows: the leading drafts equal to the target's argmax are accepted, the code
+    after them is the target's argmax at the first mismatch (or at the bonus position)."""
+    B, k, V = 16, 3, 300
+    draft, target, drafts, books, sampling, seeds, frames = _case(B, k, V, 7, greedy_only=True)
+    drafts[::3] = target[::3, :k].argmax(-1)  # every third row: every draft right
+    dev = _on(KDEV, draft, target, drafts, books, seeds, frames)
+    accepted, final, _ = spec_accept(dev[0], dev[1], dev[2], dev[3],
+                                     _sampling_on(sampling, KDEV), dev[4], dev[5], G,
+                                     use_triton=True)  # fmt: skip
+    best = target.argmax(-1)  # [B, k + 1]
+    right = (drafts == best[:, :k]).long().cumprod(1).sum(1)
+    assert torch.equal(accepted.cpu(), right)
+    assert torch.equal(final.cpu(), best.gather(1, right[:, None])[:, 0])
+    assert (right[::3] == k).all() and (right < k).any()
+
+
+def test_spec_accept_refuses_shapes_that_do_not_fit():
+    draft, target, drafts, books, sampling, seeds, frames = _case(2, 3, 50, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        spec_accept(draft, target[:, :3], drafts, books, sampling, seeds, frames, G)

@@ -1,0 +1,127 @@
+"""Triton: a speculative round's acceptance in one launch (plugins.spec_accept).
+
+One program per row, the whole vocabulary in registers (as the fused sampler): for each
+drafted position t in turn while the row still accepts, the target's and the draft's
+filtered distributions p_t, q_t (temperature, top-k, top-p: the fused sampler's exact
+thresholds, `kept_set`; one-hot at the raw argmax for greedy rows), the test u < p(x) / q(x)
+with u of the row's ACCEPT_TEST counter, and at the first rejection a draw from
+normalise(max(0, p_t - q_t)) (p_t where no mass is left) by Gumbel-max with the FINAL_DRAW
+counter; when all K are accepted, the bonus draw from p_K.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
+from ttsbuild.plugins._tl._math import exp_f32, log_f32, pdl_prologue
+from ttsbuild.plugins._tl.sampling import gumbel_noise, kept_set, scaled_keys, uniforms
+
+
+@triton.jit
+def _probs(x_ptr, V, temp, k, top_p, do_sample, BLOCK_V: tl.constexpr,
+           RADIX_BITS: tl.constexpr):  # fmt: skip
+    """The distribution the row's sampler draws from, fp32 [BLOCK_V] (0 on padding)."""
+    offs = tl.arange(0, BLOCK_V)
+    vmask = offs < V
+    x = tl.load(x_ptr + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+    greedy = tl.argmax(x, axis=0, tie_break_left=True)
+    scaled, key = scaled_keys(x, temp, vmask)
+    keep = kept_set(key, scaled, vmask, k, top_p, V, BLOCK_V, RADIX_BITS, True)
+    z = tl.where(keep, scaled, float("-inf"))
+    zmax = tl.max(z, axis=0)
+    e = tl.where(keep, exp_f32(z - zmax), 0.0)
+    p = e / tl.sum(e, axis=0)
+    return tl.where(do_sample != 0, p, tl.where(offs == greedy, 1.0, 0.0))
+
+
+@triton.jit
+def _draw(dist, seed, ctr, offs):
+    """Gumbel-max over log(dist): a draw from dist (the fused sampler at temperature 1)."""
+    score = log_f32(dist) + gumbel_noise(seed, ctr, offs)
+    return tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
+
+
+@triton.jit
+def _spec_accept_kernel(
+    draft_ptr, target_ptr, drafts_ptr, books_ptr, temp_ptr, topk_ptr, topp_ptr, dosample_ptr,
+    seed_ptr, frames_ptr, accepted_ptr, final_ptr, ok_ptr, V, G,
+    ACCEPT_KIND: tl.constexpr, FINAL_KIND: tl.constexpr, K: tl.constexpr,
+    BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl_prologue(PDL)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_V)
+    temp = tl.load(temp_ptr + row)
+    k = tl.load(topk_ptr + row).to(tl.int32)
+    k = tl.where((k <= 0) | (k > V), V, k)
+    top_p = tl.load(topp_ptr + row)
+    do_sample = tl.load(dosample_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    frame = tl.load(frames_ptr + row)
+    accepted = tl.zeros((), tl.int64)
+    final = tl.zeros((), tl.int64)
+    live = tl.full((), 1, tl.int32)
+    # a loop, not unrolled: the distributions' code once each (a row's program is otherwise
+    # 2K + 1 copies of the threshold searches: 4.7 MB of PTX at K = 6)
+    for t in range(K + 1):
+        book = tl.load(books_ptr + row * (K + 1) + t)
+        if live != 0:
+            p = _probs(target_ptr + (row * (K + 1) + t).to(tl.int64) * V, V, temp, k, top_p,
+                       do_sample, BLOCK_V, RADIX_BITS)  # fmt: skip
+            if t < K:
+                q = _probs(draft_ptr + (row * K + t).to(tl.int64) * V, V, temp, k, top_p,
+                           do_sample, BLOCK_V, RADIX_BITS)  # fmt: skip
+                x = tl.load(drafts_ptr + row * K + t)
+                px = tl.sum(tl.where(offs == x, p, 0.0), axis=0)
+                qx = tl.sum(tl.where(offs == x, q, 0.0), axis=0)
+                u = uniforms(seed, (ACCEPT_KIND << 28) + frame * G + book, tl.zeros((), tl.int32))
+                ok = u * qx < px
+                tl.store(ok_ptr + row * K + t, ok.to(tl.int8))
+                if ok:
+                    accepted += 1
+                else:
+                    residual = tl.maximum(p - q, 0.0)
+                    dist = tl.where(tl.sum(residual, axis=0) > 0, residual, p)
+                    final = _draw(dist, seed, (FINAL_KIND << 28) + frame * G + book, offs)
+                    live = tl.zeros((), tl.int32)
+            else:
+                final = _draw(p, seed, (FINAL_KIND << 28) + frame * G + book, offs)
+        elif t < K:
+            tl.store(ok_ptr + row * K + t, tl.zeros((), tl.int8))
+    tl.store(accepted_ptr + row, accepted)
+    tl.store(final_ptr + row, final)
+
+
+def spec_accept_triton(
+    draft_logits: torch.Tensor,  # [B, K, V] fp32
+    target_logits: torch.Tensor,  # [B, K + 1, V] fp32
+    drafts: torch.Tensor,  # [B, K] int64
+    books: torch.Tensor,  # [B, K + 1] int64
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    do_sample: torch.Tensor,
+    seeds: torch.Tensor,
+    frames: torch.Tensor,
+    groups: int,
+    accept_kind: int,
+    final_kind: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, K, V = draft_logits.shape
+    dev = draft_logits.device
+    accepted = torch.empty(B, dtype=torch.int64, device=dev)
+    final = torch.empty(B, dtype=torch.int64, device=dev)
+    ok = torch.empty(B, K, dtype=torch.int8, device=dev)
+    block_v = triton.next_power_of_2(V)
+    _spec_accept_kernel[(B,)](
+        draft_logits.contiguous(), target_logits.contiguous(), drafts.contiguous(),
+        books.contiguous(), temperature.float(), top_k, top_p.float(),
+        do_sample.view(torch.uint8) if do_sample.dtype == torch.bool else do_sample,
+        seeds, frames, accepted, final, ok, V, groups,
+        ACCEPT_KIND=accept_kind, FINAL_KIND=final_kind, K=K, BLOCK_V=block_v, RADIX_BITS=1,
+        **pdl_args(pdl_enabled(draft_logits)), num_warps=8 if block_v >= 2048 else 4,
+    )  # fmt: skip
+    return accepted, final, ok.bool()

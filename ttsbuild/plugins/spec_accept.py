@@ -1,0 +1,79 @@
+"""A speculative round's acceptance (runtime.cp_spec) as one kernel.
+
+Given the draft's logits of the k drafted codebooks, the target's logits of those k + 1
+positions, the drafted codes and each row's sampling settings: how many drafts each row
+accepts, the code after them (the residual draw at the first rejection, the bonus draw after
+k acceptances) and the acceptance tests. The reference is the chain of ops it replaces
+(`runtime.cp_spec`'s `target_probs` twice, `noise`, `speculative_accept` and a plain
+`fused_sample` over log(dist): ~45 launches of a round's ~100); the kernel runs them for a
+row in one program, with the fused sampler's exact top-k / top-p thresholds and the same
+counter-based noise, so it draws the same codes except where float rounding of a softmax
+moves a test or a top-p cut by an ulp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.plugins._dispatch import want_triton
+
+
+def spec_accept_reference(
+    draft_logits: torch.Tensor,  # [B, k, V] fp32
+    target_logits: torch.Tensor,  # [B, k + 1, V] fp32
+    drafts: torch.Tensor,  # [B, k] int64, drawn from the draft's distribution
+    books: torch.Tensor,  # [B, k + 1] int64: the codebook of each position
+    sampling: SamplingBatch,
+    seeds: torch.Tensor,  # [B] int64
+    frames: torch.Tensor,  # [B] int64
+    groups: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(accepted [B] in 0..k, the code after them [B], the tests ok [B, k] bool)."""
+    from ttsbuild.plugins.sampling import fused_sample
+    from ttsbuild.runtime import cp_spec as s
+
+    k = drafts.shape[1]
+    p = s.target_probs(target_logits, sampling)
+    q = s.target_probs(draft_logits, sampling)
+    u = s.noise(seeds, s.spec_counters(frames, books[:, :k], s.ACCEPT_TEST, groups), 1)[..., 0]
+    accepted, dist, ok = s.speculative_accept(p, q, drafts, u)
+    final_book = books.gather(1, accepted[:, None])
+    counters = s.spec_counters(frames, final_book, s.FINAL_DRAW, groups)[:, 0]
+    plain = s.plain_sampling(drafts.shape[0], drafts.device)
+    final = fused_sample(torch.log(dist), plain, seeds, counters)
+    return accepted, final, ok
+
+
+def spec_accept(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    drafts: torch.Tensor,
+    books: torch.Tensor,
+    sampling: SamplingBatch,
+    seeds: torch.Tensor,
+    frames: torch.Tensor,
+    groups: int,
+    *,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(accepted [B], final code [B], ok [B, k]); after a rejection at t the tests past t
+    are False on the kernel (not run) and as computed in the reference (not used)."""
+    B, k, V = draft_logits.shape
+    if target_logits.shape != (B, k + 1, V) or drafts.shape != (B, k) or books.shape != (B, k + 1):
+        raise ValueError(
+            f"spec_accept: draft logits {tuple(draft_logits.shape)}, target logits "
+            f"{tuple(target_logits.shape)}, drafts {tuple(drafts.shape)}, books "
+            f"{tuple(books.shape)} do not fit [B, k, V], [B, k + 1, V], [B, k], [B, k + 1]"
+        )
+    if not want_triton(draft_logits, use_triton):
+        return spec_accept_reference(draft_logits, target_logits, drafts, books, sampling,
+                                     seeds, frames, groups)  # fmt: skip
+    from ttsbuild.plugins._tl.spec_accept import spec_accept_triton
+    from ttsbuild.runtime.cp_spec import ACCEPT_TEST, FINAL_DRAW
+
+    return spec_accept_triton(
+        draft_logits.float(), target_logits.float(), drafts, books, sampling.temperature,
+        sampling.top_k, sampling.top_p, sampling.do_sample, seeds, frames, groups,
+        ACCEPT_TEST, FINAL_DRAW,
+    )  # fmt: skip
