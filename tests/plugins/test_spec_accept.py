@@ -8,7 +8,7 @@ from kernel_device import KDEV, needs_kernel
 
 from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins.sampling import fused_sample
-from ttsbuild.plugins.spec_accept import spec_accept
+from ttsbuild.plugins.spec_accept import RoundState, spec_accept
 from ttsbuild.runtime.cp_spec import DRAFT_DRAW, per_draft, spec_counters
 
 G = 16
@@ -89,7 +89,49 @@ def test_spec_accept_kernel_greedy_rule():
     assert (right[::3] == k).all() and (right < k).any()
 
 
+def _state(B: int, k: int, H: int, books: torch.Tensor, seed: int, device) -> RoundState:
+    g = torch.Generator().manual_seed(seed)
+    W = 6
+    codes = torch.randint(0, 1000, (B, G + W + 2), generator=g)
+    return RoundState(
+        codes=codes.to(device), source=torch.randn(B, H, generator=g).to(device),
+        pending=torch.randint(0, 1000, (B,), generator=g).to(device),
+        depth=(books[:, 0] - 1).to(device), live=torch.zeros(1, dtype=torch.int32).to(device),
+        arrivals=torch.zeros(1, dtype=torch.int32).to(device), trash=G + W + 1,
+    )  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,B,done", [(3, 9, False), (2, 5, True)])
+def test_spec_accept_kernel_applies_the_round_as_the_reference_ops(k, B, done, monkeypatch):
+    """With the rows' state: codes (all but the trash column), source, pending, depth and
+    live as the reference ops leave them, and the kernel's arrival count back at 0; `done`:
+    every row ends the round at the last codebook (live 0), else some row is still live."""
+    V, H = 300, 40
+    draft, target, drafts, books, sampling, seeds, frames = _case(B, k, V, 11 + k)
+    if done:  # depths near the end: every row reaches G - 1 whatever it accepts
+        books = books - books[:, :1] + (G - 1)
+    h = torch.randn(B, k + 1, H, generator=torch.Generator().manual_seed(5))
+    dev = _on(KDEV, draft, target, drafts, books, seeds, frames, h)
+    got = _state(B, k, H, books, 3, KDEV)
+    spec_accept(*dev[:4], _sampling_on(sampling, KDEV), dev[4], dev[5], G, dev[6], got,
+                use_triton=True)  # fmt: skip
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    want = _state(B, k, H, books, 3, "cpu")
+    spec_accept(draft, target, drafts, books, sampling, seeds, frames, G, h, want,
+                use_triton=False)  # fmt: skip
+    assert torch.equal(got.codes.cpu()[:, : want.trash], want.codes[:, : want.trash])
+    assert torch.equal(got.source.cpu(), want.source)
+    assert torch.equal(got.pending.cpu(), want.pending)
+    assert torch.equal(got.depth.cpu(), want.depth)
+    assert int(got.live) == int(want.live) == (0 if done else 1)
+    assert int(got.arrivals) == 0
+
+
 def test_spec_accept_refuses_shapes_that_do_not_fit():
     draft, target, drafts, books, sampling, seeds, frames = _case(2, 3, 50, 0)
     with pytest.raises(ValueError, match="do not fit"):
         spec_accept(draft, target[:, :3], drafts, books, sampling, seeds, frames, G)
+    with pytest.raises(ValueError, match="hidden states"):
+        spec_accept(draft, target, drafts, books, sampling, seeds, frames, G,
+                    state=_state(2, 3, 8, books, 0, "cpu"))  # fmt: skip

@@ -13,10 +13,39 @@ moves a test or a top-p cut by an ulp.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins._dispatch import want_triton
+
+
+@dataclass
+class RoundState:
+    """The rows' speculative state a round advances (runtime.cp_spec), [B, ...] views."""
+
+    codes: torch.Tensor  # [B, C] int64: codebook c's code in column c
+    source: torch.Tensor  # [B, H]: the hidden state at each row's depth
+    pending: torch.Tensor  # [B] int64: the code at each row's depth
+    depth: torch.Tensor  # [B] int64: the last codebook each row has
+    live: torch.Tensor  # [1] int32: some row is not done (depth < G - 1)
+    arrivals: torch.Tensor  # [1] int32, 0 between rounds: the kernel's count of rows done
+    trash: int  # the column that writes past a row's accepted codes go to
+
+    def apply(self, accepted, final, drafts, books, h, groups: int) -> None:
+        """The round's results, as torch ops (the reference of the kernel's APPLY)."""
+        k = drafts.shape[1]
+        steps = torch.arange(k + 1, device=drafts.device)
+        final = final[:, None]
+        # codes[d+1+j] = drafts[j] for j < accepted, final at j = accepted
+        values = torch.where(steps == accepted[:, None], final, torch.cat([drafts, final], 1))
+        columns = torch.where(steps <= accepted[:, None], books, self.trash)
+        self.codes.scatter_(1, columns, values)
+        self.source.copy_(h.gather(1, accepted[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0])
+        self.pending.copy_(final[:, 0])
+        self.depth.copy_((self.depth + accepted + 1).clamp(max=groups - 1))
+        self.live.copy_((self.depth < groups - 1).any().reshape(1))
 
 
 def spec_accept_reference(
@@ -28,6 +57,8 @@ def spec_accept_reference(
     seeds: torch.Tensor,  # [B] int64
     frames: torch.Tensor,  # [B] int64
     groups: int,
+    h: torch.Tensor | None = None,  # [B, k + 1, H]: the verify pass's hidden states
+    state: RoundState | None = None,  # the rows' state: the results applied to it
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(accepted [B] in 0..k, the code after them [B], the tests ok [B, k] bool)."""
     from ttsbuild.plugins.sampling import fused_sample
@@ -42,6 +73,8 @@ def spec_accept_reference(
     counters = s.spec_counters(frames, final_book, s.FINAL_DRAW, groups)[:, 0]
     plain = s.plain_sampling(drafts.shape[0], drafts.device)
     final = fused_sample(torch.log(dist), plain, seeds, counters)
+    if state is not None:
+        state.apply(accepted, final, drafts, books, h, groups)
     return accepted, final, ok
 
 
@@ -54,11 +87,14 @@ def spec_accept(
     seeds: torch.Tensor,
     frames: torch.Tensor,
     groups: int,
+    h: torch.Tensor | None = None,
+    state: RoundState | None = None,
     *,
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(accepted [B], final code [B], ok [B, k]); after a rejection at t the tests past t
-    are False on the kernel (not run) and as computed in the reference (not used)."""
+    are False on the kernel (not run) and as computed in the reference (not used). With a
+    state (and h), the round's results are applied to it in the same launch."""
     B, k, V = draft_logits.shape
     if target_logits.shape != (B, k + 1, V) or drafts.shape != (B, k) or books.shape != (B, k + 1):
         raise ValueError(
@@ -66,14 +102,16 @@ def spec_accept(
             f"{tuple(target_logits.shape)}, drafts {tuple(drafts.shape)}, books "
             f"{tuple(books.shape)} do not fit [B, k, V], [B, k + 1, V], [B, k], [B, k + 1]"
         )
+    if state is not None and (h is None or h.shape[:2] != (B, k + 1)):
+        raise ValueError("spec_accept: applying a round needs its hidden states h [B, k + 1, H]")
     if not want_triton(draft_logits, use_triton):
         return spec_accept_reference(draft_logits, target_logits, drafts, books, sampling,
-                                     seeds, frames, groups)  # fmt: skip
+                                     seeds, frames, groups, h, state)  # fmt: skip
     from ttsbuild.plugins._tl.spec_accept import spec_accept_triton
     from ttsbuild.runtime.cp_spec import ACCEPT_TEST, FINAL_DRAW
 
     return spec_accept_triton(
         draft_logits.float(), target_logits.float(), drafts, books, sampling.temperature,
         sampling.top_k, sampling.top_p, sampling.do_sample, seeds, frames, groups,
-        ACCEPT_TEST, FINAL_DRAW,
+        ACCEPT_TEST, FINAL_DRAW, h, state,
     )  # fmt: skip

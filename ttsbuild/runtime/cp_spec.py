@@ -45,7 +45,7 @@ import torch
 
 from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, uniform_noise
 from ttsbuild.plugins.sampling import fused_sample
-from ttsbuild.plugins.spec_accept import spec_accept, spec_accept_reference
+from ttsbuild.plugins.spec_accept import RoundState, spec_accept, spec_accept_reference
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense
 from ttsbuild.runtime.graph_while import WhileBody, while_nodes_available
@@ -221,6 +221,7 @@ class SpeculativeCodePredictor:
         self.in_seeds = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.in_frames = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.live = torch.zeros(1, dtype=torch.int32, device=dev)  # some row is not done
+        self.arrivals = torch.zeros(1, dtype=torch.int32, device=dev)  # spec_accept's count
         self.trash = G + W + 1  # the column that writes past a row's accepted codes go to
         self.stats = stats
         # drafts tested [0] / accepted [1] at offset t; passes of rows, passes of batches
@@ -306,9 +307,8 @@ class SpeculativeCodePredictor:
         heads = self.heads_of(kind)
         sampling, seeds, frames = self._staged(B)
 
-        def step() -> None:
+        def step() -> None:  # the round leaves "some row is not done" in self.live
             self._round(heads, sampling, seeds, frames, window, B)
-            self._set_live(B)
 
         self.bodies[(B, window, kind)] = WhileBody.capture(step, self.live)
 
@@ -356,20 +356,16 @@ class SpeculativeCodePredictor:
         else:
             h = cp.stack.extend(x, self.k_cache, self.v_cache, self.slots[:B], depth + 1)
         target_logits = head_logits(self.heads, h, books)  # [B, k + 1, V]
-        accept = spec_accept if FUSED_ACCEPT else spec_accept_reference  # (kernel or ops)
+        if self.stats:  # the rows' depths before the round: counted first
+            depth_before = depth.clone()
+        # the acceptance and the rows' new state (codes, source, pending, depth, live) in
+        # one launch where the kernels run (else the reference ops)
+        accept = spec_accept if FUSED_ACCEPT else spec_accept_reference
+        state = RoundState(codes, source, pending, depth, self.live, self.arrivals, self.trash)
         accepted, final, ok = accept(draft_logits, target_logits, drafts, books, sampling,
-                                     seeds, frames, G)  # fmt: skip
-        final = final[:, None]  # [B, 1]
-
-        # codes[d+1+j] = drafts[j] for j < accepted, final at j = accepted
-        values = torch.where(steps == accepted[:, None], final, torch.cat([drafts, final], 1))
-        columns = torch.where(steps <= accepted[:, None], books, self.trash)
+                                     seeds, frames, G, h, state)  # fmt: skip
         if self.stats:
-            self._count(depth, books[:, :k], ok)
-        codes.scatter_(1, columns, values)
-        source.copy_(h.gather(1, accepted[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0])
-        pending.copy_(final[:, 0])
-        depth.copy_((depth + accepted + 1).clamp(max=G - 1))
+            self._count(depth_before, books[:, :k], ok)
 
     def _count(self, depth, books, ok) -> None:
         live = depth < self.groups - 1

@@ -45,11 +45,46 @@ def _draw(dist, seed, ctr, offs):
 
 
 @triton.jit
+def _apply(row, accepted, final, drafts_ptr, books_ptr, h_ptr, stride_hb, stride_ht, H,
+           codes_ptr, stride_codes, source_ptr, stride_source, pending_ptr, depth_ptr, live_ptr,
+           arrivals_ptr, B, G, K: tl.constexpr, BLOCK_H: tl.constexpr,
+           BLOCK_B: tl.constexpr):  # fmt: skip
+    """The round's results into the row state (`plugins.spec_accept`'s RoundState): the
+    accepted drafts and the final code into codes (the trash column is not written), the
+    hidden state at the accepted depth into source, pending, depth; the last program to
+    arrive writes live = some row is not done, and resets the arrival count."""
+    for t in range(K + 1):
+        book = tl.load(books_ptr + row * (K + 1) + t)
+        if t < accepted:
+            tl.store(codes_ptr + row * stride_codes + book, tl.load(drafts_ptr + row * K + t))
+        elif t == accepted:
+            tl.store(codes_ptr + row * stride_codes + book, final)
+    src = h_ptr + row.to(tl.int64) * stride_hb + accepted * stride_ht
+    for start in range(0, H, BLOCK_H):
+        offs_h = start + tl.arange(0, BLOCK_H)
+        mask = offs_h < H
+        tl.store(source_ptr + row * stride_source + offs_h, tl.load(src + offs_h, mask=mask),
+                 mask=mask)  # fmt: skip
+    tl.store(pending_ptr + row, final)
+    depth = tl.minimum(tl.load(depth_ptr + row) + accepted + 1, G - 1)
+    tl.store(depth_ptr + row, depth)
+    # release this row's depth, then count it in; the last row reads every row's depth
+    if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel") == B - 1:
+        rows = tl.arange(0, BLOCK_B)
+        depths = tl.load(depth_ptr + rows, mask=rows < B, other=G - 1, cache_modifier=".cg")
+        tl.store(live_ptr, (tl.sum((depths < G - 1).to(tl.int32), axis=0) > 0).to(tl.int32))
+        tl.atomic_xchg(arrivals_ptr, 0)
+
+
+@triton.jit
 def _spec_accept_kernel(
     draft_ptr, target_ptr, drafts_ptr, books_ptr, temp_ptr, topk_ptr, topp_ptr, dosample_ptr,
     seed_ptr, frames_ptr, accepted_ptr, final_ptr, ok_ptr, V, G,
+    h_ptr, stride_hb, stride_ht, H, codes_ptr, stride_codes, source_ptr, stride_source,
+    pending_ptr, depth_ptr, live_ptr, arrivals_ptr, B,
     ACCEPT_KIND: tl.constexpr, FINAL_KIND: tl.constexpr, K: tl.constexpr,
-    BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr, APPLY: tl.constexpr = False,
+    BLOCK_H: tl.constexpr = 1024, BLOCK_B: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0)
@@ -93,6 +128,10 @@ def _spec_accept_kernel(
             tl.store(ok_ptr + row * K + t, tl.zeros((), tl.int8))
     tl.store(accepted_ptr + row, accepted)
     tl.store(final_ptr + row, final)
+    if APPLY:
+        _apply(row, accepted, final, drafts_ptr, books_ptr, h_ptr, stride_hb, stride_ht, H,
+               codes_ptr, stride_codes, source_ptr, stride_source, pending_ptr, depth_ptr,
+               live_ptr, arrivals_ptr, B, G, K, BLOCK_H, BLOCK_B)  # fmt: skip
 
 
 def spec_accept_triton(
@@ -109,6 +148,8 @@ def spec_accept_triton(
     groups: int,
     accept_kind: int,
     final_kind: int,
+    h: torch.Tensor | None = None,  # [B, K + 1, H]: the verify pass's hidden states
+    state=None,  # plugins.spec_accept.RoundState: apply the results to it
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, K, V = draft_logits.shape
     dev = draft_logits.device
@@ -116,12 +157,28 @@ def spec_accept_triton(
     final = torch.empty(B, dtype=torch.int64, device=dev)
     ok = torch.empty(B, K, dtype=torch.int8, device=dev)
     block_v = triton.next_power_of_2(V)
+    drafts = drafts.contiguous()
+    books = books.contiguous()
+    if state is None:
+        apply = (accepted, 0, 0, 0, accepted, 0, accepted, 0, accepted, accepted, ok, ok, B)
+        blocks = {}
+    else:
+        for name in ("codes", "source", "pending", "depth"):
+            if getattr(state, name).stride(-1) != 1:
+                raise ValueError(f"spec_accept: the state's {name} must be contiguous rows")
+        if h.stride(-1) != 1:
+            h = h.contiguous()
+        apply = (h, h.stride(0), h.stride(1), h.shape[-1], state.codes, state.codes.stride(0),
+                 state.source, state.source.stride(0), state.pending, state.depth, state.live,
+                 state.arrivals, B)  # fmt: skip
+        blocks = {"APPLY": True, "BLOCK_H": min(1024, triton.next_power_of_2(h.shape[-1])),
+                  "BLOCK_B": triton.next_power_of_2(B)}  # fmt: skip
     _spec_accept_kernel[(B,)](
-        draft_logits.contiguous(), target_logits.contiguous(), drafts.contiguous(),
-        books.contiguous(), temperature.float(), top_k, top_p.float(),
+        draft_logits.contiguous(), target_logits.contiguous(), drafts, books,
+        temperature.float(), top_k, top_p.float(),
         do_sample.view(torch.uint8) if do_sample.dtype == torch.bool else do_sample,
-        seeds, frames, accepted, final, ok, V, groups,
+        seeds, frames, accepted, final, ok, V, groups, *apply,
         ACCEPT_KIND=accept_kind, FINAL_KIND=final_kind, K=K, BLOCK_V=block_v, RADIX_BITS=1,
-        **pdl_args(pdl_enabled(draft_logits)), num_warps=8 if block_v >= 2048 else 4,
+        **blocks, **pdl_args(pdl_enabled(draft_logits)), num_warps=8 if block_v >= 2048 else 4,
     )  # fmt: skip
     return accepted, final, ok.bool()
