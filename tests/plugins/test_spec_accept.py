@@ -135,3 +135,26 @@ def test_spec_accept_refuses_shapes_that_do_not_fit():
     with pytest.raises(ValueError, match="hidden states"):
         spec_accept(draft, target, drafts, books, sampling, seeds, frames, G,
                     state=_state(2, 3, 8, books, 0, "cpu"))  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_gemv_kernel_matches_the_gathered_heads(dtype, monkeypatch):
+    """Each row's head read in place == the product with the gathered heads (fresh random
+    heads, rows and indices, out-of-range indices clamped as the reference clamps them)."""
+    from ttsbuild.plugins.head_gemv import head_gemv
+
+    g = torch.Generator().manual_seed(21)
+    C, V, H, R = 5, 200, 72, 7
+    heads = (torch.randn(C, V, H, generator=g) * 0.2).to(dtype)
+    x = torch.randn(R, H, generator=g).to(dtype)
+    index = torch.randint(-1, C + 1, (R,), generator=g)
+    got = head_gemv(heads.to(KDEV), x.to(KDEV), index.to(KDEV), use_triton=True).cpu()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref = torch.einsum("rvh,rh->rv", heads.double()[index.clamp(0, C - 1)], x.double())
+    rel = ((got.double() - ref).norm() / ref.norm()).item()
+    assert got.dtype == torch.float32 and rel < (1e-6 if dtype == torch.float32 else 1e-2), rel
+    # a wrong head for one row is seen
+    other = (int(index[0].clamp(0, C - 1)) + 1) % C
+    ref[0] = torch.einsum("vh,h->v", heads.double()[other], x.double()[0])
+    assert ((got.double() - ref).norm() / ref.norm()).item() > 1e-2

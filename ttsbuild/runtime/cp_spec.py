@@ -44,6 +44,8 @@ from contextlib import contextmanager
 import torch
 
 from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, uniform_noise
+from ttsbuild.plugins._dispatch import want_triton
+from ttsbuild.plugins.head_gemv import head_gemv
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.plugins.spec_accept import RoundState, spec_accept, spec_accept_reference
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
@@ -144,10 +146,14 @@ def speculative_accept(
 
 def head_logits(heads: torch.Tensor, h: torch.Tensor, books: torch.Tensor) -> torch.Tensor:
     """Logits fp32 [B, T, V] of head `books[b, t]` (codebooks 1..C, clamped) on h [B, T|1, H].
-    Few rows gather just the heads they need; many rows apply all C heads once and pick."""
+    On the kernels each row's head is read in place; on the references few rows gather just
+    the heads they need and many rows apply all C heads once and pick."""
     C, V, H = heads.shape
     B, T = books.shape
     index = (books - 1).clamp(0, C - 1)
+    if want_triton(h, None):  # each row's head read in place (plugins.head_gemv)
+        rows = h.expand(B, T, H).reshape(B * T, H)
+        return head_gemv(heads, rows, index.reshape(-1)).reshape(B, T, V)
     if B * T <= C:
         return torch.einsum("btvh,bth->btv", heads[index], h.expand(B, T, H)).float()
     every = (h @ heads.reshape(C * V, H).T).reshape(B, h.shape[1], C, V).expand(B, T, C, V)
