@@ -226,6 +226,12 @@ class SpeculativeCodePredictor:
         self.in_sampling = plain_sampling(max_batch, dev)
         self.in_seeds = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.in_frames = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        # per drafted row (B rows x k drafts): the settings and seeds repeated, and each
+        # row's draft counter base, staged once per frame instead of once per round
+        self.in_draft_sampling = plain_sampling(max_batch * max_window, dev)
+        self.in_draft_seeds = torch.zeros(max_batch * max_window, dtype=torch.int64, device=dev)
+        self.in_draft_base = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.offsets = torch.arange(1, max_window + 2, device=dev)  # books = depth + offsets
         self.live = torch.zeros(1, dtype=torch.int32, device=dev)  # some row is not done
         self.arrivals = torch.zeros(1, dtype=torch.int32, device=dev)  # spec_accept's count
         self.trash = G + W + 1  # the column that writes past a row's accepted codes go to
@@ -267,7 +273,7 @@ class SpeculativeCodePredictor:
                 "WHILE node under capture: call prepare(B, window, kind) before capturing"
             )
         slots = self.slots[:B]
-        self._stage(sampling, seeds, frames, B)
+        self._stage(sampling, seeds, frames, B, window)
         sampling, seeds, frames = self._staged(B)
         # Codebook 1: the plain first pass (positions 0, 1) and the target's own sampler.
         x = torch.stack([hidden, cp.codec_embedding[c0]], dim=1)  # [B, 2, H]
@@ -318,11 +324,15 @@ class SpeculativeCodePredictor:
 
         self.bodies[(B, window, kind)] = WhileBody.capture(step, self.live)
 
-    def _stage(self, sampling: SamplingBatch, seeds, frames, B: int) -> None:
+    def _stage(self, sampling: SamplingBatch, seeds, frames, B: int, k: int) -> None:
         for f in _FIELDS:
-            getattr(self.in_sampling, f)[:B].copy_(getattr(sampling, f))
+            value = getattr(sampling, f)
+            getattr(self.in_sampling, f)[:B].copy_(value)
+            getattr(self.in_draft_sampling, f)[: B * k].copy_(value.repeat_interleave(k))
         self.in_seeds[:B].copy_(seeds)
         self.in_frames[:B].copy_(frames)
+        self.in_draft_seeds[: B * k].copy_(seeds.repeat_interleave(k))
+        self.in_draft_base[:B].copy_((DRAFT_DRAW << 28) + frames * self.groups)
 
     def _staged(self, B: int) -> tuple[SamplingBatch, torch.Tensor, torch.Tensor]:
         sampling = SamplingBatch(**{f: getattr(self.in_sampling, f)[:B] for f in _FIELDS})
@@ -337,18 +347,18 @@ class SpeculativeCodePredictor:
         G, cp = self.groups, self.cp
         depth, pending = self.depth[:B], self.pending[:B]
         source, codes = self.source[:B], self.codes[:B]
-        steps = torch.arange(k + 1, device=depth.device)
-        books = depth[:, None] + 1 + steps  # [B, k + 1] codebooks the verify pass scores
+        books = depth[:, None] + self.offsets[: k + 1]  # [B, k + 1] codebooks verified
         V = heads.shape[1]
 
         # draft: codebooks d+1..d+k from the hidden state at depth d, drawn from
-        # q = target_probs(draft logits) by the fused sampler (one launch for all B * k)
+        # q = target_probs(draft logits) by the fused sampler (one launch for all B * k), with
+        # the settings, seeds and counter bases staged per drafted row (`_stage`)
         draft_logits = head_logits(heads, source[:, None], books[:, :k])  # [B, k, V]
-        counters = spec_counters(frames, books[:, :k], DRAFT_DRAW, G).reshape(-1)
-        drafts = fused_sample(
-            draft_logits.reshape(B * k, V), per_draft(sampling, k), seeds.repeat_interleave(k),
-            counters,
-        ).reshape(B, k)  # fmt: skip
+        counters = (self.in_draft_base[:B, None] + books[:, :k]).reshape(-1)  # spec_counters
+        per_row = SamplingBatch(**{f: getattr(self.in_draft_sampling, f)[: B * k]
+                                   for f in _FIELDS})  # fmt: skip
+        drafts = fused_sample(draft_logits.reshape(B * k, V), per_row,
+                              self.in_draft_seeds[: B * k], counters).reshape(B, k)  # fmt: skip
 
         # verify: inputs code_d, drafts at positions d+1..d+k+1 -> p of codebooks d+1..d+k+1
         in_codes = torch.cat([pending[:, None], drafts], dim=1)
