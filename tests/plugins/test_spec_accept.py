@@ -139,22 +139,27 @@ def test_spec_accept_refuses_shapes_that_do_not_fit():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_head_gemv_kernel_matches_the_gathered_heads(dtype, monkeypatch):
-    """Each row's head read in place == the product with the gathered heads (fresh random
-    heads, rows and indices, out-of-range indices clamped as the reference clamps them)."""
+@pytest.mark.parametrize("shared_input", [False, True])
+def test_head_gemv_kernel_matches_the_gathered_heads(dtype, shared_input, monkeypatch):
+    """Each position's head read in place == the product with the gathered heads (fresh
+    random heads, inputs and indices; the index a strided view, offset by -1 and clamped as
+    the reference clamps it; shared_input: one input per row, an expanded view)."""
     from ttsbuild.plugins.head_gemv import head_gemv
 
-    g = torch.Generator().manual_seed(21)
-    C, V, H, R = 5, 200, 72, 7
+    g = torch.Generator().manual_seed(21 + shared_input)
+    C, V, H, B, T = 5, 200, 72, 3, 4
     heads = (torch.randn(C, V, H, generator=g) * 0.2).to(dtype)
-    x = torch.randn(R, H, generator=g).to(dtype)
-    index = torch.randint(-1, C + 1, (R,), generator=g)
-    got = head_gemv(heads.to(KDEV), x.to(KDEV), index.to(KDEV), use_triton=True).cpu()
+    x = torch.randn(B, 1 if shared_input else T, H, generator=g).to(dtype).expand(B, T, H)
+    books = torch.randint(0, C + 2, (B, T + 1), generator=g)  # 0 and C + 1 clamp
+    index = books[:, :T]  # a view: row stride T + 1
+    got = head_gemv(heads.to(KDEV), x.to(KDEV), books.to(KDEV)[:, :T], -1, use_triton=True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    ref = torch.einsum("rvh,rh->rv", heads.double()[index.clamp(0, C - 1)], x.double())
-    rel = ((got.double() - ref).norm() / ref.norm()).item()
-    assert got.dtype == torch.float32 and rel < (1e-6 if dtype == torch.float32 else 1e-2), rel
-    # a wrong head for one row is seen
-    other = (int(index[0].clamp(0, C - 1)) + 1) % C
-    ref[0] = torch.einsum("vh,h->v", heads.double()[other], x.double()[0])
-    assert ((got.double() - ref).norm() / ref.norm()).item() > 1e-2
+    chosen = (index - 1).clamp(0, C - 1)
+    ref = torch.einsum("btvh,bth->btv", heads.double()[chosen], x.double())
+    rel = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+    assert got.shape == (B, T, V) and got.dtype == torch.float32
+    assert rel < (1e-6 if dtype == torch.float32 else 1e-2), rel
+    # one position's head off by one is seen
+    other = (int(chosen[0, 1]) + 1) % C
+    ref[0, 1] = torch.einsum("vh,h->v", heads.double()[other], x.double()[0, 1])
+    assert ((got.cpu().double() - ref).norm() / ref.norm()).item() > 1e-2

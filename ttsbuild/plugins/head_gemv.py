@@ -1,9 +1,9 @@
-"""Logits of one head per row, the head picked per row from a stack: the speculative code
+"""Logits of one head per (row, position), the head picked from a stack: the speculative code
 predictor's draft and verify heads (runtime.cp_spec.head_logits).
 
-The reference gathers each row's head ([R, V, H]: a copy of every head a row uses) and
-multiplies; with many rows it is cheaper to apply every head once and pick. The kernel reads
-each row's head in place."""
+The reference gathers each position's head ([B, T, V, H]: a copy of every head used) and
+multiplies; the kernel reads each head in place, and its inputs and indices through their
+strides."""
 
 from __future__ import annotations
 
@@ -12,23 +12,25 @@ import torch
 from ttsbuild.plugins._dispatch import want_triton
 
 
-def head_gemv_reference(heads: torch.Tensor, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """heads [C, V, H], x [R, H], index [R] (clamped to 0..C-1) -> logits [R, V] fp32 (the
-    product in the heads' dtype, as a matmul of that dtype rounds it)."""
+def head_gemv_reference(heads: torch.Tensor, x: torch.Tensor, index: torch.Tensor,
+                        offset: int = 0) -> torch.Tensor:  # fmt: skip
+    """heads [C, V, H], x [B, T, H], index [B, T] (head clamp(index + offset, 0, C - 1)) ->
+    logits [B, T, V] fp32 (the product in the heads' dtype, as a matmul of it rounds)."""
     C = heads.shape[0]
-    w = heads[index.clamp(0, C - 1)]  # [R, V, H]
-    return torch.einsum("rvh,rh->rv", w, x.to(heads.dtype)).float()
+    w = heads[(index + offset).clamp(0, C - 1)]  # [B, T, V, H]
+    return torch.einsum("btvh,bth->btv", w, x.to(heads.dtype)).float()
 
 
-def head_gemv(heads: torch.Tensor, x: torch.Tensor, index: torch.Tensor, *,
+def head_gemv(heads: torch.Tensor, x: torch.Tensor, index: torch.Tensor, offset: int = 0, *,
               use_triton: bool | None = None) -> torch.Tensor:  # fmt: skip
-    if x.dim() != 2 or index.shape != (x.shape[0],) or x.shape[1] != heads.shape[2]:
+    """x may be an expanded view (one input for every position of a row: stride 0)."""
+    if x.dim() != 3 or index.shape != x.shape[:2] or x.shape[2] != heads.shape[2]:
         raise ValueError(
             f"head_gemv: heads {tuple(heads.shape)}, x {tuple(x.shape)}, index "
-            f"{tuple(index.shape)} do not fit [C, V, H], [R, H], [R]"
+            f"{tuple(index.shape)} do not fit [C, V, H], [B, T, H], [B, T]"
         )
     if not want_triton(x, use_triton):
-        return head_gemv_reference(heads, x, index)
+        return head_gemv_reference(heads, x, index, offset)
     from ttsbuild.plugins._tl.head_gemv import head_gemv_triton
 
-    return head_gemv_triton(heads, x.to(heads.dtype), index)
+    return head_gemv_triton(heads, x.to(heads.dtype), index, offset)

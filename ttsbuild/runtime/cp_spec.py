@@ -150,10 +150,9 @@ def head_logits(heads: torch.Tensor, h: torch.Tensor, books: torch.Tensor) -> to
     the heads they need and many rows apply all C heads once and pick."""
     C, V, H = heads.shape
     B, T = books.shape
+    if want_triton(h, None):  # each head read in place, h and books as views
+        return head_gemv(heads, h.expand(B, T, H), books, offset=-1)
     index = (books - 1).clamp(0, C - 1)
-    if want_triton(h, None):  # each row's head read in place (plugins.head_gemv)
-        rows = h.expand(B, T, H).reshape(B * T, H)
-        return head_gemv(heads, rows, index.reshape(-1)).reshape(B, T, V)
     if B * T <= C:
         return torch.einsum("btvh,bth->btv", heads[index], h.expand(B, T, H)).float()
     every = (h @ heads.reshape(C * V, H).T).reshape(B, h.shape[1], C, V).expand(B, T, C, V)
