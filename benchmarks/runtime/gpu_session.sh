@@ -37,11 +37,17 @@
 # pytest: the GPU tests named by $GPU_PYTEST (pytest arguments: files, -k ...), after the wheels
 #         are on the path, with -k "$GPU_PYTEST_K" where given (2026-12-04: a pytest run before this script's setup failed on
 #         `import pydantic`), log $OUT/gpu_pytest.log
+# newkernels: GPU tests of the kernels built 2026-12-04 (twenty-fifth session) without a GPU:
+#         the prefill attention in one launch (test_prefill_attention.py, the stack's prefill
+#         with it: test_cp_fused.py -k prefill_kernel_path), the speculative round's
+#         acceptance and head GEMV (test_spec_accept.py), and the fused sampler after its
+#         threshold searches became shared helpers (test_gpu_kernels.py -k fused_sample)
 # spec:   the WHILE nodes (the step driver's graph_while.cu, built 2026-12-04, never run on a
 #         GPU yet): their GPU tests (tests/runtime/test_graph_while.py: a counting loop, the
 #         speculative rounds as one WHILE node against every round run, bit for bit), then
 #         benchmarks/spec/bench_spec.sh (speculation on vs off, the rounds as a WHILE node vs
-#         every round run) with $SPEC_BATCHES (default 1,8) and $SPEC_WINDOWS (default 2,3,4)
+#         every round run) with $SPEC_BATCHES (default 1,8) and $SPEC_WINDOWS (default 3: each
+#         window compiles the verify pass anew; 2026-12-04 the compiles outran 100 s), $SPEC_S
 # codectests: the codec kernels' GPU tests for the conv at >= 2048 rows (the 1x1 conv's own
 #         tiles since 2026-12-04) and the output stage's two-phase (window) small tiles
 # codec_env: the served codec step (profile_codec.py, row triton+k+cl+o+s+a, batches
@@ -295,13 +301,21 @@ for step in $STEPS; do
         # shellcheck disable=SC2086  # pytest arguments, split on purpose
         timeout -k 5 "${GPU_PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider $GPU_PYTEST \
             ${GPU_PYTEST_K:+-k "$GPU_PYTEST_K"} 2>&1 | tee "$OUT/gpu_pytest.log" | tail -3 ;;
+    newkernels)
+        log "GPU tests: prefill attention, spec accept + head GEMV, the fused sampler"
+        timeout -k 5 "${NEWTESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
+            tests/plugins/test_prefill_attention.py tests/plugins/test_spec_accept.py \
+            tests/plugins/test_gpu_kernels.py tests/runtime/test_cp_fused.py \
+            -k "prefill_attention or spec_accept or head_gemv or fused_sample or prefill_kernel_path" \
+            > "$OUT/gpu_tests_new.log" 2>&1
+        echo "new kernels' GPU tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_new.log" | head -20 ;;
     spec)
         log "GPU tests: WHILE nodes (graph_while.cu), the speculative rounds as one"
         timeout -k 5 "${SPECTESTS_S:-200}" python3 -X faulthandler -m pytest -v -p no:cacheprovider \
             tests/runtime/test_graph_while.py > "$OUT/gpu_tests_while.log" 2>&1
         echo "WHILE tests rc=$?"; grep -E "PASSED|FAILED|ERROR|Fatal|Error:" "$OUT/gpu_tests_while.log" | head -20
         log "speculation on vs off, the rounds as a WHILE node vs every round run"
-        BATCHES=${SPEC_BATCHES:-1,8} WINDOWS=${SPEC_WINDOWS:-2,3,4} bash benchmarks/spec/bench_spec.sh \
+        SPEC_S=${SPEC_S:-330} BATCHES=${SPEC_BATCHES:-1,8} WINDOWS=${SPEC_WINDOWS:-3} bash benchmarks/spec/bench_spec.sh \
             | grep -vE "^\s*$" | tail -30 ;;
     codectests)  # the codec kernels' GPU tests touched by the 1x1 conv tiles and the output window
         log "GPU tests: causal conv at >= 2048 rows (the 1x1 conv's tiles), the output stage (two-phase window)"

@@ -180,7 +180,7 @@ def bench_target(fcp, name, args, results) -> None:
                 def run(k=k, kind=kind, out=out, inputs=inputs):
                     out.copy_(spec.frame(*inputs, kind, k))
 
-                spec.prepare(B, k, kind)
+                prepare(spec, B, k, kind)
                 graph = capture_spec(spec, run)
                 ms = time_graph_ms(graph, args.replays)
                 del graph
@@ -201,9 +201,21 @@ def time_spec(spec, fcp, B: int, kind: str, k: int, replays: int) -> float:
     frame.sampling = sampled(B)
     inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
     out = torch.zeros(B, fcp.num_code_groups, dtype=torch.int64, device=DEV)
-    spec.prepare(B, k, kind)
+    prepare(spec, B, k, kind)
     graph = capture_spec(spec, lambda: out.copy_(spec.frame(*inputs, kind, k)))
     return time_graph_ms(graph, replays)
+
+
+def prepare(spec, B: int, k: int, kind: str) -> None:
+    """The WHILE body of (B, k, kind); if its capture fails, say so and run every round."""
+    try:
+        spec.prepare(B, k, kind)
+    except Exception as exc:  # noqa: BLE001 (a first run on a GPU: report, go on without)
+        if not spec.loop:
+            raise
+        print(f"WHILE body capture failed ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0][:200]}); all rounds from here on", flush=True)
+        spec.loop = False
 
 
 def rounds_of(spec) -> str:

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU host (repo root): speculative code predictor on vs off, flat and peaked random
 # 1.7B CustomVoice code predictors, both draft kinds, windows 1-6, batches 1/8/32/64.
-# Expected: ~2-3 min (the first run also compiles Triton kernels); killed at 230 s.
+# Expected: ~2-3 min (the first run also compiles Triton kernels); killed at $SPEC_S s (230).
 #   OUT=out bash benchmarks/spec/bench_spec.sh            # PEAKED=8 WINDOWS=... BATCHES=...
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 source benchmarks/wheels.sh
-timeout 230 python3 benchmarks/spec/bench_spec.py --peaked "${PEAKED:-8}" \
+timeout "${SPEC_S:-230}" python3 benchmarks/spec/bench_spec.py --peaked "${PEAKED:-8}" \
     --batches "${BATCHES:-1,8,32,64}" --windows "${WINDOWS:-1,2,3,4,5,6}" \
     --conditional "${CONDITIONAL:-auto}" --loop "${LOOP:-auto}" --out "$OUT" 2>&1 \
     | tee "$OUT/bench_spec.log"

@@ -25,8 +25,9 @@ from ttsbuild.runtime.driver import DriverUnavailable, driver_module
 
 
 def while_nodes_available() -> bool:
-    """Whether the step driver was built with graph_while.cu (CUDA >= 12.4, setup.py)."""
-    if not torch.cuda.is_available():
+    """Whether the step driver was built with graph_while.cu (CUDA >= 12.4, setup.py) and
+    torch hands out a captured graph's cudaGraph_t (`keep_graph`, `raw_cuda_graph`)."""
+    if not torch.cuda.is_available() or not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph"):
         return False
     try:
         return hasattr(driver_module(True), "capture_while")
