@@ -405,7 +405,8 @@ class PackedStack:
             positions = (start[:, None] + offsets).clamp(max=S - 1).reshape(-1)
             keys = min(keys or T, S)
         rows = slots.repeat_interleave(T)
-        if want_triton(x, None) and PREFILL_ATTEND_FUSED:
+        group = c.num_heads // c.num_kv_heads
+        if want_triton(x, None) and PREFILL_ATTEND_FUSED and not group & (group - 1):
 
             def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
                 return prefill_attention(

@@ -185,6 +185,9 @@ def prefill_attention_triton(
     check_qkv_caches(qkv, k_cache, v_cache, num_heads, num_kv_heads)
     B = R // T
     group = num_heads // num_kv_heads
+    if group & (group - 1) or group > 32:
+        raise ValueError(f"prefill_attention: query heads per KV head must be a power of two "
+                         f"up to 32, got {group}")  # fmt: skip
     out = torch.empty((R, num_heads * D), dtype=qkv.dtype, device=qkv.device)
     block_t = max(1, 32 // group)  # 32 query rows a program (tl.dot needs >= 16)
     _prefill_attention_kernel[(B * num_kv_heads, triton.cdiv(T, block_t))](

@@ -68,8 +68,11 @@ def _apply(row, accepted, final, drafts_ptr, books_ptr, h_ptr, stride_hb, stride
     tl.store(pending_ptr + row, final)
     depth = tl.minimum(tl.load(depth_ptr + row) + accepted + 1, G - 1)
     tl.store(depth_ptr + row, depth)
-    # release this row's depth, then count it in; the last row reads every row's depth
+    # release this row's depth (the barrier orders every thread's stores before the
+    # atomic's release), then count it in; the last row reads every row's depth
+    tl.debug_barrier()
     if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel") == B - 1:
+        tl.debug_barrier()  # the acquire, for every thread of the program
         rows = tl.arange(0, BLOCK_B)
         depths = tl.load(depth_ptr + rows, mask=rows < B, other=G - 1, cache_modifier=".cg")
         tl.store(live_ptr, (tl.sum((depths < G - 1).to(tl.int32), axis=0) > 0).to(tl.int32))
