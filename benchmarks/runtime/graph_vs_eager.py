@@ -14,6 +14,7 @@ Checks, per precision of the language models (the codec is fp32 in both):
 Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
     python benchmarks/runtime/graph_vs_eager.py [--variant tiny|1.7b-customvoice] [--kernels]
         [--admission-lane 1,2 [--lane-reserved-sms 16] [--lane-frames 2] [--lane-switch]]
+        [--speculative]
 """
 
 from __future__ import annotations
@@ -153,11 +154,19 @@ def _kernel_choices(lane: bool) -> dict:
     return {k: v for k, v in KERNEL_CHOICES.items() if k != "persistent_code_predictor"}
 
 
+# --speculative: the code predictor of buckets 4 and 8 speculative (self-drafted; on CUDA its
+# rounds one WHILE node per frame where the step driver has them, runtime/graph_while.py):
+# greedy codes are the target's exactly, so fp32 greedy must match the reference bit for bit
+# (sampled speculative codes have the target's distribution, not its draws: not compared).
+SPECULATIVE = {4: ("self", 3), 8: ("self", 2)}
+
+
 def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
           kernels: bool = False, lane: tuple[int, ...] = (), reserved: int = 0,
-          lane_frames: int = 1, switch: bool = False) -> bool:
+          lane_frames: int = 1, switch: bool = False, speculative: bool = False) -> bool:
     name = f"{variant} {str(dtype).removeprefix('torch.')} {'greedy' if greedy else 'sampled'}"
     name += " (kernel choices on)" if kernels else ""
+    name += " (speculative code predictor at batches 4, 8)" if speculative else ""
     name += f" (admission lane {list(lane)})" if lane else ""
     name += f" ({reserved} SMs reserved for it)" if reserved else ""
     name += f" ({lane_frames} frames and a {lane_frames}-frame codec step there)" if (
@@ -167,6 +176,7 @@ def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
     plan = EnginePlan(num_slots=8, batch_buckets=(1, 2, 4, 8), max_len=512, max_text=256,
                       prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4), codec_ring=16,
                       admission_lane=lane, lane_reserved_sms=reserved, lane_frames=lane_frames,
+                      speculative=SPECULATIVE if speculative else {},
                       **(_kernel_choices(bool(lane)) if kernels else {}))  # fmt: skip
     reqs = requests(greedy)
     t0 = time.perf_counter()
@@ -175,6 +185,9 @@ def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
     engine = GraphEngine(models, plan, keep_codes=True)  # graphs on CUDA, eager on CPU
     got, batches = run_graph(engine, reqs, audio_min=lane_frames, switch=switch)
     t2 = time.perf_counter()
+    spec = engine.backend.cp_spec
+    if speculative:
+        name += f" (rounds: {'WHILE nodes' if spec.loop and spec.bodies else 'every round'})"
     exact = dtype == torch.float32
     ok = True
     agree_total = frames_total = 0
@@ -233,6 +246,9 @@ def main() -> int:
     p.add_argument("--lane-switch", action="store_true",
                    help="with --admission-lane: also check with the lane switched on and off "
                    "between steps (serve --lane-max-active switches it by load)")
+    p.add_argument("--speculative", action="store_true",
+                   help="also check fp32 greedy with the code predictor of batches 4 and 8 "
+                   "speculative (its rounds a WHILE node per frame where the driver has them)")
     p.add_argument("--lane-frames", type=int, default=1,
                    help="with --admission-lane: also check with a new row's first frames and "
                    "its first codec step of that many frames on the lane (2: a real "
@@ -253,6 +269,9 @@ def main() -> int:
     if a.kernels:
         results += [check(a.variant, torch.float32, greedy=g, device=a.device, kernels=True)
                     for g in (True, False)]
+    if a.speculative:
+        results.append(check(a.variant, torch.float32, greedy=True, device=a.device,
+                             speculative=True))
     if lane:
         results += [check(a.variant, torch.float32, greedy=g, device=a.device, lane=lane)
                     for g in (True, False)]
