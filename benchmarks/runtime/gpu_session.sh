@@ -40,8 +40,9 @@
 # newkernels: GPU tests of the kernels built 2026-12-04 (twenty-fifth session) without a GPU:
 #         the prefill attention in one launch (test_prefill_attention.py, the stack's prefill
 #         with it: test_cp_fused.py -k prefill_kernel_path), the speculative round's
-#         acceptance and head GEMV (test_spec_accept.py), and the fused sampler after its
-#         threshold searches became shared helpers (test_gpu_kernels.py -k fused_sample)
+#         acceptance and head GEMV (test_spec_accept.py), the codec's ConvNeXt blocks in two
+#         launches (test_convnext.py, test_codec_engine_gpu.py -k convnext), and the fused
+#         sampler after its threshold searches became shared helpers (-k fused_sample)
 # spec:   the WHILE nodes (the step driver's graph_while.cu, built 2026-12-04, never run on a
 #         GPU yet): their GPU tests (tests/runtime/test_graph_while.py: a counting loop, the
 #         speculative rounds as one WHILE node against every round run, bit for bit), then
@@ -305,8 +306,9 @@ for step in $STEPS; do
         log "GPU tests: prefill attention, spec accept + head GEMV, the fused sampler"
         timeout -k 5 "${NEWTESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
             tests/plugins/test_prefill_attention.py tests/plugins/test_spec_accept.py \
+            tests/plugins/test_convnext.py tests/runtime/test_codec_engine_gpu.py \
             tests/plugins/test_gpu_kernels.py tests/runtime/test_cp_fused.py \
-            -k "prefill_attention or spec_accept or head_gemv or fused_sample or prefill_kernel_path" \
+            -k "prefill_attention or spec_accept or head_gemv or fused_sample or prefill_kernel_path or convnext" \
             > "$OUT/gpu_tests_new.log" 2>&1
         echo "new kernels' GPU tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_new.log" | head -20 ;;
     spec)

@@ -59,3 +59,32 @@ def test_half_precision_passes_the_gate(decoders, precision, min_db):
     cfg, _, dec = decoders
     snr = codec_snr_db(CodecEngine(dec, 2, precision), dec, rand_codes(cfg, 2, 16, seed=60))
     assert min_db <= snr < 90, snr
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_fused_convnext_blocks_keep_the_decode_and_replay(decoders, monkeypatch, precision):
+    """The upsample stage's ConvNeXt blocks as two launches each (plugins.convnext, rows up to
+    CONVNEXT_FUSED_MAX_ROWS) against the module ops in the same engine settings: the same
+    audio to the stage's rounding (SNR between the two far above the gate), the slot state
+    carried across steps alike, and a captured step equal to the eager one."""
+    from ttsbuild.runtime import codec_engine
+
+    cfg, _, dec = decoders
+    codes = rand_codes(cfg, 2, 8, seed=70)
+    kw = dict(conv_impl="triton", fused=True)
+    monkeypatch.setattr(codec_engine, "CONVNEXT_FUSED", False)
+    plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=1).float()
+    monkeypatch.setattr(codec_engine, "CONVNEXT_FUSED", True)
+    engine = CodecEngine(dec, 2, precision, **kw)
+    fused = decode_with(engine, codes, chunk=1).float()
+    noise = ((fused - plain) ** 2).sum()
+    snr = 10 * torch.log10((plain**2).sum() / noise.clamp(min=1e-30)).item()
+    assert snr > 35, snr
+    rows = torch.tensor([0, 1], device="cuda")
+    static = codes[..., :1].cuda().clone()
+    graph, pcm = capture_step(engine, rows, static)
+    engine.reset(rows)
+    eager = engine.step(rows, static).clone()
+    engine.reset(rows)
+    graph.replay()
+    assert ((pcm - eager).abs().max() / eager.abs().max()).item() <= 1e-6

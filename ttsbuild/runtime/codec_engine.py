@@ -55,9 +55,11 @@ from ttsbuild.model.codec import (
     TransformerLayer,
     apply_rope,
 )
+from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.causal_conv import causal_conv, overlap_add, pack_conv_weight
 from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.codec_output import codec_output
+from ttsbuild.plugins.convnext import convnext
 from ttsbuild.plugins.fused_linear import fused_linear
 from ttsbuild.plugins.norm_act import rms_norm, silu_mul
 from ttsbuild.plugins.ring_attention import (
@@ -96,6 +98,14 @@ CONV_IMPLS = ("cudnn", "gemm", "triton")
 # step on the H200: 1.21 ms at 1 stream and 4.98 ms at 64 (im2col everywhere: 1.19 / 6.58;
 # benchmarks/codec/RESULTS.md).
 IMPLICIT_MIN_ROWS = 512
+# The upsample stage's ConvNeXt blocks of half-precision stages with at most this many
+# positions (batch x frames x upsampling so far) as two launches each (plugins.convnext: the
+# depthwise conv, LayerNorm and pwconv1 + GELU; pwconv2, gamma and the residual) after the
+# context kernel, instead of ~10 (cuDNN's depthwise conv, a transpose, the LayerNorm, two
+# split-K GEMMs and their reductions, the GELU, gamma, the add). Built 2026-12-04 without a
+# GPU, not yet timed: off (TTSBUILD_CODEC_CONVNEXT_FUSED=1 turns it on, with `fused`).
+CONVNEXT_FUSED = os.environ.get("TTSBUILD_CODEC_CONVNEXT_FUSED", "0") == "1"
+CONVNEXT_FUSED_MAX_ROWS = 16
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
@@ -526,6 +536,15 @@ class CodecEngine:
         return F.linear(st.mm_in(x), m.weight, m.bias)
 
     def _convnext(self, m: ConvNeXtBlock, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
+        B, _, n = x.shape
+        if (CONVNEXT_FUSED and self.fused and x.dtype != torch.float32
+                and B * n <= CONVNEXT_FUSED_MAX_ROWS and want_triton(x, None)):
+            dw = m.dwconv
+            tail = self.state[dw.slot][0] if dw.context else None
+            xe = snake_context(x, None, None, tail, rows)  # [B, C, context + n], tail kept
+            return convnext(x, xe, dw.conv.weight, dw.conv.bias, m.norm.weight, m.norm.bias,
+                            m.norm.eps, m.pwconv1.weight, m.pwconv1.bias, m.pwconv2.weight,
+                            m.pwconv2.bias, None if m in self._folded else m.gamma)  # fmt: skip
         h = self._conv(m.dwconv, x, rows, st).transpose(1, 2)  # [B, T, C]
         h = m.norm(h.float()).to(x.dtype)
         h = self._linear(m.pwconv2, F.gelu(self._linear(m.pwconv1, h, st)), st)

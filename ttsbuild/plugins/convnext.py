@@ -1,0 +1,43 @@
+"""A codec ConvNeXt block (the upsample stage's: causal depthwise conv k7 -> LayerNorm ->
+Linear 4x -> GELU -> Linear -> gamma, residual) for few rows in two launches.
+
+At one frame per row the upsample stage runs 2 and 4 positions per row through each block;
+the module's ops are ~10 launches there (the conv on cuDNN, a transpose, the LayerNorm, two
+split-K GEMMs with their reductions, the GELU, gamma, the residual add). The kernels
+(plugins/_tl/convnext.py) take the depthwise conv's input with its left context already
+attached (`plugins.codec_context.snake_context` keeps the slot's tail, as before): the conv,
+the LayerNorm and pwconv1 + GELU in one launch, pwconv2 + gamma + residual in another.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ttsbuild.plugins._dispatch import want_triton
+
+
+def convnext_reference(x, xe, dw_weight, dw_bias, ln_weight, ln_bias, eps: float, w1, b1, w2,
+                       b2, gamma):  # fmt: skip
+    """The codec engine's ops (CodecEngine._convnext): x [B, C, n], xe [B, C, ctx + n]."""
+    C = x.shape[1]
+    h = F.conv1d(xe, dw_weight, dw_bias, groups=C).transpose(1, 2)  # [B, n, C]
+    h = F.layer_norm(h.float(), (C,), ln_weight.float(), ln_bias.float(), eps).to(x.dtype)
+    h = F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2)
+    return x + (h if gamma is None else gamma * h).transpose(1, 2)
+
+
+def convnext(x, xe, dw_weight, dw_bias, ln_weight, ln_bias, eps: float, w1, b1, w2, b2, gamma,
+             *, use_triton: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """x + the block's branch: [B, C, n] in x's dtype. gamma None: folded into w2 and b2."""
+    B, C, n = x.shape
+    if xe.shape[:2] != (B, C) or xe.shape[2] != n + dw_weight.shape[-1] - 1:
+        raise ValueError(f"convnext: xe {tuple(xe.shape)} is not x {tuple(x.shape)} after its "
+                         f"left context of {dw_weight.shape[-1] - 1}")  # fmt: skip
+    if not want_triton(x, use_triton):
+        return convnext_reference(x, xe, dw_weight, dw_bias, ln_weight, ln_bias, eps, w1, b1,
+                                  w2, b2, gamma)  # fmt: skip
+    from ttsbuild.plugins._tl.convnext import convnext_triton
+
+    return convnext_triton(x, xe, dw_weight, dw_bias, ln_weight, ln_bias, eps, w1, b1, w2, b2,
+                           gamma)  # fmt: skip
