@@ -41,7 +41,9 @@
 #         the prefill attention in one launch (test_prefill_attention.py, the stack's prefill
 #         with it: test_cp_fused.py -k prefill_kernel_path), the speculative round's
 #         acceptance and head GEMV (test_spec_accept.py), the codec's ConvNeXt blocks in two
-#         launches (test_convnext.py, test_codec_engine_gpu.py -k convnext), and the fused
+#         launches (test_convnext.py, test_codec_engine_gpu.py -k convnext), the prompt
+#         embedding in four launches (test_prompt_embed.py, test_graph_engine.py -k
+#         prompt_embed), and the fused
 #         sampler after its threshold searches became shared helpers (-k fused_sample)
 # spec:   the WHILE nodes (the step driver's graph_while.cu, built 2026-12-04, never run on a
 #         GPU yet): their GPU tests (tests/runtime/test_graph_while.py: a counting loop, the
@@ -307,8 +309,9 @@ for step in $STEPS; do
         timeout -k 5 "${NEWTESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
             tests/plugins/test_prefill_attention.py tests/plugins/test_spec_accept.py \
             tests/plugins/test_convnext.py tests/runtime/test_codec_engine_gpu.py \
+            tests/plugins/test_prompt_embed.py tests/runtime/test_graph_engine.py \
             tests/plugins/test_gpu_kernels.py tests/runtime/test_cp_fused.py \
-            -k "prefill_attention or spec_accept or head_gemv or fused_sample or prefill_kernel_path or convnext" \
+            -k "prefill_attention or spec_accept or head_gemv or fused_sample or prefill_kernel_path or convnext or prompt_embed" \
             > "$OUT/gpu_tests_new.log" 2>&1
         echo "new kernels' GPU tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_new.log" | head -20 ;;
     spec)

@@ -253,6 +253,40 @@ def test_admission_kernel_writes_what_the_eager_admission_writes(tiny_checkpoint
     assert backend.talker_sampling.do_sample[1].item() is False
 
 
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() or __import__("ttsbuild.plugins._dispatch",
+                                                  fromlist=["x"]).interpret_mode()),
+    reason="needs CUDA + Triton (or the interpreter)",
+)  # fmt: skip
+def test_prompt_embed_kernel_wiring_matches_the_embedder(tiny_checkpoint, monkeypatch):
+    """PROMPT_EMBED_FUSED with the engine's own tables and text projection (the kernels get
+    the text table, fc1 and fc2 in the right order): the prompt rows' embeddings equal the
+    embedder's ops on random rows of every kind (text only, code 0, whole frames, voice)."""
+    from ttsbuild.generation import prompt
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = Models.load(load_checkpoint(tiny_checkpoint), device=dev)
+    backend = GraphEngine(m, EnginePlan(**PLAN), use_graphs=False).backend
+    emb = backend.embedder
+    G = len(emb.tables)
+    g = torch.Generator().manual_seed(17)
+    T = 24
+    rows = torch.full((T, 2 + G), -1, dtype=torch.int64)
+    rows[:, 0] = torch.randint(0, emb.text_mlp[0].shape[0], (T,), generator=g)
+    rows[:, 1] = (torch.arange(T) % 5 == 4).long()
+    rows[::2, 2] = torch.randint(0, emb.tables[0].shape[0], (T // 2,), generator=g)
+    rows[::3, 3:] = torch.randint(0, emb.tables[1].shape[0], (len(range(0, T, 3)), G - 1),
+                                  generator=g)  # fmt: skip
+    rows = rows.to(dev)
+    xv = torch.randn(emb.tables[0].shape[1], generator=g).to(dev)
+    monkeypatch.setattr(prompt, "PROMPT_EMBED_FUSED", True)
+    fused = emb.rows(rows, xv)
+    monkeypatch.setattr(prompt, "PROMPT_EMBED_FUSED", False)
+    want = emb.rows(rows, xv)
+    rel = ((fused.double() - want.double()).norm() / want.double().norm()).item()
+    assert fused.shape == want.shape and rel < 1e-5, rel
+
+
 def test_prefix_copy_of_its_own_positions_changes_nothing(models, monkeypatch):
     """COPY_KERNEL: the prefix pool's entry copied into a slot only below the row's start
     (plugins.kv_copy's semantics, its reference standing in for the kernel here) makes the

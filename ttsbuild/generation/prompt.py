@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ import torch
 
 from ttsbuild.model.config import ModelConfig
 from ttsbuild.model.talker import Talker
+from ttsbuild.plugins._dispatch import want_triton
+from ttsbuild.plugins.prompt_embed import prompt_embed
 
 ROLE_LEN = 3  # "<|im_start|>", "assistant", "\n"
 TAIL_LEN = 5  # "<|im_end|>", "\n", "<|im_start|>", "assistant", "\n"
@@ -133,13 +136,24 @@ NO_CODE = -1  # a codebook a position does not use
 TEXT, VOICE, CODES = 0, 1, 2  # columns of a layout row: text id, x-vector flag, first code
 
 
+# The graph backend's prompt embedding on the kernels in four launches instead of ~14
+# (plugins.prompt_embed: the codec track in one, the text table's gather inside fc1's, the
+# SiLU, fc2 with the codec track as its residual). Built 2026-12-04 without a GPU, not yet
+# timed: off (TTSBUILD_PROMPT_EMBED_FUSED=1 turns it on).
+PROMPT_EMBED_FUSED = os.environ.get("TTSBUILD_PROMPT_EMBED_FUSED", "0") == "1"
+
+
 class PromptEmbedder:
     """Layout rows -> talker input embeddings: the text projection and the codebooks' input
-    tables (codebook 0: the talker's codec embedding; 1..G-1: the code predictor's)."""
+    tables (codebook 0: the talker's codec embedding; 1..G-1: the code predictor's).
+    text_mlp (text table, fc1, fc2: what embed_text computes) with stacked_rest lets the
+    kernels embed a prompt in four launches (PROMPT_EMBED_FUSED)."""
 
     def __init__(self, embed_text, tables: list[torch.Tensor],
-                 stacked_rest: torch.Tensor | None = None):  # fmt: skip
+                 stacked_rest: torch.Tensor | None = None,
+                 text_mlp: tuple | None = None):  # fmt: skip
         self.embed_text = embed_text  # ids [...] -> P(ids) [..., hidden]
+        self.text_mlp = text_mlp
         self.tables = tables  # [vocab_k, hidden] per codebook (only codebook 0 without a CP)
         # tables[1:] as one [G - 1, vocab, hidden] tensor (the graph backend's stacked code
         # predictor embeddings): their rows gathered in one launch instead of one per
@@ -161,6 +175,11 @@ class PromptEmbedder:
     def rows(self, rows: torch.Tensor, x_vector: torch.Tensor | None) -> torch.Tensor:
         """rows [T, 2 + G] (on the tables' device) -> [T, hidden]. Fixed shapes, no host sync:
         the prefill graph runs this on its staged rows."""
+        if (PROMPT_EMBED_FUSED and self.text_mlp is not None and self.stacked_rest is not None
+                and want_triton(self.stacked_rest, None)):
+            xv = None if x_vector is None else x_vector.to(self.stacked_rest.device,
+                                                           self.stacked_rest.dtype)  # fmt: skip
+            return prompt_embed(rows, *self.text_mlp, self.tables[0], self.stacked_rest, xv)
         text = self.embed_text(rows[:, TEXT])
         codes = rows[:, CODES : CODES + len(self.tables)]
         books = codes.clamp(min=0).T  # [G, T]

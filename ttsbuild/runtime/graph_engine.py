@@ -339,9 +339,11 @@ class GraphBackend:
         if plan.persistent_code_predictor:
             self.cp_fused.enable_persistent(max(plan.persistent_code_predictor))
         # Prompt rows -> embeddings, the same function the reference prompt uses.
+        proj = talker.text_projection
         self.embedder = PromptEmbedder(
             talker.embed_text, [self.codec_embedding, *self.cp_embeddings],
             stacked_rest=self.cp_embeddings,
+            text_mlp=(talker.model.text_embedding.weight, proj.linear_fc1, proj.linear_fc2),
         )
         self.cp_spec = _speculative(self.cp_fused, plan, models.draft_heads)
 
