@@ -280,11 +280,12 @@ def test_prompt_embed_kernel_wiring_matches_the_embedder(tiny_checkpoint, monkey
     rows = rows.to(dev)
     xv = torch.randn(emb.tables[0].shape[1], generator=g).to(dev)
     monkeypatch.setattr(prompt, "PROMPT_EMBED_FUSED", True)
-    fused = emb.rows(rows, xv)
+    fused, fused_text = emb.rows(rows, xv), emb.text(rows[:, 0])
     monkeypatch.setattr(prompt, "PROMPT_EMBED_FUSED", False)
-    want = emb.rows(rows, xv)
-    rel = ((fused.double() - want.double()).norm() / want.double().norm()).item()
-    assert fused.shape == want.shape and rel < 1e-5, rel
+    want, want_text = emb.rows(rows, xv), emb.text(rows[:, 0])
+    for got, ref in ((fused, want), (fused_text, want_text)):  # the prompt; trailing text
+        rel = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert got.shape == ref.shape and rel < 1e-5, rel
 
 
 def test_prefix_copy_of_its_own_positions_changes_nothing(models, monkeypatch):

@@ -50,7 +50,7 @@ import torch
 from ttsbuild.model.config import ModelConfig
 from ttsbuild.model.talker import Talker
 from ttsbuild.plugins._dispatch import want_triton
-from ttsbuild.plugins.prompt_embed import prompt_embed
+from ttsbuild.plugins.prompt_embed import prompt_embed, text_embed
 
 ROLE_LEN = 3  # "<|im_start|>", "assistant", "\n"
 TAIL_LEN = 5  # "<|im_end|>", "\n", "<|im_start|>", "assistant", "\n"
@@ -171,6 +171,14 @@ class PromptEmbedder:
         if code_predictor is not None:
             tables += [e.weight for e in code_predictor.model.codec_embedding]
         return cls(talker.embed_text, tables)
+
+    def text(self, ids: torch.Tensor) -> torch.Tensor:
+        """P(ids) [N, hidden]: `embed_text`, or with PROMPT_EMBED_FUSED on the kernels the text
+        table's gather inside fc1's launch (the graph backend's trailing-text step)."""
+        if (PROMPT_EMBED_FUSED and self.text_mlp is not None
+                and want_triton(self.text_mlp[0], None)):
+            return text_embed(ids, *self.text_mlp)
+        return self.embed_text(ids)
 
     def rows(self, rows: torch.Tensor, x_vector: torch.Tensor | None) -> torch.Tensor:
         """rows [T, 2 + G] (on the tables' device) -> [T, hidden]. Fixed shapes, no host sync:

@@ -45,6 +45,17 @@ def codec_track(rows, table0, rest, x_vector, *, use_triton: bool | None = None)
     return codec_track_triton(rows, table0, rest, x_vector)
 
 
+def text_embed(ids: torch.Tensor, text_table: torch.Tensor, fc1: torch.nn.Linear,
+               fc2: torch.nn.Linear, *, use_triton: bool | None = None) -> torch.Tensor:
+    """P(ids) [N, H]: the text table's gather inside fc1's launch on the kernels."""
+    if not want_triton(text_table, use_triton):
+        return fc2(F.silu(fc1(text_table[ids])))
+    from ttsbuild.plugins.fused_linear import fused_linear
+
+    y = fused_linear(text_table, fc1.weight, index=ids, bias=fc1.bias)
+    return fused_linear(F.silu(y), fc2.weight, bias=fc2.bias)
+
+
 def prompt_embed(rows: torch.Tensor, text_table: torch.Tensor, fc1: torch.nn.Linear,
                  fc2: torch.nn.Linear, table0: torch.Tensor, rest: torch.Tensor,
                  x_vector: torch.Tensor | None, *,

@@ -635,7 +635,7 @@ class GraphBackend:
         slots' text tracks (a row reads its track from its second frame on, never beyond its
         own text: what lies past `length` may be an earlier request's)."""
         ids = self.staging.trailing_ids(b, length)
-        emb = self.embedder.embed_text(ids).to(self.text_track.dtype)  # (a no-op as served)
+        emb = self.embedder.text(ids).to(self.text_track.dtype)  # (a no-op as served)
         self.text_track[:, :length].index_copy_(0, self.prefill_slot[:b], emb)
 
     def _prefill_body(self, b: int, length: int) -> None:
