@@ -280,9 +280,10 @@ def test_prompt_embed_kernel_wiring_matches_the_embedder(tiny_checkpoint, monkey
     rows = rows.to(dev)
     xv = torch.randn(emb.tables[0].shape[1], generator=g).to(dev)
     monkeypatch.setattr(prompt, "PROMPT_EMBED_FUSED", True)
-    fused, fused_text = emb.rows(rows, xv), emb.text(rows[:, 0])
+    ids = rows[:, 0].reshape(4, T // 4)  # the trailing-text step's ids: [b, length]
+    fused, fused_text = emb.rows(rows, xv), emb.text(ids)
     monkeypatch.setattr(prompt, "PROMPT_EMBED_FUSED", False)
-    want, want_text = emb.rows(rows, xv), emb.text(rows[:, 0])
+    want, want_text = emb.rows(rows, xv), emb.text(ids)
     for got, ref in ((fused, want), (fused_text, want_text)):  # the prompt; trailing text
         rel = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
         assert got.shape == ref.shape and rel < 1e-5, rel

@@ -47,13 +47,15 @@ def codec_track(rows, table0, rest, x_vector, *, use_triton: bool | None = None)
 
 def text_embed(ids: torch.Tensor, text_table: torch.Tensor, fc1: torch.nn.Linear,
                fc2: torch.nn.Linear, *, use_triton: bool | None = None) -> torch.Tensor:
-    """P(ids) [N, H]: the text table's gather inside fc1's launch on the kernels."""
+    """P(ids) [..., H] for ids of any shape: the text table's gather inside fc1's launch on
+    the kernels."""
     if not want_triton(text_table, use_triton):
         return fc2(F.silu(fc1(text_table[ids])))
     from ttsbuild.plugins.fused_linear import fused_linear
 
-    y = fused_linear(text_table, fc1.weight, index=ids, bias=fc1.bias)
-    return fused_linear(F.silu(y), fc2.weight, bias=fc2.bias)
+    y = fused_linear(text_table, fc1.weight, index=ids.reshape(-1), bias=fc1.bias)
+    out = fused_linear(F.silu(y), fc2.weight, bias=fc2.bias)
+    return out.reshape(*ids.shape, out.shape[-1])
 
 
 def prompt_embed(rows: torch.Tensor, text_table: torch.Tensor, fc1: torch.nn.Linear,
