@@ -22,6 +22,14 @@ from ttsbuild.plugins._tl._math import pdl_prologue
 
 
 @triton.jit
+def _dot_nt(a, b, HALF_DOTS: tl.constexpr):
+    """a @ b.T with fp32 sums: 16-bit operands on the tensor cores, else IEEE fp32 dots."""
+    if HALF_DOTS:
+        return tl.dot(a, tl.trans(b))
+    return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+
+
+@triton.jit
 def _dwconv(xe_ptr, sxb, sxc, sxt, dw_w_ptr, dw_b_ptr, b, t, r_mask, offs_c, c_mask,
             K: tl.constexpr):  # fmt: skip
     """The depthwise conv's output [BLOCK_R, BLOCK_C] for rows (b, t) and channels offs_c,
@@ -74,10 +82,7 @@ def _convnext_in_kernel(xe_ptr, sxb, sxc, sxt, dw_w_ptr, dw_b_ptr, ln_w_ptr, ln_
         hn = tl.where(r_mask[:, None] & c_mask[None, :], hn, 0.0).to(dt)
         w = tl.load(w1_ptr + offs_n[:, None].to(tl.int64) * C + offs_c[None, :],
                     mask=n_mask[:, None] & c_mask[None, :], other=0.0)  # fmt: skip
-        if HALF_DOTS:
-            acc += tl.dot(hn, tl.trans(w))
-        else:
-            acc += tl.dot(hn.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        acc += _dot_nt(hn, w, HALF_DOTS)
     y = acc + tl.load(b1_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y.to(dt).to(tl.float32)
     g = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))  # exact GELU (F.gelu)
@@ -104,10 +109,7 @@ def _convnext_out_kernel(h_ptr, w2_ptr, b2_ptr, gamma_ptr, x_ptr, sxb, sxc, sxt,
                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
         w = tl.load(w2_ptr + offs_n[:, None].to(tl.int64) * N1 + offs_k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        if HALF_DOTS:
-            acc += tl.dot(h, tl.trans(w))
-        else:
-            acc += tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        acc += _dot_nt(h, w, HALF_DOTS)
     y = (acc + tl.load(b2_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :])
     y = y.to(dt).to(tl.float32)
     if HAS_GAMMA:
