@@ -32,7 +32,7 @@ from ttsbuild.plugins.fp8_linear import (
 )
 from ttsbuild.plugins.fp8_w8a8 import fp8_linear_w8a8, w8a8_supported
 from ttsbuild.plugins.norm_act import add_rms_norm, rms_norm, silu_mul
-from ttsbuild.plugins.prefill_attention import prefill_attention
+from ttsbuild.plugins.prefill_attention import prefill_attention, prefill_positions
 from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS, qk_norm_rope_attend
 
@@ -396,17 +396,9 @@ class PackedStack:
         B, T, _ = x.shape
         D = c.head_dim
         S = k_cache.shape[3]
-        offsets = torch.arange(T, device=x.device)
-        if start is None:
-            positions = offsets.repeat(B)  # [B * T]
-            keys = T
-        else:
-            # Padding rows past the cache's end write its last position (never read first).
-            positions = (start[:, None] + offsets).clamp(max=S - 1).reshape(-1)
-            keys = min(keys or T, S)
-        rows = slots.repeat_interleave(T)
-        group = c.num_heads // c.num_kv_heads
-        if want_triton(x, None) and PREFILL_ATTEND_FUSED and not group & (group - 1):
+        rep = c.num_heads // c.num_kv_heads
+        if want_triton(x, None) and PREFILL_ATTEND_FUSED and not rep & (rep - 1):
+            # (the kernel derives the positions itself: none computed for it here)
 
             def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
                 return prefill_attention(
@@ -416,11 +408,14 @@ class PackedStack:
                 ).reshape(B, T, -1)  # fmt: skip
 
             return self._run_layers(x, attend)
+        # Padding rows past the cache's end write its last position (never read first).
+        positions = prefill_positions(start, B, T, S, x.device)  # [B * T]
+        keys = T if start is None else min(keys or T, S)
+        rows = slots.repeat_interleave(T)
         if want_triton(x, None):
             return self._run_layers(x, self._attend_by_position(B, T, positions, rows, k_cache,
                                                                 v_cache, keys))  # fmt: skip
 
-        rep = c.num_heads // c.num_kv_heads
         mask = None
         if start is not None:
             visible = torch.arange(keys, device=x.device) <= positions.reshape(B, T, 1)
