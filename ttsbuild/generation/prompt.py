@@ -50,7 +50,14 @@ import torch
 from ttsbuild.model.config import ModelConfig
 from ttsbuild.model.talker import Talker
 from ttsbuild.plugins._dispatch import want_triton
-from ttsbuild.plugins.prompt_embed import prompt_embed, text_embed
+from ttsbuild.plugins.prompt_embed import (  # the layout's columns live with the kernels
+    CODES,
+    TEXT,
+    VOICE,
+    codec_track_reference,
+    prompt_embed,
+    text_embed,
+)
 
 ROLE_LEN = 3  # "<|im_start|>", "assistant", "\n"
 TAIL_LEN = 5  # "<|im_end|>", "\n", "<|im_start|>", "assistant", "\n"
@@ -133,7 +140,6 @@ class PromptLayout:
 
 
 NO_CODE = -1  # a codebook a position does not use
-TEXT, VOICE, CODES = 0, 1, 2  # columns of a layout row: text id, x-vector flag, first code
 
 
 # The graph backend's prompt embedding on the kernels in four launches instead of ~14
@@ -188,19 +194,10 @@ class PromptEmbedder:
             xv = None if x_vector is None else x_vector.to(self.stacked_rest.device,
                                                            self.stacked_rest.dtype)  # fmt: skip
             return prompt_embed(rows, *self.text_mlp, self.tables[0], self.stacked_rest, xv)
-        text = self.embed_text(rows[:, TEXT])
-        codes = rows[:, CODES : CODES + len(self.tables)]
-        books = codes.clamp(min=0).T  # [G, T]
-        if self.stacked_rest is not None:
-            rest = self.stacked_rest[self._books, books[1:]]  # [G - 1, T, hidden]
-            per_book = torch.cat([self.tables[0][books[0]][None], rest])
-        else:
-            per_book = torch.stack([t[ids] for t, ids in zip(self.tables, books, strict=True)])
-        codec = per_book.masked_fill((codes < 0).T[..., None], 0).sum(0)  # [T, hidden]
-        if x_vector is not None:
-            voice = x_vector.to(device=codec.device, dtype=codec.dtype)
-            codec = torch.where(rows[:, VOICE : VOICE + 1] > 0, voice, codec)
-        return text + codec
+        rest = self.tables[1:] if self.stacked_rest is None else self.stacked_rest
+        index = None if self.stacked_rest is None else self._books
+        return self.embed_text(rows[:, TEXT]) + codec_track_reference(
+            rows, self.tables[0], rest, x_vector, index)
 
 
 class Prompt:

@@ -17,19 +17,28 @@ import torch.nn.functional as F
 
 from ttsbuild.plugins._dispatch import want_triton
 
-TEXT, VOICE, CODES = 0, 1, 2  # columns of a prompt row (generation.prompt)
+# Columns of a prompt row (generation.prompt's layout, defined here with the kernels that
+# read them): text id, x-vector flag, first code.
+TEXT, VOICE, CODES = 0, 1, 2
 
 
-def codec_track_reference(rows: torch.Tensor, table0: torch.Tensor, rest: torch.Tensor,
-                          x_vector: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def codec_track_reference(rows: torch.Tensor, table0: torch.Tensor,
+                          rest: torch.Tensor | list[torch.Tensor], x_vector: torch.Tensor | None,
+                          rest_index: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """rows [T, 2 + G] -> the codec track [T, H]: the sum of the embeddings of the codes a
-    row uses (code < 0: unused; codebook 0 from table0, 1..G-1 from rest [G - 1, V, H]), or
-    the x-vector ([H] or [T, H]) where the row's flag is set."""
-    G = rest.shape[0] + 1
+    row uses (code < 0: unused; codebook 0 from table0, 1..G-1 from rest: the tables stacked
+    [G - 1, V, H], gathered in one launch, or a list of them), or the x-vector ([H] or
+    [T, H]) where the row's flag is set. rest_index: arange(G - 1)[:, None] on rest's device,
+    kept by a caller that runs this often (else made here)."""
+    G = len(rest) + 1
     codes = rows[:, CODES : CODES + G]
     books = codes.clamp(min=0).T  # [G, T]
-    index = torch.arange(G - 1, device=rows.device)[:, None]
-    per_book = torch.cat([table0[books[0]][None], rest[index, books[1:]]])  # [G, T, H]
+    if isinstance(rest, torch.Tensor):
+        if rest_index is None:
+            rest_index = torch.arange(G - 1, device=rows.device)[:, None]
+        per_book = torch.cat([table0[books[0]][None], rest[rest_index, books[1:]]])  # [G, T, H]
+    else:
+        per_book = torch.stack([t[ids] for t, ids in zip([table0, *rest], books, strict=True)])
     codec = per_book.masked_fill((codes < 0).T[..., None], 0).sum(0)
     if x_vector is not None:
         voice = x_vector.to(device=codec.device, dtype=codec.dtype)
