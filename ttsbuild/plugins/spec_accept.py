@@ -21,6 +21,11 @@ from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.plugins._dispatch import want_triton
 
 
+def set_live(live: torch.Tensor, depth: torch.Tensor, groups: int) -> None:
+    """live [1] int32 <- some row is not done (depth < G - 1): the WHILE node's condition."""
+    live.copy_((depth < groups - 1).any().reshape(1))
+
+
 @dataclass
 class RoundState:
     """The rows' speculative state a round advances (runtime.cp_spec), [B, ...] views."""
@@ -45,7 +50,7 @@ class RoundState:
         self.source.copy_(h.gather(1, accepted[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0])
         self.pending.copy_(final[:, 0])
         self.depth.copy_((self.depth + accepted + 1).clamp(max=groups - 1))
-        self.live.copy_((self.depth < groups - 1).any().reshape(1))
+        set_live(self.live, self.depth, groups)
 
 
 def spec_accept_reference(

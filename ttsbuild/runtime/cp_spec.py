@@ -47,7 +47,12 @@ from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, unif
 from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.head_gemv import head_gemv
 from ttsbuild.plugins.sampling import fused_sample
-from ttsbuild.plugins.spec_accept import RoundState, spec_accept, spec_accept_reference
+from ttsbuild.plugins.spec_accept import (
+    RoundState,
+    set_live,
+    spec_accept,
+    spec_accept_reference,
+)
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense
 from ttsbuild.runtime.graph_while import WhileBody, while_nodes_available
@@ -287,7 +292,7 @@ class SpeculativeCodePredictor:
             self.passes[0::2] += B
             self.passes[1::2] += 1
         if body is not None:  # every round on the device: a WHILE node on "some row live"
-            self._set_live(B)
+            set_live(self.live, depth, G)
             body.run(max_iterations=G - 2)
             return codes[:, :G].clone()
         for r in range(G - 2):  # each round decides >= 1 codebook of every live row
@@ -336,9 +341,6 @@ class SpeculativeCodePredictor:
     def _staged(self, B: int) -> tuple[SamplingBatch, torch.Tensor, torch.Tensor]:
         sampling = SamplingBatch(**{f: getattr(self.in_sampling, f)[:B] for f in _FIELDS})
         return sampling, self.in_seeds[:B], self.in_frames[:B]
-
-    def _set_live(self, B: int) -> None:
-        self.live.copy_((self.depth[:B] < self.groups - 1).any().reshape(1))
 
     def _round(self, heads, sampling, seeds, frames, k: int, B: int) -> None:
         """Draft k codebooks past each row's depth, verify them in one pass, keep the
