@@ -52,7 +52,7 @@ from ttsbuild.runtime.cp_spec import (  # noqa: E402
 )
 from ttsbuild.runtime.fast_model import Dense  # noqa: E402
 from ttsbuild.runtime.graph_engine import _capture  # noqa: E402
-from ttsbuild.runtime.graph_while import while_nodes_available  # noqa: E402
+from ttsbuild.runtime.graph_while import full_edges, while_nodes_available  # noqa: E402
 
 DEV = "cuda"
 
@@ -308,6 +308,8 @@ def main() -> int:
           f"{'used' if ifnodes else 'not used'} (rounds after all rows finish "
           f"{'are skipped' if ifnodes else 'run in full'}); WHILE nodes (step driver): "
           f"{'available' if while_nodes_available() else 'NOT available'}")  # fmt: skip
+    if while_nodes_available():  # the probe (TTSBUILD_WHILE_EDGES=auto) or the forced mode
+        print(f"WHILE bodies: programmatic edges {'made full' if full_edges() else 'kept'}")
     results = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
                "conditional_nodes": ifnodes, "args": {k: v for k, v in vars(args).items()}}
     t0 = time.time()

@@ -88,8 +88,9 @@ def test_the_while_node_source_compiles_for_hopper(tmp_path):
     symbols = subprocess.run(["nm", "-C", str(tmp_path / "graph_while.o")], capture_output=True,
                              text=True).stdout  # fmt: skip
     # the host function the binding declares, with its C++ signature
-    signature = "ttsbuild_capture_while(" + ", ".join(["unsigned long"] * 4 + ["int"]) + ")"
+    signature = "ttsbuild_capture_while(" + ", ".join(["unsigned long"] * 4 + ["int"] * 2) + ")"
     assert f"T {signature}" in symbols
+    assert "T ttsbuild_while_keeps_programmatic_edges(char const**)" in symbols
     broken = tmp_path / "broken.cu"
     broken.write_text(WHILE_SOURCE.read_text().replace("cudaGraphAddChildGraphNode(",
                                                        "cudaGraphAddChildGraphNod("))

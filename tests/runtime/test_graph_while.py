@@ -8,7 +8,8 @@ the WHILE body reads) by test_cp_spec.py's CPU tests, which run the same frame()
 import pytest
 import torch
 
-from ttsbuild.runtime.graph_while import WhileBody, while_nodes_available
+from ttsbuild.runtime.driver import driver_module
+from ttsbuild.runtime.graph_while import WhileBody, full_edges, while_nodes_available
 
 pytestmark = pytest.mark.skipif(
     not while_nodes_available(),
@@ -46,9 +47,33 @@ class Counter:
         return graph
 
 
-def test_the_loop_runs_until_the_body_clears_its_flag():
+# How the node holds its body: as probed (`full_edges()`: programmatic edges kept where the
+# probe graph ran with one), or with every programmatic edge made full (what a runtime that
+# refuses them gets)
+EDGES = ["probed", "full"]
+
+
+def _edges(body: WhileBody, edges: str) -> WhileBody:
+    if edges == "full":
+        body.full_edges = True
+    return body
+
+
+def test_the_switch_follows_the_probe(monkeypatch):
+    kept = driver_module(True).while_keeps_programmatic_edges()
+    print(f"WHILE bodies keep programmatic edges on this device: {kept}")  # in the GPU log
+    monkeypatch.setenv("TTSBUILD_WHILE_EDGES", "auto")
+    full_edges.cache_clear()
+    try:
+        assert full_edges() is (not kept)
+    finally:
+        full_edges.cache_clear()
+
+
+@pytest.mark.parametrize("edges", EDGES)
+def test_the_loop_runs_until_the_body_clears_its_flag(edges):
     c = Counter()
-    body = WhileBody.capture(c.body, c.live)
+    body = _edges(WhileBody.capture(c.body, c.live), edges)
     after = torch.zeros(1, dtype=torch.int64, device="cuda")
     graph = c.graph(body, 20, after)
     for limit, want in ((3, 3), (7, 7), (1, 1), (0, 0), (50, 20), (20, 20)):
@@ -111,15 +136,18 @@ def _spec_case(do_sample: bool):
     return looped, every, (hidden.cuda(), c0, sampling, seeds, frames)
 
 
+@pytest.mark.parametrize("edges", EDGES)
 @pytest.mark.parametrize("do_sample", [False, True])
 @pytest.mark.parametrize("kind", ["self", "draft"])
-def test_speculative_rounds_as_a_while_node_give_the_codes_of_every_round_run(kind, do_sample):
+def test_speculative_rounds_as_a_while_node_give_the_codes_of_every_round_run(kind, do_sample,
+                                                                             edges):
     """The captured frame with its rounds as one WHILE node == the same frame with every
     round run (eager, same kernels): the same codes, bit for bit; and the loop stopped early
     (the near-target draft accepts most codebooks, so fewer than G - 2 rounds were needed)."""
     looped, every, inputs = _spec_case(do_sample)
     want = every.frame(*inputs, kind, 3)
     looped.prepare(inputs[0].shape[0], 3, kind)
+    _edges(looped.bodies[(inputs[0].shape[0], 3, kind)], edges)  # its kernels launch with PDL
     out = torch.zeros_like(want)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()

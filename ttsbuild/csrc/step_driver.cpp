@@ -397,18 +397,29 @@ auto guarded(R (C::*method)(A...) const) {
 // graph_while.cu (compiled by nvcc into the same extension where CUDA is there)
 const char* ttsbuild_capture_while(std::uintptr_t stream_ptr, std::uintptr_t body_graph,
                                    std::uintptr_t flag_ptr, std::uintptr_t counter_ptr,
-                                   int max_iterations);
+                                   int max_iterations, int full_edges);
+int ttsbuild_while_keeps_programmatic_edges(const char** error);
 
 namespace {
 
 // A WHILE node at the capturing stream's current position: the body graph (a cudaGraph_t)
-// runs while the int32 at flag is non-zero, at most max_iterations times (graph_while.cu).
+// runs while the int32 at flag is non-zero, at most max_iterations times (graph_while.cu);
+// full_edges: the body's programmatic edges made full dependencies.
 void capture_while(std::uintptr_t stream, std::uintptr_t body_graph, std::uintptr_t flag,
-                   std::uintptr_t counter, int max_iterations) {
+                   std::uintptr_t counter, int max_iterations, bool full_edges) {
   if (const char* error = ttsbuild_capture_while(stream, body_graph, flag, counter,
-                                                 max_iterations)) {
+                                                 max_iterations, full_edges ? 1 : 0)) {
     raise_runtime_error(error);
   }
+}
+
+// Whether this device and driver run a WHILE body that holds programmatic edges (a probe graph
+// instantiated and run once: graph_while.cu).
+bool while_keeps_programmatic_edges() {
+  const char* error = nullptr;
+  const int kept = ttsbuild_while_keeps_programmatic_edges(&error);
+  if (kept < 0) raise_runtime_error(error);
+  return kept == 1;
 }
 #endif
 
@@ -428,7 +439,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef TTSBUILD_GRAPH_WHILE
   m.def("capture_while", &capture_while, py::arg("stream"), py::arg("body_graph"),
         py::arg("flag"), py::arg("counter"), py::arg("max_iterations"),
+        py::arg("full_edges") = false,
         "A WHILE node at the capturing stream's current position (ttsbuild/csrc/graph_while.cu).");
+  m.def("while_keeps_programmatic_edges", &while_keeps_programmatic_edges,
+        "Whether a WHILE node's body may hold programmatic edges here (probed on the device).");
 #endif
   py::class_<StepDriver>(m, "StepDriver")
       .def(py::init(&make_step_driver), py::arg("cuda"))

@@ -13,10 +13,19 @@ must outlive every graph that holds the node (`WhileBody` keeps both together).
     with torch.cuda.graph(frame_graph):          # the graph that holds the loop
         ...                                      # work before the loop
         body.run(max_iterations=14)              # the loop, decided on the device
+
+Programmatic edges (kernels captured with programmatic dependent launch: the Triton kernels
+on Hopper) in the body: CUDA documents which node types a conditional body may hold, not
+which edges. `full_edges()` decides once per process: TTSBUILD_WHILE_EDGES=keep keeps them,
+=full makes each a full dependency in the node's copy of the body (the kernels' dependency
+waits then return at once), =auto (default) keeps them where a probe graph with one runs on
+this device (`while_keeps_programmatic_edges` in the step driver).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -35,6 +44,17 @@ def while_nodes_available() -> bool:
         return False
 
 
+@functools.cache
+def full_edges() -> bool:
+    """Whether WHILE bodies get their programmatic edges made full (see the module doc)."""
+    mode = os.environ.get("TTSBUILD_WHILE_EDGES", "auto")
+    if mode not in ("auto", "keep", "full"):
+        raise ValueError(f"TTSBUILD_WHILE_EDGES must be auto, keep or full, got {mode!r}")
+    if mode != "auto":
+        return mode == "full"
+    return not driver_module(True).while_keeps_programmatic_edges()
+
+
 class WhileBody:
     """A captured loop body and the device words its WHILE nodes read: `flag` (int32 [1],
     set by the body: run again while non-zero) and a counter of iterations (int32 [1])."""
@@ -45,6 +65,7 @@ class WhileBody:
         self.graph = graph
         self.flag = flag
         self.counter = torch.zeros(1, dtype=torch.int32, device=flag.device)
+        self.full_edges = full_edges()  # probed here, outside any capture
 
     @classmethod
     def capture(cls, step: Callable[[], None], flag: torch.Tensor, pool=None,
@@ -73,6 +94,7 @@ class WhileBody:
         driver_module(True).capture_while(
             torch.cuda.current_stream().cuda_stream, self.graph.raw_cuda_graph(),
             self.flag.data_ptr(), self.counter.data_ptr(), int(max_iterations),
+            full_edges=self.full_edges,
         )  # fmt: skip
 
     def iterations(self) -> int:
