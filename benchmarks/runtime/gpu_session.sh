@@ -40,7 +40,8 @@
 # newkernels: GPU tests of the kernels built 2026-12-04 (twenty-fifth session) without a GPU:
 #         the prefill attention in one launch (test_prefill_attention.py, the stack's prefill
 #         with it: test_cp_fused.py -k prefill_kernel_path), the speculative round's
-#         acceptance and head GEMV (test_spec_accept.py), the codec's ConvNeXt blocks in two
+#         acceptance and head GEMV (test_spec_accept.py) and its books and verify index
+#         (test_spec_round.py, 2026-12-05), the codec's ConvNeXt blocks in two
 #         launches (test_convnext.py, test_codec_engine_gpu.py -k convnext), the prompt
 #         embedding in four launches (test_prompt_embed.py, test_graph_engine.py -k
 #         prompt_embed), and the fused
@@ -308,10 +309,10 @@ for step in $STEPS; do
         log "GPU tests: prefill attention, spec accept + head GEMV, the fused sampler"
         timeout -k 5 "${NEWTESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
             tests/plugins/test_prefill_attention.py tests/plugins/test_spec_accept.py \
-            tests/plugins/test_convnext.py tests/runtime/test_codec_engine_gpu.py \
+            tests/plugins/test_spec_round.py tests/plugins/test_convnext.py tests/runtime/test_codec_engine_gpu.py \
             tests/plugins/test_prompt_embed.py tests/runtime/test_graph_engine.py \
             tests/plugins/test_gpu_kernels.py tests/runtime/test_cp_fused.py \
-            -k "prefill_attention or spec_accept or head_gemv or fused_sample or prefill_kernel_path or convnext or prompt_embed" \
+            -k "prefill_attention or spec_accept or spec_round or round_books or verify_index or head_gemv or fused_sample or prefill_kernel_path or convnext or prompt_embed" \
             > "$OUT/gpu_tests_new.log" 2>&1
         echo "new kernels' GPU tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_new.log" | head -20 ;;
     spec)

@@ -53,6 +53,7 @@ from ttsbuild.plugins.spec_accept import (
     spec_accept,
     spec_accept_reference,
 )
+from ttsbuild.plugins.spec_round import round_books, verify_index
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense
 from ttsbuild.runtime.graph_while import WhileBody, while_nodes_available
@@ -235,7 +236,6 @@ class SpeculativeCodePredictor:
         self.in_draft_sampling = plain_sampling(max_batch * max_window, dev)
         self.in_draft_seeds = torch.zeros(max_batch * max_window, dtype=torch.int64, device=dev)
         self.in_draft_base = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self.offsets = torch.arange(1, max_window + 2, device=dev)  # books = depth + offsets
         self.live = torch.zeros(1, dtype=torch.int32, device=dev)  # some row is not done
         self.arrivals = torch.zeros(1, dtype=torch.int32, device=dev)  # spec_accept's count
         self.trash = G + W + 1  # the column that writes past a row's accepted codes go to
@@ -348,30 +348,32 @@ class SpeculativeCodePredictor:
         G, cp = self.groups, self.cp
         depth, pending = self.depth[:B], self.pending[:B]
         source, codes = self.source[:B], self.codes[:B]
-        books = depth[:, None] + self.offsets[: k + 1]  # [B, k + 1] codebooks verified
+        # [B, k + 1] codebooks verified, and the draft draws' counters (`spec_counters`)
+        books, counters = round_books(depth, self.in_draft_base[:B], k)
         V = heads.shape[1]
 
         # draft: codebooks d+1..d+k from the hidden state at depth d, drawn from
         # q = target_probs(draft logits) by the fused sampler (one launch for all B * k), with
         # the settings, seeds and counter bases staged per drafted row (`_stage`)
         draft_logits = head_logits(heads, source[:, None], books[:, :k])  # [B, k, V]
-        counters = (self.in_draft_base[:B, None] + books[:, :k]).reshape(-1)  # spec_counters
         per_row = SamplingBatch(**{f: getattr(self.in_draft_sampling, f)[: B * k]
                                    for f in _FIELDS})  # fmt: skip
         drafts = fused_sample(draft_logits.reshape(B * k, V), per_row,
                               self.in_draft_seeds[: B * k], counters).reshape(B, k)  # fmt: skip
 
-        # verify: inputs code_d, drafts at positions d+1..d+k+1 -> p of codebooks d+1..d+k+1
-        in_codes = torch.cat([pending[:, None], drafts], dim=1)
-        tables = (books - 2).clamp(0, G - 2)  # input of position c + 1 is codebook c's code
-        x = cp.proj(cp.embeddings[tables, in_codes])  # [B, k + 1, H]
-        if FUSED_VERIFY and B <= FUSED_VERIFY_MAX_ROWS:  # token by token: [(k + 1) B, H]
-            h = decode_fused(cp.stack, x.transpose(0, 1).reshape((k + 1) * B, -1),
-                             self.k_cache, self.v_cache, self.slots[:B], depth + 1,
-                             tokens=k + 1)  # fmt: skip
+        # verify: inputs code_d, drafts at positions d+1..d+k+1 -> p of codebooks d+1..d+k+1;
+        # the projection gathers each position's embedding row itself (`verify_index`)
+        fused = FUSED_VERIFY and B <= FUSED_VERIFY_MAX_ROWS
+        table = cp.embeddings.reshape(-1, cp.embeddings.shape[-1])  # [(G - 1) * V, H]: a view
+        index = verify_index(pending, drafts, books, G, cp.embeddings.shape[1], fused)
+        x = cp._project(table, index)  # [(k + 1) B, H] by position if fused, else by row
+        if fused:  # token by token
+            h = decode_fused(cp.stack, x, self.k_cache, self.v_cache, self.slots[:B],
+                             depth + 1, tokens=k + 1)  # fmt: skip
             h = h.view(k + 1, B, -1).transpose(0, 1)  # [B, k + 1, H]
         else:
-            h = cp.stack.extend(x, self.k_cache, self.v_cache, self.slots[:B], depth + 1)
+            h = cp.stack.extend(x.view(B, k + 1, -1), self.k_cache, self.v_cache,
+                                self.slots[:B], depth + 1)  # fmt: skip
         target_logits = head_logits(self.heads, h, books)  # [B, k + 1, V]
         if self.stats:  # the rows' depths before the round: counted first
             depth_before = depth.clone()

@@ -1,0 +1,80 @@
+"""Triton: a speculative round's books and counters, and its verify inputs' table rows
+(plugins.spec_round). One program each (a round has at most a few hundred entries); every
+input is read after the PDL wait (the depths and pending codes come from the kernel before:
+the previous round's acceptance)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
+from ttsbuild.plugins._tl._math import pdl_prologue
+
+
+@triton.jit
+def _round_books_kernel(depth_ptr, base_ptr, books_ptr, counters_ptr, B, K,
+                        BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+                        PDL: tl.constexpr = False):  # fmt: skip
+    offs_b = tl.arange(0, BLOCK_B)
+    offs_t = tl.arange(0, BLOCK_T)
+    bmask = offs_b < B
+    pdl_prologue(PDL)
+    depth = tl.load(depth_ptr + offs_b, mask=bmask, other=0)
+    base = tl.load(base_ptr + offs_b, mask=bmask, other=0)
+    books = depth[:, None] + 1 + offs_t[None, :]
+    tl.store(books_ptr + offs_b[:, None] * (K + 1) + offs_t[None, :], books,
+             mask=bmask[:, None] & (offs_t[None, :] <= K))  # fmt: skip
+    tl.store(counters_ptr + offs_b[:, None] * K + offs_t[None, :], base[:, None] + books,
+             mask=bmask[:, None] & (offs_t[None, :] < K))  # fmt: skip
+
+
+def round_books_triton(depth: torch.Tensor, base: torch.Tensor,
+                       k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    B = depth.shape[0]
+    books = torch.empty(B, k + 1, dtype=torch.int64, device=depth.device)
+    counters = torch.empty(B * k, dtype=torch.int64, device=depth.device)
+    _round_books_kernel[(1,)](
+        depth.contiguous(), base.contiguous(), books, counters, B, k,
+        BLOCK_B=triton.next_power_of_2(B), BLOCK_T=triton.next_power_of_2(k + 1),
+        **pdl_args(pdl_enabled(depth)), num_warps=1,
+    )  # fmt: skip
+    return books, counters
+
+
+@triton.jit
+def _verify_index_kernel(pending_ptr, drafts_ptr, stride_db, books_ptr, stride_bb, out_ptr, B,
+                         K, G, V, POSITION_MAJOR: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    offs_b = tl.arange(0, BLOCK_B)[:, None]
+    offs_t = tl.arange(0, BLOCK_T)[None, :]
+    mask = (offs_b < B) & (offs_t <= K)
+    pdl_prologue(PDL)
+    pending = tl.load(pending_ptr + offs_b, mask=offs_b < B, other=0)
+    drafts = tl.load(drafts_ptr + offs_b * stride_db + (offs_t - 1),
+                     mask=mask & (offs_t >= 1), other=0)  # fmt: skip
+    codes = tl.where(offs_t == 0, pending, drafts)
+    books = tl.load(books_ptr + offs_b * stride_bb + offs_t, mask=mask, other=2)
+    tables = tl.minimum(tl.maximum(books - 2, 0), G - 2)
+    if POSITION_MAJOR:
+        where = offs_t * B + offs_b
+    else:
+        where = offs_b * (K + 1) + offs_t
+    tl.store(out_ptr + where, tables * V + codes, mask=mask)
+
+
+def verify_index_triton(pending: torch.Tensor, drafts: torch.Tensor, books: torch.Tensor,
+                        groups: int, vocab: int, position_major: bool) -> torch.Tensor:  # fmt: skip
+    B, k = drafts.shape
+    if drafts.stride(1) != 1:
+        drafts = drafts.contiguous()
+    if books.stride(1) != 1:
+        books = books.contiguous()
+    out = torch.empty(B * (k + 1), dtype=torch.int64, device=pending.device)
+    _verify_index_kernel[(1,)](
+        pending.contiguous(), drafts, drafts.stride(0), books, books.stride(0), out, B, k,
+        groups, vocab, POSITION_MAJOR=position_major, BLOCK_B=triton.next_power_of_2(B),
+        BLOCK_T=triton.next_power_of_2(k + 1), **pdl_args(pdl_enabled(pending)), num_warps=1,
+    )  # fmt: skip
+    return out
