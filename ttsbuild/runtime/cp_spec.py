@@ -222,6 +222,9 @@ class SpeculativeCodePredictor:
         self.k_cache = torch.zeros(shape, dtype=dtype, device=dev)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=dev)
         self.slots = torch.arange(max_batch, device=dev)
+        self.zeros = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # first positions
+        # the first pass's two tokens of every row, token by token (its fused form)
+        self.pair = torch.zeros(2 * max_batch, c.hidden_size, dtype=dtype, device=dev)
         self.depth = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.pending = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.source = torch.zeros(max_batch, c.hidden_size, dtype=dtype, device=dev)
@@ -279,9 +282,18 @@ class SpeculativeCodePredictor:
         slots = self.slots[:B]
         self._stage(sampling, seeds, frames, B, window)
         sampling, seeds, frames = self._staged(B)
-        # Codebook 1: the plain first pass (positions 0, 1) and the target's own sampler.
-        x = torch.stack([hidden, cp.codec_embedding[c0]], dim=1)  # [B, 2, H]
-        h = cp.stack.prefill(cp.proj(x), self.k_cache, self.v_cache, slots)[:, -1]
+        # Codebook 1: the plain first pass (positions 0, 1) and the target's own sampler;
+        # where the verify pass is fused, as the fused frame runs it (`PAIR_PREFILL`): both
+        # tokens of every row in one pass, each input projected straight into place
+        if FUSED_VERIFY and B <= FUSED_VERIFY_MAX_ROWS:
+            x = self.pair[: 2 * B]
+            cp._project(hidden, None, out=x[:B])
+            cp._project(cp.codec_embedding, c0, out=x[B:])
+            h = decode_fused(cp.stack, x, self.k_cache, self.v_cache, slots, self.zeros[:B],
+                             tokens=2)[B:]  # fmt: skip
+        else:
+            x = torch.stack([hidden, cp.codec_embedding[c0]], dim=1)  # [B, 2, H]
+            h = cp.stack.prefill(cp.proj(x), self.k_cache, self.v_cache, slots)[:, -1]
         code1 = fused_sample(cp.heads[0](h).float(), sampling, seeds, frames * G + 1)
         depth, codes = self.depth[:B], self.codes[:B]
         depth.fill_(1)
