@@ -10,6 +10,8 @@ from kernel_device import KDEV, needs_kernel
 from ttsbuild.plugins.spec_round import (
     round_books,
     round_books_reference,
+    stage_frame,
+    stage_frame_reference,
     verify_index,
     verify_index_reference,
 )
@@ -89,3 +91,59 @@ def test_shapes_that_do_not_fit_are_refused():
         round_books(depth, frames, 0)
     with pytest.raises(ValueError, match="verify_index"):
         verify_index(pending, drafts, books[:, :2], G, V, True)
+
+
+def _stage_case(B: int, k: int, seed: int, device):
+    from ttsbuild.runtime.cp_spec import plain_sampling
+
+    g = torch.Generator().manual_seed(seed)
+    fields = [
+        torch.rand(B, generator=g) < 0.5,
+        torch.rand(B, generator=g) + 0.5,
+        torch.randint(0, 100, (B,), generator=g),
+        torch.rand(B, generator=g),
+        torch.rand(B, generator=g) + 1.0,
+        torch.randint(0, 2**62, (B,), generator=g),
+        torch.randint(0, 2**20, (B,), generator=g),
+    ]
+    n = 8  # buffers for up to 8 rows x 6 drafts, filled with markers to see what is written
+    rows, drafted = plain_sampling(n, "cpu"), plain_sampling(n * 6, "cpu")
+    names = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+    plain = [getattr(rows, f) for f in names] + [torch.full((n,), -7), torch.full((n,), -7)]
+    draft = [getattr(drafted, f) for f in names] + [torch.full((n * 6,), -7)]
+    base = torch.full((n,), -7)
+    return ([f.to(device) for f in fields], [t.to(device) for t in plain],
+            [t.to(device) for t in draft], base.to(device))  # fmt: skip
+
+
+@pytest.mark.parametrize("B,k", [(1, 1), (3, 4), (8, 6)])
+def test_stage_frame_reference_writes_the_rows_and_their_drafts(B, k):
+    fields, plain, draft, base = _stage_case(B, k, B * k, "cpu")
+    untouched = [t.clone() for t in plain]
+    stage_frame_reference(fields, plain, draft, base, k, G, DRAFT_DRAW << 28)
+    for f, p, d, before in zip(fields, plain, draft + [None], untouched, strict=True):
+        assert torch.equal(p[:B], f) and torch.equal(p[B:], before[B:])
+        if d is not None:
+            assert torch.equal(d[: B * k].view(B, k), f[:, None].expand(B, k))
+    assert torch.equal(base[:B], spec_counters(fields[6], torch.zeros(B, 1, dtype=torch.int64),
+                                               DRAFT_DRAW, G)[:, 0])  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,k,seed", [(1, 1, 1), (3, 4, 2), (8, 6, 3), (5, 3, 4)])
+def test_stage_frame_kernel_equals_the_reference(B, k, seed):
+    got = _stage_case(B, k, seed, KDEV)
+    want = _stage_case(B, k, seed, "cpu")
+    stage_frame(*got, k, G, DRAFT_DRAW << 28, use_triton=True)
+    stage_frame_reference(*want, k, G, DRAFT_DRAW << 28)
+    for a, b in zip([*got[1], *got[2], got[3]], [*want[1], *want[2], want[3]], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b)
+
+
+def test_stage_frame_refuses_what_does_not_fit():
+    fields, plain, draft, base = _stage_case(3, 4, 0, "cpu")
+    stage_frame(fields, plain, draft, base, 4, G, 0)  # 3 rows x 4 drafts fit in 48
+    with pytest.raises(ValueError, match="too short"):
+        stage_frame(fields, plain, [d[:10] for d in draft], base, 4, G, 0)
+    with pytest.raises(ValueError, match="field for a"):
+        stage_frame([fields[0].long(), *fields[1:]], plain, draft, base, 4, G, 0)

@@ -13,6 +13,10 @@ two launches instead of eight.
   The projection then gathers its rows itself (`FusedCodePredictor._project(table, index)`),
   so the cat of the inputs, the table arithmetic, the embedding gather and the transpose copy
   (five launches) are this one and none.
+- `stage_frame`: a speculative frame's inputs copied into the fixed buffers its rounds read
+  (the WHILE body is captured ahead against them): each row's five sampling settings, seed and
+  frame; the settings and seed repeated for the row's k draft draws; the draft counters' base.
+  One launch instead of ~20 copies and repeats.
 The references are the ops they replace, exactly.
 """
 
@@ -66,3 +70,38 @@ def verify_index(pending: torch.Tensor, drafts: torch.Tensor, books: torch.Tenso
     from ttsbuild.plugins._tl.spec_round import verify_index_triton
 
     return verify_index_triton(pending, drafts, books, groups, vocab, position_major)
+
+
+def stage_frame_reference(fields: list[torch.Tensor], plain: list[torch.Tensor],
+                          draft: list[torch.Tensor], base: torch.Tensor, k: int,
+                          groups: int, base_offset: int) -> None:  # fmt: skip
+    """fields: the frame's B-row inputs (do_sample, temperature, top_k, top_p,
+    repetition_penalty, seeds, frames). plain: 7 buffers, each [:B] <- its field. draft: 6
+    buffers (the settings and the seeds), [:B * k] <- the field repeated k times per row.
+    base[:B] <- base_offset + frames * groups."""
+    B = fields[0].shape[0]
+    for src, dst in zip(fields, plain, strict=True):
+        dst[:B].copy_(src)
+    for src, dst in zip(fields[:6], draft, strict=True):
+        dst[: B * k].copy_(src.repeat_interleave(k))
+    base[:B].copy_(base_offset + fields[6] * groups)
+
+
+def stage_frame(fields: list[torch.Tensor], plain: list[torch.Tensor], draft: list[torch.Tensor],
+                base: torch.Tensor, k: int, groups: int, base_offset: int, *,
+                use_triton: bool | None = None) -> None:  # fmt: skip
+    B = fields[0].shape[0]
+    if len(fields) != 7 or len(plain) != 7 or len(draft) != 6 or k < 1:
+        raise ValueError("stage_frame: 7 fields, 7 row buffers, 6 draft buffers, a window >= 1")
+    small = [t for t in (*plain, base) if t.shape[0] < B] + [t for t in draft if t.shape[0] < B * k]
+    if any(f.shape != (B,) for f in fields) or small:
+        raise ValueError(f"stage_frame: fields of {B} rows, or buffers too short for them and "
+                         f"their {k} drafts each")  # fmt: skip
+    for src, dst in zip(fields, plain, strict=True):
+        if src.dtype != dst.dtype:
+            raise ValueError(f"stage_frame: a {src.dtype} field for a {dst.dtype} buffer")
+    if not want_triton(base, use_triton):
+        return stage_frame_reference(fields, plain, draft, base, k, groups, base_offset)
+    from ttsbuild.plugins._tl.spec_round import stage_frame_triton
+
+    return stage_frame_triton(fields, plain, draft, base, k, groups, base_offset)

@@ -53,7 +53,7 @@ from ttsbuild.plugins.spec_accept import (
     spec_accept,
     spec_accept_reference,
 )
-from ttsbuild.plugins.spec_round import round_books, verify_index
+from ttsbuild.plugins.spec_round import round_books, stage_frame, verify_index
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense
 from ttsbuild.runtime.graph_while import WhileBody, while_nodes_available
@@ -341,14 +341,12 @@ class SpeculativeCodePredictor:
         self.bodies[(B, window, kind)] = WhileBody.capture(step, self.live)
 
     def _stage(self, sampling: SamplingBatch, seeds, frames, B: int, k: int) -> None:
-        for f in _FIELDS:
-            value = getattr(sampling, f)
-            getattr(self.in_sampling, f)[:B].copy_(value)
-            getattr(self.in_draft_sampling, f)[: B * k].copy_(value.repeat_interleave(k))
-        self.in_seeds[:B].copy_(seeds)
-        self.in_frames[:B].copy_(frames)
-        self.in_draft_seeds[: B * k].copy_(seeds.repeat_interleave(k))
-        self.in_draft_base[:B].copy_((DRAFT_DRAW << 28) + frames * self.groups)
+        """The frame's inputs into the buffers the rounds read, and repeated per draft draw,
+        with the draft counters' base (`plugins.spec_round.stage_frame`: one launch)."""
+        fields = [getattr(sampling, f) for f in _FIELDS] + [seeds, frames]
+        plain = [getattr(self.in_sampling, f) for f in _FIELDS] + [self.in_seeds, self.in_frames]
+        draft = [getattr(self.in_draft_sampling, f) for f in _FIELDS] + [self.in_draft_seeds]
+        stage_frame(fields, plain, draft, self.in_draft_base, k, self.groups, DRAFT_DRAW << 28)
 
     def _staged(self, B: int) -> tuple[SamplingBatch, torch.Tensor, torch.Tensor]:
         sampling = SamplingBatch(**{f: getattr(self.in_sampling, f)[:B] for f in _FIELDS})

@@ -78,3 +78,46 @@ def verify_index_triton(pending: torch.Tensor, drafts: torch.Tensor, books: torc
         BLOCK_T=triton.next_power_of_2(k + 1), **pdl_args(pdl_enabled(pending)), num_warps=1,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _stage_frame_kernel(f0, f1, f2, f3, f4, f5, f6, p0, p1, p2, p3, p4, p5, p6,
+                        d0, d1, d2, d3, d4, d5, base_ptr, B, K, groups, base_offset,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    j = tl.arange(0, BLOCK)
+    row = j // K
+    pdl_prologue(PDL)
+    plain = j < B
+    drafted = j < B * K
+    # each field: its rows as they are, then repeated K times per row for the draft draws
+    v = tl.load(f0 + j, mask=plain)
+    tl.store(p0 + j, v, mask=plain)
+    tl.store(d0 + j, tl.load(f0 + row, mask=drafted), mask=drafted)
+    v = tl.load(f1 + j, mask=plain)
+    tl.store(p1 + j, v, mask=plain)
+    tl.store(d1 + j, tl.load(f1 + row, mask=drafted), mask=drafted)
+    v = tl.load(f2 + j, mask=plain)
+    tl.store(p2 + j, v, mask=plain)
+    tl.store(d2 + j, tl.load(f2 + row, mask=drafted), mask=drafted)
+    v = tl.load(f3 + j, mask=plain)
+    tl.store(p3 + j, v, mask=plain)
+    tl.store(d3 + j, tl.load(f3 + row, mask=drafted), mask=drafted)
+    v = tl.load(f4 + j, mask=plain)
+    tl.store(p4 + j, v, mask=plain)
+    tl.store(d4 + j, tl.load(f4 + row, mask=drafted), mask=drafted)
+    v = tl.load(f5 + j, mask=plain)
+    tl.store(p5 + j, v, mask=plain)
+    tl.store(d5 + j, tl.load(f5 + row, mask=drafted), mask=drafted)
+    frames = tl.load(f6 + j, mask=plain)
+    tl.store(p6 + j, frames, mask=plain)
+    tl.store(base_ptr + j, base_offset + frames * groups, mask=plain)
+
+
+def stage_frame_triton(fields, plain, draft, base, k: int, groups: int,
+                       base_offset: int) -> None:  # fmt: skip
+    B = fields[0].shape[0]
+    fields = [f.contiguous() for f in fields]
+    _stage_frame_kernel[(1,)](
+        *fields, *plain, *draft, base, B, k, groups, base_offset,
+        BLOCK=triton.next_power_of_2(B * k), **pdl_args(pdl_enabled(base)), num_warps=1,
+    )  # fmt: skip
