@@ -33,8 +33,9 @@ def _rows(B: int, k: int, seed: int):
 def test_books_and_counters_are_the_rounds_rule(B, k):
     depth, frames, *_ = _rows(B, k, B + k)
     base = (DRAFT_DRAW << 28) + frames * G  # SpeculativeCodePredictor._stage's base
-    books, counters = round_books_reference(depth, base, k)
+    books, counters, start = round_books_reference(depth, base, k)
     assert torch.equal(books, depth[:, None] + 1 + torch.arange(k + 1))
+    assert torch.equal(start, depth + 1)
     assert torch.equal(counters, spec_counters(frames, books[:, :k], DRAFT_DRAW, G).reshape(-1))
 
 
@@ -42,7 +43,7 @@ def test_books_and_counters_are_the_rounds_rule(B, k):
 @pytest.mark.parametrize("B,k", [(1, 1), (3, 4), (8, 6)])
 def test_the_index_picks_the_inputs_the_verify_pass_reads(B, k, position_major):
     depth, frames, pending, drafts = _rows(B, k, 7 * B + k)
-    books, _ = round_books_reference(depth, frames, k)
+    books, *_ = round_books_reference(depth, frames, k)
     embeddings = torch.randn(G - 1, V, 5)
     # the round's inputs as first written: codebook c's code from table c - 1 at position c + 1
     codes = torch.cat([pending[:, None], drafts], 1)
@@ -72,7 +73,7 @@ def test_round_books_kernel_equals_the_reference(B, k, seed):
 @pytest.mark.parametrize("B,k,seed", [(1, 1, 1), (3, 3, 2), (5, 6, 3), (64, 3, 5)])
 def test_verify_index_kernel_equals_the_reference(B, k, seed, position_major):
     depth, frames, pending, drafts = _rows(B, k, seed)
-    books, _ = round_books_reference(depth, frames, k)
+    books, *_ = round_books_reference(depth, frames, k)
     # drafts and books as the round passes them: a reshaped sampler output, a strided slice
     wide = torch.zeros(B, k + 3, dtype=torch.int64)
     wide[:, 1 : k + 2] = books
@@ -84,7 +85,7 @@ def test_verify_index_kernel_equals_the_reference(B, k, seed, position_major):
 
 def test_shapes_that_do_not_fit_are_refused():
     depth, frames, pending, drafts = _rows(3, 2, 0)
-    books, _ = round_books_reference(depth, frames, 2)
+    books, *_ = round_books_reference(depth, frames, 2)
     with pytest.raises(ValueError, match="round_books"):
         round_books(depth, frames[:2], 2)
     with pytest.raises(ValueError, match="round_books"):

@@ -2,9 +2,10 @@
 two launches instead of eight.
 
 - `round_books`: the codebooks a round verifies, books [B, k + 1] = depth + 1 .. depth + k + 1,
-  and the counters [B * k] of the draft draws, base + books[:, :k] (the draft's counter base
-  per row, staged once per frame). Replaces an add for the books and an add plus a copy of
-  the strided slice for the counters.
+  the counters [B * k] of the draft draws, base + books[:, :k] (the draft's counter base per
+  row, staged once per frame), and the verify pass's first positions, depth + 1, contiguous.
+  Replaces an add for the books, an add plus a copy of the strided slice for the counters,
+  and the add for the positions.
 - `verify_index`: the flat row of each verify position's input embedding in the code
   predictor's tables viewed as [(G - 1) * V, H]: position t of row b takes codebook
   books[b, t] - 1's code (the row's pending code at t = 0, draft t - 1 after it) from that
@@ -28,14 +29,15 @@ from ttsbuild.plugins._dispatch import want_triton
 
 
 def round_books_reference(depth: torch.Tensor, base: torch.Tensor,
-                          k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """depth [B], base [B] int64 -> (books [B, k + 1], counters [B * k]) int64."""
+                          k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """depth [B], base [B] int64 -> (books [B, k + 1], counters [B * k], start [B]) int64."""
     books = depth[:, None] + torch.arange(1, k + 2, device=depth.device)
-    return books, (base[:, None] + books[:, :k]).reshape(-1)
+    return books, (base[:, None] + books[:, :k]).reshape(-1), depth + 1
 
 
 def round_books(depth: torch.Tensor, base: torch.Tensor, k: int, *,
-                use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                use_triton: bool | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     if depth.dim() != 1 or base.shape != depth.shape or k < 1:
         raise ValueError(f"round_books: depth {tuple(depth.shape)}, base {tuple(base.shape)}, "
                          f"window {k}")  # fmt: skip

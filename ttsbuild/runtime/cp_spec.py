@@ -358,8 +358,9 @@ class SpeculativeCodePredictor:
         G, cp = self.groups, self.cp
         depth, pending = self.depth[:B], self.pending[:B]
         source, codes = self.source[:B], self.codes[:B]
-        # [B, k + 1] codebooks verified, and the draft draws' counters (`spec_counters`)
-        books, counters = round_books(depth, self.in_draft_base[:B], k)
+        # [B, k + 1] codebooks verified, the draft draws' counters (`spec_counters`) and the
+        # verify pass's first positions (depth + 1)
+        books, counters, start = round_books(depth, self.in_draft_base[:B], k)
         V = heads.shape[1]
 
         # draft: codebooks d+1..d+k from the hidden state at depth d, drawn from
@@ -378,12 +379,12 @@ class SpeculativeCodePredictor:
         index = verify_index(pending, drafts, books, G, cp.embeddings.shape[1], fused)
         x = cp._project(table, index)  # [(k + 1) B, H] by position if fused, else by row
         if fused:  # token by token
-            h = decode_fused(cp.stack, x, self.k_cache, self.v_cache, self.slots[:B],
-                             depth + 1, tokens=k + 1)  # fmt: skip
+            h = decode_fused(cp.stack, x, self.k_cache, self.v_cache, self.slots[:B], start,
+                             tokens=k + 1)  # fmt: skip
             h = h.view(k + 1, B, -1).transpose(0, 1)  # [B, k + 1, H]
         else:
             h = cp.stack.extend(x.view(B, k + 1, -1), self.k_cache, self.v_cache,
-                                self.slots[:B], depth + 1)  # fmt: skip
+                                self.slots[:B], start)  # fmt: skip
         target_logits = head_logits(self.heads, h, books)  # [B, k + 1, V]
         if self.stats:  # the rows' depths before the round: counted first
             depth_before = depth.clone()

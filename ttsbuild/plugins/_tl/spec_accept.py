@@ -184,4 +184,4 @@ def spec_accept_triton(
         ACCEPT_KIND=accept_kind, FINAL_KIND=final_kind, K=K, BLOCK_V=block_v, RADIX_BITS=1,
         **blocks, **pdl_args(pdl_enabled(draft_logits)), num_warps=8 if block_v >= 2048 else 4,
     )  # fmt: skip
-    return accepted, final, ok.bool()
+    return accepted, final, ok.view(torch.bool)  # 0 / 1: a view, not a conversion

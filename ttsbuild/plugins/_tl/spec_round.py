@@ -14,7 +14,7 @@ from ttsbuild.plugins._tl._math import pdl_prologue
 
 
 @triton.jit
-def _round_books_kernel(depth_ptr, base_ptr, books_ptr, counters_ptr, B, K,
+def _round_books_kernel(depth_ptr, base_ptr, books_ptr, counters_ptr, start_ptr, B, K,
                         BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
                         PDL: tl.constexpr = False):  # fmt: skip
     offs_b = tl.arange(0, BLOCK_B)
@@ -24,6 +24,7 @@ def _round_books_kernel(depth_ptr, base_ptr, books_ptr, counters_ptr, B, K,
     depth = tl.load(depth_ptr + offs_b, mask=bmask, other=0)
     base = tl.load(base_ptr + offs_b, mask=bmask, other=0)
     books = depth[:, None] + 1 + offs_t[None, :]
+    tl.store(start_ptr + offs_b, depth + 1, mask=bmask)
     tl.store(books_ptr + offs_b[:, None] * (K + 1) + offs_t[None, :], books,
              mask=bmask[:, None] & (offs_t[None, :] <= K))  # fmt: skip
     tl.store(counters_ptr + offs_b[:, None] * K + offs_t[None, :], base[:, None] + books,
@@ -31,16 +32,17 @@ def _round_books_kernel(depth_ptr, base_ptr, books_ptr, counters_ptr, B, K,
 
 
 def round_books_triton(depth: torch.Tensor, base: torch.Tensor,
-                       k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                       k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     B = depth.shape[0]
     books = torch.empty(B, k + 1, dtype=torch.int64, device=depth.device)
     counters = torch.empty(B * k, dtype=torch.int64, device=depth.device)
+    start = torch.empty(B, dtype=torch.int64, device=depth.device)
     _round_books_kernel[(1,)](
-        depth.contiguous(), base.contiguous(), books, counters, B, k,
+        depth.contiguous(), base.contiguous(), books, counters, start, B, k,
         BLOCK_B=triton.next_power_of_2(B), BLOCK_T=triton.next_power_of_2(k + 1),
         **pdl_args(pdl_enabled(depth)), num_warps=1,
     )  # fmt: skip
-    return books, counters
+    return books, counters, start
 
 
 @triton.jit
