@@ -45,7 +45,9 @@ import torch
 
 from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, uniform_noise
 from ttsbuild.plugins._dispatch import want_triton
+from ttsbuild.plugins.fused_linear import norm_linear
 from ttsbuild.plugins.head_gemv import head_gemv
+from ttsbuild.plugins.norm_act import rms_norm_reference
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.plugins.spec_accept import (
     RoundState,
@@ -150,14 +152,18 @@ def speculative_accept(
     return accepted, dist, ok
 
 
-def head_logits(heads: torch.Tensor, h: torch.Tensor, books: torch.Tensor) -> torch.Tensor:
-    """Logits fp32 [B, T, V] of head `books[b, t]` (codebooks 1..C, clamped) on h [B, T|1, H].
-    On the kernels each row's head is read in place; on the references few rows gather just
-    the heads they need and many rows apply all C heads once and pick."""
+def head_logits(heads: torch.Tensor, h: torch.Tensor, books: torch.Tensor,
+                norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:  # fmt: skip
+    """Logits fp32 [B, T, V] of head `books[b, t]` (codebooks 1..C, clamped) on h [B, T|1, H];
+    norm: (weight, eps) of the final RMSNorm when h is the residual stream.
+    On the kernels each row's head is read in place (normalising h itself); on the references
+    few rows gather just the heads they need and many rows apply all C heads once and pick."""
     C, V, H = heads.shape
     B, T = books.shape
     if want_triton(h, None):  # each head read in place, h and books as views
-        return head_gemv(heads, h.expand(B, T, H), books, offset=-1)
+        return head_gemv(heads, h.expand(B, T, H), books, offset=-1, norm=norm)
+    if norm is not None:
+        h = rms_norm_reference(h, norm[0], norm[1])
     index = (books - 1).clamp(0, C - 1)
     if B * T <= C:
         return torch.einsum("btvh,bth->btv", heads[index], h.expand(B, T, H)).float()
@@ -248,6 +254,12 @@ class SpeculativeCodePredictor:
         self.tested = torch.zeros(2, W + 1, dtype=torch.int64, device=dev)
         self.passes = torch.zeros(4, dtype=torch.int64, device=dev)
 
+    def _fused(self, B: int) -> bool:
+        """Whether a frame of B rows runs its passes on the fused kernels (the verify pass
+        over k + 1 tokens, the final norm inside the heads: the rows' source is then the
+        residual stream) or as `PackedStack.prefill` / `extend` (final-norm hidden states)."""
+        return FUSED_VERIFY and B <= FUSED_VERIFY_MAX_ROWS
+
     def heads_of(self, kind: str) -> torch.Tensor:
         if kind == "self":
             return self.heads
@@ -284,17 +296,22 @@ class SpeculativeCodePredictor:
         sampling, seeds, frames = self._staged(B)
         # Codebook 1: the plain first pass (positions 0, 1) and the target's own sampler;
         # where the verify pass is fused, as the fused frame runs it (`PAIR_PREFILL`): both
-        # tokens of every row in one pass, each input projected straight into place
-        if FUSED_VERIFY and B <= FUSED_VERIFY_MAX_ROWS:
+        # tokens of every row in one pass, each input projected straight into place, and the
+        # final norm inside the head (the rounds keep the residual stream as their source)
+        if self._fused(B):
             x = self.pair[: 2 * B]
             cp._project(hidden, None, out=x[:B])
             cp._project(cp.codec_embedding, c0, out=x[B:])
             h = decode_fused(cp.stack, x, self.k_cache, self.v_cache, slots, self.zeros[:B],
-                             tokens=2)[B:]  # fmt: skip
+                             final_norm=False, tokens=2)[B:]  # fmt: skip
+            head, eps = cp.heads[0], cp.stack.cfg.rms_norm_eps
+            logits = norm_linear(h, cp.stack.norm, head.weight, head.scale, eps=eps,
+                                 out_dtype=torch.float32)  # fmt: skip
         else:
             x = torch.stack([hidden, cp.codec_embedding[c0]], dim=1)  # [B, 2, H]
             h = cp.stack.prefill(cp.proj(x), self.k_cache, self.v_cache, slots)[:, -1]
-        code1 = fused_sample(cp.heads[0](h).float(), sampling, seeds, frames * G + 1)
+            logits = cp.heads[0](h).float()
+        code1 = fused_sample(logits, sampling, seeds, frames * G + 1)
         depth, codes = self.depth[:B], self.codes[:B]
         depth.fill_(1)
         self.pending[:B].copy_(code1)
@@ -366,7 +383,9 @@ class SpeculativeCodePredictor:
         # draft: codebooks d+1..d+k from the hidden state at depth d, drawn from
         # q = target_probs(draft logits) by the fused sampler (one launch for all B * k), with
         # the settings, seeds and counter bases staged per drafted row (`_stage`)
-        draft_logits = head_logits(heads, source[:, None], books[:, :k])  # [B, k, V]
+        fused = self._fused(B)
+        norm = (cp.stack.norm, cp.stack.cfg.rms_norm_eps) if fused else None
+        draft_logits = head_logits(heads, source[:, None], books[:, :k], norm)  # [B, k, V]
         per_row = SamplingBatch(**{f: getattr(self.in_draft_sampling, f)[: B * k]
                                    for f in _FIELDS})  # fmt: skip
         drafts = fused_sample(draft_logits.reshape(B * k, V), per_row,
@@ -374,18 +393,17 @@ class SpeculativeCodePredictor:
 
         # verify: inputs code_d, drafts at positions d+1..d+k+1 -> p of codebooks d+1..d+k+1;
         # the projection gathers each position's embedding row itself (`verify_index`)
-        fused = FUSED_VERIFY and B <= FUSED_VERIFY_MAX_ROWS
         table = cp.embeddings.reshape(-1, cp.embeddings.shape[-1])  # [(G - 1) * V, H]: a view
         index = verify_index(pending, drafts, books, G, cp.embeddings.shape[1], fused)
         x = cp._project(table, index)  # [(k + 1) B, H] by position if fused, else by row
         if fused:  # token by token
             h = decode_fused(cp.stack, x, self.k_cache, self.v_cache, self.slots[:B], start,
-                             tokens=k + 1)  # fmt: skip
+                             final_norm=False, tokens=k + 1)  # fmt: skip
             h = h.view(k + 1, B, -1).transpose(0, 1)  # [B, k + 1, H]
         else:
             h = cp.stack.extend(x.view(B, k + 1, -1), self.k_cache, self.v_cache,
                                 self.slots[:B], start)  # fmt: skip
-        target_logits = head_logits(self.heads, h, books)  # [B, k + 1, V]
+        target_logits = head_logits(self.heads, h, books, norm)  # [B, k + 1, V]
         if self.stats:  # the rows' depths before the round: counted first
             depth_before = depth.clone()
         # the acceptance and the rows' new state (codes, source, pending, depth, live) in
