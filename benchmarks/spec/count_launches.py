@@ -4,13 +4,14 @@
     TRITON_INTERPRET=1 PYTHONPATH=/other/tree python benchmarks/spec/count_launches.py  # before
 
 No GPU: the frames run their GPU code path (the Triton kernels under the interpreter) on a
-small random code predictor (the tiny stand-in's config), and every launch is counted: each
-Triton grid launch, and each torch op that would launch a kernel on a GPU (any ATen op but
-views and uninitialised allocations; a copy or a fill counts). A round of the speculative
-frame is counted as the calls between two rounds, so the table shows the launches a frame
-spends before its rounds, per round, and after them. Launch counts decide a small batch's
-time here (each launch is ~2-5 us on the H200, and the passes are launch-bound); the counts
-do not depend on the model's width, only on its layer count and the code path.
+small random code predictor (the tiny stand-in's widths, the 1.7B's 5 layers), and every
+launch is counted: each Triton grid launch, and each torch op that would launch a kernel on
+a GPU (any ATen op but views and uninitialised allocations; a copy or a fill counts). A
+round of the speculative frame is counted as the calls between two rounds, so the table
+shows the launches a frame spends before its rounds, per round, and after them. Launch
+counts decide a small batch's time here (each launch is ~2-5 us on the H200, and the passes
+are launch-bound); the counts do not depend on the model's width, only on its layer count
+and the code path.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "kernels"))
 
 NO_LAUNCH = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
-             "_local_scalar_dense", "lift_fresh", "promote_types"}  # fmt: skip
+             "_local_scalar_dense", "lift_fresh", "promote_types", "_unsafe_view"}  # fmt: skip
 
 
 class Launches(TorchDispatchMode):
@@ -81,6 +82,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--window", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=5,
+                    help="code-predictor layers (the 1.7B's: 5; widths stay the tiny's)")
     args = ap.parse_args()
 
     from bench_cp_fused import build
@@ -92,6 +95,7 @@ def main() -> None:
     from ttsbuild.runtime.cp_spec import SpeculativeCodePredictor
 
     config, _, _ = load_variant("tiny")
+    config["talker_config"]["code_predictor_config"]["num_hidden_layers"] = args.layers
     cfg = ModelConfig.from_official(config)
     fcp = build(cfg, torch.float32, fp8=False, device="cpu")
     B, G, c = args.batch, fcp.num_code_groups, fcp.stack.cfg
@@ -134,7 +138,8 @@ def main() -> None:
     per_round = [sum(diff(a[0], b[0]).values()) + sum(diff(a[1], b[1]).values())
                  for b, a in rounds]  # fmt: skip
     first_b, first_a = rounds[0]
-    print(f"tiny code predictor ({c.num_layers} layers), batch {B}, window {args.window}; "
+    print(f"code predictor of {c.num_layers} layers (tiny widths), batch {B}, window "
+          f"{args.window}; "
           f"fused verify {cp_spec.FUSED_VERIFY}, fused accept {cp_spec.FUSED_ACCEPT}")
     print(f"plain fused frame: {plain} launches ({plain / (G - 1):.1f} per codebook)")
     print(f"speculative frame: {total} launches: {len(per_round)} rounds of "

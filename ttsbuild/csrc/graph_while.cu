@@ -99,22 +99,34 @@ cudaError_t graph_edges(cudaGraph_t graph, cudaGraphNode_t* from, cudaGraphNode_
 #endif
 }
 
-cudaError_t remove_edge(cudaGraph_t graph, const cudaGraphNode_t* from, const cudaGraphNode_t* to,
-                        const cudaGraphEdgeData* data) {
+// One edge removed (add = false) or added; data nullptr: a full dependency.
+cudaError_t edit_edge(cudaGraph_t graph, const cudaGraphNode_t* from, const cudaGraphNode_t* to,
+                      const cudaGraphEdgeData* data, bool add) {
 #if CUDART_VERSION >= 13000
-  return cudaGraphRemoveDependencies(graph, from, to, data, 1);
+  return add ? cudaGraphAddDependencies(graph, from, to, data, 1)
+             : cudaGraphRemoveDependencies(graph, from, to, data, 1);
 #else
-  return cudaGraphRemoveDependencies_v2(graph, from, to, data, 1);
+  return add ? cudaGraphAddDependencies_v2(graph, from, to, data, 1)
+             : cudaGraphRemoveDependencies_v2(graph, from, to, data, 1);
 #endif
 }
 
-cudaError_t add_edge(cudaGraph_t graph, const cudaGraphNode_t* from, const cudaGraphNode_t* to,
-                     const cudaGraphEdgeData* data) {
+// A WHILE node on `handle` in `graph` after `deps`; *body: the graph it runs.
+cudaError_t add_while_node(cudaGraph_t graph, const cudaGraphNode_t* deps, size_t count,
+                           cudaGraphConditionalHandle handle, cudaGraphNode_t* node,
+                           cudaGraph_t* body) {
+  cudaGraphNodeParams params{};
+  params.type = cudaGraphNodeTypeConditional;
+  params.conditional.handle = handle;
+  params.conditional.type = cudaGraphCondTypeWhile;
+  params.conditional.size = 1;
 #if CUDART_VERSION >= 13000
-  return cudaGraphAddDependencies(graph, from, to, data, 1);
+  cudaError_t err = cudaGraphAddNode(node, graph, deps, nullptr, count, &params);
 #else
-  return cudaGraphAddDependencies_v2(graph, from, to, data, 1);
+  cudaError_t err = cudaGraphAddNode(node, graph, deps, count, &params);
 #endif
+  if (err == cudaSuccess) *body = params.conditional.phGraph_out[0];
+  return err;
 }
 
 // A clone of `body` whose programmatic edges (any edge with a non-zero port or type) are full
@@ -135,9 +147,9 @@ const char* clone_with_full_edges(cudaGraph_t body, cudaGraph_t* clone, size_t* 
   for (size_t i = 0; i < count; ++i) {
     const cudaGraphEdgeData& e = data[i];
     if (e.from_port == 0 && e.to_port == 0 && e.type == cudaGraphDependencyTypeDefault) continue;
-    err = remove_edge(*clone, &from[i], &to[i], &e);
+    err = edit_edge(*clone, &from[i], &to[i], &e, false);
     if (err != cudaSuccess) return failed("cudaGraphRemoveDependencies (a programmatic edge)", err);
-    err = add_edge(*clone, &from[i], &to[i], nullptr);
+    err = edit_edge(*clone, &from[i], &to[i], nullptr, true);
     if (err != cudaSuccess) return failed("cudaGraphAddDependencies (its full edge)", err);
     ++*replaced;
   }
@@ -198,7 +210,7 @@ int ttsbuild_while_keeps_programmatic_edges(const char** error) {
   cudaGraphEdgeData edge{};
   edge.from_port = cudaGraphKernelNodePortProgrammatic;
   edge.type = cudaGraphDependencyTypeProgrammatic;
-  if (add_edge(p.body, &a, &b, &edge) != cudaSuccess) {
+  if (edit_edge(p.body, &a, &b, &edge, true) != cudaSuccess) {
     cudaGetLastError();
     return 0;  // no programmatic edges at all here (e.g. before Hopper)
   }
@@ -207,20 +219,13 @@ int ttsbuild_while_keeps_programmatic_edges(const char** error) {
   if (err != cudaSuccess) return probe_error(error, failed("cudaGraphCreate (probe)", err));
   cudaGraphConditionalHandle handle{};
   err = cudaGraphConditionalHandleCreate(&handle, p.outer, 1, cudaGraphCondAssignDefault);
-  if (err != cudaSuccess) return probe_error(error, failed("cudaGraphConditionalHandleCreate (probe)", err));
-  cudaGraphNodeParams params{};
-  params.type = cudaGraphNodeTypeConditional;
-  params.conditional.handle = handle;
-  params.conditional.type = cudaGraphCondTypeWhile;
-  params.conditional.size = 1;
+  if (err != cudaSuccess) {
+    return probe_error(error, failed("cudaGraphConditionalHandleCreate (probe)", err));
+  }
   cudaGraphNode_t node = nullptr;
-#if CUDART_VERSION >= 13000
-  err = cudaGraphAddNode(&node, p.outer, nullptr, nullptr, 0, &params);
-#else
-  err = cudaGraphAddNode(&node, p.outer, nullptr, 0, &params);
-#endif
+  cudaGraph_t inner = nullptr;
+  err = add_while_node(p.outer, nullptr, 0, handle, &node, &inner);
   if (err != cudaSuccess) return probe_error(error, failed("cudaGraphAddNode (probe WHILE)", err));
-  cudaGraph_t inner = params.conditional.phGraph_out[0];
   cudaGraphNode_t child = nullptr, stop = nullptr;
   if (cudaGraphAddChildGraphNode(&child, inner, nullptr, 0, p.body) != cudaSuccess) {
     cudaGetLastError();
@@ -284,19 +289,10 @@ const char* ttsbuild_capture_while(std::uintptr_t stream_ptr, std::uintptr_t bod
   err = capture_info(stream, &status, &graph, &deps, &count);
   if (err != cudaSuccess) return failed("cudaStreamGetCaptureInfo", err);
 
-  cudaGraphNodeParams params{};
-  params.type = cudaGraphNodeTypeConditional;
-  params.conditional.handle = handle;
-  params.conditional.type = cudaGraphCondTypeWhile;
-  params.conditional.size = 1;
   cudaGraphNode_t node = nullptr;
-#if CUDART_VERSION >= 13000
-  err = cudaGraphAddNode(&node, graph, deps, nullptr, count, &params);
-#else
-  err = cudaGraphAddNode(&node, graph, deps, count, &params);
-#endif
+  cudaGraph_t inner = nullptr;
+  err = add_while_node(graph, deps, count, handle, &node, &inner);
   if (err != cudaSuccess) return failed("cudaGraphAddNode (WHILE)", err);
-  cudaGraph_t inner = params.conditional.phGraph_out[0];
 
   cudaGraphNode_t child = nullptr;
   if (full_edges) {

@@ -83,6 +83,13 @@ def verify_index_triton(pending: torch.Tensor, drafts: torch.Tensor, books: torc
 
 
 @triton.jit
+def _stage_field(src, plain_dst, draft_dst, j, row, plain, drafted):
+    """A field's rows as they are, then repeated per draft draw (lane j is draft row j)."""
+    tl.store(plain_dst + j, tl.load(src + j, mask=plain), mask=plain)
+    tl.store(draft_dst + j, tl.load(src + row, mask=drafted), mask=drafted)
+
+
+@triton.jit
 def _stage_frame_kernel(f0, f1, f2, f3, f4, f5, f6, p0, p1, p2, p3, p4, p5, p6,
                         d0, d1, d2, d3, d4, d5, base_ptr, B, K, groups, base_offset,
                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
@@ -91,25 +98,12 @@ def _stage_frame_kernel(f0, f1, f2, f3, f4, f5, f6, p0, p1, p2, p3, p4, p5, p6,
     pdl_prologue(PDL)
     plain = j < B
     drafted = j < B * K
-    # each field: its rows as they are, then repeated K times per row for the draft draws
-    v = tl.load(f0 + j, mask=plain)
-    tl.store(p0 + j, v, mask=plain)
-    tl.store(d0 + j, tl.load(f0 + row, mask=drafted), mask=drafted)
-    v = tl.load(f1 + j, mask=plain)
-    tl.store(p1 + j, v, mask=plain)
-    tl.store(d1 + j, tl.load(f1 + row, mask=drafted), mask=drafted)
-    v = tl.load(f2 + j, mask=plain)
-    tl.store(p2 + j, v, mask=plain)
-    tl.store(d2 + j, tl.load(f2 + row, mask=drafted), mask=drafted)
-    v = tl.load(f3 + j, mask=plain)
-    tl.store(p3 + j, v, mask=plain)
-    tl.store(d3 + j, tl.load(f3 + row, mask=drafted), mask=drafted)
-    v = tl.load(f4 + j, mask=plain)
-    tl.store(p4 + j, v, mask=plain)
-    tl.store(d4 + j, tl.load(f4 + row, mask=drafted), mask=drafted)
-    v = tl.load(f5 + j, mask=plain)
-    tl.store(p5 + j, v, mask=plain)
-    tl.store(d5 + j, tl.load(f5 + row, mask=drafted), mask=drafted)
+    _stage_field(f0, p0, d0, j, row, plain, drafted)
+    _stage_field(f1, p1, d1, j, row, plain, drafted)
+    _stage_field(f2, p2, d2, j, row, plain, drafted)
+    _stage_field(f3, p3, d3, j, row, plain, drafted)
+    _stage_field(f4, p4, d4, j, row, plain, drafted)
+    _stage_field(f5, p5, d5, j, row, plain, drafted)
     frames = tl.load(f6 + j, mask=plain)
     tl.store(p6 + j, frames, mask=plain)
     tl.store(base_ptr + j, base_offset + frames * groups, mask=plain)
