@@ -8,6 +8,8 @@ import torch
 from kernel_device import KDEV, needs_kernel
 
 from ttsbuild.plugins.spec_round import (
+    frame_start,
+    frame_start_reference,
     round_books,
     round_books_reference,
     stage_frame,
@@ -112,22 +114,24 @@ def _stage_case(B: int, k: int, seed: int, device):
     names = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
     plain = [getattr(rows, f) for f in names] + [torch.full((n,), -7), torch.full((n,), -7)]
     draft = [getattr(drafted, f) for f in names] + [torch.full((n * 6,), -7)]
-    base = torch.full((n,), -7)
+    base, first = torch.full((n,), -7), torch.full((n,), -7)
     return ([f.to(device) for f in fields], [t.to(device) for t in plain],
-            [t.to(device) for t in draft], base.to(device))  # fmt: skip
+            [t.to(device) for t in draft], base.to(device), first.to(device))  # fmt: skip
 
 
 @pytest.mark.parametrize("B,k", [(1, 1), (3, 4), (8, 6)])
 def test_stage_frame_reference_writes_the_rows_and_their_drafts(B, k):
-    fields, plain, draft, base = _stage_case(B, k, B * k, "cpu")
+    fields, plain, draft, base, first = _stage_case(B, k, B * k, "cpu")
     untouched = [t.clone() for t in plain]
-    stage_frame_reference(fields, plain, draft, base, k, G, DRAFT_DRAW << 28)
+    stage_frame_reference(fields, plain, draft, base, first, k, G, DRAFT_DRAW << 28)
     for f, p, d, before in zip(fields, plain, draft + [None], untouched, strict=True):
         assert torch.equal(p[:B], f) and torch.equal(p[B:], before[B:])
         if d is not None:
             assert torch.equal(d[: B * k].view(B, k), f[:, None].expand(B, k))
     assert torch.equal(base[:B], spec_counters(fields[6], torch.zeros(B, 1, dtype=torch.int64),
                                                DRAFT_DRAW, G)[:, 0])  # fmt: skip
+    # codebook 1's draws: the plain sampler's counters (runtime.cp_fused._counters)
+    assert torch.equal(first[:B], fields[6] * G + 1) and int(first[B:].ne(-7).sum()) == 0
 
 
 @needs_kernel
@@ -137,14 +141,55 @@ def test_stage_frame_kernel_equals_the_reference(B, k, seed):
     want = _stage_case(B, k, seed, "cpu")
     stage_frame(*got, k, G, DRAFT_DRAW << 28, use_triton=True)
     stage_frame_reference(*want, k, G, DRAFT_DRAW << 28)
-    for a, b in zip([*got[1], *got[2], got[3]], [*want[1], *want[2], want[3]], strict=True):
+    for a, b in zip([*got[1], *got[2], *got[3:]], [*want[1], *want[2], *want[3:]], strict=True):
         assert a.dtype == b.dtype and torch.equal(a.cpu(), b)
 
 
 def test_stage_frame_refuses_what_does_not_fit():
-    fields, plain, draft, base = _stage_case(3, 4, 0, "cpu")
-    stage_frame(fields, plain, draft, base, 4, G, 0)  # 3 rows x 4 drafts fit in 48
+    fields, plain, draft, base, first = _stage_case(3, 4, 0, "cpu")
+    stage_frame(fields, plain, draft, base, first, 4, G, 0)  # 3 rows x 4 drafts fit in 48
     with pytest.raises(ValueError, match="too short"):
-        stage_frame(fields, plain, [d[:10] for d in draft], base, 4, G, 0)
+        stage_frame(fields, plain, [d[:10] for d in draft], base, first, 4, G, 0)
+    with pytest.raises(ValueError, match="too short"):
+        stage_frame(fields, plain, draft, base, first[:2], 4, G, 0)
     with pytest.raises(ValueError, match="field for a"):
-        stage_frame([fields[0].long(), *fields[1:]], plain, draft, base, 4, G, 0)
+        stage_frame([fields[0].long(), *fields[1:]], plain, draft, base, first, 4, G, 0)
+
+
+def _start_case(B: int, H: int, seed: int, device, strided: bool):
+    g = torch.Generator().manual_seed(seed)
+    code1, c0 = torch.randint(0, V, (B,), generator=g), torch.randint(0, V, (B,), generator=g)
+    wide = torch.randn(B, 2, H, generator=g)
+    h = wide[:, 1] if strided else wide[:, 1].contiguous()  # prefill's last position: strided
+    n = 8  # the predictor's buffers, with markers
+    state = [torch.full((n,), -3), torch.full((n,), -3), torch.full((n, H), -3.0),
+             torch.full((n, G + 5), -3), torch.zeros(1, dtype=torch.int32)]  # fmt: skip
+    state = [t.to(device) for t in state]
+    views = [state[0][:B], state[1][:B], state[2][:B], state[3][:B], state[4]]
+    return [code1.to(device), c0.to(device), h.to(device)], views, state
+
+
+@pytest.mark.parametrize("B", [1, 5])
+def test_frame_start_reference_is_the_rows_state_after_codebook_1(B):
+    inputs, views, state = _start_case(B, 24, B, "cpu", True)
+    frame_start_reference(*inputs, *views, G)
+    code1, c0, h = inputs
+    assert torch.equal(state[0][:B], torch.ones(B, dtype=torch.int64))
+    assert torch.equal(state[1][:B], code1) and torch.equal(state[2][:B], h)
+    assert torch.equal(state[3][:B, 0], c0) and torch.equal(state[3][:B, 1], code1)
+    assert int(state[3][:B, 2:].ne(-3).sum()) == 0 and int(state[0][B:].ne(-3).sum()) == 0
+    assert int(state[4]) == 1  # G = 16: rows at depth 1 are live
+    frame_start_reference(*inputs, *views, 2)  # a 2-codebook model: done after codebook 1
+    assert int(state[4]) == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("B,H,groups", [(1, 24, G), (5, 1100, G), (3, 40, 2)])
+def test_frame_start_kernel_equals_the_reference(B, H, groups, strided):
+    got_in, got_views, got = _start_case(B, H, B + H, KDEV, strided)
+    want_in, want_views, want = _start_case(B, H, B + H, "cpu", strided)
+    frame_start(*got_in, *got_views, groups, use_triton=True)
+    frame_start_reference(*want_in, *want_views, groups)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.cpu(), b)

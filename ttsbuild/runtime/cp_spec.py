@@ -51,11 +51,10 @@ from ttsbuild.plugins.norm_act import rms_norm_reference
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.plugins.spec_accept import (
     RoundState,
-    set_live,
     spec_accept,
     spec_accept_reference,
 )
-from ttsbuild.plugins.spec_round import round_books, stage_frame, verify_index
+from ttsbuild.plugins.spec_round import frame_start, round_books, stage_frame, verify_index
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense
 from ttsbuild.runtime.graph_while import WhileBody, while_nodes_available
@@ -245,6 +244,7 @@ class SpeculativeCodePredictor:
         self.in_draft_sampling = plain_sampling(max_batch * max_window, dev)
         self.in_draft_seeds = torch.zeros(max_batch * max_window, dtype=torch.int64, device=dev)
         self.in_draft_base = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.in_first = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # frames * G + 1
         self.live = torch.zeros(1, dtype=torch.int32, device=dev)  # some row is not done
         self.arrivals = torch.zeros(1, dtype=torch.int32, device=dev)  # spec_accept's count
         self.trash = G + W + 1  # the column that writes past a row's accepted codes go to
@@ -311,18 +311,15 @@ class SpeculativeCodePredictor:
             x = torch.stack([hidden, cp.codec_embedding[c0]], dim=1)  # [B, 2, H]
             h = cp.stack.prefill(cp.proj(x), self.k_cache, self.v_cache, slots)[:, -1]
             logits = cp.heads[0](h).float()
-        code1 = fused_sample(logits, sampling, seeds, frames * G + 1)
+        code1 = fused_sample(logits, sampling, seeds, self.in_first[:B])  # frames * G + 1
         depth, codes = self.depth[:B], self.codes[:B]
-        depth.fill_(1)
-        self.pending[:B].copy_(code1)
-        self.source[:B].copy_(h)
-        codes[:, 0], codes[:, 1] = c0, code1
+        # depth 1, pending code1, source h, codes 0 and 1, live: one launch on the kernels
+        frame_start(code1, c0, h, depth, self.pending[:B], self.source[:B], codes, self.live, G)
         if self.stats:  # scalar adds: no host-to-device copy (graph-safe)
             self.passes[0::2] += B
             self.passes[1::2] += 1
         if body is not None:  # every round on the device: a WHILE node on "some row live"
-            set_live(self.live, depth, G)
-            body.run(max_iterations=G - 2)
+            body.run(max_iterations=G - 2)  # (live set by frame_start)
             return codes[:, :G].clone()
         for r in range(G - 2):  # each round decides >= 1 codebook of every live row
             args = (heads, sampling, seeds, frames, window, B)
@@ -363,7 +360,8 @@ class SpeculativeCodePredictor:
         fields = [getattr(sampling, f) for f in _FIELDS] + [seeds, frames]
         plain = [getattr(self.in_sampling, f) for f in _FIELDS] + [self.in_seeds, self.in_frames]
         draft = [getattr(self.in_draft_sampling, f) for f in _FIELDS] + [self.in_draft_seeds]
-        stage_frame(fields, plain, draft, self.in_draft_base, k, self.groups, DRAFT_DRAW << 28)
+        stage_frame(fields, plain, draft, self.in_draft_base, self.in_first, k, self.groups,
+                    DRAFT_DRAW << 28)  # fmt: skip
 
     def _staged(self, B: int) -> tuple[SamplingBatch, torch.Tensor, torch.Tensor]:
         sampling = SamplingBatch(**{f: getattr(self.in_sampling, f)[:B] for f in _FIELDS})

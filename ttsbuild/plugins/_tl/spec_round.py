@@ -91,7 +91,7 @@ def _stage_field(src, plain_dst, draft_dst, j, row, plain, drafted):
 
 @triton.jit
 def _stage_frame_kernel(f0, f1, f2, f3, f4, f5, f6, p0, p1, p2, p3, p4, p5, p6,
-                        d0, d1, d2, d3, d4, d5, base_ptr, B, K, groups, base_offset,
+                        d0, d1, d2, d3, d4, d5, base_ptr, first_ptr, B, K, groups, base_offset,
                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     j = tl.arange(0, BLOCK)
     row = j // K
@@ -107,13 +107,44 @@ def _stage_frame_kernel(f0, f1, f2, f3, f4, f5, f6, p0, p1, p2, p3, p4, p5, p6,
     frames = tl.load(f6 + j, mask=plain)
     tl.store(p6 + j, frames, mask=plain)
     tl.store(base_ptr + j, base_offset + frames * groups, mask=plain)
+    tl.store(first_ptr + j, frames * groups + 1, mask=plain)
 
 
-def stage_frame_triton(fields, plain, draft, base, k: int, groups: int,
+def stage_frame_triton(fields, plain, draft, base, first, k: int, groups: int,
                        base_offset: int) -> None:  # fmt: skip
     B = fields[0].shape[0]
     fields = [f.contiguous() for f in fields]
     _stage_frame_kernel[(1,)](
-        *fields, *plain, *draft, base, B, k, groups, base_offset,
+        *fields, *plain, *draft, base, first, B, k, groups, base_offset,
         BLOCK=triton.next_power_of_2(B * k), **pdl_args(pdl_enabled(base)), num_warps=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _frame_start_kernel(code1_ptr, c0_ptr, h_ptr, stride_h, depth_ptr, pending_ptr, source_ptr,
+                        stride_s, codes_ptr, stride_c, live_ptr, H, groups,
+                        BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    b = tl.program_id(0)
+    pdl_prologue(PDL)
+    code1 = tl.load(code1_ptr + b)
+    tl.store(depth_ptr + b, tl.full((), 1, tl.int64))
+    tl.store(pending_ptr + b, code1)
+    tl.store(codes_ptr + b * stride_c, tl.load(c0_ptr + b))
+    tl.store(codes_ptr + b * stride_c + 1, code1)
+    for k0 in range(0, H, BLOCK_H):
+        offs = k0 + tl.arange(0, BLOCK_H)
+        row = tl.load(h_ptr + b.to(tl.int64) * stride_h + offs, mask=offs < H)
+        tl.store(source_ptr + b.to(tl.int64) * stride_s + offs, row, mask=offs < H)
+    if b == 0:  # every row is at depth 1: live while 1 < G - 1
+        tl.store(live_ptr, (groups > 2).to(tl.int32))
+
+
+def frame_start_triton(code1, c0, h, depth, pending, source, codes, live, groups: int) -> None:
+    B, H = h.shape
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    _frame_start_kernel[(B,)](
+        code1.contiguous(), c0.contiguous(), h, h.stride(0), depth, pending, source,
+        source.stride(0), codes, codes.stride(0), live, H, groups,
+        BLOCK_H=min(1024, triton.next_power_of_2(H)), **pdl_args(pdl_enabled(h)), num_warps=4,
     )  # fmt: skip
