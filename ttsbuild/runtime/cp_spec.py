@@ -228,6 +228,9 @@ class SpeculativeCodePredictor:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=dev)
         self.slots = torch.arange(max_batch, device=dev)
         self.zeros = torch.zeros(max_batch, dtype=torch.int64, device=dev)  # first positions
+        # the input embeddings of codebooks 1..G-1 as one table [(G - 1) * V, H] (a view of a
+        # contiguous stack; made once, never per round), rows picked by `verify_index`
+        self.table = cp.embeddings.reshape(-1, cp.embeddings.shape[-1])
         # the first pass's two tokens of every row, token by token (its fused form)
         self.pair = torch.zeros(2 * max_batch, c.hidden_size, dtype=dtype, device=dev)
         self.depth = torch.zeros(max_batch, dtype=torch.int64, device=dev)
@@ -391,9 +394,8 @@ class SpeculativeCodePredictor:
 
         # verify: inputs code_d, drafts at positions d+1..d+k+1 -> p of codebooks d+1..d+k+1;
         # the projection gathers each position's embedding row itself (`verify_index`)
-        table = cp.embeddings.reshape(-1, cp.embeddings.shape[-1])  # [(G - 1) * V, H]: a view
         index = verify_index(pending, drafts, books, G, cp.embeddings.shape[1], fused)
-        x = cp._project(table, index)  # [(k + 1) B, H] by position if fused, else by row
+        x = cp._project(self.table, index)  # [(k + 1) B, H] by position if fused, else by row
         if fused:  # token by token
             h = decode_fused(cp.stack, x, self.k_cache, self.v_cache, self.slots[:B], start,
                              final_norm=False, tokens=k + 1)  # fmt: skip

@@ -1,7 +1,8 @@
-"""Triton: a speculative round's books and counters, and its verify inputs' table rows
-(plugins.spec_round). One program each (a round has at most a few hundred entries); every
-input is read after the PDL wait (the depths and pending codes come from the kernel before:
-the previous round's acceptance)."""
+"""Triton: a speculative round's books and counters, its verify inputs' table rows, a frame's
+staged inputs and the rows' state after codebook 1 (plugins.spec_round). One program each
+(a round has at most a few hundred entries), one per row for the state; every input is read
+after the PDL wait (the depths and pending codes come from the kernel before: the previous
+round's acceptance, or the first pass's sampler)."""
 
 from __future__ import annotations
 
