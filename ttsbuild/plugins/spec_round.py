@@ -1,5 +1,5 @@
-"""A speculative round's bookkeeping around its draft and verify passes (runtime.cp_spec), in
-two launches instead of eight.
+"""A speculative frame's bookkeeping around its draft and verify passes (runtime.cp_spec): a
+round's in two launches instead of eight, the frame's staging and its rows' start in one each.
 
 - `round_books`: the codebooks a round verifies, books [B, k + 1] = depth + 1 .. depth + k + 1,
   the counters [B * k] of the draft draws, base + books[:, :k] (the draft's counter base per
