@@ -69,7 +69,7 @@ ACTS_ON = {fast_model: ("decode", "prefill"), cp_fused: ("cp",), cp_pass: ("cpp"
            tl_fused_linear: ("cp",), tl_fp8_linear: ("decode", "prefill"),
            tl_sampling: ("cp",)}  # fmt: skip
 # switches acting elsewhere than their module's others
-ACTS_ON_SWITCH = {"SHORT_ATTEND_FUSED": ("cpunf",), "PREFILL_ATTEND_FUSED": ("prefill",)}
+ACTS_ON_SWITCH = {"SHORT_ATTEND_FUSED": ("cpunf",)}
 SWITCHES = {
     "A8_NORM_QUANT": (fast_model, "A8_NORM_QUANT"),
     "A8_SILU_QUANT": (fast_model, "A8_SILU_QUANT"),
@@ -77,7 +77,6 @@ SWITCHES = {
     "GATE_UP_SILU": (fast_model, "GATE_UP_SILU"),
     "TALKER_ATTEND_FUSED": (fast_model, "TALKER_ATTEND_FUSED"),
     "SHORT_ATTEND_FUSED": (fast_model, "SHORT_ATTEND_FUSED"),
-    "PREFILL_ATTEND_FUSED": (fast_model, "PREFILL_ATTEND_FUSED"),
     "CP_ATTEND_IN_QKV": (cp_fused, "ATTEND_IN_QKV"),
     "CP_SAMPLE_IN_HEAD": (cp_fused, "SAMPLE_IN_HEAD"),
     "CP_PAIR_PREFILL": (cp_fused, "PAIR_PREFILL"),

@@ -38,8 +38,7 @@
 #         are on the path, with -k "$GPU_PYTEST_K" where given (2026-12-04: a pytest run before this script's setup failed on
 #         `import pydantic`), log $OUT/gpu_pytest.log
 # newkernels: GPU tests of the kernels built 2026-12-04 (twenty-fifth session) without a GPU:
-#         the prefill attention in one launch (test_prefill_attention.py, the stack's prefill
-#         with it: test_cp_fused.py -k prefill_kernel_path), the speculative round's
+#         the stack's prefill (test_cp_fused.py -k prefill_kernel_path), the speculative round's
 #         acceptance and head GEMV (test_spec_accept.py) and its books and verify index
 #         (test_spec_round.py, 2026-12-05), the codec's ConvNeXt blocks in two
 #         launches (test_convnext.py, test_codec_engine_gpu.py -k convnext), the prompt
@@ -306,13 +305,13 @@ for step in $STEPS; do
         timeout -k 5 "${GPU_PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider $GPU_PYTEST \
             ${GPU_PYTEST_K:+-k "$GPU_PYTEST_K"} 2>&1 | tee "$OUT/gpu_pytest.log" | tail -3 ;;
     newkernels)
-        log "GPU tests: prefill attention, spec accept + head GEMV, the fused sampler"
+        log "GPU tests: spec accept + head GEMV, the fused sampler"
         timeout -k 5 "${NEWTESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
-            tests/plugins/test_prefill_attention.py tests/plugins/test_spec_accept.py \
+            tests/plugins/test_spec_accept.py \
             tests/plugins/test_spec_round.py tests/plugins/test_convnext.py tests/runtime/test_codec_engine_gpu.py \
             tests/plugins/test_prompt_embed.py tests/runtime/test_graph_engine.py \
             tests/plugins/test_gpu_kernels.py tests/runtime/test_cp_fused.py \
-            -k "prefill_attention or spec_accept or spec_round or round_books or verify_index or head_gemv or fused_sample or prefill_kernel_path or convnext or prompt_embed" \
+            -k "spec_accept or spec_round or round_books or verify_index or head_gemv or fused_sample or prefill_kernel_path or convnext or prompt_embed" \
             > "$OUT/gpu_tests_new.log" 2>&1
         echo "new kernels' GPU tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_new.log" | head -20 ;;
     spec)

@@ -2,7 +2,7 @@
 kernels against a float32 reference on fresh random inputs (on CUDA, or on CPU under
 TRITON_INTERPRET=1; the last test here runs the kernel tests of this file, of
 tests/runtime/test_cp_fused.py, of tests/plugins/test_slot_writes.py, test_kv_copy.py,
-test_spec_accept.py, test_spec_round.py, test_prefill_attention.py, test_convnext.py,
+test_spec_accept.py, test_spec_round.py, test_convnext.py,
 test_prompt_embed.py and tests/runtime/test_graph_engine.py in a subprocess under the
 interpreter, so CPU CI checks the kernels too when triton is installed)."""
 
@@ -467,7 +467,6 @@ def test_kernels_under_the_interpreter():
            str(tests / "plugins" / "test_kv_copy.py"),
            str(tests / "plugins" / "test_spec_accept.py"),
            str(tests / "plugins" / "test_spec_round.py"),
-           str(tests / "plugins" / "test_prefill_attention.py"),
            str(tests / "plugins" / "test_convnext.py"),
            str(tests / "plugins" / "test_prompt_embed.py"),
            str(tests / "runtime" / "test_graph_engine.py"),

@@ -11,7 +11,7 @@ from torch import nn
 from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.model.config import DecoderStackConfig
 from ttsbuild.model.layers import DecoderStack
-from ttsbuild.runtime import cp_fused, fast_model
+from ttsbuild.runtime import cp_fused
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense, PackedStack
 
@@ -466,19 +466,16 @@ def test_persistent_frame_kernel_equals_unfused_frame(identity, attend_in_qkv, m
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "dtype,fp8,with_prefix,fused",
-    kernel_cases([(*p, w, f) for f in (False, True) for w in (False, True) for p in PRECISIONS],
-                 [(*_F32, True, False), (*_BF16, False, False), (*_FP8, True, False),
-                  (*_F32, True, True), (*_BF16, True, True)]),
+    "dtype,fp8,with_prefix",
+    kernel_cases([(*p, w) for w in (False, True) for p in PRECISIONS],
+                 [(*_F32, True), (*_BF16, False), (*_FP8, True)]),
 )  # fmt: skip
-def test_prefill_kernel_path_matches_reference(dtype, fp8, with_prefix, fused, monkeypatch):
+def test_prefill_kernel_path_matches_reference(dtype, fp8, with_prefix, monkeypatch):
     """PackedStack.prefill on the kernels (each token a decode-attention query over its row's
-    cache up to its own position; fused: a layer's attention as one prefill_attention
-    launch) == the reference (gathered, repeated, masked SDPA), on fresh random prompts: rows
-    of a batch at different starts after a prefix already in the cache, one row's tail
-    padding past the cache's end (clamped), stale cache entries above each row's prompt that
-    must not be read."""
-    monkeypatch.setattr(fast_model, "PREFILL_ATTEND_FUSED", fused)
+    cache up to its own position) == the reference (gathered, repeated, masked SDPA), on
+    fresh random prompts: rows of a batch at different starts after a prefix already in the
+    cache, one row's tail padding past the cache's end (clamped), stale cache entries above
+    each row's prompt that must not be read."""
     S, T, B = 40, 8, 3
     stack = _stack(dtype, fp8, KDEV)
     g = torch.Generator().manual_seed(11 + int(with_prefix) + 2 * int(fp8))

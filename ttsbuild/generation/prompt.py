@@ -144,8 +144,10 @@ NO_CODE = -1  # a codebook a position does not use
 
 # The graph backend's prompt embedding on the kernels in four launches instead of ~14
 # (plugins.prompt_embed: the codec track in one, the text table's gather inside fc1's, the
-# SiLU, fc2 with the codec track as its residual). Built 2026-12-04 without a GPU, not yet
-# timed: off (TTSBUILD_PROMPT_EMBED_FUSED=1 turns it on).
+# SiLU, fc2 with the codec track as its residual). GPU tests pass on the H200; the engine
+# bench in its own process had every prefill bucket 2-4 % lower (2026-12-05,
+# benchmarks/runtime/2026-12-05-h200-new-paths/). Off until graph vs eager has run with it
+# on the H200 (TTSBUILD_PROMPT_EMBED_FUSED=1 turns it on).
 PROMPT_EMBED_FUSED = os.environ.get("TTSBUILD_PROMPT_EMBED_FUSED", "0") == "1"
 
 

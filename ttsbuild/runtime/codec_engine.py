@@ -102,8 +102,10 @@ IMPLICIT_MIN_ROWS = 512
 # positions (batch x frames x upsampling so far) as two launches each (plugins.convnext: the
 # depthwise conv, LayerNorm and pwconv1 + GELU; pwconv2, gamma and the residual) after the
 # context kernel, instead of ~10 (cuDNN's depthwise conv, a transpose, the LayerNorm, two
-# split-K GEMMs and their reductions, the GELU, gamma, the add). Built 2026-12-04 without a
-# GPU, not yet timed: off (TTSBUILD_CODEC_CONVNEXT_FUSED=1 turns it on, with `fused`).
+# split-K GEMMs and their reductions, the GELU, gamma, the add). Off: slower on the H200
+# (the codec step at batch 1 0.807 -> 0.872 ms in two alternated rounds, batch 64 the same;
+# benchmarks/runtime/2026-12-05-h200-new-paths/). TTSBUILD_CODEC_CONVNEXT_FUSED=1 turns it
+# on, with `fused`.
 CONVNEXT_FUSED = os.environ.get("TTSBUILD_CODEC_CONVNEXT_FUSED", "0") == "1"
 CONVNEXT_FUSED_MAX_ROWS = 16
 

@@ -32,7 +32,6 @@ from ttsbuild.plugins.fp8_linear import (
 )
 from ttsbuild.plugins.fp8_w8a8 import fp8_linear_w8a8, w8a8_supported
 from ttsbuild.plugins.norm_act import add_rms_norm, rms_norm, silu_mul
-from ttsbuild.plugins.prefill_attention import prefill_attention, prefill_positions
 from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS, qk_norm_rope_attend
 
@@ -69,13 +68,16 @@ A8_SILU_QUANT = os.environ.get("TTSBUILD_A8_SILU_QUANT", "0") == "1"
 # (2026-12-04, one process: the frame at 16 / 64 / 256 rows 0.996 / 0.999 / 1.121;
 # benchmarks/runtime/2026-12-04-h200-first-try-engine/). TTSBUILD_SHORT_ATTEND_FUSED=1 turns it on.
 SHORT_ATTEND_FUSED = os.environ.get("TTSBUILD_SHORT_ATTEND_FUSED", "0") == "1"
-# A prefill layer's attention (q/k norm + RoPE + the new tokens' cache writes + causal
-# attention over the cached prefix and the new tokens) as one launch
-# (`plugins.prefill_attention`) instead of qk_norm_rope and decode attention's split and
-# combine: 56 launches fewer per talker prefill (the 1x32 prefill's were 28 x (3.3 + 4.6 +
-# 1.5) us of kernel time, 2026-12-04 profile). Built 2026-12-04, not yet timed: off until
-# timed (TTSBUILD_PREFILL_ATTEND_FUSED=1 turns it on).
-PREFILL_ATTEND_FUSED = os.environ.get("TTSBUILD_PREFILL_ATTEND_FUSED", "0") == "1"
+
+
+def prefill_positions(start: torch.Tensor | None, B: int, T: int, S: int,
+                      device) -> torch.Tensor:  # fmt: skip
+    """Each prompt token's cache position [B * T]: start + t, clamped to the cache's last
+    position (padding rows past its end write there; no real token reads it first)."""
+    offsets = torch.arange(T, device=device)
+    if start is None:
+        return offsets.repeat(B)
+    return (start[:, None] + offsets).clamp(max=S - 1).reshape(-1)
 
 
 class Dense:
@@ -397,17 +399,6 @@ class PackedStack:
         D = c.head_dim
         S = k_cache.shape[3]
         rep = c.num_heads // c.num_kv_heads
-        if want_triton(x, None) and PREFILL_ATTEND_FUSED and not rep & (rep - 1):
-            # (the kernel derives the positions itself: none computed for it here)
-
-            def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
-                return prefill_attention(
-                    p.qkv(h).reshape(B * T, -1), p.q_norm, p.k_norm, start, slots, k_cache[i],
-                    v_cache[i], T, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                    eps=c.rms_norm_eps, theta=c.rope_theta,
-                ).reshape(B, T, -1)  # fmt: skip
-
-            return self._run_layers(x, attend)
         # Padding rows past the cache's end write its last position (never read first).
         positions = prefill_positions(start, B, T, S, x.device)  # [B * T]
         keys = T if start is None else min(keys or T, S)
