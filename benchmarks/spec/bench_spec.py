@@ -21,8 +21,11 @@ in a few hundred steps, on the target's own sampled frames from random talker st
 The rounds are one WHILE node of the graph when the step driver has them
 (`runtime.graph_while`, --loop), else IF nodes when torch has conditional nodes in Python
 (`CUDAGraph.begin_capture_to_if_node`, --conditional); the table says which ran. At batch 1,
-window 3 it also times the same frame with every round run (what the loop saves). Writes
-spec.json (and the table) under --out.
+window 3 it also times the same frame with every round run (what the loop saves). With
+--profile N it then replays the plain fused frame and the speculative frame (batch 1, window 3,
+both kinds) under torch.profiler and prints each one's kernels: count, kernel time, the top N
+by total time (run it with TTSBUILD_PDL=0 for each kernel's own time). Writes spec.json (and
+the table) under --out.
 """
 
 from __future__ import annotations
@@ -194,6 +197,8 @@ def bench_target(fcp, name, args, results) -> None:
                       f"{stats['passes_per_batch_frame']:6.2f}  "
                       f"{' '.join(f'{acc[t]:.2f}' for t in sorted(acc))}", flush=True)
     conditional_saving(spec, fcp, args, results, name)
+    if args.profile:
+        profile_b1(spec, fcp, args, results, name)
 
 
 def time_spec(spec, fcp, B: int, kind: str, k: int, replays: int) -> float:
@@ -240,6 +245,30 @@ def conditional_saving(spec, fcp, args, results, name) -> None:
                                                "all_rounds_ms": every}  # fmt: skip
         print(f"batch 1, {kind}, window 3: {looped:.3f} ms with the rounds as {how} nodes, "
               f"{every:.3f} ms with every round run")  # fmt: skip
+
+
+def profile_b1(spec, fcp, args, results, name) -> None:
+    """Batch 1, window 3: where the plain fused frame's and the speculative frame's GPU time
+    goes, kernel by kernel (`profile_graphs.profile_graph`; the WHILE body's kernels count
+    once per round run)."""
+    from profile_graphs import profile_graph
+
+    frame = Frame(fcp, 1, "fused")
+    frame.sampling = sampled(1)
+    graphs = {"plain fused": _capture(frame, None)}
+    inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
+    out = torch.zeros(1, fcp.num_code_groups, dtype=torch.int64, device=DEV)
+    for kind in ("self", "draft"):
+        prepare(spec, 1, 3, kind)
+        graphs[f"spec {kind} k3 ({rounds_of(spec)})"] = capture_spec(
+            spec, lambda kind=kind: out.copy_(spec.frame(*inputs, kind, 3)))
+    profiles = results[name].setdefault("profile_b1_k3", {})
+    for label, graph in graphs.items():
+        n, ms, rows = profile_graph(graph, args.replays)
+        profiles[label] = {"kernels": n, "kernel_ms": ms, "top": rows[: args.profile]}
+        print(f"[{name}] {label}: {n:.1f} kernels, {ms:.3f} ms of kernel time per frame")
+        for key, calls, t in rows[: args.profile]:
+            print(f"  {t * 1e3:8.1f} us {calls:6.1f}x {t * 1e3 / calls:6.1f} us each  {key}")
 
 
 @torch.no_grad()
@@ -289,6 +318,8 @@ def main() -> int:
     ap.add_argument("--conditional", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--loop", choices=["auto", "on", "off"], default="auto",
                     help="the rounds as one WHILE node (the step driver's graph_while.cu)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile batch 1, window 3 (plain and speculative), top N kernels")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if not torch.cuda.is_available():

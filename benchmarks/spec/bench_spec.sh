@@ -9,5 +9,6 @@ mkdir -p "$OUT"
 source benchmarks/wheels.sh
 timeout "${SPEC_S:-230}" python3 benchmarks/spec/bench_spec.py --peaked "${PEAKED:-8}" \
     --batches "${BATCHES:-1,8,32,64}" --windows "${WINDOWS:-1,2,3,4,5,6}" \
-    --conditional "${CONDITIONAL:-auto}" --loop "${LOOP:-auto}" --out "$OUT" 2>&1 \
+    --conditional "${CONDITIONAL:-auto}" --loop "${LOOP:-auto}" --profile "${PROFILE:-0}" \
+    ${PATHS:+--paths "$PATHS"} --out "$OUT" 2>&1 \
     | tee "$OUT/bench_spec.log"
