@@ -1,12 +1,17 @@
 """Triton: a speculative round's acceptance in one launch (plugins.spec_accept).
 
-One program per row, the whole vocabulary in registers (as the fused sampler): for each
-drafted position t in turn while the row still accepts, the target's and the draft's
-filtered distributions p_t, q_t (temperature, top-k, top-p: the fused sampler's exact
-thresholds, `kept_set`; one-hot at the raw argmax for greedy rows), the test u < p(x) / q(x)
-with u of the row's ACCEPT_TEST counter, and at the first rejection a draw from
-normalise(max(0, p_t - q_t)) (p_t where no mass is left) by Gumbel-max with the FINAL_DRAW
-counter; when all K are accepted, the bonus draw from p_K.
+One program per row and position, the whole vocabulary in registers (as the fused
+sampler). Program (row, t < K): the target's and the draft's filtered distributions p_t, q_t
+(temperature, top-k, top-p: the fused sampler's exact thresholds, `kept_set`; one-hot at the
+raw argmax for greedy rows), the test u < p(x) / q(x) with u of the row's ACCEPT_TEST counter
+for t's codebook, and where it fails the draw from normalise(max(0, p_t - q_t)) (p_t where no
+mass is left) by Gumbel-max with the FINAL_DRAW counter; program (row, K): the bonus draw
+from p_K. A test and a draw depend on t's codebook only, never on the positions before it,
+so the K + 1 programs run side by side, and the row's last program to arrive (its count in
+the arrival counters) takes the first failed test as the row's result: accepted = the tests
+passed before it, the code after them its draw (the bonus draw when all K pass). Before
+(2026-12-05) one program per row ran the positions in turn: up to 2K + 1 threshold searches
+back to back, each about one fused sampler's time.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import triton.language as tl
 
 from ttsbuild.plugins._dispatch import pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._math import exp_f32, log_f32, pdl_prologue
+from ttsbuild.plugins._tl.fp8_linear import _counters
 from ttsbuild.plugins._tl.sampling import gumbel_noise, kept_set, scaled_keys, uniforms
 
 
@@ -82,15 +88,17 @@ def _apply(row, accepted, final, drafts_ptr, books_ptr, h_ptr, stride_hb, stride
 @triton.jit
 def _spec_accept_kernel(
     draft_ptr, target_ptr, drafts_ptr, books_ptr, temp_ptr, topk_ptr, topp_ptr, dosample_ptr,
-    seed_ptr, frames_ptr, accepted_ptr, final_ptr, ok_ptr, V, G,
+    seed_ptr, frames_ptr, accepted_ptr, final_ptr, ok_ptr, draws_ptr, rowcnt_ptr, V, G,
     h_ptr, stride_hb, stride_ht, H, codes_ptr, stride_codes, source_ptr, stride_source,
     pending_ptr, depth_ptr, live_ptr, arrivals_ptr, B,
     ACCEPT_KIND: tl.constexpr, FINAL_KIND: tl.constexpr, K: tl.constexpr,
     BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr, APPLY: tl.constexpr = False,
-    BLOCK_H: tl.constexpr = 1024, BLOCK_B: tl.constexpr = 1, PDL: tl.constexpr = False,
+    BLOCK_H: tl.constexpr = 1024, BLOCK_B: tl.constexpr = 1, BLOCK_K: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0)
+    t = tl.program_id(1)
     offs = tl.arange(0, BLOCK_V)
     temp = tl.load(temp_ptr + row)
     k = tl.load(topk_ptr + row).to(tl.int32)
@@ -99,42 +107,43 @@ def _spec_accept_kernel(
     do_sample = tl.load(dosample_ptr + row)
     seed = tl.load(seed_ptr + row)
     frame = tl.load(frames_ptr + row)
-    accepted = tl.zeros((), tl.int64)
-    final = tl.zeros((), tl.int64)
-    live = tl.full((), 1, tl.int32)
-    # a loop, not unrolled: the distributions' code once each (a row's program is otherwise
-    # 2K + 1 copies of the threshold searches: 4.7 MB of PTX at K = 6)
-    for t in range(K + 1):
-        book = tl.load(books_ptr + row * (K + 1) + t)
-        if live != 0:
-            p = _probs(target_ptr + (row * (K + 1) + t).to(tl.int64) * V, V, temp, k, top_p,
-                       do_sample, BLOCK_V, RADIX_BITS)  # fmt: skip
-            if t < K:
-                q = _probs(draft_ptr + (row * K + t).to(tl.int64) * V, V, temp, k, top_p,
-                           do_sample, BLOCK_V, RADIX_BITS)  # fmt: skip
-                x = tl.load(drafts_ptr + row * K + t)
-                px = tl.sum(tl.where(offs == x, p, 0.0), axis=0)
-                qx = tl.sum(tl.where(offs == x, q, 0.0), axis=0)
-                u = uniforms(seed, (ACCEPT_KIND << 28) + frame * G + book, tl.zeros((), tl.int32))
-                ok = u * qx < px
-                tl.store(ok_ptr + row * K + t, ok.to(tl.int8))
-                if ok:
-                    accepted += 1
-                else:
-                    residual = tl.maximum(p - q, 0.0)
-                    dist = tl.where(tl.sum(residual, axis=0) > 0, residual, p)
-                    final = _draw(dist, seed, (FINAL_KIND << 28) + frame * G + book, offs)
-                    live = tl.zeros((), tl.int32)
-            else:
-                final = _draw(p, seed, (FINAL_KIND << 28) + frame * G + book, offs)
-        elif t < K:
-            tl.store(ok_ptr + row * K + t, tl.zeros((), tl.int8))
-    tl.store(accepted_ptr + row, accepted)
-    tl.store(final_ptr + row, final)
-    if APPLY:
-        _apply(row, accepted, final, drafts_ptr, books_ptr, h_ptr, stride_hb, stride_ht, H,
-               codes_ptr, stride_codes, source_ptr, stride_source, pending_ptr, depth_ptr,
-               live_ptr, arrivals_ptr, B, G, K, BLOCK_H, BLOCK_B)  # fmt: skip
+    book = tl.load(books_ptr + row * (K + 1) + t)
+    p = _probs(target_ptr + (row * (K + 1) + t).to(tl.int64) * V, V, temp, k, top_p, do_sample,
+               BLOCK_V, RADIX_BITS)  # fmt: skip
+    ctr = (FINAL_KIND << 28) + frame * G + book
+    if t < K:
+        q = _probs(draft_ptr + (row * K + t).to(tl.int64) * V, V, temp, k, top_p, do_sample,
+                   BLOCK_V, RADIX_BITS)  # fmt: skip
+        x = tl.load(drafts_ptr + row * K + t)
+        px = tl.sum(tl.where(offs == x, p, 0.0), axis=0)
+        qx = tl.sum(tl.where(offs == x, q, 0.0), axis=0)
+        u = uniforms(seed, (ACCEPT_KIND << 28) + frame * G + book, tl.zeros((), tl.int32))
+        ok = u * qx < px
+        tl.store(ok_ptr + row * K + t, ok.to(tl.int8))
+        if ok == 0:
+            residual = tl.maximum(p - q, 0.0)
+            dist = tl.where(tl.sum(residual, axis=0) > 0, residual, p)
+            tl.store(draws_ptr + row * (K + 1) + t, _draw(dist, seed, ctr, offs))
+    else:
+        tl.store(draws_ptr + row * (K + 1) + t, _draw(p, seed, ctr, offs))
+    # release this position's test and draw (the barrier orders every thread's stores before
+    # the atomic's release), then count it in; the row's last program takes the result
+    tl.debug_barrier()
+    if tl.atomic_add(rowcnt_ptr + row, 1, sem="acq_rel") == K:
+        tl.debug_barrier()  # the acquire, for every thread of the program
+        tl.atomic_xchg(rowcnt_ptr + row, 0)
+        steps = tl.arange(0, BLOCK_K)
+        oks = tl.load(ok_ptr + row * K + steps, mask=steps < K, other=0, cache_modifier=".cg")
+        # accepted = the tests passed before the first failure (K where none failed)
+        accepted = tl.min(tl.where((oks == 0) & (steps < K), steps, K), axis=0).to(tl.int64)
+        final = tl.load(draws_ptr + row * (K + 1) + accepted, cache_modifier=".cg")
+        tl.store(ok_ptr + row * K + steps, (steps < accepted).to(tl.int8), mask=steps < K)
+        tl.store(accepted_ptr + row, accepted)
+        tl.store(final_ptr + row, final)
+        if APPLY:
+            _apply(row, accepted, final, drafts_ptr, books_ptr, h_ptr, stride_hb, stride_ht, H,
+                   codes_ptr, stride_codes, source_ptr, stride_source, pending_ptr, depth_ptr,
+                   live_ptr, arrivals_ptr, B, G, K, BLOCK_H, BLOCK_B)  # fmt: skip
 
 
 def spec_accept_triton(
@@ -176,12 +185,14 @@ def spec_accept_triton(
                  state.arrivals, B)  # fmt: skip
         blocks = {"APPLY": True, "BLOCK_H": min(1024, triton.next_power_of_2(h.shape[-1])),
                   "BLOCK_B": triton.next_power_of_2(B)}  # fmt: skip
-    _spec_accept_kernel[(B,)](
+    draws = torch.empty(B, K + 1, dtype=torch.int64, device=dev)  # each position's draw
+    _spec_accept_kernel[(B, K + 1)](
         draft_logits.contiguous(), target_logits.contiguous(), drafts, books,
         temperature.float(), top_k, top_p.float(),
         do_sample.view(torch.uint8) if do_sample.dtype == torch.bool else do_sample,
-        seeds, frames, accepted, final, ok, V, groups, *apply,
+        seeds, frames, accepted, final, ok, draws, _counters(dev), V, groups, *apply,
         ACCEPT_KIND=accept_kind, FINAL_KIND=final_kind, K=K, BLOCK_V=block_v, RADIX_BITS=1,
-        **blocks, **pdl_args(pdl_enabled(draft_logits)), num_warps=8 if block_v >= 2048 else 4,
+        BLOCK_K=triton.next_power_of_2(max(K, 1)), **blocks,
+        **pdl_args(pdl_enabled(draft_logits)), num_warps=8 if block_v >= 2048 else 4,
     )  # fmt: skip
     return accepted, final, ok.view(torch.bool)  # 0 / 1: a view, not a conversion
