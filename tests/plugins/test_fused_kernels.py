@@ -310,25 +310,31 @@ def test_qk_norm_rope_attend_kernel(R, S, dtype, ready):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,S", [(1, 16), (5, 17)])
 @pytest.mark.parametrize("ready", [False, True])
-def test_qk_norm_rope_attend_two_tokens_kernel(B, S, dtype, ready):
-    """tokens=2 (the code predictor's prefill pass): token 1 of each row attends over the
-    entry token 0 wrote in the same launch, not the stale one the cache held (random here,
-    as every other entry)."""
-    g = _gen(B * 37 + S)
-    qkv, qw, kw, slots, kc, vc, a = _attend_case(g, B, S, dtype, tokens=2)
+@pytest.mark.parametrize("tokens,parallel", [(2, False), (2, True), (4, False), (4, True)])
+def test_qk_norm_rope_attend_tokens_kernel(B, S, dtype, ready, tokens, parallel, monkeypatch):
+    """tokens > 1 (the code predictor's two-token first pass, the speculative verify's
+    k + 1): token t of each row attends over the entries tokens 0..t-1 wrote in the same
+    launch, not the stale ones the cache held (random here, as every other entry); in turn
+    in one program per row, or (parallel) one program per token."""
+    from ttsbuild.plugins._tl import qk_norm_rope_attend as tl_attend
+
+    monkeypatch.setattr(tl_attend, "TOKENS_PARALLEL", parallel)
+    g = _gen(B * 37 + S + tokens)
+    qkv, qw, kw, slots, kc, vc, a = _attend_case(g, B, S, dtype, tokens=tokens)
     Hq, D = a["num_heads"], kc.shape[-1]
-    pos = torch.randint(0, S - 1, (B,), device=KDEV, generator=g)
-    pos[0] = 0  # the frame's prefill: positions 0 and 1
+    pos = torch.randint(0, S - tokens + 1, (B,), device=KDEV, generator=g)
+    pos[0] = 0  # the frame's first pass: positions 0, 1, ...
     if B > 1:
-        pos[1] = S - 2  # the cache's last two positions
+        pos[1] = S - tokens  # the cache's last positions
     kc_ref, vc_ref = kc.float(), vc.float()
     out = qk_norm_rope_attend(qkv, qw, kw, pos, slots, kc, vc, use_triton=True,
-                              inputs_ready=ready, tokens=2, **a)  # fmt: skip
+                              inputs_ready=ready, tokens=tokens, **a)  # fmt: skip
     ref = qk_norm_rope_attend(qkv.float(), qw.float(), kw.float(), pos, slots, kc_ref, vc_ref,
-                              use_triton=False, tokens=2, **a)  # fmt: skip
+                              use_triton=False, tokens=tokens, **a)  # fmt: skip
     tol = _tol(dtype)
-    assert out.shape == (2 * B, Hq * D) and _rel(out, ref) < tol
-    assert _rel(out[B:], ref[B:]) < tol  # token 1 on its own (token 0's error cannot hide it)
+    assert out.shape == (tokens * B, Hq * D) and _rel(out, ref) < tol
+    for t in range(1, tokens):  # each later token on its own (token 0's error cannot hide it)
+        assert _rel(out[t * B : (t + 1) * B], ref[t * B : (t + 1) * B]) < tol
     assert _rel(kc.float(), kc_ref) < tol and _rel(vc.float(), vc_ref) < tol
 
 

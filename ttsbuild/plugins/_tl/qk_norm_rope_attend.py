@@ -7,10 +7,13 @@ normalises and rotates its q heads, then attends over the row's positions [0, po
 [BLOCK_S] tile held in registers (the code predictor's cache has 16 positions). The new
 key/value enter the tile from registers, not from the cache just written, so no barrier
 between the store and the loads is needed. fp32 math, one rounding of q/k/v to the cache
-dtype (as the unfused kernels store them).
+dtype (as the unfused kernels store them). Several tokens of a row in one call: in turn in
+the row's program, or (TOKENS_PARALLEL) a program per token, grid (rows, Hkv, tokens).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -22,6 +25,13 @@ from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
 
 _LOG2E = 1.4426950408889634
+# Several tokens of a row in one call (the code predictor's two-token first pass, the
+# speculative verify pass's k + 1) as one program per token (`_qk_norm_rope_attend_tokens_
+# kernel`: each recomputes the call's earlier keys and values from qkv) instead of one
+# program per row running its tokens in turn. The H200 profile of 2026-12-05
+# (benchmarks/spec/2026-12-05-h200-profile/): 28 us a launch at 4 tokens against 4.8 us at
+# one. Built the same day without a GPU: off until timed (TTSBUILD_ATTEND_TOKENS_PARALLEL=1).
+TOKENS_PARALLEL = os.environ.get("TTSBUILD_ATTEND_TOKENS_PARALLEL", "0") == "1"
 
 
 @triton.jit
@@ -83,47 +93,51 @@ def kv_group_of(head, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def attend_group(
-    qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, row, kvh, pos, slot,
-    stride_row, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
-    ok1, ok2, ov1, ov2, store_kv,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    """One (row, KV head): its k/v into the cache at `pos` (where store_kv), its GROUP query
-    heads attended over positions [0, pos] (ok1..ov2: the cached ones below pos, from
-    `old_kv`). Returns the heads' outputs as fp32 [BLOCK_G, D/2] halves (rows past GROUP
-    zero). q/k/v are read with .cg (L2, not a stale L1 line), so a persistent kernel can call
-    this on qkv written by other programs (plugins/_tl/cp_pass)."""
+def new_kv(qkv_ptr, kw_ptr, kc_ptr, row, kvh, c, s, stride_row, eps,
+           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    """qkv row `row`'s key (RMSNorm + RoPE at the angle's cos c and sin s) and value of KV
+    head kvh as [1, D/2] halves, rounded as the cache stores them (read with .cg)."""
     HALF: tl.constexpr = D // 2
     src = qkv_ptr + row * stride_row
     offs_d = tl.arange(0, HALF)
-    ang = pos.to(tl.float32) * tl.load(f_ptr + offs_d)
-    c = cos_f32(ang)[None, :]
-    s = sin_f32(ang)[None, :]
     cdt = kc_ptr.dtype.element_ty
-
-    # the new key and value: [1, HALF] halves, rounded as the cache stores them
     k_src = src + (HQ + kvh) * D + offs_d[None, :]
     k1, k2 = _norm_rope(
         tl.load(k_src, cache_modifier=".cg").to(tl.float32),
         tl.load(k_src + HALF, cache_modifier=".cg").to(tl.float32),
         kw_ptr, offs_d, c, s, eps, D,
     )  # fmt: skip
-    k1, k2 = k1.to(cdt), k2.to(cdt)
     v_src = src + (HQ + HKV + kvh) * D + offs_d[None, :]
     v1 = tl.load(v_src, cache_modifier=".cg").to(cdt)
     v2 = tl.load(v_src + HALF, cache_modifier=".cg").to(cdt)
-    if store_kv:
-        head = kc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
-        new_at = pos * stride_cs + offs_d[None, :]
-        tl.store(head + new_at, k1)
-        tl.store(head + new_at + HALF, k2)
-        vhead = vc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
-        tl.store(vhead + new_at, v1)
-        tl.store(vhead + new_at + HALF, v2)
+    return k1.to(cdt), k2.to(cdt), v1, v2
 
-    # the GROUP query heads: [BLOCK_G, HALF] halves, rounded to q's dtype as the unfused q
+
+@triton.jit
+def store_kv(kc_ptr, vc_ptr, kvh, pos, slot, k1, k2, v1, v2, stride_cslot, stride_ch,
+             stride_cs, D: tl.constexpr):  # fmt: skip
+    """A key and value ([1, D/2] halves) into the caches of (slot, kvh) at `pos`."""
+    HALF: tl.constexpr = D // 2
+    offs_d = tl.arange(0, HALF)
+    head = kc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
+    new_at = pos * stride_cs + offs_d[None, :]
+    tl.store(head + new_at, k1)
+    tl.store(head + new_at + HALF, k2)
+    vhead = vc_ptr + slot * stride_cslot + tl.cast(kvh, tl.int64) * stride_ch
+    tl.store(vhead + new_at, v1)
+    tl.store(vhead + new_at + HALF, v2)
+
+
+@triton.jit
+def attend_tile(qkv_ptr, qw_ptr, row, kvh, pos, c, s, kt1, kt2, vt1, vt2, stride_row, eps,
+                qk_scale, D: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_S: tl.constexpr):  # fmt: skip
+    """The GROUP query heads of KV head kvh in qkv row `row` (RMSNorm + RoPE at c, s; rounded
+    to q's dtype as the unfused q) attended over the fp32 key/value tile's positions
+    [0, pos]: [BLOCK_G, D/2] halves (rows past GROUP zero)."""
+    HALF: tl.constexpr = D // 2
+    src = qkv_ptr + row * stride_row
+    offs_d = tl.arange(0, HALF)
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g[:, None] < GROUP
     q_src = src + (kvh * GROUP + offs_g[:, None]) * D + offs_d[None, :]
@@ -134,15 +148,7 @@ def attend_group(
     )  # fmt: skip
     q1 = q1.to(qkv_ptr.dtype.element_ty).to(tl.float32)
     q2 = q2.to(qkv_ptr.dtype.element_ty).to(tl.float32)
-
-    # keys/values [BLOCK_S, HALF] of positions [0, pos]; the new ones from registers
     offs_s = tl.arange(0, BLOCK_S)
-    is_new = offs_s[:, None] == pos
-    kt1 = tl.where(is_new, k1, ok1).to(tl.float32)
-    kt2 = tl.where(is_new, k2, ok2).to(tl.float32)
-    vt1 = tl.where(is_new, v1, ov1).to(tl.float32)
-    vt2 = tl.where(is_new, v2, ov2).to(tl.float32)
-
     scores = tl.sum(q1[:, None, :] * kt1[None, :, :], axis=2)
     scores += tl.sum(q2[:, None, :] * kt2[None, :, :], axis=2)  # [BLOCK_G, BLOCK_S]
     scores = tl.where(offs_s[None, :] <= pos, scores * qk_scale, float("-inf"))
@@ -154,6 +160,39 @@ def attend_group(
 
 
 @triton.jit
+def attend_group(
+    qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, row, kvh, pos, slot,
+    stride_row, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
+    ok1, ok2, ov1, ov2, store_kv_too,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """One (row, KV head): its k/v into the cache at `pos` (where store_kv_too), its GROUP
+    query heads attended over positions [0, pos] (ok1..ov2: the cached ones below pos, from
+    `old_kv`). Returns the heads' outputs as fp32 [BLOCK_G, D/2] halves (rows past GROUP
+    zero). q/k/v are read with .cg (L2, not a stale L1 line), so a persistent kernel can call
+    this on qkv written by other programs (plugins/_tl/cp_pass)."""
+    HALF: tl.constexpr = D // 2
+    offs_d = tl.arange(0, HALF)
+    ang = pos.to(tl.float32) * tl.load(f_ptr + offs_d)
+    c = cos_f32(ang)[None, :]
+    s = sin_f32(ang)[None, :]
+    k1, k2, v1, v2 = new_kv(qkv_ptr, kw_ptr, kc_ptr, row, kvh, c, s, stride_row, eps, HQ, HKV,
+                            D)  # fmt: skip
+    if store_kv_too:
+        store_kv(kc_ptr, vc_ptr, kvh, pos, slot, k1, k2, v1, v2, stride_cslot, stride_ch,
+                 stride_cs, D)  # fmt: skip
+    # keys/values [BLOCK_S, HALF] of positions [0, pos]; the new ones from registers
+    is_new = tl.arange(0, BLOCK_S)[:, None] == pos
+    kt1 = tl.where(is_new, k1, ok1).to(tl.float32)
+    kt2 = tl.where(is_new, k2, ok2).to(tl.float32)
+    vt1 = tl.where(is_new, v1, ov1).to(tl.float32)
+    vt2 = tl.where(is_new, v2, ov2).to(tl.float32)
+    return attend_tile(qkv_ptr, qw_ptr, row, kvh, pos, c, s, kt1, kt2, vt1, vt2, stride_row,
+                       eps, qk_scale, D, GROUP, BLOCK_G, BLOCK_S)  # fmt: skip
+
+
+@triton.jit
 def attend_item(
     qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row, kvh, pos, slot,
     stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
@@ -162,12 +201,19 @@ def attend_item(
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """`attend_group` (the k/v stored), its heads' outputs stored in out's row."""
-    HALF: tl.constexpr = D // 2
     o1, o2 = attend_group(
         qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, row, kvh, pos, slot,
         stride_row, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
         ok1, ok2, ov1, ov2, True, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
     )  # fmt: skip
+    store_heads(out_ptr, row, kvh, o1, o2, stride_orow, D, GROUP, BLOCK_G)
+
+
+@triton.jit
+def store_heads(out_ptr, row, kvh, o1, o2, stride_orow, D: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_G: tl.constexpr):  # fmt: skip
+    """The GROUP heads' outputs ([BLOCK_G, D/2] halves) into out's row."""
+    HALF: tl.constexpr = D // 2
     offs_d = tl.arange(0, HALF)
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g[:, None] < GROUP
@@ -210,6 +256,50 @@ def _qk_norm_rope_attend_kernel(
         )  # fmt: skip
 
 
+@triton.jit
+def _qk_norm_rope_attend_tokens_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, f_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, out_ptr,
+    stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = False, TOKENS: tl.constexpr = 2, B=1,
+):  # fmt: skip
+    # Program (i, kvh, t): token t of row i (qkv row i + t B, position pos[i] + t). The
+    # cache holds the entries below pos[i] (written by earlier launches); the call's own
+    # tokens 0..TOKENS-1 enter the tile from registers, each program computing their keys
+    # and values from qkv itself (later ones are masked by the causal limit), so no program
+    # reads what another of this launch writes. It stores its own token's k/v only.
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    t = tl.program_id(2)
+    pos, slot, ok1, ok2, ov1, ov2 = row_old_kv(pos_ptr, slot_ptr, kc_ptr, vc_ptr, row, kvh,
+                                               stride_cslot, stride_ch, stride_cs, D, BLOCK_S,
+                                               PDL, EARLY)  # fmt: skip
+    HALF: tl.constexpr = D // 2
+    f = tl.load(f_ptr + tl.arange(0, HALF))
+    offs_s = tl.arange(0, BLOCK_S)
+    kt1, kt2 = ok1.to(tl.float32), ok2.to(tl.float32)
+    vt1, vt2 = ov1.to(tl.float32), ov2.to(tl.float32)
+    for u in tl.static_range(TOKENS):
+        ang = (pos + u).to(tl.float32) * f
+        k1, k2, v1, v2 = new_kv(qkv_ptr, kw_ptr, kc_ptr, row + u * B, kvh,
+                                cos_f32(ang)[None, :], sin_f32(ang)[None, :], stride_row,
+                                eps, HQ, HKV, D)  # fmt: skip
+        at = offs_s[:, None] == pos + u
+        kt1 = tl.where(at, k1.to(tl.float32), kt1)
+        kt2 = tl.where(at, k2.to(tl.float32), kt2)
+        vt1 = tl.where(at, v1.to(tl.float32), vt1)
+        vt2 = tl.where(at, v2.to(tl.float32), vt2)
+        if t == u:
+            store_kv(kc_ptr, vc_ptr, kvh, pos + u, slot, k1, k2, v1, v2, stride_cslot,
+                     stride_ch, stride_cs, D)  # fmt: skip
+    ang = (pos + t).to(tl.float32) * f
+    o1, o2 = attend_tile(qkv_ptr, qw_ptr, row + t * B, kvh, pos + t, cos_f32(ang)[None, :],
+                         sin_f32(ang)[None, :], kt1, kt2, vt1, vt2, stride_row, eps,
+                         qk_scale, D, GROUP, BLOCK_G, BLOCK_S)  # fmt: skip
+    store_heads(out_ptr, row + t * B, kvh, o1, o2, stride_orow, D, GROUP, BLOCK_G)
+
+
 def qk_norm_rope_attend_triton(
     qkv: torch.Tensor,
     q_weight: torch.Tensor,
@@ -238,7 +328,9 @@ def qk_norm_rope_attend_triton(
         return out
     pdl = pdl_enabled(qkv)
     B = R // tokens
-    _qk_norm_rope_attend_kernel[(B, num_kv_heads)](
+    parallel = tokens > 1 and TOKENS_PARALLEL
+    kernel = _qk_norm_rope_attend_tokens_kernel if parallel else _qk_norm_rope_attend_kernel
+    kernel[(B, num_kv_heads, tokens if parallel else 1)](
         qkv, q_weight, k_weight, freqs, positions.reshape(-1), slots.reshape(-1),
         k_cache, v_cache, out, qkv.stride(0), out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, scale * _LOG2E,
