@@ -58,6 +58,7 @@ import torch
 from ttsbuild.plugins import cp_pass
 from ttsbuild.plugins._tl import fp8_linear as tl_fp8_linear
 from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
+from ttsbuild.plugins._tl import qk_norm_rope_attend as tl_attend
 from ttsbuild.plugins._tl import sampling as tl_sampling
 from ttsbuild.runtime import cp_fused, fast_model
 
@@ -67,7 +68,7 @@ from ttsbuild.runtime import cp_fused, fast_model
 # switches acts (the baseline everywhere).
 ACTS_ON = {fast_model: ("decode", "prefill"), cp_fused: ("cp",), cp_pass: ("cpp",),
            tl_fused_linear: ("cp",), tl_fp8_linear: ("decode", "prefill"),
-           tl_sampling: ("cp",)}  # fmt: skip
+           tl_sampling: ("cp",), tl_attend: ("cp",)}  # fmt: skip
 # switches acting elsewhere than their module's others
 ACTS_ON_SWITCH = {"SHORT_ATTEND_FUSED": ("cpunf",)}
 SWITCHES = {
@@ -87,6 +88,7 @@ SWITCHES = {
     "CP_PASS_COUNT_BARRIER": (cp_pass, "COUNT_BARRIER"),
     "PDL_L2_AHEAD": (tl_fused_linear, "L2_AHEAD"),
     "FP8_L2_AHEAD": (tl_fp8_linear, "L2_AHEAD"),
+    "ATTEND_TOKENS_PARALLEL": (tl_attend, "TOKENS_PARALLEL"),
 }
 SERVED = {n: bool(getattr(*SWITCHES[n])) for n in SWITCHES}  # the switches as served
 DEFAULT_VARIANTS = (
