@@ -118,6 +118,12 @@
 #         talker decode 1 and 64, prefill 1x32, 1x64, 4x64, code predictor frame 1 and 8,
 #         persistent frame 1); first the persistent pass's GPU tests (SWITCH_TESTS=0 skips
 #         them) and bench_barrier.py (the generation and the counting grid barrier)
+# specab: speculation with the verify pass's attention as a program per token
+#         (TTSBUILD_ATTEND_TOKENS_PARALLEL=1) against in turn, 2026-12-05: their GPU tests
+#         (test_fused_kernels.py -k tokens_kernel, test_spec_accept.py, test_graph_while.py),
+#         then bench_spec.sh in two processes per side ($SPECAB_BATCHES, default 1,8; windows
+#         $SPECAB_WINDOWS, default 2,3,4; top $SPECAB_PROFILE kernels, default 12; fused paths),
+#         PDL as set (TTSBUILD_PDL=0 for each kernel's own time), logs bench_spec_{serial,parallel}.log
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
@@ -322,6 +328,25 @@ for step in $STEPS; do
         log "speculation on vs off, the rounds as a WHILE node vs every round run"
         SPEC_S=${SPEC_S:-330} BATCHES=${SPEC_BATCHES:-1,8} WINDOWS=${SPEC_WINDOWS:-3} bash benchmarks/spec/bench_spec.sh \
             | grep -vE "^\s*$" | tail -30 ;;
+    specab)
+        log "GPU tests: attention over several tokens, spec accept, WHILE nodes"
+        timeout -k 5 "${SPECTESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider \
+            tests/plugins/test_fused_kernels.py tests/plugins/test_spec_accept.py \
+            tests/runtime/test_graph_while.py -k "tokens_kernel or spec_accept or graph_while" \
+            > "$OUT/gpu_tests_specab.log" 2>&1
+        echo "GPU tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_specab.log" | head -12
+        for side in serial parallel; do
+            left=$((DEADLINE_S - SECONDS))
+            if [ "$left" -lt 60 ]; then log "skip $side: ${left}s left"; continue; fi
+            log "bench_spec, the verify's attention tokens $side"
+            ( [ "$side" = serial ] || export TTSBUILD_ATTEND_TOKENS_PARALLEL=1
+              mkdir -p "$OUT/spec_$side"
+              OUT="$OUT/spec_$side" SPEC_S=$((left - 10 < 200 ? left - 10 : 200)) \
+                  BATCHES=${SPECAB_BATCHES:-1,8} WINDOWS=${SPECAB_WINDOWS:-2,3,4} \
+                  PROFILE=${SPECAB_PROFILE:-12} PATHS=fused bash benchmarks/spec/bench_spec.sh \
+                  > "$OUT/bench_spec_$side.log" 2>&1
+              grep -E "^ +[0-9]+ |while nodes|kernels, " "$OUT/bench_spec_$side.log" | head -30 )
+        done ;;
     codectests)  # the codec kernels' GPU tests touched by the 1x1 conv tiles and the output window
         log "GPU tests: causal conv at >= 2048 rows (the 1x1 conv's tiles), the output stage (two-phase window)"
         timeout -k 5 "${CODECTESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider tests/plugins/test_causal_conv.py \
