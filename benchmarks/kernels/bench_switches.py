@@ -89,6 +89,7 @@ SWITCHES = {
     "PDL_L2_AHEAD": (tl_fused_linear, "L2_AHEAD"),
     "FP8_L2_AHEAD": (tl_fp8_linear, "L2_AHEAD"),
     "ATTEND_TOKENS_PARALLEL": (tl_attend, "TOKENS_PARALLEL"),
+    "GEMV_FEW_ROWS": (tl_fused_linear, "GEMV_FEW_ROWS"),
 }
 SERVED = {n: bool(getattr(*SWITCHES[n])) for n in SWITCHES}  # the switches as served
 DEFAULT_VARIANTS = (

@@ -121,9 +121,11 @@
 # specab: speculation with the verify pass's attention as a program per token
 #         (TTSBUILD_ATTEND_TOKENS_PARALLEL=1) against in turn, 2026-12-05: their GPU tests
 #         (test_fused_kernels.py -k tokens_kernel, test_spec_accept.py, test_graph_while.py),
-#         then bench_spec.sh in two processes per side ($SPECAB_BATCHES, default 1,8; windows
-#         $SPECAB_WINDOWS, default 2,3,4; top $SPECAB_PROFILE kernels, default 12; fused paths),
-#         PDL as set (TTSBUILD_PDL=0 for each kernel's own time), logs bench_spec_{serial,parallel}.log
+#         then bench_spec.sh, a process per side: serial (as served), parallel (the tokens'
+#         programs side by side), gemv (that and TTSBUILD_GEMV_FEW_ROWS=1: the verify's linears
+#         of 2-4 rows as GEMVs); $SPECAB_BATCHES (default 1,8), windows $SPECAB_WINDOWS
+#         (default 2,3,4), top $SPECAB_PROFILE kernels (default 12), fused paths; PDL as set
+#         (TTSBUILD_PDL=0 for each kernel's own time); logs bench_spec_{serial,parallel,gemv}.log
 # ab:     serving A/B at $AB_RPS req/s (side X at $AB_RPS_X where given), $AB_DURATION each, until $DEADLINE_S seconds into the
 #         run: `serve` with $AB_A (default: no extra flags) against `serve` with $AB_B (and
 #         more sides: AB_SIDES="A B C" with $AB_C, ...).
@@ -332,16 +334,17 @@ for step in $STEPS; do
         log "GPU tests: attention over several tokens, spec accept, WHILE nodes"
         timeout -k 5 "${SPECTESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider \
             tests/plugins/test_fused_kernels.py tests/plugins/test_spec_accept.py \
-            tests/runtime/test_graph_while.py -k "tokens_kernel or spec_accept or graph_while" \
+            tests/runtime/test_graph_while.py -k "tokens_kernel or spec_accept or graph_while or plan_runs or norm_linear_attend" \
             > "$OUT/gpu_tests_specab.log" 2>&1
         echo "GPU tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_specab.log" | head -12
-        for side in serial parallel; do
+        for side in serial parallel gemv; do
             left=$((DEADLINE_S - SECONDS))
             if [ "$left" -lt 60 ]; then log "skip $side: ${left}s left"; continue; fi
-            log "bench_spec, the verify's attention tokens $side"
+            log "bench_spec, side $side"
             ( [ "$side" = serial ] || export TTSBUILD_ATTEND_TOKENS_PARALLEL=1
+              [ "$side" != gemv ] || export TTSBUILD_GEMV_FEW_ROWS=1
               mkdir -p "$OUT/spec_$side"
-              OUT="$OUT/spec_$side" SPEC_S=$((left - 10 < 200 ? left - 10 : 200)) \
+              OUT="$OUT/spec_$side" SPEC_S=$((left - 10 < 150 ? left - 10 : 150)) \
                   BATCHES=${SPECAB_BATCHES:-1,8} WINDOWS=${SPECAB_WINDOWS:-2,3,4} \
                   PROFILE=${SPECAB_PROFILE:-12} PATHS=fused bash benchmarks/spec/bench_spec.sh \
                   > "$OUT/bench_spec_$side.log" 2>&1

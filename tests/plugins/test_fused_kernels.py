@@ -89,6 +89,22 @@ def test_plan_runs_few_fp32_rows_as_gemvs_only_when_asked():
     assert plan(9, 3072, 512, False, 132, fp32=True, gemv_rows_f32=8)["BLOCK_M"] == 16
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")
+def test_plan_runs_few_half_rows_as_gemvs_only_when_switched(monkeypatch):
+    from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
+
+    # the code predictor's qkv (N 4096, K 1024): 2-4 rows (a verify pass of a row) as GEMVs
+    plan = tl_fused_linear.plan
+    monkeypatch.setattr(tl_fused_linear, "GEMV_FEW_ROWS", False)
+    assert [plan(M, 4096, 1024, False, 132)["BLOCK_M"] for M in (1, 2, 4)] == [1, 16, 16]
+    monkeypatch.setattr(tl_fused_linear, "GEMV_FEW_ROWS", True)
+    rows = [plan(M, 4096, 1024, False, 132) for M in (2, 3, 4, 5)]
+    assert [c["BLOCK_M"] for c in rows] == [1, 1, 1, 16]
+    assert rows[0]["BLOCK_K"] == plan(1, 4096, 1024, False, 132)["BLOCK_K"]
+    # fp32 rows keep their own rule (gemv_rows_f32)
+    assert plan(4, 3072, 512, False, 132, fp32=True, gemv_rows_f32=0)["BLOCK_M"] == 16
+
+
 def test_qk_norm_rope_attend_reference_is_the_two_ops():
     g = torch.Generator().manual_seed(4)
     R, Hq, Hkv, D, S = 3, 4, 2, 16, 8
@@ -346,9 +362,11 @@ ATTEND_CONFIGS = [None, _SPLIT, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "S
 # once and each (rows, precision) pair once
 _F32, _BF16, _FP8 = PRECISIONS
 _ATTEND_CASES = kernel_cases(
-    [(R, *p, c) for c in ATTEND_CONFIGS for R in (1, 8) for p in PRECISIONS],
+    [(R, *p, c) for c in ATTEND_CONFIGS for R in (1, 8) for p in PRECISIONS]
+    + [(3, *p, _ROWS) for p in PRECISIONS],
     [(R, *p, ATTEND_CONFIGS[c]) for c, R, p in [(0, 1, _F32), (0, 8, _FP8), (1, 1, _BF16),
-                                                (1, 8, _F32), (2, 1, _FP8), (2, 8, _BF16)]],
+                                                (1, 8, _F32), (2, 1, _FP8), (2, 8, _BF16)]]
+    + [(3, *_BF16, _ROWS)],  # several rows as GEMVs (fused_linear's GEMV_FEW_ROWS form)
 )  # fmt: skip
 
 

@@ -86,6 +86,14 @@ _GEMV_NARROW = os.environ.get("TTSBUILD_GEMV_NARROW", "1") != "0"
 # per call (fused_linear's gemv_rows_f32, its fused_layers_max_rows); this is the default of
 # every other caller (fp32 models in checks): 0, off.
 _GEMV_ROWS_F32 = int(os.environ.get("TTSBUILD_GEMV_ROWS_F32", "0"))
+# Half-precision activations of 2 to GEMV_FEW_ROWS_MAX rows (the code predictor's two-token
+# first pass at batch 1, the speculative verify pass's k + 1 positions of a row) as GEMVs, a
+# program per row and column tile, instead of 16-row tensor-core tiles: the H200 profile of
+# 2026-12-05 had the verify pass's linears at 4 rows 6.9 us a launch against 5.5 us at one
+# (benchmarks/spec/2026-12-05-h200-profile/). Built that day without a GPU: off until timed
+# (TTSBUILD_GEMV_FEW_ROWS=1; read at each launch, so bench_switches can flip it).
+GEMV_FEW_ROWS = os.environ.get("TTSBUILD_GEMV_FEW_ROWS", "0") == "1"
+GEMV_FEW_ROWS_MAX = 4
 
 
 @triton.jit
@@ -421,9 +429,13 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
          gemv_rows_f32: int | None = None) -> dict:  # fmt: skip
     """Fixed tile config for a shape: BLOCK_M from M, split-K until ~one wave of programs.
     fp32: the activations are fp32; then up to gemv_rows_f32 rows (default
-    TTSBUILD_GEMV_ROWS_F32) run as GEMVs, a program per row and column tile."""
-    rows_as_gemv = _GEMV_ROWS_F32 if gemv_rows_f32 is None else gemv_rows_f32
-    if M == 1 or (fp32 and M <= rows_as_gemv):
+    TTSBUILD_GEMV_ROWS_F32) run as GEMVs, a program per row and column tile; half precision:
+    up to GEMV_FEW_ROWS_MAX rows where GEMV_FEW_ROWS is on."""
+    if fp32:
+        rows_as_gemv = _GEMV_ROWS_F32 if gemv_rows_f32 is None else gemv_rows_f32
+    else:
+        rows_as_gemv = GEMV_FEW_ROWS_MAX if GEMV_FEW_ROWS else 1
+    if M == 1 or M <= rows_as_gemv:
         block_m, block_n, block_k = 1, 16, 256 if gate_up else 512
         if M == 1 and _GEMV_NARROW and triton.cdiv(N, 16) < sms <= triton.cdiv(N, 8):
             block_n = 8
