@@ -263,8 +263,9 @@ def profile_b1(spec, fcp, args, results, name) -> None:
         graphs[f"spec {kind} k3 ({rounds_of(spec)})"] = capture_spec(
             spec, lambda kind=kind: out.copy_(spec.frame(*inputs, kind, 3)))
     profiles = results[name].setdefault("profile_b1_k3", {})
-    # one profile thrown away first: the process's first one lost the WHILE body's kernels
-    # (2026-12-05, the flat target: 68 kernels a frame where ~230 ran)
+    # one profile of a looped frame thrown away first: the process's first such profile lost
+    # the WHILE body's kernels (2026-12-05, the flat target: 68 kernels a frame where ~230
+    # ran; the peaked target's, profiled later in the same process, were whole)
     profile_graph(graphs[next(k for k in graphs if k.startswith("spec"))], 2)
     for label, graph in graphs.items():
         n, ms, rows = profile_graph(graph, args.replays)
