@@ -86,8 +86,9 @@ _GEMV_NARROW = os.environ.get("TTSBUILD_GEMV_NARROW", "1") != "0"
 # per call (fused_linear's gemv_rows_f32, its fused_layers_max_rows); this is the default of
 # every other caller (fp32 models in checks): 0, off.
 _GEMV_ROWS_F32 = int(os.environ.get("TTSBUILD_GEMV_ROWS_F32", "0"))
-# Half-precision activations of 2 to GEMV_FEW_ROWS_MAX rows (the code predictor's two-token
-# first pass at batch 1, the speculative verify pass's k + 1 positions of a row) as GEMVs, a
+# Half-precision activations of 2 to GEMV_FEW_ROWS_MAX rows (every caller's: the code
+# predictor's passes at batch 2-4 and its two-token first pass at batch 1-2, the speculative
+# verify pass's k + 1 positions of a row, the codec's fused layers where half) as GEMVs, a
 # program per row and column tile, instead of 16-row tensor-core tiles: the H200 profile of
 # 2026-12-05 had the verify pass's linears at 4 rows 6.9 us a launch against 5.5 us at one
 # (benchmarks/spec/2026-12-05-h200-profile/). Built that day without a GPU: off until timed
