@@ -26,8 +26,8 @@ from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
 
 _LOG2E = 1.4426950408889634
 # Several tokens of a row in one call (the code predictor's two-token first pass, the
-# speculative verify pass's k + 1) as one program per token (`_qk_norm_rope_attend_tokens_
-# kernel`: each recomputes the call's earlier keys and values from qkv) instead of one
+# speculative verify pass's k + 1) as one program per token (the kernel's PARALLEL form:
+# each recomputes the call's earlier keys and values from qkv) instead of one
 # program per row running its tokens in turn. The H200 profile of 2026-12-05
 # (benchmarks/spec/2026-12-05-h200-profile/): 28 us a launch at 4 tokens against 4.8 us at
 # one. Built the same day without a GPU: off until timed (TTSBUILD_ATTEND_TOKENS_PARALLEL=1).
@@ -229,75 +229,62 @@ def _qk_norm_rope_attend_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
     EARLY: tl.constexpr = False, TOKENS: tl.constexpr = 1, B=1,
+    PARALLEL: tl.constexpr = False,
 ):  # fmt: skip
     # EARLY: positions, slots and the cached entries below each position were written two or
     # more launches back: read before the PDL wait (only qkv is the previous kernel's).
-    # TOKENS > 1: program (i, kvh) runs qkv rows i, i + B, ..., i + (TOKENS - 1) B in turn, at
-    # positions pos[i] + t of slot slots[i]; token t > 0 reads the entries tokens 0..t-1 wrote
-    # (this program's own stores: a barrier between, no other program involved).
+    # TOKENS > 1: qkv rows i, i + B, ..., i + (TOKENS - 1) B are row i's tokens, at positions
+    # pos[i] + t of slot slots[i]. Program (i, kvh) runs them in turn; token t > 0 reads the
+    # entries tokens 0..t-1 wrote (this program's own stores: a barrier between, no other
+    # program involved). PARALLEL: program (i, kvh, t) runs token t alone; the call's own
+    # tokens enter its tile from registers, each program computing their keys and values from
+    # qkv itself (later ones are masked by the causal limit), so no program reads what another
+    # of this launch writes; it stores its own token's k/v only.
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     pos, slot, ok1, ok2, ov1, ov2 = row_old_kv(pos_ptr, slot_ptr, kc_ptr, vc_ptr, row, kvh,
                                                stride_cslot, stride_ch, stride_cs, D, BLOCK_S,
                                                PDL, EARLY)  # fmt: skip
-    attend_item(
-        qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row, kvh, pos, slot,
-        stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
-        ok1, ok2, ov1, ov2, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
-    )  # fmt: skip
-    for t in tl.static_range(1, TOKENS):
-        tl.debug_barrier()  # token t - 1's cache stores precede token t's loads (one CTA)
-        ok1, ok2, ov1, ov2 = old_kv(kc_ptr, vc_ptr, kvh, pos + t, slot, stride_cslot, stride_ch,
-                                    stride_cs, D, BLOCK_S)  # fmt: skip
+    if PARALLEL:
+        t = tl.program_id(2)
+        HALF: tl.constexpr = D // 2
+        f = tl.load(f_ptr + tl.arange(0, HALF))
+        offs_s = tl.arange(0, BLOCK_S)
+        kt1, kt2 = ok1.to(tl.float32), ok2.to(tl.float32)
+        vt1, vt2 = ov1.to(tl.float32), ov2.to(tl.float32)
+        for u in tl.static_range(TOKENS):
+            ang = (pos + u).to(tl.float32) * f
+            k1, k2, v1, v2 = new_kv(qkv_ptr, kw_ptr, kc_ptr, row + u * B, kvh,
+                                    cos_f32(ang)[None, :], sin_f32(ang)[None, :], stride_row,
+                                    eps, HQ, HKV, D)  # fmt: skip
+            at = offs_s[:, None] == pos + u
+            kt1 = tl.where(at, k1.to(tl.float32), kt1)
+            kt2 = tl.where(at, k2.to(tl.float32), kt2)
+            vt1 = tl.where(at, v1.to(tl.float32), vt1)
+            vt2 = tl.where(at, v2.to(tl.float32), vt2)
+            if t == u:
+                store_kv(kc_ptr, vc_ptr, kvh, pos + u, slot, k1, k2, v1, v2, stride_cslot,
+                         stride_ch, stride_cs, D)  # fmt: skip
+        ang = (pos + t).to(tl.float32) * f
+        o1, o2 = attend_tile(qkv_ptr, qw_ptr, row + t * B, kvh, pos + t, cos_f32(ang)[None, :],
+                             sin_f32(ang)[None, :], kt1, kt2, vt1, vt2, stride_row, eps,
+                             qk_scale, D, GROUP, BLOCK_G, BLOCK_S)  # fmt: skip
+        store_heads(out_ptr, row + t * B, kvh, o1, o2, stride_orow, D, GROUP, BLOCK_G)
+    else:
         attend_item(
-            qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row + t * B, kvh, pos + t,
-            slot, stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
+            qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row, kvh, pos, slot,
+            stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
             ok1, ok2, ov1, ov2, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
         )  # fmt: skip
-
-
-@triton.jit
-def _qk_norm_rope_attend_tokens_kernel(
-    qkv_ptr, qw_ptr, kw_ptr, f_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, out_ptr,
-    stride_row, stride_orow, stride_cslot, stride_ch, stride_cs, eps, qk_scale,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False, TOKENS: tl.constexpr = 2, B=1,
-):  # fmt: skip
-    # Program (i, kvh, t): token t of row i (qkv row i + t B, position pos[i] + t). The
-    # cache holds the entries below pos[i] (written by earlier launches); the call's own
-    # tokens 0..TOKENS-1 enter the tile from registers, each program computing their keys
-    # and values from qkv itself (later ones are masked by the causal limit), so no program
-    # reads what another of this launch writes. It stores its own token's k/v only.
-    row = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    t = tl.program_id(2)
-    pos, slot, ok1, ok2, ov1, ov2 = row_old_kv(pos_ptr, slot_ptr, kc_ptr, vc_ptr, row, kvh,
-                                               stride_cslot, stride_ch, stride_cs, D, BLOCK_S,
-                                               PDL, EARLY)  # fmt: skip
-    HALF: tl.constexpr = D // 2
-    f = tl.load(f_ptr + tl.arange(0, HALF))
-    offs_s = tl.arange(0, BLOCK_S)
-    kt1, kt2 = ok1.to(tl.float32), ok2.to(tl.float32)
-    vt1, vt2 = ov1.to(tl.float32), ov2.to(tl.float32)
-    for u in tl.static_range(TOKENS):
-        ang = (pos + u).to(tl.float32) * f
-        k1, k2, v1, v2 = new_kv(qkv_ptr, kw_ptr, kc_ptr, row + u * B, kvh,
-                                cos_f32(ang)[None, :], sin_f32(ang)[None, :], stride_row,
-                                eps, HQ, HKV, D)  # fmt: skip
-        at = offs_s[:, None] == pos + u
-        kt1 = tl.where(at, k1.to(tl.float32), kt1)
-        kt2 = tl.where(at, k2.to(tl.float32), kt2)
-        vt1 = tl.where(at, v1.to(tl.float32), vt1)
-        vt2 = tl.where(at, v2.to(tl.float32), vt2)
-        if t == u:
-            store_kv(kc_ptr, vc_ptr, kvh, pos + u, slot, k1, k2, v1, v2, stride_cslot,
-                     stride_ch, stride_cs, D)  # fmt: skip
-    ang = (pos + t).to(tl.float32) * f
-    o1, o2 = attend_tile(qkv_ptr, qw_ptr, row + t * B, kvh, pos + t, cos_f32(ang)[None, :],
-                         sin_f32(ang)[None, :], kt1, kt2, vt1, vt2, stride_row, eps,
-                         qk_scale, D, GROUP, BLOCK_G, BLOCK_S)  # fmt: skip
-    store_heads(out_ptr, row + t * B, kvh, o1, o2, stride_orow, D, GROUP, BLOCK_G)
+        for t in tl.static_range(1, TOKENS):
+            tl.debug_barrier()  # token t - 1's cache stores precede token t's loads (one CTA)
+            ok1, ok2, ov1, ov2 = old_kv(kc_ptr, vc_ptr, kvh, pos + t, slot, stride_cslot,
+                                        stride_ch, stride_cs, D, BLOCK_S)  # fmt: skip
+            attend_item(
+                qkv_ptr, qw_ptr, kw_ptr, f_ptr, kc_ptr, vc_ptr, out_ptr, row + t * B, kvh,
+                pos + t, slot, stride_row, stride_orow, stride_cslot, stride_ch, stride_cs,
+                eps, qk_scale, ok1, ok2, ov1, ov2, HQ, HKV, D, GROUP, BLOCK_G, BLOCK_S,
+            )  # fmt: skip
 
 
 def qk_norm_rope_attend_triton(
@@ -329,14 +316,14 @@ def qk_norm_rope_attend_triton(
     pdl = pdl_enabled(qkv)
     B = R // tokens
     parallel = tokens > 1 and TOKENS_PARALLEL
-    kernel = _qk_norm_rope_attend_tokens_kernel if parallel else _qk_norm_rope_attend_kernel
-    kernel[(B, num_kv_heads, tokens if parallel else 1)](
+    _qk_norm_rope_attend_kernel[(B, num_kv_heads, tokens if parallel else 1)](
         qkv, q_weight, k_weight, freqs, positions.reshape(-1), slots.reshape(-1),
         k_cache, v_cache, out, qkv.stride(0), out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, scale * _LOG2E,
         HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(S),
-        EARLY=inputs_ready and pdl_early_reads(), TOKENS=tokens, B=B, **pdl_args(pdl),
+        EARLY=inputs_ready and pdl_early_reads(), TOKENS=tokens, B=B, PARALLEL=parallel,
+        **pdl_args(pdl),
         num_warps=4,
     )  # fmt: skip
     return out
