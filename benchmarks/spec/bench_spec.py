@@ -326,6 +326,8 @@ def main() -> int:
                     help="profile batch 1, window 3 (plain and speculative), top N kernels")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.profile < 0:
+        ap.error(f"--profile wants a count of kernels (0: off), got {args.profile}")
     if not torch.cuda.is_available():
         print("bench_spec needs a CUDA GPU", file=sys.stderr)
         return 2
