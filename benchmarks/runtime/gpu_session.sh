@@ -349,7 +349,7 @@ for step in $STEPS; do
             left=$((DEADLINE_S - SECONDS))
             if [ "$left" -lt 60 ]; then log "skip $side: ${left}s left"; continue; fi
             log "bench_spec, side $side"
-            ( [ "$side" = serial ] || export TTSBUILD_ATTEND_TOKENS_PARALLEL=1
+            ( if [ "$side" = serial ]; then export TTSBUILD_ATTEND_TOKENS_PARALLEL=0; else export TTSBUILD_ATTEND_TOKENS_PARALLEL=1; fi
               [ "$side" != gemv ] || export TTSBUILD_GEMV_FEW_ROWS=1
               mkdir -p "$OUT/spec_$side"
               OUT="$OUT/spec_$side" SPEC_S=$((left - 10 < 150 ? left - 10 : 150)) \

@@ -154,11 +154,11 @@ def _kernel_choices(lane: bool) -> dict:
     return {k: v for k, v in KERNEL_CHOICES.items() if k != "persistent_code_predictor"}
 
 
-# --speculative: the code predictor of buckets 4 and 8 speculative (self-drafted; on CUDA its
+# --speculative: the code predictor of buckets 1, 4 and 8 speculative (self-drafted; on CUDA its
 # rounds one WHILE node per frame where the step driver has them, runtime/graph_while.py):
 # greedy codes are the target's exactly, so fp32 greedy must match the reference bit for bit
 # (sampled speculative codes have the target's distribution, not its draws: not compared).
-SPECULATIVE = {4: ("self", 3), 8: ("self", 2)}
+SPECULATIVE = {1: ("self", 3), 4: ("self", 3), 8: ("self", 2)}
 
 
 def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
@@ -166,7 +166,7 @@ def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
           lane_frames: int = 1, switch: bool = False, speculative: bool = False) -> bool:
     name = f"{variant} {str(dtype).removeprefix('torch.')} {'greedy' if greedy else 'sampled'}"
     name += " (kernel choices on)" if kernels else ""
-    name += " (speculative code predictor at batches 4, 8)" if speculative else ""
+    name += " (speculative code predictor at batches 1, 4, 8)" if speculative else ""
     name += f" (admission lane {list(lane)})" if lane else ""
     name += f" ({reserved} SMs reserved for it)" if reserved else ""
     name += f" ({lane_frames} frames and a {lane_frames}-frame codec step there)" if (
@@ -247,7 +247,7 @@ def main() -> int:
                    help="with --admission-lane: also check with the lane switched on and off "
                    "between steps (serve --lane-max-active switches it by load)")
     p.add_argument("--speculative", action="store_true",
-                   help="also check fp32 greedy with the code predictor of batches 4 and 8 "
+                   help="also check fp32 greedy with the code predictor of batches 1, 4 and 8 "
                    "speculative (its rounds a WHILE node per frame where the driver has them)")
     p.add_argument("--lane-frames", type=int, default=1,
                    help="with --admission-lane: also check with a new row's first frames and "
@@ -271,7 +271,7 @@ def main() -> int:
                     for g in (True, False)]
     if a.speculative:
         results.append(check(a.variant, torch.float32, greedy=True, device=a.device,
-                             speculative=True))
+                             kernels=a.kernels, speculative=True))
     if lane:
         results += [check(a.variant, torch.float32, greedy=g, device=a.device, lane=lane)
                     for g in (True, False)]
