@@ -41,6 +41,7 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 from ttsbuild.convert.init_random import load_variant
 from ttsbuild.generation.sampling import SamplingBatch
 from ttsbuild.model.config import ModelConfig
+from ttsbuild.model.standin import peak_code_predictor
 from ttsbuild.model.talker import CodePredictor
 from ttsbuild.runtime.cp_fused import FusedCodePredictor
 from ttsbuild.runtime.fast_model import Dense, PackedStack
@@ -51,7 +52,9 @@ DEV = "cuda"
 
 
 def build(cfg: ModelConfig, dtype: torch.dtype, fp8: bool, seed: int = 0,
-          device: str = DEV) -> FusedCodePredictor:  # fmt: skip
+          device: str = DEV, standin: bool = False) -> FusedCodePredictor:  # fmt: skip
+    """Random weights (N(0, 0.02)); with `standin`, heads and residual branches then rescaled
+    as the engine's stand-ins are (`model.standin.peak_code_predictor`: logit std 6)."""
     torch.manual_seed(seed)
     with torch.device(device):
         cp = CodePredictor(cfg)
@@ -61,6 +64,8 @@ def build(cfg: ModelConfig, dtype: torch.dtype, fp8: bool, seed: int = 0,
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.02)
+        if standin:
+            peak_code_predictor(cp, cfg)
         # codebook-0 input embeddings (the talker's table; random at talker width)
         codec_embedding = torch.randn(cfg.codec_vocab_size, cfg.talker.hidden_size, device=device)
     cp = cp.to(dtype)

@@ -10,13 +10,16 @@ graph of the speculative frame (as graph_engine would) and prints ms per frame n
 speculation off (the unfused and the fused frame), then the acceptance per drafted depth
 and the passes per frame of an eager run with the same inputs (stats on).
 
-Targets: "flat" = the random weights as drawn (near-uniform logits: acceptance is close to
-chance, an honest floor); with --peaked F also "peaked" = the same weights with the code
+Targets (--targets): "flat" = the random weights as drawn (near-uniform logits: acceptance is
+close to chance, an honest floor); with --peaked F also "peaked" = the same weights with the code
 predictor's lm heads scaled by F, so each head's logits are as sharp as a trained model's
 (a stand-in for sharpness only: random heads still disagree with each other, so the
 self-speculative draft stays near chance; what a trained model's heads share is not
-modelled). Draft kinds: "self" (the target's own heads) and "draft" (heads distilled here,
-in a few hundred steps, on the target's own sampled frames from random talker states: the
+modelled); "standin" = the code predictor of the engine's stand-ins (`random_models`,
+`init-random`): heads at logit std 6 and residual branches scaled down
+(`model.standin.peak_code_predictor`), what the engine benchmarks run. Draft kinds: "self"
+(the target's own heads) and "draft" (heads distilled here, in a few hundred steps, on the
+target's own sampled frames from random talker states: the
 `ttsbuild distill-draft` objective, runtime/draft.py layout).
 The rounds are one WHILE node of the graph when the step driver has them
 (`runtime.graph_while`, --loop), else IF nodes when torch has conditional nodes in Python
@@ -313,6 +316,10 @@ def main() -> int:
     ap.add_argument("--windows", default="1,2,3,4,5,6")
     ap.add_argument("--peaked", type=float, default=None,
                     help="also a target with lm heads scaled by this factor (sharp logits)")
+    ap.add_argument("--targets", default="flat,peaked",
+                    help="comma list: flat (the random weights as drawn), peaked (flat with the "
+                    "heads x --peaked, where given), standin (heads and residual branches as "
+                    "the engine's stand-ins: model.standin.peak_code_predictor, logit std 6)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--paths", default="unfused,fused,persistent",
                     help="speculation-off frames to time (bench_cp_fused's paths)")
@@ -331,6 +338,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_spec needs a CUDA GPU", file=sys.stderr)
         return 2
+    args.targets = [t for t in args.targets.split(",") if t]
+    unknown = sorted(set(args.targets) - {"flat", "peaked", "standin"})
+    if unknown or not args.targets:
+        ap.error(f"--targets: unknown {unknown} (flat, peaked, standin)" if unknown
+                 else "--targets names no target")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.windows = [int(w) for w in args.windows.split(",")]
     args.paths = [p for p in args.paths.split(",") if p]
@@ -351,15 +363,24 @@ def main() -> int:
                "conditional_nodes": ifnodes, "args": {k: v for k, v in vars(args).items()}}
     t0 = time.time()
     status = greedy_check(cfg, args.windows)
-    fcp = build(cfg, torch.bfloat16, fp8=False)
-    assert all(isinstance(h, Dense) for h in fcp.heads)
-    if "persistent" in args.paths:
-        fcp.enable_persistent(max(args.batches))
+    def target(standin: bool = False):
+        fcp = build(cfg, torch.bfloat16, fp8=False, standin=standin)
+        assert all(isinstance(h, Dense) for h in fcp.heads)
+        if "persistent" in args.paths:
+            fcp.enable_persistent(max(args.batches))
+        return fcp
+
     with torch.no_grad():
-        bench_target(fcp, "flat", args, results)
-        if args.peaked:
-            peak(fcp, args.peaked)
-            bench_target(fcp, f"peaked x{args.peaked:g}", args, results)
+        if "flat" in args.targets or "peaked" in args.targets:
+            fcp = target()
+            if "flat" in args.targets:
+                bench_target(fcp, "flat", args, results)
+            if "peaked" in args.targets and args.peaked:
+                peak(fcp, args.peaked)
+                bench_target(fcp, f"peaked x{args.peaked:g}", args, results)
+            del fcp
+        if "standin" in args.targets:
+            bench_target(target(standin=True), "standin", args, results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(results, indent=1))

@@ -11,6 +11,7 @@ from ttsbuild.convert.init_random import init_random, load_variant, standin_mode
 from ttsbuild.model.standin import (
     LOGIT_STD,
     expected_sharpness,
+    peak_code_predictor,
     peak_logits,
     sharpness,
 )
@@ -83,6 +84,21 @@ def test_peak_logits_in_memory_is_idempotent_and_stand_in_only():
     flat.length_rule = None  # a real checkpoint
     with pytest.raises(ValueError, match="stand-ins only"):
         peak_logits(flat)
+
+
+def test_peak_code_predictor_is_peak_logits_for_the_code_predictor():
+    """The code-predictor benchmarks' own module, peaked alone, has the weights a peaked
+    stand-in's code predictor has (and the talker is left alone)."""
+    flat, peaked = random_models("tiny", seed=5, peaked=False), random_models("tiny", seed=5)
+    talker = {k: v.clone() for k, v in flat.talker.state_dict().items()}
+    peak_code_predictor(flat.code_predictor, flat.cfg)
+    want = peaked.code_predictor.state_dict()
+    got = flat.code_predictor.state_dict()
+    changed = [k for k in got if not torch.equal(got[k], random_models("tiny", seed=5,
+               peaked=False).code_predictor.state_dict()[k])]  # fmt: skip
+    assert any("lm_head" in k for k in changed) and any("o_proj" in k for k in changed)
+    assert all(torch.allclose(got[k], want[k], rtol=1e-5, atol=0) for k in want)
+    assert all(torch.equal(talker[k], v) for k, v in flat.talker.state_dict().items())
 
 
 @pytest.mark.parametrize("greedy", [False, True])

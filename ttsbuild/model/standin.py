@@ -92,19 +92,36 @@ def peak_logits(models, logit_std: float = LOGIT_STD,
     if models.length_rule is None:
         raise ValueError("peak_logits rewrites random weights: stand-ins only")
     cfg = models.cfg
-    heads = [(models.talker.codec_head.weight, logit_std / math.sqrt(cfg.talker.hidden_size))]
-    heads += [(h.weight, logit_std / math.sqrt(cfg.code_predictor.hidden_size))
-              for h in models.code_predictor.lm_head]
-    branches = []
-    for module, stack in ((models.talker, cfg.talker), (models.code_predictor, cfg.code_predictor)):
-        if len(module.model.layers) != stack.num_layers:
-            raise ValueError("peak_logits needs the decoder layers (not dropped)")
-        for layer in module.model.layers:
-            std = _residual_std(stack.num_layers, residual_gain)
-            branches += [(layer.self_attn.o_proj.weight, std), (layer.mlp.down_proj.weight, std)]
-    for w, std in heads + branches:
+    targets = [(models.talker.codec_head.weight, logit_std / math.sqrt(cfg.talker.hidden_size))]
+    targets += _branches(models.talker, cfg.talker, residual_gain)
+    targets += _code_predictor_targets(models.code_predictor, cfg, logit_std, residual_gain)
+    for w, std in targets:
         w.mul_(std / w.float().std().clamp_min(1e-12).to(w.dtype))
     return record(True, logit_std, residual_gain)
+
+
+def peak_code_predictor(cp, cfg, logit_std: float = LOGIT_STD,
+                        residual_gain: float = RESIDUAL_GAIN) -> None:
+    """`peak_logits` for a random code predictor module alone (`model.CodePredictor`, e.g.
+    the code-predictor benchmarks' own): its heads and residual branches as a stand-in's."""
+    with torch.no_grad():
+        for w, std in _code_predictor_targets(cp, cfg, logit_std, residual_gain):
+            w.mul_(std / w.float().std().clamp_min(1e-12).to(w.dtype))
+
+
+def _code_predictor_targets(cp, cfg, logit_std: float, residual_gain: float) -> list:
+    heads = [(h.weight, logit_std / math.sqrt(cfg.code_predictor.hidden_size))
+             for h in cp.lm_head]
+    return heads + _branches(cp, cfg.code_predictor, residual_gain)
+
+
+def _branches(module, stack, residual_gain: float) -> list:
+    """(weight, target std) of each layer's residual branches (o_proj, down_proj)."""
+    if len(module.model.layers) != stack.num_layers:
+        raise ValueError("peak_logits needs the decoder layers (not dropped)")
+    std = _residual_std(stack.num_layers, residual_gain)
+    return [(w, std) for layer in module.model.layers
+            for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]
 
 
 def sharpness(logits: torch.Tensor) -> dict:
