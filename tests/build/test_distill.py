@@ -6,6 +6,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from ttsbuild.build.distill import DistillConfig, checkpoint_paths, distill_draft
+from ttsbuild.build.spec_choice import draft_acceptance
 from ttsbuild.cli import app
 from ttsbuild.convert.checkpoint import load_checkpoint
 from ttsbuild.runtime.draft import read_draft
@@ -38,6 +39,11 @@ def test_resume_continues_to_the_same_draft(tiny_checkpoint, tmp_path):
     target = torch.stack([h.weight for h in models.code_predictor.lm_head])
     assert not torch.allclose(a, target)
     assert len(resumed["acceptance"]) == 3 and all(0 < x <= 1 for x in resumed["acceptance"])
+    # both acceptances are in the draft for `compile --speculative auto`
+    with safe_open(str(part), framework="pt") as f:
+        recorded = draft_acceptance(f.metadata())
+    assert recorded == {"draft": [round(a, 4) for a in resumed["acceptance"]],
+                        "self": [round(a, 4) for a in resumed["self_speculative"]]}
 
 
 def test_resume_with_other_settings_is_refused(tiny_checkpoint, tmp_path):

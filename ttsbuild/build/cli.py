@@ -125,8 +125,9 @@ def compile_engine(
     speculative: str = typer.Option(
         None, "--speculative",
         help="Speculative code predictor per batch bucket: BUCKETS:KIND:WINDOW[;...], KIND "
-        "self (no new weights) or draft (the checkpoint's draft), e.g. '1,2,4:draft:3'. "
-        "Off by default: turn it on only where benchmarks/spec measured it faster.",
+        "self (no new weights) or draft (the checkpoint's draft), e.g. '1,2,4:draft:3'; or "
+        "auto: batch 1 only, decided from the acceptance the checkpoint's draft records "
+        "(distill-draft) and the H200's measured round costs. Off by default.",
     ),
     quality_texts: int = typer.Option(4, "--quality-texts", min=1, help="Texts for the gate."),
     quality_frames: int = typer.Option(32, "--quality-frames", min=2, help="Frames per text."),
@@ -169,7 +170,8 @@ def compile_engine(
             prefix_pool=prefix_pool, max_prefix=max_prefix,
             quality_texts=quality_texts, quality_frames=quality_frames,
             force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,
-            speculative=_speculative(speculative) if speculative else {},
+            speculative=_speculative(speculative) if speculative and speculative != "auto"
+            else {}, speculative_auto=speculative == "auto",
         )
     except ValueError as exc:
         _err.print(f"[red]error:[/red] {exc}", highlight=False)

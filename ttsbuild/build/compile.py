@@ -59,6 +59,7 @@ from ttsbuild.runtime.plan import (
     DEFAULT_BF16_MIN_ROWS,
     DEFAULT_LANE_RESERVED_SMS,
     DEFAULT_W8A8_MIN_ROWS,
+    MAX_SPEC_WINDOW,
     EnginePlan,
     default_admission_lane,
     default_prefill_batches,
@@ -113,6 +114,9 @@ class BuildConfig:
     # Speculative code predictor per bucket: {bucket: ("self" | "draft", window)}; off ({})
     # unless asked: it pays only where measured (benchmarks/spec).
     speculative: dict = field(default_factory=dict)
+    # decide `speculative` at compile from the acceptance the checkpoint's draft records
+    # (`distill-draft`) and the H200's measured pass and round costs (build.spec_choice)
+    speculative_auto: bool = False
     quality_texts: int = 4  # calibration texts for the FP8 quality gate
     quality_frames: int = 32  # frames per text generated for the gate
     min_top1: float = MIN_TOP1
@@ -315,6 +319,8 @@ def compile_engine_dir(
     elif any(kind == "draft" for kind, _ in cfg.speculative.values()):
         raise ValueError("--speculative asks for a trained draft, but the checkpoint ships "
                          "none: attach one with `ttsbuild convert CKPT --draft DRAFT`")
+    if cfg.speculative_auto:
+        cfg = _auto_speculative(cfg, ckpt, has_draft, log)
 
     quality = None
     if cfg.precision == "fp8":
@@ -401,6 +407,33 @@ def compile_engine_dir(
         parse_manifest(manifest, "the new engine")  # the writer obeys the reader's schema
         write_json(tmp / "manifest.json", manifest)
     return manifest
+
+
+def _auto_speculative(cfg: BuildConfig, ckpt, has_draft: bool, log) -> BuildConfig:
+    """cfg with `speculative` decided from the draft's recorded acceptance (batch 1 only)."""
+    from dataclasses import replace
+
+    from ttsbuild.build.spec_choice import choose, draft_acceptance
+
+    if not has_draft:
+        raise ValueError("--speculative auto decides from the acceptance `ttsbuild distill-draft` "
+                         "measures and records in its draft, but the checkpoint ships none: "
+                         "attach one with `ttsbuild convert CKPT --draft DRAFT`")
+    _, meta = read_draft(ckpt.path / DRAFT_FILE, ModelConfig.from_official(ckpt.config))
+    acceptance = draft_acceptance(meta)
+    if not acceptance:
+        raise ValueError("--speculative auto: the checkpoint's draft records no acceptance "
+                         "(not made by `ttsbuild distill-draft`); give "
+                         "--speculative BUCKETS:KIND:WINDOW instead")
+    choice = choose(acceptance, max_window=min(int(meta["window"]), MAX_SPEC_WINDOW))
+    if 1 not in cfg.graph_batches:
+        choice = choose({})
+    shown = ", ".join(f"{k} {v:.2f}" for k, v in choice.considered.items())
+    verdict = (f"on at batch 1: {choice.kind}, window {choice.window}"
+               if choice.kind else "off (no choice expected >= 5 % faster)")
+    log(f"speculation {verdict}; expected code-predictor frame ms at batch 1: {shown} against "
+        f"{choice.plain_ms:.2f} without (acceptance recorded in the draft: {acceptance})")
+    return replace(cfg, speculative=choice.plan(), speculative_auto=False)
 
 
 def _kv(stack: dict, max_len: int, calibrated: bool) -> dict:

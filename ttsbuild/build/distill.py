@@ -252,7 +252,8 @@ def distill_draft(models, output: Path, cfg: DistillConfig, texts: list[str], de
         progress.step(loss, latest)
     write_draft(output, run.heads.detach().to(torch.float32), models.cfg, cfg.window,
                 steps=str(run.step), frames=str(h.shape[0]),
-                acceptance=json.dumps([round(a, 4) for a in latest]))  # fmt: skip
+                acceptance=json.dumps([round(a, 4) for a in latest]),
+                self_acceptance=json.dumps([round(a, 4) for a in initial]))  # fmt: skip
     return {"frames": h.shape[0], "steps": run.step, "self_speculative": initial,
             "acceptance": latest}  # fmt: skip
 

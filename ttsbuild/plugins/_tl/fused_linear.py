@@ -91,8 +91,10 @@ _GEMV_ROWS_F32 = int(os.environ.get("TTSBUILD_GEMV_ROWS_F32", "0"))
 # verify pass's k + 1 positions of a row, the codec's fused layers where half) as GEMVs, a
 # program per row and column tile, instead of 16-row tensor-core tiles: the H200 profile of
 # 2026-12-05 had the verify pass's linears at 4 rows 6.9 us a launch against 5.5 us at one
-# (benchmarks/spec/2026-12-05-h200-profile/). Built that day without a GPU: off until timed
-# (TTSBUILD_GEMV_FEW_ROWS=1; read at each launch, so bench_switches can flip it).
+# (benchmarks/spec/2026-12-05-h200-profile/). Timed the same day
+# (benchmarks/spec/2026-12-05-h200-tokens-parallel/): the self-speculative frame at batch 1
+# 1.72 ms with it against 1.54 without, so off (TTSBUILD_GEMV_FEW_ROWS=1; read at each
+# launch, so bench_switches can flip it; the plain frame at batch 2-4 is not yet timed).
 GEMV_FEW_ROWS = os.environ.get("TTSBUILD_GEMV_FEW_ROWS", "0") == "1"
 GEMV_FEW_ROWS_MAX = 4
 
