@@ -8,7 +8,10 @@ bench_cp_fused.py's `build`), sampled codebooks (temperature 0.9, top-k 50: the 
 code-predictor settings). For each target, batch, draft kind and window it captures one CUDA
 graph of the speculative frame (as graph_engine would) and prints ms per frame next to
 speculation off (the unfused and the fused frame), then the acceptance per drafted depth
-and the passes per frame of an eager run with the same inputs (stats on).
+and the passes per frame of eager runs with the same inputs (stats on). Times are means over
+--frames distinct frames (talker states, codebook-0 codes and draws; default 16), so a
+speculative frame's time is the average its acceptance gives (before 2026-12-05 evening one
+frame's draws were replayed: the tables of that day and earlier are single frames).
 
 Targets (--targets): "flat" = the random weights as drawn (near-uniform logits: acceptance is
 close to chance, an honest floor); with --peaked F also "peaked" = the same weights with the code
@@ -137,6 +140,45 @@ def train(heads, opt, h, p, held, steps, window, g) -> None:
         opt.step()
 
 
+def input_pool(frame: Frame, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n frames' inputs for `frame`'s rows (talker hidden states and codebook-0 codes drawn as
+    Frame draws its own; the first is the frame's own), so a speculative frame is timed and
+    counted over n frames' draws, not one frame's."""
+    g = torch.Generator(device=DEV).manual_seed(1234)
+    hidden = torch.randn((n, *frame.hidden.shape), device=DEV, generator=g).to(frame.hidden.dtype)
+    c0 = torch.randint(0, frame.fcp.codec_embedding.shape[0], (n, frame.B), device=DEV,
+                       generator=g)  # fmt: skip
+    hidden[0], c0[0] = frame.hidden, frame.c0
+    return hidden, c0
+
+
+def use_inputs(frame: Frame, pool, i: int) -> None:
+    """Frame i of the pool into the frame's static inputs (the frame index too: new draws)."""
+    frame.hidden.copy_(pool[0][i % len(pool[0])])
+    frame.c0.copy_(pool[1][i % len(pool[1])])
+    frame.frames.fill_(i)
+
+
+def time_frames_ms(graph, frame: Frame, pool, replays: int) -> float:
+    """Mean ms of `replays` replays, each on the next frame of the pool (the inputs are
+    written before the start event: untimed). The mean: a speculative frame's time varies
+    with its draws, and what a stream pays is the average."""
+    for i in range(3):  # warm-up replays
+        use_inputs(frame, pool, i)
+        graph.replay()
+    times = []
+    for i in range(replays):
+        use_inputs(frame, pool, i)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    use_inputs(frame, pool, 0)
+    return sum(times) / len(times)
+
+
 def capture_spec(spec, fn) -> torch.cuda.CUDAGraph:
     """Capture with the WHILE node (or IF nodes); if the capture refuses it, say so and
     capture all rounds from here on."""
@@ -170,16 +212,20 @@ def bench_target(fcp, name, args, results) -> None:
         for path in paths:
             frame = Frame(fcp, B, path)
             frame.sampling = sampled(B)
-            base[path] = time_graph_ms(_capture(frame, None), args.replays)
+            base[path] = time_frames_ms(_capture(frame, None), frame,
+                                        input_pool(frame, args.frames), args.replays)
         best = min(base.values())
         frame = Frame(fcp, B, "unfused")
         frame.sampling = sampled(B)
         inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
+        pool = input_pool(frame, args.frames)
         for kind in ("self", "draft"):
             for k in args.windows:
                 spec.stats = True
                 spec.reset_stats()
-                spec.frame(*inputs, kind, k)
+                for i in range(args.frames):  # the frames the graph is timed on, counted
+                    use_inputs(frame, pool, i)
+                    spec.frame(*inputs, kind, k)
                 stats = spec.report()
                 spec.stats = False
                 out = torch.zeros(B, fcp.num_code_groups, dtype=torch.int64, device=DEV)
@@ -188,7 +234,7 @@ def bench_target(fcp, name, args, results) -> None:
 
                 prepare(spec, B, k, kind)
                 graph = capture_spec(spec, run)
-                ms = time_graph_ms(graph, args.replays)
+                ms = time_frames_ms(graph, frame, pool, args.replays)
                 del graph
                 row = {"batch": B, "kind": kind, "window": k, "ms": ms, "rounds": rounds_of(spec),
                        "conditional": spec.conditional, "off_ms": base, **stats}
@@ -321,6 +367,10 @@ def main() -> int:
                     "heads x --peaked, where given), standin (heads and residual branches as "
                     "the engine's stand-ins: model.standin.peak_code_predictor, logit std 6)")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--frames", type=int, default=16,
+                    help="distinct frames (talker states, codebook 0, draws) a speculative frame "
+                    "is timed (mean over --replays replays, cycling) and counted on; 1: one "
+                    "frame's draws replayed (before 2026-12-05: what the tables gave)")
     ap.add_argument("--paths", default="unfused,fused,persistent",
                     help="speculation-off frames to time (bench_cp_fused's paths)")
     ap.add_argument("--distill-frames", type=int, default=4096)
@@ -333,6 +383,8 @@ def main() -> int:
                     help="profile batch 1, window 3 (plain and speculative), top N kernels")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.frames < 1:
+        ap.error(f"--frames must be >= 1, got {args.frames}")
     if args.profile < 0:
         ap.error(f"--profile wants a count of kernels (0: off), got {args.profile}")
     if not torch.cuda.is_available():
