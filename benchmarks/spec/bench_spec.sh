@@ -9,7 +9,8 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 source benchmarks/wheels.sh
 timeout "${SPEC_S:-230}" python3 benchmarks/spec/bench_spec.py --peaked "${PEAKED:-8}" \
-    --targets "${TARGETS:-flat,peaked}" \
+    --targets "${TARGETS:-flat,peaked}" --frames "${FRAMES:-16}" \
+    $([ "${GREEDY_CHECK:-1}" = 1 ] || echo --no-greedy-check) \
     --batches "${BATCHES:-1,8,32,64}" --windows "${WINDOWS:-1,2,3,4,5,6}" \
     --conditional "${CONDITIONAL:-auto}" --loop "${LOOP:-auto}" --profile "${PROFILE:-0}" \
     ${PATHS:+--paths "$PATHS"} --out "$OUT" 2>&1 \
