@@ -389,14 +389,14 @@ def main() -> int:
         ap.error(f"--frames must be >= 1, got {args.frames}")
     if args.profile < 0:
         ap.error(f"--profile wants a count of kernels (0: off), got {args.profile}")
-    if not torch.cuda.is_available():
-        print("bench_spec needs a CUDA GPU", file=sys.stderr)
-        return 2
     args.targets = [t for t in args.targets.split(",") if t]
     unknown = sorted(set(args.targets) - {"flat", "peaked", "standin"})
     if unknown or not args.targets:
         ap.error(f"--targets: unknown {unknown} (flat, peaked, standin)" if unknown
                  else "--targets names no target")
+    if not torch.cuda.is_available():
+        print("bench_spec needs a CUDA GPU", file=sys.stderr)
+        return 2
     args.batches = [int(b) for b in args.batches.split(",")]
     args.windows = [int(w) for w in args.windows.split(",")]
     args.paths = [p for p in args.paths.split(",") if p]
