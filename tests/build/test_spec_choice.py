@@ -117,3 +117,15 @@ def test_compile_auto_needs_a_recorded_acceptance(ckpt, ckpt_draft, tmp_path):
             compile_engine_dir(root, tmp_path / "e", BuildConfig(
                 precision="bf16", onnx=False, speculative_auto=True, **QUICK))
         assert not (tmp_path / "e").exists()
+
+
+def test_cli_auto_without_a_draft_is_a_clear_error(ckpt, tmp_path):
+    from typer.testing import CliRunner
+
+    from ttsbuild.cli import app
+
+    result = CliRunner().invoke(app, ["compile", str(ckpt), "-o", str(tmp_path / "e"),
+                                      "--max-batch", "8", "--speculative", "auto"])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 1 and "--speculative auto decides from the acceptance" in out, out
+    assert not (tmp_path / "e").exists()

@@ -298,6 +298,16 @@ def compile_engine_dir(
     if cfg.precision == "fp8" and calib is None:
         log("no calibration file: FP8 weights only, no activation or KV scales recorded")
 
+    # before the packing: a plan that cannot be met fails at once
+    has_draft = DRAFT_FILE in ckpt.manifest["files"]
+    if has_draft:  # checked again here: compile packs only a draft that fits
+        read_draft(ckpt.path / DRAFT_FILE, ModelConfig.from_official(ckpt.config))
+    elif any(kind == "draft" for kind, _ in cfg.speculative.values()):
+        raise ValueError("--speculative asks for a trained draft, but the checkpoint ships "
+                         "none: attach one with `ttsbuild convert CKPT --draft DRAFT`")
+    if cfg.speculative_auto:
+        cfg = _auto_speculative(cfg, ckpt, has_draft, log)
+
     log("packing fused projections")
     packed = {m: pack_state({k: v.to(torch.bfloat16) for k, v in ckpt.tensors(m).items()})
               for m in LM_MODULES}
@@ -312,15 +322,6 @@ def compile_engine_dir(
     codec_state = fold_codec_state(ckpt.tensors("codec"))
     codec_cfg = CodecConfig.from_official(ckpt.codec_config)
     codec_quality = check_codec_quality(codec_cfg, codec_state, cfg, device, log)
-
-    has_draft = DRAFT_FILE in ckpt.manifest["files"]
-    if has_draft:  # checked again here: compile packs only a draft that fits
-        read_draft(ckpt.path / DRAFT_FILE, ModelConfig.from_official(ckpt.config))
-    elif any(kind == "draft" for kind, _ in cfg.speculative.values()):
-        raise ValueError("--speculative asks for a trained draft, but the checkpoint ships "
-                         "none: attach one with `ttsbuild convert CKPT --draft DRAFT`")
-    if cfg.speculative_auto:
-        cfg = _auto_speculative(cfg, ckpt, has_draft, log)
 
     quality = None
     if cfg.precision == "fp8":
