@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ sys.path.insert(0, str(HERE.parent / "kernels"))
 
 from bench_cp_fused import Frame, build, time_graph_ms  # noqa: E402
 
+from ttsbuild.bench.engine_bench import _time_graph  # noqa: E402
 from ttsbuild.build.distill import acceptance, draft_logits  # noqa: E402
 from ttsbuild.convert.init_random import load_variant  # noqa: E402
 from ttsbuild.generation.sampling import SamplingBatch  # noqa: E402
@@ -166,17 +168,10 @@ def time_frames_ms(graph, frame: Frame, pool, replays: int) -> float:
     for i in range(3):  # warm-up replays
         use_inputs(frame, pool, i)
         graph.replay()
-    times = []
-    for i in range(replays):
-        use_inputs(frame, pool, i)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    ms = _time_graph(graph, replays, before=lambda i: use_inputs(frame, pool, i),
+                     stat=statistics.fmean)  # fmt: skip
     use_inputs(frame, pool, 0)
-    return sum(times) / len(times)
+    return ms
 
 
 def capture_spec(spec, fn) -> torch.cuda.CUDAGraph:

@@ -76,17 +76,20 @@ FIRST_CHUNK_PARTS = ("host_resolve", "host_admit", "host_launch", "host_read",
                      "gpu_wait_staging", "gpu_prefill", "gpu_frame", "gpu_codec")
 
 
-def _time_graph(graph, iters: int) -> float:
-    """Median ms of `iters` replays (CUDA events around each)."""
+def _time_graph(graph, iters: int, before=None, stat=statistics.median) -> float:
+    """`stat` (median) of `iters` replays' ms (CUDA events around each); before(i), where
+    given, runs ahead of replay i's start event (untimed: e.g. new inputs)."""
     times = []
-    for _ in range(iters):
+    for i in range(iters):
+        if before is not None:
+            before(i)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return stat(times)
 
 
 def _pipelined_steps(engine, slots: list[int], steps: int) -> tuple[float, float]:

@@ -95,8 +95,7 @@ def peak_logits(models, logit_std: float = LOGIT_STD,
     targets = [(models.talker.codec_head.weight, logit_std / math.sqrt(cfg.talker.hidden_size))]
     targets += _branches(models.talker, cfg.talker, residual_gain)
     targets += _code_predictor_targets(models.code_predictor, cfg, logit_std, residual_gain)
-    for w, std in targets:
-        w.mul_(std / w.float().std().clamp_min(1e-12).to(w.dtype))
+    _rescale(targets)
     return record(True, logit_std, residual_gain)
 
 
@@ -105,8 +104,13 @@ def peak_code_predictor(cp, cfg, logit_std: float = LOGIT_STD,
     """`peak_logits` for a random code predictor module alone (`model.CodePredictor`, e.g.
     the code-predictor benchmarks' own): its heads and residual branches as a stand-in's."""
     with torch.no_grad():
-        for w, std in _code_predictor_targets(cp, cfg, logit_std, residual_gain):
-            w.mul_(std / w.float().std().clamp_min(1e-12).to(w.dtype))
+        _rescale(_code_predictor_targets(cp, cfg, logit_std, residual_gain))
+
+
+def _rescale(targets: list) -> None:
+    """Each weight scaled in place to its target std, from its own."""
+    for w, std in targets:
+        w.mul_(std / w.float().std().clamp_min(1e-12).to(w.dtype))
 
 
 def _code_predictor_targets(cp, cfg, logit_std: float, residual_gain: float) -> list:
