@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 
@@ -468,3 +469,53 @@ def test_lane_wanted_switches_with_hysteresis():
     sched = Scheduler(SchedulerConfig(num_slots=16, lane_max_active=0), FakeClock())
     sched.by_slot = dict.fromkeys(range(16))
     assert sched.lane_wanted()
+
+
+class _RealClock(FakeClock):
+    """Real time for FakeEngine: reading `t` gives the seconds since creation; moving it on
+    (a step read back) sleeps until then."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    @property
+    def t(self) -> float:
+        return time.perf_counter() - self.t0
+
+    @t.setter
+    def t(self, value: float) -> None:
+        time.sleep(max(0.0, value - self.t))
+
+
+def test_a_submit_ends_the_loops_poll_at_once():
+    """In real time, with a frame step of another stream in flight for over a second and a
+    poll of 1 s: a new request is admitted (express, beside the step) within a fraction of
+    the poll, since submit wakes the poll's wait. A sleeping poll noticed it only at the
+    poll's end."""
+    clock = _RealClock()
+    engine = FakeEngine(clock, num_slots=4, cost_s={"prefill": 0.01, "frames": 1.5,
+                                                     "audio": 0.01},
+                        codec_lane=True, async_prefill=True, instant=False,
+                        admission_lane=True)  # fmt: skip
+    config = SchedulerConfig(num_slots=4, admit_by_capacity=False, max_buffered_s=1e6,
+                             stream_buffer_s=1e6)  # fmt: skip
+    sched = Scheduler(config, clock, initial_cost_s=0.01)
+    loop = EngineLoop(sched, Runner(engine, FakeRequestError), clock=clock, poll_s=1.0,
+                      express=True, frames_ahead=0)  # fmt: skip
+    loop.start()
+    try:
+        loop.submit(FakeRequest(frames=3), lambda e: None, [1, 2])
+        deadline = time.perf_counter() + 5
+        while not any(stage == "frames" for stage, _ in engine.calls):  # its step runs
+            assert time.perf_counter() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)  # the loop is in its poll now (the step takes 1.5 s)
+        admitted = []
+        submitted = time.perf_counter()
+        loop.submit(FakeRequest(frames=1), lambda e: admitted.append(time.perf_counter()), [1])
+        while not admitted:
+            assert time.perf_counter() < submitted + 5
+            time.sleep(0.002)
+        assert admitted[0] - submitted < 0.3, admitted[0] - submitted
+    finally:
+        loop.stop()
