@@ -212,3 +212,31 @@ def test_ascii_words_path_equals_whole_piece_encoding(standin_dir):
     words = len(tok._words)
     tok.encode(texts[3])  # words seen before: nothing new in the table
     assert len(tok._words) == words
+
+
+def test_warm_words_fills_the_table_with_the_bpes_own_encodings(standin_dir, monkeypatch):
+    """`warm_words` puts the vocabulary's one-word ASCII tokens in the word table, each as the
+    BPE encodes it; a text of those words then costs no BPE call, and texts of any words
+    still encode as `tokenizers` does on the whole piece."""
+    from ttsbuild.text.tokenizer import ascii_words
+
+    tok = TextTokenizer.from_dir(standin_dir)
+    added = tok.warm_words()
+    assert added > 500 and len(tok._words) == added
+    for word, ids in tok._words.items():
+        assert word.isascii() and ascii_words(word) == [word]
+        assert list(ids) == tok._bpe.encode(word, add_special_tokens=False).ids, repr(word)
+    assert tok.warm_words() == 0  # nothing left to add
+    assert TextTokenizer.from_dir(standin_dir).warm_words(limit=50) == 50
+    words = [w for w in tok._words if w.startswith(" ") and w[1:].isalpha()][:40]
+    assert len(words) == 40
+    calls = []
+    encode = tok._bpe.encode
+    monkeypatch.setattr(tok, "_bpe", type("Spy", (), {
+        "encode": lambda self, *a, **k: calls.append(a) or encode(*a, **k)})())  # fmt: skip
+    text = "".join(words)  # each word with its space, as the split gives it
+    assert tok.encode(text) == encode(text, add_special_tokens=False).ids
+    assert calls == []
+    for text in _ascii_fuzz(300, 3):
+        want = encode(text, add_special_tokens=False).ids if text else []
+        assert tok.encode(text) == want, repr(text)

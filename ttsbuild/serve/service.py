@@ -332,6 +332,10 @@ class SpeechService:
         scheduler how a step's cost grows with the batch before real load arrives (see
         scheduler.RowCost)."""
         models = self.engine.models
+        warm_words = getattr(getattr(models, "tokenizer", None), "warm_words", None)
+        if warm_words is not None:  # a request's new words cost it no BPE call (text.tokenizer)
+            words = await asyncio.to_thread(warm_words)
+            log.info("tokenizer word table: %d vocabulary words encoded ahead", words)
         clone = None
         if self.voice_store is not None:  # no voice need be registered yet: a neutral one
             clone = VoiceClone(torch.zeros(models.voice_encoder.x_vector_size))
