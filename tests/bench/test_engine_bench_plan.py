@@ -19,3 +19,18 @@ def test_plan_set_fields_reach_the_plan_and_bad_ones_are_refused():
         parse_plan_set(["codec_fused_output=yes"])
     with pytest.raises(SystemExit, match="FIELD=VALUE"):
         parse_plan_set(["codec_fused_output"])
+
+
+def test_fresh_resolve_resolves_every_prompt_once_with_the_word_table_warmed():
+    """host_resolve_fresh_ms (CPU: the engine's resolve needs no GPU): the shipped voice-agent
+    prompts, each resolved once after the tokenizer's warm_words, and a time for them."""
+    from ttsbuild.bench.engine_bench import _resolve_fresh_ms
+    from ttsbuild.runtime.loader import open_engine
+
+    engine = open_engine(None, device="cpu", kind="graph", random_variant="tiny", num_slots=2)
+    seen = []
+    resolve = engine.resolve
+    engine.resolve = lambda req: seen.append(req.text) or resolve(req)
+    ms = _resolve_fresh_ms(engine, prompts=20)
+    assert len(seen) == len(set(seen)) == 20 and 0 < ms < 1000
+    assert len(engine.models.tokenizer._words) > 500  # warmed before the first prompt

@@ -65,6 +65,10 @@ class PrecisionResult:
     # engine.resolve of the same request back to back (caches warm), median: against
     # host_resolve above (each after a GPU round trip), what the host's cold start costs
     host_resolve_hot_ms: float = 0.0
+    # engine.resolve of the shipped voice-agent prompts, each seen for the first time (after
+    # the tokenizer's warm_words, as the server's warm-up does), median: new words and
+    # lengths, as a harness's own prompts bring them
+    host_resolve_fresh_ms: float = 0.0
     memory: dict[str, float] = field(default_factory=dict)  # GiB by kind, measured
     # "B" (and "B lane": the admission lane on, where the plan has one; timed in the same
     # engine) -> median / max ms from a new request to its first 1-frame PCM chunk while B
@@ -401,6 +405,7 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
         engine.resolve(SynthesisRequest(text=TEXT[:60], voice="ryan", seed=i))
         hot.append((time.perf_counter() - t0) * 1e3)
     res.host_resolve_hot_ms = statistics.median(hot)
+    res.host_resolve_fresh_ms = _resolve_fresh_ms(engine)
     new_req = SynthesisRequest(text=TEXT[:60], voice="ryan", seed=0)
     lanes = (False, True) if plan.admission_lane else (False,)
     for load in sorted({min(b, plan.max_batch - 1) for b in batches} - {0}):
@@ -415,6 +420,23 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
                 f"ms, max {max(walls):.2f} ms")
     engine.backend.lane_on = bool(plan.admission_lane)
     return res
+
+
+def _resolve_fresh_ms(engine, prompts: int = 200) -> float:
+    """Median ms of engine.resolve over the shipped voice-agent prompts, each the first time
+    (the tokenizer's word table warmed as the server's warm-up warms it)."""
+    from ttsbuild.bench.schedule import load_prompts
+    from ttsbuild.runtime.request import SynthesisRequest
+
+    warm = getattr(engine.models.tokenizer, "warm_words", None)
+    if warm is not None:
+        warm()
+    times = []
+    for i, text in enumerate(load_prompts("voice-agent")[:prompts]):
+        t0 = time.perf_counter()
+        engine.resolve(SynthesisRequest(text=text, voice="ryan", seed=i))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 @dataclass
@@ -588,7 +610,8 @@ def format_table(results: list[PrecisionResult]) -> str:
             f"{r.first_chunk_gpu_ms:.2f}, host beyond GPU {r.first_chunk_host_ms:.2f}, "
             f"{r.first_chunk_host_resolved_ms:.2f} from a request resolved at the edge; medians "
             f"{', '.join(f'{k} {v:.2f}' for k, v in r.first_chunk_parts_ms.items())}; "
-            f"host_resolve back to back {r.host_resolve_hot_ms:.3f}); "
+            f"host_resolve back to back {r.host_resolve_hot_ms:.3f}, first-seen voice-agent "
+            f"prompts {r.host_resolve_fresh_ms:.3f}); "
             f"beside B stepping rows, median / max ms: {{{load}}}; "
             f"memory GiB {', '.join(f'{k} {v:.2f}' for k, v in r.memory.items())}"
         )
