@@ -80,3 +80,49 @@ def test_a_draft_plan_without_a_draft_is_refused(tiny_checkpoint):
     )
     with pytest.raises(ValueError, match="has none: attach one"):
         GraphEngine(models, plan, use_graphs=False)
+
+
+def _alone_and_paired(models, speculative, sampling=None):
+    """The first request's codes run alone (bucket 1) and beside a second (bucket 2)."""
+    out = []
+    for paired in (False, True):
+        plan = EnginePlan.default(num_slots=4, speculative=speculative, admission_lane=())
+        engine = GraphEngine(models, plan, keep_codes=True)
+        reqs = [SynthesisRequest(text=t, voice="ryan", seed=5 + i, max_frames=6,
+                                 sampling=sampling or SamplingOverrides())
+                for i, t in enumerate(TEXTS)]  # fmt: skip
+        slots = [engine.admit(r) for r in reqs[: 1 + paired]]
+        engine.prefill(slots)
+        for _ in range(6):
+            engine.frames(slots)
+        out.append(engine.codes_of(slots[0]))
+    return out
+
+
+def test_speculation_on_some_buckets_makes_sampled_codes_load_dependent(models_with_draft,
+                                                                       caplog):  # fmt: skip
+    """What EnginePlan.load_dependent_samples says, shown: with speculation at bucket 1 only, a
+    sampled request's codes alone differ from its codes beside another request (plain at
+    bucket 2), while greedy codes, and sampled ones without speculation, are the same; the
+    engine warns of it."""
+    spec = {1: ("self", 3)}
+    plain_alone, plain_paired = _alone_and_paired(models_with_draft, {})
+    assert torch.equal(plain_alone, plain_paired)
+    with caplog.at_level("WARNING", logger="ttsbuild.runtime.graph_engine"):
+        alone, paired = _alone_and_paired(models_with_draft, spec)
+    assert "reproducible only at the same load" in caplog.text
+    assert torch.equal(paired, plain_paired) and not torch.equal(alone, paired)
+    greedy = SamplingOverrides(do_sample=False, subtalker_do_sample=False)
+    alone, paired = _alone_and_paired(models_with_draft, spec, greedy)
+    assert torch.equal(alone, paired)
+
+
+def test_load_dependent_samples_only_where_some_frames_skip_speculation():
+    buckets = dict(num_slots=4)
+    assert not EnginePlan.default(**buckets, admission_lane=()).load_dependent_samples
+    every = {b: ("self", 3) for b in EnginePlan.default(**buckets).batch_buckets}
+    assert not EnginePlan.default(**buckets, speculative=every,
+                                  admission_lane=()).load_dependent_samples  # fmt: skip
+    assert EnginePlan.default(**buckets, speculative=every).load_dependent_samples  # the lane
+    plan = EnginePlan.default(**buckets, speculative={1: ("self", 3)}, admission_lane=())
+    assert plan.load_dependent_samples and "bucket(s) 1 only" in plan.speculation_note()

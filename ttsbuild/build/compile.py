@@ -307,6 +307,8 @@ def compile_engine_dir(
                          "none: attach one with `ttsbuild convert CKPT --draft DRAFT`")
     if cfg.speculative_auto:
         cfg = _auto_speculative(cfg, ckpt, has_draft, log)
+    if cfg.runtime_plan().load_dependent_samples:
+        log(f"note: {cfg.runtime_plan().speculation_note()}")
 
     log("packing fused projections")
     packed = {m: pack_state({k: v.to(torch.bfloat16) for k, v in ckpt.tensors(m).items()})

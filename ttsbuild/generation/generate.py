@@ -18,6 +18,7 @@ from ttsbuild.generation.sampling import (
     SamplingBatch,
     SamplingParams,
     apply_repetition_penalty,
+    draw_counter,
     sample,
 )
 from ttsbuild.model.config import ModelConfig
@@ -142,7 +143,7 @@ class ReferenceModel:
         banned = self.suppressed[None].expand_as(logits).clone()
         banned[:, self.cfg.codec_ids.eos] = ~eos_allowed
         logits = logits.masked_fill(banned, float("-inf"))
-        return sample(logits, sampling, seeds, frames * self.cfg.num_code_groups)
+        return sample(logits, sampling, seeds, draw_counter(frames, self.cfg.num_code_groups))
 
     @torch.no_grad()
     def complete_frames(
@@ -163,7 +164,7 @@ class ReferenceModel:
         positions = torch.arange(2, device=self.device)[None].expand(B, 2)
         for codebook in range(1, groups):
             logits = cp(x, cache, slots, positions, codebook)
-            code = sample(logits, sampling, seeds, frames * groups + codebook)
+            code = sample(logits, sampling, seeds, draw_counter(frames, groups, codebook))
             codes.append(code)
             if codebook + 1 < groups:
                 x = cp.embed_codes(codebook, code)[:, None]

@@ -142,11 +142,22 @@ class SamplingBatch:
         )
 
 
+def draw_counter(frames, groups: int, codebook=0):
+    """The counter that keys a frame's codebook draw beside the row's seed: frame * groups +
+    codebook. Every path (eager, graph, fused code predictor, the speculative rounds, whose
+    kinds sit in the bits above) draws with these, so codes do not depend on the path or on
+    the batch. `frames` and `codebook` may be ints or tensors (broadcast); codebook 0 adds
+    nothing (in a captured graph: no extra launch). The Triton kernels that count for
+    themselves (plugins/_tl/spec_round.py, spec_accept.py) follow the same rule."""
+    base = frames * groups
+    return base if isinstance(codebook, int) and codebook == 0 else base + codebook
+
+
 def sample(
     logits: torch.Tensor,  # [B, V] (after penalty and masking)
     batch: SamplingBatch,
     seeds: torch.Tensor,  # [B] int64
-    counters: torch.Tensor,  # [B] int64: frame * num_code_groups + codebook
+    counters: torch.Tensor,  # [B] int64: draw_counter(frame, num_code_groups, codebook)
 ) -> torch.Tensor:
     """Returns token ids [B] (int64): argmax where do_sample is off, else a seeded draw."""
     logits = logits.float()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from ttsbuild.generation.sampling import draw_counter
 from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.spec_accept import set_live
 
@@ -92,8 +93,8 @@ def stage_frame_reference(fields: list[torch.Tensor], plain: list[torch.Tensor],
         dst[:B].copy_(src)
     for src, dst in zip(fields[:6], draft, strict=True):
         dst[: B * k].copy_(src.repeat_interleave(k))
-    base[:B].copy_(base_offset + fields[6] * groups)
-    first[:B].copy_(fields[6] * groups + 1)
+    base[:B].copy_(base_offset + draw_counter(fields[6], groups))
+    first[:B].copy_(draw_counter(fields[6], groups, 1))
 
 
 def stage_frame(fields: list[torch.Tensor], plain: list[torch.Tensor], draft: list[torch.Tensor],

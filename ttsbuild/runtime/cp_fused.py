@@ -27,7 +27,7 @@ import os
 import torch
 from torch import nn
 
-from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.generation.sampling import SamplingBatch, draw_counter
 from ttsbuild.plugins.attend_o import attend_o_residual
 from ttsbuild.plugins.cp_pass import PassBuffers, PassWeights, run_pass
 from ttsbuild.plugins.decode_attention import decode_attention
@@ -146,9 +146,9 @@ def decode_fused(
 
 
 def _counters(frames: torch.Tensor, G: int) -> torch.Tensor:
-    """[B, G] the sampler's counters of a frame's codebooks (frame * G + codebook), in one
-    launch before the passes: no small kernel between a head and its sampler."""
-    return frames[:, None] * G + torch.arange(G, device=frames.device)
+    """[B, G] the sampler's counters of a frame's codebooks (`draw_counter`), made before
+    the passes: no small kernel between a head and its sampler."""
+    return draw_counter(frames[:, None], G, torch.arange(G, device=frames.device))
 
 
 class FusedCodePredictor:

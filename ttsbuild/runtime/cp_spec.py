@@ -43,7 +43,12 @@ from contextlib import contextmanager
 
 import torch
 
-from ttsbuild.generation.sampling import SamplingBatch, filter_top_k_top_p, uniform_noise
+from ttsbuild.generation.sampling import (
+    SamplingBatch,
+    draw_counter,
+    filter_top_k_top_p,
+    uniform_noise,
+)
 from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.fused_linear import norm_linear
 from ttsbuild.plugins.head_gemv import head_gemv
@@ -87,7 +92,7 @@ def conditional_nodes_available() -> bool:
 
 def spec_counters(frames: torch.Tensor, books: torch.Tensor, kind: int, groups: int):
     """Counters [B, T] of a speculative draw for codebooks `books` [B, T] of `frames` [B]."""
-    return (kind << 28) + frames[:, None] * groups + books
+    return (kind << 28) + draw_counter(frames[:, None], groups, books)
 
 
 def noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:

@@ -65,7 +65,7 @@ import torch
 from ttsbuild.generation.generate import codebook0_logits_mask
 from ttsbuild.generation.guards import GuardConfig, GuardState, frame_stop_codes, observe_audio
 from ttsbuild.generation.prompt import CODES, NO_CODE, PromptEmbedder
-from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
+from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty, draw_counter
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.plugins.slot_writes import SlotWrites
 from ttsbuild.runtime.codec_engine import CodecEngine, resolve_conv_impl
@@ -346,6 +346,8 @@ class GraphBackend:
             text_mlp=(talker.model.text_embedding.weight, proj.linear_fc1, proj.linear_fc2),
         )
         self.cp_spec = _speculative(self.cp_fused, plan, models.draft_heads)
+        if plan.load_dependent_samples:
+            log.warning(plan.speculation_note())
 
         # -- per-slot state ---------------------------------------------------------------
         t = cfg.talker
@@ -581,7 +583,7 @@ class GraphBackend:
         )
         eos_banned = (fi < self.eos_min_frames[rows])[:, None] & self.eos_onehot[None]
         logits = logits.masked_fill(self.suppressed[None] | eos_banned, float("-inf"))
-        c0 = fused_sample(logits, tsamp, seeds, fi * G)
+        c0 = fused_sample(logits, tsamp, seeds, draw_counter(fi, G))
         codes = self._code_predictor(
             self.hidden[rows], c0, self.cp_sampling.select(rows), seeds, fi, lane
         )

@@ -275,6 +275,27 @@ class EnginePlan(BaseModel):
     def max_chunk(self) -> int:
         return self.codec_chunks[-1]
 
+    @property
+    def load_dependent_samples(self) -> bool:
+        """Whether a sampled request's codes depend on the load: speculation is on for some
+        frames it may take and off for others (buckets without it, the admission lane, which
+        never speculates). A speculative frame has the target's distribution but not the plain
+        sampler's draw for the same seed and counters, so the same seeded request can sound
+        different alone and beside others. Greedy codes are the same either way. (Exact-match
+        verification would keep the plain draw, at ~0.7x the acceptance on the 1.7B
+        stand-in: benchmarks/spec/RESULTS.md.)"""
+        if not self.speculative:
+            return False
+        return set(self.speculative) != set(self.batch_buckets) or bool(self.admission_lane)
+
+    def speculation_note(self) -> str:
+        """The warning `compile` and the engine give for `load_dependent_samples`."""
+        on = ", ".join(str(b) for b in sorted(self.speculative))
+        return (f"speculation at batch bucket(s) {on} only: a sampled request's codes depend "
+                "on the buckets its frames run in (the others and the admission lane draw with "
+                "the plain sampler); every code keeps the target's distribution, greedy codes "
+                "are the same, but a seeded request is reproducible only at the same load")
+
     def bucket(self, n: int) -> int:
         """The smallest captured batch size that holds n rows."""
         for b in self.batch_buckets:
