@@ -14,6 +14,7 @@ from ttsbuild.build.spec_choice import (
     MIN_GAIN,
     choose,
     draft_acceptance,
+    exact_acceptance,
     expected_frame_ms,
     expected_rounds,
     plain_frame_ms,
@@ -105,6 +106,8 @@ def test_compile_auto_decides_from_the_drafts_acceptance(ckpt_draft, tmp_path):
     plan = load_engine_dir(tmp_path / "on").manifest.plan
     assert set(plan.speculative) == {1} and plan.speculative[1][0] == "draft"
     assert any("speculation on at batch 1: draft" in line for line in lines), lines
+    # bucket 1 only: sampled codes depend on the load, and compile says so
+    assert any("reproducible only at the same load" in line for line in lines), lines
     root = ckpt_draft(acceptance=json.dumps([0.2, 0.1, 0.1, 0.0]))
     compile_engine_dir(root, tmp_path / "off", BuildConfig(
         precision="bf16", onnx=False, speculative_auto=True, **QUICK))
@@ -129,3 +132,32 @@ def test_cli_auto_without_a_draft_is_a_clear_error(ckpt, tmp_path):
     out = " ".join(result.output.split())
     assert result.exit_code == 1 and "--speculative auto decides from the acceptance" in out, out
     assert not (tmp_path / "e").exists()
+
+
+def test_exact_acceptance_is_the_coupling_bound_and_can_turn_speculation_off():
+    """exact_acceptance: a / (2 - a) (shared-noise coupling's (1 - TV) / (1 + TV)), below the
+    standard rule's a except at 0 and 1; a draft that pays under the standard rule may not
+    pay verified by exact match, and a plan asking for it records it."""
+    acc = [0.0, 0.3, 0.62, 1.0]
+    assert exact_acceptance(acc) == pytest.approx([0.0, 0.3 / 1.7, 0.62 / 1.38, 1.0])
+    standard = [0.64, 0.62, 0.6, 0.58]
+    assert choose({"self": standard}).kind == "self"
+    assert choose({"self": exact_acceptance(standard)}).kind is None
+    assert choose({"self": exact_acceptance([0.95] * 4)}).kind == "self"
+    plan = BuildConfig(speculative={1: ("self", 3)}, speculative_exact=True).runtime_plan()
+    assert plan.speculative_exact and not plan.load_dependent_samples
+
+
+def test_cli_speculative_exact_reaches_the_plan(ckpt, tmp_path):
+    from typer.testing import CliRunner
+
+    from ttsbuild.cli import app
+
+    args = ["compile", str(ckpt), "-o", str(tmp_path / "e"), "--precision", "bf16", "--no-onnx",
+            "--max-batch", "8", "--max-frames", "256", "--max-len", "512", "--quality-texts",
+            "2", "--quality-frames", "6", "--speculative", "1:self:2", "--speculative-exact"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    plan = load_engine_dir(tmp_path / "e").manifest.plan
+    assert plan.speculative == {1: ("self", 2)} and plan.speculative_exact
+    assert "reproducible only at the same load" not in result.output

@@ -82,11 +82,12 @@ def test_a_draft_plan_without_a_draft_is_refused(tiny_checkpoint):
         GraphEngine(models, plan, use_graphs=False)
 
 
-def _alone_and_paired(models, speculative, sampling=None):
+def _alone_and_paired(models, speculative, sampling=None, exact=False):
     """The first request's codes run alone (bucket 1) and beside a second (bucket 2)."""
     out = []
     for paired in (False, True):
-        plan = EnginePlan.default(num_slots=4, speculative=speculative, admission_lane=())
+        plan = EnginePlan.default(num_slots=4, speculative=speculative, admission_lane=(),
+                                  speculative_exact=exact)  # fmt: skip
         engine = GraphEngine(models, plan, keep_codes=True)
         reqs = [SynthesisRequest(text=t, voice="ryan", seed=5 + i, max_frames=6,
                                  sampling=sampling or SamplingOverrides())
@@ -126,3 +127,65 @@ def test_load_dependent_samples_only_where_some_frames_skip_speculation():
     assert EnginePlan.default(**buckets, speculative=every).load_dependent_samples  # the lane
     plan = EnginePlan.default(**buckets, speculative={1: ("self", 3)}, admission_lane=())
     assert plan.load_dependent_samples and "bucket(s) 1 only" in plan.speculation_note()
+    assert not EnginePlan.default(**buckets, speculative={1: ("self", 3)},
+                                  speculative_exact=True).load_dependent_samples  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["self", "draft"])
+def test_exact_match_verification_keeps_the_plain_draws_at_any_load(models_with_draft, kind,
+                                                                    monkeypatch):  # fmt: skip
+    """With speculative_exact every code is the plain sampler's draw: a sampled request's
+    codes alone (bucket 1, speculative) equal its codes beside another request (bucket 2,
+    plain) and without speculation; the rounds did run, verifying drafts."""
+    from ttsbuild.runtime import cp_spec
+
+    rounds = []
+    accept = cp_spec.exact_accept
+    monkeypatch.setattr(cp_spec, "exact_accept",
+                        lambda *a, **k: rounds.append(1) or accept(*a, **k))  # fmt: skip
+    plain_alone, _ = _alone_and_paired(models_with_draft, {})
+    alone, paired = _alone_and_paired(models_with_draft, {1: (kind, 3)}, exact=True)
+    assert len(rounds) >= 6  # at least a round a frame, alone
+    assert torch.equal(alone, plain_alone) and torch.equal(paired, plain_alone)
+
+
+def test_exact_accept_keeps_drafts_while_they_equal_the_targets_draws():
+    """exact_accept on chosen drafts: the matching prefix is kept, then the target's own draw
+    (the plain sampler's, same counters); a draft drawn with the shared noise from the target's
+    own logits matches all k and gets the bonus draw; greedy rows compare argmaxes."""
+    from ttsbuild.generation.sampling import SamplingBatch, draw_counter
+    from ttsbuild.plugins.sampling import fused_sample
+    from ttsbuild.plugins.spec_accept import RoundState
+    from ttsbuild.runtime.cp_spec import exact_accept, per_draft
+
+    g = torch.Generator().manual_seed(11)
+    B, k, V, H, G = 4, 3, 64, 8, 16
+    logits = 3 * torch.randn(B, k + 1, V, generator=g)
+    sampling = SamplingBatch(
+        do_sample=torch.tensor([True, True, True, False]), temperature=torch.full((B,), 0.9),
+        top_k=torch.full((B,), 20), top_p=torch.ones(B), repetition_penalty=torch.ones(B))
+    seeds, frames = torch.tensor([3, 4, 5, 6]), torch.tensor([0, 7, 2, 9])
+    books = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [2, 3, 4, 5], [9, 10, 11, 12]])
+    counters = draw_counter(frames[:, None], G, books).reshape(-1)
+    want = fused_sample(logits.reshape(-1, V), per_draft(sampling, k + 1),
+                        seeds.repeat_interleave(k + 1), counters).reshape(B, k + 1)  # fmt: skip
+    keep = torch.tensor([0, 1, 2, 3])  # drafts matching for this many positions, then not
+    drafts = want[:, :k].clone()
+    for b in range(B):
+        if keep[b] < k:
+            drafts[b, keep[b]] = (want[b, keep[b]] + 1) % V
+    h = torch.randn(B, k + 1, H, generator=g)
+    state = RoundState(torch.zeros(B, G + k + 2, dtype=torch.int64), torch.zeros(B, H),
+                       torch.zeros(B, dtype=torch.int64), books[:, 0] - 1,
+                       torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                       G + k + 1)  # fmt: skip
+    accepted, final, ok = exact_accept(logits, drafts, books, sampling, seeds, frames, G, h,
+                                       state)  # fmt: skip
+    assert accepted.tolist() == keep.tolist()
+    assert final.tolist() == [want[b, keep[b]].item() for b in range(B)]
+    for b in range(B):  # the kept codes in their columns, the source the last kept position's
+        cols = books[b, : keep[b] + 1]
+        assert state.codes[b, cols].tolist() == want[b, : keep[b] + 1].tolist()
+        assert torch.equal(state.source[b], h[b, keep[b]])
+    assert torch.equal(ok[:, 0], keep > 0)
+    assert (want[3] == logits[3].argmax(-1)).all()  # the greedy row: argmaxes

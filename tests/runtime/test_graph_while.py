@@ -193,6 +193,37 @@ def test_speculative_rounds_as_a_while_node_give_the_codes_of_every_round_run(ki
         assert min(needed[:3]) < G - 2, f"no row stopped early: {needed} (the case lost its point)"
 
 
+@pytest.mark.parametrize("kind", ["self", "draft"])
+def test_exact_match_rounds_as_a_while_node_give_the_plain_frames_codes(kind):
+    """speculative_exact on the GPU: the captured frame (its rounds one WHILE node) draws every
+    code as the plain fused frame does for the same seeds and counters, sampled rows included,
+    bit for bit (fp32 weights: no near-ties between the two paths' logits in this case)."""
+    from test_cp_fused import _frame_inputs, _predictor
+    from test_cp_spec import _draft_near
+
+    from ttsbuild.runtime.cp_spec import SpeculativeCodePredictor
+
+    B = 3
+    cp = _predictor(torch.float32, "cuda")
+    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(B, "cuda", True)
+    hidden = hidden.cuda()
+    k, v = torch.zeros(shape, device="cuda"), torch.zeros(shape, device="cuda")
+    want = cp.frame(hidden, c0, sampling, seeds, frames, k, v, slots, positions)
+    spec = SpeculativeCodePredictor(cp, B, 3, draft_heads=_draft_near(cp).to("cuda"),
+                                    loop=True, exact=True)  # fmt: skip
+    spec.prepare(B, 3, kind)
+    out = torch.zeros_like(want)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        out.copy_(spec.frame(hidden, c0, sampling, seeds, frames, kind, 3))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    assert 1 <= spec.bodies[(B, 3, kind)].iterations() <= spec.groups - 2
+
+
 def test_capturing_a_looped_frame_without_its_body_is_refused():
     looped, _, inputs = _spec_case(False)
     graph = torch.cuda.CUDAGraph()

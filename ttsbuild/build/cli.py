@@ -129,6 +129,13 @@ def compile_engine(
         "auto: batch 1 only, decided from the acceptance the checkpoint's draft records "
         "(distill-draft) and the H200's measured round costs. Off by default.",
     ),
+    speculative_exact: bool = typer.Option(
+        False, "--speculative-exact",
+        help="Verify drafts by exact match: every code is the plain sampler's draw, so a seeded "
+        "request sounds the same at any load; drafts are accepted less often (~0.7x on the "
+        "1.7B stand-in). Without it, speculation on some buckets only makes sampled codes "
+        "depend on the load.",
+    ),
     quality_texts: int = typer.Option(4, "--quality-texts", min=1, help="Texts for the gate."),
     quality_frames: int = typer.Option(32, "--quality-frames", min=2, help="Frames per text."),
     force_quality: bool = typer.Option(
@@ -172,6 +179,7 @@ def compile_engine(
             force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,
             speculative=_speculative(speculative) if speculative and speculative != "auto"
             else {}, speculative_auto=speculative == "auto",
+            speculative_exact=speculative_exact,
         )
     except ValueError as exc:
         _err.print(f"[red]error:[/red] {exc}", highlight=False)

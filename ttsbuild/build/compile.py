@@ -117,6 +117,9 @@ class BuildConfig:
     # decide `speculative` at compile from the acceptance the checkpoint's draft records
     # (`distill-draft`) and the H200's measured pass and round costs (build.spec_choice)
     speculative_auto: bool = False
+    # verify drafts by exact match (EnginePlan.speculative_exact); auto then decides from the
+    # lower bound of its acceptance (build.spec_choice.exact_acceptance)
+    speculative_exact: bool = False
     quality_texts: int = 4  # calibration texts for the FP8 quality gate
     quality_frames: int = 32  # frames per text generated for the gate
     min_top1: float = MIN_TOP1
@@ -186,7 +189,7 @@ class BuildConfig:
                 b for b in self.graph_batches if b <= self.persistent_cp_max_batch
             ),
             prefix_pool=self.prefix_pool, max_prefix=self.max_prefix,
-            speculative=dict(self.speculative),
+            speculative=dict(self.speculative), speculative_exact=self.speculative_exact,
             w8a8_min_rows=self.w8a8_min_rows if self.precision == "fp8" else 0,
             bf16_min_rows=self.bf16_min_rows if self.precision == "fp8" else 0,
         )  # fmt: skip
@@ -416,7 +419,7 @@ def _auto_speculative(cfg: BuildConfig, ckpt, has_draft: bool, log) -> BuildConf
     """cfg with `speculative` decided from the draft's recorded acceptance (batch 1 only)."""
     from dataclasses import replace
 
-    from ttsbuild.build.spec_choice import choose, draft_acceptance
+    from ttsbuild.build.spec_choice import choose, draft_acceptance, exact_acceptance
 
     if not has_draft:
         raise ValueError("--speculative auto decides from the acceptance `ttsbuild distill-draft` "
@@ -424,6 +427,8 @@ def _auto_speculative(cfg: BuildConfig, ckpt, has_draft: bool, log) -> BuildConf
                          "attach one with `ttsbuild convert CKPT --draft DRAFT`")
     _, meta = read_draft(ckpt.path / DRAFT_FILE, ModelConfig.from_official(ckpt.config))
     acceptance = draft_acceptance(meta)
+    if cfg.speculative_exact:
+        acceptance = {kind: exact_acceptance(a) for kind, a in acceptance.items()}
     if not acceptance:
         raise ValueError("--speculative auto: the checkpoint's draft records no acceptance "
                          "(not made by `ttsbuild distill-draft`); give "
@@ -432,10 +437,11 @@ def _auto_speculative(cfg: BuildConfig, ckpt, has_draft: bool, log) -> BuildConf
     if 1 not in cfg.graph_batches:
         choice = choose({})
     shown = ", ".join(f"{k} {v:.2f}" for k, v in choice.considered.items())
+    how = "by exact match, at least" if cfg.speculative_exact else "recorded in the draft"
     verdict = (f"on at batch 1: {choice.kind}, window {choice.window}"
                if choice.kind else "off (no choice expected >= 5 % faster)")
     log(f"speculation {verdict}; expected code-predictor frame ms at batch 1: {shown} against "
-        f"{choice.plain_ms:.2f} without (acceptance recorded in the draft: {acceptance})")
+        f"{choice.plain_ms:.2f} without (acceptance {how}: {acceptance})")
     return replace(cfg, speculative=choice.plan(), speculative_auto=False)
 
 

@@ -97,6 +97,15 @@ def choose(acceptance: dict[str, list[float]], max_window: int | None = None) ->
     return Choice(best[1], best[2], best[0], plain, considered)
 
 
+def exact_acceptance(acceptance: list[float]) -> list[float]:
+    """A lower bound of the per-depth acceptance of exact-match verification (the draft drawn
+    with the target draw's noise, kept only where equal: EnginePlan.speculative_exact) from the
+    standard rule's a = 1 - TV: shared-noise (Gumbel) coupling matches with probability at
+    least (1 - TV) / (1 + TV) = a / (2 - a). On the 1.7B stand-in's self draft: 0.425 ->
+    0.300 measured, 0.270 by the bound (benchmarks/spec/coupled_acceptance.py)."""
+    return [a / (2.0 - a) for a in acceptance]
+
+
 def draft_acceptance(meta: dict[str, str]) -> dict[str, list[float]]:
     """kind -> per-depth acceptance from a draft's metadata (`distill-draft` writes
     `acceptance` for its heads and `self_acceptance` for the target's own); a draft without

@@ -22,7 +22,12 @@ counter), counters (kind << 28) + frame * G + codebook for kind = draft draw, ac
 test, final (resample or bonus) draw, all distinct from the plain sampler's frame * G +
 codebook. Each is consumed at most once per frame (a codebook is decided once; draws past a
 row's first rejection influence nothing kept), as the losslessness argument needs, and a
-row's codes do not depend on the other rows of its batch.
+row's codes do not depend on the other rows of its batch. They are not the plain sampler's
+draws, though: a frame run without speculation (another bucket) draws other codes.
+`exact=True` (EnginePlan.speculative_exact) verifies by exact match instead (`exact_accept`):
+the drafts draw with the plain sampler's counters, the target's draw at each verified
+position is the plain sampler's, and a row keeps its drafts while they equal those draws,
+so every code is the plain sampler's at any bucket; accepted less often.
 
 On the device: fixed shapes, no host sync. Each row's depth (the last codebook it has)
 lives on the device, rows accept different lengths; a row past codebook G - 1 runs on with
@@ -157,6 +162,37 @@ def speculative_accept(
     return accepted, dist, ok
 
 
+def exact_accept(
+    target_logits: torch.Tensor,  # [B, k + 1, V] fp32: the verified codebooks' logits
+    drafts: torch.Tensor,  # [B, k]: drawn with the plain sampler's counters of their books
+    books: torch.Tensor,  # [B, k + 1]
+    sampling: SamplingBatch,
+    seeds: torch.Tensor,  # [B]
+    frames: torch.Tensor,  # [B]
+    groups: int,
+    h: torch.Tensor,  # [B, k + 1, H]
+    state: RoundState,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verification by exact match: the target's own draw at each verified position (the
+    plain sampler: the same settings, seed and counter `draw_counter(frame, G, codebook)`);
+    a row keeps its drafts while they equal those draws and then the target's draw itself,
+    so each code is what the plain sampler draws for it, whatever bucket or path runs the
+    frame. The draft drew with the same noise (Gumbel-max with the target draw's counters),
+    so a draft close to the target matches often: with probability at least
+    (1 - TV) / (1 + TV) for total variation TV between them. Returns (accepted [B] in 0..k,
+    the code after them [B], matches [B, k]); applies the round to `state`."""
+    B, k1, V = target_logits.shape
+    rows = per_draft(sampling, k1)
+    counters = draw_counter(frames[:, None], groups, books).reshape(B * k1)
+    drawn = fused_sample(target_logits.reshape(B * k1, V), rows, seeds.repeat_interleave(k1),
+                         counters).reshape(B, k1)  # fmt: skip
+    ok = drafts == drawn[:, :-1]
+    accepted = ok.long().cumprod(1).sum(1)
+    final = drawn.gather(1, accepted[:, None])[:, 0]
+    state.apply(accepted, final, drafts, books, h, groups)
+    return accepted, final, ok
+
+
 def head_logits(heads: torch.Tensor, h: torch.Tensor, books: torch.Tensor,
                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:  # fmt: skip
     """Logits fp32 [B, T, V] of head `books[b, t]` (codebooks 1..C, clamped) on h [B, T|1, H];
@@ -207,10 +243,12 @@ class SpeculativeCodePredictor:
         conditional: bool | None = None,  # IF nodes under capture (None: when available)
         stats: bool = False,  # count drafts tested / accepted per depth, passes (benchmarks)
         loop: bool | None = None,  # the rounds as a WHILE node under capture (None: if built)
+        exact: bool = False,  # verify by exact match: every code the plain sampler's draw
     ):
         if not 1 <= max_window <= MAX_WINDOW:
             raise ValueError(f"speculation window must be 1..{MAX_WINDOW}, got {max_window}")
         self.cp = cp
+        self.exact = exact
         c = cp.stack.cfg
         dtype, dev = cp.codec_embedding.dtype, cp.codec_embedding.device
         self.groups, self.max_window = cp.num_code_groups, max_window
@@ -369,8 +407,9 @@ class SpeculativeCodePredictor:
         fields = [getattr(sampling, f) for f in _FIELDS] + [seeds, frames]
         plain = [getattr(self.in_sampling, f) for f in _FIELDS] + [self.in_seeds, self.in_frames]
         draft = [getattr(self.in_draft_sampling, f) for f in _FIELDS] + [self.in_draft_seeds]
+        # exact: the drafts draw with the plain sampler's counters (its noise), else their own
         stage_frame(fields, plain, draft, self.in_draft_base, self.in_first, k, self.groups,
-                    DRAFT_DRAW << 28)  # fmt: skip
+                    0 if self.exact else DRAFT_DRAW << 28)  # fmt: skip
 
     def _staged(self, B: int) -> tuple[SamplingBatch, torch.Tensor, torch.Tensor]:
         sampling = SamplingBatch(**{f: getattr(self.in_sampling, f)[:B] for f in _FIELDS})
@@ -414,10 +453,14 @@ class SpeculativeCodePredictor:
             depth_before = depth.clone()
         # the acceptance and the rows' new state (codes, source, pending, depth, live) in
         # one launch where the kernels run (else the reference ops)
-        accept = spec_accept if FUSED_ACCEPT else spec_accept_reference
         state = RoundState(codes, source, pending, depth, self.live, self.arrivals, self.trash)
-        accepted, final, ok = accept(draft_logits, target_logits, drafts, books, sampling,
-                                     seeds, frames, G, h, state)  # fmt: skip
+        if self.exact:
+            accepted, final, ok = exact_accept(target_logits, drafts, books, sampling, seeds,
+                                               frames, G, h, state)  # fmt: skip
+        else:
+            accept = spec_accept if FUSED_ACCEPT else spec_accept_reference
+            accepted, final, ok = accept(draft_logits, target_logits, drafts, books, sampling,
+                                         seeds, frames, G, h, state)  # fmt: skip
         if self.stats:
             self._count(depth_before, books[:, :k], ok)
 

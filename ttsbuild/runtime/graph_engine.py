@@ -1421,7 +1421,8 @@ def _speculative(cp: FusedCodePredictor, plan: EnginePlan, draft_heads):
             "`ttsbuild convert CKPT --draft DRAFT` (or use the self-speculative kind)"
         )
     window = max(w for _, w in plan.speculative.values())
-    return SpeculativeCodePredictor(cp, plan.max_batch, window, draft_heads)
+    return SpeculativeCodePredictor(cp, plan.max_batch, window, draft_heads,
+                                    exact=plan.speculative_exact)
 
 
 def _sampling_buffers(n: int, dev) -> SamplingBatch:

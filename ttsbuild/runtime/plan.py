@@ -169,6 +169,12 @@ class EnginePlan(BaseModel):
     # default: it pays only where a pass is launch-bound and the draft is accepted often.
     # It takes precedence over the persistent and fused code predictor for its buckets.
     speculative: dict[int, tuple[Literal["self", "draft"], int]] = {}
+    # Verify drafts by exact match: the draft proposes with the noise of the target's own draw
+    # and a draft is kept only where it equals that draw, so every code is the plain
+    # sampler's, speculative or not, at any load (runtime.cp_spec, `exact`). Off: the
+    # standard rule, accepted more often (~1.4x on the 1.7B stand-in) but its draws are not
+    # the plain sampler's (load_dependent_samples).
+    speculative_exact: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> EnginePlan:
@@ -281,10 +287,10 @@ class EnginePlan(BaseModel):
         frames it may take and off for others (buckets without it, the admission lane, which
         never speculates). A speculative frame has the target's distribution but not the plain
         sampler's draw for the same seed and counters, so the same seeded request can sound
-        different alone and beside others. Greedy codes are the same either way. (Exact-match
-        verification would keep the plain draw, at ~0.7x the acceptance on the 1.7B
-        stand-in: benchmarks/spec/RESULTS.md.)"""
-        if not self.speculative:
+        different alone and beside others. Greedy codes are the same either way, and so are all
+        codes with exact-match verification (`speculative_exact`), which keeps the plain draw
+        at ~0.7x the acceptance on the 1.7B stand-in (benchmarks/spec/RESULTS.md)."""
+        if not self.speculative or self.speculative_exact:
             return False
         return set(self.speculative) != set(self.batch_buckets) or bool(self.admission_lane)
 
@@ -294,7 +300,8 @@ class EnginePlan(BaseModel):
         return (f"speculation at batch bucket(s) {on} only: a sampled request's codes depend "
                 "on the buckets its frames run in (the others and the admission lane draw with "
                 "the plain sampler); every code keeps the target's distribution, greedy codes "
-                "are the same, but a seeded request is reproducible only at the same load")
+                "are the same, but a seeded request is reproducible only at the same load "
+                "(--speculative-exact keeps the plain draws)")
 
     def bucket(self, n: int) -> int:
         """The smallest captured batch size that holds n rows."""
