@@ -46,8 +46,10 @@
 #         (test_spec_round.py, 2026-12-05), the codec's ConvNeXt blocks in two
 #         launches (test_convnext.py, test_codec_engine_gpu.py -k convnext), the prompt
 #         embedding in four launches (test_prompt_embed.py, test_graph_engine.py -k
-#         prompt_embed), and the fused
-#         sampler after its threshold searches became shared helpers (-k fused_sample)
+#         prompt_embed), the fused
+#         sampler after its threshold searches became shared helpers (-k fused_sample), and
+#         the exact-match speculative rounds (2026-12-05, twenty-ninth session: test_spec_accept.py
+#         and test_cp_spec.py -k exact; their WHILE-node frame is in `spec`)
 # spec:   the WHILE nodes (the step driver's graph_while.cu, built 2026-12-04, never run on a
 #         GPU yet): their GPU tests (tests/runtime/test_graph_while.py: a counting loop, the
 #         speculative rounds as one WHILE node against every round run, bit for bit), then
@@ -321,13 +323,13 @@ for step in $STEPS; do
         timeout -k 5 "${GPU_PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider $GPU_PYTEST \
             ${GPU_PYTEST_K:+-k "$GPU_PYTEST_K"} 2>&1 | tee "$OUT/gpu_pytest.log" | tail -3 ;;
     newkernels)
-        log "GPU tests: spec accept + head GEMV, the fused sampler"
+        log "GPU tests: spec accept (and its exact-match mode) + head GEMV, the fused sampler"
         timeout -k 5 "${NEWTESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
             tests/plugins/test_spec_accept.py \
             tests/plugins/test_spec_round.py tests/plugins/test_convnext.py tests/runtime/test_codec_engine_gpu.py \
             tests/plugins/test_prompt_embed.py tests/runtime/test_graph_engine.py \
-            tests/plugins/test_gpu_kernels.py tests/runtime/test_cp_fused.py \
-            -k "spec_accept or spec_round or round_books or verify_index or head_gemv or fused_sample or prefill_kernel_path or convnext or prompt_embed" \
+            tests/plugins/test_gpu_kernels.py tests/runtime/test_cp_fused.py tests/runtime/test_cp_spec.py \
+            -k "spec_accept or spec_round or round_books or verify_index or head_gemv or fused_sample or prefill_kernel_path or convnext or prompt_embed or exact" \
             > "$OUT/gpu_tests_new.log" 2>&1
         echo "new kernels' GPU tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_new.log" | head -20 ;;
     spec)

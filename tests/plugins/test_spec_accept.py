@@ -197,3 +197,51 @@ def test_head_gemv_kernel_applies_the_final_norm_itself(dtype, monkeypatch):
     # the reference path of the same call agrees with the kernel
     cpu = head_gemv(heads, x, books, -1, norm=(weight, 1e-6), use_triton=False).double()
     assert ((got - cpu).norm() / cpu.norm()).item() < (1e-6 if dtype == torch.float32 else 2e-2)
+
+
+def _shared_noise_drafts(draft, books, sampling, seeds, frames):
+    """Drafts as exact-match rounds draw them: with the plain sampler's counters."""
+    from ttsbuild.generation.sampling import draw_counter
+
+    B, k, V = draft.shape
+    counters = draw_counter(frames[:, None], G, books[:, :k]).reshape(-1)
+    return fused_sample(draft.reshape(B * k, V), per_draft(sampling, k),
+                        seeds.repeat_interleave(k), counters,
+                        use_triton=False).reshape(B, k)  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,V,seed", [(1, 300, 1), (3, 300, 2), (4, 2048, 3)])
+def test_exact_accept_kernel_equals_the_reference_ops(k, V, seed, monkeypatch):
+    """The acceptance kernel's EXACT mode against the torch ops: each position's draw is the
+    plain sampler's (`fused_sample` with counters frame * G + codebook), the drafts kept while
+    equal; the rows' state applied as the reference applies it."""
+    from ttsbuild.plugins.spec_accept import exact_accept
+
+    B, H = 24, 40
+    draft, target, _, books, sampling, seeds, frames = _case(B, k, V, seed)
+    drafts = _shared_noise_drafts(draft, books, sampling, seeds, frames)
+    h = torch.randn(B, k + 1, H, generator=torch.Generator().manual_seed(seed))
+    dev = _on(KDEV, target, drafts, books, seeds, frames, h)
+    got_state = _state(B, k, H, books, 3, KDEV)
+    got = exact_accept(dev[0], dev[1], dev[2], _sampling_on(sampling, KDEV), dev[3], dev[4], G,
+                       dev[5], got_state, use_triton=True)  # fmt: skip
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    want_state = _state(B, k, H, books, 3, "cpu")
+    accepted, final, ok = exact_accept(target, drafts, books, sampling, seeds, frames, G, h,
+                                       want_state, use_triton=False)  # fmt: skip
+    assert (accepted == 0).any() and (accepted == k).any(), accepted
+    assert torch.equal(got[0].cpu(), accepted) and torch.equal(got[1].cpu(), final)
+    tested = torch.arange(k)[None, :] <= accepted[:, None]
+    assert torch.equal(got[2].cpu()[tested], ok[tested]) and not got[2].cpu()[~tested].any()
+    trash = want_state.trash
+    assert torch.equal(got_state.codes.cpu()[:, :trash], want_state.codes[:, :trash])
+    assert torch.equal(got_state.source.cpu(), want_state.source)
+    assert torch.equal(got_state.depth.cpu(), want_state.depth)
+    assert int(got_state.live) == int(want_state.live) and int(got_state.arrivals) == 0
+    # the codes kept are the plain sampler's draws at their positions
+    plain = fused_sample(target.reshape(-1, V), per_draft(sampling, k + 1),
+                         seeds.repeat_interleave(k + 1),
+                         (frames[:, None] * G + books).reshape(-1),
+                         use_triton=False).reshape(B, k + 1)  # fmt: skip
+    assert torch.equal(final, plain.gather(1, accepted[:, None])[:, 0])

@@ -230,3 +230,21 @@ def test_kernel_path_matches_the_references(do_sample, fused_verify, monkeypatch
         want = ref.frame(cpu[0], cpu[1], sampling.to("cpu"), cpu[2], cpu[3], kind, 3)
         agree = (codes.cpu() == want).float().mean().item()
         assert agree == 1.0 if not do_sample else agree >= 0.9, (kind, agree)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fused_verify", [False, True])
+def test_exact_match_kernel_path_draws_the_plain_frames_codes(fused_verify, monkeypatch):
+    """speculative_exact on the kernels (CUDA, or the interpreter), sampled rows: the
+    speculative frame's codes are the plain fused frame's, for both draft kinds, with the
+    verify pass as `extend` or fused."""
+    monkeypatch.setattr(cp_spec, "FUSED_VERIFY", fused_verify)
+    B = 3
+    cp = _predictor(torch.float32, KDEV)
+    hidden, c0, sampling, seeds, frames, shape, slots, positions = _frame_inputs(B, KDEV, True)
+    hidden = hidden.to(KDEV)
+    k, v = torch.zeros(shape, device=KDEV), torch.zeros(shape, device=KDEV)
+    want = cp.frame(hidden, c0, sampling, seeds, frames, k, v, slots, positions)
+    spec = SpeculativeCodePredictor(cp, B, 3, draft_heads=_draft_near(cp).to(KDEV), exact=True)
+    for kind in SPEC_KINDS:
+        assert torch.equal(spec.frame(hidden, c0, sampling, seeds, frames, kind, 3), want), kind

@@ -140,7 +140,7 @@ def test_exact_match_verification_keeps_the_plain_draws_at_any_load(models_with_
     from ttsbuild.runtime import cp_spec
 
     rounds = []
-    accept = cp_spec.exact_accept
+    accept = cp_spec.exact_accept  # imported there from plugins.spec_accept
     monkeypatch.setattr(cp_spec, "exact_accept",
                         lambda *a, **k: rounds.append(1) or accept(*a, **k))  # fmt: skip
     plain_alone, _ = _alone_and_paired(models_with_draft, {})
@@ -155,8 +155,8 @@ def test_exact_accept_keeps_drafts_while_they_equal_the_targets_draws():
     own logits matches all k and gets the bonus draw; greedy rows compare argmaxes."""
     from ttsbuild.generation.sampling import SamplingBatch, draw_counter
     from ttsbuild.plugins.sampling import fused_sample
-    from ttsbuild.plugins.spec_accept import RoundState
-    from ttsbuild.runtime.cp_spec import exact_accept, per_draft
+    from ttsbuild.plugins.spec_accept import RoundState, exact_accept
+    from ttsbuild.runtime.cp_spec import per_draft
 
     g = torch.Generator().manual_seed(11)
     B, k, V, H, G = 4, 3, 64, 8, 16

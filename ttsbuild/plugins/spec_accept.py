@@ -120,3 +120,72 @@ def spec_accept(
         sampling.top_k, sampling.top_p, sampling.do_sample, seeds, frames, groups,
         ACCEPT_TEST, FINAL_DRAW, h, state,
     )  # fmt: skip
+
+
+def exact_accept_reference(
+    target_logits: torch.Tensor,  # [B, k + 1, V] fp32
+    drafts: torch.Tensor,  # [B, k] int64, drawn with the plain sampler's counters
+    books: torch.Tensor,  # [B, k + 1] int64
+    sampling: SamplingBatch,
+    seeds: torch.Tensor,  # [B] int64
+    frames: torch.Tensor,  # [B] int64
+    groups: int,
+    h: torch.Tensor | None = None,
+    state: RoundState | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verification by exact match as torch ops: the plain sampler's draw at each position
+    (`fused_sample`, counters `draw_counter(frame, G, codebook)`), the drafts kept while they
+    equal those draws, then the draw. (accepted [B], the code after them [B], ok [B, k])."""
+    from ttsbuild.generation.sampling import draw_counter
+    from ttsbuild.plugins.sampling import fused_sample
+    from ttsbuild.runtime.cp_spec import per_draft
+
+    B, k1, V = target_logits.shape
+    counters = draw_counter(frames[:, None], groups, books).reshape(B * k1)
+    drawn = fused_sample(target_logits.reshape(B * k1, V), per_draft(sampling, k1),
+                         seeds.repeat_interleave(k1), counters).reshape(B, k1)  # fmt: skip
+    ok = drafts == drawn[:, :-1]
+    accepted = ok.long().cumprod(1).sum(1)
+    final = drawn.gather(1, accepted[:, None])[:, 0]
+    if state is not None:
+        state.apply(accepted, final, drafts, books, h, groups)
+    return accepted, final, ok
+
+
+def exact_accept(
+    target_logits: torch.Tensor,
+    drafts: torch.Tensor,
+    books: torch.Tensor,
+    sampling: SamplingBatch,
+    seeds: torch.Tensor,
+    frames: torch.Tensor,
+    groups: int,
+    h: torch.Tensor | None = None,
+    state: RoundState | None = None,
+    *,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A round's verification by exact match (runtime.cp_spec, `exact`): each position's
+    target draw is the plain sampler's (its settings, seed and counter frame * G + codebook),
+    a row keeps its drafts while they equal those draws, then the draw itself, so every code
+    is what the plain sampler draws. On the kernels one launch (the acceptance kernel with
+    EXACT: a program per row and position, each the fused sampler's draw), the state applied
+    in it; after a mismatch at t the tests past t are False there. (accepted, final, ok)."""
+    B, k1, V = target_logits.shape
+    k = k1 - 1
+    if drafts.shape != (B, k) or books.shape != (B, k1) or k < 1:
+        raise ValueError(f"exact_accept: target logits {tuple(target_logits.shape)}, drafts "
+                         f"{tuple(drafts.shape)}, books {tuple(books.shape)} do not fit "
+                         "[B, k + 1, V], [B, k], [B, k + 1]")  # fmt: skip
+    if state is not None and (h is None or h.shape[:2] != (B, k1)):
+        raise ValueError("exact_accept: applying a round needs its hidden states h [B, k + 1, H]")
+    if not want_triton(target_logits, use_triton):
+        return exact_accept_reference(target_logits, drafts, books, sampling, seeds, frames,
+                                      groups, h, state)  # fmt: skip
+    from ttsbuild.plugins._tl.spec_accept import spec_accept_triton
+
+    target = target_logits.float()
+    return spec_accept_triton(
+        target[:, :k], target, drafts, books, sampling.temperature, sampling.top_k,
+        sampling.top_p, sampling.do_sample, seeds, frames, groups, 0, 0, h, state, exact=True,
+    )  # fmt: skip

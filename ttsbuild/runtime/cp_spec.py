@@ -24,8 +24,9 @@ codebook. Each is consumed at most once per frame (a codebook is decided once; d
 row's first rejection influence nothing kept), as the losslessness argument needs, and a
 row's codes do not depend on the other rows of its batch. They are not the plain sampler's
 draws, though: a frame run without speculation (another bucket) draws other codes.
-`exact=True` (EnginePlan.speculative_exact) verifies by exact match instead (`exact_accept`):
-the drafts draw with the plain sampler's counters, the target's draw at each verified
+`exact=True` (EnginePlan.speculative_exact) verifies by exact match instead
+(`plugins.spec_accept.exact_accept`): the drafts draw with the plain sampler's counters,
+the target's draw at each verified
 position is the plain sampler's, and a row keeps its drafts while they equal those draws,
 so every code is the plain sampler's at any bucket; accepted less often.
 
@@ -61,6 +62,7 @@ from ttsbuild.plugins.norm_act import rms_norm_reference
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.plugins.spec_accept import (
     RoundState,
+    exact_accept,
     spec_accept,
     spec_accept_reference,
 )
@@ -160,37 +162,6 @@ def speculative_accept(
     # p == q to rounding leaves no residual mass: then the target's own distribution.
     dist = torch.where(dist.sum(-1, keepdim=True) > 0, dist, p.gather(1, at)[:, 0])
     return accepted, dist, ok
-
-
-def exact_accept(
-    target_logits: torch.Tensor,  # [B, k + 1, V] fp32: the verified codebooks' logits
-    drafts: torch.Tensor,  # [B, k]: drawn with the plain sampler's counters of their books
-    books: torch.Tensor,  # [B, k + 1]
-    sampling: SamplingBatch,
-    seeds: torch.Tensor,  # [B]
-    frames: torch.Tensor,  # [B]
-    groups: int,
-    h: torch.Tensor,  # [B, k + 1, H]
-    state: RoundState,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Verification by exact match: the target's own draw at each verified position (the
-    plain sampler: the same settings, seed and counter `draw_counter(frame, G, codebook)`);
-    a row keeps its drafts while they equal those draws and then the target's draw itself,
-    so each code is what the plain sampler draws for it, whatever bucket or path runs the
-    frame. The draft drew with the same noise (Gumbel-max with the target draw's counters),
-    so a draft close to the target matches often: with probability at least
-    (1 - TV) / (1 + TV) for total variation TV between them. Returns (accepted [B] in 0..k,
-    the code after them [B], matches [B, k]); applies the round to `state`."""
-    B, k1, V = target_logits.shape
-    rows = per_draft(sampling, k1)
-    counters = draw_counter(frames[:, None], groups, books).reshape(B * k1)
-    drawn = fused_sample(target_logits.reshape(B * k1, V), rows, seeds.repeat_interleave(k1),
-                         counters).reshape(B, k1)  # fmt: skip
-    ok = drafts == drawn[:, :-1]
-    accepted = ok.long().cumprod(1).sum(1)
-    final = drawn.gather(1, accepted[:, None])[:, 0]
-    state.apply(accepted, final, drafts, books, h, groups)
-    return accepted, final, ok
 
 
 def head_logits(heads: torch.Tensor, h: torch.Tensor, books: torch.Tensor,

@@ -44,6 +44,23 @@ def _probs(x_ptr, V, temp, k, top_p, do_sample, BLOCK_V: tl.constexpr,
 
 
 @triton.jit
+def _plain_draw(x_ptr, V, temp, k, top_p, do_sample, seed, ctr, BLOCK_V: tl.constexpr,
+                RADIX_BITS: tl.constexpr):  # fmt: skip
+    """The plain sampler's draw (plugins._tl.sampling.sample_row, no penalty) of the logits at
+    x_ptr with counter ctr: Gumbel-max over the kept set of the scaled logits, or the raw
+    argmax for a greedy row."""
+    offs = tl.arange(0, BLOCK_V)
+    vmask = offs < V
+    x = tl.load(x_ptr + offs, mask=vmask, other=float("-inf")).to(tl.float32)
+    greedy = tl.argmax(x, axis=0, tie_break_left=True)
+    scaled, key = scaled_keys(x, temp, vmask)
+    keep = kept_set(key, scaled, vmask, k, top_p, V, BLOCK_V, RADIX_BITS, True)
+    score = tl.where(keep, scaled + gumbel_noise(seed, ctr, offs), float("-inf"))
+    drawn = tl.argmax(score, axis=0, tie_break_left=True)
+    return tl.where(do_sample != 0, drawn, greedy).to(tl.int64)
+
+
+@triton.jit
 def _draw(dist, seed, ctr, offs):
     """Gumbel-max over log(dist): a draw from dist (the fused sampler at temperature 1)."""
     score = log_f32(dist) + gumbel_noise(seed, ctr, offs)
@@ -94,7 +111,7 @@ def _spec_accept_kernel(
     ACCEPT_KIND: tl.constexpr, FINAL_KIND: tl.constexpr, K: tl.constexpr,
     BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr, APPLY: tl.constexpr = False,
     BLOCK_H: tl.constexpr = 1024, BLOCK_B: tl.constexpr = 1, BLOCK_K: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, EXACT: tl.constexpr = False,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0)
@@ -108,10 +125,16 @@ def _spec_accept_kernel(
     seed = tl.load(seed_ptr + row)
     frame = tl.load(frames_ptr + row)
     book = tl.load(books_ptr + row * (K + 1) + t)
-    p = _probs(target_ptr + (row * (K + 1) + t).to(tl.int64) * V, V, temp, k, top_p, do_sample,
-               BLOCK_V, RADIX_BITS)  # fmt: skip
     ctr = (FINAL_KIND << 28) + frame * G + book
-    if t < K:
+    if EXACT:  # exact match: the target's plain draw; a draft passes where it equals it
+        d = _plain_draw(target_ptr + (row * (K + 1) + t).to(tl.int64) * V, V, temp, k, top_p,
+                        do_sample, seed, frame * G + book, BLOCK_V, RADIX_BITS)  # fmt: skip
+        tl.store(draws_ptr + row * (K + 1) + t, d)
+        if t < K:
+            tl.store(ok_ptr + row * K + t, (tl.load(drafts_ptr + row * K + t) == d).to(tl.int8))
+    elif t < K:
+        p = _probs(target_ptr + (row * (K + 1) + t).to(tl.int64) * V, V, temp, k, top_p,
+                   do_sample, BLOCK_V, RADIX_BITS)  # fmt: skip
         q = _probs(draft_ptr + (row * K + t).to(tl.int64) * V, V, temp, k, top_p, do_sample,
                    BLOCK_V, RADIX_BITS)  # fmt: skip
         x = tl.load(drafts_ptr + row * K + t)
@@ -125,6 +148,8 @@ def _spec_accept_kernel(
             dist = tl.where(tl.sum(residual, axis=0) > 0, residual, p)
             tl.store(draws_ptr + row * (K + 1) + t, _draw(dist, seed, ctr, offs))
     else:
+        p = _probs(target_ptr + (row * (K + 1) + t).to(tl.int64) * V, V, temp, k, top_p,
+                   do_sample, BLOCK_V, RADIX_BITS)  # fmt: skip
         tl.store(draws_ptr + row * (K + 1) + t, _draw(p, seed, ctr, offs))
     # release this position's test and draw (the barrier orders every thread's stores before
     # the atomic's release), then count it in; the row's last program takes the result
@@ -162,6 +187,7 @@ def spec_accept_triton(
     final_kind: int,
     h: torch.Tensor | None = None,  # [B, K + 1, H]: the verify pass's hidden states
     state=None,  # plugins.spec_accept.RoundState: apply the results to it
+    exact: bool = False,  # exact match (plugins.spec_accept.exact_accept): no draft logits read
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, K, V = draft_logits.shape
     dev = draft_logits.device
@@ -192,7 +218,7 @@ def spec_accept_triton(
         do_sample.view(torch.uint8) if do_sample.dtype == torch.bool else do_sample,
         seeds, frames, accepted, final, ok, draws, _counters(dev), V, groups, *apply,
         ACCEPT_KIND=accept_kind, FINAL_KIND=final_kind, K=K, BLOCK_V=block_v, RADIX_BITS=1,
-        BLOCK_K=triton.next_power_of_2(max(K, 1)), **blocks,
+        BLOCK_K=triton.next_power_of_2(max(K, 1)), EXACT=exact, **blocks,
         **pdl_args(pdl_enabled(draft_logits)), num_warps=8 if block_v >= 2048 else 4,
     )  # fmt: skip
     return accepted, final, ok.view(torch.bool)  # 0 / 1: a view, not a conversion
