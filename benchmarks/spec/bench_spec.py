@@ -197,7 +197,8 @@ def bench_target(fcp, name, args, results) -> None:
           f"{fmt(distilled['draft_expected_acceptance'])}")  # fmt: skip
     results[name] = {"distilled": distilled, "rows": []}
     spec = SpeculativeCodePredictor(fcp, max(args.batches), max(args.windows), draft,
-                                    conditional=args.conditional, loop=args.loop)  # fmt: skip
+                                    conditional=args.conditional, loop=args.loop,
+                                    exact=args.exact)  # fmt: skip
     paths = args.paths
     print(f"{'B':>3s} " + " ".join(f"{'off ' + p:>14s}" for p in paths)
           + f" {'kind':>5s} {'k':>2s} {'spec ms':>8s} {'x best':>6s} {'passes/row':>10s} "
@@ -320,7 +321,7 @@ def profile_b1(spec, fcp, args, results, name) -> None:
 
 
 @torch.no_grad()
-def greedy_check(cfg, windows) -> int:
+def greedy_check(cfg, windows, exact: bool = False) -> int:
     """fp32 weights and activations: speculative greedy codes must equal the target's (else
     exit status 1); bf16 differences (near-ties of flat logits) are counted only."""
     bad = 0
@@ -332,7 +333,7 @@ def greedy_check(cfg, windows) -> int:
         ref = frame.codes.clone()
         noisy = torch.stack([h.weight for h in fcp.heads])
         noisy = noisy + 0.01 * torch.randn_like(noisy)
-        spec = SpeculativeCodePredictor(fcp, B, max(windows), noisy)
+        spec = SpeculativeCodePredictor(fcp, B, max(windows), noisy, exact=exact)
         inputs = (frame.hidden, frame.c0, frame.sampling, frame.seeds, frame.frames)
         differ = {
             (kind, k): int((spec.frame(*inputs, kind, k) != ref).sum())
@@ -378,6 +379,9 @@ def main() -> int:
                     help="profile batch 1, window 3 (plain and speculative), top N kernels")
     ap.add_argument("--no-greedy-check", dest="greedy_check", action="store_false",
                     help="skip the lossless check (fp32 greedy codes against speculation off)")
+    ap.add_argument("--exact", action="store_true",
+                    help="verify by exact match (EnginePlan.speculative_exact): every code the "
+                    "plain sampler's draw; acceptance is that of matching draws")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.frames < 1:
@@ -411,7 +415,7 @@ def main() -> int:
     results = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
                "conditional_nodes": ifnodes, "args": {k: v for k, v in vars(args).items()}}
     t0 = time.time()
-    status = greedy_check(cfg, args.windows) if args.greedy_check else 0
+    status = greedy_check(cfg, args.windows, args.exact) if args.greedy_check else 0
     def target(standin: bool = False):
         fcp = build(cfg, torch.bfloat16, fp8=False, standin=standin)
         assert all(isinstance(h, Dense) for h in fcp.heads)
