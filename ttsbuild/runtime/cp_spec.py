@@ -25,10 +25,10 @@ row's first rejection influence nothing kept), as the losslessness argument need
 row's codes do not depend on the other rows of its batch. They are not the plain sampler's
 draws, though: a frame run without speculation (another bucket) draws other codes.
 `exact=True` (EnginePlan.speculative_exact) verifies by exact match instead
-(`plugins.spec_accept.exact_accept`): the drafts draw with the plain sampler's counters,
-the target's draw at each verified
-position is the plain sampler's, and a row keeps its drafts while they equal those draws,
-so every code is the plain sampler's at any bucket; accepted less often.
+(`plugins.spec_accept.exact_accept`): the drafts draw with the plain sampler's counters, the
+target's draw at each verified position is the plain sampler's, and a row keeps its drafts
+while they equal those draws, so every code is the plain sampler's at any bucket; accepted
+less often.
 
 On the device: fixed shapes, no host sync. Each row's depth (the last codebook it has)
 lives on the device, rows accept different lengths; a row past codebook G - 1 runs on with
