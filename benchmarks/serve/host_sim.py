@@ -48,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.serve
 
-from tests.serve.fakes import FakeClock, FakeEngine, FakeRequest  # noqa: E402
+from tests.serve.fakes import FakeEngine, FakeRequest, RealClock  # noqa: E402
 
 # The H200's costs (ms) of the served FP8 engine, engine microbenchmark (module docstring).
 PREFILL_MS = 1.45
@@ -58,21 +58,6 @@ CODEC_MS, CODEC_ROW_MS = 0.72, 0.030
 HOST_MS = {"admit": 0.01, "prefill": 0.15, "frames": 0.06, "audio": 0.06, "read": 0.02}
 VOICES = ("aiden", "eric", "ryan", "ono_anna")  # rotated by request, as the H200 sweeps
 GIL_OPS = {"admit": 0, "prefill": 8, "frames": 1, "audio": 1, "read": 1}
-
-
-class RealClock(FakeClock):
-    """Seconds since creation; moving `t` on (a step read back) sleeps until then."""
-
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    @property
-    def t(self) -> float:
-        return time.perf_counter() - self.t0
-
-    @t.setter
-    def t(self, value: float) -> None:
-        time.sleep(max(0.0, value - self.t))
 
 
 class _Host:

@@ -212,24 +212,22 @@ def _shared_noise_drafts(draft, books, sampling, seeds, frames):
 
 @needs_kernel
 @pytest.mark.parametrize("k,V,seed", [(1, 300, 1), (3, 300, 2), (4, 2048, 3)])
-def test_exact_accept_kernel_equals_the_reference_ops(k, V, seed, monkeypatch):
+def test_exact_match_kernel_equals_the_reference_ops(k, V, seed, monkeypatch):
     """The acceptance kernel's EXACT mode against the torch ops: each position's draw is the
     plain sampler's (`fused_sample` with counters frame * G + codebook), the drafts kept while
     equal; the rows' state applied as the reference applies it."""
-    from ttsbuild.plugins.spec_accept import exact_accept
-
     B, H = 24, 40
     draft, target, _, books, sampling, seeds, frames = _case(B, k, V, seed)
     drafts = _shared_noise_drafts(draft, books, sampling, seeds, frames)
     h = torch.randn(B, k + 1, H, generator=torch.Generator().manual_seed(seed))
-    dev = _on(KDEV, target, drafts, books, seeds, frames, h)
+    dev = _on(KDEV, draft, target, drafts, books, seeds, frames, h)
     got_state = _state(B, k, H, books, 3, KDEV)
-    got = exact_accept(dev[0], dev[1], dev[2], _sampling_on(sampling, KDEV), dev[3], dev[4], G,
-                       dev[5], got_state, use_triton=True)  # fmt: skip
+    got = spec_accept(*dev[:4], _sampling_on(sampling, KDEV), dev[4], dev[5], G, dev[6],
+                      got_state, exact=True, use_triton=True)  # fmt: skip
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     want_state = _state(B, k, H, books, 3, "cpu")
-    accepted, final, ok = exact_accept(target, drafts, books, sampling, seeds, frames, G, h,
-                                       want_state, use_triton=False)  # fmt: skip
+    accepted, final, ok = spec_accept(draft, target, drafts, books, sampling, seeds, frames, G,
+                                      h, want_state, exact=True, use_triton=False)  # fmt: skip
     assert (accepted == 0).any() and (accepted == k).any(), accepted
     assert torch.equal(got[0].cpu(), accepted) and torch.equal(got[1].cpu(), final)
     tested = torch.arange(k)[None, :] <= accepted[:, None]

@@ -140,22 +140,23 @@ def test_exact_match_verification_keeps_the_plain_draws_at_any_load(models_with_
     from ttsbuild.runtime import cp_spec
 
     rounds = []
-    accept = cp_spec.exact_accept  # imported there from plugins.spec_accept
-    monkeypatch.setattr(cp_spec, "exact_accept",
-                        lambda *a, **k: rounds.append(1) or accept(*a, **k))  # fmt: skip
+    accept = cp_spec.spec_accept  # imported there from plugins.spec_accept
+    monkeypatch.setattr(cp_spec, "spec_accept",
+                        lambda *a, **k: rounds.append(k["exact"]) or accept(*a, **k))  # fmt: skip
     plain_alone, _ = _alone_and_paired(models_with_draft, {})
     alone, paired = _alone_and_paired(models_with_draft, {1: (kind, 3)}, exact=True)
-    assert len(rounds) >= 6  # at least a round a frame, alone
+    assert len(rounds) >= 6 and all(rounds)  # at least a round a frame, alone; exact ones
     assert torch.equal(alone, plain_alone) and torch.equal(paired, plain_alone)
 
 
 def test_exact_accept_keeps_drafts_while_they_equal_the_targets_draws():
-    """exact_accept on chosen drafts: the matching prefix is kept, then the target's own draw
-    (the plain sampler's, same counters); a draft drawn with the shared noise from the target's
-    own logits matches all k and gets the bonus draw; greedy rows compare argmaxes."""
+    """spec_accept(exact=True) on chosen drafts: the matching prefix is kept, then the
+    target's own draw (the plain sampler's, same counters); drafts equal to those draws (as
+    the shared noise gives a draft equal to the target) keep all k and get the bonus draw;
+    greedy rows compare argmaxes."""
     from ttsbuild.generation.sampling import SamplingBatch, draw_counter
     from ttsbuild.plugins.sampling import fused_sample
-    from ttsbuild.plugins.spec_accept import RoundState, exact_accept
+    from ttsbuild.plugins.spec_accept import RoundState, spec_accept
     from ttsbuild.runtime.cp_spec import per_draft
 
     g = torch.Generator().manual_seed(11)
@@ -179,8 +180,8 @@ def test_exact_accept_keeps_drafts_while_they_equal_the_targets_draws():
                        torch.zeros(B, dtype=torch.int64), books[:, 0] - 1,
                        torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                        G + k + 1)  # fmt: skip
-    accepted, final, ok = exact_accept(logits, drafts, books, sampling, seeds, frames, G, h,
-                                       state)  # fmt: skip
+    accepted, final, ok = spec_accept(logits[:, :k], logits, drafts, books, sampling, seeds,
+                                      frames, G, h, state, exact=True)  # fmt: skip
     assert accepted.tolist() == keep.tolist()
     assert final.tolist() == [want[b, keep[b]].item() for b in range(B)]
     for b in range(B):  # the kept codes in their columns, the source the last kept position's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -18,6 +19,22 @@ class FakeClock:
 
     def advance(self, dt: float) -> None:
         self.t += dt
+
+
+class RealClock(FakeClock):
+    """Real time for FakeEngine: reading `t` gives the seconds since creation; moving it on
+    (a step read back) sleeps until then (benchmarks/serve/host_sim.py, real-time tests)."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    @property
+    def t(self) -> float:
+        return time.perf_counter() - self.t0
+
+    @t.setter
+    def t(self, value: float) -> None:
+        time.sleep(max(0.0, value - self.t))
 
 
 class FakeRequestError(ValueError):

@@ -15,7 +15,7 @@ from ttsbuild.serve.config import FRAME_SAMPLES, SchedulerConfig
 from ttsbuild.serve.loop import EngineLoop, Runner
 from ttsbuild.serve.scheduler import Chunk, Done, NullObserver, Scheduler, Stage, Status
 
-from .fakes import FakeClock, FakeEngine, FakeRequest, FakeRequestError
+from .fakes import FakeClock, FakeEngine, FakeRequest, FakeRequestError, RealClock
 
 COST = {"prefill": 0.004, "frames": 0.008, "audio": 0.004}  # GPU-like steps
 
@@ -471,28 +471,12 @@ def test_lane_wanted_switches_with_hysteresis():
     assert sched.lane_wanted()
 
 
-class _RealClock(FakeClock):
-    """Real time for FakeEngine: reading `t` gives the seconds since creation; moving it on
-    (a step read back) sleeps until then."""
-
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    @property
-    def t(self) -> float:
-        return time.perf_counter() - self.t0
-
-    @t.setter
-    def t(self, value: float) -> None:
-        time.sleep(max(0.0, value - self.t))
-
-
 def test_a_submit_ends_the_loops_poll_at_once():
     """In real time, with a frame step of another stream in flight for over a second and a
     poll of 1 s: a new request is admitted (express, beside the step) within a fraction of
     the poll, since submit wakes the poll's wait. A sleeping poll noticed it only at the
     poll's end."""
-    clock = _RealClock()
+    clock = RealClock()
     engine = FakeEngine(clock, num_slots=4, cost_s={"prefill": 0.01, "frames": 1.5,
                                                      "audio": 0.01},
                         codec_lane=True, async_prefill=True, instant=False,

@@ -83,46 +83,8 @@ def spec_accept_reference(
     return accepted, final, ok
 
 
-def spec_accept(
-    draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
-    drafts: torch.Tensor,
-    books: torch.Tensor,
-    sampling: SamplingBatch,
-    seeds: torch.Tensor,
-    frames: torch.Tensor,
-    groups: int,
-    h: torch.Tensor | None = None,
-    state: RoundState | None = None,
-    *,
-    use_triton: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(accepted [B], final code [B], ok [B, k]); after a rejection at t the tests past t
-    are False on the kernel (not run) and as computed in the reference (not used). With a
-    state (and h), the round's results are applied to it in the same launch."""
-    B, k, V = draft_logits.shape
-    if target_logits.shape != (B, k + 1, V) or drafts.shape != (B, k) or books.shape != (B, k + 1):
-        raise ValueError(
-            f"spec_accept: draft logits {tuple(draft_logits.shape)}, target logits "
-            f"{tuple(target_logits.shape)}, drafts {tuple(drafts.shape)}, books "
-            f"{tuple(books.shape)} do not fit [B, k, V], [B, k + 1, V], [B, k], [B, k + 1]"
-        )
-    if state is not None and (h is None or h.shape[:2] != (B, k + 1)):
-        raise ValueError("spec_accept: applying a round needs its hidden states h [B, k + 1, H]")
-    if not want_triton(draft_logits, use_triton):
-        return spec_accept_reference(draft_logits, target_logits, drafts, books, sampling,
-                                     seeds, frames, groups, h, state)  # fmt: skip
-    from ttsbuild.plugins._tl.spec_accept import spec_accept_triton
-    from ttsbuild.runtime.cp_spec import ACCEPT_TEST, FINAL_DRAW
-
-    return spec_accept_triton(
-        draft_logits.float(), target_logits.float(), drafts, books, sampling.temperature,
-        sampling.top_k, sampling.top_p, sampling.do_sample, seeds, frames, groups,
-        ACCEPT_TEST, FINAL_DRAW, h, state,
-    )  # fmt: skip
-
-
 def exact_accept_reference(
+    draft_logits: torch.Tensor,  # [B, k, V]: not read (the signature of spec_accept's)
     target_logits: torch.Tensor,  # [B, k + 1, V] fp32
     drafts: torch.Tensor,  # [B, k] int64, drawn with the plain sampler's counters
     books: torch.Tensor,  # [B, k + 1] int64
@@ -152,7 +114,8 @@ def exact_accept_reference(
     return accepted, final, ok
 
 
-def exact_accept(
+def spec_accept(
+    draft_logits: torch.Tensor,
     target_logits: torch.Tensor,
     drafts: torch.Tensor,
     books: torch.Tensor,
@@ -163,29 +126,35 @@ def exact_accept(
     h: torch.Tensor | None = None,
     state: RoundState | None = None,
     *,
+    exact: bool = False,
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A round's verification by exact match (runtime.cp_spec, `exact`): each position's
-    target draw is the plain sampler's (its settings, seed and counter frame * G + codebook),
-    a row keeps its drafts while they equal those draws, then the draw itself, so every code
-    is what the plain sampler draws. On the kernels one launch (the acceptance kernel with
-    EXACT: a program per row and position, each the fused sampler's draw), the state applied
-    in it; after a mismatch at t the tests past t are False there. (accepted, final, ok)."""
-    B, k1, V = target_logits.shape
-    k = k1 - 1
-    if drafts.shape != (B, k) or books.shape != (B, k1) or k < 1:
-        raise ValueError(f"exact_accept: target logits {tuple(target_logits.shape)}, drafts "
-                         f"{tuple(drafts.shape)}, books {tuple(books.shape)} do not fit "
-                         "[B, k + 1, V], [B, k], [B, k + 1]")  # fmt: skip
-    if state is not None and (h is None or h.shape[:2] != (B, k1)):
-        raise ValueError("exact_accept: applying a round needs its hidden states h [B, k + 1, H]")
-    if not want_triton(target_logits, use_triton):
-        return exact_accept_reference(target_logits, drafts, books, sampling, seeds, frames,
-                                      groups, h, state)  # fmt: skip
+    """(accepted [B], final code [B], ok [B, k]); after a rejection at t the tests past t
+    are False on the kernel (not run) and as computed in the reference (not used). With a
+    state (and h), the round's results are applied to it in the same launch.
+    exact: verification by exact match (runtime.cp_spec, `exact`; the draft logits are not
+    read): each position's target draw is the plain sampler's (its settings, seed and counter
+    frame * G + codebook), a row keeps its drafts while they equal those draws, then the draw
+    itself, so every code is what the plain sampler draws; on the kernels the acceptance
+    kernel's EXACT mode (a program per row and position, each the fused sampler's draw)."""
+    B, k, V = draft_logits.shape
+    if target_logits.shape != (B, k + 1, V) or drafts.shape != (B, k) or books.shape != (B, k + 1):
+        raise ValueError(
+            f"spec_accept: draft logits {tuple(draft_logits.shape)}, target logits "
+            f"{tuple(target_logits.shape)}, drafts {tuple(drafts.shape)}, books "
+            f"{tuple(books.shape)} do not fit [B, k, V], [B, k + 1, V], [B, k], [B, k + 1]"
+        )
+    if state is not None and (h is None or h.shape[:2] != (B, k + 1)):
+        raise ValueError("spec_accept: applying a round needs its hidden states h [B, k + 1, H]")
+    if not want_triton(draft_logits, use_triton):
+        reference = exact_accept_reference if exact else spec_accept_reference
+        return reference(draft_logits, target_logits, drafts, books, sampling, seeds, frames,
+                         groups, h, state)  # fmt: skip
     from ttsbuild.plugins._tl.spec_accept import spec_accept_triton
+    from ttsbuild.runtime.cp_spec import ACCEPT_TEST, FINAL_DRAW
 
-    target = target_logits.float()
     return spec_accept_triton(
-        target[:, :k], target, drafts, books, sampling.temperature, sampling.top_k,
-        sampling.top_p, sampling.do_sample, seeds, frames, groups, 0, 0, h, state, exact=True,
+        draft_logits.float(), target_logits.float(), drafts, books, sampling.temperature,
+        sampling.top_k, sampling.top_p, sampling.do_sample, seeds, frames, groups,
+        0 if exact else ACCEPT_TEST, 0 if exact else FINAL_DRAW, h, state, exact=exact,
     )  # fmt: skip

@@ -25,10 +25,10 @@ row's first rejection influence nothing kept), as the losslessness argument need
 row's codes do not depend on the other rows of its batch. They are not the plain sampler's
 draws, though: a frame run without speculation (another bucket) draws other codes.
 `exact=True` (EnginePlan.speculative_exact) verifies by exact match instead
-(`plugins.spec_accept.exact_accept`): the drafts draw with the plain sampler's counters, the
-target's draw at each verified position is the plain sampler's, and a row keeps its drafts
-while they equal those draws, so every code is the plain sampler's at any bucket; accepted
-less often.
+(`plugins.spec_accept.spec_accept(exact=True)`): the drafts draw with the plain sampler's
+counters, the target's draw at each verified position is the plain sampler's, and a row keeps
+its drafts while they equal those draws, so every code is the plain sampler's at any bucket;
+accepted less often.
 
 On the device: fixed shapes, no host sync. Each row's depth (the last codebook it has)
 lives on the device, rows accept different lengths; a row past codebook G - 1 runs on with
@@ -62,7 +62,7 @@ from ttsbuild.plugins.norm_act import rms_norm_reference
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.plugins.spec_accept import (
     RoundState,
-    exact_accept,
+    exact_accept_reference,
     spec_accept,
     spec_accept_reference,
 )
@@ -425,11 +425,12 @@ class SpeculativeCodePredictor:
         # the acceptance and the rows' new state (codes, source, pending, depth, live) in
         # one launch where the kernels run (else the reference ops)
         state = RoundState(codes, source, pending, depth, self.live, self.arrivals, self.trash)
-        if self.exact:
-            accepted, final, ok = exact_accept(target_logits, drafts, books, sampling, seeds,
-                                               frames, G, h, state)  # fmt: skip
+        if FUSED_ACCEPT:
+            accepted, final, ok = spec_accept(draft_logits, target_logits, drafts, books,
+                                              sampling, seeds, frames, G, h, state,
+                                              exact=self.exact)  # fmt: skip
         else:
-            accept = spec_accept if FUSED_ACCEPT else spec_accept_reference
+            accept = exact_accept_reference if self.exact else spec_accept_reference
             accepted, final, ok = accept(draft_logits, target_logits, drafts, books, sampling,
                                          seeds, frames, G, h, state)  # fmt: skip
         if self.stats:

@@ -27,15 +27,23 @@ from ttsbuild.plugins._tl.sampling import gumbel_noise, kept_set, scaled_keys, u
 
 
 @triton.jit
-def _probs(x_ptr, V, temp, k, top_p, do_sample, BLOCK_V: tl.constexpr,
-           RADIX_BITS: tl.constexpr):  # fmt: skip
-    """The distribution the row's sampler draws from, fp32 [BLOCK_V] (0 on padding)."""
+def _kept(x_ptr, V, temp, k, top_p, BLOCK_V: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """A row's logits as its sampler sees them: (the raw argmax, the scaled logits, the kept
+    set: the fused sampler's exact top-k / top-p thresholds)."""
     offs = tl.arange(0, BLOCK_V)
     vmask = offs < V
     x = tl.load(x_ptr + offs, mask=vmask, other=float("-inf")).to(tl.float32)
     greedy = tl.argmax(x, axis=0, tie_break_left=True)
     scaled, key = scaled_keys(x, temp, vmask)
-    keep = kept_set(key, scaled, vmask, k, top_p, V, BLOCK_V, RADIX_BITS, True)
+    return greedy, scaled, kept_set(key, scaled, vmask, k, top_p, V, BLOCK_V, RADIX_BITS, True)
+
+
+@triton.jit
+def _probs(x_ptr, V, temp, k, top_p, do_sample, BLOCK_V: tl.constexpr,
+           RADIX_BITS: tl.constexpr):  # fmt: skip
+    """The distribution the row's sampler draws from, fp32 [BLOCK_V] (0 on padding)."""
+    offs = tl.arange(0, BLOCK_V)
+    greedy, scaled, keep = _kept(x_ptr, V, temp, k, top_p, BLOCK_V, RADIX_BITS)
     z = tl.where(keep, scaled, float("-inf"))
     zmax = tl.max(z, axis=0)
     e = tl.where(keep, exp_f32(z - zmax), 0.0)
@@ -50,11 +58,7 @@ def _plain_draw(x_ptr, V, temp, k, top_p, do_sample, seed, ctr, BLOCK_V: tl.cons
     x_ptr with counter ctr: Gumbel-max over the kept set of the scaled logits, or the raw
     argmax for a greedy row."""
     offs = tl.arange(0, BLOCK_V)
-    vmask = offs < V
-    x = tl.load(x_ptr + offs, mask=vmask, other=float("-inf")).to(tl.float32)
-    greedy = tl.argmax(x, axis=0, tie_break_left=True)
-    scaled, key = scaled_keys(x, temp, vmask)
-    keep = kept_set(key, scaled, vmask, k, top_p, V, BLOCK_V, RADIX_BITS, True)
+    greedy, scaled, keep = _kept(x_ptr, V, temp, k, top_p, BLOCK_V, RADIX_BITS)
     score = tl.where(keep, scaled + gumbel_noise(seed, ctr, offs), float("-inf"))
     drawn = tl.argmax(score, axis=0, tie_break_left=True)
     return tl.where(do_sample != 0, drawn, greedy).to(tl.int64)
@@ -187,7 +191,7 @@ def spec_accept_triton(
     final_kind: int,
     h: torch.Tensor | None = None,  # [B, K + 1, H]: the verify pass's hidden states
     state=None,  # plugins.spec_accept.RoundState: apply the results to it
-    exact: bool = False,  # exact match (plugins.spec_accept.exact_accept): no draft logits read
+    exact: bool = False,  # exact match (plugins.spec_accept, exact=True): draft logits unread
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, K, V = draft_logits.shape
     dev = draft_logits.device
