@@ -54,7 +54,9 @@ def test_resume_with_other_settings_is_refused(tiny_checkpoint, tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "expected acceptance per depth" in result.output
-    assert "compile --speculative auto would choose: " in " ".join(result.output.split())
+    out = " ".join(result.output.split())
+    assert "compile --speculative auto would choose: " in out
+    assert "compile --speculative auto --speculative-exact would choose: " in out
     result = CliRunner().invoke(app, [*args[:-6], "--steps", "4", "--eval-every", "1",
                                       "--batch-frames", "16", "--device", "cpu", "--resume"])
     assert result.exit_code == 1 and "other settings (batch_frames)" in result.output

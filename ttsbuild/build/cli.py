@@ -274,15 +274,20 @@ def distill_draft(
     _err.print(f"[green]wrote[/green] {output}: {summary['frames']} frames, {summary['steps']} "
                f"steps; expected acceptance per depth {after} (self-speculative: {before})",
                highlight=False)
-    from ttsbuild.build.spec_choice import choose
+    from ttsbuild.build.spec_choice import choose, exact_acceptance
 
-    choice = choose({"draft": summary["acceptance"], "self": summary["self_speculative"]},
-                    max_window=window)
-    verdict = (f"batch 1 {choice.kind}, window {choice.window}: expected "
-               f"{choice.expected_ms:.2f} ms a code-predictor frame against "
-               f"{choice.plain_ms:.2f} without" if choice.kind else
-               "off (no choice expected >= 5 % faster at batch 1 on the H200)")
-    _err.print(f"compile --speculative auto would choose: {verdict}", highlight=False)
+    recorded = {"draft": summary["acceptance"], "self": summary["self_speculative"]}
+    for flags, acceptance in (
+        ("", recorded),
+        (" --speculative-exact", {k: exact_acceptance(a) for k, a in recorded.items()}),
+    ):
+        choice = choose(acceptance, max_window=window)
+        verdict = (f"batch 1 {choice.kind}, window {choice.window}: expected "
+                   f"{choice.expected_ms:.2f} ms a code-predictor frame against "
+                   f"{choice.plain_ms:.2f} without" if choice.kind else
+                   "off (no choice expected >= 5 % faster at batch 1 on the H200)")
+        _err.print(f"compile --speculative auto{flags} would choose: {verdict}",
+                   highlight=False)  # fmt: skip
 
 
 class _DistillProgress:
