@@ -143,6 +143,7 @@ def test_exact_acceptance_is_the_coupling_bound_and_can_turn_speculation_off():
     standard = [0.64, 0.62, 0.6, 0.58]
     assert choose({"self": standard}).kind == "self"
     assert choose({"self": exact_acceptance(standard)}).kind is None
+    assert choose({"self": standard}, exact=True) == choose({"self": exact_acceptance(standard)})
     assert choose({"self": exact_acceptance([0.95] * 4)}).kind == "self"
     plan = BuildConfig(speculative={1: ("self", 3)}, speculative_exact=True).runtime_plan()
     assert plan.speculative_exact and not plan.load_dependent_samples

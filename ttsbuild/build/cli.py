@@ -274,14 +274,11 @@ def distill_draft(
     _err.print(f"[green]wrote[/green] {output}: {summary['frames']} frames, {summary['steps']} "
                f"steps; expected acceptance per depth {after} (self-speculative: {before})",
                highlight=False)
-    from ttsbuild.build.spec_choice import choose, exact_acceptance
+    from ttsbuild.build.spec_choice import choose
 
     recorded = {"draft": summary["acceptance"], "self": summary["self_speculative"]}
-    for flags, acceptance in (
-        ("", recorded),
-        (" --speculative-exact", {k: exact_acceptance(a) for k, a in recorded.items()}),
-    ):
-        choice = choose(acceptance, max_window=window)
+    for flags, exact in (("", False), (" --speculative-exact", True)):
+        choice = choose(recorded, max_window=window, exact=exact)
         verdict = (f"batch 1 {choice.kind}, window {choice.window}: expected "
                    f"{choice.expected_ms:.2f} ms a code-predictor frame against "
                    f"{choice.plain_ms:.2f} without" if choice.kind else

@@ -310,8 +310,9 @@ def compile_engine_dir(
                          "none: attach one with `ttsbuild convert CKPT --draft DRAFT`")
     if cfg.speculative_auto:
         cfg = _auto_speculative(cfg, ckpt, has_draft, log)
-    if cfg.runtime_plan().load_dependent_samples:
-        log(f"note: {cfg.runtime_plan().speculation_note()}")
+    plan = cfg.runtime_plan()
+    if plan.load_dependent_samples:
+        log(f"note: {plan.speculation_note()}")
 
     log("packing fused projections")
     packed = {m: pack_state({k: v.to(torch.bfloat16) for k, v in ckpt.tensors(m).items()})
@@ -419,7 +420,7 @@ def _auto_speculative(cfg: BuildConfig, ckpt, has_draft: bool, log) -> BuildConf
     """cfg with `speculative` decided from the draft's recorded acceptance (batch 1 only)."""
     from dataclasses import replace
 
-    from ttsbuild.build.spec_choice import choose, draft_acceptance, exact_acceptance
+    from ttsbuild.build.spec_choice import choose, draft_acceptance
 
     if not has_draft:
         raise ValueError("--speculative auto decides from the acceptance `ttsbuild distill-draft` "
@@ -427,17 +428,17 @@ def _auto_speculative(cfg: BuildConfig, ckpt, has_draft: bool, log) -> BuildConf
                          "attach one with `ttsbuild convert CKPT --draft DRAFT`")
     _, meta = read_draft(ckpt.path / DRAFT_FILE, ModelConfig.from_official(ckpt.config))
     acceptance = draft_acceptance(meta)
-    if cfg.speculative_exact:
-        acceptance = {kind: exact_acceptance(a) for kind, a in acceptance.items()}
     if not acceptance:
         raise ValueError("--speculative auto: the checkpoint's draft records no acceptance "
                          "(not made by `ttsbuild distill-draft`); give "
                          "--speculative BUCKETS:KIND:WINDOW instead")
-    choice = choose(acceptance, max_window=min(int(meta["window"]), MAX_SPEC_WINDOW))
+    choice = choose(acceptance, max_window=min(int(meta["window"]), MAX_SPEC_WINDOW),
+                    exact=cfg.speculative_exact)  # fmt: skip
     if 1 not in cfg.graph_batches:
         choice = choose({})
     shown = ", ".join(f"{k} {v:.2f}" for k, v in choice.considered.items())
-    how = "by exact match, at least" if cfg.speculative_exact else "recorded in the draft"
+    how = ("recorded in the draft, priced by exact match's lower bound" if cfg.speculative_exact
+           else "recorded in the draft")  # fmt: skip
     verdict = (f"on at batch 1: {choice.kind}, window {choice.window}"
                if choice.kind else "off (no choice expected >= 5 % faster)")
     log(f"speculation {verdict}; expected code-predictor frame ms at batch 1: {shown} against "

@@ -81,12 +81,15 @@ class Choice:
         return {} if self.kind is None else {1: (self.kind, self.window)}
 
 
-def choose(acceptance: dict[str, list[float]], max_window: int | None = None) -> Choice:
+def choose(acceptance: dict[str, list[float]], max_window: int | None = None,
+           exact: bool = False) -> Choice:  # fmt: skip
     """The fastest (kind, window) at batch 1 by expected frame time, or off where none is
-    MIN_GAIN faster than the plain frame. acceptance: kind -> per-depth acceptance."""
+    MIN_GAIN faster than the plain frame. acceptance: kind -> per-depth acceptance under the
+    standard rule; exact: verification by exact match, priced at `exact_acceptance` of it."""
     plain = plain_frame_ms()
     considered, best = {}, None
     for kind, acc in sorted(acceptance.items()):
+        acc = exact_acceptance(acc) if exact else acc
         for window in range(1, min(len(acc), max_window or len(acc)) + 1):
             ms = expected_frame_ms(acc, window)
             considered[f"{kind} k={window}"] = round(ms, 4)

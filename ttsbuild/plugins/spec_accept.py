@@ -156,5 +156,5 @@ def spec_accept(
     return spec_accept_triton(
         draft_logits.float(), target_logits.float(), drafts, books, sampling.temperature,
         sampling.top_k, sampling.top_p, sampling.do_sample, seeds, frames, groups,
-        0 if exact else ACCEPT_TEST, 0 if exact else FINAL_DRAW, h, state, exact=exact,
+        ACCEPT_TEST, FINAL_DRAW, h, state, exact=exact,
     )  # fmt: skip

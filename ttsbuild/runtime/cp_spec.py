@@ -60,12 +60,7 @@ from ttsbuild.plugins.fused_linear import norm_linear
 from ttsbuild.plugins.head_gemv import head_gemv
 from ttsbuild.plugins.norm_act import rms_norm_reference
 from ttsbuild.plugins.sampling import fused_sample
-from ttsbuild.plugins.spec_accept import (
-    RoundState,
-    exact_accept_reference,
-    spec_accept,
-    spec_accept_reference,
-)
+from ttsbuild.plugins.spec_accept import RoundState, spec_accept
 from ttsbuild.plugins.spec_round import frame_start, round_books, stage_frame, verify_index
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.fast_model import Dense
@@ -425,14 +420,9 @@ class SpeculativeCodePredictor:
         # the acceptance and the rows' new state (codes, source, pending, depth, live) in
         # one launch where the kernels run (else the reference ops)
         state = RoundState(codes, source, pending, depth, self.live, self.arrivals, self.trash)
-        if FUSED_ACCEPT:
-            accepted, final, ok = spec_accept(draft_logits, target_logits, drafts, books,
-                                              sampling, seeds, frames, G, h, state,
-                                              exact=self.exact)  # fmt: skip
-        else:
-            accept = exact_accept_reference if self.exact else spec_accept_reference
-            accepted, final, ok = accept(draft_logits, target_logits, drafts, books, sampling,
-                                         seeds, frames, G, h, state)  # fmt: skip
+        accepted, final, ok = spec_accept(draft_logits, target_logits, drafts, books, sampling,
+                                          seeds, frames, G, h, state, exact=self.exact,
+                                          use_triton=None if FUSED_ACCEPT else False)  # fmt: skip
         if self.stats:
             self._count(depth_before, books[:, :k], ok)
 
