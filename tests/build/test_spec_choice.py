@@ -162,3 +162,8 @@ def test_cli_speculative_exact_reaches_the_plan(ckpt, tmp_path):
     plan = load_engine_dir(tmp_path / "e").manifest.plan
     assert plan.speculative == {1: ("self", 2)} and plan.speculative_exact
     assert "reproducible only at the same load" not in result.output
+    alone = [*args[:-3], "--force", "--speculative-exact"]  # no --speculative
+    result = CliRunner().invoke(app, alone)
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--speculative-exact says how drafts are verified" in out, out
+    assert load_engine_dir(tmp_path / "e").manifest.plan.speculative_exact  # left as it was

@@ -150,6 +150,9 @@ class BuildConfig:
         if self.max_frames < 1 or self.max_len <= self.max_frames:
             problems.append(f"need 1 <= max frames ({self.max_frames}) < max len "
                             f"({self.max_len}): a prompt needs positions too")
+        if self.speculative_exact and not (self.speculative or self.speculative_auto):
+            problems.append("--speculative-exact says how drafts are verified: it needs "
+                            "--speculative (BUCKETS:KIND:WINDOW or auto)")
         if self.quality_texts < 1 or self.quality_frames < 2:
             problems.append("the quality gate needs >= 1 text and >= 2 frames")
         if not problems:
