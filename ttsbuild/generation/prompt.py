@@ -146,9 +146,10 @@ NO_CODE = -1  # a codebook a position does not use
 # (plugins.prompt_embed: the codec track in one, the text table's gather inside fc1's, the
 # SiLU, fc2 with the codec track as its residual). GPU tests pass on the H200; the engine
 # bench in its own process had every prefill bucket 2-4 % lower (2026-12-05,
-# benchmarks/runtime/2026-12-05-h200-new-paths/). Off until graph vs eager has run with it
-# on the H200 (TTSBUILD_PROMPT_EMBED_FUSED=1 turns it on).
-PROMPT_EMBED_FUSED = os.environ.get("TTSBUILD_PROMPT_EMBED_FUSED", "0") == "1"
+# benchmarks/runtime/2026-12-05-h200-new-paths/); graph vs eager with it on passed in every
+# mode on an H100 (sm_90, the same kernels; benchmarks/runtime/2026-12-05-h100-checks/).
+# On by default (TTSBUILD_PROMPT_EMBED_FUSED=0 turns it off).
+PROMPT_EMBED_FUSED = os.environ.get("TTSBUILD_PROMPT_EMBED_FUSED", "1") == "1"
 
 
 class PromptEmbedder:
