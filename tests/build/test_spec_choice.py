@@ -112,6 +112,11 @@ def test_compile_auto_decides_from_the_drafts_acceptance(ckpt_draft, tmp_path):
     compile_engine_dir(root, tmp_path / "off", BuildConfig(
         precision="bf16", onnx=False, speculative_auto=True, **QUICK))
     assert load_engine_dir(tmp_path / "off").manifest.plan.speculative == {}
+    # asked for exact match too: decided off, it compiles (no drafts to verify)
+    compile_engine_dir(root, tmp_path / "off-exact", BuildConfig(
+        precision="bf16", onnx=False, speculative_auto=True, speculative_exact=True, **QUICK))
+    plan = load_engine_dir(tmp_path / "off-exact").manifest.plan
+    assert plan.speculative == {} and not plan.speculative_exact
 
 
 def test_compile_auto_needs_a_recorded_acceptance(ckpt, ckpt_draft, tmp_path):

@@ -446,7 +446,10 @@ def _auto_speculative(cfg: BuildConfig, ckpt, has_draft: bool, log) -> BuildConf
                if choice.kind else "off (no choice expected >= 5 % faster)")
     log(f"speculation {verdict}; expected code-predictor frame ms at batch 1: {shown} against "
         f"{choice.plain_ms:.2f} without (acceptance {how}: {acceptance})")
-    return replace(cfg, speculative=choice.plan(), speculative_auto=False)
+    # exact match says how drafts are verified: with speculation decided off there are none
+    # (and BuildConfig refuses --speculative-exact without speculation)
+    return replace(cfg, speculative=choice.plan(), speculative_auto=False,
+                   speculative_exact=cfg.speculative_exact and bool(choice.plan()))
 
 
 def _kv(stack: dict, max_len: int, calibrated: bool) -> dict:
