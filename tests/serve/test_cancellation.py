@@ -28,11 +28,13 @@ def test_a_thousand_cancellations_through_the_service_leave_nothing_behind():
     engine = FakeEngine(FakeClock(), num_slots=8, cost_s={"prefill": 0, "frames": 0, "audio": 0})
     # 100 requests at a time queue for 8 slots: admission by capacity, or by the expected
     # wait for a slot, would refuse most of them, and this test is about cancellation in
-    # every state
+    # every state. The overload wait too: a stall of the loop thread longer than
+    # standing_queue_s (a 1.2 s generation-2 collection of the whole suite's objects, on a
+    # 2-core CI machine) made the queue "stand" and refused requests waiting over 20 ms.
     config = ServeConfig(
         scheduler=SchedulerConfig(
-            num_slots=8, max_queue=2000, queue_timeout_s=60, admit_by_capacity=False,
-            refuse_long_waits=False,
+            num_slots=8, max_queue=2000, queue_timeout_s=60, overload_wait_s=60,
+            admit_by_capacity=False, refuse_long_waits=False,
         )
     )
     service = SpeechService(engine, config)
