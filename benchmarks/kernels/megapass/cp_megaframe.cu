@@ -1,0 +1,477 @@
+// A feasibility prototype (benchmarks only, not served): the code predictor's whole frame at
+// batch 1 as ONE persistent kernel, one CTA per SM, every CTA holding the residual stream in
+// shared memory, grid barriers between the dependent stages, and each stage's weight slice
+// copied into shared memory (cp.async) two stages ahead, so HBM streams while CTAs wait at
+// barriers. Question it answers: what a dependent stage costs when its weights are already
+// on chip (the served frame: ~28 launches a pass at ~4.6 us each, 1.9 ms a frame on the H200;
+// the Triton persistent pass of 2026-11-30 spent ~5 us a stage on memory round trips).
+//
+// Stages of one pass (one token), per layer l (hidden 1024, 16 q / 8 kv heads of 128,
+// intermediate 3072; FP8 e4m3 weights with a float scale per output row):
+//   A  x += d (l > 0); RMSNorm; this CTA's rows of W_qkv              -> qkv      | barrier
+//   B  head h = cta % 16: q/k RMSNorm, RoPE, attention over the pass's positions (the new k/v
+//      written to the cache once per kv head); its rows of W_o[:, h] summed into o (atomics)
+//                                                                     -> o        | barrier
+//   C  x += o; RMSNorm; its columns of gate and up, silu(g) * u       -> act      | barrier
+//   D  its rows of W_down                                             -> d        | barrier
+// then (passes 1..15) H: x += d; final RMSNorm; its rows of the pass's head -> logits | barrier;
+// every CTA takes the argmax itself (the same on every CTA), and the next pass's input is the
+// token's row of a folded table (small_to_mtp_projection applied to the codebook embedding
+// ahead of time: a lookup, no stage). 16 passes: pass 0 the talker's hidden state, pass 1 the
+// codebook-0 embedding, passes 1..15 each give one code (greedy).
+// Barriers: 20 a pass (+1 with a head): 335 a frame.
+//
+// MODE 0: as above. 1: barriers only (no loads, no math). 2: no prefetch (a stage's own
+// weights copied when it starts, waited for). 3: no barriers (the stages race: garbage
+// results, their own time).
+
+#include <cuda_fp8.h>
+#include <cstdint>
+
+namespace megaframe {
+
+constexpr int H = 1024, NH = 16, NKV = 8, HD = 128, I = 3072, L = 5, V = 2048, G = 16;
+constexpr int QKV = (NH + 2 * NKV) * HD;  // 4096
+constexpr int THREADS = 256, WARPS = THREADS / 32;
+constexpr int NBUF = 3;                  // weight buffers: stage s+2 loads while s runs
+constexpr int PASSES = G;                // 16 (pass 0: the talker's hidden state)
+constexpr int STAGES = 20 + (PASSES - 1) * 21;
+
+struct Params {
+    const uint8_t* wqkv; const float* sqkv;   // [L, 4096, 1024], [L, 4096]
+    const uint8_t* wo; const float* so;       // [L, 1024, 2048], [L, 1024]
+    const uint8_t* wgu; const float* sgu;     // [L, 6144, 1024] gate rows then up rows
+    const uint8_t* wd; const float* sd;       // [L, 1024, 3072], [L, 1024]
+    const uint8_t* whead; const float* shead; // [15, 2048, 1024], [15, 2048]
+    const float* in_norm; const float* post_norm;  // [L, 1024]
+    const float* q_norm; const float* k_norm;      // [L, 128]
+    const float* final_norm;                       // [1024]
+    const float* tables;   // [14, 2048, 1024]: projected embeddings of codebooks 1..14
+    const float* x_in;     // [2, 1024]: passes 0 and 1
+    const float* rope_cos; const float* rope_sin;  // [16, 64]
+    float* qkv; float* o; float* act; float* d;    // scratch (o zeroed before the launch)
+    float* logits;         // [15, 2048]
+    float* kcache; float* vcache;  // [L, 8, 16, 128]
+    int* tokens;           // [15]
+    unsigned* counter;     // zeroed before the launch
+    int buf_bytes;         // one weight buffer's bytes (host: the largest stage slice)
+    float eps;
+};
+
+__device__ __forceinline__ int rows_begin(int n, int cta, int ctas) {
+    return (int)(((long long)n * cta) / ctas);
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(counter) : "memory");
+        unsigned v;
+        long long spins = 0;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+            if (++spins > (1ll << 28)) __trap();  // a CTA never arrived: fail, never hang
+        } while (v < target);
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// stage index -> (pass, r): r 0..19 = layer r/4, kind r%4 (A, B, C, D); r 20 = head
+__device__ __forceinline__ void stage_of(int sid, int& pass, int& r) {
+    if (sid < 20) { pass = 0; r = sid; }
+    else { pass = 1 + (sid - 20) / 21; r = (sid - 20) % 21; }
+}
+
+// Copy this CTA's weight slice of stage sid into buf (every thread issues its share).
+__device__ void issue_stage(const Params& p, int sid, uint8_t* buf, int cta, int ctas) {
+    if (sid >= STAGES) return;
+    int pass, r;
+    stage_of(sid, pass, r);
+    const int tid = threadIdx.x;
+    if (r == 20) {  // head pass-1: rows of 1024
+        int r0 = rows_begin(V, cta, ctas), r1 = rows_begin(V, cta + 1, ctas);
+        const uint8_t* src = p.whead + ((size_t)(pass - 1) * V + r0) * H;
+        int chunks = (r1 - r0) * H / 16;
+        for (int i = tid; i < chunks; i += THREADS) cp_async16(buf + i * 16, src + i * 16);
+        return;
+    }
+    const int l = r / 4, kind = r % 4;
+    if (kind == 0) {
+        int r0 = rows_begin(QKV, cta, ctas), r1 = rows_begin(QKV, cta + 1, ctas);
+        const uint8_t* src = p.wqkv + ((size_t)l * QKV + r0) * H;
+        int chunks = (r1 - r0) * H / 16;
+        for (int i = tid; i < chunks; i += THREADS) cp_async16(buf + i * 16, src + i * 16);
+    } else if (kind == 1) {  // W_o[o0:o1, h*128:(h+1)*128]: 8 chunks a row
+        int h = cta % NH, gi = cta / NH, m = ctas / NH + (h < ctas % NH ? 1 : 0);
+        int o0 = rows_begin(H, gi, m), o1 = rows_begin(H, gi + 1, m);
+        const uint8_t* src = p.wo + ((size_t)l * H + o0) * (NH * HD) + h * HD;
+        int chunks = (o1 - o0) * (HD / 16);
+        for (int i = tid; i < chunks; i += THREADS) {
+            int row = i / (HD / 16), c = i % (HD / 16);
+            cp_async16(buf + i * 16, src + (size_t)row * (NH * HD) + c * 16);
+        }
+    } else if (kind == 2) {  // gate rows j0..j1, then up rows j0..j1
+        int j0 = rows_begin(I, cta, ctas), j1 = rows_begin(I, cta + 1, ctas);
+        int chunks = (j1 - j0) * H / 16;
+        const uint8_t* g = p.wgu + ((size_t)l * 2 * I + j0) * H;
+        const uint8_t* u = p.wgu + ((size_t)l * 2 * I + I + j0) * H;
+        for (int i = tid; i < chunks; i += THREADS) {
+            cp_async16(buf + i * 16, g + i * 16);
+            cp_async16(buf + (size_t)chunks * 16 + i * 16, u + i * 16);
+        }
+    } else {
+        int r0 = rows_begin(H, cta, ctas), r1 = rows_begin(H, cta + 1, ctas);
+        const uint8_t* src = p.wd + ((size_t)l * H + r0) * I;
+        int chunks = (r1 - r0) * I / 16;
+        for (int i = tid; i < chunks; i += THREADS) cp_async16(buf + i * 16, src + i * 16);
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// sum over the block of v (every thread gets it); red: WARPS floats of shared memory
+__device__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    float t = 0.f;
+    for (int i = 0; i < WARPS; ++i) t += red[i];
+    return t;
+}
+
+// xn = x * rsqrt(mean(x^2) + eps) * w over H values
+__device__ void rms_norm(const float* x, const float* w, float* xn, float eps, float* red) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < H; i += THREADS) ss += x[i] * x[i];
+    float rstd = rsqrtf(block_sum(ss, red) / H + eps);
+    for (int i = threadIdx.x; i < H; i += THREADS) xn[i] = x[i] * rstd * w[i];
+    __syncthreads();
+}
+
+__device__ __forceinline__ float dot16(uint4 wq, const float* x) {
+    const uint32_t u[4] = {wq.x, wq.y, wq.z, wq.w};
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        __nv_fp8x4_e4m3 q;
+        q.__x = u[j];
+        float4 f = static_cast<float4>(q);
+        float4 a = *reinterpret_cast<const float4*>(x + 4 * j);
+        s += f.x * a.x + f.y * a.y + f.z * a.z + f.w * a.w;
+    }
+    return s;
+}
+
+// rows x K weights in shared memory (row-major, FP8) times x (shared, K floats): a warp a
+// row, the lanes along K; out(row, sum) called by lane 0
+template <typename Out>
+__device__ void gemv_smem(const uint8_t* w, int rows, int K, const float* x, Out out) {
+    const int w_id = threadIdx.x / 32, lane = threadIdx.x % 32, chunks = K / 16;
+    for (int r = w_id; r < rows; r += WARPS) {
+        const uint8_t* wr = w + (size_t)r * K;
+        float s = 0.f;
+        for (int c = lane; c < chunks; c += 32)
+            s += dot16(*reinterpret_cast<const uint4*>(wr + c * 16), x + c * 16);
+        s = warp_sum(s);
+        if (lane == 0) out(r, s);
+    }
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    uint8_t* wbuf = smem;                                             // NBUF x buf_bytes
+    float* x = reinterpret_cast<float*>(smem + (size_t)NBUF * p.buf_bytes);  // residual [H]
+    float* xn = x + H;            // normed input / act [I]
+    float* qv = xn + I;           // q [128]
+    float* kv = qv + HD;          // k [128]
+    float* vv = kv + HD;          // v [128]
+    float* att = vv + HD;         // attention out [128]
+    float* sc = att + HD;         // scores [16]
+    float* red = sc + 16;         // [WARPS]
+    int* tok_s = reinterpret_cast<int*>(red + 2 * WARPS);
+
+    const int cta = blockIdx.x, ctas = gridDim.x, tid = threadIdx.x;
+    unsigned barriers = 0;
+    auto barrier = [&]() {
+        ++barriers;
+        if (MODE != 3) grid_barrier(p.counter, barriers * ctas);
+    };
+    auto buf_of = [&](int sid) { return wbuf + (size_t)(sid % NBUF) * p.buf_bytes; };
+
+    if (MODE == 0 || MODE == 3) {  // prologue: stages 0 and 1 in flight
+        issue_stage(p, 0, buf_of(0), cta, ctas); cp_commit();
+        issue_stage(p, 1, buf_of(1), cta, ctas); cp_commit();
+    }
+    int tok = 0;
+    for (int sid = 0; sid < STAGES; ++sid) {
+        int pass, r;
+        stage_of(sid, pass, r);
+        if (MODE == 1) {
+            if (!(pass == 0 && r == 19)) barrier();
+            continue;
+        }
+        uint8_t* wb = buf_of(sid);
+        __syncthreads();  // the buffer refilled next was the last stage's: all warps done
+        if (MODE == 2) {
+            issue_stage(p, sid, wb, cta, ctas); cp_commit(); cp_wait<0>();
+        } else {
+            issue_stage(p, sid + 2, buf_of(sid + 2), cta, ctas); cp_commit(); cp_wait<2>();
+        }
+        __syncthreads();
+        const int l = r / 4, kind = r == 20 ? 4 : r % 4;
+        if (kind == 0) {
+            if (l == 0) {
+                const float* src = pass < 2 ? p.x_in + pass * H
+                                            : p.tables + ((size_t)(pass - 2) * V + tok) * H;
+                for (int i = tid; i < H; i += THREADS) x[i] = __ldcg(src + i);
+            } else {
+                for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.d + i);
+            }
+            __syncthreads();
+            rms_norm(x, p.in_norm + l * H, xn, p.eps, red);
+            int r0 = rows_begin(QKV, cta, ctas), r1 = rows_begin(QKV, cta + 1, ctas);
+            const float* s = p.sqkv + l * QKV + r0;
+            float* y = p.qkv + r0;
+            gemv_smem(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
+            barrier();
+        } else if (kind == 1) {
+            const int h = cta % NH, g = h / (NH / NKV), pos = pass;
+            if (tid < HD) {
+                qv[tid] = __ldcg(p.qkv + h * HD + tid);
+                kv[tid] = __ldcg(p.qkv + NH * HD + g * HD + tid);
+                vv[tid] = __ldcg(p.qkv + (NH + NKV) * HD + g * HD + tid);
+            }
+            __syncthreads();
+            // q/k RMSNorm over the head (warps 0-3: q; 4-7: k), then RoPE (rotate-half)
+            {
+                float* t = tid < HD ? qv : kv;
+                const int d0 = tid % HD;
+                float v = t[d0] * t[d0];
+                v = warp_sum(v);
+                if (tid % 32 == 0) red[tid / 32] = v;
+                __syncthreads();
+                const int base = tid < HD ? 0 : 4;
+                float ss = red[base] + red[base + 1] + red[base + 2] + red[base + 3];
+                float rstd = rsqrtf(ss / HD + p.eps);
+                const float* wn = (tid < HD ? p.q_norm : p.k_norm) + l * HD;
+                float nv = t[d0] * rstd * wn[d0];
+                __syncthreads();
+                t[d0] = nv;
+                __syncthreads();
+                const int f = d0 % (HD / 2);
+                float c = p.rope_cos[pos * (HD / 2) + f], sn = p.rope_sin[pos * (HD / 2) + f];
+                float rot = d0 < HD / 2 ? -t[d0 + HD / 2] : t[d0 - HD / 2];
+                float outv = t[d0] * c + rot * sn;
+                __syncthreads();
+                t[d0] = outv;
+                __syncthreads();
+            }
+            float* kc = p.kcache + ((size_t)(l * NKV + g) * G) * HD;
+            float* vc = p.vcache + ((size_t)(l * NKV + g) * G) * HD;
+            if (cta < NH && h % (NH / NKV) == 0 && tid < HD) {  // one writer per kv head
+                __stcg(kc + pos * HD + tid, kv[tid]);
+                __stcg(vc + pos * HD + tid, vv[tid]);
+            }
+            const int w_id = tid / 32, lane = tid % 32;
+            for (int j = w_id; j <= pos; j += WARPS) {
+                float s = 0.f;
+                for (int d0 = lane; d0 < HD; d0 += 32)
+                    s += qv[d0] * (j == pos ? kv[d0] : __ldcg(kc + j * HD + d0));
+                s = warp_sum(s);
+                if (lane == 0) sc[j] = s * rsqrtf((float)HD);
+            }
+            __syncthreads();
+            if (tid < HD) {
+                float m = -INFINITY;
+                for (int j = 0; j <= pos; ++j) m = fmaxf(m, sc[j]);
+                float den = 0.f, acc = 0.f;
+                for (int j = 0; j <= pos; ++j) {
+                    float e = __expf(sc[j] - m);
+                    den += e;
+                    acc += e * (j == pos ? vv[tid] : __ldcg(vc + j * HD + tid));
+                }
+                att[tid] = acc / den;
+            }
+            __syncthreads();
+            const int gi = cta / NH, m = ctas / NH + (h < ctas % NH ? 1 : 0);
+            const int o0 = rows_begin(H, gi, m), o1 = rows_begin(H, gi + 1, m);
+            const float* so = p.so + l * H + o0;
+            // 8 lanes a row (8 chunks of 16), 4 rows a warp at a time
+            const int sub = lane / 8, c = lane % 8;
+            for (int base = w_id * 4; base < o1 - o0; base += WARPS * 4) {  // warp-uniform
+                const int rr = base + sub;
+                const bool row = rr < o1 - o0;
+                float s = row ? dot16(*reinterpret_cast<const uint4*>(wb + rr * HD + c * 16),
+                                      att + c * 16) : 0.f;
+                s += __shfl_xor_sync(0xffffffffu, s, 1);
+                s += __shfl_xor_sync(0xffffffffu, s, 2);
+                s += __shfl_xor_sync(0xffffffffu, s, 4);
+                if (row && c == 0) atomicAdd(p.o + o0 + rr, s * so[rr]);
+            }
+            barrier();
+        } else if (kind == 2) {
+            for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.o + i);
+            __syncthreads();
+            rms_norm(x, p.post_norm + l * H, xn, p.eps, red);
+            const int j0 = rows_begin(I, cta, ctas), j1 = rows_begin(I, cta + 1, ctas), n = j1 - j0;
+            const float* sg = p.sgu + (size_t)l * 2 * I + j0;
+            const float* su = sg + I;
+            // gate and up of column j in the same warp: rows j and n + j of the buffer
+            const int w_id = tid / 32, lane = tid % 32, chunks = H / 16;
+            for (int j = w_id; j < n; j += WARPS) {
+                const uint8_t* wg = wb + (size_t)j * H;
+                const uint8_t* wu = wb + (size_t)(n + j) * H;
+                float a = 0.f, b = 0.f;
+                for (int c = lane; c < chunks; c += 32) {
+                    a += dot16(*reinterpret_cast<const uint4*>(wg + c * 16), xn + c * 16);
+                    b += dot16(*reinterpret_cast<const uint4*>(wu + c * 16), xn + c * 16);
+                }
+                a = warp_sum(a) * sg[j];
+                b = warp_sum(b) * su[j];
+                if (lane == 0) __stcg(p.act + j0 + j, a / (1.f + __expf(-a)) * b);
+            }
+            barrier();
+        } else if (kind == 3) {
+            for (int i = tid; i < I; i += THREADS) xn[i] = __ldcg(p.act + i);
+            __syncthreads();
+            const int r0 = rows_begin(H, cta, ctas), r1 = rows_begin(H, cta + 1, ctas);
+            const float* s = p.sd + l * H + r0;
+            float* y = p.d + r0;
+            gemv_smem(wb, r1 - r0, I, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
+            if (cta == 0)  // every CTA read o in C (before the last barrier): zero it for B
+                for (int i = tid; i < H; i += THREADS) __stcg(p.o + i, 0.f);
+            if (!(pass == 0 && l == L - 1)) barrier();  // pass 0 has no head: nothing reads d
+        } else {  // head of codebook `pass`, then every CTA's own argmax
+            for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.d + i);
+            __syncthreads();
+            rms_norm(x, p.final_norm, xn, p.eps, red);
+            const int r0 = rows_begin(V, cta, ctas), r1 = rows_begin(V, cta + 1, ctas);
+            const float* s = p.shead + (size_t)(pass - 1) * V + r0;
+            float* y = p.logits + (size_t)(pass - 1) * V + r0;
+            gemv_smem(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
+            barrier();
+            const float* lg = p.logits + (size_t)(pass - 1) * V;
+            float best = -INFINITY;
+            int arg = 0;
+            for (int i = tid; i < V; i += THREADS) {
+                float v = MODE == 3 ? 0.f : __ldcg(lg + i);
+                if (v > best) { best = v; arg = i; }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                float ob = __shfl_xor_sync(0xffffffffu, best, o);
+                int oa = __shfl_xor_sync(0xffffffffu, arg, o);
+                if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
+            }
+            __syncthreads();
+            if (tid % 32 == 0) { red[tid / 32] = best; tok_s[tid / 32] = arg; }
+            __syncthreads();
+            if (tid == 0) {
+                float b = red[0];
+                int a = tok_s[0];
+                for (int i = 1; i < WARPS; ++i)
+                    if (red[i] > b || (red[i] == b && tok_s[i] < a)) { b = red[i]; a = tok_s[i]; }
+                tok_s[0] = a;
+                if (cta == 0) p.tokens[pass - 1] = a;
+            }
+            __syncthreads();
+            tok = tok_s[0];
+            __syncthreads();
+        }
+    }
+    if (MODE == 0 || MODE == 3) cp_wait<0>();
+}
+
+// The largest stage slice of one CTA, in bytes.
+inline int buf_bytes_for(int ctas) {
+    auto most = [&](int n) { return (n + ctas - 1) / ctas; };
+    int qkv = most(QKV) * H, gu = 2 * most(I) * H, dn = most(H) * I, hd = most(V) * H;
+    int per_head = ctas / NH;  // the smallest group of CTAs on one head
+    int wo = ((H + per_head - 1) / per_head) * HD;
+    int b = qkv;
+    for (int v : {gu, dn, hd, wo}) b = v > b ? v : b;
+    return (b + 15) / 16 * 16;
+}
+
+inline size_t smem_bytes(int buf_bytes) {
+    return (size_t)NBUF * buf_bytes + sizeof(float) * (H + I + 4 * HD + 16 + 2 * 8) + 64;
+}
+
+}  // namespace megaframe
+
+#ifdef MEGAFRAME_INSTANTIATE  // an offline compile check: nvcc -DMEGAFRAME_INSTANTIATE -c
+template __global__ void megaframe::cp_megaframe_kernel<0>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<1>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<2>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<3>(megaframe::Params);
+#endif
+
+#ifdef TORCH_EXTENSION_NAME
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+
+namespace {
+
+template <int MODE>
+void launch_mode(const megaframe::Params& p, int ctas, size_t smem, cudaStream_t stream) {
+    auto k = megaframe::cp_megaframe_kernel<MODE>;
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    k<<<ctas, megaframe::THREADS, smem, stream>>>(p);
+}
+
+// ws: the 28 tensors of Params in order (bench_megaframe.py); FP8 weights as uint8 views.
+// Zeroes the barrier counter and o on the current stream, then launches (capturable).
+void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas) {
+    TORCH_CHECK(ws.size() == 28, "28 tensors expected, got ", ws.size());
+    for (auto& t : ws) TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "CUDA contiguous tensors only");
+    megaframe::Params p;
+    int i = 0;
+    auto u8 = [&]() { return ws[i++].data_ptr<uint8_t>(); };
+    auto f = [&]() { return ws[i++].data_ptr<float>(); };
+    p.wqkv = u8(); p.sqkv = f(); p.wo = u8(); p.so = f(); p.wgu = u8(); p.sgu = f();
+    p.wd = u8(); p.sd = f(); p.whead = u8(); p.shead = f();
+    p.in_norm = f(); p.post_norm = f(); p.q_norm = f(); p.k_norm = f(); p.final_norm = f();
+    p.tables = f(); p.x_in = f(); p.rope_cos = f(); p.rope_sin = f();
+    p.qkv = f(); p.o = f(); p.act = f(); p.d = f(); p.logits = f();
+    p.kcache = f(); p.vcache = f();
+    p.tokens = ws[i++].data_ptr<int>();
+    p.counter = reinterpret_cast<unsigned*>(ws[i++].data_ptr<int>());
+    p.eps = 1e-6f;
+    int dev = ws[0].get_device(), sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    TORCH_CHECK(ctas >= 2 * megaframe::NH && ctas <= sms, "ctas must be in [32, SMs = ", sms, "]");
+    p.buf_bytes = megaframe::buf_bytes_for((int)ctas);
+    size_t smem = megaframe::smem_bytes(p.buf_bytes);
+    TORCH_CHECK(smem <= 227 * 1024, "shared memory ", smem, " > 227 KiB: use more CTAs");
+    auto stream = at::cuda::getCurrentCUDAStream().stream();
+    cudaMemsetAsync(p.counter, 0, sizeof(int), stream);
+    cudaMemsetAsync(p.o, 0, sizeof(float) * megaframe::H, stream);
+    switch (mode) {
+        case 0: launch_mode<0>(p, (int)ctas, smem, stream); break;
+        case 1: launch_mode<1>(p, (int)ctas, smem, stream); break;
+        case 2: launch_mode<2>(p, (int)ctas, smem, stream); break;
+        case 3: launch_mode<3>(p, (int)ctas, smem, stream); break;
+        default: TORCH_CHECK(false, "mode 0-3");
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run, "the code predictor's frame, one kernel"); }
+#endif
