@@ -28,6 +28,11 @@ import torch
 H, NH, NKV, HD, I, L, V, G = 1024, 16, 8, 128, 3072, 5, 2048, 16
 QKV = (NH + 2 * NKV) * HD
 MODES = {"full": 0, "barriers": 1, "no-prefetch": 2, "no-barrier": 3}
+STAGES = 20 + (G - 1) * 21
+KINDS = "ABCDH"  # qkv, attention + o, gate/up, down, head (+ argmax)
+
+
+NO_STAMPS = None  # set in main: an empty int64 tensor on the GPU
 
 
 def build():
@@ -177,6 +182,8 @@ def main() -> int:
     t0 = time.time()
     ext = build()
     print(f"built in {time.time() - t0:.0f} s")
+    global NO_STAMPS
+    NO_STAMPS = torch.empty(0, dtype=torch.int64, device="cuda")
     m, b = make_model(args.seed), buffers()
     ws = tensors(m, b)
     ctas_list = [int(c) for c in args.ctas.split(",") if c] or [props.multi_processor_count]
@@ -185,7 +192,7 @@ def main() -> int:
     for ctas in ctas_list:
         for name in ("kcache", "vcache", "logits"):
             b[name].zero_()
-        ext.run(ws, 0, ctas)
+        ext.run(ws, 0, ctas, NO_STAMPS)
         torch.cuda.synchronize()
         tokens = b["tokens"].clone()
         ref_logits, kc, vc = reference(m, tokens)
@@ -212,10 +219,45 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for ctas in ctas_list:
         for mode, code in MODES.items():
-            ms = time_graph(lambda c=code, n=ctas: ext.run(ws, c, n), args.replays)
+            ms = time_graph(lambda c=code, n=ctas: ext.run(ws, c, n, NO_STAMPS), args.replays)
             print(f"| {ctas} | {mode} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
                   f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
+        stage_breakdown(ext, ws, ctas)
     return 0 if ok else 1
+
+
+def stage_breakdown(ext, ws, ctas: int) -> None:
+    """Where a stage's time goes, from clock64 stamps of CTA 0 and the last CTA (one frame,
+    mode full): the stage's own work (weights ready -> barrier arrival), the barrier (arrival
+    -> release), and the gap to the next stage's start (its weight wait and the loop)."""
+    stamps = torch.zeros(2, STAGES, 3, dtype=torch.int64, device="cuda")
+    for _ in range(3):  # the last run's stamps
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        ext.run(ws, 0, ctas, stamps)
+        b.record()
+        b.synchronize()
+    st = stamps.cpu().double()
+    ticks_per_us = float(st[0, -1, 2] - st[0, 0, 0]) / (a.elapsed_time(b) * 1e3)
+    print(f"\n[{ctas} CTAs] stage breakdown (clock64, ~{ticks_per_us:.0f} ticks/us from the "
+          f"launch's event time; medians over passes and layers, us):")
+    print("| CTA | kind | stages | work | barrier | gap to next |")
+    print("|---|---|---|---|---|---|")
+    for who, name in ((0, "0"), (1, str(ctas - 1))):
+        rows: dict[str, list[tuple[float, float, float]]] = {k: [] for k in KINDS}
+        for sid in range(STAGES - 1):
+            pas, r = (0, sid) if sid < 20 else (1 + (sid - 20) // 21, (sid - 20) % 21)
+            start, arrive, release = (float(v) for v in st[who, sid])
+            if arrive == 0:  # pass 0's last down: no barrier
+                continue
+            nxt = float(st[who, sid + 1, 0])
+            rows[KINDS[4 if r == 20 else r % 4]].append(
+                ((arrive - start) / ticks_per_us, (release - arrive) / ticks_per_us,
+                 (nxt - release) / ticks_per_us))
+        for k, v in rows.items():
+            if v:
+                med = [statistics.median(x[i] for x in v) for i in range(3)]
+                print(f"| {name} | {k} | {len(v)} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} |")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ struct Params {
     float* kcache; float* vcache;  // [L, 8, 16, 128]
     int* tokens;           // [15]
     unsigned* counter;     // zeroed before the launch
+    long long* stamps;     // null, or [2, STAGES, 3] clock64 of CTA 0 and the last CTA:
+                           // stage start (weights ready), barrier arrival, barrier release
     int buf_bytes;         // one weight buffer's bytes (host: the largest stage slice)
     float eps;
 };
@@ -208,9 +210,15 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
 
     const int cta = blockIdx.x, ctas = gridDim.x, tid = threadIdx.x;
     unsigned barriers = 0;
+    long long* st = p.stamps && tid == 0 && (cta == 0 || cta == ctas - 1)
+                        ? p.stamps + (size_t)(cta == 0 ? 0 : 1) * STAGES * 3 : nullptr;
+    int cur = 0;
     auto barrier = [&]() {
         ++barriers;
+        __syncthreads();
+        if (st) st[cur * 3 + 1] = clock64();
         if (MODE != 3) grid_barrier(p.counter, barriers * ctas);
+        if (st) st[cur * 3 + 2] = clock64();
     };
     auto buf_of = [&](int sid) { return wbuf + (size_t)(sid % NBUF) * p.buf_bytes; };
 
@@ -234,6 +242,8 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
             issue_stage(p, sid + 2, buf_of(sid + 2), cta, ctas); cp_commit(); cp_wait<2>();
         }
         __syncthreads();
+        cur = sid;
+        if (st) st[sid * 3] = clock64();
         const int l = r / 4, kind = r == 20 ? 4 : r % 4;
         if (kind == 0) {
             if (l == 0) {
@@ -430,13 +440,18 @@ namespace {
 template <int MODE>
 void launch_mode(const megaframe::Params& p, int ctas, size_t smem, cudaStream_t stream) {
     auto k = megaframe::cp_megaframe_kernel<MODE>;
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    static size_t set = 0;  // once per size, outside any capture's first replay
+    if (set != smem) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        set = smem;
+    }
     k<<<ctas, megaframe::THREADS, smem, stream>>>(p);
 }
 
-// ws: the 28 tensors of Params in order (bench_megaframe.py); FP8 weights as uint8 views.
+// ws: the 28 tensors of Params in order (bench_megaframe.py); FP8 weights as uint8 views;
+// stamps: int64 [2, STAGES, 3] or empty.
 // Zeroes the barrier counter and o on the current stream, then launches (capturable).
-void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas) {
+void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tensor stamps) {
     TORCH_CHECK(ws.size() == 28, "28 tensors expected, got ", ws.size());
     for (auto& t : ws) TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "CUDA contiguous tensors only");
     megaframe::Params p;
@@ -451,6 +466,8 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas) {
     p.kcache = f(); p.vcache = f();
     p.tokens = ws[i++].data_ptr<int>();
     p.counter = reinterpret_cast<unsigned*>(ws[i++].data_ptr<int>());
+    p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
+    TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * 3, "stamps: [2, STAGES, 3]");
     p.eps = 1e-6f;
     int dev = ws[0].get_device(), sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
