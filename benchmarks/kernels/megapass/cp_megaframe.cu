@@ -81,7 +81,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target)
         long long spins = 0;
         do {
             asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
-            if (++spins > (1ll << 28)) __trap();  // a CTA never arrived: fail, never hang
+            if (++spins > (1ll << 22)) __trap();  // a CTA never arrived (~seconds): fail, never hang
         } while (v < target);
         __threadfence();
     }
