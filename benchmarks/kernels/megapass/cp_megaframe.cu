@@ -57,6 +57,10 @@ struct Params {
     long long* stamps;     // null, or [2, STAGES, 3] clock64 of CTA 0 and the last CTA:
                            // stage start (weights ready), barrier arrival, barrier release
     int buf_bytes;         // one weight buffer's bytes (host: the largest stage slice)
+    // sampling (ttsbuild.generation.sampling.sample; top_p 1): do_sample 0 = greedy
+    int do_sample, top_k;
+    float temperature;
+    long long seed, counter_base;  // a pass's draw counter: counter_base + pass (frame * 16 + cb)
     float eps;
 };
 
@@ -192,6 +196,108 @@ __device__ void gemv_smem(const uint8_t* w, int rows, int K, const float* x, Out
         s = warp_sum(s);
         if (lane == 0) out(r, s);
     }
+}
+
+__device__ __forceinline__ uint32_t hash32(uint32_t x) {  // lowbias32, as sampling.hash32
+    x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; return x ^ (x >> 16);
+}
+
+// sampling.uniform_noise's stream for (seed, counter), then its u for column i
+__device__ __forceinline__ uint32_t noise_stream(long long seed, long long counter) {
+    uint32_t key = hash32((uint32_t)(seed & 0xFFFFFFFFll)) ^
+                   hash32((uint32_t)(((seed >> 32) ^ 0x68E31DA4ll) & 0xFFFFFFFFll));
+    return hash32(key ^ hash32((uint32_t)((counter + 0x1B873593ll) & 0xFFFFFFFFll)));
+}
+__device__ __forceinline__ float gumbel(uint32_t stream, int i) {
+    uint32_t bits = hash32(stream ^ hash32((uint32_t)i + 0x3C6EF372u));
+    float u = fminf(((float)(bits >> 8) + 0.5f) * (1.0f / 16777216.0f), 1.0f - 5.9604645e-8f);
+    return -logf(-logf(u));
+}
+// ascending uint32 key of a float's order
+__device__ __forceinline__ uint32_t order_key(float f) {
+    uint32_t b = __float_as_uint(f);
+    return b ^ ((b & 0x80000000u) ? 0xFFFFFFFFu : 0x80000000u);
+}
+
+// (value, index) of the block's maximum, lowest index among ties; every thread gets it
+__device__ void block_argmax(float& best, int& arg, float* red, int* ired) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        int oa = __shfl_xor_sync(0xffffffffu, arg, o);
+        if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
+    }
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) { red[threadIdx.x / 32] = best; ired[threadIdx.x / 32] = arg; }
+    __syncthreads();
+    best = red[0]; arg = ired[0];
+    for (int i = 1; i < WARPS; ++i)
+        if (red[i] > best || (red[i] == best && ired[i] < arg)) { best = red[i]; arg = ired[i]; }
+    __syncthreads();
+}
+
+__device__ int block_count(bool c, int* ired) {
+    int n = __popc(__ballot_sync(0xffffffffu, c));
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) ired[threadIdx.x / 32] = n;
+    __syncthreads();
+    int t = 0;
+    for (int i = 0; i < WARPS; ++i) t += ired[i];
+    __syncthreads();
+    return t;
+}
+
+// The token of one pass from its logits (global, V): greedy, or Gumbel-max over
+// logits / temperature kept by top-k (ties with the k-th kept). The winner over all tokens
+// is the winner over the kept ones whenever it is kept (fewer than k tokens above it): the
+// common case costs one count; otherwise the k-th largest is found bit by bit (32 counts).
+__device__ int pick_token(const Params& p, const float* lg, long long counter, float* red,
+                          int* ired) {
+    constexpr int PER = V / THREADS;
+    float v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) v[j] = __ldcg(lg + threadIdx.x + j * THREADS);
+    float best = -INFINITY;
+    int arg = 0;
+    if (!p.do_sample) {
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+            if (v[j] > best) { best = v[j]; arg = threadIdx.x + j * THREADS; }
+        block_argmax(best, arg, red, ired);
+        return arg;
+    }
+    const uint32_t stream = noise_stream(p.seed, counter);
+    float z[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        v[j] = v[j] / p.temperature;
+        z[j] = v[j] + gumbel(stream, threadIdx.x + j * THREADS);
+        if (z[j] > best) { best = z[j]; arg = threadIdx.x + j * THREADS; }
+    }
+    block_argmax(best, arg, red, ired);
+    if (p.top_k <= 0 || p.top_k >= V) return arg;
+    // the winner's scaled logit: from the thread that holds it
+    __shared__ float s_w;
+    if (arg % THREADS == (int)threadIdx.x) s_w = v[arg / THREADS];
+    __syncthreads();
+    const float sw = s_w;
+    int above = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) above += block_count(v[j] > sw, ired);
+    if (above < p.top_k) return arg;
+    uint32_t t = 0;  // the k-th largest's key: the largest t with count(key >= t) >= k
+    for (int b = 31; b >= 0; --b) {
+        uint32_t cand = t | (1u << b);
+        int n = 0;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) n += block_count(order_key(v[j]) >= cand, ired);
+        if (n >= p.top_k) t = cand;
+    }
+    best = -INFINITY; arg = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+        if (order_key(v[j]) >= t && z[j] > best) { best = z[j]; arg = threadIdx.x + j * THREADS; }
+    block_argmax(best, arg, red, ired);
+    return arg;
 }
 
 template <int MODE>
@@ -377,31 +483,8 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
             gemv_smem(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
             barrier();
             const float* lg = p.logits + (size_t)(pass - 1) * V;
-            float best = -INFINITY;
-            int arg = 0;
-            for (int i = tid; i < V; i += THREADS) {
-                float v = MODE == 3 ? 0.f : __ldcg(lg + i);
-                if (v > best) { best = v; arg = i; }
-            }
-            for (int o = 16; o > 0; o >>= 1) {
-                float ob = __shfl_xor_sync(0xffffffffu, best, o);
-                int oa = __shfl_xor_sync(0xffffffffu, arg, o);
-                if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
-            }
-            __syncthreads();
-            if (tid % 32 == 0) { red[tid / 32] = best; tok_s[tid / 32] = arg; }
-            __syncthreads();
-            if (tid == 0) {
-                float b = red[0];
-                int a = tok_s[0];
-                for (int i = 1; i < WARPS; ++i)
-                    if (red[i] > b || (red[i] == b && tok_s[i] < a)) { b = red[i]; a = tok_s[i]; }
-                tok_s[0] = a;
-                if (cta == 0) p.tokens[pass - 1] = a;
-            }
-            __syncthreads();
-            tok = tok_s[0];
-            __syncthreads();
+            tok = MODE == 3 ? 0 : pick_token(p, lg, p.counter_base + pass, red, tok_s);
+            if (cta == 0 && tid == 0) p.tokens[pass - 1] = tok;
         }
     }
     if (MODE == 0 || MODE == 3) cp_wait<0>();
@@ -449,9 +532,10 @@ void launch_mode(const megaframe::Params& p, int ctas, size_t smem, cudaStream_t
 }
 
 // ws: the 28 tensors of Params in order (bench_megaframe.py); FP8 weights as uint8 views;
-// stamps: int64 [2, STAGES, 3] or empty.
+// stamps: int64 [2, STAGES, 3] or empty; sampling as ttsbuild.generation.sampling (top_p 1).
 // Zeroes the barrier counter and o on the current stream, then launches (capturable).
-void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tensor stamps) {
+void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tensor stamps,
+         int64_t do_sample, int64_t top_k, double temperature, int64_t seed, int64_t frame) {
     TORCH_CHECK(ws.size() == 28, "28 tensors expected, got ", ws.size());
     for (auto& t : ws) TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "CUDA contiguous tensors only");
     megaframe::Params p;
@@ -469,6 +553,9 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * 3, "stamps: [2, STAGES, 3]");
     p.eps = 1e-6f;
+    TORCH_CHECK(temperature > 0, "temperature must be > 0");
+    p.do_sample = (int)do_sample; p.top_k = (int)top_k; p.temperature = (float)temperature;
+    p.seed = seed; p.counter_base = frame * megaframe::G;
     int dev = ws[0].get_device(), sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     TORCH_CHECK(ctas >= 2 * megaframe::NH && ctas <= sms, "ctas must be in [32, SMs = ", sms, "]");
