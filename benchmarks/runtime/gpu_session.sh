@@ -97,6 +97,10 @@
 # chain:  bench_chain.py: us per launch in a captured chain of 420 dependent kernels (empty,
 #         a 1024-element hand-off with a reduction over 1-128 programs, the code predictor's
 #         linears at one row), with and without PDL: the floor under a frame's ~420 launches
+# megaframe: benchmarks/kernels/megapass/bench_megaframe.py (the code predictor's frame at
+#         batch 1 as one persistent CUDA kernel, a prototype: its check against a float32
+#         reference, greedy and sampled, then its time and floors and a stage breakdown), then
+#         the served fused frame at batch 1 (bench_cp_fused.py, FP8) in the same call
 # profile: profile_graphs.py with TTSBUILD_PDL=0 (each kernel's own time) at batches
 #         $PROFILE_BATCHES (default 1,64): frame, prefill 32/64, codec; the top $PROFILE_TOP
 #         kernels of each graph by total time
@@ -436,6 +440,14 @@ for step in $STEPS; do
         timeout -k 5 240 python3 -u benchmarks/kernels/bench_chain.py --out "$OUT/bench_chain.json" \
             > "$OUT/bench_chain.log" 2>&1
         echo "rc=$?"; tail -9 "$OUT/bench_chain.log" ;;
+    megaframe)  # the code predictor's frame as one persistent kernel (prototype) beside the served one
+        log "one-kernel code-predictor frame (bench_megaframe.py), then the served fused frame at batch 1"
+        timeout -k 5 200 python3 -u benchmarks/kernels/megapass/bench_megaframe.py \
+            > "$OUT/megaframe.log" 2>&1
+        echo "rc=$?"; grep -E "check|^\|" "$OUT/megaframe.log" | cut -c1-220
+        timeout -k 5 150 python3 -u benchmarks/kernels/bench_cp_fused.py --batches 1 \
+            --precisions fp8 --paths fused --fp32-batches "" > "$OUT/cp_fused_b1.log" 2>&1
+        echo "rc=$?"; tail -4 "$OUT/cp_fused_b1.log" ;;
     profile)  # where the captured steps' time goes, each kernel's own time (PDL off)
         log "profile of the captured steps (profile_graphs.py, TTSBUILD_PDL=0), batches ${PROFILE_BATCHES:-1,64}"
         TTSBUILD_PDL=0 timeout -k 5 300 python3 -u benchmarks/kernels/profile_graphs.py \
