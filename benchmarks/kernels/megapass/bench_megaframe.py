@@ -9,6 +9,8 @@ modes (one kernel each, 16 passes, 334 grid barriers a frame):
   barriers   the barriers alone (no loads, no math): the structure's floor
   no-prefetch each stage copies its own weights when it starts and waits for them
   no-barrier the stages racing (garbage results): the stages' own time
+and, with the grid barrier as a word per CTA (no atomic counter), the barriers alone and the
+sampled frame ("flags").
 Sampling: greedy, and the project's sampler (temperature 0.9, top-k 50: counter-based
 Gumbel-max, `ttsbuild.generation.sampling.sample`) run by every CTA on the pass's logits.
 GPU only (sm_90: cp.async, FP8 e4m3 conversions). 1.7B CustomVoice code-predictor shapes,
@@ -19,6 +21,7 @@ codebook tables (a pass's input is a row lookup). Exit status 1 when the check f
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -87,7 +90,7 @@ def buffers() -> dict[str, torch.Tensor]:
         "d": torch.zeros(H, **f), "logits": torch.zeros(G - 1, V, **f),
         "kcache": torch.zeros(L, NKV, G, HD, **f), "vcache": torch.zeros(L, NKV, G, HD, **f),
         "tokens": torch.zeros(G - 1, device="cuda", dtype=torch.int32),
-        "counter": torch.zeros(1, device="cuda", dtype=torch.int32),
+        "counter": torch.zeros(256, device="cuda", dtype=torch.int32),  # a word per CTA
     }
 
 
@@ -148,9 +151,9 @@ SAMPLED = dict(do_sample=1, top_k=50, temperature=0.9, seed=-1234567890123, fram
 GREEDY = dict(do_sample=0, top_k=0, temperature=1.0, seed=0, frame=0)
 
 
-def call(ext, ws, mode: int, ctas: int, stamps, s: dict) -> None:
+def call(ext, ws, mode: int, ctas: int, stamps, s: dict, flags: bool = False) -> None:
     ext.run(ws, mode, ctas, stamps, s["do_sample"], s["top_k"], s["temperature"], s["seed"],
-            s["frame"])
+            s["frame"], int(flags))
 
 
 def reference_tokens(logits: torch.Tensor, s: dict) -> torch.Tensor:
@@ -230,29 +233,30 @@ def main() -> int:
     ctas_list = [int(c) for c in args.ctas.split(",") if c] or [props.multi_processor_count]
 
     ok = True
-    for ctas in ctas_list:
-        for label, smp in (("greedy", GREEDY), ("sampled", SAMPLED)):
-            for name in ("kcache", "vcache", "logits"):
-                b[name].zero_()
-            call(ext, ws, 0, ctas, NO_STAMPS, smp)
-            torch.cuda.synchronize()
-            tokens = b["tokens"].clone()
-            ref_logits, kc, vc = reference(m, tokens)
-            errs = [rel(b["logits"][i], ref_logits[i]) for i in range(G - 1)]
-            ref_tok = reference_tokens(ref_logits, smp)
-            flips = [(i, int(tokens[i]), int(ref_tok[i])) for i in range(G - 1)
-                     if int(tokens[i]) != int(ref_tok[i])]
-            err_k, err_v = rel(b["kcache"], kc), rel(b["vcache"], vc)
-            # the kernel's sums run in another order than the reference's: a differing token
-            # is allowed only where the reference's own choice is a near-tie
-            near = [i for i, _, _ in flips if near_tie(ref_logits[i], smp, i)]
-            good = (max(errs) < 1e-4 and err_k < 1e-4 and err_v < 1e-4
-                    and len(near) == len(flips))
-            ok &= good
-            print(f"[{ctas} CTAs, {label}] check {'PASS' if good else 'FAIL'}: logits rel err "
-                  f"max {max(errs):.2e} (passes 1-15), k/v caches {err_k:.2e} / {err_v:.2e}; "
-                  f"tokens {tokens.tolist()}; differing from the reference {flips} (near-ties "
-                  f"{near}); logit std {float(ref_logits.std(dim=-1).mean()):.2f}")
+    for ctas, (label, smp, flags) in itertools.product(ctas_list, (
+            ("greedy", GREEDY, False), ("sampled", SAMPLED, False),
+            ("sampled, flag barrier", SAMPLED, True))):
+        for name in ("kcache", "vcache", "logits"):
+            b[name].zero_()
+        call(ext, ws, 0, ctas, NO_STAMPS, smp, flags)
+        torch.cuda.synchronize()
+        tokens = b["tokens"].clone()
+        ref_logits, kc, vc = reference(m, tokens)
+        errs = [rel(b["logits"][i], ref_logits[i]) for i in range(G - 1)]
+        ref_tok = reference_tokens(ref_logits, smp)
+        flips = [(i, int(tokens[i]), int(ref_tok[i])) for i in range(G - 1)
+                 if int(tokens[i]) != int(ref_tok[i])]
+        err_k, err_v = rel(b["kcache"], kc), rel(b["vcache"], vc)
+        # the kernel's sums run in another order than the reference's: a differing token
+        # is allowed only where the reference's own choice is a near-tie
+        near = [i for i, _, _ in flips if near_tie(ref_logits[i], smp, i)]
+        good = (max(errs) < 1e-4 and err_k < 1e-4 and err_v < 1e-4
+                and len(near) == len(flips))
+        ok &= good
+        print(f"[{ctas} CTAs, {label}] check {'PASS' if good else 'FAIL'}: logits rel err "
+              f"max {max(errs):.2e} (passes 1-15), k/v caches {err_k:.2e} / {err_v:.2e}; "
+              f"tokens {tokens.tolist()}; differing from the reference {flips} (near-ties "
+              f"{near}); logit std {float(ref_logits.std(dim=-1).mean()):.2f}")
 
     fp8_bytes = sum(m[k].numel() for k in ("wqkv", "wo", "wgu", "wd")) * G + m["whead"].numel()
     print(f"\nFP8 weight bytes a frame {fp8_bytes / 1e6:.0f} MB (16 passes; 15 heads)")
@@ -264,9 +268,13 @@ def main() -> int:
                             args.replays)
             print(f"| {ctas} | {mode} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
                   f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
-        ms = time_graph(lambda n=ctas: call(ext, ws, 0, n, NO_STAMPS, SAMPLED), args.replays)
-        print(f"| {ctas} | full, sampled | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
-              f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
+        for label, code, smp, flags in (("full, sampled", 0, SAMPLED, False),
+                                         ("barriers, flags", 1, GREEDY, True),
+                                         ("full, sampled, flags", 0, SAMPLED, True)):
+            ms = time_graph(lambda n=ctas, c=code, s=smp, f=flags: call(ext, ws, c, n, NO_STAMPS,
+                                                                        s, f), args.replays)
+            print(f"| {ctas} | {label} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
+                  f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
         stage_breakdown(ext, ws, ctas)
     return 0 if ok else 1
 

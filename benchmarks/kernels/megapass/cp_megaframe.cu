@@ -53,7 +53,8 @@ struct Params {
     float* logits;         // [15, 2048]
     float* kcache; float* vcache;  // [L, 8, 16, 128]
     int* tokens;           // [15]
-    unsigned* counter;     // zeroed before the launch
+    unsigned* counter;     // zeroed before the launch: [1] (counting) or [ctas] (flags)
+    int flag_barrier;      // 0: one counter, an atomic add per CTA; 1: a word per CTA
     long long* stamps;     // null, or [2, STAGES, 3] clock64 of CTA 0 and the last CTA:
                            // stage start (weights ready), barrier arrival, barrier release
     int buf_bytes;         // one weight buffer's bytes (host: the largest stage slice)
@@ -87,6 +88,29 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target)
             asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
             if (++spins > (1ll << 22)) __trap();  // a CTA never arrived (~seconds): fail, never hang
         } while (v < target);
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// The same barrier without an atomic: each CTA stores the barrier's number to its own word
+// (release) and threads 0..ctas-1 of every CTA wait for one word each (acquire). No arrivals
+// serialise on one address; the words of 132 CTAs lie in five 128-byte lines.
+__device__ __forceinline__ void grid_barrier_flags(unsigned* flags, unsigned epoch, int ctas) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flags + blockIdx.x), "r"(epoch)
+                     : "memory");
+    }
+    if ((int)threadIdx.x < ctas) {
+        unsigned v;
+        long long spins = 0;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n"
+                         : "=r"(v) : "l"(flags + threadIdx.x) : "memory");
+            if (++spins > (1ll << 22)) __trap();
+        } while (v < epoch);
         __threadfence();
     }
     __syncthreads();
@@ -323,7 +347,10 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
         ++barriers;
         __syncthreads();
         if (st) st[cur * 3 + 1] = clock64();
-        if (MODE != 3) grid_barrier(p.counter, barriers * ctas);
+        if (MODE != 3) {
+            if (p.flag_barrier) grid_barrier_flags(p.counter, barriers, ctas);
+            else grid_barrier(p.counter, barriers * ctas);
+        }
         if (st) st[cur * 3 + 2] = clock64();
     };
     auto buf_of = [&](int sid) { return wbuf + (size_t)(sid % NBUF) * p.buf_bytes; };
@@ -535,7 +562,8 @@ void launch_mode(const megaframe::Params& p, int ctas, size_t smem, cudaStream_t
 // stamps: int64 [2, STAGES, 3] or empty; sampling as ttsbuild.generation.sampling (top_p 1).
 // Zeroes the barrier counter and o on the current stream, then launches (capturable).
 void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tensor stamps,
-         int64_t do_sample, int64_t top_k, double temperature, int64_t seed, int64_t frame) {
+         int64_t do_sample, int64_t top_k, double temperature, int64_t seed, int64_t frame,
+         int64_t flag_barrier) {
     TORCH_CHECK(ws.size() == 28, "28 tensors expected, got ", ws.size());
     for (auto& t : ws) TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "CUDA contiguous tensors only");
     megaframe::Params p;
@@ -563,7 +591,10 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     size_t smem = megaframe::smem_bytes(p.buf_bytes);
     TORCH_CHECK(smem <= 227 * 1024, "shared memory ", smem, " > 227 KiB: use more CTAs");
     auto stream = at::cuda::getCurrentCUDAStream().stream();
-    cudaMemsetAsync(p.counter, 0, sizeof(int), stream);
+    p.flag_barrier = (int)flag_barrier;
+    TORCH_CHECK(ws[27].numel() >= ctas, "the barrier words: one per CTA");
+    TORCH_CHECK(ctas <= megaframe::THREADS, "at most one CTA per thread of a CTA (flags)");
+    cudaMemsetAsync(p.counter, 0, sizeof(int) * ctas, stream);
     cudaMemsetAsync(p.o, 0, sizeof(float) * megaframe::H, stream);
     switch (mode) {
         case 0: launch_mode<0>(p, (int)ctas, smem, stream); break;
