@@ -34,6 +34,8 @@ constexpr int H = 1024, NH = 16, NKV = 8, HD = 128, I = 3072, L = 5, V = 2048, G
 constexpr int QKV = (NH + 2 * NKV) * HD;  // 4096
 constexpr int THREADS = 256, WARPS = THREADS / 32;
 constexpr int NBUF = 3;                  // weight buffers: stage s+2 loads while s runs
+constexpr int SIDE = 2048;               // floats beside each buffer: the stage's norm
+                                         // weights, row scales, RoPE row (side_layout)
 constexpr int PASSES = G;                // 16 (pass 0: the talker's hidden state)
 constexpr int STAGES = 20 + (PASSES - 1) * 21;
 
@@ -54,7 +56,8 @@ struct Params {
     float* kcache; float* vcache;  // [L, 8, 16, 128]
     int* tokens;           // [15]
     unsigned* counter;     // zeroed before the launch: [1] (counting) or [ctas] (flags)
-    int flag_barrier;      // 0: one counter, an atomic add per CTA; 1: a word per CTA
+    int flag_barrier;      // 0: one counter (release add, acquire polls); 1: the same with
+                           // full fences around it; 2: a word per CTA
     long long* stamps;     // null, or [2, STAGES, 3] clock64 of CTA 0 and the last CTA:
                            // stage start (weights ready), barrier arrival, barrier release
     int buf_bytes;         // one weight buffer's bytes (host: the largest stage slice)
@@ -73,14 +76,22 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// fenced: a full fence before the arrival and after the wait (cooperative groups' grid
+// sync); without, the release add and acquire load alone order the CTA's writes (bar.sync
+// before them: cumulativity), as CUTLASS's GenericBarrier does.
+template <bool FENCED>
 __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+        if (FENCED) __threadfence();
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(counter) : "memory");
         unsigned v;
         long long spins = 0;
@@ -88,7 +99,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target)
             asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
             if (++spins > (1ll << 22)) __trap();  // a CTA never arrived (~seconds): fail, never hang
         } while (v < target);
-        __threadfence();
+        if (FENCED) __threadfence();
     }
     __syncthreads();
 }
@@ -123,11 +134,54 @@ __device__ __forceinline__ void stage_of(int sid, int& pass, int& r) {
 }
 
 // Copy this CTA's weight slice of stage sid into buf (every thread issues its share).
+__device__ __forceinline__ void copy_vec(float* dst, const float* src, int n) {  // n % 4 == 0
+    for (int i = threadIdx.x; i < n / 4; i += THREADS) cp_async16(dst + 4 * i, src + 4 * i);
+}
+__device__ __forceinline__ void copy_rows(float* dst, const float* src, int n) {  // 4 B each
+    for (int i = threadIdx.x; i < n; i += THREADS) cp_async4(dst + i, src + i);
+}
+
+// The small vectors a stage reads, copied beside its weights (side, SIDE floats):
+//   A: input norm [0, 1024), qkv scales [1024, ...)      C: post norm, gate scales, up scales
+//   B: q norm [0, 128), k norm [128, 256), cos [256, 320), sin [320, 384), o scales [384, ...)
+//   D: down scales [0, ...)                              H: final norm, head scales
+__device__ void issue_side(const Params& p, int pass, int r, float* side, int cta, int ctas) {
+    if (r == 20) {
+        int r0 = rows_begin(V, cta, ctas), r1 = rows_begin(V, cta + 1, ctas);
+        copy_vec(side, p.final_norm, H);
+        copy_rows(side + H, p.shead + (size_t)(pass - 1) * V + r0, r1 - r0);
+        return;
+    }
+    const int l = r / 4, kind = r % 4;
+    if (kind == 0) {
+        int r0 = rows_begin(QKV, cta, ctas), r1 = rows_begin(QKV, cta + 1, ctas);
+        copy_vec(side, p.in_norm + l * H, H);
+        copy_rows(side + H, p.sqkv + l * QKV + r0, r1 - r0);
+    } else if (kind == 1) {
+        int h = cta % NH, gi = cta / NH, m = ctas / NH + (h < ctas % NH ? 1 : 0);
+        int o0 = rows_begin(H, gi, m), o1 = rows_begin(H, gi + 1, m);
+        copy_vec(side, p.q_norm + l * HD, HD);
+        copy_vec(side + HD, p.k_norm + l * HD, HD);
+        copy_vec(side + 2 * HD, p.rope_cos + pass * (HD / 2), HD / 2);
+        copy_vec(side + 2 * HD + HD / 2, p.rope_sin + pass * (HD / 2), HD / 2);
+        copy_rows(side + 3 * HD, p.so + l * H + o0, o1 - o0);
+    } else if (kind == 2) {
+        int j0 = rows_begin(I, cta, ctas), j1 = rows_begin(I, cta + 1, ctas);
+        copy_vec(side, p.post_norm + l * H, H);
+        copy_rows(side + H, p.sgu + (size_t)l * 2 * I + j0, j1 - j0);
+        copy_rows(side + H + (j1 - j0), p.sgu + (size_t)l * 2 * I + I + j0, j1 - j0);
+    } else {
+        int r0 = rows_begin(H, cta, ctas), r1 = rows_begin(H, cta + 1, ctas);
+        copy_rows(side, p.sd + l * H + r0, r1 - r0);
+    }
+}
+
 __device__ void issue_stage(const Params& p, int sid, uint8_t* buf, int cta, int ctas) {
     if (sid >= STAGES) return;
     int pass, r;
     stage_of(sid, pass, r);
     const int tid = threadIdx.x;
+    issue_side(p, pass, r, reinterpret_cast<float*>(buf + p.buf_bytes), cta, ctas);
     if (r == 20) {  // head pass-1: rows of 1024
         int r0 = rows_begin(V, cta, ctas), r1 = rows_begin(V, cta + 1, ctas);
         const uint8_t* src = p.whead + ((size_t)(pass - 1) * V + r0) * H;
@@ -259,8 +313,8 @@ __device__ void block_argmax(float& best, int& arg, float* red, int* ired) {
     __syncthreads();
 }
 
-__device__ int block_count(bool c, int* ired) {
-    int n = __popc(__ballot_sync(0xffffffffu, c));
+__device__ int block_total(int n, int* ired) {  // sum of n over the block
+    for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
     __syncthreads();
     if (threadIdx.x % 32 == 0) ired[threadIdx.x / 32] = n;
     __syncthreads();
@@ -304,16 +358,18 @@ __device__ int pick_token(const Params& p, const float* lg, long long counter, f
     if (arg % THREADS == (int)threadIdx.x) s_w = v[arg / THREADS];
     __syncthreads();
     const float sw = s_w;
-    int above = 0;
+    int mine = 0;
 #pragma unroll
-    for (int j = 0; j < PER; ++j) above += block_count(v[j] > sw, ired);
+    for (int j = 0; j < PER; ++j) mine += v[j] > sw;
+    const int above = block_total(mine, ired);
     if (above < p.top_k) return arg;
     uint32_t t = 0;  // the k-th largest's key: the largest t with count(key >= t) >= k
     for (int b = 31; b >= 0; --b) {
         uint32_t cand = t | (1u << b);
-        int n = 0;
+        int mine_b = 0;
 #pragma unroll
-        for (int j = 0; j < PER; ++j) n += block_count(order_key(v[j]) >= cand, ired);
+        for (int j = 0; j < PER; ++j) mine_b += order_key(v[j]) >= cand;
+        const int n = block_total(mine_b, ired);
         if (n >= p.top_k) t = cand;
     }
     best = -INFINITY; arg = 0;
@@ -328,7 +384,7 @@ template <int MODE>
 __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
     extern __shared__ __align__(16) uint8_t smem[];
     uint8_t* wbuf = smem;                                             // NBUF x buf_bytes
-    float* x = reinterpret_cast<float*>(smem + (size_t)NBUF * p.buf_bytes);  // residual [H]
+    float* x = reinterpret_cast<float*>(smem + (size_t)NBUF * (p.buf_bytes + SIDE * 4));  // [H]
     float* xn = x + H;            // normed input / act [I]
     float* qv = xn + I;           // q [128]
     float* kv = qv + HD;          // k [128]
@@ -337,6 +393,8 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
     float* sc = att + HD;         // scores [16]
     float* red = sc + 16;         // [WARPS]
     int* tok_s = reinterpret_cast<int*>(red + 2 * WARPS);
+    float* kbuf = reinterpret_cast<float*>(tok_s + 2 * WARPS);  // [16, 128]: a head's past k
+    float* vbuf = kbuf + G * HD;                                 // [16, 128]: ...and v
 
     const int cta = blockIdx.x, ctas = gridDim.x, tid = threadIdx.x;
     unsigned barriers = 0;
@@ -348,12 +406,14 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
         __syncthreads();
         if (st) st[cur * 3 + 1] = clock64();
         if (MODE != 3) {
-            if (p.flag_barrier) grid_barrier_flags(p.counter, barriers, ctas);
-            else grid_barrier(p.counter, barriers * ctas);
+            if (p.flag_barrier == 2) grid_barrier_flags(p.counter, barriers, ctas);
+            else if (p.flag_barrier == 1) grid_barrier<true>(p.counter, barriers * ctas);
+            else grid_barrier<false>(p.counter, barriers * ctas);
         }
         if (st) st[cur * 3 + 2] = clock64();
     };
-    auto buf_of = [&](int sid) { return wbuf + (size_t)(sid % NBUF) * p.buf_bytes; };
+    const size_t slot_bytes = (size_t)p.buf_bytes + SIDE * sizeof(float);
+    auto buf_of = [&](int sid) { return wbuf + (sid % NBUF) * slot_bytes; };
 
     if (MODE == 0 || MODE == 3) {  // prologue: stages 0 and 1 in flight
         issue_stage(p, 0, buf_of(0), cta, ctas); cp_commit();
@@ -378,6 +438,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
         cur = sid;
         if (st) st[sid * 3] = clock64();
         const int l = r / 4, kind = r == 20 ? 4 : r % 4;
+        const float* side = reinterpret_cast<const float*>(wb + p.buf_bytes);
         if (kind == 0) {
             if (l == 0) {
                 const float* src = pass < 2 ? p.x_in + pass * H
@@ -387,9 +448,9 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
                 for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.d + i);
             }
             __syncthreads();
-            rms_norm(x, p.in_norm + l * H, xn, p.eps, red);
+            rms_norm(x, side, xn, p.eps, red);
             int r0 = rows_begin(QKV, cta, ctas), r1 = rows_begin(QKV, cta + 1, ctas);
-            const float* s = p.sqkv + l * QKV + r0;
+            const float* s = side + H;
             float* y = p.qkv + r0;
             gemv_smem(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
             barrier();
@@ -412,13 +473,13 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
                 const int base = tid < HD ? 0 : 4;
                 float ss = red[base] + red[base + 1] + red[base + 2] + red[base + 3];
                 float rstd = rsqrtf(ss / HD + p.eps);
-                const float* wn = (tid < HD ? p.q_norm : p.k_norm) + l * HD;
+                const float* wn = side + (tid < HD ? 0 : HD);
                 float nv = t[d0] * rstd * wn[d0];
                 __syncthreads();
                 t[d0] = nv;
                 __syncthreads();
                 const int f = d0 % (HD / 2);
-                float c = p.rope_cos[pos * (HD / 2) + f], sn = p.rope_sin[pos * (HD / 2) + f];
+                float c = side[2 * HD + f], sn = side[2 * HD + HD / 2 + f];
                 float rot = d0 < HD / 2 ? -t[d0 + HD / 2] : t[d0 - HD / 2];
                 float outv = t[d0] * c + rot * sn;
                 __syncthreads();
@@ -431,11 +492,16 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
                 __stcg(kc + pos * HD + tid, kv[tid]);
                 __stcg(vc + pos * HD + tid, vv[tid]);
             }
+            for (int i = tid; i < pos * HD / 4; i += THREADS) {  // past rows, one batch of loads
+                reinterpret_cast<float4*>(kbuf)[i] = __ldcg(reinterpret_cast<const float4*>(kc) + i);
+                reinterpret_cast<float4*>(vbuf)[i] = __ldcg(reinterpret_cast<const float4*>(vc) + i);
+            }
+            __syncthreads();
             const int w_id = tid / 32, lane = tid % 32;
             for (int j = w_id; j <= pos; j += WARPS) {
                 float s = 0.f;
                 for (int d0 = lane; d0 < HD; d0 += 32)
-                    s += qv[d0] * (j == pos ? kv[d0] : __ldcg(kc + j * HD + d0));
+                    s += qv[d0] * (j == pos ? kv[d0] : kbuf[j * HD + d0]);
                 s = warp_sum(s);
                 if (lane == 0) sc[j] = s * rsqrtf((float)HD);
             }
@@ -447,14 +513,14 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
                 for (int j = 0; j <= pos; ++j) {
                     float e = __expf(sc[j] - m);
                     den += e;
-                    acc += e * (j == pos ? vv[tid] : __ldcg(vc + j * HD + tid));
+                    acc += e * (j == pos ? vv[tid] : vbuf[j * HD + tid]);
                 }
                 att[tid] = acc / den;
             }
             __syncthreads();
             const int gi = cta / NH, m = ctas / NH + (h < ctas % NH ? 1 : 0);
             const int o0 = rows_begin(H, gi, m), o1 = rows_begin(H, gi + 1, m);
-            const float* so = p.so + l * H + o0;
+            const float* so = side + 3 * HD;
             // 8 lanes a row (8 chunks of 16), 4 rows a warp at a time
             const int sub = lane / 8, c = lane % 8;
             for (int base = w_id * 4; base < o1 - o0; base += WARPS * 4) {  // warp-uniform
@@ -471,10 +537,10 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
         } else if (kind == 2) {
             for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.o + i);
             __syncthreads();
-            rms_norm(x, p.post_norm + l * H, xn, p.eps, red);
+            rms_norm(x, side, xn, p.eps, red);
             const int j0 = rows_begin(I, cta, ctas), j1 = rows_begin(I, cta + 1, ctas), n = j1 - j0;
-            const float* sg = p.sgu + (size_t)l * 2 * I + j0;
-            const float* su = sg + I;
+            const float* sg = side + H;
+            const float* su = sg + n;
             // gate and up of column j in the same warp: rows j and n + j of the buffer
             const int w_id = tid / 32, lane = tid % 32, chunks = H / 16;
             for (int j = w_id; j < n; j += WARPS) {
@@ -494,7 +560,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
             for (int i = tid; i < I; i += THREADS) xn[i] = __ldcg(p.act + i);
             __syncthreads();
             const int r0 = rows_begin(H, cta, ctas), r1 = rows_begin(H, cta + 1, ctas);
-            const float* s = p.sd + l * H + r0;
+            const float* s = side;
             float* y = p.d + r0;
             gemv_smem(wb, r1 - r0, I, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
             if (cta == 0)  // every CTA read o in C (before the last barrier): zero it for B
@@ -503,9 +569,9 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
         } else {  // head of codebook `pass`, then every CTA's own argmax
             for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.d + i);
             __syncthreads();
-            rms_norm(x, p.final_norm, xn, p.eps, red);
+            rms_norm(x, side, xn, p.eps, red);
             const int r0 = rows_begin(V, cta, ctas), r1 = rows_begin(V, cta + 1, ctas);
-            const float* s = p.shead + (size_t)(pass - 1) * V + r0;
+            const float* s = side + H;
             float* y = p.logits + (size_t)(pass - 1) * V + r0;
             gemv_smem(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
             barrier();
@@ -529,7 +595,8 @@ inline int buf_bytes_for(int ctas) {
 }
 
 inline size_t smem_bytes(int buf_bytes) {
-    return (size_t)NBUF * buf_bytes + sizeof(float) * (H + I + 4 * HD + 16 + 2 * 8) + 64;
+    return (size_t)NBUF * (buf_bytes + SIDE * sizeof(float)) +
+           sizeof(float) * (H + I + 4 * HD + 16 + 2 * 8 + 2 * 8 + 2 * G * HD) + 64;
 }
 
 }  // namespace megaframe
