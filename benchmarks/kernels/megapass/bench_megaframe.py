@@ -193,6 +193,9 @@ def near_tie(logits: torch.Tensor, s: dict, i: int) -> bool:
 
 
 def time_graph(fn, replays: int) -> float:
+    """Median ms of `replays` replays of fn captured in a CUDA graph (after a warm-up)."""
+    from ttsbuild.bench.engine_bench import _time_graph
+
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -203,15 +206,7 @@ def time_graph(fn, replays: int) -> float:
         fn()
     for _ in range(5):
         g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return _time_graph(g, replays)
 
 
 def main() -> int:
