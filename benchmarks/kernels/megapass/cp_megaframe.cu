@@ -15,12 +15,13 @@
 //   C  x += o; RMSNorm; its columns of gate and up, silu(g) * u       -> act      | barrier
 //   D  its rows of W_down                                             -> d        | barrier
 // then (passes 1..15) H: x += d; final RMSNorm; its rows of the pass's head -> logits | barrier;
-// every CTA takes the argmax itself (the same on every CTA), and the next pass's input is the
+// every CTA runs the sampler itself (the same token on every CTA), and the next pass's input is the
 // token's row of a folded table (small_to_mtp_projection applied to the codebook embedding
 // ahead of time: a lookup, no stage). 16 passes: pass 0 the talker's hidden state, pass 1 the
-// codebook-0 embedding, passes 1..15 each give one code (greedy).
-// Barriers: 20 a pass (+1 with a head): 335 a frame.
+// codebook-0 embedding, passes 1..15 each give one code (greedy or sampled).
+// Barriers: 20 a pass (+1 with a head; none after pass 0's last stage): 334 a frame.
 //
+// Each stage's norm weights, row scales and RoPE row travel with its weights (issue_side).
 // MODE 0: as above. 1: barriers only (no loads, no math). 2: no prefetch (a stage's own
 // weights copied when it starts, waited for). 3: no barriers (the stages race: garbage
 // results, their own time).
@@ -35,7 +36,7 @@ constexpr int QKV = (NH + 2 * NKV) * HD;  // 4096
 constexpr int THREADS = 256, WARPS = THREADS / 32;
 constexpr int NBUF = 3;                  // weight buffers: stage s+2 loads while s runs
 constexpr int SIDE = 2048;               // floats beside each buffer: the stage's norm
-                                         // weights, row scales, RoPE row (side_layout)
+                                         // weights, row scales, RoPE row (issue_side)
 constexpr int PASSES = G;                // 16 (pass 0: the talker's hidden state)
 constexpr int STAGES = 20 + (PASSES - 1) * 21;
 
