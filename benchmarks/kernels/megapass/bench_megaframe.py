@@ -34,7 +34,7 @@ H, NH, NKV, HD, I, L, V, G = 1024, 16, 8, 128, 3072, 5, 2048, 16
 QKV = (NH + 2 * NKV) * HD
 MODES = {"full": 0, "barriers": 1, "no-prefetch": 2, "no-barrier": 3}
 STAGES = 20 + (G - 1) * 21
-KINDS = "ABCDH"  # qkv, attention + o, gate/up, down, head (+ argmax)
+KINDS = "ABCDH"  # qkv, attention + o, gate/up, down, head (+ the sampler)
 
 
 NO_STAMPS = None  # set in main: an empty int64 tensor on the GPU

@@ -69,8 +69,22 @@ struct Params {
     float eps;
 };
 
-__device__ __forceinline__ int rows_begin(int n, int cta, int ctas) {
+__host__ __device__ __forceinline__ int rows_begin(int n, int cta, int ctas) {
     return (int)(((long long)n * cta) / ctas);
+}
+
+// The output rows [r0, r1) a CTA computes in a stage of kind 0-4 (A qkv, B o, C gate/up
+// columns, D down, H head): the weight copy, its side vectors and the stage all use these.
+// B: head cta % NH's CTAs split W_o's rows among them (the first ctas % NH heads have one
+// CTA more).
+struct Rows { int r0, r1; };
+__host__ __device__ __forceinline__ Rows stage_rows(int kind, int cta, int ctas) {
+    if (kind == 1) {
+        const int h = cta % NH, gi = cta / NH, m = ctas / NH + (h < ctas % NH ? 1 : 0);
+        return {rows_begin(H, gi, m), rows_begin(H, gi + 1, m)};
+    }
+    const int n = kind == 0 ? QKV : kind == 2 ? I : kind == 3 ? H : V;
+    return {rows_begin(n, cta, ctas), rows_begin(n, cta + 1, ctas)};
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -147,32 +161,28 @@ __device__ __forceinline__ void copy_rows(float* dst, const float* src, int n) {
 //   B: q norm [0, 128), k norm [128, 256), cos [256, 320), sin [320, 384), o scales [384, ...)
 //   D: down scales [0, ...)                              H: final norm, head scales
 __device__ void issue_side(const Params& p, int pass, int r, float* side, int cta, int ctas) {
+    const Rows w = stage_rows(r == 20 ? 4 : r % 4, cta, ctas);
+    const int r0 = w.r0, r1 = w.r1;
     if (r == 20) {
-        int r0 = rows_begin(V, cta, ctas), r1 = rows_begin(V, cta + 1, ctas);
         copy_vec(side, p.final_norm, H);
         copy_rows(side + H, p.shead + (size_t)(pass - 1) * V + r0, r1 - r0);
         return;
     }
     const int l = r / 4, kind = r % 4;
     if (kind == 0) {
-        int r0 = rows_begin(QKV, cta, ctas), r1 = rows_begin(QKV, cta + 1, ctas);
         copy_vec(side, p.in_norm + l * H, H);
         copy_rows(side + H, p.sqkv + l * QKV + r0, r1 - r0);
     } else if (kind == 1) {
-        int h = cta % NH, gi = cta / NH, m = ctas / NH + (h < ctas % NH ? 1 : 0);
-        int o0 = rows_begin(H, gi, m), o1 = rows_begin(H, gi + 1, m);
         copy_vec(side, p.q_norm + l * HD, HD);
         copy_vec(side + HD, p.k_norm + l * HD, HD);
         copy_vec(side + 2 * HD, p.rope_cos + pass * (HD / 2), HD / 2);
         copy_vec(side + 2 * HD + HD / 2, p.rope_sin + pass * (HD / 2), HD / 2);
-        copy_rows(side + 3 * HD, p.so + l * H + o0, o1 - o0);
+        copy_rows(side + 3 * HD, p.so + l * H + r0, r1 - r0);
     } else if (kind == 2) {
-        int j0 = rows_begin(I, cta, ctas), j1 = rows_begin(I, cta + 1, ctas);
         copy_vec(side, p.post_norm + l * H, H);
-        copy_rows(side + H, p.sgu + (size_t)l * 2 * I + j0, j1 - j0);
-        copy_rows(side + H + (j1 - j0), p.sgu + (size_t)l * 2 * I + I + j0, j1 - j0);
+        copy_rows(side + H, p.sgu + (size_t)l * 2 * I + r0, r1 - r0);
+        copy_rows(side + H + (r1 - r0), p.sgu + (size_t)l * 2 * I + I + r0, r1 - r0);
     } else {
-        int r0 = rows_begin(H, cta, ctas), r1 = rows_begin(H, cta + 1, ctas);
         copy_rows(side, p.sd + l * H + r0, r1 - r0);
     }
 }
@@ -183,8 +193,9 @@ __device__ void issue_stage(const Params& p, int sid, uint8_t* buf, int cta, int
     stage_of(sid, pass, r);
     const int tid = threadIdx.x;
     issue_side(p, pass, r, reinterpret_cast<float*>(buf + p.buf_bytes), cta, ctas);
+    const Rows w = stage_rows(r == 20 ? 4 : r % 4, cta, ctas);
+    const int r0 = w.r0, r1 = w.r1;
     if (r == 20) {  // head pass-1: rows of 1024
-        int r0 = rows_begin(V, cta, ctas), r1 = rows_begin(V, cta + 1, ctas);
         const uint8_t* src = p.whead + ((size_t)(pass - 1) * V + r0) * H;
         int chunks = (r1 - r0) * H / 16;
         for (int i = tid; i < chunks; i += THREADS) cp_async16(buf + i * 16, src + i * 16);
@@ -192,30 +203,25 @@ __device__ void issue_stage(const Params& p, int sid, uint8_t* buf, int cta, int
     }
     const int l = r / 4, kind = r % 4;
     if (kind == 0) {
-        int r0 = rows_begin(QKV, cta, ctas), r1 = rows_begin(QKV, cta + 1, ctas);
         const uint8_t* src = p.wqkv + ((size_t)l * QKV + r0) * H;
         int chunks = (r1 - r0) * H / 16;
         for (int i = tid; i < chunks; i += THREADS) cp_async16(buf + i * 16, src + i * 16);
-    } else if (kind == 1) {  // W_o[o0:o1, h*128:(h+1)*128]: 8 chunks a row
-        int h = cta % NH, gi = cta / NH, m = ctas / NH + (h < ctas % NH ? 1 : 0);
-        int o0 = rows_begin(H, gi, m), o1 = rows_begin(H, gi + 1, m);
-        const uint8_t* src = p.wo + ((size_t)l * H + o0) * (NH * HD) + h * HD;
-        int chunks = (o1 - o0) * (HD / 16);
+    } else if (kind == 1) {  // W_o[r0:r1, h*128:(h+1)*128] of head h = cta % NH: 8 chunks a row
+        const uint8_t* src = p.wo + ((size_t)l * H + r0) * (NH * HD) + (cta % NH) * HD;
+        int chunks = (r1 - r0) * (HD / 16);
         for (int i = tid; i < chunks; i += THREADS) {
             int row = i / (HD / 16), c = i % (HD / 16);
             cp_async16(buf + i * 16, src + (size_t)row * (NH * HD) + c * 16);
         }
-    } else if (kind == 2) {  // gate rows j0..j1, then up rows j0..j1
-        int j0 = rows_begin(I, cta, ctas), j1 = rows_begin(I, cta + 1, ctas);
-        int chunks = (j1 - j0) * H / 16;
-        const uint8_t* g = p.wgu + ((size_t)l * 2 * I + j0) * H;
-        const uint8_t* u = p.wgu + ((size_t)l * 2 * I + I + j0) * H;
+    } else if (kind == 2) {  // gate rows r0..r1, then up rows r0..r1
+        int chunks = (r1 - r0) * H / 16;
+        const uint8_t* g = p.wgu + ((size_t)l * 2 * I + r0) * H;
+        const uint8_t* u = p.wgu + ((size_t)l * 2 * I + I + r0) * H;
         for (int i = tid; i < chunks; i += THREADS) {
             cp_async16(buf + i * 16, g + i * 16);
             cp_async16(buf + (size_t)chunks * 16 + i * 16, u + i * 16);
         }
     } else {
-        int r0 = rows_begin(H, cta, ctas), r1 = rows_begin(H, cta + 1, ctas);
         const uint8_t* src = p.wd + ((size_t)l * H + r0) * I;
         int chunks = (r1 - r0) * I / 16;
         for (int i = tid; i < chunks; i += THREADS) cp_async16(buf + i * 16, src + i * 16);
@@ -450,7 +456,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
             }
             __syncthreads();
             rms_norm(x, side, xn, p.eps, red);
-            int r0 = rows_begin(QKV, cta, ctas), r1 = rows_begin(QKV, cta + 1, ctas);
+            const auto [r0, r1] = stage_rows(0, cta, ctas);
             const float* s = side + H;
             float* y = p.qkv + r0;
             gemv_smem(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
@@ -519,8 +525,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
                 att[tid] = acc / den;
             }
             __syncthreads();
-            const int gi = cta / NH, m = ctas / NH + (h < ctas % NH ? 1 : 0);
-            const int o0 = rows_begin(H, gi, m), o1 = rows_begin(H, gi + 1, m);
+            const auto [o0, o1] = stage_rows(1, cta, ctas);
             const float* so = side + 3 * HD;
             // 8 lanes a row (8 chunks of 16), 4 rows a warp at a time
             const int sub = lane / 8, c = lane % 8;
@@ -539,7 +544,8 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
             for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.o + i);
             __syncthreads();
             rms_norm(x, side, xn, p.eps, red);
-            const int j0 = rows_begin(I, cta, ctas), j1 = rows_begin(I, cta + 1, ctas), n = j1 - j0;
+            const auto [j0, j1] = stage_rows(2, cta, ctas);
+            const int n = j1 - j0;
             const float* sg = side + H;
             const float* su = sg + n;
             // gate and up of column j in the same warp: rows j and n + j of the buffer
@@ -560,7 +566,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
         } else if (kind == 3) {
             for (int i = tid; i < I; i += THREADS) xn[i] = __ldcg(p.act + i);
             __syncthreads();
-            const int r0 = rows_begin(H, cta, ctas), r1 = rows_begin(H, cta + 1, ctas);
+            const auto [r0, r1] = stage_rows(3, cta, ctas);
             const float* s = side;
             float* y = p.d + r0;
             gemv_smem(wb, r1 - r0, I, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
@@ -571,7 +577,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
             for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.d + i);
             __syncthreads();
             rms_norm(x, side, xn, p.eps, red);
-            const int r0 = rows_begin(V, cta, ctas), r1 = rows_begin(V, cta + 1, ctas);
+            const auto [r0, r1] = stage_rows(4, cta, ctas);
             const float* s = side + H;
             float* y = p.logits + (size_t)(pass - 1) * V + r0;
             gemv_smem(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
@@ -586,12 +592,13 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
 
 // The largest stage slice of one CTA, in bytes.
 inline int buf_bytes_for(int ctas) {
-    auto most = [&](int n) { return (n + ctas - 1) / ctas; };
-    int qkv = most(QKV) * H, gu = 2 * most(I) * H, dn = most(H) * I, hd = most(V) * H;
-    int per_head = ctas / NH;  // the smallest group of CTAs on one head
-    int wo = ((H + per_head - 1) / per_head) * HD;
-    int b = qkv;
-    for (int v : {gu, dn, hd, wo}) b = v > b ? v : b;
+    constexpr int row_bytes[5] = {H, HD, 2 * H, I, H};  // A, B, C (gate and up), D, H
+    int b = 0;
+    for (int cta = 0; cta < ctas; ++cta)
+        for (int kind = 0; kind < 5; ++kind) {
+            const Rows w = stage_rows(kind, cta, ctas);
+            b = (w.r1 - w.r0) * row_bytes[kind] > b ? (w.r1 - w.r0) * row_bytes[kind] : b;
+        }
     return (b + 15) / 16 * 16;
 }
 
