@@ -10,7 +10,10 @@ modes (one kernel each, 16 passes, 334 grid barriers a frame):
   no-prefetch each stage copies its own weights when it starts and waits for them
   no-barrier the stages racing (garbage results): the stages' own time
 and the barrier with full fences around it (cooperative groups' grid sync, the first run's),
-and as a word per CTA with no atomic counter ("flags").
+and as a word per CTA with no atomic counter ("flags"). Then the ways a stage fetches (OPTS):
+its weights as 16-byte cp.async by every thread or as TMA bulk copies, its activations read
+before or after it issues the weight copy of the stage ahead, that copy one or two stages
+ahead; each checked (sampled) and timed, and a stage breakdown of four of them.
 Sampling: greedy, and the project's sampler (temperature 0.9, top-k 50: counter-based
 Gumbel-max, `ttsbuild.generation.sampling.sample`) run by every CTA on the pass's logits.
 GPU only (sm_90: cp.async, FP8 e4m3 conversions). 1.7B CustomVoice code-predictor shapes,
@@ -35,6 +38,14 @@ QKV = (NH + 2 * NKV) * HD
 MODES = {"full": 0, "barriers": 1, "no-prefetch": 2, "no-barrier": 3}
 STAGES = 20 + (G - 1) * 21
 KINDS = "ABCDH"  # qkv, attention + o, gate/up, down, head (+ the sampler)
+NSTAMP = 7
+READ_FIRST, TMA, DIST1 = 1, 2, 4  # cp_megaframe.cu's OPT_* bits
+OPTS = {
+    "cp.async": 0, "cp.async, read first": READ_FIRST, "tma": TMA,
+    "tma, read first": TMA | READ_FIRST, "cp.async, 1 ahead": DIST1,
+    "cp.async, read first, 1 ahead": READ_FIRST | DIST1, "tma, 1 ahead": TMA | DIST1,
+    "tma, read first, 1 ahead": TMA | READ_FIRST | DIST1,
+}
 
 
 NO_STAMPS = None  # set in main: an empty int64 tensor on the GPU
@@ -100,9 +111,13 @@ ORDER = ["wqkv", "sqkv", "wo", "so", "wgu", "sgu", "wd", "sd", "whead", "shead",
 
 
 def tensors(m, b) -> list[torch.Tensor]:
+    """The kernel's arguments in order; W_o head-major ([L, NH, H, HD]: a CTA's slice of its
+    head's columns is one contiguous copy), as an engine would store it ahead of time."""
     out = []
     for name in ORDER:
         t = m.get(name, b.get(name))
+        if name == "wo":
+            t = t.view(L, H, NH, HD).permute(0, 2, 1, 3).contiguous()
         out.append(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
     return out
 
@@ -151,11 +166,11 @@ SAMPLED = dict(do_sample=1, top_k=50, temperature=0.9, seed=-1234567890123, fram
 GREEDY = dict(do_sample=0, top_k=0, temperature=1.0, seed=0, frame=0)
 
 
-def call(ext, ws, mode: int, ctas: int, stamps, s: dict, barrier: int = 0) -> None:
+def call(ext, ws, mode: int, ctas: int, stamps, s: dict, barrier: int = 0, opts: int = 0) -> None:
     """barrier: 0 the counter (release add, acquire polls), 1 the same with full fences
-    around it (the first run's), 2 a word per CTA."""
+    around it (the first run's), 2 a word per CTA. opts: OPTS bits."""
     ext.run(ws, mode, ctas, stamps, s["do_sample"], s["top_k"], s["temperature"], s["seed"],
-            s["frame"], barrier)
+            s["frame"], barrier, opts)
 
 
 def reference_tokens(logits: torch.Tensor, s: dict) -> torch.Tensor:
@@ -230,12 +245,14 @@ def main() -> int:
     ctas_list = [int(c) for c in args.ctas.split(",") if c] or [props.multi_processor_count]
 
     ok = True
-    for ctas, (label, smp, flags) in itertools.product(ctas_list, (
-            ("greedy", GREEDY, 0), ("sampled", SAMPLED, 0),
-            ("sampled, flag barrier", SAMPLED, 2))):
-        for name in ("kcache", "vcache", "logits"):
+    checks = [("greedy", GREEDY, 0, 0), ("sampled", SAMPLED, 0, 0),
+              ("sampled, flag barrier", SAMPLED, 2, 0)]
+    checks += [(f"sampled, {name}", SAMPLED, 0, bits) for name, bits in OPTS.items() if bits]
+    checks += [(f"greedy, {name}", GREEDY, 0, bits) for name, bits in OPTS.items() if bits & TMA]
+    for ctas, (label, smp, flags, opts) in itertools.product(ctas_list, checks):
+        for name in ("kcache", "vcache", "logits", "tokens"):
             b[name].zero_()
-        call(ext, ws, 0, ctas, NO_STAMPS, smp, flags)
+        call(ext, ws, 0, ctas, NO_STAMPS, smp, flags, opts)
         torch.cuda.synchronize()
         tokens = b["tokens"].clone()
         ref_logits, kc, vc = reference(m, tokens)
@@ -273,42 +290,58 @@ def main() -> int:
                                                                         s, f), args.replays)
             print(f"| {ctas} | {label} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
                   f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
-        stage_breakdown(ext, ws, ctas)
+        variants = [(f"full, {name}", 0, bits) for name, bits in OPTS.items() if bits]
+        variants += [("no-barrier, tma, read first", 3, TMA | READ_FIRST),
+                     ("no-prefetch, tma", 2, TMA)]
+        for label, code, bits in variants:
+            ms = time_graph(lambda n=ctas, c=code, o=bits: call(ext, ws, c, n, NO_STAMPS, GREEDY,
+                                                                0, o), args.replays)
+            print(f"| {ctas} | {label} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
+                  f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
+        for name in ("cp.async", "cp.async, read first", "tma", "tma, read first"):
+            stage_breakdown(ext, ws, ctas, name)
     return 0 if ok else 1
 
 
-def stage_breakdown(ext, ws, ctas: int) -> None:
-    """Where a stage's time goes, from clock64 stamps of CTA 0 and the last CTA (one frame,
-    mode full): the stage's own work (weights ready -> barrier arrival), the barrier (arrival
-    -> release), and the gap to the next stage's start (its weight wait and the loop)."""
-    stamps = torch.zeros(2, STAGES, 3, dtype=torch.int64, device="cuda")
+def stage_breakdown(ext, ws, ctas: int, opts_name: str) -> None:
+    """Where a stage's time goes, from clock64 stamps of CTA 0 and the last CTA (one sampled
+    frame, mode full, OPTS[opts_name]), medians over passes and layers, us, each from the
+    stage's top (after the previous barrier and a block sync): the weight copy of the stage
+    ahead issued, its own weights ready (waited for), its activations read (their loads and a
+    block sync: before the issue with "read first"); then from the later of the last two to
+    its linear's start (norms, attention), to the barrier's arrival (the linear and its
+    stores), the barrier, and from its release to the next top."""
+    stamps = torch.zeros(2, STAGES, NSTAMP, dtype=torch.int64, device="cuda")
     for _ in range(3):  # the last run's stamps
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        call(ext, ws, 0, ctas, stamps, SAMPLED)
+        call(ext, ws, 0, ctas, stamps, SAMPLED, 0, OPTS[opts_name])
         b.record()
         b.synchronize()
     st = stamps.cpu().double()
-    ticks_per_us = float(st[0, -1, 2] - st[0, 0, 0]) / (a.elapsed_time(b) * 1e3)
-    print(f"\n[{ctas} CTAs] stage breakdown (clock64, ~{ticks_per_us:.0f} ticks/us from the "
-          f"launch's event time; medians over passes and layers, us):")
-    print("| CTA | kind | stages | work | barrier | gap to next |")
-    print("|---|---|---|---|---|---|")
+    ticks_per_us = float(st[0, -1, 6] - st[0, 0, 0]) / (a.elapsed_time(b) * 1e3)
+    print(f"\n[{ctas} CTAs, {opts_name}] stage breakdown (clock64, ~{ticks_per_us:.0f} ticks/us "
+          f"from the launch's event time; medians, us):")
+    print("| CTA | kind | stages | top -> issued | top -> weights | top -> activations | "
+          "norms, attention | linear | barrier | to next top |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for who, name in ((0, "0"), (1, str(ctas - 1))):
-        rows: dict[str, list[tuple[float, float, float]]] = {k: [] for k in KINDS}
+        rows: dict[str, list[tuple[float, ...]]] = {k: [] for k in KINDS}
         for sid in range(STAGES - 1):
-            pas, r = (0, sid) if sid < 20 else (1 + (sid - 20) // 21, (sid - 20) % 21)
-            start, arrive, release = (float(v) for v in st[who, sid])
+            r = sid if sid < 20 else (sid - 20) % 21
+            top, issued, weights, act, mid, arrive, release = (float(v) for v in st[who, sid])
             if arrive == 0:  # pass 0's last down: no barrier
                 continue
             nxt = float(st[who, sid + 1, 0])
-            rows[KINDS[4 if r == 20 else r % 4]].append(
-                ((arrive - start) / ticks_per_us, (release - arrive) / ticks_per_us,
-                 (nxt - release) / ticks_per_us))
+            rows[KINDS[4 if r == 20 else r % 4]].append(tuple(
+                v / ticks_per_us for v in (issued - top, weights - top, act - top,
+                                           mid - max(weights, act), arrive - mid,
+                                           release - arrive,
+                                           nxt - release)))
         for k, v in rows.items():
             if v:
-                med = [statistics.median(x[i] for x in v) for i in range(3)]
-                print(f"| {name} | {k} | {len(v)} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} |")
+                med = [statistics.median(x[i] for x in v) for i in range(7)]
+                print(f"| {name} | {k} | {len(v)} | " + " | ".join(f"{m:.2f}" for m in med) + " |")
 
 
 if __name__ == "__main__":

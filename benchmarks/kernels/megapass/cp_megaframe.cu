@@ -39,10 +39,17 @@ constexpr int SIDE = 2048;               // floats beside each buffer: the stage
                                          // weights, row scales, RoPE row (issue_side)
 constexpr int PASSES = G;                // 16 (pass 0: the talker's hidden state)
 constexpr int STAGES = 20 + (PASSES - 1) * 21;
+constexpr int NSTAMP = 7;
+// OPT_READ_FIRST: a stage reads its activations before it issues the weight copy of the stage
+//   ahead (else after: the read waits behind that copy's requests in the SM's load pipeline).
+// OPT_TMA: weights copied by the TMA unit (cp.async.bulk, one request a contiguous slice,
+//   completion on an mbarrier), not as 16-byte cp.async by every thread.
+// OPT_DIST1: the weight copy one stage ahead (else two).
+constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4;
 
 struct Params {
     const uint8_t* wqkv; const float* sqkv;   // [L, 4096, 1024], [L, 4096]
-    const uint8_t* wo; const float* so;       // [L, 1024, 2048], [L, 1024]
+    const uint8_t* wo; const float* so;       // [L, 16, 1024, 128] head-major, [L, 1024]
     const uint8_t* wgu; const float* sgu;     // [L, 6144, 1024] gate rows then up rows
     const uint8_t* wd; const float* sd;       // [L, 1024, 3072], [L, 1024]
     const uint8_t* whead; const float* shead; // [15, 2048, 1024], [15, 2048]
@@ -59,8 +66,11 @@ struct Params {
     unsigned* counter;     // zeroed before the launch: [1] (counting) or [ctas] (flags)
     int flag_barrier;      // 0: one counter (release add, acquire polls); 1: the same with
                            // full fences around it; 2: a word per CTA
-    long long* stamps;     // null, or [2, STAGES, 3] clock64 of CTA 0 and the last CTA:
-                           // stage start (weights ready), barrier arrival, barrier release
+    long long* stamps;     // null, or [2, STAGES, NSTAMP] clock64 of CTA 0 and the last CTA:
+                           // the stage's top, the copy ahead issued, its weights ready, its
+                           // activations read, its linear begun (norms, attention done),
+                           // barrier arrival, barrier release
+    int opts;              // OPT_* bits: how the stage's weights and activations are fetched
     int buf_bytes;         // one weight buffer's bytes (host: the largest stage slice)
     // sampling (ttsbuild.generation.sampling.sample; top_p 1): do_sample 0 = greedy
     int do_sample, top_k;
@@ -148,7 +158,7 @@ __device__ __forceinline__ void stage_of(int sid, int& pass, int& r) {
     else { pass = 1 + (sid - 20) / 21; r = (sid - 20) % 21; }
 }
 
-// Copy this CTA's weight slice of stage sid into buf (every thread issues its share).
+// Small vectors, 16 or 4 bytes a request (every thread issues its share).
 __device__ __forceinline__ void copy_vec(float* dst, const float* src, int n) {  // n % 4 == 0
     for (int i = threadIdx.x; i < n / 4; i += THREADS) cp_async16(dst + 4 * i, src + 4 * i);
 }
@@ -187,44 +197,79 @@ __device__ void issue_side(const Params& p, int pass, int r, float* side, int ct
     }
 }
 
-__device__ void issue_stage(const Params& p, int sid, uint8_t* buf, int cta, int ctas) {
+// TMA bulk copies: one request a contiguous segment, completion counted in bytes on an mbarrier
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(bar)));
+}
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+                 "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+        ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+    unsigned done = 0;
+    long long spins = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+        if (++spins > (1ll << 24)) __trap();
+    }
+}
+
+// A stage's weight slice: n segments of `bytes`, the i-th from src + i * stride, laid end to
+// end in the buffer.
+struct Seg { const uint8_t* src; size_t stride; int n, bytes; };
+
+__device__ Seg stage_segs(const Params& p, int pass, int r, int cta, int ctas) {
+    const Rows w = stage_rows(r == 20 ? 4 : r % 4, cta, ctas);
+    const int rows = w.r1 - w.r0;
+    if (r == 20) return {p.whead + ((size_t)(pass - 1) * V + w.r0) * H, 0, 1, rows * H};
+    const int l = r / 4, kind = r % 4;
+    if (kind == 0) return {p.wqkv + ((size_t)l * QKV + w.r0) * H, 0, 1, rows * H};
+    if (kind == 1)  // W_o[r0:r1, h*128:(h+1)*128] of head h = cta % NH: one segment, W_o stored
+                    // head-major ahead of time (row-major, it was a segment a row: 128 TMA
+                    // requests of 128 B, ~5 us to issue on the H100, 2026-12-05)
+        return {p.wo + (((size_t)l * NH + cta % NH) * H + w.r0) * HD, 0, 1, rows * HD};
+    if (kind == 2)  // gate rows r0..r1, then up rows r0..r1
+        return {p.wgu + ((size_t)l * 2 * I + w.r0) * H, (size_t)I * H, 2, rows * H};
+    return {p.wd + ((size_t)l * H + w.r0) * I, 0, 1, rows * I};
+}
+
+// Copy this CTA's weight slice of stage sid into buf, and its side vectors beside it (every
+// thread calls it; with tma, warp 0 issues the bulk copies and bar counts their bytes).
+__device__ void issue_stage(const Params& p, int sid, uint8_t* buf, int cta, int ctas, bool tma,
+                            uint64_t* bar) {
     if (sid >= STAGES) return;
     int pass, r;
     stage_of(sid, pass, r);
     const int tid = threadIdx.x;
     issue_side(p, pass, r, reinterpret_cast<float*>(buf + p.buf_bytes), cta, ctas);
-    const Rows w = stage_rows(r == 20 ? 4 : r % 4, cta, ctas);
-    const int r0 = w.r0, r1 = w.r1;
-    if (r == 20) {  // head pass-1: rows of 1024
-        const uint8_t* src = p.whead + ((size_t)(pass - 1) * V + r0) * H;
-        int chunks = (r1 - r0) * H / 16;
-        for (int i = tid; i < chunks; i += THREADS) cp_async16(buf + i * 16, src + i * 16);
+    const Seg g = stage_segs(p, pass, r, cta, ctas);
+    if (tma) {
+        if (tid < 32) {
+            if (tid == 0) {
+                // the buffer's last reads (generic proxy) before the async proxy's writes
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                mbar_expect(bar, (unsigned)(g.n * g.bytes));
+            }
+            __syncwarp();
+            for (int i = tid; i < g.n; i += 32)
+                bulk_copy(buf + (size_t)i * g.bytes, g.src + i * g.stride, g.bytes, bar);
+        }
         return;
     }
-    const int l = r / 4, kind = r % 4;
-    if (kind == 0) {
-        const uint8_t* src = p.wqkv + ((size_t)l * QKV + r0) * H;
-        int chunks = (r1 - r0) * H / 16;
-        for (int i = tid; i < chunks; i += THREADS) cp_async16(buf + i * 16, src + i * 16);
-    } else if (kind == 1) {  // W_o[r0:r1, h*128:(h+1)*128] of head h = cta % NH: 8 chunks a row
-        const uint8_t* src = p.wo + ((size_t)l * H + r0) * (NH * HD) + (cta % NH) * HD;
-        int chunks = (r1 - r0) * (HD / 16);
-        for (int i = tid; i < chunks; i += THREADS) {
-            int row = i / (HD / 16), c = i % (HD / 16);
-            cp_async16(buf + i * 16, src + (size_t)row * (NH * HD) + c * 16);
-        }
-    } else if (kind == 2) {  // gate rows r0..r1, then up rows r0..r1
-        int chunks = (r1 - r0) * H / 16;
-        const uint8_t* g = p.wgu + ((size_t)l * 2 * I + r0) * H;
-        const uint8_t* u = p.wgu + ((size_t)l * 2 * I + I + r0) * H;
-        for (int i = tid; i < chunks; i += THREADS) {
-            cp_async16(buf + i * 16, g + i * 16);
-            cp_async16(buf + (size_t)chunks * 16 + i * 16, u + i * 16);
-        }
-    } else {
-        const uint8_t* src = p.wd + ((size_t)l * H + r0) * I;
-        int chunks = (r1 - r0) * I / 16;
-        for (int i = tid; i < chunks; i += THREADS) cp_async16(buf + i * 16, src + i * 16);
+    const int per = g.bytes / 16, chunks = g.n * per;
+    for (int i = tid; i < chunks; i += THREADS) {
+        const int seg = i / per, c = i % per;
+        cp_async16(buf + (size_t)seg * g.bytes + c * 16, g.src + seg * g.stride + c * 16);
     }
 }
 
@@ -254,32 +299,41 @@ __device__ void rms_norm(const float* x, const float* w, float* xn, float eps, f
     __syncthreads();
 }
 
-__device__ __forceinline__ float dot16(uint4 wq, const float* x) {
-    const uint32_t u[4] = {wq.x, wq.y, wq.z, wq.w};
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        __nv_fp8x4_e4m3 q;
-        q.__x = u[j];
-        float4 f = static_cast<float4>(q);
-        float4 a = *reinterpret_cast<const float4*>(x + 4 * j);
-        s += f.x * a.x + f.y * a.y + f.z * a.z + f.w * a.w;
-    }
-    return s;
-}
-
-// rows x K weights in shared memory (row-major, FP8) times x (shared, K floats): a warp a
-// row, the lanes along K; out(row, sum) called by lane 0
-template <typename Out>
+// rows x K FP8 weights in shared memory (row-major, K % 128 == 0) times x (shared, K floats):
+// R rows a warp at once, lane l on columns 4l + 128j (a 4-byte weight word and a float4 of x:
+// a warp's reads are contiguous, no bank conflicts; x is read once for the R rows);
+// out(row, sum) called by lane 0. (The first version gave a lane 16 consecutive columns: its x
+// reads, 64 bytes apart across lanes, took 4x the shared-memory wavefronts, and x was read
+// anew for every row: ~2-3 us a stage on the H100, 2026-12-05.)
+template <int R, typename Out>
 __device__ void gemv_smem(const uint8_t* w, int rows, int K, const float* x, Out out) {
-    const int w_id = threadIdx.x / 32, lane = threadIdx.x % 32, chunks = K / 16;
-    for (int r = w_id; r < rows; r += WARPS) {
-        const uint8_t* wr = w + (size_t)r * K;
-        float s = 0.f;
-        for (int c = lane; c < chunks; c += 32)
-            s += dot16(*reinterpret_cast<const uint4*>(wr + c * 16), x + c * 16);
-        s = warp_sum(s);
-        if (lane == 0) out(r, s);
+    const int w_id = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int r0 = w_id * R; r0 < rows; r0 += WARPS * R) {  // warp-uniform
+        float s[R];
+        const uint8_t* wr[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            s[i] = 0.f;
+            wr[i] = w + (size_t)min(r0 + i, rows - 1) * K;  // a missing row repeats the last
+        }
+#pragma unroll 4
+        for (int k = 4 * lane; k < K; k += 128) {
+            const float4 a = *reinterpret_cast<const float4*>(x + k);
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                __nv_fp8x4_e4m3 q;
+                q.__x = *reinterpret_cast<const uint32_t*>(wr[i] + k);
+                const float4 f = static_cast<float4>(q);
+                s[i] += f.x * a.x + f.y * a.y + f.z * a.z + f.w * a.w;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < R; ++i) s[i] = warp_sum(s[i]);
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < R; ++i)
+                if (r0 + i < rows) out(r0 + i, s[i]);
+        }
     }
 }
 
@@ -404,29 +458,72 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
     float* vbuf = kbuf + G * HD;                                 // [16, 128]: ...and v
 
     const int cta = blockIdx.x, ctas = gridDim.x, tid = threadIdx.x;
+    const bool tma = p.opts & OPT_TMA, read_first = p.opts & OPT_READ_FIRST;
+    const int dist = (p.opts & OPT_DIST1) ? 1 : 2;
+    __shared__ uint64_t mbar[NBUF];  // with tma: a buffer's weights arrived (a phase a use)
+    if (tid == 0) {
+        for (int i = 0; i < NBUF; ++i) mbar_init(&mbar[i]);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
     unsigned barriers = 0;
     long long* st = p.stamps && tid == 0 && (cta == 0 || cta == ctas - 1)
-                        ? p.stamps + (size_t)(cta == 0 ? 0 : 1) * STAGES * 3 : nullptr;
+                        ? p.stamps + (size_t)(cta == 0 ? 0 : 1) * STAGES * NSTAMP : nullptr;
     int cur = 0;
     auto barrier = [&]() {
         ++barriers;
         __syncthreads();
-        if (st) st[cur * 3 + 1] = clock64();
+        if (st) st[cur * NSTAMP + 5] = clock64();
         if (MODE != 3) {
             if (p.flag_barrier == 2) grid_barrier_flags(p.counter, barriers, ctas);
             else if (p.flag_barrier == 1) grid_barrier<true>(p.counter, barriers * ctas);
             else grid_barrier<false>(p.counter, barriers * ctas);
         }
-        if (st) st[cur * 3 + 2] = clock64();
+        if (st) st[cur * NSTAMP + 6] = clock64();
     };
     const size_t slot_bytes = (size_t)p.buf_bytes + SIDE * sizeof(float);
     auto buf_of = [&](int sid) { return wbuf + (sid % NBUF) * slot_bytes; };
-
-    if (MODE == 0 || MODE == 3) {  // prologue: stages 0 and 1 in flight
-        issue_stage(p, 0, buf_of(0), cta, ctas); cp_commit();
-        issue_stage(p, 1, buf_of(1), cta, ctas); cp_commit();
-    }
+    auto issue = [&](int sid) {
+        issue_stage(p, sid, buf_of(sid), cta, ctas, tma, &mbar[sid % NBUF]);
+        cp_commit();
+    };
     int tok = 0;
+    // A stage's input activations (written by other CTAs before the last barrier) into shared
+    // memory: A/H x (+= d, or the pass's input), B this head's q, k, v and its kv head's past
+    // rows, C x += o, D act.
+    auto read_input = [&](int pass, int l, int kind) {
+        if (kind == 0 || kind == 4) {
+            if (kind == 0 && l == 0) {
+                const float* src = pass < 2 ? p.x_in + pass * H
+                                            : p.tables + ((size_t)(pass - 2) * V + tok) * H;
+                for (int i = tid; i < H; i += THREADS) x[i] = __ldcg(src + i);
+            } else {
+                for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.d + i);
+            }
+        } else if (kind == 1) {
+            const int h = cta % NH, g = h / (NH / NKV);
+            if (tid < HD) {
+                qv[tid] = __ldcg(p.qkv + h * HD + tid);
+                kv[tid] = __ldcg(p.qkv + NH * HD + g * HD + tid);
+                vv[tid] = __ldcg(p.qkv + (NH + NKV) * HD + g * HD + tid);
+            }
+            const float* kc = p.kcache + ((size_t)(l * NKV + g) * G) * HD;
+            const float* vc = p.vcache + ((size_t)(l * NKV + g) * G) * HD;
+            for (int i = tid; i < pass * HD / 4; i += THREADS) {  // past rows, one batch of loads
+                reinterpret_cast<float4*>(kbuf)[i] = __ldcg(reinterpret_cast<const float4*>(kc) + i);
+                reinterpret_cast<float4*>(vbuf)[i] = __ldcg(reinterpret_cast<const float4*>(vc) + i);
+            }
+        } else if (kind == 2) {
+            for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.o + i);
+        } else {
+            for (int i = tid; i < I; i += THREADS) xn[i] = __ldcg(p.act + i);
+        }
+        __syncthreads();
+    };
+
+    if (MODE == 0 || MODE == 3) {  // prologue: the first `dist` stages in flight
+        for (int i = 0; i < dist; ++i) issue(i);
+    }
     for (int sid = 0; sid < STAGES; ++sid) {
         int pass, r;
         stage_of(sid, pass, r);
@@ -434,41 +531,40 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
             if (!(pass == 0 && r == 19)) barrier();
             continue;
         }
-        uint8_t* wb = buf_of(sid);
-        __syncthreads();  // the buffer refilled next was the last stage's: all warps done
-        if (MODE == 2) {
-            issue_stage(p, sid, wb, cta, ctas); cp_commit(); cp_wait<0>();
-        } else {
-            issue_stage(p, sid + 2, buf_of(sid + 2), cta, ctas); cp_commit(); cp_wait<2>();
-        }
-        __syncthreads();
-        cur = sid;
-        if (st) st[sid * 3] = clock64();
         const int l = r / 4, kind = r == 20 ? 4 : r % 4;
+        uint8_t* wb = buf_of(sid);
+        __syncthreads();  // the buffer refilled next was an earlier stage's: all warps done
+        cur = sid;
+        if (st) st[sid * NSTAMP] = clock64();
+        long long t_act = 0;
+        if (read_first) {
+            read_input(pass, l, kind);
+            if (st) t_act = clock64();
+        }
+        issue(MODE == 2 ? sid : sid + dist);
+        if (st) st[sid * NSTAMP + 1] = clock64();
+        if (MODE == 2) cp_wait<0>();
+        else if (dist == 2) cp_wait<2>();
+        else cp_wait<1>();
+        if (tma) mbar_wait(&mbar[sid % NBUF], (sid / NBUF) & 1);
+        __syncthreads();
+        if (st) st[sid * NSTAMP + 2] = clock64();
+        if (!read_first) {
+            read_input(pass, l, kind);
+            if (st) t_act = clock64();
+        }
+        if (st) st[sid * NSTAMP + 3] = t_act;
         const float* side = reinterpret_cast<const float*>(wb + p.buf_bytes);
         if (kind == 0) {
-            if (l == 0) {
-                const float* src = pass < 2 ? p.x_in + pass * H
-                                            : p.tables + ((size_t)(pass - 2) * V + tok) * H;
-                for (int i = tid; i < H; i += THREADS) x[i] = __ldcg(src + i);
-            } else {
-                for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.d + i);
-            }
-            __syncthreads();
             rms_norm(x, side, xn, p.eps, red);
             const auto [r0, r1] = stage_rows(0, cta, ctas);
             const float* s = side + H;
             float* y = p.qkv + r0;
-            gemv_smem(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
+            if (st) st[sid * NSTAMP + 4] = clock64();
+            gemv_smem<4>(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
             barrier();
         } else if (kind == 1) {
             const int h = cta % NH, g = h / (NH / NKV), pos = pass;
-            if (tid < HD) {
-                qv[tid] = __ldcg(p.qkv + h * HD + tid);
-                kv[tid] = __ldcg(p.qkv + NH * HD + g * HD + tid);
-                vv[tid] = __ldcg(p.qkv + (NH + NKV) * HD + g * HD + tid);
-            }
-            __syncthreads();
             // q/k RMSNorm over the head (warps 0-3: q; 4-7: k), then RoPE (rotate-half)
             {
                 float* t = tid < HD ? qv : kv;
@@ -499,11 +595,6 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
                 __stcg(kc + pos * HD + tid, kv[tid]);
                 __stcg(vc + pos * HD + tid, vv[tid]);
             }
-            for (int i = tid; i < pos * HD / 4; i += THREADS) {  // past rows, one batch of loads
-                reinterpret_cast<float4*>(kbuf)[i] = __ldcg(reinterpret_cast<const float4*>(kc) + i);
-                reinterpret_cast<float4*>(vbuf)[i] = __ldcg(reinterpret_cast<const float4*>(vc) + i);
-            }
-            __syncthreads();
             const int w_id = tid / 32, lane = tid % 32;
             for (int j = w_id; j <= pos; j += WARPS) {
                 float s = 0.f;
@@ -525,62 +616,46 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
                 att[tid] = acc / den;
             }
             __syncthreads();
-            const auto [o0, o1] = stage_rows(1, cta, ctas);
+            const Rows ow = stage_rows(1, cta, ctas);
+            const int o0 = ow.r0, o1 = ow.r1;
             const float* so = side + 3 * HD;
-            // 8 lanes a row (8 chunks of 16), 4 rows a warp at a time
-            const int sub = lane / 8, c = lane % 8;
-            for (int base = w_id * 4; base < o1 - o0; base += WARPS * 4) {  // warp-uniform
-                const int rr = base + sub;
-                const bool row = rr < o1 - o0;
-                float s = row ? dot16(*reinterpret_cast<const uint4*>(wb + rr * HD + c * 16),
-                                      att + c * 16) : 0.f;
-                s += __shfl_xor_sync(0xffffffffu, s, 1);
-                s += __shfl_xor_sync(0xffffffffu, s, 2);
-                s += __shfl_xor_sync(0xffffffffu, s, 4);
-                if (row && c == 0) atomicAdd(p.o + o0 + rr, s * so[rr]);
-            }
+            if (st) st[sid * NSTAMP + 4] = clock64();
+            gemv_smem<4>(wb, o1 - o0, HD, att,
+                         [&](int i, float v) { atomicAdd(p.o + o0 + i, v * so[i]); });
             barrier();
         } else if (kind == 2) {
-            for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.o + i);
-            __syncthreads();
             rms_norm(x, side, xn, p.eps, red);
             const auto [j0, j1] = stage_rows(2, cta, ctas);
             const int n = j1 - j0;
             const float* sg = side + H;
             const float* su = sg + n;
-            // gate and up of column j in the same warp: rows j and n + j of the buffer
-            const int w_id = tid / 32, lane = tid % 32, chunks = H / 16;
-            for (int j = w_id; j < n; j += WARPS) {
-                const uint8_t* wg = wb + (size_t)j * H;
-                const uint8_t* wu = wb + (size_t)(n + j) * H;
-                float a = 0.f, b = 0.f;
-                for (int c = lane; c < chunks; c += 32) {
-                    a += dot16(*reinterpret_cast<const uint4*>(wg + c * 16), xn + c * 16);
-                    b += dot16(*reinterpret_cast<const uint4*>(wu + c * 16), xn + c * 16);
-                }
-                a = warp_sum(a) * sg[j];
-                b = warp_sum(b) * su[j];
-                if (lane == 0) __stcg(p.act + j0 + j, a / (1.f + __expf(-a)) * b);
+            // the buffer is [2n, H]: gate rows then up rows; their sums beside xn, then
+            // silu(gate) * up of each column
+            float* gu = xn + H;
+            if (st) st[sid * NSTAMP + 4] = clock64();
+            gemv_smem<2>(wb, 2 * n, H, xn, [&](int i, float v) { gu[i] = v; });
+            __syncthreads();
+            if (tid < n) {
+                const float a = gu[tid] * sg[tid], b = gu[n + tid] * su[tid];
+                __stcg(p.act + j0 + tid, a / (1.f + __expf(-a)) * b);
             }
             barrier();
         } else if (kind == 3) {
-            for (int i = tid; i < I; i += THREADS) xn[i] = __ldcg(p.act + i);
-            __syncthreads();
             const auto [r0, r1] = stage_rows(3, cta, ctas);
             const float* s = side;
             float* y = p.d + r0;
-            gemv_smem(wb, r1 - r0, I, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
+            if (st) st[sid * NSTAMP + 4] = clock64();
+            gemv_smem<1>(wb, r1 - r0, I, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
             if (cta == 0)  // every CTA read o in C (before the last barrier): zero it for B
                 for (int i = tid; i < H; i += THREADS) __stcg(p.o + i, 0.f);
             if (!(pass == 0 && l == L - 1)) barrier();  // pass 0 has no head: nothing reads d
         } else {  // head of codebook `pass`, then every CTA's own argmax
-            for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.d + i);
-            __syncthreads();
             rms_norm(x, side, xn, p.eps, red);
             const auto [r0, r1] = stage_rows(4, cta, ctas);
             const float* s = side + H;
             float* y = p.logits + (size_t)(pass - 1) * V + r0;
-            gemv_smem(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
+            if (st) st[sid * NSTAMP + 4] = clock64();
+            gemv_smem<2>(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
             barrier();
             const float* lg = p.logits + (size_t)(pass - 1) * V;
             tok = MODE == 3 ? 0 : pick_token(p, lg, p.counter_base + pass, red, tok_s);
@@ -634,11 +709,11 @@ void launch_mode(const megaframe::Params& p, int ctas, size_t smem, cudaStream_t
 }
 
 // ws: the 28 tensors of Params in order (bench_megaframe.py); FP8 weights as uint8 views;
-// stamps: int64 [2, STAGES, 3] or empty; sampling as ttsbuild.generation.sampling (top_p 1).
+// stamps: int64 [2, STAGES, NSTAMP] or empty; opts: OPT_* bits; sampling as ttsbuild.generation.sampling (top_p 1).
 // Zeroes the barrier counter and o on the current stream, then launches (capturable).
 void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tensor stamps,
          int64_t do_sample, int64_t top_k, double temperature, int64_t seed, int64_t frame,
-         int64_t flag_barrier) {
+         int64_t flag_barrier, int64_t opts) {
     TORCH_CHECK(ws.size() == 28, "28 tensors expected, got ", ws.size());
     for (auto& t : ws) TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "CUDA contiguous tensors only");
     megaframe::Params p;
@@ -654,7 +729,10 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.tokens = ws[i++].data_ptr<int>();
     p.counter = reinterpret_cast<unsigned*>(ws[i++].data_ptr<int>());
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
-    TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * 3, "stamps: [2, STAGES, 3]");
+    TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
+                "stamps: [2, STAGES, NSTAMP]");
+    TORCH_CHECK(opts >= 0 && opts < 8, "opts: OPT_* bits (0-7)");
+    p.opts = (int)opts;
     p.eps = 1e-6f;
     TORCH_CHECK(temperature > 0, "temperature must be > 0");
     p.do_sample = (int)do_sample; p.top_k = (int)top_k; p.temperature = (float)temperature;
