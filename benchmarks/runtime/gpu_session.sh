@@ -101,6 +101,9 @@
 #         batch 1 as one persistent CUDA kernel, a prototype: its check against a float32
 #         reference, greedy and sampled, then its time and floors and a stage breakdown), then
 #         the served fused frame at batch 1 (bench_cp_fused.py, FP8) in the same call
+# streamprobe: benchmarks/kernels/megapass/bench_stream_probe.py (one CTA an SM streaming
+#         chunks from HBM to shared memory: TMA or cp.async, chunk size, copies in flight,
+#         with a grid barrier after each chunk or without)
 # profile: profile_graphs.py with TTSBUILD_PDL=0 (each kernel's own time) at batches
 #         $PROFILE_BATCHES (default 1,64): frame, prefill 32/64, codec; the top $PROFILE_TOP
 #         kernels of each graph by total time
@@ -448,6 +451,11 @@ for step in $STEPS; do
         timeout -k 5 150 python3 -u benchmarks/kernels/bench_cp_fused.py --batches 1 \
             --precisions fp8 --paths fused --fp32-batches "" > "$OUT/cp_fused_b1.log" 2>&1
         echo "rc=$?"; tail -4 "$OUT/cp_fused_b1.log" ;;
+    streamprobe)  # how fast one CTA an SM streams HBM into shared memory (the megaframe's fetch)
+        log "HBM -> shared memory stream probe (bench_stream_probe.py)"
+        timeout -k 5 200 python3 -u benchmarks/kernels/megapass/bench_stream_probe.py \
+            > "$OUT/stream_probe.log" 2>&1
+        echo "rc=$?"; grep -E "^\||GB/s" "$OUT/stream_probe.log" | cut -c1-160 ;;
     profile)  # where the captured steps' time goes, each kernel's own time (PDL off)
         log "profile of the captured steps (profile_graphs.py, TTSBUILD_PDL=0), batches ${PROFILE_BATCHES:-1,64}"
         TTSBUILD_PDL=0 timeout -k 5 300 python3 -u benchmarks/kernels/profile_graphs.py \

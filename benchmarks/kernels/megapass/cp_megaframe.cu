@@ -302,8 +302,8 @@ __device__ void rms_norm(const float* x, const float* w, float* xn, float eps, f
 // rows x K FP8 weights in shared memory (row-major, K % 128 == 0) times x (shared, K floats):
 // R rows a warp at once, lane l on columns 4l + 128j (a 4-byte weight word and a float4 of x:
 // a warp's reads are contiguous, no bank conflicts; x is read once for the R rows);
-// out(row, sum) called by lane 0. (The first version gave a lane 16 consecutive columns: its x
-// reads, 64 bytes apart across lanes, took 4x the shared-memory wavefronts, and x was read
+// out(row, sum) called by lane row % R. (The first version gave a lane 16 consecutive columns:
+// its x reads, 64 bytes apart across lanes, took 4x the shared-memory wavefronts, and x was read
 // anew for every row: ~2-3 us a stage on the H100, 2026-12-05.)
 template <int R, typename Out>
 __device__ void gemv_smem(const uint8_t* w, int rows, int K, const float* x, Out out) {
@@ -327,13 +327,13 @@ __device__ void gemv_smem(const uint8_t* w, int rows, int K, const float* x, Out
                 s[i] += f.x * a.x + f.y * a.y + f.z * a.z + f.w * a.w;
             }
         }
+        float mine = 0.f;  // lane i writes row r0 + i: the R stores (atomics in B) side by side
 #pragma unroll
-        for (int i = 0; i < R; ++i) s[i] = warp_sum(s[i]);
-        if (lane == 0) {
-#pragma unroll
-            for (int i = 0; i < R; ++i)
-                if (r0 + i < rows) out(r0 + i, s[i]);
+        for (int i = 0; i < R; ++i) {
+            const float t = warp_sum(s[i]);
+            if (lane == i) mine = t;
         }
+        if (lane < R && r0 + lane < rows) out(r0 + lane, mine);
     }
 }
 
