@@ -13,7 +13,8 @@ and the barrier with full fences around it (cooperative groups' grid sync, the f
 and as a word per CTA with no atomic counter ("flags"). Then the ways a stage fetches (OPTS):
 its weights as 16-byte cp.async by every thread or as TMA bulk copies, its activations read
 before or after it issues the weight copy of the stage ahead, that copy one or two stages
-ahead; each checked (sampled) and timed, and a stage breakdown of four of them.
+ahead, or every copy issued by a producer warp of its own as soon as a buffer is free; each
+checked (sampled; greedy too with TMA) and timed, and stage breakdowns.
 Sampling: greedy, and the project's sampler (temperature 0.9, top-k 50: counter-based
 Gumbel-max, `ttsbuild.generation.sampling.sample`) run by every CTA on the pass's logits.
 GPU only (sm_90: cp.async, FP8 e4m3 conversions). 1.7B CustomVoice code-predictor shapes,
@@ -39,12 +40,13 @@ MODES = {"full": 0, "barriers": 1, "no-prefetch": 2, "no-barrier": 3}
 STAGES = 20 + (G - 1) * 21
 KINDS = "ABCDH"  # qkv, attention + o, gate/up, down, head (+ the sampler)
 NSTAMP = 7
-READ_FIRST, TMA, DIST1 = 1, 2, 4  # cp_megaframe.cu's OPT_* bits
+READ_FIRST, TMA, DIST1, PRODUCER = 1, 2, 4, 8  # cp_megaframe.cu's OPT_* bits
 OPTS = {
     "cp.async": 0, "cp.async, read first": READ_FIRST, "tma": TMA,
     "tma, read first": TMA | READ_FIRST, "cp.async, 1 ahead": DIST1,
     "cp.async, read first, 1 ahead": READ_FIRST | DIST1, "tma, 1 ahead": TMA | DIST1,
     "tma, read first, 1 ahead": TMA | READ_FIRST | DIST1,
+    "tma, producer": TMA | PRODUCER, "tma, read first, producer": TMA | READ_FIRST | PRODUCER,
 }
 
 
@@ -244,63 +246,83 @@ def main() -> int:
     ws = tensors(m, b)
     ctas_list = [int(c) for c in args.ctas.split(",") if c] or [props.multi_processor_count]
 
-    ok = True
-    checks = [("greedy", GREEDY, 0, 0), ("sampled", SAMPLED, 0, 0),
-              ("sampled, flag barrier", SAMPLED, 2, 0)]
-    checks += [(f"sampled, {name}", SAMPLED, 0, bits) for name, bits in OPTS.items() if bits]
-    checks += [(f"greedy, {name}", GREEDY, 0, bits) for name, bits in OPTS.items() if bits & TMA]
-    for ctas, (label, smp, flags, opts) in itertools.product(ctas_list, checks):
-        for name in ("kcache", "vcache", "logits", "tokens"):
-            b[name].zero_()
-        call(ext, ws, 0, ctas, NO_STAMPS, smp, flags, opts)
-        torch.cuda.synchronize()
-        tokens = b["tokens"].clone()
-        ref_logits, kc, vc = reference(m, tokens)
-        errs = [rel(b["logits"][i], ref_logits[i]) for i in range(G - 1)]
-        ref_tok = reference_tokens(ref_logits, smp)
-        flips = [(i, int(tokens[i]), int(ref_tok[i])) for i in range(G - 1)
-                 if int(tokens[i]) != int(ref_tok[i])]
-        err_k, err_v = rel(b["kcache"], kc), rel(b["vcache"], vc)
-        # the kernel's sums run in another order than the reference's: a differing token
-        # is allowed only where the reference's own choice is a near-tie
-        near = [i for i, _, _ in flips if near_tie(ref_logits[i], smp, i)]
-        good = (max(errs) < 1e-4 and err_k < 1e-4 and err_v < 1e-4
-                and len(near) == len(flips))
-        ok &= good
-        print(f"[{ctas} CTAs, {label}] check {'PASS' if good else 'FAIL'}: logits rel err "
-              f"max {max(errs):.2e} (passes 1-15), k/v caches {err_k:.2e} / {err_v:.2e}; "
-              f"tokens {tokens.tolist()}; differing from the reference {flips} (near-ties "
-              f"{near}); logit std {float(ref_logits.std(dim=-1).mean()):.2f}")
+    # the producer warp's variants last: a fault there (a context lost) leaves the rest printed
+    plain = {k: v for k, v in OPTS.items() if not v & PRODUCER}
+    produced = {k: v for k, v in OPTS.items() if v & PRODUCER}
+
+    def checks_of(opts: dict[str, int]) -> list[tuple[str, dict, int, int]]:
+        out = [(f"sampled, {name}", SAMPLED, 0, bits) for name, bits in opts.items() if bits]
+        return out + [(f"greedy, {name}", GREEDY, 0, bits) for name, bits in opts.items()
+                      if bits & TMA]
 
     fp8_bytes = sum(m[k].numel() for k in ("wqkv", "wo", "wgu", "wd")) * G + m["whead"].numel()
+
+    def row(ctas: int, label: str, mode: int, smp: dict, flags: int = 0, opts: int = 0) -> None:
+        ms = time_graph(lambda: call(ext, ws, mode, ctas, NO_STAMPS, smp, flags, opts),
+                        args.replays)
+        print(f"| {ctas} | {label} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
+              f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
+
+    ok = True
+    first = [("greedy", GREEDY, 0, 0), ("sampled", SAMPLED, 0, 0),
+             ("sampled, flag barrier", SAMPLED, 2, 0)] + checks_of(plain)
+    for ctas, (label, smp, flags, opts) in itertools.product(ctas_list, first):
+        ok &= check(ext, ws, m, b, ctas, label, smp, flags, opts)
     print(f"\nFP8 weight bytes a frame {fp8_bytes / 1e6:.0f} MB (16 passes; 15 heads)")
-    print("| CTAs | mode | ms / frame | us / pass | us / barrier (334) | GB/s |")
-    print("|---|---|---|---|---|---|")
+    header = ("| CTAs | mode | ms / frame | us / pass | us / barrier (334) | GB/s |\n"
+              "|---|---|---|---|---|---|")
+    print(header)
     for ctas in ctas_list:
         for mode, code in MODES.items():
-            ms = time_graph(lambda c=code, n=ctas: call(ext, ws, c, n, NO_STAMPS, GREEDY),
-                            args.replays)
-            print(f"| {ctas} | {mode} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
-                  f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
+            row(ctas, mode, code, GREEDY)
         for label, code, smp, flags in (("full, sampled", 0, SAMPLED, 0),
                                          ("barriers, fenced", 1, GREEDY, 1),
                                          ("full, sampled, fenced", 0, SAMPLED, 1),
                                          ("barriers, flags", 1, GREEDY, 2)):
-            ms = time_graph(lambda n=ctas, c=code, s=smp, f=flags: call(ext, ws, c, n, NO_STAMPS,
-                                                                        s, f), args.replays)
-            print(f"| {ctas} | {label} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
-                  f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
-        variants = [(f"full, {name}", 0, bits) for name, bits in OPTS.items() if bits]
-        variants += [("no-barrier, tma, read first", 3, TMA | READ_FIRST),
-                     ("no-prefetch, tma", 2, TMA)]
-        for label, code, bits in variants:
-            ms = time_graph(lambda n=ctas, c=code, o=bits: call(ext, ws, c, n, NO_STAMPS, GREEDY,
-                                                                0, o), args.replays)
-            print(f"| {ctas} | {label} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
-                  f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
-        for name in ("cp.async", "cp.async, read first", "tma", "tma, read first"):
+            row(ctas, label, code, smp, flags)
+        for name, bits in plain.items():
+            if bits:
+                row(ctas, f"full, {name}", 0, GREEDY, 0, bits)
+        row(ctas, "no-barrier, tma, read first", 3, GREEDY, 0, TMA | READ_FIRST)
+        row(ctas, "no-prefetch, tma", 2, GREEDY, 0, TMA)
+        stage_breakdown(ext, ws, ctas, "tma, read first")
+    print("\nthe producer warp's variants")
+    for ctas, (label, smp, flags, opts) in itertools.product(ctas_list, checks_of(produced)):
+        ok &= check(ext, ws, m, b, ctas, label, smp, flags, opts)
+    print(header)
+    for ctas in ctas_list:
+        row(ctas, "full, tma, read first (again)", 0, GREEDY, 0, TMA | READ_FIRST)
+        for name, bits in produced.items():
+            row(ctas, f"full, {name}", 0, GREEDY, 0, bits)
+        row(ctas, "no-barrier, tma, read first, producer", 3, GREEDY, 0,
+            TMA | READ_FIRST | PRODUCER)
+        for name in produced:
             stage_breakdown(ext, ws, ctas, name)
     return 0 if ok else 1
+
+
+def check(ext, ws, m, b, ctas: int, label: str, smp: dict, flags: int, opts: int) -> bool:
+    """One frame against the float32 reference (logits, caches, tokens); prints its line."""
+    for name in ("kcache", "vcache", "logits", "tokens"):
+        b[name].zero_()
+    call(ext, ws, 0, ctas, NO_STAMPS, smp, flags, opts)
+    torch.cuda.synchronize()
+    tokens = b["tokens"].clone()
+    ref_logits, kc, vc = reference(m, tokens)
+    errs = [rel(b["logits"][i], ref_logits[i]) for i in range(G - 1)]
+    ref_tok = reference_tokens(ref_logits, smp)
+    flips = [(i, int(tokens[i]), int(ref_tok[i])) for i in range(G - 1)
+             if int(tokens[i]) != int(ref_tok[i])]
+    err_k, err_v = rel(b["kcache"], kc), rel(b["vcache"], vc)
+    # the kernel's sums run in another order than the reference's: a differing token is
+    # allowed only where the reference's own choice is a near-tie
+    near = [i for i, _, _ in flips if near_tie(ref_logits[i], smp, i)]
+    good = max(errs) < 1e-4 and err_k < 1e-4 and err_v < 1e-4 and len(near) == len(flips)
+    print(f"[{ctas} CTAs, {label}] check {'PASS' if good else 'FAIL'}: logits rel err "
+          f"max {max(errs):.2e} (passes 1-15), k/v caches {err_k:.2e} / {err_v:.2e}; "
+          f"tokens {tokens.tolist()}; differing from the reference {flips} (near-ties "
+          f"{near}); logit std {float(ref_logits.std(dim=-1).mean()):.2f}", flush=True)
+    return good
 
 
 def stage_breakdown(ext, ws, ctas: int, opts_name: str) -> None:

@@ -33,7 +33,8 @@ namespace megaframe {
 
 constexpr int H = 1024, NH = 16, NKV = 8, HD = 128, I = 3072, L = 5, V = 2048, G = 16;
 constexpr int QKV = (NH + 2 * NKV) * HD;  // 4096
-constexpr int THREADS = 256, WARPS = THREADS / 32;
+constexpr int THREADS = 256, WARPS = THREADS / 32;  // the stages' threads (consumers)
+constexpr int BLOCK = THREADS + 32;  // + a producer warp (OPT_PRODUCER; else it exits at once)
 constexpr int NBUF = 3;                  // weight buffers: stage s+2 loads while s runs
 constexpr int SIDE = 2048;               // floats beside each buffer: the stage's norm
                                          // weights, row scales, RoPE row (issue_side)
@@ -45,7 +46,12 @@ constexpr int NSTAMP = 7;
 // OPT_TMA: weights copied by the TMA unit (cp.async.bulk, one request a contiguous slice,
 //   completion on an mbarrier), not as 16-byte cp.async by every thread.
 // OPT_DIST1: the weight copy one stage ahead (else two).
-constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4;
+// OPT_PRODUCER (with OPT_TMA): a warp of its own issues every copy (weights and side vectors)
+//   as soon as a buffer is free (NBUF stages ahead), so no stage's threads stall on an issue.
+constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4, OPT_PRODUCER = 8;
+
+// The stages' threads only (named barrier 1): the producer warp never joins.
+__device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
 
 struct Params {
     const uint8_t* wqkv; const float* sqkv;   // [L, 4096, 1024], [L, 4096]
@@ -114,7 +120,7 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 // before them: cumulativity), as CUTLASS's GenericBarrier does.
 template <bool FENCED>
 __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
-    __syncthreads();
+    csync();
     if (threadIdx.x == 0) {
         if (FENCED) __threadfence();
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(counter) : "memory");
@@ -126,14 +132,14 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target)
         } while (v < target);
         if (FENCED) __threadfence();
     }
-    __syncthreads();
+    csync();
 }
 
 // The same barrier without an atomic: each CTA stores the barrier's number to its own word
 // (release) and threads 0..ctas-1 of every CTA wait for one word each (acquire). No arrivals
 // serialise on one address; the words of 132 CTAs lie in five 128-byte lines.
 __device__ __forceinline__ void grid_barrier_flags(unsigned* flags, unsigned epoch, int ctas) {
-    __syncthreads();
+    csync();
     if (threadIdx.x == 0) {
         __threadfence();
         asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flags + blockIdx.x), "r"(epoch)
@@ -149,7 +155,7 @@ __device__ __forceinline__ void grid_barrier_flags(unsigned* flags, unsigned epo
         } while (v < epoch);
         __threadfence();
     }
-    __syncthreads();
+    csync();
 }
 
 // stage index -> (pass, r): r 0..19 = layer r/4, kind r%4 (A, B, C, D); r 20 = head
@@ -158,42 +164,43 @@ __device__ __forceinline__ void stage_of(int sid, int& pass, int& r) {
     else { pass = 1 + (sid - 20) / 21; r = (sid - 20) % 21; }
 }
 
-// Small vectors, 16 or 4 bytes a request (every thread issues its share).
-__device__ __forceinline__ void copy_vec(float* dst, const float* src, int n) {  // n % 4 == 0
-    for (int i = threadIdx.x; i < n / 4; i += THREADS) cp_async16(dst + 4 * i, src + 4 * i);
+// Small vectors, 16 or 4 bytes a request (thread t of nt issues its share).
+__device__ __forceinline__ void copy_vec(float* dst, const float* src, int n, int t, int nt) {
+    for (int i = t; i < n / 4; i += nt) cp_async16(dst + 4 * i, src + 4 * i);  // n % 4 == 0
 }
-__device__ __forceinline__ void copy_rows(float* dst, const float* src, int n) {  // 4 B each
-    for (int i = threadIdx.x; i < n; i += THREADS) cp_async4(dst + i, src + i);
+__device__ __forceinline__ void copy_rows(float* dst, const float* src, int n, int t, int nt) {
+    for (int i = t; i < n; i += nt) cp_async4(dst + i, src + i);  // 4 B each
 }
 
 // The small vectors a stage reads, copied beside its weights (side, SIDE floats):
 //   A: input norm [0, 1024), qkv scales [1024, ...)      C: post norm, gate scales, up scales
 //   B: q norm [0, 128), k norm [128, 256), cos [256, 320), sin [320, 384), o scales [384, ...)
 //   D: down scales [0, ...)                              H: final norm, head scales
-__device__ void issue_side(const Params& p, int pass, int r, float* side, int cta, int ctas) {
+__device__ void issue_side(const Params& p, int pass, int r, float* side, int cta, int ctas,
+                           int t, int nt) {
     const Rows w = stage_rows(r == 20 ? 4 : r % 4, cta, ctas);
     const int r0 = w.r0, r1 = w.r1;
     if (r == 20) {
-        copy_vec(side, p.final_norm, H);
-        copy_rows(side + H, p.shead + (size_t)(pass - 1) * V + r0, r1 - r0);
+        copy_vec(side, p.final_norm, H, t, nt);
+        copy_rows(side + H, p.shead + (size_t)(pass - 1) * V + r0, r1 - r0, t, nt);
         return;
     }
     const int l = r / 4, kind = r % 4;
     if (kind == 0) {
-        copy_vec(side, p.in_norm + l * H, H);
-        copy_rows(side + H, p.sqkv + l * QKV + r0, r1 - r0);
+        copy_vec(side, p.in_norm + l * H, H, t, nt);
+        copy_rows(side + H, p.sqkv + l * QKV + r0, r1 - r0, t, nt);
     } else if (kind == 1) {
-        copy_vec(side, p.q_norm + l * HD, HD);
-        copy_vec(side + HD, p.k_norm + l * HD, HD);
-        copy_vec(side + 2 * HD, p.rope_cos + pass * (HD / 2), HD / 2);
-        copy_vec(side + 2 * HD + HD / 2, p.rope_sin + pass * (HD / 2), HD / 2);
-        copy_rows(side + 3 * HD, p.so + l * H + r0, r1 - r0);
+        copy_vec(side, p.q_norm + l * HD, HD, t, nt);
+        copy_vec(side + HD, p.k_norm + l * HD, HD, t, nt);
+        copy_vec(side + 2 * HD, p.rope_cos + pass * (HD / 2), HD / 2, t, nt);
+        copy_vec(side + 2 * HD + HD / 2, p.rope_sin + pass * (HD / 2), HD / 2, t, nt);
+        copy_rows(side + 3 * HD, p.so + l * H + r0, r1 - r0, t, nt);
     } else if (kind == 2) {
-        copy_vec(side, p.post_norm + l * H, H);
-        copy_rows(side + H, p.sgu + (size_t)l * 2 * I + r0, r1 - r0);
-        copy_rows(side + H + (r1 - r0), p.sgu + (size_t)l * 2 * I + I + r0, r1 - r0);
+        copy_vec(side, p.post_norm + l * H, H, t, nt);
+        copy_rows(side + H, p.sgu + (size_t)l * 2 * I + r0, r1 - r0, t, nt);
+        copy_rows(side + H + (r1 - r0), p.sgu + (size_t)l * 2 * I + I + r0, r1 - r0, t, nt);
     } else {
-        copy_rows(side, p.sd + l * H + r0, r1 - r0);
+        copy_rows(side, p.sd + l * H + r0, r1 - r0, t, nt);
     }
 }
 
@@ -201,8 +208,16 @@ __device__ void issue_side(const Params& p, int pass, int r, float* side, int ct
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(bar)));
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// an arrival on bar once this thread's earlier cp.async copies have landed (counted at init)
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar))
+                 : "memory");
 }
 __device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
@@ -243,27 +258,30 @@ __device__ Seg stage_segs(const Params& p, int pass, int r, int cta, int ctas) {
     return {p.wd + ((size_t)l * H + w.r0) * I, 0, 1, rows * I};
 }
 
+// A stage's weights as TMA bulk copies by one warp (lane 0..31), their bytes counted on bar.
+__device__ void issue_weights_tma(const Seg& g, uint8_t* buf, uint64_t* bar, int lane) {
+    if (lane == 0) {
+        // the buffer's last reads (generic proxy) before the async proxy's writes
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        mbar_expect(bar, (unsigned)(g.n * g.bytes));
+    }
+    __syncwarp();
+    for (int i = lane; i < g.n; i += 32)
+        bulk_copy(buf + (size_t)i * g.bytes, g.src + i * g.stride, g.bytes, bar);
+}
+
 // Copy this CTA's weight slice of stage sid into buf, and its side vectors beside it (every
-// thread calls it; with tma, warp 0 issues the bulk copies and bar counts their bytes).
+// stage thread calls it; with tma, warp 0 issues the bulk copies and bar counts their bytes).
 __device__ void issue_stage(const Params& p, int sid, uint8_t* buf, int cta, int ctas, bool tma,
                             uint64_t* bar) {
     if (sid >= STAGES) return;
     int pass, r;
     stage_of(sid, pass, r);
     const int tid = threadIdx.x;
-    issue_side(p, pass, r, reinterpret_cast<float*>(buf + p.buf_bytes), cta, ctas);
+    issue_side(p, pass, r, reinterpret_cast<float*>(buf + p.buf_bytes), cta, ctas, tid, THREADS);
     const Seg g = stage_segs(p, pass, r, cta, ctas);
     if (tma) {
-        if (tid < 32) {
-            if (tid == 0) {
-                // the buffer's last reads (generic proxy) before the async proxy's writes
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                mbar_expect(bar, (unsigned)(g.n * g.bytes));
-            }
-            __syncwarp();
-            for (int i = tid; i < g.n; i += 32)
-                bulk_copy(buf + (size_t)i * g.bytes, g.src + i * g.stride, g.bytes, bar);
-        }
+        if (tid < 32) issue_weights_tma(g, buf, bar, tid);
         return;
     }
     const int per = g.bytes / 16, chunks = g.n * per;
@@ -282,9 +300,9 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ float block_sum(float v, float* red) {
     v = warp_sum(v);
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __syncthreads();
+    csync();
     if (lane == 0) red[w] = v;
-    __syncthreads();
+    csync();
     float t = 0.f;
     for (int i = 0; i < WARPS; ++i) t += red[i];
     return t;
@@ -296,7 +314,7 @@ __device__ void rms_norm(const float* x, const float* w, float* xn, float eps, f
     for (int i = threadIdx.x; i < H; i += THREADS) ss += x[i] * x[i];
     float rstd = rsqrtf(block_sum(ss, red) / H + eps);
     for (int i = threadIdx.x; i < H; i += THREADS) xn[i] = x[i] * rstd * w[i];
-    __syncthreads();
+    csync();
 }
 
 // rows x K FP8 weights in shared memory (row-major, K % 128 == 0) times x (shared, K floats):
@@ -365,23 +383,23 @@ __device__ void block_argmax(float& best, int& arg, float* red, int* ired) {
         int oa = __shfl_xor_sync(0xffffffffu, arg, o);
         if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
     }
-    __syncthreads();
+    csync();
     if (threadIdx.x % 32 == 0) { red[threadIdx.x / 32] = best; ired[threadIdx.x / 32] = arg; }
-    __syncthreads();
+    csync();
     best = red[0]; arg = ired[0];
     for (int i = 1; i < WARPS; ++i)
         if (red[i] > best || (red[i] == best && ired[i] < arg)) { best = red[i]; arg = ired[i]; }
-    __syncthreads();
+    csync();
 }
 
 __device__ int block_total(int n, int* ired) {  // sum of n over the block
     for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
-    __syncthreads();
+    csync();
     if (threadIdx.x % 32 == 0) ired[threadIdx.x / 32] = n;
-    __syncthreads();
+    csync();
     int t = 0;
     for (int i = 0; i < WARPS; ++i) t += ired[i];
-    __syncthreads();
+    csync();
     return t;
 }
 
@@ -417,7 +435,7 @@ __device__ int pick_token(const Params& p, const float* lg, long long counter, f
     // the winner's scaled logit: from the thread that holds it
     __shared__ float s_w;
     if (arg % THREADS == (int)threadIdx.x) s_w = v[arg / THREADS];
-    __syncthreads();
+    csync();
     const float sw = s_w;
     int mine = 0;
 #pragma unroll
@@ -442,7 +460,7 @@ __device__ int pick_token(const Params& p, const float* lg, long long counter, f
 }
 
 template <int MODE>
-__global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
+__global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     extern __shared__ __align__(16) uint8_t smem[];
     uint8_t* wbuf = smem;                                             // NBUF x buf_bytes
     float* x = reinterpret_cast<float*>(smem + (size_t)NBUF * (p.buf_bytes + SIDE * 4));  // [H]
@@ -459,20 +477,46 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
 
     const int cta = blockIdx.x, ctas = gridDim.x, tid = threadIdx.x;
     const bool tma = p.opts & OPT_TMA, read_first = p.opts & OPT_READ_FIRST;
+    const bool producer = tma && (p.opts & OPT_PRODUCER) && (MODE == 0 || MODE == 3);
     const int dist = (p.opts & OPT_DIST1) ? 1 : 2;
-    __shared__ uint64_t mbar[NBUF];  // with tma: a buffer's weights arrived (a phase a use)
+    const size_t slot_bytes = (size_t)p.buf_bytes + SIDE * sizeof(float);
+    auto buf_of = [&](int sid) { return wbuf + (sid % NBUF) * slot_bytes; };
+    // with tma: mbar[b], buffer b's copies landed (a phase a use: its bytes, and with the
+    // producer also its 32 lanes' side copies); empty[b] (producer): the stage threads are
+    // done with buffer b
+    __shared__ uint64_t mbar[NBUF], empty[NBUF];
     if (tid == 0) {
-        for (int i = 0; i < NBUF; ++i) mbar_init(&mbar[i]);
+        for (int i = 0; i < NBUF; ++i) {
+            mbar_init(&mbar[i], producer ? 33 : 1);
+            mbar_init(&empty[i], 1);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
+    __syncthreads();  // the whole block, the producer warp too, once
+    if (tid >= THREADS) {  // the producer warp: every stage's copies, NBUF stages ahead at most
+        if (!producer) return;
+        const int lane = tid - THREADS;
+        for (int sid = 0; sid < STAGES; ++sid) {
+            const int b = sid % NBUF;
+            if (sid >= NBUF) mbar_wait(&empty[b], ((sid / NBUF) - 1) & 1);
+            int pass, r;
+            stage_of(sid, pass, r);
+            uint8_t* buf = buf_of(sid);
+            issue_side(p, pass, r, reinterpret_cast<float*>(buf + p.buf_bytes), cta, ctas, lane,
+                       32);
+            mbar_arrive_cp_async(&mbar[b]);
+            issue_weights_tma(stage_segs(p, pass, r, cta, ctas), buf, &mbar[b], lane);
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // its side copies landed
+        return;
+    }
     unsigned barriers = 0;
     long long* st = p.stamps && tid == 0 && (cta == 0 || cta == ctas - 1)
                         ? p.stamps + (size_t)(cta == 0 ? 0 : 1) * STAGES * NSTAMP : nullptr;
     int cur = 0;
     auto barrier = [&]() {
         ++barriers;
-        __syncthreads();
+        csync();
         if (st) st[cur * NSTAMP + 5] = clock64();
         if (MODE != 3) {
             if (p.flag_barrier == 2) grid_barrier_flags(p.counter, barriers, ctas);
@@ -481,8 +525,6 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
         }
         if (st) st[cur * NSTAMP + 6] = clock64();
     };
-    const size_t slot_bytes = (size_t)p.buf_bytes + SIDE * sizeof(float);
-    auto buf_of = [&](int sid) { return wbuf + (sid % NBUF) * slot_bytes; };
     auto issue = [&](int sid) {
         issue_stage(p, sid, buf_of(sid), cta, ctas, tma, &mbar[sid % NBUF]);
         cp_commit();
@@ -518,10 +560,10 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
         } else {
             for (int i = tid; i < I; i += THREADS) xn[i] = __ldcg(p.act + i);
         }
-        __syncthreads();
+        csync();
     };
 
-    if (MODE == 0 || MODE == 3) {  // prologue: the first `dist` stages in flight
+    if ((MODE == 0 || MODE == 3) && !producer) {  // prologue: the first `dist` stages in flight
         for (int i = 0; i < dist; ++i) issue(i);
     }
     for (int sid = 0; sid < STAGES; ++sid) {
@@ -533,7 +575,8 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
         }
         const int l = r / 4, kind = r == 20 ? 4 : r % 4;
         uint8_t* wb = buf_of(sid);
-        __syncthreads();  // the buffer refilled next was an earlier stage's: all warps done
+        csync();  // the buffer refilled next was an earlier stage's: all warps done
+        if (producer && tid == 0 && sid > 0) mbar_arrive(&empty[(sid - 1) % NBUF]);
         cur = sid;
         if (st) st[sid * NSTAMP] = clock64();
         long long t_act = 0;
@@ -541,13 +584,14 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
             read_input(pass, l, kind);
             if (st) t_act = clock64();
         }
-        issue(MODE == 2 ? sid : sid + dist);
+        if (!producer) issue(MODE == 2 ? sid : sid + dist);
         if (st) st[sid * NSTAMP + 1] = clock64();
-        if (MODE == 2) cp_wait<0>();
+        if (producer) ;  // its copies counted on mbar
+        else if (MODE == 2) cp_wait<0>();
         else if (dist == 2) cp_wait<2>();
         else cp_wait<1>();
         if (tma) mbar_wait(&mbar[sid % NBUF], (sid / NBUF) & 1);
-        __syncthreads();
+        csync();
         if (st) st[sid * NSTAMP + 2] = clock64();
         if (!read_first) {
             read_input(pass, l, kind);
@@ -572,22 +616,22 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
                 float v = t[d0] * t[d0];
                 v = warp_sum(v);
                 if (tid % 32 == 0) red[tid / 32] = v;
-                __syncthreads();
+                csync();
                 const int base = tid < HD ? 0 : 4;
                 float ss = red[base] + red[base + 1] + red[base + 2] + red[base + 3];
                 float rstd = rsqrtf(ss / HD + p.eps);
                 const float* wn = side + (tid < HD ? 0 : HD);
                 float nv = t[d0] * rstd * wn[d0];
-                __syncthreads();
+                csync();
                 t[d0] = nv;
-                __syncthreads();
+                csync();
                 const int f = d0 % (HD / 2);
                 float c = side[2 * HD + f], sn = side[2 * HD + HD / 2 + f];
                 float rot = d0 < HD / 2 ? -t[d0 + HD / 2] : t[d0 - HD / 2];
                 float outv = t[d0] * c + rot * sn;
-                __syncthreads();
+                csync();
                 t[d0] = outv;
-                __syncthreads();
+                csync();
             }
             float* kc = p.kcache + ((size_t)(l * NKV + g) * G) * HD;
             float* vc = p.vcache + ((size_t)(l * NKV + g) * G) * HD;
@@ -603,7 +647,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
                 s = warp_sum(s);
                 if (lane == 0) sc[j] = s * rsqrtf((float)HD);
             }
-            __syncthreads();
+            csync();
             if (tid < HD) {
                 float m = -INFINITY;
                 for (int j = 0; j <= pos; ++j) m = fmaxf(m, sc[j]);
@@ -615,7 +659,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
                 }
                 att[tid] = acc / den;
             }
-            __syncthreads();
+            csync();
             const Rows ow = stage_rows(1, cta, ctas);
             const int o0 = ow.r0, o1 = ow.r1;
             const float* so = side + 3 * HD;
@@ -634,7 +678,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
             float* gu = xn + H;
             if (st) st[sid * NSTAMP + 4] = clock64();
             gemv_smem<2>(wb, 2 * n, H, xn, [&](int i, float v) { gu[i] = v; });
-            __syncthreads();
+            csync();
             if (tid < n) {
                 const float a = gu[tid] * sg[tid], b = gu[n + tid] * su[tid];
                 __stcg(p.act + j0 + tid, a / (1.f + __expf(-a)) * b);
@@ -662,7 +706,7 @@ __global__ void __launch_bounds__(THREADS, 1) cp_megaframe_kernel(Params p) {
             if (cta == 0 && tid == 0) p.tokens[pass - 1] = tok;
         }
     }
-    if (MODE == 0 || MODE == 3) cp_wait<0>();
+    if ((MODE == 0 || MODE == 3) && !producer) cp_wait<0>();
 }
 
 // The largest stage slice of one CTA, in bytes.
@@ -705,7 +749,7 @@ void launch_mode(const megaframe::Params& p, int ctas, size_t smem, cudaStream_t
         C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         set = smem;
     }
-    k<<<ctas, megaframe::THREADS, smem, stream>>>(p);
+    k<<<ctas, megaframe::BLOCK, smem, stream>>>(p);
 }
 
 // ws: the 28 tensors of Params in order (bench_megaframe.py); FP8 weights as uint8 views;
@@ -731,7 +775,9 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 8, "opts: OPT_* bits (0-7)");
+    TORCH_CHECK(opts >= 0 && opts < 16, "opts: OPT_* bits (0-15)");
+    TORCH_CHECK(!(opts & megaframe::OPT_PRODUCER) || (opts & megaframe::OPT_TMA),
+                "OPT_PRODUCER needs OPT_TMA");
     p.opts = (int)opts;
     p.eps = 1e-6f;
     TORCH_CHECK(temperature > 0, "temperature must be > 0");
