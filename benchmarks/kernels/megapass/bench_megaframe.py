@@ -124,44 +124,105 @@ def tensors(m, b) -> list[torch.Tensor]:
     return out
 
 
-def reference(m, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 logits [15, V] and caches of the same math, teacher-forced on `tokens`."""
-    deq = {k: m["w" + k].float() * m["s" + k][..., None] for k in ("qkv", "o", "gu", "d", "head")}
-    eps = 1e-6
+def reference(m, tokens: torch.Tensor, eps: float = 1e-6
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 logits [G - 1, V] and K/V caches [L, NKV, G, HD] of the kernel's math on `m`
+    (its layout: `make_model` or `pack`; W_o row-major), teacher-forced on `tokens` (the codes
+    of codebooks 1..G-2), on m's device. Shapes come from m, so a small model checks it
+    against the project's code predictor on the CPU (tests/runtime/test_megaframe_reference.py)."""
+    deq = {k: m["w" + k].float() * m["s" + k][..., None].float()
+           for k in ("qkv", "o", "gu", "d", "head")}
+    n_layers, qkv_rows, _ = m["wqkv"].shape
+    hd = m["q_norm"].shape[-1]
+    nh = m["wo"].shape[-1] // hd
+    nkv = (qkv_rows // hd - nh) // 2
+    inter = m["wd"].shape[-1]
+    groups, vocab = m["rope_cos"].shape[0], m["whead"].shape[1]
+    dev = m["wqkv"].device
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
-    def rope(t, pos):  # t [n, 128]
+    def rope(t, pos):  # t [n, hd]
         c = torch.cat([m["rope_cos"][pos]] * 2)
         s = torch.cat([m["rope_sin"][pos]] * 2)
-        rot = torch.cat([-t[:, HD // 2:], t[:, :HD // 2]], dim=1)
+        rot = torch.cat([-t[:, hd // 2:], t[:, :hd // 2]], dim=1)
         return t * c + rot * s
 
-    kc = torch.zeros(L, NKV, G, HD, device="cuda")
+    kc = torch.zeros(n_layers, nkv, groups, hd, device=dev)
     vc = torch.zeros_like(kc)
-    logits = torch.zeros(G - 1, V, device="cuda")
-    for pos in range(G):
+    logits = torch.zeros(groups - 1, vocab, device=dev)
+    for pos in range(groups):
         x = m["x_in"][pos] if pos < 2 else m["tables"][pos - 2][int(tokens[pos - 2])]
-        x = x.clone()
-        for l in range(L):
+        x = x.float().clone()
+        for l in range(n_layers):
             qkv = deq["qkv"][l] @ rms(x, m["in_norm"][l])
-            q = qkv[:NH * HD].view(NH, HD)
-            k = qkv[NH * HD:(NH + NKV) * HD].view(NKV, HD)
-            v = qkv[(NH + NKV) * HD:].view(NKV, HD)
+            q = qkv[:nh * hd].view(nh, hd)
+            k = qkv[nh * hd:(nh + nkv) * hd].view(nkv, hd)
+            v = qkv[(nh + nkv) * hd:].view(nkv, hd)
             q = rope(rms(q, m["q_norm"][l]), pos)
             k = rope(rms(k, m["k_norm"][l]), pos)
             kc[l, :, pos], vc[l, :, pos] = k, v
-            kk = kc[l, :, :pos + 1].repeat_interleave(NH // NKV, dim=0)  # [NH, pos+1, HD]
-            vv = vc[l, :, :pos + 1].repeat_interleave(NH // NKV, dim=0)
-            p = torch.softmax((kk @ q[:, :, None]).squeeze(-1) / math.sqrt(HD), dim=-1)
+            kk = kc[l, :, :pos + 1].repeat_interleave(nh // nkv, dim=0)  # [nh, pos+1, hd]
+            vv = vc[l, :, :pos + 1].repeat_interleave(nh // nkv, dim=0)
+            p = torch.softmax((kk @ q[:, :, None]).squeeze(-1) / math.sqrt(hd), dim=-1)
             att = (p[:, None, :] @ vv).squeeze(1).reshape(-1)
             x = x + deq["o"][l] @ att
             gu = deq["gu"][l] @ rms(x, m["post_norm"][l])
-            x = x + deq["d"][l] @ (torch.nn.functional.silu(gu[:I]) * gu[I:])
+            x = x + deq["d"][l] @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:])
         if pos >= 1:
             logits[pos - 1] = deq["head"][pos - 1] @ rms(x, m["final_norm"])
     return logits, kc, vc
+
+
+def pack(cp, inputs: torch.Tensor, fp8: bool = True) -> dict[str, torch.Tensor]:
+    """The kernel's tensors (make_model's names and layout) from a code predictor
+    (`ttsbuild.model.talker.CodePredictor`): q/k/v and gate/up rows concatenated, one head a
+    codebook, the codebook tables folded through small_to_mtp_projection, and `inputs`
+    ([2, talker hidden]: the talker's hidden state and the codebook-0 code's embedding)
+    projected. fp8: weights as FP8 e4m3 with a float scale a row (else float32, scales 1)."""
+    layers = cp.model.layers
+    proj = cp.small_to_mtp_projection
+    cfg = cp.cfg.code_predictor
+
+    def stack(*mods):
+        return torch.stack([torch.cat([mod.weight for mod in group]) for group in zip(*mods,
+                                                                                   strict=True)])
+
+    with torch.no_grad():
+        raw = {
+            "qkv": stack([a.self_attn.q_proj for a in layers], [a.self_attn.k_proj for a in layers],
+                         [a.self_attn.v_proj for a in layers]),
+            "o": stack([a.self_attn.o_proj for a in layers]),
+            "gu": stack([a.mlp.gate_proj for a in layers], [a.mlp.up_proj for a in layers]),
+            "d": stack([a.mlp.down_proj for a in layers]),
+            "head": torch.stack([h.weight for h in cp.lm_head]),
+        }
+        m: dict[str, torch.Tensor] = {}
+        for k, w in raw.items():
+            w = w.float()
+            if fp8:
+                scale = w.abs().amax(dim=-1).clamp_min(1e-8) / 448.0
+                m["w" + k] = (w / scale[..., None]).to(torch.float8_e4m3fn)
+                m["s" + k] = scale
+            else:
+                m["w" + k], m["s" + k] = w, torch.ones(w.shape[:-1], device=w.device)
+        m["in_norm"] = torch.stack([a.input_layernorm.weight for a in layers]).float()
+        m["post_norm"] = torch.stack([a.post_attention_layernorm.weight for a in layers]).float()
+        m["q_norm"] = torch.stack([a.self_attn.q_norm.weight for a in layers]).float()
+        m["k_norm"] = torch.stack([a.self_attn.k_norm.weight for a in layers]).float()
+        m["final_norm"] = cp.model.norm.weight.float()
+        groups = len(cp.lm_head) + 1
+        m["tables"] = torch.stack([proj(cp.model.codec_embedding[j].weight)
+                                   for j in range(groups - 2)]).float()
+        m["x_in"] = proj(inputs.to(cp.lm_head[0].weight.dtype)).float()
+        hd = cfg.head_dim
+        dev = m["final_norm"].device
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float64)
+                                        / hd))
+        ang = torch.arange(groups, device=dev, dtype=torch.float64)[:, None] * inv[None, :]
+        m["rope_cos"], m["rope_sin"] = ang.cos().float(), ang.sin().float()
+    return {k: v.detach().contiguous() for k, v in m.items()}
 
 
 SAMPLED = dict(do_sample=1, top_k=50, temperature=0.9, seed=-1234567890123, frame=37)
