@@ -40,6 +40,7 @@ MODES = {"full": 0, "barriers": 1, "no-prefetch": 2, "no-barrier": 3}
 STAGES = 20 + (G - 1) * 21
 KINDS = "ABCDH"  # qkv, attention + o, gate/up, down, head (+ the sampler)
 NSTAMP = 7
+PACES = (500, 1000)  # producer pacing, clock64 ticks a 4 KB piece (~0.25, ~0.5 us at ~1.95 GHz)
 READ_FIRST, TMA, DIST1, PRODUCER = 1, 2, 4, 8  # cp_megaframe.cu's OPT_* bits
 OPTS = {
     "cp.async": 0, "cp.async, read first": READ_FIRST, "tma": TMA,
@@ -229,11 +230,14 @@ SAMPLED = dict(do_sample=1, top_k=50, temperature=0.9, seed=-1234567890123, fram
 GREEDY = dict(do_sample=0, top_k=0, temperature=1.0, seed=0, frame=0)
 
 
-def call(ext, ws, mode: int, ctas: int, stamps, s: dict, barrier: int = 0, opts: int = 0) -> None:
+def call(ext, ws, mode: int, ctas: int, stamps, s: dict, barrier: int = 0, opts: int = 0,
+         pace: int = 0) -> None:
     """barrier: 0 the counter (release add, acquire polls), 1 the same with full fences
-    around it (the first run's), 2 a word per CTA. opts: OPTS bits."""
+    around it (the first run's), 2 a word per CTA, 3 eight striped counters. opts: OPTS bits.
+    pace: with the producer, its weight copies in 4 KB pieces at least `pace` clock64 ticks
+    apart (0: whole)."""
     ext.run(ws, mode, ctas, stamps, s["do_sample"], s["top_k"], s["temperature"], s["seed"],
-            s["frame"], barrier, opts)
+            s["frame"], barrier, opts, pace)
 
 
 def reference_tokens(logits: torch.Tensor, s: dict) -> torch.Tensor:
@@ -318,8 +322,9 @@ def main() -> int:
 
     fp8_bytes = sum(m[k].numel() for k in ("wqkv", "wo", "wgu", "wd")) * G + m["whead"].numel()
 
-    def row(ctas: int, label: str, mode: int, smp: dict, flags: int = 0, opts: int = 0) -> None:
-        ms = time_graph(lambda: call(ext, ws, mode, ctas, NO_STAMPS, smp, flags, opts),
+    def row(ctas: int, label: str, mode: int, smp: dict, flags: int = 0, opts: int = 0,
+            pace: int = 0) -> None:
+        ms = time_graph(lambda: call(ext, ws, mode, ctas, NO_STAMPS, smp, flags, opts, pace),
                         args.replays)
         print(f"| {ctas} | {label} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
               f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
@@ -347,26 +352,40 @@ def main() -> int:
         row(ctas, "no-barrier, tma, read first", 3, GREEDY, 0, TMA | READ_FIRST)
         row(ctas, "no-prefetch, tma", 2, GREEDY, 0, TMA)
         stage_breakdown(ext, ws, ctas, "tma, read first")
-    print("\nthe producer warp's variants")
+    print("\nthe producer warp's variants, the striped barrier, the paced copies")
+    best = TMA | READ_FIRST | PRODUCER
+    newest = [("sampled, tma, read first, producer, striped barrier", SAMPLED, 3, best, 0),
+              ("greedy, tma, read first, producer, striped barrier", GREEDY, 3, best, 0)]
+    newest += [(f"sampled, tma, read first, producer, paced {t} ticks", SAMPLED, 0, best, t)
+               for t in PACES]
     for ctas, (label, smp, flags, opts) in itertools.product(ctas_list, checks_of(produced)):
         ok &= check(ext, ws, m, b, ctas, label, smp, flags, opts)
+    for ctas, (label, smp, flags, opts, pace) in itertools.product(ctas_list, newest):
+        ok &= check(ext, ws, m, b, ctas, label, smp, flags, opts, pace)
     print(header)
     for ctas in ctas_list:
         row(ctas, "full, tma, read first (again)", 0, GREEDY, 0, TMA | READ_FIRST)
         for name, bits in produced.items():
             row(ctas, f"full, {name}", 0, GREEDY, 0, bits)
-        row(ctas, "no-barrier, tma, read first, producer", 3, GREEDY, 0,
-            TMA | READ_FIRST | PRODUCER)
+        row(ctas, "no-barrier, tma, read first, producer", 3, GREEDY, 0, best)
+        row(ctas, "barriers, striped", 1, GREEDY, 3)
+        row(ctas, "full, tma, read first, producer, striped barrier", 0, GREEDY, 3, best)
+        for t in PACES:
+            row(ctas, f"full, tma, read first, producer, paced {t} ticks", 0, GREEDY, 0, best, t)
+            row(ctas, f"full, tma, read first, producer, paced {t} ticks, striped", 0, GREEDY,
+                3, best, t)
         for name in produced:
             stage_breakdown(ext, ws, ctas, name)
+        stage_breakdown(ext, ws, ctas, "tma, read first, producer", flags=3, pace=PACES[0])
     return 0 if ok else 1
 
 
-def check(ext, ws, m, b, ctas: int, label: str, smp: dict, flags: int, opts: int) -> bool:
+def check(ext, ws, m, b, ctas: int, label: str, smp: dict, flags: int, opts: int,
+          pace: int = 0) -> bool:
     """One frame against the float32 reference (logits, caches, tokens); prints its line."""
     for name in ("kcache", "vcache", "logits", "tokens"):
         b[name].zero_()
-    call(ext, ws, 0, ctas, NO_STAMPS, smp, flags, opts)
+    call(ext, ws, 0, ctas, NO_STAMPS, smp, flags, opts, pace)
     torch.cuda.synchronize()
     tokens = b["tokens"].clone()
     ref_logits, kc, vc = reference(m, tokens)
@@ -386,7 +405,7 @@ def check(ext, ws, m, b, ctas: int, label: str, smp: dict, flags: int, opts: int
     return good
 
 
-def stage_breakdown(ext, ws, ctas: int, opts_name: str) -> None:
+def stage_breakdown(ext, ws, ctas: int, opts_name: str, flags: int = 0, pace: int = 0) -> None:
     """Where a stage's time goes, from clock64 stamps of CTA 0 and the last CTA (one sampled
     frame, mode full, OPTS[opts_name]), medians over passes and layers, us, each from the
     stage's top (after the previous barrier and a block sync): the weight copy of the stage
@@ -398,13 +417,14 @@ def stage_breakdown(ext, ws, ctas: int, opts_name: str) -> None:
     for _ in range(3):  # the last run's stamps
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        call(ext, ws, 0, ctas, stamps, SAMPLED, 0, OPTS[opts_name])
+        call(ext, ws, 0, ctas, stamps, SAMPLED, flags, OPTS[opts_name], pace)
         b.record()
         b.synchronize()
     st = stamps.cpu().double()
     ticks_per_us = float(st[0, -1, 6] - st[0, 0, 0]) / (a.elapsed_time(b) * 1e3)
-    print(f"\n[{ctas} CTAs, {opts_name}] stage breakdown (clock64, ~{ticks_per_us:.0f} ticks/us "
-          f"from the launch's event time; medians, us):")
+    extra = (", striped barrier" if flags == 3 else "") + (f", paced {pace} ticks" if pace else "")
+    print(f"\n[{ctas} CTAs, {opts_name}{extra}] stage breakdown (clock64, "
+          f"~{ticks_per_us:.0f} ticks/us from the launch's event time; medians, us):")
     print("| CTA | kind | stages | top -> issued | top -> weights | top -> activations | "
           "norms, attention | linear | barrier | to next top |")
     print("|---|---|---|---|---|---|---|---|---|---|")

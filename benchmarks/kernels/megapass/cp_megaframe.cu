@@ -69,9 +69,13 @@ struct Params {
     float* logits;         // [15, 2048]
     float* kcache; float* vcache;  // [L, 8, 16, 128]
     int* tokens;           // [15]
-    unsigned* counter;     // zeroed before the launch: [1] (counting) or [ctas] (flags)
+    unsigned* counter;     // zeroed before the launch: [1] (counting), [ctas] (flags) or
+                           // [STRIPES * 32] (striped)
+    int pace_ticks;        // producer (OPT_PRODUCER): 0, or its weight copies issued in
+                           // pieces of PIECE bytes at least this many clock64 ticks apart
     int flag_barrier;      // 0: one counter (release add, acquire polls); 1: the same with
-                           // full fences around it; 2: a word per CTA
+                           // full fences around it; 2: a word per CTA; 3: STRIPES
+                           // counters (CTA c adds to c % STRIPES), each polled by a thread
     long long* stamps;     // null, or [2, STAGES, NSTAMP] clock64 of CTA 0 and the last CTA:
                            // the stage's top, the copy ahead issued, its weights ready, its
                            // activations read, its linear begun (norms, attention done),
@@ -131,6 +135,29 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target)
             if (++spins > (1ll << 22)) __trap();  // a CTA never arrived (~seconds): fail, never hang
         } while (v < target);
         if (FENCED) __threadfence();
+    }
+    csync();
+}
+
+// The counter split in STRIPES (a 128-byte line each): CTA c adds to stripe c % STRIPES, so
+// 132 same-address atomics become ~17 on each of 8 lines; thread j of every CTA polls stripe
+// j until it holds its CTAs' arrivals.
+constexpr int STRIPES = 8;
+__device__ __forceinline__ void grid_barrier_striped(unsigned* counter, unsigned epoch, int ctas) {
+    csync();
+    if (threadIdx.x == 0)
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n"
+                     ::"l"(counter + 32 * (blockIdx.x % STRIPES)) : "memory");
+    if (threadIdx.x < STRIPES) {
+        const int j = threadIdx.x;
+        const unsigned target = epoch * (unsigned)(ctas / STRIPES + (j < ctas % STRIPES ? 1 : 0));
+        unsigned v;
+        long long spins = 0;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n"
+                         : "=r"(v) : "l"(counter + 32 * j) : "memory");
+            if (++spins > (1ll << 22)) __trap();
+        } while (v < target);
     }
     csync();
 }
@@ -259,13 +286,32 @@ __device__ Seg stage_segs(const Params& p, int pass, int r, int cta, int ctas) {
 }
 
 // A stage's weights as TMA bulk copies by one warp (lane 0..31), their bytes counted on bar.
-__device__ void issue_weights_tma(const Seg& g, uint8_t* buf, uint64_t* bar, int lane) {
+// pace > 0 (the producer): lane 0 issues them in pieces of PIECE bytes at least pace clock64
+// ticks apart, so a stage's latency-bound loads and barrier operations never queue behind a
+// whole 48 KB copy.
+constexpr int PIECE = 4096;
+__device__ void issue_weights_tma(const Seg& g, uint8_t* buf, uint64_t* bar, int lane,
+                                  int pace = 0) {
     if (lane == 0) {
         // the buffer's last reads (generic proxy) before the async proxy's writes
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_expect(bar, (unsigned)(g.n * g.bytes));
     }
     __syncwarp();
+    if (pace > 0) {
+        if (lane == 0) {
+            long long t = clock64();
+            for (int i = 0; i < g.n; ++i)
+                for (int off = 0; off < g.bytes; off += PIECE) {
+                    while (clock64() - t < pace) {}
+                    t = clock64();
+                    bulk_copy(buf + (size_t)i * g.bytes + off, g.src + i * g.stride + off,
+                              (unsigned)min(PIECE, g.bytes - off), bar);
+                }
+        }
+        __syncwarp();
+        return;
+    }
     for (int i = lane; i < g.n; i += 32)
         bulk_copy(buf + (size_t)i * g.bytes, g.src + i * g.stride, g.bytes, bar);
 }
@@ -505,7 +551,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             issue_side(p, pass, r, reinterpret_cast<float*>(buf + p.buf_bytes), cta, ctas, lane,
                        32);
             mbar_arrive_cp_async(&mbar[b]);
-            issue_weights_tma(stage_segs(p, pass, r, cta, ctas), buf, &mbar[b], lane);
+            issue_weights_tma(stage_segs(p, pass, r, cta, ctas), buf, &mbar[b], lane,
+                              p.pace_ticks);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // its side copies landed
         return;
@@ -519,7 +566,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         csync();
         if (st) st[cur * NSTAMP + 5] = clock64();
         if (MODE != 3) {
-            if (p.flag_barrier == 2) grid_barrier_flags(p.counter, barriers, ctas);
+            if (p.flag_barrier == 3) grid_barrier_striped(p.counter, barriers, ctas);
+            else if (p.flag_barrier == 2) grid_barrier_flags(p.counter, barriers, ctas);
             else if (p.flag_barrier == 1) grid_barrier<true>(p.counter, barriers * ctas);
             else grid_barrier<false>(p.counter, barriers * ctas);
         }
@@ -757,7 +805,7 @@ void launch_mode(const megaframe::Params& p, int ctas, size_t smem, cudaStream_t
 // Zeroes the barrier counter and o on the current stream, then launches (capturable).
 void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tensor stamps,
          int64_t do_sample, int64_t top_k, double temperature, int64_t seed, int64_t frame,
-         int64_t flag_barrier, int64_t opts) {
+         int64_t flag_barrier, int64_t opts, int64_t pace_ticks) {
     TORCH_CHECK(ws.size() == 28, "28 tensors expected, got ", ws.size());
     for (auto& t : ws) TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "CUDA contiguous tensors only");
     megaframe::Params p;
@@ -791,9 +839,13 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     TORCH_CHECK(smem <= 227 * 1024, "shared memory ", smem, " > 227 KiB: use more CTAs");
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     p.flag_barrier = (int)flag_barrier;
+    TORCH_CHECK(flag_barrier >= 0 && flag_barrier <= 3, "flag_barrier: 0-3");
+    TORCH_CHECK(pace_ticks >= 0 && pace_ticks < (1 << 20), "pace_ticks: 0 to 2^20");
+    p.pace_ticks = (int)pace_ticks;
     TORCH_CHECK(ws[27].numel() >= ctas, "the barrier words: one per CTA");
     TORCH_CHECK(ctas <= megaframe::THREADS, "at most one CTA per thread of a CTA (flags)");
-    cudaMemsetAsync(p.counter, 0, sizeof(int) * ctas, stream);
+    TORCH_CHECK(ws[27].numel() >= 32 * megaframe::STRIPES, "the barrier words: 32 x STRIPES");
+    cudaMemsetAsync(p.counter, 0, sizeof(int) * ws[27].numel(), stream);
     cudaMemsetAsync(p.o, 0, sizeof(float) * megaframe::H, stream);
     switch (mode) {
         case 0: launch_mode<0>(p, (int)ctas, smem, stream); break;
