@@ -1,15 +1,16 @@
-"""The one-kernel code-predictor frame (benchmarks/kernels/megapass/) is checked on the GPU
-against `bench_megaframe.reference`, a float32 model of its math on its own tensor layout.
-Here that reference, on tensors packed from our code predictor (`bench_megaframe.pack`), is
-checked against the official Qwen3-TTS code predictor on random weights: so the kernel's
-layout and math (qkv and gate/up concatenation, the folded codebook tables, the projected
-inputs, RoPE, q/k norms, GQA, one head a codebook) are the model's, not only the kernel's."""
+"""The one-kernel code-predictor frame (ttsbuild/csrc/cp_megaframe.cu) is checked on the GPU
+against `cp_megaframe.reference`, a float32 model of its math on its own tensor layout. Here
+that reference, on tensors packed from our code predictor (`pack_module`, through the
+engine's PackedStack and Dense), is checked against the official Qwen3-TTS code predictor on
+random weights: so the kernel's layout and math (qkv and gate/up concatenation, the folded
+codebook tables, the projected inputs, RoPE, q/k norms, GQA, one head a codebook) are the
+model's, not only the kernel's. And the wrapper's refusals and argument layout, on the CPU."""
 
+import pytest
 import torch
-from helpers_scripts import script_fixture
 from reference_models import build_pair, small_config
 
-bench = script_fixture("benchmarks/kernels/megapass/bench_megaframe.py")
+from ttsbuild.runtime import cp_megaframe as cpm
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -27,31 +28,87 @@ def _frame(seed: int):
         embeds += [cp.embed_codes(i, codes[:, i:i + 1]) for i in range(1, cfg.num_code_groups - 1)]
         official_logits = official.talker.code_predictor.forward_finetune(
             inputs_embeds=torch.cat(embeds, 1)).logits[0]  # [15, V]: head i on position i + 1
-    inputs = torch.cat(embeds[:2], 1)[0]  # [2, talker hidden]
-    return cp, inputs, codes[0, 1:cfg.num_code_groups - 1], official_logits
+        x_in = cp.small_to_mtp_projection(torch.cat(embeds[:2], 1)[0])  # [2, cp hidden]
+    return cp, x_in, codes[0, 1:cfg.num_code_groups - 1], official_logits
 
 
-def test_reference_is_the_official_code_predictor(bench):
-    cp, inputs, tokens, official_logits = _frame(seed=11)
-    m = bench.pack(cp, inputs, fp8=False)
-    eps = cp.cfg.code_predictor.rms_norm_eps
-    logits, kc, vc = bench.reference(m, tokens, eps=eps)
+def test_reference_is_the_official_code_predictor():
+    cp, x_in, tokens, official_logits = _frame(seed=11)
+    m = cpm.pack_module(cp, fp8=False)
+    logits, kc, vc = cpm.reference(m, x_in, tokens, eps=cp.cfg.code_predictor.rms_norm_eps)
     assert logits.shape == official_logits.shape == (15, cp.cfg.codebook_size)
     for i in range(15):  # every codebook's logits, each on its own
         assert rel_err(logits[i], official_logits[i]) < 1e-4, i
     # the caches were written for every position of the frame (a pass that skipped its row
     # would leave zeros there)
     assert bool((kc.abs().sum(-1) > 0).all()) and bool((vc.abs().sum(-1) > 0).all())
+    # and the check can fail: the tokens one codebook off, or RoPE turned the other way
+    wrong, _, _ = cpm.reference(m, x_in, tokens.roll(1), eps=cp.cfg.code_predictor.rms_norm_eps)
+    assert rel_err(wrong, official_logits) > 0.1
+    flipped = dict(m, rope_sin=-m["rope_sin"])
+    wrong, _, _ = cpm.reference(flipped, x_in, tokens, eps=cp.cfg.code_predictor.rms_norm_eps)
+    assert rel_err(wrong, official_logits) > 0.01
 
 
-def test_fp8_pack_dequantises_to_the_weights(bench):
-    cp, inputs, tokens, official_logits = _frame(seed=12)
-    exact, fp8 = bench.pack(cp, inputs, fp8=False), bench.pack(cp, inputs, fp8=True)
+def test_fp8_pack_dequantises_to_the_weights():
+    cp, x_in, tokens, official_logits = _frame(seed=12)
+    exact, fp8 = cpm.pack_module(cp, fp8=False), cpm.pack_module(cp, fp8=True)
     for k in ("qkv", "o", "gu", "d", "head"):
-        assert fp8["w" + k].dtype == torch.float8_e4m3fn
+        assert fp8["w" + k].dtype == torch.float8_e4m3fn and exact["w" + k].dtype == torch.float32
         deq = fp8["w" + k].float() * fp8["s" + k][..., None]
         err = rel_err(deq, exact["w" + k])
-        assert 1e-4 < err < 0.05, (k, err)  # e4m3: ~2-3% per weight; zero would mean no rounding
-    logits, _, _ = bench.reference(fp8, tokens, eps=cp.cfg.code_predictor.rms_norm_eps)
+        assert 1e-4 < err < 0.05, (k, err)  # e4m3: ~2-3% a weight; 0 would mean no rounding
+    logits, _, _ = cpm.reference(fp8, x_in, tokens, eps=cp.cfg.code_predictor.rms_norm_eps)
     err = rel_err(logits, official_logits)
     assert 1e-4 < err < 0.1, err
+
+
+def _real_shapes(device="meta", fp8=True) -> dict[str, torch.Tensor]:
+    """pack's tensors at the kernel's shapes (on the meta device: shapes and dtypes only)."""
+    s = cpm.SHAPE
+    L, H, hd, V, G = s["layers"], s["hidden"], s["head_dim"], s["vocab"], s["groups"]
+    qkv, inter = (s["heads"] + 2 * s["kv_heads"]) * hd, s["intermediate"]
+    w = torch.float8_e4m3fn if fp8 else torch.float32
+    shapes = {"qkv": (L, qkv, H), "o": (L, H, s["heads"] * hd), "gu": (L, 2 * inter, H),
+              "d": (L, H, inter), "head": (G - 1, V, H)}
+    m = {}
+    for k, shape in shapes.items():
+        m["w" + k] = torch.empty(shape, dtype=w, device=device)
+        m["s" + k] = torch.empty(shape[:-1], device=device)
+    m.update(in_norm=torch.empty(L, H, device=device), post_norm=torch.empty(L, H, device=device),
+             q_norm=torch.empty(L, hd, device=device), k_norm=torch.empty(L, hd, device=device),
+             final_norm=torch.empty(H, device=device),
+             tables=torch.empty(G - 2, V, H, device=device),
+             rope_cos=torch.empty(G, hd // 2, device=device),
+             rope_sin=torch.empty(G, hd // 2, device=device))
+    return m
+
+
+def test_unsupported_names_the_reason():
+    assert cpm.unsupported(_real_shapes()) is None
+    assert "FP8" in cpm.unsupported(_real_shapes(fp8=False))
+    cp, _, _, _ = _frame(seed=13)
+    why = cpm.unsupported(cpm.pack_module(cp, fp8=True))
+    assert why.startswith("shapes") and "'hidden': 48" in why
+    with pytest.raises(ValueError, match="shapes"):
+        cpm.Megaframe(cpm.pack_module(cp, fp8=True), eps=1e-6)
+
+
+def test_kernel_arguments_in_order_with_w_o_head_major():
+    s = cpm.SHAPE
+    m = _real_shapes(device="meta")
+    g = torch.Generator().manual_seed(3)
+    m["wo"] = torch.randn(s["layers"], s["hidden"], s["heads"] * s["head_dim"],
+                          generator=g).to(torch.float8_e4m3fn)
+    buffers = cpm.scratch("meta")
+    args = cpm.kernel_tensors({**m, "x_in": torch.empty(2, s["hidden"], device="meta")}, buffers)
+    assert len(args) == len(cpm.ORDER) == 28
+    assert all(a.dtype != torch.float8_e4m3fn for a in args)  # FP8 goes as bytes
+    wo = args[cpm.ORDER.index("wo")]
+    assert wo.shape == (s["layers"], s["heads"], s["hidden"], s["head_dim"])
+    for _ in range(20):
+        layer, h, r, d = (int(torch.randint(0, n, (1,), generator=g)) for n in (
+            s["layers"], s["heads"], s["hidden"], s["head_dim"]))
+        assert int(wo[layer, h, r, d]) == int(m["wo"][layer, r, h * s["head_dim"] + d].view(
+            torch.uint8))
+    assert args[cpm.ORDER.index("tokens")] is buffers["tokens"]

@@ -1,6 +1,7 @@
 """Feasibility prototype: the code predictor's frame at batch 1 as one persistent CUDA kernel
-(cp_megaframe.cu; not served). Checks it against a float32 reference of the same math, then
-times it, in CUDA graphs, beside its own floors:
+(ttsbuild/csrc/cp_megaframe.cu, wrapped by ttsbuild/runtime/cp_megaframe.py; not served).
+Checks it against the module's float32 reference of the same math (itself checked against the
+official code predictor on the CPU), then times it, in CUDA graphs, beside its own floors:
 
     PYTHONPATH=. python3 benchmarks/kernels/megapass/bench_megaframe.py [--ctas 132]
 
@@ -27,12 +28,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import os
 import statistics
 import sys
 import time
 
 import torch
+
+from ttsbuild.runtime import cp_megaframe as cpm
 
 H, NH, NKV, HD, I, L, V, G = 1024, 16, 8, 128, 3072, 5, 2048, 16
 QKV = (NH + 2 * NKV) * HD
@@ -41,7 +43,7 @@ STAGES = 20 + (G - 1) * 21
 KINDS = "ABCDH"  # qkv, attention + o, gate/up, down, head (+ the sampler)
 NSTAMP = 7
 PACES = (500, 1000)  # producer pacing, clock64 ticks a 4 KB piece (~0.25, ~0.5 us at ~1.95 GHz)
-READ_FIRST, TMA, DIST1, PRODUCER = 1, 2, 4, 8  # cp_megaframe.cu's OPT_* bits
+READ_FIRST, TMA, DIST1, PRODUCER = cpm.READ_FIRST, cpm.TMA, cpm.DIST1, cpm.PRODUCER
 OPTS = {
     "cp.async": 0, "cp.async, read first": READ_FIRST, "tma": TMA,
     "tma, read first": TMA | READ_FIRST, "cp.async, 1 ahead": DIST1,
@@ -52,14 +54,6 @@ OPTS = {
 
 
 NO_STAMPS = None  # set in main: an empty int64 tensor on the GPU
-
-
-def build():
-    from torch.utils.cpp_extension import load
-
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cp_megaframe.cu")
-    return load(name="cp_megaframe", sources=[src], verbose=False,
-                extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"])
 
 
 def fp8_rows(n: int, k: int, gen: torch.Generator, gain: float = 1.0):
@@ -97,137 +91,26 @@ def make_model(seed: int) -> dict[str, torch.Tensor]:
     return m
 
 
-def buffers() -> dict[str, torch.Tensor]:
-    f = dict(device="cuda", dtype=torch.float32)
-    return {
-        "qkv": torch.zeros(QKV, **f), "o": torch.zeros(H, **f), "act": torch.zeros(I, **f),
-        "d": torch.zeros(H, **f), "logits": torch.zeros(G - 1, V, **f),
-        "kcache": torch.zeros(L, NKV, G, HD, **f), "vcache": torch.zeros(L, NKV, G, HD, **f),
-        "tokens": torch.zeros(G - 1, device="cuda", dtype=torch.int32),
-        "counter": torch.zeros(256, device="cuda", dtype=torch.int32),  # a word per CTA
-    }
-
-
-ORDER = ["wqkv", "sqkv", "wo", "so", "wgu", "sgu", "wd", "sd", "whead", "shead", "in_norm",
-         "post_norm", "q_norm", "k_norm", "final_norm", "tables", "x_in", "rope_cos", "rope_sin",
-         "qkv", "o", "act", "d", "logits", "kcache", "vcache", "tokens", "counter"]
-
-
-def tensors(m, b) -> list[torch.Tensor]:
-    """The kernel's arguments in order; W_o head-major ([L, NH, H, HD]: a CTA's slice of its
-    head's columns is one contiguous copy), as an engine would store it ahead of time."""
-    out = []
-    for name in ORDER:
-        t = m.get(name, b.get(name))
-        if name == "wo":
-            t = t.view(L, H, NH, HD).permute(0, 2, 1, 3).contiguous()
-        out.append(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
-    return out
-
-
-def reference(m, tokens: torch.Tensor, eps: float = 1e-6
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 logits [G - 1, V] and K/V caches [L, NKV, G, HD] of the kernel's math on `m`
-    (its layout: `make_model` or `pack`; W_o row-major), teacher-forced on `tokens` (the codes
-    of codebooks 1..G-2), on m's device. Shapes come from m, so a small model checks it
-    against the project's code predictor on the CPU (tests/runtime/test_megaframe_reference.py)."""
-    deq = {k: m["w" + k].float() * m["s" + k][..., None].float()
-           for k in ("qkv", "o", "gu", "d", "head")}
-    n_layers, qkv_rows, _ = m["wqkv"].shape
-    hd = m["q_norm"].shape[-1]
-    nh = m["wo"].shape[-1] // hd
-    nkv = (qkv_rows // hd - nh) // 2
-    inter = m["wd"].shape[-1]
-    groups, vocab = m["rope_cos"].shape[0], m["whead"].shape[1]
-    dev = m["wqkv"].device
-
-    def rms(x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-    def rope(t, pos):  # t [n, hd]
-        c = torch.cat([m["rope_cos"][pos]] * 2)
-        s = torch.cat([m["rope_sin"][pos]] * 2)
-        rot = torch.cat([-t[:, hd // 2:], t[:, :hd // 2]], dim=1)
-        return t * c + rot * s
-
-    kc = torch.zeros(n_layers, nkv, groups, hd, device=dev)
-    vc = torch.zeros_like(kc)
-    logits = torch.zeros(groups - 1, vocab, device=dev)
-    for pos in range(groups):
-        x = m["x_in"][pos] if pos < 2 else m["tables"][pos - 2][int(tokens[pos - 2])]
-        x = x.float().clone()
-        for l in range(n_layers):
-            qkv = deq["qkv"][l] @ rms(x, m["in_norm"][l])
-            q = qkv[:nh * hd].view(nh, hd)
-            k = qkv[nh * hd:(nh + nkv) * hd].view(nkv, hd)
-            v = qkv[(nh + nkv) * hd:].view(nkv, hd)
-            q = rope(rms(q, m["q_norm"][l]), pos)
-            k = rope(rms(k, m["k_norm"][l]), pos)
-            kc[l, :, pos], vc[l, :, pos] = k, v
-            kk = kc[l, :, :pos + 1].repeat_interleave(nh // nkv, dim=0)  # [nh, pos+1, hd]
-            vv = vc[l, :, :pos + 1].repeat_interleave(nh // nkv, dim=0)
-            p = torch.softmax((kk @ q[:, :, None]).squeeze(-1) / math.sqrt(hd), dim=-1)
-            att = (p[:, None, :] @ vv).squeeze(1).reshape(-1)
-            x = x + deq["o"][l] @ att
-            gu = deq["gu"][l] @ rms(x, m["post_norm"][l])
-            x = x + deq["d"][l] @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:])
-        if pos >= 1:
-            logits[pos - 1] = deq["head"][pos - 1] @ rms(x, m["final_norm"])
-    return logits, kc, vc
-
-
-def pack(cp, inputs: torch.Tensor, fp8: bool = True) -> dict[str, torch.Tensor]:
-    """The kernel's tensors (make_model's names and layout) from a code predictor
-    (`ttsbuild.model.talker.CodePredictor`): q/k/v and gate/up rows concatenated, one head a
-    codebook, the codebook tables folded through small_to_mtp_projection, and `inputs`
-    ([2, talker hidden]: the talker's hidden state and the codebook-0 code's embedding)
-    projected. fp8: weights as FP8 e4m3 with a float scale a row (else float32, scales 1)."""
-    layers = cp.model.layers
-    proj = cp.small_to_mtp_projection
-    cfg = cp.cfg.code_predictor
-
-    def stack(*mods):
-        return torch.stack([torch.cat([mod.weight for mod in group]) for group in zip(*mods,
-                                                                                   strict=True)])
-
-    with torch.no_grad():
-        raw = {
-            "qkv": stack([a.self_attn.q_proj for a in layers], [a.self_attn.k_proj for a in layers],
-                         [a.self_attn.v_proj for a in layers]),
-            "o": stack([a.self_attn.o_proj for a in layers]),
-            "gu": stack([a.mlp.gate_proj for a in layers], [a.mlp.up_proj for a in layers]),
-            "d": stack([a.mlp.down_proj for a in layers]),
-            "head": torch.stack([h.weight for h in cp.lm_head]),
-        }
-        m: dict[str, torch.Tensor] = {}
-        for k, w in raw.items():
-            w = w.float()
-            if fp8:
-                scale = w.abs().amax(dim=-1).clamp_min(1e-8) / 448.0
-                m["w" + k] = (w / scale[..., None]).to(torch.float8_e4m3fn)
-                m["s" + k] = scale
-            else:
-                m["w" + k], m["s" + k] = w, torch.ones(w.shape[:-1], device=w.device)
-        m["in_norm"] = torch.stack([a.input_layernorm.weight for a in layers]).float()
-        m["post_norm"] = torch.stack([a.post_attention_layernorm.weight for a in layers]).float()
-        m["q_norm"] = torch.stack([a.self_attn.q_norm.weight for a in layers]).float()
-        m["k_norm"] = torch.stack([a.self_attn.k_norm.weight for a in layers]).float()
-        m["final_norm"] = cp.model.norm.weight.float()
-        groups = len(cp.lm_head) + 1
-        m["tables"] = torch.stack([proj(cp.model.codec_embedding[j].weight)
-                                   for j in range(groups - 2)]).float()
-        m["x_in"] = proj(inputs.to(cp.lm_head[0].weight.dtype)).float()
-        hd = cfg.head_dim
-        dev = m["final_norm"].device
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float64)
-                                        / hd))
-        ang = torch.arange(groups, device=dev, dtype=torch.float64)[:, None] * inv[None, :]
-        m["rope_cos"], m["rope_sin"] = ang.cos().float(), ang.sin().float()
-    return {k: v.detach().contiguous() for k, v in m.items()}
-
-
 SAMPLED = dict(do_sample=1, top_k=50, temperature=0.9, seed=-1234567890123, frame=37)
 GREEDY = dict(do_sample=0, top_k=0, temperature=1.0, seed=0, frame=0)
+
+
+_SAMPLING: dict[int, tuple] = {}  # id(settings dict) -> its tensors (kept: graphs read them)
+
+
+def sampling_tensors(s: dict) -> tuple[torch.Tensor, ...]:
+    """The kernel's sampling inputs for settings `s`, as an engine holds them: a
+    SamplingBatch's do_sample, top_k and temperature, the row's seed and frame index."""
+    if id(s) not in _SAMPLING:
+        from ttsbuild.generation.sampling import SamplingBatch, SamplingParams
+
+        batch = SamplingBatch.from_params([SamplingParams(
+            do_sample=bool(s["do_sample"]), temperature=s["temperature"], top_k=s["top_k"],
+            top_p=1.0)], device="cuda")
+        seed = torch.tensor([s["seed"]], device="cuda", dtype=torch.int64)
+        frame = torch.tensor([s["frame"]], device="cuda", dtype=torch.int64)
+        _SAMPLING[id(s)] = (batch.do_sample, batch.top_k, batch.temperature, seed, frame)
+    return _SAMPLING[id(s)]
 
 
 def call(ext, ws, mode: int, ctas: int, stamps, s: dict, barrier: int = 0, opts: int = 0,
@@ -236,8 +119,7 @@ def call(ext, ws, mode: int, ctas: int, stamps, s: dict, barrier: int = 0, opts:
     around it (the first run's), 2 a word per CTA, 3 eight striped counters. opts: OPTS bits.
     pace: with the producer, its weight copies in 4 KB pieces at least `pace` clock64 ticks
     apart (0: whole)."""
-    ext.run(ws, mode, ctas, stamps, s["do_sample"], s["top_k"], s["temperature"], s["seed"],
-            s["frame"], barrier, opts, pace)
+    ext.run(ws, mode, ctas, stamps, *sampling_tensors(s), 0, 1e-6, barrier, opts, pace)
 
 
 def reference_tokens(logits: torch.Tensor, s: dict) -> torch.Tensor:
@@ -303,12 +185,12 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     print(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     t0 = time.time()
-    ext = build()
+    ext = cpm.extension()
     print(f"built in {time.time() - t0:.0f} s")
     global NO_STAMPS
     NO_STAMPS = torch.empty(0, dtype=torch.int64, device="cuda")
-    m, b = make_model(args.seed), buffers()
-    ws = tensors(m, b)
+    m, b = make_model(args.seed), cpm.scratch("cuda")
+    ws = cpm.kernel_tensors(m, b)
     ctas_list = [int(c) for c in args.ctas.split(",") if c] or [props.multi_processor_count]
 
     # the producer warp's variants last: a fault there (a context lost) leaves the rest printed
@@ -388,7 +270,7 @@ def check(ext, ws, m, b, ctas: int, label: str, smp: dict, flags: int, opts: int
     call(ext, ws, 0, ctas, NO_STAMPS, smp, flags, opts, pace)
     torch.cuda.synchronize()
     tokens = b["tokens"].clone()
-    ref_logits, kc, vc = reference(m, tokens)
+    ref_logits, kc, vc = cpm.reference(m, m["x_in"], tokens)
     errs = [rel(b["logits"][i], ref_logits[i]) for i in range(G - 1)]
     ref_tok = reference_tokens(ref_logits, smp)
     flips = [(i, int(tokens[i]), int(ref_tok[i])) for i in range(G - 1)

@@ -82,10 +82,15 @@ struct Params {
                            // barrier arrival, barrier release
     int opts;              // OPT_* bits: how the stage's weights and activations are fetched
     int buf_bytes;         // one weight buffer's bytes (host: the largest stage slice)
-    // sampling (ttsbuild.generation.sampling.sample; top_p 1): do_sample 0 = greedy
-    int do_sample, top_k;
-    float temperature;
-    long long seed, counter_base;  // a pass's draw counter: counter_base + pass (frame * 16 + cb)
+    // sampling (ttsbuild.generation.sampling.sample; top_p 1), read from device memory at
+    // element `row` (a SamplingBatch's tensors, the row's seed and frame index: a captured
+    // graph replays with whatever they hold); a pass's draw counter is frame * 16 + codebook
+    const bool* do_sample;          // false: greedy
+    const long long* top_k;         // <= 0 or >= V: all tokens
+    const float* temperature;
+    const long long* seed;
+    const long long* frame;
+    int row;
     float eps;
 };
 
@@ -453,31 +458,31 @@ __device__ int block_total(int n, int* ired) {  // sum of n over the block
 // logits / temperature kept by top-k (ties with the k-th kept). The winner over all tokens
 // is the winner over the kept ones whenever it is kept (fewer than k tokens above it): the
 // common case costs one count; otherwise the k-th largest is found bit by bit (32 counts).
-__device__ int pick_token(const Params& p, const float* lg, long long counter, float* red,
-                          int* ired) {
+__device__ int pick_token(const float* lg, bool do_sample, int top_k, float temperature,
+                          long long seed, long long counter, float* red, int* ired) {
     constexpr int PER = V / THREADS;
     float v[PER];
 #pragma unroll
     for (int j = 0; j < PER; ++j) v[j] = __ldcg(lg + threadIdx.x + j * THREADS);
     float best = -INFINITY;
     int arg = 0;
-    if (!p.do_sample) {
+    if (!do_sample) {
 #pragma unroll
         for (int j = 0; j < PER; ++j)
             if (v[j] > best) { best = v[j]; arg = threadIdx.x + j * THREADS; }
         block_argmax(best, arg, red, ired);
         return arg;
     }
-    const uint32_t stream = noise_stream(p.seed, counter);
+    const uint32_t stream = noise_stream(seed, counter);
     float z[PER];
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
-        v[j] = v[j] / p.temperature;
+        v[j] = v[j] / temperature;
         z[j] = v[j] + gumbel(stream, threadIdx.x + j * THREADS);
         if (z[j] > best) { best = z[j]; arg = threadIdx.x + j * THREADS; }
     }
     block_argmax(best, arg, red, ired);
-    if (p.top_k <= 0 || p.top_k >= V) return arg;
+    if (top_k <= 0 || top_k >= V) return arg;
     // the winner's scaled logit: from the thread that holds it
     __shared__ float s_w;
     if (arg % THREADS == (int)threadIdx.x) s_w = v[arg / THREADS];
@@ -487,7 +492,7 @@ __device__ int pick_token(const Params& p, const float* lg, long long counter, f
 #pragma unroll
     for (int j = 0; j < PER; ++j) mine += v[j] > sw;
     const int above = block_total(mine, ired);
-    if (above < p.top_k) return arg;
+    if (above < top_k) return arg;
     uint32_t t = 0;  // the k-th largest's key: the largest t with count(key >= t) >= k
     for (int b = 31; b >= 0; --b) {
         uint32_t cand = t | (1u << b);
@@ -495,7 +500,7 @@ __device__ int pick_token(const Params& p, const float* lg, long long counter, f
 #pragma unroll
         for (int j = 0; j < PER; ++j) mine_b += order_key(v[j]) >= cand;
         const int n = block_total(mine_b, ired);
-        if (n >= p.top_k) t = cand;
+        if (n >= top_k) t = cand;
     }
     best = -INFINITY; arg = 0;
 #pragma unroll
@@ -523,6 +528,11 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
 
     const int cta = blockIdx.x, ctas = gridDim.x, tid = threadIdx.x;
     const bool tma = p.opts & OPT_TMA, read_first = p.opts & OPT_READ_FIRST;
+    const bool do_sample = p.do_sample[p.row];
+    const long long top_k_row = p.top_k[p.row];
+    const int top_k = top_k_row > V ? V : (int)top_k_row;
+    const float temperature = p.temperature[p.row];
+    const long long seed = p.seed[p.row], counter_base = p.frame[p.row] * G;
     const bool producer = tma && (p.opts & OPT_PRODUCER) && (MODE == 0 || MODE == 3);
     const int dist = (p.opts & OPT_DIST1) ? 1 : 2;
     const size_t slot_bytes = (size_t)p.buf_bytes + SIDE * sizeof(float);
@@ -750,7 +760,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             gemv_smem<2>(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
             barrier();
             const float* lg = p.logits + (size_t)(pass - 1) * V;
-            tok = MODE == 3 ? 0 : pick_token(p, lg, p.counter_base + pass, red, tok_s);
+            tok = MODE == 3 ? 0 : pick_token(lg, do_sample, top_k, temperature, seed,
+                                             counter_base + pass, red, tok_s);
             if (cta == 0 && tid == 0) p.tokens[pass - 1] = tok;
         }
     }
@@ -800,11 +811,14 @@ void launch_mode(const megaframe::Params& p, int ctas, size_t smem, cudaStream_t
     k<<<ctas, megaframe::BLOCK, smem, stream>>>(p);
 }
 
-// ws: the 28 tensors of Params in order (bench_megaframe.py); FP8 weights as uint8 views;
-// stamps: int64 [2, STAGES, NSTAMP] or empty; opts: OPT_* bits; sampling as ttsbuild.generation.sampling (top_p 1).
+// ws: the 28 tensors of Params in order (ttsbuild/runtime/cp_megaframe.py); FP8 weights as
+// uint8 views; stamps: int64 [2, STAGES, NSTAMP] or empty; opts: OPT_* bits; sampling: a
+// SamplingBatch's do_sample (bool), top_k (int64), temperature (float32) and the rows' seeds
+// and frame indices (int64), element `row` of each (top_p must be 1: not applied here).
 // Zeroes the barrier counter and o on the current stream, then launches (capturable).
 void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tensor stamps,
-         int64_t do_sample, int64_t top_k, double temperature, int64_t seed, int64_t frame,
+         torch::Tensor do_sample, torch::Tensor top_k, torch::Tensor temperature,
+         torch::Tensor seed, torch::Tensor frame, int64_t row, double eps,
          int64_t flag_barrier, int64_t opts, int64_t pace_ticks) {
     TORCH_CHECK(ws.size() == 28, "28 tensors expected, got ", ws.size());
     for (auto& t : ws) TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "CUDA contiguous tensors only");
@@ -827,10 +841,23 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     TORCH_CHECK(!(opts & megaframe::OPT_PRODUCER) || (opts & megaframe::OPT_TMA),
                 "OPT_PRODUCER needs OPT_TMA");
     p.opts = (int)opts;
-    p.eps = 1e-6f;
-    TORCH_CHECK(temperature > 0, "temperature must be > 0");
-    p.do_sample = (int)do_sample; p.top_k = (int)top_k; p.temperature = (float)temperature;
-    p.seed = seed; p.counter_base = frame * megaframe::G;
+    p.eps = (float)eps;
+    auto sampling = [&](const torch::Tensor& t, at::ScalarType type, const char* name) {
+        TORCH_CHECK(t.is_cuda() && t.scalar_type() == type && t.dim() == 1 && row >= 0 &&
+                    row < t.numel(), name, ": a 1-d CUDA tensor of ", c10::toString(type),
+                    " with element ", row);
+    };
+    sampling(do_sample, at::kBool, "do_sample");
+    sampling(top_k, at::kLong, "top_k");
+    sampling(temperature, at::kFloat, "temperature");
+    sampling(seed, at::kLong, "seed");
+    sampling(frame, at::kLong, "frame");
+    p.do_sample = do_sample.data_ptr<bool>();
+    p.top_k = reinterpret_cast<const long long*>(top_k.data_ptr<int64_t>());
+    p.temperature = temperature.data_ptr<float>();
+    p.seed = reinterpret_cast<const long long*>(seed.data_ptr<int64_t>());
+    p.frame = reinterpret_cast<const long long*>(frame.data_ptr<int64_t>());
+    p.row = (int)row;
     int dev = ws[0].get_device(), sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     TORCH_CHECK(ctas >= 2 * megaframe::NH && ctas <= sms, "ctas must be in [32, SMs = ", sms, "]");

@@ -1,0 +1,232 @@
+"""The code predictor's frame at batch 1 as one persistent CUDA kernel
+(`ttsbuild/csrc/cp_megaframe.cu`): 16 single-token passes in one launch, one CTA an SM, grid
+barriers between the dependent stages, FP8 weight slices streamed into shared memory by a
+producer warp, and the sampler run by every CTA.
+
+Here: the kernel's tensors packed from the engine's code-predictor weights (`pack`), its
+float32 CPU reference (`reference`: what the kernel is checked against; it is checked against
+the official code predictor in tests/runtime/test_megaframe_reference.py), the shapes it
+takes (`unsupported`), and the GPU wrapper (`Megaframe`, built on first use with
+torch.utils.cpp_extension: sm_90).
+
+Status (2026-12-05): timed in benchmarks/kernels/megapass/bench_megaframe.py, 1.43x faster
+than the served fused frame on an H100 (1.475 against 2.108 ms, same call); not wired into the
+engine's captured steps yet, and `Megaframe` itself has not run on a GPU (its kernel has, from
+the bench). Limits: batch 1, the 1.7B code predictor's shapes, FP8 weights, top_p 1 (the
+caller keeps rows with top_p < 1 off it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.runtime.fast_model import Dense, PackedStack
+
+# The shapes compiled into the kernel (the 1.7B CustomVoice code predictor's)
+SHAPE = {"layers": 5, "hidden": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128,
+         "intermediate": 3072, "vocab": 2048, "groups": 16}
+SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cp_megaframe.cu"
+# The kernel's OPT_* bits (cp_megaframe.cu) and the fastest measured combination: TMA bulk
+# copies issued by a producer warp, each stage's activations read first
+READ_FIRST, TMA, DIST1, PRODUCER = 1, 2, 4, 8
+SERVED_OPTS = TMA | READ_FIRST | PRODUCER
+# The kernel's tensors, in its argument order
+ORDER = ("wqkv", "sqkv", "wo", "so", "wgu", "sgu", "wd", "sd", "whead", "shead", "in_norm",
+         "post_norm", "q_norm", "k_norm", "final_norm", "tables", "x_in", "rope_cos",
+         "rope_sin", "qkv", "o", "act", "d", "logits", "kcache", "vcache", "tokens", "counter")
+_LINEARS = ("qkv", "o", "gu", "d", "head")
+
+
+def _rows(dense: Dense) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, scale a row): FP8 as held, else the float weight with scales of 1."""
+    if dense.is_fp8:
+        return dense.weight, dense.scale.float()
+    w = dense.weight.float()
+    return w, torch.ones(w.shape[0], device=w.device)
+
+
+def pack(stack: PackedStack, heads: list[Dense], project: Callable[[torch.Tensor], torch.Tensor],
+         embeddings: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The kernel's weights (names as ORDER; W_o row-major, `kernel_tensors` stores it
+    head-major) from the code predictor as the engine holds it: its packed stack (qkv and
+    gate/up rows concatenated), the heads of codebooks 1..G-1, small_to_mtp_projection
+    (`project`), and the talker-width input embeddings of codebooks 1..G-1 ([G - 1, V, talker
+    hidden]), of which 1..G-2 are folded through the projection into lookup tables (float32)."""
+    out: dict[str, torch.Tensor] = {}
+    parts = {"qkv": [layer.qkv for layer in stack.layers], "o": [layer.o for layer in stack.layers],
+             "gu": [layer.gate_up for layer in stack.layers],
+             "d": [layer.down for layer in stack.layers], "head": heads}
+    for name, denses in parts.items():
+        ws, ss = zip(*(_rows(d) for d in denses), strict=True)
+        out["w" + name], out["s" + name] = torch.stack(ws), torch.stack(ss)
+    with torch.no_grad():
+        out["in_norm"] = torch.stack([layer.input_norm for layer in stack.layers]).float()
+        out["post_norm"] = torch.stack([layer.post_norm for layer in stack.layers]).float()
+        out["q_norm"] = torch.stack([layer.q_norm for layer in stack.layers]).float()
+        out["k_norm"] = torch.stack([layer.k_norm for layer in stack.layers]).float()
+        out["final_norm"] = stack.norm.float()
+        groups = len(heads) + 1
+        out["tables"] = torch.stack([project(embeddings[j]) for j in range(groups - 2)]).float()
+        hd, dev = stack.cfg.head_dim, stack.norm.device
+        inv = 1.0 / (stack.cfg.rope_theta ** (torch.arange(0, hd, 2, device=dev,
+                                                           dtype=torch.float32) / hd))
+        ang = torch.arange(groups, device=dev, dtype=torch.float32)[:, None] * inv[None, :]
+        out["rope_cos"], out["rope_sin"] = ang.cos(), ang.sin()
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def pack_module(cp, fp8: bool) -> dict[str, torch.Tensor]:
+    """`pack` of a `ttsbuild.model.talker.CodePredictor` (FP8 rows, or its float weights)."""
+    stack = PackedStack.from_module(cp.model, fp8)
+    heads = [Dense.make(h.weight.detach(), fp8) for h in cp.lm_head]
+    embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
+    return pack(stack, heads, cp.small_to_mtp_projection, embeddings)
+
+
+def unsupported(m: dict[str, torch.Tensor]) -> str | None:
+    """Why the kernel cannot run these weights, or None."""
+    n_layers, qkv_rows, hidden = m["wqkv"].shape
+    hd = m["q_norm"].shape[-1]
+    got = {"layers": n_layers, "hidden": hidden, "heads": m["wo"].shape[-1] // hd,
+           "kv_heads": (qkv_rows // hd - m["wo"].shape[-1] // hd) // 2, "head_dim": hd,
+           "intermediate": m["wd"].shape[-1], "vocab": m["whead"].shape[1],
+           "groups": m["rope_cos"].shape[0]}
+    if got != SHAPE:
+        return f"shapes {got}, the kernel's are {SHAPE}"
+    if any(m["w" + k].dtype != torch.float8_e4m3fn for k in _LINEARS):
+        return ("the kernel takes FP8 e4m3 weights only (an engine compiled with an FP8 code "
+                "predictor)")
+    return None
+
+
+def reference(m: dict[str, torch.Tensor], x_in: torch.Tensor, tokens: torch.Tensor,
+              eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 logits [G - 1, V] and K/V caches [L, NKV, G, HD] of the kernel's math, on m's
+    device: x_in [2, hidden] the projected inputs of positions 0 and 1 (the talker's hidden
+    state, codebook 0's embedding), teacher-forced on `tokens` (the codes of codebooks
+    1..G-2: position p >= 2 reads row tokens[p - 2] of table p - 2). Any shapes."""
+    deq = {k: m["w" + k].float() * m["s" + k][..., None].float() for k in _LINEARS}
+    n_layers, qkv_rows, _ = m["wqkv"].shape
+    hd = m["q_norm"].shape[-1]
+    nh = m["wo"].shape[-1] // hd
+    nkv = (qkv_rows // hd - nh) // 2
+    inter = m["wd"].shape[-1]
+    groups, vocab = m["rope_cos"].shape[0], m["whead"].shape[1]
+    dev = m["wqkv"].device
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rope(t, pos):  # t [n, hd]
+        c = torch.cat([m["rope_cos"][pos]] * 2)
+        s = torch.cat([m["rope_sin"][pos]] * 2)
+        rot = torch.cat([-t[:, hd // 2:], t[:, :hd // 2]], dim=1)
+        return t * c + rot * s
+
+    kc = torch.zeros(n_layers, nkv, groups, hd, device=dev)
+    vc = torch.zeros_like(kc)
+    logits = torch.zeros(groups - 1, vocab, device=dev)
+    for pos in range(groups):
+        x = x_in[pos] if pos < 2 else m["tables"][pos - 2][int(tokens[pos - 2])]
+        x = x.float().clone()
+        for layer in range(n_layers):
+            qkv = deq["qkv"][layer] @ rms(x, m["in_norm"][layer])
+            q = qkv[:nh * hd].view(nh, hd)
+            k = qkv[nh * hd:(nh + nkv) * hd].view(nkv, hd)
+            v = qkv[(nh + nkv) * hd:].view(nkv, hd)
+            q = rope(rms(q, m["q_norm"][layer]), pos)
+            k = rope(rms(k, m["k_norm"][layer]), pos)
+            kc[layer, :, pos], vc[layer, :, pos] = k, v
+            kk = kc[layer, :, :pos + 1].repeat_interleave(nh // nkv, dim=0)  # [nh, pos+1, hd]
+            vv = vc[layer, :, :pos + 1].repeat_interleave(nh // nkv, dim=0)
+            p = torch.softmax((kk @ q[:, :, None]).squeeze(-1) / math.sqrt(hd), dim=-1)
+            att = (p[:, None, :] @ vv).squeeze(1).reshape(-1)
+            x = x + deq["o"][layer] @ att
+            gu = deq["gu"][layer] @ rms(x, m["post_norm"][layer])
+            x = x + deq["d"][layer] @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:])
+        if pos >= 1:
+            logits[pos - 1] = deq["head"][pos - 1] @ rms(x, m["final_norm"])
+    return logits, kc, vc
+
+
+@functools.lru_cache(maxsize=1)
+def extension():
+    """The kernel's extension, compiled for sm_90a on first use (~1-2 minutes; cached by
+    torch.utils.cpp_extension across processes)."""
+    from torch.utils.cpp_extension import load
+
+    return load(name="ttsbuild_cp_megaframe", sources=[str(SOURCE)], verbose=False,
+                extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"])
+
+
+def scratch(device) -> dict[str, torch.Tensor]:
+    """The kernel's working buffers (its activations, logits, per-frame K/V caches, tokens and
+    barrier words): the ORDER names after `x_in`'s inputs."""
+    f = dict(device=device, dtype=torch.float32)
+    s = SHAPE
+    qkv = (s["heads"] + 2 * s["kv_heads"]) * s["head_dim"]
+    cache = (s["layers"], s["kv_heads"], s["groups"], s["head_dim"])
+    return {
+        "qkv": torch.zeros(qkv, **f), "o": torch.zeros(s["hidden"], **f),
+        "act": torch.zeros(s["intermediate"], **f), "d": torch.zeros(s["hidden"], **f),
+        "logits": torch.zeros(s["groups"] - 1, s["vocab"], **f),
+        "kcache": torch.zeros(cache, **f), "vcache": torch.zeros(cache, **f),
+        "tokens": torch.zeros(s["groups"] - 1, device=device, dtype=torch.int32),
+        "counter": torch.zeros(256, device=device, dtype=torch.int32),  # >= 32 x 8 stripes
+    }
+
+
+def kernel_tensors(m: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+                   ) -> list[torch.Tensor]:
+    """The kernel's 28 arguments (ORDER) from `pack`'s weights, x_in and `scratch`'s buffers:
+    FP8 as uint8 views, W_o head-major ([L, heads, hidden, head_dim]: a CTA's slice of its
+    head's columns is one contiguous copy)."""
+    out = []
+    for name in ORDER:
+        t = m[name] if name in m else buffers[name]
+        if name == "wo":
+            s = SHAPE
+            t = t.view(s["layers"], s["hidden"], s["heads"], s["head_dim"])
+            t = t.permute(0, 2, 1, 3).contiguous()
+        out.append(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+    return out
+
+
+class Megaframe:
+    """The kernel for one engine's code predictor: `run` fills codebooks 1..G-1 of a batch-1
+    frame from its projected inputs (capturable in a CUDA graph: every input is read from
+    device memory at each replay)."""
+
+    def __init__(self, m: dict[str, torch.Tensor], eps: float, ctas: int | None = None,
+                 opts: int = SERVED_OPTS):
+        why = unsupported(m)
+        if why:
+            raise ValueError(f"cp_megaframe: {why}")
+        device = m["wqkv"].device
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+            raise ValueError("cp_megaframe: needs a CUDA device of compute capability 9.0")
+        self.ext = extension()
+        self.eps, self.opts = eps, opts
+        self.ctas = ctas or torch.cuda.get_device_properties(device).multi_processor_count
+        self.buffers = scratch(device)
+        self.x_in = torch.zeros(2, SHAPE["hidden"], device=device)
+        self.args = kernel_tensors({**m, "x_in": self.x_in}, self.buffers)
+        self.no_stamps = torch.empty(0, dtype=torch.int64, device=device)
+
+    def run(self, x_in: torch.Tensor, sampling: SamplingBatch, seeds: torch.Tensor,
+            frames: torch.Tensor, row: int = 0) -> torch.Tensor:
+        """Codes of codebooks 1..G-1 [G - 1] (int32, the kernel's buffer: copy before the
+        next run) of row `row` of `sampling`, `seeds` and `frames` (int64), from x_in [2,
+        hidden] (small_to_mtp_projection of the talker's hidden state and codebook 0's
+        embedding). The row's top_p must be 1 (not applied here)."""
+        self.x_in.copy_(x_in)
+        self.ext.run(self.args, 0, self.ctas, self.no_stamps, sampling.do_sample,
+                     sampling.top_k, sampling.temperature, seeds, frames, row, self.eps, 0,
+                     self.opts, 0)
+        return self.buffers["tokens"]
