@@ -98,9 +98,10 @@
 #         a 1024-element hand-off with a reduction over 1-128 programs, the code predictor's
 #         linears at one row), with and without PDL: the floor under a frame's ~420 launches
 # megaframe: benchmarks/kernels/megapass/bench_megaframe.py (the code predictor's frame at
-#         batch 1 as one persistent CUDA kernel, a prototype: its check against a float32
-#         reference, greedy and sampled, then its time and floors and a stage breakdown), then
-#         the served fused frame at batch 1 (bench_cp_fused.py, FP8) in the same call
+#         batch 1 as one persistent CUDA kernel, ttsbuild/csrc/cp_megaframe.cu: its check
+#         against a float32 reference, greedy and sampled, then its time and floors and stage
+#         breakdowns), the package wrapper's GPU tests (tests/runtime/test_megaframe_gpu.py),
+#         then the served fused frame at batch 1 (bench_cp_fused.py, FP8) in the same call
 # streamprobe: benchmarks/kernels/megapass/bench_stream_probe.py (one CTA an SM streaming
 #         chunks from HBM to shared memory: TMA or cp.async, chunk size, copies in flight,
 #         with a grid barrier after each chunk or without)
@@ -448,6 +449,10 @@ for step in $STEPS; do
         timeout -k 5 200 python3 -u benchmarks/kernels/megapass/bench_megaframe.py \
             > "$OUT/megaframe.log" 2>&1
         echo "rc=$?"; grep -E "check|^\|" "$OUT/megaframe.log" | cut -c1-220
+        timeout -k 5 150 python3 -m pytest -q -x -p no:cacheprovider tests/runtime/test_megaframe_gpu.py \
+            > "$OUT/megaframe_gpu_tests.log" 2>&1
+        echo "rc=$? (test_megaframe_gpu.py: the package's wrapper, eager and in a graph)"
+        tail -3 "$OUT/megaframe_gpu_tests.log"
         timeout -k 5 150 python3 -u benchmarks/kernels/bench_cp_fused.py --batches 1 \
             --precisions fp8 --paths fused --fp32-batches "" > "$OUT/cp_fused_b1.log" 2>&1
         echo "rc=$?"; tail -4 "$OUT/cp_fused_b1.log" ;;

@@ -1,0 +1,100 @@
+"""GPU tests (sm_90) of `cp_megaframe.Megaframe`, the one-kernel code-predictor frame: on a
+code predictor of the 1.7B CustomVoice shapes with random FP8 weights, its codes against the
+float32 reference's logits (teacher-forced on the kernel's own codes: greedy picks the
+reference's argmax, sampling picks `sampling.sample`'s draw, a differing code allowed only at
+a near-tie), and a captured graph replayed with another row's settings against an eager run.
+Skipped without such a GPU: the CPU checks are in test_megaframe_reference.py."""
+
+import json
+
+import pytest
+import torch
+from reference_models import DATA, randomize_
+
+from ttsbuild.generation.sampling import (
+    SamplingBatch,
+    SamplingParams,
+    draw_counter,
+    sample,
+    uniform_noise,
+)
+from ttsbuild.model.config import ModelConfig
+from ttsbuild.model.talker import CodePredictor
+from ttsbuild.runtime import cp_megaframe as cpm
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="needs a CUDA GPU of compute capability 9.0",
+)
+G = cpm.SHAPE["groups"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.from_official(json.loads((DATA / "1.7b-customvoice.json").read_text()))
+    cp = CodePredictor(cfg)
+    randomize_(cp, seed=21)
+    with torch.no_grad():  # peaked heads, as a trained model's (logit std ~4)
+        for head in cp.lm_head:
+            head.weight.mul_(4.0)
+    cp = cp.cuda().eval()
+    m = cpm.pack_module(cp, fp8=True)
+    assert cpm.unsupported(m) is None
+    g = torch.Generator(device="cuda").manual_seed(22)
+    x_in = torch.randn(2, cfg.code_predictor.hidden_size, generator=g, device="cuda")
+    return cp, m, x_in, cpm.Megaframe(m, eps=cfg.code_predictor.rms_norm_eps)
+
+
+def _settings(do_sample: bool, seed: int, frame: int):
+    batch = SamplingBatch.from_params(
+        [SamplingParams(do_sample=do_sample, temperature=0.9, top_k=50, top_p=1.0)],
+        device="cuda")
+    return (batch, torch.tensor([seed], device="cuda"), torch.tensor([frame], device="cuda"))
+
+
+def _near_tie(logits, batch, seeds, frames, i) -> bool:
+    z = logits.double()
+    if bool(batch.do_sample[0]):
+        u = uniform_noise(seeds, draw_counter(frames, G, i + 1), z.numel())[0].double()
+        z = z / float(batch.temperature[0]) - torch.log(-torch.log(u))
+    top2 = z.topk(2).values
+    return float(top2[0] - top2[1]) < 1e-4 * float(logits.std())
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_codes_follow_the_reference(model, do_sample):
+    cp, m, x_in, mf = model
+    batch, seeds, frames = _settings(do_sample, seed=-987654321, frame=41)
+    tokens = mf.run(x_in, batch, seeds, frames).clone()
+    logits, _, _ = cpm.reference(m, x_in, tokens, eps=mf.eps)
+    kernel_logits = mf.buffers["logits"]
+    for i in range(G - 1):
+        rel = float((kernel_logits[i] - logits[i]).norm() / logits[i].norm())
+        assert rel < 1e-4, (i, rel)
+        want = int(sample(logits[i:i + 1], batch, seeds, draw_counter(frames, G, i + 1)))
+        assert int(tokens[i]) == want or _near_tie(logits[i], batch, seeds, frames, i), i
+    assert len(set(tokens.tolist())) > 3  # not one code over and over
+
+
+def test_a_graph_replays_with_the_rows_settings(model):
+    cp, m, x_in, mf = model
+    batch, seeds, frames = _settings(True, seed=5, frame=3)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mf.run(x_in, batch, seeds, frames)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mf.run(x_in, batch, seeds, frames)
+    runs = []
+    for seed, frame, do_sample in ((5, 3, True), (6, 3, True), (5, 4, True), (5, 3, False)):
+        seeds.fill_(seed)
+        frames.fill_(frame)
+        batch.do_sample.fill_(do_sample)
+        graph.replay()
+        replayed = out.clone()
+        eager = mf.run(x_in, *_settings(do_sample, seed, frame)).clone()
+        assert torch.equal(replayed, eager), (seed, frame, do_sample)
+        runs.append(replayed)
+    assert not torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
