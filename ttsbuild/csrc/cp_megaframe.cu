@@ -48,7 +48,12 @@ constexpr int NSTAMP = 7;
 // OPT_DIST1: the weight copy one stage ahead (else two).
 // OPT_PRODUCER (with OPT_TMA): a warp of its own issues every copy (weights and side vectors)
 //   as soon as a buffer is free (NBUF stages ahead), so no stage's threads stall on an issue.
-constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4, OPT_PRODUCER = 8;
+// OPT_COOPERATIVE (host): a cooperative launch, so the CUDA runtime starts the grid only when
+//   every CTA can be resident at once (a grid barrier never waits on a CTA that cannot start:
+//   beside another stream's persistent kernel, or inside a green context of fewer SMs, a
+//   plain launch could wait for ever).
+constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4, OPT_PRODUCER = 8,
+              OPT_COOPERATIVE = 16;
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -801,14 +806,20 @@ template __global__ void megaframe::cp_megaframe_kernel<3>(megaframe::Params);
 namespace {
 
 template <int MODE>
-void launch_mode(const megaframe::Params& p, int ctas, size_t smem, cudaStream_t stream) {
+void launch_mode(megaframe::Params p, int ctas, size_t smem, cudaStream_t stream) {
     auto k = megaframe::cp_megaframe_kernel<MODE>;
     static size_t set = 0;  // once per size, outside any capture's first replay
     if (set != smem) {
         C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         set = smem;
     }
-    k<<<ctas, megaframe::BLOCK, smem, stream>>>(p);
+    if (p.opts & megaframe::OPT_COOPERATIVE) {
+        void* args[] = {&p};
+        C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(k), dim3(ctas),
+                                                   dim3(megaframe::BLOCK), args, smem, stream));
+    } else {
+        k<<<ctas, megaframe::BLOCK, smem, stream>>>(p);
+    }
 }
 
 // ws: the 28 tensors of Params in order (ttsbuild/runtime/cp_megaframe.py); FP8 weights as
@@ -837,7 +848,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 16, "opts: OPT_* bits (0-15)");
+    TORCH_CHECK(opts >= 0 && opts < 32, "opts: OPT_* bits (0-31)");
     TORCH_CHECK(!(opts & megaframe::OPT_PRODUCER) || (opts & megaframe::OPT_TMA),
                 "OPT_PRODUCER needs OPT_TMA");
     p.opts = (int)opts;

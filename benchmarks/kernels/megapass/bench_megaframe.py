@@ -240,6 +240,8 @@ def main() -> int:
               ("greedy, tma, read first, producer, striped barrier", GREEDY, 3, best, 0)]
     newest += [(f"sampled, tma, read first, producer, paced {t} ticks", SAMPLED, 0, best, t)
                for t in PACES]
+    newest += [("sampled, tma, read first, producer, cooperative launch", SAMPLED, 0,
+                best | cpm.COOPERATIVE, 0)]
     for ctas, (label, smp, flags, opts) in itertools.product(ctas_list, checks_of(produced)):
         ok &= check(ext, ws, m, b, ctas, label, smp, flags, opts)
     for ctas, (label, smp, flags, opts, pace) in itertools.product(ctas_list, newest):
@@ -252,6 +254,8 @@ def main() -> int:
         row(ctas, "no-barrier, tma, read first, producer", 3, GREEDY, 0, best)
         row(ctas, "barriers, striped", 1, GREEDY, 3)
         row(ctas, "full, tma, read first, producer, striped barrier", 0, GREEDY, 3, best)
+        row(ctas, "full, tma, read first, producer, cooperative launch", 0, GREEDY, 0,
+            best | cpm.COOPERATIVE)
         for t in PACES:
             row(ctas, f"full, tma, read first, producer, paced {t} ticks", 0, GREEDY, 0, best, t)
             row(ctas, f"full, tma, read first, producer, paced {t} ticks, striped", 0, GREEDY,
