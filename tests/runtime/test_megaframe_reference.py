@@ -112,3 +112,83 @@ def test_kernel_arguments_in_order_with_w_o_head_major():
         assert int(wo[layer, h, r, d]) == int(m["wo"][layer, r, h * s["head_dim"] + d].view(
             torch.uint8))
     assert args[cpm.ORDER.index("tokens")] is buffers["tokens"]
+
+
+# -- the kernel's sampler, step for step in torch (pick_token in cp_megaframe.cu) -------------
+def _order_key(v: torch.Tensor) -> torch.Tensor:
+    """cp_megaframe.cu's order_key: ascending uint32 keys of float32 values (as int64)."""
+    b = v.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(b & 0x80000000 != 0, b ^ 0xFFFFFFFF, b ^ 0x80000000)
+
+
+def _kth_key(keys: torch.Tensor, k: int) -> int:
+    t = 0
+    for bit in range(31, -1, -1):
+        if int((keys >= (t | 1 << bit)).sum()) >= k:
+            t |= 1 << bit
+    return t
+
+
+def _kernel_pick(logits, do_sample, top_k, top_p, temperature, gumbel) -> int:
+    """The token pick_token draws: its fast path, its bit-by-bit k-th key and top-p searches."""
+    if not do_sample:
+        return int(logits.argmax())
+    v = logits.float() / temperature
+    z = v + gumbel
+    arg = int(z.argmax())
+    use_k, use_p = 0 < top_k < v.numel(), top_p < 1.0
+    if not use_k and not use_p:
+        return arg
+    keys = _order_key(v)
+    if not use_p:
+        if int((v > v[arg]).sum()) < top_k:
+            return arg
+        keep = _kth_key(keys, top_k)
+    else:
+        keep = _kth_key(keys, top_k) if use_k else 0
+        e = torch.where(keys >= keep, torch.exp(v - v.max()), torch.zeros_like(v))
+        budget = (1.0 - top_p) * float(e.sum())
+        t = 0
+        for bit in range(31, -1, -1):
+            if float(e[keys < (t | 1 << bit)].sum()) <= budget:
+                t |= 1 << bit
+        keep = max(keep, t)
+    return int(torch.where(keys >= keep, z, torch.full_like(z, float("-inf"))).argmax())
+
+
+def test_kernel_sampler_algorithm_is_sample():
+    """pick_token's algorithm (greedy, temperature, top-k, top-p and both, ties included)
+    against `sampling.sample` on random peaked logits, case by case. Cases where float
+    summation order may decide (a cumulative mass within 1e-5 of 1 - p, or the draw's top two
+    scores within 1e-6) are counted apart; the rest must all agree."""
+    from ttsbuild.generation.sampling import SamplingBatch, SamplingParams, sample, uniform_noise
+
+    g = torch.Generator().manual_seed(31)
+    V, agree, boundary, cases = 2048, 0, 0, 600
+    for case in range(cases):
+        logits = torch.randn(V, generator=g) * 4.0
+        if case % 4 == 0:  # ties: values on a coarse grid
+            logits = (logits * 2).round() / 2
+        do_sample = case % 7 != 0
+        top_k = [0, 1, 5, 50, 2048, 3000][case % 6]
+        top_p = [1.0, 0.95, 0.8, 0.5, 0.1][(case // 6) % 5]
+        temperature = [0.7, 0.9, 1.3][case % 3]
+        params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k,
+                                top_p=top_p)
+        batch = SamplingBatch.from_params([params])
+        seeds, counters = torch.tensor([1000 + case]), torch.tensor([case * 16 + 3])
+        u = uniform_noise(seeds, counters, V)[0]
+        gumbel = -torch.log(-torch.log(u))
+        want = int(sample(logits[None], batch, seeds, counters)[0])
+        got = _kernel_pick(logits, do_sample, top_k, top_p, temperature, gumbel)
+        scaled = logits / temperature
+        mass = torch.softmax(scaled.sort().values, -1).cumsum(-1)
+        z = (scaled + gumbel).topk(2).values
+        near = do_sample and (bool(((mass - (1 - top_p)).abs() < 1e-5).any()) and top_p < 1
+                              or float(z[0] - z[1]) < 1e-6)
+        if got == want:
+            agree += 1
+        else:
+            assert near, (case, got, want, top_k, top_p)
+            boundary += 1
+    assert agree >= cases - 5 and boundary <= 5, (agree, boundary)

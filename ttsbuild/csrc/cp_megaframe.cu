@@ -87,12 +87,13 @@ struct Params {
                            // barrier arrival, barrier release
     int opts;              // OPT_* bits: how the stage's weights and activations are fetched
     int buf_bytes;         // one weight buffer's bytes (host: the largest stage slice)
-    // sampling (ttsbuild.generation.sampling.sample; top_p 1), read from device memory at
+    // sampling (ttsbuild.generation.sampling.sample), read from device memory at
     // element `row` (a SamplingBatch's tensors, the row's seed and frame index: a captured
     // graph replays with whatever they hold); a pass's draw counter is frame * 16 + codebook
     const bool* do_sample;          // false: greedy
     const long long* top_k;         // <= 0 or >= V: all tokens
     const float* temperature;
+    const float* top_p;             // 1: off
     const long long* seed;
     const long long* frame;
     int row;
@@ -459,12 +460,32 @@ __device__ int block_total(int n, int* ired) {  // sum of n over the block
     return t;
 }
 
-// The token of one pass from its logits (global, V): greedy, or Gumbel-max over
-// logits / temperature kept by top-k (ties with the k-th kept). The winner over all tokens
-// is the winner over the kept ones whenever it is kept (fewer than k tokens above it): the
-// common case costs one count; otherwise the k-th largest is found bit by bit (32 counts).
-__device__ int pick_token(const float* lg, bool do_sample, int top_k, float temperature,
-                          long long seed, long long counter, float* red, int* ired) {
+// The largest order key t with at least k of the v (spread over the block, PER a thread) at or
+// above it: the k-th largest's key, found bit by bit (32 counts).
+template <int PER>
+__device__ uint32_t kth_key(const float (&v)[PER], int k, int* ired) {
+    uint32_t t = 0;
+    for (int b = 31; b >= 0; --b) {
+        const uint32_t cand = t | (1u << b);
+        int mine = 0;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) mine += order_key(v[j]) >= cand;
+        if (block_total(mine, ired) >= k) t = cand;
+    }
+    return t;
+}
+
+// The token of one pass from its logits (global, V), as sampling.sample: greedy, or Gumbel-max
+// over logits / temperature kept by top-k (ties with the k-th kept) and then top-p (on what
+// top-k kept, ascending, tokens are dropped while their cumulative probability stays <= 1 - p;
+// the most probable is always kept, ties with the threshold too).
+// top-k alone: the winner over all tokens is the winner over the kept ones whenever it is kept
+// (fewer than k tokens above it), so the common case costs one count; otherwise the k-th
+// largest is found bit by bit. top-p (rows with top_p < 1): the kept set's smallest key is the
+// largest t whose mass below it is <= (1 - p) of the kept mass, found bit by bit (32 sums).
+__device__ int pick_token(const float* lg, bool do_sample, int top_k, float top_p,
+                          float temperature, long long seed, long long counter, float* red,
+                          int* ired) {
     constexpr int PER = V / THREADS;
     float v[PER];
 #pragma unroll
@@ -487,30 +508,49 @@ __device__ int pick_token(const float* lg, bool do_sample, int top_k, float temp
         if (z[j] > best) { best = z[j]; arg = threadIdx.x + j * THREADS; }
     }
     block_argmax(best, arg, red, ired);
-    if (top_k <= 0 || top_k >= V) return arg;
-    // the winner's scaled logit: from the thread that holds it
-    __shared__ float s_w;
-    if (arg % THREADS == (int)threadIdx.x) s_w = v[arg / THREADS];
-    csync();
-    const float sw = s_w;
-    int mine = 0;
+    const bool use_k = top_k > 0 && top_k < V, use_p = top_p < 1.f;
+    if (!use_k && !use_p) return arg;
+    uint32_t keep = 0;  // tokens with order_key(v) >= keep are kept
+    if (!use_p) {
+        // the winner's scaled logit: from the thread that holds it
+        __shared__ float s_w;
+        if (arg % THREADS == (int)threadIdx.x) s_w = v[arg / THREADS];
+        csync();
+        const float sw = s_w;
+        int mine = 0;
 #pragma unroll
-    for (int j = 0; j < PER; ++j) mine += v[j] > sw;
-    const int above = block_total(mine, ired);
-    if (above < top_k) return arg;
-    uint32_t t = 0;  // the k-th largest's key: the largest t with count(key >= t) >= k
-    for (int b = 31; b >= 0; --b) {
-        uint32_t cand = t | (1u << b);
-        int mine_b = 0;
+        for (int j = 0; j < PER; ++j) mine += v[j] > sw;
+        if (block_total(mine, ired) < top_k) return arg;
+        keep = kth_key(v, top_k, ired);
+    } else {
+        if (use_k) keep = kth_key(v, top_k, ired);
+        float vmax = -INFINITY;
+        int imax = 0;
 #pragma unroll
-        for (int j = 0; j < PER; ++j) mine_b += order_key(v[j]) >= cand;
-        const int n = block_total(mine_b, ired);
-        if (n >= top_k) t = cand;
+        for (int j = 0; j < PER; ++j)
+            if (v[j] > vmax) { vmax = v[j]; imax = threadIdx.x + j * THREADS; }
+        block_argmax(vmax, imax, red, ired);
+        float e[PER], mine = 0.f;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            e[j] = order_key(v[j]) >= keep ? expf(v[j] - vmax) : 0.f;
+            mine += e[j];
+        }
+        const float budget = (1.f - top_p) * block_sum(mine, red);
+        uint32_t t = 0;
+        for (int b = 31; b >= 0; --b) {
+            const uint32_t cand = t | (1u << b);
+            float below = 0.f;
+#pragma unroll
+            for (int j = 0; j < PER; ++j) below += order_key(v[j]) < cand ? e[j] : 0.f;
+            if (block_sum(below, red) <= budget) t = cand;
+        }
+        keep = t > keep ? t : keep;
     }
     best = -INFINITY; arg = 0;
 #pragma unroll
     for (int j = 0; j < PER; ++j)
-        if (order_key(v[j]) >= t && z[j] > best) { best = z[j]; arg = threadIdx.x + j * THREADS; }
+        if (order_key(v[j]) >= keep && z[j] > best) { best = z[j]; arg = threadIdx.x + j * THREADS; }
     block_argmax(best, arg, red, ired);
     return arg;
 }
@@ -536,7 +576,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     const bool do_sample = p.do_sample[p.row];
     const long long top_k_row = p.top_k[p.row];
     const int top_k = top_k_row > V ? V : (int)top_k_row;
-    const float temperature = p.temperature[p.row];
+    const float temperature = p.temperature[p.row], top_p = p.top_p[p.row];
     const long long seed = p.seed[p.row], counter_base = p.frame[p.row] * G;
     const bool producer = tma && (p.opts & OPT_PRODUCER) && (MODE == 0 || MODE == 3);
     const int dist = (p.opts & OPT_DIST1) ? 1 : 2;
@@ -765,7 +805,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             gemv_smem<2>(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
             barrier();
             const float* lg = p.logits + (size_t)(pass - 1) * V;
-            tok = MODE == 3 ? 0 : pick_token(lg, do_sample, top_k, temperature, seed,
+            tok = MODE == 3 ? 0 : pick_token(lg, do_sample, top_k, top_p, temperature, seed,
                                              counter_base + pass, red, tok_s);
             if (cta == 0 && tid == 0) p.tokens[pass - 1] = tok;
         }
@@ -824,12 +864,12 @@ void launch_mode(megaframe::Params p, int ctas, size_t smem, cudaStream_t stream
 
 // ws: the 28 tensors of Params in order (ttsbuild/runtime/cp_megaframe.py); FP8 weights as
 // uint8 views; stamps: int64 [2, STAGES, NSTAMP] or empty; opts: OPT_* bits; sampling: a
-// SamplingBatch's do_sample (bool), top_k (int64), temperature (float32) and the rows' seeds
-// and frame indices (int64), element `row` of each (top_p must be 1: not applied here).
+// SamplingBatch's do_sample (bool), top_k (int64), temperature and top_p (float32) and the
+// rows' seeds and frame indices (int64), element `row` of each.
 // Zeroes the barrier counter and o on the current stream, then launches (capturable).
 void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tensor stamps,
          torch::Tensor do_sample, torch::Tensor top_k, torch::Tensor temperature,
-         torch::Tensor seed, torch::Tensor frame, int64_t row, double eps,
+         torch::Tensor top_p, torch::Tensor seed, torch::Tensor frame, int64_t row, double eps,
          int64_t flag_barrier, int64_t opts, int64_t pace_ticks) {
     TORCH_CHECK(ws.size() == 28, "28 tensors expected, got ", ws.size());
     for (auto& t : ws) TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "CUDA contiguous tensors only");
@@ -861,11 +901,13 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     sampling(do_sample, at::kBool, "do_sample");
     sampling(top_k, at::kLong, "top_k");
     sampling(temperature, at::kFloat, "temperature");
+    sampling(top_p, at::kFloat, "top_p");
     sampling(seed, at::kLong, "seed");
     sampling(frame, at::kLong, "frame");
     p.do_sample = do_sample.data_ptr<bool>();
     p.top_k = reinterpret_cast<const long long*>(top_k.data_ptr<int64_t>());
     p.temperature = temperature.data_ptr<float>();
+    p.top_p = top_p.data_ptr<float>();
     p.seed = reinterpret_cast<const long long*>(seed.data_ptr<int64_t>());
     p.frame = reinterpret_cast<const long long*>(frame.data_ptr<int64_t>());
     p.row = (int)row;

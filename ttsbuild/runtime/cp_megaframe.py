@@ -12,8 +12,8 @@ torch.utils.cpp_extension: sm_90).
 Status (2026-12-05): timed in benchmarks/kernels/megapass/bench_megaframe.py, 1.43x faster
 than the served fused frame on an H100 (1.475 against 2.108 ms, same call); not wired into the
 engine's captured steps yet, and `Megaframe` itself has not run on a GPU (its kernel has, from
-the bench). Limits: batch 1, the 1.7B code predictor's shapes, FP8 weights, top_p 1 (the
-caller keeps rows with top_p < 1 off it).
+the bench; its top-p, added since, has not). Limits: batch 1, the 1.7B code predictor's
+shapes, FP8 weights.
 """
 
 from __future__ import annotations
@@ -226,9 +226,10 @@ class Megaframe:
         """Codes of codebooks 1..G-1 [G - 1] (int32, the kernel's buffer: copy before the
         next run) of row `row` of `sampling`, `seeds` and `frames` (int64), from x_in [2,
         hidden] (small_to_mtp_projection of the talker's hidden state and codebook 0's
-        embedding). The row's top_p must be 1 (not applied here)."""
+        embedding), drawn as `sampling.sample` (temperature, top-k, top-p)."""
         self.x_in.copy_(x_in)
         self.ext.run(self.args, 0, self.ctas, self.no_stamps, sampling.do_sample,
-                     sampling.top_k, sampling.temperature, seeds, frames, row, self.eps, 0,
+                     sampling.top_k, sampling.temperature, sampling.top_p, seeds, frames, row,
+                     self.eps, 0,
                      self.opts, 0)
         return self.buffers["tokens"]

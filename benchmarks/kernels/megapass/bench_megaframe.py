@@ -93,6 +93,9 @@ def make_model(seed: int) -> dict[str, torch.Tensor]:
 
 SAMPLED = dict(do_sample=1, top_k=50, temperature=0.9, seed=-1234567890123, frame=37)
 GREEDY = dict(do_sample=0, top_k=0, temperature=1.0, seed=0, frame=0)
+# top-p too (the kernel's bit-by-bit search over probability mass; top_p 1 elsewhere)
+SAMPLED_P = dict(do_sample=1, top_k=50, top_p=0.8, temperature=0.9, seed=-1234567890123,
+                 frame=37)
 
 
 _SAMPLING: dict[int, tuple] = {}  # id(settings dict) -> its tensors (kept: graphs read them)
@@ -106,10 +109,11 @@ def sampling_tensors(s: dict) -> tuple[torch.Tensor, ...]:
 
         batch = SamplingBatch.from_params([SamplingParams(
             do_sample=bool(s["do_sample"]), temperature=s["temperature"], top_k=s["top_k"],
-            top_p=1.0)], device="cuda")
+            top_p=s.get("top_p", 1.0))], device="cuda")
         seed = torch.tensor([s["seed"]], device="cuda", dtype=torch.int64)
         frame = torch.tensor([s["frame"]], device="cuda", dtype=torch.int64)
-        _SAMPLING[id(s)] = (batch.do_sample, batch.top_k, batch.temperature, seed, frame)
+        _SAMPLING[id(s)] = (batch.do_sample, batch.top_k, batch.temperature, batch.top_p, seed,
+                            frame)
     return _SAMPLING[id(s)]
 
 
@@ -127,7 +131,7 @@ def reference_tokens(logits: torch.Tensor, s: dict) -> torch.Tensor:
     from ttsbuild.generation.sampling import SamplingBatch, SamplingParams, draw_counter, sample
 
     params = SamplingParams(do_sample=bool(s["do_sample"]), temperature=s["temperature"],
-                            top_k=s["top_k"], top_p=1.0)
+                            top_k=s["top_k"], top_p=s.get("top_p", 1.0))
     batch = SamplingBatch.from_params([params], device=logits.device)
     seeds = torch.tensor([s["seed"]], device=logits.device)
     out = []
@@ -241,7 +245,8 @@ def main() -> int:
     newest += [(f"sampled, tma, read first, producer, paced {t} ticks", SAMPLED, 0, best, t)
                for t in PACES]
     newest += [("sampled, tma, read first, producer, cooperative launch", SAMPLED, 0,
-                best | cpm.COOPERATIVE, 0)]
+                best | cpm.COOPERATIVE, 0),
+               ("sampled with top-p 0.8, tma, read first, producer", SAMPLED_P, 0, best, 0)]
     for ctas, (label, smp, flags, opts) in itertools.product(ctas_list, checks_of(produced)):
         ok &= check(ext, ws, m, b, ctas, label, smp, flags, opts)
     for ctas, (label, smp, flags, opts, pace) in itertools.product(ctas_list, newest):
@@ -256,6 +261,9 @@ def main() -> int:
         row(ctas, "full, tma, read first, producer, striped barrier", 0, GREEDY, 3, best)
         row(ctas, "full, tma, read first, producer, cooperative launch", 0, GREEDY, 0,
             best | cpm.COOPERATIVE)
+        row(ctas, "full, sampled, tma, read first, producer", 0, SAMPLED, 0, best)
+        row(ctas, "full, sampled with top-p 0.8, tma, read first, producer", 0, SAMPLED_P, 0,
+            best)
         for t in PACES:
             row(ctas, f"full, tma, read first, producer, paced {t} ticks", 0, GREEDY, 0, best, t)
             row(ctas, f"full, tma, read first, producer, paced {t} ticks, striped", 0, GREEDY,
