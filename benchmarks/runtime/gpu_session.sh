@@ -102,6 +102,9 @@
 #         against a float32 reference, greedy and sampled, then its time and floors and stage
 #         breakdowns), the package wrapper's GPU tests (tests/runtime/test_megaframe_gpu.py),
 #         then the served fused frame at batch 1 (bench_cp_fused.py, FP8) in the same call
+# megaengine: the engine microbenchmark with plan.megaframe_code_predictor (bucket 1's code
+#         predictor as one kernel, regular step and admission lane), beside the same plan
+#         without it: both with an FP8 code predictor and no SMs reserved for the lane
 # streamprobe: benchmarks/kernels/megapass/bench_stream_probe.py (one CTA an SM streaming
 #         chunks from HBM to shared memory: TMA or cp.async, chunk size, copies in flight,
 #         with a grid barrier after each chunk or without)
@@ -456,6 +459,17 @@ for step in $STEPS; do
         timeout -k 5 150 python3 -u benchmarks/kernels/bench_cp_fused.py --batches 1 \
             --precisions fp8 --paths fused --fp32-batches "" > "$OUT/cp_fused_b1.log" 2>&1
         echo "rc=$?"; tail -4 "$OUT/cp_fused_b1.log" ;;
+    megaengine)  # plan.megaframe_code_predictor in the engine, beside the same plan without it
+        # (both: FP8 code predictor, no SMs reserved for the lane: the kernel needs them all)
+        for side in "cpfp8|--plan-set code_predictor_fp8=true --lane-reserved-sms 0" \
+                    "megaframe|--plan-set code_predictor_fp8=true --lane-reserved-sms 0 --plan-set megaframe_code_predictor=true"; do
+            IFS='|' read -r name flags <<<"$side"
+            left=$((DEADLINE_S - SECONDS))
+            if [ "$left" -lt 130 ]; then log "skip $name: ${left}s left"; continue; fi
+            log "engine microbenchmark: $name ($flags)"
+            # shellcheck disable=SC2086
+            engine_bench "$name" $flags
+        done ;;
     streamprobe)  # how fast one CTA an SM streams HBM into shared memory (the megaframe's fetch)
         log "HBM -> shared memory stream probe (bench_stream_probe.py)"
         timeout -k 5 200 python3 -u benchmarks/kernels/megapass/bench_stream_probe.py \

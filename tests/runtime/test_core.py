@@ -54,6 +54,11 @@ def req(i: int, frames: int = 7, **kw) -> SynthesisRequest:
         (dict(admission_lane=(2, 1)), "admission_lane must be strictly ascending"),
         (dict(admission_lane=(), lane_reserved_sms=16), "needs an admission_lane"),
         (dict(admission_lane=(1,), persistent_code_predictor=(1,)), "every SM at once"),
+        (dict(megaframe_code_predictor=True), "needs code_predictor_fp8"),
+        (dict(megaframe_code_predictor=True, code_predictor_fp8=True,
+              persistent_code_predictor=(1,), admission_lane=()), "one of them"),
+        (dict(megaframe_code_predictor=True, code_predictor_fp8=True, admission_lane=(1,),
+              lane_reserved_sms=16), "cannot run with lane_reserved_sms"),
         (dict(num_slots=2, batch_buckets=(1, 2), prefill_batches=(1, 4)), "within 2 slots"),
     ],
 )

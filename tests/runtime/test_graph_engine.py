@@ -117,6 +117,15 @@ def test_fp8_engine_stays_close_to_bf16(models):
     assert fp8.backend.talker_stack.weight_bytes() < exact.backend.talker_stack.weight_bytes() / 3
 
 
+def test_megaframe_code_predictor_refuses_what_its_kernel_cannot_run(models):
+    """plan.megaframe_code_predictor on weights the kernel has no shapes for (the tiny
+    checkpoint's; on the CPU the device would be refused next): a clear error at build."""
+    plan = EnginePlan(precision="fp8", code_predictor_fp8=True, megaframe_code_predictor=True,
+                      **PLAN)
+    with pytest.raises(ValueError, match="cp_megaframe: shapes"):
+        GraphEngine(models, plan, use_graphs=False)
+
+
 def test_requests_the_engine_cannot_hold_are_refused(models):
     engine = GraphEngine(
         models,

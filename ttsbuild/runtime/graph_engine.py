@@ -338,6 +338,18 @@ class GraphBackend:
         )
         if plan.persistent_code_predictor:
             self.cp_fused.enable_persistent(max(plan.persistent_code_predictor))
+        # plan.megaframe_code_predictor: bucket 1's code predictor as one kernel a frame, an
+        # instance (its own buffers) for the regular step and one for the admission lane,
+        # whose steps may run at once
+        self.cp_mega: dict[bool, object] = {}
+        if plan.megaframe_code_predictor:
+            from ttsbuild.runtime import cp_megaframe
+
+            packed = cp_megaframe.pack(self.cp_stack, self.cp_heads,
+                                       lambda t: self.cp_fused._project(t, None),
+                                       self.cp_embeddings)
+            eps = self.cp_stack.cfg.rms_norm_eps
+            self.cp_mega = {lane: cp_megaframe.Megaframe(packed, eps) for lane in (False, True)}
         # Prompt rows -> embeddings, the same function the reference prompt uses.
         proj = talker.text_projection
         self.embedder = PromptEmbedder(
@@ -544,6 +556,11 @@ class GraphBackend:
         lane's step (its own cache; the fused or unfused path, which keep no other state)."""
         B = hidden.shape[0]
         slots = self.cp_slots[:B]
+        if B == 1 and self.cp_mega:
+            # the talker's hidden state and codebook 0's embedding, projected, then one launch
+            x = self.cp_fused._project(torch.cat([hidden, self.codec_embedding[c0]]), None)
+            codes = self.cp_mega[lane].run(x, sampling, seeds, frames)
+            return torch.cat([c0[:, None], codes[None].to(c0.dtype)], 1)
         if lane:
             args = (hidden, c0, sampling, seeds, frames, self.lane_cp_k, self.lane_cp_v, slots)
             if B in self.plan.fused_code_predictor:

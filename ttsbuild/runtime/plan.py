@@ -110,6 +110,12 @@ class EnginePlan(BaseModel):
     # (plugins.cp_pass: projection + layers + head, grid barriers between stages); it takes
     # precedence over fused_code_predictor where both list a bucket.
     persistent_code_predictor: tuple[int, ...] = ()
+    # Batch bucket 1's code predictor as ONE persistent CUDA kernel a frame
+    # (runtime.cp_megaframe: FP8 weights of the 1.7B code predictor's shapes, sm_90, a
+    # cooperative launch), on the regular step and the admission lane's first frames. 1.43x
+    # faster than the fused frame in its bench on an H100 (benchmarks/kernels/megapass/); off
+    # until the engine has run it on a GPU (graph vs eager, the engine microbenchmark).
+    megaframe_code_predictor: bool = False
     # Batch buckets whose talker step runs on runtime.cp_fused.decode_fused (5 launches per
     # layer instead of ~9: fused norm + linear, fused residual adds).
     fused_talker: tuple[int, ...] = ()
@@ -201,6 +207,20 @@ class EnginePlan(BaseModel):
             # the grid, would wait on each other for ever.
             raise ValueError("persistent_code_predictor needs every SM at once: it cannot run "
                              "beside an admission_lane (turn one of them off)")
+        if self.megaframe_code_predictor:
+            if not self.code_predictor_fp8:
+                raise ValueError("megaframe_code_predictor needs code_predictor_fp8: the kernel "
+                                 "takes FP8 weights")
+            if 1 not in self.batch_buckets:
+                raise ValueError("megaframe_code_predictor runs batch bucket 1: the plan has none")
+            if 1 in self.persistent_code_predictor or 1 in self.speculative:
+                raise ValueError("batch bucket 1's code predictor: megaframe_code_predictor, "
+                                 "persistent_code_predictor or speculative, one of them")
+            if self.lane_reserved_sms:
+                # its grid is a CTA per SM of the device, launched cooperatively: it cannot
+                # start inside a green context of fewer SMs
+                raise ValueError("megaframe_code_predictor needs every SM at once: it cannot run "
+                                 "with lane_reserved_sms")
         if self.lane_frames > 1 and self.lane_frames not in self.codec_chunks:
             raise ValueError(f"lane_frames {self.lane_frames} must be one of the codec_chunks "
                              f"{self.codec_chunks}")
