@@ -10,10 +10,11 @@ takes (`unsupported`), and the GPU wrapper (`Megaframe`, built on first use with
 torch.utils.cpp_extension: sm_90).
 
 Status (2026-12-05): timed in benchmarks/kernels/megapass/bench_megaframe.py, 1.43x faster
-than the served fused frame on an H100 (1.475 against 2.108 ms, same call); not wired into the
-engine's captured steps yet, and `Megaframe` itself has not run on a GPU (its kernel has, from
-the bench; its top-p, added since, has not). Limits: batch 1, the 1.7B code predictor's
-shapes, FP8 weights.
+than the served fused frame on an H100 (1.475 against 2.108 ms, same call). The engine runs it
+for batch bucket 1 behind `EnginePlan.megaframe_code_predictor`, off: `Megaframe` and that
+path have not run on a GPU yet (the kernel has, from the bench; its top-p and cooperative
+launch, added since, have not). Limits: batch 1, the 1.7B code predictor's shapes, FP8
+weights.
 """
 
 from __future__ import annotations
