@@ -12,13 +12,7 @@ import pytest
 import torch
 from reference_models import DATA, randomize_
 
-from ttsbuild.generation.sampling import (
-    SamplingBatch,
-    SamplingParams,
-    draw_counter,
-    sample,
-    uniform_noise,
-)
+from ttsbuild.generation.sampling import SamplingBatch, SamplingParams
 from ttsbuild.model.config import ModelConfig
 from ttsbuild.model.talker import CodePredictor
 from ttsbuild.runtime import cp_megaframe as cpm
@@ -53,22 +47,6 @@ def _settings(do_sample: bool, seed: int, frame: int, top_p: float = 1.0):
     return (batch, torch.tensor([seed], device="cuda"), torch.tensor([frame], device="cuda"))
 
 
-def _near_tie(logits, batch, seeds, frames, i) -> bool:
-    """Whether float summation order may decide the draw: its top two scores within 1e-4 of
-    the logits' spread, or (top-p) a cumulative probability within 1e-5 of 1 - p."""
-    z = logits.double()
-    top_p = float(batch.top_p[0])
-    if bool(batch.do_sample[0]) and top_p < 1:
-        mass = torch.softmax(logits.float() / float(batch.temperature[0]), -1).sort().values
-        if bool(((mass.cumsum(-1) - (1 - top_p)).abs() < 1e-5).any()):
-            return True
-    if bool(batch.do_sample[0]):
-        u = uniform_noise(seeds, draw_counter(frames, G, i + 1), z.numel())[0].double()
-        z = z / float(batch.temperature[0]) - torch.log(-torch.log(u))
-    top2 = z.topk(2).values
-    return float(top2[0] - top2[1]) < 1e-4 * float(logits.std())
-
-
 @pytest.mark.parametrize("do_sample, top_p", [(False, 1.0), (True, 1.0), (True, 0.8)])
 def test_codes_follow_the_reference(model, do_sample, top_p):
     cp, m, x_in, mf = model
@@ -76,11 +54,11 @@ def test_codes_follow_the_reference(model, do_sample, top_p):
     tokens = mf.run(x_in, batch, seeds, frames).clone()
     logits, _, _ = cpm.reference(m, x_in, tokens, eps=mf.eps)
     kernel_logits = mf.buffers["logits"]
+    want = cpm.reference_draws(logits, batch, seeds, frames)
     for i in range(G - 1):
         rel = float((kernel_logits[i] - logits[i]).norm() / logits[i].norm())
         assert rel < 1e-4, (i, rel)
-        want = int(sample(logits[i:i + 1], batch, seeds, draw_counter(frames, G, i + 1)))
-        assert int(tokens[i]) == want or _near_tie(logits[i], batch, seeds, frames, i), i
+        assert int(tokens[i]) == want[i] or cpm.near_tie(logits[i], batch, seeds, frames, i + 1), i
     assert len(set(tokens.tolist())) > 3  # not one code over and over
 
 

@@ -192,3 +192,23 @@ def test_kernel_sampler_algorithm_is_sample():
             assert near, (case, got, want, top_k, top_p)
             boundary += 1
     assert agree >= cases - 5 and boundary <= 5, (agree, boundary)
+
+
+def test_near_ties_are_where_summation_order_may_decide():
+    """`near_tie` (the tolerance of the kernel's GPU checks): true at a tie of the top two
+    scores and at a cumulative probability on 1 - p, false for a clear draw."""
+    from ttsbuild.generation.sampling import SamplingBatch, SamplingParams
+
+    def settings(do_sample, top_p=1.0):
+        return (SamplingBatch.from_params([SamplingParams(do_sample=do_sample, temperature=1.0,
+                                                          top_k=0, top_p=top_p)]),
+                torch.tensor([7]), torch.tensor([2]))
+
+    clear = torch.tensor([0.0, 1.0, 9.0, 2.0])
+    assert not cpm.near_tie(clear, *settings(False), 1)
+    assert cpm.near_tie(torch.tensor([0.0, 5.0, 5.0, 2.0]), *settings(False), 1)
+    # two equal logits of all the mass: cumulative probability 0.5 after the first
+    halves = torch.tensor([3.0, 3.0, -50.0, -50.0])
+    assert cpm.near_tie(halves, *settings(True, top_p=0.5), 1)
+    draws = cpm.reference_draws(torch.stack([clear] * 3), *settings(False))
+    assert draws == [2, 2, 2]

@@ -26,7 +26,13 @@ from pathlib import Path
 
 import torch
 
-from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.generation.sampling import (
+    SamplingBatch,
+    draw_counter,
+    sample,
+    uniform_noise,
+)
+from ttsbuild.model.layers import rope_cos_sin
 from ttsbuild.runtime.fast_model import Dense, PackedStack
 
 # The shapes compiled into the kernel (the 1.7B CustomVoice code predictor's)
@@ -76,12 +82,16 @@ def pack(stack: PackedStack, heads: list[Dense], project: Callable[[torch.Tensor
         out["final_norm"] = stack.norm.float()
         groups = len(heads) + 1
         out["tables"] = torch.stack([project(embeddings[j]) for j in range(groups - 2)]).float()
-        hd, dev = stack.cfg.head_dim, stack.norm.device
-        inv = 1.0 / (stack.cfg.rope_theta ** (torch.arange(0, hd, 2, device=dev,
-                                                           dtype=torch.float32) / hd))
-        ang = torch.arange(groups, device=dev, dtype=torch.float32)[:, None] * inv[None, :]
-        out["rope_cos"], out["rope_sin"] = ang.cos(), ang.sin()
+        out["rope_cos"], out["rope_sin"] = rope_tables(groups, stack.cfg.head_dim,
+                                                       stack.cfg.rope_theta, stack.norm.device)
     return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def rope_tables(groups: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, ...]:
+    """cos and sin [groups, head_dim / 2] of positions 0..groups-1 (the model's rotary
+    embedding, `rope_cos_sin`, whose second half repeats the first)."""
+    cos, sin = rope_cos_sin(torch.arange(groups, device=device), head_dim, theta, torch.float32)
+    return cos[:, :head_dim // 2], sin[:, :head_dim // 2]
 
 
 def pack_module(cp, fp8: bool) -> dict[str, torch.Tensor]:
@@ -92,14 +102,20 @@ def pack_module(cp, fp8: bool) -> dict[str, torch.Tensor]:
     return pack(stack, heads, cp.small_to_mtp_projection, embeddings)
 
 
-def unsupported(m: dict[str, torch.Tensor]) -> str | None:
-    """Why the kernel cannot run these weights, or None."""
+def shape_of(m: dict[str, torch.Tensor]) -> dict[str, int]:
+    """`pack`'s tensors' shapes, named as SHAPE."""
     n_layers, qkv_rows, hidden = m["wqkv"].shape
     hd = m["q_norm"].shape[-1]
-    got = {"layers": n_layers, "hidden": hidden, "heads": m["wo"].shape[-1] // hd,
-           "kv_heads": (qkv_rows // hd - m["wo"].shape[-1] // hd) // 2, "head_dim": hd,
-           "intermediate": m["wd"].shape[-1], "vocab": m["whead"].shape[1],
-           "groups": m["rope_cos"].shape[0]}
+    heads = m["wo"].shape[-1] // hd
+    return {"layers": n_layers, "hidden": hidden, "heads": heads,
+            "kv_heads": (qkv_rows // hd - heads) // 2, "head_dim": hd,
+            "intermediate": m["wd"].shape[-1], "vocab": m["whead"].shape[1],
+            "groups": m["rope_cos"].shape[0]}
+
+
+def unsupported(m: dict[str, torch.Tensor]) -> str | None:
+    """Why the kernel cannot run these weights, or None."""
+    got = shape_of(m)
     if got != SHAPE:
         return f"shapes {got}, the kernel's are {SHAPE}"
     if any(m["w" + k].dtype != torch.float8_e4m3fn for k in _LINEARS):
@@ -115,12 +131,9 @@ def reference(m: dict[str, torch.Tensor], x_in: torch.Tensor, tokens: torch.Tens
     state, codebook 0's embedding), teacher-forced on `tokens` (the codes of codebooks
     1..G-2: position p >= 2 reads row tokens[p - 2] of table p - 2). Any shapes."""
     deq = {k: m["w" + k].float() * m["s" + k][..., None].float() for k in _LINEARS}
-    n_layers, qkv_rows, _ = m["wqkv"].shape
-    hd = m["q_norm"].shape[-1]
-    nh = m["wo"].shape[-1] // hd
-    nkv = (qkv_rows // hd - nh) // 2
-    inter = m["wd"].shape[-1]
-    groups, vocab = m["rope_cos"].shape[0], m["whead"].shape[1]
+    s = shape_of(m)
+    n_layers, hd, nh, nkv = s["layers"], s["head_dim"], s["heads"], s["kv_heads"]
+    inter, groups, vocab = s["intermediate"], s["groups"], s["vocab"]
     dev = m["wqkv"].device
 
     def rms(x, w):
@@ -156,6 +169,37 @@ def reference(m: dict[str, torch.Tensor], x_in: torch.Tensor, tokens: torch.Tens
         if pos >= 1:
             logits[pos - 1] = deq["head"][pos - 1] @ rms(x, m["final_norm"])
     return logits, kc, vc
+
+
+def reference_draws(logits: torch.Tensor, sampling: SamplingBatch, seeds: torch.Tensor,
+                    frames: torch.Tensor) -> list[int]:
+    """`sampling.sample`'s code for each codebook 1..G-1 from a frame's logits [G - 1, V]
+    (row 0 of `sampling`, `seeds`, `frames`): what the kernel must draw from `reference`'s
+    logits."""
+    groups = logits.shape[0] + 1
+    return [int(sample(logits[i:i + 1], sampling, seeds, draw_counter(frames, groups, i + 1)))
+            for i in range(groups - 1)]
+
+
+def near_tie(logits: torch.Tensor, sampling: SamplingBatch, seeds: torch.Tensor,
+             frames: torch.Tensor, codebook: int, groups: int = SHAPE["groups"]) -> bool:
+    """Whether float summation order may decide `codebook`'s draw (1..G-1; logits [V] of
+    its pass, row 0 of the settings): its top two scores (logits, or logits / T + Gumbel
+    noise) within 1e-4 of the logits' spread, or, with top-p, a cumulative probability within
+    1e-5 of 1 - p. The kernel sums in another order than `reference`: a code differing from
+    `reference_draws` is allowed only there."""
+    z = logits.double()
+    do_sample, top_p = bool(sampling.do_sample[0]), float(sampling.top_p[0])
+    temperature = float(sampling.temperature[0])
+    if do_sample and top_p < 1:
+        mass = torch.softmax(logits.float() / temperature, -1).sort().values.cumsum(-1)
+        if bool(((mass - (1 - top_p)).abs() < 1e-5).any()):
+            return True
+    if do_sample:
+        u = uniform_noise(seeds, draw_counter(frames, groups, codebook), z.numel())[0].double()
+        z = z / temperature - torch.log(-torch.log(u))
+    top2 = z.topk(2).values
+    return float(top2[0] - top2[1]) < 1e-4 * float(logits.std())
 
 
 @functools.lru_cache(maxsize=1)

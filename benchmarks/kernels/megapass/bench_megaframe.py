@@ -34,9 +34,12 @@ import time
 
 import torch
 
+from ttsbuild.plugins.fp8_linear import quantize_weight_fp8
 from ttsbuild.runtime import cp_megaframe as cpm
 
-H, NH, NKV, HD, I, L, V, G = 1024, 16, 8, 128, 3072, 5, 2048, 16
+_S = cpm.SHAPE
+H, NH, NKV, HD = _S["hidden"], _S["heads"], _S["kv_heads"], _S["head_dim"]
+I, L, V, G = _S["intermediate"], _S["layers"], _S["vocab"], _S["groups"]
 QKV = (NH + 2 * NKV) * HD
 MODES = {"full": 0, "barriers": 1, "no-prefetch": 2, "no-barrier": 3}
 STAGES = 20 + (G - 1) * 21
@@ -58,10 +61,8 @@ NO_STAMPS = None  # set in main: an empty int64 tensor on the GPU
 
 def fp8_rows(n: int, k: int, gen: torch.Generator, gain: float = 1.0):
     """Random [n, k] weights (std gain/sqrt(k)) as FP8 e4m3 with a float scale per row."""
-    w = torch.randn(n, k, generator=gen, device="cuda") * (gain / math.sqrt(k))
-    scale = w.abs().amax(dim=1).clamp_min(1e-8) / 448.0
-    q = (w / scale[:, None]).to(torch.float8_e4m3fn)
-    return q, scale
+    return quantize_weight_fp8(torch.randn(n, k, generator=gen, device="cuda")
+                               * (gain / math.sqrt(k)))
 
 
 def make_model(seed: int) -> dict[str, torch.Tensor]:
@@ -85,9 +86,7 @@ def make_model(seed: int) -> dict[str, torch.Tensor]:
     m["q_norm"], m["k_norm"], m["final_norm"] = norm(L, HD), norm(L, HD), norm(H)
     m["tables"] = torch.randn(G - 2, V, H, generator=gen, device="cuda")
     m["x_in"] = torch.randn(2, H, generator=gen, device="cuda")
-    inv = 1.0 / (1e6 ** (torch.arange(0, HD, 2, device="cuda", dtype=torch.float64) / HD))
-    ang = torch.arange(G, device="cuda", dtype=torch.float64)[:, None] * inv[None, :]
-    m["rope_cos"], m["rope_sin"] = ang.cos().float().contiguous(), ang.sin().float().contiguous()
+    m["rope_cos"], m["rope_sin"] = (t.contiguous() for t in cpm.rope_tables(G, HD, 1e6, "cuda"))
     return m
 
 
@@ -101,9 +100,9 @@ SAMPLED_P = dict(do_sample=1, top_k=50, top_p=0.8, temperature=0.9, seed=-123456
 _SAMPLING: dict[int, tuple] = {}  # id(settings dict) -> its tensors (kept: graphs read them)
 
 
-def sampling_tensors(s: dict) -> tuple[torch.Tensor, ...]:
-    """The kernel's sampling inputs for settings `s`, as an engine holds them: a
-    SamplingBatch's do_sample, top_k and temperature, the row's seed and frame index."""
+def sampling_tensors(s: dict) -> tuple:
+    """Settings `s` as an engine holds them: a SamplingBatch of one row, the row's seed and
+    frame index (int64)."""
     if id(s) not in _SAMPLING:
         from ttsbuild.generation.sampling import SamplingBatch, SamplingParams
 
@@ -112,8 +111,7 @@ def sampling_tensors(s: dict) -> tuple[torch.Tensor, ...]:
             top_p=s.get("top_p", 1.0))], device="cuda")
         seed = torch.tensor([s["seed"]], device="cuda", dtype=torch.int64)
         frame = torch.tensor([s["frame"]], device="cuda", dtype=torch.int64)
-        _SAMPLING[id(s)] = (batch.do_sample, batch.top_k, batch.temperature, batch.top_p, seed,
-                            frame)
+        _SAMPLING[id(s)] = (batch, seed, frame)
     return _SAMPLING[id(s)]
 
 
@@ -123,41 +121,13 @@ def call(ext, ws, mode: int, ctas: int, stamps, s: dict, barrier: int = 0, opts:
     around it (the first run's), 2 a word per CTA, 3 eight striped counters. opts: OPTS bits.
     pace: with the producer, its weight copies in 4 KB pieces at least `pace` clock64 ticks
     apart (0: whole)."""
-    ext.run(ws, mode, ctas, stamps, *sampling_tensors(s), 0, 1e-6, barrier, opts, pace)
-
-
-def reference_tokens(logits: torch.Tensor, s: dict) -> torch.Tensor:
-    """The project's sampler on each pass's logits (teacher-forced: [15, V])."""
-    from ttsbuild.generation.sampling import SamplingBatch, SamplingParams, draw_counter, sample
-
-    params = SamplingParams(do_sample=bool(s["do_sample"]), temperature=s["temperature"],
-                            top_k=s["top_k"], top_p=s.get("top_p", 1.0))
-    batch = SamplingBatch.from_params([params], device=logits.device)
-    seeds = torch.tensor([s["seed"]], device=logits.device)
-    out = []
-    for i in range(logits.shape[0]):
-        counter = torch.tensor([draw_counter(s["frame"], G, i + 1)], device=logits.device)
-        out.append(int(sample(logits[i:i + 1], batch, seeds, counter)))
-    return torch.tensor(out, dtype=torch.int32, device=logits.device)
+    batch, seed, frame = sampling_tensors(s)
+    ext.run(ws, mode, ctas, stamps, batch.do_sample, batch.top_k, batch.temperature,
+            batch.top_p, seed, frame, 0, 1e-6, barrier, opts, pace)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def near_tie(logits: torch.Tensor, s: dict, i: int) -> bool:
-    """Whether the top two scores of the draw (logits, or logits / T + Gumbel noise) are
-    within 1e-4 of the logits' spread: a reordered sum may swap them."""
-    from ttsbuild.generation.sampling import draw_counter, uniform_noise
-
-    z = logits.float()
-    if s["do_sample"]:
-        seeds = torch.tensor([s["seed"]], device=z.device)
-        counter = torch.tensor([draw_counter(s["frame"], G, i + 1)], device=z.device)
-        u = uniform_noise(seeds, counter, z.numel())[0]
-        z = z / s["temperature"] - torch.log(-torch.log(u))
-    top2 = z.topk(2).values
-    return float(top2[0] - top2[1]) < 1e-4 * float(logits.std())
 
 
 def time_graph(fn, replays: int) -> float:
@@ -284,13 +254,12 @@ def check(ext, ws, m, b, ctas: int, label: str, smp: dict, flags: int, opts: int
     tokens = b["tokens"].clone()
     ref_logits, kc, vc = cpm.reference(m, m["x_in"], tokens)
     errs = [rel(b["logits"][i], ref_logits[i]) for i in range(G - 1)]
-    ref_tok = reference_tokens(ref_logits, smp)
-    flips = [(i, int(tokens[i]), int(ref_tok[i])) for i in range(G - 1)
-             if int(tokens[i]) != int(ref_tok[i])]
+    ref_tok = cpm.reference_draws(ref_logits, *sampling_tensors(smp))
+    flips = [(i, int(tokens[i]), ref_tok[i]) for i in range(G - 1) if int(tokens[i]) != ref_tok[i]]
     err_k, err_v = rel(b["kcache"], kc), rel(b["vcache"], vc)
     # the kernel's sums run in another order than the reference's: a differing token is
     # allowed only where the reference's own choice is a near-tie
-    near = [i for i, _, _ in flips if near_tie(ref_logits[i], smp, i)]
+    near = [i for i, _, _ in flips if cpm.near_tie(ref_logits[i], *sampling_tensors(smp), i + 1)]
     good = max(errs) < 1e-4 and err_k < 1e-4 and err_v < 1e-4 and len(near) == len(flips)
     print(f"[{ctas} CTAs, {label}] check {'PASS' if good else 'FAIL'}: logits rel err "
           f"max {max(errs):.2e} (passes 1-15), k/v caches {err_k:.2e} / {err_v:.2e}; "

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -27,16 +27,12 @@ def build():
 
 
 def time_ms(fn, reps: int) -> float:
+    """Median ms of `reps` calls of fn (CUDA events around each), after a warm-up call:
+    engine_bench's graph timer, fn standing for the replay."""
+    from ttsbuild.bench.engine_bench import _time_graph
+
     fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return _time_graph(SimpleNamespace(replay=fn), reps)
 
 
 def main() -> int:
