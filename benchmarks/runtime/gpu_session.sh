@@ -460,7 +460,9 @@ for step in $STEPS; do
             --precisions fp8 --paths fused --fp32-batches "" > "$OUT/cp_fused_b1.log" 2>&1
         echo "rc=$?"; tail -4 "$OUT/cp_fused_b1.log" ;;
     megaengine)  # plan.megaframe_code_predictor in the engine, beside the same plan without it
-        # (both: FP8 code predictor, no SMs reserved for the lane: the kernel needs them all)
+        # (both: FP8 code predictor, no SMs reserved for the lane: the kernel needs them all);
+        # the engine steps through the C++ step driver, so it is built here when not carried
+        ensure_driver "$OUT/build.log" || exit 1
         for side in "cpfp8|--plan-set code_predictor_fp8=true --lane-reserved-sms 0" \
                     "megaframe|--plan-set code_predictor_fp8=true --lane-reserved-sms 0 --plan-set megaframe_code_predictor=true"; do
             IFS='|' read -r name flags <<<"$side"

@@ -14,7 +14,13 @@ Checks, per precision of the language models (the codec is fp32 in both):
 Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
     python benchmarks/runtime/graph_vs_eager.py [--variant tiny|1.7b-customvoice] [--kernels]
         [--admission-lane 1,2 [--lane-reserved-sms 16] [--lane-frames 2] [--lane-switch]]
-        [--speculative]
+        [--speculative] [--megaframe]
+
+--megaframe: batch bucket 1's code predictor as one kernel a frame (runtime.cp_megaframe, the
+1.7B shapes, sm_90): the 1.7B stand-in in fp32 with an FP8 code predictor, against the same
+graph engine without the kernel (the eager backend has no FP8 code predictor), greedy and
+sampled codes identical, PCM within 1e-3 (both run the same FP8 weights in fp32: they differ
+only by summation order), with and without the admission lane (1, 2).
 """
 
 from __future__ import annotations
@@ -163,7 +169,8 @@ SPECULATIVE = {1: ("self", 3), 4: ("self", 3), 8: ("self", 2)}
 
 def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
           kernels: bool = False, lane: tuple[int, ...] = (), reserved: int = 0,
-          lane_frames: int = 1, switch: bool = False, speculative: bool = False) -> bool:
+          lane_frames: int = 1, switch: bool = False, speculative: bool = False,
+          megaframe: bool = False) -> bool:
     name = f"{variant} {str(dtype).removeprefix('torch.')} {'greedy' if greedy else 'sampled'}"
     name += " (kernel choices on)" if kernels else ""
     name += " (speculative code predictor at batches 1, 4, 8)" if speculative else ""
@@ -172,15 +179,24 @@ def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
     name += f" ({lane_frames} frames and a {lane_frames}-frame codec step there)" if (
         lane_frames > 1) else ""  # fmt: skip
     name += " (switched on and off between steps)" if switch else ""
+    name += " (FP8 code predictor; bucket 1's as one kernel, against the graph engine " \
+            "without it)" if megaframe else ""
     models = random_models(variant, device=device, dtype=dtype)
     plan = EnginePlan(num_slots=8, batch_buckets=(1, 2, 4, 8), max_len=512, max_text=256,
                       prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4), codec_ring=16,
                       admission_lane=lane, lane_reserved_sms=reserved, lane_frames=lane_frames,
                       speculative=SPECULATIVE if speculative else {},
+                      code_predictor_fp8=megaframe,
                       **(_kernel_choices(bool(lane)) if kernels else {}))  # fmt: skip
     reqs = requests(greedy)
     t0 = time.perf_counter()
-    ref = run_reference(models, reqs, plan)
+    if megaframe:  # the reference: the same plan's graph engine without the kernel
+        ref, _ = run_graph(GraphEngine(models, plan, keep_codes=True), reqs)
+        torch.cuda.empty_cache()
+        plan = plan.model_copy(update={"megaframe_code_predictor": True})
+        plan = EnginePlan.model_validate(plan.model_dump())
+    else:
+        ref = run_reference(models, reqs, plan)
     t1 = time.perf_counter()
     engine = GraphEngine(models, plan, keep_codes=True)  # graphs on CUDA, eager on CPU
     got, batches = run_graph(engine, reqs, audio_min=lane_frames, switch=switch)
@@ -249,6 +265,9 @@ def main() -> int:
     p.add_argument("--speculative", action="store_true",
                    help="also check fp32 greedy with the code predictor of batches 1, 4 and 8 "
                    "speculative (its rounds a WHILE node per frame where the driver has them)")
+    p.add_argument("--megaframe", action="store_true",
+                   help="also check fp32 (1.7B shapes, FP8 code predictor) with batch bucket "
+                   "1's code predictor as one kernel a frame, against the engine without it")
     p.add_argument("--lane-frames", type=int, default=1,
                    help="with --admission-lane: also check with a new row's first frames and "
                    "its first codec step of that many frames on the lane (2: a real "
@@ -287,6 +306,10 @@ def main() -> int:
         if a.lane_switch:
             results += [check(a.variant, torch.float32, greedy=g, device=a.device, lane=lane,
                               switch=a.lane_switch) for g in (True, False)]
+    if a.megaframe:
+        results += [check("1.7b-customvoice", torch.float32, greedy=g, device=a.device,
+                          lane=ln, megaframe=True)
+                    for g, ln in ((True, ()), (False, ()), (True, (1, 2)), (False, (1, 2)))]
     if a.device == "cuda":
         results.append(check(a.variant, torch.bfloat16, greedy=True, device=a.device))
     return 0 if all(results) else 1

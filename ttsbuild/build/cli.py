@@ -55,6 +55,12 @@ def compile_engine(
     fp8_code_predictor: bool = typer.Option(
         False, "--fp8-code-predictor", help="FP8 code-predictor layers too (launch-bound)."
     ),
+    megaframe_code_predictor: bool = typer.Option(
+        False, "--megaframe-code-predictor",
+        help="Batch 1's code predictor as one persistent kernel a frame (Hopper GPUs; the 1.7B "
+        "code predictor's shapes; needs --fp8-code-predictor). The admission lane then "
+        "reserves no SMs: the kernel needs every one.",
+    ),  # fmt: skip
     max_batch: int = typer.Option(
         256, "--max-batch", min=1, help="Streams per batch at most (and the default slot "
         "count). 256: on the H200 (1.7B CustomVoice, FP8, voice-agent prompts) 256 slots with "
@@ -111,10 +117,11 @@ def compile_engine(
         "at load, cuBLAS) from this many rows (0: never; costs the weights again).",
     ),  # fmt: skip
     lane_reserved_sms: int = typer.Option(
-        DEFAULT_LANE_RESERVED_SMS, "--lane-reserved-sms", min=0,
+        None, "--lane-reserved-sms", min=0,
         help="GPU SMs kept free of running streams' steps for new requests' first chunks "
         "(the admission lane; the regular steps run in CUDA green contexts of the other SMs); "
-        "0: off. Ignored without an admission lane.",
+        f"0: off. Ignored without an admission lane. Default: {DEFAULT_LANE_RESERVED_SMS}, "
+        "0 with --megaframe-code-predictor.",
     ),  # fmt: skip
     prefix_pool: int = typer.Option(
         16, "--prefix-pool", min=0,
@@ -162,6 +169,7 @@ def compile_engine(
     try:
         cfg = BuildConfig(
             precision=precision, fp8_code_predictor=fp8_code_predictor, max_batch=max_batch,
+            megaframe_code_predictor=megaframe_code_predictor,
             graph_batches=(parse_sizes(graph_batches, "--graph-batches") if graph_batches
                            else power_of_two_buckets(max_batch)),
             max_frames=max_frames, max_len=max_len, num_slots=slots or max_batch,

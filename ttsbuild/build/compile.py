@@ -84,6 +84,10 @@ class BuildConfig:
     # 0.04 ms weight-read floor), so halving its weight bytes buys ~0.02 ms of 0.3 ms while
     # costing accuracy on all 15 codebooks: bf16 unless asked.
     fp8_code_predictor: bool = False
+    # batch bucket 1's code predictor as one persistent kernel a frame (runtime.cp_megaframe:
+    # the 1.7B code predictor's shapes, FP8, Hopper); needs fp8_code_predictor and every SM,
+    # so the admission lane reserves none (lane_reserved_sms 0)
+    megaframe_code_predictor: bool = False
     max_batch: int = 64  # streams decoded together at most
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes
     max_frames: int = 1536  # frames per request at most (~123 s of audio)
@@ -108,7 +112,8 @@ class BuildConfig:
     bf16_min_rows: int = DEFAULT_BF16_MIN_ROWS
     # SMs kept for the admission lane (regular steps in green contexts of the others; 0: off;
     # only with an admission lane)
-    lane_reserved_sms: int = DEFAULT_LANE_RESERVED_SMS
+    # (None: DEFAULT_LANE_RESERVED_SMS, 0 with megaframe_code_predictor)
+    lane_reserved_sms: int | None = None
     prefix_pool: int = 16  # prompt-prefix KV entries kept on the device (0: no prefix cache)
     max_prefix: int = 128  # positions per prefix entry
     # Speculative code predictor per bucket: {bucket: ("self" | "draft", window)}; off ({})
@@ -141,6 +146,9 @@ class BuildConfig:
             problems.append(f"precision must be fp8 or bf16, not {self.precision!r}")
         if self.fp8_code_predictor and self.precision != "fp8":
             problems.append("an FP8 code predictor needs --precision fp8")
+        if self.megaframe_code_predictor and not self.fp8_code_predictor:
+            problems.append("--megaframe-code-predictor runs FP8 code-predictor weights: it "
+                            "needs --fp8-code-predictor")
         buckets = list(self.graph_batches)
         if not buckets or buckets != sorted(set(buckets)) or buckets[0] < 1:
             problems.append(f"graph batches must be increasing positive sizes, got {buckets}")
@@ -180,11 +188,12 @@ class BuildConfig:
                 self.prefill_buckets or (t for t in (32, 64, 128, 256, 512) if t < self.max_len)
             ), prefill_batches=tuple(self.prefill_batches) if self.prefill_batches is not None
             else default_prefill_batches(self.num_slots or self.max_batch),
-            admission_lane=lane, lane_reserved_sms=self.lane_reserved_sms if lane else 0,
+            admission_lane=lane, lane_reserved_sms=self.reserved_sms() if lane else 0,
             codec_chunks=tuple(self.codec_chunks),
             codec_ring=self.codec_ring, max_len=self.max_len, max_text=self.max_text,
             max_frames=self.max_frames, precision=self.precision,
             code_predictor_fp8=self.fp8_code_predictor, codec_precision=self.codec_precision,
+            megaframe_code_predictor=self.megaframe_code_predictor,
             fused_code_predictor=tuple(
                 b for b in self.graph_batches if b <= self.fused_cp_max_batch
             ),
@@ -196,6 +205,13 @@ class BuildConfig:
             w8a8_min_rows=self.w8a8_min_rows if self.precision == "fp8" else 0,
             bf16_min_rows=self.bf16_min_rows if self.precision == "fp8" else 0,
         )  # fmt: skip
+
+    def reserved_sms(self) -> int:
+        """SMs reserved for the admission lane: as asked, else the default (none beside the
+        one-kernel code predictor, which needs them all)."""
+        if self.lane_reserved_sms is not None:
+            return self.lane_reserved_sms
+        return 0 if self.megaframe_code_predictor else DEFAULT_LANE_RESERVED_SMS
 
     def fp8_groups(self) -> list[str]:
         if self.precision != "fp8":
@@ -314,6 +330,12 @@ def compile_engine_dir(
     if cfg.speculative_auto:
         cfg = _auto_speculative(cfg, ckpt, has_draft, log)
     plan = cfg.runtime_plan()
+    if plan.megaframe_code_predictor:
+        from ttsbuild.runtime.cp_megaframe import unsupported_config
+
+        why = unsupported_config(ModelConfig.from_official(ckpt.config))
+        if why:
+            raise ValueError(f"--megaframe-code-predictor: {why}")
     if plan.load_dependent_samples:
         log(f"note: {plan.speculation_note()}")
 

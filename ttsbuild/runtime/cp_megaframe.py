@@ -113,6 +113,26 @@ def shape_of(m: dict[str, torch.Tensor]) -> dict[str, int]:
             "groups": m["rope_cos"].shape[0]}
 
 
+def config_shape(cfg) -> dict[str, int]:
+    """SHAPE's entries of a checkpoint's ModelConfig (its code predictor's stack)."""
+    c = cfg.code_predictor
+    return {"layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_heads,
+            "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "intermediate": c.intermediate_size, "vocab": cfg.codebook_size,
+            "groups": cfg.num_code_groups}
+
+
+def unsupported_config(cfg) -> str | None:
+    """Why the kernel cannot run a checkpoint of this ModelConfig, or None (before any weight
+    is packed: `compile` refuses at once)."""
+    got = config_shape(cfg)
+    if got != SHAPE:
+        diff = {k: v for k, v in got.items() if v != SHAPE[k]}
+        return (f"the kernel is built for the 1.7B code predictor's shapes {SHAPE}; this "
+                f"checkpoint's differ: {diff}")
+    return None
+
+
 def unsupported(m: dict[str, torch.Tensor]) -> str | None:
     """Why the kernel cannot run these weights, or None."""
     got = shape_of(m)
@@ -256,8 +276,10 @@ class Megaframe:
         if why:
             raise ValueError(f"cp_megaframe: {why}")
         device = m["wqkv"].device
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-            raise ValueError("cp_megaframe: needs a CUDA device of compute capability 9.0")
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+            # built for sm_90a only (TMA, mbarriers): neither older GPUs nor Blackwell
+            raise ValueError("cp_megaframe: needs a Hopper GPU (CUDA compute capability 9.0, "
+                             "H100 / H200); turn megaframe_code_predictor off elsewhere")
         self.ext = extension()
         self.eps, self.opts = eps, opts
         self.ctas = ctas or torch.cuda.get_device_properties(device).multi_processor_count

@@ -61,6 +61,8 @@ def open_engine(
     codec_channels_last: bool | None = None,
     codec_fused_output: bool | None = None,
     codec_fused_attention: bool | None = None,
+    code_predictor_fp8: bool | None = None,
+    megaframe_code_predictor: bool | None = None,
     fit_slots: bool = False,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
@@ -88,6 +90,12 @@ def open_engine(
     codec_fused_output: the codec's output stage as one kernel (`EnginePlan.codec_fused_output`,
     chosen at load); None: the plan's. codec_fused_attention: the codec pre-transformer's
     attention steps as one kernel each (`EnginePlan.codec_fused_attention`); None: the plan's.
+    code_predictor_fp8 (checkpoints and random weights; a compiled engine's weights are as
+    compiled): the code predictor's linears in FP8 (`EnginePlan.code_predictor_fp8`); None:
+    the plan's. megaframe_code_predictor: batch bucket 1's code predictor as one kernel a
+    frame (`EnginePlan.megaframe_code_predictor`, packed at load from the FP8 weights; Hopper
+    GPUs); turning it on also turns the lane's reserved SMs off unless lane_reserved_sms asks
+    for some (which the plan then refuses); None: the plan's.
     fit_slots (a CUDA device): fewer slots than asked for (or than compiled) where their KV
     cache would not fit in the device's free memory (`slots_that_fit`)."""
     if kind not in ENGINE_KINDS:
@@ -126,6 +134,11 @@ def open_engine(
                 f"{path} was compiled with prefill batches {list(plan.prefill_batches)}; "
                 "recompile with --prefill-batches to change them"
             )
+        if code_predictor_fp8 is not None and code_predictor_fp8 != plan.code_predictor_fp8:
+            raise ValueError(
+                f"{path} was compiled with {'an FP8' if plan.code_predictor_fp8 else 'a bf16'} "
+                "code predictor; recompile (--fp8-code-predictor) to change it"
+            )
     else:
         extra = {} if prefill_batches is None else {"prefill_batches": tuple(prefill_batches)}
         if max_batch is not None:
@@ -137,6 +150,19 @@ def open_engine(
         )  # fmt: skip
     if max_batch is not None and max_batch != plan.max_batch:
         plan = plan_max_batch(plan, max_batch, path or random_variant)
+    if code_predictor_fp8 is not None and code_predictor_fp8 != plan.code_predictor_fp8:
+        if code_predictor_fp8 and plan.precision != "fp8":
+            raise ValueError("an FP8 code predictor needs an FP8 engine (--precision fp8)")
+        off = {} if code_predictor_fp8 else {"megaframe_code_predictor": False}
+        plan = plan_update(plan, code_predictor_fp8=code_predictor_fp8, **off)
+    if (megaframe_code_predictor is not None
+            and megaframe_code_predictor != plan.megaframe_code_predictor):
+        if megaframe_code_predictor and not plan.code_predictor_fp8:
+            raise ValueError("megaframe_code_predictor runs FP8 code-predictor weights: it needs "
+                             "an FP8 code predictor (--fp8-code-predictor)")
+        # the kernel needs every SM: no reserve for the lane unless asked (and then refused)
+        reserve = {"lane_reserved_sms": 0} if megaframe_code_predictor else {}
+        plan = plan_update(plan, megaframe_code_predictor=megaframe_code_predictor, **reserve)
     if admission_lane is not None and tuple(admission_lane) != plan.admission_lane:
         if not set(admission_lane) <= set(plan.batch_buckets):
             raise ValueError(
@@ -151,6 +177,10 @@ def open_engine(
         if lane_reserved_sms and not plan.admission_lane:
             raise ValueError("lane_reserved_sms needs an admission lane to reserve them for "
                              "(--admission-lane)")  # fmt: skip
+        if lane_reserved_sms and plan.megaframe_code_predictor:
+            raise ValueError("lane_reserved_sms: the one-kernel code predictor "
+                             "(megaframe_code_predictor) needs every SM; reserve none or turn "
+                             "it off")  # fmt: skip
         plan = plan_update(plan, lane_reserved_sms=lane_reserved_sms)
     if bf16_min_rows is not None and bf16_min_rows != plan.bf16_min_rows:
         if bf16_min_rows < 0:

@@ -147,6 +147,16 @@ def serve(
         "of running streams' steps for new requests' first chunks (the regular steps run in "
         "CUDA green contexts of the other SMs); 0: off; default: the engine's plan."
     ),  # fmt: skip
+    fp8_code_predictor: bool = typer.Option(
+        None, "--fp8-code-predictor/--no-fp8-code-predictor", help="Checkpoints and --random "
+        "weights on an FP8 engine: the code predictor's linears in FP8 too (a compiled "
+        "engine's are as compiled; default: the plan's, bf16)."
+    ),  # fmt: skip
+    megaframe_code_predictor: bool = typer.Option(
+        None, "--megaframe-code-predictor/--no-megaframe-code-predictor", help="Hopper GPUs, "
+        "FP8 code predictor: a lone stream's code predictor as one persistent kernel a frame "
+        "(the 1.7B shapes); the admission lane then reserves no SMs (default: the plan's)."
+    ),  # fmt: skip
     bf16_min_rows: int = typer.Option(
         None, "--bf16-min-rows", min=0, help="FP8 engines on a GPU: the talker's linears on "
         "bf16 copies of their weights (made at load, cuBLAS) from this many rows, e.g. 16 "
@@ -330,7 +340,8 @@ def serve(
             bf16_min_rows=bf16_min_rows, w8a8_min_rows=w8a8_min_rows, max_batch=max_batch,
             lane_frames=lane_frames,
             codec_channels_last=codec_channels_last, codec_fused_output=codec_fused_output,
-            codec_fused_attention=codec_fused_attention,
+            codec_fused_attention=codec_fused_attention, code_predictor_fp8=fp8_code_predictor,
+            megaframe_code_predictor=megaframe_code_predictor,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")
