@@ -214,10 +214,10 @@ def _fp8_linear_kernel(
                 acc = tl.dot(w, xt, acc)
                 if GATE_UP:
                     acc_u = tl.dot(w_u, xt, acc_u)
-            else:
-                acc = tl.dot(w.to(tl.bfloat16), xt, acc)
+            else:  # the weight in x's dtype (bf16 served; fp32 and fp16 x work too)
+                acc = tl.dot(w.to(xt.dtype), xt, acc)
                 if GATE_UP:
-                    acc_u = tl.dot(w_u.to(tl.bfloat16), xt, acc_u)
+                    acc_u = tl.dot(w_u.to(xt.dtype), xt, acc_u)
 
     scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
     if GATE_UP:
