@@ -16,11 +16,12 @@ Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
         [--admission-lane 1,2 [--lane-reserved-sms 16] [--lane-frames 2] [--lane-switch]]
         [--speculative] [--megaframe]
 
---megaframe: batch bucket 1's code predictor as one kernel a frame (runtime.cp_megaframe, the
-1.7B shapes, sm_90): the 1.7B stand-in in fp32 with an FP8 code predictor, against the same
-graph engine without the kernel (the eager backend has no FP8 code predictor), greedy and
-sampled codes identical, PCM within 1e-3 (both run the same FP8 weights in fp32: they differ
-only by summation order), with and without the admission lane (1, 2).
+--megaframe (--megaframe-only: that check alone): batch bucket 1's code predictor as one
+kernel a frame (runtime.cp_megaframe, the 1.7B shapes, sm_90): the 1.7B stand-in in fp32 with
+an FP8 code predictor and the admission lane on bucket 1, against the same graph engine
+without the kernel (the eager backend has no FP8 code predictor), each request alone, greedy
+and sampled codes identical, PCM within 1e-3 (both run the same FP8 weights in fp32: they
+differ only by summation order).
 """
 
 from __future__ import annotations
@@ -169,8 +170,7 @@ SPECULATIVE = {1: ("self", 3), 4: ("self", 3), 8: ("self", 2)}
 
 def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
           kernels: bool = False, lane: tuple[int, ...] = (), reserved: int = 0,
-          lane_frames: int = 1, switch: bool = False, speculative: bool = False,
-          megaframe: bool = False) -> bool:
+          lane_frames: int = 1, switch: bool = False, speculative: bool = False) -> bool:
     name = f"{variant} {str(dtype).removeprefix('torch.')} {'greedy' if greedy else 'sampled'}"
     name += " (kernel choices on)" if kernels else ""
     name += " (speculative code predictor at batches 1, 4, 8)" if speculative else ""
@@ -179,24 +179,15 @@ def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
     name += f" ({lane_frames} frames and a {lane_frames}-frame codec step there)" if (
         lane_frames > 1) else ""  # fmt: skip
     name += " (switched on and off between steps)" if switch else ""
-    name += " (FP8 code predictor; bucket 1's as one kernel, against the graph engine " \
-            "without it)" if megaframe else ""
     models = random_models(variant, device=device, dtype=dtype)
     plan = EnginePlan(num_slots=8, batch_buckets=(1, 2, 4, 8), max_len=512, max_text=256,
                       prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4), codec_ring=16,
                       admission_lane=lane, lane_reserved_sms=reserved, lane_frames=lane_frames,
                       speculative=SPECULATIVE if speculative else {},
-                      code_predictor_fp8=megaframe,
                       **(_kernel_choices(bool(lane)) if kernels else {}))  # fmt: skip
     reqs = requests(greedy)
     t0 = time.perf_counter()
-    if megaframe:  # the reference: the same plan's graph engine without the kernel
-        ref, _ = run_graph(GraphEngine(models, plan, keep_codes=True), reqs)
-        torch.cuda.empty_cache()
-        plan = plan.model_copy(update={"megaframe_code_predictor": True})
-        plan = EnginePlan.model_validate(plan.model_dump())
-    else:
-        ref = run_reference(models, reqs, plan)
+    ref = run_reference(models, reqs, plan)
     t1 = time.perf_counter()
     engine = GraphEngine(models, plan, keep_codes=True)  # graphs on CUDA, eager on CPU
     got, batches = run_graph(engine, reqs, audio_min=lane_frames, switch=switch)
@@ -247,6 +238,68 @@ def check(variant: str, dtype: torch.dtype, greedy: bool, device: str,
     return ok or not exact
 
 
+def run_alone(engine: GraphEngine, reqs) -> list[tuple[torch.Tensor, np.ndarray]]:
+    """Each request alone (batch bucket 1), steps launched one ahead of reading; audio of
+    up to 2 frames a step."""
+    out = []
+    for r in reqs:
+        slot = engine.admit(r)
+        engine.prefill([slot])
+        pcm, pending = [], None
+        for _ in range(4 * r.max_frames + 8):
+            ticket = engine.launch_frames([slot]) if engine.table[slot].can_launch else None
+            if pending is not None:
+                engine.collect(pending)
+            pending = ticket
+            if engine.pending_frames(slot) >= 1 or engine.is_finished(slot):
+                pcm += list(engine.audio([slot], max_frames=2).values())
+            if engine.is_finished(slot) and engine.pending_frames(slot) == 0:
+                break
+        else:
+            raise RuntimeError(f"request {r.text!r} did not finish")
+        out.append((engine.codes_of(slot), np.concatenate(pcm)))
+        engine.release(slot)
+    return out
+
+
+def check_megaframe(device: str) -> bool:
+    """--megaframe: the 1.7B stand-in in fp32 with an FP8 code predictor and the admission
+    lane on bucket 1; the engine with bucket 1's code predictor as one kernel (its regular
+    step's instance and the lane's) against the same plan without it, greedy and sampled,
+    each request alone: codes identical, PCM within 1e-3."""
+    models = random_models("1.7b-customvoice", device=device, dtype=torch.float32)
+    plan = EnginePlan(num_slots=2, batch_buckets=(1,), max_len=512, max_text=256,
+                      prefill_buckets=(64, 128), codec_chunks=(1, 2), codec_ring=16,
+                      admission_lane=(1,), code_predictor_fp8=True)  # fmt: skip
+    reqs = {g: requests(g)[:3] for g in (True, False)}
+    got = {}
+    for mega in (False, True):
+        t0 = time.perf_counter()
+        p = plan.model_copy(update={"megaframe_code_predictor": mega})
+        engine = GraphEngine(models, EnginePlan.model_validate(p.model_dump()), keep_codes=True)
+        got[mega] = {g: run_alone(engine, reqs[g]) for g in (True, False)}
+        print(f"  megaframe {'on' if mega else 'off'}: {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    ok_all = True
+    for g in (True, False):
+        ok, frames, worst = True, 0, 0.0
+        for (rc, rp), (gc, gp) in zip(got[False][g], got[True][g], strict=True):
+            frames += len(rc)
+            if rc.shape != gc.shape or not bool((rc == gc).all()) or rp.shape != gp.shape:
+                ok = False
+                continue
+            worst = max(worst, float(np.abs(rp - gp).max()))
+        ok = ok and worst <= 1e-3 and max(float(np.abs(p).max()) for _, p in got[True][g]) > 0.01
+        ok_all &= ok
+        print(f"1.7b-customvoice float32 {'greedy' if g else 'sampled'} (FP8 code predictor, "
+              f"lane [1]; bucket 1's as one kernel against the engine without it): "
+              f"{'PASS' if ok else 'FAIL'}; {frames} frames; max |pcm diff| {worst:.2e}",
+              flush=True)
+    return ok_all
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--variant", default="tiny")
@@ -268,6 +321,8 @@ def main() -> int:
     p.add_argument("--megaframe", action="store_true",
                    help="also check fp32 (1.7B shapes, FP8 code predictor) with batch bucket "
                    "1's code predictor as one kernel a frame, against the engine without it")
+    p.add_argument("--megaframe-only", action="store_true",
+                   help="only the --megaframe check (the tiny checks take ~2 min to compile)")
     p.add_argument("--lane-frames", type=int, default=1,
                    help="with --admission-lane: also check with a new row's first frames and "
                    "its first codec step of that many frames on the lane (2: a real "
@@ -281,6 +336,8 @@ def main() -> int:
         return 2
     where = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     print(f"{where}, torch {torch.__version__}", flush=True)
+    if a.megaframe_only:
+        return 0 if check_megaframe(a.device) else 1
     results = [
         check(a.variant, torch.float32, greedy=True, device=a.device),
         check(a.variant, torch.float32, greedy=False, device=a.device),
@@ -307,9 +364,7 @@ def main() -> int:
             results += [check(a.variant, torch.float32, greedy=g, device=a.device, lane=lane,
                               switch=a.lane_switch) for g in (True, False)]
     if a.megaframe:
-        results += [check("1.7b-customvoice", torch.float32, greedy=g, device=a.device,
-                          lane=ln, megaframe=True)
-                    for g, ln in ((True, ()), (False, ()), (True, (1, 2)), (False, (1, 2)))]
+        results.append(check_megaframe(a.device))
     if a.device == "cuda":
         results.append(check(a.variant, torch.bfloat16, greedy=True, device=a.device))
     return 0 if all(results) else 1
