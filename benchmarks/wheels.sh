@@ -24,6 +24,13 @@ if [ -d .whl ] && ! PYTHONPATH=/tmp/site "$PY" -c \
 elif [ ! -d .whl ]; then
     echo "== no .whl here: carry it (../shared/tools/gpu-wheels.sh)"
 fi
+# (2026-12-05: a .whl of the bare gpu-wheels.sh list, without the serving extras above, lost
+# two serving runs to fastapi's missing opentelemetry and then soxr: say so before any step.)
+if [ -d .whl ] && ! _why=$(PYTHONPATH=/tmp/site "$PY" -c \
+        'import fastapi, uvicorn, soxr, websockets, prometheus_client, aiohttp, typer' 2>&1); then
+    echo "== serving runs will fail here: $(tail -1 <<<"$_why") (make .whl with the extras" \
+        "listed at the top of benchmarks/wheels.sh)"
+fi
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 
 # ensure_driver [LOG]: build the C++ step driver in place unless it already imports with CUDA

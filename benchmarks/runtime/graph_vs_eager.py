@@ -277,6 +277,8 @@ def check_megaframe(device: str) -> bool:
         t0 = time.perf_counter()
         p = plan.model_copy(update={"megaframe_code_predictor": mega})
         engine = GraphEngine(models, EnginePlan.model_validate(p.model_dump()), keep_codes=True)
+        if bool(engine.backend.cp_mega) != mega:  # the check compares the kernel, or nothing
+            raise RuntimeError(f"megaframe {'on' if mega else 'off'} asked, not built so")
         got[mega] = {g: run_alone(engine, reqs[g]) for g in (True, False)}
         print(f"  megaframe {'on' if mega else 'off'}: {time.perf_counter() - t0:.1f} s",
               flush=True)

@@ -12,6 +12,7 @@ from ttsbuild.build.quality import teacher_forced_logits
 from ttsbuild.calibration.corpus import generate_corpus
 from ttsbuild.generation.generate import ReferenceModel, generate_codes
 from ttsbuild.generation.prompt import build_prompt
+from ttsbuild.runtime.plan import DEFAULT_LANE_RESERVED_SMS
 from ttsbuild.runtime.request import SamplingOverrides, SynthesisRequest
 
 from .conftest import QUICK
@@ -247,3 +248,22 @@ def test_build_settings_are_validated():
         BuildConfig(max_batch=8, graph_batches=(1, 2, 4))
     with pytest.raises(ValueError, match="max frames"):
         BuildConfig(max_frames=4096, max_len=2048)
+
+
+def test_the_one_kernel_code_predictor_plan(ckpt, tmp_path):
+    """--megaframe-code-predictor: written into the plan with the lane's SM reserve off by
+    default (the kernel needs every SM); refused without an FP8 code predictor, beside a
+    reserve asked for, and (before anything is packed or written) for a checkpoint whose code
+    predictor the kernel has no shapes for."""
+    plan = BuildConfig(fp8_code_predictor=True, megaframe_code_predictor=True).runtime_plan()
+    assert plan.megaframe_code_predictor and plan.admission_lane and plan.lane_reserved_sms == 0
+    assert BuildConfig().runtime_plan().lane_reserved_sms == DEFAULT_LANE_RESERVED_SMS > 0
+    with pytest.raises(ValueError, match="needs --fp8-code-predictor"):
+        BuildConfig(megaframe_code_predictor=True)
+    with pytest.raises(ValueError, match="needs every SM"):
+        BuildConfig(fp8_code_predictor=True, megaframe_code_predictor=True, lane_reserved_sms=8)
+    cfg = BuildConfig(precision="fp8", fp8_code_predictor=True, megaframe_code_predictor=True,
+                      onnx=False, **QUICK)  # fmt: skip
+    with pytest.raises(ValueError, match="code predictor's shapes"):
+        compile_engine_dir(ckpt, tmp_path / "e", cfg)
+    assert not (tmp_path / "e").exists()

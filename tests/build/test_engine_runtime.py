@@ -191,3 +191,16 @@ def test_open_engine_fits_its_slots_to_a_cuda_device_s_free_memory(ckpt, monkeyp
                         lambda device=None: (loader.FIT_RESERVE_BYTES + 9 * per_slot, 0))
     assert loader._fit_slots(64, models, torch.device("cuda"), 256) == 8
     assert loader._fit_slots(4, models, torch.device("cuda"), 256) == 4
+
+
+def test_the_one_kernel_code_predictor_is_chosen_at_load_only_over_fp8_weights(fp8_engine):
+    """`serve --megaframe-code-predictor` packs the kernel at load from FP8 code-predictor
+    weights: an engine compiled with a bf16 code predictor refuses it (and a different code
+    predictor precision) with a message that says how to get one."""
+    with pytest.raises(ValueError, match="needs an FP8 code predictor"):
+        open_engine(fp8_engine, "cpu", kind="graph", megaframe_code_predictor=True)
+    with pytest.raises(ValueError, match="recompile"):
+        open_engine(fp8_engine, "cpu", kind="graph", code_predictor_fp8=True)
+    same = open_engine(fp8_engine, "cpu", kind="graph", code_predictor_fp8=False,
+                       megaframe_code_predictor=False)  # fmt: skip
+    assert not same.plan.megaframe_code_predictor and not same.backend.cp_mega

@@ -500,3 +500,29 @@ def test_lane_frames_need_a_lane_and_a_codec_chunk_of_their_size():
     with pytest.raises(ValueError, match="one of the codec_chunks"):
         EnginePlan(**{**PLAN.model_dump(), "admission_lane": (1,), "lane_frames": 2,
                       "codec_chunks": (1, 4)})  # fmt: skip
+
+
+def test_the_one_kernel_code_predictor_asked_at_load():
+    """open_engine(megaframe_code_predictor=True) over random weights: on an FP8 code
+    predictor, with the lane's SM reserve off (the kernel needs every SM); refused without
+    one, beside a reserve asked for, and, where the kernel has no shapes for the model (the
+    tiny one), when the graph backend builds it."""
+    from ttsbuild.runtime.loader import open_engine
+
+    kw = dict(num_slots=2, max_len=256, random_variant="tiny", precision="fp8")
+    eager = open_engine(None, "cpu", kind="eager", code_predictor_fp8=True,
+                        megaframe_code_predictor=True, **kw)  # fmt: skip
+    plan = eager.plan
+    assert plan.megaframe_code_predictor and plan.code_predictor_fp8
+    assert plan.admission_lane and plan.lane_reserved_sms == 0
+    with pytest.raises(ValueError, match="needs an FP8 code predictor"):
+        open_engine(None, "cpu", kind="eager", megaframe_code_predictor=True, **kw)
+    with pytest.raises(ValueError, match="needs every SM"):
+        open_engine(None, "cpu", kind="eager", code_predictor_fp8=True,
+                    megaframe_code_predictor=True, lane_reserved_sms=8, **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="needs an FP8 engine"):
+        open_engine(None, "cpu", kind="eager", code_predictor_fp8=True,
+                    **{**kw, "precision": "bf16"})  # fmt: skip
+    with pytest.raises(ValueError, match="code predictor's shapes"):
+        open_engine(None, "cpu", kind="graph", code_predictor_fp8=True,
+                    megaframe_code_predictor=True, **kw)  # fmt: skip

@@ -89,7 +89,7 @@ def test_unsupported_names_the_reason():
     assert "FP8" in cpm.unsupported(_real_shapes(fp8=False))
     cp, _, _, _ = _frame(seed=13)
     why = cpm.unsupported(cpm.pack_module(cp, fp8=True))
-    assert why.startswith("shapes") and "'hidden': 48" in why
+    assert "these weights' differ" in why and "'hidden': 48" in why
     with pytest.raises(ValueError, match="shapes"):
         cpm.Megaframe(cpm.pack_module(cp, fp8=True), eps=1e-6)
 
@@ -212,3 +212,19 @@ def test_near_ties_are_where_summation_order_may_decide():
     assert cpm.near_tie(halves, *settings(True, top_p=0.5), 1)
     draws = cpm.reference_draws(torch.stack([clear] * 3), *settings(False))
     assert draws == [2, 2, 2]
+
+
+def test_compile_knows_before_packing_which_checkpoints_the_kernel_runs():
+    """`unsupported_config`: every shipped variant's code predictor (0.6B and 1.7B) has the
+    kernel's shapes; the tiny test model's is refused, naming what differs."""
+    from ttsbuild.convert.init_random import load_variant
+    from ttsbuild.model.config import ModelConfig
+
+    def cfg(variant):
+        return ModelConfig.from_official(load_variant(variant)[0])
+
+    for variant in ("1.7b-customvoice", "1.7b-base", "1.7b-voicedesign", "0.6b-customvoice"):
+        assert cpm.unsupported_config(cfg(variant)) is None, variant
+    assert cpm.config_shape(cfg("1.7b-customvoice")) == cpm.SHAPE
+    why = cpm.unsupported_config(cfg("tiny"))
+    assert why and "code predictor's shapes" in why and "'hidden': 64" in why

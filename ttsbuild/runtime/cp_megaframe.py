@@ -125,19 +125,22 @@ def config_shape(cfg) -> dict[str, int]:
 def unsupported_config(cfg) -> str | None:
     """Why the kernel cannot run a checkpoint of this ModelConfig, or None (before any weight
     is packed: `compile` refuses at once)."""
-    got = config_shape(cfg)
-    if got != SHAPE:
-        diff = {k: v for k, v in got.items() if v != SHAPE[k]}
-        return (f"the kernel is built for the 1.7B code predictor's shapes {SHAPE}; this "
-                f"checkpoint's differ: {diff}")
-    return None
+    return _mismatch(config_shape(cfg), "this checkpoint's")
+
+
+def _mismatch(got: dict[str, int], whose: str) -> str | None:
+    if got == SHAPE:
+        return None
+    diff = {k: v for k, v in got.items() if v != SHAPE[k]}
+    return (f"the kernel is built for the shipped 12 Hz code predictor's shapes (0.6B and 1.7B "
+            f"alike) {SHAPE}; {whose} differ: {diff}")
 
 
 def unsupported(m: dict[str, torch.Tensor]) -> str | None:
     """Why the kernel cannot run these weights, or None."""
-    got = shape_of(m)
-    if got != SHAPE:
-        return f"shapes {got}, the kernel's are {SHAPE}"
+    why = _mismatch(shape_of(m), "these weights'")
+    if why:
+        return why
     if any(m["w" + k].dtype != torch.float8_e4m3fn for k in _LINEARS):
         return ("the kernel takes FP8 e4m3 weights only (an engine compiled with an FP8 code "
                 "predictor)")
