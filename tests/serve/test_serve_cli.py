@@ -103,3 +103,30 @@ def test_serve_fits_its_default_slots_to_the_device_and_never_the_slots_asked_fo
     assert result.exit_code == 1 and "stop here" in result.output
     assert seen["fit_slots"] is fit
     assert seen["num_slots"] == (16 if flags else None)  # a CPU: --random's own default
+
+
+@pytest.mark.parametrize("flags, fp8_cp, mega", [
+    ([], None, None),
+    (["--fp8-code-predictor", "--megaframe-code-predictor"], True, True),
+    (["--no-fp8-code-predictor", "--no-megaframe-code-predictor"], False, False),
+])  # fmt: skip
+def test_serve_passes_the_code_predictor_choices_to_the_loader(monkeypatch, flags, fp8_cp, mega):
+    """--fp8-code-predictor / --megaframe-code-predictor reach open_engine as asked (None:
+    the plan's); the loader's refusal of a bad pair is a message and exit 1, not a traceback."""
+    from ttsbuild.runtime import loader
+
+    seen = {}
+
+    def fake_open_engine(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(loader, "open_engine", fake_open_engine)
+    result = CliRunner().invoke(app, ["serve", "--random", "tiny", "--device", "cpu", *flags])
+    assert result.exit_code == 1 and "stop here" in result.output
+    assert (seen["code_predictor_fp8"], seen["megaframe_code_predictor"]) == (fp8_cp, mega)
+    monkeypatch.undo()
+    bad = CliRunner().invoke(app, ["serve", "--random", "tiny", "--device", "cpu",
+                                   "--megaframe-code-predictor"])  # fmt: skip
+    assert bad.exit_code == 1 and "needs an FP8 code predictor" in " ".join(bad.output.split())
+    assert "Traceback" not in bad.output
