@@ -8,8 +8,8 @@
 # calibration-only wheels (pulp, nvidia_modelopt, omegaconf: 18 MB) out of .whl so the tree and .whl fit the 64 MiB carry.
 # (2026-12-02: PyAV's 35 MB wheel moved out too, to .whl-av/: a server streaming PCM never
 # imports it (serve/formats.py loads it in the FFmpeg encoders), which leaves room for a
-# Triton cache, .tc/tc.tgz, 17 MB: `tar xzf .tc/tc.tgz -C /tmp; export
-# TRITON_CACHE_DIR=/tmp/tc` cut a server's start from ~210 s to ~40 s.)
+# Triton cache, .tc/tc.tgz, 17 MB, that cut a server's start from ~210 s to ~40 s: unpacked
+# below when carried.)
 # On a warm host whose /tmp/site lacks one of them, install .whl there again by hand. Where $PY (default
 # python3) cannot import fastapi, install them into /tmp/site; then put the repo and /tmp/site
 # on PYTHONPATH, unbuffered. Also defines the helpers those scripts share (below).
@@ -32,6 +32,14 @@ if [ -d .whl ] && ! _why=$(PYTHONPATH=/tmp/site "$PY" -c \
         "listed at the top of benchmarks/wheels.sh)"
 fi
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# Triton's compiled kernels in /tmp/tc, unpacked from .tc/tc.tgz where one was carried (made on
+# an earlier call by gpu_session.sh with TC_SAVE=1; sm_90 kernels serve the H100 and the H200
+# alike): a server's or an engine's first start then skips most of its Triton compiles.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tc}
+if [ -f .tc/tc.tgz ] && [ ! -d "$TRITON_CACHE_DIR" ]; then
+    mkdir -p "$TRITON_CACHE_DIR" && tar xzf .tc/tc.tgz -C "$TRITON_CACHE_DIR" \
+        && echo "== Triton cache from .tc/tc.tgz: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
+fi
 
 # ensure_driver [LOG]: build the C++ step driver in place unless it already imports with CUDA
 # (a build carried from this host is kept: the import needs torch first, for libc10). Says why

@@ -2,7 +2,11 @@
 # On the GPU host (repo root): one device call that checks and times a change to the runtime.
 #   OUT=out STEPS="driver tests engine check ab" bash benchmarks/runtime/gpu_session.sh
 # driver: the step driver (`ensure_driver`: says why a carried build does not import and
-#         builds it then; the build comes back under $OUT)
+#         builds it then; the build comes back under $OUT: put it in ttsbuild/ and carry
+#         "ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so" to save the ~60 s build)
+# TC_SAVE=1: the Triton cache (/tmp/tc) comes back as $OUT/tc.tgz: put it in .tc/ and carry
+#         ".tc" (benchmarks/wheels.sh unpacks it: an engine's or server's start skips most
+#         compiles; a cold 1.7B engine took 130 s to build on 2026-12-05, a warm one 70)
 # probe:  the step driver's refusals, each in a process of its own (driver_errors_probe.py:
 #         all 7 crashed on the H200 until setup.py linked -lstdc++, 2026-12-02)
 # tests:  GPU tests of the step driver's host side (test_driver_host.py, alone first, with
@@ -161,7 +165,11 @@ source benchmarks/wheels.sh
 log() { echo "== $(date -u +%H:%M:%S) +${SECONDS}s $*"; }
 # Preflight: the modules every step imports, before any device time goes to a step that would
 # fail on an import (2026-12-03: a whole call's benchmarks failed on `import pydantic`).
-if ! why=$(python3 -c 'import ttsbuild.bench.engine_bench, ttsbuild.serve.cli' 2>&1); then
+# Serving steps import the web stack too (2026-12-05: fastapi without opentelemetry, then
+# soxr, failed two A/B calls only once their servers started).
+serving=""
+case " $STEPS " in *" ab "* | *" sweep "* | *" overload "*) serving=", ttsbuild.serve.app" ;; esac
+if ! why=$(python3 -c "import ttsbuild.bench.engine_bench, ttsbuild.serve.cli$serving" 2>&1); then
     echo "== preflight failed: $(tail -1 <<<"$why")"; exit 1
 fi
 for step in $STEPS; do
@@ -522,4 +530,9 @@ for step in $STEPS; do
         done ;;
     esac
 done
+if [ "${TC_SAVE:-0}" = 1 ] && [ -d "$TRITON_CACHE_DIR" ]; then
+    # the Triton cache to carry next time: copy it into .tc/ (git-ignored) as tc.tgz
+    tar czf "$OUT/tc.tgz" -C "$TRITON_CACHE_DIR" . && log "Triton cache -> tc.tgz ($(du -h \
+        "$OUT/tc.tgz" | cut -f1)): put it in .tc/ and carry .tc"
+fi
 log done
