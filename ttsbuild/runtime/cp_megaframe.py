@@ -9,12 +9,16 @@ the official code predictor in tests/runtime/test_megaframe_reference.py), the s
 takes (`unsupported`), and the GPU wrapper (`Megaframe`, built on first use with
 torch.utils.cpp_extension: sm_90).
 
-Status (2026-12-05): timed in benchmarks/kernels/megapass/bench_megaframe.py, 1.43x faster
-than the served fused frame on an H100 (1.475 against 2.108 ms, same call). The engine runs it
-for batch bucket 1 behind `EnginePlan.megaframe_code_predictor`, off: `Megaframe` and that
-path have not run on a GPU yet (the kernel has, from the bench; its top-p and cooperative
-launch, added since, have not). Limits: batch 1, the 1.7B code predictor's shapes, FP8
-weights.
+Status (2026-12-05): 1.43x faster than the served fused frame in its bench on an H100 (1.475
+against 2.108 ms, same call; benchmarks/kernels/megapass/bench_megaframe.py). In the engine,
+batch bucket 1 runs it behind `EnginePlan.megaframe_code_predictor` (compile and serve:
+--megaframe-code-predictor). There, on an H100:
+- the frame at batch 1 took 3.20 -> 2.81 ms;
+- an idle request's first chunk took 4.81 -> 4.29 ms;
+- codes and PCM were identical to the same plan without the kernel (graph_vs_eager.py
+  --megaframe, fp32, greedy and sampled).
+Off by default: serving under load with it has not been measured. Limits: batch 1, FP8
+weights, Hopper GPUs, and the shipped code predictor's shapes (0.6B and 1.7B alike).
 """
 
 from __future__ import annotations

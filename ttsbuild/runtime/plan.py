@@ -112,9 +112,10 @@ class EnginePlan(BaseModel):
     persistent_code_predictor: tuple[int, ...] = ()
     # Batch bucket 1's code predictor as ONE persistent CUDA kernel a frame
     # (runtime.cp_megaframe: FP8 weights of the 1.7B code predictor's shapes, sm_90, a
-    # cooperative launch), on the regular step and the admission lane's first frames. 1.43x
-    # faster than the fused frame in its bench on an H100 (benchmarks/kernels/megapass/); off
-    # until the engine has run it on a GPU (graph vs eager, the engine microbenchmark).
+    # cooperative launch), on the regular step and the admission lane's first frames. On an
+    # H100: frame b1 3.20 -> 2.81 ms, idle first chunk 4.81 -> 4.29 ms, codes identical to the
+    # plan without it (benchmarks/runtime/2026-12-05-h100-megaengine, -megaframe-check); off
+    # until serving under load has been measured with it (the lane then reserves no SMs).
     megaframe_code_predictor: bool = False
     # Batch buckets whose talker step runs on runtime.cp_fused.decode_fused (5 launches per
     # layer instead of ~9: fused norm + linear, fused residual adds).
