@@ -52,8 +52,13 @@ constexpr int NSTAMP = 7;
 //   every CTA can be resident at once (a grid barrier never waits on a CTA that cannot start:
 //   beside another stream's persistent kernel, or inside a green context of fewer SMs, a
 //   plain launch could wait for ever).
+// OPT_TWO_TOKEN: passes 0 and 1 (the talker's hidden state at position 0, codebook 0's
+//   embedding at position 1) as one pass of two tokens, as the model's own prefill runs them:
+//   pass 0's 20 stages (19 grid barriers) are skipped, and pass 1's stages take two rows, the
+//   weights in shared memory read once for both. Each row's sums run in the same order as in
+//   a pass of its own. Activation buffers of two rows (TT below).
 constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4, OPT_PRODUCER = 8,
-              OPT_COOPERATIVE = 16;
+              OPT_COOPERATIVE = 16, OPT_TWO_TOKEN = 32;
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -380,36 +385,61 @@ __device__ void rms_norm(const float* x, const float* w, float* xn, float eps, f
 // out(row, sum) called by lane row % R. (The first version gave a lane 16 consecutive columns:
 // its x reads, 64 bytes apart across lanes, took 4x the shared-memory wavefronts, and x was read
 // anew for every row: ~2-3 us a stage on the H100, 2026-12-05.)
-template <int R, typename Out>
-__device__ void gemv_smem(const uint8_t* w, int rows, int K, const float* x, Out out) {
+// T token rows at once (x: T rows xs floats apart; OPT_TWO_TOKEN): each weight word is read
+// once for the T rows, and each row's sum runs in the same order as with T = 1;
+// out(t, row, sum).
+template <int R, int T, typename Out>
+__device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int xs, Out out) {
     const int w_id = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int r0 = w_id * R; r0 < rows; r0 += WARPS * R) {  // warp-uniform
-        float s[R];
+        float s[T][R];
         const uint8_t* wr[R];
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-            s[i] = 0.f;
             wr[i] = w + (size_t)min(r0 + i, rows - 1) * K;  // a missing row repeats the last
+#pragma unroll
+            for (int t = 0; t < T; ++t) s[t][i] = 0.f;
         }
 #pragma unroll 4
         for (int k = 4 * lane; k < K; k += 128) {
-            const float4 a = *reinterpret_cast<const float4*>(x + k);
+            float4 a[T];
+#pragma unroll
+            for (int t = 0; t < T; ++t) a[t] = *reinterpret_cast<const float4*>(x + t * xs + k);
 #pragma unroll
             for (int i = 0; i < R; ++i) {
                 __nv_fp8x4_e4m3 q;
                 q.__x = *reinterpret_cast<const uint32_t*>(wr[i] + k);
                 const float4 f = static_cast<float4>(q);
-                s[i] += f.x * a.x + f.y * a.y + f.z * a.z + f.w * a.w;
+#pragma unroll
+                for (int t = 0; t < T; ++t)
+                    s[t][i] += f.x * a[t].x + f.y * a[t].y + f.z * a[t].z + f.w * a[t].w;
             }
         }
-        float mine = 0.f;  // lane i writes row r0 + i: the R stores (atomics in B) side by side
 #pragma unroll
-        for (int i = 0; i < R; ++i) {
-            const float t = warp_sum(s[i]);
-            if (lane == i) mine = t;
+        for (int t = 0; t < T; ++t) {
+            float mine = 0.f;  // lane i writes row r0 + i: the R stores (atomics in B) side by side
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                const float v = warp_sum(s[t][i]);
+                if (lane == i) mine = v;
+            }
+            if (lane < R && r0 + lane < rows) out(t, r0 + lane, mine);
         }
-        if (lane < R && r0 + lane < rows) out(r0 + lane, mine);
     }
+}
+
+// nt (1 or 2) token rows
+template <int R, typename Out>
+__device__ void gemv_rows(const uint8_t* w, int rows, int K, const float* x, int xs, int nt,
+                          Out out) {
+    if (nt == 2) gemv_tok<R, 2>(w, rows, K, x, xs, out);
+    else gemv_tok<R, 1>(w, rows, K, x, xs, out);
+}
+
+// one token row: out(row, sum)
+template <int R, typename Out>
+__device__ void gemv_smem(const uint8_t* w, int rows, int K, const float* x, Out out) {
+    gemv_tok<R, 1>(w, rows, K, x, 0, [&](int, int i, float v) { out(i, v); });
 }
 
 __device__ __forceinline__ uint32_t hash32(uint32_t x) {  // lowbias32, as sampling.hash32
@@ -558,15 +588,17 @@ __device__ int pick_token(const float* lg, bool do_sample, int top_k, float top_
 template <int MODE>
 __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     extern __shared__ __align__(16) uint8_t smem[];
+    const bool two = p.opts & OPT_TWO_TOKEN;
+    const int TT = two ? 2 : 1;   // token rows of the activation buffers (smem_bytes)
     uint8_t* wbuf = smem;                                             // NBUF x buf_bytes
-    float* x = reinterpret_cast<float*>(smem + (size_t)NBUF * (p.buf_bytes + SIDE * 4));  // [H]
-    float* xn = x + H;            // normed input / act [I]
-    float* qv = xn + I;           // q [128]
-    float* kv = qv + HD;          // k [128]
-    float* vv = kv + HD;          // v [128]
-    float* att = vv + HD;         // attention out [128]
-    float* sc = att + HD;         // scores [16]
-    float* red = sc + 16;         // [WARPS]
+    float* x = reinterpret_cast<float*>(smem + (size_t)NBUF * (p.buf_bytes + SIDE * 4));  // [TT, H]
+    float* xn = x + TT * H;       // normed input / act [TT, I]
+    float* qv = xn + TT * I;      // q [TT, 128]
+    float* kv = qv + TT * HD;     // k [TT, 128]
+    float* vv = kv + TT * HD;     // v [TT, 128]
+    float* att = vv + TT * HD;    // attention out [TT, 128]
+    float* sc = att + TT * HD;    // scores [TT, 16]
+    float* red = sc + TT * 16;    // [WARPS]
     int* tok_s = reinterpret_cast<int*>(red + 2 * WARPS);
     float* kbuf = reinterpret_cast<float*>(tok_s + 2 * WARPS);  // [16, 128]: a head's past k
     float* vbuf = kbuf + G * HD;                                 // [16, 128]: ...and v
@@ -581,7 +613,12 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     const bool producer = tma && (p.opts & OPT_PRODUCER) && (MODE == 0 || MODE == 3);
     const int dist = (p.opts & OPT_DIST1) ? 1 : 2;
     const size_t slot_bytes = (size_t)p.buf_bytes + SIDE * sizeof(float);
-    auto buf_of = [&](int sid) { return wbuf + (sid % NBUF) * slot_bytes; };
+    // the first stage run: pass 1's first with OPT_TWO_TOKEN (pass 0's 20 stages skipped);
+    // buffers and mbarrier phases count from it
+    const int first = two ? 20 : 0;
+    auto slot = [&](int sid) { return (sid - first) % NBUF; };
+    auto phase = [&](int sid) { return ((sid - first) / NBUF) & 1; };
+    auto buf_of = [&](int sid) { return wbuf + slot(sid) * slot_bytes; };
     // with tma: mbar[b], buffer b's copies landed (a phase a use: its bytes, and with the
     // producer also its 32 lanes' side copies); empty[b] (producer): the stage threads are
     // done with buffer b
@@ -597,9 +634,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     if (tid >= THREADS) {  // the producer warp: every stage's copies, NBUF stages ahead at most
         if (!producer) return;
         const int lane = tid - THREADS;
-        for (int sid = 0; sid < STAGES; ++sid) {
-            const int b = sid % NBUF;
-            if (sid >= NBUF) mbar_wait(&empty[b], ((sid / NBUF) - 1) & 1);
+        for (int sid = first; sid < STAGES; ++sid) {
+            const int b = slot(sid), k = sid - first;
+            if (k >= NBUF) mbar_wait(&empty[b], ((k / NBUF) - 1) & 1);
             int pass, r;
             stage_of(sid, pass, r);
             uint8_t* buf = buf_of(sid);
@@ -629,49 +666,57 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         if (st) st[cur * NSTAMP + 6] = clock64();
     };
     auto issue = [&](int sid) {
-        issue_stage(p, sid, buf_of(sid), cta, ctas, tma, &mbar[sid % NBUF]);
+        issue_stage(p, sid, buf_of(sid), cta, ctas, tma, &mbar[slot(sid)]);
         cp_commit();
     };
     int tok = 0;
     // A stage's input activations (written by other CTAs before the last barrier) into shared
-    // memory: A/H x (+= d, or the pass's input), B this head's q, k, v and its kv head's past
-    // rows, C x += o, D act.
-    auto read_input = [&](int pass, int l, int kind) {
+    // memory, nt token rows from position pos0: A/H x (+= d, or the pass's input), B this
+    // head's q, k, v and its kv head's rows before pos0, C x += o, D act.
+    auto read_input = [&](int l, int kind, int nt, int pos0) {
         if (kind == 0 || kind == 4) {
             if (kind == 0 && l == 0) {
-                const float* src = pass < 2 ? p.x_in + pass * H
-                                            : p.tables + ((size_t)(pass - 2) * V + tok) * H;
-                for (int i = tid; i < H; i += THREADS) x[i] = __ldcg(src + i);
+                for (int t = 0; t < nt; ++t) {  // input q: 0 the hidden state, 1 c0, then codes
+                    const int q = pos0 + t;
+                    const float* src = q < 2 ? p.x_in + q * H
+                                             : p.tables + ((size_t)(q - 2) * V + tok) * H;
+                    for (int i = tid; i < H; i += THREADS) x[t * H + i] = __ldcg(src + i);
+                }
             } else {
-                for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.d + i);
+                for (int i = tid; i < nt * H; i += THREADS) x[i] += __ldcg(p.d + i);
             }
         } else if (kind == 1) {
             const int h = cta % NH, g = h / (NH / NKV);
             if (tid < HD) {
-                qv[tid] = __ldcg(p.qkv + h * HD + tid);
-                kv[tid] = __ldcg(p.qkv + NH * HD + g * HD + tid);
-                vv[tid] = __ldcg(p.qkv + (NH + NKV) * HD + g * HD + tid);
+                for (int t = 0; t < nt; ++t) {
+                    const float* row = p.qkv + t * QKV;
+                    qv[t * HD + tid] = __ldcg(row + h * HD + tid);
+                    kv[t * HD + tid] = __ldcg(row + NH * HD + g * HD + tid);
+                    vv[t * HD + tid] = __ldcg(row + (NH + NKV) * HD + g * HD + tid);
+                }
             }
             const float* kc = p.kcache + ((size_t)(l * NKV + g) * G) * HD;
             const float* vc = p.vcache + ((size_t)(l * NKV + g) * G) * HD;
-            for (int i = tid; i < pass * HD / 4; i += THREADS) {  // past rows, one batch of loads
+            for (int i = tid; i < pos0 * HD / 4; i += THREADS) {  // past rows, one batch of loads
                 reinterpret_cast<float4*>(kbuf)[i] = __ldcg(reinterpret_cast<const float4*>(kc) + i);
                 reinterpret_cast<float4*>(vbuf)[i] = __ldcg(reinterpret_cast<const float4*>(vc) + i);
             }
         } else if (kind == 2) {
-            for (int i = tid; i < H; i += THREADS) x[i] += __ldcg(p.o + i);
+            for (int i = tid; i < nt * H; i += THREADS) x[i] += __ldcg(p.o + i);
         } else {
-            for (int i = tid; i < I; i += THREADS) xn[i] = __ldcg(p.act + i);
+            for (int i = tid; i < nt * I; i += THREADS) xn[i] = __ldcg(p.act + i);
         }
         csync();
     };
 
     if ((MODE == 0 || MODE == 3) && !producer) {  // prologue: the first `dist` stages in flight
-        for (int i = 0; i < dist; ++i) issue(i);
+        for (int i = 0; i < dist; ++i) issue(first + i);
     }
-    for (int sid = 0; sid < STAGES; ++sid) {
+    for (int sid = first; sid < STAGES; ++sid) {
         int pass, r;
         stage_of(sid, pass, r);
+        // tokens of this pass (2: OPT_TWO_TOKEN's pass 1, positions 0 and 1) from position pos0
+        const int nt = two && pass == 1 ? 2 : 1, pos0 = pass + 1 - nt;
         if (MODE == 1) {
             if (!(pass == 0 && r == 19)) barrier();
             continue;
@@ -679,12 +724,12 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         const int l = r / 4, kind = r == 20 ? 4 : r % 4;
         uint8_t* wb = buf_of(sid);
         csync();  // the buffer refilled next was an earlier stage's: all warps done
-        if (producer && tid == 0 && sid > 0) mbar_arrive(&empty[(sid - 1) % NBUF]);
+        if (producer && tid == 0 && sid > first) mbar_arrive(&empty[slot(sid - 1)]);
         cur = sid;
         if (st) st[sid * NSTAMP] = clock64();
         long long t_act = 0;
         if (read_first) {
-            read_input(pass, l, kind);
+            read_input(l, kind, nt, pos0);
             if (st) t_act = clock64();
         }
         if (!producer) issue(MODE == 2 ? sid : sid + dist);
@@ -693,28 +738,32 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         else if (MODE == 2) cp_wait<0>();
         else if (dist == 2) cp_wait<2>();
         else cp_wait<1>();
-        if (tma) mbar_wait(&mbar[sid % NBUF], (sid / NBUF) & 1);
+        if (tma) mbar_wait(&mbar[slot(sid)], phase(sid));
         csync();
         if (st) st[sid * NSTAMP + 2] = clock64();
         if (!read_first) {
-            read_input(pass, l, kind);
+            read_input(l, kind, nt, pos0);
             if (st) t_act = clock64();
         }
         if (st) st[sid * NSTAMP + 3] = t_act;
         const float* side = reinterpret_cast<const float*>(wb + p.buf_bytes);
         if (kind == 0) {
-            rms_norm(x, side, xn, p.eps, red);
+            for (int t = 0; t < nt; ++t) rms_norm(x + t * H, side, xn + t * H, p.eps, red);
             const auto [r0, r1] = stage_rows(0, cta, ctas);
             const float* s = side + H;
             float* y = p.qkv + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_smem<4>(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
+            gemv_rows<4>(wb, r1 - r0, H, xn, H, nt,
+                         [&](int t, int i, float v) { __stcg(y + t * QKV + i, v * s[i]); });
             barrier();
         } else if (kind == 1) {
-            const int h = cta % NH, g = h / (NH / NKV), pos = pass;
-            // q/k RMSNorm over the head (warps 0-3: q; 4-7: k), then RoPE (rotate-half)
-            {
-                float* t = tid < HD ? qv : kv;
+            const int h = cta % NH, g = h / (NH / NKV);
+            // q/k RMSNorm over the head (warps 0-3: q; 4-7: k), then RoPE (rotate-half) at the
+            // token's position: the side holds position `pass`'s cos and sin; OPT_TWO_TOKEN's
+            // token at position 0 skips the rotation (the identity there: cos 1, sin 0)
+            for (int tk = 0; tk < nt; ++tk) {
+                const bool rotate = pos0 + tk == pass;
+                float* t = (tid < HD ? qv : kv) + tk * HD;
                 const int d0 = tid % HD;
                 float v = t[d0] * t[d0];
                 v = warp_sum(v);
@@ -728,63 +777,82 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                 csync();
                 t[d0] = nv;
                 csync();
-                const int f = d0 % (HD / 2);
-                float c = side[2 * HD + f], sn = side[2 * HD + HD / 2 + f];
-                float rot = d0 < HD / 2 ? -t[d0 + HD / 2] : t[d0 - HD / 2];
-                float outv = t[d0] * c + rot * sn;
-                csync();
-                t[d0] = outv;
-                csync();
+                if (rotate) {
+                    const int f = d0 % (HD / 2);
+                    float c = side[2 * HD + f], sn = side[2 * HD + HD / 2 + f];
+                    float rot = d0 < HD / 2 ? -t[d0 + HD / 2] : t[d0 - HD / 2];
+                    float outv = t[d0] * c + rot * sn;
+                    csync();
+                    t[d0] = outv;
+                    csync();
+                }
             }
             float* kc = p.kcache + ((size_t)(l * NKV + g) * G) * HD;
             float* vc = p.vcache + ((size_t)(l * NKV + g) * G) * HD;
             if (cta < NH && h % (NH / NKV) == 0 && tid < HD) {  // one writer per kv head
-                __stcg(kc + pos * HD + tid, kv[tid]);
-                __stcg(vc + pos * HD + tid, vv[tid]);
+                for (int t = 0; t < nt; ++t) {
+                    __stcg(kc + (pos0 + t) * HD + tid, kv[t * HD + tid]);
+                    __stcg(vc + (pos0 + t) * HD + tid, vv[t * HD + tid]);
+                }
             }
+            // token t at position pos0 + t attends to positions 0..pos0 + t: those before pos0
+            // from the cache rows read, the pass's own from k and v
             const int w_id = tid / 32, lane = tid % 32;
-            for (int j = w_id; j <= pos; j += WARPS) {
-                float s = 0.f;
-                for (int d0 = lane; d0 < HD; d0 += 32)
-                    s += qv[d0] * (j == pos ? kv[d0] : kbuf[j * HD + d0]);
-                s = warp_sum(s);
-                if (lane == 0) sc[j] = s * rsqrtf((float)HD);
+            for (int t = 0; t < nt; ++t) {
+                const int pos = pos0 + t;
+                for (int j = w_id; j <= pos; j += WARPS) {
+                    float s = 0.f;
+                    for (int d0 = lane; d0 < HD; d0 += 32)
+                        s += qv[t * HD + d0] *
+                             (j >= pos0 ? kv[(j - pos0) * HD + d0] : kbuf[j * HD + d0]);
+                    s = warp_sum(s);
+                    if (lane == 0) sc[t * 16 + j] = s * rsqrtf((float)HD);
+                }
             }
             csync();
             if (tid < HD) {
-                float m = -INFINITY;
-                for (int j = 0; j <= pos; ++j) m = fmaxf(m, sc[j]);
-                float den = 0.f, acc = 0.f;
-                for (int j = 0; j <= pos; ++j) {
-                    float e = __expf(sc[j] - m);
-                    den += e;
-                    acc += e * (j == pos ? vv[tid] : vbuf[j * HD + tid]);
+                for (int t = 0; t < nt; ++t) {
+                    const int pos = pos0 + t;
+                    const float* st_ = sc + t * 16;
+                    float m = -INFINITY;
+                    for (int j = 0; j <= pos; ++j) m = fmaxf(m, st_[j]);
+                    float den = 0.f, acc = 0.f;
+                    for (int j = 0; j <= pos; ++j) {
+                        float e = __expf(st_[j] - m);
+                        den += e;
+                        acc += e * (j >= pos0 ? vv[(j - pos0) * HD + tid] : vbuf[j * HD + tid]);
+                    }
+                    att[t * HD + tid] = acc / den;
                 }
-                att[tid] = acc / den;
             }
             csync();
             const Rows ow = stage_rows(1, cta, ctas);
             const int o0 = ow.r0, o1 = ow.r1;
             const float* so = side + 3 * HD;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_smem<4>(wb, o1 - o0, HD, att,
-                         [&](int i, float v) { atomicAdd(p.o + o0 + i, v * so[i]); });
+            gemv_rows<4>(wb, o1 - o0, HD, att, HD, nt, [&](int t, int i, float v) {
+                atomicAdd(p.o + t * H + o0 + i, v * so[i]);
+            });
             barrier();
         } else if (kind == 2) {
-            rms_norm(x, side, xn, p.eps, red);
+            for (int t = 0; t < nt; ++t) rms_norm(x + t * H, side, xn + t * H, p.eps, red);
             const auto [j0, j1] = stage_rows(2, cta, ctas);
             const int n = j1 - j0;
             const float* sg = side + H;
             const float* su = sg + n;
-            // the buffer is [2n, H]: gate rows then up rows; their sums beside xn, then
-            // silu(gate) * up of each column
-            float* gu = xn + H;
+            // the buffer is [2n, H]: gate rows then up rows; their sums beside xn (2n a token
+            // row), then silu(gate) * up of each column
+            float* gu = xn + TT * H;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_smem<2>(wb, 2 * n, H, xn, [&](int i, float v) { gu[i] = v; });
+            gemv_rows<2>(wb, 2 * n, H, xn, H, nt,
+                         [&](int t, int i, float v) { gu[t * 2 * n + i] = v; });
             csync();
             if (tid < n) {
-                const float a = gu[tid] * sg[tid], b = gu[n + tid] * su[tid];
-                __stcg(p.act + j0 + tid, a / (1.f + __expf(-a)) * b);
+                for (int t = 0; t < nt; ++t) {
+                    const float* g_ = gu + t * 2 * n;
+                    const float a = g_[tid] * sg[tid], b = g_[n + tid] * su[tid];
+                    __stcg(p.act + t * I + j0 + tid, a / (1.f + __expf(-a)) * b);
+                }
             }
             barrier();
         } else if (kind == 3) {
@@ -792,12 +860,13 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side;
             float* y = p.d + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_smem<1>(wb, r1 - r0, I, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
+            gemv_rows<1>(wb, r1 - r0, I, xn, I, nt,
+                         [&](int t, int i, float v) { __stcg(y + t * H + i, v * s[i]); });
             if (cta == 0)  // every CTA read o in C (before the last barrier): zero it for B
-                for (int i = tid; i < H; i += THREADS) __stcg(p.o + i, 0.f);
+                for (int i = tid; i < nt * H; i += THREADS) __stcg(p.o + i, 0.f);
             if (!(pass == 0 && l == L - 1)) barrier();  // pass 0 has no head: nothing reads d
-        } else {  // head of codebook `pass`, then every CTA's own argmax
-            rms_norm(x, side, xn, p.eps, red);
+        } else {  // head of codebook `pass` (its last token's row), then every CTA's own draw
+            rms_norm(x + (nt - 1) * H, side, xn, p.eps, red);
             const auto [r0, r1] = stage_rows(4, cta, ctas);
             const float* s = side + H;
             float* y = p.logits + (size_t)(pass - 1) * V + r0;
@@ -825,9 +894,10 @@ inline int buf_bytes_for(int ctas) {
     return (b + 15) / 16 * 16;
 }
 
-inline size_t smem_bytes(int buf_bytes) {
+// tt: token rows of the activation buffers (2 with OPT_TWO_TOKEN; the kernel's layout)
+inline size_t smem_bytes(int buf_bytes, int tt = 1) {
     return (size_t)NBUF * (buf_bytes + SIDE * sizeof(float)) +
-           sizeof(float) * (H + I + 4 * HD + 16 + 2 * 8 + 2 * 8 + 2 * G * HD) + 64;
+           sizeof(float) * (tt * (H + I + 4 * HD + 16) + 2 * 8 + 2 * 8 + 2 * G * HD) + 64;
 }
 
 }  // namespace megaframe
@@ -888,7 +958,11 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 32, "opts: OPT_* bits (0-31)");
+    TORCH_CHECK(opts >= 0 && opts < 64, "opts: OPT_* bits (0-63)");
+    const int tt = (opts & megaframe::OPT_TWO_TOKEN) ? 2 : 1;
+    TORCH_CHECK(ws[19].numel() >= tt * megaframe::QKV && ws[20].numel() >= tt * megaframe::H &&
+                ws[21].numel() >= tt * megaframe::I && ws[22].numel() >= tt * megaframe::H,
+                "qkv, o, act, d: a row per token of a pass (2 with OPT_TWO_TOKEN)");
     TORCH_CHECK(!(opts & megaframe::OPT_PRODUCER) || (opts & megaframe::OPT_TMA),
                 "OPT_PRODUCER needs OPT_TMA");
     p.opts = (int)opts;
@@ -915,7 +989,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     TORCH_CHECK(ctas >= 2 * megaframe::NH && ctas <= sms, "ctas must be in [32, SMs = ", sms, "]");
     p.buf_bytes = megaframe::buf_bytes_for((int)ctas);
-    size_t smem = megaframe::smem_bytes(p.buf_bytes);
+    size_t smem = megaframe::smem_bytes(p.buf_bytes, tt);
     TORCH_CHECK(smem <= 227 * 1024, "shared memory ", smem, " > 227 KiB: use more CTAs");
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     p.flag_barrier = (int)flag_barrier;
@@ -926,7 +1000,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     TORCH_CHECK(ctas <= megaframe::THREADS, "at most one CTA per thread of a CTA (flags)");
     TORCH_CHECK(ws[27].numel() >= 32 * megaframe::STRIPES, "the barrier words: 32 x STRIPES");
     cudaMemsetAsync(p.counter, 0, sizeof(int) * ws[27].numel(), stream);
-    cudaMemsetAsync(p.o, 0, sizeof(float) * megaframe::H, stream);
+    cudaMemsetAsync(p.o, 0, sizeof(float) * tt * megaframe::H, stream);
     switch (mode) {
         case 0: launch_mode<0>(p, (int)ctas, smem, stream); break;
         case 1: launch_mode<1>(p, (int)ctas, smem, stream); break;
