@@ -457,8 +457,10 @@ for step in $STEPS; do
         echo "rc=$?"; tail -9 "$OUT/bench_chain.log" ;;
     megaframe)  # the code predictor's frame as one persistent kernel (prototype) beside the served one
         log "one-kernel code-predictor frame (bench_megaframe.py), then the served fused frame at batch 1"
-        timeout -k 5 200 python3 -u benchmarks/kernels/megapass/bench_megaframe.py \
-            > "$OUT/megaframe.log" 2>&1
+        # MEGAFRAME_ARGS: e.g. --newest (only the newest options beside the served ones)
+        # shellcheck disable=SC2086
+        timeout -k 5 300 python3 -u benchmarks/kernels/megapass/bench_megaframe.py \
+            ${MEGAFRAME_ARGS:-} > "$OUT/megaframe.log" 2>&1
         echo "rc=$?"; grep -E "check|^\|" "$OUT/megaframe.log" | cut -c1-220
         timeout -k 5 150 python3 -m pytest -q -x -p no:cacheprovider tests/runtime/test_megaframe_gpu.py \
             > "$OUT/megaframe_gpu_tests.log" 2>&1

@@ -47,13 +47,15 @@ def _settings(do_sample: bool, seed: int, frame: int, top_p: float = 1.0):
     return (batch, torch.tensor([seed], device="cuda"), torch.tensor([frame], device="cuda"))
 
 
-@pytest.mark.parametrize("two_token", [False, True])
+@pytest.mark.parametrize("extra", [0, cpm.TWO_TOKEN, cpm.XREDUCE, cpm.TWO_TOKEN | cpm.XREDUCE],
+                         ids=["served", "two-token", "xreduce", "two-token+xreduce"])
 @pytest.mark.parametrize("do_sample, top_p", [(False, 1.0), (True, 1.0), (True, 0.8)])
-def test_codes_follow_the_reference(model, do_sample, top_p, two_token):
-    """two_token: the frame's two inputs as one pass of two tokens (cpm.TWO_TOKEN)."""
+def test_codes_follow_the_reference(model, do_sample, top_p, extra):
+    """extra: options beside the served ones (the frame's two inputs as one pass of two
+    tokens, TWO_TOKEN; the GEMVs' row sums reduced together, XREDUCE)."""
     cp, m, x_in, mf = model
-    if two_token:
-        mf = cpm.Megaframe(m, eps=mf.eps, opts=cpm.SERVED_OPTS | cpm.COOPERATIVE | cpm.TWO_TOKEN)
+    if extra:
+        mf = cpm.Megaframe(m, eps=mf.eps, opts=cpm.SERVED_OPTS | cpm.COOPERATIVE | extra)
     batch, seeds, frames = _settings(do_sample, seed=-987654321, frame=41, top_p=top_p)
     tokens = mf.run(x_in, batch, seeds, frames).clone()
     logits, _, _ = cpm.reference(m, x_in, tokens, eps=mf.eps)

@@ -228,3 +228,17 @@ def test_compile_knows_before_packing_which_checkpoints_the_kernel_runs():
     assert cpm.config_shape(cfg("1.7b-customvoice")) == cpm.SHAPE
     why = cpm.unsupported_config(cfg("tiny"))
     assert why and "code predictor's shapes" in why and "'hidden': 64" in why
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+def test_the_gemv_reduction_leaves_each_rows_sum_where_the_kernel_reads_it(rows):
+    """OPT_XREDUCE's warp reduction of R row sums together (`xreduce_lanes`, the kernel's
+    `xreduce` step for step): lane l ends with the sum over the 32 lanes of row
+    l >> (5 - log2 R), the row the kernel's lane l % (32 / R) == 0 writes."""
+    g = torch.Generator().manual_seed(100 + rows)
+    values = torch.randn(32, rows, generator=g, dtype=torch.float64)
+    got = cpm.xreduce_lanes(values)
+    want = values.sum(0)
+    lane = torch.arange(32)
+    assert torch.allclose(got, want[lane // (32 // rows)], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got, want[lane % rows]) or rows == 1  # the mapping matters

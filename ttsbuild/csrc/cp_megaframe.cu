@@ -57,8 +57,11 @@ constexpr int NSTAMP = 7;
 //   pass 0's 20 stages (19 grid barriers) are skipped, and pass 1's stages take two rows, the
 //   weights in shared memory read once for both. Each row's sums run in the same order as in
 //   a pass of its own. Activation buffers of two rows (TT below).
+// OPT_XREDUCE: a GEMV's R row sums reduced across the warp in 5 shuffle rounds together
+//   (xreduce: R - 1 + 5 - log2 R shuffles, not 5 R), and stage B's o projection (K = 128: one
+//   column pass, then the reductions) R = 8 rows a warp, not 4.
 constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4, OPT_PRODUCER = 8,
-              OPT_COOPERATIVE = 16, OPT_TWO_TOKEN = 32;
+              OPT_COOPERATIVE = 16, OPT_TWO_TOKEN = 32, OPT_XREDUCE = 64;
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -385,11 +388,36 @@ __device__ void rms_norm(const float* x, const float* w, float* xn, float eps, f
 // out(row, sum) called by lane row % R. (The first version gave a lane 16 consecutive columns:
 // its x reads, 64 bytes apart across lanes, took 4x the shared-memory wavefronts, and x was read
 // anew for every row: ~2-3 us a stage on the H100, 2026-12-05.)
+// The sums over a warp of R values a lane (R a power of 2, <= 32), together: in each of the
+// first log2 R rounds a lane keeps half of its values (the upper half where its lane bit, 16,
+// 8, ..., is set), adding its partner's copy of that half; the value left is then summed over
+// the remaining lane bits. Row i's total ends in lanes i * 32 / R .. (i + 1) * 32 / R - 1
+// (lane >> (5 - log2 R) == i). R - 1 + 5 - log2 R shuffles, against 5 R for a warp_sum a row.
+template <int R>
+__device__ __forceinline__ float xreduce(float (&s)[R], int lane) {
+    int o = 16;
+#pragma unroll
+    for (int n = R; n > 1; n >>= 1, o >>= 1) {
+        const bool upper = lane & o;
+#pragma unroll
+        for (int i = 0; i < n / 2; ++i) {
+            const float send = upper ? s[i] : s[i + n / 2];
+            const float keep = upper ? s[i + n / 2] : s[i];
+            s[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+    }
+    float v = s[0];
+#pragma unroll
+    for (; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // T token rows at once (x: T rows xs floats apart; OPT_TWO_TOKEN): each weight word is read
 // once for the T rows, and each row's sum runs in the same order as with T = 1;
-// out(t, row, sum).
+// out(t, row, sum). xr: the R rows' warp sums by xreduce (OPT_XREDUCE).
 template <int R, int T, typename Out>
-__device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int xs, Out out) {
+__device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int xs, bool xr,
+                         Out out) {
     const int w_id = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int r0 = w_id * R; r0 < rows; r0 += WARPS * R) {  // warp-uniform
         float s[T][R];
@@ -415,6 +443,15 @@ __device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int 
                     s[t][i] += f.x * a[t].x + f.y * a[t].y + f.z * a[t].z + f.w * a[t].w;
             }
         }
+        if (xr) {
+            constexpr int g = 32 / R;  // lanes holding a row's total; the first one writes it
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                const float v = xreduce<R>(s[t], lane);
+                if (lane % g == 0 && r0 + lane / g < rows) out(t, r0 + lane / g, v);
+            }
+            continue;
+        }
 #pragma unroll
         for (int t = 0; t < T; ++t) {
             float mine = 0.f;  // lane i writes row r0 + i: the R stores (atomics in B) side by side
@@ -431,15 +468,15 @@ __device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int 
 // nt (1 or 2) token rows
 template <int R, typename Out>
 __device__ void gemv_rows(const uint8_t* w, int rows, int K, const float* x, int xs, int nt,
-                          Out out) {
-    if (nt == 2) gemv_tok<R, 2>(w, rows, K, x, xs, out);
-    else gemv_tok<R, 1>(w, rows, K, x, xs, out);
+                          bool xr, Out out) {
+    if (nt == 2) gemv_tok<R, 2>(w, rows, K, x, xs, xr, out);
+    else gemv_tok<R, 1>(w, rows, K, x, xs, xr, out);
 }
 
 // one token row: out(row, sum)
 template <int R, typename Out>
-__device__ void gemv_smem(const uint8_t* w, int rows, int K, const float* x, Out out) {
-    gemv_tok<R, 1>(w, rows, K, x, 0, [&](int, int i, float v) { out(i, v); });
+__device__ void gemv_smem(const uint8_t* w, int rows, int K, const float* x, bool xr, Out out) {
+    gemv_tok<R, 1>(w, rows, K, x, 0, xr, [&](int, int i, float v) { out(i, v); });
 }
 
 __device__ __forceinline__ uint32_t hash32(uint32_t x) {  // lowbias32, as sampling.hash32
@@ -588,7 +625,7 @@ __device__ int pick_token(const float* lg, bool do_sample, int top_k, float top_
 template <int MODE>
 __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     extern __shared__ __align__(16) uint8_t smem[];
-    const bool two = p.opts & OPT_TWO_TOKEN;
+    const bool two = p.opts & OPT_TWO_TOKEN, xr = p.opts & OPT_XREDUCE;
     const int TT = two ? 2 : 1;   // token rows of the activation buffers (smem_bytes)
     uint8_t* wbuf = smem;                                             // NBUF x buf_bytes
     float* x = reinterpret_cast<float*>(smem + (size_t)NBUF * (p.buf_bytes + SIDE * 4));  // [TT, H]
@@ -753,7 +790,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side + H;
             float* y = p.qkv + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_rows<4>(wb, r1 - r0, H, xn, H, nt,
+            gemv_rows<4>(wb, r1 - r0, H, xn, H, nt, xr,
                          [&](int t, int i, float v) { __stcg(y + t * QKV + i, v * s[i]); });
             barrier();
         } else if (kind == 1) {
@@ -830,9 +867,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const int o0 = ow.r0, o1 = ow.r1;
             const float* so = side + 3 * HD;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_rows<4>(wb, o1 - o0, HD, att, HD, nt, [&](int t, int i, float v) {
-                atomicAdd(p.o + t * H + o0 + i, v * so[i]);
-            });
+            auto add_o = [&](int t, int i, float v) { atomicAdd(p.o + t * H + o0 + i, v * so[i]); };
+            if (xr) gemv_rows<8>(wb, o1 - o0, HD, att, HD, nt, true, add_o);
+            else gemv_rows<4>(wb, o1 - o0, HD, att, HD, nt, false, add_o);
             barrier();
         } else if (kind == 2) {
             for (int t = 0; t < nt; ++t) rms_norm(x + t * H, side, xn + t * H, p.eps, red);
@@ -844,7 +881,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             // row), then silu(gate) * up of each column
             float* gu = xn + TT * H;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_rows<2>(wb, 2 * n, H, xn, H, nt,
+            gemv_rows<2>(wb, 2 * n, H, xn, H, nt, xr,
                          [&](int t, int i, float v) { gu[t * 2 * n + i] = v; });
             csync();
             if (tid < n) {
@@ -860,7 +897,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side;
             float* y = p.d + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_rows<1>(wb, r1 - r0, I, xn, I, nt,
+            gemv_rows<1>(wb, r1 - r0, I, xn, I, nt, xr,
                          [&](int t, int i, float v) { __stcg(y + t * H + i, v * s[i]); });
             if (cta == 0)  // every CTA read o in C (before the last barrier): zero it for B
                 for (int i = tid; i < nt * H; i += THREADS) __stcg(p.o + i, 0.f);
@@ -871,7 +908,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side + H;
             float* y = p.logits + (size_t)(pass - 1) * V + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_smem<2>(wb, r1 - r0, H, xn, [&](int i, float v) { __stcg(y + i, v * s[i]); });
+            gemv_smem<2>(wb, r1 - r0, H, xn, xr, [&](int i, float v) { __stcg(y + i, v * s[i]); });
             barrier();
             const float* lg = p.logits + (size_t)(pass - 1) * V;
             tok = MODE == 3 ? 0 : pick_token(lg, do_sample, top_k, top_p, temperature, seed,
@@ -958,7 +995,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 64, "opts: OPT_* bits (0-63)");
+    TORCH_CHECK(opts >= 0 && opts < 128, "opts: OPT_* bits (0-127)");
     const int tt = (opts & megaframe::OPT_TWO_TOKEN) ? 2 : 1;
     TORCH_CHECK(ws[19].numel() >= tt * megaframe::QKV && ws[20].numel() >= tt * megaframe::H &&
                 ws[21].numel() >= tt * megaframe::I && ws[22].numel() >= tt * megaframe::H,

@@ -48,9 +48,10 @@ SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cp_megaframe.cu"
 # cooperative launch (the grid starts only when all of it fits: no grid barrier waits on a CTA
 # that cannot start beside another stream's kernels); the wrapper's default, not yet timed.
 # TWO_TOKEN: the frame's first two inputs (positions 0 and 1) as one pass of two tokens: 20
-# stages fewer (of 335) and 19 grid barriers (of 334); not yet run on a GPU, so not in
-# SERVED_OPTS.
-READ_FIRST, TMA, DIST1, PRODUCER, COOPERATIVE, TWO_TOKEN = 1, 2, 4, 8, 16, 32
+# stages fewer (of 335) and 19 grid barriers (of 334). XREDUCE: a GEMV's row sums reduced
+# across the warp together (`xreduce_lanes` mirrors it), stage B's o projection 8 rows a
+# warp. Neither has run on a GPU yet, so neither is in SERVED_OPTS.
+READ_FIRST, TMA, DIST1, PRODUCER, COOPERATIVE, TWO_TOKEN, XREDUCE = 1, 2, 4, 8, 16, 32, 64
 SERVED_OPTS = TMA | READ_FIRST | PRODUCER
 # The kernel's tensors, in its argument order
 ORDER = ("wqkv", "sqkv", "wo", "so", "wgu", "sgu", "wd", "sd", "whead", "shead", "in_norm",
@@ -118,6 +119,29 @@ def shape_of(m: dict[str, torch.Tensor]) -> dict[str, int]:
             "kv_heads": (qkv_rows // hd - heads) // 2, "head_dim": hd,
             "intermediate": m["wd"].shape[-1], "vocab": m["whead"].shape[1],
             "groups": m["rope_cos"].shape[0]}
+
+
+def xreduce_lanes(values: torch.Tensor) -> torch.Tensor:
+    """The kernel's `xreduce` on the host: values [32 lanes, R] (R a power of 2) -> what each
+    lane holds at the end [32]: in each of the first log2 R rounds (lane bit 16, 8, ...) a lane
+    keeps the upper half of its values where that bit is set, else the lower half, and adds
+    its partner's copy of that half; the value left is summed over the remaining lane bits.
+    Lane l ends with row l >> (5 - log2 R)'s sum (tests/runtime/test_megaframe_reference.py)."""
+    s = values.clone()
+    lanes = torch.arange(32)
+    n, o = s.shape[1], 16
+    while n > 1:
+        h = n // 2
+        upper = (lanes & o).bool()[:, None]
+        keep = torch.where(upper, s[:, h:n], s[:, :h])
+        send = torch.where(upper, s[:, :h], s[:, h:n])
+        s = keep + send[lanes ^ o]
+        n, o = h, o // 2
+    v = s[:, 0]
+    while o > 0:
+        v = v + v[lanes ^ o]
+        o //= 2
+    return v
 
 
 def config_shape(cfg) -> dict[str, int]:

@@ -152,6 +152,8 @@ def main() -> int:
     ap.add_argument("--ctas", default="", help="CTAs (default: the SM count), comma-separated")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--newest", action="store_true",
+                    help="only the newest options (NEWEST) beside the served ones")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("GPU only", file=sys.stderr)
@@ -177,6 +179,9 @@ def main() -> int:
                       if bits & TMA]
 
     fp8_bytes = sum(m[k].numel() for k in ("wqkv", "wo", "wgu", "wd")) * G + m["whead"].numel()
+    header = ("| CTAs | mode | ms / frame | us / pass | us / barrier (334) | GB/s |\n"
+              "|---|---|---|---|---|---|")
+    best = TMA | READ_FIRST | PRODUCER
 
     def row(ctas: int, label: str, mode: int, smp: dict, flags: int = 0, opts: int = 0,
             pace: int = 0) -> None:
@@ -185,14 +190,14 @@ def main() -> int:
         print(f"| {ctas} | {label} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
               f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
 
+    if args.newest:
+        return 0 if two_token(ext, ws, m, b, ctas_list, best, row, header) else 1
     ok = True
     first = [("greedy", GREEDY, 0, 0), ("sampled", SAMPLED, 0, 0),
              ("sampled, flag barrier", SAMPLED, 2, 0)] + checks_of(plain)
     for ctas, (label, smp, flags, opts) in itertools.product(ctas_list, first):
         ok &= check(ext, ws, m, b, ctas, label, smp, flags, opts)
     print(f"\nFP8 weight bytes a frame {fp8_bytes / 1e6:.0f} MB (16 passes; 15 heads)")
-    header = ("| CTAs | mode | ms / frame | us / pass | us / barrier (334) | GB/s |\n"
-              "|---|---|---|---|---|---|")
     print(header)
     for ctas in ctas_list:
         for mode, code in MODES.items():
@@ -209,7 +214,6 @@ def main() -> int:
         row(ctas, "no-prefetch, tma", 2, GREEDY, 0, TMA)
         stage_breakdown(ext, ws, ctas, "tma, read first")
     print("\nthe producer warp's variants, the striped barrier, the paced copies")
-    best = TMA | READ_FIRST | PRODUCER
     newest = [("sampled, tma, read first, producer, striped barrier", SAMPLED, 3, best, 0),
               ("greedy, tma, read first, producer, striped barrier", GREEDY, 3, best, 0)]
     newest += [(f"sampled, tma, read first, producer, paced {t} ticks", SAMPLED, 0, best, t)
@@ -245,25 +249,36 @@ def main() -> int:
     return 0 if ok else 1
 
 
+# the newest options beside the served ones (`two_token`)
+NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE,
+          "two-token, xreduce": cpm.TWO_TOKEN | cpm.XREDUCE}
+
+
 def two_token(ext, ws, m, b, ctas_list, best: int, row, header: str) -> bool:
     """cpm.TWO_TOKEN (the frame's two inputs as one pass of two tokens: 20 stages and
-    19 barriers fewer): checked greedy, sampled and with top-p, then timed beside the same
-    options without it."""
-    print("\nthe two-token first pass (TWO_TOKEN): 315 barriers a frame, not 334")
-    two = best | cpm.TWO_TOKEN
+    19 barriers fewer) and cpm.XREDUCE (a GEMV's row sums reduced together; B's o projection
+    8 rows a warp), alone and together: checked greedy, sampled and with top-p, then timed
+    beside the served options, with a stage breakdown each."""
+    print("\nthe two-token first pass (TWO_TOKEN: 315 barriers a frame, not 334) and the "
+          "GEMVs' reductions together (XREDUCE)")
     ok = True
-    for ctas, (label, smp) in itertools.product(ctas_list, (
+    for ctas, (name, bits), (label, smp) in itertools.product(ctas_list, NEWEST.items(), (
             ("greedy", GREEDY), ("sampled", SAMPLED), ("sampled with top-p 0.8", SAMPLED_P))):
-        ok &= check(ext, ws, m, b, ctas, f"{label}, tma, read first, producer, two-token", smp,
-                    0, two)
+        ok &= check(ext, ws, m, b, ctas, f"{label}, tma, read first, producer, {name}", smp,
+                    0, best | bits)
     print(header)
     for ctas in ctas_list:
         for label, smp in (("greedy", GREEDY), ("sampled", SAMPLED)):
             row(ctas, f"full, {label}, tma, read first, producer", 0, smp, 0, best)
-            row(ctas, f"full, {label}, tma, read first, producer, two-token", 0, smp, 0, two)
+            for name, bits in NEWEST.items():
+                row(ctas, f"full, {label}, tma, read first, producer, {name}", 0, smp, 0,
+                    best | bits)
         row(ctas, "barriers, two-token (315)", 1, GREEDY, 0, cpm.TWO_TOKEN)
-        row(ctas, "full, tma, read first, producer, two-token, cooperative launch", 0, GREEDY,
-            0, two | cpm.COOPERATIVE)
+        row(ctas, "no-barrier, tma, read first, producer, xreduce", 3, GREEDY, 0,
+            best | cpm.XREDUCE)
+        for name, bits in NEWEST.items():
+            OPTS[f"tma, read first, producer, {name}"] = best | bits
+            stage_breakdown(ext, ws, ctas, f"tma, read first, producer, {name}")
     return ok
 
 
@@ -307,7 +322,8 @@ def stage_breakdown(ext, ws, ctas: int, opts_name: str, flags: int = 0, pace: in
         b.record()
         b.synchronize()
     st = stamps.cpu().double()
-    ticks_per_us = float(st[0, -1, 6] - st[0, 0, 0]) / (a.elapsed_time(b) * 1e3)
+    first = 20 if OPTS[opts_name] & cpm.TWO_TOKEN else 0  # pass 0's stages not run there
+    ticks_per_us = float(st[0, -1, 6] - st[0, first, 0]) / (a.elapsed_time(b) * 1e3)
     extra = (", striped barrier" if flags == 3 else "") + (f", paced {pace} ticks" if pace else "")
     print(f"\n[{ctas} CTAs, {opts_name}{extra}] stage breakdown (clock64, "
           f"~{ticks_per_us:.0f} ticks/us from the launch's event time; medians, us):")
@@ -316,7 +332,7 @@ def stage_breakdown(ext, ws, ctas: int, opts_name: str, flags: int = 0, pace: in
     print("|---|---|---|---|---|---|---|---|---|---|")
     for who, name in ((0, "0"), (1, str(ctas - 1))):
         rows: dict[str, list[tuple[float, ...]]] = {k: [] for k in KINDS}
-        for sid in range(STAGES - 1):
+        for sid in range(first, STAGES - 1):
             r = sid if sid < 20 else (sid - 20) % 21
             top, issued, weights, act, mid, arrive, release = (float(v) for v in st[who, sid])
             if arrive == 0:  # pass 0's last down: no barrier
