@@ -108,7 +108,9 @@
 #         then the served fused frame at batch 1 (bench_cp_fused.py, FP8) in the same call
 # megaengine: the engine microbenchmark with plan.megaframe_code_predictor (bucket 1's code
 #         predictor as one kernel, regular step and admission lane), beside the same plan
-#         without it: both with an FP8 code predictor and no SMs reserved for the lane
+#         without it: both with an FP8 code predictor and no SMs reserved for the lane; a third
+#         side with $MEGAENGINE_EXTRA (option bits: cp_megaframe.TWO_TOKEN 32, XREDUCE 64,
+#         KV_AHEAD 128) added through TTSBUILD_MEGAFRAME_EXTRA
 # streamprobe: benchmarks/kernels/megapass/bench_stream_probe.py (one CTA an SM streaming
 #         chunks from HBM to shared memory: TMA or cp.async, chunk size, copies in flight,
 #         with a grid barrier after each chunk or without)
@@ -472,15 +474,19 @@ for step in $STEPS; do
     megaengine)  # plan.megaframe_code_predictor in the engine, beside the same plan without it
         # (both: FP8 code predictor, no SMs reserved for the lane: the kernel needs them all);
         # the engine steps through the C++ step driver, so it is built here when not carried
+        # $MEGAENGINE_EXTRA (option bits, e.g. 224 = TWO_TOKEN | XREDUCE | KV_AHEAD): a third
+        # side, the kernel with them added (TTSBUILD_MEGAFRAME_EXTRA)
         ensure_driver "$OUT/build.log" || exit 1
-        for side in "cpfp8|--plan-set code_predictor_fp8=true --lane-reserved-sms 0" \
-                    "megaframe|--plan-set code_predictor_fp8=true --lane-reserved-sms 0 --plan-set megaframe_code_predictor=true"; do
-            IFS='|' read -r name flags <<<"$side"
+        mega="--plan-set code_predictor_fp8=true --lane-reserved-sms 0 --plan-set megaframe_code_predictor=true"
+        sides=("cpfp8|0|--plan-set code_predictor_fp8=true --lane-reserved-sms 0" "megaframe|0|$mega")
+        [ -z "${MEGAENGINE_EXTRA:-}" ] || sides+=("megaframe_extra|$MEGAENGINE_EXTRA|$mega")
+        for side in "${sides[@]}"; do
+            IFS='|' read -r name extra flags <<<"$side"
             left=$((DEADLINE_S - SECONDS))
             if [ "$left" -lt 130 ]; then log "skip $name: ${left}s left"; continue; fi
-            log "engine microbenchmark: $name ($flags)"
+            log "engine microbenchmark: $name ($flags; TTSBUILD_MEGAFRAME_EXTRA=$extra)"
             # shellcheck disable=SC2086
-            engine_bench "$name" $flags
+            TTSBUILD_MEGAFRAME_EXTRA=$extra engine_bench "$name" $flags
         done ;;
     streamprobe)  # how fast one CTA an SM streams HBM into shared memory (the megaframe's fetch)
         log "HBM -> shared memory stream probe (bench_stream_probe.py)"

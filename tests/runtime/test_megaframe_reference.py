@@ -242,3 +242,17 @@ def test_the_gemv_reduction_leaves_each_rows_sum_where_the_kernel_reads_it(rows)
     lane = torch.arange(32)
     assert torch.allclose(got, want[lane // (32 // rows)], rtol=1e-12, atol=1e-12)
     assert not torch.allclose(got, want[lane % rows]) or rows == 1  # the mapping matters
+
+
+def test_the_engines_options_take_only_the_new_bits_from_the_environment(monkeypatch):
+    """$TTSBUILD_MEGAFRAME_EXTRA adds TWO_TOKEN, XREDUCE or KV_AHEAD to the engine's options
+    (to time them in the engine); anything else is a clear error, not a silent kernel mode."""
+    monkeypatch.delenv(cpm.EXTRA_ENV, raising=False)
+    served = cpm.SERVED_OPTS | cpm.COOPERATIVE
+    assert cpm.engine_opts() == served
+    monkeypatch.setenv(cpm.EXTRA_ENV, str(cpm.TWO_TOKEN | cpm.KV_AHEAD))
+    assert cpm.engine_opts() == served | cpm.TWO_TOKEN | cpm.KV_AHEAD
+    for bad, message in (("16", "only TWO_TOKEN"), ("fast", "integer of option bits")):
+        monkeypatch.setenv(cpm.EXTRA_ENV, bad)
+        with pytest.raises(ValueError, match=message):
+            cpm.engine_opts()

@@ -60,8 +60,14 @@ constexpr int NSTAMP = 7;
 // OPT_XREDUCE: a GEMV's R row sums reduced across the warp in 5 shuffle rounds together
 //   (xreduce: R - 1 + 5 - log2 R shuffles, not 5 R), and stage B's o projection (K = 128: one
 //   column pass, then the reductions) R = 8 rows a warp, not 4.
+// OPT_KV_AHEAD (with OPT_PRODUCER): the producer also copies stage B's past K/V rows (its kv
+//   head's, positions before the pass's own) into the stage's buffer beside the W_o slice, as
+//   cp.async counted on the buffer's mbarrier, so stage B reads only its q, k, v after the
+//   barrier. Those rows were written at least one pass (21 stages) earlier; the producer
+//   issues at most NBUF - 1 stages ahead, after the stage threads released the buffer (its
+//   mbarrier wait acquires what they had acquired at the grid barriers since).
 constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4, OPT_PRODUCER = 8,
-              OPT_COOPERATIVE = 16, OPT_TWO_TOKEN = 32, OPT_XREDUCE = 64;
+              OPT_COOPERATIVE = 16, OPT_TWO_TOKEN = 32, OPT_XREDUCE = 64, OPT_KV_AHEAD = 128;
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -125,6 +131,14 @@ __host__ __device__ __forceinline__ Rows stage_rows(int kind, int cta, int ctas)
     const int n = kind == 0 ? QKV : kind == 2 ? I : kind == 3 ? H : V;
     return {rows_begin(n, cta, ctas), rows_begin(n, cta + 1, ctas)};
 }
+
+// OPT_KV_AHEAD: where stage B's past K rows start in its buffer (after the W_o slice, FP8
+// bytes), its V rows (G - 1) * HD floats after them; the bytes they need at most
+__host__ __device__ __forceinline__ int kv_offset(int cta, int ctas) {
+    const Rows w = stage_rows(1, cta, ctas);
+    return ((w.r1 - w.r0) * HD + 15) / 16 * 16;
+}
+constexpr int KV_AHEAD_BYTES = 2 * (G - 1) * HD * (int)sizeof(float);
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -648,6 +662,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     const float temperature = p.temperature[p.row], top_p = p.top_p[p.row];
     const long long seed = p.seed[p.row], counter_base = p.frame[p.row] * G;
     const bool producer = tma && (p.opts & OPT_PRODUCER) && (MODE == 0 || MODE == 3);
+    const bool kv_ahead = producer && (p.opts & OPT_KV_AHEAD);
     const int dist = (p.opts & OPT_DIST1) ? 1 : 2;
     const size_t slot_bytes = (size_t)p.buf_bytes + SIDE * sizeof(float);
     // the first stage run: pass 1's first with OPT_TWO_TOKEN (pass 0's 20 stages skipped);
@@ -679,6 +694,14 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             uint8_t* buf = buf_of(sid);
             issue_side(p, pass, r, reinterpret_cast<float*>(buf + p.buf_bytes), cta, ctas, lane,
                        32);
+            if (kv_ahead && r < 20 && r % 4 == 1) {  // B: its kv head's rows before the pass's
+                const int l = r / 4, g = (cta % NH) / (NH / NKV);
+                const int pos0 = pass + 1 - (two && pass == 1 ? 2 : 1);
+                float* kd = reinterpret_cast<float*>(buf + kv_offset(cta, ctas));
+                const size_t at = ((size_t)(l * NKV + g) * G) * HD;
+                copy_vec(kd, p.kcache + at, pos0 * HD, lane, 32);
+                copy_vec(kd + (G - 1) * HD, p.vcache + at, pos0 * HD, lane, 32);
+            }
             mbar_arrive_cp_async(&mbar[b]);
             issue_weights_tma(stage_segs(p, pass, r, cta, ctas), buf, &mbar[b], lane,
                               p.pace_ticks);
@@ -734,7 +757,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             }
             const float* kc = p.kcache + ((size_t)(l * NKV + g) * G) * HD;
             const float* vc = p.vcache + ((size_t)(l * NKV + g) * G) * HD;
-            for (int i = tid; i < pos0 * HD / 4; i += THREADS) {  // past rows, one batch of loads
+            for (int i = tid; !kv_ahead && i < pos0 * HD / 4; i += THREADS) {  // past rows, one
+                // batch of loads (with OPT_KV_AHEAD the producer copied them beside the weights)
                 reinterpret_cast<float4*>(kbuf)[i] = __ldcg(reinterpret_cast<const float4*>(kc) + i);
                 reinterpret_cast<float4*>(vbuf)[i] = __ldcg(reinterpret_cast<const float4*>(vc) + i);
             }
@@ -833,7 +857,10 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                 }
             }
             // token t at position pos0 + t attends to positions 0..pos0 + t: those before pos0
-            // from the cache rows read, the pass's own from k and v
+            // from the cache rows read (or copied beside the weights), the pass's own from k, v
+            const float* kp = kv_ahead ? reinterpret_cast<const float*>(wb + kv_offset(cta, ctas))
+                                       : kbuf;
+            const float* vp = kv_ahead ? kp + (G - 1) * HD : vbuf;
             const int w_id = tid / 32, lane = tid % 32;
             for (int t = 0; t < nt; ++t) {
                 const int pos = pos0 + t;
@@ -841,7 +868,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                     float s = 0.f;
                     for (int d0 = lane; d0 < HD; d0 += 32)
                         s += qv[t * HD + d0] *
-                             (j >= pos0 ? kv[(j - pos0) * HD + d0] : kbuf[j * HD + d0]);
+                             (j >= pos0 ? kv[(j - pos0) * HD + d0] : kp[j * HD + d0]);
                     s = warp_sum(s);
                     if (lane == 0) sc[t * 16 + j] = s * rsqrtf((float)HD);
                 }
@@ -857,7 +884,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                     for (int j = 0; j <= pos; ++j) {
                         float e = __expf(st_[j] - m);
                         den += e;
-                        acc += e * (j >= pos0 ? vv[(j - pos0) * HD + tid] : vbuf[j * HD + tid]);
+                        acc += e * (j >= pos0 ? vv[(j - pos0) * HD + tid] : vp[j * HD + tid]);
                     }
                     att[t * HD + tid] = acc / den;
                 }
@@ -995,7 +1022,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 128, "opts: OPT_* bits (0-127)");
+    TORCH_CHECK(opts >= 0 && opts < 256, "opts: OPT_* bits (0-255)");
     const int tt = (opts & megaframe::OPT_TWO_TOKEN) ? 2 : 1;
     TORCH_CHECK(ws[19].numel() >= tt * megaframe::QKV && ws[20].numel() >= tt * megaframe::H &&
                 ws[21].numel() >= tt * megaframe::I && ws[22].numel() >= tt * megaframe::H,
@@ -1028,6 +1055,9 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.buf_bytes = megaframe::buf_bytes_for((int)ctas);
     size_t smem = megaframe::smem_bytes(p.buf_bytes, tt);
     TORCH_CHECK(smem <= 227 * 1024, "shared memory ", smem, " > 227 KiB: use more CTAs");
+    for (int c = 0; (opts & megaframe::OPT_KV_AHEAD) && c < ctas; ++c)
+        TORCH_CHECK(megaframe::kv_offset(c, (int)ctas) + megaframe::KV_AHEAD_BYTES <= p.buf_bytes,
+                    "OPT_KV_AHEAD: stage B's buffer cannot hold its K/V rows at ", ctas, " CTAs");
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     p.flag_barrier = (int)flag_barrier;
     TORCH_CHECK(flag_barrier >= 0 && flag_barrier <= 3, "flag_barrier: 0-3");

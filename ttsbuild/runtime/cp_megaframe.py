@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,8 +51,10 @@ SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cp_megaframe.cu"
 # TWO_TOKEN: the frame's first two inputs (positions 0 and 1) as one pass of two tokens: 20
 # stages fewer (of 335) and 19 grid barriers (of 334). XREDUCE: a GEMV's row sums reduced
 # across the warp together (`xreduce_lanes` mirrors it), stage B's o projection 8 rows a
-# warp. Neither has run on a GPU yet, so neither is in SERVED_OPTS.
-READ_FIRST, TMA, DIST1, PRODUCER, COOPERATIVE, TWO_TOKEN, XREDUCE = 1, 2, 4, 8, 16, 32, 64
+# warp. KV_AHEAD (with PRODUCER): stage B's past K/V rows copied by the producer beside its
+# weights. None of the three has run on a GPU yet, so none is in SERVED_OPTS.
+READ_FIRST, TMA, DIST1, PRODUCER, COOPERATIVE = 1, 2, 4, 8, 16
+TWO_TOKEN, XREDUCE, KV_AHEAD = 32, 64, 128
 SERVED_OPTS = TMA | READ_FIRST | PRODUCER
 # The kernel's tensors, in its argument order
 ORDER = ("wqkv", "sqkv", "wo", "so", "wgu", "sgu", "wd", "sd", "whead", "shead", "in_norm",
@@ -298,6 +301,25 @@ def kernel_tensors(m: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
             t = t.permute(0, 2, 1, 3).contiguous()
         out.append(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
     return out
+
+
+EXTRA_ENV = "TTSBUILD_MEGAFRAME_EXTRA"  # an experiment's switch: options beside the served
+
+
+def engine_opts() -> int:
+    """The engine's options: SERVED_OPTS and a cooperative launch, plus what $EXTRA_ENV asks
+    for of TWO_TOKEN | XREDUCE | KV_AHEAD (an integer; for timing them in the engine before
+    they are served)."""
+    raw = os.environ.get(EXTRA_ENV, "0")
+    try:
+        extra = int(raw, 0)
+    except ValueError:
+        raise ValueError(f"{EXTRA_ENV} must be an integer of option bits, got {raw!r}") from None
+    allowed = TWO_TOKEN | XREDUCE | KV_AHEAD
+    if extra & ~allowed:
+        raise ValueError(f"{EXTRA_ENV}={extra}: only TWO_TOKEN ({TWO_TOKEN}), XREDUCE "
+                         f"({XREDUCE}) and KV_AHEAD ({KV_AHEAD}) can be added")
+    return SERVED_OPTS | COOPERATIVE | extra
 
 
 class Megaframe:

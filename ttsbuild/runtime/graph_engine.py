@@ -349,7 +349,9 @@ class GraphBackend:
                                        lambda t: self.cp_fused._project(t, None),
                                        self.cp_embeddings)
             eps = self.cp_stack.cfg.rms_norm_eps
-            self.cp_mega = {lane: cp_megaframe.Megaframe(packed, eps) for lane in (False, True)}
+            opts = cp_megaframe.engine_opts()
+            self.cp_mega = {lane: cp_megaframe.Megaframe(packed, eps, opts=opts)
+                            for lane in (False, True)}
         # Prompt rows -> embeddings, the same function the reference prompt uses.
         proj = talker.text_projection
         self.embedder = PromptEmbedder(

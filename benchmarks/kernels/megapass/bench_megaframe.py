@@ -250,17 +250,18 @@ def main() -> int:
 
 
 # the newest options beside the served ones (`two_token`)
-NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE,
-          "two-token, xreduce": cpm.TWO_TOKEN | cpm.XREDUCE}
+NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE, "kv ahead": cpm.KV_AHEAD,
+          "two-token, xreduce, kv ahead": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD}
 
 
 def two_token(ext, ws, m, b, ctas_list, best: int, row, header: str) -> bool:
     """cpm.TWO_TOKEN (the frame's two inputs as one pass of two tokens: 20 stages and
-    19 barriers fewer) and cpm.XREDUCE (a GEMV's row sums reduced together; B's o projection
-    8 rows a warp), alone and together: checked greedy, sampled and with top-p, then timed
-    beside the served options, with a stage breakdown each."""
-    print("\nthe two-token first pass (TWO_TOKEN: 315 barriers a frame, not 334) and the "
-          "GEMVs' reductions together (XREDUCE)")
+    19 barriers fewer), cpm.XREDUCE (a GEMV's row sums reduced together; B's o projection
+    8 rows a warp) and cpm.KV_AHEAD (B's past K/V rows copied by the producer), alone and
+    together: checked greedy, sampled and with top-p, then timed beside the served options,
+    with a stage breakdown each."""
+    print("\nthe two-token first pass (TWO_TOKEN: 315 barriers a frame, not 334), the "
+          "GEMVs' reductions together (XREDUCE), B's K/V rows copied ahead (KV_AHEAD)")
     ok = True
     for ctas, (name, bits), (label, smp) in itertools.product(ctas_list, NEWEST.items(), (
             ("greedy", GREEDY), ("sampled", SAMPLED), ("sampled with top-p 0.8", SAMPLED_P))):
