@@ -110,7 +110,7 @@
 #         predictor as one kernel, regular step and admission lane), beside the same plan
 #         without it: both with an FP8 code predictor and no SMs reserved for the lane; a third
 #         side with $MEGAENGINE_EXTRA (option bits: cp_megaframe.TWO_TOKEN 32, XREDUCE 64,
-#         KV_AHEAD 128) added through TTSBUILD_MEGAFRAME_EXTRA
+#         KV_AHEAD 128, SPLIT_DOWN 256; 480 all four) added through TTSBUILD_MEGAFRAME_EXTRA
 # streamprobe: benchmarks/kernels/megapass/bench_stream_probe.py (one CTA an SM streaming
 #         chunks from HBM to shared memory: TMA or cp.async, chunk size, copies in flight,
 #         with a grid barrier after each chunk or without)

@@ -47,14 +47,15 @@ def _settings(do_sample: bool, seed: int, frame: int, top_p: float = 1.0):
     return (batch, torch.tensor([seed], device="cuda"), torch.tensor([frame], device="cuda"))
 
 
-@pytest.mark.parametrize("extra", [0, cpm.TWO_TOKEN, cpm.XREDUCE, cpm.KV_AHEAD,
-                                   cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD],
-                         ids=["served", "two-token", "xreduce", "kv-ahead", "all-three"])
+@pytest.mark.parametrize("extra", [
+    0, cpm.TWO_TOKEN, cpm.XREDUCE, cpm.KV_AHEAD, cpm.SPLIT_DOWN, cpm.SPLIT_DOWN | cpm.TWO_TOKEN,
+    cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN,
+], ids=["served", "two-token", "xreduce", "kv-ahead", "split-down", "split-down+two-token", "all"])
 @pytest.mark.parametrize("do_sample, top_p", [(False, 1.0), (True, 1.0), (True, 0.8)])
 def test_codes_follow_the_reference(model, do_sample, top_p, extra):
     """extra: options beside the served ones (the frame's two inputs as one pass of two
     tokens, TWO_TOKEN; the GEMVs' row sums reduced together, XREDUCE; stage B's past K/V rows
-    copied ahead by the producer, KV_AHEAD)."""
+    copied ahead by the producer, KV_AHEAD; stage D split by input columns, SPLIT_DOWN)."""
     cp, m, x_in, mf = model
     if extra:
         mf = cpm.Megaframe(m, eps=mf.eps, opts=cpm.SERVED_OPTS | cpm.COOPERATIVE | extra)

@@ -102,7 +102,7 @@ def test_kernel_arguments_in_order_with_w_o_head_major():
                           generator=g).to(torch.float8_e4m3fn)
     buffers = cpm.scratch("meta")
     args = cpm.kernel_tensors({**m, "x_in": torch.empty(2, s["hidden"], device="meta")}, buffers)
-    assert len(args) == len(cpm.ORDER) == 28
+    assert len(args) == len(cpm.ORDER) == 29
     assert all(a.dtype != torch.float8_e4m3fn for a in args)  # FP8 goes as bytes
     wo = args[cpm.ORDER.index("wo")]
     assert wo.shape == (s["layers"], s["heads"], s["hidden"], s["head_dim"])
@@ -112,6 +112,8 @@ def test_kernel_arguments_in_order_with_w_o_head_major():
         assert int(wo[layer, h, r, d]) == int(m["wo"][layer, r, h * s["head_dim"] + d].view(
             torch.uint8))
     assert args[cpm.ORDER.index("tokens")] is buffers["tokens"]
+    wdt = args[cpm.ORDER.index("wdt")]  # W_d transposed: [L, intermediate, hidden] bytes
+    assert wdt.shape == (s["layers"], s["intermediate"], s["hidden"]) and wdt.dtype == torch.uint8
 
 
 # -- the kernel's sampler, step for step in torch (pick_token in cp_megaframe.cu) -------------

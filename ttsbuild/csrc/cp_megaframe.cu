@@ -66,8 +66,16 @@ constexpr int NSTAMP = 7;
 //   barrier. Those rows were written at least one pass (21 stages) earlier; the producer
 //   issues at most NBUF - 1 stages ahead, after the stage threads released the buffer (its
 //   mbarrier wait acquires what they had acquired at the grid barriers since).
+// OPT_SPLIT_DOWN: stage D split by its input columns, not its output rows. A CTA multiplies
+//   the act columns it computed in C (kept in shared memory) by those columns of W_d (stored
+//   transposed, [L, I, H]: one contiguous slice) and adds its partial sums of all 1024 outputs
+//   to d (atomics). C then needs no grid barrier and D reads no activations: 4 barriers a
+//   layer become 3. d is zeroed in B (after every CTA read it in A or H), o in A (after D's
+//   barrier: every CTA has read it in C); pass 0's last C and D are skipped (nothing reads
+//   their output, and their reads would race the zeroing without a barrier after them).
 constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4, OPT_PRODUCER = 8,
-              OPT_COOPERATIVE = 16, OPT_TWO_TOKEN = 32, OPT_XREDUCE = 64, OPT_KV_AHEAD = 128;
+              OPT_COOPERATIVE = 16, OPT_TWO_TOKEN = 32, OPT_XREDUCE = 64, OPT_KV_AHEAD = 128,
+              OPT_SPLIT_DOWN = 256;
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -88,6 +96,7 @@ struct Params {
     float* logits;         // [15, 2048]
     float* kcache; float* vcache;  // [L, 8, 16, 128]
     int* tokens;           // [15]
+    const uint8_t* wdt;    // [L, 3072, 1024]: W_d transposed (OPT_SPLIT_DOWN)
     unsigned* counter;     // zeroed before the launch: [1] (counting), [ctas] (flags) or
                            // [STRIPES * 32] (striped)
     int pace_ticks;        // producer (OPT_PRODUCER): 0, or its weight copies issued in
@@ -259,6 +268,8 @@ __device__ void issue_side(const Params& p, int pass, int r, float* side, int ct
         copy_vec(side, p.post_norm + l * H, H, t, nt);
         copy_rows(side + H, p.sgu + (size_t)l * 2 * I + r0, r1 - r0, t, nt);
         copy_rows(side + H + (r1 - r0), p.sgu + (size_t)l * 2 * I + I + r0, r1 - r0, t, nt);
+    } else if (p.opts & OPT_SPLIT_DOWN) {  // every output's scale: the CTA adds to all of d
+        copy_vec(side, p.sd + l * H, H, t, nt);
     } else {
         copy_rows(side, p.sd + l * H + r0, r1 - r0, t, nt);
     }
@@ -315,6 +326,10 @@ __device__ Seg stage_segs(const Params& p, int pass, int r, int cta, int ctas) {
         return {p.wo + (((size_t)l * NH + cta % NH) * H + w.r0) * HD, 0, 1, rows * HD};
     if (kind == 2)  // gate rows r0..r1, then up rows r0..r1
         return {p.wgu + ((size_t)l * 2 * I + w.r0) * H, (size_t)I * H, 2, rows * H};
+    if (p.opts & OPT_SPLIT_DOWN) {  // W_d's columns j0..j1 of C's split, transposed: one slice
+        const Rows c = stage_rows(2, cta, ctas);
+        return {p.wdt + ((size_t)l * I + c.r0) * H, 0, 1, (c.r1 - c.r0) * H};
+    }
     return {p.wd + ((size_t)l * H + w.r0) * I, 0, 1, rows * I};
 }
 
@@ -640,6 +655,7 @@ template <int MODE>
 __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const bool two = p.opts & OPT_TWO_TOKEN, xr = p.opts & OPT_XREDUCE;
+    const bool split = p.opts & OPT_SPLIT_DOWN;
     const int TT = two ? 2 : 1;   // token rows of the activation buffers (smem_bytes)
     uint8_t* wbuf = smem;                                             // NBUF x buf_bytes
     float* x = reinterpret_cast<float*>(smem + (size_t)NBUF * (p.buf_bytes + SIDE * 4));  // [TT, H]
@@ -783,13 +799,16 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             continue;
         }
         const int l = r / 4, kind = r == 20 ? 4 : r % 4;
+        // OPT_SPLIT_DOWN: pass 0's last C and D do nothing (their buffers still cycle)
+        const bool idle = split && pass == 0 && l == L - 1 && (kind == 2 || kind == 3);
         uint8_t* wb = buf_of(sid);
         csync();  // the buffer refilled next was an earlier stage's: all warps done
         if (producer && tid == 0 && sid > first) mbar_arrive(&empty[slot(sid - 1)]);
         cur = sid;
         if (st) st[sid * NSTAMP] = clock64();
         long long t_act = 0;
-        if (read_first) {
+        const bool reads = !idle && !(split && kind == 3);  // split D: its act is on chip
+        if (read_first && reads) {
             read_input(l, kind, nt, pos0);
             if (st) t_act = clock64();
         }
@@ -802,10 +821,11 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         if (tma) mbar_wait(&mbar[slot(sid)], phase(sid));
         csync();
         if (st) st[sid * NSTAMP + 2] = clock64();
-        if (!read_first) {
+        if (!read_first && reads) {
             read_input(l, kind, nt, pos0);
             if (st) t_act = clock64();
         }
+        if (idle) continue;
         if (st) st[sid * NSTAMP + 3] = t_act;
         const float* side = reinterpret_cast<const float*>(wb + p.buf_bytes);
         if (kind == 0) {
@@ -816,6 +836,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             if (st) st[sid * NSTAMP + 4] = clock64();
             gemv_rows<4>(wb, r1 - r0, H, xn, H, nt, xr,
                          [&](int t, int i, float v) { __stcg(y + t * QKV + i, v * s[i]); });
+            if (split && cta == 0)  // every CTA read o in C before D's barrier: zero it for B
+                for (int i = tid; i < TT * H; i += THREADS) __stcg(p.o + i, 0.f);
             barrier();
         } else if (kind == 1) {
             const int h = cta % NH, g = h / (NH / NKV);
@@ -894,6 +916,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const int o0 = ow.r0, o1 = ow.r1;
             const float* so = side + 3 * HD;
             if (st) st[sid * NSTAMP + 4] = clock64();
+            if (split && cta == 0)  // every CTA read d in A or H before A's barrier: zero it for D
+                for (int i = tid; i < TT * H; i += THREADS) __stcg(p.d + i, 0.f);
             auto add_o = [&](int t, int i, float v) { atomicAdd(p.o + t * H + o0 + i, v * so[i]); };
             if (xr) gemv_rows<8>(wb, o1 - o0, HD, att, HD, nt, true, add_o);
             else gemv_rows<4>(wb, o1 - o0, HD, att, HD, nt, false, add_o);
@@ -915,9 +939,32 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                 for (int t = 0; t < nt; ++t) {
                     const float* g_ = gu + t * 2 * n;
                     const float a = g_[tid] * sg[tid], b = g_[n + tid] * su[tid];
-                    __stcg(p.act + t * I + j0 + tid, a / (1.f + __expf(-a)) * b);
+                    const float act = a / (1.f + __expf(-a)) * b;
+                    if (split) att[t * HD + tid] = act;  // D's input, this CTA's columns
+                    else __stcg(p.act + t * I + j0 + tid, act);
                 }
             }
+            if (!split) barrier();
+        } else if (kind == 3 && split) {
+            // d += W_d[:, j0:j1] act[j0:j1] over this CTA's columns (C's), every output: thread
+            // tid has outputs 4 tid .. 4 tid + 3 (H = 4 x THREADS), a 4-byte word a column row
+            const auto [j0, j1] = stage_rows(2, cta, ctas);
+            const int n = j1 - j0;
+            if (st) st[sid * NSTAMP + 4] = clock64();
+            float acc[2][4] = {};
+            for (int j = 0; j < n; ++j) {
+                __nv_fp8x4_e4m3 q;
+                q.__x = *reinterpret_cast<const uint32_t*>(wb + (size_t)j * H + 4 * tid);
+                const float4 f = static_cast<float4>(q);
+                for (int t = 0; t < nt; ++t) {
+                    const float a = att[t * HD + j];
+                    acc[t][0] += f.x * a; acc[t][1] += f.y * a;
+                    acc[t][2] += f.z * a; acc[t][3] += f.w * a;
+                }
+            }
+            for (int t = 0; t < nt; ++t)
+                for (int i = 0; i < 4; ++i)
+                    atomicAdd(p.d + t * H + 4 * tid + i, acc[t][i] * side[4 * tid + i]);
             barrier();
         } else if (kind == 3) {
             const auto [r0, r1] = stage_rows(3, cta, ctas);
@@ -996,7 +1043,7 @@ void launch_mode(megaframe::Params p, int ctas, size_t smem, cudaStream_t stream
     }
 }
 
-// ws: the 28 tensors of Params in order (ttsbuild/runtime/cp_megaframe.py); FP8 weights as
+// ws: the 29 tensors of Params in order (ttsbuild/runtime/cp_megaframe.py); FP8 weights as
 // uint8 views; stamps: int64 [2, STAGES, NSTAMP] or empty; opts: OPT_* bits; sampling: a
 // SamplingBatch's do_sample (bool), top_k (int64), temperature and top_p (float32) and the
 // rows' seeds and frame indices (int64), element `row` of each.
@@ -1005,7 +1052,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
          torch::Tensor do_sample, torch::Tensor top_k, torch::Tensor temperature,
          torch::Tensor top_p, torch::Tensor seed, torch::Tensor frame, int64_t row, double eps,
          int64_t flag_barrier, int64_t opts, int64_t pace_ticks) {
-    TORCH_CHECK(ws.size() == 28, "28 tensors expected, got ", ws.size());
+    TORCH_CHECK(ws.size() == 29, "29 tensors expected, got ", ws.size());
     for (auto& t : ws) TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "CUDA contiguous tensors only");
     megaframe::Params p;
     int i = 0;
@@ -1019,10 +1066,15 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.kcache = f(); p.vcache = f();
     p.tokens = ws[i++].data_ptr<int>();
     p.counter = reinterpret_cast<unsigned*>(ws[i++].data_ptr<int>());
+    p.wdt = u8();
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 256, "opts: OPT_* bits (0-255)");
+    TORCH_CHECK(opts >= 0 && opts < 512, "opts: OPT_* bits (0-511)");
+    TORCH_CHECK(!(opts & megaframe::OPT_SPLIT_DOWN) ||
+                (megaframe::H == 4 * megaframe::THREADS &&
+                 ws[28].numel() == (int64_t)megaframe::L * megaframe::I * megaframe::H),
+                "OPT_SPLIT_DOWN: W_d transposed ([L, I, H] bytes) and 4 outputs a thread");
     const int tt = (opts & megaframe::OPT_TWO_TOKEN) ? 2 : 1;
     TORCH_CHECK(ws[19].numel() >= tt * megaframe::QKV && ws[20].numel() >= tt * megaframe::H &&
                 ws[21].numel() >= tt * megaframe::I && ws[22].numel() >= tt * megaframe::H,
@@ -1068,6 +1120,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     TORCH_CHECK(ws[27].numel() >= 32 * megaframe::STRIPES, "the barrier words: 32 x STRIPES");
     cudaMemsetAsync(p.counter, 0, sizeof(int) * ws[27].numel(), stream);
     cudaMemsetAsync(p.o, 0, sizeof(float) * tt * megaframe::H, stream);
+    cudaMemsetAsync(p.d, 0, sizeof(float) * tt * megaframe::H, stream);
     switch (mode) {
         case 0: launch_mode<0>(p, (int)ctas, smem, stream); break;
         case 1: launch_mode<1>(p, (int)ctas, smem, stream); break;

@@ -52,14 +52,17 @@ SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cp_megaframe.cu"
 # stages fewer (of 335) and 19 grid barriers (of 334). XREDUCE: a GEMV's row sums reduced
 # across the warp together (`xreduce_lanes` mirrors it), stage B's o projection 8 rows a
 # warp. KV_AHEAD (with PRODUCER): stage B's past K/V rows copied by the producer beside its
-# weights. None of the three has run on a GPU yet, so none is in SERVED_OPTS.
+# weights. SPLIT_DOWN: stage D split by input columns (a CTA's own act columns from C times
+# W_d's columns, transposed, added to d by atomics): no barrier after C, 3 a layer, not 4.
+# None of the four has run on a GPU yet, so none is in SERVED_OPTS.
 READ_FIRST, TMA, DIST1, PRODUCER, COOPERATIVE = 1, 2, 4, 8, 16
-TWO_TOKEN, XREDUCE, KV_AHEAD = 32, 64, 128
+TWO_TOKEN, XREDUCE, KV_AHEAD, SPLIT_DOWN = 32, 64, 128, 256
 SERVED_OPTS = TMA | READ_FIRST | PRODUCER
 # The kernel's tensors, in its argument order
 ORDER = ("wqkv", "sqkv", "wo", "so", "wgu", "sgu", "wd", "sd", "whead", "shead", "in_norm",
          "post_norm", "q_norm", "k_norm", "final_norm", "tables", "x_in", "rope_cos",
-         "rope_sin", "qkv", "o", "act", "d", "logits", "kcache", "vcache", "tokens", "counter")
+         "rope_sin", "qkv", "o", "act", "d", "logits", "kcache", "vcache", "tokens", "counter",
+         "wdt")
 _LINEARS = ("qkv", "o", "gu", "d", "head")
 
 
@@ -287,13 +290,20 @@ def scratch(device) -> dict[str, torch.Tensor]:
     }
 
 
-def kernel_tensors(m: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
-                   ) -> list[torch.Tensor]:
-    """The kernel's 28 arguments (ORDER) from `pack`'s weights, x_in and `scratch`'s buffers:
+def kernel_tensors(m: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                   wdt: bool = True) -> list[torch.Tensor]:
+    """The kernel's 29 arguments (ORDER) from `pack`'s weights, x_in and `scratch`'s buffers:
     FP8 as uint8 views, W_o head-major ([L, heads, hidden, head_dim]: a CTA's slice of its
-    head's columns is one contiguous copy)."""
+    head's columns is one contiguous copy), and W_d transposed as `wdt` ([L, intermediate,
+    hidden]: SPLIT_DOWN's column slice of a CTA, one contiguous copy; wdt False: an empty
+    tensor in its place, for a kernel run without SPLIT_DOWN)."""
     out = []
     for name in ORDER:
+        if name == "wdt":
+            wd = m["wd"]
+            out.append(wd.transpose(1, 2).contiguous().view(torch.uint8) if wdt
+                       else torch.empty(0, dtype=torch.uint8, device=wd.device))
+            continue
         t = m[name] if name in m else buffers[name]
         if name == "wo":
             s = SHAPE
@@ -308,17 +318,18 @@ EXTRA_ENV = "TTSBUILD_MEGAFRAME_EXTRA"  # an experiment's switch: options beside
 
 def engine_opts() -> int:
     """The engine's options: SERVED_OPTS and a cooperative launch, plus what $EXTRA_ENV asks
-    for of TWO_TOKEN | XREDUCE | KV_AHEAD (an integer; for timing them in the engine before
-    they are served)."""
+    for of TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN (an integer; for timing them in the
+    engine before they are served)."""
     raw = os.environ.get(EXTRA_ENV, "0")
     try:
         extra = int(raw, 0)
     except ValueError:
         raise ValueError(f"{EXTRA_ENV} must be an integer of option bits, got {raw!r}") from None
-    allowed = TWO_TOKEN | XREDUCE | KV_AHEAD
+    allowed = TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN
     if extra & ~allowed:
         raise ValueError(f"{EXTRA_ENV}={extra}: only TWO_TOKEN ({TWO_TOKEN}), XREDUCE "
-                         f"({XREDUCE}) and KV_AHEAD ({KV_AHEAD}) can be added")
+                         f"({XREDUCE}), KV_AHEAD ({KV_AHEAD}) and SPLIT_DOWN ({SPLIT_DOWN}) "
+                         "can be added")
     return SERVED_OPTS | COOPERATIVE | extra
 
 
@@ -342,7 +353,8 @@ class Megaframe:
         self.ctas = ctas or torch.cuda.get_device_properties(device).multi_processor_count
         self.buffers = scratch(device)
         self.x_in = torch.zeros(2, SHAPE["hidden"], device=device)
-        self.args = kernel_tensors({**m, "x_in": self.x_in}, self.buffers)
+        self.args = kernel_tensors({**m, "x_in": self.x_in}, self.buffers,
+                                   wdt=bool(opts & SPLIT_DOWN))
         self.no_stamps = torch.empty(0, dtype=torch.int64, device=device)
 
     def run(self, x_in: torch.Tensor, sampling: SamplingBatch, seeds: torch.Tensor,

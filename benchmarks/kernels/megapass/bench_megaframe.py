@@ -251,17 +251,20 @@ def main() -> int:
 
 # the newest options beside the served ones (`two_token`)
 NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE, "kv ahead": cpm.KV_AHEAD,
-          "two-token, xreduce, kv ahead": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD}
+          "split down": cpm.SPLIT_DOWN, "split down, two-token": cpm.SPLIT_DOWN | cpm.TWO_TOKEN,
+          "all four": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN}
 
 
 def two_token(ext, ws, m, b, ctas_list, best: int, row, header: str) -> bool:
     """cpm.TWO_TOKEN (the frame's two inputs as one pass of two tokens: 20 stages and
     19 barriers fewer), cpm.XREDUCE (a GEMV's row sums reduced together; B's o projection
-    8 rows a warp) and cpm.KV_AHEAD (B's past K/V rows copied by the producer), alone and
-    together: checked greedy, sampled and with top-p, then timed beside the served options,
-    with a stage breakdown each."""
+    8 rows a warp), cpm.KV_AHEAD (B's past K/V rows copied by the producer) and
+    cpm.SPLIT_DOWN (D split by input columns: no barrier after C), alone and together: checked
+    greedy, sampled and with top-p, then timed beside the served options, with a stage
+    breakdown each."""
     print("\nthe two-token first pass (TWO_TOKEN: 315 barriers a frame, not 334), the "
-          "GEMVs' reductions together (XREDUCE), B's K/V rows copied ahead (KV_AHEAD)")
+          "GEMVs' reductions together (XREDUCE), B's K/V rows copied ahead (KV_AHEAD), D split "
+          "by input columns (SPLIT_DOWN: 254 barriers, 240 with TWO_TOKEN)")
     ok = True
     for ctas, (name, bits), (label, smp) in itertools.product(ctas_list, NEWEST.items(), (
             ("greedy", GREEDY), ("sampled", SAMPLED), ("sampled with top-p 0.8", SAMPLED_P))):
