@@ -83,13 +83,9 @@ def test_the_admission_lane_switch_reaches_the_engine_and_the_metrics():
     assert never.loop.lane_switch is None and never.loop.express
 
 
-@pytest.mark.parametrize("flags, fit", [([], True), (["--slots", "16"], False)])
-def test_serve_fits_its_default_slots_to_the_device_and_never_the_slots_asked_for(
-    monkeypatch, flags, fit
-):
-    """Without --slots the engine may take fewer slots than the default where their KV cache
-    would not fit (open_engine(fit_slots=True)); --slots is taken as given (a KV cache too
-    large is then the engine's clear error, not a silent cut)."""
+def _loader_arguments(monkeypatch, flags: list[str]) -> dict:
+    """The keyword arguments `serve --random tiny --device cpu FLAGS` gives open_engine (a
+    stand-in that stops the server there: exit 1 with its message)."""
     from ttsbuild.runtime import loader
 
     seen = {}
@@ -101,6 +97,17 @@ def test_serve_fits_its_default_slots_to_the_device_and_never_the_slots_asked_fo
     monkeypatch.setattr(loader, "open_engine", fake_open_engine)
     result = CliRunner().invoke(app, ["serve", "--random", "tiny", "--device", "cpu", *flags])
     assert result.exit_code == 1 and "stop here" in result.output
+    return seen
+
+
+@pytest.mark.parametrize("flags, fit", [([], True), (["--slots", "16"], False)])
+def test_serve_fits_its_default_slots_to_the_device_and_never_the_slots_asked_for(
+    monkeypatch, flags, fit
+):
+    """Without --slots the engine may take fewer slots than the default where their KV cache
+    would not fit (open_engine(fit_slots=True)); --slots is taken as given (a KV cache too
+    large is then the engine's clear error, not a silent cut)."""
+    seen = _loader_arguments(monkeypatch, flags)
     assert seen["fit_slots"] is fit
     assert seen["num_slots"] == (16 if flags else None)  # a CPU: --random's own default
 
@@ -113,17 +120,7 @@ def test_serve_fits_its_default_slots_to_the_device_and_never_the_slots_asked_fo
 def test_serve_passes_the_code_predictor_choices_to_the_loader(monkeypatch, flags, fp8_cp, mega):
     """--fp8-code-predictor / --megaframe-code-predictor reach open_engine as asked (None:
     the plan's); the loader's refusal of a bad pair is a message and exit 1, not a traceback."""
-    from ttsbuild.runtime import loader
-
-    seen = {}
-
-    def fake_open_engine(*args, **kwargs):
-        seen.update(kwargs)
-        raise RuntimeError("stop here")
-
-    monkeypatch.setattr(loader, "open_engine", fake_open_engine)
-    result = CliRunner().invoke(app, ["serve", "--random", "tiny", "--device", "cpu", *flags])
-    assert result.exit_code == 1 and "stop here" in result.output
+    seen = _loader_arguments(monkeypatch, flags)
     assert (seen["code_predictor_fp8"], seen["megaframe_code_predictor"]) == (fp8_cp, mega)
     monkeypatch.undo()
     bad = CliRunner().invoke(app, ["serve", "--random", "tiny", "--device", "cpu",
