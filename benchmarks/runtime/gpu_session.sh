@@ -459,11 +459,25 @@ for step in $STEPS; do
         echo "rc=$?"; tail -9 "$OUT/bench_chain.log" ;;
     megaframe)  # the code predictor's frame as one persistent kernel (prototype) beside the served one
         log "one-kernel code-predictor frame (bench_megaframe.py), then the served fused frame at batch 1"
-        # MEGAFRAME_ARGS: e.g. --newest (only the newest options beside the served ones)
-        # shellcheck disable=SC2086
-        timeout -k 5 300 python3 -u benchmarks/kernels/megapass/bench_megaframe.py \
-            ${MEGAFRAME_ARGS:-} > "$OUT/megaframe.log" 2>&1
-        echo "rc=$?"; grep -E "check|^\|" "$OUT/megaframe.log" | cut -c1-220
+        # MEGAFRAME_ARGS: e.g. --newest (only the newest options beside the served ones);
+        # MEGAFRAME_EACH: NEWEST names, each in a process of its own (--newest --only NAME: a
+        # fault in one, a context lost, leaves the others measured), e.g.
+        # "two-token xreduce kv-ahead split-down split-down+two-token all-four" (the first
+        # builds the extension, ~90 s; each after ~30-40 s)
+        if [ -n "${MEGAFRAME_EACH:-}" ]; then
+            : > "$OUT/megaframe.log"
+            for name in $MEGAFRAME_EACH; do
+                timeout -k 5 240 python3 -u benchmarks/kernels/megapass/bench_megaframe.py \
+                    --newest --only "$name" >> "$OUT/megaframe.log" 2>&1
+                echo "rc=$? ($name)"
+            done
+        else
+            # shellcheck disable=SC2086
+            timeout -k 5 300 python3 -u benchmarks/kernels/megapass/bench_megaframe.py \
+                ${MEGAFRAME_ARGS:-} > "$OUT/megaframe.log" 2>&1
+            echo "rc=$?"
+        fi
+        grep -E "check|^\|" "$OUT/megaframe.log" | cut -c1-220
         timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_megaframe_gpu.py \
             > "$OUT/megaframe_gpu_tests.log" 2>&1
         echo "rc=$? (test_megaframe_gpu.py: the package's wrapper, eager and in a graph)"

@@ -154,6 +154,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--newest", action="store_true",
                     help="only the newest options (NEWEST) beside the served ones")
+    ap.add_argument("--only", default="", help="with --newest: these NEWEST names, "
+                    f"comma-separated (default all: {', '.join(NEWEST)})")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("GPU only", file=sys.stderr)
@@ -191,7 +193,13 @@ def main() -> int:
               f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
 
     if args.newest:
-        return 0 if two_token(ext, ws, m, b, ctas_list, best, row, header) else 1
+        names = [n for n in args.only.split(",") if n] or list(NEWEST)
+        unknown = set(names) - set(NEWEST)
+        if unknown:
+            print(f"--only: unknown {sorted(unknown)}; NEWEST has {list(NEWEST)}", file=sys.stderr)
+            return 2
+        chosen = {n: NEWEST[n] for n in names}
+        return 0 if two_token(ext, ws, m, b, ctas_list, best, row, header, chosen) else 1
     ok = True
     first = [("greedy", GREEDY, 0, 0), ("sampled", SAMPLED, 0, 0),
              ("sampled, flag barrier", SAMPLED, 2, 0)] + checks_of(plain)
@@ -250,12 +258,13 @@ def main() -> int:
 
 
 # the newest options beside the served ones (`two_token`)
-NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE, "kv ahead": cpm.KV_AHEAD,
-          "split down": cpm.SPLIT_DOWN, "split down, two-token": cpm.SPLIT_DOWN | cpm.TWO_TOKEN,
-          "all four": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN}
+NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE, "kv-ahead": cpm.KV_AHEAD,
+          "split-down": cpm.SPLIT_DOWN, "split-down+two-token": cpm.SPLIT_DOWN | cpm.TWO_TOKEN,
+          "all-four": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN}
 
 
-def two_token(ext, ws, m, b, ctas_list, best: int, row, header: str) -> bool:
+def two_token(ext, ws, m, b, ctas_list, best: int, row, header: str,
+              newest: dict[str, int] = NEWEST) -> bool:
     """cpm.TWO_TOKEN (the frame's two inputs as one pass of two tokens: 20 stages and
     19 barriers fewer), cpm.XREDUCE (a GEMV's row sums reduced together; B's o projection
     8 rows a warp), cpm.KV_AHEAD (B's past K/V rows copied by the producer) and
@@ -266,7 +275,7 @@ def two_token(ext, ws, m, b, ctas_list, best: int, row, header: str) -> bool:
           "GEMVs' reductions together (XREDUCE), B's K/V rows copied ahead (KV_AHEAD), D split "
           "by input columns (SPLIT_DOWN: 254 barriers, 240 with TWO_TOKEN)")
     ok = True
-    for ctas, (name, bits), (label, smp) in itertools.product(ctas_list, NEWEST.items(), (
+    for ctas, (name, bits), (label, smp) in itertools.product(ctas_list, newest.items(), (
             ("greedy", GREEDY), ("sampled", SAMPLED), ("sampled with top-p 0.8", SAMPLED_P))):
         ok &= check(ext, ws, m, b, ctas, f"{label}, tma, read first, producer, {name}", smp,
                     0, best | bits)
@@ -274,13 +283,15 @@ def two_token(ext, ws, m, b, ctas_list, best: int, row, header: str) -> bool:
     for ctas in ctas_list:
         for label, smp in (("greedy", GREEDY), ("sampled", SAMPLED)):
             row(ctas, f"full, {label}, tma, read first, producer", 0, smp, 0, best)
-            for name, bits in NEWEST.items():
+            for name, bits in newest.items():
                 row(ctas, f"full, {label}, tma, read first, producer, {name}", 0, smp, 0,
                     best | bits)
-        row(ctas, "barriers, two-token (315)", 1, GREEDY, 0, cpm.TWO_TOKEN)
-        row(ctas, "no-barrier, tma, read first, producer, xreduce", 3, GREEDY, 0,
-            best | cpm.XREDUCE)
-        for name, bits in NEWEST.items():
+        if "two-token" in newest:
+            row(ctas, "barriers, two-token (315)", 1, GREEDY, 0, cpm.TWO_TOKEN)
+        if "xreduce" in newest:
+            row(ctas, "no-barrier, tma, read first, producer, xreduce", 3, GREEDY, 0,
+                best | cpm.XREDUCE)
+        for name, bits in newest.items():
             OPTS[f"tma, read first, producer, {name}"] = best | bits
             stage_breakdown(ext, ws, ctas, f"tma, read first, producer, {name}")
     return ok
