@@ -110,7 +110,8 @@
 #         predictor as one kernel, regular step and admission lane), beside the same plan
 #         without it: both with an FP8 code predictor and no SMs reserved for the lane; a third
 #         side with $MEGAENGINE_EXTRA (option bits: cp_megaframe.TWO_TOKEN 32, XREDUCE 64,
-#         KV_AHEAD 128, SPLIT_DOWN 256; 480 all four) added through TTSBUILD_MEGAFRAME_EXTRA
+#         KV_AHEAD 128, SPLIT_DOWN 256; 480 all four) added through TTSBUILD_MEGAFRAME_EXTRA;
+#         $MEGAENGINE_SIDES picks sides (cpfp8 megaframe megaframe_lane megaframe_extra)
 # streamprobe: benchmarks/kernels/megapass/bench_stream_probe.py (one CTA an SM streaming
 #         chunks from HBM to shared memory: TMA or cp.async, chunk size, copies in flight,
 #         with a grid barrier after each chunk or without)
@@ -491,9 +492,21 @@ for step in $STEPS; do
         # $MEGAENGINE_EXTRA (option bits, e.g. 224 = TWO_TOKEN | XREDUCE | KV_AHEAD): a third
         # side, the kernel with them added (TTSBUILD_MEGAFRAME_EXTRA)
         ensure_driver "$OUT/build.log" || exit 1
+        # $MEGAENGINE_SIDES: which sides, in order (default "cpfp8 megaframe", plus
+        # megaframe_extra where $MEGAENGINE_EXTRA is set); megaframe_lane: the kernel on the
+        # admission lane's first frames only (plan megaframe_regular off)
         mega="--plan-set code_predictor_fp8=true --lane-reserved-sms 0 --plan-set megaframe_code_predictor=true"
-        sides=("cpfp8|0|--plan-set code_predictor_fp8=true --lane-reserved-sms 0" "megaframe|0|$mega")
-        [ -z "${MEGAENGINE_EXTRA:-}" ] || sides+=("megaframe_extra|$MEGAENGINE_EXTRA|$mega")
+        declare -A side_of=(
+            [cpfp8]="cpfp8|0|--plan-set code_predictor_fp8=true --lane-reserved-sms 0"
+            [megaframe]="megaframe|0|$mega"
+            [megaframe_lane]="megaframe_lane|${MEGAENGINE_EXTRA:-0}|$mega --plan-set megaframe_regular=false"
+            [megaframe_extra]="megaframe_extra|${MEGAENGINE_EXTRA:-0}|$mega")
+        names=${MEGAENGINE_SIDES:-cpfp8 megaframe${MEGAENGINE_EXTRA:+ megaframe_extra}}
+        sides=()
+        for n in $names; do
+            [ -n "${side_of[$n]:-}" ] || { log "unknown megaengine side $n"; continue; }
+            sides+=("${side_of[$n]}")
+        done
         for side in "${sides[@]}"; do
             IFS='|' read -r name extra flags <<<"$side"
             left=$((DEADLINE_S - SECONDS))

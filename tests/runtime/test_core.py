@@ -59,6 +59,8 @@ def req(i: int, frames: int = 7, **kw) -> SynthesisRequest:
               persistent_code_predictor=(1,), admission_lane=()), "one of them"),
         (dict(megaframe_code_predictor=True, code_predictor_fp8=True, admission_lane=(1,),
               lane_reserved_sms=16), "cannot run with lane_reserved_sms"),
+        (dict(megaframe_code_predictor=True, code_predictor_fp8=True, megaframe_regular=False,
+              admission_lane=(2,)), "needs the lane on batch bucket 1"),
         (dict(num_slots=2, batch_buckets=(1, 2), prefill_batches=(1, 4)), "within 2 slots"),
     ],
 )

@@ -327,3 +327,44 @@ def test_prefix_copy_of_its_own_positions_changes_nothing(models, monkeypatch):
         assert engine.backend.prefix.hits >= len(REQUESTS)
     assert starts and max(starts) > 0  # the kernel's path ran, with real prefixes
     _assert_same_outputs(*outputs)
+
+
+@pytest.mark.parametrize("regular", [True, False])
+def test_megaframe_runs_on_the_steps_the_plan_gives_it(models, monkeypatch, regular):
+    """plan.megaframe_regular: the one-kernel code predictor (a stand-in that records its
+    calls here: the kernel needs a Hopper GPU) on batch bucket 1's regular step and the
+    lane's, or on the lane's only; larger batches never take it. Its codes follow c0."""
+    from ttsbuild.runtime import cp_megaframe
+
+    G = models.cfg.num_code_groups
+    calls: list[tuple[int, int]] = []
+
+    class Stand:
+        made = 0
+
+        def __init__(self, m, eps, ctas=None, opts=0):
+            self.id, Stand.made = Stand.made, Stand.made + 1
+
+        def run(self, x_in, sampling, seeds, frames, row=0):
+            calls.append((self.id, x_in.shape[0]))
+            return torch.arange(1, G, dtype=torch.int32)
+
+    monkeypatch.setattr(cp_megaframe, "Megaframe", Stand)
+    plan = EnginePlan(precision="fp8", code_predictor_fp8=True, megaframe_code_predictor=True,
+                      megaframe_regular=regular, admission_lane=(1,), **PLAN)
+    b = GraphEngine(models, plan, use_graphs=False).backend
+    assert set(b.cp_mega) == ({False, True} if regular else {True})
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(2, models.cfg.talker.hidden_size, generator=g)
+    c0, seeds, frames = torch.tensor([5, 9]), torch.tensor([3, 4]), torch.tensor([0, 0])
+    for lane, sizes in ((False, (1, 2)), (True, (1,))):  # the lane's bucket is 1 here
+        for rows in sizes:
+            calls.clear()
+            sampling = b.cp_sampling.select(torch.arange(rows))
+            codes = b._code_predictor(hidden[:rows], c0[:rows], sampling, seeds[:rows],
+                                      frames[:rows], lane=lane)
+            assert codes.shape == (rows, G) and codes[:, 0].tolist() == c0[:rows].tolist()
+            kernel = rows == 1 and (lane or regular)
+            assert calls == ([(b.cp_mega[lane].id, 2)] if kernel else []), (lane, rows)
+            if kernel:
+                assert codes[0, 1:].tolist() == list(range(1, G))

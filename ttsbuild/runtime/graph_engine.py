@@ -339,8 +339,8 @@ class GraphBackend:
         if plan.persistent_code_predictor:
             self.cp_fused.enable_persistent(max(plan.persistent_code_predictor))
         # plan.megaframe_code_predictor: bucket 1's code predictor as one kernel a frame, an
-        # instance (its own buffers) for the regular step and one for the admission lane,
-        # whose steps may run at once
+        # instance (its own buffers) for the regular step (unless plan.megaframe_regular is
+        # off) and one for the admission lane, whose steps may run at once
         self.cp_mega: dict[bool, object] = {}
         if plan.megaframe_code_predictor:
             from ttsbuild.runtime import cp_megaframe
@@ -350,8 +350,9 @@ class GraphBackend:
                                        self.cp_embeddings)
             eps = self.cp_stack.cfg.rms_norm_eps
             opts = cp_megaframe.engine_opts()
+            where = (False, True) if plan.megaframe_regular else (True,)
             self.cp_mega = {lane: cp_megaframe.Megaframe(packed, eps, opts=opts)
-                            for lane in (False, True)}
+                            for lane in where}
         # Prompt rows -> embeddings, the same function the reference prompt uses.
         proj = talker.text_projection
         self.embedder = PromptEmbedder(
@@ -558,7 +559,7 @@ class GraphBackend:
         lane's step (its own cache; the fused or unfused path, which keep no other state)."""
         B = hidden.shape[0]
         slots = self.cp_slots[:B]
-        if B == 1 and self.cp_mega:
+        if B == 1 and lane in self.cp_mega:
             # the talker's hidden state and codebook 0's embedding, projected, then one launch
             x = self.cp_fused._project(torch.cat([hidden, self.codec_embedding[c0]]), None)
             codes = self.cp_mega[lane].run(x, sampling, seeds, frames)

@@ -117,6 +117,11 @@ class EnginePlan(BaseModel):
     # plan without it (benchmarks/runtime/2026-12-05-h100-megaengine, -megaframe-check); off
     # until serving under load has been measured with it (the lane then reserves no SMs).
     megaframe_code_predictor: bool = False
+    # With megaframe_code_predictor: whether the regular bucket-1 step runs the kernel too
+    # (False: the admission lane's first frames only, so a lone stream's steps and a new
+    # request's first frame never wait for each other's every-SM grid; on the H100 a first
+    # chunk beside one stepping row took 6.44 ms with the kernel on both, 5.67 without it).
+    megaframe_regular: bool = True
     # Batch buckets whose talker step runs on runtime.cp_fused.decode_fused (5 launches per
     # layer instead of ~9: fused norm + linear, fused residual adds).
     fused_talker: tuple[int, ...] = ()
@@ -217,6 +222,9 @@ class EnginePlan(BaseModel):
             if 1 in self.persistent_code_predictor or 1 in self.speculative:
                 raise ValueError("batch bucket 1's code predictor: megaframe_code_predictor, "
                                  "persistent_code_predictor or speculative, one of them")
+            if not self.megaframe_regular and 1 not in self.admission_lane:
+                raise ValueError("megaframe_code_predictor on the admission lane only "
+                                 "(megaframe_regular off) needs the lane on batch bucket 1")
             if self.lane_reserved_sms:
                 # its grid is a CTA per SM of the device, launched cooperatively: it cannot
                 # start inside a green context of fewer SMs
