@@ -57,9 +57,9 @@ def compile_engine(
     ),
     megaframe_code_predictor: bool = typer.Option(
         False, "--megaframe-code-predictor",
-        help="Batch 1's code predictor as one persistent kernel a frame (Hopper GPUs; the 1.7B "
-        "code predictor's shapes; needs --fp8-code-predictor). The admission lane then "
-        "reserves no SMs: the kernel needs every one.",
+        help="Batch 1's code predictor as one persistent kernel a frame (Hopper GPUs; the "
+        "shipped 0.6B / 1.7B code predictor's shapes; needs --fp8-code-predictor). The "
+        "admission lane then reserves no SMs: the kernel needs every one.",
     ),  # fmt: skip
     max_batch: int = typer.Option(
         256, "--max-batch", min=1, help="Streams per batch at most (and the default slot "

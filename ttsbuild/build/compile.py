@@ -85,7 +85,7 @@ class BuildConfig:
     # costing accuracy on all 15 codebooks: bf16 unless asked.
     fp8_code_predictor: bool = False
     # batch bucket 1's code predictor as one persistent kernel a frame (runtime.cp_megaframe:
-    # the 1.7B code predictor's shapes, FP8, Hopper); needs fp8_code_predictor and every SM,
+    # the shipped code predictor's shapes, FP8, Hopper); needs fp8_code_predictor and every SM,
     # so the admission lane reserves none (lane_reserved_sms 0)
     megaframe_code_predictor: bool = False
     max_batch: int = 64  # streams decoded together at most

@@ -111,7 +111,7 @@ class EnginePlan(BaseModel):
     # precedence over fused_code_predictor where both list a bucket.
     persistent_code_predictor: tuple[int, ...] = ()
     # Batch bucket 1's code predictor as ONE persistent CUDA kernel a frame
-    # (runtime.cp_megaframe: FP8 weights of the 1.7B code predictor's shapes, sm_90, a
+    # (runtime.cp_megaframe: FP8 weights of the shipped code predictor's shapes, sm_90, a
     # cooperative launch), on the regular step and the admission lane's first frames. On an
     # H100: frame b1 3.20 -> 2.81 ms, idle first chunk 4.81 -> 4.29 ms, codes identical to the
     # plan without it (benchmarks/runtime/2026-12-05-h100-megaengine, -megaframe-check); off

@@ -155,7 +155,7 @@ def serve(
     megaframe_code_predictor: bool = typer.Option(
         None, "--megaframe-code-predictor/--no-megaframe-code-predictor", help="Hopper GPUs, "
         "FP8 code predictor: a lone stream's code predictor as one persistent kernel a frame "
-        "(the 1.7B shapes); the admission lane then reserves no SMs (default: the plan's)."
+        "(the shipped shapes); the admission lane then reserves no SMs (default: the plan's)."
     ),  # fmt: skip
     bf16_min_rows: int = typer.Option(
         None, "--bf16-min-rows", min=0, help="FP8 engines on a GPU: the talker's linears on "
