@@ -157,6 +157,11 @@ def main() -> int:
     ap.add_argument("--only", default="", help="with --newest: these NEWEST names, "
                     f"comma-separated (default all: {', '.join(NEWEST)})")
     args = ap.parse_args()
+    names = [n for n in args.only.split(",") if n] or list(NEWEST)
+    unknown = set(names) - set(NEWEST)
+    if unknown:  # before the GPU: a typo in a device call's options costs no device time
+        print(f"--only: unknown {sorted(unknown)}; NEWEST has {list(NEWEST)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("GPU only", file=sys.stderr)
         return 2
@@ -193,11 +198,6 @@ def main() -> int:
               f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
 
     if args.newest:
-        names = [n for n in args.only.split(",") if n] or list(NEWEST)
-        unknown = set(names) - set(NEWEST)
-        if unknown:
-            print(f"--only: unknown {sorted(unknown)}; NEWEST has {list(NEWEST)}", file=sys.stderr)
-            return 2
         chosen = {n: NEWEST[n] for n in names}
         return 0 if two_token(ext, ws, m, b, ctas_list, best, row, header, chosen) else 1
     ok = True
