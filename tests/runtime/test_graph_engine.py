@@ -342,8 +342,9 @@ def test_megaframe_runs_on_the_steps_the_plan_gives_it(models, monkeypatch, regu
     class Stand:
         made = 0
 
-        def __init__(self, m, eps, ctas=None, opts=0):
+        def __init__(self, m, eps, ctas=None, opts=0, like=None):
             self.id, Stand.made = Stand.made, Stand.made + 1
+            self.like = like
 
         def run(self, x_in, sampling, seeds, frames, row=0):
             calls.append((self.id, x_in.shape[0]))
@@ -354,6 +355,8 @@ def test_megaframe_runs_on_the_steps_the_plan_gives_it(models, monkeypatch, regu
                       megaframe_regular=regular, admission_lane=(1,), **PLAN)
     b = GraphEngine(models, plan, use_graphs=False).backend
     assert set(b.cp_mega) == ({False, True} if regular else {True})
+    if regular:  # the lane's instance shares the regular one's weights
+        assert b.cp_mega[True].like is b.cp_mega[False]
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(2, models.cfg.talker.hidden_size, generator=g)
     c0, seeds, frames = torch.tensor([5, 9]), torch.tensor([3, 4]), torch.tensor([0, 0])

@@ -114,6 +114,15 @@ def test_kernel_arguments_in_order_with_w_o_head_major():
     assert args[cpm.ORDER.index("tokens")] is buffers["tokens"]
     wdt = args[cpm.ORDER.index("wdt")]  # W_d transposed: [L, intermediate, hidden] bytes
     assert wdt.shape == (s["layers"], s["intermediate"], s["hidden"]) and wdt.dtype == torch.uint8
+    # a second instance's arguments: those two copies shared, its own buffers
+    other = cpm.scratch("meta")
+    again = cpm.kernel_tensors({**m, "x_in": torch.empty(2, s["hidden"], device="meta")}, other,
+                               like=args)
+    for name, a, b in zip(cpm.ORDER, args, again, strict=True):
+        if name in ("wo", "wdt"):
+            assert a is b, name
+        if name in other:
+            assert b is other[name] and a is not b, name
 
 
 # -- the kernel's sampler, step for step in torch (pick_token in cp_megaframe.cu) -------------

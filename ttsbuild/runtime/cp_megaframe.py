@@ -290,15 +290,24 @@ def scratch(device) -> dict[str, torch.Tensor]:
     }
 
 
+# the weights `kernel_tensors` lays out anew (copies): another instance's can be shared
+_RELAID = ("wo", "wdt")
+
+
 def kernel_tensors(m: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-                   wdt: bool = True) -> list[torch.Tensor]:
+                   wdt: bool = True, like: list[torch.Tensor] | None = None
+                   ) -> list[torch.Tensor]:
     """The kernel's 29 arguments (ORDER) from `pack`'s weights, x_in and `scratch`'s buffers:
     FP8 as uint8 views, W_o head-major ([L, heads, hidden, head_dim]: a CTA's slice of its
     head's columns is one contiguous copy), and W_d transposed as `wdt` ([L, intermediate,
     hidden]: SPLIT_DOWN's column slice of a CTA, one contiguous copy; wdt False: an empty
-    tensor in its place, for a kernel run without SPLIT_DOWN)."""
+    tensor in its place, for a kernel run without SPLIT_DOWN). like: another call's list on
+    the same weights, whose W_o and W_d copies are taken instead of made again."""
     out = []
-    for name in ORDER:
+    for i, name in enumerate(ORDER):
+        if like is not None and name in _RELAID:
+            out.append(like[i])
+            continue
         if name == "wdt":
             wd = m["wd"]
             out.append(wd.transpose(1, 2).contiguous().view(torch.uint8) if wdt
@@ -339,7 +348,9 @@ class Megaframe:
     device memory at each replay)."""
 
     def __init__(self, m: dict[str, torch.Tensor], eps: float, ctas: int | None = None,
-                 opts: int = SERVED_OPTS | COOPERATIVE):
+                 opts: int = SERVED_OPTS | COOPERATIVE, like: Megaframe | None = None):
+        """like: an instance on the same weights `m` and options (another stream's): its
+        re-laid-out weights are shared, not copied again."""
         why = unsupported(m)
         if why:
             raise ValueError(f"cp_megaframe: {why}")
@@ -353,8 +364,11 @@ class Megaframe:
         self.ctas = ctas or torch.cuda.get_device_properties(device).multi_processor_count
         self.buffers = scratch(device)
         self.x_in = torch.zeros(2, SHAPE["hidden"], device=device)
+        if like is not None and like.opts != opts:
+            raise ValueError("cp_megaframe: a shared instance must have the same options")
         self.args = kernel_tensors({**m, "x_in": self.x_in}, self.buffers,
-                                   wdt=bool(opts & SPLIT_DOWN))
+                                   wdt=bool(opts & SPLIT_DOWN),
+                                   like=None if like is None else like.args)
         self.no_stamps = torch.empty(0, dtype=torch.int64, device=device)
 
     def run(self, x_in: torch.Tensor, sampling: SamplingBatch, seeds: torch.Tensor,
@@ -366,6 +380,5 @@ class Megaframe:
         self.x_in.copy_(x_in)
         self.ext.run(self.args, 0, self.ctas, self.no_stamps, sampling.do_sample,
                      sampling.top_k, sampling.temperature, sampling.top_p, seeds, frames, row,
-                     self.eps, 0,
-                     self.opts, 0)
+                     self.eps, 0, self.opts, 0)
         return self.buffers["tokens"]

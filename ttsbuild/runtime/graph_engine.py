@@ -350,9 +350,10 @@ class GraphBackend:
                                        self.cp_embeddings)
             eps = self.cp_stack.cfg.rms_norm_eps
             opts = cp_megaframe.engine_opts()
-            where = (False, True) if plan.megaframe_regular else (True,)
-            self.cp_mega = {lane: cp_megaframe.Megaframe(packed, eps, opts=opts)
-                            for lane in where}
+            first = None  # the instances share their re-laid-out weights
+            for lane in (False, True) if plan.megaframe_regular else (True,):
+                first = self.cp_mega[lane] = cp_megaframe.Megaframe(packed, eps, opts=opts,
+                                                                    like=first)
         # Prompt rows -> embeddings, the same function the reference prompt uses.
         proj = talker.text_projection
         self.embedder = PromptEmbedder(
