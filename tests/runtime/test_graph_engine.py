@@ -355,8 +355,11 @@ def test_megaframe_runs_on_the_steps_the_plan_gives_it(models, monkeypatch, regu
                       megaframe_regular=regular, admission_lane=(1,), **PLAN)
     b = GraphEngine(models, plan, use_graphs=False).backend
     assert set(b.cp_mega) == ({False, True} if regular else {True})
-    if regular:  # the lane's instance shares the regular one's weights
+    if regular:  # the lane's instance shares the regular one's weights; no lane, no instance
         assert b.cp_mega[True].like is b.cp_mega[False]
+        alone = GraphEngine(models, plan.model_copy(update={"admission_lane": ()}),
+                            use_graphs=False).backend
+        assert set(alone.cp_mega) == {False}
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(2, models.cfg.talker.hidden_size, generator=g)
     c0, seeds, frames = torch.tensor([5, 9]), torch.tensor([3, 4]), torch.tensor([0, 0])

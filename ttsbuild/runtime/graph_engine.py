@@ -340,7 +340,7 @@ class GraphBackend:
             self.cp_fused.enable_persistent(max(plan.persistent_code_predictor))
         # plan.megaframe_code_predictor: bucket 1's code predictor as one kernel a frame, an
         # instance (its own buffers) for the regular step (unless plan.megaframe_regular is
-        # off) and one for the admission lane, whose steps may run at once
+        # off) and one for the admission lane where it has bucket 1: their steps may run at once
         self.cp_mega: dict[bool, object] = {}
         if plan.megaframe_code_predictor:
             from ttsbuild.runtime import cp_megaframe
@@ -351,7 +351,9 @@ class GraphBackend:
             eps = self.cp_stack.cfg.rms_norm_eps
             opts = cp_megaframe.engine_opts()
             first = None  # the instances share their re-laid-out weights
-            for lane in (False, True) if plan.megaframe_regular else (True,):
+            lanes = (([False] if plan.megaframe_regular else [])
+                     + ([True] if 1 in plan.admission_lane else []))
+            for lane in lanes:
                 first = self.cp_mega[lane] = cp_megaframe.Megaframe(packed, eps, opts=opts,
                                                                     like=first)
         # Prompt rows -> embeddings, the same function the reference prompt uses.
