@@ -25,12 +25,8 @@ elif [ ! -d .whl ]; then
     echo "== no .whl here: carry it (../shared/tools/gpu-wheels.sh)"
 fi
 # (2026-12-05: a .whl of the bare gpu-wheels.sh list, without the serving extras above, lost
-# two serving runs to fastapi's missing opentelemetry and then soxr: say so before any step.)
-if [ -d .whl ] && ! _why=$(PYTHONPATH=/tmp/site "$PY" -c \
-        'import fastapi, uvicorn, soxr, websockets, prometheus_client, aiohttp, typer' 2>&1); then
-    echo "== serving runs will fail here: $(tail -1 <<<"$_why") (make .whl with the extras" \
-        "listed at the top of benchmarks/wheels.sh)"
-fi
+# two serving runs to fastapi's missing opentelemetry and then soxr: gpu_session.sh's
+# preflight now imports the web stack before a serving step.)
 export PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 # Triton's compiled kernels in /tmp/tc, unpacked from .tc/tc.tgz where one was carried (made on
 # an earlier call by gpu_session.sh with TC_SAVE=1; sm_90 kernels serve the H100 and the H200

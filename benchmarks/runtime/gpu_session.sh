@@ -489,12 +489,11 @@ for step in $STEPS; do
     megaengine)  # plan.megaframe_code_predictor in the engine, beside the same plan without it
         # (both: FP8 code predictor, no SMs reserved for the lane: the kernel needs them all);
         # the engine steps through the C++ step driver, so it is built here when not carried
-        # $MEGAENGINE_EXTRA (option bits, e.g. 224 = TWO_TOKEN | XREDUCE | KV_AHEAD): a third
-        # side, the kernel with them added (TTSBUILD_MEGAFRAME_EXTRA)
         ensure_driver "$OUT/build.log" || exit 1
         # $MEGAENGINE_SIDES: which sides, in order (default "cpfp8 megaframe", plus
-        # megaframe_extra where $MEGAENGINE_EXTRA is set); megaframe_lane: the kernel on the
-        # admission lane's first frames only (plan megaframe_regular off)
+        # megaframe_extra where $MEGAENGINE_EXTRA, option bits, is set: the kernel with them
+        # added through TTSBUILD_MEGAFRAME_EXTRA); megaframe_lane: the kernel on the admission
+        # lane's first frames only (plan megaframe_regular off; the extra options too)
         mega="--plan-set code_predictor_fp8=true --lane-reserved-sms 0 --plan-set megaframe_code_predictor=true"
         declare -A side_of=(
             [cpfp8]="cpfp8|0|--plan-set code_predictor_fp8=true --lane-reserved-sms 0"
