@@ -40,6 +40,7 @@ import torch
 
 from ttsbuild.runtime.engine import EagerEngine, random_models, synthesize
 from ttsbuild.runtime.graph_engine import GraphEngine
+from ttsbuild.runtime.loader import plan_update
 from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.request import SamplingOverrides, SynthesisRequest
 
@@ -275,8 +276,8 @@ def check_megaframe(device: str) -> bool:
     got = {}
     for mega in (False, True):
         t0 = time.perf_counter()
-        p = plan.model_copy(update={"megaframe_code_predictor": mega})
-        engine = GraphEngine(models, EnginePlan.model_validate(p.model_dump()), keep_codes=True)
+        engine = GraphEngine(models, plan_update(plan, megaframe_code_predictor=mega),
+                             keep_codes=True)
         if bool(engine.backend.cp_mega) != mega:  # the check compares the kernel, or nothing
             raise RuntimeError(f"megaframe {'on' if mega else 'off'} asked, not built so")
         got[mega] = {g: run_alone(engine, reqs[g]) for g in (True, False)}

@@ -11,6 +11,7 @@ from engine_runs import finish
 from ttsbuild.convert.checkpoint import load_checkpoint
 from ttsbuild.runtime.engine import EagerEngine, Models
 from ttsbuild.runtime.graph_engine import GraphBackend, GraphEngine
+from ttsbuild.runtime.loader import plan_update
 from ttsbuild.runtime.plan import EnginePlan
 from ttsbuild.runtime.request import RequestError, SynthesisRequest
 
@@ -357,8 +358,7 @@ def test_megaframe_runs_on_the_steps_the_plan_gives_it(models, monkeypatch, regu
     assert set(b.cp_mega) == ({False, True} if regular else {True})
     if regular:  # the lane's instance shares the regular one's weights; no lane, no instance
         assert b.cp_mega[True].like is b.cp_mega[False]
-        alone = GraphEngine(models, plan.model_copy(update={"admission_lane": ()}),
-                            use_graphs=False).backend
+        alone = GraphEngine(models, plan_update(plan, admission_lane=()), use_graphs=False).backend
         assert set(alone.cp_mega) == {False}
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(2, models.cfg.talker.hidden_size, generator=g)
