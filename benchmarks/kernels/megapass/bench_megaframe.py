@@ -199,7 +199,7 @@ def main() -> int:
 
     if args.newest:
         chosen = {n: NEWEST[n] for n in names}
-        return 0 if two_token(ext, ws, m, b, ctas_list, best, row, header, chosen) else 1
+        return 0 if newest_options(ext, ws, m, b, ctas_list, best, row, header, chosen) else 1
     ok = True
     first = [("greedy", GREEDY, 0, 0), ("sampled", SAMPLED, 0, 0),
              ("sampled, flag barrier", SAMPLED, 2, 0)] + checks_of(plain)
@@ -253,17 +253,17 @@ def main() -> int:
         for name in produced:
             stage_breakdown(ext, ws, ctas, name)
         stage_breakdown(ext, ws, ctas, "tma, read first, producer", flags=3, pace=PACES[0])
-    ok &= two_token(ext, ws, m, b, ctas_list, best, row, header)
+    ok &= newest_options(ext, ws, m, b, ctas_list, best, row, header)
     return 0 if ok else 1
 
 
-# the newest options beside the served ones (`two_token`)
+# the newest options beside the served ones (`newest_options`)
 NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE, "kv-ahead": cpm.KV_AHEAD,
           "split-down": cpm.SPLIT_DOWN, "split-down+two-token": cpm.SPLIT_DOWN | cpm.TWO_TOKEN,
           "all-four": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN}
 
 
-def two_token(ext, ws, m, b, ctas_list, best: int, row, header: str,
+def newest_options(ext, ws, m, b, ctas_list, best: int, row, header: str,
               newest: dict[str, int] = NEWEST) -> bool:
     """cpm.TWO_TOKEN (the frame's two inputs as one pass of two tokens: 20 stages and
     19 barriers fewer), cpm.XREDUCE (a GEMV's row sums reduced together; B's o projection
@@ -292,8 +292,7 @@ def two_token(ext, ws, m, b, ctas_list, best: int, row, header: str,
             row(ctas, "no-barrier, tma, read first, producer, xreduce", 3, GREEDY, 0,
                 best | cpm.XREDUCE)
         for name, bits in newest.items():
-            OPTS[f"tma, read first, producer, {name}"] = best | bits
-            stage_breakdown(ext, ws, ctas, f"tma, read first, producer, {name}")
+            stage_breakdown(ext, ws, ctas, f"tma, read first, producer, {name}", bits=best | bits)
     return ok
 
 
@@ -321,23 +320,25 @@ def check(ext, ws, m, b, ctas: int, label: str, smp: dict, flags: int, opts: int
     return good
 
 
-def stage_breakdown(ext, ws, ctas: int, opts_name: str, flags: int = 0, pace: int = 0) -> None:
+def stage_breakdown(ext, ws, ctas: int, opts_name: str, flags: int = 0, pace: int = 0,
+                    bits: int | None = None) -> None:
     """Where a stage's time goes, from clock64 stamps of CTA 0 and the last CTA (one sampled
-    frame, mode full, OPTS[opts_name]), medians over passes and layers, us, each from the
-    stage's top (after the previous barrier and a block sync): the weight copy of the stage
-    ahead issued, its own weights ready (waited for), its activations read (their loads and a
-    block sync: before the issue with "read first"); then from the later of the last two to
-    its linear's start (norms, attention), to the barrier's arrival (the linear and its
-    stores), the barrier, and from its release to the next top."""
+    frame, mode full, option bits `bits`, else OPTS[opts_name]), medians over passes and
+    layers, us, each from the stage's top (after the previous barrier and a block sync): the
+    weight copy of the stage ahead issued, its own weights ready (waited for), its activations
+    read (their loads and a block sync: before the issue with "read first"); then from the
+    later of the last two to its linear's start (norms, attention), to the barrier's arrival
+    (the linear and its stores), the barrier, and from its release to the next top."""
+    bits = OPTS[opts_name] if bits is None else bits
     stamps = torch.zeros(2, STAGES, NSTAMP, dtype=torch.int64, device="cuda")
     for _ in range(3):  # the last run's stamps
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        call(ext, ws, 0, ctas, stamps, SAMPLED, flags, OPTS[opts_name], pace)
+        call(ext, ws, 0, ctas, stamps, SAMPLED, flags, bits, pace)
         b.record()
         b.synchronize()
     st = stamps.cpu().double()
-    first = 20 if OPTS[opts_name] & cpm.TWO_TOKEN else 0  # pass 0's stages not run there
+    first = 20 if bits & cpm.TWO_TOKEN else 0  # pass 0's stages not run there
     ticks_per_us = float(st[0, -1, 6] - st[0, first, 0]) / (a.elapsed_time(b) * 1e3)
     extra = (", striped barrier" if flags == 3 else "") + (f", paced {pace} ticks" if pace else "")
     print(f"\n[{ctas} CTAs, {opts_name}{extra}] stage breakdown (clock64, "
