@@ -411,12 +411,6 @@ __device__ void rms_norm(const float* x, const float* w, float* xn, float eps, f
     csync();
 }
 
-// rows x K FP8 weights in shared memory (row-major, K % 128 == 0) times x (shared, K floats):
-// R rows a warp at once, lane l on columns 4l + 128j (a 4-byte weight word and a float4 of x:
-// a warp's reads are contiguous, no bank conflicts; x is read once for the R rows);
-// out(row, sum) called by lane row % R. (The first version gave a lane 16 consecutive columns:
-// its x reads, 64 bytes apart across lanes, took 4x the shared-memory wavefronts, and x was read
-// anew for every row: ~2-3 us a stage on the H100, 2026-12-05.)
 // The sums over a warp of R values a lane (R a power of 2, <= 32), together: in each of the
 // first log2 R rounds a lane keeps half of its values (the upper half where its lane bit, 16,
 // 8, ..., is set), adding its partner's copy of that half; the value left is then summed over
@@ -441,9 +435,15 @@ __device__ __forceinline__ float xreduce(float (&s)[R], int lane) {
     return v;
 }
 
-// T token rows at once (x: T rows xs floats apart; OPT_TWO_TOKEN): each weight word is read
-// once for the T rows, and each row's sum runs in the same order as with T = 1;
-// out(t, row, sum). xr: the R rows' warp sums by xreduce (OPT_XREDUCE).
+// rows x K FP8 weights in shared memory (row-major, K % 128 == 0) times x (shared, K floats):
+// R rows a warp at once, lane l on columns 4l + 128j (a 4-byte weight word and a float4 of x:
+// a warp's reads are contiguous, no bank conflicts; x is read once for the R rows). (The first
+// version gave a lane 16 consecutive columns: its x reads, 64 bytes apart across lanes, took 4x
+// the shared-memory wavefronts, and x was read anew for every row: ~2-3 us a stage on the
+// H100, 2026-12-05.) T token rows at once (x: T rows xs floats apart; OPT_TWO_TOKEN): each
+// weight word is read once for the T rows, and each row's sum runs in the same order as with
+// T = 1. out(t, row, sum), called by lane row % R, or with xr (OPT_XREDUCE: the R rows' warp
+// sums by xreduce) by the first lane holding the row's total.
 template <int R, int T, typename Out>
 __device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int xs, bool xr,
                          Out out) {
@@ -500,12 +500,6 @@ __device__ void gemv_rows(const uint8_t* w, int rows, int K, const float* x, int
                           bool xr, Out out) {
     if (nt == 2) gemv_tok<R, 2>(w, rows, K, x, xs, xr, out);
     else gemv_tok<R, 1>(w, rows, K, x, xs, xr, out);
-}
-
-// one token row: out(row, sum)
-template <int R, typename Out>
-__device__ void gemv_smem(const uint8_t* w, int rows, int K, const float* x, bool xr, Out out) {
-    gemv_tok<R, 1>(w, rows, K, x, 0, xr, [&](int, int i, float v) { out(i, v); });
 }
 
 __device__ __forceinline__ uint32_t hash32(uint32_t x) {  // lowbias32, as sampling.hash32
@@ -982,7 +976,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side + H;
             float* y = p.logits + (size_t)(pass - 1) * V + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_smem<2>(wb, r1 - r0, H, xn, xr, [&](int i, float v) { __stcg(y + i, v * s[i]); });
+            gemv_tok<2, 1>(wb, r1 - r0, H, xn, 0, xr,
+                           [&](int, int i, float v) { __stcg(y + i, v * s[i]); });
             barrier();
             const float* lg = p.logits + (size_t)(pass - 1) * V;
             tok = MODE == 3 ? 0 : pick_token(lg, do_sample, top_k, top_p, temperature, seed,
