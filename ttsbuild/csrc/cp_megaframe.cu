@@ -227,6 +227,9 @@ __device__ __forceinline__ void grid_barrier_flags(unsigned* flags, unsigned epo
     csync();
 }
 
+// tokens in pass `pass` (2: OPT_TWO_TOKEN's pass 1, positions 0 and 1; else 1, at `pass`)
+__device__ __forceinline__ int tokens_of(bool two, int pass) { return two && pass == 1 ? 2 : 1; }
+
 // stage index -> (pass, r): r 0..19 = layer r/4, kind r%4 (A, B, C, D); r 20 = head
 __device__ __forceinline__ void stage_of(int sid, int& pass, int& r) {
     if (sid < 20) { pass = 0; r = sid; }
@@ -706,7 +709,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                        32);
             if (kv_ahead && r < 20 && r % 4 == 1) {  // B: its kv head's rows before the pass's
                 const int l = r / 4, g = (cta % NH) / (NH / NKV);
-                const int pos0 = pass + 1 - (two && pass == 1 ? 2 : 1);
+                const int pos0 = pass + 1 - tokens_of(two, pass);
                 float* kd = reinterpret_cast<float*>(buf + kv_offset(cta, ctas));
                 const size_t at = ((size_t)(l * NKV + g) * G) * HD;
                 copy_vec(kd, p.kcache + at, pos0 * HD, lane, 32);
@@ -786,8 +789,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     for (int sid = first; sid < STAGES; ++sid) {
         int pass, r;
         stage_of(sid, pass, r);
-        // tokens of this pass (2: OPT_TWO_TOKEN's pass 1, positions 0 and 1) from position pos0
-        const int nt = two && pass == 1 ? 2 : 1, pos0 = pass + 1 - nt;
+        const int nt = tokens_of(two, pass), pos0 = pass + 1 - nt;  // its first token's position
         if (MODE == 1) {
             if (!(pass == 0 && r == 19)) barrier();
             continue;
