@@ -48,9 +48,11 @@ def _settings(do_sample: bool, seed: int, frame: int, top_p: float = 1.0):
 
 
 @pytest.mark.parametrize("extra", [
-    0, cpm.TWO_TOKEN, cpm.XREDUCE, cpm.KV_AHEAD, cpm.SPLIT_DOWN, cpm.SPLIT_DOWN | cpm.TWO_TOKEN,
-    cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN,
-], ids=["served", "two-token", "xreduce", "kv-ahead", "split-down", "split-down+two-token", "all"])
+    0, cpm.GENERIC, cpm.TWO_TOKEN, cpm.XREDUCE, cpm.TWO_TOKEN | cpm.XREDUCE,
+    cpm.TWO_TOKEN | cpm.XREDUCE | cpm.GENERIC, cpm.KV_AHEAD, cpm.SPLIT_DOWN,
+    cpm.SPLIT_DOWN | cpm.TWO_TOKEN, cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN,
+], ids=["served", "served-generic", "two-token", "xreduce", "two-token+xreduce",
+        "two-token+xreduce-generic", "kv-ahead", "split-down", "split-down+two-token", "all"])
 @pytest.mark.parametrize("do_sample, top_p", [(False, 1.0), (True, 1.0), (True, 0.8)])
 def test_codes_follow_the_reference(model, do_sample, top_p, extra):
     """extra: options beside the served ones (the frame's two inputs as one pass of two

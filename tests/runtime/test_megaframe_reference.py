@@ -6,6 +6,8 @@ random weights: so the kernel's layout and math (qkv and gate/up concatenation, 
 codebook tables, the projected inputs, RoPE, q/k norms, GQA, one head a codebook) are the
 model's, not only the kernel's. And the wrapper's refusals and argument layout, on the CPU."""
 
+import re
+
 import pytest
 import torch
 from reference_models import build_pair, small_config
@@ -267,3 +269,28 @@ def test_the_engines_options_take_only_the_new_bits_from_the_environment(monkeyp
         monkeypatch.setenv(cpm.EXTRA_ENV, bad)
         with pytest.raises(ValueError, match=message):
             cpm.engine_opts()
+
+
+def test_the_specialized_instances_are_the_kernels_own():
+    """cpm.SPECIALIZED (which options run an instance compiled for them) is the list the
+    kernel source instantiates; the served options are among them, and GENERIC or options
+    outside the list take the generic instance."""
+    src = cpm.SOURCE.read_text()
+    names = dict(re.findall(r"\b(OPT_[A-Z_0-9]+) = (\d+)", src))
+    served = re.search(r"constexpr int SERVED = ([^;]+);", src).group(1)
+    listed = re.search(r"constexpr int SPECIALIZED\[\] = \{([^}]+)\}", src).group(1)
+
+    def value(expr: str) -> int:
+        out = 0
+        for term in expr.split("|"):
+            term = term.strip()
+            out |= cpm.SERVED_OPTS if term == "SERVED" else int(names[term])
+        return out
+
+    assert value(served) == cpm.SERVED_OPTS
+    assert tuple(value(e) for e in listed.split(",")) == cpm.SPECIALIZED
+    assert int(names["OPT_GENERIC"]) == cpm.GENERIC
+    assert cpm.specialized(cpm.SERVED_OPTS | cpm.COOPERATIVE)
+    assert cpm.specialized(cpm.SERVED_OPTS | cpm.TWO_TOKEN | cpm.XREDUCE)
+    assert not cpm.specialized(cpm.SERVED_OPTS | cpm.GENERIC)
+    assert not cpm.specialized(cpm.SERVED_OPTS | cpm.SPLIT_DOWN)

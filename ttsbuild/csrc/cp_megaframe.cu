@@ -76,6 +76,16 @@ constexpr int NSTAMP = 7;
 constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4, OPT_PRODUCER = 8,
               OPT_COOPERATIVE = 16, OPT_TWO_TOKEN = 32, OPT_XREDUCE = 64, OPT_KV_AHEAD = 128,
               OPT_SPLIT_DOWN = 256;
+// OPT_GENERIC (host): the kernel compiled for any options, read from Params at run time (what
+//   the bench's older variants run). Without it the options in SPECIALIZED run a kernel
+//   compiled for exactly them: the generic kernel's every-option code is ~1.5x the served
+//   one's machine code (295 KB against ~200 KB for the full mode, sm_90a), and a persistent
+//   kernel that walks 320 stages of it misses the instruction cache (the served options, H100,
+//   2026-12-05: 1.49 ms a frame before the four options above were added, 1.78 after).
+constexpr int OPT_GENERIC = 512;
+constexpr int SERVED = OPT_TMA | OPT_READ_FIRST | OPT_PRODUCER;
+constexpr int SPECIALIZED[] = {SERVED, SERVED | OPT_TWO_TOKEN, SERVED | OPT_XREDUCE,
+                               SERVED | OPT_TWO_TOKEN | OPT_XREDUCE};
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -249,7 +259,7 @@ __device__ __forceinline__ void copy_rows(float* dst, const float* src, int n, i
 //   B: q norm [0, 128), k norm [128, 256), cos [256, 320), sin [320, 384), o scales [384, ...)
 //   D: down scales [0, ...)                              H: final norm, head scales
 __device__ void issue_side(const Params& p, int pass, int r, float* side, int cta, int ctas,
-                           int t, int nt) {
+                           int t, int nt, bool split) {
     const Rows w = stage_rows(r == 20 ? 4 : r % 4, cta, ctas);
     const int r0 = w.r0, r1 = w.r1;
     if (r == 20) {
@@ -271,7 +281,7 @@ __device__ void issue_side(const Params& p, int pass, int r, float* side, int ct
         copy_vec(side, p.post_norm + l * H, H, t, nt);
         copy_rows(side + H, p.sgu + (size_t)l * 2 * I + r0, r1 - r0, t, nt);
         copy_rows(side + H + (r1 - r0), p.sgu + (size_t)l * 2 * I + I + r0, r1 - r0, t, nt);
-    } else if (p.opts & OPT_SPLIT_DOWN) {  // every output's scale: the CTA adds to all of d
+    } else if (split) {  // every output's scale: the CTA adds to all of d
         copy_vec(side, p.sd + l * H, H, t, nt);
     } else {
         copy_rows(side, p.sd + l * H + r0, r1 - r0, t, nt);
@@ -317,7 +327,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
 // end in the buffer.
 struct Seg { const uint8_t* src; size_t stride; int n, bytes; };
 
-__device__ Seg stage_segs(const Params& p, int pass, int r, int cta, int ctas) {
+__device__ Seg stage_segs(const Params& p, int pass, int r, int cta, int ctas, bool split) {
     const Rows w = stage_rows(r == 20 ? 4 : r % 4, cta, ctas);
     const int rows = w.r1 - w.r0;
     if (r == 20) return {p.whead + ((size_t)(pass - 1) * V + w.r0) * H, 0, 1, rows * H};
@@ -329,7 +339,7 @@ __device__ Seg stage_segs(const Params& p, int pass, int r, int cta, int ctas) {
         return {p.wo + (((size_t)l * NH + cta % NH) * H + w.r0) * HD, 0, 1, rows * HD};
     if (kind == 2)  // gate rows r0..r1, then up rows r0..r1
         return {p.wgu + ((size_t)l * 2 * I + w.r0) * H, (size_t)I * H, 2, rows * H};
-    if (p.opts & OPT_SPLIT_DOWN) {  // W_d's columns j0..j1 of C's split, transposed: one slice
+    if (split) {  // W_d's columns j0..j1 of C's split, transposed: one slice
         const Rows c = stage_rows(2, cta, ctas);
         return {p.wdt + ((size_t)l * I + c.r0) * H, 0, 1, (c.r1 - c.r0) * H};
     }
@@ -370,13 +380,14 @@ __device__ void issue_weights_tma(const Seg& g, uint8_t* buf, uint64_t* bar, int
 // Copy this CTA's weight slice of stage sid into buf, and its side vectors beside it (every
 // stage thread calls it; with tma, warp 0 issues the bulk copies and bar counts their bytes).
 __device__ void issue_stage(const Params& p, int sid, uint8_t* buf, int cta, int ctas, bool tma,
-                            uint64_t* bar) {
+                            bool split, uint64_t* bar) {
     if (sid >= STAGES) return;
     int pass, r;
     stage_of(sid, pass, r);
     const int tid = threadIdx.x;
-    issue_side(p, pass, r, reinterpret_cast<float*>(buf + p.buf_bytes), cta, ctas, tid, THREADS);
-    const Seg g = stage_segs(p, pass, r, cta, ctas);
+    issue_side(p, pass, r, reinterpret_cast<float*>(buf + p.buf_bytes), cta, ctas, tid, THREADS,
+               split);
+    const Seg g = stage_segs(p, pass, r, cta, ctas, split);
     if (tma) {
         if (tid < 32) issue_weights_tma(g, buf, bar, tid);
         return;
@@ -648,11 +659,14 @@ __device__ int pick_token(const float* lg, bool do_sample, int top_k, float top_
     return arg;
 }
 
-template <int MODE>
+// FIXED: the options this instance was compiled for (one of SPECIALIZED), or -1: p.opts's,
+// read at run time (OPT_GENERIC)
+template <int MODE, int FIXED>
 __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     extern __shared__ __align__(16) uint8_t smem[];
-    const bool two = p.opts & OPT_TWO_TOKEN, xr = p.opts & OPT_XREDUCE;
-    const bool split = p.opts & OPT_SPLIT_DOWN;
+    const int opts = FIXED >= 0 ? FIXED : p.opts;
+    const bool two = opts & OPT_TWO_TOKEN, xr = opts & OPT_XREDUCE;
+    const bool split = opts & OPT_SPLIT_DOWN;
     const int TT = two ? 2 : 1;   // token rows of the activation buffers (smem_bytes)
     uint8_t* wbuf = smem;                                             // NBUF x buf_bytes
     float* x = reinterpret_cast<float*>(smem + (size_t)NBUF * (p.buf_bytes + SIDE * 4));  // [TT, H]
@@ -668,15 +682,15 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     float* vbuf = kbuf + G * HD;                                 // [16, 128]: ...and v
 
     const int cta = blockIdx.x, ctas = gridDim.x, tid = threadIdx.x;
-    const bool tma = p.opts & OPT_TMA, read_first = p.opts & OPT_READ_FIRST;
+    const bool tma = opts & OPT_TMA, read_first = opts & OPT_READ_FIRST;
     const bool do_sample = p.do_sample[p.row];
     const long long top_k_row = p.top_k[p.row];
     const int top_k = top_k_row > V ? V : (int)top_k_row;
     const float temperature = p.temperature[p.row], top_p = p.top_p[p.row];
     const long long seed = p.seed[p.row], counter_base = p.frame[p.row] * G;
-    const bool producer = tma && (p.opts & OPT_PRODUCER) && (MODE == 0 || MODE == 3);
-    const bool kv_ahead = producer && (p.opts & OPT_KV_AHEAD);
-    const int dist = (p.opts & OPT_DIST1) ? 1 : 2;
+    const bool producer = tma && (opts & OPT_PRODUCER) && (MODE == 0 || MODE == 3);
+    const bool kv_ahead = producer && (opts & OPT_KV_AHEAD);
+    const int dist = (opts & OPT_DIST1) ? 1 : 2;
     const size_t slot_bytes = (size_t)p.buf_bytes + SIDE * sizeof(float);
     // the first stage run: pass 1's first with OPT_TWO_TOKEN (pass 0's 20 stages skipped);
     // buffers and mbarrier phases count from it
@@ -706,7 +720,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             stage_of(sid, pass, r);
             uint8_t* buf = buf_of(sid);
             issue_side(p, pass, r, reinterpret_cast<float*>(buf + p.buf_bytes), cta, ctas, lane,
-                       32);
+                       32, split);
             if (kv_ahead && r < 20 && r % 4 == 1) {  // B: its kv head's rows before the pass's
                 const int l = r / 4, g = (cta % NH) / (NH / NKV);
                 const int pos0 = pass + 1 - tokens_of(two, pass);
@@ -716,7 +730,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                 copy_vec(kd + (G - 1) * HD, p.vcache + at, pos0 * HD, lane, 32);
             }
             mbar_arrive_cp_async(&mbar[b]);
-            issue_weights_tma(stage_segs(p, pass, r, cta, ctas), buf, &mbar[b], lane,
+            issue_weights_tma(stage_segs(p, pass, r, cta, ctas, split), buf, &mbar[b], lane,
                               p.pace_ticks);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // its side copies landed
@@ -739,7 +753,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         if (st) st[cur * NSTAMP + 6] = clock64();
     };
     auto issue = [&](int sid) {
-        issue_stage(p, sid, buf_of(sid), cta, ctas, tma, &mbar[slot(sid)]);
+        issue_stage(p, sid, buf_of(sid), cta, ctas, tma, split, &mbar[slot(sid)]);
         cp_commit();
     };
     int tok = 0;
@@ -1011,21 +1025,24 @@ inline size_t smem_bytes(int buf_bytes, int tt = 1) {
 }  // namespace megaframe
 
 #ifdef MEGAFRAME_INSTANTIATE  // an offline compile check: nvcc -DMEGAFRAME_INSTANTIATE -c
-template __global__ void megaframe::cp_megaframe_kernel<0>(megaframe::Params);
-template __global__ void megaframe::cp_megaframe_kernel<1>(megaframe::Params);
-template __global__ void megaframe::cp_megaframe_kernel<2>(megaframe::Params);
-template __global__ void megaframe::cp_megaframe_kernel<3>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<0, -1>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<1, -1>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<2, -1>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<3, -1>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SERVED>(megaframe::Params);
 #endif
 
 #ifdef TORCH_EXTENSION_NAME
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <iterator>
+#include <utility>
 
 namespace {
 
-template <int MODE>
+template <int MODE, int FIXED = -1>
 void launch_mode(megaframe::Params p, int ctas, size_t smem, cudaStream_t stream) {
-    auto k = megaframe::cp_megaframe_kernel<MODE>;
+    auto k = megaframe::cp_megaframe_kernel<MODE, FIXED>;
     static size_t set = 0;  // once per size, outside any capture's first replay
     if (set != smem) {
         C10_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -1038,6 +1055,15 @@ void launch_mode(megaframe::Params p, int ctas, size_t smem, cudaStream_t stream
     } else {
         k<<<ctas, megaframe::BLOCK, smem, stream>>>(p);
     }
+}
+
+// The full mode compiled for SPECIALIZED[K] where opts is that entry; false where none is.
+using kSpecialized = std::make_integer_sequence<int, (int)std::size(megaframe::SPECIALIZED)>;
+template <int... K>
+bool launch_specialized(int opts, megaframe::Params p, int ctas, size_t smem,
+                        cudaStream_t stream, std::integer_sequence<int, K...>) {
+    return ((opts == megaframe::SPECIALIZED[K] &&
+             (launch_mode<0, megaframe::SPECIALIZED[K]>(p, ctas, smem, stream), true)) || ...);
 }
 
 // ws: the 29 tensors of Params in order (ttsbuild/runtime/cp_megaframe.py); FP8 weights as
@@ -1067,7 +1093,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 512, "opts: OPT_* bits (0-511)");
+    TORCH_CHECK(opts >= 0 && opts < 1024, "opts: OPT_* bits (0-1023)");
     TORCH_CHECK(!(opts & megaframe::OPT_SPLIT_DOWN) ||
                 (megaframe::H == 4 * megaframe::THREADS &&
                  ws[28].numel() == (int64_t)megaframe::L * megaframe::I * megaframe::H),
@@ -1118,6 +1144,13 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     cudaMemsetAsync(p.counter, 0, sizeof(int) * ws[27].numel(), stream);
     cudaMemsetAsync(p.o, 0, sizeof(float) * tt * megaframe::H, stream);
     cudaMemsetAsync(p.d, 0, sizeof(float) * tt * megaframe::H, stream);
+    // the full frame compiled for its options where SPECIALIZED has them
+    const int fixed = (int)opts & ~(megaframe::OPT_COOPERATIVE | megaframe::OPT_GENERIC);
+    if (mode == 0 && !(opts & megaframe::OPT_GENERIC) &&
+        launch_specialized(fixed, p, (int)ctas, smem, stream, kSpecialized{})) {
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+    }
     switch (mode) {
         case 0: launch_mode<0>(p, (int)ctas, smem, stream); break;
         case 1: launch_mode<1>(p, (int)ctas, smem, stream); break;

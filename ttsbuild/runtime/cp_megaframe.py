@@ -58,6 +58,19 @@ SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cp_megaframe.cu"
 READ_FIRST, TMA, DIST1, PRODUCER, COOPERATIVE = 1, 2, 4, 8, 16
 TWO_TOKEN, XREDUCE, KV_AHEAD, SPLIT_DOWN = 32, 64, 128, 256
 SERVED_OPTS = TMA | READ_FIRST | PRODUCER
+# GENERIC (host): the kernel compiled for any options, read at run time. Without it, the full
+# frame with options (less COOPERATIVE) in SPECIALIZED runs a kernel compiled for exactly them:
+# less than half the machine code, which a persistent kernel walking 320 stages needs (the
+# instruction cache: the served options took 1.49 ms before the four options above were
+# added to the one kernel, 1.78 after; H100). Mirrors cp_megaframe.cu's SPECIALIZED.
+GENERIC = 512
+SPECIALIZED = (SERVED_OPTS, SERVED_OPTS | TWO_TOKEN, SERVED_OPTS | XREDUCE,
+               SERVED_OPTS | TWO_TOKEN | XREDUCE)
+
+
+def specialized(opts: int) -> bool:
+    """Whether the full frame with `opts` runs an instance compiled for them."""
+    return not opts & GENERIC and opts & ~COOPERATIVE in SPECIALIZED
 # The kernel's tensors, in its argument order
 ORDER = ("wqkv", "sqkv", "wo", "so", "wgu", "sgu", "wd", "sd", "whead", "shead", "in_norm",
          "post_norm", "q_norm", "k_norm", "final_norm", "tables", "x_in", "rope_cos",

@@ -259,6 +259,7 @@ def main() -> int:
 
 # the newest options beside the served ones (`newest_options`)
 NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE, "kv-ahead": cpm.KV_AHEAD,
+          "two-token+xreduce": cpm.TWO_TOKEN | cpm.XREDUCE,
           "split-down": cpm.SPLIT_DOWN, "split-down+two-token": cpm.SPLIT_DOWN | cpm.TWO_TOKEN,
           "all-four": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN}
 
@@ -275,17 +276,24 @@ def newest_options(ext, ws, m, b, ctas_list, best: int, row, header: str,
           "GEMVs' reductions together (XREDUCE), B's K/V rows copied ahead (KV_AHEAD), D split "
           "by input columns (SPLIT_DOWN: 254 barriers, 240 with TWO_TOKEN)")
     ok = True
-    for ctas, (name, bits), (label, smp) in itertools.product(ctas_list, newest.items(), (
+    checked = {"served": 0, **newest}  # served: the served options' own instance
+    for ctas, (name, bits), (label, smp) in itertools.product(ctas_list, checked.items(), (
             ("greedy", GREEDY), ("sampled", SAMPLED), ("sampled with top-p 0.8", SAMPLED_P))):
         ok &= check(ext, ws, m, b, ctas, f"{label}, tma, read first, producer, {name}", smp,
                     0, best | bits)
     print(header)
+
+    def kind(opts: int) -> str:  # which instance ran: one compiled for its options or not
+        return "" if cpm.specialized(opts) else " (generic)"
+
     for ctas in ctas_list:
         for label, smp in (("greedy", GREEDY), ("sampled", SAMPLED)):
-            row(ctas, f"full, {label}, tma, read first, producer", 0, smp, 0, best)
+            row(ctas, f"full, {label}, tma, read first, producer{kind(best)}", 0, smp, 0, best)
+            row(ctas, f"full, {label}, tma, read first, producer (generic)", 0, smp, 0,
+                best | cpm.GENERIC)
             for name, bits in newest.items():
-                row(ctas, f"full, {label}, tma, read first, producer, {name}", 0, smp, 0,
-                    best | bits)
+                row(ctas, f"full, {label}, tma, read first, producer, {name}{kind(best | bits)}",
+                    0, smp, 0, best | bits)
         if "two-token" in newest:
             row(ctas, "barriers, two-token (315)", 1, GREEDY, 0, cpm.TWO_TOKEN)
         if "xreduce" in newest:
