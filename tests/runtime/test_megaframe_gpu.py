@@ -47,20 +47,24 @@ def _settings(do_sample: bool, seed: int, frame: int, top_p: float = 1.0):
     return (batch, torch.tensor([seed], device="cuda"), torch.tensor([frame], device="cuda"))
 
 
-@pytest.mark.parametrize("extra", [
-    0, cpm.GENERIC, cpm.TWO_TOKEN, cpm.XREDUCE, cpm.TWO_TOKEN | cpm.XREDUCE,
-    cpm.TWO_TOKEN | cpm.XREDUCE | cpm.GENERIC, cpm.KV_AHEAD, cpm.SPLIT_DOWN,
-    cpm.SPLIT_DOWN | cpm.TWO_TOKEN, cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN,
-], ids=["served", "served-generic", "two-token", "xreduce", "two-token+xreduce",
-        "two-token+xreduce-generic", "kv-ahead", "split-down", "split-down+two-token", "all"])
+F, TT, XR = cpm.FETCH, cpm.TWO_TOKEN, cpm.XREDUCE
+
+
+@pytest.mark.parametrize("opts", [
+    cpm.SERVED_OPTS, cpm.SERVED_OPTS | cpm.GENERIC, F, F | cpm.GENERIC, F | TT, F | XR,
+    F | cpm.KV_AHEAD, F | cpm.SPLIT_DOWN, F | cpm.SPLIT_DOWN | TT,
+    F | TT | XR | cpm.KV_AHEAD | cpm.SPLIT_DOWN,
+], ids=["served", "served-generic", "fetch", "fetch-generic", "two-token", "xreduce",
+        "kv-ahead", "split-down", "split-down+two-token", "all"])
 @pytest.mark.parametrize("do_sample, top_p", [(False, 1.0), (True, 1.0), (True, 0.8)])
-def test_codes_follow_the_reference(model, do_sample, top_p, extra):
-    """extra: options beside the served ones (the frame's two inputs as one pass of two
-    tokens, TWO_TOKEN; the GEMVs' row sums reduced together, XREDUCE; stage B's past K/V rows
-    copied ahead by the producer, KV_AHEAD; stage D split by input columns, SPLIT_DOWN)."""
+def test_codes_follow_the_reference(model, do_sample, top_p, opts):
+    """opts: the served options (FETCH, TWO_TOKEN: the frame's two inputs as one pass of two
+    tokens, XREDUCE: the GEMVs' row sums reduced together), each in its own instance and in
+    the generic one; FETCH alone and with one option each (KV_AHEAD: stage B's past K/V rows
+    copied ahead by the producer; SPLIT_DOWN: stage D split by input columns)."""
     cp, m, x_in, mf = model
-    if extra:
-        mf = cpm.Megaframe(m, eps=mf.eps, opts=cpm.SERVED_OPTS | cpm.COOPERATIVE | extra)
+    if opts != cpm.SERVED_OPTS:
+        mf = cpm.Megaframe(m, eps=mf.eps, opts=opts | cpm.COOPERATIVE)
     batch, seeds, frames = _settings(do_sample, seed=-987654321, frame=41, top_p=top_p)
     tokens = mf.run(x_in, batch, seeds, frames).clone()
     logits, _, _ = cpm.reference(m, x_in, tokens, eps=mf.eps)

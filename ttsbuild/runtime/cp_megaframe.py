@@ -44,33 +44,36 @@ from ttsbuild.runtime.fast_model import Dense, PackedStack
 SHAPE = {"layers": 5, "hidden": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128,
          "intermediate": 3072, "vocab": 2048, "groups": 16}
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cp_megaframe.cu"
-# The kernel's OPT_* bits (cp_megaframe.cu) and the fastest measured combination: TMA bulk
-# copies issued by a producer warp, each stage's activations read first. COOPERATIVE: a
-# cooperative launch (the grid starts only when all of it fits: no grid barrier waits on a CTA
-# that cannot start beside another stream's kernels); the wrapper's default, not yet timed.
-# TWO_TOKEN: the frame's first two inputs (positions 0 and 1) as one pass of two tokens: 20
-# stages fewer (of 335) and 19 grid barriers (of 334). XREDUCE: a GEMV's row sums reduced
-# across the warp together (`xreduce_lanes` mirrors it), stage B's o projection 8 rows a
-# warp. KV_AHEAD (with PRODUCER): stage B's past K/V rows copied by the producer beside its
-# weights. SPLIT_DOWN: stage D split by input columns (a CTA's own act columns from C times
-# W_d's columns, transposed, added to d by atomics): no barrier after C, 3 a layer, not 4.
-# None of the four has run on a GPU yet, so none is in SERVED_OPTS.
+# The kernel's OPT_* bits (cp_megaframe.cu). FETCH, how the fastest measured kernel fetches:
+# TMA bulk copies issued by a producer warp, each stage's activations read first. COOPERATIVE:
+# a cooperative launch (the grid starts only when all of it fits: no grid barrier waits on a
+# CTA that cannot start beside another stream's kernels). TWO_TOKEN: the frame's first two
+# inputs (positions 0 and 1) as one pass of two tokens: 20 stages fewer (of 335) and 19 grid
+# barriers (of 334). XREDUCE: a GEMV's row sums reduced across the warp together
+# (`xreduce_lanes` mirrors it), stage B's o projection 8 rows a warp. Both served: 1.446 ->
+# 1.368 ms a frame (H100 run 11, every check passing). KV_AHEAD (with PRODUCER): stage B's
+# past K/V rows copied by the producer beside its weights (no faster: run 10). SPLIT_DOWN:
+# stage D split by input columns (a CTA's own act columns from C times W_d's columns,
+# transposed, added to d by atomics): no barrier after C, 3 a layer, not 4; 8 % slower
+# (run 10: the atomics and the transposed slice cost more than the barrier saved).
 READ_FIRST, TMA, DIST1, PRODUCER, COOPERATIVE = 1, 2, 4, 8, 16
 TWO_TOKEN, XREDUCE, KV_AHEAD, SPLIT_DOWN = 32, 64, 128, 256
-SERVED_OPTS = TMA | READ_FIRST | PRODUCER
+FETCH = TMA | READ_FIRST | PRODUCER
+SERVED_OPTS = FETCH | TWO_TOKEN | XREDUCE
 # GENERIC (host): the kernel compiled for any options, read at run time. Without it, the full
-# frame with options (less COOPERATIVE) in SPECIALIZED runs a kernel compiled for exactly them:
-# less than half the machine code, which a persistent kernel walking 320 stages needs (the
-# instruction cache: the served options took 1.49 ms before the four options above were
-# added to the one kernel, 1.78 after; H100). Mirrors cp_megaframe.cu's SPECIALIZED.
+# frame with options (less COOPERATIVE) in SPECIALIZED runs an instance compiled for exactly
+# them: less than half the machine code, which a persistent kernel walking 320 stages needs
+# (the instruction cache: FETCH took 1.741 ms a frame in the generic instance, 1.446 in its
+# own; H100 run 11). Mirrors cp_megaframe.cu's SPECIALIZED.
 GENERIC = 512
-SPECIALIZED = (SERVED_OPTS, SERVED_OPTS | TWO_TOKEN, SERVED_OPTS | XREDUCE,
-               SERVED_OPTS | TWO_TOKEN | XREDUCE)
+SPECIALIZED = (SERVED_OPTS, FETCH, FETCH | TWO_TOKEN, FETCH | XREDUCE)
 
 
 def specialized(opts: int) -> bool:
     """Whether the full frame with `opts` runs an instance compiled for them."""
-    return not opts & GENERIC and opts & ~COOPERATIVE in SPECIALIZED
+    return not opts & GENERIC and (opts & ~COOPERATIVE) in SPECIALIZED
+
+
 # The kernel's tensors, in its argument order
 ORDER = ("wqkv", "sqkv", "wo", "so", "wgu", "sgu", "wd", "sd", "whead", "shead", "in_norm",
          "post_norm", "q_norm", "k_norm", "final_norm", "tables", "x_in", "rope_cos",

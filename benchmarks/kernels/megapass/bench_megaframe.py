@@ -188,7 +188,7 @@ def main() -> int:
     fp8_bytes = sum(m[k].numel() for k in ("wqkv", "wo", "wgu", "wd")) * G + m["whead"].numel()
     header = ("| CTAs | mode | ms / frame | us / pass | us / barrier (334) | GB/s |\n"
               "|---|---|---|---|---|---|")
-    best = TMA | READ_FIRST | PRODUCER
+    best = cpm.FETCH
 
     def row(ctas: int, label: str, mode: int, smp: dict, flags: int = 0, opts: int = 0,
             pace: int = 0) -> None:
