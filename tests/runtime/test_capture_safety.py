@@ -129,3 +129,30 @@ def test_the_check_catches_a_scalar_setitem(models):
     with CaptureSafety() as mode:
         t.add_(torch.tensor([1, 2, 3, 4]))
     assert mode.found
+
+
+def test_the_megaframe_alternates_are_captured_and_capture_safe(models):
+    """With the one-kernel code predictor on both paths (GraphBackend.mega_alternates, set as
+    plan.megaframe_code_predictor sets it on a Hopper GPU), bucket 1's frame steps on both
+    paths also have a fused graph ("fused" keys, each on its path's stream) for when the
+    other path's kernel may still run; no other bucket does, and they are capture-safe."""
+    plan = EnginePlan(**RC, admission_lane=(1, 2), lane_frames=2)
+    engine = GraphEngine(models, plan, use_graphs=False)
+    backend = engine.backend
+    plain = {key for key, _, _ in backend.graph_bodies()}
+    backend.mega_alternates = True
+    alternates = {key: (body, where) for key, body, where in backend.graph_bodies()
+                  if key not in plain}  # fmt: skip
+    assert {key: where for key, (_, where) in alternates.items()} == {
+        ("frame", 1, "fused"): "lm", ("first", 1, "fused"): "admit",
+        ("second", 1, "fused"): "admit"}
+    req = SynthesisRequest(text="Glue the sheet to the dark blue.", voice="ryan", seed=2,
+                           max_frames=6)  # fmt: skip
+    slot = engine.admit(req)
+    engine.prefill([slot])
+    backend.rows_in[:1] = slot
+    backend.lane_rows_in[:1] = slot
+    for key, (body, _) in alternates.items():
+        with CaptureSafety() as mode:
+            body()
+        assert not mode.found, f"{key} is not capture-safe: {mode.found}"

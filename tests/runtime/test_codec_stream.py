@@ -231,18 +231,18 @@ def assert_same_audio(want: np.ndarray, got: np.ndarray) -> None:
     assert np.abs(want - got).max() <= 1e-5 * np.abs(want).max()
 
 
-def run_joining(engine, reqs, late, audio_frames=2, audio_min=1):
-    """Two requests from the start, a third joining after two steps (its first frame beside
-    their third), frames read one step late, audio up to `audio_frames` frames a step of rows
-    with at least `audio_min` pending (2: a first chunk of two frames, as a real CustomVoice
-    checkpoint's, the bootstrap frame dropped); codes and PCM per request."""
+def run_joining(engine, reqs, late, audio_frames=2, audio_min=1, join_at=2):
+    """Two requests from the start, a third joining after `join_at` steps (its first frame
+    beside their next), frames read one step late, audio up to `audio_frames` frames a step
+    of rows with at least `audio_min` pending (2: a first chunk of two frames, as a real
+    CustomVoice checkpoint's, the bootstrap frame dropped); codes and PCM per request."""
     slots = [engine.admit(r) for r in reqs]
     engine.prefill(slots)
     codes = {s: [] for s in slots}
     pcm = {s: [] for s in slots}
     pending, step = None, 0
     while True:
-        if step == 2:
+        if step == join_at:
             slots.append(engine.admit(late))
             engine.prefill(slots[-1:])
             codes[slots[-1]], pcm[slots[-1]] = [], []
@@ -526,3 +526,75 @@ def test_the_one_kernel_code_predictor_asked_at_load():
     with pytest.raises(ValueError, match="code predictor's shapes"):
         open_engine(None, "cpu", kind="graph", code_predictor_fp8=True,
                     megaframe_code_predictor=True, **kw)  # fmt: skip
+
+
+def test_megaframe_free_waits_only_for_the_other_paths_kernel():
+    """A bucket-1 step may start the one-kernel code predictor unless the other path's last
+    step that ran it is still in flight; its own path's never matters."""
+    from ttsbuild.runtime.graph_engine import megaframe_free
+
+    done = {3}
+    for lane in (False, True):
+        assert megaframe_free(lane, {False: None, True: None}, done.__contains__)
+        assert not megaframe_free(lane, {lane: None, not lane: 5}, done.__contains__)
+        assert megaframe_free(lane, {lane: None, not lane: 3}, done.__contains__)
+        assert megaframe_free(lane, {lane: 5, not lane: 3}, done.__contains__)
+
+
+class SlowKernelDriver(RecordingDriver):
+    """A launch stays in flight until `hold` launches later (the step driver's ready() is
+    otherwise true at once on the CPU): as if every step were a long kernel."""
+
+    hold = 3
+
+    def ready(self, ticket):
+        return self.driver.ready(ticket) and len(self.launches) - self._index(ticket) > self.hold
+
+    def _index(self, ticket):
+        return next(i for i, (t, *_) in enumerate(self.launches) if t == ticket)
+
+
+def test_with_the_kernel_on_both_paths_a_step_takes_the_fused_path_beside_the_others(models):
+    """plan.megaframe_code_predictor with the regular step and the admission lane both on it
+    (two kernel instances, each needing every SM): a bucket-1 step whose other path's kernel
+    step may still run takes the fused path (its alternate graph), else the kernel, and the
+    choice changes no code and no sample. The kernel itself needs a Hopper GPU: here the
+    engine's switch is set as such a plan sets it and the code predictor calls are recorded."""
+    plan = PLAN.model_copy(update={"admission_lane": (1, 2)})
+    reqs, late = requests(70)[:1], SynthesisRequest(text="Late again.", voice="eric", seed=9)
+    expected = run_joining(GraphEngine(models, plan, use_graphs=False, codec_stream=True),
+                           reqs, late, join_at=5)
+    engine = GraphEngine(models, plan, use_graphs=False, codec_stream=True)
+    backend = engine.backend
+    assert not backend.mega_alternates and not backend.cp_mega  # off without the plan's switch
+    backend.mega_alternates = True
+    backend.driver = rec = SlowKernelDriver(backend.driver)
+    calls, original = [], backend._code_predictor
+
+    def recorded(hidden, c0, sampling, seeds, frames, lane=False, mega=True):
+        calls.append((hidden.shape[0], lane, mega, len(rec.launches)))
+        return original(hidden, c0, sampling, seeds, frames, lane, mega)
+
+    backend._code_predictor = recorded
+    got = run_joining(engine, reqs, late, join_at=5)
+    for (c1, p1), (c2, p2) in zip(expected, got, strict=True):
+        assert c1.shape[0] > 3 and torch.equal(c1, c2)
+        assert_same_audio(p1, p2)
+    ones = [(lane, mega) for rows, lane, mega, _ in calls if rows == 1]
+    # the first request's first frame on the lane (the kernel: nothing else ran it yet), its
+    # next regular step beside it (fused); its later regular steps use the kernel once the
+    # lane's has finished, and the late request's first frame on the lane, beside a regular
+    # step that ran it, is fused
+    assert ones[:2] == [(True, True), (False, False)]
+    assert (False, True) in ones and (True, False) in ones
+    # every kernel step started only when the other path's last kernel step was done
+    last = {False: None, True: None}
+    for rows, lane, mega, launched in calls:
+        if rows != 1:
+            continue
+        other = last[not lane]
+        if mega:
+            assert other is None or launched - other > SlowKernelDriver.hold
+            last[lane] = launched
+        else:
+            assert other is not None and launched - other <= SlowKernelDriver.hold

@@ -356,6 +356,14 @@ class GraphBackend:
             for lane in lanes:
                 first = self.cp_mega[lane] = cp_megaframe.Megaframe(packed, eps, opts=opts,
                                                                     like=first)
+        # With the kernel on both paths, a bucket-1 step never starts it while the other
+        # path's may still run (each instance takes every SM, so the second would wait for
+        # the first: a new request's first chunk beside one stepping row took 6.53 ms against
+        # 5.54 without the kernel and 5.08 with it on the lane only, H100,
+        # benchmarks/runtime/2026-12-05-h100-megaframe-served): it takes the fused path then,
+        # a graph captured beside (an "alternate"). path -> the last step that ran the kernel.
+        self.mega_alternates = len(self.cp_mega) == 2
+        self.mega_tickets: dict[bool, int | None] = {False: None, True: None}
         # Prompt rows -> embeddings, the same function the reference prompt uses.
         proj = talker.text_projection
         self.embedder = PromptEmbedder(
@@ -557,12 +565,15 @@ class GraphBackend:
         books = torch.arange(G - 1, device=codes.device)
         return x + self.cp_embeddings[books[None, :], codes[:, 1:]].sum(1)
 
-    def _code_predictor(self, hidden, c0, sampling, seeds, frames, lane=False) -> torch.Tensor:
+    def _code_predictor(self, hidden, c0, sampling, seeds, frames, lane=False,
+                        mega=True) -> torch.Tensor:
         """Codebooks 1..15 for B rows with on-device sampling: [B, G]. lane: the admission
-        lane's step (its own cache; the fused or unfused path, which keep no other state)."""
+        lane's step (its own cache; the fused or unfused path, which keep no other state).
+        mega: batch 1 as one kernel where this path has one (plan.megaframe_code_predictor);
+        False: the fused path (the step's alternate, see `_use_megaframe`)."""
         B = hidden.shape[0]
         slots = self.cp_slots[:B]
-        if B == 1 and lane in self.cp_mega:
+        if B == 1 and mega and lane in self.cp_mega:
             # the talker's hidden state and codebook 0's embedding, projected, then one launch
             x = self.cp_fused._project(torch.cat([hidden, self.codec_embedding[c0]]), None)
             codes = self.cp_mega[lane].run(x, sampling, seeds, frames)
@@ -583,7 +594,8 @@ class GraphBackend:
         return self.cp_fused.frame_unfused(*args, self.cp_positions)
 
     def _frame_body(
-        self, rows: torch.Tensor, lane: bool = False, talker: bool | None = None
+        self, rows: torch.Tensor, lane: bool = False, talker: bool | None = None,
+        mega: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame for `rows` (slots): returns the codes [B, G] (also left in the ring) and
         each row's StopCode [B].
@@ -595,7 +607,7 @@ class GraphBackend:
         new request's first frame costs no talker step, and no talker step runs after a
         stream's last frame. lane: the admission lane's step (see _code_predictor for its
         code-predictor cache), which holds fresh rows only and runs no talker, unless `talker`
-        (its second frame step, plan.lane_frames 2)."""
+        (its second frame step, plan.lane_frames 2). mega: see _code_predictor."""
         G = self.cfg.num_code_groups
         fi, seeds = self.frame_idx[rows], self.seed[rows]
         if (not lane) if talker is None else talker:
@@ -608,7 +620,7 @@ class GraphBackend:
         logits = logits.masked_fill(self.suppressed[None] | eos_banned, float("-inf"))
         c0 = fused_sample(logits, tsamp, seeds, draw_counter(fi, G))
         codes = self._code_predictor(
-            self.hidden[rows], c0, self.cp_sampling.select(rows), seeds, fi, lane
+            self.hidden[rows], c0, self.cp_sampling.select(rows), seeds, fi, lane, mega
         )
         self.history.index_put_((rows, c0), self.true)  # a device scalar: no host copy
         stop = frame_stop_codes(self.guard_state, self.guards, rows, c0, self.cfg.codec_ids.eos)
@@ -729,6 +741,11 @@ class GraphBackend:
             bodies.append((("frame", b),
                            lambda rows=rows, out=out: _write_frame(out, *self._frame_body(rows)),
                            "lm"))  # fmt: skip
+            if b == 1 and self.mega_alternates:
+                bodies.append((("frame", b, "fused"),
+                               lambda rows=rows, out=out: _write_frame(
+                                   out, *self._frame_body(rows, mega=False)),
+                               "lm"))  # fmt: skip
             codec_rows = self.codec_rows_in[:b]
             for n in r.codec_chunks:
                 pcm = self.pcm_out[:b, : n * SAMPLES_PER_FRAME]
@@ -745,20 +762,23 @@ class GraphBackend:
                 bodies.append((("text", b, t), lambda b=b, t=t: self._text_body(b, t), admit))
         for b in self.lane_buckets:
             rows, out = self.lane_rows_in[:b], self.lane_out[:b]
-            bodies.append((("first", b),
-                           lambda rows=rows, out=out: _write_frame(
-                               out, *self._frame_body(rows, lane=True)),
-                           "admit"))  # fmt: skip
+            for mega in (True, False) if b == 1 and self.mega_alternates else (True,):
+                bodies.append((("first", b) + (() if mega else ("fused",)),
+                               lambda rows=rows, out=out, mega=mega: _write_frame(
+                                   out, *self._frame_body(rows, lane=True, mega=mega)),
+                               "admit"))  # fmt: skip
             rows, pcm = self.lane_codec_rows_in[:b], self.lane_pcm[:b, :SAMPLES_PER_FRAME]
             bodies.append((("first_codec", b),
                            lambda rows=rows, pcm=pcm: pcm.copy_(self._codec_body(rows, 1)),
                            "admit"))  # fmt: skip
             if r.lane_frames > 1:  # the second frame there, and a first codec step of both
                 rows, out = self.lane_rows_in[:b], self.lane_out[:b]
-                bodies.append((("second", b),
-                               lambda rows=rows, out=out: _write_frame(
-                                   out, *self._frame_body(rows, lane=True, talker=True)),
-                               "admit"))  # fmt: skip
+                for mega in (True, False) if b == 1 and self.mega_alternates else (True,):
+                    bodies.append((("second", b) + (() if mega else ("fused",)),
+                                   lambda rows=rows, out=out, mega=mega: _write_frame(
+                                       out, *self._frame_body(rows, lane=True, talker=True,
+                                                              mega=mega)),
+                                   "admit"))  # fmt: skip
                 n = r.lane_frames
                 rows, pcm = self.lane_codec_rows_in[:b], self.lane_pcm[:b]
                 bodies.append((("first_codec", b, n),
@@ -1115,12 +1135,13 @@ class GraphBackend:
 
     def _regular_frames(self, slots: list[int]) -> _Staged:
         G = self.cfg.num_code_groups
+        mega = self._megaframe_turn(False, len(slots))
 
         def step(rows: int):
             if self.use_graphs:
-                return self.graphs[("frame", rows)]
+                return self.graphs[("frame", rows) + (() if mega else ("fused",))]
             out = self.frame_out[:rows]
-            return lambda: _write_frame(out, *self._frame_body(self.rows_in[:rows]))
+            return lambda: _write_frame(out, *self._frame_body(self.rows_in[:rows], mega=mega))
 
         # Rows prefilled on the admission lane follow its prefill (the caller's stream waits
         # for it; this lane forks from that stream), or their first frame there.
@@ -1137,25 +1158,41 @@ class GraphBackend:
         staged = self._launch(self.frame_staging, slots, step, self.frame_out, G + 1,
                               self.rows_in, self.lm_lane, sorted(set(after)))  # fmt: skip
         self.ring_order.frames_launched(slots, staged.ticket, self.lm_lane)
+        self._megaframe_ran(False, len(slots), mega, staged.ticket)
         return staged
+
+    def _megaframe_turn(self, lane: bool, rows: int) -> bool:
+        """Whether a step of `rows` rows on the admission lane (`lane`) or the regular path
+        may run its one-kernel code predictor: not while the other path's last such step may
+        still run (`megaframe_free`); always where only one path has the kernel."""
+        if not self.mega_alternates or rows != 1:
+            return True
+        return megaframe_free(lane, self.mega_tickets, self.driver.ready)
+
+    def _megaframe_ran(self, lane: bool, rows: int, mega: bool, ticket: int) -> None:
+        if self.mega_alternates and rows == 1 and mega:
+            self.mega_tickets[lane] = ticket
 
     def _lane_frames(self, slots: list[int], second: bool = False) -> _Staged:
         """New rows' first frame on the admission lane (after their prefill, on its stream),
         or, `second` (plan.lane_frames 2), their second right after it there: the talker on
         the first, then the code predictor."""
         G = self.cfg.num_code_groups
+        mega = self._megaframe_turn(True, len(slots))
 
         def step(rows: int):
             if self.use_graphs:
-                return self.graphs[("second" if second else "first", rows)]
+                return self.graphs[("second" if second else "first", rows)
+                                   + (() if mega else ("fused",))]
             out = self.lane_out[:rows]
             return lambda: _write_frame(out, *self._frame_body(
-                self.lane_rows_in[:rows], lane=True, talker=second))
+                self.lane_rows_in[:rows], lane=True, talker=second, mega=mega))
 
         staged = self._launch(self.lane_staging, slots, step, self.lane_out, G + 1,
                               self.lane_rows_in, self.admit_lane,
                               self.ring_order.before_frames(slots), self.lane_buckets)  # fmt: skip
         self.ring_order.frames_launched(slots, staged.ticket, self.admit_lane)
+        self._megaframe_ran(True, len(slots), mega, staged.ticket)
         for s in slots:
             self.lane_frames[s] = staged.ticket
         if not second:
@@ -1463,6 +1500,15 @@ def _write_frame(out: torch.Tensor, codes: torch.Tensor, stop: torch.Tensor) -> 
     out[:, :-1] = codes
     out[:, -1] = stop
     return out
+
+
+def megaframe_free(lane: bool, tickets: dict[bool, int | None], ready) -> bool:
+    """Whether a bucket-1 step on the admission lane (`lane`) or the regular path may start
+    the one-kernel code predictor: only once the other path's last step that ran it
+    (`tickets[not lane]`, a step driver ticket; None: none yet) is done (`ready(ticket)`, a
+    query that never blocks)."""
+    other = tickets[not lane]
+    return other is None or bool(ready(other))
 
 
 def _capture(fn, pool, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:

@@ -113,14 +113,18 @@ class EnginePlan(BaseModel):
     # Batch bucket 1's code predictor as ONE persistent CUDA kernel a frame
     # (runtime.cp_megaframe: FP8 weights of the shipped code predictor's shapes, sm_90, a
     # cooperative launch), on the regular step and the admission lane's first frames. On an
-    # H100: frame b1 3.20 -> 2.81 ms, idle first chunk 4.81 -> 4.29 ms, codes identical to the
-    # plan without it (benchmarks/runtime/2026-12-05-h100-megaengine, -megaframe-check); off
-    # until serving under load has been measured with it (the lane then reserves no SMs).
+    # H100: frame b1 3.21 -> 2.72 ms, idle first chunk 4.63 -> 4.20 ms, codes identical to the
+    # plan without it (benchmarks/runtime/2026-12-05-h100-megaframe-served); serving at 10
+    # and 20 req/s: TTFA p50 7.6 -> 6.8 ms, p95 unchanged (benchmarks/serve/
+    # 2026-12-05-h100-megaframe-ab, before the alternates below). Off by default until an
+    # H200 sweep with the alternates; the lane then reserves no SMs.
     megaframe_code_predictor: bool = False
     # With megaframe_code_predictor: whether the regular bucket-1 step runs the kernel too
-    # (False: the admission lane's first frames only, so a lone stream's steps and a new
-    # request's first frame never wait for each other's every-SM grid; on the H100 a first
-    # chunk beside one stepping row took 6.44 ms with the kernel on both, 5.67 without it).
+    # (False: the admission lane's first frames only). With both, a bucket-1 step whose other
+    # path's kernel step may still run takes a fused graph captured beside (the two grids
+    # each need every SM: a first chunk beside one stepping row took 6.53 ms with the kernel
+    # on both paths, 5.54 without it, 5.08 with it on the lane only; H100, before the
+    # alternates).
     megaframe_regular: bool = True
     # Batch buckets whose talker step runs on runtime.cp_fused.decode_fused (5 launches per
     # layer instead of ~9: fused norm + linear, fused residual adds).
