@@ -294,3 +294,5 @@ def test_the_specialized_instances_are_the_kernels_own():
     assert cpm.specialized(cpm.FETCH) and cpm.SERVED_OPTS == cpm.SPECIALIZED[0]
     assert not cpm.specialized(cpm.SERVED_OPTS | cpm.GENERIC)
     assert not cpm.specialized(cpm.SERVED_OPTS | cpm.SPLIT_DOWN)
+    assert not cpm.specialized(cpm.SERVED_OPTS, barrier=3)  # the striped barrier: generic
+    assert "flag_barrier == 0 &&" in src  # ...as the binding dispatches

@@ -135,8 +135,10 @@ struct Params {
     float eps;
 };
 
+// n * cta < 2^31 (n <= 4096, cta <= 132): a 32-bit division (a 64-bit one is a ~60-instruction
+// routine inlined at every call)
 __host__ __device__ __forceinline__ int rows_begin(int n, int cta, int ctas) {
-    return (int)(((long long)n * cta) / ctas);
+    return (int)((unsigned)(n * cta) / (unsigned)ctas);
 }
 
 // The output rows [r0, r1) a CTA computes in a stage of kind 0-4 (A qkv, B o, C gate/up
@@ -667,6 +669,8 @@ template <int MODE, int FIXED>
 __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     extern __shared__ __align__(16) uint8_t smem[];
     const int opts = FIXED >= 0 ? FIXED : p.opts;
+    // the barrier's variant: an instance compiled for its options has the plain one only
+    const int flag_barrier = FIXED >= 0 ? 0 : p.flag_barrier;
     const bool two = opts & OPT_TWO_TOKEN, xr = opts & OPT_XREDUCE;
     const bool split = opts & OPT_SPLIT_DOWN;
     const int TT = two ? 2 : 1;   // token rows of the activation buffers (smem_bytes)
@@ -747,9 +751,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         csync();
         if (st) st[cur * NSTAMP + 5] = clock64();
         if (MODE != 3) {
-            if (p.flag_barrier == 3) grid_barrier_striped(p.counter, barriers, ctas);
-            else if (p.flag_barrier == 2) grid_barrier_flags(p.counter, barriers, ctas);
-            else if (p.flag_barrier == 1) grid_barrier<true>(p.counter, barriers * ctas);
+            if (flag_barrier == 3) grid_barrier_striped(p.counter, barriers, ctas);
+            else if (flag_barrier == 2) grid_barrier_flags(p.counter, barriers, ctas);
+            else if (flag_barrier == 1) grid_barrier<true>(p.counter, barriers * ctas);
             else grid_barrier<false>(p.counter, barriers * ctas);
         }
         if (st) st[cur * NSTAMP + 6] = clock64();
@@ -1148,7 +1152,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     cudaMemsetAsync(p.d, 0, sizeof(float) * tt * megaframe::H, stream);
     // the full frame compiled for its options where SPECIALIZED has them
     const int fixed = (int)opts & ~(megaframe::OPT_COOPERATIVE | megaframe::OPT_GENERIC);
-    if (mode == 0 && !(opts & megaframe::OPT_GENERIC) &&
+    if (mode == 0 && !(opts & megaframe::OPT_GENERIC) && flag_barrier == 0 &&
         launch_specialized(fixed, p, (int)ctas, smem, stream, kSpecialized{})) {
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         return;

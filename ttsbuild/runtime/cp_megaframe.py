@@ -69,9 +69,11 @@ GENERIC = 512
 SPECIALIZED = (SERVED_OPTS, FETCH, FETCH | TWO_TOKEN, FETCH | XREDUCE)
 
 
-def specialized(opts: int) -> bool:
-    """Whether the full frame with `opts` runs an instance compiled for them."""
-    return not opts & GENERIC and (opts & ~COOPERATIVE) in SPECIALIZED
+def specialized(opts: int, barrier: int = 0) -> bool:
+    """Whether the full frame with `opts` and grid barrier variant `barrier` (the kernel's
+    flag_barrier; such instances have the plain one, 0, only) runs an instance compiled for
+    them."""
+    return barrier == 0 and not opts & GENERIC and (opts & ~COOPERATIVE) in SPECIALIZED
 
 
 # The kernel's tensors, in its argument order
