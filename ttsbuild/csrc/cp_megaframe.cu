@@ -77,11 +77,11 @@ constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4, OPT_PRODUCER = 8,
               OPT_COOPERATIVE = 16, OPT_TWO_TOKEN = 32, OPT_XREDUCE = 64, OPT_KV_AHEAD = 128,
               OPT_SPLIT_DOWN = 256;
 // OPT_GENERIC (host): the kernel compiled for any options, read from Params at run time (what
-//   the bench's older variants run). Without it the options in SPECIALIZED run a kernel
-//   compiled for exactly them: the generic kernel's every-option code is ~1.5x the served
-//   one's machine code (295 KB against ~200 KB for the full mode, sm_90a), and a persistent
-//   kernel that walks 320 stages of it misses the instruction cache (the served options, H100,
-//   2026-12-05: 1.49 ms a frame before the four options above were added, 1.78 after).
+//   the bench's older variants run). Without it the options in SPECIALIZED (with the plain
+//   grid barrier) run an instance compiled for exactly them: the generic full mode is 295 KB
+//   of machine code against 132 KB for FETCH's own instance (sm_90a), and a persistent kernel
+//   walks ~320 stages of it a frame (H100 run 11: FETCH 1.741 ms a frame in the generic
+//   instance, 1.446 in its own; 1.487 in run 9, before the four options above existed).
 constexpr int OPT_GENERIC = 512;
 // FETCH: how the served options fetch (H100 runs 8-9); the served options add TWO_TOKEN and
 // XREDUCE (run 11: 1.446 -> 1.368 ms a frame)
