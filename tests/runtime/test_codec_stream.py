@@ -526,6 +526,18 @@ def test_the_one_kernel_code_predictor_asked_at_load():
     with pytest.raises(ValueError, match="code predictor's shapes"):
         open_engine(None, "cpu", kind="graph", code_predictor_fp8=True,
                     megaframe_code_predictor=True, **kw)  # fmt: skip
+    # on the admission lane only: taken, and refused without the kernel or without the lane
+    lane_only = open_engine(None, "cpu", kind="eager", code_predictor_fp8=True,
+                            megaframe_code_predictor=True, megaframe_regular=False, **kw).plan
+    assert lane_only.megaframe_code_predictor and not lane_only.megaframe_regular
+    assert 1 in lane_only.admission_lane
+    with pytest.raises(ValueError, match="it needs the kernel"):
+        open_engine(None, "cpu", kind="eager", code_predictor_fp8=True,
+                    megaframe_regular=False, **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="needs the lane on batch bucket 1"):
+        open_engine(None, "cpu", kind="eager", code_predictor_fp8=True,
+                    megaframe_code_predictor=True, megaframe_regular=False, admission_lane=(),
+                    **kw)  # fmt: skip
 
 
 def test_megaframe_free_waits_only_for_the_other_paths_kernel():

@@ -112,18 +112,26 @@ def test_serve_fits_its_default_slots_to_the_device_and_never_the_slots_asked_fo
     assert seen["num_slots"] == (16 if flags else None)  # a CPU: --random's own default
 
 
-@pytest.mark.parametrize("flags, fp8_cp, mega", [
-    ([], None, None),
-    (["--fp8-code-predictor", "--megaframe-code-predictor"], True, True),
-    (["--no-fp8-code-predictor", "--no-megaframe-code-predictor"], False, False),
+@pytest.mark.parametrize("flags, fp8_cp, mega, regular", [
+    ([], None, None, None),
+    (["--fp8-code-predictor", "--megaframe-code-predictor"], True, True, None),
+    (["--fp8-code-predictor", "--megaframe-code-predictor", "--megaframe-lane-only"], True,
+     True, False),
+    (["--no-fp8-code-predictor", "--no-megaframe-code-predictor", "--megaframe-regular"],
+     False, False, True),
 ])  # fmt: skip
-def test_serve_passes_the_code_predictor_choices_to_the_loader(monkeypatch, flags, fp8_cp, mega):
-    """--fp8-code-predictor / --megaframe-code-predictor reach open_engine as asked (None:
-    the plan's); the loader's refusal of a bad pair is a message and exit 1, not a traceback."""
+def test_serve_passes_the_code_predictor_choices_to_the_loader(monkeypatch, flags, fp8_cp, mega,
+                                                               regular):
+    """--fp8-code-predictor / --megaframe-code-predictor / --megaframe-lane-only reach
+    open_engine as asked (None: the plan's); the loader's refusal of a bad pair is a message
+    and exit 1, not a traceback."""
     seen = _loader_arguments(monkeypatch, flags)
-    assert (seen["code_predictor_fp8"], seen["megaframe_code_predictor"]) == (fp8_cp, mega)
+    assert (seen["code_predictor_fp8"], seen["megaframe_code_predictor"],
+            seen["megaframe_regular"]) == (fp8_cp, mega, regular)
     monkeypatch.undo()
-    bad = CliRunner().invoke(app, ["serve", "--random", "tiny", "--device", "cpu",
-                                   "--megaframe-code-predictor"])  # fmt: skip
-    assert bad.exit_code == 1 and "needs an FP8 code predictor" in " ".join(bad.output.split())
-    assert "Traceback" not in bad.output
+    for bad_flags, message in ((["--megaframe-code-predictor"], "needs an FP8 code predictor"),
+                               (["--megaframe-lane-only"], "it needs the kernel")):
+        bad = CliRunner().invoke(app, ["serve", "--random", "tiny", "--device", "cpu",
+                                       *bad_flags])  # fmt: skip
+        assert bad.exit_code == 1 and message in " ".join(bad.output.split()), bad.output
+        assert "Traceback" not in bad.output

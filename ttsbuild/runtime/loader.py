@@ -63,6 +63,7 @@ def open_engine(
     codec_fused_attention: bool | None = None,
     code_predictor_fp8: bool | None = None,
     megaframe_code_predictor: bool | None = None,
+    megaframe_regular: bool | None = None,
     fit_slots: bool = False,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
@@ -95,7 +96,9 @@ def open_engine(
     the plan's. megaframe_code_predictor: batch bucket 1's code predictor as one kernel a
     frame (`EnginePlan.megaframe_code_predictor`, packed at load from the FP8 weights; Hopper
     GPUs); turning it on also turns the lane's reserved SMs off unless lane_reserved_sms asks
-    for some (which the plan then refuses); None: the plan's.
+    for some (which the plan then refuses); None: the plan's. megaframe_regular (with the
+    kernel): the regular bucket-1 step runs it too, False: the admission lane's first frames
+    only (`EnginePlan.megaframe_regular`, needs the lane on bucket 1); None: the plan's.
     fit_slots (a CUDA device): fewer slots than asked for (or than compiled) where their KV
     cache would not fit in the device's free memory (`slots_that_fit`)."""
     if kind not in ENGINE_KINDS:
@@ -163,6 +166,11 @@ def open_engine(
         # the kernel needs every SM: no reserve for the lane unless asked (and then refused)
         reserve = {"lane_reserved_sms": 0} if megaframe_code_predictor else {}
         plan = plan_update(plan, megaframe_code_predictor=megaframe_code_predictor, **reserve)
+    if megaframe_regular is not None and megaframe_regular != plan.megaframe_regular:
+        if not plan.megaframe_code_predictor:
+            raise ValueError("megaframe_regular chooses where the one-kernel code predictor runs: "
+                             "it needs the kernel (--megaframe-code-predictor)")
+        plan = plan_update(plan, megaframe_regular=megaframe_regular)
     if admission_lane is not None and tuple(admission_lane) != plan.admission_lane:
         if not set(admission_lane) <= set(plan.batch_buckets):
             raise ValueError(

@@ -157,6 +157,12 @@ def serve(
         "FP8 code predictor: a lone stream's code predictor as one persistent kernel a frame "
         "(the shipped shapes); the admission lane then reserves no SMs (default: the plan's)."
     ),  # fmt: skip
+    megaframe_regular: bool = typer.Option(
+        None, "--megaframe-regular/--megaframe-lane-only", help="With --megaframe-code-"
+        "predictor: a lone stream's regular steps run the kernel too, or only new requests' "
+        "first frames on the admission lane do (needs the lane on batch bucket 1; default: "
+        "the plan's, both)."
+    ),  # fmt: skip
     bf16_min_rows: int = typer.Option(
         None, "--bf16-min-rows", min=0, help="FP8 engines on a GPU: the talker's linears on "
         "bf16 copies of their weights (made at load, cuBLAS) from this many rows, e.g. 16 "
@@ -342,6 +348,7 @@ def serve(
             codec_channels_last=codec_channels_last, codec_fused_output=codec_fused_output,
             codec_fused_attention=codec_fused_attention, code_predictor_fp8=fp8_code_predictor,
             megaframe_code_predictor=megaframe_code_predictor,
+            megaframe_regular=megaframe_regular,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")
