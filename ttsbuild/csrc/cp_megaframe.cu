@@ -76,6 +76,10 @@ constexpr int NSTAMP = 7;
 constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4, OPT_PRODUCER = 8,
               OPT_COOPERATIVE = 16, OPT_TWO_TOKEN = 32, OPT_XREDUCE = 64, OPT_KV_AHEAD = 128,
               OPT_SPLIT_DOWN = 256;
+// OPT_RAW (timing only, wrong results): the GEMVs use each FP8 weight word's bits as floats,
+//   not converted (the loads stay, the FP8 -> f16x2 -> f32 conversions go): how much of a
+//   stage's linear time the conversion takes.
+constexpr int OPT_RAW = 1024;
 // OPT_GENERIC (host): the kernel compiled for any options, read from Params at run time (what
 //   the bench's older variants run). Without it the options in SPECIALIZED (with the plain
 //   grid barrier) run an instance compiled for exactly them: the generic full mode is 295 KB
@@ -86,8 +90,11 @@ constexpr int OPT_GENERIC = 512;
 // FETCH: how the served options fetch (H100 runs 8-9); the served options add TWO_TOKEN and
 // XREDUCE (run 11: 1.446 -> 1.368 ms a frame)
 constexpr int FETCH = OPT_TMA | OPT_READ_FIRST | OPT_PRODUCER;
+// The last: the served options with OPT_RAW (timing only), in an instance of its own so the
+// conversion's share is timed against the served instance's code, not the generic one's.
 constexpr int SPECIALIZED[] = {FETCH | OPT_TWO_TOKEN | OPT_XREDUCE, FETCH, FETCH | OPT_TWO_TOKEN,
-                               FETCH | OPT_XREDUCE};
+                               FETCH | OPT_XREDUCE,
+                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_RAW};
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -453,6 +460,10 @@ __device__ __forceinline__ float xreduce(float (&s)[R], int lane) {
     return v;
 }
 
+// A GEMV's switches (`how`): GEMV_XR, the row sums reduced together (OPT_XREDUCE); GEMV_RAW,
+// the weight words' bits as floats, unconverted (OPT_RAW, timing only)
+constexpr int GEMV_XR = 1, GEMV_RAW = 2;
+
 // rows x K FP8 weights in shared memory (row-major, K % 128 == 0) times x (shared, K floats):
 // R rows a warp at once, lane l on columns 4l + 128j (a 4-byte weight word and a float4 of x:
 // a warp's reads are contiguous, no bank conflicts; x is read once for the R rows). (The first
@@ -460,12 +471,13 @@ __device__ __forceinline__ float xreduce(float (&s)[R], int lane) {
 // the shared-memory wavefronts, and x was read anew for every row: ~2-3 us a stage on the
 // H100, 2026-12-05.) T token rows at once (x: T rows xs floats apart; OPT_TWO_TOKEN): each
 // weight word is read once for the T rows, and each row's sum runs in the same order as with
-// T = 1. out(t, row, sum), called by lane row % R, or with xr (OPT_XREDUCE: the R rows' warp
-// sums by xreduce) by the first lane holding the row's total.
+// T = 1. out(t, row, sum), called by lane row % R, or with GEMV_XR in `how` (OPT_XREDUCE: the
+// R rows' warp sums by xreduce) by the first lane holding the row's total.
 template <int R, int T, typename Out>
-__device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int xs, bool xr,
+__device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int xs, int how,
                          Out out) {
     const int w_id = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const bool xr = how & GEMV_XR, raw = how & GEMV_RAW;
     for (int r0 = w_id * R; r0 < rows; r0 += WARPS * R) {  // warp-uniform
         float s[T][R];
         const uint8_t* wr[R];
@@ -484,7 +496,9 @@ __device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int 
             for (int i = 0; i < R; ++i) {
                 __nv_fp8x4_e4m3 q;
                 q.__x = *reinterpret_cast<const uint32_t*>(wr[i] + k);
-                const float4 f = static_cast<float4>(q);
+                const float raw_f = __uint_as_float(q.__x);
+                const float4 f = raw ? make_float4(raw_f, raw_f, raw_f, raw_f)
+                                     : static_cast<float4>(q);
 #pragma unroll
                 for (int t = 0; t < T; ++t)
                     s[t][i] += f.x * a[t].x + f.y * a[t].y + f.z * a[t].z + f.w * a[t].w;
@@ -515,9 +529,9 @@ __device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int 
 // nt (1 or 2) token rows
 template <int R, typename Out>
 __device__ void gemv_rows(const uint8_t* w, int rows, int K, const float* x, int xs, int nt,
-                          bool xr, Out out) {
-    if (nt == 2) gemv_tok<R, 2>(w, rows, K, x, xs, xr, out);
-    else gemv_tok<R, 1>(w, rows, K, x, xs, xr, out);
+                          int how, Out out) {
+    if (nt == 2) gemv_tok<R, 2>(w, rows, K, x, xs, how, out);
+    else gemv_tok<R, 1>(w, rows, K, x, xs, how, out);
 }
 
 __device__ __forceinline__ uint32_t hash32(uint32_t x) {  // lowbias32, as sampling.hash32
@@ -672,6 +686,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     // the barrier's variant: an instance compiled for its options has the plain one only
     const int flag_barrier = FIXED >= 0 ? 0 : p.flag_barrier;
     const bool two = opts & OPT_TWO_TOKEN, xr = opts & OPT_XREDUCE;
+    const int how = (xr ? GEMV_XR : 0) | ((opts & OPT_RAW) ? GEMV_RAW : 0);  // GEMV switches
     const bool split = opts & OPT_SPLIT_DOWN;
     const int TT = two ? 2 : 1;   // token rows of the activation buffers (smem_bytes)
     uint8_t* wbuf = smem;                                             // NBUF x buf_bytes
@@ -850,7 +865,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side + H;
             float* y = p.qkv + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_rows<4>(wb, r1 - r0, H, xn, H, nt, xr,
+            gemv_rows<4>(wb, r1 - r0, H, xn, H, nt, how,
                          [&](int t, int i, float v) { __stcg(y + t * QKV + i, v * s[i]); });
             if (split && cta == 0)  // every CTA read o in C before D's barrier: zero it for B
                 for (int i = tid; i < TT * H; i += THREADS) __stcg(p.o + i, 0.f);
@@ -935,8 +950,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             if (split && cta == 0)  // every CTA read d in A or H before A's barrier: zero it for D
                 for (int i = tid; i < TT * H; i += THREADS) __stcg(p.d + i, 0.f);
             auto add_o = [&](int t, int i, float v) { atomicAdd(p.o + t * H + o0 + i, v * so[i]); };
-            if (xr) gemv_rows<8>(wb, o1 - o0, HD, att, HD, nt, true, add_o);
-            else gemv_rows<4>(wb, o1 - o0, HD, att, HD, nt, false, add_o);
+            if (xr) gemv_rows<8>(wb, o1 - o0, HD, att, HD, nt, how, add_o);
+            else gemv_rows<4>(wb, o1 - o0, HD, att, HD, nt, how, add_o);
             barrier();
         } else if (kind == 2) {
             for (int t = 0; t < nt; ++t) rms_norm(x + t * H, side, xn + t * H, p.eps, red);
@@ -948,7 +963,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             // row), then silu(gate) * up of each column
             float* gu = xn + TT * H;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_rows<2>(wb, 2 * n, H, xn, H, nt, xr,
+            gemv_rows<2>(wb, 2 * n, H, xn, H, nt, how,
                          [&](int t, int i, float v) { gu[t * 2 * n + i] = v; });
             csync();
             if (tid < n) {
@@ -987,7 +1002,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side;
             float* y = p.d + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_rows<1>(wb, r1 - r0, I, xn, I, nt, xr,
+            gemv_rows<1>(wb, r1 - r0, I, xn, I, nt, how,
                          [&](int t, int i, float v) { __stcg(y + t * H + i, v * s[i]); });
             if (cta == 0)  // every CTA read o in C (before the last barrier): zero it for B
                 for (int i = tid; i < nt * H; i += THREADS) __stcg(p.o + i, 0.f);
@@ -998,7 +1013,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side + H;
             float* y = p.logits + (size_t)(pass - 1) * V + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_tok<2, 1>(wb, r1 - r0, H, xn, 0, xr,
+            gemv_tok<2, 1>(wb, r1 - r0, H, xn, 0, how,
                            [&](int, int i, float v) { __stcg(y + i, v * s[i]); });
             barrier();
             const float* lg = p.logits + (size_t)(pass - 1) * V;
@@ -1036,6 +1051,7 @@ template __global__ void megaframe::cp_megaframe_kernel<1, -1>(megaframe::Params
 template __global__ void megaframe::cp_megaframe_kernel<2, -1>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<3, -1>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[0]>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[4]>(megaframe::Params);
 #endif
 
 #ifdef TORCH_EXTENSION_NAME
@@ -1099,7 +1115,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 1024, "opts: OPT_* bits (0-1023)");
+    TORCH_CHECK(opts >= 0 && opts < 2048, "opts: OPT_* bits (0-2047)");
     TORCH_CHECK(!(opts & megaframe::OPT_SPLIT_DOWN) ||
                 (megaframe::H == 4 * megaframe::THREADS &&
                  ws[28].numel() == (int64_t)megaframe::L * megaframe::I * megaframe::H),

@@ -66,7 +66,10 @@ SERVED_OPTS = FETCH | TWO_TOKEN | XREDUCE
 # (the instruction cache: FETCH took 1.741 ms a frame in the generic instance, 1.446 in its
 # own; H100 run 11). Mirrors cp_megaframe.cu's SPECIALIZED.
 GENERIC = 512
-SPECIALIZED = (SERVED_OPTS, FETCH, FETCH | TWO_TOKEN, FETCH | XREDUCE)
+# RAW (timing only, wrong results): the GEMVs take each FP8 weight word's bits as floats,
+# unconverted: the conversion's share of the linear time (an instance of its own)
+RAW = 1024
+SPECIALIZED = (SERVED_OPTS, FETCH, FETCH | TWO_TOKEN, FETCH | XREDUCE, SERVED_OPTS | RAW)
 
 
 def specialized(opts: int, barrier: int = 0) -> bool:
