@@ -570,7 +570,7 @@ class GraphBackend:
         """Codebooks 1..15 for B rows with on-device sampling: [B, G]. lane: the admission
         lane's step (its own cache; the fused or unfused path, which keep no other state).
         mega: batch 1 as one kernel where this path has one (plan.megaframe_code_predictor);
-        False: the fused path (the step's alternate, see `_use_megaframe`)."""
+        False: the fused path (the step's alternate, see `_megaframe_turn`)."""
         B = hidden.shape[0]
         slots = self.cp_slots[:B]
         if B == 1 and mega and lane in self.cp_mega:
