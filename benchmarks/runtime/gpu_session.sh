@@ -462,8 +462,9 @@ for step in $STEPS; do
         log "one-kernel code-predictor frame (bench_megaframe.py), then the served fused frame at batch 1"
         # MEGAFRAME_ARGS: e.g. --newest (only the newest options beside the served ones);
         # MEGAFRAME_EACH: NEWEST names, each in a process of its own (--newest --only NAME: a
-        # fault in one, a context lost, leaves the others measured), e.g.
-        # "two-token xreduce kv-ahead split-down split-down+two-token all-four" (the first
+        # fault in one, a context lost, leaves the others measured), e.g. "two-token+xreduce"
+        # (the served options' instance beside FETCH's own and the generic one, and the served
+        # instance with its weights unconverted, OPT_RAW) or "kv-ahead split-down" (the first
         # builds the extension, ~90 s; each after ~30-40 s)
         if [ -n "${MEGAFRAME_EACH:-}" ]; then
             : > "$OUT/megaframe.log"
