@@ -276,7 +276,7 @@ def newest_options(ext, ws, m, b, ctas_list, best: int, row, header: str,
           "GEMVs' reductions together (XREDUCE), B's K/V rows copied ahead (KV_AHEAD), D split "
           "by input columns (SPLIT_DOWN: 254 barriers, 240 with TWO_TOKEN)")
     ok = True
-    checked = {"served": 0, **newest}  # served: the served options' own instance
+    checked = {"fetch": 0, **newest}  # fetch: FETCH alone, in its own instance
     for ctas, (name, bits), (label, smp) in itertools.product(ctas_list, checked.items(), (
             ("greedy", GREEDY), ("sampled", SAMPLED), ("sampled with top-p 0.8", SAMPLED_P))):
         ok &= check(ext, ws, m, b, ctas, f"{label}, tma, read first, producer, {name}", smp,
