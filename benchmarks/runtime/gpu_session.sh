@@ -112,6 +112,10 @@
 #         side with $MEGAENGINE_EXTRA (option bits: cp_megaframe.TWO_TOKEN 32, XREDUCE 64,
 #         KV_AHEAD 128, SPLIT_DOWN 256; 480 all four) added through TTSBUILD_MEGAFRAME_EXTRA;
 #         $MEGAENGINE_SIDES picks sides (cpfp8 megaframe megaframe_lane megaframe_extra)
+# mfprofile: Nsight Compute (ncu --set full, source counters) on one frame of the one-kernel
+#         code predictor (benchmarks/kernels/megapass/profile_megaframe.py, built with -lineinfo):
+#         variants $MFPROFILE_VARIANTS (default "served race"); details and per-line stall
+#         samples (SASS and CUDA source, CSV) come back beside the reports
 # streamprobe: benchmarks/kernels/megapass/bench_stream_probe.py (one CTA an SM streaming
 #         chunks from HBM to shared memory: TMA or cp.async, chunk size, copies in flight,
 #         with a grid barrier after each chunk or without)
@@ -514,6 +518,28 @@ for step in $STEPS; do
             log "engine microbenchmark: $name ($flags; TTSBUILD_MEGAFRAME_EXTRA=$extra)"
             # shellcheck disable=SC2086
             TTSBUILD_MEGAFRAME_EXTRA=$extra engine_bench "$name" $flags
+        done ;;
+    mfprofile)  # Nsight Compute on one frame of the one-kernel code predictor: stalls by line
+        # $MFPROFILE_VARIANTS: profile_megaframe.py variants (default "served race"), one
+        # report each; the text exports come back (details, and the SASS with its stall samples)
+        for v in ${MFPROFILE_VARIANTS:-served race}; do
+            log "ncu: one frame of the one-kernel code predictor, variant $v"
+            TTSBUILD_MEGAFRAME_LINEINFO=1 timeout -k 5 300 ncu --clock-control none \
+                -k regex:cp_megaframe_kernel --launch-skip 3 --launch-count 1 --set full \
+                --import-source yes -f -o "$OUT/mf_$v" python3 -u \
+                benchmarks/kernels/megapass/profile_megaframe.py --variant "$v" \
+                > "$OUT/mf_$v.log" 2>&1
+            echo "rc=$? ($v)"; grep -E "check|launches|==ERR|==WARN" "$OUT/mf_$v.log" | cut -c1-200
+            [ -f "$OUT/mf_$v.ncu-rep" ] || continue
+            ncu -i "$OUT/mf_$v.ncu-rep" --page details > "$OUT/mf_${v}_details.txt" 2>&1
+            ncu -i "$OUT/mf_$v.ncu-rep" --page source --csv --print-source sass \
+                > "$OUT/mf_${v}_sass.csv" 2> "$OUT/mf_${v}_sass.err" \
+                || ncu -i "$OUT/mf_$v.ncu-rep" --page source --csv > "$OUT/mf_${v}_sass.csv" 2>&1
+            ncu -i "$OUT/mf_$v.ncu-rep" --page source --csv --print-source cuda \
+                > "$OUT/mf_${v}_cuda.csv" 2>&1
+            grep -E "Duration|Stall|Warp Cycles|Issued Ipc|Memory Throughput|DRAM Throughput" \
+                "$OUT/mf_${v}_details.txt" | head -30
+            wc -c "$OUT/mf_${v}_sass.csv" "$OUT/mf_${v}_cuda.csv"
         done ;;
     streamprobe)  # how fast one CTA an SM streams HBM into shared memory (the megaframe's fetch)
         log "HBM -> shared memory stream probe (bench_stream_probe.py)"

@@ -289,8 +289,11 @@ def extension():
     torch.utils.cpp_extension across processes)."""
     from torch.utils.cpp_extension import load
 
-    return load(name="ttsbuild_cp_megaframe", sources=[str(SOURCE)], verbose=False,
-                extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"])
+    flags = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"]
+    name = "ttsbuild_cp_megaframe"
+    if os.environ.get(LINEINFO_ENV) == "1":  # a profile's source lines (same machine code)
+        flags, name = flags + ["-lineinfo"], name + "_lineinfo"
+    return load(name=name, sources=[str(SOURCE)], verbose=False, extra_cuda_cflags=flags)
 
 
 def scratch(device) -> dict[str, torch.Tensor]:
@@ -343,6 +346,7 @@ def kernel_tensors(m: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
     return out
 
 
+LINEINFO_ENV = "TTSBUILD_MEGAFRAME_LINEINFO"  # 1: built with -lineinfo (profile_megaframe)
 EXTRA_ENV = "TTSBUILD_MEGAFRAME_EXTRA"  # an experiment's switch: options beside the served
 
 
