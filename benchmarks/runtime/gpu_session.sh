@@ -498,13 +498,17 @@ for step in $STEPS; do
         # $MEGAENGINE_SIDES: which sides, in order (default "cpfp8 megaframe", plus
         # megaframe_extra where $MEGAENGINE_EXTRA, option bits, is set: the kernel with them
         # added through TTSBUILD_MEGAFRAME_EXTRA); megaframe_lane: the kernel on the admission
-        # lane's first frames only (plan megaframe_regular off; the extra options too)
+        # lane's first frames only (plan megaframe_regular off; the extra options too);
+        # megaframe512 / megaframe_lane512: those two with the kernel's 512-thread build
+        # (TTSBUILD_MEGAFRAME_THREADS=512)
         mega="--plan-set code_predictor_fp8=true --lane-reserved-sms 0 --plan-set megaframe_code_predictor=true"
         declare -A side_of=(
             [cpfp8]="cpfp8|0|--plan-set code_predictor_fp8=true --lane-reserved-sms 0"
             [megaframe]="megaframe|0|$mega"
             [megaframe_lane]="megaframe_lane|${MEGAENGINE_EXTRA:-0}|$mega --plan-set megaframe_regular=false"
-            [megaframe_extra]="megaframe_extra|${MEGAENGINE_EXTRA:-0}|$mega")
+            [megaframe_extra]="megaframe_extra|${MEGAENGINE_EXTRA:-0}|$mega"
+            [megaframe_lane512]="megaframe_lane512|${MEGAENGINE_EXTRA:-0}|$mega --plan-set megaframe_regular=false|512"
+            [megaframe512]="megaframe512|0|$mega|512")
         names=${MEGAENGINE_SIDES:-cpfp8 megaframe${MEGAENGINE_EXTRA:+ megaframe_extra}}
         sides=()
         for n in $names; do
@@ -512,12 +516,13 @@ for step in $STEPS; do
             sides+=("${side_of[$n]}")
         done
         for side in "${sides[@]}"; do
-            IFS='|' read -r name extra flags <<<"$side"
+            IFS='|' read -r name extra flags threads <<<"$side"
             left=$((DEADLINE_S - SECONDS))
             if [ "$left" -lt 130 ]; then log "skip $name: ${left}s left"; continue; fi
-            log "engine microbenchmark: $name ($flags; TTSBUILD_MEGAFRAME_EXTRA=$extra)"
+            log "engine microbenchmark: $name ($flags; TTSBUILD_MEGAFRAME_EXTRA=$extra, threads ${threads:-256})"
             # shellcheck disable=SC2086
-            TTSBUILD_MEGAFRAME_EXTRA=$extra engine_bench "$name" $flags
+            TTSBUILD_MEGAFRAME_EXTRA=$extra TTSBUILD_MEGAFRAME_THREADS=${threads:-256} \
+                engine_bench "$name" $flags
         done ;;
     mfprofile)  # Nsight Compute on one frame of the one-kernel code predictor: stalls by line
         # $MFPROFILE_VARIANTS: profile_megaframe.py variants (default "served race"), one

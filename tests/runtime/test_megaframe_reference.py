@@ -271,6 +271,25 @@ def test_the_engines_options_take_only_the_new_bits_from_the_environment(monkeyp
             cpm.engine_opts()
 
 
+def test_the_kernels_thread_count_comes_from_the_environment_or_fails_clearly(monkeypatch):
+    """$TTSBUILD_MEGAFRAME_THREADS picks the engine's kernel build (256 or 512 stage threads);
+    unset it is 256, and any other value is refused before a build starts. The kernel source
+    accepts exactly the choices the module offers."""
+    monkeypatch.delenv(cpm.THREADS_ENV, raising=False)
+    assert cpm.threads_from_env() == 256
+    monkeypatch.setenv(cpm.THREADS_ENV, "512")
+    assert cpm.threads_from_env() == 512
+    for bad in ("384", "many", "-256"):
+        monkeypatch.setenv(cpm.THREADS_ENV, bad)
+        with pytest.raises(ValueError, match="256, 512"):
+            cpm.threads_from_env()
+    with pytest.raises(ValueError, match="threads"):
+        cpm.extension(threads=128)
+    src = cpm.SOURCE.read_text()
+    allowed = re.search(r"static_assert\(THREADS == (\d+) \|\| THREADS == (\d+)", src)
+    assert allowed and tuple(int(v) for v in allowed.groups()) == cpm.THREADS_CHOICES
+
+
 def test_the_specialized_instances_are_the_kernels_own():
     """cpm.SPECIALIZED (which options run an instance compiled for them) is the list the
     kernel source instantiates; the served options are among them, and GENERIC or options

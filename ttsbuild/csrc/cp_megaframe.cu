@@ -33,7 +33,18 @@ namespace megaframe {
 
 constexpr int H = 1024, NH = 16, NKV = 8, HD = 128, I = 3072, L = 5, V = 2048, G = 16;
 constexpr int QKV = (NH + 2 * NKV) * HD;  // 4096
-constexpr int THREADS = 256, WARPS = THREADS / 32;  // the stages' threads (consumers)
+// The stages' threads (consumers): 256 (8 warps), or 512 (16 warps) where the extension is built
+// with -DMEGAFRAME_THREADS=512 (cp_megaframe.extension(threads=512)): twice the warps to hide
+// a stage's latencies (the 2026-12-05 profile: issued IPC 0.88 of 4, ~10 cycles a warp between
+// issues); then the GEMVs take fewer rows a warp (A 2, H 1) and D splits K over two warps.
+#ifndef MEGAFRAME_THREADS
+#define MEGAFRAME_THREADS 256
+#endif
+constexpr int THREADS = MEGAFRAME_THREADS, WARPS = THREADS / 32;
+static_assert(THREADS == 256 || THREADS == 512, "MEGAFRAME_THREADS: 256 or 512");
+constexpr int RA = WARPS >= 16 ? 2 : 4;   // stage A's rows a warp (W_qkv: ~31 rows a CTA)
+constexpr int RH = WARPS >= 16 ? 1 : 2;   // the head's (~16 rows a CTA)
+constexpr int KSD = WARPS >= 16 ? 2 : 1;  // stage D's warps a row (W_down: ~8 rows, K 3072)
 constexpr int BLOCK = THREADS + 32;  // + a producer warp (OPT_PRODUCER; else it exits at once)
 constexpr int NBUF = 3;                  // weight buffers: stage s+2 loads while s runs
 constexpr int SIDE = 2048;               // floats beside each buffer: the stage's norm
@@ -464,6 +475,38 @@ __device__ __forceinline__ float xreduce(float (&s)[R], int lane) {
 // the weight words' bits as floats, unconverted (OPT_RAW, timing only)
 constexpr int GEMV_XR = 1, GEMV_RAW = 2;
 
+// A lane's partial sums of rows r0 .. r0 + R - 1 (a missing row repeats the last) for T token
+// rows: columns 4 lane + 128 (KS j + kp), j = 0, 1, ... (gemv_tok below)
+template <int R, int T, int KS>
+__device__ __forceinline__ void gemv_sums(const uint8_t* w, int rows, int K, const float* x,
+                                          int xs, bool raw, int r0, int kp, int lane,
+                                          float (&s)[T][R]) {
+    const uint8_t* wr[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        wr[i] = w + (size_t)min(r0 + i, rows - 1) * K;
+#pragma unroll
+        for (int t = 0; t < T; ++t) s[t][i] = 0.f;
+    }
+#pragma unroll 4
+    for (int k = 4 * lane + 128 * kp; k < K; k += 128 * KS) {
+        float4 a[T];
+#pragma unroll
+        for (int t = 0; t < T; ++t) a[t] = *reinterpret_cast<const float4*>(x + t * xs + k);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            __nv_fp8x4_e4m3 q;
+            q.__x = *reinterpret_cast<const uint32_t*>(wr[i] + k);
+            const float raw_f = __uint_as_float(q.__x);
+            const float4 f = raw ? make_float4(raw_f, raw_f, raw_f, raw_f)
+                                 : static_cast<float4>(q);
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+                s[t][i] += f.x * a[t].x + f.y * a[t].y + f.z * a[t].z + f.w * a[t].w;
+        }
+    }
+}
+
 // rows x K FP8 weights in shared memory (row-major, K % 128 == 0) times x (shared, K floats):
 // R rows a warp at once, lane l on columns 4l + 128j (a 4-byte weight word and a float4 of x:
 // a warp's reads are contiguous, no bank conflicts; x is read once for the R rows). (The first
@@ -473,37 +516,50 @@ constexpr int GEMV_XR = 1, GEMV_RAW = 2;
 // weight word is read once for the T rows, and each row's sum runs in the same order as with
 // T = 1. out(t, row, sum), called by lane row % R, or with GEMV_XR in `how` (OPT_XREDUCE: the
 // R rows' warp sums by xreduce) by the first lane holding the row's total.
-template <int R, int T, typename Out>
+// KS > 1: KS warps a row group, each on every KS-th 128-column block (lane l on 4l + 128 (KS j
+// + part)); parts 1..KS-1 leave their sums in `part` (shared, (KS - 1) T rows floats), and part
+// 0 adds them (in part order) before out. Needs rows <= WARPS / KS * R (one round) and every
+// stage thread calling (a block sync inside).
+template <int R, int T, int KS = 1, typename Out>
 __device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int xs, int how,
-                         Out out) {
-    const int w_id = threadIdx.x / 32, lane = threadIdx.x % 32;
+                         Out out, float* part = nullptr) {
+    const int w_id = threadIdx.x / 32 / KS, kp = threadIdx.x / 32 % KS, lane = threadIdx.x % 32;
     const bool xr = how & GEMV_XR, raw = how & GEMV_RAW;
-    for (int r0 = w_id * R; r0 < rows; r0 += WARPS * R) {  // warp-uniform
+    constexpr int GROUPS = WARPS / KS;
+    static_assert(WARPS % KS == 0, "KS divides the warps");
+    if (KS > 1) {  // parts 1..KS-1: their sums into part; part 0 adds them
+        const int r0 = w_id * R;
         float s[T][R];
-        const uint8_t* wr[R];
+        if (r0 < rows) {
+            gemv_sums<R, T, KS>(w, rows, K, x, xs, raw, r0, kp, lane, s);
 #pragma unroll
-        for (int i = 0; i < R; ++i) {
-            wr[i] = w + (size_t)min(r0 + i, rows - 1) * K;  // a missing row repeats the last
+            for (int t = 0; t < T; ++t)
 #pragma unroll
-            for (int t = 0; t < T; ++t) s[t][i] = 0.f;
-        }
-#pragma unroll 4
-        for (int k = 4 * lane; k < K; k += 128) {
-            float4 a[T];
-#pragma unroll
-            for (int t = 0; t < T; ++t) a[t] = *reinterpret_cast<const float4*>(x + t * xs + k);
-#pragma unroll
-            for (int i = 0; i < R; ++i) {
-                __nv_fp8x4_e4m3 q;
-                q.__x = *reinterpret_cast<const uint32_t*>(wr[i] + k);
-                const float raw_f = __uint_as_float(q.__x);
-                const float4 f = raw ? make_float4(raw_f, raw_f, raw_f, raw_f)
-                                     : static_cast<float4>(q);
+                for (int i = 0; i < R; ++i) s[t][i] = warp_sum(s[t][i]);
+            if (kp > 0 && lane == 0)
 #pragma unroll
                 for (int t = 0; t < T; ++t)
-                    s[t][i] += f.x * a[t].x + f.y * a[t].y + f.z * a[t].z + f.w * a[t].w;
+#pragma unroll
+                    for (int i = 0; i < R; ++i)
+                        if (r0 + i < rows) part[((kp - 1) * T + t) * rows + r0 + i] = s[t][i];
+        }
+        csync();
+        if (r0 < rows && kp == 0 && lane < R && r0 + lane < rows) {
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                float v = 0.f;
+#pragma unroll
+                for (int i = 0; i < R; ++i) if (lane == i) v = s[t][i];
+                for (int q = 1; q < KS; ++q) v += part[((q - 1) * T + t) * rows + r0 + lane];
+                out(t, r0 + lane, v);
             }
         }
+        csync();  // part is free again
+        return;
+    }
+    for (int r0 = w_id * R; r0 < rows; r0 += GROUPS * R) {  // warp-uniform
+        float s[T][R];
+        gemv_sums<R, T, 1>(w, rows, K, x, xs, raw, r0, 0, lane, s);
         if (xr) {
             constexpr int g = 32 / R;  // lanes holding a row's total; the first one writes it
 #pragma unroll
@@ -527,11 +583,11 @@ __device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int 
 }
 
 // nt (1 or 2) token rows
-template <int R, typename Out>
+template <int R, int KS = 1, typename Out>
 __device__ void gemv_rows(const uint8_t* w, int rows, int K, const float* x, int xs, int nt,
-                          int how, Out out) {
-    if (nt == 2) gemv_tok<R, 2>(w, rows, K, x, xs, how, out);
-    else gemv_tok<R, 1>(w, rows, K, x, xs, how, out);
+                          int how, Out out, float* part = nullptr) {
+    if (nt == 2) gemv_tok<R, 2, KS>(w, rows, K, x, xs, how, out, part);
+    else gemv_tok<R, 1, KS>(w, rows, K, x, xs, how, out, part);
 }
 
 __device__ __forceinline__ uint32_t hash32(uint32_t x) {  // lowbias32, as sampling.hash32
@@ -865,8 +921,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side + H;
             float* y = p.qkv + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_rows<4>(wb, r1 - r0, H, xn, H, nt, how,
-                         [&](int t, int i, float v) { __stcg(y + t * QKV + i, v * s[i]); });
+            gemv_rows<RA>(wb, r1 - r0, H, xn, H, nt, how,
+                          [&](int t, int i, float v) { __stcg(y + t * QKV + i, v * s[i]); });
             if (split && cta == 0)  // every CTA read o in C before D's barrier: zero it for B
                 for (int i = tid; i < TT * H; i += THREADS) __stcg(p.o + i, 0.f);
             barrier();
@@ -875,21 +931,23 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             // q/k RMSNorm over the head (warps 0-3: q; 4-7: k), then RoPE (rotate-half) at the
             // token's position: the side holds position `pass`'s cos and sin; OPT_TWO_TOKEN's
             // token at position 0 skips the rotation (the identity there: cos 1, sin 0)
+            // (threads from 2 HD on, with 512 stage threads, only join the block syncs)
+            const bool qk = tid < 2 * HD;
             for (int tk = 0; tk < nt; ++tk) {
                 const bool rotate = pos0 + tk == pass;
                 float* t = (tid < HD ? qv : kv) + tk * HD;
                 const int d0 = tid % HD;
-                float v = t[d0] * t[d0];
+                float v = qk ? t[d0] * t[d0] : 0.f;
                 v = warp_sum(v);
-                if (tid % 32 == 0) red[tid / 32] = v;
+                if (qk && tid % 32 == 0) red[tid / 32] = v;
                 csync();
                 const int base = tid < HD ? 0 : 4;
                 float ss = red[base] + red[base + 1] + red[base + 2] + red[base + 3];
                 float rstd = rsqrtf(ss / HD + p.eps);
                 const float* wn = side + (tid < HD ? 0 : HD);
-                float nv = t[d0] * rstd * wn[d0];
+                float nv = qk ? t[d0] * rstd * wn[d0] : 0.f;
                 csync();
-                t[d0] = nv;
+                if (qk) t[d0] = nv;
                 csync();
                 if (rotate) {
                     const int f = d0 % (HD / 2);
@@ -897,7 +955,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                     float rot = d0 < HD / 2 ? -t[d0 + HD / 2] : t[d0 - HD / 2];
                     float outv = t[d0] * c + rot * sn;
                     csync();
-                    t[d0] = outv;
+                    if (qk) t[d0] = outv;
                     csync();
                 }
             }
@@ -1002,8 +1060,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side;
             float* y = p.d + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_rows<1>(wb, r1 - r0, I, xn, I, nt, how,
-                         [&](int t, int i, float v) { __stcg(y + t * H + i, v * s[i]); });
+            gemv_rows<1, KSD>(wb, r1 - r0, I, xn, I, nt, how,
+                              [&](int t, int i, float v) { __stcg(y + t * H + i, v * s[i]); },
+                              sc);  // KSD > 1: the parts' sums in the scores' space (B's)
             if (cta == 0)  // every CTA read o in C (before the last barrier): zero it for B
                 for (int i = tid; i < nt * H; i += THREADS) __stcg(p.o + i, 0.f);
             if (!(pass == 0 && l == L - 1)) barrier();  // pass 0 has no head: nothing reads d
@@ -1013,7 +1072,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side + H;
             float* y = p.logits + (size_t)(pass - 1) * V + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_tok<2, 1>(wb, r1 - r0, H, xn, 0, how,
+            gemv_tok<RH, 1>(wb, r1 - r0, H, xn, 0, how,
                            [&](int, int i, float v) { __stcg(y + i, v * s[i]); });
             barrier();
             const float* lg = p.logits + (size_t)(pass - 1) * V;
@@ -1040,7 +1099,7 @@ inline int buf_bytes_for(int ctas) {
 // tt: token rows of the activation buffers (2 with OPT_TWO_TOKEN; the kernel's layout)
 inline size_t smem_bytes(int buf_bytes, int tt = 1) {
     return (size_t)NBUF * (buf_bytes + SIDE * sizeof(float)) +
-           sizeof(float) * (tt * (H + I + 4 * HD + 16) + 2 * 8 + 2 * 8 + 2 * G * HD) + 64;
+           sizeof(float) * (tt * (H + I + 4 * HD + 16) + 2 * WARPS + 2 * WARPS + 2 * G * HD) + 64;
 }
 
 }  // namespace megaframe

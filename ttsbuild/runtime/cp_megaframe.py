@@ -283,14 +283,19 @@ def near_tie(logits: torch.Tensor, sampling: SamplingBatch, seeds: torch.Tensor,
     return float(top2[0] - top2[1]) < 1e-4 * float(logits.std())
 
 
-@functools.lru_cache(maxsize=1)
-def extension():
+@functools.cache
+def extension(threads: int = 256):
     """The kernel's extension, compiled for sm_90a on first use (~1-2 minutes; cached by
-    torch.utils.cpp_extension across processes)."""
+    torch.utils.cpp_extension across processes). threads: the stages' threads a CTA (256, or
+    512: 16 warps, an extension of its own built with -DMEGAFRAME_THREADS=512)."""
     from torch.utils.cpp_extension import load
 
+    if threads not in THREADS_CHOICES:
+        raise ValueError(f"threads: one of {THREADS_CHOICES}, not {threads}")
     flags = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"]
     name = "ttsbuild_cp_megaframe"
+    if threads != 256:
+        flags, name = flags + [f"-DMEGAFRAME_THREADS={threads}"], f"{name}_t{threads}"
     if os.environ.get(LINEINFO_ENV) == "1":  # a profile's source lines (same machine code)
         flags, name = flags + ["-lineinfo"], name + "_lineinfo"
     return load(name=name, sources=[str(SOURCE)], verbose=False, extra_cuda_cflags=flags)
@@ -346,8 +351,21 @@ def kernel_tensors(m: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
     return out
 
 
+THREADS_CHOICES = (256, 512)  # the kernel's stage threads a CTA (MEGAFRAME_THREADS)
+THREADS_ENV = "TTSBUILD_MEGAFRAME_THREADS"  # an experiment's switch: the engine's kernel build
 LINEINFO_ENV = "TTSBUILD_MEGAFRAME_LINEINFO"  # 1: built with -lineinfo (profile_megaframe)
 EXTRA_ENV = "TTSBUILD_MEGAFRAME_EXTRA"  # an experiment's switch: options beside the served
+
+
+def threads_from_env() -> int:
+    """The stage threads the engine's kernel is built with: $TTSBUILD_MEGAFRAME_THREADS (256 or
+    512; unset: 256), an experiment's switch to time the 512-thread build in the engine."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return 256
+    if not raw.isdigit() or int(raw) not in THREADS_CHOICES:
+        raise ValueError(f"${THREADS_ENV}: one of {THREADS_CHOICES}, not {raw!r}")
+    return int(raw)
 
 
 def engine_opts() -> int:
@@ -384,7 +402,7 @@ class Megaframe:
             # built for sm_90a only (TMA, mbarriers): neither older GPUs nor Blackwell
             raise ValueError("cp_megaframe: needs a Hopper GPU (CUDA compute capability 9.0, "
                              "H100 / H200); turn megaframe_code_predictor off elsewhere")
-        self.ext = extension()
+        self.ext = extension(threads_from_env())
         self.eps, self.opts = eps, opts
         self.ctas = ctas or torch.cuda.get_device_properties(device).multi_processor_count
         self.buffers = scratch(device)

@@ -156,6 +156,9 @@ def main() -> int:
                     help="only the newest options (NEWEST) beside the served ones")
     ap.add_argument("--only", default="", help="with --newest: these NEWEST names, "
                     f"comma-separated (default all: {', '.join(NEWEST)})")
+    ap.add_argument("--threads-ab", action="store_true",
+                    help="the served options with 256 stage threads against 512 (an extension "
+                    "each): checks, times side by side, a stage breakdown each")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(NEWEST)
     unknown = set(names) - set(NEWEST)
@@ -191,12 +194,14 @@ def main() -> int:
     best = cpm.FETCH
 
     def row(ctas: int, label: str, mode: int, smp: dict, flags: int = 0, opts: int = 0,
-            pace: int = 0) -> None:
+            pace: int = 0, ext=ext) -> None:
         ms = time_graph(lambda: call(ext, ws, mode, ctas, NO_STAMPS, smp, flags, opts, pace),
                         args.replays)
         print(f"| {ctas} | {label} | {ms:.3f} | {ms * 1e3 / G:.1f} | {ms * 1e3 / 334:.2f} | "
               f"{fp8_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
 
+    if args.threads_ab:
+        return 0 if threads_ab(ext, ws, m, b, ctas_list, row, header) else 1
     if args.newest:
         chosen = {n: NEWEST[n] for n in names}
         return 0 if newest_options(ext, ws, m, b, ctas_list, best, row, header, chosen) else 1
@@ -308,6 +313,34 @@ def newest_options(ext, ws, m, b, ctas_list, best: int, row, header: str,
         if "two-token+xreduce" in newest:
             stage_breakdown(ext, ws, ctas, "served options, weights unconverted (timing only)",
                             bits=cpm.SERVED_OPTS | cpm.RAW)
+    return ok
+
+
+def threads_ab(ext, ws, m, b, ctas_list, row, header: str) -> bool:
+    """The served options (cpm.SERVED_OPTS, their own instance) with 256 stage threads a CTA
+    (8 warps) and with 512 (16 warps: MEGAFRAME_THREADS=512, its own extension): the 512 build
+    checked greedy, sampled and with top-p, then both timed in turn, twice, and a stage
+    breakdown of each. The same weights and buffers serve both builds."""
+    print("\nstage threads: 256 (8 warps) against 512 (16 warps; A 2 rows a warp, the head 1, "
+          "D's K split over two warps)")
+    t0 = time.time()
+    ext512 = cpm.extension(threads=512)
+    print(f"512-thread build in {time.time() - t0:.0f} s")
+    ok = True
+    for ctas, (label, smp) in itertools.product(ctas_list, (
+            ("greedy", GREEDY), ("sampled", SAMPLED), ("sampled with top-p 0.8", SAMPLED_P))):
+        ok &= check(ext512, ws, m, b, ctas, f"{label}, served options, 512 threads", smp, 0,
+                    cpm.SERVED_OPTS)
+    print(header)
+    for ctas in ctas_list:
+        for rnd in (1, 2):  # alternated: a drift of the clocks shows as a difference of rounds
+            for threads, e in ((256, ext), (512, ext512)):
+                for label, smp in (("greedy", GREEDY), ("sampled", SAMPLED)):
+                    row(ctas, f"full, {label}, served options, {threads} threads (round {rnd})",
+                        0, smp, 0, cpm.SERVED_OPTS, ext=e)
+        for threads, e in ((256, ext), (512, ext512)):
+            stage_breakdown(e, ws, ctas, f"served options, {threads} threads",
+                            bits=cpm.SERVED_OPTS)
     return ok
 
 

@@ -8,8 +8,9 @@ Compute to profile: where the kernel's warps stall, by source line. Run under nc
 
 The first three launches warm up; the fourth is the profiled one. Each launch is checked
 against the float32 reference first (a profile of a wrong kernel would mislead). --variant:
-served (SERVED_OPTS, greedy), sampled (the same, sampled), raw (SERVED_OPTS | RAW: timing
-only) or race (mode 3, no barriers: the stages' own time; its results are garbage).
+served (SERVED_OPTS, greedy), served512 (the same with 512 stage threads), sampled (the same,
+sampled), raw (SERVED_OPTS | RAW: timing only) or race (mode 3, no barriers: the stages' own
+time; its results are garbage).
 GPU only.
 """
 
@@ -26,11 +27,12 @@ import bench_megaframe as bm  # noqa: E402
 
 from ttsbuild.runtime import cp_megaframe as cpm  # noqa: E402
 
-VARIANTS = {  # name -> (mode, sampling, option bits)
-    "served": (0, bm.GREEDY, cpm.SERVED_OPTS),
-    "sampled": (0, bm.SAMPLED, cpm.SERVED_OPTS),
-    "raw": (0, bm.GREEDY, cpm.SERVED_OPTS | cpm.RAW),
-    "race": (3, bm.GREEDY, cpm.SERVED_OPTS),
+VARIANTS = {  # name -> (mode, sampling, option bits, stage threads)
+    "served": (0, bm.GREEDY, cpm.SERVED_OPTS, 256),
+    "served512": (0, bm.GREEDY, cpm.SERVED_OPTS, 512),
+    "sampled": (0, bm.SAMPLED, cpm.SERVED_OPTS, 256),
+    "raw": (0, bm.GREEDY, cpm.SERVED_OPTS | cpm.RAW, 256),
+    "race": (3, bm.GREEDY, cpm.SERVED_OPTS, 256),
 }
 
 
@@ -44,12 +46,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("GPU only", file=sys.stderr)
         return 2
-    ext = cpm.extension()
+    mode, smp, opts, threads = VARIANTS[args.variant]
+    ext = cpm.extension(threads)
     bm.NO_STAMPS = torch.empty(0, dtype=torch.int64, device="cuda")
     m, b = bm.make_model(args.seed), cpm.scratch("cuda")
     ws = cpm.kernel_tensors(m, b)
     ctas = torch.cuda.get_device_properties(0).multi_processor_count
-    mode, smp, opts = VARIANTS[args.variant]
     if mode == 0 and not opts & cpm.RAW:  # the math this profile stands for is right
         if not bm.check(ext, ws, m, b, ctas, f"{args.variant} before the profile", smp, 0, opts):
             return 1
