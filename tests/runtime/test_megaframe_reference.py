@@ -314,4 +314,6 @@ def test_the_specialized_instances_are_the_kernels_own():
     assert not cpm.specialized(cpm.SERVED_OPTS | cpm.GENERIC)
     assert not cpm.specialized(cpm.SERVED_OPTS | cpm.SPLIT_DOWN)
     assert not cpm.specialized(cpm.SERVED_OPTS, barrier=3)  # the striped barrier: generic
+    assert cpm.specialized(cpm.SERVED_OPTS | cpm.EARLY_FREE)  # the option timed beside it
+    assert int(names["OPT_EARLY_FREE"]) == cpm.EARLY_FREE
     assert "flag_barrier == 0 &&" in src  # ...as the binding dispatches

@@ -91,6 +91,15 @@ constexpr int OPT_READ_FIRST = 1, OPT_TMA = 2, OPT_DIST1 = 4, OPT_PRODUCER = 8,
 //   not converted (the loads stay, the FP8 -> f16x2 -> f32 conversions go): how much of a
 //   stage's linear time the conversion takes.
 constexpr int OPT_RAW = 1024;
+// OPT_EARLY_FREE (with OPT_PRODUCER): a stage's buffer goes back to the producer as soon as
+//   its CTA has arrived at the stage's grid barrier (thread 0, between its release add and its
+//   polls), not at the next stage's top; so the copy into it (NBUF - 1 stages ahead) streams
+//   while the CTA waits. The ncu profile of 2026-12-05 (H100): the barrier after A, the stage
+//   during which the producer copies C's 48 KB, took twice the others (2.3 against 1.1 us),
+//   and its release fence (MEMBAR.GPU, ERRBAR) held ~45 % of the samples of that wait: the
+//   fence seems to wait for the CTA's copies in flight. Issued at the arrival, a copy has the
+//   wait and the next stage's work to land before the next fence.
+constexpr int OPT_EARLY_FREE = 2048;
 // OPT_GENERIC (host): the kernel compiled for any options, read from Params at run time (what
 //   the bench's older variants run). Without it the options in SPECIALIZED (with the plain
 //   grid barrier) run an instance compiled for exactly them: the generic full mode is 295 KB
@@ -103,9 +112,11 @@ constexpr int OPT_GENERIC = 512;
 constexpr int FETCH = OPT_TMA | OPT_READ_FIRST | OPT_PRODUCER;
 // The last: the served options with OPT_RAW (timing only), in an instance of its own so the
 // conversion's share is timed against the served instance's code, not the generic one's.
+// Then the served options with OPT_EARLY_FREE.
 constexpr int SPECIALIZED[] = {FETCH | OPT_TWO_TOKEN | OPT_XREDUCE, FETCH, FETCH | OPT_TWO_TOKEN,
                                FETCH | OPT_XREDUCE,
-                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_RAW};
+                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_RAW,
+                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_EARLY_FREE};
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -196,12 +207,15 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 // fenced: a full fence before the arrival and after the wait (cooperative groups' grid
 // sync); without, the release add and acquire load alone order the CTA's writes (bar.sync
 // before them: cumulativity), as CUTLASS's GenericBarrier does.
-template <bool FENCED>
-__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
+// after_arrive: run by thread 0 between its arrival and its polls (OPT_EARLY_FREE)
+template <bool FENCED, typename AfterArrive>
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target,
+                                             AfterArrive after_arrive) {
     csync();
     if (threadIdx.x == 0) {
         if (FENCED) __threadfence();
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(counter) : "memory");
+        after_arrive();
         unsigned v;
         long long spins = 0;
         do {
@@ -814,6 +828,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         return;
     }
     unsigned barriers = 0;
+    // OPT_EARLY_FREE: the stage whose buffer thread 0 gave back at its barrier (plain barrier)
+    const bool early_free = producer && (opts & OPT_EARLY_FREE) && flag_barrier == 0;
+    int freed = -1;
     long long* st = p.stamps && tid == 0 && (cta == 0 || cta == ctas - 1)
                         ? p.stamps + (size_t)(cta == 0 ? 0 : 1) * STAGES * NSTAMP : nullptr;
     int cur = 0;
@@ -824,8 +841,14 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         if (MODE != 3) {
             if (flag_barrier == 3) grid_barrier_striped(p.counter, barriers, ctas);
             else if (flag_barrier == 2) grid_barrier_flags(p.counter, barriers, ctas);
-            else if (flag_barrier == 1) grid_barrier<true>(p.counter, barriers * ctas);
-            else grid_barrier<false>(p.counter, barriers * ctas);
+            else if (flag_barrier == 1) grid_barrier<true>(p.counter, barriers * ctas, [] {});
+            else
+                grid_barrier<false>(p.counter, barriers * ctas, [&] {
+                    if (early_free) {  // the stage's threads are done with its buffer (csync)
+                        mbar_arrive(&empty[slot(cur)]);
+                        freed = cur;
+                    }
+                });
         }
         if (st) st[cur * NSTAMP + 6] = clock64();
     };
@@ -890,7 +913,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         const bool idle = split && pass == 0 && l == L - 1 && (kind == 2 || kind == 3);
         uint8_t* wb = buf_of(sid);
         csync();  // the buffer refilled next was an earlier stage's: all warps done
-        if (producer && tid == 0 && sid > first) mbar_arrive(&empty[slot(sid - 1)]);
+        if (producer && tid == 0 && sid > first && freed != sid - 1)
+            mbar_arrive(&empty[slot(sid - 1)]);
         cur = sid;
         if (st) st[sid * NSTAMP] = clock64();
         long long t_act = 0;
@@ -1111,6 +1135,7 @@ template __global__ void megaframe::cp_megaframe_kernel<2, -1>(megaframe::Params
 template __global__ void megaframe::cp_megaframe_kernel<3, -1>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[0]>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[4]>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[5]>(megaframe::Params);
 #endif
 
 #ifdef TORCH_EXTENSION_NAME
@@ -1174,7 +1199,9 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 2048, "opts: OPT_* bits (0-2047)");
+    TORCH_CHECK(opts >= 0 && opts < 4096, "opts: OPT_* bits (0-4095)");
+    TORCH_CHECK(!(opts & megaframe::OPT_EARLY_FREE) || (opts & megaframe::OPT_PRODUCER),
+                "OPT_EARLY_FREE needs OPT_PRODUCER");
     TORCH_CHECK(!(opts & megaframe::OPT_SPLIT_DOWN) ||
                 (megaframe::H == 4 * megaframe::THREADS &&
                  ws[28].numel() == (int64_t)megaframe::L * megaframe::I * megaframe::H),

@@ -69,7 +69,13 @@ GENERIC = 512
 # RAW (timing only, wrong results): the GEMVs take each FP8 weight word's bits as floats,
 # unconverted: the conversion's share of the linear time (an instance of its own)
 RAW = 1024
-SPECIALIZED = (SERVED_OPTS, FETCH, FETCH | TWO_TOKEN, FETCH | XREDUCE, SERVED_OPTS | RAW)
+# EARLY_FREE (with PRODUCER): a stage's buffer goes back to the producer when its CTA arrives
+# at the stage's grid barrier, not at the next stage's top, so the copy NBUF - 1 stages ahead
+# streams while the CTA waits (the ncu profile: the barrier after A, during which C's 48 KB
+# copy is in flight, took twice the others, ~45 % of it in the release fence)
+EARLY_FREE = 2048
+SPECIALIZED = (SERVED_OPTS, FETCH, FETCH | TWO_TOKEN, FETCH | XREDUCE, SERVED_OPTS | RAW,
+               SERVED_OPTS | EARLY_FREE)
 
 
 def specialized(opts: int, barrier: int = 0) -> bool:
@@ -370,18 +376,18 @@ def threads_from_env() -> int:
 
 def engine_opts() -> int:
     """The engine's options: SERVED_OPTS and a cooperative launch, plus what $EXTRA_ENV asks
-    for of TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN (an integer; for timing them in the
-    engine before they are served)."""
+    for of TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE (an integer; for timing
+    them in the engine before they are served)."""
     raw = os.environ.get(EXTRA_ENV, "0")
     try:
         extra = int(raw, 0)
     except ValueError:
         raise ValueError(f"{EXTRA_ENV} must be an integer of option bits, got {raw!r}") from None
-    allowed = TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN
+    allowed = TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE
     if extra & ~allowed:
         raise ValueError(f"{EXTRA_ENV}={extra}: only TWO_TOKEN ({TWO_TOKEN}), XREDUCE "
-                         f"({XREDUCE}), KV_AHEAD ({KV_AHEAD}) and SPLIT_DOWN ({SPLIT_DOWN}) "
-                         "can be added")
+                         f"({XREDUCE}), KV_AHEAD ({KV_AHEAD}), SPLIT_DOWN ({SPLIT_DOWN}) and "
+                         f"EARLY_FREE ({EARLY_FREE}) can be added")
     return SERVED_OPTS | COOPERATIVE | extra
 
 

@@ -157,8 +157,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="with --newest: these NEWEST names, "
                     f"comma-separated (default all: {', '.join(NEWEST)})")
     ap.add_argument("--threads-ab", action="store_true",
-                    help="the served options with 256 stage threads against 512 (an extension "
-                    "each): checks, times side by side, a stage breakdown each")
+                    help="the served options, alone and with EARLY_FREE, with 256 stage "
+                    "threads and with 512 (an extension each): checks, times side by side, a "
+                    "stage breakdown each")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(NEWEST)
     unknown = set(names) - set(NEWEST)
@@ -266,7 +267,8 @@ def main() -> int:
 NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE, "kv-ahead": cpm.KV_AHEAD,
           "two-token+xreduce": cpm.TWO_TOKEN | cpm.XREDUCE,
           "split-down": cpm.SPLIT_DOWN, "split-down+two-token": cpm.SPLIT_DOWN | cpm.TWO_TOKEN,
-          "all-four": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN}
+          "all-four": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN,
+          "two-token+xreduce+early-free": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.EARLY_FREE}
 
 
 def newest_options(ext, ws, m, b, ctas_list, best: int, row, header: str,
@@ -317,30 +319,37 @@ def newest_options(ext, ws, m, b, ctas_list, best: int, row, header: str,
 
 
 def threads_ab(ext, ws, m, b, ctas_list, row, header: str) -> bool:
-    """The served options (cpm.SERVED_OPTS, their own instance) with 256 stage threads a CTA
-    (8 warps) and with 512 (16 warps: MEGAFRAME_THREADS=512, its own extension): the 512 build
-    checked greedy, sampled and with top-p, then both timed in turn, twice, and a stage
-    breakdown of each. The same weights and buffers serve both builds."""
+    """The served options (cpm.SERVED_OPTS, their own instance), alone and with
+    cpm.EARLY_FREE (a stage's buffer back to the producer at its barrier arrival), each with
+    256 stage threads a CTA (8 warps) and with 512 (16 warps: MEGAFRAME_THREADS=512, its own
+    extension). Each new combination checked greedy, sampled and with top-p; then all four
+    timed in turn, twice (alternated: a drift of the clocks shows as a difference of rounds),
+    and a stage breakdown of each. The same weights and buffers serve both builds."""
     print("\nstage threads: 256 (8 warps) against 512 (16 warps; A 2 rows a warp, the head 1, "
-          "D's K split over two warps)")
+          "D's K split over two warps); EARLY_FREE (the buffer back to the producer at the "
+          "barrier's arrival) on each")
     t0 = time.time()
     ext512 = cpm.extension(threads=512)
     print(f"512-thread build in {time.time() - t0:.0f} s")
+    builds = ((256, ext), (512, ext512))
+    variants = (("served options", cpm.SERVED_OPTS),
+                ("served options, early free", cpm.SERVED_OPTS | cpm.EARLY_FREE))
     ok = True
-    for ctas, (label, smp) in itertools.product(ctas_list, (
-            ("greedy", GREEDY), ("sampled", SAMPLED), ("sampled with top-p 0.8", SAMPLED_P))):
-        ok &= check(ext512, ws, m, b, ctas, f"{label}, served options, 512 threads", smp, 0,
-                    cpm.SERVED_OPTS)
+    for ctas, (threads, e), (name, bits), (label, smp) in itertools.product(
+            ctas_list, builds, variants, (("greedy", GREEDY), ("sampled", SAMPLED),
+                                          ("sampled with top-p 0.8", SAMPLED_P))):
+        if threads == 256 and bits == cpm.SERVED_OPTS:
+            continue  # checked by every other run of this bench and the GPU tests
+        ok &= check(e, ws, m, b, ctas, f"{label}, {name}, {threads} threads", smp, 0, bits)
     print(header)
     for ctas in ctas_list:
-        for rnd in (1, 2):  # alternated: a drift of the clocks shows as a difference of rounds
-            for threads, e in ((256, ext), (512, ext512)):
+        for rnd in (1, 2):
+            for (threads, e), (name, bits) in itertools.product(builds, variants):
                 for label, smp in (("greedy", GREEDY), ("sampled", SAMPLED)):
-                    row(ctas, f"full, {label}, served options, {threads} threads (round {rnd})",
-                        0, smp, 0, cpm.SERVED_OPTS, ext=e)
-        for threads, e in ((256, ext), (512, ext512)):
-            stage_breakdown(e, ws, ctas, f"served options, {threads} threads",
-                            bits=cpm.SERVED_OPTS)
+                    row(ctas, f"full, {label}, {name}, {threads} threads (round {rnd})", 0, smp,
+                        0, bits, ext=e)
+        for (threads, e), (name, bits) in itertools.product(builds, variants):
+            stage_breakdown(e, ws, ctas, f"{name}, {threads} threads", bits=bits)
     return ok
 
 
