@@ -53,15 +53,20 @@ F, TT, XR = cpm.FETCH, cpm.TWO_TOKEN, cpm.XREDUCE
 @pytest.mark.parametrize("opts", [
     cpm.SERVED_OPTS, cpm.SERVED_OPTS | cpm.GENERIC, F, F | cpm.GENERIC, F | TT, F | XR,
     F | cpm.KV_AHEAD, F | cpm.SPLIT_DOWN, F | cpm.SPLIT_DOWN | TT,
-    F | TT | XR | cpm.KV_AHEAD | cpm.SPLIT_DOWN,
+    F | TT | XR | cpm.KV_AHEAD | cpm.SPLIT_DOWN, cpm.SERVED_OPTS | cpm.EARLY_FREE,
+    cpm.SERVED_OPTS | cpm.TAGGED, F | cpm.TAGGED | cpm.GENERIC,
 ], ids=["served", "served-generic", "fetch", "fetch-generic", "two-token", "xreduce",
-        "kv-ahead", "split-down", "split-down+two-token", "all"])
+        "kv-ahead", "split-down", "split-down+two-token", "all", "early-free", "tagged",
+        "fetch-tagged-generic"])
 @pytest.mark.parametrize("do_sample, top_p", [(False, 1.0), (True, 1.0), (True, 0.8)])
 def test_codes_follow_the_reference(model, do_sample, top_p, opts):
     """opts: the served options (FETCH, TWO_TOKEN: the frame's two inputs as one pass of two
     tokens, XREDUCE: the GEMVs' row sums reduced together), each in its own instance and in
     the generic one; FETCH alone and with one option each (KV_AHEAD: stage B's past K/V rows
-    copied ahead by the producer; SPLIT_DOWN: stage D split by input columns)."""
+    copied ahead by the producer; SPLIT_DOWN: stage D split by input columns); EARLY_FREE (a
+    stage's buffer back to the producer at its barrier) and TAGGED (act and d as tagged
+    words, no barrier after C or D) on the served options, TAGGED also one token a pass in
+    the generic instance."""
     cp, m, x_in, mf = model
     if opts != cpm.SERVED_OPTS:
         mf = cpm.Megaframe(m, eps=mf.eps, opts=opts | cpm.COOPERATIVE)
@@ -77,8 +82,14 @@ def test_codes_follow_the_reference(model, do_sample, top_p, opts):
     assert len(set(tokens.tolist())) > 3  # not one code over and over
 
 
-def test_a_graph_replays_with_the_rows_settings(model):
+@pytest.mark.parametrize("opts", [cpm.SERVED_OPTS, cpm.SERVED_OPTS | cpm.TAGGED],
+                         ids=["served", "tagged"])
+def test_a_graph_replays_with_the_rows_settings(model, opts):
+    """Replays take each row's settings from device memory; with TAGGED each replay also
+    re-zeroes the tagged words (a replay never reads the last one's tags)."""
     cp, m, x_in, mf = model
+    if opts != cpm.SERVED_OPTS:
+        mf = cpm.Megaframe(m, eps=mf.eps, opts=opts | cpm.COOPERATIVE)
     batch, seeds, frames = _settings(True, seed=5, frame=3)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

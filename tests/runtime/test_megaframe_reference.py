@@ -290,6 +290,27 @@ def test_the_kernels_thread_count_comes_from_the_environment_or_fails_clearly(mo
     assert allowed and tuple(int(v) for v in allowed.groups()) == cpm.THREADS_CHOICES
 
 
+def test_the_scratch_has_room_for_tagged_words(monkeypatch):
+    """TAGGED keeps act and d as 64-bit tagged words and o as two buffers by layer parity: the
+    scratch buffers have the sizes the kernel's host checks ask for (o 4 rows of hidden, act
+    and d 2 floats a value of two token rows), and the engine refuses TAGGED beside
+    SPLIT_DOWN, as the kernel does."""
+    b = cpm.scratch("cpu")
+    s = cpm.SHAPE
+    assert b["o"].numel() >= 4 * s["hidden"]
+    assert b["act"].numel() >= 2 * 2 * s["intermediate"]
+    assert b["d"].numel() >= 2 * 2 * s["hidden"]
+    src = cpm.SOURCE.read_text()
+    assert "ws[20].numel() >= 4 * megaframe::H" in src
+    assert "ws[21].numel() >= 2 * tt * megaframe::I" in src
+    assert "ws[22].numel() >= 2 * tt * megaframe::H" in src
+    monkeypatch.setenv(cpm.EXTRA_ENV, str(cpm.TAGGED))
+    assert cpm.engine_opts() & cpm.TAGGED
+    monkeypatch.setenv(cpm.EXTRA_ENV, str(cpm.TAGGED | cpm.SPLIT_DOWN))
+    with pytest.raises(ValueError, match="do not go together"):
+        cpm.engine_opts()
+
+
 def test_the_specialized_instances_are_the_kernels_own():
     """cpm.SPECIALIZED (which options run an instance compiled for them) is the list the
     kernel source instantiates; the served options are among them, and GENERIC or options
@@ -314,6 +335,8 @@ def test_the_specialized_instances_are_the_kernels_own():
     assert not cpm.specialized(cpm.SERVED_OPTS | cpm.GENERIC)
     assert not cpm.specialized(cpm.SERVED_OPTS | cpm.SPLIT_DOWN)
     assert not cpm.specialized(cpm.SERVED_OPTS, barrier=3)  # the striped barrier: generic
-    assert cpm.specialized(cpm.SERVED_OPTS | cpm.EARLY_FREE)  # the option timed beside it
+    assert cpm.specialized(cpm.SERVED_OPTS | cpm.EARLY_FREE)  # the options timed beside it
+    assert cpm.specialized(cpm.SERVED_OPTS | cpm.TAGGED)
     assert int(names["OPT_EARLY_FREE"]) == cpm.EARLY_FREE
+    assert int(names["OPT_TAGGED"]) == cpm.TAGGED
     assert "flag_barrier == 0 &&" in src  # ...as the binding dispatches

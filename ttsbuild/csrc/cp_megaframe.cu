@@ -100,6 +100,18 @@ constexpr int OPT_RAW = 1024;
 //   fence seems to wait for the CTA's copies in flight. Issued at the arrival, a copy has the
 //   wait and the next stage's work to land before the next fence.
 constexpr int OPT_EARLY_FREE = 2048;
+// OPT_TAGGED: C's act and D's d as tagged words (a float's bits in the low half of a 64-bit
+//   word, the writing stage's id + 1 in the high half, one relaxed 64-bit store each: single-
+//   copy atomic), read by polling the words themselves: no grid barrier after C or D (2 of a
+//   layer's 4), no release fence there, and the activation read is the wait (the profile:
+//   each barrier ~1.1 us, then a dependent L2 read ~0.5 us). What the removed barriers also
+//   ordered is kept otherwise: act and d are rewritten only a layer later, past the barriers
+//   after A and B, which every reader has crossed since its read; o alternates between two
+//   buffers by layer parity (B of layer n adds into o[n % 2], C reads it, and CTA 0 zeroes
+//   o[(n + 1) % 2] in C, after the barrier after B, which every reader of it crossed). The host
+//   zeroes act, d and both o buffers at each launch, so no word keeps a tag from the last
+//   frame. Not with OPT_SPLIT_DOWN.
+constexpr int OPT_TAGGED = 4096;
 // OPT_GENERIC (host): the kernel compiled for any options, read from Params at run time (what
 //   the bench's older variants run). Without it the options in SPECIALIZED (with the plain
 //   grid barrier) run an instance compiled for exactly them: the generic full mode is 295 KB
@@ -112,11 +124,12 @@ constexpr int OPT_GENERIC = 512;
 constexpr int FETCH = OPT_TMA | OPT_READ_FIRST | OPT_PRODUCER;
 // The last: the served options with OPT_RAW (timing only), in an instance of its own so the
 // conversion's share is timed against the served instance's code, not the generic one's.
-// Then the served options with OPT_EARLY_FREE.
+// Then the served options with OPT_EARLY_FREE, and with OPT_TAGGED.
 constexpr int SPECIALIZED[] = {FETCH | OPT_TWO_TOKEN | OPT_XREDUCE, FETCH, FETCH | OPT_TWO_TOKEN,
                                FETCH | OPT_XREDUCE,
                                FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_RAW,
-                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_EARLY_FREE};
+                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_EARLY_FREE,
+                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_TAGGED};
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -440,6 +453,62 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// OPT_TAGGED's words: tag << 32 | a float's bits, one relaxed 64-bit store (single-copy atomic)
+__device__ __forceinline__ void st_tagged(unsigned long long* dst, float v, unsigned tag) {
+    const unsigned long long w = ((unsigned long long)tag << 32) | __float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;\n" ::"l"(dst), "l"(w) : "memory");
+}
+
+__device__ __forceinline__ void ld_tagged_pair(const unsigned long long* src,
+                                               unsigned long long& a, unsigned long long& b) {
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];\n"
+                 : "=l"(a), "=l"(b) : "l"(src) : "memory");
+}
+
+// n (even) tagged words from src into dst (dst[i] += their values with add, else =), a pair
+// of words a load, pairs strided over the stage threads; every pair read again until both
+// tags are `tag`. The first loads all go out at once; then only pairs not yet written are
+// read again, together. MAXP: pairs a thread at most (n / 2 <= MAXP * THREADS).
+template <int MAXP>
+__device__ __forceinline__ void tagged_read(const unsigned long long* src, float* dst, int n,
+                                            unsigned tag, bool add) {
+    const int np = n / 2;
+    unsigned long long a[MAXP], b[MAXP];
+#pragma unroll
+    for (int k = 0; k < MAXP; ++k) {
+        const int j = threadIdx.x + k * THREADS;
+        if (j < np) ld_tagged_pair(src + 2 * j, a[k], b[k]);
+    }
+    long long spins = 0;
+    for (;;) {
+        bool done = true;
+#pragma unroll
+        for (int k = 0; k < MAXP; ++k) {
+            const int j = threadIdx.x + k * THREADS;
+            if (j < np && ((unsigned)(a[k] >> 32) != tag || (unsigned)(b[k] >> 32) != tag)) {
+                ld_tagged_pair(src + 2 * j, a[k], b[k]);
+                done = false;
+            }
+        }
+        if (done) break;
+        if (++spins > (1ll << 22)) __trap();  // a word never written (~seconds): fail, never hang
+    }
+#pragma unroll
+    for (int k = 0; k < MAXP; ++k) {
+        const int j = threadIdx.x + k * THREADS;
+        if (j < np) {
+            const float u = __uint_as_float((unsigned)a[k]), v = __uint_as_float((unsigned)b[k]);
+            if (add) {
+                dst[2 * j] += u;
+                dst[2 * j + 1] += v;
+            } else {
+                dst[2 * j] = u;
+                dst[2 * j + 1] = v;
+            }
+        }
+    }
+}
+
 // sum over the block of v (every thread gets it); red: WARPS floats of shared memory
 __device__ float block_sum(float v, float* red) {
     v = warp_sum(v);
@@ -758,6 +827,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     const bool two = opts & OPT_TWO_TOKEN, xr = opts & OPT_XREDUCE;
     const int how = (xr ? GEMV_XR : 0) | ((opts & OPT_RAW) ? GEMV_RAW : 0);  // GEMV switches
     const bool split = opts & OPT_SPLIT_DOWN;
+    const bool tagged = (opts & OPT_TAGGED) && !split;  // the host refuses the two together
+    unsigned long long* const d_tag = reinterpret_cast<unsigned long long*>(p.d);     // [TT, H]
+    unsigned long long* const act_tag = reinterpret_cast<unsigned long long*>(p.act); // [TT, I]
     const int TT = two ? 2 : 1;   // token rows of the activation buffers (smem_bytes)
     uint8_t* wbuf = smem;                                             // NBUF x buf_bytes
     float* x = reinterpret_cast<float*>(smem + (size_t)NBUF * (p.buf_bytes + SIDE * 4));  // [TT, H]
@@ -852,6 +924,11 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         }
         if (st) st[cur * NSTAMP + 6] = clock64();
     };
+    // OPT_TAGGED's C and D: no barrier; their stamps mark the stage's end (arrival = release),
+    // so the wait shows in the next stage's activation read
+    auto untimed_barrier = [&]() {
+        if (st) st[cur * NSTAMP + 5] = st[cur * NSTAMP + 6] = clock64();
+    };
     auto issue = [&](int sid) {
         issue_stage(p, sid, buf_of(sid), cta, ctas, tma, split, &mbar[slot(sid)]);
         cp_commit();
@@ -860,6 +937,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     // A stage's input activations (written by other CTAs before the last barrier) into shared
     // memory, nt token rows from position pos0: A/H x (+= d, or the pass's input), B this
     // head's q, k, v and its kv head's rows before pos0, C x += o, D act.
+    // o this stage adds into (B) or reads (C): with OPT_TAGGED o[layer % 2] (two rows of 2 H
+    // floats each), set at each stage's top
+    float* o_cur = p.o;
     auto read_input = [&](int l, int kind, int nt, int pos0) {
         if (kind == 0 || kind == 4) {
             if (kind == 0 && l == 0) {
@@ -869,6 +949,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                                              : p.tables + ((size_t)(q - 2) * V + tok) * H;
                     for (int i = tid; i < H; i += THREADS) x[t * H + i] = __ldcg(src + i);
                 }
+            } else if (tagged) {  // d as D (the stage before) tagged it: cur
+                tagged_read<(2 * H / 2 + THREADS - 1) / THREADS>(d_tag, x, nt * H, (unsigned)cur,
+                                                                 true);
             } else {
                 for (int i = tid; i < nt * H; i += THREADS) x[i] += __ldcg(p.d + i);
             }
@@ -890,7 +973,10 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                 reinterpret_cast<float4*>(vbuf)[i] = __ldcg(reinterpret_cast<const float4*>(vc) + i);
             }
         } else if (kind == 2) {
-            for (int i = tid; i < nt * H; i += THREADS) x[i] += __ldcg(p.o + i);
+            for (int i = tid; i < nt * H; i += THREADS) x[i] += __ldcg(o_cur + i);
+        } else if (tagged) {  // act as C (the stage before) tagged it: cur
+            tagged_read<(2 * I / 2 + THREADS - 1) / THREADS>(act_tag, xn, nt * I, (unsigned)cur,
+                                                             false);
         } else {
             for (int i = tid; i < nt * I; i += THREADS) xn[i] = __ldcg(p.act + i);
         }
@@ -909,6 +995,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             continue;
         }
         const int l = r / 4, kind = r == 20 ? 4 : r % 4;
+        if (tagged) o_cur = p.o + (size_t)((pass * L + l) & 1) * 2 * H;
         // OPT_SPLIT_DOWN: pass 0's last C and D do nothing (their buffers still cycle)
         const bool idle = split && pass == 0 && l == L - 1 && (kind == 2 || kind == 3);
         uint8_t* wb = buf_of(sid);
@@ -1031,11 +1118,16 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             if (st) st[sid * NSTAMP + 4] = clock64();
             if (split && cta == 0)  // every CTA read d in A or H before A's barrier: zero it for D
                 for (int i = tid; i < TT * H; i += THREADS) __stcg(p.d + i, 0.f);
-            auto add_o = [&](int t, int i, float v) { atomicAdd(p.o + t * H + o0 + i, v * so[i]); };
+            auto add_o = [&](int t, int i, float v) { atomicAdd(o_cur + t * H + o0 + i, v * so[i]); };
             if (xr) gemv_rows<8>(wb, o1 - o0, HD, att, HD, nt, how, add_o);
             else gemv_rows<4>(wb, o1 - o0, HD, att, HD, nt, how, add_o);
             barrier();
         } else if (kind == 2) {
+            if (tagged && cta == 0) {  // o[(layer + 1) % 2] for the next B: every CTA read it in
+                // the last C, before the barrier after this layer's B (crossed since)
+                float* o_next = p.o + (size_t)((pass * L + l + 1) & 1) * 2 * H;
+                for (int i = tid; i < TT * H; i += THREADS) __stcg(o_next + i, 0.f);
+            }
             for (int t = 0; t < nt; ++t) rms_norm(x + t * H, side, xn + t * H, p.eps, red);
             const auto [j0, j1] = stage_rows(2, cta, ctas);
             const int n = j1 - j0;
@@ -1054,10 +1146,12 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                     const float a = g_[tid] * sg[tid], b = g_[n + tid] * su[tid];
                     const float act = a / (1.f + __expf(-a)) * b;
                     if (split) att[t * HD + tid] = act;  // D's input, this CTA's columns
+                    else if (tagged) st_tagged(act_tag + t * I + j0 + tid, act, (unsigned)cur + 1);
                     else __stcg(p.act + t * I + j0 + tid, act);
                 }
             }
-            if (!split) barrier();
+            if (tagged) untimed_barrier();
+            else if (!split) barrier();
         } else if (kind == 3 && split) {
             // d += W_d[:, j0:j1] act[j0:j1] over this CTA's columns (C's), every output: thread
             // tid has outputs 4 tid .. 4 tid + 3 (H = 4 x THREADS), a 4-byte word a column row
@@ -1085,11 +1179,19 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             float* y = p.d + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
             gemv_rows<1, KSD>(wb, r1 - r0, I, xn, I, nt, how,
-                              [&](int t, int i, float v) { __stcg(y + t * H + i, v * s[i]); },
+                              [&](int t, int i, float v) {
+                                  if (tagged) st_tagged(d_tag + t * H + r0 + i, v * s[i],
+                                                        (unsigned)cur + 1);
+                                  else __stcg(y + t * H + i, v * s[i]);
+                              },
                               sc);  // KSD > 1: the parts' sums in the scores' space (B's)
-            if (cta == 0)  // every CTA read o in C (before the last barrier): zero it for B
-                for (int i = tid; i < nt * H; i += THREADS) __stcg(p.o + i, 0.f);
-            if (!(pass == 0 && l == L - 1)) barrier();  // pass 0 has no head: nothing reads d
+            if (tagged) {  // o alternates by layer (C zeroes the next one)
+                untimed_barrier();
+            } else {
+                if (cta == 0)  // every CTA read o in C (before the last barrier): zero it for B
+                    for (int i = tid; i < nt * H; i += THREADS) __stcg(p.o + i, 0.f);
+                if (!(pass == 0 && l == L - 1)) barrier();  // pass 0 has no head: nothing reads d
+            }
         } else {  // head of codebook `pass` (its last token's row), then every CTA's own draw
             rms_norm(x + (nt - 1) * H, side, xn, p.eps, red);
             const auto [r0, r1] = stage_rows(4, cta, ctas);
@@ -1136,6 +1238,7 @@ template __global__ void megaframe::cp_megaframe_kernel<3, -1>(megaframe::Params
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[0]>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[4]>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[5]>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[6]>(megaframe::Params);
 #endif
 
 #ifdef TORCH_EXTENSION_NAME
@@ -1199,7 +1302,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 4096, "opts: OPT_* bits (0-4095)");
+    TORCH_CHECK(opts >= 0 && opts < 8192, "opts: OPT_* bits (0-8191)");
     TORCH_CHECK(!(opts & megaframe::OPT_EARLY_FREE) || (opts & megaframe::OPT_PRODUCER),
                 "OPT_EARLY_FREE needs OPT_PRODUCER");
     TORCH_CHECK(!(opts & megaframe::OPT_SPLIT_DOWN) ||
@@ -1210,6 +1313,13 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     TORCH_CHECK(ws[19].numel() >= tt * megaframe::QKV && ws[20].numel() >= tt * megaframe::H &&
                 ws[21].numel() >= tt * megaframe::I && ws[22].numel() >= tt * megaframe::H,
                 "qkv, o, act, d: a row per token of a pass (2 with OPT_TWO_TOKEN)");
+    const bool tagged = opts & megaframe::OPT_TAGGED;
+    TORCH_CHECK(!tagged || !(opts & megaframe::OPT_SPLIT_DOWN),
+                "OPT_TAGGED and OPT_SPLIT_DOWN do not go together");
+    TORCH_CHECK(!tagged || (ws[20].numel() >= 4 * megaframe::H &&
+                            ws[21].numel() >= 2 * tt * megaframe::I &&
+                            ws[22].numel() >= 2 * tt * megaframe::H),
+                "OPT_TAGGED: o of 4 rows (two by layer parity), act and d of 2 floats a value");
     TORCH_CHECK(!(opts & megaframe::OPT_PRODUCER) || (opts & megaframe::OPT_TMA),
                 "OPT_PRODUCER needs OPT_TMA");
     p.opts = (int)opts;
@@ -1250,8 +1360,11 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     TORCH_CHECK(ctas <= megaframe::THREADS, "at most one CTA per thread of a CTA (flags)");
     TORCH_CHECK(ws[27].numel() >= 32 * megaframe::STRIPES, "the barrier words: 32 x STRIPES");
     cudaMemsetAsync(p.counter, 0, sizeof(int) * ws[27].numel(), stream);
-    cudaMemsetAsync(p.o, 0, sizeof(float) * tt * megaframe::H, stream);
-    cudaMemsetAsync(p.d, 0, sizeof(float) * tt * megaframe::H, stream);
+    // OPT_TAGGED: both o buffers, and every tagged word of act and d (no tag left from the
+    // last frame, whose stages had the same ids)
+    cudaMemsetAsync(p.o, 0, sizeof(float) * (tagged ? 4 : tt) * megaframe::H, stream);
+    cudaMemsetAsync(p.d, 0, sizeof(float) * (tagged ? 2 : 1) * tt * megaframe::H, stream);
+    if (tagged) cudaMemsetAsync(p.act, 0, sizeof(float) * 2 * tt * megaframe::I, stream);
     // the full frame compiled for its options where SPECIALIZED has them
     const int fixed = (int)opts & ~(megaframe::OPT_COOPERATIVE | megaframe::OPT_GENERIC);
     if (mode == 0 && !(opts & megaframe::OPT_GENERIC) && flag_barrier == 0 &&

@@ -268,7 +268,9 @@ NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE, "kv-ahead": cpm.KV
           "two-token+xreduce": cpm.TWO_TOKEN | cpm.XREDUCE,
           "split-down": cpm.SPLIT_DOWN, "split-down+two-token": cpm.SPLIT_DOWN | cpm.TWO_TOKEN,
           "all-four": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN,
-          "two-token+xreduce+early-free": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.EARLY_FREE}
+          "two-token+xreduce+early-free": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.EARLY_FREE,
+          "two-token+xreduce+tagged": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.TAGGED,
+          "tagged": cpm.TAGGED}
 
 
 def newest_options(ext, ws, m, b, ctas_list, best: int, row, header: str,

@@ -9,8 +9,8 @@ Compute to profile: where the kernel's warps stall, by source line. Run under nc
 The first three launches warm up; the fourth is the profiled one. Each launch is checked
 against the float32 reference first (a profile of a wrong kernel would mislead). --variant:
 served (SERVED_OPTS, greedy), served512 (the same with 512 stage threads), sampled (the same,
-sampled), raw (SERVED_OPTS | RAW: timing only) or race (mode 3, no barriers: the stages' own
-time; its results are garbage).
+sampled), tagged (with TAGGED), raw (SERVED_OPTS | RAW: timing only) or race (mode 3, no
+barriers: the stages' own time; its results are garbage).
 GPU only.
 """
 
@@ -33,6 +33,7 @@ VARIANTS = {  # name -> (mode, sampling, option bits, stage threads)
     "sampled": (0, bm.SAMPLED, cpm.SERVED_OPTS, 256),
     "raw": (0, bm.GREEDY, cpm.SERVED_OPTS | cpm.RAW, 256),
     "race": (3, bm.GREEDY, cpm.SERVED_OPTS, 256),
+    "tagged": (0, bm.GREEDY, cpm.SERVED_OPTS | cpm.TAGGED, 256),
 }
 
 

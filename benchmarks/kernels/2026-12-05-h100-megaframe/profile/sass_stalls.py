@@ -1,20 +1,46 @@
-import csv,sys,collections
-f=sys.argv[1]
-rows=list(csv.reader(open(f)))
-hdr=rows[1]; data=rows[2:]
-ix={h:i for i,h in enumerate(hdr)}
-reasons=[h for h in hdr if h.startswith('stall_') and 'Not Issued' not in h]
-tot=collections.Counter(); allS=0
-for r in data:
-    if len(r)<len(hdr): continue
-    allS+=int(r[ix['Warp Stall Sampling (All Samples)']] or 0)
-    for h in reasons: tot[h]+=int(r[ix[h]] or 0)
-print(f, 'instructions',len(data),'samples',allS)
-for h,v in tot.most_common(12): print(f'  {h:28s} {v:8d} {100*v/allS:5.1f}%')
-# top instructions
-top=sorted(data,key=lambda r:-int(r[ix['Warp Stall Sampling (All Samples)']] or 0))[:int(sys.argv[2]) if len(sys.argv)>2 else 30]
-pos={id(r):i for i,r in enumerate(data)}
-for r in top:
-    s=int(r[ix['Warp Stall Sampling (All Samples)']]); 
-    rs=sorted(((int(r[ix[h]] or 0),h) for h in reasons),reverse=True)[:3]
-    print(f"{pos[id(r)]:6d} {s:7d} {100*s/allS:5.1f}% ex={r[ix['Instructions Executed']]:>8s} {r[1].strip()[:60]:60s} {rs}")
+"""Stall samples of an ncu source export (`ncu -i REP --page source --csv --print-source sass`,
+gzipped or not): the totals by reason, then the instructions with the most samples.
+
+    python3 sass_stalls.py mf_served_sass.csv.gz [TOP]
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import gzip
+import sys
+
+ALL = "Warp Stall Sampling (All Samples)"
+
+
+def main() -> int:
+    path, top_n = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        rows = list(csv.reader(f))
+    header, data = rows[1], [r for r in rows[2:] if len(r) >= len(rows[1])]
+    ix = {h: i for i, h in enumerate(header)}
+    reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    totals: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for r in data:
+        samples += int(r[ix[ALL]] or 0)
+        for h in reasons:
+            totals[h] += int(r[ix[h]] or 0)
+    print(f"{path}: {len(data)} instructions, {samples} samples")
+    for h, v in totals.most_common(12):
+        print(f"  {h:28s} {v:8d} {100 * v / samples:5.1f}%")
+    order = sorted(range(len(data)), key=lambda i: -int(data[i][ix[ALL]] or 0))[:top_n]
+    for i in order:
+        r = data[i]
+        s = int(r[ix[ALL]] or 0)
+        why = sorted(((int(r[ix[h]] or 0), h) for h in reasons), reverse=True)[:3]
+        executed = r[ix["Instructions Executed"]]
+        print(f"{i:6d} {s:7d} {100 * s / samples:5.1f}% executed {executed:>8s}"
+              f" {r[1].strip()[:60]:60s} {why}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
