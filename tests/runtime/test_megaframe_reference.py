@@ -291,24 +291,29 @@ def test_the_kernels_thread_count_comes_from_the_environment_or_fails_clearly(mo
 
 
 def test_the_scratch_has_room_for_tagged_words(monkeypatch):
-    """TAGGED keeps act and d as 64-bit tagged words and o as two buffers by layer parity: the
-    scratch buffers have the sizes the kernel's host checks ask for (o 4 rows of hidden, act
-    and d 2 floats a value of two token rows), and the engine refuses TAGGED beside
-    SPLIT_DOWN, as the kernel does."""
+    """TAGGED keeps act and d (TAGGED_QKV also qkv) as 64-bit tagged words and o as three
+    buffers rotating by layer: the scratch buffers have the sizes the kernel's host checks ask
+    for (o 6 rows of hidden; qkv, act and d 2 floats a value of two token rows), and the engine
+    refuses TAGGED beside SPLIT_DOWN and TAGGED_QKV without TAGGED, as the kernel does."""
     b = cpm.scratch("cpu")
     s = cpm.SHAPE
-    assert b["o"].numel() >= 4 * s["hidden"]
+    qkv = (s["heads"] + 2 * s["kv_heads"]) * s["head_dim"]
+    assert b["o"].numel() >= 6 * s["hidden"]
+    assert b["qkv"].numel() >= 2 * 2 * qkv
     assert b["act"].numel() >= 2 * 2 * s["intermediate"]
     assert b["d"].numel() >= 2 * 2 * s["hidden"]
     src = cpm.SOURCE.read_text()
-    assert "ws[20].numel() >= 4 * megaframe::H" in src
+    assert "ws[20].numel() >= 6 * megaframe::H" in src
+    assert "ws[19].numel() >= 2 * tt * megaframe::QKV" in src
     assert "ws[21].numel() >= 2 * tt * megaframe::I" in src
     assert "ws[22].numel() >= 2 * tt * megaframe::H" in src
-    monkeypatch.setenv(cpm.EXTRA_ENV, str(cpm.TAGGED))
-    assert cpm.engine_opts() & cpm.TAGGED
-    monkeypatch.setenv(cpm.EXTRA_ENV, str(cpm.TAGGED | cpm.SPLIT_DOWN))
-    with pytest.raises(ValueError, match="do not go together"):
-        cpm.engine_opts()
+    monkeypatch.setenv(cpm.EXTRA_ENV, str(cpm.TAGGED | cpm.TAGGED_QKV))
+    assert cpm.engine_opts() & cpm.TAGGED_QKV
+    for bad, message in ((cpm.TAGGED | cpm.SPLIT_DOWN, "do not go together"),
+                         (cpm.TAGGED_QKV, "needs TAGGED")):
+        monkeypatch.setenv(cpm.EXTRA_ENV, str(bad))
+        with pytest.raises(ValueError, match=message):
+            cpm.engine_opts()
 
 
 def test_the_specialized_instances_are_the_kernels_own():
@@ -337,6 +342,8 @@ def test_the_specialized_instances_are_the_kernels_own():
     assert not cpm.specialized(cpm.SERVED_OPTS, barrier=3)  # the striped barrier: generic
     assert cpm.specialized(cpm.SERVED_OPTS | cpm.EARLY_FREE)  # the options timed beside it
     assert cpm.specialized(cpm.SERVED_OPTS | cpm.TAGGED)
+    assert cpm.specialized(cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV)
+    assert int(names["OPT_TAGGED_QKV"]) == cpm.TAGGED_QKV
     assert int(names["OPT_EARLY_FREE"]) == cpm.EARLY_FREE
     assert int(names["OPT_TAGGED"]) == cpm.TAGGED
     assert "flag_barrier == 0 &&" in src  # ...as the binding dispatches

@@ -108,13 +108,24 @@ constexpr int OPT_EARLY_FREE = 2048;
 //   copy atomic), read by polling the words themselves: no grid barrier after C or D (2 of a
 //   layer's 4), no release fence there, and the activation read is the wait (the profile:
 //   each barrier ~1.1 us, then a dependent L2 read ~0.5 us). What the removed barriers also
-//   ordered is kept otherwise: act and d are rewritten only a layer later, past the barriers
-//   after A and B, which every reader has crossed since its read; o alternates between two
-//   buffers by layer parity (B of layer n adds into o[n % 2], C reads it, and CTA 0 zeroes
-//   o[(n + 1) % 2] in C, after the barrier after B, which every reader of it crossed). The host
-//   zeroes act, d and both o buffers at each launch, so no word keeps a tag from the last
-//   frame. Not with OPT_SPLIT_DOWN.
+//   ordered is kept by the barrier after B, which every CTA crosses once a layer (n below
+//   counts layers over the passes):
+//   - act and d are rewritten a layer later, by a CTA past the next barrier after B, which
+//     every reader crossed after its read;
+//   - o rotates over three buffers: B of layer n adds into o[n % 3] and C reads it; CTA 0
+//     zeroes o[(n + 1) % 3] in B of layer n, before its barrier: that buffer's readers (C of
+//     layer n - 2) crossed the barrier after B of layer n - 1, as CTA 0 did, and its next
+//     writers (B of layer n + 1) come after this barrier.
+//   The host zeroes act, d (qkv with OPT_TAGGED_QKV) and the o buffers at each launch, so no
+//   word keeps a tag from the last frame (the same stage ids recur every frame). Not with
+//   OPT_SPLIT_DOWN.
 constexpr int OPT_TAGGED = 4096;
+// OPT_TAGGED_QKV (with OPT_TAGGED): A's qkv tagged as well, so the barrier after A goes too:
+//   B reads its head's q and its kv head's k and v (3 x 128 words a token, from ~12 CTAs) by
+//   polling them. qkv is rewritten by A of the next layer, past the barrier after B, which
+//   every reader crossed after its read. One grid barrier a layer is left (after B: o's
+//   atomics), and the head's.
+constexpr int OPT_TAGGED_QKV = 8192;
 // OPT_GENERIC (host): the kernel compiled for any options, read from Params at run time (what
 //   the bench's older variants run). Without it the options in SPECIALIZED (with the plain
 //   grid barrier) run an instance compiled for exactly them: the generic full mode is 295 KB
@@ -127,12 +138,13 @@ constexpr int OPT_GENERIC = 512;
 constexpr int FETCH = OPT_TMA | OPT_READ_FIRST | OPT_PRODUCER;
 // The last: the served options with OPT_RAW (timing only), in an instance of its own so the
 // conversion's share is timed against the served instance's code, not the generic one's.
-// Then the served options with OPT_EARLY_FREE, and with OPT_TAGGED.
+// Then the served options with OPT_EARLY_FREE, with OPT_TAGGED, and with both tagged options.
 constexpr int SPECIALIZED[] = {FETCH | OPT_TWO_TOKEN | OPT_XREDUCE, FETCH, FETCH | OPT_TWO_TOKEN,
                                FETCH | OPT_XREDUCE,
                                FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_RAW,
                                FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_EARLY_FREE,
-                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_TAGGED};
+                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_TAGGED,
+                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_TAGGED | OPT_TAGGED_QKV};
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -512,6 +524,63 @@ __device__ __forceinline__ void tagged_read(const unsigned long long* src, float
     }
 }
 
+// OPT_TAGGED_QKV: B's q, k and v rows of nt tokens (3 nt segments of HD tagged words, from
+// qkv_tag [nt, QKV]: head h's q, kv head g's k and v) into q, k, v (shared, nt rows of HD each),
+// all pairs loaded at once, then those not yet written again (tagged_read's way).
+__device__ __forceinline__ void tagged_read_qkv(const unsigned long long* qkv_tag, int nt,
+                                                int h, int g, float* q, float* k, float* v,
+                                                unsigned tag) {
+    constexpr int PAIRS = HD / 2, MAXP = (3 * 2 * PAIRS + THREADS - 1) / THREADS;
+    const int np = 3 * nt * PAIRS;
+    auto where = [&](int j, const unsigned long long*& src, float*& dst) {
+        const int seg = j / PAIRS, w = 2 * (j % PAIRS), t = seg / 3, part = seg % 3;
+        const int col = part == 0 ? h * HD                     // q of head h
+                      : part == 1 ? NH * HD + g * HD           // k of kv head g
+                                  : (NH + NKV) * HD + g * HD;  // v of kv head g
+        src = qkv_tag + (size_t)t * QKV + col + w;
+        dst = (part == 0 ? q : part == 1 ? k : v) + t * HD + w;
+    };
+    unsigned long long a[MAXP], b[MAXP];
+#pragma unroll
+    for (int m = 0; m < MAXP; ++m) {
+        const int j = threadIdx.x + m * THREADS;
+        const unsigned long long* src;
+        float* dst;
+        if (j < np) {
+            where(j, src, dst);
+            ld_tagged_pair(src, a[m], b[m]);
+        }
+    }
+    long long spins = 0;
+    for (;;) {
+        bool done = true;
+#pragma unroll
+        for (int m = 0; m < MAXP; ++m) {
+            const int j = threadIdx.x + m * THREADS;
+            if (j < np && ((unsigned)(a[m] >> 32) != tag || (unsigned)(b[m] >> 32) != tag)) {
+                const unsigned long long* src;
+                float* dst;
+                where(j, src, dst);
+                ld_tagged_pair(src, a[m], b[m]);
+                done = false;
+            }
+        }
+        if (done) break;
+        if (++spins > (1ll << 22)) __trap();
+    }
+#pragma unroll
+    for (int m = 0; m < MAXP; ++m) {
+        const int j = threadIdx.x + m * THREADS;
+        if (j < np) {
+            const unsigned long long* src;
+            float* dst;
+            where(j, src, dst);
+            dst[0] = __uint_as_float((unsigned)a[m]);
+            dst[1] = __uint_as_float((unsigned)b[m]);
+        }
+    }
+}
+
 // sum over the block of v (every thread gets it); red: WARPS floats of shared memory
 __device__ float block_sum(float v, float* red) {
     v = warp_sum(v);
@@ -831,6 +900,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     const int how = (xr ? GEMV_XR : 0) | ((opts & OPT_RAW) ? GEMV_RAW : 0);  // GEMV switches
     const bool split = opts & OPT_SPLIT_DOWN;
     const bool tagged = (opts & OPT_TAGGED) && !split;  // the host refuses the two together
+    const bool tagged_qkv = tagged && (opts & OPT_TAGGED_QKV);
+    unsigned long long* const qkv_tag = reinterpret_cast<unsigned long long*>(p.qkv);  // [TT, QKV]
     unsigned long long* const d_tag = reinterpret_cast<unsigned long long*>(p.d);     // [TT, H]
     unsigned long long* const act_tag = reinterpret_cast<unsigned long long*>(p.act); // [TT, I]
     const int TT = two ? 2 : 1;   // token rows of the activation buffers (smem_bytes)
@@ -927,7 +998,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         }
         if (st) st[cur * NSTAMP + 6] = clock64();
     };
-    // OPT_TAGGED's C and D: no barrier; their stamps mark the stage's end (arrival = release),
+    // OPT_TAGGED's C and D (and A with OPT_TAGGED_QKV): no barrier; their stamps mark the
+    // stage's end (arrival = release),
     // so the wait shows in the next stage's activation read
     auto untimed_barrier = [&]() {
         if (st) st[cur * NSTAMP + 5] = st[cur * NSTAMP + 6] = clock64();
@@ -940,8 +1012,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     // A stage's input activations (written by other CTAs before the last barrier) into shared
     // memory, nt token rows from position pos0: A/H x (+= d, or the pass's input), B this
     // head's q, k, v and its kv head's rows before pos0, C x += o, D act.
-    // o this stage adds into (B) or reads (C): with OPT_TAGGED o[layer % 2] (two rows of 2 H
-    // floats each), set at each stage's top
+    // o this stage adds into (B) or reads (C): with OPT_TAGGED o[layer % 3] (three buffers of
+    // 2 H floats), set at each stage's top
     float* o_cur = p.o;
     auto read_input = [&](int l, int kind, int nt, int pos0) {
         if (kind == 0 || kind == 4) {
@@ -960,7 +1032,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             }
         } else if (kind == 1) {
             const int h = cta % NH, g = h / (NH / NKV);
-            if (tid < HD) {
+            if (tagged_qkv) {  // as A (the stage before) tagged them: cur
+                tagged_read_qkv(qkv_tag, nt, h, g, qv, kv, vv, (unsigned)cur);
+            } else if (tid < HD) {
                 for (int t = 0; t < nt; ++t) {
                     const float* row = p.qkv + t * QKV;
                     qv[t * HD + tid] = __ldcg(row + h * HD + tid);
@@ -998,7 +1072,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             continue;
         }
         const int l = r / 4, kind = r == 20 ? 4 : r % 4;
-        if (tagged) o_cur = p.o + (size_t)((pass * L + l) & 1) * 2 * H;
+        if (tagged) o_cur = p.o + (size_t)((pass * L + l) % 3) * 2 * H;
         // OPT_SPLIT_DOWN: pass 0's last C and D do nothing (their buffers still cycle)
         const bool idle = split && pass == 0 && l == L - 1 && (kind == 2 || kind == 3);
         uint8_t* wb = buf_of(sid);
@@ -1035,11 +1109,14 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side + H;
             float* y = p.qkv + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_rows<RA>(wb, r1 - r0, H, xn, H, nt, how,
-                          [&](int t, int i, float v) { __stcg(y + t * QKV + i, v * s[i]); });
+            gemv_rows<RA>(wb, r1 - r0, H, xn, H, nt, how, [&](int t, int i, float v) {
+                if (tagged_qkv) st_tagged(qkv_tag + t * QKV + r0 + i, v * s[i], (unsigned)cur + 1);
+                else __stcg(y + t * QKV + i, v * s[i]);
+            });
             if (split && cta == 0)  // every CTA read o in C before D's barrier: zero it for B
                 for (int i = tid; i < TT * H; i += THREADS) __stcg(p.o + i, 0.f);
-            barrier();
+            if (tagged_qkv) untimed_barrier();  // B polls its head's rows
+            else barrier();
         } else if (kind == 1) {
             const int h = cta % NH, g = h / (NH / NKV);
             // q/k RMSNorm over the head (warps 0-3: q; 4-7: k), then RoPE (rotate-half) at the
@@ -1124,13 +1201,12 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             auto add_o = [&](int t, int i, float v) { atomicAdd(o_cur + t * H + o0 + i, v * so[i]); };
             if (xr) gemv_rows<8>(wb, o1 - o0, HD, att, HD, nt, how, add_o);
             else gemv_rows<4>(wb, o1 - o0, HD, att, HD, nt, how, add_o);
-            barrier();
-        } else if (kind == 2) {
-            if (tagged && cta == 0) {  // o[(layer + 1) % 2] for the next B: every CTA read it in
-                // the last C, before the barrier after this layer's B (crossed since)
-                float* o_next = p.o + (size_t)((pass * L + l + 1) & 1) * 2 * H;
+            if (tagged && cta == 0) {  // o[(layer + 1) % 3] for the next B (OPT_TAGGED)
+                float* o_next = p.o + (size_t)((pass * L + l + 1) % 3) * 2 * H;
                 for (int i = tid; i < TT * H; i += THREADS) __stcg(o_next + i, 0.f);
             }
+            barrier();
+        } else if (kind == 2) {
             for (int t = 0; t < nt; ++t) rms_norm(x + t * H, side, xn + t * H, p.eps, red);
             const auto [j0, j1] = stage_rows(2, cta, ctas);
             const int n = j1 - j0;
@@ -1188,7 +1264,7 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                                   else __stcg(y + t * H + i, v * s[i]);
                               },
                               sc);  // KSD > 1: the parts' sums in the scores' space (B's)
-            if (tagged) {  // o alternates by layer (C zeroes the next one)
+            if (tagged) {  // o rotates by layer (B zeroes the next one)
                 untimed_barrier();
             } else {
                 if (cta == 0)  // every CTA read o in C (before the last barrier): zero it for B
@@ -1242,6 +1318,7 @@ template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZE
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[4]>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[5]>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[6]>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[7]>(megaframe::Params);
 #endif
 
 #ifdef TORCH_EXTENSION_NAME
@@ -1305,7 +1382,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 8192, "opts: OPT_* bits (0-8191)");
+    TORCH_CHECK(opts >= 0 && opts < 16384, "opts: OPT_* bits (0-16383)");
     TORCH_CHECK(!(opts & megaframe::OPT_EARLY_FREE) || (opts & megaframe::OPT_PRODUCER),
                 "OPT_EARLY_FREE needs OPT_PRODUCER");
     TORCH_CHECK(!(opts & megaframe::OPT_SPLIT_DOWN) ||
@@ -1319,10 +1396,14 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     const bool tagged = opts & megaframe::OPT_TAGGED;
     TORCH_CHECK(!tagged || !(opts & megaframe::OPT_SPLIT_DOWN),
                 "OPT_TAGGED and OPT_SPLIT_DOWN do not go together");
-    TORCH_CHECK(!tagged || (ws[20].numel() >= 4 * megaframe::H &&
+    TORCH_CHECK(!tagged || (ws[20].numel() >= 6 * megaframe::H &&
                             ws[21].numel() >= 2 * tt * megaframe::I &&
                             ws[22].numel() >= 2 * tt * megaframe::H),
-                "OPT_TAGGED: o of 4 rows (two by layer parity), act and d of 2 floats a value");
+                "OPT_TAGGED: o of 6 rows (three buffers of two), act and d of 2 floats a value");
+    const bool tagged_qkv = opts & megaframe::OPT_TAGGED_QKV;
+    TORCH_CHECK(!tagged_qkv || tagged, "OPT_TAGGED_QKV needs OPT_TAGGED");
+    TORCH_CHECK(!tagged_qkv || ws[19].numel() >= 2 * tt * megaframe::QKV,
+                "OPT_TAGGED_QKV: qkv of 2 floats a value");
     TORCH_CHECK(!(opts & megaframe::OPT_PRODUCER) || (opts & megaframe::OPT_TMA),
                 "OPT_PRODUCER needs OPT_TMA");
     p.opts = (int)opts;
@@ -1363,11 +1444,12 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     TORCH_CHECK(ctas <= megaframe::THREADS, "at most one CTA per thread of a CTA (flags)");
     TORCH_CHECK(ws[27].numel() >= 32 * megaframe::STRIPES, "the barrier words: 32 x STRIPES");
     cudaMemsetAsync(p.counter, 0, sizeof(int) * ws[27].numel(), stream);
-    // OPT_TAGGED: both o buffers, and every tagged word of act and d (no tag left from the
-    // last frame, whose stages had the same ids)
-    cudaMemsetAsync(p.o, 0, sizeof(float) * (tagged ? 4 : tt) * megaframe::H, stream);
+    // OPT_TAGGED: the three o buffers, and every tagged word of act, d (and qkv) (no tag left
+    // from the last frame, whose stages had the same ids)
+    cudaMemsetAsync(p.o, 0, sizeof(float) * (tagged ? 6 : tt) * megaframe::H, stream);
     cudaMemsetAsync(p.d, 0, sizeof(float) * (tagged ? 2 : 1) * tt * megaframe::H, stream);
     if (tagged) cudaMemsetAsync(p.act, 0, sizeof(float) * 2 * tt * megaframe::I, stream);
+    if (tagged_qkv) cudaMemsetAsync(p.qkv, 0, sizeof(float) * 2 * tt * megaframe::QKV, stream);
     // the full frame compiled for its options where SPECIALIZED has them
     const int fixed = (int)opts & ~(megaframe::OPT_COOPERATIVE | megaframe::OPT_GENERIC);
     if (mode == 0 && !(opts & megaframe::OPT_GENERIC) && flag_barrier == 0 &&

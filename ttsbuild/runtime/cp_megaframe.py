@@ -76,10 +76,12 @@ RAW = 1024
 EARLY_FREE = 2048
 # TAGGED: C's act and D's d as tagged 64-bit words (value bits | writing stage's id + 1 << 32),
 # polled by their readers: no grid barrier after C or D (2 of a layer's 4), no release fence
-# there; o alternates by layer parity (4 rows: `scratch`). Not with SPLIT_DOWN.
-TAGGED = 4096
+# there; o rotates over three buffers by layer (6 rows: `scratch`). Not with SPLIT_DOWN.
+# TAGGED_QKV (with TAGGED): A's qkv tagged too, so B polls its head's rows and the barrier
+# after A goes: one grid barrier a layer is left (after B).
+TAGGED, TAGGED_QKV = 4096, 8192
 SPECIALIZED = (SERVED_OPTS, FETCH, FETCH | TWO_TOKEN, FETCH | XREDUCE, SERVED_OPTS | RAW,
-               SERVED_OPTS | EARLY_FREE, SERVED_OPTS | TAGGED)
+               SERVED_OPTS | EARLY_FREE, SERVED_OPTS | TAGGED, SERVED_OPTS | TAGGED | TAGGED_QKV)
 
 
 def specialized(opts: int, barrier: int = 0) -> bool:
@@ -319,10 +321,10 @@ def scratch(device) -> dict[str, torch.Tensor]:
     s = SHAPE
     qkv = (s["heads"] + 2 * s["kv_heads"]) * s["head_dim"]
     cache = (s["layers"], s["kv_heads"], s["groups"], s["head_dim"])
-    # o, act and d have room for TAGGED too: o two buffers (by layer parity) of two rows, act
-    # and d a 64-bit tagged word a value
+    # room for TAGGED and TAGGED_QKV too: o three buffers (rotating by layer) of two rows; qkv,
+    # act and d a 64-bit tagged word a value
     return {
-        "qkv": torch.zeros(2, qkv, **f), "o": torch.zeros(4, s["hidden"], **f),
+        "qkv": torch.zeros(4, qkv, **f), "o": torch.zeros(6, s["hidden"], **f),
         "act": torch.zeros(4, s["intermediate"], **f), "d": torch.zeros(4, s["hidden"], **f),
         "logits": torch.zeros(s["groups"] - 1, s["vocab"], **f),
         "kcache": torch.zeros(cache, **f), "vcache": torch.zeros(cache, **f),
@@ -382,20 +384,23 @@ def threads_from_env() -> int:
 
 def engine_opts() -> int:
     """The engine's options: SERVED_OPTS and a cooperative launch, plus what $EXTRA_ENV asks
-    for of TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE | TAGGED (an integer; for
-    timing them in the engine before they are served)."""
+    for of TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE | TAGGED | TAGGED_QKV (an
+    integer; for timing them in the engine before they are served)."""
     raw = os.environ.get(EXTRA_ENV, "0")
     try:
         extra = int(raw, 0)
     except ValueError:
         raise ValueError(f"{EXTRA_ENV} must be an integer of option bits, got {raw!r}") from None
-    allowed = TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE | TAGGED
+    allowed = TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE | TAGGED | TAGGED_QKV
     if extra & ~allowed:
         raise ValueError(f"{EXTRA_ENV}={extra}: only TWO_TOKEN ({TWO_TOKEN}), XREDUCE "
                          f"({XREDUCE}), KV_AHEAD ({KV_AHEAD}), SPLIT_DOWN ({SPLIT_DOWN}), "
-                         f"EARLY_FREE ({EARLY_FREE}) and TAGGED ({TAGGED}) can be added")
+                         f"EARLY_FREE ({EARLY_FREE}), TAGGED ({TAGGED}) and TAGGED_QKV "
+                         f"({TAGGED_QKV}) can be added")
     if extra & TAGGED and extra & SPLIT_DOWN:
         raise ValueError(f"{EXTRA_ENV}={extra}: TAGGED and SPLIT_DOWN do not go together")
+    if extra & TAGGED_QKV and not extra & TAGGED:
+        raise ValueError(f"{EXTRA_ENV}={extra}: TAGGED_QKV needs TAGGED")
     return SERVED_OPTS | COOPERATIVE | extra
 
 

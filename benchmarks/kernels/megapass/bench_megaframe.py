@@ -270,6 +270,7 @@ NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE, "kv-ahead": cpm.KV
           "all-four": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.KV_AHEAD | cpm.SPLIT_DOWN,
           "two-token+xreduce+early-free": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.EARLY_FREE,
           "two-token+xreduce+tagged": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.TAGGED,
+          "two-token+xreduce+tagged+qkv": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.TAGGED | cpm.TAGGED_QKV,
           "tagged": cpm.TAGGED}
 
 

@@ -34,6 +34,7 @@ VARIANTS = {  # name -> (mode, sampling, option bits, stage threads)
     "raw": (0, bm.GREEDY, cpm.SERVED_OPTS | cpm.RAW, 256),
     "race": (3, bm.GREEDY, cpm.SERVED_OPTS, 256),
     "tagged": (0, bm.GREEDY, cpm.SERVED_OPTS | cpm.TAGGED, 256),
+    "tagged_qkv": (0, bm.GREEDY, cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV, 256),
 }
 
 
