@@ -1,10 +1,11 @@
-// A feasibility prototype (benchmarks only, not served): the code predictor's whole frame at
-// batch 1 as ONE persistent kernel, one CTA per SM, every CTA holding the residual stream in
-// shared memory, grid barriers between the dependent stages, and each stage's weight slice
-// copied into shared memory (cp.async) two stages ahead, so HBM streams while CTAs wait at
-// barriers. Question it answers: what a dependent stage costs when its weights are already
-// on chip (the served frame: ~28 launches a pass at ~4.6 us each, 1.9 ms a frame on the H200;
-// the Triton persistent pass of 2026-11-30 spent ~5 us a stage on memory round trips).
+// The code predictor's whole frame at batch 1 (the engine's plan.megaframe_code_predictor, off
+// by default; benchmarks/kernels/megapass) as ONE persistent kernel, one CTA per SM, every CTA
+// holding the residual stream in shared memory, grid barriers between the dependent stages,
+// and each stage's weight slice copied into shared memory two stages ahead, so HBM streams
+// while CTAs wait at barriers. It began as a question: what a dependent stage costs when its
+// weights are already on chip (the fused frame: ~28 launches a pass at ~4.6 us each, 1.9 ms a
+// frame on the H200; the Triton persistent pass of 2026-11-30 spent ~5 us a stage on memory
+// round trips).
 //
 // Stages of one pass (one token), per layer l (hidden 1024, 16 q / 8 kv heads of 128,
 // intermediate 3072; FP8 e4m3 weights with a float scale per output row):
@@ -480,19 +481,17 @@ __device__ __forceinline__ void ld_tagged_pair(const unsigned long long* src,
                  : "=l"(a), "=l"(b) : "l"(src) : "memory");
 }
 
-// n (even) tagged words from src into dst (dst[i] += their values with add, else =), a pair
-// of words a load, pairs strided over the stage threads; every pair read again until both
-// tags are `tag`. The first loads all go out at once; then only pairs not yet written are
-// read again, together. MAXP: pairs a thread at most (n / 2 <= MAXP * THREADS).
-template <int MAXP>
-__device__ __forceinline__ void tagged_read(const unsigned long long* src, float* dst, int n,
-                                            unsigned tag, bool add) {
-    const int np = n / 2;
+// np pairs of tagged words, pair j read from src_of(j) (16-byte aligned) into the two floats
+// at dst_of(j) (added to them with ADD), pairs strided over the stage threads; every pair read
+// again until both its tags are `tag`. The first loads all go out at once; then only pairs not
+// yet written are read again, together. MAXP: pairs a thread at most (np <= MAXP * THREADS).
+template <int MAXP, bool ADD, typename Src, typename Dst>
+__device__ __forceinline__ void tagged_gather(int np, Src src_of, Dst dst_of, unsigned tag) {
     unsigned long long a[MAXP], b[MAXP];
 #pragma unroll
     for (int k = 0; k < MAXP; ++k) {
         const int j = threadIdx.x + k * THREADS;
-        if (j < np) ld_tagged_pair(src + 2 * j, a[k], b[k]);
+        if (j < np) ld_tagged_pair(src_of(j), a[k], b[k]);
     }
     long long spins = 0;
     for (;;) {
@@ -501,7 +500,7 @@ __device__ __forceinline__ void tagged_read(const unsigned long long* src, float
         for (int k = 0; k < MAXP; ++k) {
             const int j = threadIdx.x + k * THREADS;
             if (j < np && ((unsigned)(a[k] >> 32) != tag || (unsigned)(b[k] >> 32) != tag)) {
-                ld_tagged_pair(src + 2 * j, a[k], b[k]);
+                ld_tagged_pair(src_of(j), a[k], b[k]);
                 done = false;
             }
         }
@@ -512,73 +511,46 @@ __device__ __forceinline__ void tagged_read(const unsigned long long* src, float
     for (int k = 0; k < MAXP; ++k) {
         const int j = threadIdx.x + k * THREADS;
         if (j < np) {
+            float* d = dst_of(j);
             const float u = __uint_as_float((unsigned)a[k]), v = __uint_as_float((unsigned)b[k]);
-            if (add) {
-                dst[2 * j] += u;
-                dst[2 * j + 1] += v;
-            } else {
-                dst[2 * j] = u;
-                dst[2 * j + 1] = v;
-            }
+            d[0] = ADD ? d[0] + u : u;
+            d[1] = ADD ? d[1] + v : v;
         }
     }
 }
 
+// n (even) tagged words from src into dst (dst[i] += their values with ADD, else =)
+template <int MAXP, bool ADD>
+__device__ __forceinline__ void tagged_read(const unsigned long long* src, float* dst, int n,
+                                            unsigned tag) {
+    tagged_gather<MAXP, ADD>(n / 2, [&](int j) { return src + 2 * j; },
+                             [&](int j) { return dst + 2 * j; }, tag);
+}
+
 // OPT_TAGGED_QKV: B's q, k and v rows of nt tokens (3 nt segments of HD tagged words, from
-// qkv_tag [nt, QKV]: head h's q, kv head g's k and v) into q, k, v (shared, nt rows of HD each),
-// all pairs loaded at once, then those not yet written again (tagged_read's way).
+// qkv_tag [nt, QKV]: head h's q, kv head g's k and v) into q, k, v (shared, nt rows of HD each)
 __device__ __forceinline__ void tagged_read_qkv(const unsigned long long* qkv_tag, int nt,
                                                 int h, int g, float* q, float* k, float* v,
                                                 unsigned tag) {
     constexpr int PAIRS = HD / 2, MAXP = (3 * 2 * PAIRS + THREADS - 1) / THREADS;
-    const int np = 3 * nt * PAIRS;
-    auto where = [&](int j, const unsigned long long*& src, float*& dst) {
-        const int seg = j / PAIRS, w = 2 * (j % PAIRS), t = seg / 3, part = seg % 3;
-        const int col = part == 0 ? h * HD                     // q of head h
-                      : part == 1 ? NH * HD + g * HD           // k of kv head g
-                                  : (NH + NKV) * HD + g * HD;  // v of kv head g
-        src = qkv_tag + (size_t)t * QKV + col + w;
-        dst = (part == 0 ? q : part == 1 ? k : v) + t * HD + w;
-    };
-    unsigned long long a[MAXP], b[MAXP];
-#pragma unroll
-    for (int m = 0; m < MAXP; ++m) {
-        const int j = threadIdx.x + m * THREADS;
-        const unsigned long long* src;
-        float* dst;
-        if (j < np) {
-            where(j, src, dst);
-            ld_tagged_pair(src, a[m], b[m]);
-        }
-    }
-    long long spins = 0;
-    for (;;) {
-        bool done = true;
-#pragma unroll
-        for (int m = 0; m < MAXP; ++m) {
-            const int j = threadIdx.x + m * THREADS;
-            if (j < np && ((unsigned)(a[m] >> 32) != tag || (unsigned)(b[m] >> 32) != tag)) {
-                const unsigned long long* src;
-                float* dst;
-                where(j, src, dst);
-                ld_tagged_pair(src, a[m], b[m]);
-                done = false;
-            }
-        }
-        if (done) break;
-        if (++spins > (1ll << 22)) __trap();
-    }
-#pragma unroll
-    for (int m = 0; m < MAXP; ++m) {
-        const int j = threadIdx.x + m * THREADS;
-        if (j < np) {
-            const unsigned long long* src;
-            float* dst;
-            where(j, src, dst);
-            dst[0] = __uint_as_float((unsigned)a[m]);
-            dst[1] = __uint_as_float((unsigned)b[m]);
-        }
-    }
+    // pair j: segment j / PAIRS (token t = segment / 3, part q / k / v = segment % 3)
+    auto part_of = [](int j) { return j / PAIRS % 3; };
+    auto token_of = [](int j) { return j / PAIRS / 3; };
+    auto word_of = [](int j) { return 2 * (j % PAIRS); };
+    tagged_gather<MAXP, false>(
+        3 * nt * PAIRS,
+        [&](int j) {
+            const int part = part_of(j);
+            const int col = part == 0 ? h * HD                     // q of head h
+                          : part == 1 ? NH * HD + g * HD           // k of kv head g
+                                      : (NH + NKV) * HD + g * HD;  // v of kv head g
+            return qkv_tag + (size_t)token_of(j) * QKV + col + word_of(j);
+        },
+        [&](int j) {
+            const int part = part_of(j);
+            return (part == 0 ? q : part == 1 ? k : v) + token_of(j) * HD + word_of(j);
+        },
+        tag);
 }
 
 // sum over the block of v (every thread gets it); red: WARPS floats of shared memory
@@ -1025,8 +997,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
                     for (int i = tid; i < H; i += THREADS) x[t * H + i] = __ldcg(src + i);
                 }
             } else if (tagged) {  // d as D (the stage before) tagged it: cur
-                tagged_read<(2 * H / 2 + THREADS - 1) / THREADS>(d_tag, x, nt * H, (unsigned)cur,
-                                                                 true);
+                tagged_read<(2 * H / 2 + THREADS - 1) / THREADS, true>(d_tag, x, nt * H,
+                                                                       (unsigned)cur);
             } else {
                 for (int i = tid; i < nt * H; i += THREADS) x[i] += __ldcg(p.d + i);
             }
@@ -1052,8 +1024,8 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
         } else if (kind == 2) {
             for (int i = tid; i < nt * H; i += THREADS) x[i] += __ldcg(o_cur + i);
         } else if (tagged) {  // act as C (the stage before) tagged it: cur
-            tagged_read<(2 * I / 2 + THREADS - 1) / THREADS>(act_tag, xn, nt * I, (unsigned)cur,
-                                                             false);
+            tagged_read<(2 * I / 2 + THREADS - 1) / THREADS, false>(act_tag, xn, nt * I,
+                                                                    (unsigned)cur);
         } else {
             for (int i = tid; i < nt * I; i += THREADS) xn[i] = __ldcg(p.act + i);
         }
