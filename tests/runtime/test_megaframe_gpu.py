@@ -56,9 +56,11 @@ F, TT, XR = cpm.FETCH, cpm.TWO_TOKEN, cpm.XREDUCE
     F | TT | XR | cpm.KV_AHEAD | cpm.SPLIT_DOWN, cpm.SERVED_OPTS | cpm.EARLY_FREE,
     cpm.SERVED_OPTS | cpm.TAGGED, F | cpm.TAGGED | cpm.GENERIC,
     cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV, F | cpm.TAGGED | cpm.TAGGED_QKV | cpm.GENERIC,
+    cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV | cpm.WARP_QK, F | cpm.WARP_QK | cpm.GENERIC,
 ], ids=["served", "served-generic", "fetch", "fetch-generic", "two-token", "xreduce",
         "kv-ahead", "split-down", "split-down+two-token", "all", "early-free", "tagged",
-        "fetch-tagged-generic", "tagged-qkv", "fetch-tagged-qkv-generic"])
+        "fetch-tagged-generic", "tagged-qkv", "fetch-tagged-qkv-generic", "tagged-qkv-warp-qk",
+        "fetch-warp-qk-generic"])
 @pytest.mark.parametrize("do_sample, top_p", [(False, 1.0), (True, 1.0), (True, 0.8)])
 def test_codes_follow_the_reference(model, do_sample, top_p, opts):
     """opts: the served options (FETCH, TWO_TOKEN: the frame's two inputs as one pass of two
@@ -66,8 +68,9 @@ def test_codes_follow_the_reference(model, do_sample, top_p, opts):
     the generic one; FETCH alone and with one option each (KV_AHEAD: stage B's past K/V rows
     copied ahead by the producer; SPLIT_DOWN: stage D split by input columns); EARLY_FREE (a
     stage's buffer back to the producer at its barrier) and TAGGED (act and d as tagged
-    words, no barrier after C or D; with TAGGED_QKV A's qkv too, no barrier after A) on the
-    served options, and one token a pass in the generic instance."""
+    words, no barrier after C or D; with TAGGED_QKV A's qkv too, no barrier after A; WARP_QK:
+    B's q/k norms and RoPE a warp a vector) on the served options, and one token a pass in
+    the generic instance."""
     cp, m, x_in, mf = model
     if opts != cpm.SERVED_OPTS:
         mf = cpm.Megaframe(m, eps=mf.eps, opts=opts | cpm.COOPERATIVE)

@@ -343,6 +343,8 @@ def test_the_specialized_instances_are_the_kernels_own():
     assert cpm.specialized(cpm.SERVED_OPTS | cpm.EARLY_FREE)  # the options timed beside it
     assert cpm.specialized(cpm.SERVED_OPTS | cpm.TAGGED)
     assert cpm.specialized(cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV)
+    assert cpm.specialized(cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV | cpm.WARP_QK)
+    assert int(names["OPT_WARP_QK"]) == cpm.WARP_QK
     assert int(names["OPT_TAGGED_QKV"]) == cpm.TAGGED_QKV
     assert int(names["OPT_EARLY_FREE"]) == cpm.EARLY_FREE
     assert int(names["OPT_TAGGED"]) == cpm.TAGGED

@@ -127,6 +127,11 @@ constexpr int OPT_TAGGED = 4096;
 //   every reader crossed after its read. One grid barrier a layer is left (after B: o's
 //   atomics), and the head's.
 constexpr int OPT_TAGGED_QKV = 8192;
+// OPT_WARP_QK: stage B's q/k RMSNorm and RoPE by one warp a vector (a token's q or k: a lane
+//   holds dims lane + 32 m, m < 4, so the sum of squares is a warp sum and a dim's RoPE
+//   partner, 64 away, is in the same lane): one block sync, not five a token (run 12's stamps:
+//   B's norms and attention 1.56 us a stage).
+constexpr int OPT_WARP_QK = 16384;
 // OPT_GENERIC (host): the kernel compiled for any options, read from Params at run time (what
 //   the bench's older variants run). Without it the options in SPECIALIZED (with the plain
 //   grid barrier) run an instance compiled for exactly them: the generic full mode is 295 KB
@@ -139,13 +144,16 @@ constexpr int OPT_GENERIC = 512;
 constexpr int FETCH = OPT_TMA | OPT_READ_FIRST | OPT_PRODUCER;
 // The last: the served options with OPT_RAW (timing only), in an instance of its own so the
 // conversion's share is timed against the served instance's code, not the generic one's.
-// Then the served options with OPT_EARLY_FREE, with OPT_TAGGED, and with both tagged options.
+// Then the served options with OPT_EARLY_FREE, with OPT_TAGGED, with both tagged options, and
+// with those and OPT_WARP_QK.
 constexpr int SPECIALIZED[] = {FETCH | OPT_TWO_TOKEN | OPT_XREDUCE, FETCH, FETCH | OPT_TWO_TOKEN,
                                FETCH | OPT_XREDUCE,
                                FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_RAW,
                                FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_EARLY_FREE,
                                FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_TAGGED,
-                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_TAGGED | OPT_TAGGED_QKV};
+                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_TAGGED | OPT_TAGGED_QKV,
+                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_TAGGED | OPT_TAGGED_QKV |
+                                   OPT_WARP_QK};
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -1080,9 +1088,10 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const auto [r0, r1] = stage_rows(0, cta, ctas);
             const float* s = side + H;
             float* y = p.qkv + r0;
+            unsigned long long* yt = qkv_tag + r0;  // OPT_TAGGED_QKV's words of the same rows
             if (st) st[sid * NSTAMP + 4] = clock64();
             gemv_rows<RA>(wb, r1 - r0, H, xn, H, nt, how, [&](int t, int i, float v) {
-                if (tagged_qkv) st_tagged(qkv_tag + t * QKV + r0 + i, v * s[i], (unsigned)cur + 1);
+                if (tagged_qkv) st_tagged(yt + t * QKV + i, v * s[i], (unsigned)cur + 1);
                 else __stcg(y + t * QKV + i, v * s[i]);
             });
             if (split && cta == 0)  // every CTA read o in C before D's barrier: zero it for B
@@ -1096,7 +1105,33 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             // token at position 0 skips the rotation (the identity there: cos 1, sin 0)
             // (threads from 2 HD on, with 512 stage threads, only join the block syncs)
             const bool qk = tid < 2 * HD;
-            for (int tk = 0; tk < nt; ++tk) {
+            if (opts & OPT_WARP_QK) {  // warp 2 t + 0: token t's q, 2 t + 1: its k
+                const int w_id = tid / 32, lane = tid % 32;
+                if (w_id < 2 * nt) {
+                    const int tk = w_id / 2;
+                    const bool isq = w_id % 2 == 0, rotate = pos0 + tk == pass;
+                    float* t = (isq ? qv : kv) + tk * HD;
+                    const float* wn = side + (isq ? 0 : HD);
+                    float v[4], ss = 0.f;
+#pragma unroll
+                    for (int m = 0; m < 4; ++m) {
+                        v[m] = t[lane + 32 * m];
+                        ss += v[m] * v[m];
+                    }
+                    const float rstd = rsqrtf(warp_sum(ss) / HD + p.eps);
+#pragma unroll
+                    for (int m = 0; m < 4; ++m) v[m] = v[m] * rstd * wn[lane + 32 * m];
+#pragma unroll
+                    for (int m = 0; m < 4; ++m) {
+                        const int d0 = lane + 32 * m, f = d0 % (HD / 2);
+                        const float rot = m < 2 ? -v[m + 2] : v[m - 2];
+                        t[d0] = rotate ? v[m] * side[2 * HD + f] + rot * side[2 * HD + HD / 2 + f]
+                                       : v[m];
+                    }
+                }
+                csync();
+            }
+            for (int tk = 0; tk < nt && !(opts & OPT_WARP_QK); ++tk) {
                 const bool rotate = pos0 + tk == pass;
                 float* t = (tid < HD ? qv : kv) + tk * HD;
                 const int d0 = tid % HD;
@@ -1228,10 +1263,11 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const auto [r0, r1] = stage_rows(3, cta, ctas);
             const float* s = side;
             float* y = p.d + r0;
+            unsigned long long* yt = d_tag + r0;  // OPT_TAGGED's words of the same rows
             if (st) st[sid * NSTAMP + 4] = clock64();
             gemv_rows<1, KSD>(wb, r1 - r0, I, xn, I, nt, how,
                               [&](int t, int i, float v) {
-                                  if (tagged) st_tagged(d_tag + t * H + r0 + i, v * s[i],
+                                  if (tagged) st_tagged(yt + t * H + i, v * s[i],
                                                         (unsigned)cur + 1);
                                   else __stcg(y + t * H + i, v * s[i]);
                               },
@@ -1291,6 +1327,7 @@ template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZE
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[5]>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[6]>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[7]>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[8]>(megaframe::Params);
 #endif
 
 #ifdef TORCH_EXTENSION_NAME
@@ -1354,7 +1391,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     p.stamps = stamps.numel() ? reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()) : nullptr;
     TORCH_CHECK(!stamps.numel() || stamps.numel() == 2 * megaframe::STAGES * megaframe::NSTAMP,
                 "stamps: [2, STAGES, NSTAMP]");
-    TORCH_CHECK(opts >= 0 && opts < 16384, "opts: OPT_* bits (0-16383)");
+    TORCH_CHECK(opts >= 0 && opts < 32768, "opts: OPT_* bits (0-32767)");
     TORCH_CHECK(!(opts & megaframe::OPT_EARLY_FREE) || (opts & megaframe::OPT_PRODUCER),
                 "OPT_EARLY_FREE needs OPT_PRODUCER");
     TORCH_CHECK(!(opts & megaframe::OPT_SPLIT_DOWN) ||

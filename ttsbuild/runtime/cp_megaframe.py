@@ -80,8 +80,11 @@ EARLY_FREE = 2048
 # TAGGED_QKV (with TAGGED): A's qkv tagged too, so B polls its head's rows and the barrier
 # after A goes: one grid barrier a layer is left (after B).
 TAGGED, TAGGED_QKV = 4096, 8192
+# WARP_QK: stage B's q/k norms and RoPE by one warp a vector (one block sync, not five a token)
+WARP_QK = 16384
 SPECIALIZED = (SERVED_OPTS, FETCH, FETCH | TWO_TOKEN, FETCH | XREDUCE, SERVED_OPTS | RAW,
-               SERVED_OPTS | EARLY_FREE, SERVED_OPTS | TAGGED, SERVED_OPTS | TAGGED | TAGGED_QKV)
+               SERVED_OPTS | EARLY_FREE, SERVED_OPTS | TAGGED, SERVED_OPTS | TAGGED | TAGGED_QKV,
+               SERVED_OPTS | TAGGED | TAGGED_QKV | WARP_QK)
 
 
 def specialized(opts: int, barrier: int = 0) -> bool:
@@ -384,19 +387,20 @@ def threads_from_env() -> int:
 
 def engine_opts() -> int:
     """The engine's options: SERVED_OPTS and a cooperative launch, plus what $EXTRA_ENV asks
-    for of TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE | TAGGED | TAGGED_QKV (an
-    integer; for timing them in the engine before they are served)."""
+    for of TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE | TAGGED | TAGGED_QKV |
+    WARP_QK (an integer; for timing them in the engine before they are served)."""
     raw = os.environ.get(EXTRA_ENV, "0")
     try:
         extra = int(raw, 0)
     except ValueError:
         raise ValueError(f"{EXTRA_ENV} must be an integer of option bits, got {raw!r}") from None
-    allowed = TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE | TAGGED | TAGGED_QKV
+    allowed = (TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE | TAGGED | TAGGED_QKV
+               | WARP_QK)
     if extra & ~allowed:
         raise ValueError(f"{EXTRA_ENV}={extra}: only TWO_TOKEN ({TWO_TOKEN}), XREDUCE "
                          f"({XREDUCE}), KV_AHEAD ({KV_AHEAD}), SPLIT_DOWN ({SPLIT_DOWN}), "
-                         f"EARLY_FREE ({EARLY_FREE}), TAGGED ({TAGGED}) and TAGGED_QKV "
-                         f"({TAGGED_QKV}) can be added")
+                         f"EARLY_FREE ({EARLY_FREE}), TAGGED ({TAGGED}), TAGGED_QKV "
+                         f"({TAGGED_QKV}) and WARP_QK ({WARP_QK}) can be added")
     if extra & TAGGED and extra & SPLIT_DOWN:
         raise ValueError(f"{EXTRA_ENV}={extra}: TAGGED and SPLIT_DOWN do not go together")
     if extra & TAGGED_QKV and not extra & TAGGED:

@@ -271,6 +271,8 @@ NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE, "kv-ahead": cpm.KV
           "two-token+xreduce+early-free": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.EARLY_FREE,
           "two-token+xreduce+tagged": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.TAGGED,
           "two-token+xreduce+tagged+qkv": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.TAGGED | cpm.TAGGED_QKV,
+          "two-token+xreduce+tagged+qkv+warp-qk": (cpm.TWO_TOKEN | cpm.XREDUCE | cpm.TAGGED
+                                                   | cpm.TAGGED_QKV | cpm.WARP_QK),
           "tagged": cpm.TAGGED}
 
 
