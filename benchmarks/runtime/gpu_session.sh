@@ -110,7 +110,8 @@
 #         predictor as one kernel, regular step and admission lane), beside the same plan
 #         without it: both with an FP8 code predictor and no SMs reserved for the lane; a third
 #         side with $MEGAENGINE_EXTRA (option bits: cp_megaframe.TWO_TOKEN 32, XREDUCE 64,
-#         KV_AHEAD 128, SPLIT_DOWN 256; 480 all four) added through TTSBUILD_MEGAFRAME_EXTRA;
+#         KV_AHEAD 128, SPLIT_DOWN 256, EARLY_FREE 2048, TAGGED 4096, TAGGED_QKV 8192, WARP_QK
+#         16384) added through TTSBUILD_MEGAFRAME_EXTRA;
 #         $MEGAENGINE_SIDES picks sides (cpfp8 megaframe megaframe_lane megaframe_extra)
 # mfprofile: Nsight Compute (ncu --set full, source counters) on one frame of the one-kernel
 #         code predictor (benchmarks/kernels/megapass/profile_megaframe.py, built with -lineinfo):

@@ -72,7 +72,8 @@ RAW = 1024
 # EARLY_FREE (with PRODUCER): a stage's buffer goes back to the producer when its CTA arrives
 # at the stage's grid barrier, not at the next stage's top, so the copy NBUF - 1 stages ahead
 # streams while the CTA waits (the ncu profile: the barrier after A, during which C's 48 KB
-# copy is in flight, took twice the others, ~45 % of it in the release fence)
+# copy is in flight, took twice the others, ~45 % of it in the release fence). Measured (H100
+# run 13): 6 % slower, the wait moves to the next stages' weights; off.
 EARLY_FREE = 2048
 # TAGGED: C's act and D's d as tagged 64-bit words (value bits | writing stage's id + 1 << 32),
 # polled by their readers: no grid barrier after C or D (2 of a layer's 4), no release fence
