@@ -500,7 +500,8 @@ for step in $STEPS; do
         # $MEGAENGINE_SIDES: which sides, in order (default "cpfp8 megaframe", plus
         # megaframe_extra where $MEGAENGINE_EXTRA, option bits, is set: the kernel with them
         # added through TTSBUILD_MEGAFRAME_EXTRA); megaframe_lane: the kernel on the admission
-        # lane's first frames only (plan megaframe_regular off; the extra options too);
+        # lane's first frames only (plan megaframe_regular off; the extra options too;
+        # megaframe_lane0: the same without them, for a side-by-side of the options);
         # megaframe512 / megaframe_lane512: those two with the kernel's 512-thread build
         # (TTSBUILD_MEGAFRAME_THREADS=512)
         mega="--plan-set code_predictor_fp8=true --lane-reserved-sms 0 --plan-set megaframe_code_predictor=true"
@@ -508,6 +509,7 @@ for step in $STEPS; do
             [cpfp8]="cpfp8|0|--plan-set code_predictor_fp8=true --lane-reserved-sms 0"
             [megaframe]="megaframe|0|$mega"
             [megaframe_lane]="megaframe_lane|${MEGAENGINE_EXTRA:-0}|$mega --plan-set megaframe_regular=false"
+            [megaframe_lane0]="megaframe_lane0|0|$mega --plan-set megaframe_regular=false"
             [megaframe_extra]="megaframe_extra|${MEGAENGINE_EXTRA:-0}|$mega"
             [megaframe_lane512]="megaframe_lane512|${MEGAENGINE_EXTRA:-0}|$mega --plan-set megaframe_regular=false|512"
             [megaframe512]="megaframe512|0|$mega|512")
