@@ -117,6 +117,66 @@ def test_kernel_with_snake_equals_snake_then_conv(cin, cout, n):
     assert rel_err(got, want) <= 2e-3
 
 
+def _snake_params(c, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    alpha = (0.3 * torch.randn(c, 1, generator=g)).exp()
+    inv_beta = 1.0 / ((0.3 * torch.randn(c, 1, generator=g)).exp() + 1e-9)
+    return alpha.to(device), inv_beta.to(device)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("cin", "cout", "k", "d", "n", "channels_last"), [
+    (96, 96, 7, 9, 37, True),      # block 4's dilated conv, channels-last as served
+    (64, 96, 7, 3, 700, True),     # >= 2048 output rows: the 128 x 128 tile
+    (48, 40, 3, 2, 16, False),     # a masked channel tile, [B, C, T] output
+])
+def test_output_snake_equals_conv_then_snake(cin, cout, k, d, n, channels_last):
+    """SnakeBeta in the conv's epilogue (out_alpha, out_inv_beta) = the conv, rounded, then
+    snake_context's SnakeBeta of it: the residual unit's second SnakeBeta moved from the 1x1
+    conv's input load into the k = 7 conv. The reference path gives the same bits as the two
+    steps; the kernel the same values within half-precision rounding."""
+    from ttsbuild.plugins.codec_context import snake_context_reference
+
+    xin, weight, bias, _ = _inputs(3, cin, cout, k, d, n, torch.float16, KDEV, cin + k + n)
+    alpha, inv_beta = _snake_params(cout, n, KDEV)
+    w = pack_conv_weight(weight)
+    conv = causal_conv(xin, w, bias, d, use_triton=False)
+    want = snake_context_reference(conv, alpha, inv_beta, None, None)
+    assert rel_err(want, conv) > 1e-2  # the SnakeBeta changes the values it is checked on
+    ref = causal_conv(xin, w, bias, d, out_alpha=alpha, out_inv_beta=inv_beta,
+                      use_triton=False)
+    assert torch.equal(ref, want)
+    xin = to_channels_last(xin) if channels_last else xin
+    got = causal_conv(xin, w, bias, d, out_alpha=alpha, out_inv_beta=inv_beta,
+                      channels_last=channels_last, use_triton=True)
+    assert got.shape == want.shape == (3, cout, n)
+    assert rel_err(got, want) <= 2e-3
+    # the kernel's own conv, then the SnakeBeta: the same rounding steps, only sin differs
+    two_steps = snake_context_reference(
+        causal_conv(xin, w, bias, d, channels_last=channels_last, use_triton=True), alpha,
+        inv_beta, None, None)
+    assert rel_err(got, two_steps) <= 1e-3
+    # a wrong parameter fails the comparison (the epilogue reads out_alpha, not alpha)
+    bad = causal_conv(xin, w, bias, d, out_alpha=alpha.flip(0), out_inv_beta=inv_beta,
+                      channels_last=channels_last, use_triton=True)
+    assert rel_err(bad, want) > 1e-2
+
+
+@needs_kernel
+def test_snake_parameters_are_checked():
+    xin, weight, bias, _ = _inputs(1, 16, 24, 3, 1, 8, torch.float16, KDEV, 11)
+    w = pack_conv_weight(weight)
+    alpha, inv_beta = _snake_params(24, 1, KDEV)
+    with pytest.raises(ValueError, match="out_alpha must be 24"):
+        causal_conv(xin, w, bias, 1, out_alpha=alpha[:16], out_inv_beta=inv_beta[:16],
+                    use_triton=True)
+    with pytest.raises(ValueError, match="both alpha and inv_beta"):
+        causal_conv(xin, w, bias, 1, out_alpha=alpha, use_triton=True)
+    with pytest.raises(ValueError, match="inv_beta must be 16"):
+        causal_conv(xin, w, bias, 1, alpha=alpha[:16], inv_beta=inv_beta.half()[:16],
+                    use_triton=True)
+
+
 @needs_kernel
 def test_kernel_reads_a_strided_input():
     xin, weight, bias, _ = _inputs(2, 32, 48, 3, 2, 24, torch.float16, KDEV, 7)

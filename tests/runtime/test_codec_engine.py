@@ -358,3 +358,41 @@ def test_channels_last_conv_operands_decode_the_same_audio(fused, monkeypatch):
     assert rel <= 2e-3, rel
     # only the implicit-GEMM path takes it: the cuDNN engine ignores the flag
     assert not CodecEngine(dec, 2, "fp16", channels_last=True).channels_last
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_snake_in_the_conv_epilogue_decodes_the_same_audio(channels_last, monkeypatch):
+    """CodecEngine(snake_epilogue=True): each residual unit's second SnakeBeta applied in its
+    k = 7 conv's epilogue (causal_conv out_alpha; the Triton kernel under TRITON_INTERPRET=1,
+    else its reference) instead of in the 1x1 conv's input load. Both round the conv's output
+    first and compute the same fp32 SnakeBeta of it: the same audio, bit for bit, chunk by
+    chunk. Every residual unit takes the epilogue (min rows 1), and the 1x1 convs no
+    SnakeBeta of their own."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    monkeypatch.setattr(ce, "IMPLICIT_MIN_ROWS", 1)
+    calls = []
+    real = ce.causal_conv
+
+    def spy(*args, **kw):
+        calls.append((kw.get("out_alpha") is not None, kw.get("alpha") is not None
+                      or len(args) > 5 and args[5] is not None))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ce, "causal_conv", spy)
+    cfg = small_config()
+    dec = our_decoder(cfg, test_state(cfg, seed=38))
+    codes = rand_codes(cfg, 2, 6, seed=39)
+    kw = dict(conv_impl="triton", fused=True, channels_last=channels_last)
+    plain = CodecEngine(dec, 2, "fp16", **kw, snake_epilogue=False)
+    want = ce.decode_with(plain, codes)
+    assert calls and not any(out for out, _ in calls) and any(load for _, load in calls)
+    calls.clear()
+    epilogue = CodecEngine(dec, 2, "fp16", **kw, snake_epilogue=True)
+    got = ce.decode_with(epilogue, codes)
+    units = sum(isinstance(m, ce.ResidualUnit) for m in dec.modules())
+    assert units and sum(out for out, _ in calls) == units * -(-codes.shape[-1] // 4)
+    assert not any(load for _, load in calls)
+    assert got.shape == want.shape and torch.equal(got, want)
+    # only the implicit-GEMM convs take it
+    assert not CodecEngine(dec, 2, "fp16", snake_epilogue=True).snake_epilogue

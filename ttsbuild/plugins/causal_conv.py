@@ -16,8 +16,12 @@ input. The kernel reads the input tiles straight from [B, C, T] for each tap: on
 accumulating k * Cin / BLOCK_CI products of [BLOCK_M, BLOCK_CI] x [BLOCK_CI, BLOCK_O] in fp32
 on the tensor cores, then adds the bias and the residual and stores the tile in the input's
 dtype. Optionally (alpha, inv_beta) a SnakeBeta is applied to the input tiles as they load,
-for convs whose input carries no left context (the residual units' 1x1 convs). Half
-precision only (fp16, bf16): the engine runs fp32 stages as im2col + GEMM.
+for convs whose input carries no left context (the residual units' 1x1 convs), or
+(out_alpha, out_inv_beta) one to the output tile before it is stored: the residual unit's
+second SnakeBeta in its k = 7 conv's epilogue, once per element, where in the 1x1 conv's
+load it is recomputed for every block of output channels and sits between each K step's
+load and its MMA. The output is rounded to its dtype first, so either place gives the same
+bits. Half precision only (fp16, bf16): the engine runs fp32 stages as im2col + GEMM.
 
     overlap_add(z [B, n, taps, s, Cout], spill [S, Cout, (taps - 1) * s], rows [B],
                 bias [Cout]) -> y [B, Cout, n * s], spill rows advanced in place
@@ -45,34 +49,45 @@ def pack_conv_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.permute(2, 1, 0).contiguous()
 
 
-def causal_conv_reference(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None):
+def _snake_reference(x, alpha, inv_beta):
+    """x + inv_beta * sin(alpha * x)^2 in fp32, rounded to x's dtype (alpha, inv_beta [C, 1])."""
+    xf = x.float()
+    return (xf + inv_beta * torch.sin(xf * alpha).pow(2)).to(x.dtype)
+
+
+def causal_conv_reference(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None,
+                          out_alpha=None, out_inv_beta=None):
     """F.conv1d on the unpacked weight (of SnakeBeta(xin) when alpha/inv_beta [C, 1] fp32 are
     given: x + inv_beta * sin(alpha * x)^2 in fp32, rounded to xin's dtype); the residual
-    added in fp32, rounded once."""
+    added in fp32, rounded once; then SnakeBeta(out_alpha, out_inv_beta) of that, if given."""
     if alpha is not None:
-        xf = xin.float()
-        xin = (xf + inv_beta * torch.sin(xf * alpha).pow(2)).to(xin.dtype)
+        xin = _snake_reference(xin, alpha, inv_beta)
     y = F.conv1d(xin, w.permute(2, 1, 0), None, dilation=dilation).float()
     if bias is not None:
         y = y + bias.float()[:, None]
     if residual is not None:
         y = y + residual.float()
-    return y.to(xin.dtype)
+    y = y.to(xin.dtype)
+    return y if out_alpha is None else _snake_reference(y, out_alpha, out_inv_beta)
 
 
 def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None, *,
-                channels_last: bool = False, use_triton: bool | None = None):
+                out_alpha=None, out_inv_beta=None, channels_last: bool = False,
+                use_triton: bool | None = None):
     """See the module docstring; one launch on the GPU. alpha, inv_beta: a SnakeBeta applied
-    to the input first (only where the input carries no left context that already had it).
+    to the input first (only where the input carries no left context that already had it);
+    out_alpha, out_inv_beta: one applied to the output last.
     channels_last: y is a [B, Cout, n] view of a contiguous [B, n, Cout] tensor, as
     `snake_context(channels_last=True)` makes the input, so a conv reading y reads along
     contiguous channels too (the kernel takes any input and residual strides)."""
     if xin.dtype not in (torch.float16, torch.bfloat16) or not want_triton(xin, use_triton):
         if use_triton and xin.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the causal_conv kernel takes fp16 or bf16, not {xin.dtype}")
-        y = causal_conv_reference(xin, w, bias, dilation, residual, alpha, inv_beta)
+        y = causal_conv_reference(xin, w, bias, dilation, residual, alpha, inv_beta,
+                                  out_alpha, out_inv_beta)
         return to_channels_last(y) if channels_last else y
-    return _causal_conv_triton(xin, w, bias, dilation, residual, alpha, inv_beta, channels_last)
+    return _causal_conv_triton(xin, w, bias, dilation, residual, alpha, inv_beta, channels_last,
+                               out_alpha=out_alpha, out_inv_beta=out_inv_beta)
 
 
 def _config(m: int, cin: int, cout: int, k: int = 7) -> tuple[int, int, int, int]:
@@ -95,7 +110,7 @@ def _config(m: int, cin: int, cout: int, k: int = 7) -> tuple[int, int, int, int
 
 
 def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None,
-                        channels_last=False, config=None):
+                        channels_last=False, config=None, out_alpha=None, out_inv_beta=None):
     """config: (BLOCK_M, BLOCK_CI, BLOCK_O, num_warps, num_stages) in place of `_config`'s
     (benchmarks/codec/sweep_conv.py times a grid of them)."""
     import triton
@@ -117,14 +132,24 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
         raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
     bm, bci, bo, warps, stages = config or (*_config(B * n, cin, cout, k), 3)
     grid = (triton.cdiv(B * n, bm), triton.cdiv(cout, bo))
+    for name, p, c in (("alpha", alpha, cin), ("inv_beta", inv_beta, cin),
+                       ("out_alpha", out_alpha, cout), ("out_inv_beta", out_inv_beta, cout)):
+        if p is not None and (p.numel() != c or p.dtype != torch.float32
+                              or not p.is_contiguous()):
+            raise ValueError(f"{name} must be {c} contiguous fp32 values, got "
+                             f"{tuple(p.shape)} {p.dtype}")
+    if (alpha is None) != (inv_beta is None) or (out_alpha is None) != (out_inv_beta is None):
+        raise ValueError("a SnakeBeta takes both alpha and inv_beta")
     res = residual if residual is not None else out
-    snake = alpha is not None
+    snake, out_snake = alpha is not None, out_alpha is not None
     _causal_conv_kernel[grid](
         xin, w, bias if bias is not None else w, res, out, alpha if snake else w,
-        inv_beta if snake else w, B * n, cin, cout, n, dilation,
+        inv_beta if snake else w, out_alpha if out_snake else w,
+        out_inv_beta if out_snake else w, B * n, cin, cout, n, dilation,
         xin.stride(0), xin.stride(1), xin.stride(2), res.stride(0), res.stride(1), res.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SNAKE=snake,
+        HAS_OUT_SNAKE=out_snake,
         BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=stages,
         **codec_pdl_args(xin),
     )  # fmt: skip
@@ -199,10 +224,10 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
 
     @triton.jit
     def _causal_conv_kernel(
-        x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, M, CIN, COUT, N, DIL,
-        sxb, sxc, sxt, srb, sro, srt, sob, soo, sot,
+        x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, out_alpha_ptr,
+        out_inv_beta_ptr, M, CIN, COUT, N, DIL, sxb, sxc, sxt, srb, sro, srt, sob, soo, sot,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAKE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr, PDL: tl.constexpr,
+        HAS_OUT_SNAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
         # output rows m = b * N + t over the whole batch: a tile spans rows of several
@@ -239,8 +264,15 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             r = tl.load(res_ptr + (b * srb + t * srt)[:, None] + offs_o[None, :] * sro,
                         mask=mask, other=0.0)
             acc += r.to(tl.float32)
+        y = acc.to(out_ptr.dtype.element_ty)
+        if HAS_OUT_SNAKE:  # SnakeBeta of the rounded output, in fp32, rounded again
+            al = tl.load(out_alpha_ptr + offs_o, mask=o_mask, other=0.0)
+            ib = tl.load(out_inv_beta_ptr + offs_o, mask=o_mask, other=0.0)
+            yf = y.to(tl.float32)
+            sn = sin_f32(yf * al[None, :])
+            y = (yf + ib[None, :] * (sn * sn)).to(out_ptr.dtype.element_ty)
         dst = out_ptr + (b * sob + t * sot)[:, None] + offs_o[None, :] * soo
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, y, mask=mask)
 
     @triton.jit
     def _overlap_add_kernel(

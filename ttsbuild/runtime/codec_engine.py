@@ -108,6 +108,13 @@ IMPLICIT_MIN_ROWS = 512
 # on, with `fused`.
 CONVNEXT_FUSED = os.environ.get("TTSBUILD_CODEC_CONVNEXT_FUSED", "0") == "1"
 CONVNEXT_FUSED_MAX_ROWS = 16
+# A residual unit's second SnakeBeta in its k = 7 conv's epilogue (plugins.causal_conv
+# out_alpha: once per element, the same bits) instead of in the 1x1 conv's input load, where
+# it is recomputed for every block of output channels between each K step's load and its MMA:
+# the 1x1 convs ran at 33-70 TFLOP/s at batch 64 against 240-480 for the k = 7 convs
+# (benchmarks/codec/2026-12-04-h200-convsweep). Off until timed on the GPU;
+# TTSBUILD_CODEC_SNAKE_EPILOGUE=1 turns it on.
+SNAKE_EPILOGUE = os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE", "0") == "1"
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
@@ -195,6 +202,7 @@ class CodecEngine:
         fused_attention: bool = False,
         state_channels_last: bool = False,
         fused_layers_max_rows: int = 0,
+        snake_epilogue: bool | None = None,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -218,6 +226,10 @@ class CodecEngine:
         # implicit-GEMM conv's input load instead of a launch of its own.
         self.fused = fused
         self.fused_convs = fused and conv_impl == "triton"
+        # a residual unit's act2 in its conv1's epilogue (None: SNAKE_EPILOGUE, the
+        # environment's choice); with "triton" convs, where the kernel runs conv1
+        self.snake_epilogue = (SNAKE_EPILOGUE if snake_epilogue is None
+                               else snake_epilogue) and conv_impl == "triton"
         # The implicit-GEMM convs' inputs and outputs as channels-last views ([B, C, T] shapes
         # over contiguous [B, T, C] storage: snake_context / causal_conv channels_last), so the
         # kernel reads its input tiles along contiguous channels, in vectors its compiler can
@@ -470,9 +482,21 @@ class CodecEngine:
         return snake_context(x, *self._snake[m], None, rows, channels_last=channels_last)
 
     def _conv(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
-              act: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
+              act: nn.Module | None = None, residual: Tensor | None = None,
+              out_act: nn.Module | None = None) -> Tensor:
         """residual + the causal conv of act(x) (act: a SnakeBeta or None), its left context
-        read from and written back to the rows' tails [S, Cin, context]."""
+        read from and written back to the rows' tails [S, Cin, context]; then out_act (a
+        SnakeBeta or None) of that: in the implicit-GEMM kernel's epilogue where it runs the
+        conv, else as a launch of its own."""
+        y, applied = self._conv_in(m, x, rows, st, act, residual, out_act)
+        if out_act is None or applied:
+            return y
+        return self._act(out_act, y, rows, channels_last=y.stride(1) == 1)
+
+    def _conv_in(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
+                 act: nn.Module | None, residual: Tensor | None,
+                 out_act: nn.Module | None) -> tuple[Tensor, bool]:
+        """`_conv` before out_act, and whether the kernel applied out_act already."""
         conv = m.conv
         alpha, inv_beta = self._snake[act] if act is not None else (None, None)
         w = self._conv_w.get(m)
@@ -480,22 +504,28 @@ class CodecEngine:
                 and x.dtype != torch.float32 and x.shape[0] * x.shape[-1] >= IMPLICIT_MIN_ROWS):
             # no left context to keep: the SnakeBeta runs inside the conv's input load
             return causal_conv(x, w, conv.bias, conv.dilation[0], residual, alpha=alpha,
-                               inv_beta=inv_beta, channels_last=self.channels_last)
+                               inv_beta=inv_beta, channels_last=self.channels_last), False
         tail = self.state[m.slot][0] if m.context else None
         # channels-last only where the implicit-GEMM kernel takes the conv (see __init__)
         last = (self.channels_last and w is not None and x.dtype != torch.float32
                 and x.shape[0] * x.shape[-1] >= IMPLICIT_MIN_ROWS)  # fmt: skip
-        x = snake_context(x, alpha, inv_beta, tail, rows,
-                          channels_last=last)  # [B, Cin, context + n]
+        if alpha is not None or tail is not None or (last and x.stride(1) != 1):
+            x = snake_context(x, alpha, inv_beta, tail, rows,
+                              channels_last=last)  # [B, Cin, context + n]
+        # else nothing to apply or put in front: the conv reads x as it is
         if w is None:  # cuDNN: conv_impl "cudnn", and depthwise convs
             y = F.conv1d(st.mm_in(x), conv.weight, conv.bias, dilation=conv.dilation,
                          groups=conv.groups)
-            return y if residual is None else residual + y
+            return (y if residual is None else residual + y), False
         B, cin, L = x.shape
         k, d = conv.kernel_size[0], conv.dilation[0]
         n = L - m.context
         if self.conv_impl == "triton" and x.dtype != torch.float32 and B * n >= IMPLICIT_MIN_ROWS:
-            return causal_conv(x, w, conv.bias, d, residual, channels_last=last)
+            if out_act is not None:
+                out_alpha, out_inv_beta = self._snake[out_act]
+                return causal_conv(x, w, conv.bias, d, residual, out_alpha=out_alpha,
+                                   out_inv_beta=out_inv_beta, channels_last=last), True
+            return causal_conv(x, w, conv.bias, d, residual, channels_last=last), False
         # im2col: patches [B, n, k, Cin] (tap j of output t is input t + j * dilation), one
         # GEMM with the bias fused; the result is [B, Cout, n] as a view of [B, n, Cout].
         cols = x.unfold(2, m.context + 1, 1)[..., ::d]  # [B, Cin, n, k]
@@ -503,7 +533,7 @@ class CodecEngine:
         w = w.view(k * cin, -1)
         y = cols @ w if conv.bias is None else torch.addmm(conv.bias, cols, w)  # [B * n, Cout]
         y = y.view(B, n, -1).transpose(1, 2)
-        return y if residual is None else residual + y
+        return (y if residual is None else residual + y), False
 
     def _conv_t(self, m: CausalConvTranspose1d, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
         conv = m.conv
@@ -575,6 +605,9 @@ class CodecEngine:
         return x
 
     def _residual(self, m: ResidualUnit, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
+        if self.snake_epilogue:  # act2 in conv1's epilogue (see SNAKE_EPILOGUE)
+            h = self._conv(m.conv1, x, rows, st, act=m.act1, out_act=m.act2)
+            return self._conv(m.conv2, h, rows, st, residual=x)
         h = self._conv(m.conv1, x, rows, st, act=m.act1)
         return self._conv(m.conv2, h, rows, st, act=m.act2, residual=x)
 
