@@ -227,7 +227,8 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, out_alpha_ptr,
         out_inv_beta_ptr, M, CIN, COUT, N, DIL, sxb, sxc, sxt, srb, sro, srt, sob, soo, sot,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAKE: tl.constexpr,
-        HAS_OUT_SNAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr, PDL: tl.constexpr,
+        HAS_OUT_SNAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr,
+        BLOCK_O: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
         # output rows m = b * N + t over the whole batch: a tile spans rows of several
