@@ -2,14 +2,17 @@
 one-frame codec step runs, channels-last operands (what is served), on the GPU.
 
     PYTHONPATH=. python3 benchmarks/codec/sweep_conv.py [--batches 64,256] [--quick]
+        [--kinds k7,k7s,1x1s,1x1]
 
-For each decoder stage (channels C, n samples per frame) and kind (the dilated k = 7 conv
-with a bias; the residual unit's 1x1 conv with SnakeBeta in its input load and the residual
-added), at each batch: the served configuration (`_config`, 3 stages) and every config of
-the grid (BLOCK_M, BLOCK_CI, BLOCK_O, warps, stages), each timed as a CUDA graph of 20
-launches (median of 5 runs of 5 replays), its output checked against the served config's
-(a config that disagrees is reported, never chosen). Prints one table row per shape: served
-ms and TFLOP/s, the best config, its ms and TFLOP/s. GPU only.
+For each decoder stage (channels C, n samples per frame) and kind (--kinds: k7, the dilated
+k = 7 conv with a bias; k7s, the same with a SnakeBeta in its epilogue, out_alpha; 1x1s, the
+residual unit's 1x1 conv with SnakeBeta in its input load and the residual added; 1x1, the
+same without the SnakeBeta, as it runs once k7s took it), at each batch: the served
+configuration (`_config`, 3 stages) and every config of the grid (BLOCK_M, BLOCK_CI,
+BLOCK_O, warps, stages), each timed as a CUDA graph of 20 launches (median of 5 runs of 5
+replays), its output checked against the served config's (a config that disagrees is
+reported, never chosen). Prints one table row per shape: served ms and TFLOP/s, the best
+config, its ms and TFLOP/s. GPU only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from bench_codec import time_graph  # noqa: E402
 from ttsbuild.plugins.causal_conv import _causal_conv_triton, _config  # noqa: E402
 from ttsbuild.plugins.codec_context import to_channels_last  # noqa: E402
 
+KINDS = {"k7": "k7 d3", "k7s": "k7 d3 +out snake", "1x1s": "1x1 snake+res", "1x1": "1x1 res"}
 # (C, n per frame) of the 12 Hz codec's decoder blocks (upsample rates 8, 5, 4, 3 after the
 # 4 latent steps per frame); the dilated convs take dilations 1, 3, 9 (context 6, 18, 54)
 STAGES = ((768, 32), (384, 160), (192, 640), (96, 1920))
@@ -63,7 +67,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--quick", action="store_true", help="3 and 4 stages, BLOCK_M <= 128 only")
+    ap.add_argument("--kinds", default="k7,1x1s", help=f"comma-separated, of {list(KINDS)}")
     args = ap.parse_args()
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        sys.exit(f"--kinds: unknown {unknown}; choose from {list(KINDS)}")
     if not torch.cuda.is_available():
         sys.exit("sweep_conv.py needs a CUDA GPU")
     torch.manual_seed(0)
@@ -74,20 +83,24 @@ def main() -> None:
     configs = list(grid(args.quick))
     for B in (int(b) for b in args.batches.split(",")):
         for C, n in STAGES:
-            for kind in ("k7 d3", "1x1 snake+res"):
+            for kind in (KINDS[key] for key in kinds):
                 k, d = (7, 3) if kind.startswith("k7") else (1, 1)
                 ctx = (k - 1) * d
                 xin = to_channels_last(torch.randn(B, C, ctx + n, device=dev, dtype=dt))
                 w = (torch.randn(k, C, C, device=dev) / (k * C) ** 0.5).to(dt)
                 bias = torch.randn(C, device=dev, dtype=dt)
-                snake = kind.startswith("1x1")
+                snake = "snake" in kind
                 alpha = torch.rand(C, 1, device=dev) + 0.5 if snake else None
                 inv_beta = torch.rand(C, 1, device=dev) + 0.5 if snake else None
                 res = to_channels_last(torch.randn(B, C, n, device=dev, dtype=dt)) \
-                    if snake else None
+                    if kind.startswith("1x1") else None
+                out_snake = "out snake" in kind
+                a, ib = (None, None) if out_snake else (alpha, inv_beta)
+                oa, oib = (alpha, inv_beta) if out_snake else (None, None)
 
-                def run(cfg, xin=xin, w=w, bias=bias, d=d, res=res, a=alpha, ib=inv_beta):
-                    return _causal_conv_triton(xin, w, bias, d, res, a, ib, True, cfg)
+                def run(cfg, xin=xin, w=w, bias=bias, d=d, res=res, a=a, ib=ib, oa=oa, oib=oib):
+                    return _causal_conv_triton(xin, w, bias, d, res, a, ib, True, cfg,
+                                               out_alpha=oa, out_inv_beta=oib)
 
                 served = (*_config(B * n, C, C, k), 3)
                 want = run(served).float()

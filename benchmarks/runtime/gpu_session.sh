@@ -562,7 +562,8 @@ for step in $STEPS; do
     convsweep)
         log "codec conv tiles: the served config against a grid, per stage shape, batches ${CONV_BATCHES:-64,256}"
         timeout -k 5 420 python3 benchmarks/codec/sweep_conv.py --batches "${CONV_BATCHES:-64,256}" \
-            ${CONV_SWEEP_ARGS:---quick} 2>&1 | grep -v Assertion | tee "$OUT/sweep_conv.log" \
+            ${CONV_SWEEP_ARGS:---quick} --kinds "${CONV_KINDS:-k7,1x1s}" 2>&1 | grep -v Assertion \
+            | tee "$OUT/sweep_conv.log" \
             | grep -E "^\| [0-9]" ;;
     sweep)
         left=$((DEADLINE_S - SECONDS))

@@ -88,3 +88,31 @@ def test_fused_convnext_blocks_keep_the_decode_and_replay(decoders, monkeypatch,
     engine.reset(rows)
     graph.replay()
     assert ((pcm - eager).abs().max() / eager.abs().max()).item() <= 1e-6
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_snake_epilogue_keeps_the_decode_and_replays(decoders, monkeypatch, precision):
+    """The residual units' second SnakeBeta in the k = 7 conv's epilogue (snake_epilogue)
+    against it in the 1x1 conv's input load, in the served settings with every conv on the
+    implicit-GEMM kernel (min rows 1): the same audio (both round the conv output, then the
+    same fp32 SnakeBeta), and a captured step equal to the eager one."""
+    from ttsbuild.runtime import codec_engine
+
+    monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)
+    cfg, _, dec = decoders
+    codes = rand_codes(cfg, 2, 8, seed=71)
+    kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
+    plain = decode_with(CodecEngine(dec, 2, precision, **kw, snake_epilogue=False), codes,
+                        chunk=2)  # fmt: skip
+    engine = CodecEngine(dec, 2, precision, **kw, snake_epilogue=True)
+    assert engine.snake_epilogue
+    got = decode_with(engine, codes, chunk=2)
+    assert ((got - plain).abs().max() / plain.abs().max()).item() <= 1e-6
+    rows = torch.tensor([0, 1], device="cuda")
+    static = codes[..., :1].cuda().clone()
+    graph, pcm = capture_step(engine, rows, static)
+    engine.reset(rows)
+    eager = engine.step(rows, static).clone()
+    engine.reset(rows)
+    graph.replay()
+    assert ((pcm - eager).abs().max() / eager.abs().max()).item() <= 1e-6
