@@ -61,6 +61,18 @@ def test_half_precision_passes_the_gate(decoders, precision, min_db):
     assert min_db <= snr < 90, snr
 
 
+def _assert_replay_equals_eager(engine, codes):
+    """A captured one-frame step of rows 0 and 1 replays what the eager step computes."""
+    rows = torch.tensor([0, 1], device="cuda")
+    static = codes[..., :1].cuda().clone()
+    graph, pcm = capture_step(engine, rows, static)
+    engine.reset(rows)
+    eager = engine.step(rows, static).clone()
+    engine.reset(rows)
+    graph.replay()
+    assert ((pcm - eager).abs().max() / eager.abs().max()).item() <= 1e-6
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_fused_convnext_blocks_keep_the_decode_and_replay(decoders, monkeypatch, precision):
     """The upsample stage's ConvNeXt blocks as two launches each (plugins.convnext, rows up to
@@ -80,14 +92,7 @@ def test_fused_convnext_blocks_keep_the_decode_and_replay(decoders, monkeypatch,
     noise = ((fused - plain) ** 2).sum()
     snr = 10 * torch.log10((plain**2).sum() / noise.clamp(min=1e-30)).item()
     assert snr > 35, snr
-    rows = torch.tensor([0, 1], device="cuda")
-    static = codes[..., :1].cuda().clone()
-    graph, pcm = capture_step(engine, rows, static)
-    engine.reset(rows)
-    eager = engine.step(rows, static).clone()
-    engine.reset(rows)
-    graph.replay()
-    assert ((pcm - eager).abs().max() / eager.abs().max()).item() <= 1e-6
+    _assert_replay_equals_eager(engine, codes)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -108,11 +113,4 @@ def test_snake_epilogue_keeps_the_decode_and_replays(decoders, monkeypatch, prec
     assert engine.snake_epilogue
     got = decode_with(engine, codes, chunk=2)
     assert ((got - plain).abs().max() / plain.abs().max()).item() <= 1e-6
-    rows = torch.tensor([0, 1], device="cuda")
-    static = codes[..., :1].cuda().clone()
-    graph, pcm = capture_step(engine, rows, static)
-    engine.reset(rows)
-    eager = engine.step(rows, static).clone()
-    engine.reset(rows)
-    graph.replay()
-    assert ((pcm - eager).abs().max() / eager.abs().max()).item() <= 1e-6
+    _assert_replay_equals_eager(engine, codes)
