@@ -366,11 +366,12 @@ def test_snake_in_the_conv_epilogue_decodes_the_same_audio(channels_last, monkey
     k = 7 conv's epilogue (causal_conv out_alpha; the Triton kernel under TRITON_INTERPRET=1,
     else its reference) instead of in the 1x1 conv's input load. Both round the conv's output
     first and compute the same fp32 SnakeBeta of it: the same audio, bit for bit, chunk by
-    chunk. Every residual unit takes the epilogue (min rows 1), and the 1x1 convs no
-    SnakeBeta of their own."""
+    chunk. Every residual unit takes the epilogue (min rows 1, no row limit), and the 1x1
+    convs no SnakeBeta of their own; with a limit of one row none does."""
     import ttsbuild.runtime.codec_engine as ce
 
     monkeypatch.setattr(ce, "IMPLICIT_MIN_ROWS", 1)
+    monkeypatch.setattr(ce, "SNAKE_EPILOGUE_MAX_ROWS", 1 << 30)
     calls = []
     real = ce.causal_conv
 
@@ -394,5 +395,10 @@ def test_snake_in_the_conv_epilogue_decodes_the_same_audio(channels_last, monkey
     assert units and sum(out for out, _ in calls) == units * -(-codes.shape[-1] // 4)
     assert not any(load for _, load in calls)
     assert got.shape == want.shape and torch.equal(got, want)
+    # units of SNAKE_EPILOGUE_MAX_ROWS rows or more keep the SnakeBeta in the 1x1 conv's load
+    monkeypatch.setattr(ce, "SNAKE_EPILOGUE_MAX_ROWS", 1)
+    calls.clear()
+    assert torch.equal(ce.decode_with(epilogue, codes), want)
+    assert not any(out for out, _ in calls) and any(load for _, load in calls)
     # only the implicit-GEMM convs take it
     assert not CodecEngine(dec, 2, "fp16", snake_epilogue=True).snake_epilogue

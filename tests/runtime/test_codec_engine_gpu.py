@@ -104,6 +104,7 @@ def test_snake_epilogue_keeps_the_decode_and_replays(decoders, monkeypatch, prec
     from ttsbuild.runtime import codec_engine
 
     monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)
+    monkeypatch.setattr(codec_engine, "SNAKE_EPILOGUE_MAX_ROWS", 1 << 30)
     cfg, _, dec = decoders
     codes = rand_codes(cfg, 2, 8, seed=71)
     kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)

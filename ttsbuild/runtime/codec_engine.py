@@ -110,11 +110,15 @@ CONVNEXT_FUSED = os.environ.get("TTSBUILD_CODEC_CONVNEXT_FUSED", "0") == "1"
 CONVNEXT_FUSED_MAX_ROWS = 16
 # A residual unit's second SnakeBeta in its k = 7 conv's epilogue (plugins.causal_conv
 # out_alpha: once per element, the same bits) instead of in the 1x1 conv's input load, where
-# it is recomputed for every block of output channels between each K step's load and its MMA:
-# the 1x1 convs ran at 33-70 TFLOP/s at batch 64 against 240-480 for the k = 7 convs
-# (benchmarks/codec/2026-12-04-h200-convsweep). Off until timed on the GPU;
-# TTSBUILD_CODEC_SNAKE_EPILOGUE=1 turns it on.
-SNAKE_EPILOGUE = os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE", "0") == "1"
+# it is recomputed for every block of output channels between each K step's load and its MMA,
+# for units of fewer than SNAKE_EPILOGUE_MAX_ROWS rows (batch x samples), the conv's 64-row
+# tiles of one warpgroup. H100, the served codec step with it at every size (profile_codec.py,
+# two alternated rounds, one process each; benchmarks/codec/2026-12-06-h100-snake-epilogue):
+# batch 1 0.815 / 0.813 -> 0.783 / 0.782 ms, but batch 64 2.657 / 2.655 -> 2.823 / 2.824 and
+# batch 256 8.175 / 8.177 -> 9.208 / 9.212: the 128 x 128 tiles of two warpgroups, which the
+# larger units take, lose with it. TTSBUILD_CODEC_SNAKE_EPILOGUE=0 turns it off.
+SNAKE_EPILOGUE = os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE", "1") == "1"
+SNAKE_EPILOGUE_MAX_ROWS = 2048
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
@@ -605,7 +609,8 @@ class CodecEngine:
         return x
 
     def _residual(self, m: ResidualUnit, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
-        if self.snake_epilogue:  # act2 in conv1's epilogue (see SNAKE_EPILOGUE)
+        if self.snake_epilogue and x.shape[0] * x.shape[-1] < SNAKE_EPILOGUE_MAX_ROWS:
+            # act2 in conv1's epilogue (see SNAKE_EPILOGUE)
             h = self._conv(m.conv1, x, rows, st, act=m.act1, out_act=m.act2)
             return self._conv(m.conv2, h, rows, st, residual=x)
         h = self._conv(m.conv1, x, rows, st, act=m.act1)
