@@ -35,6 +35,7 @@ VARIANTS = {  # name -> (mode, sampling, option bits, stage threads)
     "race": (3, bm.GREEDY, cpm.SERVED_OPTS, 256),
     "tagged": (0, bm.GREEDY, cpm.SERVED_OPTS | cpm.TAGGED, 256),
     "tagged_qkv": (0, bm.GREEDY, cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV, 256),
+    "warp_qk": (0, bm.GREEDY, cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV | cpm.WARP_QK, 256),
 }
 
 
