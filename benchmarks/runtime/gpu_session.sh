@@ -111,7 +111,8 @@
 #         without it: both with an FP8 code predictor and no SMs reserved for the lane; a third
 #         side with $MEGAENGINE_EXTRA (option bits: cp_megaframe.TWO_TOKEN 32, XREDUCE 64,
 #         KV_AHEAD 128, SPLIT_DOWN 256, EARLY_FREE 2048, TAGGED 4096, TAGGED_QKV 8192, WARP_QK
-#         16384) added through TTSBUILD_MEGAFRAME_EXTRA;
+#         16384) beside the served ones through TTSBUILD_MEGAFRAME_EXTRA (unset: the engine's
+#         default extras, TAGGED | TAGGED_QKV | WARP_QK; 0: none);
 #         $MEGAENGINE_SIDES picks sides (cpfp8 megaframe megaframe_lane megaframe_extra)
 # mfprofile: Nsight Compute (ncu --set full, source counters) on one frame of the one-kernel
 #         code predictor (benchmarks/kernels/megapass/profile_megaframe.py, built with -lineinfo):
@@ -499,20 +500,22 @@ for step in $STEPS; do
         ensure_driver "$OUT/build.log" || exit 1
         # $MEGAENGINE_SIDES: which sides, in order (default "cpfp8 megaframe", plus
         # megaframe_extra where $MEGAENGINE_EXTRA, option bits, is set: the kernel with them
-        # added through TTSBUILD_MEGAFRAME_EXTRA); megaframe_lane: the kernel on the admission
-        # lane's first frames only (plan megaframe_regular off; the extra options too;
-        # megaframe_lane0: the same without them, for a side-by-side of the options);
-        # megaframe512 / megaframe_lane512: those two with the kernel's 512-thread build
-        # (TTSBUILD_MEGAFRAME_THREADS=512)
+        # beside the served ones, through TTSBUILD_MEGAFRAME_EXTRA, in place of the engine's
+        # default extras, cp_megaframe.ENGINE_EXTRA); megaframe: the kernel with the engine's
+        # defaults; megaframe_lane: the kernel on the admission lane's first frames only (plan
+        # megaframe_regular off; $MEGAENGINE_EXTRA's options, else the defaults);
+        # megaframe_lane0: the same with the served options alone (EXTRA 0), for a
+        # side-by-side of the extras; megaframe512 / megaframe_lane512: those two with the
+        # kernel's 512-thread build (TTSBUILD_MEGAFRAME_THREADS=512)
         mega="--plan-set code_predictor_fp8=true --lane-reserved-sms 0 --plan-set megaframe_code_predictor=true"
         declare -A side_of=(
             [cpfp8]="cpfp8|0|--plan-set code_predictor_fp8=true --lane-reserved-sms 0"
-            [megaframe]="megaframe|0|$mega"
-            [megaframe_lane]="megaframe_lane|${MEGAENGINE_EXTRA:-0}|$mega --plan-set megaframe_regular=false"
+            [megaframe]="megaframe||$mega"
+            [megaframe_lane]="megaframe_lane|${MEGAENGINE_EXTRA:-}|$mega --plan-set megaframe_regular=false"
             [megaframe_lane0]="megaframe_lane0|0|$mega --plan-set megaframe_regular=false"
-            [megaframe_extra]="megaframe_extra|${MEGAENGINE_EXTRA:-0}|$mega"
-            [megaframe_lane512]="megaframe_lane512|${MEGAENGINE_EXTRA:-0}|$mega --plan-set megaframe_regular=false|512"
-            [megaframe512]="megaframe512|0|$mega|512")
+            [megaframe_extra]="megaframe_extra|${MEGAENGINE_EXTRA:-}|$mega"
+            [megaframe_lane512]="megaframe_lane512|${MEGAENGINE_EXTRA:-}|$mega --plan-set megaframe_regular=false|512"
+            [megaframe512]="megaframe512||$mega|512")
         names=${MEGAENGINE_SIDES:-cpfp8 megaframe${MEGAENGINE_EXTRA:+ megaframe_extra}}
         sides=()
         for n in $names; do

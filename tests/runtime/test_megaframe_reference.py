@@ -258,10 +258,17 @@ def test_the_gemv_reduction_leaves_each_rows_sum_where_the_kernel_reads_it(rows)
 
 
 def test_the_engines_options_take_only_the_new_bits_from_the_environment(monkeypatch):
-    """$TTSBUILD_MEGAFRAME_EXTRA adds TWO_TOKEN, XREDUCE or KV_AHEAD to the engine's options
-    (to time them in the engine); anything else is a clear error, not a silent kernel mode."""
+    """$TTSBUILD_MEGAFRAME_EXTRA names the options beside SERVED_OPTS in place of
+    ENGINE_EXTRA (the tagged words and WARP_QK; "0" none: the served instance alone), to time
+    them in the engine; anything else is a clear error, not a silent kernel mode. The
+    default's instance is one of the kernel's own."""
     monkeypatch.delenv(cpm.EXTRA_ENV, raising=False)
     served = cpm.SERVED_OPTS | cpm.COOPERATIVE
+    default = served | cpm.TAGGED | cpm.TAGGED_QKV | cpm.WARP_QK
+    assert cpm.engine_opts() == default and cpm.specialized(default)
+    monkeypatch.setenv(cpm.EXTRA_ENV, "")
+    assert cpm.engine_opts() == default
+    monkeypatch.setenv(cpm.EXTRA_ENV, "0")
     assert cpm.engine_opts() == served
     monkeypatch.setenv(cpm.EXTRA_ENV, str(cpm.TWO_TOKEN | cpm.KV_AHEAD))
     assert cpm.engine_opts() == served | cpm.TWO_TOKEN | cpm.KV_AHEAD

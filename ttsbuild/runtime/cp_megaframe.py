@@ -373,6 +373,13 @@ THREADS_CHOICES = (256, 512)  # the kernel's stage threads a CTA (MEGAFRAME_THRE
 THREADS_ENV = "TTSBUILD_MEGAFRAME_THREADS"  # an experiment's switch: the engine's kernel build
 LINEINFO_ENV = "TTSBUILD_MEGAFRAME_LINEINFO"  # 1: built with -lineinfo (profile_megaframe)
 EXTRA_ENV = "TTSBUILD_MEGAFRAME_EXTRA"  # an experiment's switch: options beside the served
+# The engine's options beside SERVED_OPTS unless $EXTRA_ENV names others ("0": none): the
+# tagged words and WARP_QK. H100, the same call (benchmarks/kernels/2026-12-06-h100-megaframe-
+# tagged, benchmarks/runtime/2026-12-06-h100-megaengine-warpqk): the kernel's frame 1.328 ->
+# 1.249 ms greedy, 1.355 -> 1.292 sampled (its checks pass: the fp32 reference's tokens,
+# logits within 4e-7); in the engine, lane only, the idle first chunk 4.00 -> 3.95 ms (its
+# frame 1.43 -> 1.39) and beside 1 / 63 stepping rows 4.85 / 4.92 -> 4.72 / 4.83 ms.
+ENGINE_EXTRA = TAGGED | TAGGED_QKV | WARP_QK
 
 
 def threads_from_env() -> int:
@@ -387,10 +394,11 @@ def threads_from_env() -> int:
 
 
 def engine_opts() -> int:
-    """The engine's options: SERVED_OPTS and a cooperative launch, plus what $EXTRA_ENV asks
-    for of TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE | TAGGED | TAGGED_QKV |
-    WARP_QK (an integer; for timing them in the engine before they are served)."""
-    raw = os.environ.get(EXTRA_ENV, "0")
+    """The engine's options: SERVED_OPTS and a cooperative launch, plus ENGINE_EXTRA, or what
+    $EXTRA_ENV asks for instead of TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE |
+    TAGGED | TAGGED_QKV | WARP_QK (an integer, 0 for none; unset or empty: ENGINE_EXTRA; for
+    timing options in the engine before they are served)."""
+    raw = os.environ.get(EXTRA_ENV, "").strip() or str(ENGINE_EXTRA)
     try:
         extra = int(raw, 0)
     except ValueError:
