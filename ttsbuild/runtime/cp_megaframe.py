@@ -79,7 +79,9 @@ EARLY_FREE = 2048
 # polled by their readers: no grid barrier after C or D (2 of a layer's 4), no release fence
 # there; o rotates over three buffers by layer (6 rows: `scratch`). Not with SPLIT_DOWN.
 # TAGGED_QKV (with TAGGED): A's qkv tagged too, so B polls its head's rows and the barrier
-# after A goes: one grid barrier a layer is left (after B).
+# after A goes: one grid barrier a layer is left (after B). Measured (H100 run 14): TAGGED
+# alone 6-8 % slower, with TAGGED_QKV level (the barriers' time was the slowest producer's,
+# which a poll waits for as long); served with WARP_QK (ENGINE_EXTRA).
 TAGGED, TAGGED_QKV = 4096, 8192
 # WARP_QK: stage B's q/k norms and RoPE by one warp a vector (one block sync, not five a token)
 WARP_QK = 16384
