@@ -57,10 +57,11 @@ F, TT, XR = cpm.FETCH, cpm.TWO_TOKEN, cpm.XREDUCE
     cpm.SERVED_OPTS | cpm.TAGGED, F | cpm.TAGGED | cpm.GENERIC,
     cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV, F | cpm.TAGGED | cpm.TAGGED_QKV | cpm.GENERIC,
     cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV | cpm.WARP_QK, F | cpm.WARP_QK | cpm.GENERIC,
+    cpm.SERVED_OPTS | cpm.WARP_QK,
 ], ids=["served", "served-generic", "fetch", "fetch-generic", "two-token", "xreduce",
         "kv-ahead", "split-down", "split-down+two-token", "all", "early-free", "tagged",
         "fetch-tagged-generic", "tagged-qkv", "fetch-tagged-qkv-generic", "tagged-qkv-warp-qk",
-        "fetch-warp-qk-generic"])
+        "fetch-warp-qk-generic", "warp-qk"])
 @pytest.mark.parametrize("do_sample, top_p", [(False, 1.0), (True, 1.0), (True, 0.8)])
 def test_codes_follow_the_reference(model, do_sample, top_p, opts):
     """opts: the served options (FETCH, TWO_TOKEN: the frame's two inputs as one pass of two
@@ -87,8 +88,9 @@ def test_codes_follow_the_reference(model, do_sample, top_p, opts):
 
 
 @pytest.mark.parametrize("opts", [cpm.SERVED_OPTS, cpm.SERVED_OPTS | cpm.TAGGED,
-                                  cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV],
-                         ids=["served", "tagged", "tagged-qkv"])
+                                  cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV,
+                                  cpm.SERVED_OPTS | cpm.ENGINE_EXTRA],
+                         ids=["served", "tagged", "tagged-qkv", "engine-default"])
 def test_a_graph_replays_with_the_rows_settings(model, opts):
     """Replays take each row's settings from device memory; with TAGGED each replay also
     re-zeroes the tagged words (a replay never reads the last one's tags)."""

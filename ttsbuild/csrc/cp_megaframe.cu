@@ -144,8 +144,8 @@ constexpr int OPT_GENERIC = 512;
 constexpr int FETCH = OPT_TMA | OPT_READ_FIRST | OPT_PRODUCER;
 // The last: the served options with OPT_RAW (timing only), in an instance of its own so the
 // conversion's share is timed against the served instance's code, not the generic one's.
-// Then the served options with OPT_EARLY_FREE, with OPT_TAGGED, with both tagged options, and
-// with those and OPT_WARP_QK.
+// Then the served options with OPT_EARLY_FREE, with OPT_TAGGED, with both tagged options, with
+// those and OPT_WARP_QK (the engine's default since H100 run 14), and with OPT_WARP_QK alone.
 constexpr int SPECIALIZED[] = {FETCH | OPT_TWO_TOKEN | OPT_XREDUCE, FETCH, FETCH | OPT_TWO_TOKEN,
                                FETCH | OPT_XREDUCE,
                                FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_RAW,
@@ -153,7 +153,8 @@ constexpr int SPECIALIZED[] = {FETCH | OPT_TWO_TOKEN | OPT_XREDUCE, FETCH, FETCH
                                FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_TAGGED,
                                FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_TAGGED | OPT_TAGGED_QKV,
                                FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_TAGGED | OPT_TAGGED_QKV |
-                                   OPT_WARP_QK};
+                                   OPT_WARP_QK,
+                               FETCH | OPT_TWO_TOKEN | OPT_XREDUCE | OPT_WARP_QK};
 
 // The stages' threads only (named barrier 1): the producer warp never joins.
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory"); }
@@ -1328,6 +1329,7 @@ template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZE
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[6]>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[7]>(megaframe::Params);
 template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[8]>(megaframe::Params);
+template __global__ void megaframe::cp_megaframe_kernel<0, megaframe::SPECIALIZED[9]>(megaframe::Params);
 #endif
 
 #ifdef TORCH_EXTENSION_NAME

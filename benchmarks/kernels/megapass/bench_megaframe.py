@@ -273,6 +273,7 @@ NEWEST = {"two-token": cpm.TWO_TOKEN, "xreduce": cpm.XREDUCE, "kv-ahead": cpm.KV
           "two-token+xreduce+tagged+qkv": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.TAGGED | cpm.TAGGED_QKV,
           "two-token+xreduce+tagged+qkv+warp-qk": (cpm.TWO_TOKEN | cpm.XREDUCE | cpm.TAGGED
                                                    | cpm.TAGGED_QKV | cpm.WARP_QK),
+          "two-token+xreduce+warp-qk": cpm.TWO_TOKEN | cpm.XREDUCE | cpm.WARP_QK,
           "tagged": cpm.TAGGED}
 
 
