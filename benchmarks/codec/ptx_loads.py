@@ -5,6 +5,13 @@ storage (the default: time contiguous, channel stride T) and for channels-last o
 stores and cp.async copies in the PTX of each.
 
     python benchmarks/codec/ptx_loads.py [--block-ci 32] [--warps 8] [--stages 3]
+    python benchmarks/codec/ptx_loads.py --registers
+
+--registers: the registers and spills a thread of each served kind and tile takes
+(channels-last): the k = 7 conv with and without the SnakeBeta in its epilogue (out_alpha;
+also capped at 128 registers),
+the 1x1 conv with and without the SnakeBeta in its load, at the 128 x 128 tiles of two
+warpgroups (>= 2048 rows) and the 64-row tiles of one (fewer rows).
 
 The integer arguments are specialised as Triton specialises them at run time: a stride of 1
 as a constant, the others (and the pointers) as multiples of 16 (the codec's channel counts,
@@ -19,12 +26,21 @@ import argparse
 import collections
 import re
 
-PTRS = ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "alpha_ptr", "inv_beta_ptr")
+PTRS = ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "alpha_ptr", "inv_beta_ptr",
+        "out_alpha_ptr", "out_inv_beta_ptr")
 
 
 def compile_ptx(channels_last: bool, a, k: int = 7, unit_conv: bool = False) -> str:
     """unit_conv: a residual unit's 1x1 conv (k 1, SnakeBeta in the input load, the residual
     added), else a conv of `k` taps with a bias."""
+    return compile_conv(channels_last, a, k, unit_conv).asm["ptx"]
+
+
+def compile_conv(channels_last: bool, a, k: int = 7, unit_conv: bool = False,
+                 snake: bool | None = None, out_snake: bool = False, block_m: int = 128,
+                 block_o: int = 128, maxnreg: int | None = None):
+    """The compiled kernel (snake: the SnakeBeta in the input load, default unit_conv;
+    out_snake: one in the epilogue; maxnreg: a cap on a thread's registers)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -33,13 +49,13 @@ def compile_ptx(channels_last: bool, a, k: int = 7, unit_conv: bool = False) -> 
 
     names = list(kernel.arg_names)
     consts = {"K": 1 if unit_conv else k, "HAS_BIAS": True, "HAS_RES": unit_conv,
-              "HAS_SNAKE": unit_conv, "BLOCK_M": 128, "BLOCK_CI": a.block_ci,
-              "BLOCK_O": 128}  # fmt: skip
+              "HAS_SNAKE": unit_conv if snake is None else snake, "HAS_OUT_SNAKE": out_snake,
+              "BLOCK_M": block_m, "BLOCK_CI": a.block_ci, "BLOCK_O": block_o}  # fmt: skip
     # the strides that are 1: the input's, output's and residual's channel strides
     # (channels-last), else their time strides
     for unit in ("sxc", "soo", "sro") if channels_last else ("sxt", "sot", "srt"):
         consts[unit] = 1
-    fp32 = ("alpha_ptr", "inv_beta_ptr")
+    fp32 = ("alpha_ptr", "inv_beta_ptr", "out_alpha_ptr", "out_inv_beta_ptr")
     sig = {n: ("*fp32" if n in fp32 else "*fp16") if n in PTRS else
            "constexpr" if n in consts else "i32" for n in names}  # fmt: skip
     aligned = [*PTRS, "CIN", "COUT", "sob", "srb", "sxb"]
@@ -49,8 +65,53 @@ def compile_ptx(channels_last: bool, a, k: int = 7, unit_conv: bool = False) -> 
         constexprs={(names.index(n),): v for n, v in consts.items()},
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
     )  # fmt: skip
-    options = {"num_warps": a.warps, "num_stages": a.stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    options = {"num_warps": a.warps, "num_stages": a.stages,
+               **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def registers() -> None:
+    """Registers and spills a thread, per served kind and tile (see the module docstring)."""
+    from types import SimpleNamespace
+
+    print("| kind | tile (M, CI, O, warps, stages) | registers | spilled bytes |")
+    print("|---|---|---|---|")
+    tiles = ((128, 64, 128, 8, 3), (64, 64, 64, 4, 3))
+    unit_tiles = ((64, 32, 128, 4, 3), (64, 64, 64, 4, 3))
+    kinds = [(f"k7{' + epilogue SnakeBeta' if out else ''}", dict(k=7, out_snake=out), tiles)
+             for out in (False, True)]
+    kinds.append(("k7 + epilogue SnakeBeta, maxnreg 128", dict(k=7, out_snake=True,
+                                                               maxnreg=128), tiles[:1]))
+    kinds += [(f"1x1 + residual{' + SnakeBeta in the load' if snake else ''}",
+               dict(k=1, unit_conv=True, snake=snake), unit_tiles) for snake in (True, False)]
+    for name, kw, tile_list in kinds:
+        for bm, bci, bo, warps, stages in tile_list:
+            a = SimpleNamespace(block_ci=bci, warps=warps, stages=stages)
+            regs, spills = ptxas_usage(compile_conv(True, a, block_m=bm, block_o=bo, **kw))
+            print(f"| {name} | ({bm}, {bci}, {bo}, {warps}, {stages}) | {regs} | {spills} |",
+                  flush=True)
+
+
+def ptxas_usage(compiled) -> tuple[str, str]:
+    """(registers, spill stores in bytes) of a thread: Triton's ptxas, -v, on the kernel's PTX
+    (the loaded kernel's own counts need a GPU)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90)
+    ptxas = getattr(ptxas, "path", ptxas)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(compiled.asm["ptx"])
+        out = subprocess.run([ptxas, "-v", "-arch=sm_90a", src, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores", out)
+    return (regs.group(1) if regs else "?"), (spills.group(1) if spills else "?")
 
 
 def load_forms(ptx: str) -> collections.Counter:
@@ -71,7 +132,11 @@ def main() -> None:
     p.add_argument("--block-ci", type=int, default=32)
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--registers", action="store_true", help="registers and spills instead")
     a = p.parse_args()
+    if a.registers:
+        registers()
+        return
     import triton
 
     print(f"triton {triton.__version__}, sm_90, BLOCK_M 128, BLOCK_CI {a.block_ci}, "

@@ -2,17 +2,17 @@
 one-frame codec step runs, channels-last operands (what is served), on the GPU.
 
     PYTHONPATH=. python3 benchmarks/codec/sweep_conv.py [--batches 64,256] [--quick]
-        [--kinds k7,k7s,1x1s,1x1]
+        [--kinds k7,k7s,k7s128,1x1s,1x1]
 
 For each decoder stage (channels C, n samples per frame) and kind (--kinds: k7, the dilated
-k = 7 conv with a bias; k7s, the same with a SnakeBeta in its epilogue, out_alpha; 1x1s, the
-residual unit's 1x1 conv with SnakeBeta in its input load and the residual added; 1x1, the
-same without the SnakeBeta, as it runs once k7s took it), at each batch: the served
-configuration (`_config`, 3 stages) and every config of the grid (BLOCK_M, BLOCK_CI,
-BLOCK_O, warps, stages), each timed as a CUDA graph of 20 launches (median of 5 runs of 5
-replays), its output checked against the served config's (a config that disagrees is
-reported, never chosen). Prints one table row per shape: served ms and TFLOP/s, the best
-config, its ms and TFLOP/s. GPU only.
+k = 7 conv with a bias; k7s, the same with a SnakeBeta in its epilogue, out_alpha; k7s128,
+that with its registers capped at 128 a thread (maxnreg); 1x1s, the residual unit's 1x1 conv
+with SnakeBeta in its input load and the residual added; 1x1, the same without the
+SnakeBeta, as it runs once k7s took it), at each batch: the served configuration (`_config`,
+3 stages) and every config of the grid (BLOCK_M, BLOCK_CI, BLOCK_O, warps, stages), each
+timed as a CUDA graph of 20 launches (median of 5 runs of 5 replays), its output checked
+against the served config's (a config that disagrees is reported, never chosen). Prints one
+table row per shape: served ms and TFLOP/s, the best config, its ms and TFLOP/s. GPU only.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from bench_codec import time_graph  # noqa: E402
 from ttsbuild.plugins.causal_conv import _causal_conv_triton, _config  # noqa: E402
 from ttsbuild.plugins.codec_context import to_channels_last  # noqa: E402
 
-KINDS = {"k7": "k7 d3", "k7s": "k7 d3 +out snake", "1x1s": "1x1 snake+res", "1x1": "1x1 res"}
+KINDS = {"k7": "k7 d3", "k7s": "k7 d3 +out snake", "k7s128": "k7 d3 +out snake, maxnreg 128",
+         "1x1s": "1x1 snake+res", "1x1": "1x1 res"}
 # (C, n per frame) of the 12 Hz codec's decoder blocks (upsample rates 8, 5, 4, 3 after the
 # 4 latent steps per frame); the dilated convs take dilations 1, 3, 9 (context 6, 18, 54)
 STAGES = ((768, 32), (384, 160), (192, 640), (96, 1920))
@@ -98,9 +99,12 @@ def main() -> None:
                 a, ib = (None, None) if out_snake else (alpha, inv_beta)
                 oa, oib = (alpha, inv_beta) if out_snake else (None, None)
 
-                def run(cfg, xin=xin, w=w, bias=bias, d=d, res=res, a=a, ib=ib, oa=oa, oib=oib):
+                cap = 128 if "maxnreg 128" in kind else None
+
+                def run(cfg, xin=xin, w=w, bias=bias, d=d, res=res, a=a, ib=ib, oa=oa, oib=oib,
+                        cap=cap):
                     return _causal_conv_triton(xin, w, bias, d, res, a, ib, True, cfg,
-                                               out_alpha=oa, out_inv_beta=oib)
+                                               out_alpha=oa, out_inv_beta=oib, maxnreg=cap)
 
                 served = (*_config(B * n, C, C, k), 3)
                 want = run(served).float()

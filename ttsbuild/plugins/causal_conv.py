@@ -110,9 +110,13 @@ def _config(m: int, cin: int, cout: int, k: int = 7) -> tuple[int, int, int, int
 
 
 def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None,
-                        channels_last=False, config=None, out_alpha=None, out_inv_beta=None):
+                        channels_last=False, config=None, out_alpha=None, out_inv_beta=None,
+                        maxnreg: int | None = None):
     """config: (BLOCK_M, BLOCK_CI, BLOCK_O, num_warps, num_stages) in place of `_config`'s
-    (benchmarks/codec/sweep_conv.py times a grid of them)."""
+    (benchmarks/codec/sweep_conv.py times a grid of them). maxnreg: a cap on the registers a
+    thread (Triton's compile option; timing only: with the epilogue SnakeBeta the 128 x 128
+    tile of 8 warps takes 189 registers against 121, one CTA an SM instead of two, in an
+    offline sm_90 compile, `benchmarks/codec/ptx_loads.py --registers`)."""
     import triton
 
     B, cin, L = xin.shape
@@ -151,7 +155,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SNAKE=snake,
         HAS_OUT_SNAKE=out_snake,
         BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=stages,
-        **codec_pdl_args(xin),
+        **codec_pdl_args(xin), **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return out
 
