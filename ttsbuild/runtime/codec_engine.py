@@ -116,7 +116,8 @@ CONVNEXT_FUSED_MAX_ROWS = 16
 # two alternated rounds, one process each; benchmarks/codec/2026-12-06-h100-snake-epilogue):
 # batch 1 0.815 / 0.813 -> 0.783 / 0.782 ms, but batch 64 2.657 / 2.655 -> 2.823 / 2.824 and
 # batch 256 8.175 / 8.177 -> 9.208 / 9.212: the 128 x 128 tiles of two warpgroups, which the
-# larger units take, lose with it. TTSBUILD_CODEC_SNAKE_EPILOGUE=0 turns it off.
+# larger units take, lose with it (121 -> 189 registers a thread in an offline compile: one
+# CTA an SM instead of two). TTSBUILD_CODEC_SNAKE_EPILOGUE=0 turns it off.
 SNAKE_EPILOGUE = os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE", "1") == "1"
 SNAKE_EPILOGUE_MAX_ROWS = 2048
 
