@@ -41,18 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from ttsbuild.plugins._dispatch import codec_pdl_args, triton_available, want_triton
-from ttsbuild.plugins.codec_context import to_channels_last
+from ttsbuild.plugins.codec_context import snake_context_reference, to_channels_last
 
 
 def pack_conv_weight(weight: torch.Tensor) -> torch.Tensor:
     """nn.Conv1d weight [Cout, Cin, k] -> the kernel's operand [k, Cin, Cout], contiguous."""
     return weight.permute(2, 1, 0).contiguous()
-
-
-def _snake_reference(x, alpha, inv_beta):
-    """x + inv_beta * sin(alpha * x)^2 in fp32, rounded to x's dtype (alpha, inv_beta [C, 1])."""
-    xf = x.float()
-    return (xf + inv_beta * torch.sin(xf * alpha).pow(2)).to(x.dtype)
 
 
 def causal_conv_reference(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None,
@@ -61,14 +55,15 @@ def causal_conv_reference(xin, w, bias, dilation, residual=None, alpha=None, inv
     given: x + inv_beta * sin(alpha * x)^2 in fp32, rounded to xin's dtype); the residual
     added in fp32, rounded once; then SnakeBeta(out_alpha, out_inv_beta) of that, if given."""
     if alpha is not None:
-        xin = _snake_reference(xin, alpha, inv_beta)
+        xin = snake_context_reference(xin, alpha, inv_beta, None, None)
     y = F.conv1d(xin, w.permute(2, 1, 0), None, dilation=dilation).float()
     if bias is not None:
         y = y + bias.float()[:, None]
     if residual is not None:
         y = y + residual.float()
     y = y.to(xin.dtype)
-    return y if out_alpha is None else _snake_reference(y, out_alpha, out_inv_beta)
+    return y if out_alpha is None else snake_context_reference(y, out_alpha, out_inv_beta,
+                                                               None, None)
 
 
 def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None, *,
