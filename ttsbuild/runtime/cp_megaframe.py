@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -395,23 +396,24 @@ def threads_from_env() -> int:
     return int(raw)
 
 
+# The options $EXTRA_ENV may name, by name (its error message lists them)
+EXTRA_OPTIONS = {"TWO_TOKEN": TWO_TOKEN, "XREDUCE": XREDUCE, "KV_AHEAD": KV_AHEAD,
+                 "SPLIT_DOWN": SPLIT_DOWN, "EARLY_FREE": EARLY_FREE, "TAGGED": TAGGED,
+                 "TAGGED_QKV": TAGGED_QKV, "WARP_QK": WARP_QK}
+
+
 def engine_opts() -> int:
     """The engine's options: SERVED_OPTS and a cooperative launch, plus ENGINE_EXTRA, or what
-    $EXTRA_ENV asks for instead of TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE |
-    TAGGED | TAGGED_QKV | WARP_QK (an integer, 0 for none; unset or empty: ENGINE_EXTRA; for
-    timing options in the engine before they are served)."""
+    $EXTRA_ENV asks for instead of the EXTRA_OPTIONS (an integer, 0 for none; unset or empty:
+    ENGINE_EXTRA; for timing options in the engine before they are served)."""
     raw = os.environ.get(EXTRA_ENV, "").strip() or str(ENGINE_EXTRA)
     try:
         extra = int(raw, 0)
     except ValueError:
         raise ValueError(f"{EXTRA_ENV} must be an integer of option bits, got {raw!r}") from None
-    allowed = (TWO_TOKEN | XREDUCE | KV_AHEAD | SPLIT_DOWN | EARLY_FREE | TAGGED | TAGGED_QKV
-               | WARP_QK)
-    if extra & ~allowed:
-        raise ValueError(f"{EXTRA_ENV}={extra}: only TWO_TOKEN ({TWO_TOKEN}), XREDUCE "
-                         f"({XREDUCE}), KV_AHEAD ({KV_AHEAD}), SPLIT_DOWN ({SPLIT_DOWN}), "
-                         f"EARLY_FREE ({EARLY_FREE}), TAGGED ({TAGGED}), TAGGED_QKV "
-                         f"({TAGGED_QKV}) and WARP_QK ({WARP_QK}) can be added")
+    if extra & ~functools.reduce(operator.or_, EXTRA_OPTIONS.values()):
+        names = ", ".join(f"{name} ({bit})" for name, bit in EXTRA_OPTIONS.items())
+        raise ValueError(f"{EXTRA_ENV}={extra}: only {names} can be added")
     if extra & TAGGED and extra & SPLIT_DOWN:
         raise ValueError(f"{EXTRA_ENV}={extra}: TAGGED and SPLIT_DOWN do not go together")
     if extra & TAGGED_QKV and not extra & TAGGED:
