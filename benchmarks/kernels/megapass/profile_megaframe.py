@@ -9,7 +9,8 @@ Compute to profile: where the kernel's warps stall, by source line. Run under nc
 The first three launches warm up; the fourth is the profiled one. Each launch is checked
 against the float32 reference first (a profile of a wrong kernel would mislead). --variant:
 served (SERVED_OPTS, greedy), served512 (the same with 512 stage threads), sampled (the same,
-sampled), tagged (with TAGGED), raw (SERVED_OPTS | RAW: timing only) or race (mode 3, no
+sampled), tagged (with TAGGED), tagged_qkv (with TAGGED | TAGGED_QKV), warp_qk (with those and
+WARP_QK: the engine's options), raw (SERVED_OPTS | RAW: timing only) or race (mode 3, no
 barriers: the stages' own time; its results are garbage).
 GPU only.
 """
