@@ -67,23 +67,26 @@ def test_shapes_it_cannot_run_are_refused():
 @pytest.mark.parametrize(("C", "n", "k", "d"), [(96, 300, 7, 1), (40, 3, 7, 1), (33, 20, 3, 3)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("spread", [False, True, "window"])
+@pytest.mark.parametrize("spread", [False, True, "window", "taps", "taps-wide"])
 def test_kernel_equals_reference_over_two_steps(C, n, k, d, dtype, channels_last, spread,
                                                 monkeypatch):  # fmt: skip
     """Output blocks past the first (n 300: two; with the small-step spread, 128 -> 16
     samples a program: nineteen), a chunk shorter than the context (n 3: the new tail partly
     the old one, shifted), x of either layout, two steps (the second reads the tails the
     first wrote); "window": the spread's small tiles in two phases, the input window once
-    into a scratch, then the taps."""
+    into a scratch, then the taps; "taps": taps first (the window's [16, C] x [C, window]
+    product, then shifted sums of it), spread tiles; "taps-wide": the same on tiles of up to
+    128 samples."""
     import ttsbuild.plugins.codec_output as co
 
-    monkeypatch.setattr(co, "SPREAD", bool(spread))
+    monkeypatch.setattr(co, "SPREAD", spread not in (False, "taps-wide"))
     monkeypatch.setattr(co, "WINDOW_SMALL", spread == "window")
-    if spread == "window":  # the two-phase kernel must be the one that runs
+    monkeypatch.setattr(co, "TAPS_FIRST", spread in ("taps", "taps-wide"))
+    name = {"window": "_codec_output_window_kernel", "taps": "_codec_output_taps_kernel",
+            "taps-wide": "_codec_output_taps_kernel"}.get(spread)
+    if name:  # the two-phase kernel must be the one that runs
         launched = []
-        real = co._codec_output_window_kernel
-        monkeypatch.setattr(co, "_codec_output_window_kernel",
-                            _Spy(real, launched), raising=True)  # fmt: skip
+        monkeypatch.setattr(co, name, _Spy(getattr(co, name), launched), raising=True)
     x, w, bias, alpha, inv_beta, tail, rows = _inputs(3, C, n, k, d, 5, dtype, KDEV,
                                                       C + n + k + d)  # fmt: skip
     ref_tail = tail.clone()
@@ -95,5 +98,5 @@ def test_kernel_equals_reference_over_two_steps(C, n, k, d, dtype, channels_last
         assert rel_err(got, want) <= 1e-5, step
         assert rel_err(tail, ref_tail) <= 1e-6, step
         x = x.flip(-1).contiguous()
-    if spread == "window":
+    if name:
         assert len(launched) == 2

@@ -47,6 +47,16 @@ SPREAD = os.environ.get("TTSBUILD_CODEC_OUTPUT_SPREAD", "1") != "0"
 # 0.825 -> 0.796 ms in both of two alternated rounds, one process each; batch 64 the same,
 # 2026-12-04); TTSBUILD_CODEC_OUTPUT_WINDOW=0 turns it off.
 WINDOW_SMALL = os.environ.get("TTSBUILD_CODEC_OUTPUT_WINDOW", "1") != "0"
+# Every tile (the wide ones of 64+ rows too, which the window path does not take) as taps
+# first (`_codec_output_taps_kernel`): z[j, col] = sum_c w[j, c] * xin[c, col] over the
+# program's input window, one [16, C] x [C, window] product of fp32 FMAs (taps padded to the
+# product's minimum of 16), each input's SnakeBeta once; then pcm[t] = sum_j z[j, t + j d],
+# shifted reads of a [16, window] scratch (8.7 KB a program for 128 samples, where the window
+# path's [C, window] is 52 KB). At 64 rows the served kernel recomputes every input's
+# SnakeBeta for each of the 7 taps: 158 us of a 2.8 ms batch-64 codec step on the H200
+# (2026-12-04 profile) for ~24 MB of input. Off until timed on the GPU
+# (TTSBUILD_CODEC_OUTPUT_TAPS=1; gpu_session `codec_env`).
+TAPS_FIRST = os.environ.get("TTSBUILD_CODEC_OUTPUT_TAPS", "0") == "1"
 
 
 def _spread(B: int, n: int, block_ctx: int, block_t: int, sms: int) -> tuple[int, int]:
@@ -109,6 +119,22 @@ def _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation):
 
         block_t, warps = _spread(B, n, block_ctx, block_t, _num_sms(x.device))
     snake = alpha is not None
+    if TAPS_FIRST:
+        blocks = triton.cdiv(n, block_t)
+        # 16-channel K steps; warps by tile: 72-147 registers a thread, no spills (offline
+        # sm_90 compile, 16-128 samples; 32-channel steps or fewer warps spill or take 160+)
+        block_w = max(16, block_ctx)  # the product's minimum width
+        win = block_t + block_w
+        scratch = torch.empty((B * blocks, win, 16), dtype=torch.float32, device=x.device)
+        _codec_output_taps_kernel[(B, blocks)](
+            x, w, bias, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
+            rows, out, scratch, C, n, ctx, dilation, x.stride(0), x.stride(1), x.stride(2),
+            K=k, HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=16, BLOCK_T=block_t,
+            BLOCK_W=block_w, BLOCK_CTX=block_ctx, WIN=win,
+            num_warps=8 if block_t >= 128 else 4 if block_t >= 32 else 2,
+            **codec_pdl_args(x),
+        )  # fmt: skip
+        return out
     if SPREAD and WINDOW_SMALL and block_t <= 32:
         blocks = triton.cdiv(n, block_t)
         block_c = min(32, triton.next_power_of_2(C))
@@ -245,6 +271,79 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         t = t0 + col_a
         t_mask = t < n
         y = tl.sum(acc, axis=0) + tl.load(bias_ptr).to(tl.float32)
+        y = tl.minimum(tl.maximum(y, -1.0), 1.0)
+        tl.store(out_ptr + b * n + t, y, mask=t_mask)
+        if HAS_TAIL:
+            if first:  # its window held the old tail (BLOCK_T >= ctx): the new tail
+                _new_tail(x_row, alpha_ptr, inv_beta_ptr, tail_ptr, slot, C, n, ctx, sxc, sxt,
+                          HAS_SNAKE, BLOCK_C, BLOCK_CTX)  # fmt: skip
+
+    @triton.jit
+    def _xin_piece(x_row, tail_ptr, slot, c, c_mask, al, ib, i, C, n, ctx, sxc, sxt,
+                   HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr):  # fmt: skip
+        """xin columns i of channels c as fp32 [len(i), BLOCK_C] (time down, channels across,
+        as channels-last storage holds them): the old tail below ctx, SnakeBeta of x from
+        there to n + ctx, zeros past it and on masked channels."""
+        from_x = (i >= ctx) & (i < n + ctx)
+        v = tl.load(x_row + (i - ctx)[:, None] * sxt + c[None, :] * sxc,
+                    mask=from_x[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+        if HAS_SNAKE:  # 0 where masked: the snake of 0 is 0
+            s = sin_f32(v * al[None, :])
+            v = v + ib[None, :] * (s * s)
+        if HAS_TAIL:
+            from_tail = i < ctx
+            old = tl.load(tail_ptr + (slot * C + c[None, :]) * ctx + i[:, None],
+                          mask=from_tail[:, None] & c_mask[None, :], other=0.0)
+            v = tl.where(from_tail[:, None], old, v)
+        return v
+
+    @triton.jit
+    def _codec_output_taps_kernel(
+        x_ptr, w_ptr, bias_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, rows_ptr, out_ptr,
+        scratch_ptr, C, n, ctx, DIL, sxb, sxc, sxt,
+        K: tl.constexpr, HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
+        BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+        BLOCK_CTX: tl.constexpr, WIN: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """The output stage of one (row, block of BLOCK_T samples), taps first (TAPS_FIRST):
+        z [WIN, 16] = xin^T [WIN, C] x w [C, 16 (taps, padded)] over the program's window
+        (xin columns t0 .. t0 + WIN - 1, in two pieces of BLOCK_T and BLOCK_W columns), fp32
+        FMAs; z into the program's scratch, a barrier, then pcm[t] = bias + sum_j
+        z[t + j DIL, j]."""
+        pdl_prologue(PDL)
+        b = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        first = blk == 0
+        t0 = blk * BLOCK_T
+        slot = tl.load(rows_ptr + b).to(tl.int64)
+        x_row = x_ptr + b * sxb
+        scratch = scratch_ptr + (b * tl.num_programs(1) + blk) * WIN * 16
+        col_a = tl.arange(0, BLOCK_T)
+        col_b = BLOCK_T + tl.arange(0, BLOCK_W)
+        tap = tl.arange(0, 16)
+        za = tl.zeros([BLOCK_T, 16], dtype=tl.float32)
+        zb = tl.zeros([BLOCK_W, 16], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            c_mask = c < C
+            al, ib = snake_params(alpha_ptr, inv_beta_ptr, c, c_mask, HAS_SNAKE)
+            wt = tl.load(w_ptr + tap[None, :] * C + c[:, None],
+                         mask=c_mask[:, None] & (tap < K)[None, :], other=0.0).to(tl.float32)
+            va = _xin_piece(x_row, tail_ptr, slot, c, c_mask, al, ib, t0 + col_a, C, n, ctx,
+                            sxc, sxt, HAS_SNAKE, HAS_TAIL)  # fmt: skip
+            vb = _xin_piece(x_row, tail_ptr, slot, c, c_mask, al, ib, t0 + col_b, C, n, ctx,
+                            sxc, sxt, HAS_SNAKE, HAS_TAIL)  # fmt: skip
+            za = tl.dot(va, wt, za, input_precision="ieee")
+            zb = tl.dot(vb, wt, zb, input_precision="ieee")
+        tl.store(scratch + col_a[:, None] * 16 + tap[None, :], za)
+        tl.store(scratch + col_b[:, None] * 16 + tap[None, :], zb)
+        tl.debug_barrier()  # z's stores precede the shifted reads (one CTA)
+        acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for j in tl.static_range(K):
+            acc += tl.load(scratch + (j * DIL + col_a) * 16 + j)
+        t = t0 + col_a
+        t_mask = t < n
+        y = acc + tl.load(bias_ptr).to(tl.float32)
         y = tl.minimum(tl.maximum(y, -1.0), 1.0)
         tl.store(out_ptr + b * n + t, y, mask=t_mask)
         if HAS_TAIL:
