@@ -5,7 +5,7 @@ import pytest
 import torch
 from kernel_device import KDEV, kernel_cases, needs_kernel
 
-from ttsbuild.plugins.convnext import convnext
+from ttsbuild.plugins.convnext import convnext, dwconv_norm, dwconv_norm_reference
 
 CASES = [(1, 2, 64, torch.float32, True), (2, 4, 96, torch.float32, False),
          (1, 4, 128, torch.bfloat16, True), (3, 2, 64, torch.bfloat16, False)]
@@ -57,3 +57,33 @@ def test_convnext_refuses_a_context_that_does_not_fit():
     x, xe, p = _block(1, 2, 64, torch.float32, 0)
     with pytest.raises(ValueError, match="left context"):
         convnext(x, xe[..., 1:], gamma=None, **p)
+
+
+DW_CASES = [(2, 3, 96, torch.float32), (3, 4, 1024, torch.float16), (1, 2, 40, torch.bfloat16)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,n,C,dtype", kernel_cases(DW_CASES, DW_CASES))
+def test_dwconv_norm_kernel_matches_the_module_ops(B, n, C, dtype):
+    """The depthwise conv + LayerNorm launch against F.conv1d and F.layer_norm (rows of
+    several programs, a channel count that is not a power of two); a context one step off
+    fails the comparison."""
+    x, xe, p = _block(B, n, C, dtype, seed=B * 7 + n * 3 + C)
+    args = (p["dw_weight"], p["dw_bias"], p["ln_weight"], p["ln_bias"], p["eps"])
+    out = dwconv_norm(xe.to(KDEV), *(a.to(KDEV) if isinstance(a, torch.Tensor) else a
+                                     for a in args), use_triton=True).cpu()  # fmt: skip
+    ref = dwconv_norm_reference(xe.float(), *(a.float() if isinstance(a, torch.Tensor) else a
+                                              for a in args))  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.shape == (B, n, C) and out.dtype == dtype and out.is_contiguous()
+    assert _rel(out, ref) < tol, _rel(out, ref)
+    alt = dwconv_norm_reference(torch.roll(xe, 1, dims=-1).float(),
+                                *(a.float() if isinstance(a, torch.Tensor) else a for a in args))
+    assert _rel(alt, ref) > 10 * tol
+
+
+def test_dwconv_norm_refuses_a_weight_that_is_not_depthwise():
+    x, xe, p = _block(1, 2, 64, torch.float32, 0)
+    with pytest.raises(ValueError, match="depthwise"):
+        dwconv_norm(xe, p["w1"][:, :, None], p["dw_bias"], p["ln_weight"], p["ln_bias"], 1e-6)
+

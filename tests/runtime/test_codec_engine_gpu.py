@@ -96,6 +96,29 @@ def test_fused_convnext_blocks_keep_the_decode_and_replay(decoders, monkeypatch,
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_dwconv_norm_keeps_the_decode_and_replays(decoders, monkeypatch, precision):
+    """The ConvNeXt blocks' depthwise conv and LayerNorm as one launch (DWCONV_NORM,
+    plugins.convnext.dwconv_norm) against cuDNN's conv and the norm's kernel: the same audio
+    to the stage's rounding, the tails carried alike over steps of 1 and 3 frames, and a
+    captured step equal to the eager one."""
+    from ttsbuild.runtime import codec_engine
+
+    cfg, _, dec = decoders
+    codes = rand_codes(cfg, 2, 8, seed=72)
+    kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
+    for chunk in (1, 3):
+        monkeypatch.setattr(codec_engine, "DWCONV_NORM", False)
+        plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=chunk).float()
+        monkeypatch.setattr(codec_engine, "DWCONV_NORM", True)
+        engine = CodecEngine(dec, 2, precision, **kw)
+        got = decode_with(engine, codes, chunk=chunk).float()
+        noise = ((got - plain) ** 2).sum()
+        snr = 10 * torch.log10((plain**2).sum() / noise.clamp(min=1e-30)).item()
+        assert snr > 35, (chunk, snr)
+    _assert_replay_equals_eager(engine, codes)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_snake_epilogue_keeps_the_decode_and_replays(decoders, monkeypatch, precision):
     """The residual units' second SnakeBeta in the k = 7 conv's epilogue (snake_epilogue)
     against it in the 1x1 conv's input load, in the served settings with every conv on the

@@ -59,7 +59,7 @@ from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.causal_conv import causal_conv, overlap_add, pack_conv_weight
 from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.codec_output import codec_output
-from ttsbuild.plugins.convnext import convnext
+from ttsbuild.plugins.convnext import convnext, dwconv_norm
 from ttsbuild.plugins.fused_linear import fused_linear
 from ttsbuild.plugins.norm_act import rms_norm, silu_mul
 from ttsbuild.plugins.ring_attention import (
@@ -108,6 +108,11 @@ IMPLICIT_MIN_ROWS = 512
 # on, with `fused`.
 CONVNEXT_FUSED = os.environ.get("TTSBUILD_CODEC_CONVNEXT_FUSED", "0") == "1"
 CONVNEXT_FUSED_MAX_ROWS = 16
+# The other ConvNeXt blocks of half-precision stages: the depthwise conv and the LayerNorm as
+# one launch (plugins.convnext.dwconv_norm) instead of cuDNN's `conv1D_NCHW_general` (41 us a
+# call at 64 rows of a one-frame step, two calls: H200 profile 2026-12-04) and the norm's own
+# kernel. Off until timed on the GPU: TTSBUILD_CODEC_DWCONV_NORM=1.
+DWCONV_NORM = os.environ.get("TTSBUILD_CODEC_DWCONV_NORM", "0") == "1"
 # A residual unit's second SnakeBeta in its k = 7 conv's epilogue (plugins.causal_conv
 # out_alpha: once per element, the same bits) instead of in the 1x1 conv's input load, where
 # it is recomputed for every block of output channels between each K step's load and its MMA,
@@ -582,8 +587,16 @@ class CodecEngine:
             return convnext(x, xe, dw.conv.weight, dw.conv.bias, m.norm.weight, m.norm.bias,
                             m.norm.eps, m.pwconv1.weight, m.pwconv1.bias, m.pwconv2.weight,
                             m.pwconv2.bias, None if m in self._folded else m.gamma)  # fmt: skip
-        h = self._conv(m.dwconv, x, rows, st).transpose(1, 2)  # [B, T, C]
-        h = m.norm(h.float()).to(x.dtype)
+        if (DWCONV_NORM and self.fused and x.dtype != torch.float32
+                and m.dwconv.conv.bias is not None and want_triton(x, None)):
+            dw = m.dwconv
+            tail = self.state[dw.slot][0] if dw.context else None
+            xe = snake_context(x, None, None, tail, rows)  # [B, C, context + n], tail kept
+            h = dwconv_norm(xe, dw.conv.weight, dw.conv.bias, m.norm.weight, m.norm.bias,
+                            m.norm.eps)  # [B, T, C]
+        else:
+            h = self._conv(m.dwconv, x, rows, st).transpose(1, 2)  # [B, T, C]
+            h = m.norm(h.float()).to(x.dtype)
         h = self._linear(m.pwconv2, F.gelu(self._linear(m.pwconv1, h, st)), st)
         return x + (h if m in self._folded else m.gamma * h).transpose(1, 2)
 

@@ -151,3 +151,45 @@ def convnext_triton(x: torch.Tensor, xe: torch.Tensor, dw_weight: torch.Tensor,
         BLOCK_N=16, BLOCK_K=128, HALF_DOTS=half, num_warps=4, **pdl,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _dwconv_norm_kernel(xe_ptr, sxb, sxc, sxt, dw_w_ptr, dw_b_ptr, ln_w_ptr, ln_b_ptr, eps,
+                        out_ptr, R, n, C, K: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    """BLOCK_R rows (b, t) of the depthwise conv over every channel (BLOCK_C >= C), rounded to
+    the input dtype, then their LayerNorm in fp32, stored [R, C] in the input dtype."""
+    pdl_prologue(PDL)
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    offs_c = tl.arange(0, BLOCK_C)
+    c_mask = offs_c < C
+    dw = _dwconv(xe_ptr, sxb, sxc, sxt, dw_w_ptr, dw_b_ptr, offs_r // n, offs_r % n, r_mask,
+                 offs_c, c_mask, K)  # [BLOCK_R, BLOCK_C], 0 where masked
+    mean = tl.sum(dw, axis=1) / C
+    dev = tl.where(c_mask[None, :], dw - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(dev * dev, axis=1) / C + eps)
+    lw = tl.load(ln_w_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    lb = tl.load(ln_b_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+    y = dev * rstd[:, None] * lw[None, :] + lb[None, :]
+    tl.store(out_ptr + offs_r[:, None].to(tl.int64) * C + offs_c[None, :],
+             y.to(xe_ptr.dtype.element_ty), mask=r_mask[:, None] & c_mask[None, :])
+
+
+def dwconv_norm_triton(xe: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor,
+                       ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+                       n: int) -> torch.Tensor:  # fmt: skip
+    """xe [B, C, ctx + n] -> LayerNorm(depthwise conv) [B, n, C] (contiguous)."""
+    B, C, _ = xe.shape
+    K = dw_weight.shape[-1]
+    R = B * n
+    out = torch.empty((B, n, C), dtype=xe.dtype, device=xe.device)
+    block_c = triton.next_power_of_2(C)
+    block_r = max(1, min(4, 4096 // block_c))  # [4, 1024]: 32 fp32 values a thread of 4 warps
+    _dwconv_norm_kernel[(triton.cdiv(R, block_r),)](
+        xe, xe.stride(0), xe.stride(1), xe.stride(2), dw_weight.reshape(C, K).contiguous(),
+        dw_bias, ln_weight, ln_bias, eps, out, R, n, C, K=K, BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=4, **codec_pdl_args(xe),
+    )  # fmt: skip
+    return out
+
