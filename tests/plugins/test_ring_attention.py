@@ -117,14 +117,18 @@ def test_rope_reference_is_rope_then_the_window_in_float64():
 
 
 @needs_kernel
-@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("merge", [False, True, 32, 16])
 @pytest.mark.parametrize(("n", "R"), [(1, 75), (4, 87), (3, 20)])
 def test_rope_kernel_equals_reference_and_writes_the_same_rings(n, R, merge, monkeypatch):
     """Queries/keys/values from one qkv projection, RoPE, the ring writes and the window mask
     in one launch (the real codec's 16 heads of 64); two steps, the second at the positions
-    after the first, reading what the first wrote. merge: the ring read first and the new
-    frames merged in registers (TTSBUILD_RING_MERGE=1), not written and read back."""
-    monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_MERGE", merge)
+    after the first, reading what the first wrote. merge True: the ring read first and the
+    new frames merged in registers (TTSBUILD_RING_MERGE=1), not written and read back; 32,
+    16: the ring read in chunks of that many entries with an online softmax
+    (TTSBUILD_RING_CHUNK; chunks past the frames written so far hold no visible one)."""
+    monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_MERGE", merge is True)
+    monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_CHUNK",
+                        0 if isinstance(merge, bool) else merge)
     qkv, pos, rows, k_ring, v_ring, inv_freq = _rope_inputs(3, n, 16, R, 64, 6, KDEV, n + R)
     ref_k, ref_v = k_ring.clone(), v_ring.clone()
     for step in range(2):

@@ -104,6 +104,12 @@ def ring_step_inputs(pos, n: int, ring_frames, window: int, inv_freq, dtype):
 # the whole ring read back: one dependent global round trip fewer per layer; same results
 # (interpreter tests); off until timed on the GPU (gpu_session codec step, CODEC_RING_AB=1).
 RING_MERGE = os.environ.get("TTSBUILD_RING_MERGE", "0") == "1"
+# ring_attention_rope's read of the ring in chunks of this many entries with an online
+# softmax (TTSBUILD_RING_CHUNK=32; 0: the whole ring, padded to a power of two, in registers
+# at once). Whole, a program of 4 warps takes 204 registers a thread (offline sm_90 compile):
+# two programs an SM, and 64 rows x 16 heads = 1024 programs in four waves, 35.7 us a layer
+# on the H200 (2026-12-04 profile) against ~8 us of ring traffic. Off until timed.
+RING_CHUNK = int(os.environ.get("TTSBUILD_RING_CHUNK", "0"))
 
 
 def ring_attention_rope_reference(qkv, pos, rows, k_ring, v_ring, inv_freq, window, scale):
@@ -145,7 +151,8 @@ def ring_attention_rope(qkv, pos, rows, k_ring, v_ring, inv_freq, window: int, s
     _ring_attention_rope_kernel[(B, Hkv)](
         qkv, pos, rows, k_ring, v_ring, inv_freq, out, n, R, int(window), float(scale),
         qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
-        H=Hkv, D=D, BLOCK_R=triton.next_power_of_2(R), MERGE=RING_MERGE, num_warps=4,
+        H=Hkv, D=D, BLOCK_R=triton.next_power_of_2(R), MERGE=RING_MERGE and not RING_CHUNK,
+        CHUNK=RING_CHUNK, num_warps=4,
         **codec_pdl_args(qkv),
     )  # fmt: skip
     return out
@@ -199,7 +206,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         qkv_ptr, pos_ptr, rows_ptr, k_ptr, v_ptr, inv_freq_ptr, out_ptr, N, R, W, scale,
         sb, sn, sh, sd,
         H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, MERGE: tl.constexpr,
-        PDL: tl.constexpr,
+        CHUNK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
         b = tl.program_id(0).to(tl.int64)
@@ -232,24 +239,54 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                 hit = (r == qp % R)[:, None]
                 keys = tl.where(hit, k.to(tl.float32)[None, :], keys)
                 values = tl.where(hit, v.to(tl.float32)[None, :], values)
-        if not MERGE:
-            tl.debug_barrier()  # the writes above precede the reads below (one program, head)
-            keys = tl.load(k_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)
-            values = tl.load(v_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)
-        # 2. attention of each query frame over the ring's window
         last = p0 + N - 1
-        back = (last - r) % R
-        back = tl.where(back < 0, back + R, back)  # floor mod (C's % truncates)
-        k_pos = last - back  # [R]: the frame at ring index r
-        for i in range(0, N):
-            qp = p0 + i
-            q = _rope(row + i * sn + h * sh, d * sd, partner * sd, sign, inv, qp)
-            dist = qp - k_pos
-            visible = r_mask & (dist >= 0) & (dist < W) & (k_pos >= 0)
-            s = tl.sum(keys * q[None, :], axis=1) * scale
-            s = tl.where(visible, s, float("-inf"))
-            p = tl.exp(s - tl.max(s, axis=0))
-            p = p / tl.sum(p, axis=0)
-            y = tl.sum(p[:, None] * values, axis=0)  # [D]
-            tl.store(out_ptr + (b * N + i) * (H * D) + h * D + d,
-                     y.to(out_ptr.dtype.element_ty))
+        if CHUNK:  # 2. (chunked) each query frame over the ring, CHUNK entries at a time
+            tl.debug_barrier()  # the writes above precede the reads below (one program, head)
+            for i in range(0, N):
+                qp = p0 + i
+                q = _rope(row + i * sn + h * sh, d * sd, partner * sd, sign, inv, qp)
+                m = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), axis=0)
+                den = tl.sum(tl.zeros([CHUNK], tl.float32), axis=0)
+                acc = tl.zeros([D], tl.float32)
+                for r0 in range(0, R, CHUNK):
+                    rc = r0 + tl.arange(0, CHUNK)
+                    rc_mask = rc < R
+                    at = ring + rc[:, None] * D + d[None, :]
+                    keys = tl.load(k_ptr + at, mask=rc_mask[:, None], other=0.0).to(tl.float32)
+                    vals = tl.load(v_ptr + at, mask=rc_mask[:, None], other=0.0).to(tl.float32)
+                    back = (last - rc) % R
+                    back = tl.where(back < 0, back + R, back)
+                    dist = qp - (last - back)
+                    visible = rc_mask & (dist >= 0) & (dist < W) & (last - back >= 0)
+                    sc = tl.where(visible, tl.sum(keys * q[None, :], axis=1) * scale,
+                                  float("-inf"))
+                    m_new = tl.maximum(m, tl.max(sc, axis=0))
+                    base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet
+                    p = tl.exp(sc - base)
+                    rescale = tl.exp(m - base)
+                    den = den * rescale + tl.sum(p, axis=0)
+                    acc = acc * rescale + tl.sum(p[:, None] * vals, axis=0)
+                    m = m_new
+                tl.store(out_ptr + (b * N + i) * (H * D) + h * D + d,
+                         (acc / den).to(out_ptr.dtype.element_ty))  # den > 0: frame qp is seen
+        else:
+            if not MERGE:
+                tl.debug_barrier()  # the writes above precede the reads below (one program, head)
+                keys = tl.load(k_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)
+                values = tl.load(v_ptr + kv, mask=r_mask[:, None], other=0.0).to(tl.float32)
+            # 2. attention of each query frame over the ring's window
+            back = (last - r) % R
+            back = tl.where(back < 0, back + R, back)  # floor mod (C's % truncates)
+            k_pos = last - back  # [R]: the frame at ring index r
+            for i in range(0, N):
+                qp = p0 + i
+                q = _rope(row + i * sn + h * sh, d * sd, partner * sd, sign, inv, qp)
+                dist = qp - k_pos
+                visible = r_mask & (dist >= 0) & (dist < W) & (k_pos >= 0)
+                s = tl.sum(keys * q[None, :], axis=1) * scale
+                s = tl.where(visible, s, float("-inf"))
+                p = tl.exp(s - tl.max(s, axis=0))
+                p = p / tl.sum(p, axis=0)
+                y = tl.sum(p[:, None] * values, axis=0)  # [D]
+                tl.store(out_ptr + (b * N + i) * (H * D) + h * D + d,
+                         y.to(out_ptr.dtype.element_ty))
