@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 from kernel_device import KDEV, needs_kernel
 
-from ttsbuild.plugins.causal_conv import causal_conv, causal_conv_reference, pack_conv_weight
+from ttsbuild.plugins.causal_conv import (
+    causal_conv,
+    causal_conv_reference,
+    pack_conv_weight,
+    residual_unit,
+)
 from ttsbuild.plugins.codec_context import to_channels_last
 
 
@@ -160,6 +165,51 @@ def test_output_snake_equals_conv_then_snake(cin, cout, k, d, n, channels_last):
     bad = causal_conv(xin, w, bias, d, out_alpha=alpha.flip(0), out_inv_beta=inv_beta,
                       channels_last=channels_last, use_triton=True)
     assert rel_err(bad, want) > 1e-2
+
+
+@needs_kernel
+@pytest.mark.parametrize(("C", "d", "n", "B", "channels_last"), [
+    (96, 9, 37, 3, True),      # block 4's unit, channels-last as served, 32-row tiles
+    (96, 1, 700, 3, True),     # >= 2048 rows: 64-row tiles
+    (40, 3, 20, 2, False),     # masked channels, [B, C, T] operands
+    (192, 3, 11, 2, True),     # block 3's unit: 256 channels a program, 8 warps
+])
+def test_residual_unit_equals_its_two_convs(C, d, n, B, channels_last, monkeypatch):
+    """The fused residual unit (k = 7 conv, SnakeBeta, 1x1 conv, residual in one launch)
+    against the two launches it replaces and the reference path: the same roundings, so the
+    values agree to half-precision rounding; a wrong 1x1 weight or SnakeBeta fails it."""
+    import ttsbuild.plugins.causal_conv as cc
+
+    launched = []
+    real = cc._residual_unit_kernel
+
+    class Spy:  # the fused kernel, not the two convs, must be what runs
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(cc, "_residual_unit_kernel", Spy())
+    xin, weight, bias, residual = _inputs(B, C, C, 7, d, n, torch.float16, KDEV, C + d + n)
+    _, w1x1, b1, _ = _inputs(B, C, C, 1, 1, n, torch.float16, KDEV, C + d + n + 1)
+    alpha, inv_beta = _snake_params(C, n, KDEV)
+    w7, w1 = pack_conv_weight(weight), pack_conv_weight(w1x1)
+    if channels_last:
+        xin, residual = to_channels_last(xin), to_channels_last(residual)
+    h = causal_conv(xin, w7, bias, d, out_alpha=alpha, out_inv_beta=inv_beta, use_triton=False)
+    want = causal_conv(h, w1, b1, 1, residual, use_triton=False)
+    got = residual_unit(xin, w7, bias, d, alpha, inv_beta, w1, b1, residual,
+                        channels_last=channels_last, use_triton=True)
+    assert got.shape == want.shape == (B, C, n)
+    assert (got.stride(1) == 1) == channels_last
+    assert rel_err(got, want) <= 4e-3, rel_err(got, want)
+    assert rel_err(want, residual) > 5e-2  # the branch is not lost under the residual
+    bad = residual_unit(xin, w7, bias, d, alpha, inv_beta, w1.flip(1).contiguous(), b1,
+                        residual, channels_last=channels_last, use_triton=True)
+    assert rel_err(bad, want) > 2e-2
+    bad = residual_unit(xin, w7, bias, d, inv_beta, alpha, w1, b1, residual,
+                        channels_last=channels_last, use_triton=True)
+    assert rel_err(bad, want) > 2e-2
+    assert len(launched) == 3
 
 
 @needs_kernel

@@ -119,6 +119,29 @@ def test_dwconv_norm_keeps_the_decode_and_replays(decoders, monkeypatch, precisi
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_fused_residual_units_keep_the_decode_and_replay(decoders, monkeypatch, precision):
+    """Every residual unit as one launch (FUSED_UNIT_MAX_C, plugins.causal_conv.residual_unit;
+    all convs on the implicit-GEMM path, min rows 1) against its two conv launches: the same
+    roundings, so the same audio to the summation order (SNR far above the gate), and a
+    captured step equal to the eager one."""
+    from ttsbuild.runtime import codec_engine
+
+    monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)
+    cfg, _, dec = decoders
+    codes = rand_codes(cfg, 2, 8, seed=73)
+    kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
+    monkeypatch.setattr(codec_engine, "FUSED_UNIT_MAX_C", 0)
+    plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=2).float()
+    monkeypatch.setattr(codec_engine, "FUSED_UNIT_MAX_C", 256)
+    engine = CodecEngine(dec, 2, precision, **kw)
+    got = decode_with(engine, codes, chunk=2).float()
+    noise = ((got - plain) ** 2).sum()
+    snr = 10 * torch.log10((plain**2).sum() / noise.clamp(min=1e-30)).item()
+    assert snr > 45, snr
+    _assert_replay_equals_eager(engine, codes)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_snake_epilogue_keeps_the_decode_and_replays(decoders, monkeypatch, precision):
     """The residual units' second SnakeBeta in the k = 7 conv's epilogue (snake_epilogue)
     against it in the 1x1 conv's input load, in the served settings with every conv on the

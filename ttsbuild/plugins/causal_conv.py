@@ -155,6 +155,76 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     return out
 
 
+def residual_unit(xin, w7, b7, dilation, alpha2, inv_beta2, w1, b1, residual, *,
+                  channels_last: bool = False, use_triton: bool | None = None):
+    """A decoder residual unit after its first SnakeBeta, in one launch on the GPU:
+        residual + conv_1x1(SnakeBeta2(conv_k(xin)))
+    xin [B, C, n + (k - 1) * d] (SnakeBeta1 of the unit's input, left context in front, as
+    `snake_context` makes it), w7 [k, C, C] and w1 [1, C, C] packed (`pack_conv_weight`),
+    b7, b1 [C], (alpha2, inv_beta2) [C] fp32, residual [B, C, n] -> [B, C, n]. The same
+    roundings as the two launches (`causal_conv` with out_alpha, then the 1x1 conv with the
+    residual): the k-tap conv's output rounded to the input dtype, its SnakeBeta in fp32
+    rounded again, the 1x1 conv and the residual summed in fp32 and rounded once. The kernel
+    keeps the SnakeBeta'd tile in registers as the second product's operand: the
+    intermediate [B, C, n] is never written or read back, and one launch of two goes."""
+    k, C, cout = w7.shape
+    if cout != C or w1.shape != (1, C, C) or residual is None:
+        raise ValueError(f"residual_unit: w7 [k, C, C], w1 [1, C, C] and a residual, got w7 "
+                         f"{tuple(w7.shape)}, w1 {tuple(w1.shape)}")
+    if (xin.dtype not in (torch.float16, torch.bfloat16) or not want_triton(xin, use_triton)
+            or triton_block(C) > RESIDUAL_UNIT_MAX_C or b7 is None or b1 is None):
+        h = causal_conv(xin, w7, b7, dilation, out_alpha=alpha2, out_inv_beta=inv_beta2,
+                        channels_last=channels_last, use_triton=use_triton)
+        return causal_conv(h, w1, b1, 1, residual, channels_last=channels_last,
+                           use_triton=use_triton)
+    return _residual_unit_triton(xin, w7, b7, dilation, alpha2, inv_beta2, w1, b1, residual,
+                                 channels_last)
+
+
+# The fused unit's channel block (the whole of C in one program, a power of two) up to this:
+# 128 takes the decoder's last block (C = 96), 256 the one before (C = 192). Offline sm_90
+# compile (fp16): 64-row tiles of 4 warps, 128 channels, 202 registers a thread, no spills;
+# 256 channels on 8 warps 255 registers, no spills (4 warps spill 1.8 KB).
+RESIDUAL_UNIT_MAX_C = 256
+
+
+def triton_block(c: int) -> int:
+    """The power of two >= c (>= 16), as the kernels' channel blocks take it."""
+    return max(16, 1 << (c - 1).bit_length())
+
+
+def _residual_unit_triton(xin, w7, b7, dilation, alpha2, inv_beta2, w1, b1, residual,
+                          channels_last, config=None):
+    """config: (BLOCK_M, BLOCK_CI, num_warps, num_stages) for timing (sweep_conv.py)."""
+    import triton
+
+    B, C, L = xin.shape
+    k = w7.shape[0]
+    n = L - (k - 1) * dilation
+    if n < 1 or w7.dtype != xin.dtype or w1.dtype != xin.dtype:
+        raise ValueError(f"residual_unit: input of {L} samples for a receptive field of "
+                         f"{(k - 1) * dilation + 1}, weights {w7.dtype}/{w1.dtype}")
+    if channels_last:
+        out = torch.empty((B, n, C), dtype=xin.dtype, device=xin.device).transpose(1, 2)
+    else:
+        out = torch.empty((B, C, n), dtype=xin.dtype, device=xin.device)
+    if residual.shape != out.shape:
+        raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
+    for name, p in (("alpha2", alpha2), ("inv_beta2", inv_beta2)):
+        if p.numel() != C or p.dtype != torch.float32 or not p.is_contiguous():
+            raise ValueError(f"{name} must be {C} contiguous fp32 values")
+    bm, bci, warps, stages = config or (64 if B * n >= 2048 else 32, 32,
+                                        8 if triton_block(C) > 128 else 4, 3)
+    _residual_unit_kernel[(triton.cdiv(B * n, bm),)](
+        xin, w7, b7, alpha2, inv_beta2, w1, b1, residual, out, B * n, C, n, dilation,
+        xin.stride(0), xin.stride(1), xin.stride(2), residual.stride(0), residual.stride(1),
+        residual.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        K=k, BLOCK_M=bm, BLOCK_CI=bci, BLOCK_C=triton_block(C), num_warps=warps,
+        num_stages=stages, **codec_pdl_args(xin),
+    )  # fmt: skip
+    return out
+
+
 def overlap_add_reference(z, spill, rows, bias):
     """The eager overlap-add (see the module docstring); updates `spill` in place."""
     B, n, taps, s, cout = z.shape
@@ -273,6 +343,53 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             y = (yf + ib[None, :] * (sn * sn)).to(out_ptr.dtype.element_ty)
         dst = out_ptr + (b * sob + t * sot)[:, None] + offs_o[None, :] * soo
         tl.store(dst, y, mask=mask)
+
+    @triton.jit
+    def _residual_unit_kernel(
+        x_ptr, w7_ptr, b7_ptr, alpha_ptr, inv_beta_ptr, w1_ptr, b1_ptr, res_ptr, out_ptr,
+        M, C, N, DIL, sxb, sxc, sxt, srb, sro, srt, sob, soo, sot,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr,
+        BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """One block of output rows m = b * N + t, every channel: the k-tap conv as in
+        _causal_conv_kernel, its bias, rounding and SnakeBeta; that tile (in registers) times
+        the 1x1 conv's [C, C] weight; its bias and the residual; stored once."""
+        pdl_prologue(PDL)
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_o = tl.arange(0, BLOCK_C)
+        m_mask = offs_m < M
+        o_mask = offs_o < C
+        b = (offs_m // N).to(tl.int64)
+        t = offs_m % N
+        x_rows = x_ptr + b * sxb + t * sxt
+        acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+        cin_blocks = tl.cdiv(C, BLOCK_CI)
+        for it in range(0, K * cin_blocks):
+            j = it // cin_blocks
+            offs_c = (it % cin_blocks) * BLOCK_CI + tl.arange(0, BLOCK_CI)
+            c_mask = offs_c < C
+            a = tl.load(x_rows[:, None] + offs_c[None, :] * sxc + j * DIL * sxt,
+                        mask=m_mask[:, None] & c_mask[None, :], other=0.0)
+            wt = tl.load(w7_ptr + (j * C + offs_c[:, None]) * C + offs_o[None, :],
+                         mask=c_mask[:, None] & o_mask[None, :], other=0.0)
+            acc = tl.dot(a, wt, acc)
+        acc += tl.load(b7_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
+        dt = out_ptr.dtype.element_ty
+        yf = acc.to(dt).to(tl.float32)  # the k-tap conv's output as stored in two launches
+        al = tl.load(alpha_ptr + offs_o, mask=o_mask, other=0.0)
+        ib = tl.load(inv_beta_ptr + offs_o, mask=o_mask, other=0.0)
+        sn = sin_f32(yf * al[None, :])
+        h = (yf + ib[None, :] * (sn * sn)).to(dt)  # 0 on masked channels: snake(0) = 0
+        w1 = tl.load(w1_ptr + offs_o[:, None] * C + offs_o[None, :],
+                     mask=o_mask[:, None] & o_mask[None, :], other=0.0)
+        acc = tl.dot(h, w1)
+        acc += tl.load(b1_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
+        mask = m_mask[:, None] & o_mask[None, :]
+        r = tl.load(res_ptr + (b * srb + t * srt)[:, None] + offs_o[None, :] * sro, mask=mask,
+                    other=0.0)
+        acc += r.to(tl.float32)
+        tl.store(out_ptr + (b * sob + t * sot)[:, None] + offs_o[None, :] * soo, acc.to(dt),
+                 mask=mask)
 
     @triton.jit
     def _overlap_add_kernel(

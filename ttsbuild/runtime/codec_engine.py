@@ -56,7 +56,13 @@ from ttsbuild.model.codec import (
     apply_rope,
 )
 from ttsbuild.plugins._dispatch import want_triton
-from ttsbuild.plugins.causal_conv import causal_conv, overlap_add, pack_conv_weight
+from ttsbuild.plugins.causal_conv import (
+    causal_conv,
+    overlap_add,
+    pack_conv_weight,
+    residual_unit,
+    triton_block,
+)
 from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.codec_output import codec_output
 from ttsbuild.plugins.convnext import convnext, dwconv_norm
@@ -125,6 +131,15 @@ DWCONV_NORM = os.environ.get("TTSBUILD_CODEC_DWCONV_NORM", "0") == "1"
 # CTA an SM instead of two). TTSBUILD_CODEC_SNAKE_EPILOGUE=0 turns it off.
 SNAKE_EPILOGUE = os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE", "1") == "1"
 SNAKE_EPILOGUE_MAX_ROWS = 2048
+# A residual unit as one launch after its first SnakeBeta (plugins.causal_conv.residual_unit:
+# the k = 7 conv, the second SnakeBeta, the 1x1 conv and the residual, the SnakeBeta'd tile
+# kept in registers) for units whose channels, as a power of two, are at most this (128: the
+# last decoder block's C = 96; 256: also the one before, C = 192), on the implicit-GEMM
+# path's rows (>= IMPLICIT_MIN_ROWS). At 64 rows of a one-frame step the last block's k = 7
+# and 1x1 convs took 66 + 45 us a unit on the H200 (sweep, 2026-12-04) for ~72 MB of
+# traffic and 18 GFLOP together. 0 (the default): off until timed on the GPU;
+# TTSBUILD_CODEC_FUSED_UNIT=128 or 256 turns it on.
+FUSED_UNIT_MAX_C = int(os.environ.get("TTSBUILD_CODEC_FUSED_UNIT", "0"))
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
@@ -623,6 +638,18 @@ class CodecEngine:
         return x
 
     def _residual(self, m: ResidualUnit, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
+        c1, c2 = m.conv1, m.conv2
+        if (FUSED_UNIT_MAX_C and self.conv_impl == "triton" and self.channels_last
+                and x.dtype != torch.float32 and triton_block(x.shape[1]) <= FUSED_UNIT_MAX_C
+                and x.shape[0] * x.shape[-1] >= IMPLICIT_MIN_ROWS and c1 in self._conv_w
+                and c2 in self._conv_w and c1.conv.bias is not None
+                and c2.conv.bias is not None and want_triton(x, None)):
+            # the whole unit in one launch (see FUSED_UNIT_MAX_C)
+            tail = self.state[c1.slot][0] if c1.context else None
+            xin = snake_context(x, *self._snake[m.act1], tail, rows, channels_last=True)
+            return residual_unit(xin, self._conv_w[c1], c1.conv.bias, c1.conv.dilation[0],
+                                 *self._snake[m.act2], self._conv_w[c2], c2.conv.bias, x,
+                                 channels_last=True)  # fmt: skip
         if self.snake_epilogue and x.shape[0] * x.shape[-1] < SNAKE_EPILOGUE_MAX_ROWS:
             # act2 in conv1's epilogue (see SNAKE_EPILOGUE)
             h = self._conv(m.conv1, x, rows, st, act=m.act1, out_act=m.act2)
