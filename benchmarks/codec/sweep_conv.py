@@ -8,7 +8,10 @@ For each decoder stage (channels C, n samples per frame) and kind (--kinds: k7, 
 k = 7 conv with a bias; k7s, the same with a SnakeBeta in its epilogue, out_alpha; k7s128,
 that with its registers capped at 128 a thread (maxnreg); 1x1s, the residual unit's 1x1 conv
 with SnakeBeta in its input load and the residual added; 1x1, the same without the
-SnakeBeta, as it runs once k7s took it), at each batch: the served configuration (`_config`,
+SnakeBeta, as it runs once k7s took it; unit, the whole residual unit after its first
+SnakeBeta as one launch, `residual_unit`, at the stages of C <= 192, its grid (BLOCK_M,
+BLOCK_CI, warps, stages) and, on a line below, the k7s + 1x1 launches it replaces, each at
+its served config), at each batch: the served configuration (`_config`,
 3 stages) and every config of the grid (BLOCK_M, BLOCK_CI, BLOCK_O, warps, stages), each
 timed as a CUDA graph of 20 launches (median of 5 runs of 5 replays), its output checked
 against the served config's (a config that disagrees is reported, never chosen). Prints one
@@ -33,7 +36,7 @@ from ttsbuild.plugins.causal_conv import _causal_conv_triton, _config  # noqa: E
 from ttsbuild.plugins.codec_context import to_channels_last  # noqa: E402
 
 KINDS = {"k7": "k7 d3", "k7s": "k7 d3 +out snake", "k7s128": "k7 d3 +out snake, maxnreg 128",
-         "1x1s": "1x1 snake+res", "1x1": "1x1 res"}
+         "1x1s": "1x1 snake+res", "1x1": "1x1 res", "unit": "unit (k7 d3, snake, 1x1, res)"}
 # (C, n per frame) of the 12 Hz codec's decoder blocks (upsample rates 8, 5, 4, 3 after the
 # 4 latent steps per frame); the dilated convs take dilations 1, 3, 9 (context 6, 18, 54)
 STAGES = ((768, 32), (384, 160), (192, 640), (96, 1920))
@@ -47,6 +50,61 @@ def grid(quick: bool):
         if quick and (stages == 2 or bm == 256):
             continue
         yield bm, bci, bo, warps, stages
+
+
+def unit_grid(quick: bool, C: int):
+    """(BLOCK_M, BLOCK_CI, warps, stages) of the fused unit; 256-channel blocks on 8 warps
+    (4 spill), 128 on either."""
+    for bm, bci, warps, stages in itertools.product((32, 64, 128), (32, 64), (4, 8), (2, 3, 4)):
+        if (C > 128 and warps == 4) or (quick and stages == 2):
+            continue
+        yield bm, bci, warps, stages
+
+
+def sweep_unit(B: int, C: int, n: int, quick: bool, dev, dt) -> None:
+    """The fused residual unit's row (see the module docstring), and the two launches'."""
+    from ttsbuild.plugins.causal_conv import _residual_unit_triton, residual_unit
+
+    d = 3
+    xin = to_channels_last(torch.randn(B, C, 6 * d + n, device=dev, dtype=dt))
+    w7 = (torch.randn(7, C, C, device=dev) / (7 * C) ** 0.5).to(dt)
+    w1 = (torch.randn(1, C, C, device=dev) / C**0.5).to(dt)
+    b7, b1 = (torch.randn(C, device=dev, dtype=dt) for _ in range(2))
+    alpha, inv_beta = torch.rand(C, 1, device=dev) + 0.5, torch.rand(C, 1, device=dev) + 0.5
+    res = to_channels_last(torch.randn(B, C, n, device=dev, dtype=dt))
+
+    def run(cfg):
+        return _residual_unit_triton(xin, w7, b7, d, alpha, inv_beta, w1, b1, res, True, cfg)
+
+    def two():
+        h = _causal_conv_triton(xin, w7, b7, d, None, None, None, True,
+                                out_alpha=alpha, out_inv_beta=inv_beta)
+        return _causal_conv_triton(h, w1, b1, 1, res, None, None, True)
+
+    want = two().float()
+    flop = 2.0 * B * n * C * C * 8
+    served_ms = time_call(lambda: residual_unit(xin, w7, b7, d, alpha, inv_beta, w1, b1, res,
+                                                channels_last=True))
+    best, best_ms, bad = "served", served_ms, []
+    for cfg in unit_grid(quick, C):
+        try:
+            got = run(cfg).float()
+        except Exception as exc:  # out of shared memory, etc.: not a candidate
+            bad.append(f"{cfg}: {type(exc).__name__}")
+            continue
+        if ((got - want).abs().max() / want.abs().max()).item() > 1e-2:
+            bad.append(f"{cfg}: disagrees")
+            continue
+        ms = time_call(lambda cfg=cfg: run(cfg))
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    print(f"| {C} | {n} | {KINDS['unit']} | {B} | served | {served_ms:.4f} | "
+          f"{flop / served_ms / 1e9:.0f} | {best} | {best_ms:.4f} | "
+          f"{flop / best_ms / 1e9:.0f} |", flush=True)
+    two_ms = time_call(two)
+    print(f"  the two launches it replaces (k7s + 1x1, served configs): {two_ms:.4f} ms")
+    for line in bad[:5]:
+        print(f"  skipped {line}")
 
 
 def time_call(fn, launches: int = 20) -> float:
@@ -84,7 +142,12 @@ def main() -> None:
     configs = list(grid(args.quick))
     for B in (int(b) for b in args.batches.split(",")):
         for C, n in STAGES:
-            for kind in (KINDS[key] for key in kinds):
+            for key in kinds:
+                kind = KINDS[key]
+                if key == "unit":
+                    if C <= 192:
+                        sweep_unit(B, C, n, args.quick, dev, dt)
+                    continue
                 k, d = (7, 3) if kind.startswith("k7") else (1, 1)
                 ctx = (k - 1) * d
                 xin = to_channels_last(torch.randn(B, C, ctx + n, device=dev, dtype=dt))
