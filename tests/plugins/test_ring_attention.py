@@ -129,6 +129,7 @@ def test_rope_kernel_equals_reference_and_writes_the_same_rings(n, R, merge, mon
     monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_MERGE", merge is True)
     monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_CHUNK",
                         0 if isinstance(merge, bool) else merge)
+    monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_CHUNK_MIN_ROWS", 1)
     qkv, pos, rows, k_ring, v_ring, inv_freq = _rope_inputs(3, n, 16, R, 64, 6, KDEV, n + R)
     ref_k, ref_v = k_ring.clone(), v_ring.clone()
     for step in range(2):

@@ -54,9 +54,10 @@ WINDOW_SMALL = os.environ.get("TTSBUILD_CODEC_OUTPUT_WINDOW", "1") != "0"
 # shifted reads of a [16, window] scratch (8.7 KB a program for 128 samples, where the window
 # path's [C, window] is 52 KB). At 64 rows the served kernel recomputes every input's
 # SnakeBeta for each of the 7 taps: 158 us of a 2.8 ms batch-64 codec step on the H200
-# (2026-12-04 profile) for ~24 MB of input. Off until timed on the GPU
-# (TTSBUILD_CODEC_OUTPUT_TAPS=1; gpu_session `codec_env`).
-TAPS_FIRST = os.environ.get("TTSBUILD_CODEC_OUTPUT_TAPS", "0") == "1"
+# (2026-12-04 profile) for ~24 MB of input. H100, the served codec step (profile_codec.py,
+# one process a side, 2026-12-06 call 6): batch 1 0.789 -> 0.780 ms, batch 64 2.664 -> 2.661.
+# TTSBUILD_CODEC_OUTPUT_TAPS=0 gives the kernels before it (window path for small tiles).
+TAPS_FIRST = os.environ.get("TTSBUILD_CODEC_OUTPUT_TAPS", "1") == "1"
 
 
 def _spread(B: int, n: int, block_ctx: int, block_t: int, sms: int) -> tuple[int, int]:

@@ -104,12 +104,15 @@ def ring_step_inputs(pos, n: int, ring_frames, window: int, inv_freq, dtype):
 # the whole ring read back: one dependent global round trip fewer per layer; same results
 # (interpreter tests); off until timed on the GPU (gpu_session codec step, CODEC_RING_AB=1).
 RING_MERGE = os.environ.get("TTSBUILD_RING_MERGE", "0") == "1"
-# ring_attention_rope's read of the ring in chunks of this many entries with an online
-# softmax (TTSBUILD_RING_CHUNK=32; 0: the whole ring, padded to a power of two, in registers
-# at once). Whole, a program of 4 warps takes 204 registers a thread (offline sm_90 compile):
-# two programs an SM, and 64 rows x 16 heads = 1024 programs in four waves, 35.7 us a layer
-# on the H200 (2026-12-04 profile) against ~8 us of ring traffic. Off until timed.
-RING_CHUNK = int(os.environ.get("TTSBUILD_RING_CHUNK", "0"))
+# ring_attention_rope's read of the ring in chunks of RING_CHUNK entries with an online
+# softmax, for steps of at least RING_CHUNK_MIN_ROWS rows; else the whole ring (padded to a
+# power of two) in registers at once. Whole, a program of 4 warps takes 204 registers a
+# thread (offline sm_90 compile; chunks of 32: 90): two programs an SM, so 64 rows x 16 heads
+# = 1024 programs run in four waves. H100, the served codec step (profile_codec.py, one
+# process a side, 2026-12-06 call 6): batch 64 2.664 -> 2.580 ms with chunks of 32; batch 1
+# (16 programs, one wave either way) 0.789 -> 0.794. TTSBUILD_RING_CHUNK=0: never chunked.
+RING_CHUNK = int(os.environ.get("TTSBUILD_RING_CHUNK", "32"))
+RING_CHUNK_MIN_ROWS = 16  # 16 rows x 16 heads: one wave of the whole-ring programs on ~132 SMs
 
 
 def ring_attention_rope_reference(qkv, pos, rows, k_ring, v_ring, inv_freq, window, scale):
@@ -148,11 +151,12 @@ def ring_attention_rope(qkv, pos, rows, k_ring, v_ring, inv_freq, window: int, s
     out = torch.empty((B, n, Hkv * D), dtype=qkv.dtype, device=qkv.device)
     if out.numel() == 0:
         return out
+    chunk = RING_CHUNK if B >= RING_CHUNK_MIN_ROWS else 0
     _ring_attention_rope_kernel[(B, Hkv)](
         qkv, pos, rows, k_ring, v_ring, inv_freq, out, n, R, int(window), float(scale),
         qkv.stride(0), qkv.stride(1), qkv.stride(2), qkv.stride(3),
-        H=Hkv, D=D, BLOCK_R=triton.next_power_of_2(R), MERGE=RING_MERGE and not RING_CHUNK,
-        CHUNK=RING_CHUNK, num_warps=4,
+        H=Hkv, D=D, BLOCK_R=triton.next_power_of_2(R), MERGE=RING_MERGE and not chunk,
+        CHUNK=chunk, num_warps=4,
         **codec_pdl_args(qkv),
     )  # fmt: skip
     return out

@@ -117,8 +117,10 @@ CONVNEXT_FUSED_MAX_ROWS = 16
 # The other ConvNeXt blocks of half-precision stages: the depthwise conv and the LayerNorm as
 # one launch (plugins.convnext.dwconv_norm) instead of cuDNN's `conv1D_NCHW_general` (41 us a
 # call at 64 rows of a one-frame step, two calls: H200 profile 2026-12-04) and the norm's own
-# kernel. Off until timed on the GPU: TTSBUILD_CODEC_DWCONV_NORM=1.
-DWCONV_NORM = os.environ.get("TTSBUILD_CODEC_DWCONV_NORM", "0") == "1"
+# kernel. H100, the served codec step (profile_codec.py, one process a side, 2026-12-06 call
+# 6): batch 1 0.789 -> 0.770 ms, batch 64 2.664 -> 2.569. TTSBUILD_CODEC_DWCONV_NORM=0 turns
+# it off.
+DWCONV_NORM = os.environ.get("TTSBUILD_CODEC_DWCONV_NORM", "1") == "1"
 # A residual unit's second SnakeBeta in its k = 7 conv's epilogue (plugins.causal_conv
 # out_alpha: once per element, the same bits) instead of in the 1x1 conv's input load, where
 # it is recomputed for every block of output channels between each K step's load and its MMA,
