@@ -104,6 +104,15 @@ def _config(m: int, cin: int, cout: int, k: int = 7) -> tuple[int, int, int, int
         max(16, triton.next_power_of_2(cout)), 4
 
 
+# The two-warpgroup tile with the epilogue SnakeBeta capped at this many registers a thread:
+# uncapped it takes 189 (one CTA an SM); capped it spills 404 bytes in the epilogue only
+# (offline sm_90 compile) and ran faster at every decoder stage's shape at 64 rows on an H100
+# (sweep_conv.py kind k7s128 against k7s: 0.056 / 0.052 / 0.077 / 0.092 ms against 0.057 /
+# 0.063 / 0.097 / 0.133 at C = 768 / 384 / 192 / 96; call1-h100 of
+# benchmarks/codec/2026-12-06-codec-three-kernels).
+EPILOGUE_MAXNREG = 128
+
+
 def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None,
                         channels_last=False, config=None, out_alpha=None, out_inv_beta=None,
                         maxnreg: int | None = None):
@@ -130,6 +139,8 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     if residual is not None and residual.shape != out.shape:
         raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
     bm, bci, bo, warps, stages = config or (*_config(B * n, cin, cout, k), 3)
+    if config is None and maxnreg is None and out_alpha is not None and warps == 8:
+        maxnreg = EPILOGUE_MAXNREG  # the two-warpgroup tile with the epilogue SnakeBeta
     grid = (triton.cdiv(B * n, bm), triton.cdiv(cout, bo))
     for name, p, c in (("alpha", alpha, cin), ("inv_beta", inv_beta, cin),
                        ("out_alpha", out_alpha, cout), ("out_inv_beta", out_inv_beta, cout)):

@@ -132,7 +132,13 @@ DWCONV_NORM = os.environ.get("TTSBUILD_CODEC_DWCONV_NORM", "1") == "1"
 # larger units take, lose with it (121 -> 189 registers a thread in an offline compile: one
 # CTA an SM instead of two). TTSBUILD_CODEC_SNAKE_EPILOGUE=0 turns it off.
 SNAKE_EPILOGUE = os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE", "1") == "1"
-SNAKE_EPILOGUE_MAX_ROWS = 2048
+# TTSBUILD_CODEC_SNAKE_EPILOGUE_MAX_ROWS moves the limit: since 2026-12-06 the large tiles
+# take the epilogue capped at 128 registers a thread (causal_conv.EPILOGUE_MAXNREG), which the
+# conv sweep on an H100 had at 0.052-0.092 ms a k = 7 conv at 64 rows (call1-h100 of
+# benchmarks/codec/2026-12-06-codec-three-kernels), the 1x1 conv without SnakeBeta then
+# 0.010-0.030; whether that beats k7 + 1x1s in the codec step is to be timed
+# (TTSBUILD_CODEC_SNAKE_EPILOGUE_MAX_ROWS=1000000000 in gpu_session's codec_env).
+SNAKE_EPILOGUE_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE_MAX_ROWS", "2048"))
 # A residual unit as one launch after its first SnakeBeta (plugins.causal_conv.residual_unit:
 # the k = 7 conv, the second SnakeBeta, the 1x1 conv and the residual, the SnakeBeta'd tile
 # kept in registers) for units whose channels, as a power of two, are at most this (128: the
