@@ -119,6 +119,9 @@
 #         variants $MFPROFILE_VARIANTS (default "served race"); details and the stall samples
 #         of each SASS instruction (CSV; the CUDA-source export of 2026-12-05 held no metrics,
 #         so it is not made) come back beside the reports
+# codecncu: Nsight Compute (--set full) on one launch of the codec kernels matching
+#         $CODECNCU_KERNEL (default _codec_output) in profile_codec.py's served step at
+#         $CODECNCU_BATCH rows (default 64); the report and its details page come back
 # streamprobe: benchmarks/kernels/megapass/bench_stream_probe.py (one CTA an SM streaming
 #         chunks from HBM to shared memory: TMA or cp.async, chunk size, copies in flight,
 #         with a grid barrier after each chunk or without)
@@ -551,6 +554,22 @@ for step in $STEPS; do
                 "$OUT/mf_${v}_details.txt" | head -30
             wc -c "$OUT/mf_${v}_sass.csv"
         done ;;
+    codecncu)  # Nsight Compute on codec kernels of one served codec step (profile_codec.py)
+        # $CODECNCU_KERNEL: a kernel-name regex (default _codec_output: 156 us at 64 rows on the
+        # H200 for ~24 MB of input, as long taps first as with 7 SnakeBetas an input,
+        # 2026-12-06); $CODECNCU_BATCH rows (default 64); the first launch after 3 (warm-up)
+        log "ncu: ${CODECNCU_KERNEL:-_codec_output} in the codec step at ${CODECNCU_BATCH:-64} rows"
+        timeout -k 5 300 ncu --clock-control none -k "regex:${CODECNCU_KERNEL:-_codec_output}" \
+            --launch-skip 3 --launch-count 1 --set full -f -o "$OUT/codec_ncu" python3 -u \
+            benchmarks/codec/profile_codec.py --batches "${CODECNCU_BATCH:-64}" \
+            --conv-impls triton --rows triton+k+cl+o+s+a --profile-impls none \
+            > "$OUT/codec_ncu.log" 2>&1
+        echo "rc=$?"; grep -E "==ERR|==WARN|^\| triton" "$OUT/codec_ncu.log" | cut -c1-200
+        if [ -f "$OUT/codec_ncu.ncu-rep" ]; then
+            ncu -i "$OUT/codec_ncu.ncu-rep" --page details > "$OUT/codec_ncu_details.txt" 2>&1
+            grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|DRAM Throughput|Issued Ipc|Local|Stall" \
+                "$OUT/codec_ncu_details.txt" | head -30
+        fi ;;
     streamprobe)  # how fast one CTA an SM streams HBM into shared memory (the megaframe's fetch)
         log "HBM -> shared memory stream probe (bench_stream_probe.py)"
         timeout -k 5 200 python3 -u benchmarks/kernels/megapass/bench_stream_probe.py \
