@@ -85,8 +85,22 @@ def sweep_unit(B: int, C: int, n: int, quick: bool, dev, dt) -> None:
     flop = 2.0 * B * n * C * C * 8
     served_ms = time_call(lambda: residual_unit(xin, w7, b7, d, alpha, inv_beta, w1, b1, res,
                                                 channels_last=True))
-    best, best_ms, bad = "served", served_ms, []
-    for cfg in unit_grid(quick, C):
+    best, best_ms, bad = best_config(run, want, unit_grid(quick, C), "served", served_ms)
+    print(f"| {C} | {n} | {KINDS['unit']} | {B} | served | {served_ms:.4f} | "
+          f"{flop / served_ms / 1e9:.0f} | {best} | {best_ms:.4f} | "
+          f"{flop / best_ms / 1e9:.0f} |", flush=True)
+    two_ms = time_call(two)
+    print(f"  the two launches it replaces (k7s + 1x1, served configs): {two_ms:.4f} ms")
+    for line in bad[:5]:
+        print(f"  skipped {line}")
+
+
+def best_config(run, want, configs, served, served_ms: float):
+    """(best config, its ms, skipped configs) over `configs` against the served one: each
+    run's output checked against `want` (a config that disagrees is reported, never chosen),
+    then timed."""
+    best, best_ms, bad = served, served_ms, []
+    for cfg in configs:
         try:
             got = run(cfg).float()
         except Exception as exc:  # out of shared memory, etc.: not a candidate
@@ -98,13 +112,7 @@ def sweep_unit(B: int, C: int, n: int, quick: bool, dev, dt) -> None:
         ms = time_call(lambda cfg=cfg: run(cfg))
         if ms < best_ms:
             best, best_ms = cfg, ms
-    print(f"| {C} | {n} | {KINDS['unit']} | {B} | served | {served_ms:.4f} | "
-          f"{flop / served_ms / 1e9:.0f} | {best} | {best_ms:.4f} | "
-          f"{flop / best_ms / 1e9:.0f} |", flush=True)
-    two_ms = time_call(two)
-    print(f"  the two launches it replaces (k7s + 1x1, served configs): {two_ms:.4f} ms")
-    for line in bad[:5]:
-        print(f"  skipped {line}")
+    return best, best_ms, bad
 
 
 def time_call(fn, launches: int = 20) -> float:
@@ -172,20 +180,8 @@ def main() -> None:
                 served = (*_config(B * n, C, C, k), 3)
                 want = run(served).float()
                 flop = 2.0 * B * n * C * C * k
-                best, best_ms = served, time_call(lambda served=served: run(served))
-                served_ms, bad = best_ms, []
-                for cfg in configs:
-                    try:
-                        got = run(cfg).float()
-                    except Exception as exc:  # out of shared memory, etc.: not a candidate
-                        bad.append(f"{cfg}: {type(exc).__name__}")
-                        continue
-                    if ((got - want).abs().max() / want.abs().max()).item() > 1e-2:
-                        bad.append(f"{cfg}: disagrees")
-                        continue
-                    ms = time_call(lambda cfg=cfg: run(cfg))
-                    if ms < best_ms:
-                        best, best_ms = cfg, ms
+                served_ms = time_call(lambda served=served: run(served))
+                best, best_ms, bad = best_config(run, want, configs, served, served_ms)
                 print(f"| {C} | {n} | {kind} | {B} | {served} | {served_ms:.4f} | "
                       f"{flop / served_ms / 1e9:.0f} | {best} | {best_ms:.4f} | "
                       f"{flop / best_ms / 1e9:.0f} |", flush=True)

@@ -61,6 +61,12 @@ def test_half_precision_passes_the_gate(decoders, precision, min_db):
     assert min_db <= snr < 90, snr
 
 
+def _snr_db(got, want):
+    """10 log10 of want's energy over the energy of got - want."""
+    noise = ((got - want) ** 2).sum().clamp(min=1e-30)
+    return 10 * torch.log10((want**2).sum() / noise).item()
+
+
 def _assert_replay_equals_eager(engine, codes):
     """A captured one-frame step of rows 0 and 1 replays what the eager step computes."""
     rows = torch.tensor([0, 1], device="cuda")
@@ -89,8 +95,7 @@ def test_fused_convnext_blocks_keep_the_decode_and_replay(decoders, monkeypatch,
     monkeypatch.setattr(codec_engine, "CONVNEXT_FUSED", True)
     engine = CodecEngine(dec, 2, precision, **kw)
     fused = decode_with(engine, codes, chunk=1).float()
-    noise = ((fused - plain) ** 2).sum()
-    snr = 10 * torch.log10((plain**2).sum() / noise.clamp(min=1e-30)).item()
+    snr = _snr_db(fused, plain)
     assert snr > 35, snr
     _assert_replay_equals_eager(engine, codes)
 
@@ -112,8 +117,7 @@ def test_dwconv_norm_keeps_the_decode_and_replays(decoders, monkeypatch, precisi
         monkeypatch.setattr(codec_engine, "DWCONV_NORM", True)
         engine = CodecEngine(dec, 2, precision, **kw)
         got = decode_with(engine, codes, chunk=chunk).float()
-        noise = ((got - plain) ** 2).sum()
-        snr = 10 * torch.log10((plain**2).sum() / noise.clamp(min=1e-30)).item()
+        snr = _snr_db(got, plain)
         assert snr > 35, (chunk, snr)
     _assert_replay_equals_eager(engine, codes)
 
@@ -135,8 +139,7 @@ def test_fused_residual_units_keep_the_decode_and_replay(decoders, monkeypatch, 
     monkeypatch.setattr(codec_engine, "FUSED_UNIT_MAX_C", 256)
     engine = CodecEngine(dec, 2, precision, **kw)
     got = decode_with(engine, codes, chunk=2).float()
-    noise = ((got - plain) ** 2).sum()
-    snr = 10 * torch.log10((plain**2).sum() / noise.clamp(min=1e-30)).item()
+    snr = _snr_db(got, plain)
     assert snr > 45, snr
     _assert_replay_equals_eager(engine, codes)
 

@@ -303,23 +303,12 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     from ttsbuild.plugins._tl._math import pdl_prologue, sin_f32
 
     @triton.jit
-    def _causal_conv_kernel(
-        x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, out_alpha_ptr,
-        out_inv_beta_ptr, M, CIN, COUT, N, DIL, sxb, sxc, sxt, srb, sro, srt, sob, soo, sot,
-        K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAKE: tl.constexpr,
-        HAS_OUT_SNAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr,
-        BLOCK_O: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
-        pdl_prologue(PDL)
-        # output rows m = b * N + t over the whole batch: a tile spans rows of several
-        # batch rows when n is short (a one-frame step at batch 64 is 64 x 4..1920 rows)
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
-        m_mask = offs_m < M
-        o_mask = offs_o < COUT
-        b = (offs_m // N).to(tl.int64)
-        t = offs_m % N
-        x_rows = x_ptr + b * sxb + t * sxt  # [BLOCK_M]: input time t of row b, tap 0
+    def _conv_acc(x_rows, w_ptr, alpha_ptr, inv_beta_ptr, offs_o, m_mask, o_mask, CIN, COUT,
+                  DIL, sxc, sxt, K: tl.constexpr, HAS_SNAKE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr,
+                  BLOCK_O: tl.constexpr):  # fmt: skip
+        """The implicit GEMM of a tile: sum over taps j and input channels of x[t + j DIL, c]
+        (SnakeBeta'd as it loads with HAS_SNAKE) times w[j, c, o], fp32 [BLOCK_M, BLOCK_O]."""
         acc = tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.float32)
         # one loop over (tap j, channel block c0), so the compiler pipelines its loads
         cin_blocks = tl.cdiv(CIN, BLOCK_CI)
@@ -338,6 +327,28 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             wt = tl.load(w_ptr + (j * CIN + offs_c[:, None]) * COUT + offs_o[None, :],
                          mask=c_mask[:, None] & o_mask[None, :], other=0.0)
             acc = tl.dot(a, wt, acc)
+        return acc
+
+    @triton.jit
+    def _causal_conv_kernel(
+        x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, out_alpha_ptr,
+        out_inv_beta_ptr, M, CIN, COUT, N, DIL, sxb, sxc, sxt, srb, sro, srt, sob, soo, sot,
+        K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAKE: tl.constexpr,
+        HAS_OUT_SNAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr,
+        BLOCK_O: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        pdl_prologue(PDL)
+        # output rows m = b * N + t over the whole batch: a tile spans rows of several
+        # batch rows when n is short (a one-frame step at batch 64 is 64 x 4..1920 rows)
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        m_mask = offs_m < M
+        o_mask = offs_o < COUT
+        b = (offs_m // N).to(tl.int64)
+        t = offs_m % N
+        x_rows = x_ptr + b * sxb + t * sxt  # [BLOCK_M]: input time t of row b, tap 0
+        acc = _conv_acc(x_rows, w_ptr, alpha_ptr, inv_beta_ptr, offs_o, m_mask, o_mask, CIN,
+                        COUT, DIL, sxc, sxt, K, HAS_SNAKE, BLOCK_M, BLOCK_CI, BLOCK_O)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
         mask = m_mask[:, None] & o_mask[None, :]
@@ -373,17 +384,8 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         b = (offs_m // N).to(tl.int64)
         t = offs_m % N
         x_rows = x_ptr + b * sxb + t * sxt
-        acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-        cin_blocks = tl.cdiv(C, BLOCK_CI)
-        for it in range(0, K * cin_blocks):
-            j = it // cin_blocks
-            offs_c = (it % cin_blocks) * BLOCK_CI + tl.arange(0, BLOCK_CI)
-            c_mask = offs_c < C
-            a = tl.load(x_rows[:, None] + offs_c[None, :] * sxc + j * DIL * sxt,
-                        mask=m_mask[:, None] & c_mask[None, :], other=0.0)
-            wt = tl.load(w7_ptr + (j * C + offs_c[:, None]) * C + offs_o[None, :],
-                         mask=c_mask[:, None] & o_mask[None, :], other=0.0)
-            acc = tl.dot(a, wt, acc)
+        acc = _conv_acc(x_rows, w7_ptr, alpha_ptr, inv_beta_ptr, offs_o, m_mask, o_mask, C, C,
+                        DIL, sxc, sxt, K, False, BLOCK_M, BLOCK_CI, BLOCK_C)
         acc += tl.load(b7_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
         dt = out_ptr.dtype.element_ty
         yf = acc.to(dt).to(tl.float32)  # the k-tap conv's output as stored in two launches
