@@ -104,6 +104,19 @@ def _config(m: int, cin: int, cout: int, k: int = 7) -> tuple[int, int, int, int
         max(16, triton.next_power_of_2(cout)), 4
 
 
+def _conv_out(xin, n: int, cout: int, channels_last: bool, residual):
+    """The output [B, Cout, n] (a view of contiguous [B, n, Cout] with channels_last), after
+    checking that the residual, if any, has its shape."""
+    B = xin.shape[0]
+    if channels_last:
+        out = torch.empty((B, n, cout), dtype=xin.dtype, device=xin.device).transpose(1, 2)
+    else:
+        out = torch.empty((B, cout, n), dtype=xin.dtype, device=xin.device)
+    if residual is not None and residual.shape != out.shape:
+        raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
+    return out
+
+
 # The two-warpgroup tile with the epilogue SnakeBeta capped at this many registers a thread:
 # uncapped it takes 189 (one CTA an SM); capped it spills 404 bytes in the epilogue only
 # (offline sm_90 compile) and ran faster at every decoder stage's shape at 64 rows on an H100
@@ -132,12 +145,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     if n < 1:
         raise ValueError(f"input of {L} samples is shorter than the receptive field "
                          f"{(k - 1) * dilation + 1}")
-    if channels_last:
-        out = torch.empty((B, n, cout), dtype=xin.dtype, device=xin.device).transpose(1, 2)
-    else:
-        out = torch.empty((B, cout, n), dtype=xin.dtype, device=xin.device)
-    if residual is not None and residual.shape != out.shape:
-        raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
+    out = _conv_out(xin, n, cout, channels_last, residual)
     bm, bci, bo, warps, stages = config or (*_config(B * n, cin, cout, k), 3)
     if config is None and maxnreg is None and out_alpha is not None and warps == 8:
         maxnreg = EPILOGUE_MAXNREG  # the two-warpgroup tile with the epilogue SnakeBeta
@@ -215,12 +223,7 @@ def _residual_unit_triton(xin, w7, b7, dilation, alpha2, inv_beta2, w1, b1, resi
     if n < 1 or w7.dtype != xin.dtype or w1.dtype != xin.dtype:
         raise ValueError(f"residual_unit: input of {L} samples for a receptive field of "
                          f"{(k - 1) * dilation + 1}, weights {w7.dtype}/{w1.dtype}")
-    if channels_last:
-        out = torch.empty((B, n, C), dtype=xin.dtype, device=xin.device).transpose(1, 2)
-    else:
-        out = torch.empty((B, C, n), dtype=xin.dtype, device=xin.device)
-    if residual.shape != out.shape:
-        raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
+    out = _conv_out(xin, n, C, channels_last, residual)
     for name, p in (("alpha2", alpha2), ("inv_beta2", inv_beta2)):
         if p.numel() != C or p.dtype != torch.float32 or not p.is_contiguous():
             raise ValueError(f"{name} must be {C} contiguous fp32 values")

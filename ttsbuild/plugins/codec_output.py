@@ -225,6 +225,15 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                           HAS_SNAKE, BLOCK_C, BLOCK_CTX)  # fmt: skip
 
     @triton.jit
+    def _block_of(rows_ptr, x_ptr, sxb, BLOCK_T: tl.constexpr):
+        """This program's row b, sample block blk (first: blk 0), its first sample t0, the
+        row's slot and its input row."""
+        b = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        slot = tl.load(rows_ptr + b).to(tl.int64)
+        return b, blk, blk == 0, blk * BLOCK_T, slot, x_ptr + b * sxb
+
+    @triton.jit
     def _window_piece(x_row, tail_ptr, scratch, slot, c, c_mask, al, ib, i, col, C, n, ctx,
                       sxc, sxt, WIN: tl.constexpr, HAS_SNAKE: tl.constexpr,
                       HAS_TAIL: tl.constexpr):  # fmt: skip
@@ -253,12 +262,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         WINDOW_SMALL): the input window once into the program's scratch [C, WIN], a
         barrier, then the K taps as shifted reads of it."""
         pdl_prologue(PDL)
-        b = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1)
-        first = blk == 0
-        t0 = blk * BLOCK_T
-        slot = tl.load(rows_ptr + b).to(tl.int64)
-        x_row = x_ptr + b * sxb
+        b, blk, first, t0, slot, x_row = _block_of(rows_ptr, x_ptr, sxb, BLOCK_T)
         scratch = scratch_ptr + (b * tl.num_programs(1) + blk) * C * WIN
         col_a = tl.arange(0, BLOCK_T)
         col_b = BLOCK_T + tl.arange(0, BLOCK_CTX)
@@ -342,12 +346,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         FMAs; z into the program's scratch, a barrier, then pcm[t] = bias + sum_j
         z[t + j DIL, j]."""
         pdl_prologue(PDL)
-        b = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1)
-        first = blk == 0
-        t0 = blk * BLOCK_T
-        slot = tl.load(rows_ptr + b).to(tl.int64)
-        x_row = x_ptr + b * sxb
+        b, blk, first, t0, slot, x_row = _block_of(rows_ptr, x_ptr, sxb, BLOCK_T)
         scratch = scratch_ptr + (b * tl.num_programs(1) + blk) * WIN * 16
         col_a = tl.arange(0, BLOCK_T)
         col_b = BLOCK_T + tl.arange(0, BLOCK_W)
