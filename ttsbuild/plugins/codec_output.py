@@ -48,15 +48,16 @@ SPREAD = os.environ.get("TTSBUILD_CODEC_OUTPUT_SPREAD", "1") != "0"
 # 2026-12-04); TTSBUILD_CODEC_OUTPUT_WINDOW=0 turns it off.
 WINDOW_SMALL = os.environ.get("TTSBUILD_CODEC_OUTPUT_WINDOW", "1") != "0"
 # Every tile (the wide ones of 64+ rows too, which the window path does not take) as taps
-# first (`_codec_output_taps_kernel`): z[j, col] = sum_c w[j, c] * xin[c, col] over the
-# program's input window, one [16, C] x [C, window] product of fp32 FMAs (taps padded to the
-# product's minimum of 16), each input's SnakeBeta once; then pcm[t] = sum_j z[j, t + j d],
-# shifted reads of a [16, window] scratch (8.7 KB a program for 128 samples, where the window
-# path's [C, window] is 52 KB). At 64 rows the served kernel recomputes every input's
-# SnakeBeta for each of the 7 taps: 158 us of a 2.8 ms batch-64 codec step on the H200
-# (2026-12-04 profile) for ~24 MB of input. H100, the served codec step (profile_codec.py,
-# one process a side, 2026-12-06 call 6): batch 1 0.789 -> 0.780 ms, batch 64 2.664 -> 2.661.
-# TTSBUILD_CODEC_OUTPUT_TAPS=0 gives the kernels before it (window path for small tiles).
+# first (`_codec_output_taps_kernel`): z[col, j] = sum_c xin[c, col] * w[j, c] over the
+# program's input window, one [window, C] x [C, 16] product of fp32 FMAs (taps padded to the
+# product's minimum of 16), each input's SnakeBeta once; then pcm[t] = sum_j z[t + j d, j],
+# shifted reads of a [window, 16] scratch (8.7 KB a program for 128 samples, where the window
+# path's [C, window] is 52 KB). Timed on, one process a side
+# (benchmarks/codec/2026-12-06-codec-three-kernels): the served codec step on an H100 at
+# batch 1 / 64 0.789 / 2.664 -> 0.780 / 2.661 ms; on an H200 (two rounds) at 1 / 64 / 256
+# 0.748 / 2.391 / 7.155 -> 0.742 / 2.386 / 7.127. Its launch still takes 156 us at 64 rows
+# there, as the kernel before it did with 7 SnakeBetas an input: not sine-bound.
+# TTSBUILD_CODEC_OUTPUT_TAPS=0 gives the kernels before it (the window path for small tiles).
 TAPS_FIRST = os.environ.get("TTSBUILD_CODEC_OUTPUT_TAPS", "1") == "1"
 # Two variants of it, off, for the next A/B (the taps-first kernel took as long as the one it
 # replaced at 64 rows, 156 us on the H200: not sine-bound, likely a serial chain of loads in

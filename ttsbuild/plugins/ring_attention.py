@@ -22,7 +22,9 @@ new keys; the new keys and values written into the rows' rings at q % R; the win
 q - window < frame <= q and frame >= 0) made in the kernel. Eager that is ~20 launches of
 mask and cos/sin set-up per step plus RoPE (~5) and two ring scatters per layer; each program
 writes its own head's new entries, then (after a barrier) reads the ring, so no program reads
-what another writes (rows that share the scratch slot race there, and nobody reads it).
+what another writes (rows that share the scratch slot race there, and nobody reads it). From
+RING_CHUNK_MIN_ROWS rows the ring is read RING_CHUNK entries at a time with an online
+softmax (running max, rescaled sum and output), not held whole in registers.
 """
 
 from __future__ import annotations
@@ -108,9 +110,11 @@ RING_MERGE = os.environ.get("TTSBUILD_RING_MERGE", "0") == "1"
 # softmax, for steps of at least RING_CHUNK_MIN_ROWS rows; else the whole ring (padded to a
 # power of two) in registers at once. Whole, a program of 4 warps takes 204 registers a
 # thread (offline sm_90 compile; chunks of 32: 90): two programs an SM, so 64 rows x 16 heads
-# = 1024 programs run in four waves. H100, the served codec step (profile_codec.py, one
-# process a side, 2026-12-06 call 6): batch 64 2.664 -> 2.580 ms with chunks of 32; batch 1
-# (16 programs, one wave either way) 0.789 -> 0.794. TTSBUILD_RING_CHUNK=0: never chunked.
+# = 1024 programs run in four waves. The served codec step on an H100, one process a side
+# (call1-h100 of benchmarks/codec/2026-12-06-codec-three-kernels): batch 64 2.664 -> 2.580 ms
+# with chunks of 32, batch 1 (16 programs, one wave either way) 0.789 -> 0.794; on an H200 the
+# 8 launches at 64 rows took 0.179 ms chunked against 0.285 whole (profiles 2026-12-06 and
+# 2026-12-04). TTSBUILD_RING_CHUNK=0: never chunked.
 RING_CHUNK = int(os.environ.get("TTSBUILD_RING_CHUNK", "32"))
 RING_CHUNK_MIN_ROWS = 16  # 16 rows x 16 heads: one wave of the whole-ring programs on ~132 SMs
 

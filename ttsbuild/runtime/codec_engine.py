@@ -117,9 +117,11 @@ CONVNEXT_FUSED_MAX_ROWS = 16
 # The other ConvNeXt blocks of half-precision stages: the depthwise conv and the LayerNorm as
 # one launch (plugins.convnext.dwconv_norm) instead of cuDNN's `conv1D_NCHW_general` (41 us a
 # call at 64 rows of a one-frame step, two calls: H200 profile 2026-12-04) and the norm's own
-# kernel. H100, the served codec step (profile_codec.py, one process a side, 2026-12-06 call
-# 6): batch 1 0.789 -> 0.770 ms, batch 64 2.664 -> 2.569. TTSBUILD_CODEC_DWCONV_NORM=0 turns
-# it off.
+# kernel: 13 us for the two there. The served codec step, one process a side
+# (benchmarks/codec/2026-12-06-codec-three-kernels): on an H100 batch 1 / 64 0.789 / 2.664 ->
+# 0.770 / 2.569 ms; on an H200 this with the ring read in chunks and the output stage taps
+# first 0.765 / 2.585 / 7.93 -> 0.742 / 2.383 / 7.10 ms at 1 / 64 / 256.
+# TTSBUILD_CODEC_DWCONV_NORM=0 turns it off.
 DWCONV_NORM = os.environ.get("TTSBUILD_CODEC_DWCONV_NORM", "1") == "1"
 # A residual unit's second SnakeBeta in its k = 7 conv's epilogue (plugins.causal_conv
 # out_alpha: once per element, the same bits) instead of in the 1x1 conv's input load, where
