@@ -147,8 +147,10 @@ SNAKE_EPILOGUE_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE_MAX_
 # last decoder block's C = 96; 256: also the one before, C = 192), on the implicit-GEMM
 # path's rows (>= IMPLICIT_MIN_ROWS). At 64 rows of a one-frame step the last block's k = 7
 # and 1x1 convs took 66 + 45 us a unit on the H200 (sweep, 2026-12-04) for ~72 MB of
-# traffic and 18 GFLOP together. 0 (the default): off until timed on the GPU;
-# TTSBUILD_CODEC_FUSED_UNIT=128 or 256 turns it on.
+# traffic and 18 GFLOP together. Slower on an H100 (2026-12-06, one process a side,
+# call1-h100 of benchmarks/codec/2026-12-06-codec-three-kernels): the codec step at batch 64
+# 2.664 -> 2.776 ms (128) and 2.898 (256), at 202-255 registers a thread. 0 (the default):
+# off; TTSBUILD_CODEC_FUSED_UNIT=128 or 256 turns it on.
 FUSED_UNIT_MAX_C = int(os.environ.get("TTSBUILD_CODEC_FUSED_UNIT", "0"))
 
 
