@@ -23,6 +23,11 @@ load it is recomputed for every block of output channels and sits between each K
 load and its MMA. The output is rounded to its dtype first, so either place gives the same
 bits. Half precision only (fp16, bf16): the engine runs fp32 stages as im2col + GEMM.
 
+    residual_unit(xin, w7, b7, d, alpha2, inv_beta2, w1, b1, residual) -> [B, C, n]
+    a decoder residual unit after its first SnakeBeta (the k = 7 conv, the second SnakeBeta,
+    the 1x1 conv, the residual) as one launch, the SnakeBeta'd tile kept in registers
+    (slower than its two launches on an H100 so far: the engine takes it only when asked).
+
     overlap_add(z [B, n, taps, s, Cout], spill [S, Cout, (taps - 1) * s], rows [B],
                 bias [Cout]) -> y [B, Cout, n * s], spill rows advanced in place
     A transposed conv (kernel = taps * stride s) of x [B, Cin, n] is z = x^T @ w (one GEMM:
