@@ -62,8 +62,11 @@
 #         window compiles the verify pass anew; 2026-12-04 the compiles outran 100 s), $SPEC_S
 # codectests: the codec kernels' GPU tests for the conv at >= 2048 rows (the 1x1 conv's own
 #         tiles since 2026-12-04) and the output stage's two-phase (window) small tiles
-# codec_env: the served codec step (profile_codec.py, row triton+k+cl+o+s+a, batches
-#         $CODEC_BATCHES default 1,64) as served and with each ';'-separated group of switches in
+# codec_env: the served codec step (profile_codec.py, row $CODEC_ROW, default triton+k+cl+o+s+a;
+#         "triton+k+cl+o+s+a+l" adds the pre-transformer as fused linears up to 8 rows, as
+#         the engine's plan serves it (codec_fused_layers_max_rows 8): the default row runs it
+#         through cuBLAS GEMVs at batch 1, so its batch-1 figure is not the engine's; batches
+#         $CODEC_BATCHES, default 1,64) as served and with each ';'-separated group of switches in
 #         $CODEC_ENV, alternated $CODEC_ROUNDS times (default 2; one process each: compare the
 #         rounds' spread with the difference), e.g. CODEC_ENV="TTSBUILD_CODEC_OUTPUT_WINDOW=1"
 # codec:  the codec's kernel tests on the GPU (causal conv, snake + context, channels-last
@@ -407,7 +410,8 @@ for step in $STEPS; do
                 # shellcheck disable=SC2086  # the group's VAR=VALUE words, split on purpose
                 env $group timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
                     --batches "${CODEC_BATCHES:-1,64}" --conv-impls triton \
-                    --rows triton+k+cl+o+s+a --profile-impls none 2>&1 | grep -v Assertion \
+                    --rows "${CODEC_ROW:-triton+k+cl+o+s+a}" --fused-layers-max-rows 8 \
+                    --profile-impls none 2>&1 | grep -v Assertion \
                     | tee "$OUT/profile_codec_r${round}_$i.log" | grep -E "^\| triton"
             done
         done ;;
