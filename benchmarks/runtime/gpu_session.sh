@@ -68,7 +68,7 @@
 #         through cuBLAS GEMVs at batch 1, so its batch-1 figure is not the engine's; batches
 #         $CODEC_BATCHES, default 1,64) as served and with each ';'-separated group of switches in
 #         $CODEC_ENV, alternated $CODEC_ROUNDS times (default 2; one process each: compare the
-#         rounds' spread with the difference), e.g. CODEC_ENV="TTSBUILD_CODEC_OUTPUT_WINDOW=1"
+#         rounds' spread with the difference), e.g. CODEC_ENV="TTSBUILD_CODEC_OUTPUT_TAPS=0"
 # codec:  the codec's kernel tests on the GPU (causal conv, snake + context, channels-last
 #         operands, the fused output stage, ring attention), then profile_codec.py's
 #         one-frame step (graph-replayed, SNR against fp32) at batches $CODEC_BATCHES (default

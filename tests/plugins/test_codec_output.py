@@ -67,31 +67,28 @@ def test_shapes_it_cannot_run_are_refused():
 @pytest.mark.parametrize(("C", "n", "k", "d"), [(96, 300, 7, 1), (40, 3, 7, 1), (33, 20, 3, 3)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("spread", [False, True, "window", "taps", "taps-wide",
-                                    "taps-unrolled", "taps-32"])
+@pytest.mark.parametrize("spread", [False, True, "taps", "taps-wide", "taps-unrolled",
+                                    "taps-32"])
 def test_kernel_equals_reference_over_two_steps(C, n, k, d, dtype, channels_last, spread,
                                                 monkeypatch):  # fmt: skip
     """Output blocks past the first (n 300: two; with the small-step spread, 128 -> 16
     samples a program: nineteen), a chunk shorter than the context (n 3: the new tail partly
     the old one, shifted), x of either layout, two steps (the second reads the tails the
-    first wrote); "window": the spread's small tiles in two phases, the input window once
-    into a scratch, then the taps; "taps": taps first (the window's [16, C] x [C, window]
-    product, then shifted sums of it), spread tiles; "taps-wide": the same on tiles of up to
+    first wrote); False, True: the one-phase kernel, each tap recomputing its inputs'
+    SnakeBeta; "taps": taps first (the window's [window, C] x [C, 16] product, then
+    shifted sums of it), spread tiles; "taps-wide": the same on tiles of up to
     128 samples; "taps-unrolled": that with the channel loop unrolled; "taps-32": tiles of
     at most 32 samples."""
     import ttsbuild.plugins.codec_output as co
 
     taps = isinstance(spread, str) and spread.startswith("taps")
-    monkeypatch.setattr(co, "SPREAD", spread in (True, "window", "taps"))
-    monkeypatch.setattr(co, "WINDOW_SMALL", spread == "window")
+    monkeypatch.setattr(co, "SPREAD", spread in (True, "taps"))
     monkeypatch.setattr(co, "TAPS_FIRST", taps)
     monkeypatch.setattr(co, "TAPS_UNROLL", spread == "taps-unrolled")
     monkeypatch.setattr(co, "TAPS_MAX_T", 32 if spread == "taps-32" else 128)
-    name = "_codec_output_taps_kernel" if taps else {
-        "window": "_codec_output_window_kernel"}.get(spread)
-    if name:  # the two-phase kernel must be the one that runs
-        launched = []
-        monkeypatch.setattr(co, name, _Spy(getattr(co, name), launched), raising=True)
+    name = "_codec_output_taps_kernel" if taps else "_codec_output_kernel"
+    launched = []  # the kernel asked for must be the one that runs
+    monkeypatch.setattr(co, name, _Spy(getattr(co, name), launched), raising=True)
     x, w, bias, alpha, inv_beta, tail, rows = _inputs(3, C, n, k, d, 5, dtype, KDEV,
                                                       C + n + k + d)  # fmt: skip
     ref_tail = tail.clone()
@@ -103,5 +100,4 @@ def test_kernel_equals_reference_over_two_steps(C, n, k, d, dtype, channels_last
         assert rel_err(got, want) <= 1e-5, step
         assert rel_err(tail, ref_tail) <= 1e-6, step
         x = x.flip(-1).contiguous()
-    if name:
-        assert len(launched) == 2
+    assert len(launched) == 2

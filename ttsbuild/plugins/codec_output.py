@@ -37,27 +37,19 @@ from ttsbuild.plugins.codec_context import snake_context_reference
 # step). The same sums in the same order per sample. On by default since timed on the H200
 # (codec step at batch 1 0.77 -> 0.75 ms, 2026-12-04); TTSBUILD_CODEC_OUTPUT_SPREAD=0 turns it off.
 SPREAD = os.environ.get("TTSBUILD_CODEC_OUTPUT_SPREAD", "1") != "0"
-# Spread tiles of <= 32 samples in two phases (`_codec_output_window_kernel`): the program's
-# input window [C, BLOCK_T + BLOCK_CTX] (tail or SnakeBeta of x) once into an fp32 scratch,
-# then each tap a shifted read of it, accumulated per channel and reduced once at the end.
-# Each input's SnakeBeta is computed once, not once per tap (7x fewer sines), and no
-# cross-lane reduction sits in the loop. (The taps unrolled alone, each still computing its
-# own sines, made the batch-1 codec step slower on the H200, 0.75 -> 0.80 ms, 2026-12-04,
-# and were removed.) On by default since timed on the H200 (the served codec step at batch 1
-# 0.825 -> 0.796 ms in both of two alternated rounds, one process each; batch 64 the same,
-# 2026-12-04); TTSBUILD_CODEC_OUTPUT_WINDOW=0 turns it off.
-WINDOW_SMALL = os.environ.get("TTSBUILD_CODEC_OUTPUT_WINDOW", "1") != "0"
-# Every tile (the wide ones of 64+ rows too, which the window path does not take) as taps
-# first (`_codec_output_taps_kernel`): z[col, j] = sum_c xin[c, col] * w[j, c] over the
-# program's input window, one [window, C] x [C, 16] product of fp32 FMAs (taps padded to the
-# product's minimum of 16), each input's SnakeBeta once; then pcm[t] = sum_j z[t + j d, j],
-# shifted reads of a [window, 16] scratch (8.7 KB a program for 128 samples, where the window
-# path's [C, window] is 52 KB). Timed on, one process a side
+# Every tile as taps first (`_codec_output_taps_kernel`): z[col, j] = sum_c xin[c, col] *
+# w[j, c] over the program's input window, one [window, C] x [C, 16] product of fp32 FMAs
+# (taps padded to the product's minimum of 16), each input's SnakeBeta once; then
+# pcm[t] = sum_j z[t + j d, j], shifted reads of a [window, 16] scratch (8.7 KB a program
+# for 128 samples, where the window path's [C, window] was 52 KB). Timed on, one process a side
 # (benchmarks/codec/2026-12-06-codec-three-kernels): the served codec step on an H100 at
 # batch 1 / 64 0.789 / 2.664 -> 0.780 / 2.661 ms; on an H200 (two rounds) at 1 / 64 / 256
 # 0.748 / 2.391 / 7.155 -> 0.742 / 2.386 / 7.127. Its launch still takes 156 us at 64 rows
 # there, as the kernel before it did with 7 SnakeBetas an input: not sine-bound.
-# TTSBUILD_CODEC_OUTPUT_TAPS=0 gives the kernels before it (the window path for small tiles).
+# It replaced the window path (2026-12-04: the spread tiles' input window, SnakeBeta'd once,
+# into a [C, window] scratch, then the taps as shifted reads of it; batch 1 0.825 -> 0.796 ms
+# on the H200), which it beat at batch 1 on both cards. TTSBUILD_CODEC_OUTPUT_TAPS=0 gives
+# the one-phase kernel (`_codec_output_kernel`, each tap recomputing its inputs' SnakeBeta).
 TAPS_FIRST = os.environ.get("TTSBUILD_CODEC_OUTPUT_TAPS", "1") == "1"
 # Two variants of it, off, for the next A/B (the taps-first kernel took as long as the one it
 # replaced at 64 rows, 156 us on the H200: not sine-bound, likely a serial chain of loads in
@@ -148,18 +140,6 @@ def _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation):
             **codec_pdl_args(x),
         )  # fmt: skip
         return out
-    if SPREAD and WINDOW_SMALL and block_t <= 32:
-        blocks = triton.cdiv(n, block_t)
-        block_c = min(32, triton.next_power_of_2(C))
-        win = block_t + block_ctx
-        scratch = torch.empty((B * blocks, C, win), dtype=torch.float32, device=x.device)
-        _codec_output_window_kernel[(B, blocks)](
-            x, w, bias, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
-            rows, out, scratch, C, n, ctx, dilation, x.stride(0), x.stride(1), x.stride(2),
-            K=k, HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=block_c, BLOCK_T=block_t,
-            BLOCK_CTX=block_ctx, WIN=win, num_warps=warps, **codec_pdl_args(x),
-        )  # fmt: skip
-        return out
     _codec_output_kernel[(B, triton.cdiv(n, block_t))](
         x, w, bias, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
         rows, out, C, n, ctx, dilation, x.stride(0), x.stride(1), x.stride(2),
@@ -226,76 +206,6 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                           HAS_SNAKE, BLOCK_C, BLOCK_CTX)  # fmt: skip
 
     @triton.jit
-    def _block_of(rows_ptr, x_ptr, sxb, BLOCK_T: tl.constexpr):
-        """This program's row b, sample block blk (first: blk 0), its first sample t0, the
-        row's slot and its input row."""
-        b = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1)
-        slot = tl.load(rows_ptr + b).to(tl.int64)
-        return b, blk, blk == 0, blk * BLOCK_T, slot, x_ptr + b * sxb
-
-    @triton.jit
-    def _window_piece(x_row, tail_ptr, scratch, slot, c, c_mask, al, ib, i, col, C, n, ctx,
-                      sxc, sxt, WIN: tl.constexpr, HAS_SNAKE: tl.constexpr,
-                      HAS_TAIL: tl.constexpr):  # fmt: skip
-        """xin columns i (scratch columns col) of channels c into the scratch, fp32: the old
-        tail below ctx, SnakeBeta of x from there to n + ctx, zeros past it."""
-        from_x = (i >= ctx) & (i < n + ctx)
-        v = tl.load(x_row + c[:, None] * sxc + (i - ctx)[None, :] * sxt,
-                    mask=c_mask[:, None] & from_x[None, :], other=0.0)
-        v = _snake_f32(v, al, ib, HAS_SNAKE)
-        if HAS_TAIL:
-            from_tail = i < ctx
-            old = tl.load(tail_ptr + (slot * C + c[:, None]) * ctx + i[None, :],
-                          mask=c_mask[:, None] & from_tail[None, :], other=0.0)
-            v = tl.where(from_tail[None, :], old, v)
-        tl.store(scratch + c[:, None] * WIN + col[None, :], v, mask=c_mask[:, None])
-
-    @triton.jit
-    def _codec_output_window_kernel(
-        x_ptr, w_ptr, bias_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, rows_ptr, out_ptr,
-        scratch_ptr, C, n, ctx, DIL, sxb, sxc, sxt,
-        K: tl.constexpr, HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
-        BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CTX: tl.constexpr,
-        WIN: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
-        """The output stage of one (row, block of BLOCK_T samples) in two phases (see
-        WINDOW_SMALL): the input window once into the program's scratch [C, WIN], a
-        barrier, then the K taps as shifted reads of it."""
-        pdl_prologue(PDL)
-        b, blk, first, t0, slot, x_row = _block_of(rows_ptr, x_ptr, sxb, BLOCK_T)
-        scratch = scratch_ptr + (b * tl.num_programs(1) + blk) * C * WIN
-        col_a = tl.arange(0, BLOCK_T)
-        col_b = BLOCK_T + tl.arange(0, BLOCK_CTX)
-        for c0 in range(0, C, BLOCK_C):  # 1. the window: xin columns t0 .. t0 + WIN - 1
-            c = c0 + tl.arange(0, BLOCK_C)
-            c_mask = c < C
-            al, ib = snake_params(alpha_ptr, inv_beta_ptr, c, c_mask, HAS_SNAKE)
-            _window_piece(x_row, tail_ptr, scratch, slot, c, c_mask, al, ib, t0 + col_a, col_a,
-                          C, n, ctx, sxc, sxt, WIN, HAS_SNAKE, HAS_TAIL)  # fmt: skip
-            _window_piece(x_row, tail_ptr, scratch, slot, c, c_mask, al, ib, t0 + col_b, col_b,
-                          C, n, ctx, sxc, sxt, WIN, HAS_SNAKE, HAS_TAIL)  # fmt: skip
-        tl.debug_barrier()  # the window's stores precede every tap's reads (one CTA)
-        acc = tl.zeros([BLOCK_C, BLOCK_T], dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):  # 2. the taps: sample t reads window column t + j d
-            c = c0 + tl.arange(0, BLOCK_C)
-            c_mask = c < C
-            for j in tl.static_range(K):
-                v = tl.load(scratch + c[:, None] * WIN + (j * DIL + col_a)[None, :],
-                            mask=c_mask[:, None], other=0.0)
-                wj = tl.load(w_ptr + j * C + c, mask=c_mask, other=0.0).to(tl.float32)
-                acc += wj[:, None] * v
-        t = t0 + col_a
-        t_mask = t < n
-        y = tl.sum(acc, axis=0) + tl.load(bias_ptr).to(tl.float32)
-        y = tl.minimum(tl.maximum(y, -1.0), 1.0)
-        tl.store(out_ptr + b * n + t, y, mask=t_mask)
-        if HAS_TAIL:
-            if first:  # its window held the old tail (BLOCK_T >= ctx): the new tail
-                _new_tail(x_row, alpha_ptr, inv_beta_ptr, tail_ptr, slot, C, n, ctx, sxc, sxt,
-                          HAS_SNAKE, BLOCK_C, BLOCK_CTX)  # fmt: skip
-
-    @triton.jit
     def _xin_piece(x_row, tail_ptr, slot, c, c_mask, al, ib, i, C, n, ctx, sxc, sxt,
                    HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr):  # fmt: skip
         """xin columns i of channels c as fp32 [len(i), BLOCK_C] (time down, channels across,
@@ -347,7 +257,12 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         FMAs; z into the program's scratch, a barrier, then pcm[t] = bias + sum_j
         z[t + j DIL, j]."""
         pdl_prologue(PDL)
-        b, blk, first, t0, slot, x_row = _block_of(rows_ptr, x_ptr, sxb, BLOCK_T)
+        b = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        first = blk == 0
+        t0 = blk * BLOCK_T
+        slot = tl.load(rows_ptr + b).to(tl.int64)
+        x_row = x_ptr + b * sxb
         scratch = scratch_ptr + (b * tl.num_programs(1) + blk) * WIN * 16
         col_a = tl.arange(0, BLOCK_T)
         col_b = BLOCK_T + tl.arange(0, BLOCK_W)
