@@ -12,6 +12,7 @@ from ttsbuild.runtime.codec_engine import (
     capture_step,
     codec_snr_db,
     decode_with,
+    snr_db,
 )
 
 pytestmark = [
@@ -61,10 +62,17 @@ def test_half_precision_passes_the_gate(decoders, precision, min_db):
     assert min_db <= snr < 90, snr
 
 
-def _snr_db(got, want):
-    """10 log10 of want's energy over the energy of got - want."""
-    noise = ((got - want) ** 2).sum().clamp(min=1e-30)
-    return 10 * torch.log10((want**2).sum() / noise).item()
+def _switch_snr(monkeypatch, dec, precision, kw, codes, chunk, name, off, on):
+    """The decode with codec_engine.<name> = off and = on, same settings: (SNR of the second
+    against the first, the second's engine)."""
+    from ttsbuild.runtime import codec_engine
+
+    monkeypatch.setattr(codec_engine, name, off)
+    plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=chunk).float()
+    monkeypatch.setattr(codec_engine, name, on)
+    engine = CodecEngine(dec, 2, precision, **kw)
+    got = decode_with(engine, codes, chunk=chunk).float()
+    return snr_db(plain, got), engine
 
 
 def _assert_replay_equals_eager(engine, codes):
@@ -85,17 +93,11 @@ def test_fused_convnext_blocks_keep_the_decode_and_replay(decoders, monkeypatch,
     CONVNEXT_FUSED_MAX_ROWS) against the module ops in the same engine settings: the same
     audio to the stage's rounding (SNR between the two far above the gate), the slot state
     carried across steps alike, and a captured step equal to the eager one."""
-    from ttsbuild.runtime import codec_engine
-
     cfg, _, dec = decoders
     codes = rand_codes(cfg, 2, 8, seed=70)
     kw = dict(conv_impl="triton", fused=True)
-    monkeypatch.setattr(codec_engine, "CONVNEXT_FUSED", False)
-    plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=1).float()
-    monkeypatch.setattr(codec_engine, "CONVNEXT_FUSED", True)
-    engine = CodecEngine(dec, 2, precision, **kw)
-    fused = decode_with(engine, codes, chunk=1).float()
-    snr = _snr_db(fused, plain)
+    snr, engine = _switch_snr(monkeypatch, dec, precision, kw, codes, 1, "CONVNEXT_FUSED",
+                              False, True)  # fmt: skip
     assert snr > 35, snr
     _assert_replay_equals_eager(engine, codes)
 
@@ -106,18 +108,12 @@ def test_dwconv_norm_keeps_the_decode_and_replays(decoders, monkeypatch, precisi
     plugins.convnext.dwconv_norm) against cuDNN's conv and the norm's kernel: the same audio
     to the stage's rounding, the tails carried alike over steps of 1 and 3 frames, and a
     captured step equal to the eager one."""
-    from ttsbuild.runtime import codec_engine
-
     cfg, _, dec = decoders
     codes = rand_codes(cfg, 2, 8, seed=72)
     kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
     for chunk in (1, 3):
-        monkeypatch.setattr(codec_engine, "DWCONV_NORM", False)
-        plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=chunk).float()
-        monkeypatch.setattr(codec_engine, "DWCONV_NORM", True)
-        engine = CodecEngine(dec, 2, precision, **kw)
-        got = decode_with(engine, codes, chunk=chunk).float()
-        snr = _snr_db(got, plain)
+        snr, engine = _switch_snr(monkeypatch, dec, precision, kw, codes, chunk, "DWCONV_NORM",
+                                  False, True)  # fmt: skip
         assert snr > 35, (chunk, snr)
     _assert_replay_equals_eager(engine, codes)
 
@@ -134,12 +130,8 @@ def test_fused_residual_units_keep_the_decode_and_replay(decoders, monkeypatch, 
     cfg, _, dec = decoders
     codes = rand_codes(cfg, 2, 8, seed=73)
     kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
-    monkeypatch.setattr(codec_engine, "FUSED_UNIT_MAX_C", 0)
-    plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=2).float()
-    monkeypatch.setattr(codec_engine, "FUSED_UNIT_MAX_C", 256)
-    engine = CodecEngine(dec, 2, precision, **kw)
-    got = decode_with(engine, codes, chunk=2).float()
-    snr = _snr_db(got, plain)
+    snr, engine = _switch_snr(monkeypatch, dec, precision, kw, codes, 2, "FUSED_UNIT_MAX_C",
+                              0, 256)  # fmt: skip
     assert snr > 45, snr
     _assert_replay_equals_eager(engine, codes)
 

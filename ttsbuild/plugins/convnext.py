@@ -20,9 +20,7 @@ from ttsbuild.plugins._dispatch import want_triton
 def convnext_reference(x, xe, dw_weight, dw_bias, ln_weight, ln_bias, eps: float, w1, b1, w2,
                        b2, gamma):  # fmt: skip
     """The codec engine's ops (CodecEngine._convnext): x [B, C, n], xe [B, C, ctx + n]."""
-    C = x.shape[1]
-    h = F.conv1d(xe, dw_weight, dw_bias, groups=C).transpose(1, 2)  # [B, n, C]
-    h = F.layer_norm(h.float(), (C,), ln_weight.float(), ln_bias.float(), eps).to(x.dtype)
+    h = dwconv_norm_reference(xe, dw_weight, dw_bias, ln_weight, ln_bias, eps)  # [B, n, C]
     h = F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2)
     return x + (h if gamma is None else gamma * h).transpose(1, 2)
 
@@ -67,4 +65,3 @@ def dwconv_norm(xe, dw_weight, dw_bias, ln_weight, ln_bias, eps: float, *,
 
     return dwconv_norm_triton(xe, dw_weight, dw_bias, ln_weight, ln_bias, eps,
                               xe.shape[2] - K + 1)
-

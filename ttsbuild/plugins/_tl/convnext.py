@@ -192,4 +192,3 @@ def dwconv_norm_triton(xe: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch
         num_warps=4, **codec_pdl_args(xe),
     )  # fmt: skip
     return out
-
