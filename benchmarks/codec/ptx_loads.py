@@ -33,14 +33,16 @@ PTRS = ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "alpha_ptr", "inv_be
 def compile_ptx(channels_last: bool, a, k: int = 7, unit_conv: bool = False) -> str:
     """unit_conv: a residual unit's 1x1 conv (k 1, SnakeBeta in the input load, the residual
     added), else a conv of `k` taps with a bias."""
-    return compile_conv(channels_last, a, k, unit_conv).asm["ptx"]
+    return compile_conv(channels_last, a, k, unit_conv,
+                        flat_k=a.flat_k if channels_last else 0).asm["ptx"]
 
 
 def compile_conv(channels_last: bool, a, k: int = 7, unit_conv: bool = False,
                  snake: bool | None = None, out_snake: bool = False, block_m: int = 128,
-                 block_o: int = 128, maxnreg: int | None = None):
+                 block_o: int = 128, maxnreg: int | None = None, flat_k: int = 0):
     """The compiled kernel (snake: the SnakeBeta in the input load, default unit_conv;
-    out_snake: one in the epilogue; maxnreg: a cap on a thread's registers)."""
+    out_snake: one in the epilogue; maxnreg: a cap on a thread's registers; flat_k: the
+    flattened (tap, channel) K steps, runs of this many channels, causal_conv.FLAT_RUN)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -50,7 +52,8 @@ def compile_conv(channels_last: bool, a, k: int = 7, unit_conv: bool = False,
     names = list(kernel.arg_names)
     consts = {"K": 1 if unit_conv else k, "HAS_BIAS": True, "HAS_RES": unit_conv,
               "HAS_SNAKE": unit_conv if snake is None else snake, "HAS_OUT_SNAKE": out_snake,
-              "BLOCK_M": block_m, "BLOCK_CI": a.block_ci, "BLOCK_O": block_o}  # fmt: skip
+              "FLAT_K": flat_k, "BLOCK_M": block_m, "BLOCK_CI": a.block_ci,
+              "BLOCK_O": block_o}  # fmt: skip
     # the strides that are 1: the input's, output's and residual's channel strides
     # (channels-last), else their time strides
     for unit in ("sxc", "soo", "sro") if channels_last else ("sxt", "sot", "srt"):
@@ -86,7 +89,7 @@ def registers() -> None:
                dict(k=1, unit_conv=True, snake=snake), unit_tiles) for snake in (True, False)]
     for name, kw, tile_list in kinds:
         for bm, bci, bo, warps, stages in tile_list:
-            a = SimpleNamespace(block_ci=bci, warps=warps, stages=stages)
+            a = SimpleNamespace(block_ci=bci, warps=warps, stages=stages, flat_k=0)
             regs, spills = ptxas_usage(compile_conv(True, a, block_m=bm, block_o=bo, **kw))
             print(f"| {name} | ({bm}, {bci}, {bo}, {warps}, {stages}) | {regs} | {spills} |",
                   flush=True)
@@ -133,6 +136,8 @@ def main() -> None:
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--registers", action="store_true", help="registers and spills instead")
+    p.add_argument("--flat-k", type=int, default=0,
+                   help="channels-last rows with the flattened K steps (runs of this many)")
     a = p.parse_args()
     if a.registers:
         registers()
@@ -140,7 +145,7 @@ def main() -> None:
     import triton
 
     print(f"triton {triton.__version__}, sm_90, BLOCK_M 128, BLOCK_CI {a.block_ci}, "
-          f"BLOCK_O 128, {a.warps} warps, {a.stages} stages")  # fmt: skip
+          f"BLOCK_O 128, {a.warps} warps, {a.stages} stages, flat K {a.flat_k}")  # fmt: skip
     for unit_conv in (False, True):
         what = ("a residual unit's 1x1 conv (SnakeBeta in the load, residual added)"
                 if unit_conv else "a 7-tap conv with a bias")  # fmt: skip

@@ -122,6 +122,41 @@ def test_kernel_with_snake_equals_snake_then_conv(cin, cout, n):
     assert rel_err(got, want) <= 2e-3
 
 
+@needs_kernel
+@pytest.mark.parametrize(("cin", "cout", "k", "d", "n", "snake"), [
+    (96, 96, 7, 9, 37, "in"),     # block 4's dilated conv: 64-wide steps across taps
+    (96, 96, 7, 1, 700, "out"),   # >= 2048 rows (the 128 x 128 tile), epilogue SnakeBeta
+    (160, 48, 3, 2, 20, ""),      # 5 runs of 32 a tap: the last step half masked
+    (96, 96, 1, 1, 30, "in"),     # a 1x1 conv, SnakeBeta in the load
+])
+def test_flattened_k_steps_equal_the_reference(cin, cout, k, d, n, snake):
+    """The flattened (tap, channel) K steps (FLAT_K) on channels-last inputs of 32 * odd
+    channels: the reference's values, with a SnakeBeta in the load or the epilogue too; and
+    the kernel takes them only where the input allows (channels-last, runs of 32)."""
+    from ttsbuild.plugins.causal_conv import _causal_conv_triton, _flat_k
+
+    xin, weight, bias, residual = _inputs(3, cin, cout, k, d, n, torch.float16, KDEV,
+                                          cin + 7 * k + d + n)  # fmt: skip
+    w = pack_conv_weight(weight)
+    sn = {}
+    if snake == "in":
+        sn["alpha"], sn["inv_beta"] = _snake_params(cin, n, KDEV)
+    elif snake == "out":
+        sn["out_alpha"], sn["out_inv_beta"] = _snake_params(cout, n, KDEV)
+    want = causal_conv(xin, w, bias, d, residual, use_triton=False, **sn)
+    last = to_channels_last(xin)
+    assert _flat_k(last, cin, True) and not _flat_k(xin, cin, True)
+    assert not _flat_k(last, cin, False)
+    got = _causal_conv_triton(last, w, bias, d, residual, channels_last=True, flat_k=True,
+                              **sn)  # fmt: skip
+    assert got.shape == want.shape == (3, cout, n)
+    assert rel_err(got, want) <= 2e-3
+    # the same values as the per-tap steps it replaces
+    per_tap = _causal_conv_triton(last, w, bias, d, residual, channels_last=True,
+                                  flat_k=False, **sn)  # fmt: skip
+    assert rel_err(got, per_tap) <= 2e-3
+
+
 def _snake_params(c, seed, device):
     g = torch.Generator().manual_seed(seed)
     alpha = (0.3 * torch.randn(c, 1, generator=g)).exp()

@@ -42,6 +42,8 @@ bits. Half precision only (fp16, bf16): the engine runs fp32 stages as im2col + 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -131,14 +133,32 @@ def _conv_out(xin, n: int, cout: int, channels_last: bool, residual):
 EPILOGUE_MAXNREG = 128
 
 
+# K steps over the flattened (tap, channel) index for channels-last inputs whose channel
+# count is a multiple of 32 but not of 64 (the decoder's last block, C = 96): 64-wide steps
+# that may span two taps (11 of them for k = 7) instead of 32-wide steps within one tap (21),
+# each a run of 32-channel vector loads. TTSBUILD_CODEC_FLAT_K=1 turns it on (off until
+# timed).
+FLAT_K = os.environ.get("TTSBUILD_CODEC_FLAT_K", "0") == "1"
+FLAT_RUN = 32
+
+
+def _flat_k(xin, cin: int, flat_k: bool | None) -> bool:
+    """Whether the conv of `xin` takes the flattened K steps (see FLAT_K)."""
+    if not (FLAT_K if flat_k is None else flat_k):
+        return False
+    return (xin.stride(1) == 1 and cin % FLAT_RUN == 0 and cin % 64 != 0
+            and xin.stride(2) % FLAT_RUN == 0 and xin.stride(0) % FLAT_RUN == 0)
+
+
 def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None,
                         channels_last=False, config=None, out_alpha=None, out_inv_beta=None,
-                        maxnreg: int | None = None):
+                        maxnreg: int | None = None, flat_k: bool | None = None):
     """config: (BLOCK_M, BLOCK_CI, BLOCK_O, num_warps, num_stages) in place of `_config`'s
     (benchmarks/codec/sweep_conv.py times a grid of them). maxnreg: a cap on the registers a
     thread (Triton's compile option; timing only: with the epilogue SnakeBeta the 128 x 128
     tile of 8 warps takes 189 registers against 121, one CTA an SM instead of two, in an
-    offline sm_90 compile, `benchmarks/codec/ptx_loads.py --registers`)."""
+    offline sm_90 compile, `benchmarks/codec/ptx_loads.py --registers`). flat_k: the
+    flattened K steps (FLAT_K) where the input allows them; None: the switch decides."""
     import triton
 
     B, cin, L = xin.shape
@@ -152,6 +172,9 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
                          f"{(k - 1) * dilation + 1}")
     out = _conv_out(xin, n, cout, channels_last, residual)
     bm, bci, bo, warps, stages = config or (*_config(B * n, cin, cout, k), 3)
+    flat = _flat_k(xin, cin, flat_k)
+    if flat and config is None:
+        bci = 64  # two 32-channel runs a step
     if config is None and maxnreg is None and out_alpha is not None and warps == 8:
         maxnreg = EPILOGUE_MAXNREG  # the two-warpgroup tile with the epilogue SnakeBeta
     grid = (triton.cdiv(B * n, bm), triton.cdiv(cout, bo))
@@ -172,7 +195,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
         xin.stride(0), xin.stride(1), xin.stride(2), res.stride(0), res.stride(1), res.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SNAKE=snake,
-        HAS_OUT_SNAKE=out_snake,
+        HAS_OUT_SNAKE=out_snake, FLAT_K=FLAT_RUN if flat else 0,
         BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=stages,
         **codec_pdl_args(xin), **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
@@ -312,30 +335,56 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     from ttsbuild.plugins._tl._math import pdl_prologue, sin_f32
 
     @triton.jit
+    def _snake_cols(a, alpha_ptr, inv_beta_ptr, c, c_mask):
+        """SnakeBeta of a [rows, cols] input tile whose columns are channels c: in fp32,
+        rounded back to the tile's dtype (as snake_context)."""
+        al = tl.load(alpha_ptr + c, mask=c_mask, other=0.0)
+        ib = tl.load(inv_beta_ptr + c, mask=c_mask, other=0.0)
+        af = a.to(tl.float32)
+        sn = sin_f32(af * al[None, :])
+        return (af + ib[None, :] * (sn * sn)).to(a.dtype)
+
+    @triton.jit
     def _conv_acc(x_rows, w_ptr, alpha_ptr, inv_beta_ptr, offs_o, m_mask, o_mask, CIN, COUT,
                   DIL, sxc, sxt, K: tl.constexpr, HAS_SNAKE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr,
-                  BLOCK_O: tl.constexpr):  # fmt: skip
+                  BLOCK_O: tl.constexpr, FLAT_K: tl.constexpr = 0):  # fmt: skip
         """The implicit GEMM of a tile: sum over taps j and input channels of x[t + j DIL, c]
-        (SnakeBeta'd as it loads with HAS_SNAKE) times w[j, c, o], fp32 [BLOCK_M, BLOCK_O]."""
+        (SnakeBeta'd as it loads with HAS_SNAKE) times w[j, c, o], fp32 [BLOCK_M, BLOCK_O].
+        FLAT_K (> 0): K steps of BLOCK_CI over the flattened (tap, channel) index kk = j CIN
+        + c, which may span two taps; the caller guarantees channels-last input (sxc == 1)
+        with CIN and sxt multiples of FLAT_K, so each step is runs of FLAT_K contiguous,
+        aligned channels (vector loads), and the packed weight's row is kk itself."""
         acc = tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.float32)
-        # one loop over (tap j, channel block c0), so the compiler pipelines its loads
-        cin_blocks = tl.cdiv(CIN, BLOCK_CI)
-        for it in range(0, K * cin_blocks):
-            j = it // cin_blocks
-            offs_c = (it % cin_blocks) * BLOCK_CI + tl.arange(0, BLOCK_CI)
-            c_mask = offs_c < CIN
-            a = tl.load(x_rows[:, None] + offs_c[None, :] * sxc + j * DIL * sxt,
-                        mask=m_mask[:, None] & c_mask[None, :], other=0.0)
-            if HAS_SNAKE:  # SnakeBeta in fp32, rounded to the input dtype (as snake_context)
-                al = tl.load(alpha_ptr + offs_c, mask=c_mask, other=0.0)
-                ib = tl.load(inv_beta_ptr + offs_c, mask=c_mask, other=0.0)
-                af = a.to(tl.float32)
-                sn = sin_f32(af * al[None, :])
-                a = (af + ib[None, :] * (sn * sn)).to(a.dtype)
-            wt = tl.load(w_ptr + (j * CIN + offs_c[:, None]) * COUT + offs_o[None, :],
-                         mask=c_mask[:, None] & o_mask[None, :], other=0.0)
-            acc = tl.dot(a, wt, acc)
+        if FLAT_K > 0:
+            KC = K * CIN
+            for k0 in range(0, KC, BLOCK_CI):
+                kk = k0 + tl.arange(0, BLOCK_CI)
+                k_mask = kk < KC
+                j = kk // CIN
+                c = kk - j * CIN
+                col = tl.max_contiguous(tl.multiple_of(j * DIL * sxt + c, FLAT_K), FLAT_K)
+                a = tl.load(x_rows[:, None] + col[None, :],
+                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if HAS_SNAKE:
+                    a = _snake_cols(a, alpha_ptr, inv_beta_ptr, c, k_mask)
+                wt = tl.load(w_ptr + kk[:, None] * COUT + offs_o[None, :],
+                             mask=k_mask[:, None] & o_mask[None, :], other=0.0)
+                acc = tl.dot(a, wt, acc)
+        else:
+            # one loop over (tap j, channel block c0), so the compiler pipelines its loads
+            cin_blocks = tl.cdiv(CIN, BLOCK_CI)
+            for it in range(0, K * cin_blocks):
+                j = it // cin_blocks
+                offs_c = (it % cin_blocks) * BLOCK_CI + tl.arange(0, BLOCK_CI)
+                c_mask = offs_c < CIN
+                a = tl.load(x_rows[:, None] + offs_c[None, :] * sxc + j * DIL * sxt,
+                            mask=m_mask[:, None] & c_mask[None, :], other=0.0)
+                if HAS_SNAKE:
+                    a = _snake_cols(a, alpha_ptr, inv_beta_ptr, offs_c, c_mask)
+                wt = tl.load(w_ptr + (j * CIN + offs_c[:, None]) * COUT + offs_o[None, :],
+                             mask=c_mask[:, None] & o_mask[None, :], other=0.0)
+                acc = tl.dot(a, wt, acc)
         return acc
 
     @triton.jit
@@ -343,8 +392,8 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, out_alpha_ptr,
         out_inv_beta_ptr, M, CIN, COUT, N, DIL, sxb, sxc, sxt, srb, sro, srt, sob, soo, sot,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAKE: tl.constexpr,
-        HAS_OUT_SNAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr,
-        BLOCK_O: tl.constexpr, PDL: tl.constexpr,
+        HAS_OUT_SNAKE: tl.constexpr, FLAT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
         # output rows m = b * N + t over the whole batch: a tile spans rows of several
@@ -357,7 +406,8 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         t = offs_m % N
         x_rows = x_ptr + b * sxb + t * sxt  # [BLOCK_M]: input time t of row b, tap 0
         acc = _conv_acc(x_rows, w_ptr, alpha_ptr, inv_beta_ptr, offs_o, m_mask, o_mask, CIN,
-                        COUT, DIL, sxc, sxt, K, HAS_SNAKE, BLOCK_M, BLOCK_CI, BLOCK_O)
+                        COUT, DIL, sxc, sxt, K, HAS_SNAKE, BLOCK_M, BLOCK_CI, BLOCK_O,
+                        FLAT_K)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
         mask = m_mask[:, None] & o_mask[None, :]
