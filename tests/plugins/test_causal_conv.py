@@ -127,7 +127,7 @@ def test_kernel_with_snake_equals_snake_then_conv(cin, cout, n):
     (96, 96, 7, 9, 37, "in"),     # block 4's dilated conv: 64-wide steps across taps
     (96, 96, 7, 1, 700, "out"),   # >= 2048 rows (the 128 x 128 tile), epilogue SnakeBeta
     (160, 48, 3, 2, 20, ""),      # 5 runs of 32 a tap: the last step half masked
-    (96, 96, 1, 1, 30, "in"),     # a 1x1 conv, SnakeBeta in the load
+    (96, 96, 2, 5, 30, "in"),     # two taps, SnakeBeta in the load
 ])
 def test_flattened_k_steps_equal_the_reference(cin, cout, k, d, n, snake):
     """The flattened (tap, channel) K steps (FLAT_K) on channels-last inputs of 32 * odd
@@ -145,8 +145,8 @@ def test_flattened_k_steps_equal_the_reference(cin, cout, k, d, n, snake):
         sn["out_alpha"], sn["out_inv_beta"] = _snake_params(cout, n, KDEV)
     want = causal_conv(xin, w, bias, d, residual, use_triton=False, **sn)
     last = to_channels_last(xin)
-    assert _flat_k(last, cin, True) and not _flat_k(xin, cin, True)
-    assert not _flat_k(last, cin, False)
+    assert _flat_k(last, cin, k, True) and not _flat_k(xin, cin, k, True)
+    assert not _flat_k(last, cin, k, False) and not _flat_k(last, cin, 1, True)
     got = _causal_conv_triton(last, w, bias, d, residual, channels_last=True, flat_k=True,
                               **sn)  # fmt: skip
     assert got.shape == want.shape == (3, cout, n)

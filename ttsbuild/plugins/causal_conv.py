@@ -133,18 +133,22 @@ def _conv_out(xin, n: int, cout: int, channels_last: bool, residual):
 EPILOGUE_MAXNREG = 128
 
 
-# K steps over the flattened (tap, channel) index for channels-last inputs whose channel
-# count is a multiple of 32 but not of 64 (the decoder's last block, C = 96): 64-wide steps
-# that may span two taps (11 of them for k = 7) instead of 32-wide steps within one tap (21),
-# each a run of 32-channel vector loads. TTSBUILD_CODEC_FLAT_K=1 turns it on (off until
-# timed).
-FLAT_K = os.environ.get("TTSBUILD_CODEC_FLAT_K", "0") == "1"
+# K steps over the flattened (tap, channel) index for the multi-tap convs of channels-last
+# inputs whose channel count is a multiple of 32 but not of 64 (the decoder's last block,
+# C = 96): 64-wide steps that may span two taps (11 of them for k = 7) instead of 32-wide
+# steps within one tap (21), each a run of 32-channel vector loads. The served codec step on
+# an H100, two alternated rounds, one process a side, with the epilogue SnakeBeta at every
+# size (benchmarks/codec/2026-12-06-h100-flat-k-epilogue): batch 1 / 64 / 256 0.658 / 2.454
+# / 7.355 -> 0.648 / 2.440 / 7.208 ms. Not for 1x1 convs: their K (96) becomes one full step
+# and one half-masked one, and with the SnakeBeta in their load that lost (batch 64 2.479 ->
+# 2.568 ms with it on every conv). TTSBUILD_CODEC_FLAT_K=0 turns it off.
+FLAT_K = os.environ.get("TTSBUILD_CODEC_FLAT_K", "1") == "1"
 FLAT_RUN = 32
 
 
-def _flat_k(xin, cin: int, flat_k: bool | None) -> bool:
-    """Whether the conv of `xin` takes the flattened K steps (see FLAT_K)."""
-    if not (FLAT_K if flat_k is None else flat_k):
+def _flat_k(xin, cin: int, k: int, flat_k: bool | None) -> bool:
+    """Whether the k-tap conv of `xin` takes the flattened K steps (see FLAT_K)."""
+    if k < 2 or not (FLAT_K if flat_k is None else flat_k):
         return False
     return (xin.stride(1) == 1 and cin % FLAT_RUN == 0 and cin % 64 != 0
             and xin.stride(2) % FLAT_RUN == 0 and xin.stride(0) % FLAT_RUN == 0)
@@ -172,7 +176,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
                          f"{(k - 1) * dilation + 1}")
     out = _conv_out(xin, n, cout, channels_last, residual)
     bm, bci, bo, warps, stages = config or (*_config(B * n, cin, cout, k), 3)
-    flat = _flat_k(xin, cin, flat_k)
+    flat = _flat_k(xin, cin, k, flat_k)
     if flat and config is None:
         bci = 64  # two 32-channel runs a step
     if config is None and maxnreg is None and out_alpha is not None and warps == 8:

@@ -126,21 +126,22 @@ DWCONV_NORM = os.environ.get("TTSBUILD_CODEC_DWCONV_NORM", "1") == "1"
 # A residual unit's second SnakeBeta in its k = 7 conv's epilogue (plugins.causal_conv
 # out_alpha: once per element, the same bits) instead of in the 1x1 conv's input load, where
 # it is recomputed for every block of output channels between each K step's load and its MMA,
-# for units of fewer than SNAKE_EPILOGUE_MAX_ROWS rows (batch x samples), the conv's 64-row
-# tiles of one warpgroup. H100, the served codec step with it at every size (profile_codec.py,
+# for units of fewer than SNAKE_EPILOGUE_MAX_ROWS rows (batch x samples; no limit since it
+# was capped, below). H100, the served codec step with it at every size (profile_codec.py,
 # two alternated rounds, one process each; benchmarks/codec/2026-12-06-h100-snake-epilogue):
 # batch 1 0.815 / 0.813 -> 0.783 / 0.782 ms, but batch 64 2.657 / 2.655 -> 2.823 / 2.824 and
 # batch 256 8.175 / 8.177 -> 9.208 / 9.212: the 128 x 128 tiles of two warpgroups, which the
 # larger units take, lose with it (121 -> 189 registers a thread in an offline compile: one
 # CTA an SM instead of two). TTSBUILD_CODEC_SNAKE_EPILOGUE=0 turns it off.
 SNAKE_EPILOGUE = os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE", "1") == "1"
-# TTSBUILD_CODEC_SNAKE_EPILOGUE_MAX_ROWS moves the limit: since 2026-12-06 the large tiles
-# take the epilogue capped at 128 registers a thread (causal_conv.EPILOGUE_MAXNREG), which the
-# conv sweep on an H100 had at 0.052-0.092 ms a k = 7 conv at 64 rows (call1-h100 of
-# benchmarks/codec/2026-12-06-codec-three-kernels), the 1x1 conv without SnakeBeta then
-# 0.010-0.030; whether that beats k7 + 1x1s in the codec step is to be timed
-# (TTSBUILD_CODEC_SNAKE_EPILOGUE_MAX_ROWS=1000000000 in gpu_session's codec_env).
-SNAKE_EPILOGUE_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE_MAX_ROWS", "2048"))
+# Since 2026-12-06 the large tiles take the epilogue capped at 128 registers a thread
+# (causal_conv.EPILOGUE_MAXNREG), and the limit is gone: the served codec step on an H100, two
+# alternated rounds, one process a side (benchmarks/codec/2026-12-06-h100-flat-k-epilogue):
+# batch 1 / 64 / 256 0.659 / 2.479 / 7.383 -> 0.658 / 2.454 / 7.355 ms (limit 2048 ->
+# none); with causal_conv's flattened K steps too (FLAT_K) 0.648 / 2.440 / 7.208.
+# TTSBUILD_CODEC_SNAKE_EPILOGUE_MAX_ROWS=2048 puts the old limit back.
+SNAKE_EPILOGUE_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE_MAX_ROWS",
+                                             str(1 << 62)))
 # A residual unit as one launch after its first SnakeBeta (plugins.causal_conv.residual_unit:
 # the k = 7 conv, the second SnakeBeta, the 1x1 conv and the residual, the SnakeBeta'd tile
 # kept in registers) for units whose channels, as a power of two, are at most this (128: the
