@@ -92,6 +92,10 @@ def main() -> None:
                          "launches (larger batches of the same row take the GEMMs)")
     ap.add_argument("--profile-impls", default=None,
                     help="implementations to profile (default: all of --conv-impls)")
+    ap.add_argument("--nvtx-step", action="store_true",
+                    help="after each row's timing, one eager step at --profile-batch rows "
+                         "inside the NVTX range 'codec_step' (Nsight Compute: --nvtx "
+                         "--nvtx-include codec_step/, gpu_session's codecncu)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_codec.py needs a CUDA GPU")
@@ -148,6 +152,13 @@ def main() -> None:
                 ms = time_graph(graph)
                 del graph, static
                 print(f"| {impl} | {bench} | {b} | {ms:.3f} | {err:.1e} |", flush=True)
+        if args.nvtx_step:  # the launches a profiler should catch, and only those
+            rows = spread_rows(args.profile_batch, slots, dev)
+            codes = random_codes(dec.config, args.profile_batch, 1, seed=4).to(dev)
+            torch.cuda.synchronize()
+            with torch.cuda.nvtx.range("codec_step"):
+                engine.step(rows, codes)
+            torch.cuda.synchronize()
         if impl not in (args.profile_impls or args.conv_impls).split(","):
             del engine
             continue

@@ -62,11 +62,11 @@
 #         window compiles the verify pass anew; 2026-12-04 the compiles outran 100 s), $SPEC_S
 # codectests: the codec kernels' GPU tests for the conv at >= 2048 rows (the 1x1 conv's own
 #         tiles since 2026-12-04) and the output stage's two-phase (window) small tiles
-# codec_env: the served codec step (profile_codec.py, row $CODEC_ROW, default triton+k+cl+o+s+a;
-#         "triton+k+cl+o+s+a+l" adds the pre-transformer as fused linears up to 8 rows, as
-#         the engine's plan serves it (codec_fused_layers_max_rows 8): the default row runs it
-#         through cuBLAS GEMVs at batch 1, so its batch-1 figure is not the engine's; batches
-#         $CODEC_BATCHES, default 1,64) as served and with each ';'-separated group of switches in
+# codec_env: the served codec step (profile_codec.py, row $CODEC_ROW, default
+#         triton+k+cl+o+s+a+l since 2026-12-06: "+l" is the pre-transformer as fused linears
+#         up to 8 rows, as the engine's plan serves it (codec_fused_layers_max_rows 8); the
+#         row without it, the default before, runs cuBLAS GEMVs at batch 1, not the engine's
+#         figure; batches $CODEC_BATCHES, default 1,64) as served and with each ';'-separated group of switches in
 #         $CODEC_ENV, alternated $CODEC_ROUNDS times (default 2; one process each: compare the
 #         rounds' spread with the difference), e.g. CODEC_ENV="TTSBUILD_CODEC_OUTPUT_TAPS=0"
 # codec:  the codec's kernel tests on the GPU (causal conv, snake + context, channels-last
@@ -410,7 +410,7 @@ for step in $STEPS; do
                 # shellcheck disable=SC2086  # the group's VAR=VALUE words, split on purpose
                 env $group timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
                     --batches "${CODEC_BATCHES:-1,64}" --conv-impls triton \
-                    --rows "${CODEC_ROW:-triton+k+cl+o+s+a}" --fused-layers-max-rows 8 \
+                    --rows "${CODEC_ROW:-triton+k+cl+o+s+a+l}" --fused-layers-max-rows 8 \
                     --profile-impls none 2>&1 | grep -v Assertion \
                     | tee "$OUT/profile_codec_r${round}_$i.log" | grep -E "^\| triton"
             done
@@ -561,12 +561,16 @@ for step in $STEPS; do
     codecncu)  # Nsight Compute on codec kernels of one served codec step (profile_codec.py)
         # $CODECNCU_KERNEL: a kernel-name regex (default _codec_output: 156 us at 64 rows on the
         # H200 for ~24 MB of input, as long taps first as with 7 SnakeBetas an input,
-        # 2026-12-06); $CODECNCU_BATCH rows (default 64); the first launch after 3 (warm-up)
+        # 2026-12-06); $CODECNCU_BATCH rows (default 64); the first matching launch of one
+        # eager step of the served row inside the NVTX range codec_step (profile_codec.py
+        # --nvtx-step; a launch count alone caught the SNR decode's launches, 2026-12-06)
         log "ncu: ${CODECNCU_KERNEL:-_codec_output} in the codec step at ${CODECNCU_BATCH:-64} rows"
         timeout -k 5 300 ncu --clock-control none -k "regex:${CODECNCU_KERNEL:-_codec_output}" \
-            --launch-skip 3 --launch-count 1 --set full -f -o "$OUT/codec_ncu" python3 -u \
-            benchmarks/codec/profile_codec.py --batches "${CODECNCU_BATCH:-64}" \
-            --conv-impls triton --rows triton+k+cl+o+s+a --profile-impls none \
+            --nvtx --nvtx-include "codec_step/" --launch-count 1 --set full -f \
+            -o "$OUT/codec_ncu" python3 -u benchmarks/codec/profile_codec.py \
+            --batches "${CODECNCU_BATCH:-64}" --conv-impls triton \
+            --rows "${CODEC_ROW:-triton+k+cl+o+s+a+l}" --fused-layers-max-rows 8 \
+            --profile-impls none --nvtx-step --profile-batch "${CODECNCU_BATCH:-64}" \
             > "$OUT/codec_ncu.log" 2>&1
         echo "rc=$?"; grep -E "==ERR|==WARN|^\| triton" "$OUT/codec_ncu.log" | cut -c1-200
         if [ -f "$OUT/codec_ncu.ncu-rep" ]; then
