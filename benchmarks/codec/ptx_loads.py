@@ -27,7 +27,7 @@ import collections
 import re
 
 PTRS = ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "alpha_ptr", "inv_beta_ptr",
-        "out_alpha_ptr", "out_inv_beta_ptr")
+        "out_alpha_ptr", "out_inv_beta_ptr", "ws_ptr", "cnt_ptr")
 
 
 def compile_ptx(channels_last: bool, a, k: int = 7, unit_conv: bool = False) -> str:
@@ -52,14 +52,15 @@ def compile_conv(channels_last: bool, a, k: int = 7, unit_conv: bool = False,
     names = list(kernel.arg_names)
     consts = {"K": 1 if unit_conv else k, "HAS_BIAS": True, "HAS_RES": unit_conv,
               "HAS_SNAKE": unit_conv if snake is None else snake, "HAS_OUT_SNAKE": out_snake,
-              "FLAT_K": flat_k, "BLOCK_M": block_m, "BLOCK_CI": a.block_ci,
+              "FLAT_K": flat_k, "SPLIT_K": 1, "BLOCK_M": block_m, "BLOCK_CI": a.block_ci,
               "BLOCK_O": block_o}  # fmt: skip
     # the strides that are 1: the input's, output's and residual's channel strides
     # (channels-last), else their time strides
     for unit in ("sxc", "soo", "sro") if channels_last else ("sxt", "sot", "srt"):
         consts[unit] = 1
-    fp32 = ("alpha_ptr", "inv_beta_ptr", "out_alpha_ptr", "out_inv_beta_ptr")
-    sig = {n: ("*fp32" if n in fp32 else "*fp16") if n in PTRS else
+    fp32 = ("alpha_ptr", "inv_beta_ptr", "out_alpha_ptr", "out_inv_beta_ptr", "ws_ptr")
+    sig = {n: ("*i32" if n == "cnt_ptr" else "*fp32" if n in fp32 else "*fp16")
+           if n in PTRS else
            "constexpr" if n in consts else "i32" for n in names}  # fmt: skip
     aligned = [*PTRS, "CIN", "COUT", "sob", "srb", "sxb"]
     aligned += ["sxt", "sot", "srt"] if channels_last else ["sxc", "soo", "sro"]

@@ -157,6 +157,58 @@ def test_flattened_k_steps_equal_the_reference(cin, cout, k, d, n, snake):
     assert rel_err(got, per_tap) <= 2e-3
 
 
+def test_split_k_plan(monkeypatch):
+    """Programs a tile: 1 with the switch off; on, the most (a power of two, <= 16) that keep
+    the grid in one wave with >= 2 K steps a program; an explicit count is taken as given
+    (at most one a K step)."""
+    import ttsbuild.plugins.causal_conv as cc
+
+    monkeypatch.setattr(cc, "SPLIT_K", False)
+    assert cc._split_k(12, 84, 132, None) == 1
+    assert cc._split_k(12, 84, 132, 3) == 3 and cc._split_k(12, 2, 132, 8) == 2
+    monkeypatch.setattr(cc, "SPLIT_K", True)
+    assert cc._split_k(12, 84, 132, None) == 8      # 96 programs; 16 would be 192
+    assert cc._split_k(3, 84, 132, None) == 16      # capped at SPLIT_MAX
+    assert cc._split_k(12, 12, 132, None) == 4      # 3 K steps a program; 8 would leave 1-2
+    assert cc._split_k(12, 6, 132, None) == 2
+    assert cc._split_k(100, 84, 132, None) == 1     # a full wave already
+    assert cc._split_k(12, 84, 132, 1) == 1
+
+
+@needs_kernel
+@pytest.mark.parametrize(("cin", "cout", "k", "d", "n", "split", "extra"), [
+    (64, 48, 7, 3, 4, 4, "res"),       # a short conv: one 16-row tile, 7 K steps in 4 splits
+    (96, 96, 7, 9, 5, 3, "out"),       # flattened K steps (11) in 3 splits, epilogue snake
+    (128, 64, 1, 1, 9, 2, "in+res"),   # a 1x1 conv, SnakeBeta in the load, residual
+])
+def test_split_k_equals_the_reference(cin, cout, k, d, n, split, extra):
+    """Split-K (SPLIT_K): each tile's K steps over `split` programs, the last to arrive
+    summing the partials before the epilogue: the reference's values (bias, residual,
+    SnakeBeta in the load or the epilogue), the one-program tiles' values, and every tile
+    counter back at 0 for the next launch."""
+    from ttsbuild.plugins._tl.fp8_linear import _counters
+    from ttsbuild.plugins.causal_conv import _causal_conv_triton
+
+    xin, weight, bias, residual = _inputs(2, cin, cout, k, d, n, torch.float16, KDEV,
+                                          cin + cout + split)  # fmt: skip
+    w = pack_conv_weight(weight)
+    residual = residual if "res" in extra else None
+    sn = {}
+    if "in" in extra:
+        sn["alpha"], sn["inv_beta"] = _snake_params(cin, n, KDEV)
+    if "out" in extra:
+        sn["out_alpha"], sn["out_inv_beta"] = _snake_params(cout, n, KDEV)
+    want = causal_conv(xin, w, bias, d, residual, use_triton=False, **sn)
+    last = to_channels_last(xin)
+    one = _causal_conv_triton(last, w, bias, d, residual, channels_last=True, split_k=1,
+                              **sn)  # fmt: skip
+    got = _causal_conv_triton(last, w, bias, d, residual, channels_last=True, split_k=split,
+                              **sn)  # fmt: skip
+    assert got.shape == want.shape == (2, cout, n)
+    assert rel_err(got, want) <= 2e-3 and rel_err(got, one) <= 2e-3
+    assert not _counters(torch.device(KDEV)).any()
+
+
 def _snake_params(c, seed, device):
     g = torch.Generator().manual_seed(seed)
     alpha = (0.3 * torch.randn(c, 1, generator=g)).exp()

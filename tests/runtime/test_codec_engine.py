@@ -163,17 +163,23 @@ def test_half_precision_quality_order():
     assert snr["fp32"] > snr["tf32"] > snr["fp16"] > snr["bf16"] > 20, snr
 
 
-@pytest.mark.parametrize(("conv_impl", "implicit_min_rows", "fused"),
-                         [("gemm", 512, False), ("triton", 1, True), ("triton", 512, False)])
-def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, fused, monkeypatch):
+@pytest.mark.parametrize(("conv_impl", "implicit_min_rows", "fused", "split"),
+                         [("gemm", 512, False, False), ("triton", 1, True, False),
+                          ("triton", 512, False, False), ("triton", 1, True, True)])
+def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, fused, split, monkeypatch):
     """The im2col and implicit-GEMM convs (the Triton kernels under TRITON_INTERPRET=1, else
     their references; min rows 1: every half-precision conv takes the implicit GEMM, and the
-    opt-in fusions are on) decode fp16 as well as
+    opt-in fusions are on; split: the short convs' tiles split over K, causal_conv.SPLIT_K)
+    decode fp16 as well as
     cuDNN's convs do: the same SNR to 1 dB against the fp32 decode, above the compile gate.
     The packed weights replace the unpacked ones."""
+    import ttsbuild.plugins.causal_conv as cc
     import ttsbuild.runtime.codec_engine as ce
 
     monkeypatch.setattr(ce, "IMPLICIT_MIN_ROWS", implicit_min_rows)
+    monkeypatch.setattr(cc, "SPLIT_K", split)
+    splits, plan = [], cc._split_k
+    monkeypatch.setattr(cc, "_split_k", lambda *a: splits.append(plan(*a)) or splits[-1])
     cfg = small_config()
     dec = our_decoder(cfg, test_state(cfg, seed=32))
     codes = rand_codes(cfg, 2, 8, seed=33)
@@ -185,6 +191,8 @@ def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, fused, monke
     assert other.weight_bytes() == base.weight_bytes()  # repacked, not held twice
     snr_base, snr_other = codec_snr_db(base, dec, codes), codec_snr_db(other, dec, codes)
     assert abs(snr_base - snr_other) < 1.0 and snr_other > MIN_CODEC_SNR_DB, (snr_base, snr_other)
+    if splits:  # the kernel ran (the interpreter): split tiles exactly where asked for
+        assert (max(splits) > 1) == split, splits
 
 
 def test_resolve_conv_impl(monkeypatch):

@@ -156,3 +156,30 @@ def test_snake_epilogue_keeps_the_decode_and_replays(decoders, monkeypatch, prec
     got = decode_with(engine, codes, chunk=2)
     assert ((got - plain).abs().max() / plain.abs().max()).item() <= 1e-6
     _assert_replay_equals_eager(engine, codes)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_split_k_convs_keep_the_decode_and_replay(decoders, monkeypatch, precision):
+    """Every conv on the implicit-GEMM kernel (min rows 1), the short ones' tiles split over K
+    (causal_conv.SPLIT_K: partials, an arrival counter, the last program's epilogue) against
+    the same without the split: the same audio to the summation order, several steps in a row
+    (the counters reset themselves), and a captured step equal to the eager one."""
+    from ttsbuild.plugins import causal_conv
+    from ttsbuild.runtime import codec_engine
+
+    monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)
+    splits, plan = [], causal_conv._split_k
+    monkeypatch.setattr(causal_conv, "_split_k", lambda *a: splits.append(plan(*a)) or splits[-1])
+    cfg, _, dec = decoders
+    codes = rand_codes(cfg, 2, 8, seed=75)
+    kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
+    monkeypatch.setattr(causal_conv, "SPLIT_K", False)
+    plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=2).float()
+    assert splits and max(splits) == 1
+    splits.clear()
+    monkeypatch.setattr(causal_conv, "SPLIT_K", True)
+    engine = CodecEngine(dec, 2, precision, **kw)
+    got = decode_with(engine, codes, chunk=2).float()
+    assert max(splits) > 1, splits
+    assert snr_db(plain, got) > 45
+    _assert_replay_equals_eager(engine, codes)

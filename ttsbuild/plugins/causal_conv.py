@@ -154,15 +154,41 @@ def _flat_k(xin, cin: int, k: int, flat_k: bool | None) -> bool:
             and xin.stride(2) % FLAT_RUN == 0 and xin.stride(0) % FLAT_RUN == 0)
 
 
+# Split-K for convs whose output tiles leave SMs idle (the one-stream step's short convs: 32
+# rows x 768 channels is 12 tiles of 64 x 64 over a K of 5,376): SPLIT programs per tile, each
+# summing a contiguous range of the K steps into an fp32 workspace; the last to arrive at the
+# tile's counter (acq_rel atomic, as fused_linear's split-K) adds the partials and runs the
+# epilogue (bias, residual, SnakeBeta, store) and resets the counter. One launch where
+# im2col + cuBLAS takes a copy, a split-K GEMM and its reduction. TTSBUILD_CODEC_CONV_SPLIT=1
+# turns it on (off until timed; the engine takes the kernel below 512 rows only with
+# TTSBUILD_CODEC_IMPLICIT_MIN_ROWS lowered, codec_engine.IMPLICIT_MIN_ROWS).
+SPLIT_K = os.environ.get("TTSBUILD_CODEC_CONV_SPLIT", "0") == "1"
+SPLIT_MAX = 16
+
+
+def _split_k(tiles: int, k_steps: int, sms: int, split_k: int | None) -> int:
+    """Programs a tile (a power of two): 1 unless SPLIT_K (or split_k > 1 given), then the
+    most that keep the grid within one wave of `sms` programs and >= 2 K steps a program."""
+    if split_k is not None:
+        return max(1, min(split_k, k_steps))
+    split = 1
+    while (SPLIT_K and split < SPLIT_MAX and tiles * split * 2 <= sms
+           and k_steps >= 4 * split):
+        split *= 2
+    return split
+
+
 def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None,
                         channels_last=False, config=None, out_alpha=None, out_inv_beta=None,
-                        maxnreg: int | None = None, flat_k: bool | None = None):
+                        maxnreg: int | None = None, flat_k: bool | None = None,
+                        split_k: int | None = None):
     """config: (BLOCK_M, BLOCK_CI, BLOCK_O, num_warps, num_stages) in place of `_config`'s
     (benchmarks/codec/sweep_conv.py times a grid of them). maxnreg: a cap on the registers a
     thread (Triton's compile option; timing only: with the epilogue SnakeBeta the 128 x 128
     tile of 8 warps takes 189 registers against 121, one CTA an SM instead of two, in an
     offline sm_90 compile, `benchmarks/codec/ptx_loads.py --registers`). flat_k: the
-    flattened K steps (FLAT_K) where the input allows them; None: the switch decides."""
+    flattened K steps (FLAT_K) where the input allows them; None: the switch decides.
+    split_k: programs a tile (SPLIT_K's split-K); None: the switch and the grid decide."""
     import triton
 
     B, cin, L = xin.shape
@@ -181,7 +207,19 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
         bci = 64  # two 32-channel runs a step
     if config is None and maxnreg is None and out_alpha is not None and warps == 8:
         maxnreg = EPILOGUE_MAXNREG  # the two-warpgroup tile with the epilogue SnakeBeta
-    grid = (triton.cdiv(B * n, bm), triton.cdiv(cout, bo))
+    tiles = triton.cdiv(B * n, bm) * triton.cdiv(cout, bo)
+    k_steps = triton.cdiv(k * cin, bci) if flat else k * triton.cdiv(cin, bci)
+    from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
+
+    split = _split_k(tiles, k_steps, _num_sms(xin.device), split_k)
+    if split > 1 and tiles > _MAX_TILES:
+        split = 1
+    if split > 1:  # partials [split, M, Cout] fp32 and the tiles' arrival counters
+        ws = torch.empty(split * B * n * cout, dtype=torch.float32, device=xin.device)
+        cnt = _counters(xin.device)
+    else:
+        ws = cnt = w
+    grid = (triton.cdiv(B * n, bm), triton.cdiv(cout, bo), split)
     for name, p, c in (("alpha", alpha, cin), ("inv_beta", inv_beta, cin),
                        ("out_alpha", out_alpha, cout), ("out_inv_beta", out_inv_beta, cout)):
         if p is not None and (p.numel() != c or p.dtype != torch.float32
@@ -195,11 +233,11 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     _causal_conv_kernel[grid](
         xin, w, bias if bias is not None else w, res, out, alpha if snake else w,
         inv_beta if snake else w, out_alpha if out_snake else w,
-        out_inv_beta if out_snake else w, B * n, cin, cout, n, dilation,
+        out_inv_beta if out_snake else w, ws, cnt, B * n, cin, cout, n, dilation,
         xin.stride(0), xin.stride(1), xin.stride(2), res.stride(0), res.stride(1), res.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SNAKE=snake,
-        HAS_OUT_SNAKE=out_snake, FLAT_K=FLAT_RUN if flat else 0,
+        HAS_OUT_SNAKE=out_snake, FLAT_K=FLAT_RUN if flat else 0, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=stages,
         **codec_pdl_args(xin), **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
@@ -349,21 +387,57 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         return (af + ib[None, :] * (sn * sn)).to(a.dtype)
 
     @triton.jit
+    def _split_range(steps, pid_k, SPLIT_K: tl.constexpr):
+        """K steps [lo, hi) of split pid_k of SPLIT_K (all of them for one split)."""
+        if SPLIT_K == 1:
+            lo = 0
+            hi = steps
+        else:
+            per = tl.cdiv(steps, SPLIT_K)
+            lo = pid_k * per
+            hi = tl.minimum(lo + per, steps)
+        return lo, hi
+
+    @triton.jit
+    def _split_sum(acc, ws_ptr, cnt_ptr, offs_m, offs_o, mask, M, COUT,
+                   SPLIT_K: tl.constexpr):  # fmt: skip
+        """Split-K: this program's partial into the workspace; the tile's last program to
+        arrive (acq_rel counter, reset after) gets the sum of every partial. Returns (the sum
+        where last, else zeros; 1 where last, else 0)."""
+        pid_k = tl.program_id(2)
+        rows = offs_m[:, None].to(tl.int64) * COUT + offs_o[None, :]
+        tl.store(ws_ptr + pid_k * M * COUT + rows, acc, mask=mask)
+        tl.debug_barrier()
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        last = (arrived == SPLIT_K - 1).to(tl.int32)
+        tot = tl.zeros_like(acc)
+        if last > 0:
+            for s in tl.static_range(SPLIT_K):
+                tot += tl.load(ws_ptr + s * M * COUT + rows, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+        return tot, last
+
+    @triton.jit
     def _conv_acc(x_rows, w_ptr, alpha_ptr, inv_beta_ptr, offs_o, m_mask, o_mask, CIN, COUT,
                   DIL, sxc, sxt, K: tl.constexpr, HAS_SNAKE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr,
-                  BLOCK_O: tl.constexpr, FLAT_K: tl.constexpr = 0):  # fmt: skip
+                  BLOCK_O: tl.constexpr, FLAT_K: tl.constexpr = 0, pid_k=0,
+                  SPLIT_K: tl.constexpr = 1):  # fmt: skip
         """The implicit GEMM of a tile: sum over taps j and input channels of x[t + j DIL, c]
         (SnakeBeta'd as it loads with HAS_SNAKE) times w[j, c, o], fp32 [BLOCK_M, BLOCK_O].
         FLAT_K (> 0): K steps of BLOCK_CI over the flattened (tap, channel) index kk = j CIN
         + c, which may span two taps; the caller guarantees channels-last input (sxc == 1)
         with CIN and sxt multiples of FLAT_K, so each step is runs of FLAT_K contiguous,
-        aligned channels (vector loads), and the packed weight's row is kk itself."""
+        aligned channels (vector loads), and the packed weight's row is kk itself.
+        SPLIT_K > 1: only split pid_k's contiguous range of the K steps."""
         acc = tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.float32)
         if FLAT_K > 0:
             KC = K * CIN
-            for k0 in range(0, KC, BLOCK_CI):
-                kk = k0 + tl.arange(0, BLOCK_CI)
+            lo, hi = _split_range(tl.cdiv(KC, BLOCK_CI), pid_k, SPLIT_K)
+            for kb in range(lo, hi):
+                kk = kb * BLOCK_CI + tl.arange(0, BLOCK_CI)
                 k_mask = kk < KC
                 j = kk // CIN
                 c = kk - j * CIN
@@ -378,7 +452,8 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         else:
             # one loop over (tap j, channel block c0), so the compiler pipelines its loads
             cin_blocks = tl.cdiv(CIN, BLOCK_CI)
-            for it in range(0, K * cin_blocks):
+            lo, hi = _split_range(K * cin_blocks, pid_k, SPLIT_K)
+            for it in range(lo, hi):
                 j = it // cin_blocks
                 offs_c = (it % cin_blocks) * BLOCK_CI + tl.arange(0, BLOCK_CI)
                 c_mask = offs_c < CIN
@@ -394,10 +469,11 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     @triton.jit
     def _causal_conv_kernel(
         x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, out_alpha_ptr,
-        out_inv_beta_ptr, M, CIN, COUT, N, DIL, sxb, sxc, sxt, srb, sro, srt, sob, soo, sot,
+        out_inv_beta_ptr, ws_ptr, cnt_ptr, M, CIN, COUT, N, DIL, sxb, sxc, sxt, srb, sro, srt,
+        sob, soo, sot,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAKE: tl.constexpr,
-        HAS_OUT_SNAKE: tl.constexpr, FLAT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr, PDL: tl.constexpr,
+        HAS_OUT_SNAKE: tl.constexpr, FLAT_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
         # output rows m = b * N + t over the whole batch: a tile spans rows of several
@@ -411,10 +487,13 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         x_rows = x_ptr + b * sxb + t * sxt  # [BLOCK_M]: input time t of row b, tap 0
         acc = _conv_acc(x_rows, w_ptr, alpha_ptr, inv_beta_ptr, offs_o, m_mask, o_mask, CIN,
                         COUT, DIL, sxc, sxt, K, HAS_SNAKE, BLOCK_M, BLOCK_CI, BLOCK_O,
-                        FLAT_K)
+                        FLAT_K, tl.program_id(2), SPLIT_K)
+        mask = m_mask[:, None] & o_mask[None, :]
+        if SPLIT_K > 1:  # only the tile's last program goes on, with the sum of the partials
+            acc, last = _split_sum(acc, ws_ptr, cnt_ptr, offs_m, offs_o, mask, M, COUT, SPLIT_K)
+            mask = mask & ((tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.int32) + last) > 0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
-        mask = m_mask[:, None] & o_mask[None, :]
         if HAS_RES:
             r = tl.load(res_ptr + (b * srb + t * srt)[:, None] + offs_o[None, :] * sro,
                         mask=mask, other=0.0)

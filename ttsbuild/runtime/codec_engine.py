@@ -102,8 +102,11 @@ CONV_IMPLS = ("cudnn", "gemm", "triton")
 # (batch x frames x samples per frame at the conv) and as im2col + cuBLAS below it: the short
 # convs of a one-stream step are few long-K tiles, where cuBLAS's split-K GEMMs win. One-frame
 # step on the H200: 1.21 ms at 1 stream and 4.98 ms at 64 (im2col everywhere: 1.19 / 6.58;
-# benchmarks/codec/RESULTS.md).
-IMPLICIT_MIN_ROWS = 512
+# benchmarks/codec/RESULTS.md). TTSBUILD_CODEC_IMPLICIT_MIN_ROWS moves the limit: with
+# TTSBUILD_CODEC_CONV_SPLIT=1 (causal_conv.SPLIT_K, the short convs' tiles split over K in the
+# one launch) the kernel may take the short convs too, an im2col copy, a GEMM and its split-K
+# reduction a conv fewer and their SnakeBeta in the epilogue (built 2026-12-06, not yet timed).
+IMPLICIT_MIN_ROWS = int(os.environ.get("TTSBUILD_CODEC_IMPLICIT_MIN_ROWS", "512"))
 # The upsample stage's ConvNeXt blocks of half-precision stages with at most this many
 # positions (batch x frames x upsampling so far) as two launches each (plugins.convnext: the
 # depthwise conv, LayerNorm and pwconv1 + GELU; pwconv2, gamma and the residual) after the
