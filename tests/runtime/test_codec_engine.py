@@ -368,6 +368,48 @@ def test_channels_last_conv_operands_decode_the_same_audio(fused, monkeypatch):
     assert not CodecEngine(dec, 2, "fp16", channels_last=True).channels_last
 
 
+@pytest.mark.parametrize(("channels_last", "implicit_min_rows"), [(False, 1), (True, 1),
+                                                                  (True, 20)])
+def test_block_act_in_the_conv_before_decodes_the_same_audio(channels_last, implicit_min_rows,
+                                                             monkeypatch):
+    """CodecEngine(fold_block_act=True): each decoder block's first SnakeBeta applied in the
+    epilogue of the conv before it (the decoder's input conv, the previous block's last 1x1
+    conv; the Triton kernel under TRITON_INTERPRET=1, else its reference) instead of a
+    snake_context launch of its own: the same audio, bit for bit, chunk by chunk, and one
+    SnakeBeta launch fewer a block and step where the kernel runs those convs. With a row
+    limit above some of the convs' rows those take the launch as before (same audio)."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    monkeypatch.setattr(ce, "IMPLICIT_MIN_ROWS", implicit_min_rows)
+    calls = []
+    real = ce.snake_context
+
+    def spy(*args, **kw):
+        calls.append(args[3] is None)  # no tail: a block's first SnakeBeta (or a unit's act2)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ce, "snake_context", spy)
+    cfg = small_config()
+    dec = our_decoder(cfg, test_state(cfg, seed=40))
+    codes = rand_codes(cfg, 2, 6, seed=41)
+    kw = dict(conv_impl="triton", fused=True, channels_last=channels_last)
+    plain = CodecEngine(dec, 2, "fp16", **kw, fold_block_act=False)
+    want = ce.decode_with(plain, codes)
+    before = len(calls)
+    calls.clear()
+    folded = CodecEngine(dec, 2, "fp16", **kw, fold_block_act=True)
+    assert folded.fold_block_act
+    got = ce.decode_with(folded, codes)
+    assert got.shape == want.shape and torch.equal(got, want)
+    blocks = sum(isinstance(m, ce.DecoderBlock) for m in dec.modules())
+    steps = -(-codes.shape[-1] // 4)
+    assert blocks and before - len(calls) <= blocks * steps
+    if implicit_min_rows == 1:  # the kernel runs every conv: every block's launch goes
+        assert before - len(calls) == blocks * steps
+    # only the implicit-GEMM convs take it
+    assert not CodecEngine(dec, 2, "fp16", fold_block_act=True).fold_block_act
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_snake_in_the_conv_epilogue_decodes_the_same_audio(channels_last, monkeypatch):
     """CodecEngine(snake_epilogue=True): each residual unit's second SnakeBeta applied in its

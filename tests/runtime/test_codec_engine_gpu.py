@@ -183,3 +183,24 @@ def test_split_k_convs_keep_the_decode_and_replay(decoders, monkeypatch, precisi
     assert max(splits) > 1, splits
     assert snr_db(plain, got) > 45
     _assert_replay_equals_eager(engine, codes)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_block_act_fold_keeps_the_decode_and_replays(decoders, monkeypatch, precision):
+    """Each decoder block's first SnakeBeta in the epilogue of the conv before it
+    (fold_block_act) against its own launch, every conv on the implicit-GEMM kernel (min rows
+    1): the same audio (both round the conv output, then the same fp32 SnakeBeta), and a
+    captured step equal to the eager one."""
+    from ttsbuild.runtime import codec_engine
+
+    monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)
+    cfg, _, dec = decoders
+    codes = rand_codes(cfg, 2, 8, seed=77)
+    kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
+    plain = decode_with(CodecEngine(dec, 2, precision, **kw, fold_block_act=False), codes,
+                        chunk=2)  # fmt: skip
+    engine = CodecEngine(dec, 2, precision, **kw, fold_block_act=True)
+    assert engine.fold_block_act
+    got = decode_with(engine, codes, chunk=2)
+    assert ((got - plain).abs().max() / plain.abs().max()).item() <= 1e-6
+    _assert_replay_equals_eager(engine, codes)

@@ -145,6 +145,15 @@ SNAKE_EPILOGUE = os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE", "1") == "1"
 # TTSBUILD_CODEC_SNAKE_EPILOGUE_MAX_ROWS=2048 puts the old limit back.
 SNAKE_EPILOGUE_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_SNAKE_EPILOGUE_MAX_ROWS",
                                              str(1 << 62)))
+# Each decoder block's leading SnakeBeta (before its transposed conv) applied in the epilogue
+# of the conv before it, the previous block's last residual unit's 1x1 conv or the decoder's
+# input conv (causal_conv out_alpha; the same bits: both round the conv output, then take the
+# same fp32 SnakeBeta of it), where both stages share a dtype: 4 launches a step fewer (and at
+# 64 rows ~53 MB of reads and writes). The conv's un-snaked output has no other reader.
+# Where the implicit-GEMM kernel does not run that conv, its output gets the SnakeBeta as a
+# launch of its own, as before. TTSBUILD_CODEC_FOLD_BLOCK_ACT=1 turns it on (built
+# 2026-12-06, not yet timed).
+FOLD_BLOCK_ACT = os.environ.get("TTSBUILD_CODEC_FOLD_BLOCK_ACT", "0") == "1"
 # A residual unit as one launch after its first SnakeBeta (plugins.causal_conv.residual_unit:
 # the k = 7 conv, the second SnakeBeta, the 1x1 conv and the residual, the SnakeBeta'd tile
 # kept in registers) for units whose channels, as a power of two, are at most this (128: the
@@ -244,6 +253,7 @@ class CodecEngine:
         state_channels_last: bool = False,
         fused_layers_max_rows: int = 0,
         snake_epilogue: bool | None = None,
+        fold_block_act: bool | None = None,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -271,6 +281,10 @@ class CodecEngine:
         # environment's choice); with "triton" convs, where the kernel runs conv1
         self.snake_epilogue = (SNAKE_EPILOGUE if snake_epilogue is None
                                else snake_epilogue) and conv_impl == "triton"
+        # each decoder block's first SnakeBeta in the epilogue of the conv before it (None:
+        # FOLD_BLOCK_ACT); with "triton" convs, where the kernel runs that conv
+        self.fold_block_act = (FOLD_BLOCK_ACT if fold_block_act is None
+                               else fold_block_act) and conv_impl == "triton"
         # The implicit-GEMM convs' inputs and outputs as channels-last views ([B, C, T] shapes
         # over contiguous [B, T, C] storage: snake_context / causal_conv channels_last), so the
         # kernel reads its input tiles along contiguous channels, in vectors its compiler can
@@ -487,13 +501,21 @@ class CodecEngine:
             for up, block in c.upsample:
                 x = self._convnext(block, self._conv_t(up, x, rows, st), rows, st)
         names = stage_names(c)
-        for name, m in zip(names[3:-1], c.decoder[:-2], strict=True):
+        decoder = list(zip(names[3:-1], c.decoder[:-2], strict=True))
+        act_done = False  # whether x already had the coming block's first SnakeBeta
+        for i, (name, m) in enumerate(decoder):
             with self._in_stage(name) as st:
                 x = x.to(st.dtype)
+                nxt = decoder[i + 1] if i + 1 < len(decoder) else None
+                out_act = None
+                if (self.fold_block_act and nxt is not None and isinstance(nxt[1], DecoderBlock)
+                        and self.stages[nxt[0]].dtype == st.dtype):
+                    out_act = nxt[1].block[0]
                 if isinstance(m, DecoderBlock):
-                    x = self._decoder_block(m, x, rows, st)
+                    x = self._decoder_block(m, x, rows, st, act_done, out_act)
                 else:
-                    x = self._conv(m, x, rows, st)
+                    x = self._conv(m, x, rows, st, out_act=out_act)
+                act_done = out_act is not None
         with self._in_stage(OUTPUT_STAGE) as st:
             act, out = c.decoder[-2], c.decoder[-1]
             w = self._conv_w.get(out)
@@ -644,16 +666,24 @@ class CodecEngine:
                           m.weight.T)  # fmt: skip
         return out.view(shape)
 
-    def _decoder_block(self, m: DecoderBlock, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
+    def _decoder_block(self, m: DecoderBlock, x: Tensor, rows: Tensor, st: _Stage,
+                       act_done: bool = False, out_act: nn.Module | None = None) -> Tensor:
+        """act_done: x is already SnakeBeta(x) of the block's act (FOLD_BLOCK_ACT); out_act:
+        a SnakeBeta (the next block's first) applied to the block's output."""
         act, up, *units = m.block
-        # channels-last: the transposed conv's GEMM reads x^T without a copy
-        last = self.channels_last and up in self._tconv_w and x.dtype != torch.float32
-        x = self._conv_t(up, self._act(act, x, rows, channels_last=last), rows, st)
-        for u in units:
-            x = self._residual(u, x, rows, st)
+        if not act_done:
+            # channels-last: the transposed conv's GEMM reads x^T without a copy
+            last = self.channels_last and up in self._tconv_w and x.dtype != torch.float32
+            x = self._act(act, x, rows, channels_last=last)
+        x = self._conv_t(up, x, rows, st)
+        for i, u in enumerate(units):
+            x = self._residual(u, x, rows, st, out_act if i == len(units) - 1 else None)
         return x
 
-    def _residual(self, m: ResidualUnit, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
+    def _residual(self, m: ResidualUnit, x: Tensor, rows: Tensor, st: _Stage,
+                  out_act: nn.Module | None = None) -> Tensor:
+        """out_act: a SnakeBeta applied to the unit's output (in the 1x1 conv's epilogue
+        where the kernel runs it)."""
         c1, c2 = m.conv1, m.conv2
         if (FUSED_UNIT_MAX_C and self.conv_impl == "triton" and self.channels_last
                 and x.dtype != torch.float32 and triton_block(x.shape[1]) <= FUSED_UNIT_MAX_C
@@ -663,15 +693,16 @@ class CodecEngine:
             # the whole unit in one launch (see FUSED_UNIT_MAX_C)
             tail = self.state[c1.slot][0] if c1.context else None
             xin = snake_context(x, *self._snake[m.act1], tail, rows, channels_last=True)
-            return residual_unit(xin, self._conv_w[c1], c1.conv.bias, c1.conv.dilation[0],
-                                 *self._snake[m.act2], self._conv_w[c2], c2.conv.bias, x,
-                                 channels_last=True)  # fmt: skip
+            y = residual_unit(xin, self._conv_w[c1], c1.conv.bias, c1.conv.dilation[0],
+                              *self._snake[m.act2], self._conv_w[c2], c2.conv.bias, x,
+                              channels_last=True)  # fmt: skip
+            return y if out_act is None else self._act(out_act, y, rows, channels_last=True)
         if self.snake_epilogue and x.shape[0] * x.shape[-1] < SNAKE_EPILOGUE_MAX_ROWS:
             # act2 in conv1's epilogue (see SNAKE_EPILOGUE)
             h = self._conv(m.conv1, x, rows, st, act=m.act1, out_act=m.act2)
-            return self._conv(m.conv2, h, rows, st, residual=x)
+            return self._conv(m.conv2, h, rows, st, residual=x, out_act=out_act)
         h = self._conv(m.conv1, x, rows, st, act=m.act1)
-        return self._conv(m.conv2, h, rows, st, act=m.act2, residual=x)
+        return self._conv(m.conv2, h, rows, st, act=m.act2, residual=x, out_act=out_act)
 
     def _transformer(self, x: Tensor, rows: Tensor, pos: Tensor, st: _Stage) -> Tensor:
         tr = self.codec.pre_transformer  # x: [B, n, latent]
