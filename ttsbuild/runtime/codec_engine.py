@@ -508,8 +508,10 @@ class CodecEngine:
                 x = x.to(st.dtype)
                 nxt = decoder[i + 1] if i + 1 < len(decoder) else None
                 out_act = None
+                # (a block's output comes from its last residual unit: none, nothing to fold in)
                 if (self.fold_block_act and nxt is not None and isinstance(nxt[1], DecoderBlock)
-                        and self.stages[nxt[0]].dtype == st.dtype):
+                        and self.stages[nxt[0]].dtype == st.dtype
+                        and (not isinstance(m, DecoderBlock) or len(m.block) > 2)):
                     out_act = nxt[1].block[0]
                 if isinstance(m, DecoderBlock):
                     x = self._decoder_block(m, x, rows, st, act_done, out_act)
