@@ -368,6 +368,28 @@ def test_channels_last_conv_operands_decode_the_same_audio(fused, monkeypatch):
     assert not CodecEngine(dec, 2, "fp16", channels_last=True).channels_last
 
 
+def _small_triton(seed, channels_last):
+    """The small decoder (weights from `seed`), 6 frames of codes for 2 rows (seed + 1), and
+    the engine settings of the implicit-GEMM path with its fusions."""
+    cfg = small_config()
+    dec = our_decoder(cfg, test_state(cfg, seed=seed))
+    kw = dict(conv_impl="triton", fused=True, channels_last=channels_last)
+    return dec, rand_codes(cfg, 2, 6, seed=seed + 1), kw
+
+
+def _spy(monkeypatch, module, name, record):
+    """module.<name> replaced by a wrapper that appends record(*args, **kw) to the returned
+    list, then calls the original."""
+    calls, real = [], getattr(module, name)
+
+    def spy(*args, **kw):
+        calls.append(record(*args, **kw))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 @pytest.mark.parametrize(("channels_last", "implicit_min_rows"), [(False, 1), (True, 1),
                                                                   (True, 20)])
 def test_block_act_in_the_conv_before_decodes_the_same_audio(channels_last, implicit_min_rows,
@@ -381,18 +403,8 @@ def test_block_act_in_the_conv_before_decodes_the_same_audio(channels_last, impl
     import ttsbuild.runtime.codec_engine as ce
 
     monkeypatch.setattr(ce, "IMPLICIT_MIN_ROWS", implicit_min_rows)
-    calls = []
-    real = ce.snake_context
-
-    def spy(*args, **kw):
-        calls.append(args[3] is None)  # no tail: a block's first SnakeBeta (or a unit's act2)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(ce, "snake_context", spy)
-    cfg = small_config()
-    dec = our_decoder(cfg, test_state(cfg, seed=40))
-    codes = rand_codes(cfg, 2, 6, seed=41)
-    kw = dict(conv_impl="triton", fused=True, channels_last=channels_last)
+    calls = _spy(monkeypatch, ce, "snake_context", lambda *args, **kw: args[3] is None)
+    dec, codes, kw = _small_triton(40, channels_last)
     plain = CodecEngine(dec, 2, "fp16", **kw, fold_block_act=False)
     want = ce.decode_with(plain, codes)
     before = len(calls)
@@ -422,19 +434,10 @@ def test_snake_in_the_conv_epilogue_decodes_the_same_audio(channels_last, monkey
 
     monkeypatch.setattr(ce, "IMPLICIT_MIN_ROWS", 1)
     monkeypatch.setattr(ce, "SNAKE_EPILOGUE_MAX_ROWS", 1 << 30)
-    calls = []
-    real = ce.causal_conv
-
-    def spy(*args, **kw):
-        calls.append((kw.get("out_alpha") is not None, kw.get("alpha") is not None
-                      or len(args) > 5 and args[5] is not None))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(ce, "causal_conv", spy)
-    cfg = small_config()
-    dec = our_decoder(cfg, test_state(cfg, seed=38))
-    codes = rand_codes(cfg, 2, 6, seed=39)
-    kw = dict(conv_impl="triton", fused=True, channels_last=channels_last)
+    calls = _spy(monkeypatch, ce, "causal_conv", lambda *args, **kw: (
+        kw.get("out_alpha") is not None,
+        kw.get("alpha") is not None or len(args) > 5 and args[5] is not None))
+    dec, codes, kw = _small_triton(38, channels_last)
     plain = CodecEngine(dec, 2, "fp16", **kw, snake_epilogue=False)
     want = ce.decode_with(plain, codes)
     assert calls and not any(out for out, _ in calls) and any(load for _, load in calls)

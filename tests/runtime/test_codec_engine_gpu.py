@@ -147,12 +147,18 @@ def test_snake_epilogue_keeps_the_decode_and_replays(decoders, monkeypatch, prec
     monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)
     monkeypatch.setattr(codec_engine, "SNAKE_EPILOGUE_MAX_ROWS", 1 << 30)
     cfg, _, dec = decoders
-    codes = rand_codes(cfg, 2, 8, seed=71)
+    _assert_same_bits_and_replay(dec, precision, rand_codes(cfg, 2, 8, seed=71),
+                                 "snake_epilogue")
+
+
+def _assert_same_bits_and_replay(dec, precision, codes, flag):
+    """The served settings, every conv as the kernel runs it, CodecEngine(<flag>) off and on:
+    the same audio (to 1e-6 relative), and a captured step of the second equal to its eager
+    step."""
     kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
-    plain = decode_with(CodecEngine(dec, 2, precision, **kw, snake_epilogue=False), codes,
-                        chunk=2)  # fmt: skip
-    engine = CodecEngine(dec, 2, precision, **kw, snake_epilogue=True)
-    assert engine.snake_epilogue
+    plain = decode_with(CodecEngine(dec, 2, precision, **kw, **{flag: False}), codes, chunk=2)
+    engine = CodecEngine(dec, 2, precision, **kw, **{flag: True})
+    assert getattr(engine, flag)
     got = decode_with(engine, codes, chunk=2)
     assert ((got - plain).abs().max() / plain.abs().max()).item() <= 1e-6
     _assert_replay_equals_eager(engine, codes)
@@ -195,12 +201,5 @@ def test_block_act_fold_keeps_the_decode_and_replays(decoders, monkeypatch, prec
 
     monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)
     cfg, _, dec = decoders
-    codes = rand_codes(cfg, 2, 8, seed=77)
-    kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
-    plain = decode_with(CodecEngine(dec, 2, precision, **kw, fold_block_act=False), codes,
-                        chunk=2)  # fmt: skip
-    engine = CodecEngine(dec, 2, precision, **kw, fold_block_act=True)
-    assert engine.fold_block_act
-    got = decode_with(engine, codes, chunk=2)
-    assert ((got - plain).abs().max() / plain.abs().max()).item() <= 1e-6
-    _assert_replay_equals_eager(engine, codes)
+    _assert_same_bits_and_replay(dec, precision, rand_codes(cfg, 2, 8, seed=77),
+                                 "fold_block_act")
