@@ -66,9 +66,10 @@
 #         triton+k+cl+o+s+a+l since 2026-12-06: "+l" is the pre-transformer as fused linears
 #         up to 8 rows, as the engine's plan serves it (codec_fused_layers_max_rows 8); the
 #         row without it, the default before, runs cuBLAS GEMVs at batch 1, not the engine's
-#         figure; batches $CODEC_BATCHES, default 1,64) as served and with each ';'-separated group of switches in
-#         $CODEC_ENV, alternated $CODEC_ROUNDS times (default 2; one process each: compare the
-#         rounds' spread with the difference), e.g. CODEC_ENV="TTSBUILD_CODEC_OUTPUT_TAPS=0"
+#         figure; batches $CODEC_BATCHES, default 1,64) as served and with each
+#         ';'-separated group of switches in $CODEC_ENV, alternated $CODEC_ROUNDS times
+#         (default 2; one process each: compare the rounds' spread with the difference),
+#         e.g. CODEC_ENV="TTSBUILD_CODEC_OUTPUT_TAPS=0"
 # codec:  the codec's kernel tests on the GPU (causal conv, snake + context, channels-last
 #         operands, the fused output stage, ring attention), then profile_codec.py's
 #         one-frame step (graph-replayed, SNR against fp32) at batches $CODEC_BATCHES (default

@@ -67,8 +67,7 @@ def test_shapes_it_cannot_run_are_refused():
 @pytest.mark.parametrize(("C", "n", "k", "d"), [(96, 300, 7, 1), (40, 3, 7, 1), (33, 20, 3, 3)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("spread", [False, True, "taps", "taps-wide", "taps-unrolled",
-                                    "taps-32"])
+@pytest.mark.parametrize("spread", [False, True, "taps", "taps-wide", "taps-32"])
 def test_kernel_equals_reference_over_two_steps(C, n, k, d, dtype, channels_last, spread,
                                                 monkeypatch):  # fmt: skip
     """Output blocks past the first (n 300: two; with the small-step spread, 128 -> 16
@@ -77,14 +76,12 @@ def test_kernel_equals_reference_over_two_steps(C, n, k, d, dtype, channels_last
     first wrote); False, True: the one-phase kernel, each tap recomputing its inputs'
     SnakeBeta; "taps": taps first (the window's [window, C] x [C, 16] product, then
     shifted sums of it), spread tiles; "taps-wide": the same on tiles of up to
-    128 samples; "taps-unrolled": that with the channel loop unrolled; "taps-32": tiles of
-    at most 32 samples."""
+    128 samples; "taps-32": tiles of at most 32 samples."""
     import ttsbuild.plugins.codec_output as co
 
     taps = isinstance(spread, str) and spread.startswith("taps")
     monkeypatch.setattr(co, "SPREAD", spread in (True, "taps"))
     monkeypatch.setattr(co, "TAPS_FIRST", taps)
-    monkeypatch.setattr(co, "TAPS_UNROLL", spread == "taps-unrolled")
     monkeypatch.setattr(co, "TAPS_MAX_T", 32 if spread == "taps-32" else 128)
     name = "_codec_output_taps_kernel" if taps else "_codec_output_kernel"
     launched = []  # the kernel asked for must be the one that runs

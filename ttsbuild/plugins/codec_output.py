@@ -51,16 +51,12 @@ SPREAD = os.environ.get("TTSBUILD_CODEC_OUTPUT_SPREAD", "1") != "0"
 # on the H200), which it beat at batch 1 on both cards. TTSBUILD_CODEC_OUTPUT_TAPS=0 gives
 # the one-phase kernel (`_codec_output_kernel`, each tap recomputing its inputs' SnakeBeta).
 TAPS_FIRST = os.environ.get("TTSBUILD_CODEC_OUTPUT_TAPS", "1") == "1"
-# Two variants of it, off, for the next A/B (the taps-first kernel took as long as the one it
-# replaced at 64 rows, 156 us on the H200: not sine-bound, likely a serial chain of loads in
-# too few warps): TTSBUILD_CODEC_OUTPUT_TAPS_MAX_T=N caps its tiles at N samples (more,
-# smaller programs at large batches); TTSBUILD_CODEC_OUTPUT_TAPS_UNROLL=1 unrolls its channel
-# loop (the channel count a compile-time constant), so every channel block's loads can be
-# issued before the first block's products (offline sm_90 compile, C = 96: 128-sample tiles
-# then spill 808 bytes a thread, 32-sample tiles take 245 registers and none; the loop as a
-# loop: 80 and 72).
+# TTSBUILD_CODEC_OUTPUT_TAPS_MAX_T=N caps its tiles at N samples (more, smaller programs at
+# large batches; off: 128). Timed only together with the channel loop unrolled (the channel
+# count a compile-time constant), which lost on an H100 (batch 1 / 64 / 256 0.659 / 2.479 /
+# 7.383 -> 0.669 / 2.567 / 7.754 ms, benchmarks/codec/2026-12-06-h100-flat-k-epilogue) and was
+# removed; the cap alone is not yet timed.
 TAPS_MAX_T = int(os.environ.get("TTSBUILD_CODEC_OUTPUT_TAPS_MAX_T", "128"))
-TAPS_UNROLL = os.environ.get("TTSBUILD_CODEC_OUTPUT_TAPS_UNROLL", "0") == "1"
 
 
 def _spread(B: int, n: int, block_ctx: int, block_t: int, sms: int) -> tuple[int, int]:
@@ -135,7 +131,7 @@ def _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation):
             x, w, bias, alpha if snake else x, inv_beta if snake else x, tail if ctx else x,
             rows, out, scratch, C, n, ctx, dilation, x.stride(0), x.stride(1), x.stride(2),
             K=k, HAS_SNAKE=snake, HAS_TAIL=ctx > 0, BLOCK_C=16, BLOCK_T=block_t,
-            BLOCK_W=block_w, BLOCK_CTX=block_ctx, WIN=win, C_UNROLL=C if TAPS_UNROLL else 0,
+            BLOCK_W=block_w, BLOCK_CTX=block_ctx, WIN=win,
             num_warps=8 if block_t >= 128 else 4 if block_t >= 32 else 2,
             **codec_pdl_args(x),
         )  # fmt: skip
@@ -225,31 +221,12 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         return v
 
     @triton.jit
-    def _taps_block(x_row, w_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, slot, c0, tap, ia, ib_,
-                    za, zb, C, n, ctx, sxc, sxt, K: tl.constexpr, HAS_SNAKE: tl.constexpr,
-                    HAS_TAIL: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
-        """z += xin^T w for channels c0 .. c0 + BLOCK_C - 1 of both window pieces (xin
-        columns ia, ib_)."""
-        c = c0 + tl.arange(0, BLOCK_C)
-        c_mask = c < C
-        al, ib = snake_params(alpha_ptr, inv_beta_ptr, c, c_mask, HAS_SNAKE)
-        wt = tl.load(w_ptr + tap[None, :] * C + c[:, None],
-                     mask=c_mask[:, None] & (tap < K)[None, :], other=0.0).to(tl.float32)
-        va = _xin_piece(x_row, tail_ptr, slot, c, c_mask, al, ib, ia, C, n, ctx, sxc, sxt,
-                        HAS_SNAKE, HAS_TAIL)  # fmt: skip
-        vb = _xin_piece(x_row, tail_ptr, slot, c, c_mask, al, ib, ib_, C, n, ctx, sxc, sxt,
-                        HAS_SNAKE, HAS_TAIL)  # fmt: skip
-        za = tl.dot(va, wt, za, input_precision="ieee")
-        zb = tl.dot(vb, wt, zb, input_precision="ieee")
-        return za, zb
-
-    @triton.jit
     def _codec_output_taps_kernel(
         x_ptr, w_ptr, bias_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, rows_ptr, out_ptr,
         scratch_ptr, C, n, ctx, DIL, sxb, sxc, sxt,
         K: tl.constexpr, HAS_SNAKE: tl.constexpr, HAS_TAIL: tl.constexpr,
         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-        BLOCK_CTX: tl.constexpr, WIN: tl.constexpr, C_UNROLL: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_CTX: tl.constexpr, WIN: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """The output stage of one (row, block of BLOCK_T samples), taps first (TAPS_FIRST):
         z [WIN, 16] = xin^T [WIN, C] x w [C, 16 (taps, padded)] over the program's window
@@ -269,16 +246,18 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         tap = tl.arange(0, 16)
         za = tl.zeros([BLOCK_T, 16], dtype=tl.float32)
         zb = tl.zeros([BLOCK_W, 16], dtype=tl.float32)
-        if C_UNROLL:  # the channel count known at compile time: the loop unrolled
-            for c0 in tl.static_range(0, C_UNROLL, BLOCK_C):
-                za, zb = _taps_block(x_row, w_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, slot, c0,
-                                     tap, t0 + col_a, t0 + col_b, za, zb, C, n, ctx, sxc, sxt,
-                                     K, HAS_SNAKE, HAS_TAIL, BLOCK_C)  # fmt: skip
-        else:
-            for c0 in range(0, C, BLOCK_C):
-                za, zb = _taps_block(x_row, w_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, slot, c0,
-                                     tap, t0 + col_a, t0 + col_b, za, zb, C, n, ctx, sxc, sxt,
-                                     K, HAS_SNAKE, HAS_TAIL, BLOCK_C)  # fmt: skip
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            c_mask = c < C
+            al, ib = snake_params(alpha_ptr, inv_beta_ptr, c, c_mask, HAS_SNAKE)
+            wt = tl.load(w_ptr + tap[None, :] * C + c[:, None],
+                         mask=c_mask[:, None] & (tap < K)[None, :], other=0.0).to(tl.float32)
+            va = _xin_piece(x_row, tail_ptr, slot, c, c_mask, al, ib, t0 + col_a, C, n, ctx,
+                            sxc, sxt, HAS_SNAKE, HAS_TAIL)  # fmt: skip
+            vb = _xin_piece(x_row, tail_ptr, slot, c, c_mask, al, ib, t0 + col_b, C, n, ctx,
+                            sxc, sxt, HAS_SNAKE, HAS_TAIL)  # fmt: skip
+            za = tl.dot(va, wt, za, input_precision="ieee")
+            zb = tl.dot(vb, wt, zb, input_precision="ieee")
         tl.store(scratch + col_a[:, None] * 16 + tap[None, :], za)
         tl.store(scratch + col_b[:, None] * 16 + tap[None, :], zb)
         tl.debug_barrier()  # z's stores precede the shifted reads (one CTA)
