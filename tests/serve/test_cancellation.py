@@ -31,10 +31,13 @@ def test_a_thousand_cancellations_through_the_service_leave_nothing_behind():
     # every state. The overload wait too: a stall of the loop thread longer than
     # standing_queue_s (a 1.2 s generation-2 collection of the whole suite's objects, on a
     # 2-core CI machine) made the queue "stand" and refused requests waiting over 20 ms.
+    # And the unsent-audio limit: the engine costs nothing, so while a collection stalls the
+    # event loop the loop thread generates whole streams (4 s each) that no consumer reads;
+    # a 0.8 s pause in CI left over 120 s unsent and refused request 872 (503).
     config = ServeConfig(
         scheduler=SchedulerConfig(
             num_slots=8, max_queue=2000, queue_timeout_s=60, overload_wait_s=60,
-            admit_by_capacity=False, refuse_long_waits=False,
+            admit_by_capacity=False, refuse_long_waits=False, max_buffered_s=1e6,
         )
     )
     service = SpeechService(engine, config)
