@@ -10,6 +10,12 @@ precision P it prints the SNR against the full fp32 decode of:
   all, transformer strict fp32   the same with no TF32 stage (the engine before 2026-12-01)
   all+out   every stage in P, the output stage too
   only S    stage S alone in P, every other stage in fp32 (the loss S is responsible for)
+With --fused-layers, two more rows per precision, streamed a frame a step (the served
+batch-1 step: the pre-transformer as fused GEMV layers, fused_layers_max_rows 8, which read
+fp32 weights with fp32 FMAs on the GPU, so here no TF32 stage: CPU emulation would round the
+weights to TF32, which fp16 holds exactly):
+  all, fused layers              as "all", the fused layers' fp32 weights
+  all, fused layers, fp16 tr. weights   their weights in scaled fp16 (transformer_half_weights)
 On CPU, fp16/bf16 run natively and TF32 is emulated by rounding (see runtime.codec_engine).
 """
 
@@ -51,6 +57,10 @@ def main() -> None:
     ap.add_argument("--precisions", default="fp16,bf16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fused-layers", action="store_true",
+                    help="also the fused pre-transformer layers, fp32 and fp16 weights")
+    ap.add_argument("--only-fused", action="store_true",
+                    help="only the --fused-layers rows (and 'all')")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dec = real_codec(args.device)
@@ -65,6 +75,8 @@ def main() -> None:
         variants = {"all": (None, None), "all, transformer strict fp32": (None, ()),
                     "all+out": ((), ())}
         variants.update({f"only {s}": (tuple(x for x in stages if x != s), ()) for s in stages})
+        if args.only_fused:
+            variants = {"all": (None, None)}
         for name, (fp32, tf32) in variants.items():
             t = time.time()
             kw = {} if fp32 is None else {"fp32_stages": fp32}
@@ -73,6 +85,16 @@ def main() -> None:
             eng = CodecEngine(dec, args.rows, p, **kw)
             snr = snr_db(ref, decode_with(eng, codes))
             print(f"| {p} | {name} | {snr:.1f} | {time.time() - t:.0f} |", flush=True)
+        if args.fused_layers or args.only_fused:
+            for name, half in (("all, fused layers", False),
+                               ("all, fused layers, fp16 tr. weights", True)):
+                t = time.time()
+                eng = CodecEngine(dec, args.rows, p, conv_impl="triton", fused=True,
+                                  fused_attention=True, fused_layers_max_rows=8,
+                                  tf32_stages=(), transformer_half_weights=half)  # fmt: skip
+                assert eng.fused_layers_max_rows >= args.rows and bool(eng._tr_half) == half
+                snr = snr_db(ref, decode_with(eng, codes, chunk=1))
+                print(f"| {p} | {name} | {snr:.1f} | {time.time() - t:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

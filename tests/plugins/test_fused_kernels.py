@@ -29,6 +29,7 @@ from ttsbuild.plugins.fused_linear import (
     norm_gate_up_silu,
     norm_linear,
     norm_linear_attend,
+    scaled_half_weight,
 )
 from ttsbuild.plugins.norm_act import rms_norm_reference, silu_mul_reference
 from ttsbuild.plugins.qk_norm_rope import qk_norm_rope_reference
@@ -72,6 +73,33 @@ def test_fused_linear_reference_is_the_unfused_ops():
     assert torch.equal(fused_linear(x, q, s, use_triton=False), fp8_linear_reference(x, q, s))
     with pytest.raises(TypeError):
         fused_linear(x, q)  # FP8 weight without its scale
+
+
+def test_scaled_half_weight_rounds_each_row_to_fp16_bits_whatever_its_magnitude():
+    # rows of very different magnitudes: one of ~1e-7 (a small layer scale folded in), whose
+    # plain fp16 rounding lies among the subnormals and keeps few bits
+    g = torch.Generator().manual_seed(17)
+    mags = torch.tensor([1e-7, 3e-3, 1.0, 700.0, 4e4])
+    w = torch.randn(5, 300, generator=g) * mags[:, None]
+    w16, scale = scaled_half_weight(w)
+    assert w16.dtype == torch.float16 and scale.dtype == torch.float32 and scale.shape == (5,)
+    assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)  # powers of two
+    assert w16.float().abs().amax(dim=1).le(1).all() and w16.float().abs().amax(dim=1).gt(0.5).all()
+    back = w16.double() * scale.double()[:, None]
+    # round to nearest with 11 significant bits (entries within 2^14 of their row's largest)
+    big = w.abs() >= w.abs().amax(dim=1, keepdim=True) * 2.0**-14
+    rel_big = torch.where(big, (back - w.double()).abs() / w.double().abs(), 0.0).amax(dim=1)
+    assert rel_big.le(2.0**-11).all(), rel_big
+    plain = w.half().double()  # no scale: the tiny row loses its bits, the largest overflows
+    assert ((plain[0] - w[0].double()).abs() / w[0].double().abs()).amax() > 0.1
+    assert torch.isinf(plain[4]).any()
+    # the linear with them: the dequantised weight's product, from fp32 activations
+    x = torch.randn(3, 300, generator=g)
+    y = fused_linear(x, w16, scale, use_triton=False)
+    assert y.dtype == torch.float32
+    assert torch.allclose(y.double(), x.double() @ back.t(), rtol=1e-5, atol=1e-5 * y.abs().max())
+    with pytest.raises(TypeError, match="per-channel scale"):
+        fused_linear(x, w, scale, use_triton=False)  # fp32 weights take no scale
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")
@@ -219,6 +247,34 @@ def test_norm_linear_kernel(M, K, N, dtype, fp8, split):
         ref = fused_linear_reference(x.float(), w_ref, s, norm_weight=nw.float(), eps=1e-6)
         assert out.shape == (M, N) and out.dtype == (out_dtype or dtype)
         assert _rel(out, ref) < _tol(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,split", [(1, None), (1, _SPLIT2), (3, _ROWS)])
+def test_scaled_half_weight_gemv_kernel(M, split):
+    # the codec pre-transformer's fused layers with TR_HALF_WEIGHTS: fp32 activations, fp16
+    # weights with per-row scales, as GEMVs (a program per row), norm + gate/up + SiLU and
+    # linear + bias + residual; against the fp32 product with the dequantised weights
+    K, N = 200, 40
+    g = _gen(M + 101)
+    x = torch.randn(M, K, device=KDEV, generator=g) * 2
+    w = torch.randn(2 * N, K, device=KDEV, generator=g) * K**-0.5
+    w[3] *= 1e-5  # a row a small folded scale shrank
+    w16, s = scaled_half_weight(w)
+    w_ref = w16.float() * s[:, None]
+    nw = 1 + 0.3 * torch.randn(K, device=KDEV, generator=g)
+    cfg = None if split is None else {**split, "BLOCK_M": 1}
+    out = fused_linear(x, w16, s, norm_weight=nw, eps=1e-6, gate_up=True, use_triton=True,
+                       config=cfg, gemv_rows_f32=M)  # fmt: skip
+    ref = fused_linear_reference(x, w_ref, None, norm_weight=nw, eps=1e-6, gate_up=True)
+    assert out.dtype == torch.float32 and _rel(out, ref) < 1e-5
+    bias = torch.randn(2 * N, device=KDEV, generator=g)
+    res = torch.randn(M, 2 * N, device=KDEV, generator=g) * 3
+    out = fused_linear(x, w16, s, bias=bias, residual=res, use_triton=True, config=cfg,
+                       gemv_rows_f32=M)  # fmt: skip
+    ref = fused_linear_reference(x, w_ref, None, bias=bias, residual=res)
+    assert _rel(out - res, ref - res) < 1e-5
+    assert _rel(out[:, 3] - res[:, 3], ref[:, 3] - res[:, 3]) < 1e-5  # the small row kept
 
 
 @needs_kernel

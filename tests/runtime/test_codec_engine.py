@@ -280,6 +280,53 @@ def test_small_steps_run_the_transformer_as_fused_linears_with_the_same_audio(mo
         assert calls == ([2] * 9 if chunk == 1 else []), calls
 
 
+def test_fused_layers_with_half_weights_read_the_fp32_weights_rounded_to_fp16(monkeypatch):
+    """CodecEngine(transformer_half_weights=True): the fused pre-transformer layers read fp16
+    weights with per-row power-of-two scales (plugins.fused_linear scaled_half_weight) in
+    place of the fp32 ones; the same audio as the fp32 fused layers with those weights
+    rounded, and close to the fp32 decode. Off where no step runs the fused layers."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    cfg = small_config(num_key_value_heads=4)
+    dec = our_decoder(cfg, test_state(cfg, seed=46))
+    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=4)
+    exact = CodecEngine(dec, 2, "fp32", **kw)
+    half = CodecEngine(dec, 2, "fp32", transformer_half_weights=True, **kw)
+    layers = len(dec.pre_transformer.layers)
+    assert not exact._tr_half and len(half._tr_half) == 2 + 4 * layers
+    extra = sum(w.numel() * 2 + s.numel() * 4 for w, s in half._tr_half.values())
+    assert half.weight_bytes() == exact.weight_bytes() + extra
+    assert not CodecEngine(dec, 2, "fp32", conv_impl="triton", fused=True, fused_attention=True,
+                           transformer_half_weights=True)._tr_half  # fmt: skip
+    seen, real = [], ce.fused_linear
+    monkeypatch.setattr(ce, "fused_linear", lambda x, w, s=None, **k: seen.append(
+        (w.dtype, s is not None)) or real(x, w, s, **k))  # fmt: skip
+    codes = rand_codes(cfg, 2, 9, seed=47)
+    ref = ce.decode_with(dec, codes)  # the full fp32 decode
+    got = ce.decode_with(half, codes, chunk=1)
+    assert seen and set(seen) == {(torch.float16, True)}, set(seen)
+    seen.clear()
+    want = ce.decode_with(exact, codes, chunk=1)
+    assert set(seen) == {(torch.float32, False)}
+    assert not torch.equal(got, want)  # the rounded weights were read
+    snr = ce.snr_db(ref, got)
+    assert 60 <= snr < 200, snr
+    # the exact engine with its weights rounded as the half copies are: the same audio
+    tr_e, tr_h, h = exact.codec.pre_transformer, half.codec.pre_transformer, half._tr_half
+    pairs = [(tr_e.input_proj.weight, h[tr_h.input_proj]),
+             (tr_e.output_proj.weight, h[tr_h.output_proj])]
+    for le, lh in zip(tr_e.layers, tr_h.layers, strict=True):
+        qkv, _, gate_up = exact._packed[le]
+        pairs += [(qkv, h[lh, "qkv"]), (gate_up, h[lh, "gate_up"]),
+                  (le.self_attn.o_proj.weight, h[lh.self_attn.o_proj]),
+                  (le.mlp.down_proj.weight, h[lh.mlp.down_proj])]
+    with torch.no_grad():
+        for weight, (w16, scale) in pairs:
+            assert weight.shape == w16.shape
+            weight.copy_(w16.float() * scale[:, None])
+    assert rel_err(ce.decode_with(exact, codes, chunk=1), got) <= REL_TOL
+
+
 def test_fused_transformer_steps_ask_for_their_rows_as_gemvs(monkeypatch):
     """The fused pre-transformer runs steps of at most fused_layers_max_rows rows, so it asks
     fused_linear to run that many fp32 rows as GEMVs (16-row fp32 tiles went through tl.dot's

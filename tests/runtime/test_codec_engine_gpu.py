@@ -203,3 +203,25 @@ def test_block_act_fold_keeps_the_decode_and_replays(decoders, monkeypatch, prec
     cfg, _, dec = decoders
     _assert_same_bits_and_replay(dec, precision, rand_codes(cfg, 2, 8, seed=77),
                                  "fold_block_act")
+
+
+@pytest.mark.parametrize(("precision", "min_db"), [("fp32", 55), ("fp16", 45)])
+def test_half_transformer_weights_keep_the_decode_and_replay(precision, min_db):
+    """The fused pre-transformer layers (a frame a step, as GEMV kernels) reading scaled fp16
+    weights (transformer_half_weights) against their fp32 weights, in the served settings:
+    audio that differs by the weights' rounding (fp32 elsewhere: that loss alone; fp16: with
+    the later stages' roundings, within the gate), and a captured step equal to the eager
+    one. (On the GPU the transformer stage's weights are not TF32-rounded as on CPU, so the
+    fp16 copies differ from them at every precision.)"""
+    cfg = small_config(num_key_value_heads=4)  # the fused attention: as many kv as q heads
+    dec = our_decoder(cfg, test_state(cfg, seed=46)).cuda()
+    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=8,
+              channels_last=True, state_channels_last=True)  # fmt: skip
+    codes = rand_codes(cfg, 2, 8, seed=79)
+    plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=1)
+    engine = CodecEngine(dec, 2, precision, transformer_half_weights=True, **kw)
+    assert engine.fused_layers_max_rows == 8 and engine._tr_half
+    got = decode_with(engine, codes, chunk=1)
+    snr = snr_db(plain, got)
+    assert min_db < snr < 200, snr  # rounded weights were read, and only rounded
+    _assert_replay_equals_eager(engine, codes)

@@ -2,8 +2,9 @@
 
 `fused_linear` = optional row gather (an embedding lookup) -> optional RMSNorm -> linear
 (bf16/fp32, or FP8 e4m3 weight-only with per-output-channel scales as `fp8_linear` stores
-them) -> optional bias -> optional silu(gate) * up of the packed gate/up matrix -> optional
-residual add. The named forms are the decoder layer's blocks:
+them, or fp16 weights with such scales beside fp32 activations: `scaled_half_weight`) ->
+optional bias -> optional silu(gate) * up of the packed gate/up matrix -> optional residual
+add. The named forms are the decoder layer's blocks:
 
 - norm_linear:        rms_norm(x) @ W.T                      (input norm + qkv; final norm + head)
 - linear_residual:    residual + x @ W.T                     (o + add, down + add)
@@ -63,10 +64,36 @@ def fused_linear_reference(
     return y if out_dtype is None else y.to(out_dtype)
 
 
+def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> None:
+    if weight.dtype == FP8_DTYPE and scale is None:
+        raise TypeError("FP8 weights need their per-channel scale")
+    if scale is not None and weight.dtype not in SCALED_DTYPES:
+        raise TypeError(f"a per-channel scale goes with FP8, fp16 or bf16 weights, "
+                        f"not {weight.dtype}")
+
+
+# Weights that may carry per-output-channel scales: FP8 (which needs them) and half precision
+# (`scaled_half_weight`: weight-only fp16 beside fp32 activations, e.g. the codec's
+# pre-transformer GEMVs, half the bytes of fp32 weights).
+SCALED_DTYPES = (FP8_DTYPE, torch.float16, torch.bfloat16)
+
+
+def scaled_half_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 weights with per-output-channel power-of-two scales: (w16 [N, K], scale [N] fp32)
+    with w16 * scale[:, None] = weight rounded to fp16's 11 significant bits. Each row is
+    scaled by the power of two at or above its largest magnitude, so it lies in [-1, 1]: no
+    overflow, and only entries below 2^-14 of the row's largest lose bits as subnormals (a
+    small layer scale folded into a row would otherwise push the whole row there)."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = torch.exp2(torch.ceil(torch.log2(amax)))
+    return (w / scale[:, None]).to(torch.float16), scale
+
+
 def fused_linear(
     x: torch.Tensor,  # [M, K] (or the table [rows, K] that index picks from)
-    weight: torch.Tensor,  # [N, K], [2N, K] with gate_up; bf16/fp32 or float8_e4m3fn
-    scale: torch.Tensor | None = None,  # [N] / [2N] fp32: FP8 weights only
+    weight: torch.Tensor,  # [N, K], [2N, K] with gate_up; bf16/fp16/fp32 or float8_e4m3fn
+    scale: torch.Tensor | None = None,  # [N] / [2N] fp32: FP8 (needed) and half weights
     *,
     index: torch.Tensor | None = None,  # [M] int64
     norm_weight: torch.Tensor | None = None,  # [K]
@@ -88,8 +115,7 @@ def fused_linear(
     kernel, with the weights. gemv_rows_f32: fp32 x of at most this many rows runs as GEMVs,
     a program per row and column tile (None: TTSBUILD_GEMV_ROWS_F32, default 0; see the
     per-shape plan)."""
-    if (scale is not None) != (weight.dtype == FP8_DTYPE):
-        raise TypeError("FP8 weights need their per-channel scale, other weights none")
+    _check_scale(weight, scale)
     kw = dict(
         index=index, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
         gate_up=gate_up, out_dtype=out_dtype,

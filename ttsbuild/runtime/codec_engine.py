@@ -66,7 +66,7 @@ from ttsbuild.plugins.causal_conv import (
 from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.codec_output import codec_output
 from ttsbuild.plugins.convnext import convnext, dwconv_norm
-from ttsbuild.plugins.fused_linear import fused_linear
+from ttsbuild.plugins.fused_linear import fused_linear, scaled_half_weight
 from ttsbuild.plugins.norm_act import rms_norm, silu_mul
 from ttsbuild.plugins.ring_attention import (
     ring_attention,
@@ -165,6 +165,17 @@ FOLD_BLOCK_ACT = os.environ.get("TTSBUILD_CODEC_FOLD_BLOCK_ACT", "0") == "1"
 # 2.664 -> 2.776 ms (128) and 2.898 (256), at 202-255 registers a thread. 0 (the default):
 # off; TTSBUILD_CODEC_FUSED_UNIT=128 or 256 turns it on.
 FUSED_UNIT_MAX_C = int(os.environ.get("TTSBUILD_CODEC_FUSED_UNIT", "0"))
+# The pre-transformer's fused layers (fused_layers_max_rows: the GEMVs of a batch-1 step) read
+# fp16 weights with per-output-channel power-of-two scales (plugins.fused_linear
+# scaled_half_weight: the fp32 weights rounded to 11 significant bits) beside fp32
+# activations, norms, attention and accumulation, in place of the fp32 weights: 61 MB a step
+# instead of 122. On an H100 (2026-12-06 profile) those 34 GEMV launches were 0.158 ms of the
+# 0.655 ms batch-1 step, ~0.8 TB/s. fp16 keeps the 10 explicit mantissa bits that the TF32
+# tensor cores of the many-row path read of the same weights (which stay loaded for it). The
+# real config, random weights, CPU (benchmarks/codec/2026-12-06-cpu-tr-half-weights): that
+# rounding alone 66 dB against the fp32 decode; served fp16 53.4 dB with or without it.
+# TTSBUILD_CODEC_TR_HALF_WEIGHTS=1 turns it on (built 2026-12-06, not yet timed).
+TR_HALF_WEIGHTS = os.environ.get("TTSBUILD_CODEC_TR_HALF_WEIGHTS", "0") == "1"
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
@@ -254,6 +265,7 @@ class CodecEngine:
         fused_layers_max_rows: int = 0,
         snake_epilogue: bool | None = None,
         fold_block_act: bool | None = None,
+        transformer_half_weights: bool | None = None,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -346,6 +358,13 @@ class CodecEngine:
         self.fused_layers_max_rows = (fused_layers_max_rows if self.fused_attention and folded
                                       and self.stages["transformer"].dtype == torch.float32
                                       else 0)  # fmt: skip
+        # the fused layers' weights in scaled fp16 (None: TR_HALF_WEIGHTS): (weight, scale)
+        # of each linear, {} when off or when no step runs the fused layers
+        half_w = TR_HALF_WEIGHTS if transformer_half_weights is None else transformer_half_weights
+        self._tr_half: dict[object, tuple[Tensor, Tensor]] = {}
+        if half_w and self.fused_layers_max_rows:
+            with torch.no_grad():
+                self._tr_half = self._half_transformer_weights()
         self.window = cfg.sliding_window
         self.ring = cfg.sliding_window - 1 + max_chunk
         head_dim = cfg.head_dim
@@ -454,6 +473,21 @@ class CodecEngine:
                     continue
                 m.conv.weight = nn.Parameter(m.conv.weight.new_empty(0), requires_grad=False)
 
+    def _half_transformer_weights(self) -> dict[object, tuple[Tensor, Tensor]]:
+        """The pre-transformer's linears as `scaled_half_weight`s, keyed as the fused layers
+        read them: the input / output projections by module, each layer's packed qkv and
+        gate/up by (layer, "qkv" / "gate_up"), its o / down projections by module."""
+        tr = self.codec.pre_transformer
+        half = {tr.input_proj: scaled_half_weight(tr.input_proj.weight),
+                tr.output_proj: scaled_half_weight(tr.output_proj.weight)}
+        for layer in tr.layers:
+            qkv_weight, _, gate_up_weight = self._packed[layer]
+            half[layer, "qkv"] = scaled_half_weight(qkv_weight)
+            half[layer, "gate_up"] = scaled_half_weight(gate_up_weight)
+            for m in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                half[m] = scaled_half_weight(m.weight)
+        return half
+
     @staticmethod
     def _snake_modules(codec: nn.Module) -> list[nn.Module]:
         return [m for m in codec.modules() if hasattr(m, "alpha") and (
@@ -464,7 +498,8 @@ class CodecEngine:
         dtypes), the packed conv weights and the pre-projected codebook tables."""
         tensors = [*self.codec.parameters(), *self._conv_w.values(), *self._tconv_w.values(),
                    self.codebooks, *(t for packed in self._packed.values() for t in packed
-                                     if t is not None)]
+                                     if t is not None),
+                   *(t for pair in self._tr_half.values() for t in pair)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- state -------------------------------------------------------------------------------
@@ -726,23 +761,37 @@ class CodecEngine:
         b, n, _ = x.shape
         # every step here has at most fused_layers_max_rows rows: fp32 ones as GEMVs (16-row
         # fp32 tiles go through tl.dot's IEEE path: 2.6 ms a step from 2 rows on the H200)
-        linear = functools.partial(fused_linear, gemv_rows_f32=self.fused_layers_max_rows)
-        h = linear(x.reshape(b * n, -1), tr.input_proj.weight, bias=tr.input_proj.bias)
+        gemv = functools.partial(fused_linear, gemv_rows_f32=self.fused_layers_max_rows)
+        half = self._tr_half
+
+        def linear(x: Tensor, weight: Tensor, key: object, **kw) -> Tensor:
+            # `key`: the weight's entry in the scaled fp16 copies, where they are on
+            if half:
+                weight, scale = half[key]
+                return gemv(x, weight, scale, **kw)
+            return gemv(x, weight, **kw)
+
+        h = linear(x.reshape(b * n, -1), tr.input_proj.weight, tr.input_proj,
+                   bias=tr.input_proj.bias)  # fmt: skip
         for layer in tr.layers:
             a, mlp = layer.self_attn, layer.mlp
             qkv_weight, qkv_bias, gate_up_weight = self._packed[layer]
             norm = layer.input_layernorm
-            qkv = linear(h, qkv_weight, norm_weight=norm.weight, eps=norm.eps, bias=qkv_bias)
+            qkv = linear(h, qkv_weight, (layer, "qkv"), norm_weight=norm.weight, eps=norm.eps,
+                         bias=qkv_bias)  # fmt: skip
             k_ring, v_ring = self.state[a.slot]
             y = ring_attention_rope(qkv.view(b, n, a.n_head + 2 * a.n_kv, a.head_dim), pos,
                                     rows, k_ring, v_ring, self.inv_freq, self.window,
                                     a.head_dim ** -0.5)  # fmt: skip
-            h = linear(y.view(b * n, -1), a.o_proj.weight, bias=a.o_proj.bias, residual=h)
+            h = linear(y.view(b * n, -1), a.o_proj.weight, a.o_proj, bias=a.o_proj.bias,
+                       residual=h)  # fmt: skip
             norm = layer.post_attention_layernorm
-            act = linear(h, gate_up_weight, norm_weight=norm.weight, eps=norm.eps, gate_up=True)
-            h = linear(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, residual=h)
-        out = linear(h, tr.output_proj.weight, norm_weight=tr.norm.weight, eps=tr.norm.eps,
-                     bias=tr.output_proj.bias)  # fmt: skip
+            act = linear(h, gate_up_weight, (layer, "gate_up"), norm_weight=norm.weight,
+                         eps=norm.eps, gate_up=True)  # fmt: skip
+            h = linear(act, mlp.down_proj.weight, mlp.down_proj, bias=mlp.down_proj.bias,
+                       residual=h)  # fmt: skip
+        out = linear(h, tr.output_proj.weight, tr.output_proj, norm_weight=tr.norm.weight,
+                     eps=tr.norm.eps, bias=tr.output_proj.bias)  # fmt: skip
         return out.view(b, n, -1)
 
     def _layer(self, layer: TransformerLayer, x: Tensor, cos: Tensor | None,
