@@ -173,3 +173,78 @@ def test_rope_refuses_grouped_heads():
     qkv, pos, rows, k_ring, v_ring, inv_freq = _rope_inputs(2, 1, 4, 10, 8, 3, "cpu", 1)
     with pytest.raises(ValueError, match="as many query as"):
         ring_attention_rope(qkv[:, :, 2:], pos, rows, k_ring, v_ring, inv_freq, 5, 1.0)
+
+
+def _qkv_attend_inputs(B, F, H, R, D, S, K, half, seed):
+    from ttsbuild.plugins.fused_linear import scaled_half_weight
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B * F, K, generator=g) * 2
+    nw = 1 + 0.3 * torch.randn(K, generator=g)
+    w = torch.randn(3 * H * D, K, generator=g) * K**-0.5
+    bias = torch.randn(3 * H * D, generator=g) * 0.1
+    weight, scale = scaled_half_weight(w) if half else (w, None)
+    k_ring = torch.randn(S, H, R, D, generator=g)
+    v_ring = torch.randn(S, H, R, D, generator=g)
+    rows = torch.randperm(S, generator=g)[:B]
+    pos = torch.randint(0, 3 * R, (B,), generator=g)
+    pos[0] = 0  # a fresh stream
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    return [t.to(KDEV) if t is not None else None
+            for t in (x, nw, weight, scale, bias, pos, rows, k_ring, v_ring, inv_freq)]
+
+
+def test_norm_linear_ring_attend_reference_is_the_two_ops_and_checks_shapes():
+    from ttsbuild.plugins.fused_linear import fused_linear_reference, norm_linear_ring_attend
+
+    B, F, H, R, D, S, K = 2, 3, 2, 11, 8, 4, 24
+    x, nw, w, s, bias, pos, rows, k_ring, v_ring, inv_freq = (
+        t.cpu() if t is not None else None
+        for t in _qkv_attend_inputs(B, F, H, R, D, S, K, False, 5))
+    k2, v2 = k_ring.clone(), v_ring.clone()
+    y = norm_linear_ring_attend(x, nw, w, None, bias, pos, rows, k_ring, v_ring, inv_freq,
+                                window=6, attn_scale=0.3, eps=1e-6, use_triton=False)
+    qkv = fused_linear_reference(x, w, None, norm_weight=nw, eps=1e-6, bias=bias)
+    want = ring_attention_rope_reference(qkv.view(B, F, 3 * H, D), pos, rows, k2, v2, inv_freq,
+                                         6, 0.3)  # fmt: skip
+    assert torch.equal(y, want.view(B * F, H * D))
+    assert torch.equal(k_ring, k2) and torch.equal(v_ring, v2) and not torch.equal(k2, v2)
+    with pytest.raises(ValueError, match="x \\[B \\* F, K\\]"):
+        norm_linear_ring_attend(x[:5], nw, w, None, bias, pos, rows, k_ring, v_ring, inv_freq,
+                                window=6, attn_scale=0.3, eps=1e-6, use_triton=False)
+    with pytest.raises(ValueError, match="x \\[B \\* F, K\\]"):
+        norm_linear_ring_attend(x, nw, w[:-1], None, bias, pos, rows, k_ring, v_ring, inv_freq,
+                                window=6, attn_scale=0.3, eps=1e-6, use_triton=False)
+    with pytest.raises(TypeError, match="per-channel scale"):
+        norm_linear_ring_attend(x, nw, w, bias, bias, pos, rows, k_ring, v_ring, inv_freq,
+                                window=6, attn_scale=0.3, eps=1e-6, use_triton=False)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("F", "half", "chunk"), [(1, False, 0), (2, True, 0), (1, True, 8)])
+def test_norm_linear_ring_attend_kernel_equals_the_two_ops(F, half, chunk, monkeypatch):
+    """The codec pre-transformer's qkv GEMV (norm, linear, bias; fp32 or scaled fp16 weights)
+    and each head's RoPE, ring writes and windowed attention in one launch, run by the
+    program that wrote the head's last qkv tile: the same attention output and rings as the
+    two ops' references, two steps in a row (the second reads what the first wrote, and the
+    head counters reset themselves). chunk: the ring read in chunks (RING_CHUNK)."""
+    from ttsbuild.plugins.fused_linear import norm_linear_ring_attend
+
+    monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_MERGE", False)
+    monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_CHUNK", chunk)
+    monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_CHUNK_MIN_ROWS", 1)
+    B, H, R, D, S, K = 3, 4, 20, 16, 5, 48
+    x, nw, w, s, bias, pos, rows, k_ring, v_ring, inv_freq = _qkv_attend_inputs(
+        B, F, H, R, D, S, K, half, 60 + F)
+    ref_k, ref_v = k_ring.clone(), v_ring.clone()
+    kw = dict(window=12, attn_scale=0.25, eps=1e-6, gemv_rows_f32=B * F)
+    for step in range(2):
+        want = norm_linear_ring_attend(x, nw, w, s, bias, pos, rows, ref_k, ref_v, inv_freq,
+                                       use_triton=False, **kw)  # fmt: skip
+        got = norm_linear_ring_attend(x, nw, w, s, bias, pos, rows, k_ring, v_ring, inv_freq,
+                                      use_triton=True, **kw)  # fmt: skip
+        assert got.shape == want.shape == (B * F, H * D)
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, step
+        assert ((k_ring - ref_k).abs().max() / ref_k.abs().max()).item() < 1e-5, step
+        assert ((v_ring - ref_v).abs().max() / ref_v.abs().max()).item() < 1e-5, step
+        pos, x = pos + F, x.flip(0).contiguous()

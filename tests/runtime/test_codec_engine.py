@@ -327,6 +327,35 @@ def test_fused_layers_with_half_weights_read_the_fp32_weights_rounded_to_fp16(mo
     assert rel_err(ce.decode_with(exact, codes, chunk=1), got) <= REL_TOL
 
 
+def test_fused_layers_with_qkv_and_attention_in_one_launch_decode_the_same_audio(monkeypatch):
+    """CodecEngine(qkv_attend=True): each fused layer's qkv GEMV and its attention (RoPE, ring
+    writes, window) as one plugins.fused_linear.norm_linear_ring_attend launch (the kernel
+    under TRITON_INTERPRET=1, else its reference), with fp32 or scaled fp16 weights: the same
+    audio as the two launches, the rings carried across steps. Off without fused layers."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    cfg = small_config(num_key_value_heads=4)
+    dec = our_decoder(cfg, test_state(cfg, seed=48))
+    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=4)
+    assert not CodecEngine(dec, 2, "fp32", conv_impl="triton", fused=True, fused_attention=True,
+                           qkv_attend=True).qkv_attend  # fmt: skip
+    calls, real = [], ce.norm_linear_ring_attend
+    monkeypatch.setattr(ce, "norm_linear_ring_attend",
+                        lambda *a, **k: calls.append(a[2].dtype) or real(*a, **k))
+    codes = rand_codes(cfg, 2, 7, seed=49)
+    layers = len(dec.pre_transformer.layers)
+    for half in (False, True):
+        plain = CodecEngine(dec, 2, "fp32", transformer_half_weights=half, **kw)
+        one = CodecEngine(dec, 2, "fp32", transformer_half_weights=half, qkv_attend=True, **kw)
+        assert one.qkv_attend and not plain.qkv_attend
+        calls.clear()
+        want = ce.decode_with(plain, codes, chunk=1)
+        assert calls == []
+        got = ce.decode_with(one, codes, chunk=1)
+        assert calls == [torch.float16 if half else torch.float32] * (7 * layers)
+        assert got.shape == want.shape and rel_err(got, want) <= REL_TOL
+
+
 def test_fused_transformer_steps_ask_for_their_rows_as_gemvs(monkeypatch):
     """The fused pre-transformer runs steps of at most fused_layers_max_rows rows, so it asks
     fused_linear to run that many fp32 rows as GEMVs (16-row fp32 tiles went through tl.dot's

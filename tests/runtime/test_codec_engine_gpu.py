@@ -225,3 +225,27 @@ def test_half_transformer_weights_keep_the_decode_and_replay(precision, min_db):
     snr = snr_db(plain, got)
     assert min_db < snr < 200, snr  # rounded weights were read, and only rounded
     _assert_replay_equals_eager(engine, codes)
+
+
+@pytest.mark.parametrize(("precision", "half"), [("fp32", False), ("fp16", False), ("fp16", True)])
+def test_qkv_attend_keeps_the_decode_and_replays(precision, half):
+    """The fused layers' qkv GEMV and attention as one launch (qkv_attend: each head's
+    attention run by the program that wrote its last qkv tile, across the GPU's concurrent
+    programs) against the two launches, fp32 or scaled fp16 weights, in the served settings:
+    the same audio to the summation order (fp16: and the later stages' roundings it may
+    flip), the rings carried over steps, the head counters reset by themselves, and a
+    captured step equal to the eager one."""
+    cfg = small_config(num_key_value_heads=4)
+    dec = our_decoder(cfg, test_state(cfg, seed=48)).cuda()
+    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=8,
+              channels_last=True, state_channels_last=True, transformer_half_weights=half)
+    codes = rand_codes(cfg, 2, 8, seed=81)
+    plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=1)
+    engine = CodecEngine(dec, 2, precision, qkv_attend=True, **kw)
+    assert engine.qkv_attend
+    got = decode_with(engine, codes, chunk=1)
+    if precision == "fp32":
+        assert ((got - plain).abs().max() / plain.abs().max()).item() <= 1e-5
+    else:
+        assert snr_db(plain, got) > 60
+    _assert_replay_equals_eager(engine, codes)

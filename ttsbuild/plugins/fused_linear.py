@@ -201,6 +201,60 @@ def norm_linear_attend(
     )  # fmt: skip
 
 
+def norm_linear_ring_attend(
+    x: torch.Tensor,  # [B * F, K]: the layer input, B streams x F frames (frame-major)
+    norm_weight: torch.Tensor,  # [K]: the input norm
+    weight: torch.Tensor,  # [3 H D, K]: the packed qkv projection
+    scale: torch.Tensor | None,  # [3 H D]: FP8 (needed) or scaled half weights
+    bias: torch.Tensor | None,  # [3 H D]
+    pos: torch.Tensor,  # [B]: frames each stream decoded before this step
+    rows: torch.Tensor,  # [B]: the streams' slots in the rings
+    k_ring: torch.Tensor,  # [slots, H, R, D]
+    v_ring: torch.Tensor,
+    inv_freq: torch.Tensor,  # [D / 2]
+    *,
+    window: int,
+    attn_scale: float,
+    eps: float,
+    gemv_rows_f32: int | None = None,
+    use_triton: bool | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """ring_attention_rope(norm_linear(x, ...) + bias, ...): the codec pre-transformer's
+    attention output [B * F, H D], its new keys and values written into the rows' rings. One
+    launch on the GPU: the qkv GEMV, and each head's RoPE, ring writes and windowed attention
+    run by the program that wrote the head's last qkv tile (as norm_linear_attend's groups),
+    one launch a layer fewer than the two ops."""
+    from ttsbuild.plugins.ring_attention import ring_attention_rope
+
+    _check_scale(weight, scale)
+    B, (M, K) = pos.shape[0], x.shape
+    _, H, R, D = k_ring.shape
+    if M % max(B, 1) or weight.shape != (3 * H * D, K) or rows.shape != (B,):
+        raise ValueError(f"norm_linear_ring_attend needs x [B * F, K], weight [3 H D, K] and "
+                         f"rows [B]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"rows {tuple(rows.shape)}, {B} positions, rings {tuple(k_ring.shape)}")
+    F = M // max(B, 1)
+    if not want_triton(x, use_triton):
+        qkv = fused_linear_reference(x, weight, scale, norm_weight=norm_weight, eps=eps,
+                                     bias=bias)  # fmt: skip
+        y = ring_attention_rope(qkv.view(B, F, 3 * H, D), pos, rows, k_ring, v_ring, inv_freq,
+                                window, attn_scale, use_triton=False)  # fmt: skip
+        return y.view(M, H * D)
+    if not (k_ring.is_contiguous() and v_ring.is_contiguous()) or D & (D - 1):
+        raise ValueError(f"the kernel needs contiguous rings and a power-of-two head size, got "
+                         f"{D}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need contiguous rows")
+    from ttsbuild.plugins._tl.fused_linear import norm_linear_ring_attend_triton
+
+    return norm_linear_ring_attend_triton(
+        x, norm_weight, weight, scale, bias, pos, rows, k_ring, v_ring, inv_freq, frames=F,
+        window=window, attn_scale=attn_scale, eps=eps, gemv_rows_f32=gemv_rows_f32,
+        config=config,
+    )  # fmt: skip
+
+
 def norm_linear_sample(
     x: torch.Tensor,  # [M, K]: the residual stream before the final norm
     norm_weight: torch.Tensor,  # [K]

@@ -202,11 +202,20 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                      y.to(out_ptr.dtype.element_ty), mask=d_mask)
 
     @triton.jit
-    def _rope(x_ptr, d, partner, sign, inv, qp):
+    def _load_qkv(ptr, CG: tl.constexpr):
+        """A load of qkv: through L2 (.cg) where other programs of the launch wrote it."""
+        if CG:
+            x = tl.load(ptr, cache_modifier=".cg")
+        else:
+            x = tl.load(ptr)
+        return x
+
+    @triton.jit
+    def _rope(x_ptr, d, partner, sign, inv, qp, CG: tl.constexpr = False):
         """RoPE of one head vector at frame qp (rotate-half layout), fp32."""
         ang = qp.to(tl.float32) * inv
-        x = tl.load(x_ptr + d).to(tl.float32)
-        xp = tl.load(x_ptr + partner).to(tl.float32)
+        x = _load_qkv(x_ptr + d, CG).to(tl.float32)
+        xp = _load_qkv(x_ptr + partner, CG).to(tl.float32)
         return x * cos_f32(ang) + sign * xp * sin_f32(ang)
 
     @triton.jit
@@ -217,8 +226,23 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         CHUNK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        ring_rope_item(
+            qkv_ptr, pos_ptr, rows_ptr, k_ptr, v_ptr, inv_freq_ptr, out_ptr,
+            tl.program_id(0).to(tl.int64), tl.program_id(1), N, R, W, scale, sb, sn, sh, sd,
+            H, D, BLOCK_R, MERGE, CHUNK, False,
+        )  # fmt: skip
+
+    @triton.jit
+    def ring_rope_item(
+        qkv_ptr, pos_ptr, rows_ptr, k_ptr, v_ptr, inv_freq_ptr, out_ptr, b, h, N, R, W, scale,
+        sb, sn, sh, sd,
+        H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, MERGE: tl.constexpr,
+        CHUNK: tl.constexpr, CG: tl.constexpr,
+    ):  # fmt: skip
+        """Row b's head h of `ring_attention_rope` (b int64): its new keys and values into
+        the row's ring, then its N query frames over the window. CG: qkv is read through L2
+        (written by other programs of the same launch: plugins.fused_linear
+        norm_linear_ring_attend)."""
         slot = tl.load(rows_ptr + b).to(tl.int64)
         p0 = tl.load(pos_ptr + b)
         d = tl.arange(0, D)
@@ -236,8 +260,8 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         # 1. this head's new keys (RoPE) and values into the row's ring
         for i in range(0, N):
             qp = p0 + i
-            k = _rope(row + i * sn + (H + h) * sh, d * sd, partner * sd, sign, inv, qp)
-            v = tl.load(row + i * sn + (2 * H + h) * sh + d * sd)
+            k = _rope(row + i * sn + (H + h) * sh, d * sd, partner * sd, sign, inv, qp, CG)
+            v = _load_qkv(row + i * sn + (2 * H + h) * sh + d * sd, CG)
             at = ring + (qp % R) * D + d
             k = k.to(k_ptr.dtype.element_ty)
             v = v.to(v_ptr.dtype.element_ty)
@@ -252,7 +276,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             tl.debug_barrier()  # the writes above precede the reads below (one program, head)
             for i in range(0, N):
                 qp = p0 + i
-                q = _rope(row + i * sn + h * sh, d * sd, partner * sd, sign, inv, qp)
+                q = _rope(row + i * sn + h * sh, d * sd, partner * sd, sign, inv, qp, CG)
                 m = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), axis=0)
                 den = tl.sum(tl.zeros([CHUNK], tl.float32), axis=0)
                 acc = tl.zeros([D], tl.float32)
@@ -288,7 +312,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             k_pos = last - back  # [R]: the frame at ring index r
             for i in range(0, N):
                 qp = p0 + i
-                q = _rope(row + i * sn + h * sh, d * sd, partner * sd, sign, inv, qp)
+                q = _rope(row + i * sn + h * sh, d * sd, partner * sd, sign, inv, qp, CG)
                 dist = qp - k_pos
                 visible = r_mask & (dist >= 0) & (dist < W) & (k_pos >= 0)
                 s = tl.sum(keys * q[None, :], axis=1) * scale

@@ -66,7 +66,11 @@ from ttsbuild.plugins.causal_conv import (
 from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.codec_output import codec_output
 from ttsbuild.plugins.convnext import convnext, dwconv_norm
-from ttsbuild.plugins.fused_linear import fused_linear, scaled_half_weight
+from ttsbuild.plugins.fused_linear import (
+    fused_linear,
+    norm_linear_ring_attend,
+    scaled_half_weight,
+)
 from ttsbuild.plugins.norm_act import rms_norm, silu_mul
 from ttsbuild.plugins.ring_attention import (
     ring_attention,
@@ -176,6 +180,11 @@ FUSED_UNIT_MAX_C = int(os.environ.get("TTSBUILD_CODEC_FUSED_UNIT", "0"))
 # rounding alone 66 dB against the fp32 decode; served fp16 53.4 dB with or without it.
 # TTSBUILD_CODEC_TR_HALF_WEIGHTS=1 turns it on (built 2026-12-06, not yet timed).
 TR_HALF_WEIGHTS = os.environ.get("TTSBUILD_CODEC_TR_HALF_WEIGHTS", "0") == "1"
+# The fused layers' qkv GEMV and their attention (RoPE, ring writes, the window) as one launch
+# (plugins.fused_linear.norm_linear_ring_attend: each head's attention run by the program that
+# wrote its last qkv tile), 8 launches a batch-1 step fewer of its ~151.
+# TTSBUILD_CODEC_QKV_ATTEND=1 turns it on (built 2026-12-06, not yet timed).
+QKV_ATTEND = os.environ.get("TTSBUILD_CODEC_QKV_ATTEND", "0") == "1"
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
@@ -266,6 +275,7 @@ class CodecEngine:
         snake_epilogue: bool | None = None,
         fold_block_act: bool | None = None,
         transformer_half_weights: bool | None = None,
+        qkv_attend: bool | None = None,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -365,6 +375,9 @@ class CodecEngine:
         if half_w and self.fused_layers_max_rows:
             with torch.no_grad():
                 self._tr_half = self._half_transformer_weights()
+        # the fused layers' qkv GEMV and attention as one launch (None: QKV_ATTEND)
+        self.qkv_attend = bool(QKV_ATTEND if qkv_attend is None else qkv_attend) and bool(
+            self.fused_layers_max_rows)
         self.window = cfg.sliding_window
         self.ring = cfg.sliding_window - 1 + max_chunk
         head_dim = cfg.head_dim
@@ -777,12 +790,20 @@ class CodecEngine:
             a, mlp = layer.self_attn, layer.mlp
             qkv_weight, qkv_bias, gate_up_weight = self._packed[layer]
             norm = layer.input_layernorm
-            qkv = linear(h, qkv_weight, (layer, "qkv"), norm_weight=norm.weight, eps=norm.eps,
-                         bias=qkv_bias)  # fmt: skip
             k_ring, v_ring = self.state[a.slot]
-            y = ring_attention_rope(qkv.view(b, n, a.n_head + 2 * a.n_kv, a.head_dim), pos,
-                                    rows, k_ring, v_ring, self.inv_freq, self.window,
-                                    a.head_dim ** -0.5)  # fmt: skip
+            if self.qkv_attend:  # one launch (see QKV_ATTEND)
+                weight, scale = half[layer, "qkv"] if half else (qkv_weight, None)
+                y = norm_linear_ring_attend(
+                    h, norm.weight, weight, scale, qkv_bias, pos, rows, k_ring, v_ring,
+                    self.inv_freq, window=self.window, attn_scale=a.head_dim ** -0.5,
+                    eps=norm.eps, gemv_rows_f32=self.fused_layers_max_rows,
+                )  # fmt: skip
+            else:
+                qkv = linear(h, qkv_weight, (layer, "qkv"), norm_weight=norm.weight,
+                             eps=norm.eps, bias=qkv_bias)  # fmt: skip
+                y = ring_attention_rope(qkv.view(b, n, a.n_head + 2 * a.n_kv, a.head_dim), pos,
+                                        rows, k_ring, v_ring, self.inv_freq, self.window,
+                                        a.head_dim ** -0.5)  # fmt: skip
             h = linear(y.view(b * n, -1), a.o_proj.weight, a.o_proj, bias=a.o_proj.bias,
                        residual=h)  # fmt: skip
             norm = layer.post_attention_layernorm

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ttsbuild.generation.sampling import SamplingBatch
+from ttsbuild.plugins import ring_attention as _ring
 from ttsbuild.plugins._dispatch import (
     bulk_prefetchable,
     interpret_mode,
@@ -53,6 +54,7 @@ from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
 from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_item, kv_group_of, old_kv
 from ttsbuild.plugins._tl.sampling import sample_row
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
+from ttsbuild.plugins.ring_attention import ring_rope_item
 
 _MAX_SPLIT = 8
 # Under PDL, load the first weight block before waiting for the previous kernel.
@@ -595,6 +597,88 @@ def norm_linear_attend_triton(
         **c, HAS_SCALE=scale is not None, DOT_F32=interpret_mode() or x.dtype == torch.float32,
         HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(S),
+        PREFETCH=prefetch, **pdl_args(pdl), num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return attn
+
+
+@triton.jit
+def _norm_linear_ring_attend_kernel(
+    x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, qkv_ptr, ws_ptr, cnt_ptr, gcnt_ptr,
+    pos_ptr, rows_ptr, k_ptr, v_ptr, f_ptr, att_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, eps, B, F, R, W, attn_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+    MERGE: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
+):  # fmt: skip
+    # The codec pre-transformer's qkv GEMV (input norm, linear, bias), then
+    # ring_attention_rope's work for each head, run by the program that wrote the head's last
+    # qkv tile. A tile lies in one head (BLOCK_N divides D): its q, k or v columns. Rows are
+    # B streams x F frames, frame-major within a stream (qkv [B * F, 3 H D]).
+    wrote = _linear_program(
+        x_ptr, x_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, x_ptr, qkv_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_wn, 0, stride_om, eps,
+        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, False, True, HAS_SCALE, HAS_BIAS, False, False,
+        DOT_F32, PDL, PREFETCH, False,
+    )  # fmt: skip
+    if wrote:
+        h = (tl.program_id(0) * BLOCK_N // D) % H
+        tl.debug_barrier()  # every thread's qkv stores are issued before the release
+        arrived = tl.atomic_add(gcnt_ptr + h, 1, sem="acq_rel")
+        if arrived == 3 * (D // BLOCK_N) * tl.num_programs(1) - 1:
+            # the acquire makes the other programs' qkv columns visible; ring_rope_item reads
+            # them through L2. The rings, positions and slots are old: this program alone
+            # writes the head's ring entries in this launch.
+            for b in range(0, B):
+                ring_rope_item(
+                    qkv_ptr, pos_ptr, rows_ptr, k_ptr, v_ptr, f_ptr, att_ptr,
+                    tl.cast(b, tl.int64), h, F, R, W, attn_scale, F * stride_om, stride_om, D,
+                    1, H, D, BLOCK_R, MERGE, CHUNK, True,
+                )  # fmt: skip
+            tl.atomic_xchg(gcnt_ptr + h, 0)
+
+
+def norm_linear_ring_attend_triton(
+    x: torch.Tensor,  # [B * F, K] fp32 (or half)
+    norm_weight: torch.Tensor,  # [K]
+    weight: torch.Tensor,  # [3 H D, K]
+    scale: torch.Tensor | None,  # [3 H D] fp32: FP8 or scaled half weights
+    bias: torch.Tensor | None,  # [3 H D]
+    pos: torch.Tensor,  # [B]
+    rows: torch.Tensor,  # [B]
+    k_ring: torch.Tensor,  # [S, H, R, D] contiguous
+    v_ring: torch.Tensor,
+    inv_freq: torch.Tensor,  # [D / 2]
+    *,
+    frames: int,
+    window: int,
+    attn_scale: float,
+    eps: float,
+    gemv_rows_f32: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    M, K = x.shape
+    N = weight.shape[0]
+    B = pos.shape[0]
+    _, H, R, D = k_ring.shape
+    attn = torch.empty((M, H * D), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return attn
+    qkv = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, False, config, qkv, head_dim=D,
+                                              groups=H, gemv_rows_f32=gemv_rows_f32)  # fmt: skip
+    chunk = _ring.RING_CHUNK if B >= _ring.RING_CHUNK_MIN_ROWS else 0  # (as ring_attention_rope)
+    _norm_linear_ring_attend_kernel[grid](
+        x, norm_weight, weight, scale if scale is not None else qkv,
+        bias if bias is not None else qkv, qkv, ws, cnt, cnt[grid[0] * grid[1]:], pos, rows,
+        k_ring, v_ring, inv_freq, attn,
+        M, N, K, x.stride(0), weight.stride(0), qkv.stride(0), eps, B, frames, R, int(window),
+        float(attn_scale),
+        **c, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+        DOT_F32=interpret_mode() or x.dtype == torch.float32, H=H, D=D,
+        BLOCK_R=triton.next_power_of_2(R), MERGE=_ring.RING_MERGE and not chunk, CHUNK=chunk,
         PREFETCH=prefetch, **pdl_args(pdl), num_warps=4, num_stages=3,
     )  # fmt: skip
     return attn
