@@ -118,6 +118,23 @@ def test_plan_runs_few_fp32_rows_as_gemvs_only_when_asked():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")
+def test_plan_takes_the_fp32_gemv_k_block_when_set(monkeypatch):
+    from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
+
+    # the codec pre-transformer's o projection (N 512, K 1024) and gate/up (2 x 1024, K 512)
+    plan = tl_fused_linear.plan
+    o, gu, half = (plan(1, 512, 1024, False, 132, fp32=True, gemv_rows_f32=8),
+                   plan(1, 1024, 512, True, 132, fp32=True, gemv_rows_f32=8),
+                   plan(1, 512, 1024, False, 132))  # fmt: skip
+    assert (o["BLOCK_K"], o["SPLIT_K"], gu["BLOCK_K"], gu["SPLIT_K"]) == (512, 2, 256, 2)
+    monkeypatch.setattr(tl_fused_linear, "GEMV_F32_BLOCK_K", 128)
+    o2 = plan(1, 512, 1024, False, 132, fp32=True, gemv_rows_f32=8)
+    gu2 = plan(1, 1024, 512, True, 132, fp32=True, gemv_rows_f32=8)
+    assert (o2["BLOCK_K"], o2["SPLIT_K"], gu2["BLOCK_K"], gu2["SPLIT_K"]) == (128, 8, 64, 4)
+    assert plan(1, 512, 1024, False, 132) == half  # half-precision activations: unchanged
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")
 def test_plan_runs_few_half_rows_as_gemvs_only_when_switched(monkeypatch):
     from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
 

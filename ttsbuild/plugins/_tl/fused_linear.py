@@ -99,6 +99,13 @@ _GEMV_ROWS_F32 = int(os.environ.get("TTSBUILD_GEMV_ROWS_F32", "0"))
 # launch, so bench_switches can flip it; the plain frame at batch 2-4 is not yet timed).
 GEMV_FEW_ROWS = os.environ.get("TTSBUILD_GEMV_FEW_ROWS", "0") == "1"
 GEMV_FEW_ROWS_MAX = 4
+# The K block of fp32-activation GEMVs (the codec pre-transformer's fused layers; gate/up
+# tiles half of it), 0: the default (512, gate/up 256). An offline sm_90 compile has the
+# qkv GEMV's program at 212 registers a thread with the default 16 x 512 fp32 accumulator and
+# two weight blocks loaded ahead, and its N = 512 linears run 64 programs on 132 SMs; a
+# smaller block splits K further (up to 8 ways) at fewer registers. A sweep knob for the
+# GPU (TTSBUILD_GEMV_F32_BLOCK_K=128 or 256; not yet timed).
+GEMV_F32_BLOCK_K = int(os.environ.get("TTSBUILD_GEMV_F32_BLOCK_K", "0"))
 
 
 @triton.jit
@@ -442,6 +449,8 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
         rows_as_gemv = GEMV_FEW_ROWS_MAX if GEMV_FEW_ROWS else 1
     if M == 1 or M <= rows_as_gemv:
         block_m, block_n, block_k = 1, 16, 256 if gate_up else 512
+        if fp32 and GEMV_F32_BLOCK_K:
+            block_k = max(16, GEMV_F32_BLOCK_K // 2 if gate_up else GEMV_F32_BLOCK_K)
         if M == 1 and _GEMV_NARROW and triton.cdiv(N, 16) < sms <= triton.cdiv(N, 8):
             block_n = 8
     else:
