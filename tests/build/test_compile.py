@@ -227,6 +227,9 @@ def test_codec_precision_is_measured_and_recorded(bf16_engine):
     # fp16 on the stand-in keeps ~50 dB (GPU.md: 50.8 on the real config); never exact
     assert q.passed and 45 <= q.snr_db < 80 and q.min_snr_db == 45 and q.device == "cpu"
     assert (q.rows, q.frames) == (1, 4)
+    # streamed a frame a step (the plan's fused pre-transformer layers) and in the largest
+    # chunk the gate's frames allow; the gate takes the lower
+    assert set(q.snr_db_by_chunk) == {"1", "4"} and q.snr_db == min(q.snr_db_by_chunk.values())
 
 
 def test_codec_precision_below_the_gate_is_refused(ckpt, tmp_path):

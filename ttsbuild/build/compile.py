@@ -488,28 +488,28 @@ def _kv(stack: dict, max_len: int, calibrated: bool) -> dict:
 
 def check_codec_quality(codec_cfg: CodecConfig, folded_state: dict, cfg: BuildConfig,
                         device: torch.device, log) -> dict:
-    """The codec engine at `cfg.codec_precision` against the fp32 decoder (TF32 off) on random
-    codes; raises QualityError below the gate unless forced."""
+    """The codec engine at `cfg.codec_precision`, as the runtime plan serves it on this device
+    (`EnginePlan.codec_engine_kwargs`), against the fp32 decoder (TF32 off) on random codes,
+    streamed a frame a step (the batch-1 step's paths: the pre-transformer's fused layers)
+    and in the plan's largest chunk (the many-row paths); the lower SNR is the gate's. Raises
+    QualityError below the gate unless forced."""
     from ttsbuild.build.codec_fold import load_folded_codec
-    from ttsbuild.runtime.codec_engine import (
-        CodecEngine,
-        codec_snr_db,
-        random_codes,
-        resolve_conv_impl,
-    )
-    from ttsbuild.runtime.plan import EnginePlan
+    from ttsbuild.runtime.codec_engine import CodecEngine, codec_snr_db, random_codes
 
     p = cfg.codec_precision
-    # the convolutions the runtime will run (the plan's default codec_conv on this device)
-    conv = resolve_conv_impl(EnginePlan.model_fields["codec_conv"].default, device)
-    log(f"measuring the codec at {p} ({conv} convs) against fp32")
+    kwargs = cfg.runtime_plan().codec_engine_kwargs(device)
+    chunks = sorted({1, min(kwargs["max_chunk"], cfg.codec_gate_frames)})
+    log(f"measuring the codec at {p} ({kwargs['conv_impl']} convs) against fp32, "
+        f"{'- and '.join(map(str, chunks))}-frame steps")
     state = {k: v.to(device) for k, v in folded_state.items()}
     reference = load_folded_codec(codec_cfg, state)
-    engine = CodecEngine(reference, cfg.codec_gate_rows, p, device, conv_impl=conv)
+    engine = CodecEngine(reference, cfg.codec_gate_rows, p, device, **kwargs)
     codes = random_codes(codec_cfg, cfg.codec_gate_rows, cfg.codec_gate_frames, seed=cfg.seed)
-    snr = codec_snr_db(engine, reference, codes)
+    by_chunk = {c: codec_snr_db(engine, reference, codes, chunk=c) for c in chunks}
+    snr = min(by_chunk.values())
     passed = snr >= cfg.codec_min_snr_db
-    summary = f"codec {p}: SNR {snr:.1f} dB against fp32 (gate {cfg.codec_min_snr_db:g} dB)"
+    summary = (f"codec {p}: SNR {snr:.1f} dB against fp32 (gate {cfg.codec_min_snr_db:g} dB; "
+               + ", ".join(f"{c}-frame steps {v:.1f}" for c, v in by_chunk.items()) + ")")
     log(summary)
     if not passed and not cfg.force_quality:
         raise QualityError(f"{summary}: below the gate; no engine written (choose a wider "
@@ -517,6 +517,7 @@ def check_codec_quality(codec_cfg: CodecConfig, folded_state: dict, cfg: BuildCo
     return {
         # an fp32 engine can equal its reference exactly (infinite SNR): JSON has no inf
         "snr_db": round(min(snr, 999.0), 2), "min_snr_db": cfg.codec_min_snr_db,
+        "snr_db_by_chunk": {str(c): round(min(v, 999.0), 2) for c, v in by_chunk.items()},
         "passed": passed, "rows": cfg.codec_gate_rows, "frames": cfg.codec_gate_frames,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }

@@ -82,6 +82,9 @@ class OnnxCodec(_Strict):
 class CodecQuality(_Strict):
     snr_db: float  # the codec engine at its precision against the fp32 decoder
     min_snr_db: float
+    # per step size, frames a step (the lowest is snr_db); engines before 2026-12-06: None,
+    # measured in 4-frame steps without the plan's kernels
+    snr_db_by_chunk: dict[str, float] | None = None
     passed: bool
     rows: int  # random-code streams x frames measured
     frames: int

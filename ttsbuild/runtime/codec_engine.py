@@ -915,12 +915,12 @@ def snr_db(reference: Tensor, test: Tensor) -> float:
 
 
 def codec_snr_db(engine_or_decoder: CodecEngine | CodecDecoder, reference_fp32: CodecDecoder,
-                 codes: Tensor) -> float:
-    """SNR in dB of `engine_or_decoder`'s decode of `codes` [B, Q, T] against the full decode
-    of the fp32 reference decoder (TF32 off)."""
+                 codes: Tensor, chunk: int = 4) -> float:
+    """SNR in dB of `engine_or_decoder`'s decode of `codes` [B, Q, T] (an engine's in steps of
+    `chunk` frames) against the full decode of the fp32 reference decoder (TF32 off)."""
     with _tf32_mode(False):
         ref = decode_with(reference_fp32, codes)
-    return snr_db(ref, decode_with(engine_or_decoder, codes))
+    return snr_db(ref, decode_with(engine_or_decoder, codes, chunk=chunk))
 
 
 def random_codes(config, batch: int, frames: int, seed: int) -> Tensor:

@@ -68,7 +68,7 @@ from ttsbuild.generation.prompt import CODES, NO_CODE, PromptEmbedder
 from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty, draw_counter
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.plugins.slot_writes import SlotWrites
-from ttsbuild.runtime.codec_engine import CodecEngine, resolve_conv_impl
+from ttsbuild.runtime.codec_engine import CodecEngine
 from ttsbuild.runtime.core import EngineCore, SlotPlan
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
 from ttsbuild.runtime.cp_spec import SpeculativeCodePredictor
@@ -415,14 +415,8 @@ class GraphBackend:
         # The codec's incremental state for every slot, plus a work stream per batch bucket.
         # The codec's streaming state, indexed by slot like the KV cache (runtime.codec_engine),
         # in the plan's precision.
-        self.codec_engine = CodecEngine(
-            models.codec, plan.num_slots, plan.codec_precision, dev, max_chunk=plan.max_chunk,
-            conv_impl=resolve_conv_impl(plan.codec_conv, dev), fused=plan.codec_fused,
-            channels_last=plan.codec_channels_last, fused_output=plan.codec_fused_output,
-            fused_attention=plan.codec_fused_attention,
-            state_channels_last=plan.codec_state_channels_last,
-            fused_layers_max_rows=plan.codec_fused_layers_max_rows,
-        )
+        self.codec_engine = CodecEngine(models.codec, plan.num_slots, plan.codec_precision, dev,
+                                        **plan.codec_engine_kwargs(dev))  # fmt: skip
         if release_modules:
             models.offload_codec_decoder()  # the codec engine holds its own copy
 

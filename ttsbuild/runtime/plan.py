@@ -314,6 +314,20 @@ class EnginePlan(BaseModel):
     def max_chunk(self) -> int:
         return self.codec_chunks[-1]
 
+    def codec_engine_kwargs(self, device) -> dict:
+        """runtime.codec_engine.CodecEngine's keyword arguments for this plan's codec on
+        `device` (beside the model, slot count and precision): what the runtime serves and
+        compile's quality gate measures."""
+        from ttsbuild.runtime.codec_engine import resolve_conv_impl
+
+        return dict(
+            max_chunk=self.max_chunk, conv_impl=resolve_conv_impl(self.codec_conv, device),
+            fused=self.codec_fused, channels_last=self.codec_channels_last,
+            fused_output=self.codec_fused_output, fused_attention=self.codec_fused_attention,
+            state_channels_last=self.codec_state_channels_last,
+            fused_layers_max_rows=self.codec_fused_layers_max_rows,
+        )  # fmt: skip
+
     @property
     def load_dependent_samples(self) -> bool:
         """Whether a sampled request's codes depend on the load: speculation is on for some
