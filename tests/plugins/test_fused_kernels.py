@@ -135,6 +135,53 @@ def test_plan_takes_the_fp32_gemv_k_block_when_set(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")
+def test_tf32_tiles_take_32_wide_k_blocks_and_tensor_cores(monkeypatch):
+    from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
+
+    plan = tl_fused_linear.plan
+    ieee = plan(64, 3072, 512, False, 132, fp32=True, gemv_rows_f32=8)
+    tf32 = plan(64, 3072, 512, False, 132, fp32=True, gemv_rows_f32=8, tf32=True)
+    assert (ieee["BLOCK_M"], ieee["BLOCK_K"], tf32["BLOCK_M"], tf32["BLOCK_K"]) == (64, 128, 64, 32)
+    # GEMV rows and half-precision activations: tf32 changes nothing
+    assert plan(4, 3072, 512, False, 132, fp32=True, gemv_rows_f32=8, tf32=True) == plan(
+        4, 3072, 512, False, 132, fp32=True, gemv_rows_f32=8)
+    assert plan(64, 3072, 512, False, 132, tf32=True) == plan(64, 3072, 512, False, 132)
+    monkeypatch.setattr(tl_fused_linear, "interpret_mode", lambda: False)
+    x32, x16 = torch.zeros(1, 4), torch.zeros(1, 4, dtype=torch.float16)
+    assert [tl_fused_linear._dot_f32(x, t) for x in (x32, x16) for t in (False, True)] == [
+        True, False, False, False]
+    monkeypatch.setattr(tl_fused_linear, "interpret_mode", lambda: True)  # IEEE there
+    assert tl_fused_linear._dot_f32(x32, True) and tl_fused_linear._dot_f32(x16, True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("half", [False, True])
+def test_tf32_tile_kernel(half):
+    # the codec pre-transformer's larger steps (TR_TF32_MAX_ROWS): fp32 activations in 64-row
+    # tiles on TF32 tensor cores (IEEE under the interpreter), fp32 or scaled fp16 weights,
+    # norm + gate/up + SiLU and linear + bias + residual; TF32 keeps 10 mantissa bits
+    M, K, N = 40, 96, 48
+    g = _gen(M + 7 + half)
+    x = torch.randn(M, K, device=KDEV, generator=g) * 2
+    w = torch.randn(2 * N, K, device=KDEV, generator=g) * K**-0.5
+    w, s = scaled_half_weight(w) if half else (w, None)
+    w_ref = w.float() * s[:, None] if half else w
+    nw = 1 + 0.3 * torch.randn(K, device=KDEV, generator=g)
+    out = fused_linear(x, w, s, norm_weight=nw, eps=1e-6, gate_up=True, use_triton=True,
+                       gemv_rows_f32=8, tf32=True)  # fmt: skip
+    ref = fused_linear_reference(x, w_ref, None, norm_weight=nw, eps=1e-6, gate_up=True)
+    assert out.dtype == torch.float32 and _rel(out, ref) < 3e-3
+    if KDEV == "cuda":  # TF32's rounding shows: the tensor cores ran, not IEEE FMAs
+        assert _rel(out, ref) > 1e-5
+    bias = torch.randn(2 * N, device=KDEV, generator=g)
+    res = torch.randn(M, 2 * N, device=KDEV, generator=g)
+    out = fused_linear(x, w, s, bias=bias, residual=res, use_triton=True, gemv_rows_f32=8,
+                       tf32=True)  # fmt: skip
+    ref = fused_linear_reference(x, w_ref, None, bias=bias, residual=res)
+    assert _rel(out - res, ref - res) < 3e-3
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")
 def test_plan_runs_few_half_rows_as_gemvs_only_when_switched(monkeypatch):
     from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
 

@@ -356,6 +356,43 @@ def test_fused_layers_with_qkv_and_attention_in_one_launch_decode_the_same_audio
         assert got.shape == want.shape and rel_err(got, want) <= REL_TOL
 
 
+def test_larger_steps_on_tf32_tiles_decode_as_the_tf32_gemms(monkeypatch):
+    """CodecEngine(tf32_layers_max_rows=R): steps of more frames than fused_layers_max_rows,
+    up to R, run the fused layers with TF32 tiles (fused_linear(tf32=True); on CPU the
+    references), in place of the TF32 GEMM path: close to it and to the fp32 decode. Never in
+    a strict fp32 engine (no TF32 stage) or without the fused layers."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    cfg = small_config(num_key_value_heads=4)
+    dec = our_decoder(cfg, test_state(cfg, seed=52))
+    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=2)
+    plain = CodecEngine(dec, 2, "fp16", **kw)
+    tiles = CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=6, **kw)
+    assert tiles.tf32_layers_max_rows == 6 and plain.tf32_layers_max_rows == 0
+    assert CodecEngine(dec, 2, "fp32", tf32_layers_max_rows=6, **kw).tf32_layers_max_rows == 0
+    assert CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=True, fused_attention=True,
+                       tf32_layers_max_rows=6).tf32_layers_max_rows == 0  # fmt: skip
+    with pytest.raises(ValueError, match="tf32_layers_max_rows"):
+        CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=-1, **kw)
+    asked, real = [], ce.fused_linear
+    monkeypatch.setattr(ce, "fused_linear", lambda *a, **k: asked.append(
+        (a[0].shape[0], k.get("tf32"))) or real(*a, **k))  # fmt: skip
+    codes = rand_codes(cfg, 2, 9, seed=53)
+    ref = ce.decode_with(dec, codes)
+    want = ce.decode_with(plain, codes, chunk=3)
+    assert asked == []  # 2 rows x 3 frames: the GEMM path
+    got = ce.decode_with(tiles, codes, chunk=3)
+    layers = len(dec.pre_transformer.layers)
+    assert asked == [(6, True)] * (3 * (2 + 4 * layers))  # 3 steps of 6 rows, on the tiles
+    asked.clear()
+    ce.decode_with(tiles, codes, chunk=1)  # 2 rows: the GEMVs, no TF32
+    assert {t for _, t in asked} == {False}
+    assert got.shape == want.shape == ref.shape
+    assert rel_err(got, ref) <= max(1.2 * rel_err(want, ref), 1e-4), (rel_err(got, ref),
+                                                                       rel_err(want, ref))
+    assert rel_err(got, want) <= 1e-2
+
+
 def test_fused_transformer_steps_ask_for_their_rows_as_gemvs(monkeypatch):
     """The fused pre-transformer runs steps of at most fused_layers_max_rows rows, so it asks
     fused_linear to run that many fp32 rows as GEMVs (16-row fp32 tiles went through tl.dot's

@@ -249,3 +249,22 @@ def test_qkv_attend_keeps_the_decode_and_replays(precision, half):
     else:
         assert snr_db(plain, got) > 60
     _assert_replay_equals_eager(engine, codes)
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_tf32_layer_tiles_keep_the_decode_and_replay(half):
+    """Steps of more rows than the GEMV layers take (2 rows x 4 frames here), up to
+    tf32_layers_max_rows, on the fused layers' TF32 tiles against the cuBLAS TF32 GEMM path,
+    in the served settings (fp16 elsewhere; fp32 or scaled fp16 transformer weights): the
+    same audio to TF32's rounding, and a captured step equal to the eager one."""
+    cfg = small_config(num_key_value_heads=4)
+    dec = our_decoder(cfg, test_state(cfg, seed=52)).cuda()
+    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=2,
+              channels_last=True, state_channels_last=True, transformer_half_weights=half)
+    codes = rand_codes(cfg, 2, 8, seed=83)
+    plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=4)
+    engine = CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=64, **kw)
+    assert engine.tf32_layers_max_rows == 64
+    got = decode_with(engine, codes, chunk=4)
+    assert snr_db(plain, got) > 45
+    _assert_replay_equals_eager(engine, codes)

@@ -107,6 +107,7 @@ def fused_linear(
     residual_ready: bool = False,
     gemv_rows_f32: int | None = None,
     out: torch.Tensor | None = None,  # [M, N] rows contiguous: written in place and returned
+    tf32: bool = False,
 ) -> torch.Tensor:
     """[M, N] in out_dtype (default x's dtype); one launch on the GPU. out: the result's
     storage (e.g. rows of a larger buffer that several launches fill). residual_ready: the
@@ -114,7 +115,8 @@ def fused_linear(
     before it), so under programmatic dependent launch it is read before waiting for that
     kernel, with the weights. gemv_rows_f32: fp32 x of at most this many rows runs as GEMVs,
     a program per row and column tile (None: TTSBUILD_GEMV_ROWS_F32, default 0; see the
-    per-shape plan)."""
+    per-shape plan). tf32: fp32 x in tiles (rows beyond gemv_rows_f32) runs on TF32 tensor
+    cores, as cuBLAS's TF32 GEMMs (the reference stays exact fp32), instead of IEEE fp32."""
     _check_scale(weight, scale)
     kw = dict(
         index=index, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
@@ -132,7 +134,7 @@ def fused_linear(
     from ttsbuild.plugins._tl.fused_linear import fused_linear_triton
 
     return fused_linear_triton(x, weight, scale, config=config, residual_ready=residual_ready,
-                               gemv_rows_f32=gemv_rows_f32, out=out, **kw)  # fmt: skip
+                               gemv_rows_f32=gemv_rows_f32, out=out, tf32=tf32, **kw)  # fmt: skip
 
 
 def norm_linear(x, norm_weight, weight, scale=None, *, eps, out_dtype=None, use_triton=None):
@@ -219,12 +221,13 @@ def norm_linear_ring_attend(
     gemv_rows_f32: int | None = None,
     use_triton: bool | None = None,
     config: dict | None = None,
+    tf32: bool = False,
 ) -> torch.Tensor:
     """ring_attention_rope(norm_linear(x, ...) + bias, ...): the codec pre-transformer's
     attention output [B * F, H D], its new keys and values written into the rows' rings. One
     launch on the GPU: the qkv GEMV, and each head's RoPE, ring writes and windowed attention
     run by the program that wrote the head's last qkv tile (as norm_linear_attend's groups),
-    one launch a layer fewer than the two ops."""
+    one launch a layer fewer than the two ops. tf32: as fused_linear's."""
     from ttsbuild.plugins.ring_attention import ring_attention_rope
 
     _check_scale(weight, scale)
@@ -251,7 +254,7 @@ def norm_linear_ring_attend(
     return norm_linear_ring_attend_triton(
         x, norm_weight, weight, scale, bias, pos, rows, k_ring, v_ring, inv_freq, frames=F,
         window=window, attn_scale=attn_scale, eps=eps, gemv_rows_f32=gemv_rows_f32,
-        config=config,
+        config=config, tf32=tf32,
     )  # fmt: skip
 
 

@@ -185,6 +185,15 @@ TR_HALF_WEIGHTS = os.environ.get("TTSBUILD_CODEC_TR_HALF_WEIGHTS", "0") == "1"
 # wrote its last qkv tile), 8 launches a batch-1 step fewer of its ~151.
 # TTSBUILD_CODEC_QKV_ATTEND=1 turns it on (built 2026-12-06, not yet timed).
 QKV_ATTEND = os.environ.get("TTSBUILD_CODEC_QKV_ATTEND", "0") == "1"
+# Steps of more frames than fused_layers_max_rows, up to this many, run the pre-transformer as
+# the fused layers too, their linears as TF32 tensor-core tiles of plugins.fused_linear (the
+# precision of the cuBLAS TF32 GEMMs they replace; with TR_HALF_WEIGHTS, fp16 weights), in
+# place of ~95 launches at 64 rows (33 TF32 GEMMs, 17 split-K reductions, 17 RMSNorms, 16
+# copies and the elementwise ops: ~0.3 ms of the 2.41 ms step on an H100, 2026-12-06
+# profile) against ~42. Only where the transformer stage is a TF32 stage (never in a strict
+# fp32 engine). TTSBUILD_CODEC_TR_TF32_MAX_ROWS=64 (or 256) turns it on (built 2026-12-06,
+# not yet timed).
+TR_TF32_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_TR_TF32_MAX_ROWS", "0"))
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
@@ -276,6 +285,7 @@ class CodecEngine:
         fold_block_act: bool | None = None,
         transformer_half_weights: bool | None = None,
         qkv_attend: bool | None = None,
+        tf32_layers_max_rows: int | None = None,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -375,6 +385,13 @@ class CodecEngine:
         if half_w and self.fused_layers_max_rows:
             with torch.no_grad():
                 self._tr_half = self._half_transformer_weights()
+        # larger steps on the fused layers as TF32 tiles (None: TR_TF32_MAX_ROWS), where the
+        # GEMM path would run TF32 (see TR_TF32_MAX_ROWS)
+        tf32_rows = TR_TF32_MAX_ROWS if tf32_layers_max_rows is None else tf32_layers_max_rows
+        if tf32_rows < 0:
+            raise ValueError(f"tf32_layers_max_rows must be >= 0, got {tf32_rows}")
+        self.tf32_layers_max_rows = (
+            tf32_rows if self.fused_layers_max_rows and "transformer" in self.tf32_stages else 0)
         # the fused layers' qkv GEMV and attention as one launch (None: QKV_ATTEND)
         self.qkv_attend = bool(QKV_ATTEND if qkv_attend is None else qkv_attend) and bool(
             self.fused_layers_max_rows)
@@ -758,6 +775,8 @@ class CodecEngine:
         tr = self.codec.pre_transformer  # x: [B, n, latent]
         if 0 < x.shape[0] * x.shape[1] <= self.fused_layers_max_rows:
             return self._transformer_fused(x, rows, pos)
+        if 0 < x.shape[0] * x.shape[1] <= self.tf32_layers_max_rows:
+            return self._transformer_fused(x, rows, pos, tf32=True)
         if self.fused_attention:  # made in each layer's attention kernel (ring_attention_rope)
             mask = cos = sin = ring_idx = None
         else:  # once per step, shared by the layers
@@ -768,13 +787,16 @@ class CodecEngine:
             h = self._layer(layer, h, cos, sin, mask, rows, ring_idx, st, pos)
         return self._linear(tr.output_proj, rms_norm(h, tr.norm.weight, tr.norm.eps), st)
 
-    def _transformer_fused(self, x: Tensor, rows: Tensor, pos: Tensor) -> Tensor:
-        """`_transformer` as fused_linear launches (see fused_layers_max_rows)."""
+    def _transformer_fused(self, x: Tensor, rows: Tensor, pos: Tensor,
+                           tf32: bool = False) -> Tensor:
+        """`_transformer` as fused_linear launches (see fused_layers_max_rows); tf32: a step
+        of more rows, on TF32 tiles (see TR_TF32_MAX_ROWS)."""
         tr = self.codec.pre_transformer
         b, n, _ = x.shape
-        # every step here has at most fused_layers_max_rows rows: fp32 ones as GEMVs (16-row
-        # fp32 tiles go through tl.dot's IEEE path: 2.6 ms a step from 2 rows on the H200)
-        gemv = functools.partial(fused_linear, gemv_rows_f32=self.fused_layers_max_rows)
+        # up to fused_layers_max_rows rows: fp32 ones as GEMVs (16-row fp32 tiles go through
+        # tl.dot's IEEE path: 2.6 ms a step from 2 rows on the H200); more: TF32 tiles
+        gemv = functools.partial(fused_linear, gemv_rows_f32=self.fused_layers_max_rows,
+                                 tf32=tf32)  # fmt: skip
         half = self._tr_half
 
         def linear(x: Tensor, weight: Tensor, key: object, **kw) -> Tensor:
@@ -796,7 +818,7 @@ class CodecEngine:
                 y = norm_linear_ring_attend(
                     h, norm.weight, weight, scale, qkv_bias, pos, rows, k_ring, v_ring,
                     self.inv_freq, window=self.window, attn_scale=a.head_dim ** -0.5,
-                    eps=norm.eps, gemv_rows_f32=self.fused_layers_max_rows,
+                    eps=norm.eps, gemv_rows_f32=self.fused_layers_max_rows, tf32=tf32,
                 )  # fmt: skip
             else:
                 qkv = linear(h, qkv_weight, (layer, "qkv"), norm_weight=norm.weight,

@@ -438,11 +438,13 @@ def _norm_linear_attend_kernel(
 
 
 def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
-         gemv_rows_f32: int | None = None) -> dict:  # fmt: skip
+         gemv_rows_f32: int | None = None, tf32: bool = False) -> dict:  # fmt: skip
     """Fixed tile config for a shape: BLOCK_M from M, split-K until ~one wave of programs.
     fp32: the activations are fp32; then up to gemv_rows_f32 rows (default
     TTSBUILD_GEMV_ROWS_F32) run as GEMVs, a program per row and column tile; half precision:
-    up to GEMV_FEW_ROWS_MAX rows where GEMV_FEW_ROWS is on."""
+    up to GEMV_FEW_ROWS_MAX rows where GEMV_FEW_ROWS is on. tf32: fp32 tiles on TF32 tensor
+    cores, 32-wide K blocks (an offline sm_90 compile: 166 registers a thread, no spills, at
+    64 x 64 with fp32 weights; 64-wide blocks spill)."""
     if fp32:
         rows_as_gemv = _GEMV_ROWS_F32 if gemv_rows_f32 is None else gemv_rows_f32
     else:
@@ -455,7 +457,7 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
             block_n = 8
     else:
         block_m = min(64, max(16, triton.next_power_of_2(M)))
-        block_n, block_k = 64, 128
+        block_n, block_k = 64, 32 if fp32 and tf32 else 128
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     split = 1
@@ -469,7 +471,14 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
 
 
-def _launch(x, M, N, K, gate_up, config, out, *, head_dim=None, groups=0, gemv_rows_f32=None):
+def _dot_f32(x: torch.Tensor, tf32: bool) -> bool:
+    """The kernels' DOT_F32: IEEE fp32 tiles for fp32 activations unless `tf32` (TF32 tensor
+    cores), and always under the interpreter."""
+    return interpret_mode() or (x.dtype == torch.float32 and not tf32)
+
+
+def _launch(x, M, N, K, gate_up, config, out, *, head_dim=None, groups=0, gemv_rows_f32=None,
+            tf32=False):  # fmt: skip
     """How an [M, N] linear of x launches: the tile config (the per-shape `plan` unless given,
     with gemv_rows_f32 as there), the grid, the split-K workspace, the arrival counters
     (split-K's per tile, then `groups` more), PDL, and the K blocks loaded before the PDL
@@ -477,7 +486,7 @@ def _launch(x, M, N, K, gate_up, config, out, *, head_dim=None, groups=0, gemv_r
     sms = _num_sms(x.device)
     c = (dict(config) if config is not None
          else plan(M, N, K, gate_up, sms, fp32=x.dtype == torch.float32,
-                   gemv_rows_f32=gemv_rows_f32))  # fmt: skip
+                   gemv_rows_f32=gemv_rows_f32, tf32=tf32))  # fmt: skip
     if interpret_mode():
         c["BLOCK_N"] = min(c["BLOCK_N"], 32)  # the interpreter is slow on big tiles
     if head_dim is not None:
@@ -520,6 +529,7 @@ def fused_linear_triton(
     residual_ready: bool = False,
     gemv_rows_f32: int | None = None,
     out: torch.Tensor | None = None,  # [M, N], rows contiguous (checked by fused_linear)
+    tf32: bool = False,
 ) -> torch.Tensor:
     K = x.shape[1]
     if index is not None:
@@ -535,7 +545,7 @@ def fused_linear_triton(
     if M == 0:
         return out
     c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, gate_up, config, out,
-                                              gemv_rows_f32=gemv_rows_f32)  # fmt: skip
+                                              gemv_rows_f32=gemv_rows_f32, tf32=tf32)  # fmt: skip
     dummy = out
     _fused_linear_kernel[grid](
         x, index if index is not None else dummy, norm_weight if norm_weight is not None else dummy,
@@ -545,8 +555,7 @@ def fused_linear_triton(
         residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         **c, GATHER=index is not None, PRE_NORM=norm_weight is not None,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        GATE_UP=gate_up, DOT_F32=interpret_mode() or x.dtype == torch.float32,
-        PREFETCH=prefetch,
+        GATE_UP=gate_up, DOT_F32=_dot_f32(x, tf32), PREFETCH=prefetch,
         RES_EARLY=residual is not None and residual_ready and prefetch > 0 and pdl_early_reads(),
         L2_AHEAD=_l2_ahead(weight, c, pdl), **pdl_args(pdl), num_warps=4, num_stages=3,
     )  # fmt: skip
@@ -667,6 +676,7 @@ def norm_linear_ring_attend_triton(
     eps: float,
     gemv_rows_f32: int | None = None,
     config: dict | None = None,
+    tf32: bool = False,
 ) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
@@ -677,7 +687,8 @@ def norm_linear_ring_attend_triton(
         return attn
     qkv = torch.empty((M, N), dtype=x.dtype, device=x.device)
     c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, False, config, qkv, head_dim=D,
-                                              groups=H, gemv_rows_f32=gemv_rows_f32)  # fmt: skip
+                                              groups=H, gemv_rows_f32=gemv_rows_f32,
+                                              tf32=tf32)  # fmt: skip
     chunk = _ring.RING_CHUNK if B >= _ring.RING_CHUNK_MIN_ROWS else 0  # (as ring_attention_rope)
     _norm_linear_ring_attend_kernel[grid](
         x, norm_weight, weight, scale if scale is not None else qkv,
@@ -686,7 +697,7 @@ def norm_linear_ring_attend_triton(
         M, N, K, x.stride(0), weight.stride(0), qkv.stride(0), eps, B, frames, R, int(window),
         float(attn_scale),
         **c, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        DOT_F32=interpret_mode() or x.dtype == torch.float32, H=H, D=D,
+        DOT_F32=_dot_f32(x, tf32), H=H, D=D,
         BLOCK_R=triton.next_power_of_2(R), MERGE=_ring.RING_MERGE and not chunk, CHUNK=chunk,
         PREFETCH=prefetch, **pdl_args(pdl), num_warps=4, num_stages=3,
     )  # fmt: skip
