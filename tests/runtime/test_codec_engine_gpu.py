@@ -75,10 +75,11 @@ def _switch_snr(monkeypatch, dec, precision, kw, codes, chunk, name, off, on):
     return snr_db(plain, got), engine
 
 
-def _assert_replay_equals_eager(engine, codes):
-    """A captured one-frame step of rows 0 and 1 replays what the eager step computes."""
+def _assert_replay_equals_eager(engine, codes, frames=1):
+    """A captured step of `frames` frames of rows 0 and 1 replays what the eager step
+    computes."""
     rows = torch.tensor([0, 1], device="cuda")
-    static = codes[..., :1].cuda().clone()
+    static = codes[..., :frames].cuda().clone()
     graph, pcm = capture_step(engine, rows, static)
     engine.reset(rows)
     eager = engine.step(rows, static).clone()
@@ -188,7 +189,7 @@ def test_split_k_convs_keep_the_decode_and_replay(decoders, monkeypatch, precisi
     got = decode_with(engine, codes, chunk=2).float()
     assert max(splits) > 1, splits
     assert snr_db(plain, got) > 45
-    _assert_replay_equals_eager(engine, codes)
+    _assert_replay_equals_eager(engine, codes, frames=4)  # 8 rows: the tiles
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -267,4 +268,4 @@ def test_tf32_layer_tiles_keep_the_decode_and_replay(half):
     assert engine.tf32_layers_max_rows == 64
     got = decode_with(engine, codes, chunk=4)
     assert snr_db(plain, got) > 45
-    _assert_replay_equals_eager(engine, codes)
+    _assert_replay_equals_eager(engine, codes, frames=4)  # 8 rows: the tiles
