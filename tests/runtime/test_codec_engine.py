@@ -331,7 +331,8 @@ def test_fused_layers_with_qkv_and_attention_in_one_launch_decode_the_same_audio
     """CodecEngine(qkv_attend=True): each fused layer's qkv GEMV and its attention (RoPE, ring
     writes, window) as one plugins.fused_linear.norm_linear_ring_attend launch (the kernel
     under TRITON_INTERPRET=1, else its reference), with fp32 or scaled fp16 weights: the same
-    audio as the two launches, the rings carried across steps. Off without fused layers."""
+    audio as the two launches, the rings carried across steps. Off without fused layers and
+    for steps of more than QKV_ATTEND_MAX_STREAMS streams."""
     import ttsbuild.runtime.codec_engine as ce
 
     cfg = small_config(num_key_value_heads=4)
@@ -354,6 +355,12 @@ def test_fused_layers_with_qkv_and_attention_in_one_launch_decode_the_same_audio
         got = ce.decode_with(one, codes, chunk=1)
         assert calls == [torch.float16 if half else torch.float32] * (7 * layers)
         assert got.shape == want.shape and rel_err(got, want) <= REL_TOL
+    # three streams a step: one program a head would attend for all in turn; the two launches
+    assert ce.QKV_ATTEND_MAX_STREAMS == 2
+    calls.clear()
+    ce.decode_with(CodecEngine(dec, 3, "fp32", qkv_attend=True, **kw),
+                   rand_codes(cfg, 3, 2, seed=50), chunk=1)  # fmt: skip
+    assert calls == []
 
 
 def test_larger_steps_on_tf32_tiles_decode_as_the_tf32_gemms(monkeypatch):

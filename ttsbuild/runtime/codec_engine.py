@@ -183,8 +183,11 @@ TR_HALF_WEIGHTS = os.environ.get("TTSBUILD_CODEC_TR_HALF_WEIGHTS", "0") == "1"
 # The fused layers' qkv GEMV and their attention (RoPE, ring writes, the window) as one launch
 # (plugins.fused_linear.norm_linear_ring_attend: each head's attention run by the program that
 # wrote its last qkv tile), 8 launches a batch-1 step fewer of its ~151.
-# TTSBUILD_CODEC_QKV_ATTEND=1 turns it on (built 2026-12-06, not yet timed).
+# TTSBUILD_CODEC_QKV_ATTEND=1 turns it on (built 2026-12-06, not yet timed). Only for steps
+# of at most QKV_ATTEND_MAX_STREAMS streams on the GEMVs: one program a head attends for
+# every stream in turn, where the separate kernel runs a program per (stream, head).
 QKV_ATTEND = os.environ.get("TTSBUILD_CODEC_QKV_ATTEND", "0") == "1"
+QKV_ATTEND_MAX_STREAMS = 2
 # Steps of more frames than fused_layers_max_rows, up to this many, run the pre-transformer as
 # the fused layers too, their linears as TF32 tensor-core tiles of plugins.fused_linear (the
 # precision of the cuBLAS TF32 GEMMs they replace; with TR_HALF_WEIGHTS, fp16 weights), in
@@ -813,7 +816,7 @@ class CodecEngine:
             qkv_weight, qkv_bias, gate_up_weight = self._packed[layer]
             norm = layer.input_layernorm
             k_ring, v_ring = self.state[a.slot]
-            if self.qkv_attend:  # one launch (see QKV_ATTEND)
+            if self.qkv_attend and not tf32 and b <= QKV_ATTEND_MAX_STREAMS:  # see QKV_ATTEND
                 weight, scale = half[layer, "qkv"] if half else (qkv_weight, None)
                 y = norm_linear_ring_attend(
                     h, norm.weight, weight, scale, qkv_bias, pos, rows, k_ring, v_ring,
