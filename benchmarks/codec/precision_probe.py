@@ -16,6 +16,8 @@ fp32 weights with fp32 FMAs on the GPU, so here no TF32 stage: CPU emulation wou
 weights to TF32, which fp16 holds exactly):
   all, fused layers              as "all", the fused layers' fp32 weights
   all, fused layers, fp16 tr. weights   their weights in scaled fp16 (transformer_half_weights)
+  all, fused layers, fp16 rings  the attention's key/value rings in fp16 (ring_half; not at
+                                 fp32, which keeps its rings strict)
 On CPU, fp16/bf16 run natively and TF32 is emulated by rounding (see runtime.codec_engine).
 """
 
@@ -86,13 +88,18 @@ def main() -> None:
             snr = snr_db(ref, decode_with(eng, codes))
             print(f"| {p} | {name} | {snr:.1f} | {time.time() - t:.0f} |", flush=True)
         if args.fused_layers or args.only_fused:
-            for name, half in (("all, fused layers", False),
-                               ("all, fused layers, fp16 tr. weights", True)):
+            for name, half, ring in (("all, fused layers", False, False),
+                                     ("all, fused layers, fp16 tr. weights", True, False),
+                                     ("all, fused layers, fp16 rings", False, True)):
+                if ring and p == "fp32":
+                    continue
                 t = time.time()
                 eng = CodecEngine(dec, args.rows, p, conv_impl="triton", fused=True,
                                   fused_attention=True, fused_layers_max_rows=8,
-                                  tf32_stages=(), transformer_half_weights=half)  # fmt: skip
+                                  tf32_stages=(), transformer_half_weights=half,
+                                  ring_half=ring)  # fmt: skip
                 assert eng.fused_layers_max_rows >= args.rows and bool(eng._tr_half) == half
+                assert eng.ring_half == ring
                 snr = snr_db(ref, decode_with(eng, codes, chunk=1))
                 print(f"| {p} | {name} | {snr:.1f} | {time.time() - t:.0f} |", flush=True)
 

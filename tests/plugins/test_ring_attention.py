@@ -169,6 +169,33 @@ def test_merged_rope_kernel_sees_half_precision_rings_as_stored(n, monkeypatch):
     assert ((outs[1] - want).abs().max() / want.abs().max()).item() < 2e-3
 
 
+@needs_kernel
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_rope_kernel_with_half_rings_beside_fp32_queries(chunk, monkeypatch):
+    """fp32 qkv, fp16 rings (CodecEngine(ring_half=True)): the kernel writes the new keys
+    and values rounded to fp16 and attends in fp32 over what the ring holds; the same rings
+    as the reference and its output to fp32 rounding, over two steps."""
+    monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_CHUNK", chunk)
+    monkeypatch.setattr("ttsbuild.plugins.ring_attention.RING_CHUNK_MIN_ROWS", 1)
+    qkv, pos, rows, k_ring, v_ring, inv_freq = _rope_inputs(3, 2, 16, 75, 64, 5, KDEV, 31)
+    k_ring, v_ring = k_ring.half(), v_ring.half()
+    ref_k, ref_v = k_ring.clone(), v_ring.clone()
+    for step in range(2):
+        want = ring_attention_rope(qkv, pos, rows, ref_k, ref_v, inv_freq, 72, 0.125,
+                                   use_triton=False)  # fmt: skip
+        got = ring_attention_rope(qkv, pos, rows, k_ring, v_ring, inv_freq, 72, 0.125,
+                                  use_triton=True)  # fmt: skip
+        assert got.dtype == torch.float32 and k_ring.dtype == torch.float16
+        # a key may round to its neighbouring fp16 value (RoPE's sin/cos differ in the last
+        # fp32 bits between the kernel and torch), moving its scores by ~2**-11
+        assert ((got - want).abs().max() / want.abs().max()).item() < 2e-3, step
+        # the same fp16 keys (RoPE in fp32 either way: at most one fp16 ulp apart)
+        assert ((k_ring.float() - ref_k.float()).abs().max() / ref_k.float().abs().max()
+                ).item() <= 2**-10, step
+        assert torch.equal(v_ring, ref_v), step
+        pos, qkv = pos + 2, qkv.flip(1).contiguous()
+
+
 def test_rope_refuses_grouped_heads():
     qkv, pos, rows, k_ring, v_ring, inv_freq = _rope_inputs(2, 1, 4, 10, 8, 3, "cpu", 1)
     with pytest.raises(ValueError, match="as many query as"):

@@ -400,6 +400,45 @@ def test_larger_steps_on_tf32_tiles_decode_as_the_tf32_gemms(monkeypatch):
     assert rel_err(got, want) <= 1e-2
 
 
+@pytest.mark.parametrize("fused_layers", [0, 4])
+def test_half_precision_rings_keep_the_audio_close(fused_layers):
+    """CodecEngine(ring_half=True): the pre-transformer's key/value rings in fp16 beside its
+    fp32 stage (the fused attention kernel, under TRITON_INTERPRET=1, else its reference;
+    the GEMV layers or the GEMM path): the keys and values rounded as written, the audio
+    within their rounding of the fp32 rings' over chunks of 1 and 3 (rings carried across
+    steps). Never in the strict fp32 engine."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    cfg = small_config(num_key_value_heads=4)
+    dec = our_decoder(cfg, test_state(cfg, seed=54))
+    kw = dict(conv_impl="triton", fused=True, fused_attention=True,
+              fused_layers_max_rows=fused_layers)  # fmt: skip
+    plain = CodecEngine(dec, 2, "fp16", **kw)
+    half = CodecEngine(dec, 2, "fp16", ring_half=True, **kw)
+    rings = [t for group in half.state for t in group if t.dim() == 4]
+    assert rings and {t.dtype for t in rings} == {torch.float16}
+    assert {t.dtype for g in plain.state for t in g if t.dim() == 4} == {torch.float32}
+    strict = CodecEngine(dec, 2, "fp32", ring_half=True, **kw)
+    assert not strict.ring_half and {t.dtype for g in strict.state for t in g if t.dim() == 4} == {
+        torch.float32}
+    codes = rand_codes(cfg, 2, 9, seed=55)
+    for chunk in (1, 3):
+        want = ce.decode_with(plain, codes, chunk=chunk)
+        got = ce.decode_with(half, codes, chunk=chunk)
+        assert got.shape == want.shape and not torch.equal(got, want)
+        assert ce.snr_db(want, got) > 50
+    # the rings hold the keys and values as fp16 rounds them: a step's new entries equal
+    # the fp32 engine's rounded (same slots, positions and inputs in both)
+    frame = rand_codes(cfg, 2, 1, seed=56)
+    for e in (plain, half):
+        e.reset([0, 1])
+        e.step(torch.tensor([0, 1]), frame)
+    first_k = [(a[0][:2, :, 0], b[0][:2, :, 0]) for a, b in zip(
+        [g for g in plain.state if g and g[0].dim() == 4],
+        [g for g in half.state if g and g[0].dim() == 4], strict=True)]
+    assert torch.equal(first_k[0][1], first_k[0][0].half())  # the first layer's keys
+
+
 def test_fused_transformer_steps_ask_for_their_rows_as_gemvs(monkeypatch):
     """The fused pre-transformer runs steps of at most fused_layers_max_rows rows, so it asks
     fused_linear to run that many fp32 rows as GEMVs (16-row fp32 tiles went through tl.dot's

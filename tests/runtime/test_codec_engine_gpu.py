@@ -269,3 +269,21 @@ def test_tf32_layer_tiles_keep_the_decode_and_replay(half):
     got = decode_with(engine, codes, chunk=4)
     assert snr_db(plain, got) > 45
     _assert_replay_equals_eager(engine, codes, frames=4)  # 8 rows: the tiles
+
+
+@pytest.mark.parametrize("frames", [1, 4])
+def test_half_rings_keep_the_decode_and_replay(frames):
+    """The pre-transformer's rings in fp16 (ring_half) against fp32 rings, in the served
+    settings at one frame a step (the GEMV layers) and four (the GEMM path): the audio within
+    the rings' rounding, and a captured step equal to the eager one."""
+    cfg = small_config(num_key_value_heads=4)
+    dec = our_decoder(cfg, test_state(cfg, seed=54)).cuda()
+    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=2,
+              channels_last=True, state_channels_last=True)  # fmt: skip
+    codes = rand_codes(cfg, 2, 8, seed=85)
+    plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=frames)
+    engine = CodecEngine(dec, 2, "fp16", ring_half=True, **kw)
+    assert engine.ring_half
+    got = decode_with(engine, codes, chunk=frames)
+    assert 45 < snr_db(plain, got) < 200
+    _assert_replay_equals_eager(engine, codes, frames=frames)

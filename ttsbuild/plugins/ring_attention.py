@@ -43,7 +43,10 @@ def ring_attention_reference(q, k_ring, v_ring, rows, mask, scale,
     """The eager ops. mm_in: applied to the matmul inputs (the codec engine's TF32 emulation
     on CPU)."""
     B, n, H, D = q.shape
-    keys, values = k_ring.index_select(0, rows), v_ring.index_select(0, rows)  # [B,Hkv,R,D]
+    # [B, Hkv, R, D], in q's dtype (half-precision rings beside fp32 queries: the rounded
+    # values the ring holds, in fp32 math)
+    keys = k_ring.index_select(0, rows).to(q.dtype)
+    values = v_ring.index_select(0, rows).to(q.dtype)
     if keys.shape[1] != H:
         keys = keys.repeat_interleave(H // keys.shape[1], dim=1)
         values = values.repeat_interleave(H // values.shape[1], dim=1)

@@ -197,6 +197,12 @@ QKV_ATTEND_MAX_STREAMS = 2
 # fp32 engine). TTSBUILD_CODEC_TR_TF32_MAX_ROWS=64 (or 256) turns it on (built 2026-12-06,
 # not yet timed).
 TR_TF32_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_TR_TF32_MAX_ROWS", "0"))
+# The pre-transformer's key/value rings in fp16 where the stage is fp32 (keys after RoPE and
+# values rounded to 11 significant bits as they are written; attention still in fp32 math):
+# the ring attention reads half the bytes (at 64 rows its 8 launches took 0.206 ms of the
+# 2.41 ms step on an H100, 2026-12-06, ~39 MB of fp32 rings a layer), and the rings take half
+# the memory. TTSBUILD_CODEC_RING_HALF=1 turns it on (built 2026-12-06, not yet timed).
+RING_HALF = os.environ.get("TTSBUILD_CODEC_RING_HALF", "0") == "1"
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
@@ -289,6 +295,7 @@ class CodecEngine:
         transformer_half_weights: bool | None = None,
         qkv_attend: bool | None = None,
         tf32_layers_max_rows: int | None = None,
+        ring_half: bool | None = None,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -406,6 +413,9 @@ class CodecEngine:
         self._ring_frames = torch.arange(self.ring, device=device)
 
         # -- per-slot state ------------------------------------------------------------------
+        # the attention rings in fp16 (None: RING_HALF) where their stage is fp32, never in
+        # the strict fp32 engine
+        self.ring_half = (RING_HALF if ring_half is None else ring_half) and precision != "fp32"
         S = num_slots + 1
         self.pos = torch.zeros(S, dtype=torch.long, device=device)
         self.state: list[tuple[Tensor, ...]] = []
@@ -426,7 +436,9 @@ class CodecEngine:
                                   if m.overlap else ())
             else:  # Attention: a K and a V ring
                 shape = (S, m.n_kv, self.ring, m.head_dim)
-                self.state.append(tuple(torch.zeros(shape, dtype=dtype, device=device)
+                ring_dtype = (torch.float16 if self.ring_half and dtype == torch.float32
+                              else dtype)  # fmt: skip
+                self.state.append(tuple(torch.zeros(shape, dtype=ring_dtype, device=device)
                                         for _ in range(2)))
 
     # -- set-up ------------------------------------------------------------------------------
@@ -863,8 +875,8 @@ class CodecEngine:
         qk, v = qkv[:, :, : a.n_head + a.n_kv], qkv[:, :, a.n_head + a.n_kv :]  # [B, n, *, D]
         qk = apply_rope(qk, cos, sin)  # q and k at once
         q, k = qk[:, :, : a.n_head], qk[:, :, a.n_head :]  # [B, n, H, D], [B, n, Hkv, D]
-        k_ring[rows[:, None], :, ring_idx] = k  # the rows' new frames into their rings
-        v_ring[rows[:, None], :, ring_idx] = v
+        k_ring[rows[:, None], :, ring_idx] = k.to(k_ring.dtype)  # the rows' new frames
+        v_ring[rows[:, None], :, ring_idx] = v.to(v_ring.dtype)
         if self.fused:
             y = ring_attention(q, k_ring, v_ring, rows, mask, scale)
         else:
