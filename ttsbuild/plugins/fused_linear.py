@@ -221,13 +221,12 @@ def norm_linear_ring_attend(
     gemv_rows_f32: int | None = None,
     use_triton: bool | None = None,
     config: dict | None = None,
-    tf32: bool = False,
 ) -> torch.Tensor:
     """ring_attention_rope(norm_linear(x, ...) + bias, ...): the codec pre-transformer's
     attention output [B * F, H D], its new keys and values written into the rows' rings. One
     launch on the GPU: the qkv GEMV, and each head's RoPE, ring writes and windowed attention
     run by the program that wrote the head's last qkv tile (as norm_linear_attend's groups),
-    one launch a layer fewer than the two ops. tf32: as fused_linear's."""
+    one launch a layer fewer than the two ops."""
     from ttsbuild.plugins.ring_attention import ring_attention_rope
 
     _check_scale(weight, scale)
@@ -254,7 +253,7 @@ def norm_linear_ring_attend(
     return norm_linear_ring_attend_triton(
         x, norm_weight, weight, scale, bias, pos, rows, k_ring, v_ring, inv_freq, frames=F,
         window=window, attn_scale=attn_scale, eps=eps, gemv_rows_f32=gemv_rows_f32,
-        config=config, tf32=tf32,
+        config=config,
     )  # fmt: skip
 
 

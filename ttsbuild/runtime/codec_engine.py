@@ -833,7 +833,7 @@ class CodecEngine:
                 y = norm_linear_ring_attend(
                     h, norm.weight, weight, scale, qkv_bias, pos, rows, k_ring, v_ring,
                     self.inv_freq, window=self.window, attn_scale=a.head_dim ** -0.5,
-                    eps=norm.eps, gemv_rows_f32=self.fused_layers_max_rows, tf32=tf32,
+                    eps=norm.eps, gemv_rows_f32=self.fused_layers_max_rows,
                 )  # fmt: skip
             else:
                 qkv = linear(h, qkv_weight, (layer, "qkv"), norm_weight=norm.weight,

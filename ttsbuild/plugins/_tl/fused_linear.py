@@ -676,7 +676,6 @@ def norm_linear_ring_attend_triton(
     eps: float,
     gemv_rows_f32: int | None = None,
     config: dict | None = None,
-    tf32: bool = False,
 ) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
@@ -687,8 +686,7 @@ def norm_linear_ring_attend_triton(
         return attn
     qkv = torch.empty((M, N), dtype=x.dtype, device=x.device)
     c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, False, config, qkv, head_dim=D,
-                                              groups=H, gemv_rows_f32=gemv_rows_f32,
-                                              tf32=tf32)  # fmt: skip
+                                              groups=H, gemv_rows_f32=gemv_rows_f32)  # fmt: skip
     chunk = _ring.RING_CHUNK if B >= _ring.RING_CHUNK_MIN_ROWS else 0  # (as ring_attention_rope)
     _norm_linear_ring_attend_kernel[grid](
         x, norm_weight, weight, scale if scale is not None else qkv,
@@ -697,7 +695,7 @@ def norm_linear_ring_attend_triton(
         M, N, K, x.stride(0), weight.stride(0), qkv.stride(0), eps, B, frames, R, int(window),
         float(attn_scale),
         **c, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        DOT_F32=_dot_f32(x, tf32), H=H, D=D,
+        DOT_F32=_dot_f32(x, False), H=H, D=D,
         BLOCK_R=triton.next_power_of_2(R), MERGE=_ring.RING_MERGE and not chunk, CHUNK=chunk,
         PREFETCH=prefetch, **pdl_args(pdl), num_warps=4, num_stages=3,
     )  # fmt: skip
