@@ -69,6 +69,21 @@ def test_plan_refuses_inconsistent_shapes(bad, message):
         EnginePlan(**{**PLAN.model_dump(), **bad})
 
 
+def test_plan_gives_the_codec_engine_its_settings(monkeypatch):
+    # what the graph engine builds its codec with and the compile gate measures: every codec
+    # field of the plan, the convs resolved for the device
+    monkeypatch.delenv("TTSBUILD_CODEC_CONV", raising=False)
+    plan = EnginePlan(**{**PLAN.model_dump(), "codec_fused_layers_max_rows": 3,
+                         "codec_channels_last": False})  # fmt: skip
+    kw = plan.codec_engine_kwargs("cpu")
+    assert kw == dict(max_chunk=plan.max_chunk, conv_impl="cudnn", fused=plan.codec_fused,
+                      channels_last=False, fused_output=plan.codec_fused_output,
+                      fused_attention=plan.codec_fused_attention,
+                      state_channels_last=plan.codec_state_channels_last,
+                      fused_layers_max_rows=3)  # fmt: skip
+    assert plan.codec_engine_kwargs("cuda")["conv_impl"] == "triton"  # resolved, not "auto"
+
+
 def test_plan_buckets_and_prompt_checks():
     assert [PLAN.bucket(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
     with pytest.raises(ValueError, match="largest bucket 4"):
