@@ -439,6 +439,39 @@ def test_half_precision_rings_keep_the_audio_close(fused_layers):
     assert torch.equal(first_k[0][1], first_k[0][0].half())  # the first layer's keys
 
 
+def test_steps_of_few_streams_launch_the_codec_kernels_with_pdl(monkeypatch):
+    """CODEC_PDL_MAX_ROWS: a step of at most that many streams runs inside
+    codec_pdl_scope(True), so the codec kernels' launch arguments ask for PDL (where the GPU
+    takes it); larger steps, and everything after the step, do not."""
+    import ttsbuild.plugins._dispatch as dispatch
+    import ttsbuild.runtime.codec_engine as ce
+
+    monkeypatch.setattr(dispatch, "pdl_enabled", lambda t: True)  # as on a Hopper GPU
+    monkeypatch.delenv("TTSBUILD_CODEC_PDL", raising=False)
+    x, on, off = torch.zeros(1), {"PDL": True, "launch_pdl": True}, {"PDL": False}
+    assert dispatch.codec_pdl_args(x) == off
+    with dispatch.codec_pdl_scope(True):
+        assert dispatch.codec_pdl_args(x) == on
+        with dispatch.codec_pdl_scope(False):
+            assert dispatch.codec_pdl_args(x) == off
+        assert dispatch.codec_pdl_args(x) == on
+    assert dispatch.codec_pdl_args(x) == off
+    monkeypatch.setenv("TTSBUILD_CODEC_PDL", "1")  # every size
+    assert dispatch.codec_pdl_args(x) == on
+    monkeypatch.delenv("TTSBUILD_CODEC_PDL")
+    cfg = small_config()
+    engine = CodecEngine(our_decoder(cfg, test_state(cfg, seed=57)), 3, "fp32")
+    seen, real = [], ce.CodecEngine._step
+    monkeypatch.setattr(ce.CodecEngine, "_step", lambda self, r, c: seen.append(
+        dispatch.codec_pdl_args(x) == on) or real(self, r, c))  # fmt: skip
+    for limit in (0, 2):
+        monkeypatch.setattr(ce, "CODEC_PDL_MAX_ROWS", limit)
+        for streams in (1, 2, 3):
+            ce.decode_with(engine, rand_codes(cfg, streams, 1, seed=58))
+    assert seen == [False, False, False, True, True, False]
+    assert dispatch.codec_pdl_args(x) == off
+
+
 def test_fused_transformer_steps_ask_for_their_rows_as_gemvs(monkeypatch):
     """The fused pre-transformer runs steps of at most fused_layers_max_rows rows, so it asks
     fused_linear to run that many fp32 rows as GEMVs (16-row fp32 tiles went through tl.dot's

@@ -287,3 +287,22 @@ def test_half_rings_keep_the_decode_and_replay(frames):
     got = decode_with(engine, codes, chunk=frames)
     assert 45 < snr_db(plain, got) < 200
     _assert_replay_equals_eager(engine, codes, frames=frames)
+
+
+def test_small_steps_with_pdl_keep_the_decode_and_replay(monkeypatch):
+    """Steps of at most CODEC_PDL_MAX_ROWS streams launch the codec kernels with PDL (each
+    waits on the device for the one before): the same audio bit for bit as without, in the
+    served settings with the fused layers, and a captured step equal to the eager one."""
+    from ttsbuild.runtime import codec_engine
+
+    cfg = small_config(num_key_value_heads=4)
+    dec = our_decoder(cfg, test_state(cfg, seed=58)).cuda()
+    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_output=True,
+              fused_layers_max_rows=8, channels_last=True, state_channels_last=True)
+    codes = rand_codes(cfg, 2, 6, seed=87)
+    monkeypatch.setattr(codec_engine, "CODEC_PDL_MAX_ROWS", 0)
+    plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=1)
+    monkeypatch.setattr(codec_engine, "CODEC_PDL_MAX_ROWS", 2)
+    engine = CodecEngine(dec, 2, "fp16", **kw)
+    assert torch.equal(decode_with(engine, codes, chunk=1), plain)
+    _assert_replay_equals_eager(engine, codes)

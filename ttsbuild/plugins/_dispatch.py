@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
@@ -72,10 +74,30 @@ def bulk_prefetchable(w: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
+# Set while a codec step of few streams launches its kernels (`codec_pdl_scope`).
+_CODEC_PDL_SCOPE: contextvars.ContextVar[bool] = contextvars.ContextVar("codec_pdl",
+                                                                        default=False)
+
+
+@contextlib.contextmanager
+def codec_pdl_scope(on: bool):
+    """Within it (on), the codec kernels launch with PDL (`codec_pdl_args`) as under
+    TTSBUILD_CODEC_PDL=1: runtime.codec_engine wraps steps of at most CODEC_PDL_MAX_ROWS
+    streams in it. Per thread (a context variable); a CUDA graph keeps what its capture
+    launched."""
+    token = _CODEC_PDL_SCOPE.set(on)
+    try:
+        yield
+    finally:
+        _CODEC_PDL_SCOPE.reset(token)
+
+
 def codec_pdl_args(t: torch.Tensor) -> dict:
     """The codec kernels' PDL launch arguments (`pdl_args`): off unless TTSBUILD_CODEC_PDL=1
-    (and `pdl_enabled`). The kernels take it (each waits for the previous kernel before its
-    first global access, as the decode kernels do), but on the H200 (2026-12-02, the served
-    one-frame step) it was 0.856 -> 0.842 ms at batch 1 and slower from 8 rows on: 1.122 ->
-    1.185, 2.797 -> 2.868, 9.019 -> 9.076 ms at 8 / 64 / 256 (benchmarks/codec/RESULTS.md)."""
-    return pdl_args(pdl_enabled(t) and os.environ.get("TTSBUILD_CODEC_PDL", "0") == "1")
+    or inside `codec_pdl_scope(True)` (and `pdl_enabled`). The kernels take it (each waits
+    for the previous kernel before its first global access, as the decode kernels do), but on
+    the H200 (2026-12-02, the served one-frame step) it was 0.856 -> 0.842 ms at batch 1 and
+    slower from 8 rows on: 1.122 -> 1.185, 2.797 -> 2.868, 9.019 -> 9.076 ms at 8 / 64 / 256
+    (benchmarks/codec/RESULTS.md)."""
+    on = os.environ.get("TTSBUILD_CODEC_PDL", "0") == "1" or _CODEC_PDL_SCOPE.get()
+    return pdl_args(pdl_enabled(t) and on)

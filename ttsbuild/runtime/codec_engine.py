@@ -55,7 +55,7 @@ from ttsbuild.model.codec import (
     TransformerLayer,
     apply_rope,
 )
-from ttsbuild.plugins._dispatch import want_triton
+from ttsbuild.plugins._dispatch import codec_pdl_scope, want_triton
 from ttsbuild.plugins.causal_conv import (
     causal_conv,
     overlap_add,
@@ -203,6 +203,13 @@ TR_TF32_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_TR_TF32_MAX_ROWS", "0"))
 # 2.41 ms step on an H100, 2026-12-06, ~39 MB of fp32 rings a layer), and the rings take half
 # the memory. TTSBUILD_CODEC_RING_HALF=1 turns it on (built 2026-12-06, not yet timed).
 RING_HALF = os.environ.get("TTSBUILD_CODEC_RING_HALF", "0") == "1"
+# Steps of at most this many streams launch the codec's kernels with PDL (plugins._dispatch
+# codec_pdl_scope): on the H200 (2026-12-02) PDL for every codec kernel made batch 1 1.6 %
+# faster (0.856 -> 0.842 ms) and batches 8-256 2-6 % slower, where programs resident early
+# only take SM slots from the kernel before them. 0: off (TTSBUILD_CODEC_PDL=1 keeps it on
+# at every size). TTSBUILD_CODEC_PDL_MAX_ROWS=1 (or 2, 4) turns it on for small steps (built
+# 2026-12-06, not yet timed with today's kernels).
+CODEC_PDL_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_PDL_MAX_ROWS", "0"))
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
@@ -565,6 +572,10 @@ class CodecEngine:
     def step(self, rows: Tensor, codes: Tensor) -> Tensor:
         """rows: LongTensor [B] (slots; padding rows = `scratch`), codes: [B, Q, n] ->
         pcm float32 [B, n * 1920], the continuation of each row's audio."""
+        with codec_pdl_scope(rows.shape[0] <= CODEC_PDL_MAX_ROWS):  # see CODEC_PDL_MAX_ROWS
+            return self._step(rows, codes)
+
+    def _step(self, rows: Tensor, codes: Tensor) -> Tensor:
         n = codes.shape[-1]
         if n > self.max_chunk:
             raise ValueError(f"{n} frames per step exceeds max_chunk {self.max_chunk}")
