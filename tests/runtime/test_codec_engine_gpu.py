@@ -291,7 +291,7 @@ def test_half_rings_keep_the_decode_and_replay(frames):
 
 def test_small_steps_with_pdl_keep_the_decode_and_replay(monkeypatch):
     """Steps of at most CODEC_PDL_MAX_ROWS streams launch the codec kernels with PDL (each
-    waits on the device for the one before): the same audio bit for bit as without, in the
+    waits on the device for the one before): the same audio as without (to 1e-6), in the
     served settings with the fused layers, and a captured step equal to the eager one."""
     from ttsbuild.runtime import codec_engine
 
@@ -304,5 +304,6 @@ def test_small_steps_with_pdl_keep_the_decode_and_replay(monkeypatch):
     plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=1)
     monkeypatch.setattr(codec_engine, "CODEC_PDL_MAX_ROWS", 2)
     engine = CodecEngine(dec, 2, "fp16", **kw)
-    assert torch.equal(decode_with(engine, codes, chunk=1), plain)
+    got = decode_with(engine, codes, chunk=1)
+    assert ((got - plain).abs().max() / plain.abs().max()).item() <= 1e-6
     _assert_replay_equals_eager(engine, codes)
