@@ -401,7 +401,7 @@ def test_larger_steps_on_tf32_tiles_decode_as_the_tf32_gemms(monkeypatch):
 
 
 @pytest.mark.parametrize("fused_layers", [0, 4])
-def test_half_precision_rings_keep_the_audio_close(fused_layers):
+def test_half_precision_rings_keep_the_audio_close(fused_layers, monkeypatch):
     """CodecEngine(ring_half=True): the pre-transformer's key/value rings in fp16 beside its
     fp32 stage (the fused attention kernel, under TRITON_INTERPRET=1, else its reference;
     the GEMV layers or the GEMM path): the keys and values rounded as written, the audio
@@ -418,6 +418,10 @@ def test_half_precision_rings_keep_the_audio_close(fused_layers):
     rings = [t for group in half.state for t in group if t.dim() == 4]
     assert rings and {t.dtype for t in rings} == {torch.float16}
     assert {t.dtype for g in plain.state for t in g if t.dim() == 4} == {torch.float32}
+    monkeypatch.setattr(ce, "RING_HALF", True)  # TTSBUILD_CODEC_RING_HALF=1
+    assert CodecEngine(dec, 2, "fp16", **kw).ring_half  # None: the environment's choice
+    assert not CodecEngine(dec, 2, "fp16", ring_half=False, **kw).ring_half  # a plan's pin
+    monkeypatch.setattr(ce, "RING_HALF", False)
     strict = CodecEngine(dec, 2, "fp32", ring_half=True, **kw)
     assert not strict.ring_half and {t.dtype for g in strict.state for t in g if t.dim() == 4} == {
         torch.float32}

@@ -103,6 +103,18 @@ class EnginePlan(BaseModel):
     # 1.064 / 1.115 / 1.457 -> 0.742 / 0.824 / 0.935 / 1.029 / 1.507 ms at 1 / 2 / 4 / 8 /
     # 16 rows: on up to 8 (benchmarks/codec/2026-12-03-h200-gemv-rows).
     codec_fused_layers_max_rows: int = Field(default=8, ge=0)
+    # The codec switches built on 2026-12-06 and not yet timed, pinned here once measured
+    # (runtime.codec_engine documents each; None: the engine's default, its environment
+    # variable, so side-by-side runs can flip it): the fused layers' weights in scaled fp16
+    # (TR_HALF_WEIGHTS), their qkv GEMV and attention as one launch (QKV_ATTEND), larger steps
+    # on the fused layers' TF32 tiles (TR_TF32_MAX_ROWS), the attention rings in fp16
+    # (RING_HALF), each decoder block's first SnakeBeta folded into the conv before it
+    # (FOLD_BLOCK_ACT).
+    codec_transformer_half_weights: bool | None = None
+    codec_qkv_attend: bool | None = None
+    codec_tf32_layers_max_rows: int | None = Field(default=None, ge=0)
+    codec_ring_half: bool | None = None
+    codec_fold_block_act: bool | None = None
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
@@ -326,6 +338,10 @@ class EnginePlan(BaseModel):
             fused_output=self.codec_fused_output, fused_attention=self.codec_fused_attention,
             state_channels_last=self.codec_state_channels_last,
             fused_layers_max_rows=self.codec_fused_layers_max_rows,
+            transformer_half_weights=self.codec_transformer_half_weights,
+            qkv_attend=self.codec_qkv_attend,
+            tf32_layers_max_rows=self.codec_tf32_layers_max_rows,
+            ring_half=self.codec_ring_half, fold_block_act=self.codec_fold_block_act,
         )  # fmt: skip
 
     @property
