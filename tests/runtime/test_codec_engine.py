@@ -257,8 +257,8 @@ def test_small_steps_run_the_transformer_as_fused_linears_with_the_same_audio(mo
     calls = []
     fused_path = ce.CodecEngine._transformer_fused
     monkeypatch.setattr(ce.CodecEngine, "_transformer_fused",
-                        lambda self, x, *a: calls.append(x.shape[0] * x.shape[1])
-                        or fused_path(self, x, *a))  # fmt: skip
+                        lambda self, x, *a, **k: calls.append(x.shape[0] * x.shape[1])
+                        or fused_path(self, x, *a, **k))  # fmt: skip
     exact = CodecEngine(dec, 2, "fp32", conv_impl="triton", fused=True, fused_attention=True,
                         fused_layers_max_rows=4)  # fmt: skip
     for seed, chunk in ((42, 1), (43, 3)):
@@ -474,6 +474,28 @@ def test_steps_of_few_streams_launch_the_codec_kernels_with_pdl(monkeypatch):
             ce.decode_with(engine, rand_codes(cfg, streams, 1, seed=58))
     assert seen == [False, False, False, True, True, False]
     assert dispatch.codec_pdl_args(x) == off
+
+
+def test_fused_layers_store_their_output_in_the_next_stages_dtype():
+    """The fused layers' last linear writes the upsample stage's dtype itself (the kernel
+    rounds as the cast it replaces: the same bits, a launch fewer); the GEMM path returns
+    fp32 for the cast after it."""
+    cfg = small_config(num_key_value_heads=4)
+    eng = CodecEngine(our_decoder(cfg, test_state(cfg, seed=59)), 2, "fp16", conv_impl="triton",
+                      fused=True, fused_attention=True, fused_layers_max_rows=4)  # fmt: skip
+    tr_stage, rows = eng.stages["transformer"], torch.tensor([0, 1])
+    x = torch.randn(2, 1, eng.codec.pre_transformer.input_proj.in_features,
+                    generator=torch.Generator().manual_seed(60))  # fmt: skip
+    outs = []
+    for next_dtype in (torch.float16, None):
+        eng.reset(rows)  # the same rings for both
+        outs.append(eng._transformer(x, rows, eng.pos.index_select(0, rows), tr_stage,
+                                     next_dtype))  # fmt: skip
+    assert outs[0].dtype == torch.float16 and outs[1].dtype == torch.float32
+    assert torch.equal(outs[0], outs[1].to(torch.float16))
+    x4 = x.expand(2, 3, -1).contiguous()  # 6 rows: the GEMM path, fp32 whatever comes next
+    assert eng._transformer(x4, rows, eng.pos.index_select(0, rows), tr_stage,
+                            torch.float16).dtype == torch.float32  # fmt: skip
 
 
 def test_fused_transformer_steps_ask_for_their_rows_as_gemvs(monkeypatch):

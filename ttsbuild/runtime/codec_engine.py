@@ -586,7 +586,8 @@ class CodecEngine:
         with self._in_stage("pre_conv") as st:
             x = self._conv(c.pre_conv, x.to(st.dtype), rows, st)  # [B, latent, n]
         with self._in_stage("transformer") as st:
-            x = self._transformer(x.transpose(1, 2).to(st.dtype), rows, pos, st).transpose(1, 2)
+            x = self._transformer(x.transpose(1, 2).to(st.dtype), rows, pos, st,
+                                  self.stages["upsample"].dtype).transpose(1, 2)
         with self._in_stage("upsample") as st:
             x = x.to(st.dtype)
             for up, block in c.upsample:
@@ -797,12 +798,15 @@ class CodecEngine:
         h = self._conv(m.conv1, x, rows, st, act=m.act1)
         return self._conv(m.conv2, h, rows, st, act=m.act2, residual=x, out_act=out_act)
 
-    def _transformer(self, x: Tensor, rows: Tensor, pos: Tensor, st: _Stage) -> Tensor:
+    def _transformer(self, x: Tensor, rows: Tensor, pos: Tensor, st: _Stage,
+                     next_dtype: torch.dtype | None = None) -> Tensor:
+        """next_dtype: the next stage's; the fused layers' last linear stores its output in it
+        (rounded as the cast after it would: a launch fewer), the GEMM path in fp32."""
         tr = self.codec.pre_transformer  # x: [B, n, latent]
         if 0 < x.shape[0] * x.shape[1] <= self.fused_layers_max_rows:
-            return self._transformer_fused(x, rows, pos)
+            return self._transformer_fused(x, rows, pos, out_dtype=next_dtype)
         if 0 < x.shape[0] * x.shape[1] <= self.tf32_layers_max_rows:
-            return self._transformer_fused(x, rows, pos, tf32=True)
+            return self._transformer_fused(x, rows, pos, tf32=True, out_dtype=next_dtype)
         if self.fused_attention:  # made in each layer's attention kernel (ring_attention_rope)
             mask = cos = sin = ring_idx = None
         else:  # once per step, shared by the layers
@@ -813,8 +817,8 @@ class CodecEngine:
             h = self._layer(layer, h, cos, sin, mask, rows, ring_idx, st, pos)
         return self._linear(tr.output_proj, rms_norm(h, tr.norm.weight, tr.norm.eps), st)
 
-    def _transformer_fused(self, x: Tensor, rows: Tensor, pos: Tensor,
-                           tf32: bool = False) -> Tensor:
+    def _transformer_fused(self, x: Tensor, rows: Tensor, pos: Tensor, tf32: bool = False,
+                           out_dtype: torch.dtype | None = None) -> Tensor:
         """`_transformer` as fused_linear launches (see fused_layers_max_rows); tf32: a step
         of more rows, on TF32 tiles (see TR_TF32_MAX_ROWS)."""
         tr = self.codec.pre_transformer
@@ -860,7 +864,7 @@ class CodecEngine:
             h = linear(act, mlp.down_proj.weight, mlp.down_proj, bias=mlp.down_proj.bias,
                        residual=h)  # fmt: skip
         out = linear(h, tr.output_proj.weight, tr.output_proj, norm_weight=tr.norm.weight,
-                     eps=tr.norm.eps, bias=tr.output_proj.bias)  # fmt: skip
+                     eps=tr.norm.eps, bias=tr.output_proj.bias, out_dtype=out_dtype)  # fmt: skip
         return out.view(b, n, -1)
 
     def _layer(self, layer: TransformerLayer, x: Tensor, cos: Tensor | None,
