@@ -450,6 +450,7 @@ def test_steps_of_few_streams_launch_the_codec_kernels_with_pdl(monkeypatch):
     import ttsbuild.plugins._dispatch as dispatch
     import ttsbuild.runtime.codec_engine as ce
 
+    pdl_enabled = dispatch.pdl_enabled
     monkeypatch.setattr(dispatch, "pdl_enabled", lambda t: True)  # as on a Hopper GPU
     monkeypatch.delenv("TTSBUILD_CODEC_PDL", raising=False)
     x, on, off = torch.zeros(1), {"PDL": True, "launch_pdl": True}, {"PDL": False}
@@ -463,17 +464,20 @@ def test_steps_of_few_streams_launch_the_codec_kernels_with_pdl(monkeypatch):
     monkeypatch.setenv("TTSBUILD_CODEC_PDL", "1")  # every size
     assert dispatch.codec_pdl_args(x) == on
     monkeypatch.delenv("TTSBUILD_CODEC_PDL")
+    # the engine's steps: the scope each runs in (the kernels, where the interpreter runs
+    # them, launch as this machine does: no PDL off a GPU)
+    monkeypatch.setattr(dispatch, "pdl_enabled", pdl_enabled)
     cfg = small_config()
     engine = CodecEngine(our_decoder(cfg, test_state(cfg, seed=57)), 3, "fp32")
     seen, real = [], ce.CodecEngine._step
     monkeypatch.setattr(ce.CodecEngine, "_step", lambda self, r, c: seen.append(
-        dispatch.codec_pdl_args(x) == on) or real(self, r, c))  # fmt: skip
+        dispatch._CODEC_PDL_SCOPE.get()) or real(self, r, c))  # fmt: skip
     for limit in (0, 2):
         monkeypatch.setattr(ce, "CODEC_PDL_MAX_ROWS", limit)
         for streams in (1, 2, 3):
             ce.decode_with(engine, rand_codes(cfg, streams, 1, seed=58))
     assert seen == [False, False, False, True, True, False]
-    assert dispatch.codec_pdl_args(x) == off
+    assert not dispatch._CODEC_PDL_SCOPE.get()  # the scope ends with each step
 
 
 def test_fused_layers_store_their_output_in_the_next_stages_dtype():
