@@ -280,6 +280,16 @@ def test_small_steps_run_the_transformer_as_fused_linears_with_the_same_audio(mo
         assert calls == ([2] * 9 if chunk == 1 else []), calls
 
 
+def _fused_layers_case(seed: int, max_rows: int = 4):
+    """The small decoder with as many key/value as query heads (the fused attention's need, as
+    the real codec has; weights from `seed`) and the engine settings of the fused
+    pre-transformer layers on steps of up to `max_rows` frames."""
+    cfg = small_config(num_key_value_heads=4)
+    kw = dict(conv_impl="triton", fused=True, fused_attention=True,
+              fused_layers_max_rows=max_rows)  # fmt: skip
+    return cfg, our_decoder(cfg, test_state(cfg, seed=seed)), kw
+
+
 def test_fused_layers_with_half_weights_read_the_fp32_weights_rounded_to_fp16(monkeypatch):
     """CodecEngine(transformer_half_weights=True): the fused pre-transformer layers read fp16
     weights with per-row power-of-two scales (plugins.fused_linear scaled_half_weight) in
@@ -287,9 +297,7 @@ def test_fused_layers_with_half_weights_read_the_fp32_weights_rounded_to_fp16(mo
     rounded, and close to the fp32 decode. Off where no step runs the fused layers."""
     import ttsbuild.runtime.codec_engine as ce
 
-    cfg = small_config(num_key_value_heads=4)
-    dec = our_decoder(cfg, test_state(cfg, seed=46))
-    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=4)
+    cfg, dec, kw = _fused_layers_case(46)
     exact = CodecEngine(dec, 2, "fp32", **kw)
     half = CodecEngine(dec, 2, "fp32", transformer_half_weights=True, **kw)
     layers = len(dec.pre_transformer.layers)
@@ -298,9 +306,7 @@ def test_fused_layers_with_half_weights_read_the_fp32_weights_rounded_to_fp16(mo
     assert half.weight_bytes() == exact.weight_bytes() + extra
     assert not CodecEngine(dec, 2, "fp32", conv_impl="triton", fused=True, fused_attention=True,
                            transformer_half_weights=True)._tr_half  # fmt: skip
-    seen, real = [], ce.fused_linear
-    monkeypatch.setattr(ce, "fused_linear", lambda x, w, s=None, **k: seen.append(
-        (w.dtype, s is not None)) or real(x, w, s, **k))  # fmt: skip
+    seen = _spy(monkeypatch, ce, "fused_linear", lambda x, w, s=None, **k: (w.dtype, s is not None))
     codes = rand_codes(cfg, 2, 9, seed=47)
     ref = ce.decode_with(dec, codes)  # the full fp32 decode
     got = ce.decode_with(half, codes, chunk=1)
@@ -335,14 +341,10 @@ def test_fused_layers_with_qkv_and_attention_in_one_launch_decode_the_same_audio
     for steps of more than QKV_ATTEND_MAX_STREAMS streams."""
     import ttsbuild.runtime.codec_engine as ce
 
-    cfg = small_config(num_key_value_heads=4)
-    dec = our_decoder(cfg, test_state(cfg, seed=48))
-    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=4)
+    cfg, dec, kw = _fused_layers_case(48)
     assert not CodecEngine(dec, 2, "fp32", conv_impl="triton", fused=True, fused_attention=True,
                            qkv_attend=True).qkv_attend  # fmt: skip
-    calls, real = [], ce.norm_linear_ring_attend
-    monkeypatch.setattr(ce, "norm_linear_ring_attend",
-                        lambda *a, **k: calls.append(a[2].dtype) or real(*a, **k))
+    calls = _spy(monkeypatch, ce, "norm_linear_ring_attend", lambda *a, **k: a[2].dtype)
     codes = rand_codes(cfg, 2, 7, seed=49)
     layers = len(dec.pre_transformer.layers)
     for half in (False, True):
@@ -370,9 +372,7 @@ def test_larger_steps_on_tf32_tiles_decode_as_the_tf32_gemms(monkeypatch):
     a strict fp32 engine (no TF32 stage) or without the fused layers."""
     import ttsbuild.runtime.codec_engine as ce
 
-    cfg = small_config(num_key_value_heads=4)
-    dec = our_decoder(cfg, test_state(cfg, seed=52))
-    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=2)
+    cfg, dec, kw = _fused_layers_case(52, max_rows=2)
     plain = CodecEngine(dec, 2, "fp16", **kw)
     tiles = CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=6, **kw)
     assert tiles.tf32_layers_max_rows == 6 and plain.tf32_layers_max_rows == 0
@@ -381,9 +381,7 @@ def test_larger_steps_on_tf32_tiles_decode_as_the_tf32_gemms(monkeypatch):
                        tf32_layers_max_rows=6).tf32_layers_max_rows == 0  # fmt: skip
     with pytest.raises(ValueError, match="tf32_layers_max_rows"):
         CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=-1, **kw)
-    asked, real = [], ce.fused_linear
-    monkeypatch.setattr(ce, "fused_linear", lambda *a, **k: asked.append(
-        (a[0].shape[0], k.get("tf32"))) or real(*a, **k))  # fmt: skip
+    asked = _spy(monkeypatch, ce, "fused_linear", lambda *a, **k: (a[0].shape[0], k.get("tf32")))
     codes = rand_codes(cfg, 2, 9, seed=53)
     ref = ce.decode_with(dec, codes)
     want = ce.decode_with(plain, codes, chunk=3)
@@ -409,10 +407,7 @@ def test_half_precision_rings_keep_the_audio_close(fused_layers, monkeypatch):
     steps). Never in the strict fp32 engine."""
     import ttsbuild.runtime.codec_engine as ce
 
-    cfg = small_config(num_key_value_heads=4)
-    dec = our_decoder(cfg, test_state(cfg, seed=54))
-    kw = dict(conv_impl="triton", fused=True, fused_attention=True,
-              fused_layers_max_rows=fused_layers)  # fmt: skip
+    cfg, dec, kw = _fused_layers_case(54, max_rows=fused_layers)
     plain = CodecEngine(dec, 2, "fp16", **kw)
     half = CodecEngine(dec, 2, "fp16", ring_half=True, **kw)
     rings = [t for group in half.state for t in group if t.dim() == 4]
@@ -484,9 +479,8 @@ def test_fused_layers_store_their_output_in_the_next_stages_dtype():
     """The fused layers' last linear writes the upsample stage's dtype itself (the kernel
     rounds as the cast it replaces: the same bits, a launch fewer); the GEMM path returns
     fp32 for the cast after it."""
-    cfg = small_config(num_key_value_heads=4)
-    eng = CodecEngine(our_decoder(cfg, test_state(cfg, seed=59)), 2, "fp16", conv_impl="triton",
-                      fused=True, fused_attention=True, fused_layers_max_rows=4)  # fmt: skip
+    _, dec, kw = _fused_layers_case(59)
+    eng = CodecEngine(dec, 2, "fp16", **kw)
     tr_stage, rows = eng.stages["transformer"], torch.tensor([0, 1])
     x = torch.randn(2, 1, eng.codec.pre_transformer.input_proj.in_features,
                     generator=torch.Generator().manual_seed(60))  # fmt: skip

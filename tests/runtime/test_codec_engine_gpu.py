@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_codec import our_decoder, rand_codes, small_config, test_state
+from test_codec_engine import _fused_layers_case
 
 from ttsbuild.runtime.codec_engine import (
     CodecEngine,
@@ -206,6 +207,14 @@ def test_block_act_fold_keeps_the_decode_and_replays(decoders, monkeypatch, prec
                                  "fold_block_act")
 
 
+def _served_fused_layers(seed, max_rows, codes_seed, frames=8, **extra):
+    """`_fused_layers_case`'s decoder on the GPU in the served settings (channels-last operands
+    and state) with `extra`, and `frames` frames of codes for 2 rows."""
+    cfg, dec, kw = _fused_layers_case(seed, max_rows)
+    kw.update(channels_last=True, state_channels_last=True, **extra)
+    return dec.cuda(), kw, rand_codes(cfg, 2, frames, seed=codes_seed)
+
+
 @pytest.mark.parametrize(("precision", "min_db"), [("fp32", 55), ("fp16", 45)])
 def test_half_transformer_weights_keep_the_decode_and_replay(precision, min_db):
     """The fused pre-transformer layers (a frame a step, as GEMV kernels) reading scaled fp16
@@ -214,11 +223,7 @@ def test_half_transformer_weights_keep_the_decode_and_replay(precision, min_db):
     the later stages' roundings, within the gate), and a captured step equal to the eager
     one. (On the GPU the transformer stage's weights are not TF32-rounded as on CPU, so the
     fp16 copies differ from them at every precision.)"""
-    cfg = small_config(num_key_value_heads=4)  # the fused attention: as many kv as q heads
-    dec = our_decoder(cfg, test_state(cfg, seed=46)).cuda()
-    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=8,
-              channels_last=True, state_channels_last=True)  # fmt: skip
-    codes = rand_codes(cfg, 2, 8, seed=79)
+    dec, kw, codes = _served_fused_layers(46, 8, 79)
     plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=1)
     engine = CodecEngine(dec, 2, precision, transformer_half_weights=True, **kw)
     assert engine.fused_layers_max_rows == 8 and engine._tr_half
@@ -236,11 +241,7 @@ def test_qkv_attend_keeps_the_decode_and_replays(precision, half):
     the same audio to the summation order (fp16: and the later stages' roundings it may
     flip), the rings carried over steps, the head counters reset by themselves, and a
     captured step equal to the eager one."""
-    cfg = small_config(num_key_value_heads=4)
-    dec = our_decoder(cfg, test_state(cfg, seed=48)).cuda()
-    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=8,
-              channels_last=True, state_channels_last=True, transformer_half_weights=half)
-    codes = rand_codes(cfg, 2, 8, seed=81)
+    dec, kw, codes = _served_fused_layers(48, 8, 81, transformer_half_weights=half)
     plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=1)
     engine = CodecEngine(dec, 2, precision, qkv_attend=True, **kw)
     assert engine.qkv_attend
@@ -258,11 +259,7 @@ def test_tf32_layer_tiles_keep_the_decode_and_replay(half):
     tf32_layers_max_rows, on the fused layers' TF32 tiles against the cuBLAS TF32 GEMM path,
     in the served settings (fp16 elsewhere; fp32 or scaled fp16 transformer weights): the
     same audio to TF32's rounding, and a captured step equal to the eager one."""
-    cfg = small_config(num_key_value_heads=4)
-    dec = our_decoder(cfg, test_state(cfg, seed=52)).cuda()
-    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=2,
-              channels_last=True, state_channels_last=True, transformer_half_weights=half)
-    codes = rand_codes(cfg, 2, 8, seed=83)
+    dec, kw, codes = _served_fused_layers(52, 2, 83, transformer_half_weights=half)
     plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=4)
     engine = CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=64, **kw)
     assert engine.tf32_layers_max_rows == 64
@@ -276,11 +273,7 @@ def test_half_rings_keep_the_decode_and_replay(frames):
     """The pre-transformer's rings in fp16 (ring_half) against fp32 rings, in the served
     settings at one frame a step (the GEMV layers) and four (the GEMM path): the audio within
     the rings' rounding, and a captured step equal to the eager one."""
-    cfg = small_config(num_key_value_heads=4)
-    dec = our_decoder(cfg, test_state(cfg, seed=54)).cuda()
-    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_layers_max_rows=2,
-              channels_last=True, state_channels_last=True)  # fmt: skip
-    codes = rand_codes(cfg, 2, 8, seed=85)
+    dec, kw, codes = _served_fused_layers(54, 2, 85)
     plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=frames)
     engine = CodecEngine(dec, 2, "fp16", ring_half=True, **kw)
     assert engine.ring_half
@@ -295,11 +288,7 @@ def test_small_steps_with_pdl_keep_the_decode_and_replay(monkeypatch):
     served settings with the fused layers, and a captured step equal to the eager one."""
     from ttsbuild.runtime import codec_engine
 
-    cfg = small_config(num_key_value_heads=4)
-    dec = our_decoder(cfg, test_state(cfg, seed=58)).cuda()
-    kw = dict(conv_impl="triton", fused=True, fused_attention=True, fused_output=True,
-              fused_layers_max_rows=8, channels_last=True, state_channels_last=True)
-    codes = rand_codes(cfg, 2, 6, seed=87)
+    dec, kw, codes = _served_fused_layers(58, 8, 87, frames=6, fused_output=True)
     monkeypatch.setattr(codec_engine, "CODEC_PDL_MAX_ROWS", 0)
     plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=1)
     monkeypatch.setattr(codec_engine, "CODEC_PDL_MAX_ROWS", 2)

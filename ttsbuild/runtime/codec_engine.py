@@ -829,12 +829,12 @@ class CodecEngine:
                                  tf32=tf32)  # fmt: skip
         half = self._tr_half
 
+        def weights(weight: Tensor, key: object) -> tuple[Tensor, Tensor | None]:
+            # (weight, scale): `key`'s scaled fp16 copy where they are on, else the fp32 weight
+            return half[key] if half else (weight, None)
+
         def linear(x: Tensor, weight: Tensor, key: object, **kw) -> Tensor:
-            # `key`: the weight's entry in the scaled fp16 copies, where they are on
-            if half:
-                weight, scale = half[key]
-                return gemv(x, weight, scale, **kw)
-            return gemv(x, weight, **kw)
+            return gemv(x, *weights(weight, key), **kw)
 
         h = linear(x.reshape(b * n, -1), tr.input_proj.weight, tr.input_proj,
                    bias=tr.input_proj.bias)  # fmt: skip
@@ -844,7 +844,7 @@ class CodecEngine:
             norm = layer.input_layernorm
             k_ring, v_ring = self.state[a.slot]
             if self.qkv_attend and not tf32 and b <= QKV_ATTEND_MAX_STREAMS:  # see QKV_ATTEND
-                weight, scale = half[layer, "qkv"] if half else (qkv_weight, None)
+                weight, scale = weights(qkv_weight, (layer, "qkv"))
                 y = norm_linear_ring_attend(
                     h, norm.weight, weight, scale, qkv_bias, pos, rows, k_ring, v_ring,
                     self.inv_freq, window=self.window, attn_scale=a.head_dim ** -0.5,
