@@ -169,22 +169,22 @@ def test_half_precision_quality_order():
 def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, fused, split, monkeypatch):
     """The im2col and implicit-GEMM convs (the Triton kernels under TRITON_INTERPRET=1, else
     their references; min rows 1: every half-precision conv takes the implicit GEMM, and the
-    opt-in fusions are on; split: the short convs' tiles split over K, causal_conv.SPLIT_K)
-    decode fp16 as well as
-    cuDNN's convs do: the same SNR to 1 dB against the fp32 decode, above the compile gate.
-    The packed weights replace the unpacked ones."""
+    opt-in fusions are on; split: the 2-stream steps' convs on the kernel with their short
+    tiles split over K, conv_split_max_streams) decode fp16 as well as cuDNN's convs do: the
+    same SNR to 1 dB against the fp32 decode, above the compile gate. The packed weights
+    replace the unpacked ones."""
     import ttsbuild.plugins.causal_conv as cc
     import ttsbuild.runtime.codec_engine as ce
 
     monkeypatch.setattr(ce, "IMPLICIT_MIN_ROWS", implicit_min_rows)
-    monkeypatch.setattr(cc, "SPLIT_K", split)
     splits, plan = [], cc._split_k
     monkeypatch.setattr(cc, "_split_k", lambda *a: splits.append(plan(*a)) or splits[-1])
     cfg = small_config()
     dec = our_decoder(cfg, test_state(cfg, seed=32))
     codes = rand_codes(cfg, 2, 8, seed=33)
     base = CodecEngine(dec, 2, "fp16")
-    other = CodecEngine(dec, 2, "fp16", conv_impl=conv_impl, fused=fused)
+    other = CodecEngine(dec, 2, "fp16", conv_impl=conv_impl, fused=fused,
+                        conv_split_max_streams=2 if split else 0)
     assert other.fused_convs == fused
     assert other._conv_w and other._tconv_w
     assert all(m.conv.weight.numel() == 0 for m in [*other._conv_w, *other._tconv_w])
@@ -193,6 +193,38 @@ def test_conv_impls_keep_fp16_quality(conv_impl, implicit_min_rows, fused, split
     assert abs(snr_base - snr_other) < 1.0 and snr_other > MIN_CODEC_SNR_DB, (snr_base, snr_other)
     if splits:  # the kernel ran (the interpreter): split tiles exactly where asked for
         assert (max(splits) > 1) == split, splits
+
+
+def test_small_steps_take_every_conv_on_the_kernel_with_split_k(monkeypatch):
+    """conv_split_max_streams (default CONV_SPLIT_MAX_STREAMS): a step of at most that many
+    streams runs every half-precision conv on the implicit-GEMM kernel, whatever its rows, and
+    asks it for split-K; a larger step keeps the short convs (below IMPLICIT_MIN_ROWS) on
+    im2col + GEMM and asks for no split. The same audio either way to fp16 rounding."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    cfg = small_config()
+    dec = our_decoder(cfg, test_state(cfg, seed=34))
+    kw = dict(conv_impl="triton", fused=True)
+    assert CodecEngine(dec, 3, "fp16", **kw).conv_split_max_streams == ce.CONV_SPLIT_MAX_STREAMS
+    assert CodecEngine(dec, 3, "fp16").conv_split_max_streams == 0  # cuDNN convs: no kernel
+    with pytest.raises(ValueError, match="conv_split_max_streams"):
+        CodecEngine(dec, 3, "fp16", conv_split_max_streams=-1, **kw)
+    calls = _spy(monkeypatch, ce, "causal_conv",
+                 lambda x, *a, **k: (x.shape[0] * x.shape[-1], k.get("split")))
+    engine = CodecEngine(dec, 3, "fp16", conv_split_max_streams=2, **kw)
+    packed = [m for m in engine.codec.modules() if isinstance(m, ce.CausalConv1d)
+              and m in engine._conv_w and engine._stage_of[m].dtype != torch.float32]  # fmt: skip
+    codes, pcm = rand_codes(cfg, 3, 1, seed=35), {}
+    for streams in (2, 3):
+        calls.clear()
+        pcm[streams] = ce.decode_with(engine, codes[:streams])
+        if streams == 2:  # every stride-1 conv with a packed weight, split asked for
+            assert len(calls) == len(packed) > 0 and all(split for _, split in calls), calls
+            assert min(rows for rows, _ in calls) < ce.IMPLICIT_MIN_ROWS
+        else:  # only the convs of IMPLICIT_MIN_ROWS rows or more, no split
+            assert all(rows >= ce.IMPLICIT_MIN_ROWS and not split for rows, split in calls)
+            assert len(calls) < len(packed)
+    assert ce.snr_db(pcm[3][:2].float(), pcm[2].float()) > 40  # the same two streams
 
 
 def test_resolve_conv_impl(monkeypatch):
@@ -302,6 +334,8 @@ def test_fused_layers_with_half_weights_read_the_fp32_weights_rounded_to_fp16(mo
     half = CodecEngine(dec, 2, "fp32", transformer_half_weights=True, **kw)
     layers = len(dec.pre_transformer.layers)
     assert not exact._tr_half and len(half._tr_half) == 2 + 4 * layers
+    # the default (TR_HALF_WEIGHTS): on where the engine is not the strict fp32 reference
+    assert bool(CodecEngine(dec, 2, "fp16", **kw)._tr_half) == ce.TR_HALF_WEIGHTS
     extra = sum(w.numel() * 2 + s.numel() * 4 for w, s in half._tr_half.values())
     assert half.weight_bytes() == exact.weight_bytes() + extra
     assert not CodecEngine(dec, 2, "fp32", conv_impl="triton", fused=True, fused_attention=True,
@@ -408,7 +442,7 @@ def test_half_precision_rings_keep_the_audio_close(fused_layers, monkeypatch):
     import ttsbuild.runtime.codec_engine as ce
 
     cfg, dec, kw = _fused_layers_case(54, max_rows=fused_layers)
-    plain = CodecEngine(dec, 2, "fp16", **kw)
+    plain = CodecEngine(dec, 2, "fp16", ring_half=False, **kw)
     half = CodecEngine(dec, 2, "fp16", ring_half=True, **kw)
     rings = [t for group in half.state for t in group if t.dim() == 4]
     assert rings and {t.dtype for t in rings} == {torch.float16}
@@ -463,16 +497,23 @@ def test_steps_of_few_streams_launch_the_codec_kernels_with_pdl(monkeypatch):
     # them, launch as this machine does: no PDL off a GPU)
     monkeypatch.setattr(dispatch, "pdl_enabled", pdl_enabled)
     cfg = small_config()
-    engine = CodecEngine(our_decoder(cfg, test_state(cfg, seed=57)), 3, "fp32")
+    dec = our_decoder(cfg, test_state(cfg, seed=57))
+    engine = CodecEngine(dec, 3, "fp32")
     seen, real = [], ce.CodecEngine._step
     monkeypatch.setattr(ce.CodecEngine, "_step", lambda self, r, c: seen.append(
         dispatch._CODEC_PDL_SCOPE.get()) or real(self, r, c))  # fmt: skip
+    assert engine.pdl_max_rows == ce.CODEC_PDL_MAX_ROWS == 2  # the default (None)
     for limit in (0, 2):
-        monkeypatch.setattr(ce, "CODEC_PDL_MAX_ROWS", limit)
+        engine.pdl_max_rows = limit  # as CodecEngine(pdl_max_rows=limit) sets it
         for streams in (1, 2, 3):
             ce.decode_with(engine, rand_codes(cfg, streams, 1, seed=58))
     assert seen == [False, False, False, True, True, False]
     assert not dispatch._CODEC_PDL_SCOPE.get()  # the scope ends with each step
+    monkeypatch.setattr(ce, "CODEC_PDL_MAX_ROWS", 4)  # TTSBUILD_CODEC_PDL_MAX_ROWS=4
+    assert CodecEngine(dec, 3, "fp32").pdl_max_rows == 4
+    assert CodecEngine(dec, 3, "fp32", pdl_max_rows=0).pdl_max_rows == 0  # a plan's pin
+    with pytest.raises(ValueError, match="pdl_max_rows"):
+        CodecEngine(dec, 3, "fp32", pdl_max_rows=-1)
 
 
 def test_fused_layers_store_their_output_in_the_next_stages_dtype():

@@ -168,25 +168,27 @@ def _assert_same_bits_and_replay(dec, precision, codes, flag):
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_split_k_convs_keep_the_decode_and_replay(decoders, monkeypatch, precision):
-    """Every conv on the implicit-GEMM kernel (min rows 1), the short ones' tiles split over K
-    (causal_conv.SPLIT_K: partials, an arrival counter, the last program's epilogue) against
-    the same without the split: the same audio to the summation order, several steps in a row
-    (the counters reset themselves), and a captured step equal to the eager one."""
+    """Every conv on the implicit-GEMM kernel, the short ones' tiles split over K
+    (conv_split_max_streams: partials, an arrival counter, the last program's epilogue)
+    against the same without the split (min rows 1): the same audio to the summation order,
+    several steps in a row (the counters reset themselves), and a captured step equal to the
+    eager one."""
     from ttsbuild.plugins import causal_conv
     from ttsbuild.runtime import codec_engine
 
-    monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)
+    monkeypatch.setattr(causal_conv, "SPLIT_K", False)  # only where the engine asks
     splits, plan = [], causal_conv._split_k
     monkeypatch.setattr(causal_conv, "_split_k", lambda *a: splits.append(plan(*a)) or splits[-1])
     cfg, _, dec = decoders
     codes = rand_codes(cfg, 2, 8, seed=75)
     kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
-    monkeypatch.setattr(causal_conv, "SPLIT_K", False)
-    plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=2).float()
+    monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)
+    plain = CodecEngine(dec, 2, precision, conv_split_max_streams=0, **kw)
+    plain = decode_with(plain, codes, chunk=2).float()
     assert splits and max(splits) == 1
     splits.clear()
-    monkeypatch.setattr(causal_conv, "SPLIT_K", True)
-    engine = CodecEngine(dec, 2, precision, **kw)
+    monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 512)
+    engine = CodecEngine(dec, 2, precision, conv_split_max_streams=2, **kw)
     got = decode_with(engine, codes, chunk=2).float()
     assert max(splits) > 1, splits
     assert snr_db(plain, got) > 45
@@ -224,7 +226,8 @@ def test_half_transformer_weights_keep_the_decode_and_replay(precision, min_db):
     one. (On the GPU the transformer stage's weights are not TF32-rounded as on CPU, so the
     fp16 copies differ from them at every precision.)"""
     dec, kw, codes = _served_fused_layers(46, 8, 79)
-    plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=1)
+    plain = CodecEngine(dec, 2, precision, transformer_half_weights=False, **kw)
+    plain = decode_with(plain, codes, chunk=1)
     engine = CodecEngine(dec, 2, precision, transformer_half_weights=True, **kw)
     assert engine.fused_layers_max_rows == 8 and engine._tr_half
     got = decode_with(engine, codes, chunk=1)
@@ -274,7 +277,7 @@ def test_half_rings_keep_the_decode_and_replay(frames):
     settings at one frame a step (the GEMV layers) and four (the GEMM path): the audio within
     the rings' rounding, and a captured step equal to the eager one."""
     dec, kw, codes = _served_fused_layers(54, 2, 85)
-    plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=frames)
+    plain = decode_with(CodecEngine(dec, 2, "fp16", ring_half=False, **kw), codes, chunk=frames)
     engine = CodecEngine(dec, 2, "fp16", ring_half=True, **kw)
     assert engine.ring_half
     got = decode_with(engine, codes, chunk=frames)
@@ -282,17 +285,13 @@ def test_half_rings_keep_the_decode_and_replay(frames):
     _assert_replay_equals_eager(engine, codes, frames=frames)
 
 
-def test_small_steps_with_pdl_keep_the_decode_and_replay(monkeypatch):
-    """Steps of at most CODEC_PDL_MAX_ROWS streams launch the codec kernels with PDL (each
+def test_small_steps_with_pdl_keep_the_decode_and_replay():
+    """Steps of at most pdl_max_rows streams launch the codec kernels with PDL (each
     waits on the device for the one before): the same audio as without (to 1e-6), in the
     served settings with the fused layers, and a captured step equal to the eager one."""
-    from ttsbuild.runtime import codec_engine
-
     dec, kw, codes = _served_fused_layers(58, 8, 87, frames=6, fused_output=True)
-    monkeypatch.setattr(codec_engine, "CODEC_PDL_MAX_ROWS", 0)
-    plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=1)
-    monkeypatch.setattr(codec_engine, "CODEC_PDL_MAX_ROWS", 2)
-    engine = CodecEngine(dec, 2, "fp16", **kw)
+    plain = decode_with(CodecEngine(dec, 2, "fp16", pdl_max_rows=0, **kw), codes, chunk=1)
+    engine = CodecEngine(dec, 2, "fp16", pdl_max_rows=2, **kw)
     got = decode_with(engine, codes, chunk=1)
     assert ((got - plain).abs().max() / plain.abs().max()).item() <= 1e-6
     _assert_replay_equals_eager(engine, codes)

@@ -82,18 +82,23 @@ def test_plan_gives_the_codec_engine_its_settings(monkeypatch):
                       state_channels_last=plan.codec_state_channels_last,
                       fused_layers_max_rows=3, transformer_half_weights=None, qkv_attend=None,
                       tf32_layers_max_rows=None, ring_half=None,
-                      fold_block_act=None)  # fmt: skip
+                      fold_block_act=None, conv_split_max_streams=None,
+                      pdl_max_rows=None)  # fmt: skip
     assert plan.codec_engine_kwargs("cuda")["conv_impl"] == "triton"  # resolved, not "auto"
-    # the switches not yet timed: None leaves each to its environment variable; a plan that
+    # the 2026-12-06 switches: None leaves each to its environment variable; a plan that
     # pins one gives the engine the value (test_codec_engine: the value wins over the
     # environment's)
     pinned = EnginePlan(**{**plan.model_dump(), "codec_ring_half": False,
-                           "codec_tf32_layers_max_rows": 64})  # fmt: skip
+                           "codec_tf32_layers_max_rows": 64, "codec_pdl_max_rows": 0,
+                           "codec_conv_split_max_streams": 4})  # fmt: skip
     kw = pinned.codec_engine_kwargs("cpu")
     assert kw["ring_half"] is False and kw["tf32_layers_max_rows"] == 64
+    assert kw["pdl_max_rows"] == 0 and kw["conv_split_max_streams"] == 4
     assert EnginePlan.model_validate_json(pinned.model_dump_json()) == pinned
     with pytest.raises(ValueError):
         EnginePlan(**{**plan.model_dump(), "codec_tf32_layers_max_rows": -1})
+    with pytest.raises(ValueError):
+        EnginePlan(**{**plan.model_dump(), "codec_pdl_max_rows": -1})
 
 
 def test_plan_buckets_and_prompt_checks():

@@ -75,13 +75,14 @@ def causal_conv_reference(xin, w, bias, dilation, residual=None, alpha=None, inv
 
 def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None, *,
                 out_alpha=None, out_inv_beta=None, channels_last: bool = False,
-                use_triton: bool | None = None):
+                split: bool | None = None, use_triton: bool | None = None):
     """See the module docstring; one launch on the GPU. alpha, inv_beta: a SnakeBeta applied
     to the input first (only where the input carries no left context that already had it);
     out_alpha, out_inv_beta: one applied to the output last.
     channels_last: y is a [B, Cout, n] view of a contiguous [B, n, Cout] tensor, as
     `snake_context(channels_last=True)` makes the input, so a conv reading y reads along
-    contiguous channels too (the kernel takes any input and residual strides)."""
+    contiguous channels too (the kernel takes any input and residual strides).
+    split: whether tiles that leave SMs idle split over K (`_split_k`); None: SPLIT_K."""
     if xin.dtype not in (torch.float16, torch.bfloat16) or not want_triton(xin, use_triton):
         if use_triton and xin.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the causal_conv kernel takes fp16 or bf16, not {xin.dtype}")
@@ -89,7 +90,7 @@ def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None
                                   out_alpha, out_inv_beta)
         return to_channels_last(y) if channels_last else y
     return _causal_conv_triton(xin, w, bias, dilation, residual, alpha, inv_beta, channels_last,
-                               out_alpha=out_alpha, out_inv_beta=out_inv_beta)
+                               out_alpha=out_alpha, out_inv_beta=out_inv_beta, split=split)
 
 
 def _config(m: int, cin: int, cout: int, k: int = 7) -> tuple[int, int, int, int]:
@@ -159,20 +160,24 @@ def _flat_k(xin, cin: int, k: int, flat_k: bool | None) -> bool:
 # summing a contiguous range of the K steps into an fp32 workspace; the last to arrive at the
 # tile's counter (acq_rel atomic, as fused_linear's split-K) adds the partials and runs the
 # epilogue (bias, residual, SnakeBeta, store) and resets the counter. One launch where
-# im2col + cuBLAS takes a copy, a split-K GEMM and its reduction. TTSBUILD_CODEC_CONV_SPLIT=1
-# turns it on (off until timed; the engine takes the kernel below 512 rows only with
-# TTSBUILD_CODEC_IMPLICIT_MIN_ROWS lowered, codec_engine.IMPLICIT_MIN_ROWS).
+# im2col + cuBLAS takes a copy, a split-K GEMM and its reduction. The codec engine asks for
+# it (`split`) on steps of few streams (codec_engine.CONV_SPLIT_MAX_STREAMS, where it also
+# takes the short convs on this kernel); TTSBUILD_CODEC_CONV_SPLIT=1 turns it on for every
+# call that does not say.
 SPLIT_K = os.environ.get("TTSBUILD_CODEC_CONV_SPLIT", "0") == "1"
 SPLIT_MAX = 16
 
 
-def _split_k(tiles: int, k_steps: int, sms: int, split_k: int | None) -> int:
-    """Programs a tile (a power of two): 1 unless SPLIT_K (or split_k > 1 given), then the
-    most that keep the grid within one wave of `sms` programs and >= 2 K steps a program."""
+def _split_k(tiles: int, k_steps: int, sms: int, split_k: int | None,
+             auto: bool | None = None) -> int:
+    """Programs a tile (a power of two): split_k where given, else 1 unless `auto` (None:
+    SPLIT_K), then the most that keep the grid within one wave of `sms` programs and >= 2 K
+    steps a program."""
     if split_k is not None:
         return max(1, min(split_k, k_steps))
+    auto = SPLIT_K if auto is None else auto
     split = 1
-    while (SPLIT_K and split < SPLIT_MAX and tiles * split * 2 <= sms
+    while (auto and split < SPLIT_MAX and tiles * split * 2 <= sms
            and k_steps >= 4 * split):
         split *= 2
     return split
@@ -181,14 +186,15 @@ def _split_k(tiles: int, k_steps: int, sms: int, split_k: int | None) -> int:
 def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None,
                         channels_last=False, config=None, out_alpha=None, out_inv_beta=None,
                         maxnreg: int | None = None, flat_k: bool | None = None,
-                        split_k: int | None = None):
+                        split_k: int | None = None, split: bool | None = None):
     """config: (BLOCK_M, BLOCK_CI, BLOCK_O, num_warps, num_stages) in place of `_config`'s
     (benchmarks/codec/sweep_conv.py times a grid of them). maxnreg: a cap on the registers a
     thread (Triton's compile option; timing only: with the epilogue SnakeBeta the 128 x 128
     tile of 8 warps takes 189 registers against 121, one CTA an SM instead of two, in an
     offline sm_90 compile, `benchmarks/codec/ptx_loads.py --registers`). flat_k: the
     flattened K steps (FLAT_K) where the input allows them; None: the switch decides.
-    split_k: programs a tile (SPLIT_K's split-K); None: the switch and the grid decide."""
+    split_k: programs a tile (SPLIT_K's split-K); None: `split` (None: the switch) and the
+    grid decide."""
     import triton
 
     B, cin, L = xin.shape
@@ -211,7 +217,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     k_steps = triton.cdiv(k * cin, bci) if flat else k * triton.cdiv(cin, bci)
     from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
 
-    split = _split_k(tiles, k_steps, _num_sms(xin.device), split_k)
+    split = _split_k(tiles, k_steps, _num_sms(xin.device), split_k, split)
     if split > 1 and tiles > _MAX_TILES:
         split = 1
     if split > 1:  # partials [split, M, Cout] fp32 and the tiles' arrival counters

@@ -111,6 +111,16 @@ CONV_IMPLS = ("cudnn", "gemm", "triton")
 # one launch) the kernel may take the short convs too, an im2col copy, a GEMM and its split-K
 # reduction a conv fewer and their SnakeBeta in the epilogue (built 2026-12-06, not yet timed).
 IMPLICIT_MIN_ROWS = int(os.environ.get("TTSBUILD_CODEC_IMPLICIT_MIN_ROWS", "512"))
+# Steps of at most this many streams run every conv of a half-precision stage on the
+# implicit-GEMM kernel, whatever its rows, with split-K where its tiles leave SMs idle
+# (causal_conv's `split`): the short convs of a small step as one launch each in place of an
+# im2col copy, a split-K GEMM and its reduction. The served codec step on an H100, two
+# alternated rounds, one process a side (IMPLICIT_MIN_ROWS=1 with SPLIT_K, which is this at
+# every size; benchmarks/codec/2026-12-06-h100-codec-switches): batch 1 / 2 / 8 / 64
+# 0.647 / 0.737 / 0.954 / 2.442 -> 0.606 / 0.706 / 0.944 / 2.472 ms, so only up to 8 streams.
+# 0: off. TTSBUILD_CODEC_CONV_SPLIT_MAX_STREAMS sets it; a plan pins it
+# (codec_conv_split_max_streams).
+CONV_SPLIT_MAX_STREAMS = int(os.environ.get("TTSBUILD_CODEC_CONV_SPLIT_MAX_STREAMS", "8"))
 # The upsample stage's ConvNeXt blocks of half-precision stages with at most this many
 # positions (batch x frames x upsampling so far) as two launches each (plugins.convnext: the
 # depthwise conv, LayerNorm and pwconv1 + GELU; pwconv2, gamma and the residual) after the
@@ -178,8 +188,12 @@ FUSED_UNIT_MAX_C = int(os.environ.get("TTSBUILD_CODEC_FUSED_UNIT", "0"))
 # tensor cores of the many-row path read of the same weights (which stay loaded for it). The
 # real config, random weights, CPU (benchmarks/codec/2026-12-06-cpu-tr-half-weights): that
 # rounding alone 66 dB against the fp32 decode; served fp16 53.4 dB with or without it.
-# TTSBUILD_CODEC_TR_HALF_WEIGHTS=1 turns it on (built 2026-12-06, not yet timed).
-TR_HALF_WEIGHTS = os.environ.get("TTSBUILD_CODEC_TR_HALF_WEIGHTS", "0") == "1"
+# On an H100 (the served step, two alternated rounds, one process a side;
+# benchmarks/codec/2026-12-06-h100-codec-switches): batch 1 / 2 / 8 0.647 / 0.737 / 0.954 ->
+# 0.631 / 0.706 / 0.887 ms, 64 rows the same (2.442 -> 2.436: larger steps run cuBLAS),
+# 53.4 -> 53.1 dB. On by default where the engine is not the strict fp32 reference (an
+# explicit True applies anyway); TTSBUILD_CODEC_TR_HALF_WEIGHTS=0 turns it off.
+TR_HALF_WEIGHTS = os.environ.get("TTSBUILD_CODEC_TR_HALF_WEIGHTS", "1") == "1"
 # The fused layers' qkv GEMV and their attention (RoPE, ring writes, the window) as one launch
 # (plugins.fused_linear.norm_linear_ring_attend: each head's attention run by the program that
 # wrote its last qkv tile), 8 launches a batch-1 step fewer of its ~151.
@@ -201,15 +215,18 @@ TR_TF32_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_TR_TF32_MAX_ROWS", "0"))
 # values rounded to 11 significant bits as they are written; attention still in fp32 math):
 # the ring attention reads half the bytes (at 64 rows its 8 launches took 0.206 ms of the
 # 2.41 ms step on an H100, 2026-12-06, ~39 MB of fp32 rings a layer), and the rings take half
-# the memory. TTSBUILD_CODEC_RING_HALF=1 turns it on (built 2026-12-06, not yet timed).
-RING_HALF = os.environ.get("TTSBUILD_CODEC_RING_HALF", "0") == "1"
+# the memory. On an H100 (as TR_HALF_WEIGHTS): batch 1 / 2 / 8 / 64 0.647 / 0.737 / 0.954 /
+# 2.442 -> 0.640 / 0.726 / 0.938 / 2.411 ms, 53.4 dB either way. On by default (never in the
+# strict fp32 engine); TTSBUILD_CODEC_RING_HALF=0 turns it off.
+RING_HALF = os.environ.get("TTSBUILD_CODEC_RING_HALF", "1") == "1"
 # Steps of at most this many streams launch the codec's kernels with PDL (plugins._dispatch
 # codec_pdl_scope): on the H200 (2026-12-02) PDL for every codec kernel made batch 1 1.6 %
 # faster (0.856 -> 0.842 ms) and batches 8-256 2-6 % slower, where programs resident early
 # only take SM slots from the kernel before them. 0: off (TTSBUILD_CODEC_PDL=1 keeps it on
-# at every size). TTSBUILD_CODEC_PDL_MAX_ROWS=1 (or 2, 4) turns it on for small steps (built
-# 2026-12-06, not yet timed with today's kernels).
-CODEC_PDL_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_PDL_MAX_ROWS", "0"))
+# at every size). With today's kernels on an H100 (as TR_HALF_WEIGHTS), PDL_MAX_ROWS=2:
+# batch 1 / 2 0.647 / 0.737 -> 0.586 / 0.720 ms, 8 and 64 untouched (0.955 / 2.443).
+# TTSBUILD_CODEC_PDL_MAX_ROWS sets it (default 2); a plan pins it (codec_pdl_max_rows).
+CODEC_PDL_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_PDL_MAX_ROWS", "2"))
 
 
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
@@ -303,6 +320,8 @@ class CodecEngine:
         qkv_attend: bool | None = None,
         tf32_layers_max_rows: int | None = None,
         ring_half: bool | None = None,
+        conv_split_max_streams: int | None = None,
+        pdl_max_rows: int | None = None,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -334,6 +353,16 @@ class CodecEngine:
         # FOLD_BLOCK_ACT); with "triton" convs, where the kernel runs that conv
         self.fold_block_act = (FOLD_BLOCK_ACT if fold_block_act is None
                                else fold_block_act) and conv_impl == "triton"
+        # steps of at most this many streams: every half-precision conv on the implicit-GEMM
+        # kernel, split over K where its tiles are few (None: CONV_SPLIT_MAX_STREAMS)
+        split = CONV_SPLIT_MAX_STREAMS if conv_split_max_streams is None else conv_split_max_streams
+        # steps of at most this many streams launch with PDL (None: CODEC_PDL_MAX_ROWS)
+        pdl = CODEC_PDL_MAX_ROWS if pdl_max_rows is None else pdl_max_rows
+        if split < 0 or pdl < 0:
+            raise ValueError(f"conv_split_max_streams and pdl_max_rows must be >= 0, got "
+                             f"{split} and {pdl}")
+        self.conv_split_max_streams = split if conv_impl == "triton" else 0
+        self.pdl_max_rows = pdl
         # The implicit-GEMM convs' inputs and outputs as channels-last views ([B, C, T] shapes
         # over contiguous [B, T, C] storage: snake_context / causal_conv channels_last), so the
         # kernel reads its input tiles along contiguous channels, in vectors its compiler can
@@ -397,7 +426,8 @@ class CodecEngine:
                                       else 0)  # fmt: skip
         # the fused layers' weights in scaled fp16 (None: TR_HALF_WEIGHTS): (weight, scale)
         # of each linear, {} when off or when no step runs the fused layers
-        half_w = TR_HALF_WEIGHTS if transformer_half_weights is None else transformer_half_weights
+        half_w = (TR_HALF_WEIGHTS and precision != "fp32" if transformer_half_weights is None
+                  else transformer_half_weights)  # fmt: skip
         self._tr_half: dict[object, tuple[Tensor, Tensor]] = {}
         if half_w and self.fused_layers_max_rows:
             with torch.no_grad():
@@ -572,7 +602,7 @@ class CodecEngine:
     def step(self, rows: Tensor, codes: Tensor) -> Tensor:
         """rows: LongTensor [B] (slots; padding rows = `scratch`), codes: [B, Q, n] ->
         pcm float32 [B, n * 1920], the continuation of each row's audio."""
-        with codec_pdl_scope(rows.shape[0] <= CODEC_PDL_MAX_ROWS):  # see CODEC_PDL_MAX_ROWS
+        with codec_pdl_scope(rows.shape[0] <= self.pdl_max_rows):  # see CODEC_PDL_MAX_ROWS
             return self._step(rows, codes)
 
     def _step(self, rows: Tensor, codes: Tensor) -> Tensor:
@@ -650,6 +680,11 @@ class CodecEngine:
             return y
         return self._act(out_act, y, rows, channels_last=y.stride(1) == 1)
 
+    def _implicit(self, streams: int, n: int) -> bool:
+        """Whether a half-precision conv of `streams` x `n` output rows runs on the
+        implicit-GEMM kernel (IMPLICIT_MIN_ROWS, CONV_SPLIT_MAX_STREAMS)."""
+        return streams * n >= IMPLICIT_MIN_ROWS or streams <= self.conv_split_max_streams
+
     def _conv_in(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
                  act: nn.Module | None, residual: Tensor | None,
                  out_act: nn.Module | None) -> tuple[Tensor, bool]:
@@ -657,15 +692,17 @@ class CodecEngine:
         conv = m.conv
         alpha, inv_beta = self._snake[act] if act is not None else (None, None)
         w = self._conv_w.get(m)
+        split = x.shape[0] <= self.conv_split_max_streams  # see CONV_SPLIT_MAX_STREAMS
         if (w is not None and self.fused_convs and not m.context and alpha is not None
-                and x.dtype != torch.float32 and x.shape[0] * x.shape[-1] >= IMPLICIT_MIN_ROWS):
+                and x.dtype != torch.float32 and self._implicit(x.shape[0], x.shape[-1])):
             # no left context to keep: the SnakeBeta runs inside the conv's input load
             return causal_conv(x, w, conv.bias, conv.dilation[0], residual, alpha=alpha,
-                               inv_beta=inv_beta, channels_last=self.channels_last), False
+                               inv_beta=inv_beta, channels_last=self.channels_last,
+                               split=split), False  # fmt: skip
         tail = self.state[m.slot][0] if m.context else None
         # channels-last only where the implicit-GEMM kernel takes the conv (see __init__)
         last = (self.channels_last and w is not None and x.dtype != torch.float32
-                and x.shape[0] * x.shape[-1] >= IMPLICIT_MIN_ROWS)  # fmt: skip
+                and self._implicit(x.shape[0], x.shape[-1]))  # fmt: skip
         if alpha is not None or tail is not None or (last and x.stride(1) != 1):
             x = snake_context(x, alpha, inv_beta, tail, rows,
                               channels_last=last)  # [B, Cin, context + n]
@@ -677,12 +714,14 @@ class CodecEngine:
         B, cin, L = x.shape
         k, d = conv.kernel_size[0], conv.dilation[0]
         n = L - m.context
-        if self.conv_impl == "triton" and x.dtype != torch.float32 and B * n >= IMPLICIT_MIN_ROWS:
+        if self.conv_impl == "triton" and x.dtype != torch.float32 and self._implicit(B, n):
             if out_act is not None:
                 out_alpha, out_inv_beta = self._snake[out_act]
                 return causal_conv(x, w, conv.bias, d, residual, out_alpha=out_alpha,
-                                   out_inv_beta=out_inv_beta, channels_last=last), True
-            return causal_conv(x, w, conv.bias, d, residual, channels_last=last), False
+                                   out_inv_beta=out_inv_beta, channels_last=last,
+                                   split=split), True  # fmt: skip
+            return causal_conv(x, w, conv.bias, d, residual, channels_last=last,
+                               split=split), False  # fmt: skip
         # im2col: patches [B, n, k, Cin] (tap j of output t is input t + j * dilation), one
         # GEMM with the bias fused; the result is [B, Cout, n] as a view of [B, n, Cout].
         cols = x.unfold(2, m.context + 1, 1)[..., ::d]  # [B, Cin, n, k]

@@ -103,18 +103,26 @@ class EnginePlan(BaseModel):
     # 1.064 / 1.115 / 1.457 -> 0.742 / 0.824 / 0.935 / 1.029 / 1.507 ms at 1 / 2 / 4 / 8 /
     # 16 rows: on up to 8 (benchmarks/codec/2026-12-03-h200-gemv-rows).
     codec_fused_layers_max_rows: int = Field(default=8, ge=0)
-    # The codec switches built on 2026-12-06 and not yet timed, pinned here once measured
-    # (runtime.codec_engine documents each; None: the engine's default, its environment
-    # variable, so side-by-side runs can flip it): the fused layers' weights in scaled fp16
-    # (TR_HALF_WEIGHTS), their qkv GEMV and attention as one launch (QKV_ATTEND), larger steps
-    # on the fused layers' TF32 tiles (TR_TF32_MAX_ROWS), the attention rings in fp16
-    # (RING_HALF), each decoder block's first SnakeBeta folded into the conv before it
-    # (FOLD_BLOCK_ACT).
+    # The codec switches built on 2026-12-06 (runtime.codec_engine documents each; None: the
+    # engine's default, its environment variable, so side-by-side runs can flip it; a value
+    # pins it): the fused layers' weights in scaled fp16 (TR_HALF_WEIGHTS), their qkv GEMV and
+    # attention as one launch (QKV_ATTEND), larger steps on the fused layers' TF32 tiles
+    # (TR_TF32_MAX_ROWS), the attention rings in fp16 (RING_HALF), each decoder block's first
+    # SnakeBeta folded into the conv before it (FOLD_BLOCK_ACT), small steps' convs all on the
+    # implicit-GEMM kernel with split-K (CONV_SPLIT_MAX_STREAMS), small steps with PDL
+    # (CODEC_PDL_MAX_ROWS). Timed on an H100 on 2026-12-06 (fortieth session,
+    # benchmarks/codec/2026-12-06-h100-codec-switches): the engine defaults now have the half
+    # weights (not in the strict fp32 engine), the fp16 rings, split convs up to 8 streams and
+    # PDL up to 2 (together batch 1 / 2 / 8 0.644 / 0.736 / 0.955 -> 0.540 / 0.648 / 0.864 ms,
+    # 64 / 256 rows 2.441 / 7.200 -> 2.444 / 7.140, 53.4 -> 53.2 dB); the qkv + attention
+    # launch, the TF32 tiles and the fold lost or tied and stay off.
     codec_transformer_half_weights: bool | None = None
     codec_qkv_attend: bool | None = None
     codec_tf32_layers_max_rows: int | None = Field(default=None, ge=0)
     codec_ring_half: bool | None = None
     codec_fold_block_act: bool | None = None
+    codec_conv_split_max_streams: int | None = Field(default=None, ge=0)
+    codec_pdl_max_rows: int | None = Field(default=None, ge=0)
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
@@ -342,6 +350,8 @@ class EnginePlan(BaseModel):
             qkv_attend=self.codec_qkv_attend,
             tf32_layers_max_rows=self.codec_tf32_layers_max_rows,
             ring_half=self.codec_ring_half, fold_block_act=self.codec_fold_block_act,
+            conv_split_max_streams=self.codec_conv_split_max_streams,
+            pdl_max_rows=self.codec_pdl_max_rows,
         )  # fmt: skip
 
     @property

@@ -116,8 +116,8 @@ def _mac(acc, w, xt, BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr):
         out = acc + w.to(tl.float32) * tl.sum(xt.to(tl.float32), axis=1)[None, :]
     elif DOT_F32:  # fp32 models (IEEE, not TF32), and the interpreter (mis-rounds fp8->bf16)
         out = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-    else:
-        out = tl.dot(w.to(xt.dtype), xt, acc)
+    else:  # TF32 for fp32 operands (said here: TRITON_F32_DEFAULT may ask for IEEE)
+        out = tl.dot(w.to(xt.dtype), xt, acc, input_precision="tf32")
     return out
 
 
