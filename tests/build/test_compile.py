@@ -232,6 +232,31 @@ def test_codec_precision_is_measured_and_recorded(bf16_engine):
     assert set(q.snr_db_by_chunk) == {"1", "4"} and q.snr_db == min(q.snr_db_by_chunk.values())
 
 
+def test_compile_pins_the_codec_switches_it_gates(bf16_engine, monkeypatch):
+    """The plan pins the codec switches as the compile host takes them (None would leave
+    them to the deployment host's environment, which the gate never measured): the fp16
+    copies only beside a half-precision codec; the served engine keeps them under another
+    environment."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    fp16 = BuildConfig(codec_precision="fp16").runtime_plan()
+    assert fp16.codec_transformer_half_weights is ce.TR_HALF_WEIGHTS
+    assert fp16.codec_ring_half is ce.RING_HALF
+    assert fp16.codec_pdl_max_rows == ce.CODEC_PDL_MAX_ROWS
+    assert fp16.codec_conv_split_max_streams == ce.CONV_SPLIT_MAX_STREAMS
+    assert fp16.codec_qkv_attend is ce.QKV_ATTEND and fp16.codec_fold_block_act is ce.FOLD_BLOCK_ACT
+    strict = BuildConfig(codec_precision="fp32").runtime_plan()
+    assert strict.codec_transformer_half_weights is False and strict.codec_ring_half is False
+    ring, pdl = ce.RING_HALF, ce.CODEC_PDL_MAX_ROWS  # as the engine directory was built
+    monkeypatch.setattr(ce, "RING_HALF", not ring)  # another TTSBUILD_CODEC_RING_HALF here
+    monkeypatch.setattr(ce, "CODEC_PDL_MAX_ROWS", pdl + 3)
+    other = BuildConfig(codec_precision="fp16").runtime_plan()
+    assert other.codec_ring_half is not ring and other.codec_pdl_max_rows == pdl + 3
+    # the engine directory serves what it was built (and gated) with, under this environment
+    kw = load_engine_dir(bf16_engine).manifest.plan.codec_engine_kwargs("cpu")
+    assert kw["ring_half"] is ring and kw["pdl_max_rows"] == pdl
+
+
 def test_codec_precision_below_the_gate_is_refused(ckpt, tmp_path):
     """bf16 keeps 8 mantissa bits: ~32 dB on the real codec, measured here on the stand-in."""
     out = tmp_path / "engine"

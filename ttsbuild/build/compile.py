@@ -53,6 +53,7 @@ from ttsbuild.runtime.codec_engine import (
     DEFAULT_TF32_STAGES,
     MIN_CODEC_SNR_DB,
     PRECISIONS,
+    default_switches,
 )
 from ttsbuild.runtime.draft import DRAFT_FILE, read_draft
 from ttsbuild.runtime.plan import (
@@ -204,6 +205,9 @@ class BuildConfig:
             speculative=dict(self.speculative), speculative_exact=self.speculative_exact,
             w8a8_min_rows=self.w8a8_min_rows if self.precision == "fp8" else 0,
             bf16_min_rows=self.bf16_min_rows if self.precision == "fp8" else 0,
+            # the codec switches pinned as this host takes them: the gate measures them and
+            # the engine directory serves them, whatever the deployment host's environment
+            **{f"codec_{k}": v for k, v in default_switches(self.codec_precision).items()},
         )  # fmt: skip
 
     def reserved_sms(self) -> int:

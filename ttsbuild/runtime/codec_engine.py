@@ -229,6 +229,19 @@ RING_HALF = os.environ.get("TTSBUILD_CODEC_RING_HALF", "1") == "1"
 CODEC_PDL_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_PDL_MAX_ROWS", "2"))
 
 
+def default_switches(precision: str) -> dict:
+    """The switches above as an engine of `precision` takes them when not given (their
+    environment variables; the fp16 copies never in the strict fp32 engine), keyed by
+    CodecEngine's arguments: what `ttsbuild compile` pins into the plan it gates and ships,
+    so a deployment host serves what the gate measured whatever its environment."""
+    return dict(
+        fold_block_act=FOLD_BLOCK_ACT, transformer_half_weights=TR_HALF_WEIGHTS
+        and precision != "fp32", qkv_attend=QKV_ATTEND, tf32_layers_max_rows=TR_TF32_MAX_ROWS,
+        ring_half=RING_HALF and precision != "fp32", conv_split_max_streams=CONV_SPLIT_MAX_STREAMS,
+        pdl_max_rows=CODEC_PDL_MAX_ROWS,
+    )  # fmt: skip
+
+
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
     """A plan's `codec_conv`: "auto" is "triton" on CUDA, "cudnn" elsewhere; the environment
     variable TTSBUILD_CODEC_CONV (one of CONV_IMPLS) overrides "auto" for measurements."""
@@ -351,13 +364,15 @@ class CodecEngine:
                                else snake_epilogue) and conv_impl == "triton"
         # each decoder block's first SnakeBeta in the epilogue of the conv before it (None:
         # FOLD_BLOCK_ACT); with "triton" convs, where the kernel runs that conv
-        self.fold_block_act = (FOLD_BLOCK_ACT if fold_block_act is None
+        dflt = default_switches(precision)  # the switches not given
+        self.fold_block_act = (dflt["fold_block_act"] if fold_block_act is None
                                else fold_block_act) and conv_impl == "triton"
         # steps of at most this many streams: every half-precision conv on the implicit-GEMM
         # kernel, split over K where its tiles are few (None: CONV_SPLIT_MAX_STREAMS)
-        split = CONV_SPLIT_MAX_STREAMS if conv_split_max_streams is None else conv_split_max_streams
+        split = (dflt["conv_split_max_streams"] if conv_split_max_streams is None
+                 else conv_split_max_streams)  # fmt: skip
         # steps of at most this many streams launch with PDL (None: CODEC_PDL_MAX_ROWS)
-        pdl = CODEC_PDL_MAX_ROWS if pdl_max_rows is None else pdl_max_rows
+        pdl = dflt["pdl_max_rows"] if pdl_max_rows is None else pdl_max_rows
         if split < 0 or pdl < 0:
             raise ValueError(f"conv_split_max_streams and pdl_max_rows must be >= 0, got "
                              f"{split} and {pdl}")
@@ -426,7 +441,7 @@ class CodecEngine:
                                       else 0)  # fmt: skip
         # the fused layers' weights in scaled fp16 (None: TR_HALF_WEIGHTS): (weight, scale)
         # of each linear, {} when off or when no step runs the fused layers
-        half_w = (TR_HALF_WEIGHTS and precision != "fp32" if transformer_half_weights is None
+        half_w = (dflt["transformer_half_weights"] if transformer_half_weights is None
                   else transformer_half_weights)  # fmt: skip
         self._tr_half: dict[object, tuple[Tensor, Tensor]] = {}
         if half_w and self.fused_layers_max_rows:
@@ -434,13 +449,14 @@ class CodecEngine:
                 self._tr_half = self._half_transformer_weights()
         # larger steps on the fused layers as TF32 tiles (None: TR_TF32_MAX_ROWS), where the
         # GEMM path would run TF32 (see TR_TF32_MAX_ROWS)
-        tf32_rows = TR_TF32_MAX_ROWS if tf32_layers_max_rows is None else tf32_layers_max_rows
+        tf32_rows = (dflt["tf32_layers_max_rows"] if tf32_layers_max_rows is None
+                     else tf32_layers_max_rows)  # fmt: skip
         if tf32_rows < 0:
             raise ValueError(f"tf32_layers_max_rows must be >= 0, got {tf32_rows}")
         self.tf32_layers_max_rows = (
             tf32_rows if self.fused_layers_max_rows and "transformer" in self.tf32_stages else 0)
         # the fused layers' qkv GEMV and attention as one launch (None: QKV_ATTEND)
-        self.qkv_attend = bool(QKV_ATTEND if qkv_attend is None else qkv_attend) and bool(
+        self.qkv_attend = bool(dflt["qkv_attend"] if qkv_attend is None else qkv_attend) and bool(
             self.fused_layers_max_rows)
         self.window = cfg.sliding_window
         self.ring = cfg.sliding_window - 1 + max_chunk
@@ -452,7 +468,8 @@ class CodecEngine:
         # -- per-slot state ------------------------------------------------------------------
         # the attention rings in fp16 (None: RING_HALF) where their stage is fp32, never in
         # the strict fp32 engine
-        self.ring_half = (RING_HALF if ring_half is None else ring_half) and precision != "fp32"
+        self.ring_half = (dflt["ring_half"] if ring_half is None
+                          else ring_half) and precision != "fp32"  # fmt: skip
         S = num_slots + 1
         self.pos = torch.zeros(S, dtype=torch.long, device=device)
         self.state: list[tuple[Tensor, ...]] = []
