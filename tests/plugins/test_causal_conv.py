@@ -13,6 +13,7 @@ from ttsbuild.plugins.causal_conv import (
     causal_conv,
     causal_conv_reference,
     pack_conv_weight,
+    pack_tconv_as_conv,
     residual_unit,
 )
 from ttsbuild.plugins.codec_context import to_channels_last
@@ -155,6 +156,34 @@ def test_flattened_k_steps_equal_the_reference(cin, cout, k, d, n, snake):
     per_tap = _causal_conv_triton(last, w, bias, d, residual, channels_last=True,
                                   flat_k=False, **sn)  # fmt: skip
     assert rel_err(got, per_tap) <= 2e-3
+
+
+@pytest.mark.parametrize(("taps", "stride"), [(1, 2), (2, 3), (2, 8)])
+def test_transposed_conv_packed_as_a_causal_conv(taps, stride):
+    """pack_tconv_as_conv: a causal conv of k = taps over the input (its left context the
+    previous frames) with stride x Cout channels, its [B, n, stride, Cout] output read as
+    [B, n * stride, Cout], equals the transposed conv with the last (taps - 1) x stride
+    samples cut (the codec's causal transposed conv), in float64, streamed in two steps."""
+    g = torch.Generator().manual_seed(40 + taps * stride)
+    cin, cout, n = 12, 5, 9
+    weight = torch.randn(cin, cout, taps * stride, generator=g, dtype=torch.float64)
+    bias = torch.randn(cout, generator=g, dtype=torch.float64)
+    x = torch.randn(2, cin, n, generator=g, dtype=torch.float64)
+    want = F.conv_transpose1d(x, weight, bias, stride=stride)[..., : n * stride]
+    w, b = pack_tconv_as_conv(weight, bias, stride)
+    assert w.shape == (taps, cin, stride * cout) and b.shape == (stride * cout,)
+    ctx = torch.zeros(2, cin, taps - 1, dtype=torch.float64)  # a new stream's tail
+    got = []
+    for part in (x[..., :4], x[..., 4:]):  # two steps, the tail carried between them
+        xin = torch.cat([ctx, part], dim=-1)
+        y = F.conv1d(xin, w.permute(2, 1, 0), b)  # [B, s * Cout, frames]
+        got.append(y.transpose(1, 2).reshape(2, -1, cout).transpose(1, 2))
+        ctx = xin[..., xin.shape[-1] - (taps - 1):]
+    got = torch.cat(got, dim=-1)
+    assert got.shape == want.shape
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-12
+    with pytest.raises(ValueError, match="kernel % stride"):
+        pack_tconv_as_conv(weight[..., :-1], bias, stride)
 
 
 def test_split_k_plan(monkeypatch):

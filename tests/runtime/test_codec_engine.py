@@ -679,6 +679,43 @@ def test_block_act_in_the_conv_before_decodes_the_same_audio(channels_last, impl
     assert not CodecEngine(dec, 2, "fp16", fold_block_act=True).fold_block_act
 
 
+@pytest.mark.parametrize(("state_channels_last", "fold"), [(False, False), (True, False),
+                                                           (True, True)])
+def test_transposed_convs_as_causal_convs_decode_the_same_audio(state_channels_last, fold,
+                                                                monkeypatch):
+    """CodecEngine(tconv_conv=True): the half-precision stages' transposed convs as causal
+    convs over their input (plugins.causal_conv.pack_tconv_as_conv; the Triton kernel under
+    TRITON_INTERPRET=1, else its reference), the slot's last input frames as their context
+    in place of the output spill, the block's SnakeBeta with that context: the fp16 audio
+    of the GEMM + overlap-add path to its rounding, streamed in chunks of 1 and 4 (the tails
+    carried over steps), no GEMM and no overlap-add left, and the states it keeps."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    dec, codes, kw = _small_triton(42, True)
+    kw.update(state_channels_last=state_channels_last, fold_block_act=fold)
+    plain = CodecEngine(dec, 2, "fp16", **kw, tconv_conv=False)
+    eng = CodecEngine(dec, 2, "fp16", **kw, tconv_conv=True)
+    tconvs = [m for m in eng.codec.modules() if isinstance(m, ce.CausalConvTranspose1d)]
+    assert eng.tconv_conv and set(eng._tconv_k) == set(tconvs) and not eng._tconv_w
+    for m in tconvs:  # the input's last taps - 1 frames, not the output's spill
+        taps = m.conv.kernel_size[0] // m.stride
+        shapes = [tuple(t.shape[1:]) for t in eng.state[m.slot]]
+        assert shapes == ([(m.conv.in_channels, taps - 1)] if taps > 1 else []), shapes
+    assert any(m.overlap for m in tconvs) and any(not m.overlap for m in tconvs)
+    overlap = _spy(monkeypatch, ce, "overlap_add", lambda *a, **k: None)
+    for chunk in (1, 4):
+        want = ce.decode_with(plain, codes, chunk=chunk)
+        n = len(overlap)
+        got = ce.decode_with(eng, codes, chunk=chunk)
+        assert len(overlap) == n  # none from the conv path
+        assert got.shape == want.shape and ce.snr_db(want.float(), got.float()) > 45
+    ref = ce.decode_with(dec, codes)  # the fp32 decode: both as close to it
+    assert abs(ce.snr_db(ref, got.float()) - ce.snr_db(ref, want.float())) < 1.0
+    # the strict fp32 engine and cuDNN convs keep the GEMM / cuDNN path
+    assert not CodecEngine(dec, 2, "fp32", **kw, tconv_conv=True)._tconv_k
+    assert not CodecEngine(dec, 2, "fp16", tconv_conv=True).tconv_conv
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_snake_in_the_conv_epilogue_decodes_the_same_audio(channels_last, monkeypatch):
     """CodecEngine(snake_epilogue=True): each residual unit's second SnakeBeta applied in its

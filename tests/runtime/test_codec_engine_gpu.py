@@ -285,6 +285,22 @@ def test_half_rings_keep_the_decode_and_replay(frames):
     _assert_replay_equals_eager(engine, codes, frames=frames)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_transposed_convs_as_causal_convs_keep_the_decode_and_replay(precision):
+    """The transposed convs as causal convs over their input (tconv_conv: the implicit-GEMM
+    kernel, the input's last frames as context, the block SnakeBeta with it) against the
+    GEMM + overlap-add path, in the served settings: the audio to the half precision's
+    rounding, chunk by chunk, and a captured step equal to the eager one."""
+    dec, kw, codes = _served_fused_layers(60, 8, 89, frames=8, fused_output=True)
+    plain = decode_with(CodecEngine(dec, 2, precision, tconv_conv=False, **kw), codes, chunk=1)
+    engine = CodecEngine(dec, 2, precision, tconv_conv=True, **kw)
+    assert engine._tconv_k and not engine._tconv_w
+    got = decode_with(engine, codes, chunk=1)
+    assert snr_db(plain.float(), got.float()) > (45 if precision == "fp16" else 25)
+    _assert_replay_equals_eager(engine, codes)
+    _assert_replay_equals_eager(engine, codes, frames=4)
+
+
 def test_small_steps_with_pdl_keep_the_decode_and_replay():
     """Steps of at most pdl_max_rows streams launch the codec kernels with PDL (each
     waits on the device for the one before): the same audio as without (to 1e-6), in the

@@ -56,6 +56,22 @@ def pack_conv_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.permute(2, 1, 0).contiguous()
 
 
+def pack_tconv_as_conv(weight: torch.Tensor, bias: torch.Tensor,
+                       stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """nn.ConvTranspose1d weight [Cin, Cout, taps * stride] and bias [Cout] -> the operand
+    [taps, Cin, stride * Cout] and bias [stride * Cout] of a causal conv of k = taps over the
+    same input with the same output: tap j reads input frame t - (taps - 1) + j, whose part
+    of output sample t * stride + r is W[:, :, (taps - 1 - j) * stride + r]; output channel
+    r * Cout + co, so [B, n, stride, Cout] storage is the [B, n * stride, Cout] output
+    (runtime.codec_engine TCONV_CONV)."""
+    cin, cout, k = weight.shape
+    if k % stride:
+        raise ValueError(f"needs kernel % stride == 0, got kernel {k}, stride {stride}")
+    taps = k // stride
+    w = weight.view(cin, cout, taps, stride).flip(2).permute(2, 0, 3, 1)  # [j, Cin, r, Cout]
+    return w.reshape(taps, cin, stride * cout).contiguous(), bias.repeat(stride).contiguous()
+
+
 def causal_conv_reference(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None,
                           out_alpha=None, out_inv_beta=None):
     """F.conv1d on the unpacked weight (of SnakeBeta(xin) when alpha/inv_beta [C, 1] fp32 are

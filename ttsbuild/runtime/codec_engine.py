@@ -60,6 +60,7 @@ from ttsbuild.plugins.causal_conv import (
     causal_conv,
     overlap_add,
     pack_conv_weight,
+    pack_tconv_as_conv,
     residual_unit,
     triton_block,
 )
@@ -219,6 +220,17 @@ TR_TF32_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_TR_TF32_MAX_ROWS", "0"))
 # 2.442 -> 0.640 / 0.726 / 0.938 / 2.411 ms, 53.4 dB either way. On by default (never in the
 # strict fp32 engine); TTSBUILD_CODEC_RING_HALF=0 turns it off.
 RING_HALF = os.environ.get("TTSBUILD_CODEC_RING_HALF", "1") == "1"
+# Transposed convs of half-precision stages (kernel = taps x stride) as the implicit-GEMM
+# causal conv over their input: output block t (stride samples) of a kernel-2s, stride-s
+# transposed conv is x[t] W[:, :, r] + x[t-1] W[:, :, r + s] for r < s, so it is a k = taps
+# conv with stride x Cout output channels ([B, n, s, Cout] channels-last storage is the
+# [B, Cout, n * s] output: no copy), its left context the input's last taps - 1 frames
+# (the slot's tail, as a causal conv's) instead of the output spill. One launch with the
+# bias, the block's SnakeBeta with the context (snake_context) before it, in place of a
+# SnakeBeta, a cuBLAS GEMM into a [B, n, taps, s, Cout] buffer and the overlap-add (6
+# transposed convs a step: 4 decoder blocks of 2 taps, 2 upsample blocks of 1).
+# TTSBUILD_CODEC_TCONV_CONV=1 turns it on (built 2026-12-06, not yet timed).
+TCONV_CONV = os.environ.get("TTSBUILD_CODEC_TCONV_CONV", "0") == "1"
 # Steps of at most this many streams launch the codec's kernels with PDL (plugins._dispatch
 # codec_pdl_scope): on the H200 (2026-12-02) PDL for every codec kernel made batch 1 1.6 %
 # faster (0.856 -> 0.842 ms) and batches 8-256 2-6 % slower, where programs resident early
@@ -238,7 +250,7 @@ def default_switches(precision: str) -> dict:
         fold_block_act=FOLD_BLOCK_ACT, transformer_half_weights=TR_HALF_WEIGHTS
         and precision != "fp32", qkv_attend=QKV_ATTEND, tf32_layers_max_rows=TR_TF32_MAX_ROWS,
         ring_half=RING_HALF and precision != "fp32", conv_split_max_streams=CONV_SPLIT_MAX_STREAMS,
-        pdl_max_rows=CODEC_PDL_MAX_ROWS,
+        pdl_max_rows=CODEC_PDL_MAX_ROWS, tconv_conv=TCONV_CONV,
     )  # fmt: skip
 
 
@@ -335,6 +347,7 @@ class CodecEngine:
         ring_half: bool | None = None,
         conv_split_max_streams: int | None = None,
         pdl_max_rows: int | None = None,
+        tconv_conv: bool | None = None,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -378,6 +391,9 @@ class CodecEngine:
                              f"{split} and {pdl}")
         self.conv_split_max_streams = split if conv_impl == "triton" else 0
         self.pdl_max_rows = pdl
+        # the half-precision stages' transposed convs as causal convs (None: TCONV_CONV)
+        self.tconv_conv = bool(dflt["tconv_conv"] if tconv_conv is None
+                               else tconv_conv) and conv_impl == "triton"  # fmt: skip
         # The implicit-GEMM convs' inputs and outputs as channels-last views ([B, C, T] shapes
         # over contiguous [B, T, C] storage: snake_context / causal_conv channels_last), so the
         # kernel reads its input tiles along contiguous channels, in vectors its compiler can
@@ -485,6 +501,9 @@ class CodecEngine:
             if isinstance(m, CausalConv1d):
                 self.state.append((zeros(S, m.conv.in_channels, m.context),)
                                   if m.context else ())
+            elif m in self._tconv_k:  # the input's last taps - 1 frames (see TCONV_CONV)
+                ctx = m.overlap // m.stride
+                self.state.append((zeros(S, m.conv.in_channels, ctx),) if ctx else ())
             elif isinstance(m, CausalConvTranspose1d):
                 self.state.append((zeros(S, m.conv.out_channels, m.overlap),)
                                   if m.overlap else ())
@@ -557,6 +576,8 @@ class CodecEngine:
         # (tap, cout)); the unpacked weights are dropped, so nothing is held twice.
         self._conv_w: dict[nn.Module, Tensor] = {}
         self._tconv_w: dict[nn.Module, Tensor] = {}
+        # TCONV_CONV: (weight [taps, Cin, stride * Cout], bias [stride * Cout]) per module
+        self._tconv_k: dict[nn.Module, tuple[Tensor, Tensor]] = {}
         if self.conv_impl != "cudnn":
             for m in codec.modules():
                 if isinstance(m, CausalConv1d) and m.conv.groups == 1:
@@ -567,7 +588,11 @@ class CodecEngine:
                     if k % m.stride:
                         raise ValueError(f"gemm transposed conv needs kernel % stride == 0, "
                                          f"got kernel {k}, stride {m.stride}")
-                    self._tconv_w[m] = w.permute(0, 2, 1).reshape(w.shape[0], -1).contiguous()
+                    if (self.tconv_conv and self._stage_of[m].dtype != torch.float32
+                            and m.conv.bias is not None):
+                        self._tconv_k[m] = pack_tconv_as_conv(w, m.conv.bias, m.stride)
+                    else:
+                        self._tconv_w[m] = w.permute(0, 2, 1).reshape(w.shape[0], -1).contiguous()
                 else:
                     continue
                 m.conv.weight = nn.Parameter(m.conv.weight.new_empty(0), requires_grad=False)
@@ -598,7 +623,8 @@ class CodecEngine:
         tensors = [*self.codec.parameters(), *self._conv_w.values(), *self._tconv_w.values(),
                    self.codebooks, *(t for packed in self._packed.values() for t in packed
                                      if t is not None),
-                   *(t for pair in self._tr_half.values() for t in pair)]
+                   *(t for pair in self._tr_half.values() for t in pair),
+                   *(t for pair in self._tconv_k.values() for t in pair)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- state -------------------------------------------------------------------------------
@@ -748,9 +774,15 @@ class CodecEngine:
         y = y.view(B, n, -1).transpose(1, 2)
         return (y if residual is None else residual + y), False
 
-    def _conv_t(self, m: CausalConvTranspose1d, x: Tensor, rows: Tensor, st: _Stage) -> Tensor:
+    def _conv_t(self, m: CausalConvTranspose1d, x: Tensor, rows: Tensor, st: _Stage,
+                act: nn.Module | None = None) -> Tensor:
+        """act: a SnakeBeta applied to x first (TCONV_CONV modules only)."""
         conv = m.conv
         n_out = x.shape[-1] * m.stride
+        if m in self._tconv_k:
+            return self._conv_t_conv(m, x, rows, act)
+        if act is not None:
+            raise ValueError("act is applied here only on the TCONV_CONV path")
         w = self._tconv_w.get(m)
         if w is not None:
             return self._conv_t_gemm(m, x, rows, st, w)
@@ -761,6 +793,21 @@ class CodecEngine:
                            y[..., m.overlap:]], dim=-1)
             spill.index_copy_(0, rows, y[..., n_out:])
         return y[..., :n_out] + conv.bias[:, None]
+
+    def _conv_t_conv(self, m: CausalConvTranspose1d, x: Tensor, rows: Tensor,
+                     act: nn.Module | None) -> Tensor:
+        """The transposed conv as a causal conv over act(x) with the slot's input tail as
+        its left context (see TCONV_CONV): [B, Cout, n * stride], a channels-last view."""
+        w, bias = self._tconv_k[m]
+        B, _, n = x.shape
+        tail = self.state[m.slot][0] if m.overlap else None
+        alpha, inv_beta = self._snake[act] if act is not None else (None, None)
+        if tail is not None or alpha is not None or x.stride(1) != 1:
+            x = snake_context(x, alpha, inv_beta, tail, rows, channels_last=True)
+        y = causal_conv(x, w, bias, 1, channels_last=True,
+                        split=B <= self.conv_split_max_streams)  # [B, s * Cout, n]
+        cout = m.conv.out_channels
+        return y.transpose(1, 2).reshape(B, n * m.stride, cout).transpose(1, 2)
 
     def _conv_t_gemm(self, m: CausalConvTranspose1d, x: Tensor, rows: Tensor, st: _Stage,
                      w: Tensor) -> Tensor:
@@ -821,11 +868,14 @@ class CodecEngine:
         """act_done: x is already SnakeBeta(x) of the block's act (FOLD_BLOCK_ACT); out_act:
         a SnakeBeta (the next block's first) applied to the block's output."""
         act, up, *units = m.block
-        if not act_done:
-            # channels-last: the transposed conv's GEMM reads x^T without a copy
-            last = self.channels_last and up in self._tconv_w and x.dtype != torch.float32
-            x = self._act(act, x, rows, channels_last=last)
-        x = self._conv_t(up, x, rows, st)
+        if up in self._tconv_k:  # the SnakeBeta with the conv's context (see TCONV_CONV)
+            x = self._conv_t(up, x, rows, st, act=None if act_done else act)
+        else:
+            if not act_done:
+                # channels-last: the transposed conv's GEMM reads x^T without a copy
+                last = self.channels_last and up in self._tconv_w and x.dtype != torch.float32
+                x = self._act(act, x, rows, channels_last=last)
+            x = self._conv_t(up, x, rows, st)
         for i, u in enumerate(units):
             x = self._residual(u, x, rows, st, out_act if i == len(units) - 1 else None)
         return x
