@@ -711,9 +711,11 @@ def test_transposed_convs_as_causal_convs_decode_the_same_audio(state_channels_l
         assert got.shape == want.shape and ce.snr_db(want.float(), got.float()) > 45
     ref = ce.decode_with(dec, codes)  # the fp32 decode: both as close to it
     assert abs(ce.snr_db(ref, got.float()) - ce.snr_db(ref, want.float())) < 1.0
-    # the strict fp32 engine and cuDNN convs keep the GEMM / cuDNN path
+    # the strict fp32 engine, cuDNN convs and [B, C, T] operands keep the GEMM / cuDNN path
     assert not CodecEngine(dec, 2, "fp32", **kw, tconv_conv=True)._tconv_k
     assert not CodecEngine(dec, 2, "fp16", tconv_conv=True).tconv_conv
+    assert not CodecEngine(dec, 2, "fp16", **{**kw, "channels_last": False},
+                           tconv_conv=True).tconv_conv  # fmt: skip
 
 
 @pytest.mark.parametrize("channels_last", [False, True])

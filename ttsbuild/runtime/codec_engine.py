@@ -391,9 +391,10 @@ class CodecEngine:
                              f"{split} and {pdl}")
         self.conv_split_max_streams = split if conv_impl == "triton" else 0
         self.pdl_max_rows = pdl
-        # the half-precision stages' transposed convs as causal convs (None: TCONV_CONV)
+        # the half-precision stages' transposed convs as causal convs (None: TCONV_CONV), with
+        # channels-last operands (their output is a view of the kernel's then)
         self.tconv_conv = bool(dflt["tconv_conv"] if tconv_conv is None
-                               else tconv_conv) and conv_impl == "triton"  # fmt: skip
+                               else tconv_conv) and conv_impl == "triton" and channels_last
         # The implicit-GEMM convs' inputs and outputs as channels-last views ([B, C, T] shapes
         # over contiguous [B, T, C] storage: snake_context / causal_conv channels_last), so the
         # kernel reads its input tiles along contiguous channels, in vectors its compiler can
