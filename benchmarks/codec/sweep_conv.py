@@ -2,7 +2,7 @@
 one-frame codec step runs, channels-last operands (what is served), on the GPU.
 
     PYTHONPATH=. python3 benchmarks/codec/sweep_conv.py [--batches 64,256] [--quick]
-        [--kinds k7,k7s,k7s128,1x1s,1x1]
+        [--kinds k7,k7s,k7s128,1x1s,1x1,unit,tconv]
 
 For each decoder stage (channels C, n samples per frame) and kind (--kinds: k7, the dilated
 k = 7 conv with a bias; k7s, the same with a SnakeBeta in its epilogue, out_alpha; k7s128,
@@ -11,11 +11,13 @@ with SnakeBeta in its input load and the residual added; 1x1, the same without t
 SnakeBeta, as it runs once k7s took it; unit, the whole residual unit after its first
 SnakeBeta as one launch, `residual_unit`, at the stages of C <= 192, its grid (BLOCK_M,
 BLOCK_CI, warps, stages) and, on a line below, the k7s + 1x1 launches it replaces, each at
-its served config), at each batch: the served configuration (`_config`,
-3 stages) and every config of the grid (BLOCK_M, BLOCK_CI, BLOCK_O, warps, stages), each
-timed as a CUDA graph of 20 launches (median of 5 runs of 5 replays), its output checked
-against the served config's (a config that disagrees is reported, never chosen). Prints one
-table row per shape: served ms and TFLOP/s, the best config, its ms and TFLOP/s. GPU only.
+its served config; tconv, the block's transposed conv as a k = 2 conv over its input
+(TCONV_CONV) and, below, the GEMM + overlap-add it replaces), at each batch: the served
+configuration (`_config`, 3 stages) and every config of the grid (BLOCK_M, BLOCK_CI,
+BLOCK_O, warps, stages), each timed as a CUDA graph of 20 launches (median of 5 runs of 5
+replays), its output checked against the served config's (a config that disagrees is
+reported, never chosen). Prints one table row per shape: served ms and TFLOP/s, the best
+config, its ms and TFLOP/s. GPU only.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from ttsbuild.plugins.causal_conv import _causal_conv_triton, _config  # noqa: E
 from ttsbuild.plugins.codec_context import to_channels_last  # noqa: E402
 
 KINDS = {"k7": "k7 d3", "k7s": "k7 d3 +out snake", "k7s128": "k7 d3 +out snake, maxnreg 128",
-         "1x1s": "1x1 snake+res", "1x1": "1x1 res", "unit": "unit (k7 d3, snake, 1x1, res)"}
+         "1x1s": "1x1 snake+res", "1x1": "1x1 res", "unit": "unit (k7 d3, snake, 1x1, res)",
+         "tconv": "block's transposed conv as k2 (TCONV_CONV)"}
 # (C, n per frame) of the 12 Hz codec's decoder blocks (upsample rates 8, 5, 4, 3 after the
 # 4 latent steps per frame); the dilated convs take dilations 1, 3, 9 (context 6, 18, 54)
 STAGES = ((768, 32), (384, 160), (192, 640), (96, 1920))
+RATES = {768: 8, 384: 5, 192: 4, 96: 3}  # each block's transposed conv: 2C -> C, kernel 2r
 
 
 def grid(quick: bool):
@@ -91,6 +95,47 @@ def sweep_unit(B: int, C: int, n: int, quick: bool, dev, dt) -> None:
           f"{flop / best_ms / 1e9:.0f} |", flush=True)
     two_ms = time_call(two)
     print(f"  the two launches it replaces (k7s + 1x1, served configs): {two_ms:.4f} ms")
+    for line in bad[:5]:
+        print(f"  skipped {line}")
+
+
+def sweep_tconv(B: int, C: int, n: int, quick: bool, dev, dt) -> None:
+    """The block's transposed conv (2C -> C, kernel 2r, stride r) as TCONV_CONV runs it: a
+    k = 2 causal conv over its n / r input frames (one frame of context) with r x C output
+    channels; its row, and on a line below the GEMM + overlap-add it replaces."""
+    from ttsbuild.plugins.causal_conv import overlap_add, pack_tconv_as_conv
+
+    r = RATES[C]
+    cin, m = 2 * C, n // r
+    weight = (torch.randn(cin, C, 2 * r, device=dev) / (2 * cin) ** 0.5).to(dt)
+    bias = torch.randn(C, device=dev, dtype=dt)
+    w, b = pack_tconv_as_conv(weight, bias, r)
+    xin = to_channels_last(torch.randn(B, cin, 1 + m, device=dev, dtype=dt))
+    xin[..., 0] = 0  # a new stream's context, as the GEMM path's zero spill below
+
+    def run(cfg):
+        return _causal_conv_triton(xin, w, b, 1, None, None, None, True, cfg)
+
+    served = (*_config(B * m, cin, r * C, 2), 3)
+    want = run(served).float()
+    flop = 2.0 * B * m * cin * r * C * 2
+    served_ms = time_call(lambda: run(served))
+    best, best_ms, bad = best_config(run, want, grid(quick), served, served_ms)
+    print(f"| {C} | {n} | {KINDS['tconv']} | {B} | {served} | {served_ms:.4f} | "
+          f"{flop / served_ms / 1e9:.0f} | {best} | {best_ms:.4f} | "
+          f"{flop / best_ms / 1e9:.0f} |", flush=True)
+    x = xin[..., 1:]  # the GEMM path: x^T @ [Cin, taps * r * C], then the overlap-add
+    w_gemm = weight.permute(0, 2, 1).reshape(cin, -1).contiguous()
+    spill, rows = torch.zeros(B, C, r, device=dev, dtype=dt), torch.arange(B, device=dev)
+
+    def gemm():
+        z = (x.transpose(1, 2).reshape(B * m, cin) @ w_gemm).view(B, m, 2, r, C)
+        return overlap_add(z, spill, rows, bias, channels_last=True)
+
+    other = gemm().float()  # the same map (its output a view of ours): a packing error shows
+    ours = want.transpose(1, 2).reshape(B, m * r, C).transpose(1, 2)
+    err = ((other - ours).abs().max() / ours.abs().max()).item()
+    print(f"  the GEMM + overlap-add it replaces: {time_call(gemm):.4f} ms (rel. diff {err:.1e})")
     for line in bad[:5]:
         print(f"  skipped {line}")
 
@@ -155,6 +200,9 @@ def main() -> None:
                 if key == "unit":
                     if C <= 192:
                         sweep_unit(B, C, n, args.quick, dev, dt)
+                    continue
+                if key == "tconv":
+                    sweep_tconv(B, C, n, args.quick, dev, dt)
                     continue
                 k, d = (7, 3) if kind.startswith("k7") else (1, 1)
                 ctx = (k - 1) * d
