@@ -704,7 +704,9 @@ def test_transposed_convs_as_causal_convs_decode_the_same_audio(state_channels_l
     assert any(m.overlap for m in tconvs) and any(not m.overlap for m in tconvs)
     overlap = _spy(monkeypatch, ce, "overlap_add", lambda *a, **k: None)
     for chunk in (1, 4):
+        n = len(overlap)
         want = ce.decode_with(plain, codes, chunk=chunk)
+        assert len(overlap) > n  # the GEMM path's, seen
         n = len(overlap)
         got = ce.decode_with(eng, codes, chunk=chunk)
         assert len(overlap) == n  # none from the conv path
