@@ -720,6 +720,26 @@ def test_transposed_convs_as_causal_convs_decode_the_same_audio(state_channels_l
                            tconv_conv=True).tconv_conv  # fmt: skip
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_fused_codebook_lookup_decodes_the_same_audio(precision, monkeypatch):
+    """CodecEngine(lookup_fused=True): the codebook lookup, sum and cast as one launch
+    (plugins.codebook_sum; the kernel under TRITON_INTERPRET=1, else its reference): the
+    audio of the eager lookup to fp32's summation order, over chunks of 1 and 4."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    calls = _spy(monkeypatch, ce, "codebook_sum", lambda codes, *a, **k: tuple(codes.shape))
+    dec, codes, kw = _small_triton(44, True)
+    plain = CodecEngine(dec, 2, precision, **kw, lookup_fused=False)
+    fused = CodecEngine(dec, 2, precision, **kw, lookup_fused=True)
+    for chunk in (1, 4):
+        want = ce.decode_with(plain, codes, chunk=chunk)
+        assert not calls
+        got = ce.decode_with(fused, codes, chunk=chunk)
+        assert calls and calls[0][:2] == (2, codes.shape[1])
+        calls.clear()
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_snake_in_the_conv_epilogue_decodes_the_same_audio(channels_last, monkeypatch):
     """CodecEngine(snake_epilogue=True): each residual unit's second SnakeBeta applied in its

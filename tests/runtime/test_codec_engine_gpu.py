@@ -301,6 +301,18 @@ def test_transposed_convs_as_causal_convs_keep_the_decode_and_replay(precision):
     _assert_replay_equals_eager(engine, codes, frames=4)
 
 
+def test_fused_codebook_lookup_keeps_the_decode_and_replays():
+    """The codebook lookup as one launch (lookup_fused) against the eager lookup, in the
+    served settings: the audio to fp32's summation order (fp16 after it), and a captured
+    step equal to the eager one."""
+    dec, kw, codes = _served_fused_layers(62, 8, 91, frames=6, fused_output=True)
+    plain = decode_with(CodecEngine(dec, 2, "fp16", lookup_fused=False, **kw), codes, chunk=1)
+    engine = CodecEngine(dec, 2, "fp16", lookup_fused=True, **kw)
+    got = decode_with(engine, codes, chunk=1)
+    assert snr_db(plain.float(), got.float()) > 60
+    _assert_replay_equals_eager(engine, codes)
+
+
 def test_small_steps_with_pdl_keep_the_decode_and_replay():
     """Steps of at most pdl_max_rows streams launch the codec kernels with PDL (each
     waits on the device for the one before): the same audio as without (to 1e-6), in the

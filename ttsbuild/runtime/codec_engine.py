@@ -64,6 +64,7 @@ from ttsbuild.plugins.causal_conv import (
     residual_unit,
     triton_block,
 )
+from ttsbuild.plugins.codebook_sum import codebook_sum
 from ttsbuild.plugins.codec_context import snake_context
 from ttsbuild.plugins.codec_output import codec_output
 from ttsbuild.plugins.convnext import convnext, dwconv_norm
@@ -231,6 +232,11 @@ RING_HALF = os.environ.get("TTSBUILD_CODEC_RING_HALF", "1") == "1"
 # transposed convs a step: 4 decoder blocks of 2 taps, 2 upsample blocks of 1).
 # TTSBUILD_CODEC_TCONV_CONV=1 turns it on (built 2026-12-06, not yet timed).
 TCONV_CONV = os.environ.get("TTSBUILD_CODEC_TCONV_CONV", "0") == "1"
+# The step's codebook lookup (the tables' offsets added, a gather of Q rows a frame, their sum,
+# the cast to the pre_conv stage's dtype: four launches) as one kernel
+# (plugins.codebook_sum), writing channels-last rows. TTSBUILD_CODEC_LOOKUP_FUSED=1 turns it
+# on (built 2026-12-06, not yet timed).
+LOOKUP_FUSED = os.environ.get("TTSBUILD_CODEC_LOOKUP_FUSED", "0") == "1"
 # Steps of at most this many streams launch the codec's kernels with PDL (plugins._dispatch
 # codec_pdl_scope): on the H200 (2026-12-02) PDL for every codec kernel made batch 1 1.6 %
 # faster (0.856 -> 0.842 ms) and batches 8-256 2-6 % slower, where programs resident early
@@ -250,7 +256,7 @@ def default_switches(precision: str) -> dict:
         fold_block_act=FOLD_BLOCK_ACT, transformer_half_weights=TR_HALF_WEIGHTS
         and precision != "fp32", qkv_attend=QKV_ATTEND, tf32_layers_max_rows=TR_TF32_MAX_ROWS,
         ring_half=RING_HALF and precision != "fp32", conv_split_max_streams=CONV_SPLIT_MAX_STREAMS,
-        pdl_max_rows=CODEC_PDL_MAX_ROWS, tconv_conv=TCONV_CONV,
+        pdl_max_rows=CODEC_PDL_MAX_ROWS, tconv_conv=TCONV_CONV, lookup_fused=LOOKUP_FUSED,
     )  # fmt: skip
 
 
@@ -348,6 +354,7 @@ class CodecEngine:
         conv_split_max_streams: int | None = None,
         pdl_max_rows: int | None = None,
         tconv_conv: bool | None = None,
+        lookup_fused: bool | None = None,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -395,6 +402,8 @@ class CodecEngine:
         # channels-last operands (their output is a view of the kernel's then)
         self.tconv_conv = bool(dflt["tconv_conv"] if tconv_conv is None
                                else tconv_conv) and conv_impl == "triton" and channels_last
+        # the codebook lookup as one kernel (None: LOOKUP_FUSED)
+        self.lookup_fused = bool(dflt["lookup_fused"] if lookup_fused is None else lookup_fused)
         # The implicit-GEMM convs' inputs and outputs as channels-last views ([B, C, T] shapes
         # over contiguous [B, T, C] storage: snake_context / causal_conv channels_last), so the
         # kernel reads its input tiles along contiguous channels, in vectors its compiler can
@@ -655,8 +664,12 @@ class CodecEngine:
             raise ValueError(f"{n} frames per step exceeds max_chunk {self.max_chunk}")
         c = self.codec
         pos = self.pos.index_select(0, rows)  # [B]
-        book = codes + self._book_offset  # [B, Q, n]
-        x = self.codebooks[book].sum(1).transpose(1, 2)  # [B, codebook_dim, n] fp32
+        if self.lookup_fused:  # one launch, in the stage's dtype (see LOOKUP_FUSED)
+            x = codebook_sum(codes, self.codebooks, self.config.codebook_size,
+                             self.stages["pre_conv"].dtype)  # fmt: skip
+        else:
+            book = codes + self._book_offset  # [B, Q, n]
+            x = self.codebooks[book].sum(1).transpose(1, 2)  # [B, codebook_dim, n] fp32
         with self._in_stage("pre_conv") as st:
             x = self._conv(c.pre_conv, x.to(st.dtype), rows, st)  # [B, latent, n]
         with self._in_stage("transformer") as st:

@@ -124,8 +124,9 @@ class EnginePlan(BaseModel):
     codec_conv_split_max_streams: int | None = Field(default=None, ge=0)
     codec_pdl_max_rows: int | None = Field(default=None, ge=0)
     # built 2026-12-06 (fortieth session), not yet timed: the transposed convs as causal convs
-    # (TCONV_CONV)
+    # (TCONV_CONV), the codebook lookup as one kernel (LOOKUP_FUSED)
     codec_tconv_conv: bool | None = None
+    codec_lookup_fused: bool | None = None
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
@@ -355,6 +356,7 @@ class EnginePlan(BaseModel):
             ring_half=self.codec_ring_half, fold_block_act=self.codec_fold_block_act,
             conv_split_max_streams=self.codec_conv_split_max_streams,
             pdl_max_rows=self.codec_pdl_max_rows, tconv_conv=self.codec_tconv_conv,
+            lookup_fused=self.codec_lookup_fused,
         )  # fmt: skip
 
     @property
