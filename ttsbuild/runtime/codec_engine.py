@@ -737,10 +737,15 @@ class CodecEngine:
             return y
         return self._act(out_act, y, rows, channels_last=y.stride(1) == 1)
 
+    def _split_step(self, streams: int) -> bool:
+        """Whether a step of `streams` streams runs every half-precision conv on the
+        implicit-GEMM kernel with split-K (CONV_SPLIT_MAX_STREAMS)."""
+        return streams <= self.conv_split_max_streams
+
     def _implicit(self, streams: int, n: int) -> bool:
         """Whether a half-precision conv of `streams` x `n` output rows runs on the
-        implicit-GEMM kernel (IMPLICIT_MIN_ROWS, CONV_SPLIT_MAX_STREAMS)."""
-        return streams * n >= IMPLICIT_MIN_ROWS or streams <= self.conv_split_max_streams
+        implicit-GEMM kernel (IMPLICIT_MIN_ROWS, `_split_step`)."""
+        return streams * n >= IMPLICIT_MIN_ROWS or self._split_step(streams)
 
     def _conv_in(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
                  act: nn.Module | None, residual: Tensor | None,
@@ -749,7 +754,7 @@ class CodecEngine:
         conv = m.conv
         alpha, inv_beta = self._snake[act] if act is not None else (None, None)
         w = self._conv_w.get(m)
-        split = x.shape[0] <= self.conv_split_max_streams  # see CONV_SPLIT_MAX_STREAMS
+        split = self._split_step(x.shape[0])
         if (w is not None and self.fused_convs and not m.context and alpha is not None
                 and x.dtype != torch.float32 and self._implicit(x.shape[0], x.shape[-1])):
             # no left context to keep: the SnakeBeta runs inside the conv's input load
@@ -819,7 +824,7 @@ class CodecEngine:
         if tail is not None or alpha is not None or x.stride(1) != 1:
             x = snake_context(x, alpha, inv_beta, tail, rows, channels_last=True)
         y = causal_conv(x, w, bias, 1, channels_last=True,
-                        split=B <= self.conv_split_max_streams)  # [B, s * Cout, n]
+                        split=self._split_step(B))  # [B, s * Cout, n]
         cout = m.conv.out_channels
         return y.transpose(1, 2).reshape(B, n * m.stride, cout).transpose(1, 2)
 
