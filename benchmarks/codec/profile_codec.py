@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import pathlib
+import re
 import sys
 
 import torch
@@ -35,8 +36,10 @@ from ttsbuild.runtime.codec_engine import (  # noqa: E402
 )
 
 
-def kernel_table(engine: CodecEngine, rows, codes, top: int):
-    """(top kernels as (name, ms, calls), total kernel ms, kernel count) of one eager step."""
+def kernel_table(engine: CodecEngine, rows, codes, top: int, launches: str | None = None):
+    """(top kernels as (name, ms, calls), total kernel ms, kernel count) of one eager step;
+    with `launches` (a regex) each matching kernel's time is printed too, in launch order
+    (which conv of which stage took what: the table sums them by name)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
@@ -46,11 +49,19 @@ def kernel_table(engine: CodecEngine, rows, codes, top: int):
         engine.step(rows, codes)
         torch.cuda.synchronize()
     agg: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    order = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             a = agg[ev.name[:90]]
             a[0] += ev.time_range.elapsed_us() / 1e3
             a[1] += 1
+            if launches and re.search(launches, ev.name):
+                order.append((ev.time_range.start, ev.name[:40], ev.time_range.elapsed_us()))
+    if order:
+        order.sort()
+        print(f"launches matching {launches!r}, in order (us): "
+              + ", ".join(f"{i}:{name.strip('_')[:24]} {us:.1f}"
+                          for i, (_, name, us) in enumerate(order)))
     rows_ = sorted(((k, v[0], v[1]) for k, v in agg.items()), key=lambda r: -r[1])
     return rows_[:top], sum(v[0] for v in agg.values()), sum(v[1] for v in agg.values())
 
@@ -92,6 +103,9 @@ def main() -> None:
                          "launches (larger batches of the same row take the GEMMs)")
     ap.add_argument("--profile-impls", default=None,
                     help="implementations to profile (default: all of --conv-impls)")
+    ap.add_argument("--launches", default=None,
+                    help="a regex of kernel names whose every launch of the profiled step is "
+                         "printed with its time, in order (e.g. 'conv|gemm|nvjet')")
     ap.add_argument("--nvtx-step", action="store_true",
                     help="after each row's timing, one eager step at --profile-batch rows "
                          "inside the NVTX range 'codec_step' (Nsight Compute: --nvtx "
@@ -165,7 +179,7 @@ def main() -> None:
         b = args.profile_batch
         rows = spread_rows(b, slots, dev)
         codes = random_codes(dec.config, b, 1, seed=4).to(dev)
-        table, total, calls = kernel_table(engine, rows, codes, args.top)
+        table, total, calls = kernel_table(engine, rows, codes, args.top, args.launches)
         print(f"\n{impl}, batch {b}, one eager step: {calls} kernels, {total:.3f} ms of kernel "
               "time")
         print("| kernel | ms | calls | share |\n|---|---|---|---|")

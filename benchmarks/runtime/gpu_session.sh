@@ -70,6 +70,10 @@
 #         ';'-separated group of switches in $CODEC_ENV, alternated $CODEC_ROUNDS times
 #         (default 2; one process each: compare the rounds' spread with the difference),
 #         e.g. CODEC_ENV="TTSBUILD_CODEC_OUTPUT_TAPS=0"
+# codecprof: the served codec step's kernels at each of $CODECPROF_BATCHES (default 1,64),
+#         one profiled eager step each (profile_codec.py --top 30), with every launch
+#         matching $CODECPROF_LAUNCHES (default the convs, GEMMs, output and snake kernels)
+#         listed in order with its time; switches from $CODECPROF_ENV (VAR=VALUE words)
 # codec:  the codec's kernel tests on the GPU (causal conv, snake + context, channels-last
 #         operands, the fused output stage, ring attention), then profile_codec.py's
 #         one-frame step (graph-replayed, SNR against fp32) at batches $CODEC_BATCHES (default
@@ -415,6 +419,18 @@ for step in $STEPS; do
                     --profile-impls none 2>&1 | grep -v Assertion \
                     | tee "$OUT/profile_codec_r${round}_$i.log" | grep -E "^\| triton"
             done
+        done ;;
+    codecprof)
+        for b in $(tr ',' ' ' <<< "${CODECPROF_BATCHES:-1,64}"); do
+            log "codec step profile, batch $b ${CODECPROF_ENV:-}"
+            # shellcheck disable=SC2086  # VAR=VALUE words, split on purpose
+            env ${CODECPROF_ENV:-} timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
+                --batches "$b" --conv-impls triton --rows "${CODEC_ROW:-triton+k+cl+o+s+a+l}" \
+                --fused-layers-max-rows 8 --profile-impls "${CODEC_ROW:-triton+k+cl+o+s+a+l}" \
+                --profile-batch "$b" --top 30 \
+                --launches "${CODECPROF_LAUNCHES:-conv|nvjet|gemm|output|snake|overlap|cutlass}" \
+                2>&1 | grep -v Assertion > "$OUT/codecprof_b$b.log"
+            grep -E "^\| triton|kernels,|^launches" "$OUT/codecprof_b$b.log" | cut -c1-1500
         done ;;
     codec)
         log "GPU tests: causal conv, snake + context"
