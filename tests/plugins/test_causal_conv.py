@@ -423,3 +423,83 @@ def test_overlap_add_kernel_equals_reference(n, taps, s, cout, channels_last,
         if taps > 1:
             assert rel_err(spill, ref_spill) <= 2e-3, step
         z = z.flip(1).contiguous()
+
+
+def _output_stage(C, seed, device):
+    """The output stage's conv to one channel (nn weight [1, C, 7]), its SnakeBeta [C, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(1, C, 7, generator=g) / (7 * C) ** 0.5
+    alpha = (0.3 * torch.randn(C, 1, generator=g)).exp()
+    inv_beta = 1.0 / ((0.3 * torch.randn(C, 1, generator=g)).exp() + 1e-9)
+    return [t.to(device) for t in (weight, alpha, inv_beta)]
+
+
+def test_output_taps_reference_is_the_definition_in_float64():
+    """pack_output_taps: column j is tap j, zero past k; output_taps_reference: the taps of
+    the SnakeBeta'd (unrounded, fp32) conv output, against float64; bad operands refused."""
+    from ttsbuild.plugins.causal_conv import (
+        conv_output_taps,
+        output_taps_reference,
+        pack_output_taps,
+    )
+
+    weight, alpha, inv_beta = _output_stage(10, 3, "cpu")
+    taps = pack_output_taps(weight)
+    assert taps.shape == (10, 16) and taps.dtype == torch.float32
+    assert torch.equal(taps[:, :7], weight[0]) and not taps[:, 7:].any()
+    y = torch.randn(2, 10, 9, dtype=torch.float64)
+    s = y + inv_beta.double() * torch.sin(alpha.double() * y) ** 2
+    want = torch.stack([(weight[0, :, j].double()[None, :, None] * s).sum(1)
+                        for j in range(7)], dim=-1)  # [2, 9, 7]  # fmt: skip
+    got = output_taps_reference(y.half(), taps, alpha, inv_beta)
+    assert got.shape == (2, 9, 16) and not got[..., 7:].any()
+    yh = y.half().double()  # the reference reads y's rounded values
+    sh = yh + inv_beta.double() * torch.sin(alpha.double() * yh) ** 2
+    want_h = torch.stack([(weight[0, :, j].double()[None, :, None] * sh).sum(1)
+                          for j in range(7)], dim=-1)  # fmt: skip
+    assert rel_err(got[..., :7], want_h) < 1e-6 and rel_err(want_h, want) < 1e-2
+    with pytest.raises(ValueError, match="one channel"):
+        pack_output_taps(weight.expand(2, 10, 7))
+    xin, w1, b1, res = _inputs(2, 12, 10, 1, 1, 9, torch.float16, "cpu", 4)
+    with pytest.raises(ValueError, match="taps_w must be"):
+        conv_output_taps(xin, pack_conv_weight(w1), b1, 1, res, taps[:9], alpha, inv_beta)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("cin", "cout", "n", "snake", "split"), [
+    (96, 96, 700, False, False),   # the last block's 1x1 conv at >= 2048 rows
+    (512, 96, 40, True, True),     # few rows, split over K (2 of 8 steps), SnakeBeta in the load
+    (48, 40, 20, False, True),     # channels masked in the one tile
+])
+def test_conv_output_taps_kernel_equals_the_reference(cin, cout, n, snake, split):
+    """conv_output_taps on the kernel (the conv, its rounding, the output stage's SnakeBeta
+    and taps in the epilogue, y never stored) against the conv reference then
+    output_taps_reference, on fresh random inputs, channels-last input and residual."""
+    from ttsbuild.plugins.causal_conv import (
+        conv_output_taps,
+        output_taps_reference,
+        pack_output_taps,
+    )
+    from ttsbuild.plugins.codec_context import snake_context_reference
+
+    xin, weight, bias, residual = _inputs(3, cin, cout, 1, 1, n, torch.float16, KDEV,
+                                          cin + cout + n)  # fmt: skip
+    xin, residual = to_channels_last(xin), to_channels_last(residual)
+    w = pack_conv_weight(weight)
+    ow, alpha, inv_beta = _output_stage(cout, n, KDEV)
+    taps = pack_output_taps(ow)
+    g = torch.Generator().manual_seed(cin)
+    in_a = (0.3 * torch.randn(cin, 1, generator=g)).exp().to(KDEV) if snake else None
+    in_b = (1.0 / ((0.3 * torch.randn(cin, 1, generator=g)).exp() + 1e-9)).to(KDEV) \
+        if snake else None
+    want = conv_output_taps(xin, w, bias, 1, residual, taps, alpha, inv_beta, in_alpha=in_a,
+                            in_inv_beta=in_b, use_triton=False)  # fmt: skip
+    src = snake_context_reference(xin, in_a, in_b, None, None) if snake else xin
+    y = causal_conv(src, w, bias, 1, residual, use_triton=False)
+    assert want.shape == (3, n, 16) and torch.allclose(
+        want, output_taps_reference(y, taps, alpha, inv_beta))
+    got = conv_output_taps(xin, w, bias, 1, residual, taps, alpha, inv_beta, in_alpha=in_a,
+                           in_inv_beta=in_b, split=split, use_triton=True)  # fmt: skip
+    assert got.shape == (3, n, 16) and got.dtype == torch.float32
+    assert rel_err(got, want) <= 2e-3 and not got[..., 7:].any()
+

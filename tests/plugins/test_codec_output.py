@@ -98,3 +98,54 @@ def test_kernel_equals_reference_over_two_steps(C, n, k, d, dtype, channels_last
         assert rel_err(tail, ref_tail) <= 1e-6, step
         x = x.flip(-1).contiguous()
     assert len(launched) == 2
+
+
+def test_taps_then_output_from_taps_is_the_output_stage():
+    """The stage split at its taps (causal_conv.output_taps_reference in the conv before,
+    output_from_taps_reference after, the slot keeping the last inputs' taps): the output
+    stage's pcm over three steps of different lengths (2 shorter than the context), the
+    other slots' state untouched, bad operands refused."""
+    from ttsbuild.plugins.causal_conv import output_taps_reference, pack_output_taps
+    from ttsbuild.plugins.codec_output import output_from_taps
+
+    B, C, k, d, S = 3, 12, 7, 1, 5
+    x, w, bias, alpha, inv_beta, tail, rows = _inputs(B, C, 9, k, d, S, torch.float32, "cpu", 7)
+    tail.zero_()
+    taps = pack_output_taps(w[..., 0].T[None])  # nn weight [1, C, k]
+    ztail = torch.zeros(S, (k - 1) * d, 16)
+    ztail[[s for s in range(S) if s not in rows.tolist()]] = 5.0  # other slots: untouched
+    g = torch.Generator().manual_seed(8)
+    for n in (9, 2, 11):
+        x = (0.5 * torch.randn(B, C, n, generator=g)).half()
+        want = codec_output_reference(x, w, bias, alpha, inv_beta, tail, rows, d)
+        z = output_taps_reference(x, taps, alpha, inv_beta)
+        got = output_from_taps(z, k, bias, ztail, rows, d, use_triton=False)
+        assert got.shape == (B, n) and rel_err(got, want) < 1e-5, n
+    assert (ztail[[s for s in range(S) if s not in rows.tolist()]] == 5.0).all()
+    with pytest.raises(ValueError, match="ztail must be"):
+        output_from_taps(z, k, bias, ztail[:, :3], rows, d)
+    with pytest.raises(ValueError, match="z fp32"):
+        output_from_taps(z.half(), k, bias, ztail, rows, d)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "d"), [(300, 7, 1), (3, 7, 1), (20, 3, 3)])
+def test_output_from_taps_kernel_equals_reference_over_two_steps(n, k, d):
+    """The kernel against the reference: blocks past the first, a step shorter than the
+    context (the new ztail partly the old one), z as a [B, n, 16] view of [16, B, n]
+    storage (as conv_output_taps writes it), two steps (the second reads what the first
+    wrote)."""
+    from ttsbuild.plugins.codec_output import output_from_taps
+
+    g = torch.Generator().manual_seed(n + k + d)
+    S, B, ctx = 5, 3, (k - 1) * d
+    rows = torch.randperm(S, generator=g)[:B].to(KDEV)
+    bias = (0.1 * torch.randn(1, generator=g)).to(KDEV)
+    ztail = (0.1 * torch.randn(S, ctx, 16, generator=g)).to(KDEV)
+    ref_tail = ztail.clone()
+    for step in range(2):
+        z = (0.1 * torch.randn(16, B, n, generator=g)).to(KDEV).permute(1, 2, 0)
+        want = output_from_taps(z, k, bias, ref_tail, rows, d, use_triton=False)
+        got = output_from_taps(z, k, bias, ztail, rows, d, use_triton=True)
+        assert got.shape == (B, n) and rel_err(got, want) <= 1e-5, step
+        assert torch.equal(ztail, ref_tail), step

@@ -28,6 +28,15 @@ bits. Half precision only (fp16, bf16): the engine runs fp32 stages as im2col + 
     the 1x1 conv, the residual) as one launch, the SnakeBeta'd tile kept in registers
     (slower than its two launches on an H100 so far: the engine takes it only when asked).
 
+    conv_output_taps(xin, w, bias, d, residual, taps_w [Cout, 16], alpha, inv_beta, ...)
+        -> z [B, n, 16] fp32
+    the conv as above (its output y rounded to xin's dtype) and, in its epilogue, the codec's
+    output stage up to its taps: z[b, t, j] = sum_o taps_w[o, j] * snake(y[b, o, t]) (the
+    SnakeBeta and the products in fp32, no rounding: the output stage is strict fp32), where
+    taps_w column j is tap j of the conv to one channel (`pack_output_taps`). y itself is
+    never stored: `codec_output.output_from_taps` adds the taps along time and clamps (one
+    tile holds every output channel: Cout <= OUTPUT_TAPS_MAX_COUT).
+
     overlap_add(z [B, n, taps, s, Cout], spill [S, Cout, (taps - 1) * s], rows [B],
                 bias [Cout]) -> y [B, Cout, n * s], spill rows advanced in place
     A transposed conv (kernel = taps * stride s) of x [B, Cin, n] is z = x^T @ w (one GEMM:
@@ -70,6 +79,55 @@ def pack_tconv_as_conv(weight: torch.Tensor, bias: torch.Tensor,
     taps = k // stride
     w = weight.view(cin, cout, taps, stride).flip(2).permute(2, 0, 3, 1)  # [j, Cin, r, Cout]
     return w.reshape(taps, cin, stride * cout).contiguous(), bias.repeat(stride).contiguous()
+
+
+# The output taps' width: the tap count padded to the fp32 product's minimum of 16
+TAPS_WIDTH = 16
+# conv_output_taps' tile holds every output channel (one block of a power of two)
+OUTPUT_TAPS_MAX_COUT = 128
+
+
+def pack_output_taps(weight: torch.Tensor) -> torch.Tensor:
+    """The codec's output conv weight (nn.Conv1d [1, C, k], k <= 16) -> taps_w [C, 16] fp32:
+    column j is tap j, zero past k (conv_output_taps' epilogue operand)."""
+    cout, C, k = weight.shape
+    if cout != 1 or k > TAPS_WIDTH:
+        raise ValueError(f"the output taps need a conv to one channel of at most {TAPS_WIDTH} "
+                         f"taps, got weight {tuple(weight.shape)}")
+    taps = torch.zeros((C, TAPS_WIDTH), dtype=torch.float32, device=weight.device)
+    taps[:, :k] = weight[0].float()
+    return taps
+
+
+def output_taps_reference(y, taps_w, alpha, inv_beta):
+    """z [B, n, 16] fp32 = sum_o taps_w[o, j] * snake(y[b, o, t]) of a [B, Cout, n] tensor:
+    the SnakeBeta (alpha, inv_beta: Cout fp32 values) of y's values in fp32, unrounded."""
+    yf = y.float()
+    al, ib = alpha.reshape(-1, 1).float(), inv_beta.reshape(-1, 1).float()
+    s = yf + ib * torch.sin(yf * al).pow(2)
+    return torch.einsum("bot,oj->btj", s, taps_w.float())
+
+
+def conv_output_taps(xin, w, bias, dilation, residual, taps_w, alpha, inv_beta, *,
+                     in_alpha=None, in_inv_beta=None, split: bool | None = None,
+                     use_triton: bool | None = None):
+    """See the module docstring: z [B, n, 16] fp32 (a view of [16, B, n] storage on the
+    kernel's path). in_alpha, in_inv_beta: a SnakeBeta applied to the input as it loads (as
+    causal_conv's alpha, inv_beta). One launch on the GPU, the rows' y never stored."""
+    cout = w.shape[-1]
+    if taps_w.shape != (cout, TAPS_WIDTH) or taps_w.dtype != torch.float32:
+        raise ValueError(f"taps_w must be fp32 [{cout}, {TAPS_WIDTH}], got "
+                         f"{tuple(taps_w.shape)} {taps_w.dtype}")
+    if (xin.dtype not in (torch.float16, torch.bfloat16) or not want_triton(xin, use_triton)
+            or cout > OUTPUT_TAPS_MAX_COUT):
+        if use_triton and (xin.dtype not in (torch.float16, torch.bfloat16)
+                           or cout > OUTPUT_TAPS_MAX_COUT):
+            raise ValueError(f"the output taps' kernel takes fp16 or bf16 and at most "
+                             f"{OUTPUT_TAPS_MAX_COUT} channels, not {xin.dtype} x {cout}")
+        y = causal_conv_reference(xin, w, bias, dilation, residual, in_alpha, in_inv_beta)
+        return output_taps_reference(y, taps_w, alpha, inv_beta)
+    return _causal_conv_triton(xin, w, bias, dilation, residual, in_alpha, in_inv_beta,
+                               split=split, taps=(taps_w, alpha, inv_beta))
 
 
 def causal_conv_reference(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None,
@@ -202,8 +260,11 @@ def _split_k(tiles: int, k_steps: int, sms: int, split_k: int | None,
 def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None,
                         channels_last=False, config=None, out_alpha=None, out_inv_beta=None,
                         maxnreg: int | None = None, flat_k: bool | None = None,
-                        split_k: int | None = None, split: bool | None = None):
-    """config: (BLOCK_M, BLOCK_CI, BLOCK_O, num_warps, num_stages) in place of `_config`'s
+                        split_k: int | None = None, split: bool | None = None,
+                        taps=None):
+    """taps: (taps_w, alpha, inv_beta) of `conv_output_taps`: z [B, n, 16] fp32 returned in
+    place of the output (one tile of every output channel).
+    config: (BLOCK_M, BLOCK_CI, BLOCK_O, num_warps, num_stages) in place of `_config`'s
     (benchmarks/codec/sweep_conv.py times a grid of them). maxnreg: a cap on the registers a
     thread (Triton's compile option; timing only: with the epilogue SnakeBeta the 128 x 128
     tile of 8 warps takes 189 registers against 121, one CTA an SM instead of two, in an
@@ -222,12 +283,21 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     if n < 1:
         raise ValueError(f"input of {L} samples is shorter than the receptive field "
                          f"{(k - 1) * dilation + 1}")
-    out = _conv_out(xin, n, cout, channels_last, residual)
+    if taps is None:
+        out = _conv_out(xin, n, cout, channels_last, residual)
+    else:  # z as a [B, n, 16] view of [16, B, n] (each tap's values contiguous along rows)
+        _conv_out(xin, n, cout, False, residual)  # the residual's shape checked
+        out = torch.empty((TAPS_WIDTH, B, n), dtype=torch.float32,
+                          device=xin.device).permute(1, 2, 0)  # fmt: skip
+        out_alpha, out_inv_beta = taps[1], taps[2]
     bm, bci, bo, warps, stages = config or (*_config(B * n, cin, cout, k), 3)
+    if taps is not None:  # every output channel in the tile
+        bo = max(16, triton.next_power_of_2(cout))
     flat = _flat_k(xin, cin, k, flat_k)
     if flat and config is None:
         bci = 64  # two 32-channel runs a step
-    if config is None and maxnreg is None and out_alpha is not None and warps == 8:
+    if config is None and maxnreg is None and out_alpha is not None and warps == 8 \
+            and taps is None:
         maxnreg = EPILOGUE_MAXNREG  # the two-warpgroup tile with the epilogue SnakeBeta
     tiles = triton.cdiv(B * n, bm) * triton.cdiv(cout, bo)
     k_steps = triton.cdiv(k * cin, bci) if flat else k * triton.cdiv(cin, bci)
@@ -250,16 +320,21 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
                              f"{tuple(p.shape)} {p.dtype}")
     if (alpha is None) != (inv_beta is None) or (out_alpha is None) != (out_inv_beta is None):
         raise ValueError("a SnakeBeta takes both alpha and inv_beta")
-    res = residual if residual is not None else out
+    res = residual if residual is not None else xin
     snake, out_snake = alpha is not None, out_alpha is not None
+    # with taps the kernel rounds y to xin's dtype (its out_ptr) and stores z instead
+    dst = xin if taps is not None else out
+    so = (0, 0, 0) if taps is not None else out.stride()
     _causal_conv_kernel[grid](
-        xin, w, bias if bias is not None else w, res, out, alpha if snake else w,
+        xin, w, bias if bias is not None else w, res, dst, alpha if snake else w,
         inv_beta if snake else w, out_alpha if out_snake else w,
-        out_inv_beta if out_snake else w, ws, cnt, B * n, cin, cout, n, dilation,
+        out_inv_beta if out_snake else w, ws, cnt, taps[0] if taps is not None else w,
+        out if taps is not None else w, B * n, cin, cout, n, dilation,
         xin.stride(0), xin.stride(1), xin.stride(2), res.stride(0), res.stride(1), res.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        *so,
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SNAKE=snake,
-        HAS_OUT_SNAKE=out_snake, FLAT_K=FLAT_RUN if flat else 0, SPLIT_K=split,
+        HAS_OUT_SNAKE=out_snake and taps is None, OUT_TAPS=taps is not None,
+        FLAT_K=FLAT_RUN if flat else 0, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=stages,
         **codec_pdl_args(xin), **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
@@ -491,10 +566,11 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     @triton.jit
     def _causal_conv_kernel(
         x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, out_alpha_ptr,
-        out_inv_beta_ptr, ws_ptr, cnt_ptr, M, CIN, COUT, N, DIL, sxb, sxc, sxt, srb, sro, srt,
-        sob, soo, sot,
+        out_inv_beta_ptr, ws_ptr, cnt_ptr, taps_ptr, z_ptr, M, CIN, COUT, N, DIL, sxb, sxc,
+        sxt, srb, sro, srt, sob, soo, sot,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAKE: tl.constexpr,
-        HAS_OUT_SNAKE: tl.constexpr, FLAT_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        HAS_OUT_SNAKE: tl.constexpr, OUT_TAPS: tl.constexpr, FLAT_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
@@ -511,9 +587,11 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                         COUT, DIL, sxc, sxt, K, HAS_SNAKE, BLOCK_M, BLOCK_CI, BLOCK_O,
                         FLAT_K, tl.program_id(2), SPLIT_K)
         mask = m_mask[:, None] & o_mask[None, :]
+        rows_kept = m_mask
         if SPLIT_K > 1:  # only the tile's last program goes on, with the sum of the partials
             acc, last = _split_sum(acc, ws_ptr, cnt_ptr, offs_m, offs_o, mask, M, COUT, SPLIT_K)
             mask = mask & ((tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.int32) + last) > 0)
+            rows_kept = m_mask & ((tl.zeros([BLOCK_M], dtype=tl.int32) + last) > 0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
         if HAS_RES:
@@ -521,14 +599,27 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                         mask=mask, other=0.0)
             acc += r.to(tl.float32)
         y = acc.to(out_ptr.dtype.element_ty)
-        if HAS_OUT_SNAKE:  # SnakeBeta of the rounded output, in fp32, rounded again
+        if OUT_TAPS:  # the output stage's SnakeBeta (fp32, unrounded) times its taps
             al = tl.load(out_alpha_ptr + offs_o, mask=o_mask, other=0.0)
             ib = tl.load(out_inv_beta_ptr + offs_o, mask=o_mask, other=0.0)
-            yf = y.to(tl.float32)
+            yf = tl.where(o_mask[None, :], y.to(tl.float32), 0.0)
             sn = sin_f32(yf * al[None, :])
-            y = (yf + ib[None, :] * (sn * sn)).to(out_ptr.dtype.element_ty)
-        dst = out_ptr + (b * sob + t * sot)[:, None] + offs_o[None, :] * soo
-        tl.store(dst, y, mask=mask)
+            sb = yf + ib[None, :] * (sn * sn)  # 0 on masked channels (the tile has them all)
+            tap = tl.arange(0, 16)
+            wt = tl.load(taps_ptr + offs_o[:, None] * 16 + tap[None, :], mask=o_mask[:, None],
+                         other=0.0)
+            z = tl.dot(sb, wt, input_precision="ieee")  # [BLOCK_M, 16]
+            tl.store(z_ptr + tap[None, :].to(tl.int64) * M + offs_m[:, None], z,
+                     mask=rows_kept[:, None] & (tap < 16)[None, :])
+        else:
+            if HAS_OUT_SNAKE:  # SnakeBeta of the rounded output, in fp32, rounded again
+                al = tl.load(out_alpha_ptr + offs_o, mask=o_mask, other=0.0)
+                ib = tl.load(out_inv_beta_ptr + offs_o, mask=o_mask, other=0.0)
+                yf = y.to(tl.float32)
+                sn = sin_f32(yf * al[None, :])
+                y = (yf + ib[None, :] * (sn * sn)).to(out_ptr.dtype.element_ty)
+            dst = out_ptr + (b * sob + t * sot)[:, None] + offs_o[None, :] * soo
+            tl.store(dst, y, mask=mask)
 
     @triton.jit
     def _residual_unit_kernel(

@@ -16,6 +16,15 @@ where this kernel reads x once (~24 MB in fp16). Each output block recomputes th
 its k taps' inputs (k = 7: 7 sines per input, ~30 us of arithmetic at 64 rows on an H200,
 against a bandwidth floor of ~10 us).
 
+    output_from_taps(z [B, n, 16] fp32, k, bias [1], ztail [S, (k - 1) * d, 16] fp32 | None,
+                     rows [B], dilation d) -> pcm [B, n] fp32
+    the stage's last part where the conv before it computed its taps in its epilogue
+    (causal_conv.conv_output_taps: z[b, i, j] = sum_c w[j, c] * snake(x)[b, c, i]):
+    zin[b] = cat(ztail[rows[b]], z[b]) along time, pcm[b, t] = clamp(bias + sum_j
+    zin[b, t + j * d, j], -1, 1), ztail[rows[b]] = zin[b, n:] (the last (k - 1) * d inputs'
+    taps: the slot's state in place of their SnakeBeta'd channels). The same sums as
+    codec_output's in another order.
+
 Triton: one program per (row, block of output samples), a loop over channel blocks and taps.
 The first block (BLOCK_T >= the context) is the only one that reads the old tail; after its
 loop it writes the new one (every read of the old tail precedes a barrier, every write
@@ -97,6 +106,46 @@ def codec_output(x, w, bias, alpha, inv_beta, tail, rows, dilation: int = 1, *,
         return codec_output_reference(x, w, bias, alpha, inv_beta, tail if ctx else None, rows,
                                       dilation)
     return _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation)
+
+
+def output_from_taps_reference(z, k, bias, ztail, rows, dilation: int = 1):
+    """The eager output_from_taps (see the module docstring); updates `ztail` in place."""
+    B, n, _ = z.shape
+    ctx = (k - 1) * dilation
+    zin = z.float()
+    if ctx:
+        zin = torch.cat([ztail.index_select(0, rows), zin], dim=1)  # [B, ctx + n, 16]
+        ztail.index_copy_(0, rows, zin[:, n:])
+    y = bias.double() + sum(zin[:, j * dilation: j * dilation + n, j].double() for j in range(k))
+    return y.clamp(-1.0, 1.0).float()
+
+
+def output_from_taps(z, k: int, bias, ztail, rows, dilation: int = 1, *,
+                     use_triton: bool | None = None):
+    """See the module docstring; one launch on the GPU."""
+    B, n, width = z.shape
+    ctx = (k - 1) * dilation
+    if not 1 <= k <= width or z.dtype != torch.float32 or bias is None or bias.numel() != 1:
+        raise ValueError(f"output_from_taps: z fp32 [B, n, >= {k}] and a bias, got "
+                         f"{tuple(z.shape)} {z.dtype}")
+    if ctx and (ztail is None or ztail.shape[1:] != (ctx, width)
+                or ztail.dtype != torch.float32 or not ztail.is_contiguous()):
+        raise ValueError(f"ztail must be contiguous fp32 [S, {ctx}, {width}]")
+    if not want_triton(z, use_triton):
+        return output_from_taps_reference(z, k, bias, ztail if ctx else None, rows, dilation)
+    import triton
+
+    out = torch.empty((B, n), dtype=torch.float32, device=z.device)
+    if out.numel() == 0:
+        return out
+    block_ctx = triton.next_power_of_2(max(ctx, 1))
+    block_t = max(block_ctx, min(256, triton.next_power_of_2(n)))
+    _output_from_taps_kernel[(B, triton.cdiv(n, block_t))](
+        z, bias, ztail if ctx else z, rows, out, n, ctx, dilation, z.stride(0), z.stride(1),
+        z.stride(2), K=k, WIDTH=width, HAS_TAIL=ctx > 0, BLOCK_T=block_t,
+        BLOCK_CTX=block_ctx, num_warps=4 if block_t >= 128 else 2, **codec_pdl_args(z),
+    )  # fmt: skip
+    return out
 
 
 def _codec_output_triton(x, w, bias, alpha, inv_beta, tail, rows, dilation):
@@ -273,6 +322,49 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             if first:  # its window held the old tail (BLOCK_T >= ctx): the new tail
                 _new_tail(x_row, alpha_ptr, inv_beta_ptr, tail_ptr, slot, C, n, ctx, sxc, sxt,
                           HAS_SNAKE, BLOCK_C, BLOCK_CTX)  # fmt: skip
+
+    @triton.jit
+    def _output_from_taps_kernel(
+        z_ptr, bias_ptr, ztail_ptr, rows_ptr, out_ptr, n, ctx, DIL, szb, szt, szj,
+        K: tl.constexpr, WIDTH: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_CTX: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """pcm of one (row, block of BLOCK_T samples): the taps along time (the slot's ztail
+        below ctx); the first block (BLOCK_T >= ctx, the only one reading the old ztail)
+        writes the new one after a barrier."""
+        pdl_prologue(PDL)
+        b = tl.program_id(0).to(tl.int64)
+        first = tl.program_id(1) == 0
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = t < n
+        slot = tl.load(rows_ptr + b).to(tl.int64)
+        z_row = z_ptr + b * szb
+        acc = tl.zeros([BLOCK_T], dtype=tl.float32) + tl.load(bias_ptr).to(tl.float32)
+        for j in tl.static_range(K):
+            i = t + j * DIL  # zin row: the ztail below ctx, z from there on
+            v = tl.load(z_row + (i - ctx) * szt + j * szj, mask=t_mask & (i >= ctx), other=0.0)
+            if HAS_TAIL:
+                old = tl.load(ztail_ptr + (slot * ctx + i) * WIDTH + j,
+                              mask=t_mask & (i < ctx), other=0.0)
+                v = tl.where(i < ctx, old, v)
+            acc += v
+        y = tl.minimum(tl.maximum(acc, -1.0), 1.0)
+        tl.store(out_ptr + b * n + t, y, mask=t_mask)
+        if HAS_TAIL:
+            if first:  # the new ztail: zin rows n .. n + ctx - 1, every tap column
+                i2 = tl.arange(0, BLOCK_CTX)
+                col = tl.arange(0, WIDTH)
+                src = n + i2
+                keep = (i2 < ctx)[:, None] & (col < WIDTH)[None, :]
+                from_tail = keep & (src < ctx)[:, None]
+                row = ztail_ptr + slot * ctx * WIDTH
+                shifted = tl.load(row + src[:, None] * WIDTH + col[None, :], mask=from_tail,
+                                  other=0.0)
+                fresh = tl.load(z_row + (src - ctx)[:, None] * szt + col[None, :] * szj,
+                                mask=keep & (src >= ctx)[:, None], other=0.0)
+                new = tl.where(from_tail, shifted, fresh)
+                tl.debug_barrier()  # every read of the old ztail precedes the writes
+                tl.store(row + i2[:, None] * WIDTH + col[None, :], new, mask=keep)
 
     @triton.jit
     def _new_tail(x_row, alpha_ptr, inv_beta_ptr, tail_ptr, slot, C, n, ctx, sxc, sxt,
