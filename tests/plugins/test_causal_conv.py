@@ -444,7 +444,7 @@ def test_output_taps_reference_is_the_definition_in_float64():
     )
 
     weight, alpha, inv_beta = _output_stage(10, 3, "cpu")
-    taps = pack_output_taps(weight)
+    taps = pack_output_taps(pack_conv_weight(weight))
     assert taps.shape == (10, 16) and taps.dtype == torch.float32
     assert torch.equal(taps[:, :7], weight[0]) and not taps[:, 7:].any()
     y = torch.randn(2, 10, 9, dtype=torch.float64)
@@ -459,7 +459,7 @@ def test_output_taps_reference_is_the_definition_in_float64():
                           for j in range(7)], dim=-1)  # fmt: skip
     assert rel_err(got[..., :7], want_h) < 1e-6 and rel_err(want_h, want) < 1e-2
     with pytest.raises(ValueError, match="one channel"):
-        pack_output_taps(weight.expand(2, 10, 7))
+        pack_output_taps(pack_conv_weight(weight.expand(2, 10, 7)))
     xin, w1, b1, res = _inputs(2, 12, 10, 1, 1, 9, torch.float16, "cpu", 4)
     with pytest.raises(ValueError, match="taps_w must be"):
         conv_output_taps(xin, pack_conv_weight(w1), b1, 1, res, taps[:9], alpha, inv_beta)
@@ -487,7 +487,7 @@ def test_conv_output_taps_kernel_equals_the_reference(cin, cout, n, snake, split
     xin, residual = to_channels_last(xin), to_channels_last(residual)
     w = pack_conv_weight(weight)
     ow, alpha, inv_beta = _output_stage(cout, n, KDEV)
-    taps = pack_output_taps(ow)
+    taps = pack_output_taps(pack_conv_weight(ow))
     g = torch.Generator().manual_seed(cin)
     in_a = (0.3 * torch.randn(cin, 1, generator=g)).exp().to(KDEV) if snake else None
     in_b = (1.0 / ((0.3 * torch.randn(cin, 1, generator=g)).exp() + 1e-9)).to(KDEV) \

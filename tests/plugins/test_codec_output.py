@@ -111,7 +111,7 @@ def test_taps_then_output_from_taps_is_the_output_stage():
     B, C, k, d, S = 3, 12, 7, 1, 5
     x, w, bias, alpha, inv_beta, tail, rows = _inputs(B, C, 9, k, d, S, torch.float32, "cpu", 7)
     tail.zero_()
-    taps = pack_output_taps(w[..., 0].T[None])  # nn weight [1, C, k]
+    taps = pack_output_taps(w)  # w: packed [k, C, 1]
     ztail = torch.zeros(S, (k - 1) * d, 16)
     ztail[[s for s in range(S) if s not in rows.tolist()]] = 5.0  # other slots: untouched
     g = torch.Generator().manual_seed(8)

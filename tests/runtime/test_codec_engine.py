@@ -773,3 +773,45 @@ def test_snake_in_the_conv_epilogue_decodes_the_same_audio(channels_last, monkey
     assert not any(out for out, _ in calls) and any(load for _, load in calls)
     # only the implicit-GEMM convs take it
     assert not CodecEngine(dec, 2, "fp16", snake_epilogue=True).snake_epilogue
+
+
+@pytest.mark.parametrize(("precision", "kernel"), [("fp16", True), ("bf16", True),
+                                                   ("fp16", False)])
+def test_output_stage_in_the_last_conv_epilogue_decodes_the_same_audio(precision, kernel,
+                                                                       monkeypatch):
+    """CodecEngine(output_epilogue=True): the output stage's SnakeBeta and taps in the last
+    residual unit's 1x1 conv (causal_conv.conv_output_taps; the kernel under
+    TRITON_INTERPRET=1, else its reference), then output_from_taps with the slot's last taps:
+    the fused output stage's audio (the same fp32 sums in another order), streamed in chunks
+    of 1 and 4 from two slots, no codec_output call, the slot keeping [context, 16] taps;
+    kernel False: that conv off the implicit-GEMM kernel, its taps from its output. The
+    engines it does not fit keep the output kernel."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    if not kernel:
+        monkeypatch.setattr(ce, "IMPLICIT_MIN_ROWS", 1 << 30)
+
+    taps = _spy(monkeypatch, ce, "conv_output_taps", lambda x, *a, **k: tuple(x.shape))
+    outputs = _spy(monkeypatch, ce, "codec_output", lambda *a, **k: None)
+    dec, codes, kw = _small_triton(46, True)
+    kw.update(fused_output=True, conv_split_max_streams=8 if kernel else 0)
+    plain = CodecEngine(dec, 2, precision, **kw, output_epilogue=False)
+    eng = CodecEngine(dec, 2, precision, **kw, output_epilogue=True)
+    out = eng.codec.decoder[-1]
+    assert eng.output_epilogue and not plain.output_epilogue
+    assert [tuple(t.shape) for t in eng.state[out.slot]] == [(3, out.context, 16)]
+    for chunk in (1, 4):
+        want = ce.decode_with(plain, codes, chunk=chunk)
+        assert outputs and not taps
+        outputs.clear()
+        got = ce.decode_with(eng, codes, chunk=chunk)
+        assert not outputs
+        assert len(taps) == (-(-codes.shape[-1] // chunk) if kernel else 0)  # one a step
+        taps.clear()
+        assert got.shape == want.shape
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    # the strict fp32 engine, cuDNN convs and no fused output stage keep the output kernel
+    assert not CodecEngine(dec, 2, "fp32", **kw, output_epilogue=True).output_epilogue
+    assert not CodecEngine(dec, 2, "fp16", output_epilogue=True).output_epilogue
+    assert not CodecEngine(dec, 2, "fp16", **{**kw, "fused_output": False},
+                           output_epilogue=True).output_epilogue  # fmt: skip

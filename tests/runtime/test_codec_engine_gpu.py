@@ -323,3 +323,19 @@ def test_small_steps_with_pdl_keep_the_decode_and_replay():
     got = decode_with(engine, codes, chunk=1)
     assert ((got - plain).abs().max() / plain.abs().max()).item() <= 1e-6
     _assert_replay_equals_eager(engine, codes)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_output_stage_in_the_last_conv_epilogue_keeps_the_decode_and_replays(precision):
+    """The output stage begun in the last 1x1 conv's epilogue (output_epilogue) against the
+    fused output kernel, in the served settings: the audio to fp32's summation order, chunk
+    by chunk, and a captured step equal to the eager one."""
+    dec, kw, codes = _served_fused_layers(64, 8, 93, frames=6, fused_output=True)
+    plain = decode_with(CodecEngine(dec, 2, precision, output_epilogue=False, **kw), codes,
+                        chunk=1)  # fmt: skip
+    engine = CodecEngine(dec, 2, precision, output_epilogue=True, **kw)
+    assert engine.output_epilogue
+    got = decode_with(engine, codes, chunk=1)
+    assert ((got - plain).abs().max() / plain.abs().max()).item() < 1e-4
+    _assert_replay_equals_eager(engine, codes)
+    _assert_replay_equals_eager(engine, codes, frames=4)

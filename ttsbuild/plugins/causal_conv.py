@@ -87,15 +87,15 @@ TAPS_WIDTH = 16
 OUTPUT_TAPS_MAX_COUT = 128
 
 
-def pack_output_taps(weight: torch.Tensor) -> torch.Tensor:
-    """The codec's output conv weight (nn.Conv1d [1, C, k], k <= 16) -> taps_w [C, 16] fp32:
-    column j is tap j, zero past k (conv_output_taps' epilogue operand)."""
-    cout, C, k = weight.shape
+def pack_output_taps(w: torch.Tensor) -> torch.Tensor:
+    """The codec's output conv, packed (`pack_conv_weight`: [k, C, 1], k <= 16) -> taps_w
+    [C, 16] fp32: column j is tap j, zero past k (conv_output_taps' epilogue operand)."""
+    k, C, cout = w.shape
     if cout != 1 or k > TAPS_WIDTH:
         raise ValueError(f"the output taps need a conv to one channel of at most {TAPS_WIDTH} "
-                         f"taps, got weight {tuple(weight.shape)}")
-    taps = torch.zeros((C, TAPS_WIDTH), dtype=torch.float32, device=weight.device)
-    taps[:, :k] = weight[0].float()
+                         f"taps, got packed weight {tuple(w.shape)}")
+    taps = torch.zeros((C, TAPS_WIDTH), dtype=torch.float32, device=w.device)
+    taps[:, :k] = w[:, :, 0].T.float()
     return taps
 
 

@@ -5,6 +5,8 @@ Every streaming state tensor lives indexed by slot, like the talker's KV cache:
                     (state_channels_last: views of [slots, context, Cin] storage, spills too)
   transposed spills [slots, Cout, kernel - stride]          output spilling into the next step
   attention K/V     [slots, Hkv, R, D], a ring of R = sliding_window - 1 + max_chunk frames
+  output taps       [slots, context, 16] fp32 (OUTPUT_EPILOGUE, in place of the output conv's
+                    tail): the taps of the output stage's last inputs
   pos               [slots]                                 frames decoded
 `step(rows, codes)` reads and updates only the rows' state, inside the computation: a conv
 reads its rows' tails with index_select and writes them back with index_copy_, attention
@@ -57,16 +59,20 @@ from ttsbuild.model.codec import (
 )
 from ttsbuild.plugins._dispatch import codec_pdl_scope, want_triton
 from ttsbuild.plugins.causal_conv import (
+    OUTPUT_TAPS_MAX_COUT,
     causal_conv,
+    conv_output_taps,
+    output_taps_reference,
     overlap_add,
     pack_conv_weight,
+    pack_output_taps,
     pack_tconv_as_conv,
     residual_unit,
     triton_block,
 )
 from ttsbuild.plugins.codebook_sum import codebook_sum
 from ttsbuild.plugins.codec_context import snake_context
-from ttsbuild.plugins.codec_output import codec_output
+from ttsbuild.plugins.codec_output import codec_output, output_from_taps
 from ttsbuild.plugins.convnext import convnext, dwconv_norm
 from ttsbuild.plugins.fused_linear import (
     fused_linear,
@@ -237,6 +243,19 @@ TCONV_CONV = os.environ.get("TTSBUILD_CODEC_TCONV_CONV", "0") == "1"
 # (plugins.codebook_sum), writing channels-last rows. TTSBUILD_CODEC_LOOKUP_FUSED=1 turns it
 # on (built 2026-12-06, not yet timed).
 LOOKUP_FUSED = os.environ.get("TTSBUILD_CODEC_LOOKUP_FUSED", "0") == "1"
+# The output stage (SnakeBeta, the conv to one channel, clamp) begun in the epilogue of the
+# last residual unit's 1x1 conv (plugins.causal_conv.conv_output_taps): the tile holds all 96
+# channels of its rows, so it takes their SnakeBeta in fp32 and their 7 taps (a [rows, 96] x
+# [96, 16] product of fp32 FMAs) and stores those 16 floats a sample in place of the 96 half
+# channels; then plugins.codec_output.output_from_taps adds the taps along time with the
+# slot's last taps as context and clamps. At 64 rows of a one-frame step that leaves ~47 MB
+# of the 1x1 conv's store and the output kernel's read, and the output kernel (156 us on an
+# H100 in the 2026-12-06 profile: latency-bound, one 8-warp CTA an SM) becomes one of ~8 MB.
+# The slot keeps the taps of the stage's last 6 inputs ([S, 6, 16] fp32) in place of their
+# 96 SnakeBeta'd channels. Needs the fused output stage (fp32) after a half-precision last
+# block of residual units on the implicit-GEMM kernel. TTSBUILD_CODEC_OUTPUT_EPILOGUE=1
+# turns it on (built 2026-12-06, not yet timed).
+OUTPUT_EPILOGUE = os.environ.get("TTSBUILD_CODEC_OUTPUT_EPILOGUE", "0") == "1"
 # Steps of at most this many streams launch the codec's kernels with PDL (plugins._dispatch
 # codec_pdl_scope): on the H200 (2026-12-02) PDL for every codec kernel made batch 1 1.6 %
 # faster (0.856 -> 0.842 ms) and batches 8-256 2-6 % slower, where programs resident early
@@ -257,6 +276,7 @@ def default_switches(precision: str) -> dict:
         and precision != "fp32", qkv_attend=QKV_ATTEND, tf32_layers_max_rows=TR_TF32_MAX_ROWS,
         ring_half=RING_HALF and precision != "fp32", conv_split_max_streams=CONV_SPLIT_MAX_STREAMS,
         pdl_max_rows=CODEC_PDL_MAX_ROWS, tconv_conv=TCONV_CONV, lookup_fused=LOOKUP_FUSED,
+        output_epilogue=OUTPUT_EPILOGUE,
     )  # fmt: skip
 
 
@@ -355,6 +375,7 @@ class CodecEngine:
         pdl_max_rows: int | None = None,
         tconv_conv: bool | None = None,
         lookup_fused: bool | None = None,
+        output_epilogue: bool | None = None,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -449,6 +470,11 @@ class CodecEngine:
         }
         with torch.no_grad():
             self._load(codec, device)
+        # the output stage begun in the last 1x1 conv's epilogue (None: OUTPUT_EPILOGUE)
+        self.output_epilogue = bool(dflt["output_epilogue"] if output_epilogue is None
+                                    else output_epilogue) and self._output_epilogue_fits()
+        self._out_taps = (pack_output_taps(self._conv_w[self.codec.decoder[-1]])
+                          if self.output_epilogue else None)  # fmt: skip
         # Off until timed on the GPU (profile_codec.py row '+l'): steps of at most this many
         # frames (rows x chunk) run each pre-transformer layer as five launches of
         # plugins.fused_linear (norm + qkv + bias; the fused attention; o + bias + residual;
@@ -508,7 +534,11 @@ class CodecEngine:
                     return torch.zeros((S, L, C), dtype=dtype, device=device).transpose(1, 2)
                 return torch.zeros((S, C, L), dtype=dtype, device=device)
 
-            if isinstance(m, CausalConv1d):
+            if m is self.codec.decoder[-1] and self.output_epilogue:  # see OUTPUT_EPILOGUE
+                self.state.append((torch.zeros((S, m.context, self._out_taps.shape[1]),
+                                               dtype=torch.float32, device=device),)
+                                  if m.context else ())  # fmt: skip
+            elif isinstance(m, CausalConv1d):
                 self.state.append((zeros(S, m.conv.in_channels, m.context),)
                                   if m.context else ())
             elif m in self._tconv_k:  # the input's last taps - 1 frames (see TCONV_CONV)
@@ -622,6 +652,24 @@ class CodecEngine:
                 half[m] = scaled_half_weight(m.weight)
         return half
 
+    def _output_epilogue_fits(self) -> bool:
+        """Whether the output stage can begin in the last 1x1 conv's epilogue
+        (OUTPUT_EPILOGUE): the fused output stage (fp32, a conv to one channel of at most 16
+        taps with a bias) after a half-precision decoder block whose last residual unit ends
+        in a packed 1x1 conv of at most OUTPUT_TAPS_MAX_COUT channels, on Triton convs."""
+        dec = self.codec.decoder
+        out, block = dec[-1], dec[-3]
+        if not (self.fused_output and self.conv_impl == "triton" and isinstance(block, DecoderBlock)
+                and out in self._conv_w and out.conv.out_channels == 1 and out.conv.bias is not None
+                and out.conv.kernel_size[0] <= 16 and out.conv.groups == 1
+                and self._stage_of[out].dtype == torch.float32):
+            return False
+        unit = block.block[-1]
+        return (isinstance(unit, ResidualUnit) and unit.conv2 in self._conv_w
+                and not unit.conv2.context and unit.conv2.conv.bias is not None
+                and unit.conv2.conv.out_channels <= OUTPUT_TAPS_MAX_COUT
+                and self._stage_of[unit].dtype != torch.float32)
+
     @staticmethod
     def _snake_modules(codec: nn.Module) -> list[nn.Module]:
         return [m for m in codec.modules() if hasattr(m, "alpha") and (
@@ -692,13 +740,20 @@ class CodecEngine:
                         and self.stages[nxt[0]].dtype == st.dtype
                         and (not isinstance(m, DecoderBlock) or len(m.block) > 2)):
                     out_act = nxt[1].block[0]
-                if isinstance(m, DecoderBlock):
-                    x = self._decoder_block(m, x, rows, st, act_done, out_act)
+                if isinstance(m, DecoderBlock):  # the last one's taps with OUTPUT_EPILOGUE
+                    x = self._decoder_block(m, x, rows, st, act_done, out_act,
+                                            taps=self.output_epilogue and nxt is None)
                 else:
                     x = self._conv(m, x, rows, st, out_act=out_act)
                 act_done = out_act is not None
         with self._in_stage(OUTPUT_STAGE) as st:
             act, out = c.decoder[-2], c.decoder[-1]
+            if self.output_epilogue:  # x: the stage's taps [B, n * 1920, 16] (OUTPUT_EPILOGUE)
+                tail = self.state[out.slot][0] if out.context else None
+                pcm = output_from_taps(x, out.conv.kernel_size[0], out.conv.bias, tail, rows,
+                                       out.conv.dilation[0])  # fmt: skip
+                self.pos.index_copy_(0, rows, pos + n)
+                return pcm
             w = self._conv_w.get(out)
             if (self.fused_output and w is not None and w.shape[-1] == 1
                     and st.dtype == torch.float32 and out.conv.bias is not None):
@@ -883,9 +938,11 @@ class CodecEngine:
         return out.view(shape)
 
     def _decoder_block(self, m: DecoderBlock, x: Tensor, rows: Tensor, st: _Stage,
-                       act_done: bool = False, out_act: nn.Module | None = None) -> Tensor:
+                       act_done: bool = False, out_act: nn.Module | None = None,
+                       taps: bool = False) -> Tensor:
         """act_done: x is already SnakeBeta(x) of the block's act (FOLD_BLOCK_ACT); out_act:
-        a SnakeBeta (the next block's first) applied to the block's output."""
+        a SnakeBeta (the next block's first) applied to the block's output; taps: the
+        output stage's taps of the block's output returned in its place (OUTPUT_EPILOGUE)."""
         act, up, *units = m.block
         if up in self._tconv_k:  # the SnakeBeta with the conv's context (see TCONV_CONV)
             x = self._conv_t(up, x, rows, st, act=None if act_done else act)
@@ -896,14 +953,22 @@ class CodecEngine:
                 x = self._act(act, x, rows, channels_last=last)
             x = self._conv_t(up, x, rows, st)
         for i, u in enumerate(units):
-            x = self._residual(u, x, rows, st, out_act if i == len(units) - 1 else None)
+            last = i == len(units) - 1
+            x = self._residual(u, x, rows, st, out_act if last else None, taps=taps and last)
         return x
 
     def _residual(self, m: ResidualUnit, x: Tensor, rows: Tensor, st: _Stage,
-                  out_act: nn.Module | None = None) -> Tensor:
+                  out_act: nn.Module | None = None, taps: bool = False) -> Tensor:
         """out_act: a SnakeBeta applied to the unit's output (in the 1x1 conv's epilogue
-        where the kernel runs it)."""
+        where the kernel runs it); taps: the output stage's taps of the unit's output
+        returned in its place (`_conv_taps`)."""
         c1, c2 = m.conv1, m.conv2
+        if taps:
+            if self.snake_epilogue and x.shape[0] * x.shape[-1] < SNAKE_EPILOGUE_MAX_ROWS:
+                h = self._conv(c1, x, rows, st, act=m.act1, out_act=m.act2)
+                return self._conv_taps(c2, h, rows, st, residual=x)
+            h = self._conv(c1, x, rows, st, act=m.act1)
+            return self._conv_taps(c2, h, rows, st, act=m.act2, residual=x)
         if (FUSED_UNIT_MAX_C and self.conv_impl == "triton" and self.channels_last
                 and x.dtype != torch.float32 and triton_block(x.shape[1]) <= FUSED_UNIT_MAX_C
                 and x.shape[0] * x.shape[-1] >= IMPLICIT_MIN_ROWS and c1 in self._conv_w
@@ -922,6 +987,22 @@ class CodecEngine:
             return self._conv(m.conv2, h, rows, st, residual=x, out_act=out_act)
         h = self._conv(m.conv1, x, rows, st, act=m.act1)
         return self._conv(m.conv2, h, rows, st, act=m.act2, residual=x, out_act=out_act)
+
+    def _conv_taps(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
+                   act: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
+        """The output stage's taps [B, n, 16] fp32 of `_conv(m, x, ..., act, residual)`'s
+        output (OUTPUT_EPILOGUE): in the implicit-GEMM kernel's epilogue where it runs that
+        1x1 conv (its output never stored), else from the conv's output."""
+        alpha, inv_beta = self._snake[self.codec.decoder[-2]]
+        w = self._conv_w[m]
+        B, n = x.shape[0], x.shape[-1]
+        if x.dtype != torch.float32 and self._implicit(B, n) and (act is None or self.fused_convs):
+            in_alpha, in_inv_beta = self._snake[act] if act is not None else (None, None)
+            return conv_output_taps(x, w, m.conv.bias, m.conv.dilation[0], residual,
+                                    self._out_taps, alpha, inv_beta, in_alpha=in_alpha,
+                                    in_inv_beta=in_inv_beta, split=self._split_step(B))
+        y = self._conv(m, x, rows, st, act=act, residual=residual)
+        return output_taps_reference(y, self._out_taps, alpha, inv_beta)
 
     def _transformer(self, x: Tensor, rows: Tensor, pos: Tensor, st: _Stage,
                      next_dtype: torch.dtype | None = None) -> Tensor:

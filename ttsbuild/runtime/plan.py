@@ -127,6 +127,9 @@ class EnginePlan(BaseModel):
     # (TCONV_CONV), the codebook lookup as one kernel (LOOKUP_FUSED)
     codec_tconv_conv: bool | None = None
     codec_lookup_fused: bool | None = None
+    # built 2026-12-06 (forty-first session), not yet timed: the output stage begun in the last
+    # 1x1 conv's epilogue (OUTPUT_EPILOGUE)
+    codec_output_epilogue: bool | None = None
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
     fused_code_predictor: tuple[int, ...] = ()
@@ -356,7 +359,7 @@ class EnginePlan(BaseModel):
             ring_half=self.codec_ring_half, fold_block_act=self.codec_fold_block_act,
             conv_split_max_streams=self.codec_conv_split_max_streams,
             pdl_max_rows=self.codec_pdl_max_rows, tconv_conv=self.codec_tconv_conv,
-            lookup_fused=self.codec_lookup_fused,
+            lookup_fused=self.codec_lookup_fused, output_epilogue=self.codec_output_epilogue,
         )  # fmt: skip
 
     @property
