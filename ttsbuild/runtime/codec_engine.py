@@ -280,6 +280,10 @@ def default_switches(precision: str) -> dict:
     )  # fmt: skip
 
 
+# The switches' names (CodecEngine's arguments; the plan's fields are "codec_" + each)
+SWITCHES = tuple(default_switches("fp16"))
+
+
 def resolve_conv_impl(choice: str, device: torch.device | str) -> str:
     """A plan's `codec_conv`: "auto" is "triton" on CUDA, "cudnn" elsewhere; the environment
     variable TTSBUILD_CODEC_CONV (one of CONV_IMPLS) overrides "auto" for measurements."""

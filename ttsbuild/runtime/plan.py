@@ -345,7 +345,7 @@ class EnginePlan(BaseModel):
         """runtime.codec_engine.CodecEngine's keyword arguments for this plan's codec on
         `device` (beside the model, slot count and precision): what the runtime serves and
         compile's quality gate measures."""
-        from ttsbuild.runtime.codec_engine import resolve_conv_impl
+        from ttsbuild.runtime.codec_engine import SWITCHES, resolve_conv_impl
 
         return dict(
             max_chunk=self.max_chunk, conv_impl=resolve_conv_impl(self.codec_conv, device),
@@ -353,13 +353,8 @@ class EnginePlan(BaseModel):
             fused_output=self.codec_fused_output, fused_attention=self.codec_fused_attention,
             state_channels_last=self.codec_state_channels_last,
             fused_layers_max_rows=self.codec_fused_layers_max_rows,
-            transformer_half_weights=self.codec_transformer_half_weights,
-            qkv_attend=self.codec_qkv_attend,
-            tf32_layers_max_rows=self.codec_tf32_layers_max_rows,
-            ring_half=self.codec_ring_half, fold_block_act=self.codec_fold_block_act,
-            conv_split_max_streams=self.codec_conv_split_max_streams,
-            pdl_max_rows=self.codec_pdl_max_rows, tconv_conv=self.codec_tconv_conv,
-            lookup_fused=self.codec_lookup_fused, output_epilogue=self.codec_output_epilogue,
+            # the switches (codec_engine.default_switches): each plan field as it stands
+            **{name: getattr(self, f"codec_{name}") for name in SWITCHES},
         )  # fmt: skip
 
     @property
