@@ -11,7 +11,8 @@ stores and cp.async copies in the PTX of each.
 (channels-last): the k = 7 conv with and without the SnakeBeta in its epilogue (out_alpha;
 also capped at 128 registers),
 the 1x1 conv with and without the SnakeBeta in its load, at the 128 x 128 tiles of two
-warpgroups (>= 2048 rows) and the 64-row tiles of one (fewer rows).
+warpgroups (>= 2048 rows) and the 64-row tiles of one (fewer rows); the last 1x1 conv with
+the output stage's taps in its epilogue (OUTPUT_EPILOGUE; its tile: every channel).
 
 The integer arguments are specialised as Triton specialises them at run time: a stride of 1
 as a constant, the others (and the pointers) as multiples of 16 (the codec's channel counts,
@@ -27,7 +28,7 @@ import collections
 import re
 
 PTRS = ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "alpha_ptr", "inv_beta_ptr",
-        "out_alpha_ptr", "out_inv_beta_ptr", "ws_ptr", "cnt_ptr")
+        "out_alpha_ptr", "out_inv_beta_ptr", "ws_ptr", "cnt_ptr", "taps_ptr", "z_ptr")
 
 
 def compile_ptx(channels_last: bool, a, k: int = 7, unit_conv: bool = False) -> str:
@@ -39,10 +40,12 @@ def compile_ptx(channels_last: bool, a, k: int = 7, unit_conv: bool = False) -> 
 
 def compile_conv(channels_last: bool, a, k: int = 7, unit_conv: bool = False,
                  snake: bool | None = None, out_snake: bool = False, block_m: int = 128,
-                 block_o: int = 128, maxnreg: int | None = None, flat_k: int = 0):
+                 block_o: int = 128, maxnreg: int | None = None, flat_k: int = 0,
+                 out_taps: bool = False):
     """The compiled kernel (snake: the SnakeBeta in the input load, default unit_conv;
     out_snake: one in the epilogue; maxnreg: a cap on a thread's registers; flat_k: the
-    flattened (tap, channel) K steps, runs of this many channels, causal_conv.FLAT_RUN)."""
+    flattened (tap, channel) K steps, runs of this many channels, causal_conv.FLAT_RUN;
+    out_taps: the output stage's SnakeBeta and taps in the epilogue, conv_output_taps)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -52,13 +55,14 @@ def compile_conv(channels_last: bool, a, k: int = 7, unit_conv: bool = False,
     names = list(kernel.arg_names)
     consts = {"K": 1 if unit_conv else k, "HAS_BIAS": True, "HAS_RES": unit_conv,
               "HAS_SNAKE": unit_conv if snake is None else snake, "HAS_OUT_SNAKE": out_snake,
-              "FLAT_K": flat_k, "SPLIT_K": 1, "BLOCK_M": block_m, "BLOCK_CI": a.block_ci,
-              "BLOCK_O": block_o}  # fmt: skip
+              "OUT_TAPS": out_taps, "FLAT_K": flat_k, "SPLIT_K": 1, "BLOCK_M": block_m,
+              "BLOCK_CI": a.block_ci, "BLOCK_O": block_o}  # fmt: skip
     # the strides that are 1: the input's, output's and residual's channel strides
     # (channels-last), else their time strides
     for unit in ("sxc", "soo", "sro") if channels_last else ("sxt", "sot", "srt"):
         consts[unit] = 1
-    fp32 = ("alpha_ptr", "inv_beta_ptr", "out_alpha_ptr", "out_inv_beta_ptr", "ws_ptr")
+    fp32 = ("alpha_ptr", "inv_beta_ptr", "out_alpha_ptr", "out_inv_beta_ptr", "ws_ptr",
+            "taps_ptr", "z_ptr")
     sig = {n: ("*i32" if n == "cnt_ptr" else "*fp32" if n in fp32 else "*fp16")
            if n in PTRS else
            "constexpr" if n in consts else "i32" for n in names}  # fmt: skip
@@ -88,6 +92,9 @@ def registers() -> None:
                                                                maxnreg=128), tiles[:1]))
     kinds += [(f"1x1 + residual{' + SnakeBeta in the load' if snake else ''}",
                dict(k=1, unit_conv=True, snake=snake), unit_tiles) for snake in (True, False)]
+    kinds.append(("1x1 + residual + output taps (OUTPUT_EPILOGUE)",
+                  dict(k=1, unit_conv=True, snake=False, out_taps=True),
+                  (unit_tiles[0], (64, 32, 128, 8, 3))))
     for name, kw, tile_list in kinds:
         for bm, bci, bo, warps, stages in tile_list:
             a = SimpleNamespace(block_ci=bci, warps=warps, stages=stages, flat_k=0)

@@ -85,6 +85,12 @@ def pack_tconv_as_conv(weight: torch.Tensor, bias: torch.Tensor,
 TAPS_WIDTH = 16
 # conv_output_taps' tile holds every output channel (one block of a power of two)
 OUTPUT_TAPS_MAX_COUT = 128
+# ... on this many warps: the last 1x1 conv's 64 x 128 tile with the taps' SnakeBeta and
+# [64, 128] x [128, 16] fp32 product in its epilogue takes 255 registers a thread and spills
+# 336 bytes on one warpgroup, 115 registers and no spills on two (offline sm_90 compile,
+# `benchmarks/codec/ptx_loads.py --registers`; the 1x1 conv alone: 148 on one). Seven
+# per-tap row sums in place of the product took 195 / 128.
+OUTPUT_TAPS_WARPS = 8
 
 
 def pack_output_taps(w: torch.Tensor) -> torch.Tensor:
@@ -293,6 +299,8 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     bm, bci, bo, warps, stages = config or (*_config(B * n, cin, cout, k), 3)
     if taps is not None:  # every output channel in the tile
         bo = max(16, triton.next_power_of_2(cout))
+        if config is None:  # two warpgroups: see OUTPUT_TAPS_WARPS
+            warps = OUTPUT_TAPS_WARPS
     flat = _flat_k(xin, cin, k, flat_k)
     if flat and config is None:
         bci = 64  # two 32-channel runs a step
