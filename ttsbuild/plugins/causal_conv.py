@@ -292,7 +292,8 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     if taps is None:
         out = _conv_out(xin, n, cout, channels_last, residual)
     else:  # z as a [B, n, 16] view of [16, B, n] (each tap's values contiguous along rows)
-        _conv_out(xin, n, cout, False, residual)  # the residual's shape checked
+        if residual is not None and residual.shape != (B, cout, n):
+            raise ValueError(f"residual must be {(B, cout, n)}, got {tuple(residual.shape)}")
         out = torch.empty((TAPS_WIDTH, B, n), dtype=torch.float32,
                           device=xin.device).permute(1, 2, 0)  # fmt: skip
         out_alpha, out_inv_beta = taps[1], taps[2]
