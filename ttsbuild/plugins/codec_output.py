@@ -210,6 +210,14 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         return v
 
     @triton.jit
+    def _row_block(rows_ptr, n, BLOCK_T: tl.constexpr):
+        """A (row, block of BLOCK_T samples) program's row b, whether it is the row's first
+        block, its samples t and their mask, and the row's slot."""
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        return b, tl.program_id(1) == 0, t, t < n, tl.load(rows_ptr + b).to(tl.int64)
+
+    @triton.jit
     def _codec_output_kernel(
         x_ptr, w_ptr, bias_ptr, alpha_ptr, inv_beta_ptr, tail_ptr, rows_ptr, out_ptr,
         C, n, ctx, DIL, sxb, sxc, sxt,
@@ -218,11 +226,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
-        b = tl.program_id(0).to(tl.int64)
-        first = tl.program_id(1) == 0
-        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_mask = t < n
-        slot = tl.load(rows_ptr + b).to(tl.int64)
+        b, first, t, t_mask, slot = _row_block(rows_ptr, n, BLOCK_T)
         x_row = x_ptr + b * sxb
         acc = tl.zeros([BLOCK_T], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
@@ -333,11 +337,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         below ctx); the first block (BLOCK_T >= ctx, the only one reading the old ztail)
         writes the new one after a barrier."""
         pdl_prologue(PDL)
-        b = tl.program_id(0).to(tl.int64)
-        first = tl.program_id(1) == 0
-        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_mask = t < n
-        slot = tl.load(rows_ptr + b).to(tl.int64)
+        b, first, t, t_mask, slot = _row_block(rows_ptr, n, BLOCK_T)
         z_row = z_ptr + b * szb
         acc = tl.zeros([BLOCK_T], dtype=tl.float32) + tl.load(bias_ptr).to(tl.float32)
         for j in tl.static_range(K):
