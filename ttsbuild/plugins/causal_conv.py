@@ -329,7 +329,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
                              f"{tuple(p.shape)} {p.dtype}")
     if (alpha is None) != (inv_beta is None) or (out_alpha is None) != (out_inv_beta is None):
         raise ValueError("a SnakeBeta takes both alpha and inv_beta")
-    res = residual if residual is not None else xin
+    res = residual if residual is not None else (xin if taps is not None else out)
     snake, out_snake = alpha is not None, out_alpha is not None
     # with taps the kernel rounds y to xin's dtype (its out_ptr) and stores z instead
     dst = xin if taps is not None else out
