@@ -359,8 +359,11 @@ for step in $STEPS; do
         grep -E "stepping rows" "$OUT/engine_bench_bootstrap.log" ;;
     pytest)
         log "GPU tests: ${GPU_PYTEST:?GPU_PYTEST names the tests}"
+        budget=${GPU_PYTEST_S:-200}  # no later than the session's deadline either
+        left=$((DEADLINE_S - SECONDS - 10))
+        [ "$left" -ge "$budget" ] || budget=$((left > 30 ? left : 30))
         # shellcheck disable=SC2086  # pytest arguments, split on purpose
-        timeout -k 5 "${GPU_PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider $GPU_PYTEST \
+        timeout -k 5 "$budget" python3 -m pytest -q -p no:cacheprovider $GPU_PYTEST \
             ${GPU_PYTEST_K:+-k "$GPU_PYTEST_K"} 2>&1 | tee "$OUT/gpu_pytest.log" | tail -3 ;;
     newkernels)
         log "GPU tests: spec accept (and its exact-match mode) + head GEMV, the fused sampler"
@@ -411,6 +414,8 @@ for step in $STEPS; do
             for i in $(seq 0 "${#codec_groups[@]}"); do
                 group=""; label=served
                 [ "$i" = 0 ] || { group=${codec_groups[$((i - 1))]}; label="env$i ($group)"; }
+                left=$((DEADLINE_S - SECONDS))
+                if [ "$left" -lt 45 ]; then log "skip round $round $label: ${left}s left"; continue; fi
                 log "codec step round $round: $label"
                 # shellcheck disable=SC2086  # the group's VAR=VALUE words, split on purpose
                 env $group timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
@@ -422,6 +427,8 @@ for step in $STEPS; do
         done ;;
     codecprof)
         for b in $(tr ',' ' ' <<< "${CODECPROF_BATCHES:-1,64}"); do
+            left=$((DEADLINE_S - SECONDS))
+            if [ "$left" -lt 60 ]; then log "skip the batch $b profile: ${left}s left"; continue; fi
             log "codec step profile, batch $b ${CODECPROF_ENV:-}"
             # shellcheck disable=SC2086  # VAR=VALUE words, split on purpose
             env ${CODECPROF_ENV:-} timeout -k 5 200 python3 benchmarks/codec/profile_codec.py \
