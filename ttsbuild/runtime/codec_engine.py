@@ -752,23 +752,20 @@ class CodecEngine:
                 act_done = out_act is not None
         with self._in_stage(OUTPUT_STAGE) as st:
             act, out = c.decoder[-2], c.decoder[-1]
+            tail = self.state[out.slot][0] if out.context else None
+            w = self._conv_w.get(out)
             if self.output_epilogue:  # x: the stage's taps [B, n * 1920, 16] (OUTPUT_EPILOGUE)
-                tail = self.state[out.slot][0] if out.context else None
                 pcm = output_from_taps(x, out.conv.kernel_size[0], out.conv.bias, tail, rows,
                                        out.conv.dilation[0])  # fmt: skip
-                self.pos.index_copy_(0, rows, pos + n)
-                return pcm
-            w = self._conv_w.get(out)
-            if (self.fused_output and w is not None and w.shape[-1] == 1
+            elif (self.fused_output and w is not None and w.shape[-1] == 1
                     and st.dtype == torch.float32 and out.conv.bias is not None):
-                tail = self.state[out.slot][0] if out.context else None
                 pcm = codec_output(x, w, out.conv.bias, *self._snake[act], tail, rows,
                                    out.conv.dilation[0])  # [B, n * 1920] fp32, clamped
-                self.pos.index_copy_(0, rows, pos + n)
-                return pcm
-            x = self._conv(out, x.to(st.dtype), rows, st, act=act)
+            else:
+                x = self._conv(out, x.to(st.dtype), rows, st, act=act)
+                pcm = x.float().clamp(-1.0, 1.0)[:, 0]  # [B, n * 1920]
         self.pos.index_copy_(0, rows, pos + n)
-        return x.float().clamp(-1.0, 1.0)[:, 0]  # [B, n * 1920]
+        return pcm
 
     @contextlib.contextmanager
     def _in_stage(self, name: str):
