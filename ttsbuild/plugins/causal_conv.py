@@ -108,9 +108,8 @@ def pack_output_taps(w: torch.Tensor) -> torch.Tensor:
 def output_taps_reference(y, taps_w, alpha, inv_beta):
     """z [B, n, 16] fp32 = sum_o taps_w[o, j] * snake(y[b, o, t]) of a [B, Cout, n] tensor:
     the SnakeBeta (alpha, inv_beta: Cout fp32 values) of y's values in fp32, unrounded."""
-    yf = y.float()
-    al, ib = alpha.reshape(-1, 1).float(), inv_beta.reshape(-1, 1).float()
-    s = yf + ib * torch.sin(yf * al).pow(2)
+    s = snake_context_reference(y.float(), alpha.reshape(-1, 1).float(),
+                                inv_beta.reshape(-1, 1).float(), None, None)
     return torch.einsum("bot,oj->btj", s, taps_w.float())
 
 
@@ -483,14 +482,19 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
     from ttsbuild.plugins._tl._math import pdl_prologue, sin_f32
 
     @triton.jit
-    def _snake_cols(a, alpha_ptr, inv_beta_ptr, c, c_mask):
-        """SnakeBeta of a [rows, cols] input tile whose columns are channels c: in fp32,
-        rounded back to the tile's dtype (as snake_context)."""
+    def _snake_cols_f32(a, alpha_ptr, inv_beta_ptr, c, c_mask):
+        """SnakeBeta of a [rows, cols] tile whose columns are channels c, in fp32 (0 on
+        masked channels of a tile that is 0 there)."""
         al = tl.load(alpha_ptr + c, mask=c_mask, other=0.0)
         ib = tl.load(inv_beta_ptr + c, mask=c_mask, other=0.0)
         af = a.to(tl.float32)
         sn = sin_f32(af * al[None, :])
-        return (af + ib[None, :] * (sn * sn)).to(a.dtype)
+        return af + ib[None, :] * (sn * sn)
+
+    @triton.jit
+    def _snake_cols(a, alpha_ptr, inv_beta_ptr, c, c_mask):
+        """_snake_cols_f32 rounded back to the tile's dtype (as snake_context)."""
+        return _snake_cols_f32(a, alpha_ptr, inv_beta_ptr, c, c_mask).to(a.dtype)
 
     @triton.jit
     def _split_range(steps, pid_k, SPLIT_K: tl.constexpr):
@@ -609,11 +613,8 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             acc += r.to(tl.float32)
         y = acc.to(out_ptr.dtype.element_ty)
         if OUT_TAPS:  # the output stage's SnakeBeta (fp32, unrounded) times its taps
-            al = tl.load(out_alpha_ptr + offs_o, mask=o_mask, other=0.0)
-            ib = tl.load(out_inv_beta_ptr + offs_o, mask=o_mask, other=0.0)
-            yf = tl.where(o_mask[None, :], y.to(tl.float32), 0.0)
-            sn = sin_f32(yf * al[None, :])
-            sb = yf + ib[None, :] * (sn * sn)  # 0 on masked channels (the tile has them all)
+            # 0 on masked channels (y is: their weights, bias and residual load as 0)
+            sb = _snake_cols_f32(y, out_alpha_ptr, out_inv_beta_ptr, offs_o, o_mask)
             tap = tl.arange(0, 16)
             wt = tl.load(taps_ptr + offs_o[:, None] * 16 + tap[None, :], mask=o_mask[:, None],
                          other=0.0)
@@ -622,11 +623,7 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                      mask=rows_kept[:, None] & (tap < 16)[None, :])
         else:
             if HAS_OUT_SNAKE:  # SnakeBeta of the rounded output, in fp32, rounded again
-                al = tl.load(out_alpha_ptr + offs_o, mask=o_mask, other=0.0)
-                ib = tl.load(out_inv_beta_ptr + offs_o, mask=o_mask, other=0.0)
-                yf = y.to(tl.float32)
-                sn = sin_f32(yf * al[None, :])
-                y = (yf + ib[None, :] * (sn * sn)).to(out_ptr.dtype.element_ty)
+                y = _snake_cols(y, out_alpha_ptr, out_inv_beta_ptr, offs_o, o_mask)
             dst = out_ptr + (b * sob + t * sot)[:, None] + offs_o[None, :] * soo
             tl.store(dst, y, mask=mask)
 
