@@ -649,11 +649,9 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                         DIL, sxc, sxt, K, False, BLOCK_M, BLOCK_CI, BLOCK_C)
         acc += tl.load(b7_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
         dt = out_ptr.dtype.element_ty
-        yf = acc.to(dt).to(tl.float32)  # the k-tap conv's output as stored in two launches
-        al = tl.load(alpha_ptr + offs_o, mask=o_mask, other=0.0)
-        ib = tl.load(inv_beta_ptr + offs_o, mask=o_mask, other=0.0)
-        sn = sin_f32(yf * al[None, :])
-        h = (yf + ib[None, :] * (sn * sn)).to(dt)  # 0 on masked channels: snake(0) = 0
+        # the k-tap conv's output as stored in two launches, its SnakeBeta (0 on masked
+        # channels: snake(0) = 0)
+        h = _snake_cols(acc.to(dt), alpha_ptr, inv_beta_ptr, offs_o, o_mask)
         for o0 in tl.static_range(0, BLOCK_C, 64):  # the 1x1 conv, 64 output channels at a time
             oc = o0 + tl.arange(0, 64)
             oc_mask = oc < C
