@@ -13,7 +13,8 @@ SnakeBeta as one launch, `residual_unit`, at the stages of C <= 192, its grid (B
 BLOCK_CI, warps, stages) and, on a line below, the k7s + 1x1 launches it replaces, each at
 its served config; tconv, the block's transposed conv as a k = 2 conv over its input
 (TCONV_CONV) and, below, the GEMM + overlap-add it replaces), at each batch: the served
-configuration (`_config`, 3 stages) and every config of the grid (BLOCK_M, BLOCK_CI,
+configuration (as the engine calls it: `_config`'s tile, 3 stages, and for k7s the register
+cap and flat K steps the kernel adds) and every config of the grid (BLOCK_M, BLOCK_CI,
 BLOCK_O, warps, stages), each timed as a CUDA graph of 20 launches (median of 5 runs of 5
 replays), its output checked against the served config's (a config that disagrees is
 reported, never chosen). Prints one table row per shape: served ms and TFLOP/s, the best
@@ -34,6 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_codec import time_graph  # noqa: E402
 
+from ttsbuild.plugins._tl.fp8_linear import _num_sms  # noqa: E402
 from ttsbuild.plugins.causal_conv import _causal_conv_triton, _config  # noqa: E402
 from ttsbuild.plugins.codec_context import to_channels_last  # noqa: E402
 
@@ -116,10 +118,10 @@ def sweep_tconv(B: int, C: int, n: int, quick: bool, dev, dt) -> None:
     def run(cfg):
         return _causal_conv_triton(xin, w, b, 1, None, None, None, True, cfg)
 
-    served = (*_config(B * m, cin, r * C, 2), 3)
-    want = run(served).float()
+    served = (*_config(B * m, cin, r * C, 2, in_snake=False, sms=_num_sms(xin.device)), 3)
+    want = run(None).float()  # as served: the kernel's own choices
     flop = 2.0 * B * m * cin * r * C * 2
-    served_ms = time_call(lambda: run(served))
+    served_ms = time_call(lambda: run(None))
     best, best_ms, bad = best_config(run, want, grid(quick), served, served_ms)
     print(f"| {C} | {n} | {KINDS['tconv']} | {B} | {served} | {served_ms:.4f} | "
           f"{flop / served_ms / 1e9:.0f} | {best} | {best_ms:.4f} | "
@@ -225,10 +227,13 @@ def main() -> None:
                     return _causal_conv_triton(xin, w, bias, d, res, a, ib, True, cfg,
                                                out_alpha=oa, out_inv_beta=oib, maxnreg=cap)
 
-                served = (*_config(B * n, C, C, k), 3)
-                want = run(served).float()
+                # timed as served (config None: the kernel's own choices, maxnreg and flat K
+                # steps included), labelled by `_config`'s tile
+                served = (*_config(B * n, C, C, k, in_snake=a is not None,
+                                   sms=_num_sms(xin.device)), 3)
+                want = run(None).float()
                 flop = 2.0 * B * n * C * C * k
-                served_ms = time_call(lambda served=served: run(served))
+                served_ms = time_call(lambda: run(None))
                 best, best_ms, bad = best_config(run, want, configs, served, served_ms)
                 print(f"| {C} | {n} | {kind} | {B} | {served} | {served_ms:.4f} | "
                       f"{flop / served_ms / 1e9:.0f} | {best} | {best_ms:.4f} | "

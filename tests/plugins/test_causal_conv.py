@@ -204,6 +204,47 @@ def test_split_k_plan(monkeypatch):
     assert cc._split_k(12, 84, 132, 1) == 1
 
 
+def test_1x1_tile_rules(monkeypatch):
+    """A 1x1 conv of >= 2048 rows: with SnakeBeta in its load, 64-row tiles of 32-channel K
+    steps; without (PLAIN_1X1_TILES), 128-row tiles of two warpgroups where they fill the
+    SMs, their output block no wider than leaves a masked half, else 64 x 64 tiles; 96
+    channels (K steps of 32) and the switch off keep the first rule."""
+    import ttsbuild.plugins.causal_conv as cc
+
+    assert cc._config(2048, 768, 768, 1, in_snake=False) == (64, 64, 64, 4)    # 96 tiles
+    assert cc._config(10240, 384, 384, 1, in_snake=False) == (128, 64, 128, 8)
+    assert cc._config(40960, 192, 192, 1, in_snake=False) == (128, 64, 64, 8)
+    assert cc._config(40960, 192, 192, 1, in_snake=True) == (64, 32, 128, 4)
+    assert cc._config(122880, 96, 96, 1, in_snake=False) == (64, 32, 128, 4)
+    assert cc._config(8192, 768, 768, 1, in_snake=False, sms=400) == (64, 64, 64, 4)
+    assert cc._config(40960, 192, 192, 7, in_snake=False) == (128, 64, 128, 8)
+    monkeypatch.setattr(cc, "PLAIN_1X1_TILES", False)
+    assert cc._config(10240, 384, 384, 1, in_snake=False) == (64, 32, 128, 4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("sms", [8, 132])
+@pytest.mark.parametrize(("cin", "cout"), [(128, 192), (64, 128)])
+def test_plain_1x1_tiles_equal_the_reference(cin, cout, sms, monkeypatch):
+    """A 1x1 conv with a residual and no SnakeBeta at >= 2048 rows, on both of
+    PLAIN_1X1_TILES's tiles (the SM count the kernel reads set to 8 or 132), channels-last
+    as served, against the reference."""
+    import ttsbuild.plugins._tl.fp8_linear as fl
+    import ttsbuild.plugins.causal_conv as cc
+
+    monkeypatch.setattr(fl, "_num_sms", lambda device: sms)
+    xin, weight, bias, residual = _inputs(3, cin, cout, 1, 1, 700, torch.float16, KDEV,
+                                          cin + cout + sms)
+    xin, residual = to_channels_last(xin), to_channels_last(residual)
+    w = pack_conv_weight(weight)
+    tile = cc._config(2100, cin, cout, 1, in_snake=False, sms=sms)
+    assert tile[0] == (128 if sms == 8 else 64)
+    want = causal_conv(xin, w, bias, 1, residual, use_triton=False)
+    got = causal_conv(xin, w, bias, 1, residual, channels_last=True, use_triton=True)
+    assert got.shape == want.shape == (3, cout, 700) and got.stride(1) == 1
+    assert rel_err(got, want) <= 2e-3
+
+
 @needs_kernel
 @pytest.mark.parametrize(("cin", "cout", "k", "d", "n", "split", "extra"), [
     (64, 48, 7, 3, 4, 4, "res"),       # a short conv: one 16-row tile, 7 K steps in 4 splits

@@ -241,9 +241,12 @@ def test_qkv_attend_keeps_the_decode_and_replays(precision, half):
     """The fused layers' qkv GEMV and attention as one launch (qkv_attend: each head's
     attention run by the program that wrote its last qkv tile, across the GPU's concurrent
     programs) against the two launches, fp32 or scaled fp16 weights, in the served settings:
-    the same audio to the summation order (fp16: and the later stages' roundings it may
-    flip), the rings carried over steps, the head counters reset by themselves, and a
-    captured step equal to the eager one."""
+    the same audio to the summation order (fp16: that order flips roundings in the later
+    stages, so both are held to the fp32 decode instead, and the fused launch may be no
+    further from it than 1 dB beyond the two launches; on an H100 the fp16 pair with fp16
+    weights differed by 57.5 dB, each ~53 dB from the fp32 decode), the rings carried over
+    steps, the head counters reset by themselves, and a captured step equal to the eager
+    one."""
     dec, kw, codes = _served_fused_layers(48, 8, 81, transformer_half_weights=half)
     plain = decode_with(CodecEngine(dec, 2, precision, **kw), codes, chunk=1)
     engine = CodecEngine(dec, 2, precision, qkv_attend=True, **kw)
@@ -252,7 +255,10 @@ def test_qkv_attend_keeps_the_decode_and_replays(precision, half):
     if precision == "fp32":
         assert ((got - plain).abs().max() / plain.abs().max()).item() <= 1e-5
     else:
-        assert snr_db(plain, got) > 60
+        ref = decode_with(CodecEngine(dec, 2, "fp32", **kw), codes, chunk=1)
+        plain_db, got_db = snr_db(ref, plain), snr_db(ref, got)
+        assert 45 < plain_db < 200 and got_db > plain_db - 1.0, (plain_db, got_db)
+        assert snr_db(plain, got) > 50
     _assert_replay_equals_eager(engine, codes)
 
 

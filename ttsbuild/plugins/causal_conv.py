@@ -172,17 +172,37 @@ def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None
                                out_alpha=out_alpha, out_inv_beta=out_inv_beta, split=split)
 
 
-def _config(m: int, cin: int, cout: int, k: int = 7) -> tuple[int, int, int, int]:
+# 1x1 convs with no SnakeBeta in their load (the residual units' second conv once the first
+# took that SnakeBeta in its epilogue, as served at every size): tiles as wide as the k = 7
+# convs' where they still fill the SMs. The 2026-12-04 rule below (64-row tiles, 32-channel K
+# steps) was found with the SnakeBeta in the load; without it, at 64 streams on an H100
+# (sweep_conv.py kind 1x1, benchmarks/codec/2026-12-06-h100-output-epilogue/call3):
+# C = 768 / 384 / 192 0.0119 / 0.0151 / 0.0275 ms at the old rule, 0.0097 / 0.0120 / 0.0216
+# at (64, 64, 64, 4) / (128, 64, 128, 8) / (128, 64, 64, 8), the grid's best. C = 96 (K steps
+# of 32) keeps the old rule: its best, (64, 32, 128, 4, 4 stages), was 5 % off it.
+# TTSBUILD_CODEC_PLAIN_1X1_TILES=0 puts the old rule back.
+PLAIN_1X1_TILES = os.environ.get("TTSBUILD_CODEC_PLAIN_1X1_TILES", "1") == "1"
+
+
+def _config(m: int, cin: int, cout: int, k: int = 7, in_snake: bool = True,
+            sms: int = 132) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_CI, BLOCK_O, num_warps) for M = B * n output rows of a width-k conv:
     128 x 128 tiles with two warpgroups where there are rows enough, else tiles of >= 16 (the
     MMA minimum) no wider than the problem, so masked lanes stay few. A 1x1 conv (the
-    residual units' second, with SnakeBeta on its input) has k times less work per row and is
-    memory-bound: 64-row tiles of one warpgroup and 32-channel K steps, which ran 1.3-1.8x
-    faster at every decoder stage at 64 and 256 rows on the H200 (sweep_conv.py,
-    benchmarks/codec/2026-12-04-h200-convsweep); the k = 7 convs are at the grid's best."""
+    residual units' second) has k times less work per row and is memory-bound. With SnakeBeta
+    on its input (in_snake): 64-row tiles of one warpgroup and 32-channel K steps, which ran
+    1.3-1.8x faster at every decoder stage at 64 and 256 rows on the H200 (sweep_conv.py,
+    benchmarks/codec/2026-12-04-h200-convsweep); without it, see PLAIN_1X1_TILES (sms: the
+    GPU's SM count, which the 128-row tiles must fill). The k = 7 convs are at the grid's
+    best."""
     import triton
 
     block_ci = 64 if cin % 64 == 0 else 32
+    if m >= 2048 and k == 1 and not in_snake and block_ci == 64 and PLAIN_1X1_TILES:
+        bo = 128 if cout % 128 == 0 else 64  # no masked half tile (C = 192: 3 x 64)
+        if triton.cdiv(m, 128) * triton.cdiv(cout, bo) >= sms:
+            return 128, 64, bo, 8
+        return 64, 64, 64, 4
     if m >= 2048 and k == 1:
         return 64, 32, 128 if cout > 64 else 64, 4
     if m >= 2048:
@@ -296,7 +316,11 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
         out = torch.empty((TAPS_WIDTH, B, n), dtype=torch.float32,
                           device=xin.device).permute(1, 2, 0)  # fmt: skip
         out_alpha, out_inv_beta = taps[1], taps[2]
-    bm, bci, bo, warps, stages = config or (*_config(B * n, cin, cout, k), 3)
+    from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
+
+    sms = _num_sms(xin.device)
+    bm, bci, bo, warps, stages = config or (
+        *_config(B * n, cin, cout, k, in_snake=alpha is not None, sms=sms), 3)
     if taps is not None:  # every output channel in the tile
         bo = max(16, triton.next_power_of_2(cout))
         if config is None:  # two warpgroups: see OUTPUT_TAPS_WARPS
@@ -309,9 +333,7 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
         maxnreg = EPILOGUE_MAXNREG  # the two-warpgroup tile with the epilogue SnakeBeta
     tiles = triton.cdiv(B * n, bm) * triton.cdiv(cout, bo)
     k_steps = triton.cdiv(k * cin, bci) if flat else k * triton.cdiv(cin, bci)
-    from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
-
-    split = _split_k(tiles, k_steps, _num_sms(xin.device), split_k, split)
+    split = _split_k(tiles, k_steps, sms, split_k, split)
     if split > 1 and tiles > _MAX_TILES:
         split = 1
     if split > 1:  # partials [split, M, Cout] fp32 and the tiles' arrival counters

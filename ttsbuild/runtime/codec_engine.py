@@ -236,13 +236,20 @@ RING_HALF = os.environ.get("TTSBUILD_CODEC_RING_HALF", "1") == "1"
 # bias, the block's SnakeBeta with the context (snake_context) before it, in place of a
 # SnakeBeta, a cuBLAS GEMM into a [B, n, taps, s, Cout] buffer and the overlap-add (6
 # transposed convs a step: 4 decoder blocks of 2 taps, 2 upsample blocks of 1).
-# TTSBUILD_CODEC_TCONV_CONV=1 turns it on (built 2026-12-06, not yet timed).
+# On an H100, two alternated rounds, one process a side (as LOOKUP_FUSED): batch 1 / 2 / 8 /
+# 64 / 256 0.537 / 0.646 / 0.862 / 2.408 / 7.135 -> 0.543 / 0.653 / 0.870 / 2.396 / 7.090 ms:
+# 0.5-0.6 % faster from 64 streams, 1 % slower below (the first block's k = 2 conv of 768 x
+# 8 channels over 4 rows a stream took 0.020 ms at batch 1 against the GEMM + overlap-add's
+# 0.013; sweep_conv.py kind tconv). Off; TTSBUILD_CODEC_TCONV_CONV=1 turns it on.
 TCONV_CONV = os.environ.get("TTSBUILD_CODEC_TCONV_CONV", "0") == "1"
 # The step's codebook lookup (the tables' offsets added, a gather of Q rows a frame, their sum,
 # the cast to the pre_conv stage's dtype: four launches) as one kernel
-# (plugins.codebook_sum), writing channels-last rows. TTSBUILD_CODEC_LOOKUP_FUSED=1 turns it
-# on (built 2026-12-06, not yet timed).
-LOOKUP_FUSED = os.environ.get("TTSBUILD_CODEC_LOOKUP_FUSED", "0") == "1"
+# (plugins.codebook_sum), writing channels-last rows. The served step on an H100, two
+# alternated rounds, one process a side (benchmarks/codec/2026-12-06-h100-output-epilogue):
+# batch 1 / 2 / 8 / 64 / 256 0.537 / 0.646 / 0.862 / 2.408 / 7.135 -> 0.534 / 0.642 / 0.856 /
+# 2.405 / 7.124 ms (53.2 dB either way). On by default; TTSBUILD_CODEC_LOOKUP_FUSED=0 turns it
+# off.
+LOOKUP_FUSED = os.environ.get("TTSBUILD_CODEC_LOOKUP_FUSED", "1") == "1"
 # The output stage (SnakeBeta, the conv to one channel, clamp) begun in the epilogue of the
 # last residual unit's 1x1 conv (plugins.causal_conv.conv_output_taps): the tile holds all 96
 # channels of its rows, so it takes their SnakeBeta in fp32 and their 7 taps (a [rows, 96] x
@@ -253,9 +260,13 @@ LOOKUP_FUSED = os.environ.get("TTSBUILD_CODEC_LOOKUP_FUSED", "0") == "1"
 # H100 in the 2026-12-06 profile: latency-bound, one 8-warp CTA an SM) becomes one of ~8 MB.
 # The slot keeps the taps of the stage's last 6 inputs ([S, 6, 16] fp32) in place of their
 # 96 SnakeBeta'd channels. Needs the fused output stage (fp32) after a half-precision last
-# block of residual units on the implicit-GEMM kernel. TTSBUILD_CODEC_OUTPUT_EPILOGUE=1
-# turns it on (built 2026-12-06, not yet timed).
-OUTPUT_EPILOGUE = os.environ.get("TTSBUILD_CODEC_OUTPUT_EPILOGUE", "0") == "1"
+# block of residual units on the implicit-GEMM kernel. The served step on an H100, two
+# alternated rounds, one process a side (benchmarks/codec/2026-12-06-h100-output-epilogue):
+# batch 1 / 2 / 8 / 64 / 256 0.537 / 0.646 / 0.862 / 2.408 / 7.135 -> 0.533 / 0.643 / 0.842 /
+# 2.320 / 6.817 ms (53.2 dB either way). On by default; TTSBUILD_CODEC_OUTPUT_EPILOGUE=0 turns
+# it off. (OUTPUT_TAPS_MAX_T=32, 32-sample tiles for the output kernel, lost: 2.487 / 7.460 ms
+# at 64 / 256.)
+OUTPUT_EPILOGUE = os.environ.get("TTSBUILD_CODEC_OUTPUT_EPILOGUE", "1") == "1"
 # Steps of at most this many streams launch the codec's kernels with PDL (plugins._dispatch
 # codec_pdl_scope): on the H200 (2026-12-02) PDL for every codec kernel made batch 1 1.6 %
 # faster (0.856 -> 0.842 ms) and batches 8-256 2-6 % slower, where programs resident early

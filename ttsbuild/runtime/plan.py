@@ -123,12 +123,11 @@ class EnginePlan(BaseModel):
     codec_fold_block_act: bool | None = None
     codec_conv_split_max_streams: int | None = Field(default=None, ge=0)
     codec_pdl_max_rows: int | None = Field(default=None, ge=0)
-    # built 2026-12-06 (fortieth session), not yet timed: the transposed convs as causal convs
-    # (TCONV_CONV), the codebook lookup as one kernel (LOOKUP_FUSED)
+    # the transposed convs as causal convs (TCONV_CONV; off by default), the codebook lookup as
+    # one kernel (LOOKUP_FUSED; on), the output stage begun in the last 1x1 conv's epilogue
+    # (OUTPUT_EPILOGUE; on): timed 2026-12-06 on an H100
     codec_tconv_conv: bool | None = None
     codec_lookup_fused: bool | None = None
-    # built 2026-12-06 (forty-first session), not yet timed: the output stage begun in the last
-    # 1x1 conv's epilogue (OUTPUT_EPILOGUE)
     codec_output_epilogue: bool | None = None
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
