@@ -6,7 +6,8 @@ one-frame codec step runs, channels-last operands (what is served), on the GPU.
 
 For each decoder stage (channels C, n samples per frame) and kind (--kinds: k7, the dilated
 k = 7 conv with a bias; k7s, the same with a SnakeBeta in its epilogue, out_alpha; k7s128,
-that with its registers capped at 128 a thread (maxnreg); 1x1s, the residual unit's 1x1 conv
+that with its registers capped at 128 a thread (maxnreg); k7stma, k7s on the TMA kernel
+(causal_conv.CONV_TMA; its own grid, `tma_grid`); 1x1s, the residual unit's 1x1 conv
 with SnakeBeta in its input load and the residual added; 1x1, the same without the
 SnakeBeta, as it runs once k7s took it; unit, the whole residual unit after its first
 SnakeBeta as one launch, `residual_unit`, at the stages of C <= 192, its grid (BLOCK_M,
@@ -36,10 +37,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_codec import time_graph  # noqa: E402
 
 from ttsbuild.plugins._tl.fp8_linear import _num_sms  # noqa: E402
-from ttsbuild.plugins.causal_conv import _causal_conv_triton, _config  # noqa: E402
+from ttsbuild.plugins.causal_conv import _causal_conv_triton, _config, _tma_config  # noqa: E402
 from ttsbuild.plugins.codec_context import to_channels_last  # noqa: E402
 
 KINDS = {"k7": "k7 d3", "k7s": "k7 d3 +out snake", "k7s128": "k7 d3 +out snake, maxnreg 128",
+         "k7stma": "k7 d3 +out snake, TMA kernel (CONV_TMA)",
          "1x1s": "1x1 snake+res", "1x1": "1x1 res", "unit": "unit (k7 d3, snake, 1x1, res)",
          "tconv": "block's transposed conv as k2 (TCONV_CONV)"}
 # (C, n per frame) of the 12 Hz codec's decoder blocks (upsample rates 8, 5, 4, 3 after the
@@ -54,6 +56,16 @@ def grid(quick: bool):
         if bm * bo >= 128 * 128 and warps == 4:
             continue  # a 128 x 128 (or larger) accumulator in one warpgroup spills
         if quick and (stages == 2 or bm == 256):
+            continue
+        yield bm, bci, bo, warps, stages
+
+
+def tma_grid(quick: bool):
+    """(BLOCK_M, BLOCK_CI, BLOCK_O, warps, stages) of the TMA kernel: 64-row tiles on one
+    warpgroup, 128-row ones on two (a wgmma tile is 64 rows a warpgroup)."""
+    tiles = itertools.product((64, 128), (32, 64), (64, 128), (4, 8), (3, 4))
+    for bm, bci, bo, warps, stages in tiles:
+        if (bm == 64) != (warps == 4) or (quick and bci == 32 and stages == 3):
             continue
         yield bm, bci, bo, warps, stages
 
@@ -221,23 +233,31 @@ def main() -> None:
                 oa, oib = (alpha, inv_beta) if out_snake else (None, None)
 
                 cap = 128 if "maxnreg 128" in kind else None
+                tma = True if key == "k7stma" else None
 
                 def run(cfg, xin=xin, w=w, bias=bias, d=d, res=res, a=a, ib=ib, oa=oa, oib=oib,
-                        cap=cap):
+                        cap=cap, tma=tma):
                     return _causal_conv_triton(xin, w, bias, d, res, a, ib, True, cfg,
-                                               out_alpha=oa, out_inv_beta=oib, maxnreg=cap)
+                                               out_alpha=oa, out_inv_beta=oib, maxnreg=cap,
+                                               tma=tma, split=False if tma else None)
 
                 # timed as served (config None: the kernel's own choices, maxnreg and flat K
                 # steps included), labelled by `_config`'s tile
-                served = (*_config(B * n, C, C, k, in_snake=a is not None,
-                                   sms=_num_sms(xin.device)), 3)
+                served = (_tma_config(C) if tma else
+                          (*_config(B * n, C, C, k, in_snake=a is not None,
+                                    sms=_num_sms(xin.device)), 3))
                 want = run(None).float()
                 flop = 2.0 * B * n * C * C * k
                 served_ms = time_call(lambda: run(None))
-                best, best_ms, bad = best_config(run, want, configs, served, served_ms)
+                best, best_ms, bad = best_config(run, want, list(tma_grid(args.quick)) if tma
+                                                 else configs, served, served_ms)
                 print(f"| {C} | {n} | {kind} | {B} | {served} | {served_ms:.4f} | "
                       f"{flop / served_ms / 1e9:.0f} | {best} | {best_ms:.4f} | "
                       f"{flop / best_ms / 1e9:.0f} |", flush=True)
+                if tma:  # side by side: the pointer-gather kernel as served
+                    ptr_ms = time_call(lambda run=run: run(None, tma=False))
+                    print(f"  the served pointer-gather kernel: {ptr_ms:.4f} ms "
+                          f"({flop / ptr_ms / 1e9:.0f} TFLOP/s)", flush=True)
                 for line in bad[:5]:
                     print(f"  skipped {line}")
 

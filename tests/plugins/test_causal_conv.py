@@ -204,6 +204,50 @@ def test_split_k_plan(monkeypatch):
     assert cc._split_k(12, 84, 132, 1) == 1
 
 
+@needs_kernel
+@pytest.mark.parametrize(("cin", "cout", "k", "d", "n", "extra"), [
+    (96, 96, 7, 3, 200, "res+out"),  # 64-channel steps over 96 (the next tap's weight rows),
+                                     # a 128-wide output block over 96, a short last row tile
+    (64, 192, 7, 9, 130, "out"),     # three 64-wide output blocks, long dilation
+    (64, 48, 3, 1, 40, "none"),      # no bias: one row tile shorter than a stream's samples
+])
+def test_tma_kernel_equals_the_reference(cin, cout, k, d, n, extra, monkeypatch):
+    """The TMA kernel (CONV_TMA: tensor-descriptor loads of one stream's rows a tile, zero
+    fill past its samples and channels) against the reference: bias, residual and the
+    epilogue SnakeBeta; it runs only on a channels-last input, and the served path takes it
+    from CONV_TMA_MIN_N samples a stream with the switch on."""
+    import ttsbuild.plugins.causal_conv as cc
+
+    xin, weight, bias, residual = _inputs(2, cin, cout, k, d, n, torch.float16, KDEV,
+                                          cin + cout + n)
+    alpha, inv_beta = _snake_params(cout, n, KDEV)
+    w = pack_conv_weight(weight)
+    bias = None if extra == "none" else bias
+    residual = to_channels_last(residual) if "res" in extra else None
+    oa, oib = (alpha, inv_beta) if "out" in extra else (None, None)
+    want = causal_conv(xin, w, bias, d, residual, out_alpha=oa, out_inv_beta=oib,
+                       use_triton=False)
+    xcl = to_channels_last(xin)
+    assert cc._tma_fits(xcl, w, n, None, 1, None, True)
+    assert not cc._tma_fits(xin, w, n, None, 1, None, True)  # not channels-last
+    calls = []
+    real = cc._causal_conv_tma
+    monkeypatch.setattr(cc, "_causal_conv_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = causal_conv(xcl, w, bias, d, residual, out_alpha=oa, out_inv_beta=oib,
+                      channels_last=True, split=False, tma=True, use_triton=True)
+    assert calls and got.shape == want.shape == (2, cout, n) and got.stride(1) == 1
+    assert rel_err(got, want) <= 2e-3
+    monkeypatch.setattr(cc, "CONV_TMA", True)
+    monkeypatch.setattr(cc, "CONV_TMA_MIN_N", n + 1)
+    calls.clear()
+    plain = causal_conv(xcl, w, bias, d, residual, out_alpha=oa, out_inv_beta=oib,
+                        channels_last=True, split=False, use_triton=True)
+    assert not calls and rel_err(plain, want) <= 2e-3  # below the bound: the pointer kernel
+    monkeypatch.setattr(cc, "CONV_TMA_MIN_N", n)
+    causal_conv(xcl, w, bias, d, residual, channels_last=True, split=False, use_triton=True)
+    assert calls
+
+
 def test_1x1_tile_rules(monkeypatch):
     """A 1x1 conv of >= 2048 rows: with SnakeBeta in its load, 64-row tiles of 32-channel K
     steps; without (PLAIN_1X1_TILES), 128-row tiles of two warpgroups where they fill the

@@ -154,14 +154,16 @@ def causal_conv_reference(xin, w, bias, dilation, residual=None, alpha=None, inv
 
 def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None, *,
                 out_alpha=None, out_inv_beta=None, channels_last: bool = False,
-                split: bool | None = None, use_triton: bool | None = None):
+                split: bool | None = None, tma: bool | None = None,
+                use_triton: bool | None = None):
     """See the module docstring; one launch on the GPU. alpha, inv_beta: a SnakeBeta applied
     to the input first (only where the input carries no left context that already had it);
     out_alpha, out_inv_beta: one applied to the output last.
     channels_last: y is a [B, Cout, n] view of a contiguous [B, n, Cout] tensor, as
     `snake_context(channels_last=True)` makes the input, so a conv reading y reads along
     contiguous channels too (the kernel takes any input and residual strides).
-    split: whether tiles that leave SMs idle split over K (`_split_k`); None: SPLIT_K."""
+    split: whether tiles that leave SMs idle split over K (`_split_k`); None: SPLIT_K.
+    tma: the TMA kernel where it takes the conv (`_tma_fits`); None: CONV_TMA."""
     if xin.dtype not in (torch.float16, torch.bfloat16) or not want_triton(xin, use_triton):
         if use_triton and xin.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the causal_conv kernel takes fp16 or bf16, not {xin.dtype}")
@@ -169,7 +171,8 @@ def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None
                                   out_alpha, out_inv_beta)
         return to_channels_last(y) if channels_last else y
     return _causal_conv_triton(xin, w, bias, dilation, residual, alpha, inv_beta, channels_last,
-                               out_alpha=out_alpha, out_inv_beta=out_inv_beta, split=split)
+                               out_alpha=out_alpha, out_inv_beta=out_inv_beta, split=split,
+                               tma=tma)
 
 
 # 1x1 convs with no SnakeBeta in their load (the residual units' second conv once the first
@@ -282,11 +285,78 @@ def _split_k(tiles: int, k_steps: int, sms: int, split_k: int | None,
     return split
 
 
+# Multi-tap convs of long per-stream steps on TMA loads (`_conv_tma_kernel`): the input is
+# channels-last, so tap j's input tile of one stream's rows t0..t0 + BLOCK_M is one [rows,
+# channels] box at (b, t0 + j dilation, c0), which a tensor descriptor loads into shared
+# memory asynchronously (the copy engine zero-fills past the stream's samples and channels),
+# and the loop over (tap, channel block) is software-pipelined by Triton over NUM_STAGES
+# buffers feeding the tensor cores; the pointer-gather tiles of `_conv_acc` are issued by
+# every thread and spend registers on addresses. Tiles never span two streams, so a step
+# of n samples a stream wastes rows where n is not a multiple of BLOCK_M: only where
+# n >= CONV_TMA_MIN_N (the last two decoder stages at one frame a step: 640 and 1920). The
+# k = 7 convs were 180-450 TFLOP/s on an H100 at their tile grid's best (2026-12-06), ~1.24
+# of the 2.25 ms 64-stream step and 4.2 of 6.8 at 256. TTSBUILD_CODEC_CONV_TMA=1 turns it on
+# (built 2026-12-06, not yet timed).
+CONV_TMA = os.environ.get("TTSBUILD_CODEC_CONV_TMA", "0") == "1"
+CONV_TMA_MIN_N = int(os.environ.get("TTSBUILD_CODEC_CONV_TMA_MIN_N", "512"))
+
+
+def _tma_fits(xin, w, n: int, alpha, split: int, taps, tma: bool | None) -> bool:
+    """Whether the conv runs on `_conv_tma_kernel` (see CONV_TMA): on where asked (tma, else
+    the switch), a multi-tap conv with no SnakeBeta in its load, no split-K, no output taps,
+    of >= CONV_TMA_MIN_N samples a stream (tma=True: any), over a channels-last input whose
+    [B, L, Cin] storage is contiguous with 16-byte rows (a tensor descriptor's strides)."""
+    if not (CONV_TMA if tma is None else tma) or taps is not None or alpha is not None:
+        return False
+    k, cin, cout = w.shape
+    B, _, L = xin.shape
+    return (k > 1 and split == 1 and (tma or n >= CONV_TMA_MIN_N)
+            and xin.stride() == (L * cin, 1, cin) and (cin * xin.element_size()) % 16 == 0
+            and (cout * w.element_size()) % 16 == 0 and xin.data_ptr() % 16 == 0
+            and w.data_ptr() % 16 == 0)
+
+
+def _tma_config(cout: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_CI, BLOCK_O, num_warps, num_stages) of `_conv_tma_kernel`: 128-row
+    tiles of two warpgroups, output blocks that leave no masked half where 64 divides Cout."""
+    import triton
+
+    bo = 64 if cout % 128 and cout % 64 == 0 else min(128, max(16, triton.next_power_of_2(cout)))
+    return 128, 64, bo, 8, 4
+
+
+def _causal_conv_tma(xin, w, bias, dilation, residual, out_alpha, out_inv_beta, out,
+                     config=None):
+    """The conv on `_conv_tma_kernel` into `out` (see CONV_TMA; `_tma_fits` holds)."""
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, cin, L = xin.shape
+    k, _, cout = w.shape
+    n = out.shape[-1]
+    bm, bci, bo, warps, stages = config or _tma_config(cout)
+    x_desc = TensorDescriptor(xin, [B, L, cin], [L * cin, cin, 1], [1, bm, bci])
+    w_desc = TensorDescriptor(w, [k * cin, cout], [cout, 1], [bci, bo])
+    res = residual if residual is not None else out
+    out_snake = out_alpha is not None
+    grid = (triton.cdiv(cout, bo), B * triton.cdiv(n, bm))
+    _conv_tma_kernel[grid](
+        x_desc, w_desc, bias if bias is not None else w, res, out,
+        out_alpha if out_snake else w, out_inv_beta if out_snake else w, cin, cout, n,
+        dilation, res.stride(0), res.stride(1), res.stride(2), out.stride(0), out.stride(1),
+        out.stride(2),
+        K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_OUT_SNAKE=out_snake,
+        BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, NUM_STAGES=stages, num_warps=warps,
+        **codec_pdl_args(xin),
+    )  # fmt: skip
+    return out
+
+
 def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=None,
                         channels_last=False, config=None, out_alpha=None, out_inv_beta=None,
                         maxnreg: int | None = None, flat_k: bool | None = None,
                         split_k: int | None = None, split: bool | None = None,
-                        taps=None):
+                        taps=None, tma: bool | None = None):
     """taps: (taps_w, alpha, inv_beta) of `conv_output_taps`: z [B, n, 16] fp32 returned in
     place of the output (one tile of every output channel).
     config: (BLOCK_M, BLOCK_CI, BLOCK_O, num_warps, num_stages) in place of `_config`'s
@@ -296,7 +366,8 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     offline sm_90 compile, `benchmarks/codec/ptx_loads.py --registers`). flat_k: the
     flattened K steps (FLAT_K) where the input allows them; None: the switch decides.
     split_k: programs a tile (SPLIT_K's split-K); None: `split` (None: the switch) and the
-    grid decide."""
+    grid decide. tma: the TMA kernel where `_tma_fits` (None: CONV_TMA); with it, config is
+    that kernel's (`_tma_config`)."""
     import triton
 
     B, cin, L = xin.shape
@@ -336,6 +407,9 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     split = _split_k(tiles, k_steps, sms, split_k, split)
     if split > 1 and tiles > _MAX_TILES:
         split = 1
+    if _tma_fits(xin, w, n, alpha, split, taps, tma):
+        return _causal_conv_tma(xin, w, bias, dilation, residual, out_alpha, out_inv_beta,
+                                out, config if tma else None)
     if split > 1:  # partials [split, M, Cout] fp32 and the tiles' arrival counters
         ws = torch.empty(split * B * n * cout, dtype=torch.float32, device=xin.device)
         cnt = _counters(xin.device)
@@ -648,6 +722,52 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                 y = _snake_cols(y, out_alpha_ptr, out_inv_beta_ptr, offs_o, o_mask)
             dst = out_ptr + (b * sob + t * sot)[:, None] + offs_o[None, :] * soo
             tl.store(dst, y, mask=mask)
+
+    @triton.jit
+    def _conv_tma_kernel(
+        x_desc, w_desc, bias_ptr, res_ptr, out_ptr, out_alpha_ptr, out_inv_beta_ptr, CIN,
+        COUT, N, DIL, srb, sro, srt, sob, soo, sot,
+        K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+        HAS_OUT_SNAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr,
+        BLOCK_O: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """`_causal_conv_kernel`'s conv (no input SnakeBeta, no split-K) on tensor-descriptor
+        loads (see CONV_TMA). Program: output channels o0.. of rows t0.. of stream b (the
+        output-channel blocks of one row tile adjacent in launch order, so they share its
+        input in L2). x_desc: [B, L, CIN] boxes [1, BLOCK_M, BLOCK_CI]; w_desc: the packed
+        weight as [K * CIN, COUT], boxes [BLOCK_CI, BLOCK_O]. Where BLOCK_CI does not divide
+        CIN, a step's last rows of the weight belong to the next tap (or lie past the end,
+        zero-filled), and the input's channels there are zero-filled, so they add nothing."""
+        pdl_prologue(PDL)
+        tiles_t = tl.cdiv(N, BLOCK_M)
+        pid = tl.program_id(1)
+        b = pid // tiles_t
+        t0 = (pid % tiles_t) * BLOCK_M
+        o0 = tl.program_id(0) * BLOCK_O
+        cin_blocks = tl.cdiv(CIN, BLOCK_CI)
+        acc = tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.float32)
+        for it in tl.range(0, K * cin_blocks, num_stages=NUM_STAGES):
+            j = it // cin_blocks
+            c0 = (it % cin_blocks) * BLOCK_CI
+            a = x_desc.load([b, t0 + j * DIL, c0]).reshape(BLOCK_M, BLOCK_CI)
+            wt = w_desc.load([j * CIN + c0, o0])
+            acc = tl.dot(a, wt, acc)
+        offs_t = t0 + tl.arange(0, BLOCK_M)
+        offs_o = o0 + tl.arange(0, BLOCK_O)
+        o_mask = offs_o < COUT
+        mask = (offs_t < N)[:, None] & o_mask[None, :]
+        b64 = b.to(tl.int64)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            r = tl.load(res_ptr + (b64 * srb + offs_t * srt)[:, None] + offs_o[None, :] * sro,
+                        mask=mask, other=0.0)
+            acc += r.to(tl.float32)
+        y = acc.to(out_ptr.dtype.element_ty)
+        if HAS_OUT_SNAKE:  # SnakeBeta of the rounded output, in fp32, rounded again
+            y = _snake_cols(y, out_alpha_ptr, out_inv_beta_ptr, offs_o, o_mask)
+        tl.store(out_ptr + (b64 * sob + offs_t * sot)[:, None] + offs_o[None, :] * soo, y,
+                 mask=mask)
 
     @triton.jit
     def _residual_unit_kernel(
