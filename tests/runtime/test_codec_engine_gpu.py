@@ -166,6 +166,32 @@ def _assert_same_bits_and_replay(dec, precision, codes, flag):
     _assert_replay_equals_eager(engine, codes)
 
 
+def test_tma_convs_keep_the_decode_and_replay(monkeypatch):
+    """The multi-tap convs on the TMA kernel (causal_conv.CONV_TMA, from any length: its
+    host-side tensor descriptors baked into the captured graph) against the pointer-gather
+    kernel, on a decoder wide enough for it (blocks of 128 and 64 channels): the same audio
+    to the summation order, and a captured step equal to the eager one."""
+    from ttsbuild.plugins import causal_conv
+
+    cfg = small_config(decoder_dim=256)
+    dec = our_decoder(cfg, test_state(cfg, seed=41)).cuda()
+    codes = rand_codes(cfg, 2, 8, seed=76)
+    kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
+    calls, real = [], causal_conv._causal_conv_tma
+    monkeypatch.setattr(causal_conv, "_causal_conv_tma",
+                        lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    monkeypatch.setattr(causal_conv, "CONV_TMA", False)
+    plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=2).float()
+    assert not calls
+    monkeypatch.setattr(causal_conv, "CONV_TMA", True)
+    monkeypatch.setattr(causal_conv, "CONV_TMA_MIN_N", 1)
+    engine = CodecEngine(dec, 2, "fp16", **kw)
+    got = decode_with(engine, codes, chunk=2).float()
+    assert calls and {w[1] for w in calls} == {128, 64}, {tuple(w) for w in calls}
+    assert snr_db(plain, got) > 45
+    _assert_replay_equals_eager(engine, codes, frames=2)
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_split_k_convs_keep_the_decode_and_replay(decoders, monkeypatch, precision):
     """Every conv on the implicit-GEMM kernel, the short ones' tiles split over K

@@ -295,8 +295,14 @@ def _split_k(tiles: int, k_steps: int, sms: int, split_k: int | None,
 # of n samples a stream wastes rows where n is not a multiple of BLOCK_M: only where
 # n >= CONV_TMA_MIN_N (the last two decoder stages at one frame a step: 640 and 1920). The
 # k = 7 convs were 180-450 TFLOP/s on an H100 at their tile grid's best (2026-12-06), ~1.24
-# of the 2.25 ms 64-stream step and 4.2 of 6.8 at 256. TTSBUILD_CODEC_CONV_TMA=1 turns it on
-# (built 2026-12-06, not yet timed).
+# of the 2.25 ms 64-stream step and 4.2 of 6.8 at 256. On an H100 (sweep_conv.py kind
+# k7stma, benchmarks/codec/2026-12-06-h100-output-epilogue/call6), the k = 7 conv with its
+# epilogue SnakeBeta, against the served pointer-gather kernel in the same run: C = 192, 640
+# samples a stream, 0.0666 / 0.2569 ms against 0.0778 / 0.3218 at 64 / 256 streams; C = 96
+# (1920 samples) lost, 0.1149 / 0.3803 against 0.0873 / 0.3052 (K and output blocks of 64 and
+# 128 over 96 channels), as did 384 and 768 at 160 and 32 samples (rows wasted at a stream's
+# end). Hence channels in multiples of 64 and CONV_TMA_MIN_N. TTSBUILD_CODEC_CONV_TMA=1 turns
+# it on (off until the codec step is timed with it).
 CONV_TMA = os.environ.get("TTSBUILD_CODEC_CONV_TMA", "0") == "1"
 CONV_TMA_MIN_N = int(os.environ.get("TTSBUILD_CODEC_CONV_TMA_MIN_N", "512"))
 
@@ -304,13 +310,15 @@ CONV_TMA_MIN_N = int(os.environ.get("TTSBUILD_CODEC_CONV_TMA_MIN_N", "512"))
 def _tma_fits(xin, w, n: int, alpha, split: int, taps, tma: bool | None) -> bool:
     """Whether the conv runs on `_conv_tma_kernel` (see CONV_TMA): on where asked (tma, else
     the switch), a multi-tap conv with no SnakeBeta in its load, no split-K, no output taps,
-    of >= CONV_TMA_MIN_N samples a stream (tma=True: any), over a channels-last input whose
-    [B, L, Cin] storage is contiguous with 16-byte rows (a tensor descriptor's strides)."""
+    of >= CONV_TMA_MIN_N samples a stream and channels in multiples of 64 (tma=True: any),
+    over a channels-last input whose [B, L, Cin] storage is contiguous with 16-byte rows (a
+    tensor descriptor's strides)."""
     if not (CONV_TMA if tma is None else tma) or taps is not None or alpha is not None:
         return False
     k, cin, cout = w.shape
     B, _, L = xin.shape
     return (k > 1 and split == 1 and (tma or n >= CONV_TMA_MIN_N)
+            and (tma or (cin % 64 == 0 and cout % 64 == 0))
             and xin.stride() == (L * cin, 1, cin) and (cin * xin.element_size()) % 16 == 0
             and (cout * w.element_size()) % 16 == 0 and xin.data_ptr() % 16 == 0
             and w.data_ptr() % 16 == 0)
