@@ -172,11 +172,14 @@ def test_tma_convs_keep_the_decode_and_replay(monkeypatch):
     kernel, on a decoder wide enough for it (blocks of 128 and 64 channels): the same audio
     to the summation order, and a captured step equal to the eager one."""
     from ttsbuild.plugins import causal_conv
+    from ttsbuild.runtime import codec_engine
 
+    monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)  # every conv on the kernels
     cfg = small_config(decoder_dim=256)
     dec = our_decoder(cfg, test_state(cfg, seed=41)).cuda()
     codes = rand_codes(cfg, 2, 8, seed=76)
-    kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
+    kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True,
+              conv_split_max_streams=0)  # split-K convs never take the TMA kernel
     calls, real = [], causal_conv._causal_conv_tma
     monkeypatch.setattr(causal_conv, "_causal_conv_tma",
                         lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
