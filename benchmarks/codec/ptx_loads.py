@@ -28,7 +28,8 @@ import collections
 import re
 
 PTRS = ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr", "alpha_ptr", "inv_beta_ptr",
-        "out_alpha_ptr", "out_inv_beta_ptr", "ws_ptr", "cnt_ptr", "taps_ptr", "z_ptr")
+        "out_alpha_ptr", "out_inv_beta_ptr", "ws_ptr", "cnt_ptr", "taps_ptr", "z_ptr",
+        "next_ptr", "next_alpha_ptr", "next_inv_beta_ptr")
 
 
 def compile_ptx(channels_last: bool, a, k: int = 7, unit_conv: bool = False) -> str:
@@ -41,11 +42,12 @@ def compile_ptx(channels_last: bool, a, k: int = 7, unit_conv: bool = False) -> 
 def compile_conv(channels_last: bool, a, k: int = 7, unit_conv: bool = False,
                  snake: bool | None = None, out_snake: bool = False, block_m: int = 128,
                  block_o: int = 128, maxnreg: int | None = None, flat_k: int = 0,
-                 out_taps: bool = False):
+                 out_taps: bool = False, next_snake: bool = False):
     """The compiled kernel (snake: the SnakeBeta in the input load, default unit_conv;
     out_snake: one in the epilogue; maxnreg: a cap on a thread's registers; flat_k: the
     flattened (tap, channel) K steps, runs of this many channels, causal_conv.FLAT_RUN;
-    out_taps: the output stage's SnakeBeta and taps in the epilogue, conv_output_taps)."""
+    out_taps: the output stage's SnakeBeta and taps in the epilogue, conv_output_taps;
+    next_snake: the next conv's SnakeBeta'd input stored beside the output, next_act)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -55,19 +57,20 @@ def compile_conv(channels_last: bool, a, k: int = 7, unit_conv: bool = False,
     names = list(kernel.arg_names)
     consts = {"K": 1 if unit_conv else k, "HAS_BIAS": True, "HAS_RES": unit_conv,
               "HAS_SNAKE": unit_conv if snake is None else snake, "HAS_OUT_SNAKE": out_snake,
-              "OUT_TAPS": out_taps, "FLAT_K": flat_k, "SPLIT_K": 1, "BLOCK_M": block_m,
+              "OUT_TAPS": out_taps, "NEXT_SNAKE": next_snake, "FLAT_K": flat_k, "SPLIT_K": 1,
+              "BLOCK_M": block_m,
               "BLOCK_CI": a.block_ci, "BLOCK_O": block_o}  # fmt: skip
     # the strides that are 1: the input's, output's and residual's channel strides
     # (channels-last), else their time strides
-    for unit in ("sxc", "soo", "sro") if channels_last else ("sxt", "sot", "srt"):
+    for unit in ("sxc", "soo", "sro", "sno") if channels_last else ("sxt", "sot", "srt", "snt"):
         consts[unit] = 1
     fp32 = ("alpha_ptr", "inv_beta_ptr", "out_alpha_ptr", "out_inv_beta_ptr", "ws_ptr",
-            "taps_ptr", "z_ptr")
+            "taps_ptr", "z_ptr", "next_alpha_ptr", "next_inv_beta_ptr")
     sig = {n: ("*i32" if n == "cnt_ptr" else "*fp32" if n in fp32 else "*fp16")
            if n in PTRS else
            "constexpr" if n in consts else "i32" for n in names}  # fmt: skip
-    aligned = [*PTRS, "CIN", "COUT", "sob", "srb", "sxb"]
-    aligned += ["sxt", "sot", "srt"] if channels_last else ["sxc", "soo", "sro"]
+    aligned = [*PTRS, "CIN", "COUT", "sob", "srb", "sxb", "snb"]
+    aligned += ["sxt", "sot", "srt", "snt"] if channels_last else ["sxc", "soo", "sro", "sno"]
     src = ASTSource(
         fn=kernel, signature=sig,
         constexprs={(names.index(n),): v for n, v in consts.items()},
@@ -95,6 +98,10 @@ def registers() -> None:
     kinds.append(("1x1 + residual + output taps (OUTPUT_EPILOGUE)",
                   dict(k=1, unit_conv=True, snake=False, out_taps=True),
                   (unit_tiles[0], (64, 32, 128, 8, 3))))
+    kinds.append(("1x1 + residual + the next conv's SnakeBeta'd input (NEXT_ACT_FOLD)",
+                  dict(k=1, unit_conv=True, snake=False, next_snake=True),
+                  ((64, 64, 64, 4, 3), (128, 64, 128, 8, 3), (128, 64, 64, 8, 3),
+                   unit_tiles[0])))
     for name, kw, tile_list in kinds:
         for bm, bci, bo, warps, stages in tile_list:
             a = SimpleNamespace(block_ci=bci, warps=warps, stages=stages, flat_k=0)

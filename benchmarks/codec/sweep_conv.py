@@ -2,12 +2,14 @@
 one-frame codec step runs, channels-last operands (what is served), on the GPU.
 
     PYTHONPATH=. python3 benchmarks/codec/sweep_conv.py [--batches 64,256] [--quick]
-        [--kinds k7,k7s,k7s128,1x1s,1x1,unit,tconv]
+        [--kinds k7,k7s,k7s128,k7stma,1x1next,1x1s,1x1,unit,tconv]
 
 For each decoder stage (channels C, n samples per frame) and kind (--kinds: k7, the dilated
 k = 7 conv with a bias; k7s, the same with a SnakeBeta in its epilogue, out_alpha; k7s128,
 that with its registers capped at 128 a thread (maxnreg); k7stma, k7s on the TMA kernel
-(causal_conv.CONV_TMA; its own grid, `tma_grid`); 1x1s, the residual unit's 1x1 conv
+(causal_conv.CONV_TMA; its own grid, `tma_grid`); 1x1next, the 1x1 conv + snake_context
+of its output against the conv writing that SnakeBeta itself + context_fill
+(NEXT_ACT_FOLD); 1x1s, the residual unit's 1x1 conv
 with SnakeBeta in its input load and the residual added; 1x1, the same without the
 SnakeBeta, as it runs once k7s took it; unit, the whole residual unit after its first
 SnakeBeta as one launch, `residual_unit`, at the stages of C <= 192, its grid (BLOCK_M,
@@ -37,11 +39,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_codec import time_graph  # noqa: E402
 
 from ttsbuild.plugins._tl.fp8_linear import _num_sms  # noqa: E402
-from ttsbuild.plugins.causal_conv import _causal_conv_triton, _config, _tma_config  # noqa: E402
+from ttsbuild.plugins.causal_conv import (  # noqa: E402
+    _causal_conv_triton,
+    _config,
+    _tma_config,
+    causal_conv,
+)
 from ttsbuild.plugins.codec_context import to_channels_last  # noqa: E402
 
 KINDS = {"k7": "k7 d3", "k7s": "k7 d3 +out snake", "k7s128": "k7 d3 +out snake, maxnreg 128",
          "k7stma": "k7 d3 +out snake, TMA kernel (CONV_TMA)",
+         "1x1next": "1x1 res + the next unit's act1 (NEXT_ACT_FOLD)",
          "1x1s": "1x1 snake+res", "1x1": "1x1 res", "unit": "unit (k7 d3, snake, 1x1, res)",
          "tconv": "block's transposed conv as k2 (TCONV_CONV)"}
 # (C, n per frame) of the 12 Hz codec's decoder blocks (upsample rates 8, 5, 4, 3 after the
@@ -58,6 +66,42 @@ def grid(quick: bool):
         if quick and (stages == 2 or bm == 256):
             continue
         yield bm, bci, bo, warps, stages
+
+
+def sweep_next_act(B: int, C: int, n: int, dev, dt) -> None:
+    """NEXT_ACT_FOLD's trade at a stage: the 1x1 conv + snake_context of its output (the next
+    unit's act1 with a context of 18, dilation 3) against the 1x1 conv writing that SnakeBeta
+    beside its output (next_act) + context_fill, each as served; outputs checked equal."""
+    from ttsbuild.plugins.codec_context import context_fill, snake_context
+
+    ctx, S = 18, B + 1
+    h = to_channels_last(torch.randn(B, C, n, device=dev, dtype=dt))
+    w = (torch.randn(1, C, C, device=dev) / C ** 0.5).to(dt)
+    bias = torch.randn(C, device=dev, dtype=dt)
+    res = to_channels_last(torch.randn(B, C, n, device=dev, dtype=dt))
+    alpha = torch.rand(C, 1, device=dev) + 0.5
+    inv_beta = torch.rand(C, 1, device=dev) + 0.5
+    tail = torch.randn(S, ctx, C, device=dev, dtype=dt).transpose(1, 2)
+    rows = torch.arange(B, device=dev)
+    buf = torch.empty((B, ctx + n, C), device=dev, dtype=dt).transpose(1, 2)
+
+    def before():
+        y = causal_conv(h, w, bias, 1, res, channels_last=True)
+        return snake_context(y, alpha, inv_beta, tail, rows, channels_last=True)
+
+    def after():
+        causal_conv(h, w, bias, 1, res, channels_last=True,
+                    next_act=(alpha, inv_beta, buf[..., ctx:]))
+        return context_fill(buf, tail, rows)
+
+    t0 = tail.clone()
+    want = before().float()
+    tail.copy_(t0)
+    err = ((after().float() - want).abs().max() / want.abs().max()).item()
+    tail.copy_(t0)
+    b_ms, a_ms = time_call(before), time_call(after)
+    print(f"| {C} | {n} | {KINDS['1x1next']} | {B} | 1x1 + snake_context | {b_ms:.4f} | | "
+          f"next_act + context_fill | {a_ms:.4f} | rel. diff {err:.1e} |", flush=True)
 
 
 def tma_grid(quick: bool):
@@ -217,6 +261,9 @@ def main() -> None:
                     continue
                 if key == "tconv":
                     sweep_tconv(B, C, n, args.quick, dev, dt)
+                    continue
+                if key == "1x1next":
+                    sweep_next_act(B, C, n, dev, dt)
                     continue
                 k, d = (7, 3) if kind.startswith("k7") else (1, 1)
                 ctx = (k - 1) * d

@@ -247,6 +247,7 @@ def test_compile_pins_the_codec_switches_it_gates(bf16_engine, monkeypatch):
     assert fp16.codec_qkv_attend is ce.QKV_ATTEND and fp16.codec_fold_block_act is ce.FOLD_BLOCK_ACT
     assert fp16.codec_tconv_conv is ce.TCONV_CONV and fp16.codec_lookup_fused is ce.LOOKUP_FUSED
     assert fp16.codec_output_epilogue is ce.OUTPUT_EPILOGUE
+    assert fp16.codec_next_act_fold is ce.NEXT_ACT_FOLD
     strict = BuildConfig(codec_precision="fp32").runtime_plan()
     assert strict.codec_transformer_half_weights is False and strict.codec_ring_half is False
     ring, pdl = ce.RING_HALF, ce.CODEC_PDL_MAX_ROWS  # as the engine directory was built

@@ -249,6 +249,43 @@ def test_tma_kernel_equals_the_reference(cin, cout, k, d, n, extra, monkeypatch)
     assert bool(calls) == (cin % 64 == 0 and cout % 64 == 0)  # 64-channel multiples only
 
 
+@pytest.mark.parametrize(("cin", "cout", "n", "split"), [
+    (64, 192, 700, False),   # >= 2048 rows: PLAIN_1X1_TILES's tile, three output blocks
+    (96, 96, 30, False),     # 32-wide K steps, one short tile a stream
+    (128, 64, 9, True),      # split-K: only the last program's epilogue stores either
+])
+def test_next_act_writes_the_next_convs_input(cin, cout, n, split):
+    """causal_conv(next_act=(alpha, inv_beta, dst)): a residual unit's 1x1 conv (residual,
+    no SnakeBeta in its load) also writes SnakeBeta of its stored output into dst, a view
+    after ctx columns of the next conv's channels-last input buffer, as snake_context would:
+    the reference path and the kernel (where one runs) alike; the columns before dst and the
+    output itself untouched by it; bad destinations and parameters refused."""
+    from ttsbuild.plugins.codec_context import snake_context_reference
+
+    dev = KDEV or "cpu"
+    xin, weight, bias, residual = _inputs(3, cin, cout, 1, 1, n, torch.float16, dev,
+                                          cin + cout + n)
+    alpha, inv_beta = _snake_params(cout, n + 1, dev)
+    xin, residual, w = to_channels_last(xin), to_channels_last(residual), pack_conv_weight(weight)
+    ctx = 18
+    for use_triton in (False, True) if KDEV else (False,):
+        buf = torch.full((3, ctx + n, cout), 7.0, dtype=xin.dtype, device=dev)
+        dst = buf.transpose(1, 2)[..., ctx:]
+        y = causal_conv(xin, w, bias, 1, residual, channels_last=True, split=split,
+                        next_act=(alpha, inv_beta, dst), use_triton=use_triton)
+        plain = causal_conv(xin, w, bias, 1, residual, channels_last=True, split=split,
+                            use_triton=use_triton)
+        assert torch.equal(y, plain)  # the output as without it
+        want = snake_context_reference(y, alpha, inv_beta, None, None)
+        assert rel_err(want, y) > 1e-2  # the SnakeBeta changes the values checked
+        assert rel_err(dst, want) <= 1e-3, use_triton
+        assert bool((buf[:, :ctx] == 7.0).all())  # the context columns left to context_fill
+    with pytest.raises(ValueError, match="destination"):
+        causal_conv(xin, w, bias, 1, residual, next_act=(alpha, inv_beta, dst[:, :-1]))
+    with pytest.raises(ValueError, match="alpha"):
+        causal_conv(xin, w, bias, 1, residual, next_act=(alpha[:-1], inv_beta, dst))
+
+
 def test_1x1_tile_rules(monkeypatch):
     """A 1x1 conv of >= 2048 rows: with SnakeBeta in its load, 64-row tiles of 32-channel K
     steps; without (PLAIN_1X1_TILES), 128-row tiles of two warpgroups where they fill the

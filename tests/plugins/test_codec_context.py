@@ -89,3 +89,31 @@ def test_the_channels_last_tile_setting_is_checked():
     for bad in ("32,128", "a,b,c", "48,64,4", "0,64,4"):
         with pytest.raises(ValueError, match="TTSBUILD_SNAKE_CL_TILE"):
             _tile(bad)
+
+
+@pytest.mark.parametrize(("C", "n", "ctx", "channels_last"),
+                         [(96, 300, 54, True), (48, 4, 54, True), (40, 16, 6, False),
+                          (130, 70, 18, True)])
+def test_context_fill_is_snake_context_of_samples_in_place(C, n, ctx, channels_last):
+    """context_fill over a buffer whose last n columns hold SnakeBeta'd samples (as
+    causal_conv's next_act writes them) = snake_context of the raw samples: the same input
+    with its left context from the rows' tails (n < ctx: part of the old tail shifted), the
+    same new tails, the other slots untouched; the reference and the kernel alike."""
+    from ttsbuild.plugins.codec_context import context_fill
+
+    x, alpha, inv_beta, tail, rows = _inputs(3, C, n, ctx, 5, torch.float16, KDEV or "cpu",
+                                             C + n)
+    ref_tail = tail.clone()
+    want = snake_context(x, alpha, inv_beta, ref_tail, rows, channels_last=channels_last,
+                         use_triton=False)
+    for use_triton in (False, True) if KDEV else (False,):  # the kernel where one runs
+        t = tail.clone()
+        buf = torch.full((3, ctx + n, C) if channels_last else (3, C, ctx + n), 7.0,
+                         dtype=x.dtype, device=x.device)
+        xin = buf.transpose(1, 2) if channels_last else buf
+        xin[..., ctx:] = snake_context_reference(x, alpha, inv_beta, None, None)
+        got = context_fill(xin, t, rows, use_triton=use_triton)
+        assert got.data_ptr() == buf.data_ptr()
+        assert torch.equal(got, want), use_triton
+        assert torch.equal(t, ref_tail), use_triton
+        assert not torch.equal(t, tail)  # the tails moved on

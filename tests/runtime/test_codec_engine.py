@@ -815,3 +815,39 @@ def test_output_stage_in_the_last_conv_epilogue_decodes_the_same_audio(precision
     assert not CodecEngine(dec, 2, "fp16", output_epilogue=True).output_epilogue
     assert not CodecEngine(dec, 2, "fp16", **{**kw, "fused_output": False},
                            output_epilogue=True).output_epilogue  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_next_act_fold_decodes_the_same_audio(precision, monkeypatch):
+    """CodecEngine(next_act_fold=True): each residual unit's act1 written by the unit before
+    (its 1x1 conv's next_act, then context_fill; the kernels under TRITON_INTERPRET=1, else
+    their references) against snake_context: the same audio (the same SnakeBeta of the same
+    rounded values, the same tails carried), chunks of 1 and 4 from two slots, two of each
+    block's three snake_context launches gone; off without the SnakeBeta in conv1's epilogue
+    or channels-last operands."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    fills = _spy(monkeypatch, ce, "context_fill", lambda xin, *a, **k: tuple(xin.shape))
+    contexts = _spy(monkeypatch, ce, "snake_context", lambda *a, **k: None)
+    dec, codes, kw = _small_triton(47, True)
+    plain = CodecEngine(dec, 2, precision, **kw, next_act_fold=False)
+    eng = CodecEngine(dec, 2, precision, **kw, next_act_fold=True)
+    assert eng.next_act_fold and not plain.next_act_fold
+    blocks = sum(isinstance(m, ce.DecoderBlock) for m in eng.codec.decoder)
+    for chunk in (1, 4):
+        want = ce.decode_with(plain, codes, chunk=chunk)
+        steps = -(-codes.shape[-1] // chunk)
+        assert not fills
+        before = len(contexts)
+        contexts.clear()
+        got = ce.decode_with(eng, codes, chunk=chunk)
+        assert len(fills) == 2 * blocks * steps  # units 2 and 3 of every block
+        assert before - len(contexts) == len(fills)
+        fills.clear()
+        contexts.clear()
+        assert got.shape == want.shape
+        assert torch.equal(got, want)
+    assert not CodecEngine(dec, 2, precision, **kw, next_act_fold=True,
+                           snake_epilogue=False).next_act_fold
+    assert not CodecEngine(dec, 2, precision, **{**kw, "channels_last": False},
+                           next_act_fold=True).next_act_fold  # fmt: skip

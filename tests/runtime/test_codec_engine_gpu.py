@@ -166,6 +166,21 @@ def _assert_same_bits_and_replay(dec, precision, codes, flag):
     _assert_replay_equals_eager(engine, codes)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_next_act_fold_keeps_the_decode_and_replays(decoders, monkeypatch, precision):
+    """Each residual unit's act1 written by the unit before (next_act_fold: the 1x1 conv's
+    epilogue stores SnakeBeta of its rounded output after the next conv's context columns,
+    context_fill puts the tail in front) against snake_context, every conv on the
+    implicit-GEMM kernel (min rows 1): the same audio (the same fp32 SnakeBeta of the same
+    rounded values), and a captured step equal to the eager one."""
+    from ttsbuild.runtime import codec_engine
+
+    monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)
+    cfg, _, dec = decoders
+    _assert_same_bits_and_replay(dec, precision, rand_codes(cfg, 2, 8, seed=78),
+                                 "next_act_fold")
+
+
 def test_tma_convs_keep_the_decode_and_replay(monkeypatch):
     """The multi-tap convs on the TMA kernel (causal_conv.CONV_TMA, from any length: its
     host-side tensor descriptors baked into the captured graph) against the pointer-gather

@@ -84,7 +84,7 @@ def test_plan_gives_the_codec_engine_its_settings(monkeypatch):
                       tf32_layers_max_rows=None, ring_half=None,
                       fold_block_act=None, conv_split_max_streams=None,
                       pdl_max_rows=None, tconv_conv=None, lookup_fused=None,
-                      output_epilogue=None)  # fmt: skip
+                      output_epilogue=None, next_act_fold=None)  # fmt: skip
     assert plan.codec_engine_kwargs("cuda")["conv_impl"] == "triton"  # resolved, not "auto"
     # the 2026-12-06 switches: None leaves each to its environment variable; a plan that
     # pins one gives the engine the value (test_codec_engine: the value wins over the

@@ -154,7 +154,7 @@ def causal_conv_reference(xin, w, bias, dilation, residual=None, alpha=None, inv
 
 def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None, *,
                 out_alpha=None, out_inv_beta=None, channels_last: bool = False,
-                split: bool | None = None, tma: bool | None = None,
+                split: bool | None = None, tma: bool | None = None, next_act=None,
                 use_triton: bool | None = None):
     """See the module docstring; one launch on the GPU. alpha, inv_beta: a SnakeBeta applied
     to the input first (only where the input carries no left context that already had it);
@@ -163,16 +163,38 @@ def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None
     `snake_context(channels_last=True)` makes the input, so a conv reading y reads along
     contiguous channels too (the kernel takes any input and residual strides).
     split: whether tiles that leave SMs idle split over K (`_split_k`); None: SPLIT_K.
-    tma: the TMA kernel where it takes the conv (`_tma_fits`); None: CONV_TMA."""
+    tma: the TMA kernel where it takes the conv (`_tma_fits`); None: CONV_TMA.
+    next_act: (alpha, inv_beta, dst): SnakeBeta of the output (after out_alpha's, if any) also
+    written to dst, a [B, Cout, n] view of xin's dtype (the next conv's input beside its left
+    context: snake_context's SnakeBeta of y, the same rounding steps), by the epilogue."""
+    if next_act is not None:
+        _check_next_act(next_act, xin, w)
     if xin.dtype not in (torch.float16, torch.bfloat16) or not want_triton(xin, use_triton):
         if use_triton and xin.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the causal_conv kernel takes fp16 or bf16, not {xin.dtype}")
         y = causal_conv_reference(xin, w, bias, dilation, residual, alpha, inv_beta,
                                   out_alpha, out_inv_beta)
+        if next_act is not None:
+            next_act[2].copy_(snake_context_reference(y, next_act[0], next_act[1], None, None))
         return to_channels_last(y) if channels_last else y
     return _causal_conv_triton(xin, w, bias, dilation, residual, alpha, inv_beta, channels_last,
                                out_alpha=out_alpha, out_inv_beta=out_inv_beta, split=split,
-                               tma=tma)
+                               tma=tma, next_act=next_act)
+
+
+def _check_next_act(next_act, xin, w) -> None:
+    """causal_conv's next_act: (alpha, inv_beta) Cout contiguous fp32 values each and a
+    [B, Cout, n] destination of xin's dtype."""
+    alpha, inv_beta, dst = next_act
+    k, _, cout = w.shape
+    B, _, L = xin.shape
+    for name, p in (("alpha", alpha), ("inv_beta", inv_beta)):
+        if p.numel() != cout or p.dtype != torch.float32 or not p.is_contiguous():
+            raise ValueError(f"next_act's {name} must be {cout} contiguous fp32 values, got "
+                             f"{tuple(p.shape)} {p.dtype}")
+    if dst.dim() != 3 or dst.shape[:2] != (B, cout) or dst.dtype != xin.dtype:
+        raise ValueError(f"next_act's destination must be [{B}, {cout}, n] {xin.dtype}, got "
+                         f"{tuple(dst.shape)} {dst.dtype}")
 
 
 # 1x1 convs with no SnakeBeta in their load (the residual units' second conv once the first
@@ -364,9 +386,10 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
                         channels_last=False, config=None, out_alpha=None, out_inv_beta=None,
                         maxnreg: int | None = None, flat_k: bool | None = None,
                         split_k: int | None = None, split: bool | None = None,
-                        taps=None, tma: bool | None = None):
+                        taps=None, tma: bool | None = None, next_act=None):
     """taps: (taps_w, alpha, inv_beta) of `conv_output_taps`: z [B, n, 16] fp32 returned in
-    place of the output (one tile of every output channel).
+    place of the output (one tile of every output channel). next_act: see causal_conv (not
+    with taps; never on the TMA kernel).
     config: (BLOCK_M, BLOCK_CI, BLOCK_O, num_warps, num_stages) in place of `_config`'s
     (benchmarks/codec/sweep_conv.py times a grid of them). maxnreg: a cap on the registers a
     thread (Triton's compile option; timing only: with the epilogue SnakeBeta the 128 x 128
@@ -415,7 +438,9 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     split = _split_k(tiles, k_steps, sms, split_k, split)
     if split > 1 and tiles > _MAX_TILES:
         split = 1
-    if _tma_fits(xin, w, n, alpha, split, taps, tma):
+    if next_act is not None and (taps is not None or next_act[2].shape[-1] != n):
+        raise ValueError(f"next_act takes a [B, Cout, {n}] destination and no output taps")
+    if next_act is None and _tma_fits(xin, w, n, alpha, split, taps, tma):
         return _causal_conv_tma(xin, w, bias, dilation, residual, out_alpha, out_inv_beta,
                                 out, config if tma else None)
     if split > 1:  # partials [split, M, Cout] fp32 and the tiles' arrival counters
@@ -437,15 +462,19 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     # with taps the kernel rounds y to xin's dtype (its out_ptr) and stores z instead
     dst = xin if taps is not None else out
     so = (0, 0, 0) if taps is not None else out.stride()
+    nxt = next_act[2] if next_act is not None else out
     _causal_conv_kernel[grid](
         xin, w, bias if bias is not None else w, res, dst, alpha if snake else w,
         inv_beta if snake else w, out_alpha if out_snake else w,
         out_inv_beta if out_snake else w, ws, cnt, taps[0] if taps is not None else w,
-        out if taps is not None else w, B * n, cin, cout, n, dilation,
+        out if taps is not None else w, nxt,
+        next_act[0] if next_act is not None else w, next_act[1] if next_act is not None else w,
+        B * n, cin, cout, n, dilation,
         xin.stride(0), xin.stride(1), xin.stride(2), res.stride(0), res.stride(1), res.stride(2),
-        *so,
+        *so, *(nxt.stride() if next_act is not None else (0, 0, 0)),
         K=k, HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SNAKE=snake,
         HAS_OUT_SNAKE=out_snake and taps is None, OUT_TAPS=taps is not None,
+        NEXT_SNAKE=next_act is not None,
         FLAT_K=FLAT_RUN if flat else 0, SPLIT_K=split,
         BLOCK_M=bm, BLOCK_CI=bci, BLOCK_O=bo, num_warps=warps, num_stages=stages,
         **codec_pdl_args(xin), **({"maxnreg": maxnreg} if maxnreg else {}),
@@ -681,13 +710,28 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         return acc
 
     @triton.jit
+    def _bias_residual(acc, bias_ptr, res_ptr, res_rows, offs_o, o_mask, mask, sro, dtype,
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+        """The conv tile's epilogue before any SnakeBeta: acc (fp32) + the bias + the
+        residual (its rows' offsets res_rows [BLOCK_M], channel stride sro), rounded to dtype
+        once."""
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            r = tl.load(res_ptr + res_rows[:, None] + offs_o[None, :] * sro, mask=mask,
+                        other=0.0)
+            acc += r.to(tl.float32)
+        return acc.to(dtype)
+
+    @triton.jit
     def _causal_conv_kernel(
         x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, alpha_ptr, inv_beta_ptr, out_alpha_ptr,
-        out_inv_beta_ptr, ws_ptr, cnt_ptr, taps_ptr, z_ptr, M, CIN, COUT, N, DIL, sxb, sxc,
-        sxt, srb, sro, srt, sob, soo, sot,
+        out_inv_beta_ptr, ws_ptr, cnt_ptr, taps_ptr, z_ptr, next_ptr, next_alpha_ptr,
+        next_inv_beta_ptr, M, CIN, COUT, N, DIL, sxb, sxc, sxt, srb, sro, srt, sob, soo, sot,
+        snb, sno, snt,
         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAKE: tl.constexpr,
-        HAS_OUT_SNAKE: tl.constexpr, OUT_TAPS: tl.constexpr, FLAT_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
+        HAS_OUT_SNAKE: tl.constexpr, OUT_TAPS: tl.constexpr, NEXT_SNAKE: tl.constexpr,
+        FLAT_K: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_O: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
@@ -709,13 +753,8 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             acc, last = _split_sum(acc, ws_ptr, cnt_ptr, offs_m, offs_o, mask, M, COUT, SPLIT_K)
             mask = mask & ((tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.int32) + last) > 0)
             rows_kept = m_mask & ((tl.zeros([BLOCK_M], dtype=tl.int32) + last) > 0)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
-        if HAS_RES:
-            r = tl.load(res_ptr + (b * srb + t * srt)[:, None] + offs_o[None, :] * sro,
-                        mask=mask, other=0.0)
-            acc += r.to(tl.float32)
-        y = acc.to(out_ptr.dtype.element_ty)
+        y = _bias_residual(acc, bias_ptr, res_ptr, b * srb + t * srt, offs_o, o_mask, mask,
+                           sro, out_ptr.dtype.element_ty, HAS_BIAS, HAS_RES)
         if OUT_TAPS:  # the output stage's SnakeBeta (fp32, unrounded) times its taps
             # 0 on masked channels (y is: their weights, bias and residual load as 0)
             sb = _snake_cols_f32(y, out_alpha_ptr, out_inv_beta_ptr, offs_o, o_mask)
@@ -730,6 +769,10 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
                 y = _snake_cols(y, out_alpha_ptr, out_inv_beta_ptr, offs_o, o_mask)
             dst = out_ptr + (b * sob + t * sot)[:, None] + offs_o[None, :] * soo
             tl.store(dst, y, mask=mask)
+            if NEXT_SNAKE:  # the next conv's input: SnakeBeta of the stored output
+                h = _snake_cols(y, next_alpha_ptr, next_inv_beta_ptr, offs_o, o_mask)
+                tl.store(next_ptr + (b * snb + t * snt)[:, None] + offs_o[None, :] * sno, h,
+                         mask=mask)
 
     @triton.jit
     def _conv_tma_kernel(
@@ -765,13 +808,8 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
         o_mask = offs_o < COUT
         mask = (offs_t < N)[:, None] & o_mask[None, :]
         b64 = b.to(tl.int64)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_o, mask=o_mask, other=0.0).to(tl.float32)[None, :]
-        if HAS_RES:
-            r = tl.load(res_ptr + (b64 * srb + offs_t * srt)[:, None] + offs_o[None, :] * sro,
-                        mask=mask, other=0.0)
-            acc += r.to(tl.float32)
-        y = acc.to(out_ptr.dtype.element_ty)
+        y = _bias_residual(acc, bias_ptr, res_ptr, b64 * srb + offs_t * srt, offs_o, o_mask,
+                           mask, sro, out_ptr.dtype.element_ty, HAS_BIAS, HAS_RES)
         if HAS_OUT_SNAKE:  # SnakeBeta of the rounded output, in fp32, rounded again
             y = _snake_cols(y, out_alpha_ptr, out_inv_beta_ptr, offs_o, o_mask)
         tl.store(out_ptr + (b64 * sob + offs_t * sot)[:, None] + offs_o[None, :] * soo, y,

@@ -44,6 +44,50 @@ def snake_context_reference(x, alpha, inv_beta, tail, rows, channels_last=False)
     return to_channels_last(x) if channels_last else x
 
 
+def context_fill_reference(xin, tail, rows):
+    """xin [B, C, ctx + n] whose last n columns hold the conv's input: its first ctx columns
+    set to the rows' tails, then the tails set to its last ctx columns, in place."""
+    ctx = tail.shape[-1]
+    xin[..., :ctx] = tail.index_select(0, rows)
+    tail.index_copy_(0, rows, xin[..., -ctx:])
+    return xin
+
+
+def context_fill(xin, tail, rows, *, use_triton: bool | None = None):
+    """snake_context's left context alone, for an input whose SnakeBeta'd samples are already
+    in place (causal_conv's next_act wrote them after ctx columns of its buffer): xin
+    [B, C, ctx + n] channels-last or contiguous, returned; one launch on the GPU (the first
+    time block of `_snake_context_kernel`, without SnakeBeta, over xin itself: it reads only
+    the columns it rewrites with the same values, and those of the new tail)."""
+    B, C, L = xin.shape
+    ctx = tail.shape[-1]
+    if not ctx or L <= ctx:
+        raise ValueError(f"context_fill needs a context and samples after it, got xin "
+                         f"{tuple(xin.shape)} for a context of {ctx}")
+    if not want_triton(xin, use_triton):
+        return context_fill_reference(xin, tail, rows)
+    import triton
+
+    if tail.shape[1] != C or tail.dtype != xin.dtype or tail.stride(0) != C * ctx \
+            or 1 not in tail.stride()[1:]:
+        raise ValueError(f"tail must be [S, {C}, {ctx}] {xin.dtype} over contiguous storage, "
+                         f"got {tuple(tail.shape)} {tail.dtype} strides {tail.stride()}")
+    n = L - ctx
+    x = xin[..., ctx:]
+    block_ctx = triton.next_power_of_2(ctx)
+    channels_last = xin.stride(1) == 1
+    block_c = min(triton.next_power_of_2(C), CHANNELS_LAST_TILE[0] if channels_last
+                  else max(1, 4096 // block_ctx))
+    grid = (B, triton.cdiv(C, block_c), 1)  # the time block holding the context only
+    _snake_context_kernel[grid](
+        x, x, x, tail, rows, xin, C, n, ctx, x.stride(0), x.stride(1), x.stride(2),
+        xin.stride(0), xin.stride(1), xin.stride(2), *tail.stride()[1:],
+        HAS_SNAKE=False, HAS_TAIL=True, BLOCK_C=block_c, BLOCK_T=block_ctx,
+        BLOCK_CTX=block_ctx, num_warps=4, **codec_pdl_args(xin),
+    )  # fmt: skip
+    return xin
+
+
 def _tile(spec: str) -> tuple[int, int, int]:
     """"channels,time,warps", each a power of two (TTSBUILD_SNAKE_CL_TILE)."""
     try:

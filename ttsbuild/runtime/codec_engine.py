@@ -71,7 +71,7 @@ from ttsbuild.plugins.causal_conv import (
     triton_block,
 )
 from ttsbuild.plugins.codebook_sum import codebook_sum
-from ttsbuild.plugins.codec_context import snake_context
+from ttsbuild.plugins.codec_context import context_fill, snake_context
 from ttsbuild.plugins.codec_output import codec_output, output_from_taps
 from ttsbuild.plugins.convnext import convnext, dwconv_norm
 from ttsbuild.plugins.fused_linear import (
@@ -267,6 +267,17 @@ LOOKUP_FUSED = os.environ.get("TTSBUILD_CODEC_LOOKUP_FUSED", "1") == "1"
 # it off. (OUTPUT_TAPS_MAX_T=32, 32-sample tiles for the output kernel, lost: 2.487 / 7.460 ms
 # at 64 / 256.)
 OUTPUT_EPILOGUE = os.environ.get("TTSBUILD_CODEC_OUTPUT_EPILOGUE", "1") == "1"
+# Each residual unit's first SnakeBeta (act1) written by the unit before it: that unit's 1x1
+# conv epilogue stores SnakeBeta of its output (the rounded value snake_context would read)
+# beside the output, after the next conv's context columns in that conv's input buffer
+# (causal_conv next_act); then plugins.codec_context.context_fill puts the slot's tail in
+# front and advances it (a launch over the context's columns alone) in place of
+# snake_context's pass over the whole input. Units 2 and 3 of each block (8 of the step's 20
+# snake_context launches, 150 us of the 64-stream step on an H100, 2026-12-06: 10-25 us
+# each); the 1x1 conv stores one more output, the pass that read it back is gone. Needs the
+# SnakeBeta in conv1's epilogue and the 1x1 conv on the implicit-GEMM kernel.
+# TTSBUILD_CODEC_NEXT_ACT_FOLD=1 turns it on (built 2026-12-06, not yet timed).
+NEXT_ACT_FOLD = os.environ.get("TTSBUILD_CODEC_NEXT_ACT_FOLD", "0") == "1"
 # Steps of at most this many streams launch the codec's kernels with PDL (plugins._dispatch
 # codec_pdl_scope): on the H200 (2026-12-02) PDL for every codec kernel made batch 1 1.6 %
 # faster (0.856 -> 0.842 ms) and batches 8-256 2-6 % slower, where programs resident early
@@ -287,7 +298,7 @@ def default_switches(precision: str) -> dict:
         and precision != "fp32", qkv_attend=QKV_ATTEND, tf32_layers_max_rows=TR_TF32_MAX_ROWS,
         ring_half=RING_HALF and precision != "fp32", conv_split_max_streams=CONV_SPLIT_MAX_STREAMS,
         pdl_max_rows=CODEC_PDL_MAX_ROWS, tconv_conv=TCONV_CONV, lookup_fused=LOOKUP_FUSED,
-        output_epilogue=OUTPUT_EPILOGUE,
+        output_epilogue=OUTPUT_EPILOGUE, next_act_fold=NEXT_ACT_FOLD,
     )  # fmt: skip
 
 
@@ -391,6 +402,7 @@ class CodecEngine:
         tconv_conv: bool | None = None,
         lookup_fused: bool | None = None,
         output_epilogue: bool | None = None,
+        next_act_fold: bool | None = None,
     ) -> None:
         if isinstance(precision, torch.dtype):
             precision = {v: k for k, v in PRECISIONS.items() if k != "tf32"}[precision]
@@ -490,6 +502,11 @@ class CodecEngine:
                                     else output_epilogue) and self._output_epilogue_fits()
         self._out_taps = (pack_output_taps(self._conv_w[self.codec.decoder[-1]])
                           if self.output_epilogue else None)  # fmt: skip
+        # each residual unit's act1 written by the unit before it (None: NEXT_ACT_FOLD), with
+        # the SnakeBeta in conv1's epilogue and channels-last implicit-GEMM convs
+        self.next_act_fold = bool(
+            (dflt["next_act_fold"] if next_act_fold is None else next_act_fold)
+            and self.snake_epilogue and self.channels_last)
         # Off until timed on the GPU (profile_codec.py row '+l'): steps of at most this many
         # frames (rows x chunk) run each pre-transformer layer as five launches of
         # plugins.fused_linear (norm + qkv + bias; the fused attention; o + bias + residual;
@@ -794,12 +811,15 @@ class CodecEngine:
 
     def _conv(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
               act: nn.Module | None = None, residual: Tensor | None = None,
-              out_act: nn.Module | None = None) -> Tensor:
+              out_act: nn.Module | None = None, pre: Tensor | None = None,
+              next_act: tuple | None = None) -> Tensor:
         """residual + the causal conv of act(x) (act: a SnakeBeta or None), its left context
         read from and written back to the rows' tails [S, Cin, context]; then out_act (a
         SnakeBeta or None) of that: in the implicit-GEMM kernel's epilogue where it runs the
-        conv, else as a launch of its own."""
-        y, applied = self._conv_in(m, x, rows, st, act, residual, out_act)
+        conv, else as a launch of its own. pre: act(x) already written after the context
+        columns of this [B, Cin, context + n] buffer (NEXT_ACT_FOLD): only the context is
+        put in; next_act: causal_conv's (`_fold_next` holds)."""
+        y, applied = self._conv_in(m, x, rows, st, act, residual, out_act, pre, next_act)
         if out_act is None or applied:
             return y
         return self._act(out_act, y, rows, channels_last=y.stride(1) == 1)
@@ -816,9 +836,12 @@ class CodecEngine:
 
     def _conv_in(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
                  act: nn.Module | None, residual: Tensor | None,
-                 out_act: nn.Module | None) -> tuple[Tensor, bool]:
+                 out_act: nn.Module | None, pre: Tensor | None = None,
+                 next_act: tuple | None = None) -> tuple[Tensor, bool]:
         """`_conv` before out_act, and whether the kernel applied out_act already."""
         conv = m.conv
+        if pre is not None and not m.context:
+            raise ValueError("a prepared input (pre) is for a conv with left context")
         alpha, inv_beta = self._snake[act] if act is not None else (None, None)
         w = self._conv_w.get(m)
         split = self._split_step(x.shape[0])
@@ -832,7 +855,9 @@ class CodecEngine:
         # channels-last only where the implicit-GEMM kernel takes the conv (see __init__)
         last = (self.channels_last and w is not None and x.dtype != torch.float32
                 and self._implicit(x.shape[0], x.shape[-1]))  # fmt: skip
-        if alpha is not None or tail is not None or (last and x.stride(1) != 1):
+        if pre is not None:  # act(x) in place already (NEXT_ACT_FOLD): only the context
+            x = context_fill(pre, tail, rows)
+        elif alpha is not None or tail is not None or (last and x.stride(1) != 1):
             x = snake_context(x, alpha, inv_beta, tail, rows,
                               channels_last=last)  # [B, Cin, context + n]
         # else nothing to apply or put in front: the conv reads x as it is
@@ -843,7 +868,13 @@ class CodecEngine:
         B, cin, L = x.shape
         k, d = conv.kernel_size[0], conv.dilation[0]
         n = L - m.context
+        if next_act is not None and not (self.conv_impl == "triton" and x.dtype != torch.float32
+                                         and self._implicit(B, n) and out_act is None):
+            raise ValueError("next_act is written only by the implicit-GEMM kernel's epilogue")
         if self.conv_impl == "triton" and x.dtype != torch.float32 and self._implicit(B, n):
+            if next_act is not None:
+                return causal_conv(x, w, conv.bias, d, residual, channels_last=last,
+                                   split=split, next_act=next_act), False  # fmt: skip
             if out_act is not None:
                 out_alpha, out_inv_beta = self._snake[out_act]
                 return causal_conv(x, w, conv.bias, d, residual, out_alpha=out_alpha,
@@ -964,23 +995,30 @@ class CodecEngine:
                 last = self.channels_last and up in self._tconv_w and x.dtype != torch.float32
                 x = self._act(act, x, rows, channels_last=last)
             x = self._conv_t(up, x, rows, st)
+        pre = None  # the unit's conv1 input, made by the unit before it (NEXT_ACT_FOLD)
         for i, u in enumerate(units):
             last = i == len(units) - 1
-            x = self._residual(u, x, rows, st, out_act if last else None, taps=taps and last)
+            x, pre = self._residual(u, x, rows, st, out_act if last else None,
+                                    taps=taps and last, pre=pre,
+                                    nxt=None if last else units[i + 1])  # fmt: skip
         return x
 
     def _residual(self, m: ResidualUnit, x: Tensor, rows: Tensor, st: _Stage,
-                  out_act: nn.Module | None = None, taps: bool = False) -> Tensor:
+                  out_act: nn.Module | None = None, taps: bool = False,
+                  pre: Tensor | None = None,
+                  nxt: ResidualUnit | None = None) -> tuple[Tensor, Tensor | None]:
         """out_act: a SnakeBeta applied to the unit's output (in the 1x1 conv's epilogue
         where the kernel runs it); taps: the output stage's taps of the unit's output
-        returned in its place (`_conv_taps`)."""
+        returned in its place (`_conv_taps`); pre: conv1's input [B, C, context + n] with
+        its SnakeBeta'd samples after the context, written by the unit before (`_fold_next`);
+        nxt: the next unit. Returns (the output, the next unit's pre or None)."""
         c1, c2 = m.conv1, m.conv2
         if taps:
             if self.snake_epilogue and x.shape[0] * x.shape[-1] < SNAKE_EPILOGUE_MAX_ROWS:
-                h = self._conv(c1, x, rows, st, act=m.act1, out_act=m.act2)
-                return self._conv_taps(c2, h, rows, st, residual=x)
+                h = self._conv(c1, x, rows, st, act=m.act1, out_act=m.act2, pre=pre)
+                return self._conv_taps(c2, h, rows, st, residual=x), None
             h = self._conv(c1, x, rows, st, act=m.act1)
-            return self._conv_taps(c2, h, rows, st, act=m.act2, residual=x)
+            return self._conv_taps(c2, h, rows, st, act=m.act2, residual=x), None
         if (FUSED_UNIT_MAX_C and self.conv_impl == "triton" and self.channels_last
                 and x.dtype != torch.float32 and triton_block(x.shape[1]) <= FUSED_UNIT_MAX_C
                 and x.shape[0] * x.shape[-1] >= IMPLICIT_MIN_ROWS and c1 in self._conv_w
@@ -992,13 +1030,30 @@ class CodecEngine:
             y = residual_unit(xin, self._conv_w[c1], c1.conv.bias, c1.conv.dilation[0],
                               *self._snake[m.act2], self._conv_w[c2], c2.conv.bias, x,
                               channels_last=True)  # fmt: skip
-            return y if out_act is None else self._act(out_act, y, rows, channels_last=True)
+            return y if out_act is None else self._act(out_act, y, rows, channels_last=True), None
         if self.snake_epilogue and x.shape[0] * x.shape[-1] < SNAKE_EPILOGUE_MAX_ROWS:
             # act2 in conv1's epilogue (see SNAKE_EPILOGUE)
-            h = self._conv(m.conv1, x, rows, st, act=m.act1, out_act=m.act2)
-            return self._conv(m.conv2, h, rows, st, residual=x, out_act=out_act)
+            h = self._conv(m.conv1, x, rows, st, act=m.act1, out_act=m.act2, pre=pre)
+            nxt_in = None
+            if nxt is not None and out_act is None and self._fold_next(c2, h):
+                # the next unit's act1 here (see NEXT_ACT_FOLD)
+                ctx = nxt.conv1.context
+                buf = torch.empty((h.shape[0], ctx + h.shape[-1], c2.conv.out_channels),
+                                  dtype=h.dtype, device=h.device).transpose(1, 2)
+                nxt_in = buf
+                y = self._conv(c2, h, rows, st, residual=x,
+                               next_act=(*self._snake[nxt.act1], buf[..., ctx:]))
+                return y, nxt_in
+            return self._conv(m.conv2, h, rows, st, residual=x, out_act=out_act), None
         h = self._conv(m.conv1, x, rows, st, act=m.act1)
-        return self._conv(m.conv2, h, rows, st, act=m.act2, residual=x, out_act=out_act)
+        return self._conv(m.conv2, h, rows, st, act=m.act2, residual=x, out_act=out_act), None
+
+    def _fold_next(self, m: CausalConv1d, x: Tensor) -> bool:
+        """Whether the 1x1 conv `m` of input x writes the next unit's SnakeBeta'd input
+        (NEXT_ACT_FOLD): where the implicit-GEMM kernel runs it (`_conv_in`'s branch)."""
+        return (self.next_act_fold and m in self._conv_w and not m.context
+                and self.conv_impl == "triton" and x.dtype != torch.float32
+                and self._implicit(x.shape[0], x.shape[-1]))
 
     def _conv_taps(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
                    act: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
