@@ -548,6 +548,34 @@ def test_overlap_add_kernel_equals_reference(n, taps, s, cout, channels_last,
         z = z.flip(1).contiguous()
 
 
+@pytest.mark.parametrize(("n", "taps", "s", "cout"), [(4, 2, 5, 40), (16, 2, 3, 96)])
+def test_overlap_add_next_act_writes_the_next_convs_input(n, taps, s, cout):
+    """overlap_add(next_act=...): the block's first residual unit's SnakeBeta'd input written
+    beside the upsampled output, after ctx columns of a channels-last buffer, as snake_context
+    would (SnakeBeta of the stored output): the reference and the kernel (where one runs)
+    alike, the output and the spill as without it."""
+    from ttsbuild.plugins.codec_context import snake_context_reference
+
+    dev = KDEV or "cpu"
+    z, spill, rows, bias = _oa_inputs(3, n, taps, s, cout, 5, torch.float16, dev, n + s + 1)
+    alpha, inv_beta = _snake_params(cout, n + 2, dev)
+    ctx = 6
+    for use_triton in (False, True) if KDEV else (False,):
+        sp1, sp2 = spill.clone(), spill.clone()
+        buf = torch.full((3, ctx + n * s, cout), 7.0, dtype=z.dtype, device=dev)
+        dst = buf.transpose(1, 2)[..., ctx:]
+        y = overlap_add(z, sp1, rows, bias, channels_last=True, use_triton=use_triton,
+                        next_act=(alpha, inv_beta, dst))
+        plain = overlap_add(z, sp2, rows, bias, channels_last=True, use_triton=use_triton)
+        assert torch.equal(y, plain) and torch.equal(sp1, sp2)
+        want = snake_context_reference(y, alpha, inv_beta, None, None)
+        assert rel_err(want, y) > 1e-2
+        assert rel_err(dst, want) <= 1e-3, use_triton
+        assert bool((buf[:, :ctx] == 7.0).all())
+    with pytest.raises(ValueError, match="destination"):
+        overlap_add(z, spill, rows, bias, next_act=(alpha, inv_beta, dst[..., 1:]))
+
+
 def _output_stage(C, seed, device):
     """The output stage's conv to one channel (nn weight [1, C, 7]), its SnakeBeta [C, 1]."""
     g = torch.Generator().manual_seed(seed)

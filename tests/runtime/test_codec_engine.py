@@ -821,10 +821,10 @@ def test_output_stage_in_the_last_conv_epilogue_decodes_the_same_audio(precision
 def test_next_act_fold_decodes_the_same_audio(precision, monkeypatch):
     """CodecEngine(next_act_fold=True): each residual unit's act1 written by the unit before
     (its 1x1 conv's next_act, then context_fill; the kernels under TRITON_INTERPRET=1, else
-    their references) against snake_context: the same audio (the same SnakeBeta of the same
-    rounded values, the same tails carried), chunks of 1 and 4 from two slots, two of each
-    block's three snake_context launches gone; off without the SnakeBeta in conv1's epilogue
-    or channels-last operands."""
+    their references; the first unit's from the block's overlap-add) against snake_context:
+    the same audio (the same SnakeBeta of the same rounded values, the same tails carried),
+    chunks of 1 and 4 from two slots, each unit's snake_context launch gone; off without the
+    SnakeBeta in conv1's epilogue or channels-last operands."""
     import ttsbuild.runtime.codec_engine as ce
 
     fills = _spy(monkeypatch, ce, "context_fill", lambda xin, *a, **k: tuple(xin.shape))
@@ -841,7 +841,8 @@ def test_next_act_fold_decodes_the_same_audio(precision, monkeypatch):
         before = len(contexts)
         contexts.clear()
         got = ce.decode_with(eng, codes, chunk=chunk)
-        assert len(fills) == 2 * blocks * steps  # units 2 and 3 of every block
+        assert len(fills) == 3 * blocks * steps  # every unit: 2, 3 from the unit before,
+        # 1 from the overlap-add
         assert before - len(contexts) == len(fills)
         fills.clear()
         contexts.clear()

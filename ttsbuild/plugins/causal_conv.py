@@ -168,7 +168,7 @@ def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None
     written to dst, a [B, Cout, n] view of xin's dtype (the next conv's input beside its left
     context: snake_context's SnakeBeta of y, the same rounding steps), by the epilogue."""
     if next_act is not None:
-        _check_next_act(next_act, xin, w)
+        _check_next_act(next_act, xin.shape[0], w.shape[-1], xin.dtype)
     if xin.dtype not in (torch.float16, torch.bfloat16) or not want_triton(xin, use_triton):
         if use_triton and xin.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the causal_conv kernel takes fp16 or bf16, not {xin.dtype}")
@@ -182,18 +182,16 @@ def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None
                                tma=tma, next_act=next_act)
 
 
-def _check_next_act(next_act, xin, w) -> None:
-    """causal_conv's next_act: (alpha, inv_beta) Cout contiguous fp32 values each and a
-    [B, Cout, n] destination of xin's dtype."""
+def _check_next_act(next_act, B: int, cout: int, dtype: torch.dtype) -> None:
+    """causal_conv's or overlap_add's next_act: (alpha, inv_beta) Cout contiguous fp32 values
+    each and a [B, Cout, n] destination of the output's dtype."""
     alpha, inv_beta, dst = next_act
-    k, _, cout = w.shape
-    B, _, L = xin.shape
     for name, p in (("alpha", alpha), ("inv_beta", inv_beta)):
         if p.numel() != cout or p.dtype != torch.float32 or not p.is_contiguous():
             raise ValueError(f"next_act's {name} must be {cout} contiguous fp32 values, got "
                              f"{tuple(p.shape)} {p.dtype}")
-    if dst.dim() != 3 or dst.shape[:2] != (B, cout) or dst.dtype != xin.dtype:
-        raise ValueError(f"next_act's destination must be [{B}, {cout}, n] {xin.dtype}, got "
+    if dst.dim() != 3 or dst.shape[:2] != (B, cout) or dst.dtype != dtype:
+        raise ValueError(f"next_act's destination must be [{B}, {cout}, n] {dtype}, got "
                          f"{tuple(dst.shape)} {dst.dtype}")
 
 
@@ -564,18 +562,29 @@ def overlap_add_reference(z, spill, rows, bias):
     return y.reshape(B, n * s, cout).transpose(1, 2)  # [B, Cout, n * s]
 
 
-def overlap_add(z, spill, rows, bias, *, channels_last: bool = False,
+def overlap_add(z, spill, rows, bias, *, channels_last: bool = False, next_act=None,
                 use_triton: bool | None = None):
     """See the module docstring; one launch on the GPU. `spill` may be None when taps == 1.
     Returns [B, Cout, n * s]: the eager path a transposed view (channels-last storage), the
     kernel a contiguous tensor, or with channels_last a view of a contiguous
-    [B, n * s, Cout] one (the kernel then stores along z's contiguous channels)."""
+    [B, n * s, Cout] one (the kernel then stores along z's contiguous channels).
+    next_act: (alpha, inv_beta, dst) as causal_conv's: SnakeBeta of the output also written
+    to dst [B, Cout, n * s] (the next conv's input after its context columns)."""
+    B, n, taps, s, cout = z.shape
+    if next_act is not None:
+        _check_next_act(next_act, B, cout, z.dtype)
+        if next_act[2].shape[-1] != n * s:
+            raise ValueError(f"next_act's destination must be [{B}, {cout}, {n * s}], got "
+                             f"{tuple(next_act[2].shape)}")
     if not want_triton(z, use_triton):
-        return overlap_add_reference(z, spill, rows, bias)
-    return _overlap_add_triton(z, spill, rows, bias, channels_last)
+        y = overlap_add_reference(z, spill, rows, bias)
+        if next_act is not None:
+            next_act[2].copy_(snake_context_reference(y, next_act[0], next_act[1], None, None))
+        return y
+    return _overlap_add_triton(z, spill, rows, bias, channels_last, next_act)
 
 
-def _overlap_add_triton(z, spill, rows, bias, channels_last=False):
+def _overlap_add_triton(z, spill, rows, bias, channels_last=False, next_act=None):
     import triton
 
     B, n, taps, s, cout = z.shape
@@ -599,11 +608,15 @@ def _overlap_add_triton(z, spill, rows, bias, channels_last=False):
                          f"{block_u}-sample block")
     span = max(n * s, (taps - 1) * s)  # outputs, and the new spill's samples (row program)
     grid = (B, triton.cdiv(span, block_u), triton.cdiv(cout, block_o))
+    nxt = next_act[2] if next_act is not None else out
     _overlap_add_kernel[grid](
-        z, spill if taps > 1 else z, rows, bias, out, n, s, cout,
-        out.stride(0), out.stride(1), out.stride(2),
+        z, spill if taps > 1 else z, rows, bias, out, nxt,
+        next_act[0] if next_act is not None else bias,
+        next_act[1] if next_act is not None else bias, n, s, cout,
+        out.stride(0), out.stride(1), out.stride(2), *nxt.stride(),
         *(spill.stride()[1:] if taps > 1 else (1, 1)),
-        TAPS=taps, BLOCK_U=block_u, BLOCK_O=block_o, num_warps=4, **codec_pdl_args(z),
+        TAPS=taps, NEXT_SNAKE=next_act is not None, BLOCK_U=block_u, BLOCK_O=block_o,
+        num_warps=4, **codec_pdl_args(z),
     )  # fmt: skip
     return out
 
@@ -856,8 +869,10 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
 
     @triton.jit
     def _overlap_add_kernel(
-        z_ptr, spill_ptr, rows_ptr, bias_ptr, out_ptr, N, S, COUT, sob, soo, sou, spo, spu,
-        TAPS: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_O: tl.constexpr, PDL: tl.constexpr,
+        z_ptr, spill_ptr, rows_ptr, bias_ptr, out_ptr, next_ptr, next_alpha_ptr,
+        next_inv_beta_ptr, N, S, COUT, sob, soo, sou, snb, sno, snu, spo, spu,
+        TAPS: tl.constexpr, NEXT_SNAKE: tl.constexpr, BLOCK_U: tl.constexpr,
+        BLOCK_O: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl_prologue(PDL)
         # Program: row b, output samples u = t * S + r (a block of them), channels o. It also
@@ -904,5 +919,8 @@ if triton_available():  # the kernel exists only where Triton imports (not neede
             tl.debug_barrier()  # every read of the old spill precedes any write of the new
             tl.store(sp_row + o[None, :] * spo + u[:, None] * spu,
                      sp.to(out_ptr.dtype.element_ty), mask=new_mask)
-        tl.store(out_ptr + b * sob + o[None, :] * soo + u[:, None] * sou,
-                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        y = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b * sob + o[None, :] * soo + u[:, None] * sou, y, mask=out_mask)
+        if NEXT_SNAKE:  # the next conv's input: SnakeBeta of the stored output
+            h = _snake_cols(y, next_alpha_ptr, next_inv_beta_ptr, o, o_mask)
+            tl.store(next_ptr + b * snb + o[None, :] * sno + u[:, None] * snu, h, mask=out_mask)

@@ -272,10 +272,12 @@ OUTPUT_EPILOGUE = os.environ.get("TTSBUILD_CODEC_OUTPUT_EPILOGUE", "1") == "1"
 # beside the output, after the next conv's context columns in that conv's input buffer
 # (causal_conv next_act); then plugins.codec_context.context_fill puts the slot's tail in
 # front and advances it (a launch over the context's columns alone) in place of
-# snake_context's pass over the whole input. Units 2 and 3 of each block (8 of the step's 20
-# snake_context launches, 150 us of the 64-stream step on an H100, 2026-12-06: 10-25 us
-# each); the 1x1 conv stores one more output, the pass that read it back is gone. Needs the
-# SnakeBeta in conv1's epilogue and the 1x1 conv on the implicit-GEMM kernel.
+# snake_context's pass over the whole input. Units 2 and 3 of each block take it from the
+# unit before, unit 1 from the block's overlap-add (the transposed conv's GEMM path: the
+# kernel's epilogue, overlap_add next_act): 12 of the step's 20 snake_context launches, 217
+# us of the 64-stream step on an H100 (2026-12-06: 10-25 us each). The conv or overlap-add
+# stores one more output; the pass that read it back is gone. Needs the SnakeBeta in conv1's
+# epilogue and the 1x1 conv on the implicit-GEMM kernel.
 # TTSBUILD_CODEC_NEXT_ACT_FOLD=1 turns it on (built 2026-12-06, not yet timed).
 NEXT_ACT_FOLD = os.environ.get("TTSBUILD_CODEC_NEXT_ACT_FOLD", "0") == "1"
 # Steps of at most this many streams launch the codec's kernels with PDL (plugins._dispatch
@@ -927,11 +929,11 @@ class CodecEngine:
         return y.transpose(1, 2).reshape(B, n * m.stride, cout).transpose(1, 2)
 
     def _conv_t_gemm(self, m: CausalConvTranspose1d, x: Tensor, rows: Tensor, st: _Stage,
-                     w: Tensor) -> Tensor:
+                     w: Tensor, next_act: tuple | None = None) -> Tensor:
         """Transposed conv as z = x^T @ w ([B, n, taps, stride, Cout]: input frame t's
         contribution to output blocks t .. t + taps - 1), then the overlap-add with the slot's
         spill (plugins.causal_conv.overlap_add: one kernel with the fused convs, else the
-        eager ops)."""
+        eager ops); next_act: overlap_add's (NEXT_ACT_FOLD)."""
         B, cin, n = x.shape
         s, cout = m.stride, m.conv.out_channels
         taps = m.conv.kernel_size[0] // s
@@ -939,7 +941,7 @@ class CodecEngine:
         spill = self.state[m.slot][0] if taps > 1 else None  # [S, Cout, overlap]
         kernel = None if self.fused_convs else False
         return overlap_add(z, spill, rows, m.conv.bias, channels_last=self.channels_last,
-                           use_triton=kernel)
+                           next_act=next_act, use_triton=kernel)
 
     def _linear(self, m: nn.Linear, x: Tensor, st: _Stage) -> Tensor:
         return F.linear(st.mm_in(x), m.weight, m.bias)
@@ -987,6 +989,7 @@ class CodecEngine:
         a SnakeBeta (the next block's first) applied to the block's output; taps: the
         output stage's taps of the block's output returned in its place (OUTPUT_EPILOGUE)."""
         act, up, *units = m.block
+        pre = None  # the unit's conv1 input, made before it (NEXT_ACT_FOLD)
         if up in self._tconv_k:  # the SnakeBeta with the conv's context (see TCONV_CONV)
             x = self._conv_t(up, x, rows, st, act=None if act_done else act)
         else:
@@ -994,8 +997,16 @@ class CodecEngine:
                 # channels-last: the transposed conv's GEMM reads x^T without a copy
                 last = self.channels_last and up in self._tconv_w and x.dtype != torch.float32
                 x = self._act(act, x, rows, channels_last=last)
-            x = self._conv_t(up, x, rows, st)
-        pre = None  # the unit's conv1 input, made by the unit before it (NEXT_ACT_FOLD)
+            if self.next_act_fold and up in self._tconv_w and x.dtype != torch.float32:
+                # the first unit's act1 in the overlap-add (see NEXT_ACT_FOLD)
+                ctx = units[0].conv1.context
+                pre = torch.empty((x.shape[0], ctx + x.shape[-1] * up.stride,
+                                   up.conv.out_channels), dtype=x.dtype,
+                                  device=x.device).transpose(1, 2)  # fmt: skip
+                x = self._conv_t_gemm(up, x, rows, st, self._tconv_w[up],
+                                      next_act=(*self._snake[units[0].act1], pre[..., ctx:]))
+            else:
+                x = self._conv_t(up, x, rows, st)
         for i, u in enumerate(units):
             last = i == len(units) - 1
             x, pre = self._residual(u, x, rows, st, out_act if last else None,
