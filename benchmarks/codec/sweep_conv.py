@@ -106,8 +106,9 @@ def sweep_next_act(B: int, C: int, n: int, dev, dt) -> None:
 
 def tma_grid(quick: bool):
     """(BLOCK_M, BLOCK_CI, BLOCK_O, warps, stages) of the TMA kernel: 64-row tiles on one
-    warpgroup, 128-row ones on two (a wgmma tile is 64 rows a warpgroup)."""
-    tiles = itertools.product((64, 128), (32, 64), (64, 128), (4, 8), (3, 4))
+    warpgroup, 128-row ones on two (a wgmma tile is 64 rows a warpgroup); 32-wide output
+    blocks too (C = 96 as three, none masked)."""
+    tiles = itertools.product((64, 128), (32, 64), (32, 64, 128), (4, 8), (3, 4))
     for bm, bci, bo, warps, stages in tiles:
         if (bm == 64) != (warps == 4) or (quick and bci == 32 and stages == 3):
             continue
