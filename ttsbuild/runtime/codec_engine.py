@@ -1045,15 +1045,13 @@ class CodecEngine:
         if self.snake_epilogue and x.shape[0] * x.shape[-1] < SNAKE_EPILOGUE_MAX_ROWS:
             # act2 in conv1's epilogue (see SNAKE_EPILOGUE)
             h = self._conv(m.conv1, x, rows, st, act=m.act1, out_act=m.act2, pre=pre)
-            nxt_in = None
             if nxt is not None and out_act is None and self._fold_next(c2, h):
                 # the next unit's act1 here (see NEXT_ACT_FOLD)
                 ctx = nxt.conv1.context
-                buf = torch.empty((h.shape[0], ctx + h.shape[-1], c2.conv.out_channels),
-                                  dtype=h.dtype, device=h.device).transpose(1, 2)
-                nxt_in = buf
+                nxt_in = torch.empty((h.shape[0], ctx + h.shape[-1], c2.conv.out_channels),
+                                     dtype=h.dtype, device=h.device).transpose(1, 2)
                 y = self._conv(c2, h, rows, st, residual=x,
-                               next_act=(*self._snake[nxt.act1], buf[..., ctx:]))
+                               next_act=(*self._snake[nxt.act1], nxt_in[..., ctx:]))
                 return y, nxt_in
             return self._conv(m.conv2, h, rows, st, residual=x, out_act=out_act), None
         h = self._conv(m.conv1, x, rows, st, act=m.act1)
