@@ -12,7 +12,10 @@ stores and cp.async copies in the PTX of each.
 also capped at 128 registers),
 the 1x1 conv with and without the SnakeBeta in its load, at the 128 x 128 tiles of two
 warpgroups (>= 2048 rows) and the 64-row tiles of one (fewer rows); the last 1x1 conv with
-the output stage's taps in its epilogue (OUTPUT_EPILOGUE; its tile: every channel).
+the output stage's taps in its epilogue (OUTPUT_EPILOGUE; its tile: every channel); the 1x1
+conv storing the next unit's SnakeBeta'd input too (NEXT_ACT_FOLD); the k = 7 conv with its
+epilogue SnakeBeta on the TMA kernel (CONV_TMA: whether its PTX has TMA copies, mbarriers
+and wgmma, and its shared memory).
 
 The integer arguments are specialised as Triton specialises them at run time: a stride of 1
 as a constant, the others (and the pointers) as multiples of 16 (the codec's channel counts,
@@ -81,6 +84,29 @@ def compile_conv(channels_last: bool, a, k: int = 7, unit_conv: bool = False,
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_tma(bm: int, bci: int, bo: int, warps: int, stages: int):
+    """The TMA kernel (causal_conv._conv_tma_kernel) for a k = 7 conv with a bias and the
+    epilogue SnakeBeta, channels-last output and residual (channel stride 1)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ttsbuild.plugins.causal_conv import _conv_tma_kernel as kernel
+
+    names = list(kernel.arg_names)
+    consts = {"K": 7, "HAS_BIAS": True, "HAS_RES": False, "HAS_OUT_SNAKE": True,
+              "BLOCK_M": bm, "BLOCK_CI": bci, "BLOCK_O": bo, "NUM_STAGES": stages,
+              "PDL": False, "soo": 1, "sro": 1}  # fmt: skip
+    descs = {"x_desc": f"tensordesc<fp16[1,{bm},{bci}]>", "w_desc": f"tensordesc<fp16[{bci},{bo}]>"}
+    sig = {n: descs.get(n) or ("*fp32" if n in ("out_alpha_ptr", "out_inv_beta_ptr") else
+                               "*fp16" if n.endswith("_ptr") else
+                               "constexpr" if n in consts else "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={(names.index(n),): v for n, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
 def registers() -> None:
     """Registers and spills a thread, per served kind and tile (see the module docstring)."""
     from types import SimpleNamespace
@@ -93,8 +119,10 @@ def registers() -> None:
              for out in (False, True)]
     kinds.append(("k7 + epilogue SnakeBeta, maxnreg 128", dict(k=7, out_snake=True,
                                                                maxnreg=128), tiles[:1]))
+    plain_tiles = ((128, 64, 128, 8, 3), (128, 64, 64, 8, 3))  # PLAIN_1X1_TILES's
     kinds += [(f"1x1 + residual{' + SnakeBeta in the load' if snake else ''}",
-               dict(k=1, unit_conv=True, snake=snake), unit_tiles) for snake in (True, False)]
+               dict(k=1, unit_conv=True, snake=snake),
+               unit_tiles if snake else unit_tiles + plain_tiles) for snake in (True, False)]
     kinds.append(("1x1 + residual + output taps (OUTPUT_EPILOGUE)",
                   dict(k=1, unit_conv=True, snake=False, out_taps=True),
                   (unit_tiles[0], (64, 32, 128, 8, 3))))
@@ -108,6 +136,14 @@ def registers() -> None:
             regs, spills = ptxas_usage(compile_conv(True, a, block_m=bm, block_o=bo, **kw))
             print(f"| {name} | ({bm}, {bci}, {bo}, {warps}, {stages}) | {regs} | {spills} |",
                   flush=True)
+    for tile in ((128, 64, 128, 8, 4), (128, 64, 64, 8, 4), (64, 32, 128, 4, 4)):
+        compiled = compile_tma(*tile)
+        ptx = compiled.asm["ptx"]
+        has = [w for w, key in (("TMA", "cp.async.bulk.tensor"), ("mbarrier", "mbarrier"),
+                                ("wgmma", "wgmma")) if key in ptx]
+        regs, spills = ptxas_usage(compiled)
+        print(f"| k7 + epilogue SnakeBeta, TMA kernel ({' + '.join(has)}; "
+              f"{compiled.metadata.shared} B shared) | {tile} | {regs} | {spills} |", flush=True)
 
 
 def ptxas_usage(compiled) -> tuple[str, str]:
