@@ -171,9 +171,9 @@ def test_next_act_fold_keeps_the_decode_and_replays(decoders, monkeypatch, preci
     """Each residual unit's act1 written by the unit before (next_act_fold: the 1x1 conv's
     epilogue, or the block's overlap-add for its first unit, stores SnakeBeta of its rounded
     output after the next conv's context columns, context_fill puts the tail in front)
-    against snake_context, every conv on the
-    implicit-GEMM kernel (min rows 1): the same audio (the same fp32 SnakeBeta of the same
-    rounded values), and a captured step equal to the eager one."""
+    against snake_context, every conv on the implicit-GEMM kernel (min rows 1): the same
+    audio (the same fp32 SnakeBeta of the same rounded values), and a captured step equal to
+    the eager one."""
     from ttsbuild.runtime import codec_engine
 
     monkeypatch.setattr(codec_engine, "IMPLICIT_MIN_ROWS", 1)
