@@ -846,6 +846,9 @@ class CodecEngine:
             raise ValueError("a prepared input (pre) is for a conv with left context")
         alpha, inv_beta = self._snake[act] if act is not None else (None, None)
         w = self._conv_w.get(m)
+        if next_act is not None and not (w is not None and not m.context and out_act is None
+                                         and self._on_kernel(x)):
+            raise ValueError("next_act is written only by the implicit-GEMM kernel's epilogue")
         split = self._split_step(x.shape[0])
         if (w is not None and self.fused_convs and not m.context and alpha is not None
                 and x.dtype != torch.float32 and self._implicit(x.shape[0], x.shape[-1])):
@@ -870,9 +873,6 @@ class CodecEngine:
         B, cin, L = x.shape
         k, d = conv.kernel_size[0], conv.dilation[0]
         n = L - m.context
-        if next_act is not None and not (self.conv_impl == "triton" and x.dtype != torch.float32
-                                         and self._implicit(B, n) and out_act is None):
-            raise ValueError("next_act is written only by the implicit-GEMM kernel's epilogue")
         if self.conv_impl == "triton" and x.dtype != torch.float32 and self._implicit(B, n):
             if next_act is not None:
                 return causal_conv(x, w, conv.bias, d, residual, channels_last=last,
@@ -1000,9 +1000,7 @@ class CodecEngine:
             if self.next_act_fold and up in self._tconv_w and x.dtype != torch.float32:
                 # the first unit's act1 in the overlap-add (see NEXT_ACT_FOLD)
                 ctx = units[0].conv1.context
-                pre = torch.empty((x.shape[0], ctx + x.shape[-1] * up.stride,
-                                   up.conv.out_channels), dtype=x.dtype,
-                                  device=x.device).transpose(1, 2)  # fmt: skip
+                pre = self._fold_buffer(x, ctx, x.shape[-1] * up.stride, up.conv.out_channels)
                 x = self._conv_t_gemm(up, x, rows, st, self._tconv_w[up],
                                       next_act=(*self._snake[units[0].act1], pre[..., ctx:]))
             else:
@@ -1048,8 +1046,7 @@ class CodecEngine:
             if nxt is not None and out_act is None and self._fold_next(c2, h):
                 # the next unit's act1 here (see NEXT_ACT_FOLD)
                 ctx = nxt.conv1.context
-                nxt_in = torch.empty((h.shape[0], ctx + h.shape[-1], c2.conv.out_channels),
-                                     dtype=h.dtype, device=h.device).transpose(1, 2)
+                nxt_in = self._fold_buffer(h, ctx, h.shape[-1], c2.conv.out_channels)
                 y = self._conv(c2, h, rows, st, residual=x,
                                next_act=(*self._snake[nxt.act1], nxt_in[..., ctx:]))
                 return y, nxt_in
@@ -1060,9 +1057,20 @@ class CodecEngine:
     def _fold_next(self, m: CausalConv1d, x: Tensor) -> bool:
         """Whether the 1x1 conv `m` of input x writes the next unit's SnakeBeta'd input
         (NEXT_ACT_FOLD): where the implicit-GEMM kernel runs it (`_conv_in`'s branch)."""
-        return (self.next_act_fold and m in self._conv_w and not m.context
-                and self.conv_impl == "triton" and x.dtype != torch.float32
+        return self.next_act_fold and m in self._conv_w and not m.context and self._on_kernel(x)
+
+    def _on_kernel(self, x: Tensor) -> bool:
+        """Whether a conv with no left context of input x [B, Cin, n] runs on the
+        implicit-GEMM kernel (given its packed weight): `_conv_in`'s kernel branch."""
+        return (self.conv_impl == "triton" and x.dtype != torch.float32
                 and self._implicit(x.shape[0], x.shape[-1]))
+
+    def _fold_buffer(self, like: Tensor, ctx: int, n: int, channels: int) -> Tensor:
+        """The next conv's input [B, channels, ctx + n] of like's dtype (NEXT_ACT_FOLD), a
+        view of contiguous [B, ctx + n, channels] storage: its samples written after ctx
+        columns by a kernel's next_act, its context by context_fill."""
+        return torch.empty((like.shape[0], ctx + n, channels), dtype=like.dtype,
+                           device=like.device).transpose(1, 2)
 
     def _conv_taps(self, m: CausalConv1d, x: Tensor, rows: Tensor, st: _Stage,
                    act: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
