@@ -16,12 +16,15 @@ SnakeBeta as one launch, `residual_unit`, at the stages of C <= 192, its grid (B
 BLOCK_CI, warps, stages) and, on a line below, the k7s + 1x1 launches it replaces, each at
 its served config; tconv, the block's transposed conv as a k = 2 conv over its input
 (TCONV_CONV) and, below, the GEMM + overlap-add it replaces), at each batch: the served
-configuration (as the engine calls it: `_config`'s tile, 3 stages, and for k7s the register
-cap and flat K steps the kernel adds) and every config of the grid (BLOCK_M, BLOCK_CI,
-BLOCK_O, warps, stages), each timed as a CUDA graph of 20 launches (median of 5 runs of 5
-replays), its output checked against the served config's (a config that disagrees is
-reported, never chosen). Prints one table row per shape: served ms and TFLOP/s, the best
-config, its ms and TFLOP/s. GPU only.
+configuration (as the engine calls it: `_config`'s tile, 3 stages, for k7s the register
+cap and flat K steps the kernel adds, and at batches of up to the engine's
+CONV_SPLIT_MAX_STREAMS its split over K) and every config of the grid (BLOCK_M, BLOCK_CI,
+BLOCK_O, warps, stages; at those batches 16- and 32-row tiles too, with the engine's split
+count, then the best tile at each split count of `SPLITS`, a sixth field where one wins),
+each timed as a CUDA graph of 20 launches (median of 5 runs of 5 replays), its output
+checked against the served config's (a config that disagrees is reported, never chosen).
+Prints one table row per shape: served ms and TFLOP/s, the best config, its ms and TFLOP/s.
+GPU only.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from ttsbuild.plugins.causal_conv import (  # noqa: E402
     causal_conv,
 )
 from ttsbuild.plugins.codec_context import to_channels_last  # noqa: E402
+from ttsbuild.runtime.codec_engine import CONV_SPLIT_MAX_STREAMS  # noqa: E402
 
 KINDS = {"k7": "k7 d3", "k7s": "k7 d3 +out snake", "k7s128": "k7 d3 +out snake, maxnreg 128",
          "k7stma": "k7 d3 +out snake, TMA kernel (CONV_TMA)",
@@ -58,8 +62,13 @@ STAGES = ((768, 32), (384, 160), (192, 640), (96, 1920))
 RATES = {768: 8, 384: 5, 192: 4, 96: 3}  # each block's transposed conv: 2C -> C, kernel 2r
 
 
-def grid(quick: bool):
-    tiles = itertools.product((64, 128, 256), (32, 64), (64, 128), (4, 8), (2, 3, 4))
+def grid(quick: bool, few_rows: bool = False):
+    """(BLOCK_M, BLOCK_CI, BLOCK_O, warps, stages); few_rows (steps of at most
+    CONV_SPLIT_MAX_STREAMS streams, whose convs the engine splits over K): 16- and 32-row
+    tiles and 32-wide output blocks too."""
+    rows = (16, 32, 64, 128) if few_rows else (64, 128, 256)
+    outs = (32, 64, 128) if few_rows else (64, 128)
+    tiles = itertools.product(rows, (32, 64), outs, (4, 8), (2, 3, 4))
     for bm, bci, bo, warps, stages in tiles:
         if bm * bo >= 128 * 128 and warps == 4:
             continue  # a 128 x 128 (or larger) accumulator in one warpgroup spills
@@ -199,6 +208,28 @@ def sweep_tconv(B: int, C: int, n: int, quick: bool, dev, dt) -> None:
         print(f"  skipped {line}")
 
 
+SPLITS = (1, 2, 4, 8, 16)  # programs a tile tried at the best tile (few-stream steps)
+
+
+def best_split(run, want, best, best_ms: float):
+    """At the best tile of a few-stream step, each split-K count (`SPLITS`; the tile search
+    ran with the engine's automatic count): (tile + (split,), ms) where one beats it, else
+    (best, best_ms)."""
+    tile = best if len(best) == 5 else None
+    found, found_ms = best, best_ms
+    for sk in SPLITS:
+        try:
+            got = run(tile, split_k=sk).float()
+        except Exception:  # noqa: BLE001 (out of shared memory, etc.: not a candidate)
+            continue
+        if ((got - want).abs().max() / want.abs().max()).item() > 1e-2:
+            continue
+        ms = time_call(lambda sk=sk: run(tile, split_k=sk))
+        if ms < found_ms:
+            found, found_ms = (*(tile or ("served",)), sk), ms
+    return found, found_ms
+
+
 def best_config(run, want, configs, served, served_ms: float):
     """(best config, its ms, skipped configs) over `configs` against the served one: each
     run's output checked against `want` (a config that disagrees is reported, never chosen),
@@ -251,8 +282,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; fp16, channels-last")
     print("| C | n | kind | batch | served config | ms | TFLOP/s | best config | ms | TFLOP/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    configs = list(grid(args.quick))
     for B in (int(b) for b in args.batches.split(",")):
+        few = 0 < B <= CONV_SPLIT_MAX_STREAMS  # the engine splits these steps' convs over K
+        configs = list(grid(args.quick, few))
         for C, n in STAGES:
             for key in kinds:
                 kind = KINDS[key]
@@ -284,10 +316,11 @@ def main() -> None:
                 tma = True if key == "k7stma" else None
 
                 def run(cfg, xin=xin, w=w, bias=bias, d=d, res=res, a=a, ib=ib, oa=oa, oib=oib,
-                        cap=cap, tma=tma):
+                        cap=cap, tma=tma, split_k=None, few=few):
                     return _causal_conv_triton(xin, w, bias, d, res, a, ib, True, cfg,
                                                out_alpha=oa, out_inv_beta=oib, maxnreg=cap,
-                                               tma=tma, split=False if tma else None)
+                                               tma=tma, split=False if tma else few,
+                                               split_k=split_k)
 
                 # timed as served (config None: the kernel's own choices, maxnreg and flat K
                 # steps included), labelled by `_config`'s tile
@@ -299,6 +332,8 @@ def main() -> None:
                 served_ms = time_call(lambda: run(None))
                 best, best_ms, bad = best_config(run, want, list(tma_grid(args.quick)) if tma
                                                  else configs, served, served_ms)
+                if few and not tma:
+                    best, best_ms = best_split(run, want, best, best_ms)
                 print(f"| {C} | {n} | {kind} | {B} | {served} | {served_ms:.4f} | "
                       f"{flop / served_ms / 1e9:.0f} | {best} | {best_ms:.4f} | "
                       f"{flop / best_ms / 1e9:.0f} |", flush=True)

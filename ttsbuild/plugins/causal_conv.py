@@ -51,6 +51,7 @@ bits. Half precision only (fp16, bf16): the engine runs fp32 stages as im2col + 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -321,20 +322,31 @@ def _split_k(tiles: int, k_steps: int, sms: int, split_k: int | None,
 # samples a stream, 0.0666 / 0.2569 ms against 0.0778 / 0.3218 at 64 / 256 streams; C = 96
 # (1920 samples) lost, 0.1149 / 0.3803 against 0.0873 / 0.3052 (K and output blocks of 64 and
 # 128 over 96 channels), as did 384 and 768 at 160 and 32 samples (rows wasted at a stream's
-# end). Hence channels in multiples of 64 and CONV_TMA_MIN_N. TTSBUILD_CODEC_CONV_TMA=1 turns
-# it on (off until the codec step is timed with it).
-CONV_TMA = os.environ.get("TTSBUILD_CODEC_CONV_TMA", "0") == "1"
+# end). Hence channels in multiples of 64 and CONV_TMA_MIN_N. The served codec step on an
+# H100, two alternated rounds, one process a side (benchmarks/codec/2026-12-06-h100-tma-on,
+# call1): batch 1 / 8 / 64 / 256 0.532 / 0.834 / 2.284 / 6.798 -> 0.535 / 0.788 / 2.203 /
+# 6.617 ms (round 2: 0.533 / 0.830 / 2.276 / 6.799 -> 0.534 / 0.786 / 2.202 / 6.615), 53.2 dB
+# either way; the codec engine's GPU tests passed with it on. On by default on sm_90 and
+# newer (TMA hardware); TTSBUILD_CODEC_CONV_TMA=0 turns it off.
+CONV_TMA = os.environ.get("TTSBUILD_CODEC_CONV_TMA", "1") == "1"
 CONV_TMA_MIN_N = int(os.environ.get("TTSBUILD_CODEC_CONV_TMA_MIN_N", "512"))
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _tma_fits(xin, w, n: int, alpha, split: int, taps, tma: bool | None) -> bool:
     """Whether the conv runs on `_conv_tma_kernel` (see CONV_TMA): on where asked (tma, else
-    the switch), a multi-tap conv with no SnakeBeta in its load, no split-K, no output taps,
-    of >= CONV_TMA_MIN_N samples a stream and channels in multiples of 64 (tma=True: any),
-    over a channels-last input whose [B, L, Cin] storage is contiguous with 16-byte rows (a
-    tensor descriptor's strides)."""
+    the switch, on a CUDA GPU of sm_90 or newer), a multi-tap conv with no SnakeBeta in its
+    load, no split-K, no output taps, of >= CONV_TMA_MIN_N samples a stream and channels in
+    multiples of 64 (tma=True: any), over a channels-last input whose [B, L, Cin] storage is
+    contiguous with 16-byte rows (a tensor descriptor's strides)."""
     if not (CONV_TMA if tma is None else tma) or taps is not None or alpha is not None:
         return False
+    if tma is None and xin.is_cuda and _capability(xin.device) < (9, 0):
+        return False  # the switch's default: GPUs with TMA copies only
     k, cin, cout = w.shape
     B, _, L = xin.shape
     return (k > 1 and split == 1 and (tma or n >= CONV_TMA_MIN_N)

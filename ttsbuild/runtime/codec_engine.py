@@ -278,7 +278,13 @@ OUTPUT_EPILOGUE = os.environ.get("TTSBUILD_CODEC_OUTPUT_EPILOGUE", "1") == "1"
 # us of the 64-stream step on an H100 (2026-12-06: 10-25 us each). The conv or overlap-add
 # stores one more output; the pass that read it back is gone. Needs the SnakeBeta in conv1's
 # epilogue and the 1x1 conv on the implicit-GEMM kernel.
-# TTSBUILD_CODEC_NEXT_ACT_FOLD=1 turns it on (built 2026-12-06, not yet timed).
+# Timed on an H100 (benchmarks/codec/2026-12-06-h100-tma-on, call1; the served step, two
+# alternated rounds, one process a side), it lost at every batch: 1 / 8 / 64 / 256 streams
+# 0.532 / 0.834 / 2.284 / 6.798 -> 0.600 / 0.887 / 2.427 / 7.038 ms (same audio, 53.2 dB).
+# Per stage at 64 / 256 streams (sweep_conv.py kind 1x1next, same call) the 1x1 conv with the
+# extra store + context_fill took as long as the conv + snake_context or longer (C = 384:
+# 0.0312 against 0.0259 ms at 64): the store costs what the pass it replaces did. Off;
+# TTSBUILD_CODEC_NEXT_ACT_FOLD=1 turns it on.
 NEXT_ACT_FOLD = os.environ.get("TTSBUILD_CODEC_NEXT_ACT_FOLD", "0") == "1"
 # Steps of at most this many streams launch the codec's kernels with PDL (plugins._dispatch
 # codec_pdl_scope): on the H200 (2026-12-02) PDL for every codec kernel made batch 1 1.6 %
