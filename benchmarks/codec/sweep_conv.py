@@ -317,10 +317,12 @@ def main() -> None:
 
                 def run(cfg, xin=xin, w=w, bias=bias, d=d, res=res, a=a, ib=ib, oa=oa, oib=oib,
                         cap=cap, tma=tma, split_k=None, few=few):
+                    # a grid config is this kernel's (not the TMA kernel's where that would
+                    # take the conv as served)
                     return _causal_conv_triton(xin, w, bias, d, res, a, ib, True, cfg,
                                                out_alpha=oa, out_inv_beta=oib, maxnreg=cap,
-                                               tma=tma, split=False if tma else few,
-                                               split_k=split_k)
+                                               tma=tma if tma or cfg is None else False,
+                                               split=False if tma else few, split_k=split_k)
 
                 # timed as served (config None: the kernel's own choices, maxnreg and flat K
                 # steps included), labelled by `_config`'s tile

@@ -361,6 +361,61 @@ def test_split_k_equals_the_reference(cin, cout, k, d, n, split, extra):
     assert not _counters(torch.device(KDEV)).any()
 
 
+def test_few_tiles_parse_and_refuse_bad_entries():
+    """TTSBUILD_CODEC_FEW_TILES: per output channel count a tile and an optional split count;
+    a malformed entry is a clear error naming the variable, never a silent default."""
+    from ttsbuild.plugins.causal_conv import _few_tiles
+
+    assert _few_tiles("") == {}
+    assert _few_tiles("96:64,64,64,8,4,1; 192:32,64,64,4,3;") == {
+        96: (64, 64, 64, 8, 4, 1), 192: (32, 64, 64, 4, 3)}
+    for bad in ("96:64,64", "x:64,64,64,4,3", "96:64,48,64,4,3", "96-64,64,64,4,3",
+                "96:64,64,64,4,0", "96:64,64,64,6,3"):
+        with pytest.raises(ValueError, match="TTSBUILD_CODEC_FEW_TILES"):
+            _few_tiles(bad)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("cout", "n", "tile"), [
+    (96, 40, (32, 64, 32, 4, 4, 3)),   # flattened K steps over 96 channels, 3 splits
+    (128, 600, (64, 64, 64, 8, 3)),    # the engine's split count; TMA-sized, yet this kernel
+])
+def test_few_tiles_take_the_few_stream_convs(cout, n, tile, monkeypatch):
+    """FEW_TILES: a few-stream conv (split=True, as the engine asks at up to
+    CONV_SPLIT_MAX_STREAMS streams) of that many output channels runs the given tile and
+    split count on the pointer-gather kernel (never `_config`'s tile, never the TMA kernel),
+    with the reference's values; other calls keep the rules."""
+    import ttsbuild.plugins.causal_conv as cc
+
+    xin, weight, bias, residual = _inputs(2, cout, cout, 7, 3, n, torch.float16, KDEV,
+                                          cout + n)  # fmt: skip
+    alpha, inv_beta = _snake_params(cout, n, KDEV)
+    w = pack_conv_weight(weight)
+    want = causal_conv(xin, w, bias, 3, out_alpha=alpha, out_inv_beta=inv_beta,
+                       use_triton=False)
+    last = to_channels_last(xin)
+    splits = []
+    real_split = cc._split_k
+    monkeypatch.setattr(cc, "_split_k", lambda t, k, sms, sk, auto=None: splits.append(sk)
+                        or real_split(t, k, sms, sk, auto))
+    monkeypatch.setattr(cc, "CONV_TMA", True)
+    monkeypatch.setattr(cc, "CONV_TMA_MIN_N", 1)
+    monkeypatch.setattr(cc, "_causal_conv_tma", lambda *a, **kw: pytest.fail("TMA kernel"))
+    monkeypatch.setattr(cc, "FEW_TILES", {cout: tile})
+    monkeypatch.setattr(cc, "_config", lambda *a, **kw: pytest.fail("_config's tile"))
+    got = causal_conv(last, w, bias, 3, out_alpha=alpha, out_inv_beta=inv_beta,
+                      channels_last=True, split=True, use_triton=True)
+    assert rel_err(got, want) <= 2e-3
+    assert splits == [tile[5] if len(tile) == 6 else None]
+    monkeypatch.setattr(cc, "FEW_TILES", {cout + 1: tile})  # another width: the rules
+    monkeypatch.setattr(cc, "CONV_TMA", False)
+    calls = []
+    monkeypatch.setattr(cc, "_config", lambda *a, **kw: calls.append(a) or (32, 64, 32, 4))
+    causal_conv(last, w, bias, 3, out_alpha=alpha, out_inv_beta=inv_beta,
+                channels_last=True, split=True, use_triton=True)
+    assert len(calls) == 1
+
+
 def _snake_params(c, seed, device):
     g = torch.Generator().manual_seed(seed)
     alpha = (0.3 * torch.randn(c, 1, generator=g)).exp()

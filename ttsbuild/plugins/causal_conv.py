@@ -291,6 +291,34 @@ SPLIT_K = os.environ.get("TTSBUILD_CODEC_CONV_SPLIT", "0") == "1"
 SPLIT_MAX = 16
 
 
+def _few_tiles(spec: str) -> dict[int, tuple[int, ...]]:
+    """"C:BLOCK_M,BLOCK_CI,BLOCK_O,warps,stages[,split];..." -> {C: (..)} (FEW_TILES)."""
+    tiles: dict[int, tuple[int, ...]] = {}
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        try:
+            c, rest = entry.split(":")
+            vals = tuple(int(v) for v in rest.split(","))
+            c = int(c)
+        except ValueError:
+            raise ValueError(f"TTSBUILD_CODEC_FEW_TILES entries are 'C:BLOCK_M,BLOCK_CI,"
+                             f"BLOCK_O,warps,stages[,split]', got {entry!r}") from None
+        if len(vals) not in (5, 6) or c < 1 or any(v < 1 for v in vals) \
+                or any(v & (v - 1) for v in vals[:4]):
+            raise ValueError(f"TTSBUILD_CODEC_FEW_TILES {entry!r}: five or six positive "
+                             "values, the block sizes and warps powers of two")
+        tiles[c] = vals
+    return tiles
+
+
+# The multi-tap convs of few-stream steps (those the engine splits over K: `split=True`,
+# codec_engine.CONV_SPLIT_MAX_STREAMS) on a tile given per output channel count, with an
+# optional split count, in place of `_config`'s tile and the automatic split: for timing
+# `sweep_conv.py --batches 1`'s winners in the codec step without a code change (at one
+# stream the k = 7 convs took 9.5-12.1 us each on an H100 whatever their size, 2026-12-06).
+# TTSBUILD_CODEC_FEW_TILES="96:64,64,64,8,4,1;192:64,64,64,8,3" sets it; empty by default.
+FEW_TILES = _few_tiles(os.environ.get("TTSBUILD_CODEC_FEW_TILES", ""))
+
+
 def _split_k(tiles: int, k_steps: int, sms: int, split_k: int | None,
              auto: bool | None = None) -> int:
     """Programs a tile (a power of two): split_k where given, else 1 unless `auto` (None:
@@ -431,6 +459,12 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
 
     sms = _num_sms(xin.device)
+    few = FEW_TILES.get(cout) if (config is None and split is True and k > 1
+                                  and taps is None) else None  # fmt: skip
+    if few is not None:  # see FEW_TILES: as an explicit config of this kernel (sweep_conv's)
+        config, tma = few[:5], False
+        if len(few) == 6 and split_k is None:
+            split_k = few[5]
     bm, bci, bo, warps, stages = config or (
         *_config(B * n, cin, cout, k, in_snake=alpha is not None, sms=sms), 3)
     if taps is not None:  # every output channel in the tile
