@@ -361,6 +361,45 @@ def test_split_k_equals_the_reference(cin, cout, k, d, n, split, extra):
     assert not _counters(torch.device(KDEV)).any()
 
 
+def test_tma_default_needs_hopper_and_host_descriptors(monkeypatch):
+    """CONV_TMA (on by default) takes a fitting conv only on sm_90 or newer and with a Triton
+    that has host-side tensor descriptors; an explicit tma=True is taken as asked."""
+    import ttsbuild.plugins.causal_conv as cc
+
+    class _OnGpu:  # a channels-last input as the capability check sees it on a CUDA device
+        def __init__(self, t):
+            self.t, self.is_cuda, self.device, self.shape = t, True, "cuda:0", t.shape
+
+        def stride(self):
+            return self.t.stride()
+
+        def element_size(self):
+            return self.t.element_size()
+
+        def data_ptr(self):
+            return self.t.data_ptr()
+
+    xin = to_channels_last(torch.randn(2, 64, 600, dtype=torch.float16))
+    w = torch.randn(7, 64, 64, dtype=torch.float16)
+    monkeypatch.setattr(cc, "CONV_TMA", True)
+    monkeypatch.setattr(cc, "CONV_TMA_MIN_N", 512)
+    monkeypatch.setattr(cc, "_host_descriptors", lambda: True)
+    assert cc._tma_fits(xin, w, 582, None, 1, None, None)       # the interpreter's CPU input
+    assert not cc._tma_fits(xin, w, 582, None, 2, None, None)   # split over K: never
+    assert not cc._tma_fits(xin, w, 100, None, 1, None, None)   # below CONV_TMA_MIN_N
+    gpu = _OnGpu(xin)
+    for cap, want in (((8, 0), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(cc, "_capability", lambda dev, cap=cap: cap)
+        assert cc._tma_fits(gpu, w, 582, None, 1, None, None) is want
+        assert cc._tma_fits(gpu, w, 582, None, 1, None, True)  # asked for: taken
+    monkeypatch.setattr(cc, "_host_descriptors", lambda: False)
+    assert not cc._tma_fits(gpu, w, 582, None, 1, None, None)
+    assert not cc._tma_fits(xin, w, 582, None, 1, None, None)
+    monkeypatch.setattr(cc, "_host_descriptors", lambda: True)
+    monkeypatch.setattr(cc, "CONV_TMA", False)
+    assert not cc._tma_fits(gpu, w, 582, None, 1, None, None)
+
+
 def test_few_tiles_parse_and_refuse_bad_entries():
     """TTSBUILD_CODEC_FEW_TILES: per output channel count a tile and an optional split count;
     a malformed entry is a clear error naming the variable, never a silent default."""

@@ -365,16 +365,29 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.cache
+def _host_descriptors() -> bool:
+    """Whether this Triton has host-side tensor descriptors (added after 3.3, which the
+    package allows)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _tma_fits(xin, w, n: int, alpha, split: int, taps, tma: bool | None) -> bool:
     """Whether the conv runs on `_conv_tma_kernel` (see CONV_TMA): on where asked (tma, else
-    the switch, on a CUDA GPU of sm_90 or newer), a multi-tap conv with no SnakeBeta in its
-    load, no split-K, no output taps, of >= CONV_TMA_MIN_N samples a stream and channels in
-    multiples of 64 (tma=True: any), over a channels-last input whose [B, L, Cin] storage is
-    contiguous with 16-byte rows (a tensor descriptor's strides)."""
+    the switch, on a CUDA GPU of sm_90 or newer with a Triton that has host-side tensor
+    descriptors), a multi-tap conv with no SnakeBeta in its load, no split-K, no output
+    taps, of >= CONV_TMA_MIN_N samples a stream and channels in multiples of 64 (tma=True:
+    any), over a channels-last input whose [B, L, Cin] storage is contiguous with 16-byte
+    rows (a tensor descriptor's strides)."""
     if not (CONV_TMA if tma is None else tma) or taps is not None or alpha is not None:
         return False
-    if tma is None and xin.is_cuda and _capability(xin.device) < (9, 0):
-        return False  # the switch's default: GPUs with TMA copies only
+    if tma is None and ((xin.is_cuda and _capability(xin.device) < (9, 0))
+                        or not _host_descriptors()):
+        return False  # the switch's default: GPUs with TMA copies and a Triton that has them
     k, cin, cout = w.shape
     B, _, L = xin.shape
     return (k > 1 and split == 1 and (tma or n >= CONV_TMA_MIN_N)
