@@ -43,7 +43,7 @@
 #         lane off and on
 # pytest: the GPU tests named by $GPU_PYTEST (pytest arguments: files, -k ...), after the wheels
 #         are on the path, with -k "$GPU_PYTEST_K" where given (2026-12-04: a pytest run before this script's setup failed on
-#         `import pydantic`), log $OUT/gpu_pytest.log
+#         `import pydantic`), log $OUT/gpu_pytest.log (-v: every test by name, with the exit code)
 # newkernels: GPU tests of the kernels built 2026-12-04 (twenty-fifth session) without a GPU:
 #         the stack's prefill (test_cp_fused.py -k prefill_kernel_path), the speculative round's
 #         acceptance and head GEMV (test_spec_accept.py) and its books and verify index
@@ -363,9 +363,15 @@ for step in $STEPS; do
         budget=${GPU_PYTEST_S:-200}  # no later than the session's deadline either
         left=$((DEADLINE_S - SECONDS - 10))
         [ "$left" -ge "$budget" ] || budget=$((left > 30 ? left : 30))
+        # -v: each test's name and outcome as it ends, so a run the budget cuts short still
+        # says which tests passed (2026-12-06: two cut runs left only dots); the console
+        # gets the outcome counts
         # shellcheck disable=SC2086  # pytest arguments, split on purpose
-        timeout -k 5 "$budget" python3 -m pytest -q -p no:cacheprovider $GPU_PYTEST \
-            ${GPU_PYTEST_K:+-k "$GPU_PYTEST_K"} 2>&1 | tee "$OUT/gpu_pytest.log" | tail -3 ;;
+        timeout -k 5 "$budget" python3 -m pytest -v -p no:cacheprovider $GPU_PYTEST \
+            ${GPU_PYTEST_K:+-k "$GPU_PYTEST_K"} > "$OUT/gpu_pytest.log" 2>&1
+        echo "rc $? (124: cut at ${budget}s)" >> "$OUT/gpu_pytest.log"
+        grep -cE " PASSED" "$OUT/gpu_pytest.log" | sed 's/^/passed: /'
+        grep -E " (FAILED|ERROR)|^rc |passed|failed" "$OUT/gpu_pytest.log" | tail -8 ;;
     newkernels)
         log "GPU tests: spec accept (and its exact-match mode) + head GEMV, the fused sampler"
         timeout -k 5 "${NEWTESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
