@@ -129,8 +129,8 @@ class EnginePlan(BaseModel):
     codec_tconv_conv: bool | None = None
     codec_lookup_fused: bool | None = None
     codec_output_epilogue: bool | None = None
-    # built 2026-12-06 (forty-second session), not yet timed: each residual unit's act1 written
-    # by the unit before it (NEXT_ACT_FOLD)
+    # each residual unit's act1 written by the unit before it (NEXT_ACT_FOLD): off, slower at
+    # every batch on an H100 (benchmarks/codec/2026-12-06-h100-tma-on)
     codec_next_act_fold: bool | None = None
     # Batch buckets whose code predictor runs on runtime.cp_fused (5 launches per layer):
     # measured faster at small batches only (benchmarks/kernels/RESULTS.md).
