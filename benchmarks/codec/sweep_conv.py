@@ -65,7 +65,11 @@ RATES = {768: 8, 384: 5, 192: 4, 96: 3}  # each block's transposed conv: 2C -> C
 def grid(quick: bool, few_rows: bool = False):
     """(BLOCK_M, BLOCK_CI, BLOCK_O, warps, stages); few_rows (steps of at most
     CONV_SPLIT_MAX_STREAMS streams, whose convs the engine splits over K): 16- and 32-row
-    tiles and 32-wide output blocks too."""
+    tiles and 32-wide output blocks too; with quick, 24 of them (64-channel K steps, rows and
+    outputs <= 64: a few-stream conv's M is 32-1920 a stream, and each config is a compile)."""
+    if few_rows and quick:
+        yield from itertools.product((16, 32, 64), (64,), (32, 64), (4, 8), (3, 4))
+        return
     rows = (16, 32, 64, 128) if few_rows else (64, 128, 256)
     outs = (32, 64, 128) if few_rows else (64, 128)
     tiles = itertools.product(rows, (32, 64), outs, (4, 8), (2, 3, 4))

@@ -106,7 +106,7 @@
 # convsweep: the codec's implicit-GEMM conv at each decoder stage's shapes (channels-last,
 #         k = 7 dilated and 1x1 with snake + residual), the served tile config against a grid
 #         (sweep_conv.py; CONV_SWEEP_ARGS default --quick: 28 configs; at steps of up to 8
-#         streams 92 with the engine's split-K, then split counts 1-16), batches $CONV_BATCHES
+#         streams 24 with the engine's split-K, then split counts 1-16), batches $CONV_BATCHES
 # chain:  bench_chain.py: us per launch in a captured chain of 420 dependent kernels (empty,
 #         a 1024-element hand-off with a reduction over 1-128 programs, the code predictor's
 #         linears at one row), with and without PDL: the floor under a frame's ~420 launches
