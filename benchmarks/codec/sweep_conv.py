@@ -216,22 +216,11 @@ SPLITS = (1, 2, 4, 8, 16)  # programs a tile tried at the best tile (few-stream 
 
 
 def best_split(run, want, best, best_ms: float):
-    """At the best tile of a few-stream step, each split-K count (`SPLITS`; the tile search
-    ran with the engine's automatic count): (tile + (split,), ms) where one beats it, else
-    (best, best_ms)."""
-    tile = best if len(best) == 5 else None
-    found, found_ms = best, best_ms
-    for sk in SPLITS:
-        try:
-            got = run(tile, split_k=sk).float()
-        except Exception:  # noqa: BLE001 (out of shared memory, etc.: not a candidate)
-            continue
-        if ((got - want).abs().max() / want.abs().max()).item() > 1e-2:
-            continue
-        ms = time_call(lambda sk=sk: run(tile, split_k=sk))
-        if ms < found_ms:
-            found, found_ms = (*(tile or ("served",)), sk), ms
-    return found, found_ms
+    """At the best tile of a few-stream step (the tile search ran with the engine's automatic
+    split count), each split-K count of `SPLITS` (`best_config`'s checks and timing):
+    (tile + (split,), ms) where one beats it, else (best, best_ms)."""
+    split, ms, _ = best_config(lambda sk: run(best, split_k=sk), want, SPLITS, None, best_ms)
+    return (best, best_ms) if split is None else ((*best, split), ms)
 
 
 def best_config(run, want, configs, served, served_ms: float):

@@ -364,11 +364,13 @@ def test_split_k_equals_the_reference(cin, cout, k, d, n, split, extra):
 def test_tma_default_needs_hopper_and_host_descriptors(monkeypatch):
     """CONV_TMA (on by default) takes a fitting conv only on sm_90 or newer and with a Triton
     that has host-side tensor descriptors; an explicit tma=True is taken as asked."""
+    import ttsbuild.plugins._dispatch as dispatch
     import ttsbuild.plugins.causal_conv as cc
 
     class _OnGpu:  # a channels-last input as the capability check sees it on a CUDA device
         def __init__(self, t):
-            self.t, self.is_cuda, self.device, self.shape = t, True, "cuda:0", t.shape
+            self.t, self.is_cuda, self.shape = t, True, t.shape
+            self.device = torch.device("cuda", 0)
 
         def stride(self):
             return self.t.stride()
@@ -383,19 +385,22 @@ def test_tma_default_needs_hopper_and_host_descriptors(monkeypatch):
     w = torch.randn(7, 64, 64, dtype=torch.float16)
     monkeypatch.setattr(cc, "CONV_TMA", True)
     monkeypatch.setattr(cc, "CONV_TMA_MIN_N", 512)
-    monkeypatch.setattr(cc, "_host_descriptors", lambda: True)
+    monkeypatch.setattr(dispatch, "_host_descriptors", lambda: True)
     assert cc._tma_fits(xin, w, 582, None, 1, None, None)       # the interpreter's CPU input
     assert not cc._tma_fits(xin, w, 582, None, 2, None, None)   # split over K: never
     assert not cc._tma_fits(xin, w, 100, None, 1, None, None)   # below CONV_TMA_MIN_N
     gpu = _OnGpu(xin)
-    for cap, want in (((8, 0), False), ((9, 0), True), ((10, 0), True)):
-        monkeypatch.setattr(cc, "_capability", lambda dev, cap=cap: cap)
+    for major, want in ((8, False), (9, True), (10, True)):
+        monkeypatch.setattr(dispatch.torch.cuda, "get_device_capability",
+                            lambda index, major=major: (major, 0))
+        dispatch._hopper.cache_clear()
         assert cc._tma_fits(gpu, w, 582, None, 1, None, None) is want
         assert cc._tma_fits(gpu, w, 582, None, 1, None, True)  # asked for: taken
-    monkeypatch.setattr(cc, "_host_descriptors", lambda: False)
+    dispatch._hopper.cache_clear()  # no faked capability left behind for later tests
+    monkeypatch.setattr(dispatch, "_host_descriptors", lambda: False)
     assert not cc._tma_fits(gpu, w, 582, None, 1, None, None)
     assert not cc._tma_fits(xin, w, 582, None, 1, None, None)
-    monkeypatch.setattr(cc, "_host_descriptors", lambda: True)
+    monkeypatch.setattr(dispatch, "_host_descriptors", lambda: True)
     monkeypatch.setattr(cc, "CONV_TMA", False)
     assert not cc._tma_fits(gpu, w, 582, None, 1, None, None)
 

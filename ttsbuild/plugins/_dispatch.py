@@ -34,10 +34,35 @@ def want_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
 
 
 @functools.cache
+def _hopper(index: int) -> bool:
+    """Whether CUDA device `index` is sm_90 or newer."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@functools.cache
 def _pdl_capable(index: int) -> bool:
     from ttsbuild.plugins._tl._math import HAS_GDC
 
-    return HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9
+    return HAS_GDC and _hopper(index)
+
+
+@functools.cache
+def _host_descriptors() -> bool:
+    """Whether this Triton has host-side tensor descriptors (added after 3.3, which the
+    package allows)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tma_capable(t: torch.Tensor) -> bool:
+    """Whether kernels on host-side tensor descriptors (TMA loads) can take `t`: a Triton that
+    has them and, for a CUDA tensor, sm_90 or newer (the interpreter runs them on the CPU)."""
+    if not _host_descriptors():
+        return False
+    return not t.is_cuda or _hopper(t.device.index if t.device.index is not None else 0)
 
 
 def pdl_enabled(t: torch.Tensor) -> bool:

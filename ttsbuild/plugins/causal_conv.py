@@ -51,13 +51,12 @@ bits. Half precision only (fp16, bf16): the engine runs fp32 stages as im2col + 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
-from ttsbuild.plugins._dispatch import codec_pdl_args, triton_available, want_triton
+from ttsbuild.plugins._dispatch import codec_pdl_args, tma_capable, triton_available, want_triton
 from ttsbuild.plugins.codec_context import snake_context_reference, to_channels_last
 
 
@@ -175,12 +174,17 @@ def causal_conv(xin, w, bias, dilation, residual=None, alpha=None, inv_beta=None
             raise ValueError(f"the causal_conv kernel takes fp16 or bf16, not {xin.dtype}")
         y = causal_conv_reference(xin, w, bias, dilation, residual, alpha, inv_beta,
                                   out_alpha, out_inv_beta)
-        if next_act is not None:
-            next_act[2].copy_(snake_context_reference(y, next_act[0], next_act[1], None, None))
+        _next_act_reference(next_act, y)
         return to_channels_last(y) if channels_last else y
     return _causal_conv_triton(xin, w, bias, dilation, residual, alpha, inv_beta, channels_last,
                                out_alpha=out_alpha, out_inv_beta=out_inv_beta, split=split,
                                tma=tma, next_act=next_act)
+
+
+def _next_act_reference(next_act, y) -> None:
+    """The reference paths' next_act (if any): snake_context's SnakeBeta of y into dst."""
+    if next_act is not None:
+        next_act[2].copy_(snake_context_reference(y, next_act[0], next_act[1], None, None))
 
 
 def _check_next_act(next_act, B: int, cout: int, dtype: torch.dtype) -> None:
@@ -361,22 +365,6 @@ CONV_TMA = os.environ.get("TTSBUILD_CODEC_CONV_TMA", "1") == "1"
 CONV_TMA_MIN_N = int(os.environ.get("TTSBUILD_CODEC_CONV_TMA_MIN_N", "512"))
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-@functools.cache
-def _host_descriptors() -> bool:
-    """Whether this Triton has host-side tensor descriptors (added after 3.3, which the
-    package allows)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _tma_fits(xin, w, n: int, alpha, split: int, taps, tma: bool | None) -> bool:
     """Whether the conv runs on `_conv_tma_kernel` (see CONV_TMA): on where asked (tma, else
     the switch, on a CUDA GPU of sm_90 or newer with a Triton that has host-side tensor
@@ -386,8 +374,7 @@ def _tma_fits(xin, w, n: int, alpha, split: int, taps, tma: bool | None) -> bool
     rows (a tensor descriptor's strides)."""
     if not (CONV_TMA if tma is None else tma) or taps is not None or alpha is not None:
         return False
-    if tma is None and ((xin.is_cuda and _capability(xin.device) < (9, 0))
-                        or not _host_descriptors()):
+    if tma is None and not tma_capable(xin):
         return False  # the switch's default: GPUs with TMA copies and a Triton that has them
     k, cin, cout = w.shape
     B, _, L = xin.shape
@@ -638,8 +625,7 @@ def overlap_add(z, spill, rows, bias, *, channels_last: bool = False, next_act=N
                              f"{tuple(next_act[2].shape)}")
     if not want_triton(z, use_triton):
         y = overlap_add_reference(z, spill, rows, bias)
-        if next_act is not None:
-            next_act[2].copy_(snake_context_reference(y, next_act[0], next_act[1], None, None))
+        _next_act_reference(next_act, y)
         return y
     return _overlap_add_triton(z, spill, rows, bias, channels_last, next_act)
 
