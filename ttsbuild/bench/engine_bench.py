@@ -264,7 +264,7 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
     be = engine.backend
     ready_s = time.perf_counter() - t0
     torch.cuda.synchronize()
-    log(f"[{precision}] engine ready: {len(be.graphs)} graphs in {ready_s:.1f} s")
+    log(f"[{precision}] engine ready in {ready_s:.1f} s: {be.capture_summary}")
     gib = 2.0**30
     mem = be.memory_report()
     res = PrecisionResult(

@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -543,6 +544,7 @@ class GraphBackend:
         # A list (benchmarks only, CUDA): each prefill step appends an event recorded after its
         # inputs are staged, right before its first kernel is queued.
         self.trace: list | None = None
+        self.capture_summary = ""  # what capture() took, by graph kind (serve prints it)
         self.prefill_steps = 0  # prefill steps run (a step takes up to max(prefill_batches))
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.graph_pool_bytes = 0
@@ -798,12 +800,21 @@ class GraphBackend:
         if self.cp_spec is not None:  # speculative rounds: WHILE bodies, captured first
             for B, (kind, window) in sorted(self.plan.speculative.items()):
                 self.cp_spec.prepare(B, window, kind)
+        spent: dict[str, list] = {}  # graph kind -> [count, seconds]: where a cold start goes
+        t0 = time.perf_counter()
         for key, body, lane in self.graph_bodies():
-            self.graphs[key] = _capture(body, *where[lane])
+            t = time.perf_counter()
+            self.graphs[key] = _capture(body, *where[lane])  # first captures JIT-compile kernels
+            kind = spent.setdefault(key[0], [0, 0.0])
+            kind[0], kind[1] = kind[0] + 1, kind[1] + time.perf_counter() - t
         self._reset_scratch()
         # The codec lane's stream does not follow the current stream: let these land first.
         torch.cuda.synchronize(self.device)
-        log.info("captured %d CUDA graphs", len(self.graphs))
+        self.capture_summary = (f"{len(self.graphs)} CUDA graphs captured in "
+                                f"{time.perf_counter() - t0:.1f} s ("
+                                + ", ".join(f"{k} {n}: {sec:.1f} s"
+                                            for k, (n, sec) in spent.items()) + ")")
+        log.info("%s", self.capture_summary)
 
     def _reset_scratch(self) -> None:
         # Padding rows advance the scratch slot on every replay; its positions are clamped

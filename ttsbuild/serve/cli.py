@@ -7,6 +7,7 @@ Register it on the main app:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -337,6 +338,7 @@ def serve(
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     wanted = slots or _default_slots(checkpoint, device)
+    started = time.perf_counter()
     try:
         engine = open_engine(
             checkpoint, device=device, num_slots=wanted, fit_slots=slots is None,
@@ -357,8 +359,12 @@ def serve(
     _err.print(
         f"loaded {checkpoint or random} ({engine.models.cfg.tts_model_type}, "
         f"{'stand-in' if manifest.get('standin') else 'real weights'}) on {engine.device}; "
-        f"{type(engine).__name__}; profile {profile.value}, {engine.num_slots} slots"
+        f"{type(engine).__name__}; profile {profile.value}, {engine.num_slots} slots; "
+        f"{time.perf_counter() - started:.1f} s"
     )
+    captured = getattr(getattr(engine, "backend", None), "capture_summary", "")
+    if captured:  # a cold start's time is mostly here (the first captures compile kernels)
+        _err.print(f"  {captured}")
     if slots is None and wanted is not None and engine.num_slots < wanted:
         _err.print(f"[yellow]note:[/] {wanted} slots' KV cache does not fit in the device's "
                    f"free memory: serving {engine.num_slots} (--slots, --max-len to choose)")
