@@ -419,9 +419,33 @@ def test_few_tiles_parse_and_refuse_bad_entries():
             _few_tiles(bad)
 
 
+def test_few_tiles_default_on_hopper_up_to_four_streams(monkeypatch):
+    """The few-stream tiles: FEW_TILES_HOPPER (valid entries) by default on sm_90 and newer
+    only, up to FEW_TILES_MAX_STREAMS streams; TTSBUILD_CODEC_FEW_TILES's own tiles on any
+    device, and "" none anywhere."""
+    import ttsbuild.plugins.causal_conv as cc
+
+    spec = ";".join(f"{c}:{','.join(map(str, t))}" for c, t in cc.FEW_TILES_HOPPER.items())
+    assert cc._few_tiles(spec) == cc.FEW_TILES_HOPPER
+    monkeypatch.setattr(cc, "FEW_TILES", None)
+    monkeypatch.setattr(cc, "FEW_TILES_MAX_STREAMS", 4)
+    x = torch.randn(4, 192, 50)
+    assert cc._few_tile(x, 192) is None  # not a Hopper GPU
+    monkeypatch.setattr(cc, "on_hopper", lambda t: True)
+    assert cc._few_tile(x, 192) == cc.FEW_TILES_HOPPER[192]
+    assert cc._few_tile(x, 193) is None
+    assert cc._few_tile(torch.randn(5, 192, 50), 192) is None  # more streams: the rules
+    monkeypatch.setattr(cc, "FEW_TILES", {})
+    assert cc._few_tile(x, 192) is None
+    monkeypatch.setattr(cc, "on_hopper", lambda t: False)
+    monkeypatch.setattr(cc, "FEW_TILES", {192: (32, 64, 32, 4, 4)})
+    assert cc._few_tile(x, 192) == (32, 64, 32, 4, 4)
+
+
 @needs_kernel
 @pytest.mark.parametrize(("cout", "n", "tile"), [
     (96, 40, (32, 64, 32, 4, 4, 3)),   # flattened K steps over 96 channels, 3 splits
+    (192, 24, (16, 64, 64, 4, 3, 1)),  # FEW_TILES_HOPPER's 16-row tile, no split
     (128, 600, (64, 64, 64, 8, 3)),    # the engine's split count; TMA-sized, yet this kernel
 ])
 def test_few_tiles_take_the_few_stream_convs(cout, n, tile, monkeypatch):

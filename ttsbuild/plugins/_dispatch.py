@@ -57,12 +57,17 @@ def _host_descriptors() -> bool:
     return True
 
 
+def on_hopper(t: torch.Tensor) -> bool:
+    """Whether `t` is on a CUDA device of sm_90 or newer."""
+    return t.is_cuda and _hopper(t.device.index if t.device.index is not None else 0)
+
+
 def tma_capable(t: torch.Tensor) -> bool:
     """Whether kernels on host-side tensor descriptors (TMA loads) can take `t`: a Triton that
     has them and, for a CUDA tensor, sm_90 or newer (the interpreter runs them on the CPU)."""
     if not _host_descriptors():
         return False
-    return not t.is_cuda or _hopper(t.device.index if t.device.index is not None else 0)
+    return not t.is_cuda or on_hopper(t)
 
 
 def pdl_enabled(t: torch.Tensor) -> bool:

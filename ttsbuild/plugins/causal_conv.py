@@ -56,7 +56,13 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ttsbuild.plugins._dispatch import codec_pdl_args, tma_capable, triton_available, want_triton
+from ttsbuild.plugins._dispatch import (
+    codec_pdl_args,
+    on_hopper,
+    tma_capable,
+    triton_available,
+    want_triton,
+)
 from ttsbuild.plugins.codec_context import snake_context_reference, to_channels_last
 
 
@@ -296,9 +302,10 @@ SPLIT_MAX = 16
 
 
 def _few_tiles(spec: str) -> dict[int, tuple[int, ...]]:
-    """"C:BLOCK_M,BLOCK_CI,BLOCK_O,warps,stages[,split];..." -> {C: (..)} (FEW_TILES)."""
+    """"C:BLOCK_M,BLOCK_CI,BLOCK_O,warps,stages[,split];..." -> {C: (..)} (FEW_TILES). Entries
+    are separated by ';' or '/' (gpu_session.sh's CODEC_ENV splits its variants on ';')."""
     tiles: dict[int, tuple[int, ...]] = {}
-    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+    for entry in filter(None, (e.strip() for e in spec.replace("/", ";").split(";"))):
         try:
             c, rest = entry.split(":")
             vals = tuple(int(v) for v in rest.split(","))
@@ -315,12 +322,28 @@ def _few_tiles(spec: str) -> dict[int, tuple[int, ...]]:
 
 
 # The multi-tap convs of few-stream steps (those the engine splits over K: `split=True`,
-# codec_engine.CONV_SPLIT_MAX_STREAMS) on a tile given per output channel count, with an
-# optional split count, in place of `_config`'s tile and the automatic split: for timing
-# `sweep_conv.py --batches 1`'s winners in the codec step without a code change (at one
-# stream the k = 7 convs took 9.5-12.1 us each on an H100 whatever their size, 2026-12-06).
-# TTSBUILD_CODEC_FEW_TILES="96:64,64,64,8,4,1;192:64,64,64,8,3" sets it; empty by default.
-FEW_TILES = _few_tiles(os.environ.get("TTSBUILD_CODEC_FEW_TILES", ""))
+# codec_engine.CONV_SPLIT_MAX_STREAMS) of up to FEW_TILES_MAX_STREAMS streams on a tile given
+# per output channel count, with an optional split count, in place of `_config`'s tile and
+# the automatic split. At one stream `_config`'s tiles took 9.2-10.4 us a k = 7 conv whatever
+# its size (H100, 2026-12-06); `sweep_conv.py --batches 1`'s winners (FEW_TILES_HOPPER) took
+# 5.6-8.6, and in the served codec step at 1 / 2 / 4 / 8 streams 0.528 / 0.633 / 0.751 /
+# 0.786 -> 0.507 / 0.586 / 0.649 / 0.808 ms (two rounds, the same to 0.002; 8 streams lose,
+# hence the bound of 4; benchmarks/codec/2026-12-06-h100-few-tiles). On by default on sm_90
+# and newer (the tiles were chosen there); TTSBUILD_CODEC_FEW_TILES="C:BLOCK_M,BLOCK_CI,
+# BLOCK_O,warps,stages[,split];..." puts others on any device, "" none.
+FEW_TILES_HOPPER = {768: (32, 64, 32, 4, 4, 8), 384: (32, 64, 64, 8, 4),
+                    192: (16, 64, 64, 4, 3, 1), 96: (64, 64, 32, 4, 3)}  # fmt: skip
+_FEW_ENV = os.environ.get("TTSBUILD_CODEC_FEW_TILES")
+FEW_TILES = None if _FEW_ENV is None else _few_tiles(_FEW_ENV)  # None: FEW_TILES_HOPPER there
+FEW_TILES_MAX_STREAMS = int(os.environ.get("TTSBUILD_CODEC_FEW_TILES_MAX_STREAMS", "4"))
+
+
+def _few_tile(xin, cout: int) -> tuple[int, ...] | None:
+    """The FEW_TILES tile of a few-stream multi-tap conv of `cout` outputs, or None."""
+    if xin.shape[0] > FEW_TILES_MAX_STREAMS:
+        return None
+    tiles = FEW_TILES if FEW_TILES is not None else (FEW_TILES_HOPPER if on_hopper(xin) else {})
+    return tiles.get(cout)
 
 
 def _split_k(tiles: int, k_steps: int, sms: int, split_k: int | None,
@@ -460,8 +483,8 @@ def _causal_conv_triton(xin, w, bias, dilation, residual, alpha=None, inv_beta=N
     from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
 
     sms = _num_sms(xin.device)
-    few = FEW_TILES.get(cout) if (config is None and split is True and k > 1
-                                  and taps is None) else None  # fmt: skip
+    few = _few_tile(xin, cout) if (config is None and split is True and k > 1
+                                   and taps is None) else None  # fmt: skip
     if few is not None:  # see FEW_TILES: as an explicit config of this kernel (sweep_conv's)
         config, tma = few[:5], False
         if len(few) == 6 and split_k is None:
