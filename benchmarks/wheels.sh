@@ -36,6 +36,22 @@ if [ -f .tc/tc.tgz ] && [ ! -d "$TRITON_CACHE_DIR" ]; then
     mkdir -p "$TRITON_CACHE_DIR" && tar xzf .tc/tc.tgz -C "$TRITON_CACHE_DIR" \
         && echo "== Triton cache from .tc/tc.tgz: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
 fi
+# The megaframe kernel's extension (runtime/cp_megaframe.py: nvcc on first use, 1-2 min; a
+# fresh H100's server with it took ~7 min to start, 2026-12-06), built by
+# torch.utils.cpp_extension under $TORCH_EXTENSIONS_DIR: carried as .tc/tx.tgz with the sha256
+# of the ttsbuild/csrc sources it was built from (.tc/tx.sha, both made by gpu_session.sh with
+# TC_SAVE=1), and used only where those match. Its files are then touched: ninja compares
+# times, and the carried sources are newer than anything in the archive.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tx}
+if [ -f .tc/tx.tgz ] && [ -f .tc/tx.sha ] && [ ! -d "$TORCH_EXTENSIONS_DIR" ]; then
+    if sha256sum ttsbuild/csrc/* | cmp -s - .tc/tx.sha; then
+        mkdir -p "$TORCH_EXTENSIONS_DIR" && tar xzf .tc/tx.tgz -C "$TORCH_EXTENSIONS_DIR" \
+            && find "$TORCH_EXTENSIONS_DIR" -type f -exec touch {} + \
+            && echo "== torch extensions from .tc/tx.tgz: $(ls "$TORCH_EXTENSIONS_DIR")"
+    else
+        echo "== .tc/tx.tgz was built from other ttsbuild/csrc sources: not used"
+    fi
+fi
 
 # ensure_driver [LOG]: build the C++ step driver in place unless it already imports with CUDA
 # (a build carried from this host is kept: the import needs torch first, for libc10). Says why

@@ -6,7 +6,8 @@
 #         "ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so" to save the ~60 s build)
 # TC_SAVE=1: the Triton cache (/tmp/tc) comes back as $OUT/tc.tgz: put it in .tc/ and carry
 #         ".tc" (benchmarks/wheels.sh unpacks it: an engine's or server's start skips most
-#         compiles; a cold 1.7B engine took 130 s to build on 2026-12-05, a warm one 70)
+#         compiles; a cold 1.7B engine took 130 s to build on 2026-12-05, a warm one 70),
+#         and the torch extensions built (the megaframe kernel's) as $OUT/tx.tgz + tx.sha
 # probe:  the step driver's refusals, each in a process of its own (driver_errors_probe.py:
 #         all 7 crashed on the H200 until setup.py linked -lstdc++, 2026-12-02)
 # tests:  GPU tests of the step driver's host side (test_driver_host.py, alone first, with
@@ -664,5 +665,10 @@ if [ "${TC_SAVE:-0}" = 1 ] && [ -d "$TRITON_CACHE_DIR" ]; then
     # the Triton cache to carry next time: copy it into .tc/ (git-ignored) as tc.tgz
     tar czf "$OUT/tc.tgz" -C "$TRITON_CACHE_DIR" . && log "Triton cache -> tc.tgz ($(du -h \
         "$OUT/tc.tgz" | cut -f1)): put it in .tc/ and carry .tc"
+fi
+if [ "${TC_SAVE:-0}" = 1 ] && [ -n "$(ls -A "$TORCH_EXTENSIONS_DIR" 2>/dev/null)" ]; then
+    # the torch extensions built here (the megaframe kernel's), with their sources' sha256
+    tar czf "$OUT/tx.tgz" -C "$TORCH_EXTENSIONS_DIR" . && sha256sum ttsbuild/csrc/* > "$OUT/tx.sha" \
+        && log "torch extensions -> tx.tgz ($(du -h "$OUT/tx.tgz" | cut -f1)) and tx.sha: put both in .tc/"
 fi
 log done
