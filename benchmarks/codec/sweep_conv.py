@@ -45,6 +45,7 @@ from ttsbuild.plugins._tl.fp8_linear import _num_sms  # noqa: E402
 from ttsbuild.plugins.causal_conv import (  # noqa: E402
     _causal_conv_triton,
     _config,
+    _few_tile,
     _tma_config,
     causal_conv,
 )
@@ -318,8 +319,9 @@ def main() -> None:
                                                split=False if tma else few, split_k=split_k)
 
                 # timed as served (config None: the kernel's own choices, maxnreg and flat K
-                # steps included), labelled by `_config`'s tile
-                served = (_tma_config(C) if tma else
+                # steps included), labelled by its few-stream tile (FEW_TILES) or `_config`'s
+                few_tile = _few_tile(xin, C) if few and k > 1 and not tma else None
+                served = (_tma_config(C) if tma else few_tile if few_tile is not None else
                           (*_config(B * n, C, C, k, in_snake=a is not None,
                                     sms=_num_sms(xin.device)), 3))
                 want = run(None).float()
