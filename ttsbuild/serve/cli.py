@@ -359,8 +359,8 @@ def serve(
     _err.print(
         f"loaded {checkpoint or random} ({engine.models.cfg.tts_model_type}, "
         f"{'stand-in' if manifest.get('standin') else 'real weights'}) on {engine.device}; "
-        f"{type(engine).__name__}; profile {profile.value}, {engine.num_slots} slots; "
-        f"{time.perf_counter() - started:.1f} s"
+        f"{type(engine).__name__}; profile {profile.value}, {engine.num_slots} slots "
+        f"({time.perf_counter() - started:.1f} s)"
     )
     captured = getattr(getattr(engine, "backend", None), "capture_summary", "")
     if captured:  # a cold start's time is mostly here (the first captures compile kernels)
