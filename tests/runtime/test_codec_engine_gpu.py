@@ -240,6 +240,36 @@ def test_split_k_convs_keep_the_decode_and_replay(decoders, monkeypatch, precisi
     _assert_replay_equals_eager(engine, codes, frames=4)  # 8 rows: the tiles
 
 
+def test_few_stream_tiles_keep_the_decode_and_replay(monkeypatch):
+    """The few-stream tiles (FEW_TILES_HOPPER: on by default on sm_90 and newer, up to 4
+    streams) at the real decoder widths (768 / 384 / 192 / 96 channels), two streams, against
+    the rules' tiles (FEW_TILES empty): every one of them taken, the same audio to the
+    summation order over several steps (the split-K counters reset themselves), and a captured
+    step equal to the eager one."""
+    from ttsbuild.plugins import causal_conv
+    from ttsbuild.plugins._dispatch import on_hopper
+
+    if not on_hopper(torch.empty(0, device="cuda")):
+        pytest.skip("the few-stream tiles are the default on sm_90 and newer only")
+    cfg = small_config(decoder_dim=1536)
+    dec = our_decoder(cfg, test_state(cfg, seed=90)).cuda()
+    codes = rand_codes(cfg, 2, 8, seed=91)
+    kw = dict(conv_impl="triton", fused=True, channels_last=True, state_channels_last=True)
+    taken, real = [], causal_conv._few_tile
+    monkeypatch.setattr(causal_conv, "_few_tile",
+                        lambda x, c: taken.append(real(x, c)) or taken[-1])
+    monkeypatch.setattr(causal_conv, "FEW_TILES", {})
+    plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=1).float()
+    assert taken and not any(taken)  # asked, and none given
+    taken.clear()
+    monkeypatch.setattr(causal_conv, "FEW_TILES", None)  # the default
+    engine = CodecEngine(dec, 2, "fp16", **kw)
+    got = decode_with(engine, codes, chunk=1).float()
+    assert {t for t in taken if t} == set(causal_conv.FEW_TILES_HOPPER.values())
+    assert snr_db(plain, got) > 45
+    _assert_replay_equals_eager(engine, codes, frames=4)
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_block_act_fold_keeps_the_decode_and_replays(decoders, monkeypatch, precision):
     """Each decoder block's first SnakeBeta in the epilogue of the conv before it
