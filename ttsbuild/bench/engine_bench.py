@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ttsbuild.runtime.loader import LANE_KERNEL_PLAN, lane_kernel_default
 from ttsbuild.runtime.plan import (
     DEFAULT_BF16_MIN_ROWS,
     DEFAULT_LANE_RESERVED_SMS,
@@ -562,6 +563,9 @@ def run_engine_bench(
             w8a8_min_rows, prefill_batches, bf16_min_rows, admission_lane, lane_reserved_sms,
             lane_frames=first_frames, plan_set=plan_set,
         )
+        if lane_reserved_sms is None and not set(LANE_KERNEL_PLAN) & set(plan_set or {}):
+            # as served: a checkpoint's FP8 plan on a Hopper GPU takes the lane kernel
+            p_plan = lane_kernel_default(p_plan, models.cfg, torch.device("cuda"))
         results.append(bench_precision(models, p_plan, batches, iters, log,
                                        first_frames=first_frames))  # fmt: skip
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +19,10 @@ ENGINE_KINDS = ("auto", "graph", "eager")
 # of which 7.1 KV cache and 8.5 weights as loaded (engine microbenchmark, 2026-12-03).
 FIT_RESERVE_BYTES = 10 << 30
 SLOT_STATE_BYTES = 6 << 20  # per slot beside its KV cache (H200: 0.64 GiB for 128 slots)
+# The plan fields `lane_kernel_default` sets (an FP8 plan of a checkpoint on a Hopper GPU)
+LANE_KERNEL_PLAN = {"code_predictor_fp8": True, "megaframe_code_predictor": True,
+                    "megaframe_regular": False, "lane_reserved_sms": 0}
+_log = logging.getLogger(__name__)
 
 
 def default_device() -> torch.device:
@@ -71,7 +76,9 @@ def open_engine(
 
     A compiled engine runs under the plan in its manifest: num_slots / max_len may only ask
     for less than it was compiled for (None: the plan's). A checkpoint runs under
-    `EnginePlan.default(num_slots, max_len, precision)`.
+    `EnginePlan.default(num_slots, max_len, precision)`, FP8 on a Hopper GPU with the lane
+    kernel (`lane_kernel_default`) unless one of code_predictor_fp8, megaframe_code_predictor,
+    megaframe_regular or lane_reserved_sms is given.
     kind: "graph" (slot buffers + CUDA graphs: the fast path), "eager" (the reference
     modules), or "auto" (graph on CUDA, eager on CPU). precision (checkpoints, graph engines):
     "bf16" or "fp8"; a compiled engine's is the one it was compiled with. prefill_batches
@@ -153,6 +160,11 @@ def open_engine(
         )  # fmt: skip
     if max_batch is not None and max_batch != plan.max_batch:
         plan = plan_max_batch(plan, max_batch, path or random_variant)
+    asked = (code_predictor_fp8, megaframe_code_predictor, megaframe_regular, lane_reserved_sms)
+    if (compiled is None and graph and all(v is None for v in asked)
+            and (admission_lane is None or 1 in admission_lane)):
+        # a checkpoint's FP8 plan on a Hopper GPU (a compiled engine keeps its manifest's)
+        plan = lane_kernel_default(plan, models.cfg, device)
     if code_predictor_fp8 is not None and code_predictor_fp8 != plan.code_predictor_fp8:
         if code_predictor_fp8 and plan.precision != "fp8":
             raise ValueError("an FP8 code predictor needs an FP8 engine (--precision fp8)")
@@ -217,6 +229,57 @@ def open_engine(
     from ttsbuild.runtime.graph_engine import GraphEngine
 
     return GraphEngine(models, plan, release_modules=True, guards=guards)
+
+
+def lane_kernel_why_not(plan: EnginePlan, cfg, device: torch.device,
+                         build: bool = True) -> str | None:
+    """Why `plan` on `device` does not take `LANE_KERNEL_PLAN` by default, or None.
+
+    The lane kernel: FP8 code-predictor linears, batch bucket 1's code predictor as one kernel
+    a frame (`runtime.cp_megaframe`) on the admission lane only (new requests' first frames;
+    regular steps keep the fused kernels), no SMs reserved for the lane. On the H200
+    (2026-12-06, benchmarks/serve/2026-12-06-h200-lane-kernel/) it took an idle engine's first
+    chunk to 3.49 ms (4.44-4.48 before: issue 12's bound is 4) and served voice-agent prompts
+    at p95 first audio 10.0 / 12.4 / 14.8 / 21.8 ms at 1 / 10 / 20 / 40 req/s, 88.7 at 100,
+    every admitted stream of a 2x overload at 54.6, no underrun.
+    It needs an FP8 engine, a Hopper GPU (the kernel is built for sm_90a), the lane on
+    bucket 1, bucket 1 free of the persistent and speculative code predictors, the shipped
+    code predictor's shapes, and the kernel's extension (built with nvcc on first use;
+    `build`: try it here, so a host without nvcc serves the plan it had)."""
+    if plan.precision != "fp8":
+        return "a bf16 engine"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "not a Hopper GPU (the kernel is built for sm_90a)"
+    if 1 not in plan.admission_lane:
+        return "no admission lane on batch bucket 1"
+    if 1 in plan.persistent_code_predictor or 1 in plan.speculative:
+        return "batch bucket 1 runs the persistent or speculative code predictor"
+    from ttsbuild.runtime import cp_megaframe
+
+    why = cp_megaframe.unsupported_config(cfg)
+    if why:
+        return why
+    if build:
+        try:
+            cp_megaframe.extension(cp_megaframe.threads_from_env())
+        except Exception as exc:  # no nvcc, a failed build: serve without the kernel
+            return f"its extension did not build ({type(exc).__name__}: {exc})"
+    return None
+
+
+def lane_kernel_default(plan: EnginePlan, cfg, device: torch.device,
+                        build: bool = True) -> EnginePlan:
+    """`plan` with `LANE_KERNEL_PLAN` where `lane_kernel_why_not` finds no reason against it
+    (logged either way for an FP8 plan on a GPU)."""
+    why = lane_kernel_why_not(plan, cfg, device, build)
+    if why is None:
+        _log.info("FP8 plan on a Hopper GPU: the code predictor in FP8, a new request's first "
+                  "frame as one kernel on the admission lane (--no-megaframe-code-predictor: "
+                  "the fused kernels)")
+        return plan_update(plan, **LANE_KERNEL_PLAN)
+    if plan.precision == "fp8" and device.type == "cuda":
+        _log.info("the lane kernel is off: %s", why)
+    return plan
 
 
 def slot_bytes(talker, max_len: int, dtype_bytes: int = 2) -> int:
