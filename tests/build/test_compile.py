@@ -288,6 +288,14 @@ def test_the_one_kernel_code_predictor_plan(ckpt, tmp_path):
     predictor the kernel has no shapes for."""
     plan = BuildConfig(fp8_code_predictor=True, megaframe_code_predictor=True).runtime_plan()
     assert plan.megaframe_code_predictor and plan.admission_lane and plan.lane_reserved_sms == 0
+    assert not plan.megaframe_regular  # on the lane only, as served on the H200
+    assert BuildConfig(fp8_code_predictor=True, megaframe_code_predictor=True,
+                       megaframe_regular=True).runtime_plan().megaframe_regular  # fmt: skip
+    with pytest.raises(ValueError, match="needs the lane on batch bucket 1"):
+        BuildConfig(fp8_code_predictor=True, megaframe_code_predictor=True, admission_lane=(2,))
+    regular = BuildConfig(fp8_code_predictor=True, megaframe_code_predictor=True,
+                          admission_lane=(2,), megaframe_regular=True)  # fmt: skip
+    assert regular.runtime_plan().admission_lane == (2,)
     assert BuildConfig().runtime_plan().lane_reserved_sms == DEFAULT_LANE_RESERVED_SMS > 0
     with pytest.raises(ValueError, match="needs --fp8-code-predictor"):
         BuildConfig(megaframe_code_predictor=True)

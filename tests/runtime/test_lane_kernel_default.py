@@ -115,3 +115,11 @@ def test_open_engine_gives_a_checkpoint_the_lane_kernel_unless_one_of_its_fields
         assert not plan.megaframe_code_predictor, asked
     assert opened_plan(lane_reserved_sms=8).lane_reserved_sms == 8
     assert not opened_plan(admission_lane=(2,)).megaframe_code_predictor
+
+
+def test_the_default_is_the_plan_the_served_flags_give(opened_plan):
+    """The H200's sweep ran `--fp8-code-predictor --megaframe-code-predictor
+    --megaframe-lane-only`: the default must be that plan, field for field."""
+    flags = opened_plan(code_predictor_fp8=True, megaframe_code_predictor=True,
+                        megaframe_regular=False)  # fmt: skip
+    assert opened_plan() == flags

@@ -61,6 +61,14 @@ def compile_engine(
         "shipped 0.6B / 1.7B code predictor's shapes; needs --fp8-code-predictor). The "
         "admission lane then reserves no SMs: the kernel needs every one.",
     ),  # fmt: skip
+    megaframe_regular: bool = typer.Option(
+        False, "--megaframe-regular/--megaframe-lane-only", help="With --megaframe-code-"
+        "predictor: a lone stream's regular steps run the kernel too, or only new requests' "
+        "first frames on the admission lane do (the default; needs the lane on batch bucket "
+        "1). The lane only served voice-agent prompts on the H200 at p95 first audio 7.4 / "
+        "10.3 / 12.2 / 17.3 ms at 1 / 10 / 20 / 40 req/s "
+        "(benchmarks/serve/2026-12-06-h200-lane-kernel).",
+    ),  # fmt: skip
     max_batch: int = typer.Option(
         256, "--max-batch", min=1, help="Streams per batch at most (and the default slot "
         "count). 256: on the H200 (1.7B CustomVoice, FP8, voice-agent prompts) 256 slots with "
@@ -170,6 +178,7 @@ def compile_engine(
         cfg = BuildConfig(
             precision=precision, fp8_code_predictor=fp8_code_predictor, max_batch=max_batch,
             megaframe_code_predictor=megaframe_code_predictor,
+            megaframe_regular=megaframe_regular,
             graph_batches=(parse_sizes(graph_batches, "--graph-batches") if graph_batches
                            else power_of_two_buckets(max_batch)),
             max_frames=max_frames, max_len=max_len, num_slots=slots or max_batch,

@@ -89,6 +89,11 @@ class BuildConfig:
     # the shipped code predictor's shapes, FP8, Hopper); needs fp8_code_predictor and every SM,
     # so the admission lane reserves none (lane_reserved_sms 0)
     megaframe_code_predictor: bool = False
+    # with it: the regular bucket-1 steps run the kernel too (True), or only new requests'
+    # first frames on the admission lane do (False, the default: the plan served on the H200
+    # at p95 7.4 / 10.3 / 12.2 / 17.3 ms at 1 / 10 / 20 / 40 req/s, benchmarks/serve/
+    # 2026-12-06-h200-lane-kernel; needs the lane on bucket 1)
+    megaframe_regular: bool = False
     max_batch: int = 64  # streams decoded together at most
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes
     max_frames: int = 1536  # frames per request at most (~123 s of audio)
@@ -195,6 +200,7 @@ class BuildConfig:
             max_frames=self.max_frames, precision=self.precision,
             code_predictor_fp8=self.fp8_code_predictor, codec_precision=self.codec_precision,
             megaframe_code_predictor=self.megaframe_code_predictor,
+            megaframe_regular=self.megaframe_regular or not self.megaframe_code_predictor,
             fused_code_predictor=tuple(
                 b for b in self.graph_batches if b <= self.fused_cp_max_batch
             ),
