@@ -240,7 +240,7 @@ def lane_kernel_why_not(plan: EnginePlan, cfg, device: torch.device,
     regular steps keep the fused kernels), no SMs reserved for the lane. On the H200
     (2026-12-06, benchmarks/serve/2026-12-06-h200-lane-kernel/) it took an idle engine's first
     chunk to 3.49 ms (4.44-4.48 before: issue 12's bound is 4) and served voice-agent prompts
-    at p95 first audio 10.0 / 12.4 / 14.8 / 21.8 ms at 1 / 10 / 20 / 40 req/s, 88.7 at 100,
+    at p95 first audio 7.4 / 10.3 / 12.2 / 17.3 ms at 1 / 10 / 20 / 40 req/s, 79.0 at 100,
     every admitted stream of a 2x overload at 54.6, no underrun.
     It needs an FP8 engine, a Hopper GPU (the kernel is built for sm_90a), the lane on
     bucket 1, bucket 1 free of the persistent and speculative code predictors, the shipped
