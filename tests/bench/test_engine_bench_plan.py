@@ -37,11 +37,10 @@ def test_fresh_resolve_resolves_every_prompt_once_with_the_word_table_warmed():
 
 
 def test_the_plan_line_says_what_the_code_predictor_and_the_lane_run():
-    from ttsbuild.bench.engine_bench import plan_summary
     from ttsbuild.runtime.loader import LANE_KERNEL_PLAN, plan_update
 
-    fused = plan_summary(bench_plan("fp8", (1, 64)))
+    fused = bench_plan("fp8", (1, 64)).summary()
     assert "code predictor bf16, one-kernel frame off" in fused and "16 reserved SMs" in fused
-    lane = plan_summary(plan_update(bench_plan("fp8", (1, 64)), **LANE_KERNEL_PLAN))
+    lane = plan_update(bench_plan("fp8", (1, 64)), **LANE_KERNEL_PLAN).summary()
     assert "code predictor FP8, one-kernel frame on the admission lane only" in lane
     assert "admission lane [1, 2] with 0 reserved SMs" in lane

@@ -252,17 +252,6 @@ def _profile_host(engine, be, log, n: int = 10) -> None:
         + "\n".join(lines))
 
 
-def plan_summary(plan: EnginePlan) -> str:
-    """The plan's code-predictor and lane choices, in a line (what an engine log must say to be
-    read against another's)."""
-    mega = (("on every bucket-1 step" if plan.megaframe_regular else "on the admission lane "
-             "only") if plan.megaframe_code_predictor else "off")  # fmt: skip
-    return (f"code predictor {'FP8' if plan.code_predictor_fp8 else 'bf16'}, one-kernel frame "
-            f"{mega}, admission lane {list(plan.admission_lane) or 'off'} with "
-            f"{plan.lane_reserved_sms} reserved SMs, fused code predictor on "
-            f"{list(plan.fused_code_predictor)}")
-
-
 def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_modules=False,
                     first_frames: int = 1):  # fmt: skip
     from ttsbuild.runtime.graph_engine import GraphEngine, _capture
@@ -277,7 +266,7 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
     ready_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     log(f"[{precision}] engine ready in {ready_s:.1f} s: {be.capture_summary}")
-    log(f"[{precision}] plan: {plan_summary(plan)}")
+    log(f"[{precision}] plan: {plan.summary()}")
     gib = 2.0**30
     mem = be.memory_report()
     res = PrecisionResult(

@@ -339,6 +339,16 @@ class EnginePlan(BaseModel):
     def max_batch(self) -> int:
         return self.batch_buckets[-1]
 
+    def summary(self) -> str:
+        """The code-predictor and lane choices in a line (what a log must say for its figures
+        to be read against another's: the engine bench's, serve's loaded line)."""
+        mega = (("on every bucket-1 step" if self.megaframe_regular else "on the admission "
+                 "lane only") if self.megaframe_code_predictor else "off")  # fmt: skip
+        return (f"code predictor {'FP8' if self.code_predictor_fp8 else 'bf16'}, one-kernel "
+                f"frame {mega}, admission lane {list(self.admission_lane) or 'off'} with "
+                f"{self.lane_reserved_sms} reserved SMs, fused code predictor on "
+                f"{list(self.fused_code_predictor)}")
+
     @property
     def max_chunk(self) -> int:
         return self.codec_chunks[-1]

@@ -365,6 +365,9 @@ def serve(
     captured = getattr(getattr(engine, "backend", None), "capture_summary", "")
     if captured:  # a cold start's time is mostly here (the first captures compile kernels)
         _err.print(f"  {captured}")
+    plan = getattr(engine, "plan", None)
+    if plan is not None and engine.device.type == "cuda":
+        _err.print(f"  plan: {plan.summary()}", highlight=False)
     if slots is None and wanted is not None and engine.num_slots < wanted:
         _err.print(f"[yellow]note:[/] {wanted} slots' KV cache does not fit in the device's "
                    f"free memory: serving {engine.num_slots} (--slots, --max-len to choose)")
