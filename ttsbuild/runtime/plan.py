@@ -145,8 +145,11 @@ class EnginePlan(BaseModel):
     # H100: frame b1 3.21 -> 2.72 ms, idle first chunk 4.63 -> 4.20 ms, codes identical to the
     # plan without it (benchmarks/runtime/2026-12-05-h100-megaframe-served); serving at 10
     # and 20 req/s: TTFA p50 7.6 -> 6.8 ms, p95 unchanged (benchmarks/serve/
-    # 2026-12-05-h100-megaframe-ab, before the alternates below). Off by default until an
-    # H200 sweep with the alternates; the lane then reserves no SMs.
+    # 2026-12-05-h100-megaframe-ab, before the alternates below). Off in the plan's own
+    # default; a checkpoint's FP8 plan on a Hopper GPU takes it on the admission lane only
+    # (runtime.loader.lane_kernel_default: the H200 sweep of 2026-12-06 held issue 12's
+    # targets with it, benchmarks/serve/2026-12-06-h200-lane-kernel); the lane then reserves
+    # no SMs.
     megaframe_code_predictor: bool = False
     # With megaframe_code_predictor: whether the regular bucket-1 step runs the kernel too
     # (False: the admission lane's first frames only). With both, a bucket-1 step whose other
