@@ -123,3 +123,14 @@ def test_the_default_is_the_plan_the_served_flags_give(opened_plan):
     flags = opened_plan(code_predictor_fp8=True, megaframe_code_predictor=True,
                         megaframe_regular=False)  # fmt: skip
     assert opened_plan() == flags
+
+
+def test_a_plan_that_refuses_the_lane_kernel_is_served_as_it_was(hopper, monkeypatch):
+    """Should the plan's own rules refuse the fields (a rule lane_kernel_why_not does not know),
+    the engine opens with the plan it had, not with an error."""
+    def refuse(plan, **fields):
+        raise ValueError("a new rule")
+
+    monkeypatch.setattr(loader, "plan_update", refuse)
+    plan = EnginePlan.default(num_slots=8, precision="fp8")
+    assert loader.lane_kernel_default(plan, _cfg("1.7b-customvoice"), CUDA) == plan

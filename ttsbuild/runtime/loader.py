@@ -273,10 +273,15 @@ def lane_kernel_default(plan: EnginePlan, cfg, device: torch.device,
     (logged either way for an FP8 plan on a GPU)."""
     why = lane_kernel_why_not(plan, cfg, device, build)
     if why is None:
-        _log.info("FP8 plan on a Hopper GPU: the code predictor in FP8, a new request's first "
-                  "frame as one kernel on the admission lane (--no-megaframe-code-predictor: "
-                  "the fused kernels)")
-        return plan_update(plan, **LANE_KERNEL_PLAN)
+        try:
+            lane = plan_update(plan, **LANE_KERNEL_PLAN)
+        except ValueError as exc:  # a rule of the plan's this check does not know yet
+            why = f"the plan refuses it: {exc}"
+        else:
+            _log.info("FP8 plan on a Hopper GPU: the code predictor in FP8, a new request's "
+                      "first frame as one kernel on the admission lane "
+                      "(--no-megaframe-code-predictor: the fused kernels)")
+            return lane
     if plan.precision == "fp8" and device.type == "cuda":
         _log.info("the lane kernel is off: %s", why)
     return plan
