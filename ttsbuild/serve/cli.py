@@ -151,18 +151,26 @@ def serve(
     fp8_code_predictor: bool = typer.Option(
         None, "--fp8-code-predictor/--no-fp8-code-predictor", help="Checkpoints and --random "
         "weights on an FP8 engine: the code predictor's linears in FP8 too (a compiled "
-        "engine's are as compiled; default: the plan's, bf16)."
+        "engine's are as compiled; default: FP8 with the lane kernel on a Hopper GPU, see "
+        "--megaframe-code-predictor, else bf16)."
     ),  # fmt: skip
     megaframe_code_predictor: bool = typer.Option(
         None, "--megaframe-code-predictor/--no-megaframe-code-predictor", help="Hopper GPUs, "
         "FP8 code predictor: a lone stream's code predictor as one persistent kernel a frame "
-        "(the shipped shapes); the admission lane then reserves no SMs (default: the plan's)."
+        "(the shipped shapes); the admission lane then reserves no SMs. Default: a compiled "
+        "engine's plan; for a checkpoint or --random weights at --precision fp8 on a Hopper "
+        "GPU, on for new requests' first frames on the admission lane (the 'lane kernel': "
+        "H200, voice-agent prompts, p95 first audio 7.4 / 10.3 / 12.2 / 17.3 ms at 1 / 10 / "
+        "20 / 40 req/s, benchmarks/serve/2026-12-06-h200-lane-kernel) unless "
+        "--fp8-code-predictor, --megaframe-code-predictor, --megaframe-regular / "
+        "--megaframe-lane-only or --lane-reserved-sms is given; --no-megaframe-code-predictor: "
+        "the fused kernels."
     ),  # fmt: skip
     megaframe_regular: bool = typer.Option(
         None, "--megaframe-regular/--megaframe-lane-only", help="With --megaframe-code-"
         "predictor: a lone stream's regular steps run the kernel too, or only new requests' "
         "first frames on the admission lane do (needs the lane on batch bucket 1; default: "
-        "the plan's, both)."
+        "the plan's; the lane only where the kernel is on by default)."
     ),  # fmt: skip
     bf16_min_rows: int = typer.Option(
         None, "--bf16-min-rows", min=0, help="FP8 engines on a GPU: the talker's linears on "
