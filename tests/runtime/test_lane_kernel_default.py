@@ -38,9 +38,9 @@ def test_an_fp8_plan_of_the_shipped_shapes_on_hopper_takes_the_lane_kernel(hoppe
 
 @pytest.mark.parametrize("case, expect", [
     ("bf16", "bf16 engine"),
-    ("ampere", "not a Hopper GPU"),
-    ("blackwell", "not a Hopper GPU"),
-    ("cpu", "not a Hopper GPU"),
+    ("ampere", "needs a Hopper GPU (CUDA compute capability 9.0"),
+    ("blackwell", "needs a Hopper GPU (CUDA compute capability 9.0"),
+    ("cpu", "needs a Hopper GPU (CUDA compute capability 9.0"),
     ("no lane", "no admission lane on batch bucket 1"),
     ("lane on 2", "no admission lane on batch bucket 1"),
     ("spec", "speculative"),

@@ -213,6 +213,14 @@ def _mismatch(got: dict[str, int], whose: str) -> str | None:
             f"alike) {SHAPE}; {whose} differ: {diff}")
 
 
+def unsupported_device(device: torch.device) -> str | None:
+    """Why the kernel cannot run on `device`, or None: it is built for sm_90a only (TMA,
+    mbarriers), so neither older GPUs nor Blackwell."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "needs a Hopper GPU (CUDA compute capability 9.0, H100 / H200)"
+    return None
+
+
 def unsupported(m: dict[str, torch.Tensor]) -> str | None:
     """Why the kernel cannot run these weights, or None."""
     why = _mismatch(shape_of(m), "these weights'")
@@ -434,10 +442,9 @@ class Megaframe:
         if why:
             raise ValueError(f"cp_megaframe: {why}")
         device = m["wqkv"].device
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-            # built for sm_90a only (TMA, mbarriers): neither older GPUs nor Blackwell
-            raise ValueError("cp_megaframe: needs a Hopper GPU (CUDA compute capability 9.0, "
-                             "H100 / H200); turn megaframe_code_predictor off elsewhere")
+        why = unsupported_device(device)
+        if why:
+            raise ValueError(f"cp_megaframe: {why}; turn megaframe_code_predictor off elsewhere")
         self.ext = extension(threads_from_env())
         self.eps, self.opts = eps, opts
         self.ctas = ctas or torch.cuda.get_device_properties(device).multi_processor_count

@@ -246,16 +246,17 @@ def lane_kernel_why_not(plan: EnginePlan, cfg, device: torch.device,
     bucket 1, bucket 1 free of the persistent and speculative code predictors, the shipped
     code predictor's shapes, and the kernel's extension (built with nvcc on first use;
     `build`: try it here, so a host without nvcc serves the plan it had)."""
+    from ttsbuild.runtime import cp_megaframe
+
     if plan.precision != "fp8":
         return "a bf16 engine"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return "not a Hopper GPU (the kernel is built for sm_90a)"
+    why = cp_megaframe.unsupported_device(device)
+    if why:
+        return why
     if 1 not in plan.admission_lane:
         return "no admission lane on batch bucket 1"
     if 1 in plan.persistent_code_predictor or 1 in plan.speculative:
         return "batch bucket 1 runs the persistent or speculative code predictor"
-    from ttsbuild.runtime import cp_megaframe
-
     why = cp_megaframe.unsupported_config(cfg)
     if why:
         return why
