@@ -14,7 +14,8 @@ Writes $OUT/sweep_fp8.json.
 
 --a8 sweeps the FP8 x FP8 tiles instead (`fp8_linear_a8_triton` on rows quantised once), and
 adds the row quantisation alone ("quant") and the whole Triton W8A8 linear as served
-("a8 auto": quantisation + the autotuned tiles). Writes $OUT/sweep_a8.json.
+("a8 auto": quantisation + the autotuned tiles); from 256 rows it also tries 256-row
+activation tiles (`BLOCK_M`, 8 warps) beside the served 128. Writes $OUT/sweep_a8.json.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ SHAPES = {  # name: (K, N), the talker's linears (1.7B)
 def configs(m: int, a8: bool = False) -> list[dict]:
     if a8:
         space = itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3, 4))
+        cs = [dict(BLOCK_N=n, BLOCK_K=k, SPLIT_K=s, num_warps=w, num_stages=st)
+              for n, k, s, w, st in space]  # fmt: skip
+        if m >= 256:  # the served row tile is 128 wide: also try 256 (two warpgroups' worth)
+            wide = [c for c in cs if c["num_warps"] == 8 and c["SPLIT_K"] <= 2]
+            cs += [dict(c, BLOCK_M=256) for c in wide if c["BLOCK_K"] == 128]
+        return cs
     elif m == 1:
         space = itertools.product((8, 16, 32), (256, 512, 1024), (1, 2, 4), (2, 4, 8), (1, 3))
     else:

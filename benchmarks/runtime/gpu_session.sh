@@ -151,6 +151,10 @@
 #         the A8 epilogue (TTSBUILD_A8_GATE_UP_SILU), an FP8 code predictor, and one with
 #         W8A8 on its unfused path (plan cp_w8a8_min_rows 16: batch 64); then, time left,
 #         `sweep_fp8.py --a8`
+# sides:  the engine microbenchmark once per side of $ENGINE_SIDES ("name|ENV=1 ...|flags;..."
+#         e.g. "copies|X=0|;nocopies|X=0|--bf16-min-rows 0"), batches $BATCHES, a process each
+# a8sweep: `sweep_fp8.py --a8` at rows $A8_MS (default 128,256,512): the A8 tiles' best config
+#         (256-row tiles too from 256 rows) against cuBLAS on bf16 copies and cuBLASLt W8A8
 # switches: kernel switches side by side in ONE process (bench_switches.py: a CUDA graph
 #         per variant and shape, replayed in interleaved rounds; ratios to the baseline within
 #         a round; the baseline: the switches as served): $SWITCH_VARIANTS (NAME on, -NAME
@@ -294,6 +298,22 @@ for step in $STEPS; do
                 --ms "${A8_MS:-16,32,64,128}" --jobs 14 > "$OUT/sweep_a8.log" 2>&1
             echo "rc=$?"; grep -vE "^  |compile failed" "$OUT/sweep_a8.log" | tail -20
         fi ;;
+    sides)
+        IFS=';' read -ra sides <<<"${ENGINE_SIDES:?set ENGINE_SIDES}"
+        for side in "${sides[@]}"; do
+            IFS='|' read -r name env flags <<<"$side"
+            left=$((DEADLINE_S - SECONDS))
+            if [ "$left" -lt 130 ]; then log "skip $name: ${left}s left"; continue; fi
+            log "engine microbenchmark: $name ($env $flags)"
+            # shellcheck disable=SC2086
+            ( export ${env:-X=0}; engine_bench "$name" $flags )
+        done ;;
+    a8sweep)
+        left=$((DEADLINE_S - SECONDS))
+        log "A8 tiles against cuBLAS bf16 / W8A8 at rows ${A8_MS:-128,256,512}"
+        timeout -k 5 $((left - 10)) python3 benchmarks/kernels/sweep_fp8.py --a8 \
+            --ms "${A8_MS:-128,256,512}" --jobs 14 > "$OUT/sweep_a8.log" 2>&1
+        echo "rc=$?"; grep -vE "^  |compile failed" "$OUT/sweep_a8.log" | tail -20 ;;
     switches)  # SWITCH_TESTS=0 skips the persistent pass's GPU tests, SWITCH_BARRIER=0 the barrier bench
         if [ "${SWITCH_TESTS:-1}" != 0 ]; then
             log "GPU tests: the persistent code-predictor pass (L2 prefetch, attention in qkv, counting barrier), the L2-ahead of the fused linears and the FP8 tiles"

@@ -211,6 +211,34 @@ def test_a8_tiles_against_float64(M, K, N, split, gate_up):
         assert _rel(out.float(), silu * plain[:, N:]) < 6e-3
 
 
+@needs_kernel
+@pytest.mark.parametrize("block_m", [128, 256])
+def test_a8_tiles_take_a_wider_row_tile(block_m):
+    """A config's BLOCK_M (the sweep's 256-row tiles): 300 rows over two or three row tiles,
+    the last one partial, against the float64 product of the same FP8 operands."""
+    from ttsbuild.plugins._tl.fp8_linear import fp8_linear_a8_triton
+
+    M, K, N = 300, 256, 128
+    g = torch.Generator(device=KDEV).manual_seed(block_m)
+    x = _rows(block_m + 1, M, K, device=KDEV).bfloat16()
+    wq, ws = quantize_weight_fp8(torch.randn(N, K, device=KDEV, generator=g) * K**-0.5)
+    xq, sx = quantize_rows(x, use_triton=True)
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2, "BLOCK_M": block_m}
+    out = fp8_linear_a8_triton(xq, sx, wq, ws, config=cfg)
+    full = (xq.double() * sx.double()) @ (wq.double() * ws.double()[:, None]).t()
+    assert out.shape == (M, N) and _rel(out.float(), full) < 1e-2
+    assert _rel(out[-1].float(), full[-1]) < 1e-2  # the partial last tile's rows
+
+
+def test_a8_row_tile_is_refused_on_the_weight_only_kernel():
+    from ttsbuild.plugins._tl.fp8_linear import fp8_linear_triton
+
+    wq, ws = quantize_weight_fp8(torch.randn(64, 128))
+    with pytest.raises(ValueError, match="BLOCK_M 256 is for the A8 tiles"):
+        fp8_linear_triton(torch.randn(4, 128).bfloat16(), wq, ws,
+                          config={"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "BLOCK_M": 256})
+
+
 def test_a8_rejects_mismatched_operands():
     from ttsbuild.plugins._tl.fp8_linear import fp8_linear_a8_triton
 

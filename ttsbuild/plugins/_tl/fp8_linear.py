@@ -350,6 +350,11 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     a8 = sx is not None
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     block_m = m_bucket(M, a8)
+    if config is not None and "BLOCK_M" in config:  # a sweep's wider row tile (A8 only)
+        config = dict(config)
+        block_m = config.pop("BLOCK_M")
+        if not a8 or block_m not in (16, 32, 64, 128, 256):
+            raise ValueError(f"BLOCK_M {block_m} is for the A8 tiles: 16-256, a power of 2")
     ws = torch.empty(_MAX_SPLIT * 2 * M * N, dtype=torch.float32, device=x.device)
     cnt = _counters(x.device)
 
