@@ -136,16 +136,20 @@ def main() -> int:
             auto = graph_time_us([lambda q=q, s=s: fp8_linear(x, q, s) for q, s in qs])
             bf16 = graph_time_us([lambda w=w: F.linear(x, w) for w in wb])
             cublas8 = quant = a8_auto = float("nan")
-            if w8a8_supported(m, q) and m % 16 == 0:
-                cublas8 = graph_time_us([lambda q=q, s=s: fp8_linear_w8a8(x, q, s) for q, s in qs])
-            if args.a8:
-                quant = graph_time_us([lambda: quantize_rows(x, use_triton=True)])
-                fp8_w8a8.W8A8_GEMM = "triton"
-                try:
+            # (each GEMM named: the module's choice, W8A8_GEMM, is restored after)
+            served_gemm = fp8_w8a8.W8A8_GEMM
+            try:
+                fp8_w8a8.W8A8_GEMM = "cublas"
+                if w8a8_supported(m, q):
+                    cublas8 = graph_time_us([lambda q=q, s=s: fp8_linear_w8a8(x, q, s)
+                                             for q, s in qs])  # fmt: skip
+                if args.a8:
+                    quant = graph_time_us([lambda: quantize_rows(x, use_triton=True)])
+                    fp8_w8a8.W8A8_GEMM = "triton"
                     a8_auto = graph_time_us([lambda q=q, s=s: fp8_linear_w8a8(x, q, s)
                                              for q, s in qs])  # fmt: skip
-                finally:
-                    fp8_w8a8.W8A8_GEMM = "cublas"
+            finally:
+                fp8_w8a8.W8A8_GEMM = served_gemm
             ref = x.float() @ (q.float() * s[:, None]).t()
             if args.a8:  # the same quantised rows: A8 differs from weight-only by ~2-3 %
                 ref = fp8_w8a8.fp8_linear_w8a8_reference(x, q, s).float()

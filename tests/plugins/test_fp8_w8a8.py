@@ -108,6 +108,20 @@ def test_dense_routes_by_rows(monkeypatch):
     assert torch.equal(d(odd), fp8_linear(odd, d.weight, d.scale))
 
 
+def test_cublas_from_min_rows(monkeypatch):
+    """TTSBUILD_W8A8_CUBLAS_MIN_ROWS: from that many rows, shapes cuBLASLt takes go to it;
+    fewer rows, and row counts it does not take, stay on the A8 tiles."""
+    wq, _ = quantize_weight_fp8(torch.randn(64, 256))
+    assert fp8_w8a8.gemm_for(512, wq) == "triton"  # off by default
+    monkeypatch.setattr(fp8_w8a8, "CUBLAS_MIN_ROWS", 128)
+    assert [fp8_w8a8.gemm_for(m, wq) for m in (64, 127, 128, 256, 208, 136)] == [
+        "triton", "triton", "cublas", "cublas", "cublas", "cublas"]
+    assert fp8_w8a8.gemm_for(130, wq) == "triton"  # not a multiple of 16
+    assert w8a8_supported(130, wq) and w8a8_supported(256, wq)
+    odd, _ = quantize_weight_fp8(torch.randn(72, 200))  # K not a multiple of 16
+    assert fp8_w8a8.gemm_for(256, odd) == "triton" and not w8a8_supported(256, odd)
+
+
 def test_gate_up_silu_routes_to_w8a8(monkeypatch):
     """With TTSBUILD_A8_GATE_UP_SILU a packed gate/up Dense at >= w8a8_min_rows rows takes the
     W8A8 product followed by silu(gate) * up (fused on CUDA; the reference product and

@@ -32,6 +32,16 @@ from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
 W8A8_GEMM = os.environ.get("TTSBUILD_W8A8_GEMM", "triton")
 if W8A8_GEMM not in ("cublas", "triton"):
     raise ValueError(f"TTSBUILD_W8A8_GEMM must be cublas or triton, got {W8A8_GEMM!r}")
+# With the Triton tiles, inputs of at least this many rows (0: none) that cuBLASLt takes go to
+# cuBLASLt instead: where a GEMM is compute-bound (long prompts, large decode buckets) its
+# tiles may beat the A8 tiles, which are shaped for few rows. Read at import.
+try:
+    CUBLAS_MIN_ROWS = int(os.environ.get("TTSBUILD_W8A8_CUBLAS_MIN_ROWS", "0"))
+except ValueError as exc:
+    raise ValueError("TTSBUILD_W8A8_CUBLAS_MIN_ROWS must be a row count (0: off), got "
+                     f"{os.environ['TTSBUILD_W8A8_CUBLAS_MIN_ROWS']!r}") from exc  # fmt: skip
+if CUBLAS_MIN_ROWS < 0:
+    raise ValueError(f"TTSBUILD_W8A8_CUBLAS_MIN_ROWS must be >= 0, got {CUBLAS_MIN_ROWS}")
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,13 +64,27 @@ def quantize_rows(x: torch.Tensor, *, use_triton: bool | None = None):
     return quantize_rows_triton(x)
 
 
+def _cublas_takes(rows: int, w_fp8: torch.Tensor) -> bool:
+    n, k = w_fp8.shape
+    return rows > 0 and rows % 16 == 0 and n % 16 == 0 and k % 16 == 0
+
+
+def gemm_for(rows: int, w_fp8: torch.Tensor) -> str:
+    """Which FP8 GEMM multiplies `rows` rows: "cublas" (TTSBUILD_W8A8_GEMM=cublas, or from
+    CUBLAS_MIN_ROWS rows where cuBLASLt takes the shape) or "triton" (the A8 tiles)."""
+    if W8A8_GEMM == "cublas":
+        return "cublas"
+    if CUBLAS_MIN_ROWS and rows >= CUBLAS_MIN_ROWS and _cublas_takes(rows, w_fp8):
+        return "cublas"
+    return "triton"
+
+
 def w8a8_supported(rows: int, w_fp8: torch.Tensor) -> bool:
     """Shapes the FP8 GEMM takes: for cuBLASLt every dimension a multiple of 16; the Triton
     tiles mask rows and columns (K a multiple of 16: 16-byte rows)."""
-    n, k = w_fp8.shape
-    if W8A8_GEMM == "triton":
-        return rows > 0 and k % 16 == 0
-    return rows > 0 and rows % 16 == 0 and n % 16 == 0 and k % 16 == 0
+    if gemm_for(rows, w_fp8) == "triton":
+        return rows > 0 and w_fp8.shape[1] % 16 == 0
+    return _cublas_takes(rows, w_fp8)
 
 
 def fp8_linear_w8a8_reference(
@@ -92,7 +116,9 @@ def fp8_linear_w8a8(
     `silu_mul` after the plain product rounds). quantized: x's rows already quantised, (q
     [R, K] e4m3, scale [R, 1]) as `quantize_rows(x)` gives (a norm that wrote them, e.g.
     `add_rms_norm(quantize=True)`); then x gives only the output's leading shape."""
-    if gate_up and (W8A8_GEMM != "triton" or not want_triton(x, use_triton) or not x.is_cuda):
+    rows = x.numel() // x.shape[-1]
+    gemm = gemm_for(rows, w_fp8)
+    if gate_up and (gemm != "triton" or not want_triton(x, use_triton) or not x.is_cuda):
         from ttsbuild.plugins.norm_act import silu_mul
 
         return silu_mul(fp8_linear_w8a8(x, w_fp8, w_scale, use_triton=use_triton,
@@ -106,10 +132,10 @@ def fp8_linear_w8a8(
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if not w8a8_supported(x2.shape[0], w_fp8):
-        raise ValueError(f"W8A8 ({W8A8_GEMM}) does not take {x2.shape[0]} rows x "
+        raise ValueError(f"W8A8 ({gemm}) does not take {x2.shape[0]} rows x "
                          f"{tuple(w_fp8.shape)}")  # fmt: skip
     xq, sx = quantize_rows(x2, use_triton=True) if quantized is None else quantized
-    if W8A8_GEMM == "triton":
+    if gemm == "triton":
         from ttsbuild.plugins._tl.fp8_linear import fp8_linear_a8_triton
 
         out = fp8_linear_a8_triton(xq, sx, w_fp8, w_scale, gate_up=gate_up)
