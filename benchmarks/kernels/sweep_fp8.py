@@ -15,9 +15,7 @@ Writes $OUT/sweep_fp8.json.
 --a8 sweeps the FP8 x FP8 tiles instead (`fp8_linear_a8_triton` on rows quantised once), and
 adds the row quantisation alone ("quant") and the whole Triton W8A8 linear as served
 ("a8 auto": quantisation + the autotuned tiles); from 256 rows it also tries 256-row
-activation tiles (`BLOCK_M`, 8 warps) beside the served 128, and from 128 rows the many-row
-TMA GEMM ("tma": quantisation + `_tl.fp8_gemm_tma` as served, and its best config of
-TMA_CONFIGS, GEMM alone). Writes $OUT/sweep_a8.json.
+activation tiles (`BLOCK_M`, 8 warps) beside the served 128. Writes $OUT/sweep_a8.json.
 """
 
 from __future__ import annotations
@@ -75,46 +73,6 @@ def _runner(a8: bool):
             lambda xs, q, s, c=None: fp8_linear_a8_triton(xs[0], xs[1], q, s, c))  # fmt: skip
 
 
-TMA_CONFIGS = [  # the many-row TMA GEMM's grid (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=st)
-    for bm, bn, bk, w, st in [(128, 128, 128, 8, 4), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3),
-                              (128, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
-                              (64, 256, 128, 8, 3)]
-]
-
-
-def _time_tma(x, qs, graph_time_us) -> tuple[float, dict]:
-    """(us of the row quantisation + the TMA GEMM as served by `fp8_w8a8` with MANY_ROWS
-    on, the best of TMA_CONFIGS with its us) for rows x over the rotated weights qs."""
-    from ttsbuild.plugins import fp8_w8a8
-    from ttsbuild.plugins._tl.fp8_gemm_tma import w8a8_tma
-
-    saved = fp8_w8a8.MANY_ROWS, fp8_w8a8.MANY_ROWS_GEMM
-    fp8_w8a8.MANY_ROWS, fp8_w8a8.MANY_ROWS_GEMM = 1, "tma"
-    try:
-        served = graph_time_us([lambda q=q, s=s: fp8_w8a8.fp8_linear_w8a8(x, q, s)
-                                for q, s in qs])  # fmt: skip
-    finally:
-        fp8_w8a8.MANY_ROWS, fp8_w8a8.MANY_ROWS_GEMM = saved
-    xq, sx = fp8_w8a8.quantize_rows(x, use_triton=True)
-    ref = fp8_w8a8.fp8_linear_w8a8_reference(x, *qs[0]).double()
-    best = None
-    for c in TMA_CONFIGS:
-        try:
-            o = w8a8_tma(xq, sx, *qs[0], config=c).double()
-            if ((o - ref).norm() / ref.norm()).item() > 2e-2:
-                print(f"  tma {c}: wrong result", flush=True)
-                continue
-            us = graph_time_us([lambda q=q, s=s, c=c: w8a8_tma(xq, sx, q, s, config=c)
-                                for q, s in qs], replays=5)  # fmt: skip
-        except Exception as exc:  # noqa: BLE001
-            print(f"  tma {c}: {exc!r}"[:200], flush=True)
-            continue
-        if best is None or us < best["us"]:
-            best = {"us": us, **c}
-    return served, best
-
-
 def compile_slice(ms: list[int], part: int, parts: int, a8: bool) -> None:
     """Compile (by running once) every config of the slice at every M's tile width."""
     from ttsbuild.plugins.fp8_linear import quantize_weight_fp8
@@ -155,7 +113,6 @@ def main() -> int:
 
     from benchmarks.kernels.bench_kernels import L2_DEFEAT_BYTES, graph_time_us
     from ttsbuild.plugins import fp8_w8a8
-    from ttsbuild.plugins._dispatch import tma_capable
     from ttsbuild.plugins._tl import fp8_linear as tl_fp8
     from ttsbuild.plugins.fp8_linear import fp8_linear, quantize_weight_fp8
     from ttsbuild.plugins.fp8_w8a8 import fp8_linear_w8a8, quantize_rows, w8a8_supported
@@ -163,7 +120,7 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
     print(f"{'shape':8s} {'M':>3s} {'auto us':>8s} {'TB/s':>5s} {'best us':>8s} {'TB/s':>5s} "
-          f"{'cublas8':>8s} {'bf16 us':>8s} {'quant':>6s} {'a8 auto':>8s} {'tma':>8s}  best config "
+          f"{'cublas8':>8s} {'bf16 us':>8s} {'quant':>6s} {'a8 auto':>8s}  best config "
           f"({'A8 tiles, quantisation not included' if args.a8 else 'weight-only'})")  # fmt: skip
     prepare, run = _runner(args.a8)
     for name, (K, N) in SHAPES.items():
@@ -178,8 +135,7 @@ def main() -> int:
             fp8_linear(x, q, s, use_triton=True)  # the autotuner's pick
             auto = graph_time_us([lambda q=q, s=s: fp8_linear(x, q, s) for q, s in qs])
             bf16 = graph_time_us([lambda w=w: F.linear(x, w) for w in wb])
-            cublas8 = quant = a8_auto = tma = float("nan")
-            tma_best = None
+            cublas8 = quant = a8_auto = float("nan")
             # (each GEMM named: the module's choice, W8A8_GEMM, is restored after)
             served_gemm = fp8_w8a8.W8A8_GEMM
             try:
@@ -192,8 +148,6 @@ def main() -> int:
                     fp8_w8a8.W8A8_GEMM = "triton"
                     a8_auto = graph_time_us([lambda q=q, s=s: fp8_linear_w8a8(x, q, s)
                                              for q, s in qs])  # fmt: skip
-                    if m >= 128 and tma_capable(x):
-                        tma, tma_best = _time_tma(x, qs, graph_time_us)
             finally:
                 fp8_w8a8.W8A8_GEMM = served_gemm
             ref = x.float() @ (q.float() * s[:, None]).t()
@@ -217,12 +171,11 @@ def main() -> int:
             timed.sort(key=lambda tc: tc[0])
             bt, bc = timed[0]
             print(f"{name:8s} {m:3d} {auto:8.2f} {tbs(auto):5.2f} {bt:8.2f} {tbs(bt):5.2f} "
-                  f"{cublas8:8.2f} {bf16:8.2f} {quant:6.2f} {a8_auto:8.2f} {tma:8.2f}  {bc}"
-                  + (f"  tma best {tma_best}" if tma_best else ""), flush=True)  # fmt: skip
+                  f"{cublas8:8.2f} {bf16:8.2f} {quant:6.2f} {a8_auto:8.2f}  {bc}",
+                  flush=True)  # fmt: skip
             report["results"].append({
                 "shape": name, "K": K, "N": N, "M": m, "auto_us": auto, "bf16_us": bf16,
                 "cublas_w8a8_us": cublas8, "quantize_us": quant, "a8_auto_us": a8_auto,
-                "tma_us": tma, "tma_best": tma_best,
                 "auto_config": tl_fp8.best_config(m, N, K, args.a8),
                 "top": [{"us": t, **c} for t, c in timed[:5]],
             })  # fmt: skip

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from ttsbuild.plugins._dispatch import tma_capable, want_triton
+from ttsbuild.plugins._dispatch import want_triton
 from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
 
 # Which FP8 GEMM runs W8A8 on CUDA: the Triton A8 tiles (default: 1.3-2x faster than
@@ -32,22 +32,6 @@ from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
 W8A8_GEMM = os.environ.get("TTSBUILD_W8A8_GEMM", "triton")
 if W8A8_GEMM not in ("cublas", "triton"):
     raise ValueError(f"TTSBUILD_W8A8_GEMM must be cublas or triton, got {W8A8_GEMM!r}")
-# With the Triton tiles, inputs of at least MANY_ROWS rows (0: none) go to a GEMM shaped for
-# many rows where it takes the shape: MANY_ROWS_GEMM, "tma" (`_tl.fp8_gemm_tma`: the plain
-# orientation, TMA loads, 128-row tiles of two warpgroups) or "cublas" (cuBLASLt, rows a
-# multiple of 16). There a GEMM is compute-bound (long prompts, batched prefill, decode
-# buckets of 128-256), and the A8 tiles are shaped for few rows. Read at import.
-try:
-    MANY_ROWS = int(os.environ.get("TTSBUILD_W8A8_MANY_ROWS", "0"))
-except ValueError as exc:
-    raise ValueError("TTSBUILD_W8A8_MANY_ROWS must be a row count (0: off), got "
-                     f"{os.environ['TTSBUILD_W8A8_MANY_ROWS']!r}") from exc  # fmt: skip
-if MANY_ROWS < 0:
-    raise ValueError(f"TTSBUILD_W8A8_MANY_ROWS must be >= 0, got {MANY_ROWS}")
-MANY_ROWS_GEMM = os.environ.get("TTSBUILD_W8A8_MANY_ROWS_GEMM", "tma")
-if MANY_ROWS_GEMM not in ("cublas", "tma"):
-    raise ValueError(f"TTSBUILD_W8A8_MANY_ROWS_GEMM must be cublas or tma, got "
-                     f"{MANY_ROWS_GEMM!r}")  # fmt: skip
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,31 +54,13 @@ def quantize_rows(x: torch.Tensor, *, use_triton: bool | None = None):
     return quantize_rows_triton(x)
 
 
-def _cublas_takes(rows: int, w_fp8: torch.Tensor) -> bool:
-    n, k = w_fp8.shape
-    return rows > 0 and rows % 16 == 0 and n % 16 == 0 and k % 16 == 0
-
-
-def gemm_for(rows: int, w_fp8: torch.Tensor) -> str:
-    """Which FP8 GEMM multiplies `rows` rows: "cublas" (TTSBUILD_W8A8_GEMM=cublas), from
-    MANY_ROWS rows MANY_ROWS_GEMM where it takes the shape ("tma": K a multiple of 16;
-    "cublas": every dimension a multiple of 16), else "triton" (the A8 tiles)."""
-    if W8A8_GEMM == "cublas":
-        return "cublas"
-    if MANY_ROWS and rows >= MANY_ROWS:
-        if MANY_ROWS_GEMM == "cublas" and _cublas_takes(rows, w_fp8):
-            return "cublas"
-        if MANY_ROWS_GEMM == "tma" and w_fp8.shape[1] % 16 == 0 and tma_capable(w_fp8):
-            return "tma"
-    return "triton"
-
-
 def w8a8_supported(rows: int, w_fp8: torch.Tensor) -> bool:
     """Shapes the FP8 GEMM takes: for cuBLASLt every dimension a multiple of 16; the Triton
     tiles mask rows and columns (K a multiple of 16: 16-byte rows)."""
-    if gemm_for(rows, w_fp8) != "cublas":  # the Triton tiles and the TMA GEMM
-        return rows > 0 and w_fp8.shape[1] % 16 == 0
-    return _cublas_takes(rows, w_fp8)
+    n, k = w_fp8.shape
+    if W8A8_GEMM == "triton":
+        return rows > 0 and k % 16 == 0
+    return rows > 0 and rows % 16 == 0 and n % 16 == 0 and k % 16 == 0
 
 
 def fp8_linear_w8a8_reference(
@@ -126,9 +92,7 @@ def fp8_linear_w8a8(
     `silu_mul` after the plain product rounds). quantized: x's rows already quantised, (q
     [R, K] e4m3, scale [R, 1]) as `quantize_rows(x)` gives (a norm that wrote them, e.g.
     `add_rms_norm(quantize=True)`); then x gives only the output's leading shape."""
-    rows = x.numel() // x.shape[-1]
-    gemm = gemm_for(rows, w_fp8)
-    if gate_up and (gemm != "triton" or not want_triton(x, use_triton) or not x.is_cuda):
+    if gate_up and (W8A8_GEMM != "triton" or not want_triton(x, use_triton) or not x.is_cuda):
         from ttsbuild.plugins.norm_act import silu_mul
 
         return silu_mul(fp8_linear_w8a8(x, w_fp8, w_scale, use_triton=use_triton,
@@ -142,15 +106,10 @@ def fp8_linear_w8a8(
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if not w8a8_supported(x2.shape[0], w_fp8):
-        raise ValueError(f"W8A8 ({gemm}) does not take {x2.shape[0]} rows x "
+        raise ValueError(f"W8A8 ({W8A8_GEMM}) does not take {x2.shape[0]} rows x "
                          f"{tuple(w_fp8.shape)}")  # fmt: skip
     xq, sx = quantize_rows(x2, use_triton=True) if quantized is None else quantized
-    if gemm == "tma":
-        from ttsbuild.plugins._tl.fp8_gemm_tma import w8a8_tma
-
-        out = w8a8_tma(xq.contiguous(), sx, w_fp8, w_scale)
-        return out.reshape(*lead, out.shape[-1])
-    if gemm == "triton":
+    if W8A8_GEMM == "triton":
         from ttsbuild.plugins._tl.fp8_linear import fp8_linear_a8_triton
 
         out = fp8_linear_a8_triton(xq, sx, w_fp8, w_scale, gate_up=gate_up)

@@ -313,20 +313,37 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
       the 2048-column o projection is faster whole with 32 tiles on 132 SMs);
     - 4 warps (8 only tie); 4 stages, 3 where the N tiles alone fill the SMs at K blocks of
       256 (gate_up at 16-32 rows).
+    Past 128 rows (several row tiles: long prompts, batched prefill, decode buckets of 128+),
+    from a 128-512-row sweep of the same shapes (benchmarks/kernels/2026-12-06-h200-many-rows):
+    - 64-row weight tiles always; K blocks of 256, or 128 with 3 stages where N >= 8192
+      (gate_up: 14.5 against 18.6 us at 256 rows on the 128 x 128 tiles of the rule above);
+    - split-K only while the grid stays under half the SMs (down, K = 6144: 12.0 against
+      19.5 us at 256 rows with the few-row rule's 4 splits);
+    - 8 warps for the wide N from four row tiles (gate_up at 512 rows).
     Stages (then the K block) shrink until the stages' tiles fit in shared memory: each holds
     the weight tile (two for gate_up) and the [BLOCK_K, BLOCK_M] activation tile, FP8."""
     bm = m_bucket(M, a8=True)
-    if bm >= 128 and triton.cdiv(N, 128) >= sms // 2:
+    m_tiles = triton.cdiv(M, bm)
+    warps = 4
+    if m_tiles > 1:  # many rows: 64-row weight tiles, K blocks by N
+        bn, bk = (64, 128) if N >= 8192 else (64, 256)
+        warps = 8 if N >= 8192 and m_tiles >= 4 else 4
+    elif bm >= 128 and triton.cdiv(N, 128) >= sms // 2:
         bn, bk = 128, 128
     elif bm >= 64 and triton.cdiv(N, 64) >= sms:
         bn, bk = 64, 128
     else:
         bn, bk = 64, 256
     bk = min(bk, max(32, triton.next_power_of_2(K) // 2 if K < bk else bk))
+    tiles = triton.cdiv(N, bn) * m_tiles
     split = 1
-    while split < _MAX_SPLIT and K % (bk * split * 2) == 0 and K // (split * 2) >= 1536:
+    while (split < _MAX_SPLIT and K % (bk * split * 2) == 0 and K // (split * 2) >= 1536
+           and (m_tiles == 1 or tiles * split * 2 <= sms // 2)):  # fmt: skip
         split *= 2
-    stages = 3 if bk == 256 and triton.cdiv(N, bn) >= sms else 4
+    if m_tiles > 1:
+        stages = 3 if bk == 128 else 4
+    else:
+        stages = 3 if bk == 256 and triton.cdiv(N, bn) >= sms else 4
 
     def smem(stages: int, bk: int) -> int:
         return stages * ((2 if gate_up else 1) * bn * bk + bk * bm)
@@ -335,7 +352,8 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
         stages -= 1
     while bk > 32 and smem(stages, bk) > _A8_SMEM:
         bk //= 2
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": stages}
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps,
+            "num_stages": stages}  # fmt: skip
 
 
 def _launch(x, w, scale, sx, out_dtype, config, gate_up):
