@@ -274,7 +274,7 @@ for step in $STEPS; do
         timeout -k 5 240 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_fp8_w8a8.py \
             tests/plugins/test_norm_act.py tests/runtime/test_talker_fusions.py \
             2>&1 | tee "$OUT/gpu_tests_a8.log" | tail -2
-        log "engine microbenchmark: the served plan (W8A8 16-127 rows, bf16 copies from 128)"
+        log "engine microbenchmark: the served plan (W8A8 from 16 rows, bf16 copies from DEFAULT_BF16_MIN_ROWS)"
         engine_bench served
         # name, environment, engine-bench flags: the defaults before 2026-12-04 (bf16 copies
         # from 16 rows), then the two A8 switches
