@@ -384,8 +384,8 @@ def test_a_lone_streams_next_frame_step_follows_its_first_codec_step_on_the_lane
 def test_default_plans_reserve_sms_for_the_lane_and_pick_the_fp8_talkers_linears():
     """Measured defaults (H200): 16 SMs kept for the admission lane wherever there is one
     (serving at 40 req/s); the FP8 talker's linears W8A8 from 16 rows and on bf16 copies from
-    256 (engine bench, 2026-12-04 and 2026-12-06); a bf16 plan has neither, a plan without a lane reserves
-    nothing."""
+    256 (engine bench, 2026-12-04 and 2026-12-06); a bf16 plan has neither, a plan without a
+    lane reserves nothing."""
     from ttsbuild.build.compile import BuildConfig
     from ttsbuild.runtime.plan import (
         DEFAULT_BF16_MIN_ROWS,
