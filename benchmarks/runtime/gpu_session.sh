@@ -199,6 +199,28 @@ case " $STEPS " in *" ab "* | *" sweep "* | *" overload "*) serving=", ttsbuild.
 if ! why=$(python3 -c "import ttsbuild.bench.engine_bench, ttsbuild.serve.cli$serving" 2>&1); then
     echo "== preflight failed: $(tail -1 <<<"$why")"; exit 1
 fi
+# engine_sides MIN_LEFT "name|ENV=1 ...|flags" ...: the engine microbenchmark once per side, a
+# process each with its environment and flags, while MIN_LEFT seconds of the deadline remain
+engine_sides() {
+    local min_left=$1 side name env flags
+    shift
+    for side in "$@"; do
+        IFS='|' read -r name env flags <<<"$side"
+        if [ $((DEADLINE_S - SECONDS)) -lt "$min_left" ]; then
+            log "skip $name: $((DEADLINE_S - SECONDS))s left"; continue
+        fi
+        log "engine microbenchmark: $name ($env $flags)"
+        # shellcheck disable=SC2086  # assignments and flags, split on purpose
+        ( export ${env:-X=0}; engine_bench "$name" $flags )
+    done
+}
+# a8_sweep ROWS: sweep_fp8.py --a8 at the talker's shapes and those row counts, until the deadline
+a8_sweep() {
+    log "A8 tiles against cuBLAS bf16 / W8A8 at rows $1"
+    timeout -k 5 $((DEADLINE_S - SECONDS - 10)) python3 benchmarks/kernels/sweep_fp8.py --a8 \
+        --ms "$1" --jobs 14 > "$OUT/sweep_a8.log" 2>&1
+    echo "rc=$?"; grep -vE "^  |compile failed" "$OUT/sweep_a8.log" | tail -20
+}
 for step in $STEPS; do
     case $step in
     driver)  # a fresh build comes back under $OUT, to carry next time
@@ -278,42 +300,16 @@ for step in $STEPS; do
         engine_bench served
         # name, environment, engine-bench flags: the defaults before 2026-12-04 (bf16 copies
         # from 16 rows), then the two A8 switches
-        for side in "bf16from16|X=0|--w8a8-min-rows 0 --bf16-min-rows 16" \
-                    "normquant|TTSBUILD_A8_NORM_QUANT=1|" \
-                    "siluquant|TTSBUILD_A8_SILU_QUANT=1|" \
-                    "gateup|TTSBUILD_A8_GATE_UP_SILU=1|" \
-                    "cpfp8|X=0|--plan-set code_predictor_fp8=true" \
-                    "cpw8a8|X=0|--plan-set code_predictor_fp8=true --plan-set cp_w8a8_min_rows=16"; do
-            IFS='|' read -r name env flags <<<"$side"
-            left=$((DEADLINE_S - SECONDS))
-            if [ "$left" -lt 100 ]; then log "skip $name: ${left}s left"; continue; fi
-            log "engine microbenchmark: $name ($env $flags)"
-            # shellcheck disable=SC2086
-            ( export $env; engine_bench "$name" $flags )
-        done
-        left=$((DEADLINE_S - SECONDS))
-        if [ "$left" -gt 90 ]; then
-            log "A8 tiles against cuBLAS bf16 / W8A8 at the talker's shapes"
-            timeout -k 5 $((left - 10)) python3 benchmarks/kernels/sweep_fp8.py --a8 \
-                --ms "${A8_MS:-16,32,64,128}" --jobs 14 > "$OUT/sweep_a8.log" 2>&1
-            echo "rc=$?"; grep -vE "^  |compile failed" "$OUT/sweep_a8.log" | tail -20
-        fi ;;
+        engine_sides 100 "bf16from16|X=0|--w8a8-min-rows 0 --bf16-min-rows 16" \
+            "normquant|TTSBUILD_A8_NORM_QUANT=1|" "siluquant|TTSBUILD_A8_SILU_QUANT=1|" \
+            "gateup|TTSBUILD_A8_GATE_UP_SILU=1|" "cpfp8|X=0|--plan-set code_predictor_fp8=true" \
+            "cpw8a8|X=0|--plan-set code_predictor_fp8=true --plan-set cp_w8a8_min_rows=16"
+        [ $((DEADLINE_S - SECONDS)) -le 90 ] || a8_sweep "${A8_MS:-16,32,64,128}" ;;
     sides)
         IFS=';' read -ra sides <<<"${ENGINE_SIDES:?set ENGINE_SIDES}"
-        for side in "${sides[@]}"; do
-            IFS='|' read -r name env flags <<<"$side"
-            left=$((DEADLINE_S - SECONDS))
-            if [ "$left" -lt 130 ]; then log "skip $name: ${left}s left"; continue; fi
-            log "engine microbenchmark: $name ($env $flags)"
-            # shellcheck disable=SC2086
-            ( export ${env:-X=0}; engine_bench "$name" $flags )
-        done ;;
+        engine_sides 130 "${sides[@]}" ;;
     a8sweep)
-        left=$((DEADLINE_S - SECONDS))
-        log "A8 tiles against cuBLAS bf16 / W8A8 at rows ${A8_MS:-128,256,512}"
-        timeout -k 5 $((left - 10)) python3 benchmarks/kernels/sweep_fp8.py --a8 \
-            --ms "${A8_MS:-128,256,512}" --jobs 14 > "$OUT/sweep_a8.log" 2>&1
-        echo "rc=$?"; grep -vE "^  |compile failed" "$OUT/sweep_a8.log" | tail -20 ;;
+        a8_sweep "${A8_MS:-128,256,512}" ;;
     switches)  # SWITCH_TESTS=0 skips the persistent pass's GPU tests, SWITCH_BARRIER=0 the barrier bench
         if [ "${SWITCH_TESTS:-1}" != 0 ]; then
             log "GPU tests: the persistent code-predictor pass (L2 prefetch, attention in qkv, counting barrier), the L2-ahead of the fused linears and the FP8 tiles"
