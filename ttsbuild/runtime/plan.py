@@ -26,8 +26,8 @@ DEFAULT_LANE_RESERVED_SMS = 16  # of the H200's 132 (see EnginePlan.lane_reserve
 # FP8 talkers: linears as W8A8 on the Triton A8 tiles from 16 rows, on bf16 copies from 256
 # (benchmarks/kernels/2026-12-04-h200-a8: prefill 1x32 1.97 -> 1.70 ms, talker step at batch 64
 # 1.94 -> 1.78 ms against bf16 copies from 16; benchmarks/kernels/2026-12-06-h200-many-rows:
-# at 128 rows W8A8 beat the copies, frame at batch 128 7.68 -> 6.88 ms, and from 256 the
-# copies were faster, talker step at 256 3.26 against 3.56 ms, with the A8 rule of then)
+# at 128 rows W8A8 beat the copies, talker step at batch 128 2.43 -> 2.34 ms, and from 256
+# the copies were faster, talker step at 256 3.26 against 3.56 ms, with the A8 rule of then)
 DEFAULT_W8A8_MIN_ROWS = 16
 DEFAULT_BF16_MIN_ROWS = 256
 
