@@ -216,6 +216,9 @@ engine_sides() {
 }
 # a8_sweep ROWS: sweep_fp8.py --a8 at the talker's shapes and those row counts, until the deadline
 a8_sweep() {
+    if [ $((DEADLINE_S - SECONDS)) -lt 60 ]; then  # (timeout 0 would mean no limit at all)
+        log "skip the A8 sweep: $((DEADLINE_S - SECONDS))s left"; return
+    fi
     log "A8 tiles against cuBLAS bf16 / W8A8 at rows $1"
     timeout -k 5 $((DEADLINE_S - SECONDS - 10)) python3 benchmarks/kernels/sweep_fp8.py --a8 \
         --ms "$1" --jobs 14 > "$OUT/sweep_a8.log" 2>&1
