@@ -344,12 +344,9 @@ for step in $STEPS; do
         done ;;
     engine_env)  # one run per ';'-separated group of switches, labelled env1, env2, ...
         IFS=';' read -ra groups <<<"${ENGINE_ENV:?set ENGINE_ENV}"
-        for i in "${!groups[@]}"; do
-            left=$((DEADLINE_S - SECONDS))
-            if [ "$left" -lt 130 ]; then log "skip ${groups[$i]}: ${left}s left"; continue; fi
-            log "engine microbenchmark (served plan) with ${groups[$i]} -> env$((i + 1))"
-            ( export ${groups[$i]}; engine_bench "env$((i + 1))" )
-        done ;;
+        sides=()
+        for i in "${!groups[@]}"; do sides+=("env$((i + 1))|${groups[$i]}|"); done
+        engine_sides 130 "${sides[@]}" ;;
     check)
         log "graph vs eager (tiny) ${CHECK_ENV:-}"
         ( [ -z "${CHECK_ENV:-}" ] || export $CHECK_ENV
