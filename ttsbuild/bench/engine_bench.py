@@ -567,7 +567,10 @@ def run_engine_bench(
         if lane_reserved_sms is None and not set(LANE_KERNEL_PLAN) & set(plan_set or {}):
             # as served: a checkpoint's FP8 plan on a Hopper GPU takes the lane kernel
             p_plan = lane_kernel_default(p_plan, models.cfg, torch.device("cuda"))
+        # The last engine frees what it packed (the decoder layers; the checkpoint's codec
+        # goes to host memory) as a served engine does, so its memory report is the served one.
         results.append(bench_precision(models, p_plan, batches, iters, log,
+                                       release_modules=p == precisions[-1],
                                        first_frames=first_frames))  # fmt: skip
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
     report = {

@@ -637,7 +637,8 @@ class CodecEngine:
             for layer in group.vq.layers:
                 tables.append(layer._codebook.embedding().detach().float().to(device) @ w.T)
         self.codebooks = torch.cat(tables)  # [Q * size, codebook_dim]
-        # q/k/v and gate/up packed: one GEMM each (Linear(x) rows are independent of packing)
+        # q/k/v and gate/up packed: one GEMM each (Linear(x) rows are independent of packing);
+        # the unpacked weights and biases are dropped, so nothing is held twice
         self._packed = {}
         for layer in codec.pre_transformer.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -647,6 +648,8 @@ class CodecEngine:
                 torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias,
                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
             )
+            for m in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj):
+                _drop_params(m)
         del codec.quantizer  # only the pre-projected tables are used
         size = self.config.codebook_size
         self._book_offset = (torch.arange(len(tables), device=device) * size)[None, :, None]
@@ -1203,6 +1206,14 @@ class CodecEngine:
         gate_up = F.linear(st.mm_in(rms_norm(x, norm.weight, norm.eps)), gate_up_weight)
         h = silu_mul(gate_up)
         return self._linear_residual(layer.mlp.down_proj, layer.mlp_layer_scale, h, x, st)
+
+
+def _drop_params(module: nn.Module) -> None:
+    """Empty `module`'s weight (and bias): a packed copy is the engine's only one."""
+    for name in ("weight", "bias"):
+        p = getattr(module, name, None)
+        if p is not None:
+            setattr(module, name, nn.Parameter(p.new_empty(0), requires_grad=False))
 
 
 def _fold_scales(codec: CodecDecoder, transformer: bool, convnext: bool) -> set[nn.Module]:
