@@ -432,6 +432,43 @@ def test_larger_steps_on_tf32_tiles_decode_as_the_tf32_gemms(monkeypatch):
     assert rel_err(got, want) <= 1e-2
 
 
+def test_tf32_tiles_for_every_step_drop_the_fp32_transformer_weights(monkeypatch):
+    """Where every step the engine can take ((slots + 1) x max_chunk frames) runs the fused
+    layers on the scaled fp16 copies (GEMVs, then TF32 tiles), the fp32 weights of the
+    pre-transformer's linears are freed: weight_bytes falls by exactly their bytes, the
+    biases stay, the audio is the same as with them kept, and a step past the bound is
+    refused with a clear error. Kept where a step could take the GEMM path."""
+    import ttsbuild.runtime.codec_engine as ce
+
+    cfg, dec, kw = _fused_layers_case(54, max_rows=2)
+    kw = dict(kw, max_chunk=3, transformer_half_weights=True)
+    bound = (2 + 1) * 3  # (slots + 1) x max_chunk
+    kept = CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=bound - 1, **kw)
+    dropped = CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=bound, **kw)
+    assert not kept.tr_fp32_dropped and dropped.tr_fp32_dropped
+    assert not CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=bound, **dict(
+        kw, transformer_half_weights=False)).tr_fp32_dropped  # no copies to read instead
+    tr = kept.codec.pre_transformer
+    fp32 = [tr.input_proj.weight, tr.output_proj.weight]
+    for layer in tr.layers:
+        qkv, _, gate_up = kept._packed[layer]
+        fp32 += [qkv, gate_up, layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight]
+    assert all(w.dtype == torch.float32 and w.numel() > 0 for w in fp32)
+    freed = sum(w.numel() * w.element_size() for w in fp32)
+    assert kept.weight_bytes() - dropped.weight_bytes() == freed
+    tr_d = dropped.codec.pre_transformer
+    assert tr_d.output_proj.weight.numel() == 0 and tr_d.output_proj.bias.numel() > 0
+    assert all(dropped._packed[layer][0].numel() == 0 for layer in tr_d.layers)
+    codes = rand_codes(cfg, 2, 9, seed=55)
+    for chunk in (1, 3):  # 2 rows on the GEMVs, 6 on the TF32 tiles
+        assert torch.equal(ce.decode_with(dropped, codes, chunk=chunk),
+                           ce.decode_with(kept, codes, chunk=chunk))
+    rows = torch.arange(2)
+    with pytest.raises(ValueError, match="more than the engine's 3 slots x 3"):
+        dropped._transformer(torch.randn(4, 3, tr_d.input_proj.in_features), rows,
+                             torch.zeros(4, dtype=torch.long), dropped.stages["transformer"])
+
+
 @pytest.mark.parametrize("fused_layers", [0, 4])
 def test_half_precision_rings_keep_the_audio_close(fused_layers, monkeypatch):
     """CodecEngine(ring_half=True): the pre-transformer's key/value rings in fp16 beside its

@@ -547,6 +547,14 @@ class CodecEngine:
             raise ValueError(f"tf32_layers_max_rows must be >= 0, got {tf32_rows}")
         self.tf32_layers_max_rows = (
             tf32_rows if self.fused_layers_max_rows and "transformer" in self.tf32_stages else 0)
+        # Every step the engine can take (all slots, max_chunk frames each) on the fused
+        # layers with the fp16 copies: the fp32 weights of the pre-transformer's linears are
+        # never read, so they go (the copies are then the only ones)
+        self.max_step_rows = (num_slots + 1) * max_chunk
+        self.tr_fp32_dropped = bool(self._tr_half) and max(
+            self.fused_layers_max_rows, self.tf32_layers_max_rows) >= self.max_step_rows
+        if self.tr_fp32_dropped:
+            self._drop_transformer_fp32()
         # the fused layers' qkv GEMV and attention as one launch (None: QKV_ATTEND)
         self.qkv_attend = bool(dflt["qkv_attend"] if qkv_attend is None else qkv_attend) and bool(
             self.fused_layers_max_rows)
@@ -694,6 +702,19 @@ class CodecEngine:
             for m in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 half[m] = scaled_half_weight(m.weight)
         return half
+
+    def _drop_transformer_fp32(self) -> None:
+        """Free the fp32 weights of the pre-transformer's linears (their biases stay): the
+        fused layers read the scaled fp16 copies (`_half_transformer_weights`) only."""
+        tr = self.codec.pre_transformer
+        empty = tr.input_proj.weight.new_empty(0)
+        for m in (tr.input_proj, tr.output_proj):
+            _drop_params(m, bias=False)
+        for layer in tr.layers:
+            _, qkv_bias, _ = self._packed[layer]
+            self._packed[layer] = (empty, qkv_bias, empty)
+            for m in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                _drop_params(m, bias=False)
 
     def _output_epilogue_fits(self) -> bool:
         """Whether the output stage can begin in the last 1x1 conv's epilogue
@@ -1102,6 +1123,9 @@ class CodecEngine:
         """next_dtype: the next stage's; the fused layers' last linear stores its output in it
         (rounded as the cast after it would: a launch fewer), the GEMM path in fp32."""
         tr = self.codec.pre_transformer  # x: [B, n, latent]
+        if x.shape[0] * x.shape[1] > self.max_step_rows:
+            raise ValueError(f"a codec step of {x.shape[0]} x {x.shape[1]} frames is more than "
+                             f"the engine's {self.num_slots + 1} slots x {self.max_chunk}")
         if 0 < x.shape[0] * x.shape[1] <= self.fused_layers_max_rows:
             return self._transformer_fused(x, rows, pos, out_dtype=next_dtype)
         if 0 < x.shape[0] * x.shape[1] <= self.tf32_layers_max_rows:
@@ -1208,9 +1232,9 @@ class CodecEngine:
         return self._linear_residual(layer.mlp.down_proj, layer.mlp_layer_scale, h, x, st)
 
 
-def _drop_params(module: nn.Module) -> None:
+def _drop_params(module: nn.Module, bias: bool = True) -> None:
     """Empty `module`'s weight (and bias): a packed copy is the engine's only one."""
-    for name in ("weight", "bias"):
+    for name in ("weight", "bias") if bias else ("weight",):
         p = getattr(module, name, None)
         if p is not None:
             setattr(module, name, nn.Parameter(p.new_empty(0), requires_grad=False))
