@@ -230,6 +230,44 @@ def test_a8_tiles_take_a_wider_row_tile(block_m):
     assert _rel(out[-1].float(), full[-1]) < 1e-2  # the partial last tile's rows
 
 
+def test_a8_rule_from_eight_row_tiles():
+    """a8_config from 1024 rows (eight 128-row tiles): 128 x 128 weight tiles, K blocks of
+    128, 8 warps, no split, and 256-row activation tiles (BLOCK_M) for N >= 4096 only; the
+    stages shrink to fit shared memory (gate_up's two weight tiles); below, no BLOCK_M."""
+    from ttsbuild.plugins._tl.fp8_linear import _A8_SMEM, a8_config
+
+    qkv = a8_config(1024, 4096, 2048)
+    assert qkv == {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 8,
+                   "num_stages": 4, "BLOCK_M": 256}  # fmt: skip
+    down = a8_config(2048, 2048, 6144)
+    assert "BLOCK_M" not in down and (down["BLOCK_N"], down["SPLIT_K"]) == (128, 1)
+    gate_up = a8_config(1024, 6144, 2048, gate_up=True)
+    assert gate_up["BLOCK_M"] == 256 and gate_up["num_stages"] == 3
+    assert gate_up["num_stages"] * (2 * 128 * 128 + 128 * 256) <= _A8_SMEM
+    for m in (16, 128, 256, 896):  # up to seven row tiles
+        assert "BLOCK_M" not in a8_config(m, 4096, 2048)
+    assert a8_config(896, 4096, 2048)["BLOCK_N"] == 64 and "BLOCK_M" in a8_config(897, 4096, 2048)
+
+
+@needs_kernel
+def test_a8_tiles_on_the_rules_wide_row_tile():
+    """The rule's config at 1030 rows of a wide N (BLOCK_M 256 over five row tiles, the last
+    partial): the float64 product of the same FP8 operands."""
+    from ttsbuild.plugins._tl.fp8_linear import a8_config, fp8_linear_a8_triton
+
+    M, K, N = 1030, 256, 4096
+    cfg = a8_config(M, N, K)
+    assert cfg["BLOCK_M"] == 256
+    g = torch.Generator(device=KDEV).manual_seed(M + N)
+    x = _rows(N + 3, M, K, device=KDEV).bfloat16()
+    wq, ws = quantize_weight_fp8(torch.randn(N, K, device=KDEV, generator=g) * K**-0.5)
+    xq, sx = quantize_rows(x, use_triton=True)
+    out = fp8_linear_a8_triton(xq, sx, wq, ws, config=cfg)
+    full = (xq.double() * sx.double()) @ (wq.double() * ws.double()[:, None]).t()
+    assert out.shape == (M, N) and _rel(out.float(), full) < 1e-2
+    assert _rel(out[-6:].float(), full[-6:]) < 1e-2  # the partial last tile's rows
+
+
 def test_a8_row_tile_is_refused_on_the_weight_only_kernel():
     from ttsbuild.plugins._tl.fp8_linear import fp8_linear_triton
 

@@ -383,9 +383,9 @@ def test_a_lone_streams_next_frame_step_follows_its_first_codec_step_on_the_lane
 
 def test_default_plans_reserve_sms_for_the_lane_and_pick_the_fp8_talkers_linears():
     """Measured defaults (H200): 16 SMs kept for the admission lane wherever there is one
-    (serving at 40 req/s); the FP8 talker's linears W8A8 from 16 rows and on bf16 copies from
-    256 (engine bench, 2026-12-04 and 2026-12-06); a bf16 plan has neither, a plan without a
-    lane reserves nothing."""
+    (serving at 40 req/s); the FP8 talker's linears W8A8 from 16 rows and never on bf16
+    copies (engine bench, 2026-12-04 and 2026-12-07: no weight held twice); a bf16 plan has
+    neither, a plan without a lane reserves nothing."""
     from ttsbuild.build.compile import BuildConfig
     from ttsbuild.runtime.plan import (
         DEFAULT_BF16_MIN_ROWS,
@@ -395,7 +395,7 @@ def test_default_plans_reserve_sms_for_the_lane_and_pick_the_fp8_talkers_linears
 
     fp8 = EnginePlan.default(num_slots=8, precision="fp8")
     assert fp8.admission_lane and fp8.lane_reserved_sms == DEFAULT_LANE_RESERVED_SMS == 16
-    assert fp8.bf16_min_rows == DEFAULT_BF16_MIN_ROWS == 256
+    assert fp8.bf16_min_rows == DEFAULT_BF16_MIN_ROWS == 0
     assert fp8.w8a8_min_rows == DEFAULT_W8A8_MIN_ROWS == 16
     bf16_default = EnginePlan.default(num_slots=8, precision="bf16")
     assert (bf16_default.bf16_min_rows, bf16_default.w8a8_min_rows) == (0, 0)
@@ -403,7 +403,7 @@ def test_default_plans_reserve_sms_for_the_lane_and_pick_the_fp8_talkers_linears
     assert no_lane.lane_reserved_sms == 0
     compiled = BuildConfig(precision="fp8", max_batch=8, graph_batches=(1, 2, 4, 8)).runtime_plan()
     assert (compiled.lane_reserved_sms, compiled.bf16_min_rows, compiled.w8a8_min_rows) == (
-        16, 256, 16)  # fmt: skip
+        16, 0, 16)  # fmt: skip
     bf16 = BuildConfig(precision="bf16", max_batch=8, graph_batches=(1, 2, 4, 8),
                        admission_lane=()).runtime_plan()  # fmt: skip
     assert (bf16.lane_reserved_sms, bf16.bf16_min_rows, bf16.w8a8_min_rows) == (0, 0, 0)

@@ -16,7 +16,7 @@ each where the plan uses it). Measured separately:
 Teacher forcing keeps the comparison per step: a free-running comparison would diverge after
 the first different sample and measure sampling noise, not quantisation error. The talker's
 linears run by rows as the plan serves them (`check_quality` sets the stack's
-w8a8_min_rows / bf16_min_rows): the prompts' prefill, 16-255 rows by default, as W8A8 (each
+w8a8_min_rows / bf16_min_rows): the prompts' prefill, 16 rows and more by default, as W8A8 (each
 activation row quantised to FP8 with its own scale at run time), the decode steps of a few
 rows weight-only. Other activations stay bf16 (the calibrated activation and KV scales an
 engine may carry are not used by any runtime path yet), so the gate measures weight

@@ -14,9 +14,10 @@ from ttsbuild.runtime.plan import EnginePlan
 
 ENGINE_KINDS = ("auto", "graph", "eager")
 # Device memory a graph engine takes beyond its loaded weights and its slots' KV cache: the
-# talker's bf16 copies (bf16_min_rows), graph pools, codec workspace, activations and the
-# allocator's slack. H200, 1.7B CustomVoice FP8, 128 slots: 20.9 GiB reserved by the process
-# of which 7.1 KV cache and 8.5 weights as loaded (engine microbenchmark, 2026-12-03).
+# talker's bf16 copies where a plan asks for them (bf16_min_rows), graph pools, codec
+# workspace, activations and the allocator's slack. H200, 1.7B CustomVoice FP8, 128 slots:
+# 20.9 GiB reserved by the process of which 7.1 KV cache and 8.5 weights as loaded (engine
+# microbenchmark, 2026-12-03, with the bf16 copies then served).
 FIT_RESERVE_BYTES = 10 << 30
 SLOT_STATE_BYTES = 6 << 20  # per slot beside its KV cache (H200: 0.64 GiB for 128 slots)
 # The plan fields `lane_kernel_default` sets (an FP8 plan of a checkpoint on a Hopper GPU)

@@ -23,13 +23,16 @@ def power_of_two_buckets(largest: int) -> tuple[int, ...]:
 
 
 DEFAULT_LANE_RESERVED_SMS = 16  # of the H200's 132 (see EnginePlan.lane_reserved_sms)
-# FP8 talkers: linears as W8A8 on the Triton A8 tiles from 16 rows, on bf16 copies from 256
+# FP8 talkers: linears as W8A8 on the Triton A8 tiles from 16 rows, and no bf16 copies
 # (benchmarks/kernels/2026-12-04-h200-a8: prefill 1x32 1.97 -> 1.70 ms, talker step at batch 64
 # 1.94 -> 1.78 ms against bf16 copies from 16; benchmarks/kernels/2026-12-06-h200-many-rows:
-# at 128 rows W8A8 beat the copies, talker step at batch 128 2.43 -> 2.34 ms, and from 256
-# the copies were faster, talker step at 256 3.26 against 3.56 ms, with the A8 rule of then)
+# at 128 rows W8A8 beat the copies, talker step at batch 128 2.43 -> 2.34 ms; from 256 the
+# copies won with the A8 rule of then. With the many-row rule (`_tl.fp8_linear.a8_config`),
+# benchmarks/kernels/2026-12-07-h100-no-copies, two processes a side on an H100: talker step
+# at 256 3.88 against 4.06-4.12 ms with copies, prefill of 256 tokens 2.96 against 3.18, of
+# 2 x 256 4.51 against 4.85; the copies cost 2.62 GiB for 1.7B, issue 8's duplicate weights)
 DEFAULT_W8A8_MIN_ROWS = 16
-DEFAULT_BF16_MIN_ROWS = 256
+DEFAULT_BF16_MIN_ROWS = 0
 
 
 def default_prefill_batches(num_slots: int) -> tuple[int, ...]:
@@ -205,8 +208,9 @@ class EnginePlan(BaseModel):
     # cuBLAS; runtime.fast_model.Dense.keep_bf16) from this many rows (prefill rows or decode
     # batch); 0: never. Measured: from ~16 rows cuBLAS on bf16 beats the FP8 kernels on the
     # H200 despite twice the bytes (benchmarks/kernels/RESULTS.md), and from ~128 rows than
-    # the A8 tiles; costs the talker's linear weights again in bf16 (2.6 GiB for 1.7B).
-    # Checked before w8a8_min_rows. `default` and compile: 128 for FP8 talkers.
+    # the A8 tiles of then; costs the talker's linear weights again in bf16 (2.6 GiB for
+    # 1.7B). Checked before w8a8_min_rows. `default` and compile: DEFAULT_BF16_MIN_ROWS (0
+    # since the A8 tiles' many-row rule: never).
     bf16_min_rows: int = Field(0, ge=0)
     # Prefix KV cache (graph backend): the talker KV of prompt prefixes that depend only on
     # (voice, language, instruct, text mode), kept on the device and copied into a slot at

@@ -320,12 +320,21 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
     - split-K only while the grid stays under half the SMs (down, K = 6144: 12.0 against
       19.5 us at 256 rows with the few-row rule's 4 splits);
     - 8 warps for the wide N from four row tiles (gate_up at 512 rows).
+    From eight row tiles (1024 rows: 4 x 256-token prefills), from a 256 / 1024-row sweep on an
+    H100 (benchmarks/kernels/2026-12-07-h100-no-copies/call11): 128 x 128 weight tiles, K blocks
+    of 128, 8 warps, 4 stages, no split; 256-row activation tiles (BLOCK_M) for the wide N
+    (qkv 15.3, gate_up 48.0 us, against 27.6 / 65.8 on the rule above, quantisation included
+    there; o 9.0, down 20.7 against 16.1 / 42.1).
     Stages (then the K block) shrink until the stages' tiles fit in shared memory: each holds
-    the weight tile (two for gate_up) and the [BLOCK_K, BLOCK_M] activation tile, FP8."""
+    the weight tile (two for gate_up) and the [BLOCK_K, BLOCK_M] activation tile, FP8. The
+    config carries BLOCK_M where it is not `m_bucket`'s."""
     bm = m_bucket(M, a8=True)
     m_tiles = triton.cdiv(M, bm)
     warps = 4
-    if m_tiles > 1:  # many rows: 64-row weight tiles, K blocks by N
+    if m_tiles >= 8:  # 1024+ rows: 128 x 128 weight tiles, 256-row tiles for the wide N
+        bn, bk, warps = 128, 128, 8
+        bm = 256 if N >= 4096 else bm
+    elif m_tiles > 1:  # many rows: 64-row weight tiles, K blocks by N
         bn, bk = (64, 128) if N >= 8192 else (64, 256)
         warps = 8 if N >= 8192 and m_tiles >= 4 else 4
     elif bm >= 128 and triton.cdiv(N, 128) >= sms // 2:
@@ -340,7 +349,9 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
     while (split < _MAX_SPLIT and K % (bk * split * 2) == 0 and K // (split * 2) >= 1536
            and (m_tiles == 1 or tiles * split * 2 <= sms // 2)):  # fmt: skip
         split *= 2
-    if m_tiles > 1:
+    if m_tiles >= 8:
+        stages = 4
+    elif m_tiles > 1:
         stages = 3 if bk == 128 else 4
     else:
         stages = 3 if bk == 256 and triton.cdiv(N, bn) >= sms else 4
@@ -352,8 +363,9 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
         stages -= 1
     while bk > 32 and smem(stages, bk) > _A8_SMEM:
         bk //= 2
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps,
-            "num_stages": stages}  # fmt: skip
+    config = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps,
+              "num_stages": stages}  # fmt: skip
+    return config if bm == m_bucket(M, a8=True) else {**config, "BLOCK_M": bm}
 
 
 def _launch(x, w, scale, sx, out_dtype, config, gate_up):
@@ -368,7 +380,9 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     a8 = sx is not None
     out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     block_m = m_bucket(M, a8)
-    if config is not None and "BLOCK_M" in config:  # a sweep's wider row tile (A8 only)
+    if config is None and a8 and not interpret_mode():  # by rule (`a8_config`), no autotuner
+        config = a8_config(M, N, K, _num_sms(x.device), gate_up)
+    if config is not None and "BLOCK_M" in config:  # a wider row tile (A8 only)
         config = dict(config)
         block_m = config.pop("BLOCK_M")
         if not a8 or block_m not in (16, 32, 64, 128, 256):
@@ -386,8 +400,6 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     if interpret_mode():
         config = config or {"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1}
         config = {**config, "DOT_F32": True}
-    if config is None and a8:  # by rule (`a8_config`), never the autotuner
-        config = a8_config(M, N, K, _num_sms(x.device), gate_up)
     if config is not None:
         c = dict(config)
         if block_m == 1 and "DOT_F32" in c:
