@@ -277,7 +277,7 @@ def test_small_steps_run_the_transformer_as_fused_linears_with_the_same_audio(mo
     dec = our_decoder(cfg, test_state(cfg, seed=41))
     plain = CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=True, fused_attention=True)
     small = CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=True, fused_attention=True,
-                        fused_layers_max_rows=4)  # fmt: skip
+                        fused_layers_max_rows=4, tf32_layers_max_rows=0)  # fmt: skip
     assert small.fused_layers_max_rows == 4 and plain.fused_layers_max_rows == 0
     assert CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=True,
                        fused_layers_max_rows=4).fused_layers_max_rows == 0  # no fused attention
@@ -407,9 +407,12 @@ def test_larger_steps_on_tf32_tiles_decode_as_the_tf32_gemms(monkeypatch):
     import ttsbuild.runtime.codec_engine as ce
 
     cfg, dec, kw = _fused_layers_case(52, max_rows=2)
-    plain = CodecEngine(dec, 2, "fp16", **kw)
+    plain = CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=0, **kw)
     tiles = CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=6, **kw)
     assert tiles.tf32_layers_max_rows == 6 and plain.tf32_layers_max_rows == 0
+    # the default (TR_TF32_MAX_ROWS): every step, unless the environment says otherwise
+    assert CodecEngine(dec, 2, "fp16", **kw).tf32_layers_max_rows == ce.TR_TF32_MAX_ROWS
+    assert ce._TR_TF32 != "all" or ce.TR_TF32_MAX_ROWS == ce.TR_TF32_ALL
     assert CodecEngine(dec, 2, "fp32", tf32_layers_max_rows=6, **kw).tf32_layers_max_rows == 0
     assert CodecEngine(dec, 2, "fp16", conv_impl="triton", fused=True, fused_attention=True,
                        tf32_layers_max_rows=6).tf32_layers_max_rows == 0  # fmt: skip
@@ -558,7 +561,7 @@ def test_fused_layers_store_their_output_in_the_next_stages_dtype():
     rounds as the cast it replaces: the same bits, a launch fewer); the GEMM path returns
     fp32 for the cast after it."""
     _, dec, kw = _fused_layers_case(59)
-    eng = CodecEngine(dec, 2, "fp16", **kw)
+    eng = CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=0, **kw)  # the GEMM path past R
     tr_stage, rows = eng.stages["transformer"], torch.tensor([0, 1])
     x = torch.randn(2, 1, eng.codec.pre_transformer.input_proj.in_features,
                     generator=torch.Generator().manual_seed(60))  # fmt: skip

@@ -216,9 +216,16 @@ QKV_ATTEND_MAX_STREAMS = 2
 # place of ~95 launches at 64 rows (33 TF32 GEMMs, 17 split-K reductions, 17 RMSNorms, 16
 # copies and the elementwise ops: ~0.3 ms of the 2.41 ms step on an H100, 2026-12-06
 # profile) against ~42. Only where the transformer stage is a TF32 stage (never in a strict
-# fp32 engine). TTSBUILD_CODEC_TR_TF32_MAX_ROWS=64 (or 256) turns it on (built 2026-12-06,
-# not yet timed).
-TR_TF32_MAX_ROWS = int(os.environ.get("TTSBUILD_CODEC_TR_TF32_MAX_ROWS", "0"))
+# fp32 engine). On by default since 2026-12-07 for every step (TR_TF32_ALL): then, with the
+# fp16 copies (TR_HALF_WEIGHTS), no step reads the fp32 weights of the pre-transformer's
+# linears and they are freed (116 MiB for the 12 Hz codec: issue 8's "no duplicate weights").
+# Timed on an H100, two rounds a side, one-frame steps at 1 / 64 / 256 streams: 0.506-0.509 /
+# 2.206-2.209 / 6.639-6.641 ms on the GEMM path against 0.508 / 2.194 / 6.703-6.704 ms, 53.2 dB
+# either way (benchmarks/kernels/2026-12-07-h100-no-copies/call10). TTSBUILD_CODEC_TR_TF32_MAX_ROWS
+# =N takes the tiles up to N frames a step only (0: never; then the fp32 weights stay).
+TR_TF32_ALL = 1 << 30  # more frames than any engine's step
+_TR_TF32 = os.environ.get("TTSBUILD_CODEC_TR_TF32_MAX_ROWS", "all")
+TR_TF32_MAX_ROWS = TR_TF32_ALL if _TR_TF32 == "all" else int(_TR_TF32)
 # The pre-transformer's key/value rings in fp16 where the stage is fp32 (keys after RoPE and
 # values rounded to 11 significant bits as they are written; attention still in fp32 math):
 # the ring attention reads half the bytes (at 64 rows its 8 launches took 0.206 ms of the
