@@ -83,11 +83,19 @@ assert hasattr(d, "capture_while") or os.environ.get("TTSBUILD_GRAPH_WHILE") == 
 
 # engine_bench NAME [ARGS...]: the engine microbenchmark (random 1.7B CustomVoice weights,
 # FP8, batches $BATCHES, default 1,64) with ARGS, log $OUT/engine_bench_NAME.log and JSON in
-# $OUT/engine_NAME/; prints its table and first-chunk line.
+# $OUT/engine_NAME/; prints its table and first-chunk line. At most $ENGINE_TIMEOUT_S seconds
+# (default 360: on an empty Triton cache a run to batch 256 outlasted 240 s on 2026-12-07 and
+# lost its table), and never past $DEADLINE_S less 10 where a session sets one.
 engine_bench() {
-    local name=$1
+    local name=$1 limit=${ENGINE_TIMEOUT_S:-360}
     shift
-    timeout -k 5 240 "$PY" -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
+    if [ -n "${DEADLINE_S:-}" ] && [ $((DEADLINE_S - SECONDS - 10)) -lt "$limit" ]; then
+        limit=$((DEADLINE_S - SECONDS - 10))
+    fi
+    if [ "$limit" -le 0 ]; then  # (timeout 0 would mean no limit at all)
+        echo "== skip engine bench $name: no time left before the deadline"; return 1
+    fi
+    timeout -k 5 "$limit" "$PY" -m ttsbuild.bench.engine_bench --batches "${BATCHES:-1,64}" \
         --precisions fp8 --iters 20 --out "$OUT/engine_$name" ${ENGINE_ARGS:-} "$@" 2>&1 \
         | tee "$OUT/engine_bench_$name.log" | grep -E "^\||first 1-frame|memory"
 }
