@@ -433,3 +433,51 @@ def test_the_code_predictors_w8a8_threshold_reaches_its_linears_and_heads(models
         assert dense.is_fp8 and dense.w8a8_min_rows == 16
         assert dense.takes_w8a8(16) and not dense.takes_w8a8(8)
     assert backend.talker_stack.layers[0].qkv.w8a8_min_rows == 32
+
+
+def test_a_released_engine_holds_each_weight_once(tiny_checkpoint):
+    """GraphEngine(release_modules=True) with an FP8 code predictor: the modules' code
+    predictor input embeddings become views of the engine's stacked ones, its FP8 heads leave
+    no bf16 original, and memory_report's weights_lm counts each storage once (views of one
+    storage once, whole). The one-kernel code predictor's `share_weights` makes the stack's
+    FP8 linears and heads views of `pack`'s stacked weights, values unchanged (its kernel
+    needs CUDA; `pack` itself runs anywhere)."""
+    from ttsbuild.runtime import cp_megaframe
+    from ttsbuild.runtime.graph_engine import _storage_bytes
+
+    models = Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
+    plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
+                      prefill_buckets=(32,), codec_chunks=(1,), codec_ring=8, precision="fp8",
+                      code_predictor_fp8=True)  # fmt: skip
+    be = GraphEngine(models, plan, use_graphs=False, release_modules=True).backend
+    cp = models.code_predictor
+    for i, e in enumerate(cp.model.codec_embedding):
+        assert e.weight.data_ptr() == be.cp_embeddings[i].data_ptr()
+    assert all(h.weight.numel() == 0 for h in cp.lm_head) and all(d.is_fp8 for d in be.cp_heads)
+    report = be.memory_report()["weights_lm"]
+    layers = [p for s in (be.talker_stack, be.cp_stack) for p in s.layers]
+    denses = [d for p in layers for d in (p.qkv, p.o, p.gate_up, p.down)]
+    denses += [*be.cp_heads, be.codec_head]
+    tensors = [t for d in denses for t in (d.weight, d.scale) if t is not None]
+    tensors += [*models.talker.parameters(), *cp.parameters(), be.cp_embeddings]
+    distinct = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t.numel()}
+    assert report == sum(distinct.values()) > 0
+    # counted once: the embeddings' views add nothing beside the stack
+    assert _storage_bytes([be.cp_embeddings, *be.cp_embeddings.unbind(0)], be.device) == (
+        be.cp_embeddings.numel() * be.cp_embeddings.element_size())
+    before = [(d.weight.clone(), d.scale.clone()) for d in be.cp_heads]
+    m = cp_megaframe.pack(be.cp_stack, be.cp_heads, lambda t: be.cp_fused._project(t, None),
+                          be.cp_embeddings)  # fmt: skip
+    cp_megaframe.share_weights(m, be.cp_stack, be.cp_heads)
+    for i, d in enumerate(be.cp_heads):
+        assert d.weight.untyped_storage().data_ptr() == m["whead"].untyped_storage().data_ptr()
+        assert torch.equal(d.weight.view(torch.uint8), before[i][0].view(torch.uint8))
+        assert torch.equal(d.scale, before[i][1])
+    assert all(p.down.weight.untyped_storage().data_ptr() == m["wd"].untyped_storage().data_ptr()
+               for p in be.cp_stack.layers)
+    # a packed weight that differs from the stack's is refused
+    be.cp_stack.layers[0].qkv.weight = be.cp_stack.layers[0].qkv.weight.clone()  # its own
+    m["wqkv"][0].view(torch.uint8)[0, 0] ^= 1
+    with pytest.raises(ValueError, match="packed qkv"):
+        cp_megaframe.share_weights(m, be.cp_stack, be.cp_heads)

@@ -104,6 +104,10 @@ ORDER = ("wqkv", "sqkv", "wo", "so", "wgu", "sgu", "wd", "sd", "whead", "shead",
          "rope_sin", "qkv", "o", "act", "d", "logits", "kcache", "vcache", "tokens", "counter",
          "wdt")
 _LINEARS = ("qkv", "o", "gu", "d", "head")
+# ORDER's weights (the rest: the kernel's buffers and inputs)
+_WEIGHTS = ("wqkv", "sqkv", "wo", "so", "wgu", "sgu", "wd", "sd", "whead", "shead", "in_norm",
+            "post_norm", "q_norm", "k_norm", "final_norm", "tables", "rope_cos", "rope_sin",
+            "wdt")
 
 
 def _rows(dense: Dense) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +143,24 @@ def pack(stack: PackedStack, heads: list[Dense], project: Callable[[torch.Tensor
         out["rope_cos"], out["rope_sin"] = rope_tables(groups, stack.cfg.head_dim,
                                                        stack.cfg.rope_theta, stack.norm.device)
     return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def share_weights(m: dict[str, torch.Tensor], stack: PackedStack, heads: list[Dense]) -> None:
+    """Make the code predictor's FP8 linears and heads views of `pack`'s stacked weights and
+    scales (the same values), so each weight is held once; float (non-FP8) ones, which `pack`
+    widens to float32, keep their own."""
+    parts = {"qkv": [layer.qkv for layer in stack.layers], "o": [layer.o for layer in stack.layers],
+             "gu": [layer.gate_up for layer in stack.layers],
+             "d": [layer.down for layer in stack.layers], "head": heads}
+    for name, denses in parts.items():
+        for i, d in enumerate(denses):
+            if d.is_fp8:
+                w, s = m["w" + name][i], m["s" + name][i]
+                if not (torch.equal(w.view(torch.uint8), d.weight.view(torch.uint8))
+                        and torch.equal(s, d.scale.float())):  # fmt: skip
+                    raise ValueError(f"cp_megaframe: the packed {name}[{i}] differs from the "
+                                     f"stack's")  # fmt: skip
+                d.weight, d.scale = w, s
 
 
 def rope_tables(groups: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, ...]:
@@ -456,6 +478,10 @@ class Megaframe:
                                    wdt=bool(opts & SPLIT_DOWN),
                                    like=None if like is None else like.args)
         self.no_stamps = torch.empty(0, dtype=torch.int64, device=device)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The kernel's weight arguments (not its buffers or inputs), for memory reports."""
+        return [t for name, t in zip(ORDER, self.args, strict=True) if name in _WEIGHTS]
 
     def run(self, x_in: torch.Tensor, sampling: SamplingBatch, seeds: torch.Tensor,
             frames: torch.Tensor, row: int = 0) -> torch.Tensor:

@@ -334,6 +334,15 @@ class GraphBackend:
         self.codec_embedding = talker.model.codec_embedding.weight.detach()  # [V, H]
         # Codebooks 1..15 input embeddings stacked: [G - 1, codebook_size, H]
         self.cp_embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
+        if release_modules:
+            # the modules' embeddings become views of the stack, and FP8 heads leave no bf16
+            # original behind (the module cannot run without its dropped layers anyway): each
+            # weight held once
+            for i, e in enumerate(cp.model.codec_embedding):
+                e.weight = torch.nn.Parameter(self.cp_embeddings[i], requires_grad=False)
+            for h, dense in zip(cp.lm_head, self.cp_heads, strict=True):
+                if dense.is_fp8:
+                    h.weight = torch.nn.Parameter(h.weight.new_empty(0), requires_grad=False)
         self.cp_fused = FusedCodePredictor(
             self.cp_stack, self.cp_heads, self.cp_proj, self.codec_embedding, self.cp_embeddings
         )
@@ -349,6 +358,7 @@ class GraphBackend:
             packed = cp_megaframe.pack(self.cp_stack, self.cp_heads,
                                        lambda t: self.cp_fused._project(t, None),
                                        self.cp_embeddings)
+            cp_megaframe.share_weights(packed, self.cp_stack, self.cp_heads)  # held once
             eps = self.cp_stack.cfg.rms_norm_eps
             opts = cp_megaframe.engine_opts()
             first = None  # the instances share their re-laid-out weights
@@ -1296,11 +1306,19 @@ class GraphBackend:
             return sum(t.numel() * t.element_size() for t in tensors)
 
         m = self.models
-        stacks = self.talker_stack.weight_bytes() + self.cp_stack.weight_bytes()
-        fp8_heads = sum(h.nbytes() for h in self.cp_heads if h.is_fp8)
-        # Module parameters still on the device: embeddings, text projection, heads (and the
-        # decoder layers too unless they were dropped: then they count twice, truthfully).
-        modules = nbytes(m.talker.parameters()) + nbytes(m.code_predictor.parameters())
+        denses = [d for stack in (self.talker_stack, self.cp_stack) for p in stack.layers
+                  for d in (p.qkv, p.o, p.gate_up, p.down)]  # fmt: skip
+        denses += [*self.cp_heads, self.codec_head]
+        # Every storage of weights once, however many tensors view it: the packed stacks
+        # (bf16 copies included), the heads, the module parameters still on the device
+        # (embeddings, text projection, heads; the decoder layers too unless they were
+        # dropped: then they count twice, truthfully), the code predictor's stacked input
+        # embeddings, and the one-kernel code predictor's weights (views of the stack's,
+        # its re-laid-out W_o and its projected embedding tables).
+        weights = [t for d in denses for t in (d.weight, d.scale, d.bf16_weight)]
+        weights += [*m.talker.parameters(), *m.code_predictor.parameters(), self.cp_embeddings]
+        for mega in self.cp_mega.values():
+            weights += mega.weight_tensors()
         state = [self.cp_k, self.cp_v, self.position, self.hidden, self.logits, self.history,
                  self.frame_idx, self.eos_min_frames, self.seed, self.text_track, self.text_len,
                  self.codes, self.decoded, self.codec_engine.tensors(),
@@ -1318,20 +1336,31 @@ class GraphBackend:
         if bufs is not None:
             flat += [bufs.x, bufs.qkv, bufs.attn, bufs.act, bufs.logits]
         return {
-            "weights_lm": stacks + fp8_heads + modules,
+            "weights_lm": _storage_bytes(weights, self.device),
             # the checkpoint's codec as loaded (fp32; moved to host memory with
             # release_modules) and the codec engine's own copy in its precision
             "weights_codec": nbytes(p for p in m.codec.parameters() if p.device == self.device),
             "weights_codec_engine": self.codec_engine.weight_bytes(),
             "kv_cache": 2 * nbytes([self.kv_k]),
             "prefix_pool": self.prefix.nbytes() if self.prefix is not None else 0,
-            "slot_state_and_io": nbytes(flat) + nbytes([self.cp_embeddings]),
+            "slot_state_and_io": nbytes(flat),
             # the speculative code predictor's stacked (dequantised) target heads, draft
             # heads and scratch caches; the codec states of primed in-context voices
             "speculation": nbytes(spec_tensors),
             "primed_codec_states": nbytes([t for row in self.primed.values() for t in row]),
             "graph_pools": self.graph_pool_bytes,
         }
+
+
+def _storage_bytes(tensors, device: torch.device) -> int:
+    """Bytes of the distinct storages on `device` under `tensors` (None and empty ones
+    skipped): a storage that several tensors view counts once, and whole."""
+    storages = {}
+    for t in tensors:
+        if t is not None and t.numel() and t.device == device:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
 
 
 class GraphEngine(EngineCore):
