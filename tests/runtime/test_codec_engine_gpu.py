@@ -342,11 +342,14 @@ def test_tf32_layer_tiles_keep_the_decode_and_replay(half):
     """Steps of more rows than the GEMV layers take (2 rows x 4 frames here), up to
     tf32_layers_max_rows, on the fused layers' TF32 tiles against the cuBLAS TF32 GEMM path,
     in the served settings (fp16 elsewhere; fp32 or scaled fp16 transformer weights): the
-    same audio to TF32's rounding, and a captured step equal to the eager one."""
+    same audio to TF32's rounding, and a captured step equal to the eager one. 64 rows cover
+    every step of this 2-slot engine ((2 + 1) x 16 frames): with the fp16 copies, its fp32
+    transformer weights are freed (the default, TR_TF32_MAX_ROWS "all", does the same)."""
     dec, kw, codes = _served_fused_layers(52, 2, 83, transformer_half_weights=half)
-    plain = decode_with(CodecEngine(dec, 2, "fp16", **kw), codes, chunk=4)
+    plain = decode_with(CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=0, **kw), codes,
+                        chunk=4)  # fmt: skip
     engine = CodecEngine(dec, 2, "fp16", tf32_layers_max_rows=64, **kw)
-    assert engine.tf32_layers_max_rows == 64
+    assert engine.tf32_layers_max_rows == 64 and engine.tr_fp32_dropped == half
     got = decode_with(engine, codes, chunk=4)
     assert snr_db(plain, got) > 45
     _assert_replay_equals_eager(engine, codes, frames=4)  # 8 rows: the tiles
@@ -355,7 +358,7 @@ def test_tf32_layer_tiles_keep_the_decode_and_replay(half):
 @pytest.mark.parametrize("frames", [1, 4])
 def test_half_rings_keep_the_decode_and_replay(frames):
     """The pre-transformer's rings in fp16 (ring_half) against fp32 rings, in the served
-    settings at one frame a step (the GEMV layers) and four (the GEMM path): the audio within
+    settings at one frame a step (the GEMV layers) and four (the TF32 tiles): the audio within
     the rings' rounding, and a captured step equal to the eager one."""
     dec, kw, codes = _served_fused_layers(54, 2, 85)
     plain = decode_with(CodecEngine(dec, 2, "fp16", ring_half=False, **kw), codes, chunk=frames)
