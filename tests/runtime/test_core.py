@@ -455,9 +455,7 @@ def test_a_released_engine_holds_each_weight_once(tiny_checkpoint):
         assert e.weight.data_ptr() == be.cp_embeddings[i].data_ptr()
     assert all(h.weight.numel() == 0 for h in cp.lm_head) and all(d.is_fp8 for d in be.cp_heads)
     report = be.memory_report()["weights_lm"]
-    layers = [p for s in (be.talker_stack, be.cp_stack) for p in s.layers]
-    denses = [d for p in layers for d in (p.qkv, p.o, p.gate_up, p.down)]
-    denses += [*be.cp_heads, be.codec_head]
+    denses = [*be.talker_stack.linears(), *be.cp_stack.linears(), *be.cp_heads, be.codec_head]
     tensors = [t for d in denses for t in (d.weight, d.scale) if t is not None]
     tensors += [*models.talker.parameters(), *cp.parameters(), be.cp_embeddings]
     distinct = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

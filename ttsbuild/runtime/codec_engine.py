@@ -693,7 +693,7 @@ class CodecEngine:
                         self._tconv_w[m] = w.permute(0, 2, 1).reshape(w.shape[0], -1).contiguous()
                 else:
                     continue
-                m.conv.weight = nn.Parameter(m.conv.weight.new_empty(0), requires_grad=False)
+                _drop_params(m.conv, bias=False)
 
     def _half_transformer_weights(self) -> dict[object, tuple[Tensor, Tensor]]:
         """The pre-transformer's linears as `scaled_half_weight`s, keyed as the fused layers

@@ -118,6 +118,13 @@ def _rows(dense: Dense) -> tuple[torch.Tensor, torch.Tensor]:
     return w, torch.ones(w.shape[0], device=w.device)
 
 
+def _linears(stack: PackedStack, heads: list[Dense]) -> dict[str, list[Dense]]:
+    """The kernel's linears by name (as ORDER's "w" + name): each layer's, then the heads."""
+    layers = stack.layers
+    return {"qkv": [p.qkv for p in layers], "o": [p.o for p in layers],
+            "gu": [p.gate_up for p in layers], "d": [p.down for p in layers], "head": heads}
+
+
 def pack(stack: PackedStack, heads: list[Dense], project: Callable[[torch.Tensor], torch.Tensor],
          embeddings: torch.Tensor) -> dict[str, torch.Tensor]:
     """The kernel's weights (names as ORDER; W_o row-major, `kernel_tensors` stores it
@@ -126,10 +133,7 @@ def pack(stack: PackedStack, heads: list[Dense], project: Callable[[torch.Tensor
     (`project`), and the talker-width input embeddings of codebooks 1..G-1 ([G - 1, V, talker
     hidden]), of which 1..G-2 are folded through the projection into lookup tables (float32)."""
     out: dict[str, torch.Tensor] = {}
-    parts = {"qkv": [layer.qkv for layer in stack.layers], "o": [layer.o for layer in stack.layers],
-             "gu": [layer.gate_up for layer in stack.layers],
-             "d": [layer.down for layer in stack.layers], "head": heads}
-    for name, denses in parts.items():
+    for name, denses in _linears(stack, heads).items():
         ws, ss = zip(*(_rows(d) for d in denses), strict=True)
         out["w" + name], out["s" + name] = torch.stack(ws), torch.stack(ss)
     with torch.no_grad():
@@ -149,10 +153,7 @@ def share_weights(m: dict[str, torch.Tensor], stack: PackedStack, heads: list[De
     """Make the code predictor's FP8 linears and heads views of `pack`'s stacked weights and
     scales (the same values), so each weight is held once; float (non-FP8) ones, which `pack`
     widens to float32, keep their own."""
-    parts = {"qkv": [layer.qkv for layer in stack.layers], "o": [layer.o for layer in stack.layers],
-             "gu": [layer.gate_up for layer in stack.layers],
-             "d": [layer.down for layer in stack.layers], "head": heads}
-    for name, denses in parts.items():
+    for name, denses in _linears(stack, heads).items():
         for i, d in enumerate(denses):
             if d.is_fp8:
                 w, s = m["w" + name][i], m["s" + name][i]

@@ -242,19 +242,22 @@ class PackedStack:
     def is_fp8(self) -> bool:
         return self.layers[0].qkv.is_fp8
 
+    def linears(self) -> list[Dense]:
+        """Every layer's linears, layer by layer: qkv, o, gate/up, down."""
+        return [d for p in self.layers for d in (p.qkv, p.o, p.gate_up, p.down)]
+
     def weight_bytes(self) -> int:
         """Bytes the linears hold (bf16 copies included)."""
-        return sum(d.nbytes() for p in self.layers for d in (p.qkv, p.o, p.gate_up, p.down))
+        return sum(d.nbytes() for d in self.linears())
 
     def read_bytes(self) -> int:
         """Bytes one decode step of few rows reads from the linears (the weight-read floor)."""
-        return sum(d.read_bytes() for p in self.layers for d in (p.qkv, p.o, p.gate_up, p.down))
+        return sum(d.read_bytes() for d in self.linears())
 
     def set_bf16_min_rows(self, rows: int) -> None:
         """The FP8 linears on bf16 copies of their weights from `rows` rows on (0: never)."""
-        for p in self.layers:
-            for d in (p.qkv, p.o, p.gate_up, p.down):
-                d.keep_bf16(rows)
+        for d in self.linears():
+            d.keep_bf16(rows)
 
     def set_linear_paths(self, plan, code_predictor: PackedStack, cp_heads) -> None:
         """The plan's path for the FP8 linears by rows, on this (the talker's) stack and on
@@ -269,9 +272,8 @@ class PackedStack:
 
     def set_w8a8_min_rows(self, rows: int) -> None:
         """W8A8 for the FP8 linears from `rows` rows on (0: weight-only everywhere)."""
-        for p in self.layers:
-            for d in (p.qkv, p.o, p.gate_up, p.down):
-                d.w8a8_min_rows = rows
+        for d in self.linears():
+            d.w8a8_min_rows = rows
 
     def _project_qk(self, p, qkv, positions, rows, k_cache, v_cache) -> torch.Tensor:
         """q/k norm + RoPE of one layer's packed qkv [R, ...]; k and v go into the cache at

@@ -1306,9 +1306,8 @@ class GraphBackend:
             return sum(t.numel() * t.element_size() for t in tensors)
 
         m = self.models
-        denses = [d for stack in (self.talker_stack, self.cp_stack) for p in stack.layers
-                  for d in (p.qkv, p.o, p.gate_up, p.down)]  # fmt: skip
-        denses += [*self.cp_heads, self.codec_head]
+        denses = [*self.talker_stack.linears(), *self.cp_stack.linears(), *self.cp_heads,
+                  self.codec_head]  # fmt: skip
         # Every storage of weights once, however many tensors view it: the packed stacks
         # (bf16 copies included), the heads, the module parameters still on the device
         # (embeddings, text projection, heads; the decoder layers too unless they were
