@@ -892,3 +892,22 @@ def test_next_act_fold_decodes_the_same_audio(precision, monkeypatch):
                            snake_epilogue=False).next_act_fold
     assert not CodecEngine(dec, 2, precision, **{**kw, "channels_last": False},
                            next_act_fold=True).next_act_fold  # fmt: skip
+
+
+def test_a_bad_tf32_rows_switch_is_refused_with_a_clear_error():
+    """TTSBUILD_CODEC_TR_TF32_MAX_ROWS takes "all" or a number of frames; anything else stops
+    the import with the variable named, not a bare int() error."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import ttsbuild.runtime.codec_engine as c; print(c.TR_TF32_MAX_ROWS)"
+    for value, want in (("abc", None), ("-3", None), ("64", "64")):
+        env = dict(os.environ, TTSBUILD_CODEC_TR_TF32_MAX_ROWS=value)
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        if want is None:
+            assert run.returncode != 0
+            assert "TTSBUILD_CODEC_TR_TF32_MAX_ROWS must be 'all'" in run.stderr, run.stderr
+        else:
+            assert run.returncode == 0 and run.stdout.strip() == want, run.stderr

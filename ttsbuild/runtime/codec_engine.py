@@ -225,6 +225,9 @@ QKV_ATTEND_MAX_STREAMS = 2
 # =N takes the tiles up to N frames a step only (0: never; then the fp32 weights stay).
 TR_TF32_ALL = 1 << 30  # more frames than any engine's step
 _TR_TF32 = os.environ.get("TTSBUILD_CODEC_TR_TF32_MAX_ROWS", "all")
+if _TR_TF32 != "all" and not _TR_TF32.isdigit():
+    raise ValueError(f"TTSBUILD_CODEC_TR_TF32_MAX_ROWS must be 'all' or a number of frames "
+                     f"(0: off), got {_TR_TF32!r}")
 TR_TF32_MAX_ROWS = TR_TF32_ALL if _TR_TF32 == "all" else int(_TR_TF32)
 # The pre-transformer's key/value rings in fp16 where the stage is fp32 (keys after RoPE and
 # values rounded to 11 significant bits as they are written; attention still in fp32 math):
