@@ -116,6 +116,10 @@
 #         against a float32 reference, greedy and sampled, then its time and floors and stage
 #         breakdowns), the package wrapper's GPU tests (tests/runtime/test_megaframe_gpu.py),
 #         then the served fused frame at batch 1 (bench_cp_fused.py, FP8) in the same call
+# megatalker: benchmarks/kernels/megatalker/bench_talker_step.py (the talker's decode step at
+#         batch 1 as one persistent kernel, runtime/talker_megastep.py): against its fp32
+#         reference and the served step at three positions, then ms per step by prefetch
+#         distance beside the served step ($MEGATALKER_ARGS, $MEGATALKER_S default 300)
 # megaengine: the engine microbenchmark with plan.megaframe_code_predictor (bucket 1's code
 #         predictor as one kernel, regular step and admission lane), beside the same plan
 #         without it: both with an FP8 code predictor and no SMs reserved for the lane; a third
@@ -549,6 +553,13 @@ for step in $STEPS; do
         timeout -k 5 150 python3 -u benchmarks/kernels/bench_cp_fused.py --batches 1 \
             --precisions fp8 --paths fused --fp32-batches "" > "$OUT/cp_fused_b1.log" 2>&1
         echo "rc=$?"; tail -4 "$OUT/cp_fused_b1.log" ;;
+    megatalker)  # the talker's decode step at batch 1 as one persistent kernel (prototype)
+        log "one-kernel talker step (bench_talker_step.py): checks, then ms per step beside the served step"
+        # MEGATALKER_ARGS: e.g. --dists 1,2 --positions 600 (the extension builds in ~1 min)
+        # shellcheck disable=SC2086
+        timeout -k 5 "${MEGATALKER_S:-300}" python3 -u benchmarks/kernels/megatalker/bench_talker_step.py \
+            ${MEGATALKER_ARGS:-} > "$OUT/megatalker.log" 2>&1
+        echo "rc=$?"; grep -vE "^\s*$" "$OUT/megatalker.log" | tail -14 | cut -c1-240 ;;
     megaengine)  # plan.megaframe_code_predictor in the engine, beside the same plan without it
         # (both: FP8 code predictor, no SMs reserved for the lane: the kernel needs them all);
         # the engine steps through the C++ step driver, so it is built here when not carried

@@ -1,0 +1,129 @@
+"""The one-kernel talker step's CPU side (runtime/talker_megastep.py): its float32 reference,
+which the kernel is checked against on a GPU (benchmarks/kernels/megatalker/), against the
+runtime's own decode step; the shapes it refuses; its constants against the CUDA source."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from ttsbuild.model.config import DecoderStackConfig
+from ttsbuild.model.layers import DecoderStack
+from ttsbuild.runtime import talker_megastep as tm
+from ttsbuild.runtime.fast_model import PackedStack
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _stack(seed: int, fp8: bool = True, **over) -> PackedStack:
+    cfg = dict(hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+               num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0)
+    cfg.update(over)
+    torch.manual_seed(seed)
+    module = DecoderStack(DecoderStackConfig(**cfg))
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    return PackedStack.from_module(module, fp8)
+
+
+def _caches(stack: PackedStack, S: int, dtype, seed: int):
+    c = stack.cfg
+    g = torch.Generator().manual_seed(seed)
+    shape = (c.num_layers, 3, c.num_kv_heads, S, c.head_dim)
+    return (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pos", [0, 5, 40])
+def test_reference_is_the_runtimes_decode_step(cache_dtype, pos):
+    """Same output and same cache writes as PackedStack.decode (fp32 activations, the cache
+    in its own dtype) for a fresh random stack, cache and token; positions at the start,
+    inside the first 32-position chunk and past it."""
+    stack = _stack(seed=pos + 1)
+    k1, v1 = _caches(stack, 48, cache_dtype, seed=pos + 2)
+    k2, v2 = k1.clone(), v1.clone()
+    x = torch.randn(1, stack.cfg.hidden_size, generator=torch.Generator().manual_seed(pos + 3))
+    slot = 2
+    want = stack.decode(x, k1, v1, torch.tensor([slot]), torch.tensor([pos]))[0]
+    got = tm.reference(stack, x[0], k2, v2, slot, pos)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert rel_err(got, want) < 1e-5
+    for a, b in ((k1, k2), (v1, v2)):  # the same k, v written at (slot, pos), nothing else
+        assert rel_err(b[:, slot, :, pos], a[:, slot, :, pos]) < 1e-5
+        a[:, slot, :, pos] = b[:, slot, :, pos]
+        assert torch.equal(a, b)
+    # the comparison can fail: another slot's (other past k and v) output is far off
+    other = tm.reference(stack, x[0], k2.clone(), v2.clone(), 0, pos + 1)
+    assert rel_err(other, want) > 1e-3
+
+
+def test_reference_attends_to_the_cache_it_is_given():
+    """Past positions matter: changing the cache below the position changes the output."""
+    stack = _stack(seed=7)
+    k, v = _caches(stack, 48, torch.bfloat16, seed=8)
+    x = torch.randn(stack.cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    a = tm.reference(stack, x, k.clone(), v.clone(), 1, 20)
+    v2 = v.clone()
+    v2[:, 1, :, :20] = torch.randn_like(v2[:, 1, :, :20].float()).to(v2.dtype)
+    b = tm.reference(stack, x, k.clone(), v2, 1, 20)
+    assert rel_err(a, b) > 1e-3
+
+
+def _real_stack(fp8: bool = True) -> PackedStack:
+    """A PackedStack of the kernel's shapes on the meta device (shapes and dtypes only)."""
+    from ttsbuild.runtime.fast_model import Dense, PackedLayer
+
+    s = tm.SHAPE
+    H, hd, inter = s["hidden"], s["head_dim"], s["intermediate"]
+    qkv = (s["heads"] + 2 * s["kv_heads"]) * hd
+    cfg = DecoderStackConfig(hidden_size=H, intermediate_size=inter, num_layers=2,
+                             num_heads=s["heads"], num_kv_heads=s["kv_heads"], head_dim=hd,
+                             rms_norm_eps=1e-6, rope_theta=1e6)
+    wd = torch.float8_e4m3fn if fp8 else torch.bfloat16
+
+    def dense(n, k):
+        return Dense(torch.empty(n, k, dtype=wd, device="meta"),
+                     torch.empty(n, device="meta") if fp8 else None)
+
+    layers = [PackedLayer(torch.empty(H, device="meta"), dense(qkv, H),
+                          torch.empty(hd, device="meta"), torch.empty(hd, device="meta"),
+                          dense(H, s["heads"] * hd), torch.empty(H, device="meta"),
+                          dense(2 * inter, H), dense(H, inter)) for _ in range(2)]
+    return PackedStack(cfg, layers, torch.empty(H, device="meta"))
+
+
+def test_unsupported_names_the_reason():
+    assert tm.unsupported(_real_stack()) is None
+    assert "FP8" in tm.unsupported(_real_stack(fp8=False))
+    why = tm.unsupported(_stack(seed=1))
+    assert "shapes" in why and "'hidden': 64" in why
+    with pytest.raises(ValueError, match="shapes"):
+        tm.KernelTensors(_stack(seed=1), torch.device("cpu"))
+    cache = torch.empty(2, 1, 8, 64, 128, dtype=torch.float32, device="meta")
+    assert "bf16" in tm.unsupported(_real_stack(), cache)
+    cache = torch.empty(3, 1, 8, 64, 128, dtype=torch.bfloat16, device="meta")
+    assert "layers" in tm.unsupported(_real_stack(), cache)  # 3 layers of cache for a 2-layer stack
+    cache = torch.empty(2, 1, 8, 64, 128, dtype=torch.bfloat16, device="meta")
+    assert tm.unsupported(_real_stack(), cache) is None
+
+
+def test_the_python_constants_are_the_kernels():
+    src = tm.SOURCE.read_text()
+    consts = dict(re.findall(r"\b(H|NH|NKV|HD|I|CH) = (\d+)", src))
+    s = tm.SHAPE
+    assert int(consts["H"]) == s["hidden"] and int(consts["I"]) == s["intermediate"]
+    assert int(consts["NH"]) == s["heads"] and int(consts["NKV"]) == s["kv_heads"]
+    assert int(consts["HD"]) == s["head_dim"] and int(consts["CH"]) == tm.CHUNK
+    assert "PART = 4 + 2 * HD" in src and tm.PART == 4 + 2 * s["head_dim"]
+    assert "64 + 32 * NKV" in src and tm.COUNTER_WORDS == 64 + 32 * s["kv_heads"]
+    # the scratch the binding checks for: qkv + 3 hidden + intermediate + the partials
+    assert "(int64_t)QKV + 3 * H + I + (int64_t)NKV * max_chunks * PART" in src
+    assert tm.scratch_floats(64) == 4096 + 3 * 2048 + 6144 + 8 * 2 * tm.PART
