@@ -353,6 +353,7 @@ __device__ void attention_item(const Params& p, int l, int g, int c, int nchunks
     const float l0 = warp_sum(p0), l1 = warp_sum(p1);
     float a0[4] = {0.f, 0.f, 0.f, 0.f}, a1[4] = {0.f, 0.f, 0.f, 0.f};
     const int n = min(CH, P - c * CH);
+#pragma unroll 8
     for (int j = 0; j < n; ++j) {
         const float q0 = __shfl_sync(0xffffffffu, p0, j), q1 = __shfl_sync(0xffffffffu, p1, j);
         const int tj = c * CH + j;
@@ -389,23 +390,48 @@ __device__ void attention_item(const Params& p, int l, int g, int c, int nchunks
     last = __shfl_sync(0xffffffffu, last, 0);
     if (!last) return;
     __threadfence();
-    // the last chunk of kv head g combines its two q heads' partials (in chunk order)
+    // the last chunk of kv head g combines its two q heads' partials (in chunk order): lane j
+    // reads chunk j's maxima and sums (32 at a time), then the accumulators 8 chunks a batch
+    // (16 loads in flight)
     const float* base = p.part + (size_t)g * p.max_chunks * PART;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        float mx = -INFINITY;
-        for (int cc = 0; cc < nchunks; ++cc) mx = fmaxf(mx, ldcg(base + (size_t)cc * PART + hh));
-        float den = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int cc = 0; cc < nchunks; ++cc) {
-            const float* pc = base + (size_t)cc * PART;
-            const float e = expf(ldcg(pc + hh) - mx);
-            den = fmaf(e, ldcg(pc + 2 + hh), den);
-            const float4 a = ldcg4(pc + 4 + hh * HD + 4 * lane);
-            acc[0] = fmaf(e, a.x, acc[0]); acc[1] = fmaf(e, a.y, acc[1]);
-            acc[2] = fmaf(e, a.z, acc[2]); acc[3] = fmaf(e, a.w, acc[3]);
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+    for (int c0 = lane; c0 < nchunks; c0 += 32) {
+        mx0 = fmaxf(mx0, ldcg(base + (size_t)c0 * PART));
+        mx1 = fmaxf(mx1, ldcg(base + (size_t)c0 * PART + 1));
+    }
+    mx0 = warp_max(mx0);
+    mx1 = warp_max(mx1);
+    float den0 = 0.f, den1 = 0.f;
+    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int c0 = 0; c0 < nchunks; c0 += 32) {
+        const int c = c0 + lane;
+        float e0 = 0.f, e1 = 0.f;
+        if (c < nchunks) {
+            const float* pc = base + (size_t)c * PART;
+            e0 = expf(ldcg(pc) - mx0);
+            e1 = expf(ldcg(pc + 1) - mx1);
+            den0 = fmaf(e0, ldcg(pc + 2), den0);
+            den1 = fmaf(e1, ldcg(pc + 3), den1);
         }
+        const int cnt = min(32, nchunks - c0);
+#pragma unroll 8
+        for (int jj = 0; jj < cnt; ++jj) {
+            const float f0 = __shfl_sync(0xffffffffu, e0, jj);
+            const float f1 = __shfl_sync(0xffffffffu, e1, jj);
+            const float* pc = base + (size_t)(c0 + jj) * PART;
+            const float4 a = ldcg4(pc + 4 + 4 * lane), b = ldcg4(pc + 4 + HD + 4 * lane);
+            acc0[0] = fmaf(f0, a.x, acc0[0]); acc0[1] = fmaf(f0, a.y, acc0[1]);
+            acc0[2] = fmaf(f0, a.z, acc0[2]); acc0[3] = fmaf(f0, a.w, acc0[3]);
+            acc1[0] = fmaf(f1, b.x, acc1[0]); acc1[1] = fmaf(f1, b.y, acc1[1]);
+            acc1[2] = fmaf(f1, b.z, acc1[2]); acc1[3] = fmaf(f1, b.w, acc1[3]);
+        }
+    }
+    den0 = warp_sum(den0);
+    den1 = warp_sum(den1);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) p.attn[(2 * g + hh) * HD + 4 * lane + i] = acc[i] / den;
+    for (int i = 0; i < 4; ++i) {
+        p.attn[(2 * g) * HD + 4 * lane + i] = acc0[i] / den0;
+        p.attn[(2 * g + 1) * HD + 4 * lane + i] = acc1[i] / den1;
     }
     if (lane == 0) *cnt = 0;  // for the next layer (ordered by the barrier after this stage)
 }
