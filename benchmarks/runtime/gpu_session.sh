@@ -559,7 +559,10 @@ for step in $STEPS; do
         # shellcheck disable=SC2086
         timeout -k 5 "${MEGATALKER_S:-300}" python3 -u benchmarks/kernels/megatalker/bench_talker_step.py \
             ${MEGATALKER_ARGS:-} > "$OUT/megatalker.log" 2>&1
-        echo "rc=$?"; grep -vE "^\s*$" "$OUT/megatalker.log" | tail -14 | cut -c1-240 ;;
+        echo "rc=$?"; grep -vE "^\s*$" "$OUT/megatalker.log" | tail -14 | cut -c1-240
+        timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_talker_megastep_gpu.py \
+            > "$OUT/megatalker_gpu_tests.log" 2>&1
+        echo "rc=$? (test_talker_megastep_gpu.py)"; tail -3 "$OUT/megatalker_gpu_tests.log" ;;
     megaengine)  # plan.megaframe_code_predictor in the engine, beside the same plan without it
         # (both: FP8 code predictor, no SMs reserved for the lane: the kernel needs them all);
         # the engine steps through the C++ step driver, so it is built here when not carried

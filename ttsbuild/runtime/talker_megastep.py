@@ -50,8 +50,12 @@ def unsupported(stack: PackedStack, k_cache: torch.Tensor | None = None) -> str 
             return "a weight not contiguous, not 16-byte aligned, or without its scale"
         if d.scale.dtype != torch.float32 or not d.scale.is_contiguous():
             return "a weight scale not contiguous fp32"
-    if k_cache is not None and (k_cache.dtype != torch.bfloat16 or not k_cache.is_contiguous()
-                                or k_cache.shape[0] != c.num_layers):  # fmt: skip
+    return None if k_cache is None else _cache_unsupported(c, k_cache)
+
+
+def _cache_unsupported(c, k_cache: torch.Tensor) -> str | None:
+    if (k_cache.dtype != torch.bfloat16 or not k_cache.is_contiguous()
+            or k_cache.shape[0] != c.num_layers):  # fmt: skip
         return "the kernel takes a contiguous bf16 cache [layers, slots, kv heads, S, D]"
     return None
 
@@ -169,7 +173,7 @@ class TalkerStep:
         if k_cache.shape[3] > self.max_positions:
             raise ValueError(f"cache of {k_cache.shape[3]} positions, scratch for "
                              f"{self.max_positions}")  # fmt: skip
-        why = unsupported(self.t.stack, k_cache)
+        why = _cache_unsupported(self.t.stack.cfg, k_cache)  # (the stack: checked once)
         if why:
             raise ValueError(why)
         t = self.t
