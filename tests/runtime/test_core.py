@@ -62,6 +62,11 @@ def req(i: int, frames: int = 7, **kw) -> SynthesisRequest:
         (dict(megaframe_code_predictor=True, code_predictor_fp8=True, megaframe_regular=False,
               admission_lane=(2,)), "needs the lane on batch bucket 1"),
         (dict(num_slots=2, batch_buckets=(1, 2), prefill_batches=(1, 4)), "within 2 slots"),
+        (dict(talker_megastep=True, num_slots=4, batch_buckets=(2, 4), admission_lane=()),
+         "talker_megastep runs batch bucket 1"),
+        (dict(talker_megastep=True, fused_talker=(1,)), "talker_megastep or fused_talker"),
+        (dict(talker_megastep=True, admission_lane=(1,), lane_reserved_sms=8),
+         "talker_megastep needs every SM"),
     ],
 )
 def test_plan_refuses_inconsistent_shapes(bad, message):

@@ -374,6 +374,18 @@ class GraphBackend:
         # benchmarks/runtime/2026-12-05-h100-megaframe-served): it takes the fused path then,
         # a graph captured beside (an "alternate"). path -> the last step that ran the kernel.
         self.mega_alternates = len(self.cp_mega) == 2
+        # plan.talker_megastep: the regular step's talker at bucket 1 as one kernel (the
+        # lane's steps run no talker but a second frame's, which keeps the kernels)
+        self.talker_mega = None
+        if plan.talker_megastep:
+            from ttsbuild.runtime import talker_megastep
+
+            why = talker_megastep.unsupported(self.talker_stack)
+            if why is None and torch.cuda.get_device_capability(dev) != (9, 0):
+                why = "the kernel is built for sm_90a (a Hopper GPU)"
+            if why:
+                raise ValueError(f"plan.talker_megastep: {why}")
+            self.talker_mega = talker_megastep.TalkerStep(self.talker_stack, self.max_len, dev)
         self.mega_tickets: dict[bool, int | None] = {False: None, True: None}
         # Prompt rows -> embeddings, the same function the reference prompt uses.
         proj = talker.text_projection
@@ -617,7 +629,7 @@ class GraphBackend:
         G = self.cfg.num_code_groups
         fi, seeds = self.frame_idx[rows], self.seed[rows]
         if (not lane) if talker is None else talker:
-            self._talker_step(rows, fi)
+            self._talker_step(rows, fi, lane)
         tsamp = self.talker_sampling.select(rows)
         logits = apply_repetition_penalty(
             self.logits[rows], self.history[rows], tsamp.repetition_penalty
@@ -634,9 +646,11 @@ class GraphBackend:
         self.frame_idx[rows] = fi + 1
         return codes, stop
 
-    def _talker_step(self, rows: torch.Tensor, fi: torch.Tensor) -> None:
+    def _talker_step(self, rows: torch.Tensor, fi: torch.Tensor, lane: bool = False) -> None:
         """The talker over each row's frame fi - 1 (its codes + that frame's text) -> the
-        hidden state and codebook-0 logits of frame fi; rows with fi == 0 keep theirs."""
+        hidden state and codebook-0 logits of frame fi; rows with fi == 0 keep theirs.
+        lane: the admission lane's step (never the one-kernel talker: one instance, the
+        regular step's)."""
         prev = fi - 1
         codes = self.codes[rows, :, prev % self.plan.codec_ring]  # fresh rows: any old entry
         text_pos = prev.clamp(min=0, max=self.plan.max_text - 1)
@@ -645,7 +659,9 @@ class GraphBackend:
         )
         x = self._embed_frame(codes) + text
         pos = self.position[rows].clamp(max=self.max_len - 1)
-        if rows.shape[0] in self.plan.fused_talker:
+        if rows.shape[0] == 1 and self.talker_mega is not None and not lane:
+            h = self.talker_mega(x, self.kv_k, self.kv_v, rows, pos)
+        elif rows.shape[0] in self.plan.fused_talker:
             h = decode_fused(self.talker_stack, x, self.kv_k, self.kv_v, rows, pos)
         else:
             h = self.talker_stack.decode(x, self.kv_k, self.kv_v, rows, pos)

@@ -166,6 +166,11 @@ class EnginePlan(BaseModel):
     # Batch buckets whose talker step runs on runtime.cp_fused.decode_fused (5 launches per
     # layer instead of ~9: fused norm + linear, fused residual adds).
     fused_talker: tuple[int, ...] = ()
+    # The regular step's talker at batch bucket 1 as ONE persistent kernel (runtime.
+    # talker_megastep: the 1.7B talker's shapes, FP8 weights, a bf16 cache, sm_90, a
+    # cooperative launch of a CTA per SM; each stage's weights prefetched into L2 ahead). A
+    # prototype: off until timed in the engine (benchmarks/kernels/megatalker/).
+    talker_megastep: bool = False
     # Batch buckets of the admission lane (graph backend on CUDA): new requests' prefill and
     # first frame run on a stream of their own (its own graphs, memory pool and code-predictor
     # cache) beside the frame step of the streams already running, so a new request's first
@@ -272,6 +277,17 @@ class EnginePlan(BaseModel):
                 # start inside a green context of fewer SMs
                 raise ValueError("megaframe_code_predictor needs every SM at once: it cannot run "
                                  "with lane_reserved_sms")
+        if self.talker_megastep:
+            if 1 not in self.batch_buckets:
+                raise ValueError("talker_megastep runs batch bucket 1: the plan has none")
+            if 1 in self.fused_talker:
+                raise ValueError("batch bucket 1's talker: talker_megastep or fused_talker, "
+                                 "one of them")
+            if self.lane_reserved_sms:
+                # a CTA per SM of the device, launched cooperatively: it cannot start inside
+                # a green context of fewer SMs
+                raise ValueError("talker_megastep needs every SM at once: it cannot run with "
+                                 "lane_reserved_sms")
         if self.lane_frames > 1 and self.lane_frames not in self.codec_chunks:
             raise ValueError(f"lane_frames {self.lane_frames} must be one of the codec_chunks "
                              f"{self.codec_chunks}")
