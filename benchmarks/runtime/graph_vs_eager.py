@@ -14,7 +14,7 @@ Checks, per precision of the language models (the codec is fp32 in both):
 Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
     python benchmarks/runtime/graph_vs_eager.py [--variant tiny|1.7b-customvoice] [--kernels]
         [--admission-lane 1,2 [--lane-reserved-sms 16] [--lane-frames 2] [--lane-switch]]
-        [--speculative] [--megaframe]
+        [--speculative] [--megaframe] [--talker-megastep-only]
 
 --megaframe (--megaframe-only: that check alone): batch bucket 1's code predictor as one
 kernel a frame (runtime.cp_megaframe, the 1.7B shapes, sm_90): the 1.7B stand-in in fp32 with
@@ -303,6 +303,42 @@ def check_megaframe(device: str) -> bool:
     return ok_all
 
 
+def check_talker_megastep(device: str) -> bool:
+    """--talker-megastep: the 1.7B stand-in (peaked logits) with FP8 talker weights in bf16,
+    greedy, each request alone: the engine with bucket 1's talker step as one kernel
+    (plan.talker_megastep) against the same plan without it. The kernel computes in fp32
+    where the served step rounds each activation to bf16, so codes may part at a near-tie:
+    PASS when >= 80 % of frames have identical codes (a wrong attention, cache write or
+    weight slice leaves few) and both make sound."""
+    models = random_models("1.7b-customvoice", device=device, dtype=torch.bfloat16)
+    plan = EnginePlan(num_slots=2, batch_buckets=(1,), max_len=512, max_text=256,
+                      prefill_buckets=(64, 128), codec_chunks=(1, 2), codec_ring=16,
+                      precision="fp8")  # fmt: skip
+    reqs = requests(True)[:4]
+    got = {}
+    for mega in (False, True):
+        t0 = time.perf_counter()
+        engine = GraphEngine(models, plan_update(plan, talker_megastep=mega), keep_codes=True)
+        if (engine.backend.talker_mega is not None) != mega:
+            raise RuntimeError(f"talker_megastep {'on' if mega else 'off'} asked, not built so")
+        got[mega] = run_alone(engine, reqs)
+        print(f"  talker_megastep {'on' if mega else 'off'}: {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    same = frames = 0
+    for (rc, _), (gc, _) in zip(got[False], got[True], strict=True):
+        n = min(len(rc), len(gc))
+        frames += max(len(rc), len(gc))
+        same += int((torch.as_tensor(rc[:n]) == torch.as_tensor(gc[:n])).all(dim=-1).sum())
+    loud = min(max(float(np.abs(p).max()) for _, p in got[m]) for m in (False, True))
+    ok = frames > 0 and same >= 0.8 * frames and loud > 0.01
+    print(f"1.7b-customvoice bf16 FP8 talker greedy (bucket 1's talker step as one kernel "
+          f"against the engine without it): {'PASS' if ok else 'FAIL'}; {same}/{frames} "
+          f"frames with identical codes", flush=True)
+    return ok
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--variant", default="tiny")
@@ -326,6 +362,10 @@ def main() -> int:
                    "1's code predictor as one kernel a frame, against the engine without it")
     p.add_argument("--megaframe-only", action="store_true",
                    help="only the --megaframe check (the tiny checks take ~2 min to compile)")
+    p.add_argument("--talker-megastep-only", action="store_true",
+                   help="only the check of bucket 1's talker step as one kernel "
+                   "(plan.talker_megastep, 1.7B shapes, FP8 talker, sm_90) against the "
+                   "engine without it")
     p.add_argument("--lane-frames", type=int, default=1,
                    help="with --admission-lane: also check with a new row's first frames and "
                    "its first codec step of that many frames on the lane (2: a real "
@@ -341,6 +381,8 @@ def main() -> int:
     print(f"{where}, torch {torch.__version__}", flush=True)
     if a.megaframe_only:
         return 0 if check_megaframe(a.device) else 1
+    if a.talker_megastep_only:
+        return 0 if check_talker_megastep(a.device) else 1
     results = [
         check(a.variant, torch.float32, greedy=True, device=a.device),
         check(a.variant, torch.float32, greedy=False, device=a.device),
