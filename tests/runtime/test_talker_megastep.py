@@ -19,19 +19,25 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _stack(seed: int, fp8: bool = True, **over) -> PackedStack:
-    cfg = dict(hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
-               num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0)
-    cfg.update(over)
+def random_stack(cfg: DecoderStackConfig, seed: int, std: float, device="cpu",
+                 dtype=torch.float32, fp8: bool = True) -> PackedStack:
+    """A PackedStack of random weights: norms 1 + N(0, std / 2), the rest N(0, std)."""
     torch.manual_seed(seed)
-    module = DecoderStack(DecoderStackConfig(**cfg))
+    with torch.device(device):
+        module = DecoderStack(cfg)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+                p.copy_(1 + std / 2 * torch.randn_like(p))
             else:
-                p.normal_(0.0, 0.2)
-    return PackedStack.from_module(module, fp8)
+                p.normal_(0.0, std)
+    return PackedStack.from_module(module.to(dtype), fp8)
+
+
+def _stack(seed: int, fp8: bool = True) -> PackedStack:
+    cfg = DecoderStackConfig(hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                             num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4)
+    return random_stack(cfg, seed, 0.2, fp8=fp8)
 
 
 def _caches(stack: PackedStack, S: int, dtype, seed: int):

@@ -7,11 +7,10 @@ such a GPU: the CPU checks are in test_talker_megastep.py."""
 
 import pytest
 import torch
+from test_talker_megastep import random_stack
 
 from ttsbuild.model.config import DecoderStackConfig
-from ttsbuild.model.layers import DecoderStack
 from ttsbuild.runtime import talker_megastep as tm
-from ttsbuild.runtime.fast_model import PackedStack
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -30,16 +29,7 @@ def stack():
     cfg = DecoderStackConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"],
                              num_layers=4, num_heads=s["heads"], num_kv_heads=s["kv_heads"],
                              head_dim=s["head_dim"], rms_norm_eps=1e-6, rope_theta=1e6)
-    torch.manual_seed(31)
-    with torch.device("cuda"):
-        module = DecoderStack(cfg)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.02)
-    return PackedStack.from_module(module.bfloat16(), True)
+    return random_stack(cfg, 31, 0.02, device="cuda", dtype=torch.bfloat16)
 
 
 def _inputs(stack, seed):
