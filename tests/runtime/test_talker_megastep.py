@@ -133,3 +133,46 @@ def test_the_python_constants_are_the_kernels():
     # the scratch the binding checks for: qkv + 3 hidden + intermediate + the partials
     assert "(int64_t)QKV + 3 * H + I + (int64_t)NKV * max_chunks * PART" in src
     assert tm.scratch_floats(64) == 4096 + 3 * 2048 + 6144 + 8 * 2 * tm.PART
+
+
+def _nvcc_extension(source_text: str, tmp_path, name: str):
+    """nvcc on the kernel source with its torch binding (torch's headers, the CUDA runtime's,
+    and the library headers a CPU wheel names, stubbed), for sm_90a, ptxas verbose."""
+    import subprocess
+    import sysconfig
+
+    import torch.utils.cpp_extension as ext
+    from test_driver_cuda_build import NVCC, STUBS
+
+    stubs = tmp_path / "stubs"
+    for header, text in STUBS.items():
+        (stubs / header).parent.mkdir(parents=True, exist_ok=True)
+        (stubs / header).write_text(text)
+    src = tmp_path / f"{name}.cu"
+    src.write_text(source_text)
+    includes = [*ext.include_paths(), sysconfig.get_paths()["include"], str(stubs)]
+    cmd = [NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+           "-DTORCH_EXTENSION_NAME=ttsbuild_talker_step", "-DTORCH_API_INCLUDE_EXTENSION_H",
+           *(f"-I{p}" for p in includes), "-c", str(src), "-o", str(tmp_path / f"{name}.o")]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_kernel_and_its_binding_compile_for_hopper(tmp_path):
+    """The source as torch.utils.cpp_extension builds it on the GPU host (where a mistake
+    costs device time), here where nvcc exists (not the CI machine): it compiles, without
+    register spills; a mistake in the binding fails the check."""
+    from pathlib import Path
+
+    from test_driver_cuda_build import NVCC
+
+    if not Path(NVCC).exists():
+        pytest.skip("needs nvcc")
+    text = tm.SOURCE.read_text()
+    assert "p.pos = pos.data_ptr<int64_t>();" in text
+    runs = [_nvcc_extension(text, tmp_path, "ok"),
+            _nvcc_extension(text.replace("p.pos = pos.data_ptr<int64_t>();",
+                                         "p.pos = pos.data_ptr<int>();"), tmp_path, "broken")]
+    (ok_out, ok_err), (_, bad_err) = (r.communicate(timeout=600) for r in runs)
+    assert runs[0].returncode == 0, ok_err[-3000:]
+    assert "0 bytes spill stores" in ok_err + ok_out and "Used" in ok_err + ok_out
+    assert runs[1].returncode != 0 and "p.pos" in bad_err

@@ -40,15 +40,15 @@ constexpr int STAGES_PER_LAYER = 5;       // A, B, C0, C, D
 struct Params {
     const __nv_bfloat16* x_in;  // [H]
     __nv_bfloat16* out;         // [H]
-    const long long* wptr;      // [L, 4]: qkv, o, gate_up, down (FP8 [N, K] row-major)
-    const long long* sptr;      // [L, 4]: their row scales (float [N])
+    const int64_t* wptr;      // [L, 4]: qkv, o, gate_up, down (FP8 [N, K] row-major)
+    const int64_t* sptr;      // [L, 4]: their row scales (float [N])
     const float* norms;         // [L, 2 H + 2 HD]: input norm, post norm, q norm, k norm
     const float* final_norm;    // [H]
     const float* inv_freq;      // [HD / 2]
     __nv_bfloat16* kc;          // [L, slots, NKV, S, HD]
     __nv_bfloat16* vc;
-    const long long* slot;      // [1]
-    const long long* pos;       // [1]
+    const int64_t* slot;      // [1]
+    const int64_t* pos;       // [1]
     float* qkv;                 // [QKV]
     float* attn;                // [H]
     float* o;                   // [H]
@@ -243,7 +243,7 @@ __device__ __forceinline__ void gemv_gate_up(const uint8_t* w, const float* s, c
 __device__ void prefetch_stage(const Params& p, int st, int P, int cta, int ctas) {
     const int l = st / STAGES_PER_LAYER, kind = st % STAGES_PER_LAYER;
     if (l >= p.layers) return;
-    const long long* wl = p.wptr + 4 * l;
+    const int64_t* wl = p.wptr + 4 * l;
     if (kind == 1) {  // B: the slot's cached k and v of this layer, one range per CTA < 16
         if (cta >= 2 * NKV) return;
         const int g = cta % NKV;
