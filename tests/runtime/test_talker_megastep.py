@@ -176,3 +176,59 @@ def test_the_kernel_and_its_binding_compile_for_hopper(tmp_path):
     assert runs[0].returncode == 0, ok_err[-3000:]
     assert "0 bytes spill stores" in ok_err + ok_out and "Used" in ok_err + ok_out
     assert runs[1].returncode != 0 and "p.pos" in bad_err
+
+
+def test_the_wrapper_hands_the_binding_what_it_checks(monkeypatch):
+    """TalkerStep's call, on CPU with the extension replaced by a recorder: the binding's
+    arguments in its order (talker_step.cu), with the dtypes, sizes and addresses its checks
+    and its kernel read (the stack's own weights and scales by address, layer by layer)."""
+    from ttsbuild.runtime.fast_model import Dense, PackedLayer
+
+    s = tm.SHAPE
+    H, hd, inter, L = s["hidden"], s["head_dim"], s["intermediate"], 2
+    qkv = (s["heads"] + 2 * s["kv_heads"]) * hd
+    cfg = DecoderStackConfig(hidden_size=H, intermediate_size=inter, num_layers=L,
+                             num_heads=s["heads"], num_kv_heads=s["kv_heads"], head_dim=hd,
+                             rms_norm_eps=1e-5, rope_theta=1e6)
+
+    def dense(n, k):
+        return Dense(torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.rand(n))
+
+    layers = [PackedLayer(torch.rand(H), dense(qkv, H), torch.rand(hd), torch.rand(hd),
+                          dense(H, H), torch.rand(H), dense(2 * inter, H), dense(H, inter))
+              for _ in range(L)]
+    stack = PackedStack(cfg, layers, torch.rand(H))
+    calls = []
+
+    class Recorder:
+        def talker_step(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(tm, "extension", Recorder)
+    S = 96
+    step = tm.TalkerStep(stack, S, device="cpu", dist=3, ctas=5)
+    k = torch.zeros(L, 2, s["kv_heads"], S, hd, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    x = torch.randn(1, H).bfloat16()
+    slot, pos = torch.tensor([1]), torch.tensor([40])
+    out = step(x, k, v, slot, pos)
+    (x_in, o, wptr, sptr, norms, final, freqs, kc, vc, sl, ps, scratch, counter, ctas, dist,
+     eps), = calls  # fmt: skip
+    assert x_in.dtype == torch.bfloat16 and x_in.numel() == H and o is out and o.numel() == H
+    assert wptr.dtype == sptr.dtype == torch.int64 and wptr.shape == sptr.shape == (L, 4)
+    for i, p in enumerate(layers):
+        for j, d in enumerate((p.qkv, p.o, p.gate_up, p.down)):
+            assert wptr[i, j] == d.weight.data_ptr() and sptr[i, j] == d.scale.data_ptr()
+    assert norms.dtype == torch.float32 and norms.shape == (L, 2 * H + 2 * hd)
+    assert torch.equal(norms[1, H:2 * H], layers[1].post_norm)
+    assert torch.equal(norms[0, 2 * H + hd:], layers[0].k_norm)
+    assert final.dtype == torch.float32 and freqs.shape == (hd // 2,)
+    assert kc is k and vc is v and sl.dtype == ps.dtype == torch.int64 and int(ps) == 40
+    need = qkv + 3 * H + inter + s["kv_heads"] * (-(-S // tm.CHUNK)) * tm.PART
+    assert scratch.dtype == torch.float32 and scratch.numel() >= need
+    assert counter.dtype == torch.int32 and counter.numel() >= 64 + 32 * s["kv_heads"]
+    assert (ctas, dist, eps) == (5, 3, 1e-5)
+    with pytest.raises(ValueError, match="bf16 cache"):
+        step(x, k.float(), v.float(), slot, pos)
+    with pytest.raises(ValueError, match="scratch for 96"):
+        step(x, torch.zeros(L, 2, s["kv_heads"], 128, hd, dtype=torch.bfloat16), v, slot, pos)

@@ -161,8 +161,7 @@ class TalkerStep:
                  dist: int = 2, ctas: int | None = None):  # fmt: skip
         self.t = KernelTensors(stack, torch.device(device))
         self.ext = extension()
-        props = torch.cuda.get_device_properties(device)
-        self.ctas = ctas or props.multi_processor_count
+        self.ctas = ctas or torch.cuda.get_device_properties(device).multi_processor_count
         self.dist = dist
         self.scratch = torch.zeros(scratch_floats(max_positions), device=device)
         self.counter = torch.zeros(COUNTER_WORDS, dtype=torch.int32, device=device)
