@@ -232,3 +232,19 @@ def test_the_wrapper_hands_the_binding_what_it_checks(monkeypatch):
         step(x, k.float(), v.float(), slot, pos)
     with pytest.raises(ValueError, match="scratch for 96"):
         step(x, torch.zeros(L, 2, s["kv_heads"], 128, hd, dtype=torch.bfloat16), v, slot, pos)
+
+
+def test_the_engine_refuses_the_kernel_where_it_cannot_run(tiny_checkpoint):
+    """plan.talker_megastep on a talker the kernel has no shapes for: the graph engine stops
+    at load with the reason (never a silent fallback to the unfused step)."""
+    from ttsbuild.convert.checkpoint import load_checkpoint
+    from ttsbuild.runtime.engine import Models
+    from ttsbuild.runtime.graph_engine import GraphEngine
+    from ttsbuild.runtime.plan import EnginePlan
+
+    models = Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
+    plan = EnginePlan(num_slots=2, max_len=256, max_text=64, batch_buckets=(1, 2),
+                      prefill_buckets=(32, 64), codec_chunks=(1, 2), codec_ring=8,
+                      talker_megastep=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"plan.talker_megastep: shapes \{'hidden'"):
+        GraphEngine(models, plan)

@@ -381,7 +381,8 @@ class GraphBackend:
             from ttsbuild.runtime import talker_megastep
 
             why = talker_megastep.unsupported(self.talker_stack)
-            if why is None and torch.cuda.get_device_capability(dev) != (9, 0):
+            if why is None and (dev.type != "cuda"
+                                or torch.cuda.get_device_capability(dev) != (9, 0)):
                 why = "the kernel is built for sm_90a (a Hopper GPU)"
             if why:
                 raise ValueError(f"plan.talker_megastep: {why}")
