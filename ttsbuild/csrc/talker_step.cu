@@ -446,7 +446,8 @@ __global__ void __launch_bounds__(THREADS, 1) talker_step_kernel(Params p) {
     const int cta = blockIdx.x, ctas = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gw = cta * WARPS + warp, gws = ctas * WARPS;
-    const int pos = (int)p.pos[0], P = pos + 1;
+    // (the engine clamps the position to the cache; clamped here too: never out of bounds)
+    const int pos = (int)max((int64_t)0, min(p.pos[0], (int64_t)p.S - 1)), P = pos + 1;
     const int nchunks = (P + CH - 1) / CH;
     const int stages = p.layers * STAGES_PER_LAYER;
 
