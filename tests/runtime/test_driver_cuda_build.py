@@ -31,12 +31,17 @@ STUBS = {
 }
 
 
-def start_compile(source: Path, stubs: Path) -> subprocess.Popen:
+def torch_cuda_includes(stubs: Path) -> list[str]:
+    """Include paths for torch's CUDA-side headers on a CPU wheel: torch's, Python's, the CUDA
+    runtime's, and `STUBS` written under `stubs`."""
     for name, text in STUBS.items():
         (stubs / name).parent.mkdir(parents=True, exist_ok=True)
         (stubs / name).write_text(text)
-    includes = [*ext.include_paths(), sysconfig.get_paths()["include"], str(CUDA_INCLUDE),
-                str(stubs)]  # fmt: skip
+    return [*ext.include_paths(), sysconfig.get_paths()["include"], str(CUDA_INCLUDE), str(stubs)]
+
+
+def start_compile(source: Path, stubs: Path) -> subprocess.Popen:
+    includes = torch_cuda_includes(stubs)
     cmd = ["g++", "-std=c++17", "-fsyntax-only", "-DTTSBUILD_WITH_CUDA", "-DTTSBUILD_GRAPH_WHILE",
            "-DTORCH_EXTENSION_NAME=_driver", "-DTORCH_API_INCLUDE_EXTENSION_H",
            *(f"-I{p}" for p in includes), str(source)]  # fmt: skip

@@ -29,7 +29,7 @@ def stack():
     cfg = DecoderStackConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"],
                              num_layers=4, num_heads=s["heads"], num_kv_heads=s["kv_heads"],
                              head_dim=s["head_dim"], rms_norm_eps=1e-6, rope_theta=1e6)
-    return random_stack(cfg, 31, 0.02, device="cuda", dtype=torch.bfloat16)
+    return random_stack(cfg, 31, device="cuda", dtype=torch.bfloat16)
 
 
 def _inputs(stack, seed):
