@@ -116,11 +116,11 @@ class KernelTensors:
             raise ValueError(f"the one-kernel talker step does not take this stack: {why}")
         c = stack.cfg
         self.stack = stack
-        lin = [(p.qkv, p.o, p.gate_up, p.down) for p in stack.layers]
-        self.wptr = torch.tensor([[d.weight.data_ptr() for d in ds] for ds in lin],
-                                 dtype=torch.int64, device=device)  # fmt: skip
-        self.sptr = torch.tensor([[d.scale.data_ptr() for d in ds] for ds in lin],
-                                 dtype=torch.int64, device=device)  # fmt: skip
+        lin = stack.linears()  # layer by layer: qkv, o, gate_up, down, the kernel's order
+        self.wptr = torch.tensor([d.weight.data_ptr() for d in lin], dtype=torch.int64,
+                                 device=device).reshape(-1, 4)  # fmt: skip
+        self.sptr = torch.tensor([d.scale.data_ptr() for d in lin], dtype=torch.int64,
+                                 device=device).reshape(-1, 4)  # fmt: skip
         self.norms = torch.stack([
             torch.cat([p.input_norm.float(), p.post_norm.float(), p.q_norm.float(),
                        p.k_norm.float()]) for p in stack.layers
