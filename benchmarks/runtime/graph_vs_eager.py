@@ -263,6 +263,24 @@ def run_alone(engine: GraphEngine, reqs) -> list[tuple[torch.Tensor, np.ndarray]
     return out
 
 
+def run_off_and_on(models, plan: EnginePlan, field: str, reqs: dict, built) -> dict:
+    """{False: ..., True: ...}: a graph engine with the plan's boolean `field` off, then on,
+    each running every list of `reqs` ({key: requests}, each request alone) -> {key: run_alone
+    results}. built(engine): whether the engine has what the field asks (checked: the check
+    compares the kernel, or nothing)."""
+    got = {}
+    for on in (False, True):
+        t0 = time.perf_counter()
+        engine = GraphEngine(models, plan_update(plan, **{field: on}), keep_codes=True)
+        if built(engine) != on:
+            raise RuntimeError(f"{field} {'on' if on else 'off'} asked, not built so")
+        got[on] = {key: run_alone(engine, rs) for key, rs in reqs.items()}
+        print(f"  {field} {'on' if on else 'off'}: {time.perf_counter() - t0:.1f} s", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    return got
+
+
 def check_megaframe(device: str) -> bool:
     """--megaframe: the 1.7B stand-in in fp32 with an FP8 code predictor and the admission
     lane on bucket 1; the engine with bucket 1's code predictor as one kernel (its regular
@@ -273,18 +291,8 @@ def check_megaframe(device: str) -> bool:
                       prefill_buckets=(64, 128), codec_chunks=(1, 2), codec_ring=16,
                       admission_lane=(1,), code_predictor_fp8=True)  # fmt: skip
     reqs = {g: requests(g)[:3] for g in (True, False)}
-    got = {}
-    for mega in (False, True):
-        t0 = time.perf_counter()
-        engine = GraphEngine(models, plan_update(plan, megaframe_code_predictor=mega),
-                             keep_codes=True)
-        if bool(engine.backend.cp_mega) != mega:  # the check compares the kernel, or nothing
-            raise RuntimeError(f"megaframe {'on' if mega else 'off'} asked, not built so")
-        got[mega] = {g: run_alone(engine, reqs[g]) for g in (True, False)}
-        print(f"  megaframe {'on' if mega else 'off'}: {time.perf_counter() - t0:.1f} s",
-              flush=True)
-        del engine
-        torch.cuda.empty_cache()
+    got = run_off_and_on(models, plan, "megaframe_code_predictor", reqs,
+                         lambda engine: bool(engine.backend.cp_mega))  # fmt: skip
     ok_all = True
     for g in (True, False):
         ok, frames, worst = True, 0, 0.0
@@ -314,18 +322,9 @@ def check_talker_megastep(device: str) -> bool:
     plan = EnginePlan(num_slots=2, batch_buckets=(1,), max_len=512, max_text=256,
                       prefill_buckets=(64, 128), codec_chunks=(1, 2), codec_ring=16,
                       precision="fp8")  # fmt: skip
-    reqs = requests(True)[:4]
-    got = {}
-    for mega in (False, True):
-        t0 = time.perf_counter()
-        engine = GraphEngine(models, plan_update(plan, talker_megastep=mega), keep_codes=True)
-        if (engine.backend.talker_mega is not None) != mega:
-            raise RuntimeError(f"talker_megastep {'on' if mega else 'off'} asked, not built so")
-        got[mega] = run_alone(engine, reqs)
-        print(f"  talker_megastep {'on' if mega else 'off'}: {time.perf_counter() - t0:.1f} s",
-              flush=True)
-        del engine
-        torch.cuda.empty_cache()
+    got = run_off_and_on(models, plan, "talker_megastep", {True: requests(True)[:4]},
+                         lambda engine: engine.backend.talker_mega is not None)  # fmt: skip
+    got = {mega: runs[True] for mega, runs in got.items()}
     same = frames = 0
     for (rc, _), (gc, _) in zip(got[False], got[True], strict=True):
         n = min(len(rc), len(gc))
