@@ -14,7 +14,7 @@ Checks, per precision of the language models (the codec is fp32 in both):
 Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
     python benchmarks/runtime/graph_vs_eager.py [--variant tiny|1.7b-customvoice] [--kernels]
         [--admission-lane 1,2 [--lane-reserved-sms 16] [--lane-frames 2] [--lane-switch]]
-        [--speculative] [--megaframe] [--talker-megastep-only]
+        [--speculative] [--megaframe] [--talker-megastep-only] [--cp-w8a8-only]
 
 --megaframe (--megaframe-only: that check alone): batch bucket 1's code predictor as one
 kernel a frame (runtime.cp_megaframe, the 1.7B shapes, sm_90): the 1.7B stand-in in fp32 with
@@ -263,19 +263,20 @@ def run_alone(engine: GraphEngine, reqs) -> list[tuple[torch.Tensor, np.ndarray]
     return out
 
 
-def run_off_and_on(models, plan: EnginePlan, field: str, reqs: dict, built) -> dict:
-    """{False: ..., True: ...}: a graph engine with the plan's boolean `field` off, then on,
-    each running every list of `reqs` ({key: requests}, each request alone) -> {key: run_alone
-    results}. built(engine): whether the engine has what the field asks (checked: the check
-    compares the kernel, or nothing)."""
+def run_off_and_on(models, plan: EnginePlan, field: str, reqs: dict, built,
+                   values=(False, True)) -> dict:
+    """{False: ..., True: ...}: a graph engine with the plan's `field` off, then on (values:
+    the field's off and on values), each running every list of `reqs` ({key: requests}, each
+    request alone) -> {key: run_alone results}. built(engine): whether the engine has what the
+    field asks (checked: the check compares the kernel, or nothing)."""
     got = {}
-    for on in (False, True):
+    for on, value in zip((False, True), values, strict=True):
         t0 = time.perf_counter()
-        engine = GraphEngine(models, plan_update(plan, **{field: on}), keep_codes=True)
+        engine = GraphEngine(models, plan_update(plan, **{field: value}), keep_codes=True)
         if built(engine) != on:
-            raise RuntimeError(f"{field} {'on' if on else 'off'} asked, not built so")
+            raise RuntimeError(f"{field}={value} asked, not built so")
         got[on] = {key: run_alone(engine, rs) for key, rs in reqs.items()}
-        print(f"  {field} {'on' if on else 'off'}: {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"  {field}={value}: {time.perf_counter() - t0:.1f} s", flush=True)
         del engine
         torch.cuda.empty_cache()
     return got
@@ -338,6 +339,43 @@ def check_talker_megastep(device: str) -> bool:
     return ok
 
 
+def check_cp_w8a8(device: str) -> bool:
+    """--cp-w8a8-only: the 1.7B stand-in (peaked logits) with an FP8 talker and code predictor
+    in bf16, greedy, each request alone in batch bucket 16 (15 padding rows: the code
+    predictor's unfused path, where plan.cp_w8a8_min_rows applies; activation scales are per
+    row, so padding rows change nothing): the code predictor's linears and heads as W8A8
+    from 16 rows against weight-only. Each activation rounds to e4m3 (~2-3 % per product), so
+    codes may part at a near-tie: PASS when >= 80 % of frames have identical codes (a wrong
+    scale, tile or head leaves few) and both make sound."""
+    models = random_models("1.7b-customvoice", device=device, dtype=torch.bfloat16)
+    plan = EnginePlan(num_slots=16, batch_buckets=(16,), max_len=512, max_text=256,
+                      prefill_buckets=(64, 128), codec_chunks=(1, 2), codec_ring=16,
+                      precision="fp8", code_predictor_fp8=True, w8a8_min_rows=16)  # fmt: skip
+
+    def built(engine) -> bool:
+        heads = engine.backend.cp_heads
+        return all(h.is_fp8 and h.takes_w8a8(16) for h in heads)
+
+    got = run_off_and_on(models, plan, "cp_w8a8_min_rows", {True: requests(True)[:4]}, built,
+                         values=(0, 16))  # fmt: skip
+    got = {w8a8: runs[True] for w8a8, runs in got.items()}
+    same = frames = 0
+    books = None
+    for (rc, _), (gc, _) in zip(got[False], got[True], strict=True):
+        n = min(len(rc), len(gc))
+        frames += max(len(rc), len(gc))
+        eq = torch.as_tensor(rc[:n]) == torch.as_tensor(gc[:n])
+        same += int(eq.all(dim=-1).sum())
+        books = eq.sum(0) if books is None else books + eq.sum(0)
+    loud = min(max(float(np.abs(p).max()) for _, p in got[m]) for m in (False, True))
+    ok = frames > 0 and same >= 0.8 * frames and loud > 0.01
+    print(f"1.7b-customvoice bf16 FP8 code predictor greedy in bucket 16 (W8A8 from 16 rows "
+          f"against weight-only): {'PASS' if ok else 'FAIL'}; {same}/{frames} frames with "
+          f"identical codes; per codebook {books.tolist() if books is not None else []}",
+          flush=True)
+    return ok
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--variant", default="tiny")
@@ -369,6 +407,9 @@ def main() -> int:
                    help="with --admission-lane: also check with a new row's first frames and "
                    "its first codec step of that many frames on the lane (2: a real "
                    "checkpoint's first chunk)")
+    p.add_argument("--cp-w8a8-only", action="store_true",
+                   help="only the check of the code predictor's W8A8 linears and heads "
+                   "(plan.cp_w8a8_min_rows 16, bucket 16, 1.7B shapes) against weight-only")
     a = p.parse_args()
     lane = tuple(int(b) for b in a.admission_lane.split(",") if b.strip())
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -378,10 +419,11 @@ def main() -> int:
         return 2
     where = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     print(f"{where}, torch {torch.__version__}", flush=True)
-    if a.megaframe_only:
-        return 0 if check_megaframe(a.device) else 1
-    if a.talker_megastep_only:
-        return 0 if check_talker_megastep(a.device) else 1
+    only = [check for flag, check in ((a.megaframe_only, check_megaframe),
+                                      (a.talker_megastep_only, check_talker_megastep),
+                                      (a.cp_w8a8_only, check_cp_w8a8)) if flag]  # fmt: skip
+    if only:  # the -only checks asked for, each of them, and nothing else
+        return 0 if all([check(a.device) for check in only]) else 1
     results = [
         check(a.variant, torch.float32, greedy=True, device=a.device),
         check(a.variant, torch.float32, greedy=False, device=a.device),

@@ -13,6 +13,12 @@ def test_plan_set_fields_reach_the_plan_and_bad_ones_are_refused():
         plan = bench_plan("fp8", (1, 64), plan_set=fields)
         assert plan.codec_fused_attention is value and plan.codec_fused_output is value
         assert plan.fused_code_predictor == default.fused_code_predictor  # the rest untouched
+    # a field the benchmark sets itself is overridden, not passed twice (2026-12-07 on the
+    # H200: `--plan-set fused_code_predictor=[...]` raised "multiple values")
+    wide = bench_plan("fp8", (1, 16, 32), plan_set=parse_plan_set(
+        ["fused_code_predictor=[1, 2, 4, 8, 16, 32]", "cp_w8a8_min_rows=64"]))
+    assert wide.fused_code_predictor == (1, 2, 4, 8, 16, 32) and wide.cp_w8a8_min_rows == 64
+    assert bench_plan("fp8", (1, 16, 32)).fused_code_predictor == (1, 2, 4, 8)
     with pytest.raises(SystemExit, match="EnginePlan field"):
         parse_plan_set(["no_such_field=1"])
     with pytest.raises(SystemExit, match="not JSON"):

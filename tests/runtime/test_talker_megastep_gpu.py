@@ -61,8 +61,11 @@ def test_step_is_the_reference(stack, dist, pos):
     for _ in range(2):  # twice: the barrier's count is back to 0 after a launch
         out = step(x, k, v, slot, p).clone()
     _check(out, k, v, ref, kr, vr, pos)
-    # the check can fail: the reference at another slot is far from the kernel's output
-    assert rel(out[0], tm.reference(stack, x[0], kr.clone(), vr.clone(), 0, pos)) > 1e-2
+    # the check can fail: the reference at another slot is far from the kernel's output (not
+    # at position 0, where attention sees only the token's own k, v: the slot's cache writes
+    # are what _check holds there)
+    if pos > 0:
+        assert rel(out[0], tm.reference(stack, x[0], kr.clone(), vr.clone(), 0, pos)) > 1e-2
 
 
 def test_graph_replay_takes_the_new_position(stack):

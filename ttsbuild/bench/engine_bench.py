@@ -21,6 +21,7 @@ import torch
 from ttsbuild.runtime.loader import LANE_KERNEL_PLAN, lane_kernel_default
 from ttsbuild.runtime.plan import (
     DEFAULT_BF16_MIN_ROWS,
+    DEFAULT_CP_W8A8_MIN_ROWS,
     DEFAULT_LANE_RESERVED_SMS,
     DEFAULT_W8A8_MIN_ROWS,
     EnginePlan,
@@ -181,7 +182,8 @@ def bench_plan(
     the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
     run it (fused_code_predictor=False: the unfused path everywhere); bf16_min_rows,
     w8a8_min_rows and lane_reserved_sms None: as served (DEFAULT_BF16_MIN_ROWS and
-    DEFAULT_W8A8_MIN_ROWS for FP8, DEFAULT_LANE_RESERVED_SMS with a lane), prefill_batches
+    DEFAULT_W8A8_MIN_ROWS for FP8, DEFAULT_LANE_RESERVED_SMS with a lane; the code
+    predictor's W8A8 from DEFAULT_CP_W8A8_MIN_ROWS for FP8), prefill_batches
     None: as served (`default_prefill_batches`). plan_set: more EnginePlan fields, e.g.
     {"codec_fused_output": True}."""
     num_slots = max(batches)
@@ -192,7 +194,7 @@ def bench_plan(
     if w8a8_min_rows is None:
         w8a8_min_rows = DEFAULT_W8A8_MIN_ROWS if precision == "fp8" else 0
     buckets = tuple(sorted({b for b in (1, 2, 4, 8, 16, 32, 64, *batches) if b <= num_slots}))
-    return EnginePlan(
+    fields = dict(
         num_slots=num_slots,
         max_len=1024,
         max_text=512,
@@ -204,6 +206,7 @@ def bench_plan(
         persistent_code_predictor=tuple(b for b in buckets if b <= persistent_cp_max_batch),
         fused_talker=tuple(b for b in buckets if b <= fused_talker_max_batch),
         w8a8_min_rows=w8a8_min_rows,
+        cp_w8a8_min_rows=DEFAULT_CP_W8A8_MIN_ROWS if precision == "fp8" else 0,
         prefill_batches=tuple(prefill_batches),
         # (no lane under a persistent code predictor: it needs every SM, EnginePlan refuses both)
         admission_lane=(lane := tuple(b for b in buckets if b in admission_lane
@@ -212,8 +215,8 @@ def bench_plan(
         if lane_reserved_sms is None else lane_reserved_sms,
         bf16_min_rows=bf16_min_rows,
         lane_frames=lane_frames if lane else 1,
-        **(plan_set or {}),
     )
+    return EnginePlan(**{**fields, **(plan_set or {})})  # plan_set overrides any field
 
 
 def _profile_host(engine, be, log, n: int = 10) -> None:

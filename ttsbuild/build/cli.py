@@ -14,6 +14,7 @@ from rich.console import Console
 
 from ttsbuild.runtime.plan import (
     DEFAULT_BF16_MIN_ROWS,
+    DEFAULT_CP_W8A8_MIN_ROWS,
     DEFAULT_LANE_RESERVED_SMS,
     DEFAULT_W8A8_MIN_ROWS,
 )
@@ -119,6 +120,11 @@ def compile_engine(
         help="FP8 engines: the talker's linears as W8A8 (FP8 activations scaled per row, "
         "FP8 tensor-core tiles) from this many rows up to --bf16-min-rows (0: weight-only).",
     ),  # fmt: skip
+    cp_w8a8_min_rows: int = typer.Option(
+        DEFAULT_CP_W8A8_MIN_ROWS, "--cp-w8a8-min-rows", min=0,
+        help="FP8 engines: the code predictor's linears and heads as W8A8 from this many "
+        "rows (its unfused path, buckets above --fused-cp-max-batch; 0: weight-only).",
+    ),  # fmt: skip
     bf16_min_rows: int = typer.Option(
         DEFAULT_BF16_MIN_ROWS, "--bf16-min-rows", min=0,
         help="FP8 engines: the talker's linears on bf16 copies of their weights (dequantised "
@@ -190,6 +196,7 @@ def compile_engine(
             codec_chunks=parse_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
             max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
             persistent_cp_max_batch=persistent_cp_max_batch, w8a8_min_rows=w8a8_min_rows,
+            cp_w8a8_min_rows=cp_w8a8_min_rows,
             bf16_min_rows=bf16_min_rows, lane_reserved_sms=lane_reserved_sms,
             prefix_pool=prefix_pool, max_prefix=max_prefix,
             quality_texts=quality_texts, quality_frames=quality_frames,
