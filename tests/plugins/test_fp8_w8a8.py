@@ -238,8 +238,8 @@ def test_a8_tiles_take_a_wider_row_tile(M, N, block_m):
 
 def test_a8_rule_from_eight_row_tiles():
     """a8_config from 1024 rows (eight 128-row tiles): 128 x 128 weight tiles, K blocks of
-    128, 8 warps, no split, and 256-row activation tiles (BLOCK_M) for N >= 4096 only; the
-    stages shrink to fit shared memory (gate_up's two weight tiles); below, no BLOCK_M."""
+    128, 8 warps, no split, and 256-row activation tiles (BLOCK_M) for N >= 4096 only, not for
+    gate_up's two weight tiles; below, no BLOCK_M."""
     from ttsbuild.plugins._tl.fp8_linear import _A8_SMEM, a8_config
 
     qkv = a8_config(1024, 4096, 2048)
@@ -247,9 +247,13 @@ def test_a8_rule_from_eight_row_tiles():
                    "num_stages": 4, "BLOCK_M": 256}  # fmt: skip
     down = a8_config(2048, 2048, 6144)
     assert "BLOCK_M" not in down and (down["BLOCK_N"], down["SPLIT_K"]) == (128, 1)
+    # gate_up's two weight tiles keep the many-row rule (the branch's two 128 x 256
+    # accumulators doubled the engine's 1024-row prefill on the H200)
     gate_up = a8_config(1024, 6144, 2048, gate_up=True)
-    assert gate_up["BLOCK_M"] == 256 and gate_up["num_stages"] == 3
-    assert gate_up["num_stages"] * (2 * 128 * 128 + 128 * 256) <= _A8_SMEM
+    assert gate_up == a8_config(512, 6144, 2048, gate_up=True) and "BLOCK_M" not in gate_up
+    assert gate_up["BLOCK_N"] == 64
+    assert gate_up["num_stages"] * (2 * 64 * gate_up["BLOCK_K"] + gate_up["BLOCK_K"] * 128) \
+        <= _A8_SMEM
     for m in (16, 128, 256, 896):  # up to seven row tiles
         assert "BLOCK_M" not in a8_config(m, 4096, 2048)
     assert a8_config(896, 4096, 2048)["BLOCK_N"] == 64 and "BLOCK_M" in a8_config(897, 4096, 2048)

@@ -324,14 +324,18 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
     H100 (benchmarks/kernels/2026-12-07-h100-no-copies/call11): 128 x 128 weight tiles, K blocks
     of 128, 8 warps, 4 stages, no split; 256-row activation tiles (BLOCK_M) for the wide N
     (qkv 15.3, gate_up 48.0 us, against 27.6 / 65.8 on the rule above, quantisation included
-    there; o 9.0, down 20.7 against 16.1 / 42.1).
+    there; o 9.0, down 20.7 against 16.1 / 42.1). Not for gate_up's two weight tiles (the
+    served gate_up + SiLU): that sweep timed gate_up as one plain linear, and in the engine
+    the branch took the 4 x 256-token prefill from 8.1-8.8 to 15.9-16.1 ms on the H200
+    (benchmarks/runtime/2026-12-07-h200-no-copies: two 128 x 256 fp32 accumulators are 256
+    registers a thread at 8 warps); it keeps the many-row rule below.
     Stages (then the K block) shrink until the stages' tiles fit in shared memory: each holds
     the weight tile (two for gate_up) and the [BLOCK_K, BLOCK_M] activation tile, FP8. The
     config carries BLOCK_M where it is not `m_bucket`'s."""
     bm = m_bucket(M, a8=True)
     m_tiles = triton.cdiv(M, bm)
     warps = 4
-    if m_tiles >= 8:  # 1024+ rows: 128 x 128 weight tiles, 256-row tiles for the wide N
+    if m_tiles >= 8 and not gate_up:  # 1024+ rows: 128 x 128 weight tiles, 256-row tiles
         bn, bk, warps = 128, 128, 8
         bm = 256 if N >= 4096 else bm
     elif m_tiles > 1:  # many rows: 64-row weight tiles, K blocks by N
@@ -349,7 +353,7 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
     while (split < _MAX_SPLIT and K % (bk * split * 2) == 0 and K // (split * 2) >= 1536
            and (m_tiles == 1 or tiles * split * 2 <= sms // 2)):  # fmt: skip
         split *= 2
-    if m_tiles >= 8:
+    if m_tiles >= 8 and not gate_up:
         stages = 4
     elif m_tiles > 1:
         stages = 3 if bk == 128 else 4
