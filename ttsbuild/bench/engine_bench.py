@@ -211,7 +211,9 @@ def bench_plan(
         # (no lane under a persistent code predictor: it needs every SM, EnginePlan refuses both)
         admission_lane=(lane := tuple(b for b in buckets if b in admission_lane
                                       and not persistent_cp_max_batch)),
-        lane_reserved_sms=(DEFAULT_LANE_RESERVED_SMS if lane else 0)
+        # (none beside the one-kernel talker step: it needs every SM, EnginePlan refuses both)
+        lane_reserved_sms=(DEFAULT_LANE_RESERVED_SMS
+                           if lane and not (plan_set or {}).get("talker_megastep") else 0)
         if lane_reserved_sms is None else lane_reserved_sms,
         bf16_min_rows=bf16_min_rows,
         lane_frames=lane_frames if lane else 1,
