@@ -312,6 +312,26 @@ def check_megaframe(device: str) -> bool:
     return ok_all
 
 
+def greedy_agreement(models, plan: EnginePlan, field: str, built, values=(False, True)):
+    """The first four greedy requests, each alone, on the plan with `field` off and on
+    (run_off_and_on) -> (ok, frames with identical codes, frames, identical frames per
+    codebook). ok: >= 80 % of frames identical and both engines make sound (an approximation
+    may part codes at a near-tie; a wrong kernel leaves few alike)."""
+    got = run_off_and_on(models, plan, field, {True: requests(True)[:4]}, built, values)
+    got = {on: runs[True] for on, runs in got.items()}
+    same = frames = 0
+    books = None
+    for (rc, _), (gc, _) in zip(got[False], got[True], strict=True):
+        n = min(len(rc), len(gc))
+        frames += max(len(rc), len(gc))
+        eq = torch.as_tensor(rc[:n]) == torch.as_tensor(gc[:n])
+        same += int(eq.all(dim=-1).sum())
+        books = eq.sum(0) if books is None else books + eq.sum(0)
+    loud = min(max(float(np.abs(p).max()) for _, p in got[m]) for m in (False, True))
+    ok = frames > 0 and same >= 0.8 * frames and loud > 0.01
+    return ok, same, frames, books.tolist() if books is not None else []
+
+
 def check_talker_megastep(device: str) -> bool:
     """--talker-megastep: the 1.7B stand-in (peaked logits) with FP8 talker weights in bf16,
     greedy, each request alone: the engine with bucket 1's talker step as one kernel
@@ -323,16 +343,8 @@ def check_talker_megastep(device: str) -> bool:
     plan = EnginePlan(num_slots=2, batch_buckets=(1,), max_len=512, max_text=256,
                       prefill_buckets=(64, 128), codec_chunks=(1, 2), codec_ring=16,
                       precision="fp8")  # fmt: skip
-    got = run_off_and_on(models, plan, "talker_megastep", {True: requests(True)[:4]},
-                         lambda engine: engine.backend.talker_mega is not None)  # fmt: skip
-    got = {mega: runs[True] for mega, runs in got.items()}
-    same = frames = 0
-    for (rc, _), (gc, _) in zip(got[False], got[True], strict=True):
-        n = min(len(rc), len(gc))
-        frames += max(len(rc), len(gc))
-        same += int((torch.as_tensor(rc[:n]) == torch.as_tensor(gc[:n])).all(dim=-1).sum())
-    loud = min(max(float(np.abs(p).max()) for _, p in got[m]) for m in (False, True))
-    ok = frames > 0 and same >= 0.8 * frames and loud > 0.01
+    ok, same, frames, _ = greedy_agreement(
+        models, plan, "talker_megastep", lambda engine: engine.backend.talker_mega is not None)
     print(f"1.7b-customvoice bf16 FP8 talker greedy (bucket 1's talker step as one kernel "
           f"against the engine without it): {'PASS' if ok else 'FAIL'}; {same}/{frames} "
           f"frames with identical codes", flush=True)
@@ -356,23 +368,11 @@ def check_cp_w8a8(device: str) -> bool:
         heads = engine.backend.cp_heads
         return all(h.is_fp8 and h.takes_w8a8(16) for h in heads)
 
-    got = run_off_and_on(models, plan, "cp_w8a8_min_rows", {True: requests(True)[:4]}, built,
-                         values=(0, 16))  # fmt: skip
-    got = {w8a8: runs[True] for w8a8, runs in got.items()}
-    same = frames = 0
-    books = None
-    for (rc, _), (gc, _) in zip(got[False], got[True], strict=True):
-        n = min(len(rc), len(gc))
-        frames += max(len(rc), len(gc))
-        eq = torch.as_tensor(rc[:n]) == torch.as_tensor(gc[:n])
-        same += int(eq.all(dim=-1).sum())
-        books = eq.sum(0) if books is None else books + eq.sum(0)
-    loud = min(max(float(np.abs(p).max()) for _, p in got[m]) for m in (False, True))
-    ok = frames > 0 and same >= 0.8 * frames and loud > 0.01
+    ok, same, frames, books = greedy_agreement(models, plan, "cp_w8a8_min_rows", built,
+                                               values=(0, 16))  # fmt: skip
     print(f"1.7b-customvoice bf16 FP8 code predictor greedy in bucket 16 (W8A8 from 16 rows "
           f"against weight-only): {'PASS' if ok else 'FAIL'}; {same}/{frames} frames with "
-          f"identical codes; per codebook {books.tolist() if books is not None else []}",
-          flush=True)
+          f"identical codes; per codebook {books}", flush=True)
     return ok
 
 
