@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ttsbuild.build.compile import BuildConfig, code_predictor_paths, quantize_groups
-from ttsbuild.build.pack import fused_sizes, pack_state
-from ttsbuild.build.quality import RuntimeLM, measure_quality, teacher_forced_logits
+from ttsbuild.build.compile import BuildConfig, code_predictor_paths
+from ttsbuild.build.quality import RuntimeLM, measure_quality, pack_models, teacher_forced_logits
 from ttsbuild.calibration.corpus import generate_corpus, load_texts
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -91,13 +90,7 @@ def main() -> None:
     cfg = BuildConfig()
     t0 = time.perf_counter()
     ref = load(args, device)
-    modules = {"talker": ref.talker, "code_predictor": ref.code_predictor}
-    states = {m: {k: v.detach().to("cpu", torch.bfloat16) for k, v in mod.state_dict().items()}
-              for m, mod in modules.items()}
-    sizes = {m: fused_sizes(s) for m, s in states.items()}
-    unquantised = {m: pack_state(s) for m, s in states.items()}
-    base = {m: dict(t) for m, t in unquantised.items()}
-    quantize_groups(base, cfg.fp8_groups(), device)
+    base, sizes, unquantised = pack_models(ref, cfg.fp8_groups(), device)
     items = generate_corpus(ref, load_texts(None, args.texts), seed=cfg.seed,
                             max_frames=args.frames)
     ref_logits = teacher_forced_logits(ref, items)

@@ -408,7 +408,7 @@ def test_default_plans_reserve_sms_for_the_lane_and_pick_the_fp8_talkers_linears
     assert no_lane.lane_reserved_sms == 0
     compiled = BuildConfig(precision="fp8", max_batch=8, graph_batches=(1, 2, 4, 8)).runtime_plan()
     assert (compiled.lane_reserved_sms, compiled.bf16_min_rows, compiled.w8a8_min_rows,
-            compiled.cp_w8a8_min_rows) == (16, 0, 16, 16)  # fmt: skip
+            compiled.cp_w8a8_min_rows) == (16, 0, 16, 0)  # fmt: skip
     bf16 = BuildConfig(precision="bf16", max_batch=8, graph_batches=(1, 2, 4, 8),
                        admission_lane=()).runtime_plan()  # fmt: skip
     assert (bf16.lane_reserved_sms, bf16.bf16_min_rows, bf16.w8a8_min_rows,
@@ -425,14 +425,14 @@ def test_default_plans_reserve_sms_for_the_lane_and_pick_the_fp8_talkers_linears
 
 
 def test_the_code_predictors_w8a8_threshold_reaches_its_linears_and_heads(models):
-    """`EnginePlan.cp_w8a8_min_rows` (16 in FP8 defaults): an FP8 code predictor's packed linears
-    and heads take W8A8 from that many rows (its unfused path, batch buckets above the fused
-    ones), and not below; the talker keeps its own threshold."""
+    """`EnginePlan.cp_w8a8_min_rows` (0 by default: it fails the quality gate): an FP8 code
+    predictor's packed linears and heads take W8A8 from that many rows (its unfused path,
+    batch buckets above the fused ones), and not below; the talker keeps its own threshold."""
     plan = EnginePlan(num_slots=16, max_len=256, max_text=64, batch_buckets=(1, 2, 4, 8, 16),
                       prefill_buckets=(32,), codec_chunks=(1,), codec_ring=8, precision="fp8",
                       code_predictor_fp8=True, cp_w8a8_min_rows=16, w8a8_min_rows=32,
                       fused_code_predictor=(1, 2, 4, 8))  # fmt: skip
-    assert EnginePlan.default(num_slots=8, precision="fp8").cp_w8a8_min_rows == 16
+    assert EnginePlan.default(num_slots=8, precision="fp8").cp_w8a8_min_rows == 0
     assert EnginePlan.default(num_slots=8, precision="bf16").cp_w8a8_min_rows == 0
     backend = GraphEngine(models, plan, use_graphs=False).backend
     cp = backend.cp_stack.layers[0]

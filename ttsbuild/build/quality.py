@@ -263,6 +263,24 @@ class RuntimeLM:
         return c0, cp
 
 
+def pack_models(models, groups: list[str], device) -> tuple[dict, dict, dict]:
+    """In-memory Models (a stand-in, or a checkpoint loaded eagerly) packed as `compile`
+    packs them: (packed with the FP8 `groups` quantised as compile quantises them, the fused
+    sizes, packed unquantised), each {"talker": ..., "code_predictor": ...} of bf16 CPU
+    tensors; for `RuntimeLM.from_packed` without an engine directory."""
+    from ttsbuild.build.compile import quantize_groups
+    from ttsbuild.build.pack import fused_sizes, pack_state
+
+    modules = {"talker": models.talker, "code_predictor": models.code_predictor}
+    states = {m: {k: v.detach().to("cpu", torch.bfloat16) for k, v in mod.state_dict().items()}
+              for m, mod in modules.items()}  # fmt: skip
+    sizes = {m: fused_sizes(s) for m, s in states.items()}
+    unquantised = {m: pack_state(s) for m, s in states.items()}
+    packed = {m: dict(t) for m, t in unquantised.items()}
+    quantize_groups(packed, groups, device)
+    return packed, sizes, unquantised
+
+
 def measure_quality(reference, runtime: RuntimeLM, items, cp_paths: dict[str, int],
                     min_top1: float = MIN_TOP1, max_kl: float = MAX_KL,
                     reference_logits: tuple | None = None) -> QualityReport:

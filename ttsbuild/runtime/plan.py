@@ -33,11 +33,17 @@ DEFAULT_LANE_RESERVED_SMS = 16  # of the H200's 132 (see EnginePlan.lane_reserve
 # 2 x 256 4.51 against 4.85; the copies cost 2.62 GiB for 1.7B, issue 8's duplicate weights)
 DEFAULT_W8A8_MIN_ROWS = 16
 DEFAULT_BF16_MIN_ROWS = 0
-# The FP8 code predictor's linears and heads as W8A8 from 16 rows (its unfused path: buckets
-# above the fused ones). H200 engine bench, 2026-12-07 (benchmarks/runtime/2026-12-07-h200-cp-
-# w8a8): code predictor ms per frame at 16 / 32 / 64 / 256 rows 3.28 / 3.81 / 4.03 / 7.23
-# weight-only against 2.73 / 2.89 / 3.34 / 4.60; frame at 256 10.74 -> 8.12 ms.
-DEFAULT_CP_W8A8_MIN_ROWS = 16
+# The FP8 code predictor's linears and heads as W8A8 from this many rows (its unfused path:
+# buckets above the fused ones); 0: weight-only. Off: faster, and not good enough. H200
+# engine bench, 2026-12-07 (benchmarks/runtime/2026-12-07-h200-cp-w8a8): code predictor ms
+# per frame at 16 / 32 / 64 / 256 rows 3.28 / 3.81 / 4.03 / 7.23 weight-only against 2.73 /
+# 2.89 / 3.34 / 4.60 with W8A8 from 16 (frame at 256 10.74 -> 8.12 ms). But teacher forced
+# against the bf16 model on the 1.7B stand-in (graph_vs_eager.py --cp-w8a8-only, H100,
+# benchmarks/quality/2026-12-07-h100-cp-w8a8), codebooks 1-15 in calls of 16 rows: top-1
+# 0.906 / KL 0.0213 weight-only, 0.873 / 0.0388 W8A8: W8A8 nearly doubles the error and
+# takes KL past compile's gate (0.02). Was 16 for one session, on a greedy check that could
+# not tell (see that directory).
+DEFAULT_CP_W8A8_MIN_ROWS = 0
 
 
 def default_prefill_batches(num_slots: int) -> tuple[int, ...]:
@@ -212,7 +218,7 @@ class EnginePlan(BaseModel):
     # The same for the code predictor's FP8 linears and heads on its unfused path (batch
     # buckets outside fused_code_predictor, e.g. 16-256): there the weight-only swap-AB tiles
     # stream 0.5-1.4 TB/s where the A8 tiles reach 1.5-3.0 (the talker's shapes, 16-128 rows).
-    # 0: weight-only. `default` and compile: DEFAULT_CP_W8A8_MIN_ROWS for FP8 engines.
+    # 0: weight-only. `default` and compile: DEFAULT_CP_W8A8_MIN_ROWS (0) for FP8 engines.
     cp_w8a8_min_rows: int = Field(0, ge=0)
     # The talker's FP8 linears on bf16 copies of their weights (dequantised once at load,
     # cuBLAS; runtime.fast_model.Dense.keep_bf16) from this many rows (prefill rows or decode
