@@ -431,7 +431,7 @@ def test_the_code_predictors_w8a8_threshold_reaches_its_linears_and_heads(models
     plan = EnginePlan(num_slots=16, max_len=256, max_text=64, batch_buckets=(1, 2, 4, 8, 16),
                       prefill_buckets=(32,), codec_chunks=(1,), codec_ring=8, precision="fp8",
                       code_predictor_fp8=True, cp_w8a8_min_rows=16, w8a8_min_rows=32,
-                      fused_code_predictor=(1, 2, 4, 8))  # fmt: skip
+                      fused_code_predictor=(1, 2, 4, 8), cp_heads_fp8=True)  # fmt: skip
     assert EnginePlan.default(num_slots=8, precision="fp8").cp_w8a8_min_rows == 0
     assert EnginePlan.default(num_slots=8, precision="bf16").cp_w8a8_min_rows == 0
     backend = GraphEngine(models, plan, use_graphs=False).backend
@@ -440,6 +440,41 @@ def test_the_code_predictors_w8a8_threshold_reaches_its_linears_and_heads(models
         assert dense.is_fp8 and dense.w8a8_min_rows == 16
         assert dense.takes_w8a8(16) and not dense.takes_w8a8(8)
     assert backend.talker_stack.layers[0].qkv.w8a8_min_rows == 32
+
+
+def test_bf16_heads_beside_an_fp8_code_predictor(models, tiny_checkpoint):
+    """`EnginePlan.cp_heads_fp8` off (the default): the FP8 code predictor's layers stay FP8
+    and its heads are the checkpoint's own weights (bf16 here fp32, not re-rounded), on every
+    path the plan runs (fused buckets 1-2, unfused 4); a bf16 code predictor ignores it."""
+    plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
+                      prefill_buckets=(32,), codec_chunks=(1,), codec_ring=8, precision="fp8",
+                      code_predictor_fp8=True, fused_code_predictor=(1, 2))  # fmt: skip
+    assert not plan.cp_heads_fp8
+    backend = GraphEngine(models, plan, use_graphs=False).backend
+    assert backend.cp_stack.is_fp8
+    for dense, head in zip(backend.cp_heads, models.code_predictor.lm_head, strict=True):
+        assert not dense.is_fp8 and dense.scale is None and torch.equal(dense.weight, head.weight)
+    fp8 = GraphEngine(models, plan.model_copy(update={"cp_heads_fp8": True}),
+                      use_graphs=False).backend  # fmt: skip
+    assert all(d.is_fp8 for d in fp8.cp_heads)
+    bf16 = GraphEngine(models, plan.model_copy(update={"code_predictor_fp8": False}),
+                       use_graphs=False).backend  # fmt: skip
+    assert not bf16.cp_stack.is_fp8 and not any(d.is_fp8 for d in bf16.cp_heads)
+    # released modules: a bf16 head is the module's own weight, held once
+    released = GraphEngine(Models.load(load_checkpoint(tiny_checkpoint), device="cpu"), plan,
+                           use_graphs=False, release_modules=True)  # fmt: skip
+    rb, rm = released.backend, released.backend.models.code_predictor
+    for dense, head in zip(rb.cp_heads, rm.lm_head, strict=True):
+        assert dense.weight.untyped_storage().data_ptr() == head.weight.untyped_storage().data_ptr()
+    # bf16 heads run on every bucket's path: three rows (bucket 4, unfused) finishing at
+    # different frames (buckets 2 and 1, fused), each to its frame limit
+    engine = GraphEngine(models, plan, use_graphs=False, keep_codes=True)
+    reqs = [req(0, 7), req(1, 4), req(2, 6)]
+    slots = [engine.admit(r) for r in reqs]
+    run_to_completion(engine, slots, on_step=lambda _: engine.audio(slots))
+    for s, r in zip(slots, reqs, strict=True):
+        assert engine.frames_of(s) == r.max_frames
+        assert engine.codes_of(s).shape == (r.max_frames, models.cfg.num_code_groups)
 
 
 def test_a_released_engine_holds_each_weight_once(tiny_checkpoint):
@@ -455,7 +490,7 @@ def test_a_released_engine_holds_each_weight_once(tiny_checkpoint):
     models = Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
     plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
                       prefill_buckets=(32,), codec_chunks=(1,), codec_ring=8, precision="fp8",
-                      code_predictor_fp8=True)  # fmt: skip
+                      code_predictor_fp8=True, cp_heads_fp8=True)  # fmt: skip
     be = GraphEngine(models, plan, use_graphs=False, release_modules=True).backend
     cp = models.code_predictor
     for i, e in enumerate(cp.model.codec_embedding):

@@ -28,15 +28,15 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _stack(dtype, fp8, device="cpu"):
-    torch.manual_seed(1)
-    module = DecoderStack(CFG)
+def _stack(dtype, fp8, device="cpu", cfg=CFG, std=0.1, seed=1):
+    torch.manual_seed(seed)
+    module = DecoderStack(cfg)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             else:
-                p.normal_(0.0, 0.1)
+                p.normal_(0.0, std)
     return PackedStack.from_module(module.to(device, dtype), fp8)
 
 
@@ -619,15 +619,7 @@ def test_w8a8_stack_and_heads_on_the_kernels_match_the_reference(B, monkeypatch)
     the frame's first step), a one-token decode at position 2 and a head on the prefill's
     last token (a strided view, as `frame_unfused` passes it), on fresh random inputs."""
     cfg = CP_17B if KDEV == "cuda" else CFG
-    torch.manual_seed(B)
-    module = DecoderStack(cfg)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, cfg.hidden_size**-0.5)
-    stack = PackedStack.from_module(module.to(KDEV, torch.bfloat16), fp8=True)
+    stack = _stack(torch.bfloat16, True, KDEV, cfg, std=cfg.hidden_size**-0.5, seed=B)
     stack.set_w8a8_min_rows(16)
     head = Dense.make(torch.randn(2048, cfg.hidden_size, device=KDEV) * cfg.hidden_size**-0.5,
                       fp8=True)  # fmt: skip

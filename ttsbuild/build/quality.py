@@ -175,7 +175,9 @@ class RuntimeLM:
 
     @classmethod
     def from_packed(cls, cfg, packed: dict, sizes: dict, dtype, device,
-                    code_predictor_fp8: bool) -> RuntimeLM:
+                    heads_fp8: bool) -> RuntimeLM:
+        """heads_fp8: the code predictor's heads in FP8, as the plan runs them
+        (code_predictor_fp8 and cp_heads_fp8); its layers are as `packed` holds them."""
         from types import SimpleNamespace
 
         from ttsbuild.build.engine_dir import _runtime_tensors, lm_modules_from_packed
@@ -185,7 +187,7 @@ class RuntimeLM:
         talker, cp = lm_modules_from_packed(cfg, packed, sizes, dtype, device,
                                             decoder_layers=False)
         t = {m: _runtime_tensors(packed[m], dtype, device) for m in ("talker", "code_predictor")}
-        heads = [Dense.make(h.weight.detach(), code_predictor_fp8) for h in cp.lm_head]
+        heads = [Dense.make(h.weight.detach(), heads_fp8) for h in cp.lm_head]
         embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
         fused = FusedCodePredictor(
             PackedStack.from_packed(cfg.code_predictor, t["code_predictor"]), heads,

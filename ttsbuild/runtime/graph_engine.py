@@ -328,7 +328,8 @@ class GraphBackend:
         if release_modules:
             models.drop_decoder_layers()  # the packed stacks are the only copy from here on
         self.codec_head = Dense(talker.codec_head.weight.detach())
-        self.cp_heads = [Dense.make(h.weight.detach(), plan.code_predictor_fp8) for h in cp.lm_head]
+        heads_fp8 = plan.code_predictor_fp8 and plan.cp_heads_fp8
+        self.cp_heads = [Dense.make(h.weight.detach(), heads_fp8) for h in cp.lm_head]
         self.talker_stack.set_linear_paths(plan, self.cp_stack, self.cp_heads)
         self.cp_proj = cp.small_to_mtp_projection
         self.codec_embedding = talker.model.codec_embedding.weight.detach()  # [V, H]
@@ -355,10 +356,14 @@ class GraphBackend:
         if plan.megaframe_code_predictor:
             from ttsbuild.runtime import cp_megaframe
 
-            packed = cp_megaframe.pack(self.cp_stack, self.cp_heads,
+            # the kernel takes FP8 heads: with bf16 heads elsewhere (plan.cp_heads_fp8 off)
+            # it holds an FP8 copy of its own (counted in memory_report's weights)
+            mega_heads = self.cp_heads if heads_fp8 else [Dense.make(d.weight, True)
+                                                          for d in self.cp_heads]  # fmt: skip
+            packed = cp_megaframe.pack(self.cp_stack, mega_heads,
                                        lambda t: self.cp_fused._project(t, None),
                                        self.cp_embeddings)
-            cp_megaframe.share_weights(packed, self.cp_stack, self.cp_heads)  # held once
+            cp_megaframe.share_weights(packed, self.cp_stack, mega_heads)  # held once
             eps = self.cp_stack.cfg.rms_norm_eps
             opts = cp_megaframe.engine_opts()
             first = None  # the instances share their re-laid-out weights

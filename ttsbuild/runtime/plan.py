@@ -77,6 +77,16 @@ class EnginePlan(BaseModel):
     max_frames: int = 1536  # frames per request at most
     precision: Literal["bf16", "fp8"] = "bf16"  # talker linears (fp8: weight-only e4m3)
     code_predictor_fp8: bool = False
+    # An FP8 code predictor's 15 heads in FP8 too (True), or in bf16 (False, the default; no
+    # effect on a bf16 code predictor, whose heads are bf16). Teacher forced against the bf16
+    # model on the 1.7B stand-in (compile's gate measure, codebooks 1-15, 16-row calls;
+    # benchmarks/quality/2026-12-07-h100-cp-w8a8): mean KL 0.0209 with FP8 heads, past the
+    # gate's 0.02, and 0.0130 with bf16 heads (a bf16 code predictor: 0.0025). The heads'
+    # logits have std 6, so FP8's ~2-4 % error per product is ~0.2 of a logit. bf16 heads
+    # hold 31 MiB more for 1.7B and read 2 MiB more a pass (~6 us a frame at HBM speed; not
+    # yet timed); the one-kernel frame (megaframe_code_predictor) takes FP8 heads only and
+    # then holds an FP8 copy of them (31 MiB, in memory_report's weights).
+    cp_heads_fp8: bool = False
     # The codec's compute precision (runtime.codec_engine; compile gates it at >= 45 dB SNR
     # against fp32). On the H200 fp16 (53.7 dB) and tf32 (57.8 dB) are 1.1-1.6x faster than
     # fp32 with TF32 off, and fp16 halves the codec graphs' activation memory.
