@@ -22,6 +22,7 @@ from ttsbuild.runtime.loader import LANE_KERNEL_PLAN, lane_kernel_default
 from ttsbuild.runtime.plan import (
     DEFAULT_BF16_MIN_ROWS,
     DEFAULT_CP_W8A8_MIN_ROWS,
+    DEFAULT_FUSED_CP_MAX_BATCH,
     DEFAULT_LANE_RESERVED_SMS,
     DEFAULT_W8A8_MIN_ROWS,
     EnginePlan,
@@ -179,8 +180,9 @@ def bench_plan(
     plan_set: dict | None = None,
 ) -> EnginePlan:
     """The plan the benchmark runs random weights under: a bucket for every batch measured,
-    the code predictor on the fused kernels up to batch 8 as `EnginePlan.default` and compile
-    run it (fused_code_predictor=False: the unfused path everywhere); bf16_min_rows,
+    the code predictor on the fused kernels up to DEFAULT_FUSED_CP_MAX_BATCH rows as
+    `EnginePlan.default` and compile run it (fused_code_predictor=False: the unfused path
+    everywhere); bf16_min_rows,
     w8a8_min_rows and lane_reserved_sms None: as served (DEFAULT_BF16_MIN_ROWS and
     DEFAULT_W8A8_MIN_ROWS for FP8, DEFAULT_LANE_RESERVED_SMS with a lane; the code
     predictor's W8A8 from DEFAULT_CP_W8A8_MIN_ROWS for FP8), prefill_batches
@@ -202,7 +204,8 @@ def bench_plan(
         prefill_buckets=(32, 64, 128, 256),
         precision=precision,
         codec_precision="fp16",
-        fused_code_predictor=tuple(b for b in buckets if b <= 8) if fused_code_predictor else (),
+        fused_code_predictor=tuple(b for b in buckets if b <= DEFAULT_FUSED_CP_MAX_BATCH)
+        if fused_code_predictor else (),
         persistent_code_predictor=tuple(b for b in buckets if b <= persistent_cp_max_batch),
         fused_talker=tuple(b for b in buckets if b <= fused_talker_max_batch),
         w8a8_min_rows=w8a8_min_rows,

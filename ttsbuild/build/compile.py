@@ -59,6 +59,7 @@ from ttsbuild.runtime.draft import DRAFT_FILE, read_draft
 from ttsbuild.runtime.plan import (
     DEFAULT_BF16_MIN_ROWS,
     DEFAULT_CP_W8A8_MIN_ROWS,
+    DEFAULT_FUSED_CP_MAX_BATCH,
     DEFAULT_LANE_RESERVED_SMS,
     DEFAULT_W8A8_MIN_ROWS,
     MAX_SPEC_WINDOW,
@@ -113,7 +114,8 @@ class BuildConfig:
     codec_chunks: tuple[int, ...] = (1, 2, 4, 8)
     codec_ring: int = 64  # frames buffered per slot between the frame and codec stages
     max_text: int = 1024  # trailing text positions per slot
-    fused_cp_max_batch: int = 8  # fused code predictor on buckets up to this (0: never)
+    # fused code predictor on buckets up to this (0: never)
+    fused_cp_max_batch: int = DEFAULT_FUSED_CP_MAX_BATCH
     # one persistent launch per code-predictor pass on buckets up to this (0: never)
     persistent_cp_max_batch: int = 0
     # FP8 talker linears as W8A8 from this many rows (prefill, large buckets); 0: never

@@ -44,6 +44,12 @@ DEFAULT_BF16_MIN_ROWS = 0
 # takes KL past compile's gate (0.02). Was 16 for one session, on a greedy check that could
 # not tell (see that directory).
 DEFAULT_CP_W8A8_MIN_ROWS = 0
+# The code predictor on the fused kernels (FusedCodePredictor.frame: weight-only, its heads'
+# sampler in the head GEMV) on batch buckets up to this; the unfused path above. 16 since
+# 2026-12-07: with the unfused path weight-only again, bucket 16 on the fused kernels took
+# the code predictor 3.14 -> 2.84 ms a frame (H100 engine bench, benchmarks/runtime/
+# 2026-12-07-h100-cp-sides; W8A8 there 2.81). Was 8. Not yet timed on the H200, nor at 32.
+DEFAULT_FUSED_CP_MAX_BATCH = 16
 
 
 def default_prefill_batches(num_slots: int) -> tuple[int, ...]:
@@ -359,7 +365,8 @@ class EnginePlan(BaseModel):
         benchmarks/serve/2026-12-01-h200-lane)."""
         max_batch = min(num_slots, overrides.pop("max_batch", 256))
         buckets = power_of_two_buckets(max_batch)
-        overrides.setdefault("fused_code_predictor", tuple(b for b in buckets if b <= 8))
+        overrides.setdefault("fused_code_predictor",
+                             tuple(b for b in buckets if b <= DEFAULT_FUSED_CP_MAX_BATCH))
         overrides.setdefault("admission_lane", default_admission_lane(buckets))
         overrides.setdefault("prefill_batches", default_prefill_batches(num_slots))
         overrides.setdefault(
