@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ttsbuild.build.compile import BuildConfig, code_predictor_paths
+from ttsbuild.build.compile import BuildConfig, code_predictor_paths, talker_decode_paths
 from ttsbuild.build.quality import RuntimeLM, measure_quality, pack_models, teacher_forced_logits
 from ttsbuild.calibration.corpus import generate_corpus, load_texts
 
@@ -115,7 +115,8 @@ def main() -> None:
         # 2026-12-04 this script ran every FP8 linear weight-only)
         runtime.talker.set_linear_paths(plan, runtime.code_predictor.stack,
                                         runtime.code_predictor.heads)  # fmt: skip
-        r = measure_quality(ref, runtime, items, paths, reference_logits=ref_logits)
+        r = measure_quality(ref, runtime, items, paths, reference_logits=ref_logits,
+                            talker_paths=talker_decode_paths(plan))
         rows.append({"engine": name, "seconds": round(time.perf_counter() - t, 2),
                      **r.to_dict()})
         print(f"| {name} | {r.codebook0_top1_agreement:.4f} | {r.codebook0_mean_kl:.5f} | "

@@ -161,6 +161,39 @@ def test_bf16_heads_take_most_of_an_fp8_code_predictors_error(ckpt):
     assert 0 < kl[False] < kl[True] / 3, kl
 
 
+def test_the_gate_measures_the_talkers_w8a8_decode_where_the_plan_serves_it(ckpt):
+    """compile's `talker_decode_paths`: where a batch bucket reaches the talker's W8A8 rows
+    (below its bf16-copy rows), codebook 0 is measured again with the decode as W8A8, and
+    the report's codebook-0 figures are the worse path's. The W8A8 path really rounds the
+    activations (its logits differ from the few-row path's); the stack's thresholds are back
+    as they were after."""
+    from ttsbuild.build.compile import talker_decode_paths
+    from ttsbuild.build.quality import RuntimeLM, measure_quality, pack_models
+    from ttsbuild.runtime.plan import EnginePlan
+
+    big = EnginePlan(precision="fp8", batch_buckets=(1, 8, 16, 32), w8a8_min_rows=16)
+    assert talker_decode_paths(big) == {"w8a8": 1}
+    assert talker_decode_paths(big.model_copy(update={"batch_buckets": (1, 2, 4, 8)})) == {}
+    assert talker_decode_paths(big.model_copy(update={"bf16_min_rows": 16})) == {}
+    assert talker_decode_paths(big.model_copy(update={"w8a8_min_rows": 0})) == {}
+    base = _checkpoint_models(ckpt)
+    packed, sizes, _ = pack_models(base, BuildConfig().fp8_groups(), torch.device("cpu"))
+    rt = RuntimeLM.from_packed(base.cfg, packed, sizes, torch.float32, "cpu", False)
+    rt.talker.set_linear_paths(big, rt.code_predictor.stack, rt.code_predictor.heads)
+    items = generate_corpus(base, TEXTS, seed=5, max_frames=8)
+    ref = teacher_forced_logits(base, items)
+    assert not torch.equal(rt.codebook0_logits(items, 1), rt.codebook0_logits(items, 16))
+    assert all(d.w8a8_min_rows == 16 for d in rt.talker.linears())
+    r = measure_quality(base, rt, items, {"fused": 4}, reference_logits=ref,
+                        talker_paths=talker_decode_paths(big))  # fmt: skip
+    paths = r.codebook0_paths
+    assert set(paths) == {"few rows", "w8a8"} and paths["w8a8"] != paths["few rows"]
+    worst = max(paths.values(), key=lambda a: a["mean_kl"])
+    assert r.codebook0_mean_kl == worst["mean_kl"] and "(few rows, w8a8)" in r.summary()
+    plain = measure_quality(base, rt, items, {"fused": 4}, reference_logits=ref)
+    assert plain.codebook0_paths == {} and plain.codebook0_mean_kl == paths["few rows"]["mean_kl"]
+
+
 @pytest.mark.parametrize("linears", [("mlp.gate_up_proj",), (
     "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")])
 def test_quality_gate_refuses_one_layer_scaled_by_4(ckpt, tmp_path, monkeypatch, linears):

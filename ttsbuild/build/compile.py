@@ -563,7 +563,7 @@ def check_quality(ckpt, packed, sizes, cfg: BuildConfig, device, log) -> dict:
     items = generate_corpus(reference, load_texts(None, cfg.quality_texts), seed=cfg.seed,
                             max_frames=cfg.quality_frames)
     report = measure_quality(reference, runtime, items, code_predictor_paths(plan),
-                             cfg.min_top1, cfg.max_kl)
+                             cfg.min_top1, cfg.max_kl, talker_paths=talker_decode_paths(plan))
     log(f"FP8 quality: {report.summary()}")
     if not report.passed and not cfg.force_quality:
         raise QualityError(
@@ -571,6 +571,16 @@ def check_quality(ckpt, packed, sizes, cfg: BuildConfig, device, log) -> dict:
             "(--force-quality writes it anyway, recorded as failed)"
         )
     return report.to_dict()
+
+
+def talker_decode_paths(plan: EnginePlan) -> dict[str, int]:
+    """The talker's decode paths the plan serves beyond the gate corpus's few rows (which run
+    as a small bucket does), as the w8a8_min_rows to measure each with: {"w8a8": 1} where a
+    batch bucket reaches the plan's W8A8 threshold below its bf16-copy one (per-row scales:
+    W8A8 from 1 row over the few rows computes what such a bucket computes); {} otherwise."""
+    w8a8, bf16 = plan.w8a8_min_rows, plan.bf16_min_rows
+    served = [b for b in plan.batch_buckets if w8a8 and b >= w8a8 and not (bf16 and b >= bf16)]
+    return {"w8a8": 1} if served else {}
 
 
 def code_predictor_paths(plan: EnginePlan) -> dict[str, int]:
