@@ -110,7 +110,7 @@ def main() -> None:
             breaks(packed)
         t = time.perf_counter()
         runtime = RuntimeLM.from_packed(ref.cfg, packed, sizes, dtype, device,
-                                        plan.code_predictor_fp8 and plan.cp_heads_fp8)
+                                        plan.cp_heads_are_fp8)
         # the linears by rows as the plan serves them, as compile's gate runs them (until
         # 2026-12-04 this script ran every FP8 linear weight-only)
         runtime.talker.set_linear_paths(plan, runtime.code_predictor.stack,

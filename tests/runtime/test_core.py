@@ -449,7 +449,10 @@ def test_bf16_heads_beside_an_fp8_code_predictor(models, tiny_checkpoint):
     plan = EnginePlan(num_slots=4, max_len=256, max_text=64, batch_buckets=(1, 2, 4),
                       prefill_buckets=(32,), codec_chunks=(1,), codec_ring=8, precision="fp8",
                       code_predictor_fp8=True, fused_code_predictor=(1, 2))  # fmt: skip
-    assert not plan.cp_heads_fp8
+    assert not plan.cp_heads_fp8 and not plan.cp_heads_are_fp8
+    assert plan.model_copy(update={"cp_heads_fp8": True}).cp_heads_are_fp8
+    assert not plan.model_copy(update={"cp_heads_fp8": True,
+                                       "code_predictor_fp8": False}).cp_heads_are_fp8
     backend = GraphEngine(models, plan, use_graphs=False).backend
     assert backend.cp_stack.is_fp8
     for dense, head in zip(backend.cp_heads, models.code_predictor.lm_head, strict=True):

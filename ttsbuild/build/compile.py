@@ -556,7 +556,7 @@ def check_quality(ckpt, packed, sizes, cfg: BuildConfig, device, log) -> dict:
     dtype = reference.talker.codec_head.weight.dtype
     plan = cfg.runtime_plan()
     runtime = RuntimeLM.from_packed(reference.cfg, packed, sizes, dtype, device,
-                                    plan.code_predictor_fp8 and plan.cp_heads_fp8)
+                                    plan.cp_heads_are_fp8)
     # the linears by rows as the plan serves them: W8A8, bf16 copies, weight-only
     runtime.talker.set_linear_paths(plan, runtime.code_predictor.stack,
                                     runtime.code_predictor.heads)  # fmt: skip

@@ -184,7 +184,7 @@ class RuntimeLM:
     def from_packed(cls, cfg, packed: dict, sizes: dict, dtype, device,
                     heads_fp8: bool) -> RuntimeLM:
         """heads_fp8: the code predictor's heads in FP8, as the plan runs them
-        (code_predictor_fp8 and cp_heads_fp8); its layers are as `packed` holds them."""
+        (`EnginePlan.cp_heads_are_fp8`); its layers are as `packed` holds them."""
         from types import SimpleNamespace
 
         from ttsbuild.build.engine_dir import _runtime_tensors, lm_modules_from_packed

@@ -328,7 +328,7 @@ class GraphBackend:
         if release_modules:
             models.drop_decoder_layers()  # the packed stacks are the only copy from here on
         self.codec_head = Dense(talker.codec_head.weight.detach())
-        heads_fp8 = plan.code_predictor_fp8 and plan.cp_heads_fp8
+        heads_fp8 = plan.cp_heads_are_fp8
         self.cp_heads = [Dense.make(h.weight.detach(), heads_fp8) for h in cp.lm_head]
         self.talker_stack.set_linear_paths(plan, self.cp_stack, self.cp_heads)
         self.cp_proj = cp.small_to_mtp_projection

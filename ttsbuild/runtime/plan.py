@@ -395,6 +395,12 @@ class EnginePlan(BaseModel):
     def max_batch(self) -> int:
         return self.batch_buckets[-1]
 
+    @property
+    def cp_heads_are_fp8(self) -> bool:
+        """Whether the code predictor's heads run in FP8: an FP8 code predictor's, unless
+        cp_heads_fp8 keeps them bf16 (a bf16 code predictor's heads are bf16)."""
+        return self.code_predictor_fp8 and self.cp_heads_fp8
+
     def summary(self) -> str:
         """The code-predictor and lane choices in a line (what a log must say for its figures
         to be read against another's: the engine bench's, serve's loaded line)."""
