@@ -442,6 +442,41 @@ def test_the_code_predictors_w8a8_threshold_reaches_its_linears_and_heads(models
     assert backend.talker_stack.layers[0].qkv.w8a8_min_rows == 32
 
 
+def test_the_code_predictors_bf16_copies_where_a_bucket_reaches_their_threshold(models):
+    """`EnginePlan.cp_bf16_min_rows` (DEFAULT_CP_BF16_MIN_ROWS for FP8 plans): an FP8 code
+    predictor's linears, and its heads where FP8, run on bf16 copies of their dequantised
+    weights from that many rows, before W8A8; a plan whose largest bucket is below the
+    threshold holds no copy; the talker's linears keep their own threshold (none)."""
+    from ttsbuild.build.compile import BuildConfig
+    from ttsbuild.plugins.fp8_linear import dequantize_weight_fp8
+    from ttsbuild.runtime.plan import DEFAULT_CP_BF16_MIN_ROWS
+
+    assert EnginePlan.default(num_slots=8, precision="fp8").cp_bf16_min_rows \
+        == DEFAULT_CP_BF16_MIN_ROWS > 0
+    assert EnginePlan.default(num_slots=8, precision="bf16").cp_bf16_min_rows == 0
+    compiled = BuildConfig(precision="fp8", max_batch=8, graph_batches=(1, 2, 4, 8)).runtime_plan()
+    assert compiled.cp_bf16_min_rows == DEFAULT_CP_BF16_MIN_ROWS
+    plan = EnginePlan(num_slots=8, max_len=256, max_text=64, batch_buckets=(1, 2, 4, 8),
+                      prefill_buckets=(32,), codec_chunks=(1,), codec_ring=8, precision="fp8",
+                      code_predictor_fp8=True, cp_heads_fp8=True, cp_bf16_min_rows=4,
+                      cp_w8a8_min_rows=2, fused_code_predictor=(1, 2))  # fmt: skip
+    backend = GraphEngine(models, plan, use_graphs=False).backend
+    cp = backend.cp_stack.layers[0]
+    for dense in (cp.qkv, cp.o, cp.gate_up, cp.down, *backend.cp_heads):
+        assert dense.is_fp8 and dense.bf16_min_rows == 4
+        assert torch.equal(dense.bf16_weight,
+                           dequantize_weight_fp8(dense.weight, dense.scale, torch.bfloat16))
+        # the copies from 4 rows, W8A8 (cp_w8a8_min_rows 2) only below them
+        assert dense.takes_w8a8(2) and not dense.takes_w8a8(4)
+    talker = backend.talker_stack.layers[0].qkv
+    assert talker.bf16_min_rows == 0 and talker.bf16_weight is None
+    # the largest bucket below the threshold: nothing held for nothing
+    small = GraphEngine(models, plan.model_copy(update={"cp_bf16_min_rows": 16}),
+                        use_graphs=False).backend  # fmt: skip
+    for dense in (*small.cp_stack.linears(), *small.cp_heads):
+        assert dense.bf16_min_rows == 0 and dense.bf16_weight is None
+
+
 def test_bf16_heads_beside_an_fp8_code_predictor(models, tiny_checkpoint):
     """`EnginePlan.cp_heads_fp8` off (the default): the FP8 code predictor's layers stay FP8
     and its heads are the checkpoint's own weights (bf16 here fp32, not re-rounded), on every

@@ -21,6 +21,7 @@ import torch
 from ttsbuild.runtime.loader import LANE_KERNEL_PLAN, lane_kernel_default
 from ttsbuild.runtime.plan import (
     DEFAULT_BF16_MIN_ROWS,
+    DEFAULT_CP_BF16_MIN_ROWS,
     DEFAULT_CP_W8A8_MIN_ROWS,
     DEFAULT_FUSED_CP_MAX_BATCH,
     DEFAULT_LANE_RESERVED_SMS,
@@ -185,7 +186,8 @@ def bench_plan(
     everywhere); bf16_min_rows,
     w8a8_min_rows and lane_reserved_sms None: as served (DEFAULT_BF16_MIN_ROWS and
     DEFAULT_W8A8_MIN_ROWS for FP8, DEFAULT_LANE_RESERVED_SMS with a lane; the code
-    predictor's W8A8 from DEFAULT_CP_W8A8_MIN_ROWS for FP8), prefill_batches
+    predictor's W8A8 from DEFAULT_CP_W8A8_MIN_ROWS and its bf16 copies from
+    DEFAULT_CP_BF16_MIN_ROWS for FP8), prefill_batches
     None: as served (`default_prefill_batches`). plan_set: more EnginePlan fields, e.g.
     {"codec_fused_output": True}."""
     num_slots = max(batches)
@@ -210,6 +212,7 @@ def bench_plan(
         fused_talker=tuple(b for b in buckets if b <= fused_talker_max_batch),
         w8a8_min_rows=w8a8_min_rows,
         cp_w8a8_min_rows=DEFAULT_CP_W8A8_MIN_ROWS if precision == "fp8" else 0,
+        cp_bf16_min_rows=DEFAULT_CP_BF16_MIN_ROWS if precision == "fp8" else 0,
         prefill_batches=tuple(prefill_batches),
         # (no lane under a persistent code predictor: it needs every SM, EnginePlan refuses both)
         admission_lane=(lane := tuple(b for b in buckets if b in admission_lane

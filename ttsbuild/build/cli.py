@@ -14,6 +14,7 @@ from rich.console import Console
 
 from ttsbuild.runtime.plan import (
     DEFAULT_BF16_MIN_ROWS,
+    DEFAULT_CP_BF16_MIN_ROWS,
     DEFAULT_CP_W8A8_MIN_ROWS,
     DEFAULT_FUSED_CP_MAX_BATCH,
     DEFAULT_LANE_RESERVED_SMS,
@@ -132,6 +133,12 @@ def compile_engine(
         help="FP8 engines: the code predictor's linears and heads as W8A8 from this many "
         "rows (its unfused path, buckets above --fused-cp-max-batch; 0: weight-only).",
     ),  # fmt: skip
+    cp_bf16_min_rows: int = typer.Option(
+        DEFAULT_CP_BF16_MIN_ROWS, "--cp-bf16-min-rows", min=0,
+        help="FP8 engines: the code predictor's linears on bf16 copies of their weights "
+        "(dequantised at load, cuBLAS) from this many rows on its unfused path (0: never; "
+        "held only where a batch bucket reaches it).",
+    ),  # fmt: skip
     bf16_min_rows: int = typer.Option(
         DEFAULT_BF16_MIN_ROWS, "--bf16-min-rows", min=0,
         help="FP8 engines: the talker's linears on bf16 copies of their weights (dequantised "
@@ -204,7 +211,7 @@ def compile_engine(
             codec_chunks=parse_sizes(codec_chunks, "--codec-chunks"), codec_ring=codec_ring,
             max_text=max_text, fused_cp_max_batch=fused_cp_max_batch,
             persistent_cp_max_batch=persistent_cp_max_batch, w8a8_min_rows=w8a8_min_rows,
-            cp_w8a8_min_rows=cp_w8a8_min_rows,
+            cp_w8a8_min_rows=cp_w8a8_min_rows, cp_bf16_min_rows=cp_bf16_min_rows,
             bf16_min_rows=bf16_min_rows, lane_reserved_sms=lane_reserved_sms,
             prefix_pool=prefix_pool, max_prefix=max_prefix,
             quality_texts=quality_texts, quality_frames=quality_frames,

@@ -58,6 +58,7 @@ from ttsbuild.runtime.codec_engine import (
 from ttsbuild.runtime.draft import DRAFT_FILE, read_draft
 from ttsbuild.runtime.plan import (
     DEFAULT_BF16_MIN_ROWS,
+    DEFAULT_CP_BF16_MIN_ROWS,
     DEFAULT_CP_W8A8_MIN_ROWS,
     DEFAULT_FUSED_CP_MAX_BATCH,
     DEFAULT_LANE_RESERVED_SMS,
@@ -123,6 +124,9 @@ class BuildConfig:
     # the FP8 code predictor's linears and heads as W8A8 from this many rows (its unfused
     # path); 0: never
     cp_w8a8_min_rows: int = DEFAULT_CP_W8A8_MIN_ROWS
+    # the FP8 code predictor's linears on bf16 copies of their weights from this many rows
+    # (its unfused path; held only where a bucket reaches it); 0: never
+    cp_bf16_min_rows: int = DEFAULT_CP_BF16_MIN_ROWS
     # FP8 talker linears on bf16 copies of their weights from this many rows; 0: never
     bf16_min_rows: int = DEFAULT_BF16_MIN_ROWS
     # SMs kept for the admission lane (regular steps in green contexts of the others; 0: off;
@@ -221,6 +225,7 @@ class BuildConfig:
             speculative=dict(self.speculative), speculative_exact=self.speculative_exact,
             w8a8_min_rows=self.w8a8_min_rows if self.precision == "fp8" else 0,
             cp_w8a8_min_rows=self.cp_w8a8_min_rows if self.precision == "fp8" else 0,
+            cp_bf16_min_rows=self.cp_bf16_min_rows if self.precision == "fp8" else 0,
             bf16_min_rows=self.bf16_min_rows if self.precision == "fp8" else 0,
             # the codec switches pinned as this host takes them: the gate measures them and
             # the engine directory serves them, whatever the deployment host's environment

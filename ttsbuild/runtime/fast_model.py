@@ -262,13 +262,17 @@ class PackedStack:
     def set_linear_paths(self, plan, code_predictor: PackedStack, cp_heads) -> None:
         """The plan's path for the FP8 linears by rows, on this (the talker's) stack and on
         the code predictor's stack and heads: W8A8 from w8a8_min_rows / cp_w8a8_min_rows, bf16
-        copies from bf16_min_rows (the talker's), weight-only below. One place for the engine
-        and the quality gate that measures it."""
+        copies from bf16_min_rows / cp_bf16_min_rows (checked first), weight-only below. One
+        place for the engine and the quality gate that measures it."""
         self.set_w8a8_min_rows(plan.w8a8_min_rows)
         self.set_bf16_min_rows(plan.bf16_min_rows)
         code_predictor.set_w8a8_min_rows(plan.cp_w8a8_min_rows)
+        # (copies only where a bucket reaches the threshold: none held for nothing)
+        cp_copies = plan.cp_bf16_min_rows if plan.max_batch >= plan.cp_bf16_min_rows else 0
+        code_predictor.set_bf16_min_rows(cp_copies)
         for head in cp_heads:
             head.w8a8_min_rows = plan.cp_w8a8_min_rows
+            head.keep_bf16(cp_copies)
 
     def set_w8a8_min_rows(self, rows: int) -> None:
         """W8A8 for the FP8 linears from `rows` rows on (0: weight-only everywhere)."""

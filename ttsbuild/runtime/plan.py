@@ -44,6 +44,16 @@ DEFAULT_BF16_MIN_ROWS = 0
 # takes KL past compile's gate (0.02). Was 16 for one session, on a greedy check that could
 # not tell (see that directory).
 DEFAULT_CP_W8A8_MIN_ROWS = 0
+# The FP8 code predictor's linears (and FP8 heads) on bf16 copies of their weights
+# (dequantised once at load, cuBLAS; `Dense.keep_bf16`) from this many rows on its unfused
+# path; 0: never. Its quality is weight-only FP8's (the copy adds 2^-9 per weight to FP8's
+# 2^-4), and compile's gate measures that path. H100 engine bench, 2026-12-07
+# (benchmarks/runtime/2026-12-07-h100-cp-bf16): a bf16 code predictor takes 4.62 against
+# 6.56 ms a frame at 256 rows and 3.63 against 3.96 at 64 (weight-only FP8 tiles: 64-row
+# activation tiles, dequantising the weight again for every row tile). The copies hold the
+# code predictor's layers again in bf16 (157 MiB for 1.7B), so from 128 rows: a 64-slot
+# engine holds no weight twice (issue 8) and the 256-row frame takes the larger win.
+DEFAULT_CP_BF16_MIN_ROWS = 128
 # The code predictor on the fused kernels (FusedCodePredictor.frame: weight-only, its heads'
 # sampler in the head GEMV) on batch buckets up to this; the unfused path above. 16 since
 # 2026-12-07: with the unfused path weight-only again, bucket 16 on the fused kernels took
@@ -236,6 +246,11 @@ class EnginePlan(BaseModel):
     # stream 0.5-1.4 TB/s where the A8 tiles reach 1.5-3.0 (the talker's shapes, 16-128 rows).
     # 0: weight-only. `default` and compile: DEFAULT_CP_W8A8_MIN_ROWS (0) for FP8 engines.
     cp_w8a8_min_rows: int = Field(0, ge=0)
+    # The FP8 code predictor's linears (and its heads where FP8) on bf16 copies of their
+    # weights from this many rows on its unfused path, before cp_w8a8_min_rows; 0: never.
+    # `default` and compile: DEFAULT_CP_BF16_MIN_ROWS for FP8 engines (a copy held only where
+    # the plan has such buckets and an FP8 code predictor).
+    cp_bf16_min_rows: int = Field(0, ge=0)
     # The talker's FP8 linears on bf16 copies of their weights (dequantised once at load,
     # cuBLAS; runtime.fast_model.Dense.keep_bf16) from this many rows (prefill rows or decode
     # batch); 0: never. Measured: from ~16 rows cuBLAS on bf16 beats the FP8 kernels on the
@@ -376,6 +391,9 @@ class EnginePlan(BaseModel):
         overrides.setdefault("w8a8_min_rows", DEFAULT_W8A8_MIN_ROWS if precision == "fp8" else 0)
         overrides.setdefault(
             "cp_w8a8_min_rows", DEFAULT_CP_W8A8_MIN_ROWS if precision == "fp8" else 0
+        )
+        overrides.setdefault(
+            "cp_bf16_min_rows", DEFAULT_CP_BF16_MIN_ROWS if precision == "fp8" else 0
         )
         prefill = tuple(t for t in cls.model_fields["prefill_buckets"].default if t < max_len)
         # Codec graphs up to 8 frames: a 64-row x 16-frame codec graph holds GBs of activations
