@@ -42,6 +42,12 @@ _MAX_SPLIT = 8
 # not HBM: the talker's GEMVs and W8A8 tiles. Off until timed on the GPU
 # (TTSBUILD_PDL_L2_AHEAD=1, as for plugins._tl.fused_linear; read at each launch).
 L2_AHEAD = os.environ.get("TTSBUILD_PDL_L2_AHEAD", "0") == "1"
+# The weight-only tiles' widest activation tile (BLOCK_M): 64, or 128 with
+# TTSBUILD_FP8_WO_MAX_BLOCK_M=128, so that 128+ rows (the code predictor's unfused buckets of
+# 128-256 rows) load and convert each weight tile half as often. Not yet timed (read at import).
+WO_MAX_BLOCK_M = int(os.environ.get("TTSBUILD_FP8_WO_MAX_BLOCK_M", "64"))
+if WO_MAX_BLOCK_M not in (64, 128):
+    raise ValueError(f"TTSBUILD_FP8_WO_MAX_BLOCK_M must be 64 or 128, got {WO_MAX_BLOCK_M}")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -293,10 +299,11 @@ _gemm = triton.autotune(
 
 
 def m_bucket(m: int, a8: bool = False) -> int:
-    """BLOCK_M for M rows: 1 (GEMV) or 16/32/64 (tensor-core tiles; A8 also 128)."""
+    """BLOCK_M for M rows: 1 (GEMV) or 16/32/64 (tensor-core tiles; A8 also 128, weight-only
+    too with WO_MAX_BLOCK_M 128)."""
     if m == 1 and not a8:
         return 1
-    return min(128 if a8 else 64, max(16, triton.next_power_of_2(m)))
+    return min(128 if a8 else WO_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
 
 
 _A8_SMEM = 200 * 1024  # of the H200's 227 KB a block may use: the stages' tiles stay under it
