@@ -1,6 +1,6 @@
 """The code predictor's four linears at many rows: weight-only FP8 tiles against cuBLAS on bf16.
 
-    PYTHONPATH=. python3 benchmarks/kernels/cp_many_rows.py [--ms 256,128] [--tag wo64]
+    PYTHONPATH=. python3 benchmarks/kernels/cp_many_rows.py [--ms 64,128,256] [--tag wo64]
     TTSBUILD_FP8_WO_MAX_BLOCK_M=128 PYTHONPATH=. python3 benchmarks/kernels/cp_many_rows.py
 
 GPU only. For the 1.7B code predictor's shapes (qkv, o, gate/up + SiLU, down) at each row
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import graph_time_us, rel_err  # noqa: E402
 
-from ttsbuild.plugins._tl.fp8_linear import WO_MAX_BLOCK_M  # noqa: E402
+from ttsbuild.plugins._tl.fp8_linear import TUNE_BY_ROWS, WO_MAX_BLOCK_M  # noqa: E402
 from ttsbuild.plugins.fp8_linear import (  # noqa: E402
     dequantize_weight_fp8,
     fp8_linear,
@@ -49,8 +49,8 @@ LAYERS, PASSES = 5, 15
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default="256,128")
-    ap.add_argument("--tag", default=f"wo{WO_MAX_BLOCK_M}")
+    ap.add_argument("--ms", default="64,128,256")  # (the engine warms smallest first)
+    ap.add_argument("--tag", default=f"wo{WO_MAX_BLOCK_M}{'-by-rows' if TUNE_BY_ROWS else ''}")
     ap.add_argument("--copies", type=int, default=8, help="weight copies rotated (past L2)")
     args = ap.parse_args()
     dev = torch.device("cuda")

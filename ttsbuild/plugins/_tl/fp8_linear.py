@@ -289,7 +289,14 @@ def _quick_bench(kernel_call, quantiles):
 
 
 _heur = triton.heuristics({"EVEN": _even})(_fp8_linear_kernel)
-_KEY = ["N", "K", "BLOCK_M", "GATE_UP"]
+# The autotuner's key: the shape and the activation tile, so every row count in one BLOCK_M
+# bucket (64, 128 and 256 rows at BLOCK_M 64) runs the config tuned, and pruned (`_prune`
+# drops split-K once the row tiles fill the SMs), at the first of them to be called (the
+# engine warms its buckets smallest first). TTSBUILD_FP8_TUNE_BY_ROWS=1 adds M: each row
+# count tuned for itself (the engine's warm-up runs before each capture, so the tuning never
+# runs inside one). Off until timed (benchmarks/kernels/cp_many_rows.py; read at import).
+TUNE_BY_ROWS = os.environ.get("TTSBUILD_FP8_TUNE_BY_ROWS", "0") == "1"
+_KEY = ["N", "K", "BLOCK_M", "GATE_UP"] + (["M"] if TUNE_BY_ROWS else [])
 _gemv = triton.autotune(
     GEMV_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_quick_bench
 )(_heur)
@@ -464,6 +471,6 @@ def best_config(M: int, N: int, K: int, a8: bool = False) -> dict | None:
         return a8_config(M, N, K)
     tuner = _gemv if m_bucket(M) == 1 else _gemm
     for key, cfg in tuner.cache.items():
-        if tuple(key[:3]) == (N, K, m_bucket(M, a8)):
+        if tuple(key[:3]) == (N, K, m_bucket(M, a8)) and (not TUNE_BY_ROWS or key[4] == M):
             return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return None
