@@ -3,6 +3,8 @@ float32 references on fresh random inputs. The CUDA GEMM (torch._scaled_mm) is c
 through its CPU implementation: the scale convention the reference assumes (x ~= xq * sx per
 row, w ~= wq * sw per output channel) is torch's."""
 
+import os
+
 import pytest
 import torch
 from kernel_device import KDEV, needs_kernel
@@ -212,8 +214,9 @@ def test_a8_tiles_against_float64(M, K, N, split, gate_up):
 
 
 @needs_kernel
-@pytest.mark.parametrize(("M", "N", "block_m"),
-                         [(300, 128, 128), (300, 128, 256), (1030, 4096, None)])
+@pytest.mark.parametrize(
+    ("M", "N", "block_m"), [(300, 128, 128), (300, 128, 256), (1030, 4096, None)]
+)
 def test_a8_tiles_take_a_wider_row_tile(M, N, block_m):
     """A config's BLOCK_M (the sweep's 256-row tiles): 300 rows over two or three row tiles;
     None: the rule's own config at 1030 rows of a wide N (BLOCK_M 256 over five row tiles).
@@ -252,8 +255,9 @@ def test_a8_rule_from_eight_row_tiles():
     gate_up = a8_config(1024, 6144, 2048, gate_up=True)
     assert gate_up == a8_config(512, 6144, 2048, gate_up=True) and "BLOCK_M" not in gate_up
     assert gate_up["BLOCK_N"] == 64
-    assert gate_up["num_stages"] * (2 * 64 * gate_up["BLOCK_K"] + gate_up["BLOCK_K"] * 128) \
-        <= _A8_SMEM
+    assert (
+        gate_up["num_stages"] * (2 * 64 * gate_up["BLOCK_K"] + gate_up["BLOCK_K"] * 128) <= _A8_SMEM
+    )
     for m in (16, 128, 256, 896):  # up to seven row tiles
         assert "BLOCK_M" not in a8_config(m, 4096, 2048)
     assert a8_config(896, 4096, 2048)["BLOCK_N"] == 64 and "BLOCK_M" in a8_config(897, 4096, 2048)
@@ -264,8 +268,12 @@ def test_a8_row_tile_is_refused_on_the_weight_only_kernel():
 
     wq, ws = quantize_weight_fp8(torch.randn(64, 128))
     with pytest.raises(ValueError, match="BLOCK_M 256 is for the A8 tiles"):
-        fp8_linear_triton(torch.randn(4, 128).bfloat16(), wq, ws,
-                          config={"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "BLOCK_M": 256})
+        fp8_linear_triton(
+            torch.randn(4, 128).bfloat16(),
+            wq,
+            ws,
+            config={"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 1, "BLOCK_M": 256},
+        )
 
 
 def test_a8_rejects_mismatched_operands():
@@ -301,3 +309,28 @@ def test_dense_takes_rows_quantised_by_the_norm_only_for_that_tensor():
     assert torch.equal(d(x.clone()), own)  # another tensor: its own rows
     assert d._quantized is None
     assert d.takes_w8a8(32) and not d.takes_w8a8(8)
+
+
+def test_weight_only_row_tiles_and_tuning_key_follow_their_switches(monkeypatch):
+    """The weight-only tiles' widest activation tile is 64 rows unless
+    TTSBUILD_FP8_WO_MAX_BLOCK_M=128 (the A8 tiles' is 128 either way); the autotuner keys on
+    the row count only with TTSBUILD_FP8_TUNE_BY_ROWS=1; a bad width is refused at import."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    from ttsbuild.plugins._tl import fp8_linear as tl_fp8
+
+    assert tl_fp8.WO_MAX_BLOCK_M == 64 and not tl_fp8.TUNE_BY_ROWS
+    assert "M" not in tl_fp8._KEY
+    assert [tl_fp8.m_bucket(m) for m in (1, 2, 16, 33, 64, 128, 256)] == [1, 16, 16, 64, 64, 64, 64]
+    assert tl_fp8.m_bucket(256, a8=True) == 128
+    monkeypatch.setattr(tl_fp8, "WO_MAX_BLOCK_M", 128)
+    assert [tl_fp8.m_bucket(m) for m in (64, 100, 256)] == [64, 128, 128]
+    code = "import ttsbuild.plugins._tl.fp8_linear as f; print(f.WO_MAX_BLOCK_M, f._KEY[-1])"
+    env = {**os.environ, "TTSBUILD_FP8_WO_MAX_BLOCK_M": "128", "TTSBUILD_FP8_TUNE_BY_ROWS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["128", "M"], out.stderr
+    env["TTSBUILD_FP8_WO_MAX_BLOCK_M"] = "96"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "must be 64 or 128" in bad.stderr
