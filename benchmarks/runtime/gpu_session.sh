@@ -4,7 +4,8 @@
 # driver: the step driver (`ensure_driver`: says why a carried build does not import and
 #         builds it then; the build comes back under $OUT: put it in ttsbuild/ and carry
 #         "ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so" to save the ~60 s build)
-# TC_SAVE=1: the Triton cache (/tmp/tc) comes back as $OUT/tc.tgz: put it in .tc/ and carry
+# TC_SAVE=1: the Triton cache (/tmp/tc), stripped to each kernel's metadata and binary
+#         (strip_triton_cache.py), comes back as $OUT/tc.tgz: put it in .tc/ and carry
 #         ".tc" (benchmarks/wheels.sh unpacks it: an engine's or server's start skips most
 #         compiles; a cold 1.7B engine took 130 s to build on 2026-12-05, a warm one 70),
 #         and the torch extensions built (the megaframe kernel's) as $OUT/tx.tgz + tx.sha
@@ -692,7 +693,9 @@ for step in $STEPS; do
     esac
 done
 if [ "${TC_SAVE:-0}" = 1 ] && [ -d "$TRITON_CACHE_DIR" ]; then
-    # the Triton cache to carry next time: copy it into .tc/ (git-ignored) as tc.tgz
+    # the Triton cache to carry next time: copy it into .tc/ (git-ignored) as tc.tgz, stripped
+    # to what a cache hit loads (strip_triton_cache.py: each kernel's metadata and binary)
+    python3 benchmarks/runtime/strip_triton_cache.py "$TRITON_CACHE_DIR" || log "strip failed"
     tar czf "$OUT/tc.tgz" -C "$TRITON_CACHE_DIR" . && log "Triton cache -> tc.tgz ($(du -h \
         "$OUT/tc.tgz" | cut -f1)): put it in .tc/ and carry .tc"
 fi
