@@ -74,6 +74,21 @@ def test_the_bf16_copies_of_a_compiled_fp8_engine_can_be_set_at_load(fp8_engine)
     assert off.backend.talker_stack.layers[0].qkv.bf16_weight is None
 
 
+def test_the_code_predictors_bf16_copies_can_be_set_at_load(ckpt):
+    """`serve --cp-bf16-min-rows`: an FP8 code predictor's linears get bf16 copies (made at
+    load) from that many rows where a bucket reaches it; 0 keeps its FP8 weights alone; a
+    negative threshold is refused."""
+    kw = dict(kind="graph", precision="fp8", code_predictor_fp8=True, num_slots=2)
+    on = open_engine(ckpt, "cpu", cp_bf16_min_rows=1, **kw)
+    dense = on.backend.cp_stack.layers[0].gate_up
+    assert on.plan.cp_bf16_min_rows == 1 and dense.is_fp8 and dense.bf16_min_rows == 1
+    assert dense.bf16_weight is not None and dense.bf16_weight.shape == dense.weight.shape
+    off = open_engine(ckpt, "cpu", cp_bf16_min_rows=0, **kw)
+    assert off.backend.cp_stack.layers[0].gate_up.bf16_weight is None
+    with pytest.raises(ValueError, match="cp_bf16_min_rows must be >= 0"):
+        open_engine(ckpt, "cpu", cp_bf16_min_rows=-1, **kw)
+
+
 def test_w8a8_of_a_compiled_fp8_engine_can_be_set_at_load(fp8_engine):
     """`serve --w8a8-min-rows`: compiled with the default (W8A8 from 16 rows), set at load to
     another threshold or 0 (weight-only), on every talker linear; a negative one is refused."""

@@ -61,6 +61,7 @@ def open_engine(
     admission_lane: tuple[int, ...] | None = None,
     lane_reserved_sms: int | None = None,
     bf16_min_rows: int | None = None,
+    cp_bf16_min_rows: int | None = None,
     w8a8_min_rows: int | None = None,
     max_batch: int | None = None,
     lane_frames: int | None = None,
@@ -90,7 +91,9 @@ def open_engine(
     (`EnginePlan.lane_reserved_sms`, a compiled engine takes it too); None: the plan's.
     bf16_min_rows: the talker's FP8 linears on bf16 copies from this many rows
     (`EnginePlan.bf16_min_rows`, a runtime choice: the copies are made at load); None: the
-    plan's. w8a8_min_rows: the talker's FP8 linears as W8A8 from this many rows
+    plan's. cp_bf16_min_rows: the same for an FP8 code predictor's linears on its unfused
+    path (`EnginePlan.cp_bf16_min_rows`); None: the plan's.
+    w8a8_min_rows: the talker's FP8 linears as W8A8 from this many rows
     (`EnginePlan.w8a8_min_rows`, a runtime choice); None: the plan's. lane_frames: a new
     request's first frames on the admission lane
     (`EnginePlan.lane_frames`; its graphs are captured at load); None: the plan's.
@@ -207,6 +210,10 @@ def open_engine(
         if bf16_min_rows < 0:
             raise ValueError(f"bf16_min_rows must be >= 0, got {bf16_min_rows}")
         plan = plan_update(plan, bf16_min_rows=bf16_min_rows)
+    if cp_bf16_min_rows is not None and cp_bf16_min_rows != plan.cp_bf16_min_rows:
+        if cp_bf16_min_rows < 0:
+            raise ValueError(f"cp_bf16_min_rows must be >= 0, got {cp_bf16_min_rows}")
+        plan = plan_update(plan, cp_bf16_min_rows=cp_bf16_min_rows)
     if w8a8_min_rows is not None and w8a8_min_rows != plan.w8a8_min_rows:
         if w8a8_min_rows < 0:
             raise ValueError(f"w8a8_min_rows must be >= 0, got {w8a8_min_rows}")

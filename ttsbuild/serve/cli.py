@@ -177,6 +177,12 @@ def serve(
         "bf16 copies of their weights (made at load, cuBLAS) from this many rows, e.g. 16 "
         "(0: never; costs the weights again; default: the engine's plan)."
     ),  # fmt: skip
+    cp_bf16_min_rows: int = typer.Option(
+        None, "--cp-bf16-min-rows", min=0, help="FP8 code predictors on a GPU: its linears "
+        "on bf16 copies of their weights (made at load, cuBLAS) from this many rows on its "
+        "unfused path (0: never; 157 MiB for 1.7B where a batch bucket reaches it; default: "
+        "the engine's plan, 128 for FP8)."
+    ),  # fmt: skip
     w8a8_min_rows: int = typer.Option(
         None, "--w8a8-min-rows", min=0, help="FP8 engines on a GPU: the talker's linears as "
         "W8A8 (activations quantised to FP8 per row, FP8 tensor-core tiles) from this many "
@@ -353,7 +359,8 @@ def serve(
             max_len=max_len, kind=engine_kind,
             precision=precision, random_variant=random, guards=guard_config,
             prefill_batches=batches, admission_lane=lane, lane_reserved_sms=lane_reserved_sms,
-            bf16_min_rows=bf16_min_rows, w8a8_min_rows=w8a8_min_rows, max_batch=max_batch,
+            bf16_min_rows=bf16_min_rows, cp_bf16_min_rows=cp_bf16_min_rows,
+            w8a8_min_rows=w8a8_min_rows, max_batch=max_batch,
             lane_frames=lane_frames,
             codec_channels_last=codec_channels_last, codec_fused_output=codec_fused_output,
             codec_fused_attention=codec_fused_attention, code_predictor_fp8=fp8_code_predictor,
