@@ -47,7 +47,7 @@ DEFAULT_CP_W8A8_MIN_ROWS = 0
 # The FP8 code predictor's linears (and FP8 heads) on bf16 copies of their weights
 # (dequantised once at load, cuBLAS; `Dense.keep_bf16`) from this many rows on its unfused
 # path; 0: never. Its quality is weight-only FP8's (the copy adds 2^-9 per weight to FP8's
-# 2^-4), and compile's gate measures that path. H100 engine bench, 2026-12-07
+# 2^-4): compile's gate measures weight-only FP8 (16-row calls). H100 engine bench, 2026-12-07
 # (benchmarks/runtime/2026-12-07-h100-cp-bf16): a bf16 code predictor takes 4.62 against
 # 6.56 ms a frame at 256 rows and 3.63 against 3.96 at 64 (weight-only FP8 tiles: 64-row
 # activation tiles, dequantising the weight again for every row tile). The copies hold the
