@@ -117,6 +117,11 @@
 #         against a float32 reference, greedy and sampled, then its time and floors and stage
 #         breakdowns), the package wrapper's GPU tests (tests/runtime/test_megaframe_gpu.py),
 #         then the served fused frame at batch 1 (bench_cp_fused.py, FP8) in the same call
+# cpkern: benchmarks/kernels/cp_many_rows.py (the code predictor's linears at 64-256 rows,
+#         weight-only FP8 against cuBLAS on the bf16 copies) as served, with
+#         TTSBUILD_FP8_TUNE_BY_ROWS=1, and with that and TTSBUILD_FP8_WO_MAX_BLOCK_M=128; then
+#         the Triton cache stripped (strip_triton_cache.py) and the first run again in a new
+#         process: it should compile nothing (its wall time against the first's)
 # megatalker: benchmarks/kernels/megatalker/bench_talker_step.py (the talker's decode step at
 #         batch 1 as one persistent kernel, runtime/talker_megastep.py): against its fp32
 #         reference and the served step at three positions, then ms per step by prefetch
@@ -554,6 +559,22 @@ for step in $STEPS; do
         timeout -k 5 150 python3 -u benchmarks/kernels/bench_cp_fused.py --batches 1 \
             --precisions fp8 --paths fused --fp32-batches "" > "$OUT/cp_fused_b1.log" 2>&1
         echo "rc=$?"; tail -4 "$OUT/cp_fused_b1.log" ;;
+    cpkern)
+        log "the code predictor's linears at 64-256 rows: weight-only FP8 against the bf16 copies (cp_many_rows.py)"
+        t0=$SECONDS
+        timeout -k 5 150 python3 -u benchmarks/kernels/cp_many_rows.py > "$OUT/cp_many_rows.log" 2>&1
+        echo "rc=$? ($((SECONDS - t0)) s, cold)"; grep "a frame" "$OUT/cp_many_rows.log"
+        TTSBUILD_FP8_TUNE_BY_ROWS=1 timeout -k 5 100 python3 -u benchmarks/kernels/cp_many_rows.py \
+            > "$OUT/cp_many_rows_by_rows.log" 2>&1
+        echo "rc=$?"; grep "a frame" "$OUT/cp_many_rows_by_rows.log"
+        TTSBUILD_FP8_TUNE_BY_ROWS=1 TTSBUILD_FP8_WO_MAX_BLOCK_M=128 timeout -k 5 120 python3 -u \
+            benchmarks/kernels/cp_many_rows.py --ms 128,256 > "$OUT/cp_many_rows_wo128.log" 2>&1
+        echo "rc=$?"; grep "a frame" "$OUT/cp_many_rows_wo128.log"
+        python3 benchmarks/runtime/strip_triton_cache.py "$TRITON_CACHE_DIR"
+        t0=$SECONDS
+        timeout -k 5 100 python3 -u benchmarks/kernels/cp_many_rows.py --tag stripped \
+            > "$OUT/cp_many_rows_stripped.log" 2>&1
+        echo "rc=$? ($((SECONDS - t0)) s on the stripped cache)"; grep "a frame" "$OUT/cp_many_rows_stripped.log" ;;
     megatalker)  # the talker's decode step at batch 1 as one persistent kernel (prototype)
         log "one-kernel talker step (bench_talker_step.py): checks, then ms per step beside the served step"
         # MEGATALKER_ARGS: e.g. --dists 1,2 --positions 600 (the extension builds in ~1 min)
