@@ -327,6 +327,13 @@ def test_weight_only_row_tiles_and_tuning_key_follow_their_switches(monkeypatch)
     assert tl_fp8.m_bucket(256, a8=True) == 128
     monkeypatch.setattr(tl_fp8, "WO_MAX_BLOCK_M", 128)
     assert [tl_fp8.m_bucket(m) for m in (64, 100, 256)] == [64, 128, 128]
+    # the 8-warp configs without split-K are tried for 128-row tiles only
+    args = {"N": 4096, "K": 1024, "M": 256, "out_ptr": torch.empty(1)}
+    wide = [c for c in tl_fp8._prune(tl_fp8.GEMM_CONFIGS, args, BLOCK_M=128)
+            if c in tl_fp8.WIDE_M_CONFIGS]  # fmt: skip
+    assert len(wide) == len(tl_fp8.WIDE_M_CONFIGS) > 0
+    narrow = tl_fp8._prune(tl_fp8.GEMM_CONFIGS, args, BLOCK_M=64)
+    assert narrow and not any(c in tl_fp8.WIDE_M_CONFIGS for c in narrow)
     code = "import ttsbuild.plugins._tl.fp8_linear as f; print(f.WO_MAX_BLOCK_M, f._KEY[-1])"
     env = {**os.environ, "TTSBUILD_FP8_WO_MAX_BLOCK_M": "128", "TTSBUILD_FP8_TUNE_BY_ROWS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -334,3 +341,43 @@ def test_weight_only_row_tiles_and_tuning_key_follow_their_switches(monkeypatch)
     env["TTSBUILD_FP8_WO_MAX_BLOCK_M"] = "96"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "must be 64 or 128" in bad.stderr
+
+
+def test_weight_only_128_row_tiles_match_the_reference_in_the_interpreter():
+    """TTSBUILD_FP8_WO_MAX_BLOCK_M=128: the weight-only tiles with 128-row activation tiles
+    (two row tiles, the second partly masked; N and K not multiples of the tiles) equal the
+    product of the dequantised weight (rounded as the unfused kernels round), plain and as
+    gate/up + SiLU, and the served 64-row tiles' result. Run in the Triton interpreter in a
+    process of its own (the switch is read at import)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = """
+import torch
+from ttsbuild.plugins._tl import fp8_linear as tl_fp8
+from ttsbuild.plugins.fp8_linear import fp8_linear_reference, quantize_weight_fp8
+from ttsbuild.plugins.norm_act import silu_mul_reference
+assert tl_fp8.m_bucket(200) == 128
+g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+x = torch.randn(200, 160, generator=g).to(torch.bfloat16)
+for gate_up in (False, True):
+    w, s = quantize_weight_fp8(torch.randn(2 * 72 if gate_up else 136, 160, generator=g))
+    # the product in fp32 rounded to bf16 as the unfused kernels round it, then the SiLU
+    ref = fp8_linear_reference(x, w, s)
+    ref = (silu_mul_reference(ref) if gate_up else ref).float()
+    tl_fp8.WO_MAX_BLOCK_M = 128
+    out = tl_fp8.fp8_linear_triton(x, w, s, gate_up=gate_up).float()
+    tl_fp8.WO_MAX_BLOCK_M = 64  # the served 64-row tiles, same sums in another tiling
+    out64 = tl_fp8.fp8_linear_triton(x, w, s, gate_up=gate_up).float()
+    err = ((out - ref).norm() / ref.norm()).item()
+    same = ((out - out64).norm() / out64.norm()).item()
+    # (2e-2: the interpreter rounds fp32 -> bf16 by truncation, torch does not)
+    assert out.shape == ref.shape and err < 2e-2 and same < 1e-3, (gate_up, err, same)
+    print("ok", gate_up, err, same)
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TTSBUILD_FP8_WO_MAX_BLOCK_M": "128"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split().count("ok") == 2

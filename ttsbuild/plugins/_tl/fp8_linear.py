@@ -103,6 +103,13 @@ GEMM_CONFIGS = [
     _cfg(64, 256, 2, 4, 3),
     _cfg(128, 128, 4, 4, 3),
 ]
+# For 128-row activation tiles only (TTSBUILD_FP8_WO_MAX_BLOCK_M=128; `_prune` drops them
+# below): 8 warps without split-K, so a 128 x 128 fp32 accumulator is 64 registers a thread.
+WIDE_M_CONFIGS = [
+    _cfg(128, 128, 1, 8, 3),
+    _cfg(64, 128, 1, 8, 4),
+]
+GEMM_CONFIGS += WIDE_M_CONFIGS
 
 
 def _prune(configs, named_args, **kwargs):
@@ -114,6 +121,8 @@ def _prune(configs, named_args, **kwargs):
     kept = []
     for c in configs:
         bn, bk, split = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]
+        if block_m < 128 and c in WIDE_M_CONFIGS:
+            continue
         if bk > k or k % (bk * split) != 0 and split > 1:
             continue
         if gate_up and bn * bk > 8192:
