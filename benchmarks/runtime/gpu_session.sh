@@ -3,7 +3,8 @@
 #   OUT=out STEPS="driver tests engine check ab" bash benchmarks/runtime/gpu_session.sh
 # driver: the step driver (`ensure_driver`: says why a carried build does not import and
 #         builds it then; the build comes back under $OUT: put it in ttsbuild/ and carry
-#         "ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so" to save the ~60 s build)
+#         "ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so" to save the ~60 s build; it comes
+#         back without debug sections, ~0.4 MB)
 # TC_SAVE=1: the Triton cache (/tmp/tc), stripped to each kernel's metadata and binary
 #         (strip_triton_cache.py), comes back as $OUT/tc.tgz: put it in .tc/ and carry
 #         ".tc" (benchmarks/wheels.sh unpacks it: an engine's or server's start skips most
@@ -238,7 +239,9 @@ for step in $STEPS; do
     case $step in
     driver)  # a fresh build comes back under $OUT, to carry next time
         ensure_driver "$OUT/build.log" || exit 1
-        [ ! -f "$OUT/build.log" ] || cp ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so "$OUT/" ;;
+        # (without its debug sections: 12 MB -> ~0.4 MB of the 64 MiB carry; it imports the same)
+        [ ! -f "$OUT/build.log" ] || { cp ttsbuild/_driver.cpython-312-x86_64-linux-gnu.so "$OUT/" \
+            && strip --strip-debug "$OUT/_driver.cpython-312-x86_64-linux-gnu.so" || true; } ;;
     probe)
         log "the step driver's refusals, one process each"
         timeout -k 5 120 python3 benchmarks/runtime/driver_errors_probe.py > "$OUT/probe.log" 2>&1
