@@ -362,8 +362,10 @@ def check_cp_w8a8(device: str) -> bool:
     model, teacher forced as compile's quality gate measures (`build.quality`: the 1.7B
     stand-in, peaked, bf16, FP8 layers as compile quantises them, 4 texts x 32 frames, calls
     of 16 rows, the bucket where cp_w8a8_min_rows 16 starts): its linears weight-only or W8A8
-    from 16 rows (plan.cp_w8a8_min_rows), its heads FP8 or bf16 (plan.cp_heads_fp8). PASS
-    when both sides with bf16 heads pass the gate (top-1 >= 0.85, mean KL <= 0.02 nats on
+    from 16 rows (plan.cp_w8a8_min_rows), or on bf16 copies of the weights (plan
+    cp_bf16_min_rows, served from 128 rows; on a GPU only: the copies take bf16 rows), its
+    heads FP8 or bf16 (plan.cp_heads_fp8). PASS when every side with bf16 heads passes the
+    gate (top-1 >= 0.85, mean KL <= 0.02 nats on
     codebooks 1-15); the FP8 heads' figures are printed beside them (a wrong scale, tile or
     row moves KL many times past the gate: benchmarks/quality/RESULTS.md).
     (Until 2026-12-07 this compared free-running greedy codes and asked for >= 80 % identical
@@ -389,38 +391,44 @@ def check_cp_w8a8(device: str) -> bool:
     ref = teacher_forced_logits(models, items)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the runtime's
     ok = True
-    for heads_fp8 in (True, False):
-        for rows in (0, 16):
-            plan = EnginePlan(num_slots=16, batch_buckets=(16,), max_len=512, max_text=256,
-                              prefill_buckets=(64, 128), codec_chunks=(1, 2), codec_ring=16,
-                              precision="fp8", code_predictor_fp8=True, w8a8_min_rows=16,
-                              cp_w8a8_min_rows=rows, cp_heads_fp8=heads_fp8)  # fmt: skip
-            runtime = RuntimeLM.from_packed(models.cfg, {m: dict(t) for m, t in packed.items()},
-                                            sizes, dtype, device, plan.cp_heads_are_fp8)
-            cp = runtime.code_predictor
-            runtime.talker.set_linear_paths(plan, cp.stack, cp.heads)
-            cuda = device == "cuda"
-            takes = [d.takes_w8a8(16, dtype, cuda) for d in cp.stack.linears()]
-            heads = [(d.is_fp8, d.takes_w8a8(16, dtype, cuda)) for d in cp.heads]
-            if (takes != [bool(rows)] * len(takes)
-                    or heads != [(heads_fp8, heads_fp8 and bool(rows))] * len(heads)):
-                print(f"cp_w8a8_min_rows={rows}, cp_heads_fp8={heads_fp8}: the code "
-                      f"predictor's linears and heads do not run as the plan asks: FAIL",
-                      flush=True)  # fmt: skip
-                return False
-            r = measure_quality(models, runtime, items, {"unfused": 16}, reference_logits=ref)
-            got = r.code_predictor_paths["unfused"]
-            passed = r.code_predictor_passed  # (the one path measured: "unfused")
-            if not heads_fp8:
-                ok &= passed
-            print(f"1.7b-customvoice bf16, FP8 code predictor layers "
-                  f"{'W8A8 from 16 rows' if rows else 'weight-only'}, heads "
-                  f"{'FP8' if heads_fp8 else 'bf16'}, calls of 16 rows, teacher forced against "
-                  f"the bf16 model ({got['positions']} codes): top-1 {got['top1_agreement']:.4f}"
-                  f", mean KL {got['mean_kl']:.5f} (gate {MIN_TOP1} / {MAX_KL}: "
-                  f"{'passes' if passed else 'fails'})", flush=True)
-    print(f"the code predictor's FP8 layers with bf16 heads, weight-only and W8A8, against the "
-          f"gate: {'PASS' if ok else 'FAIL'}", flush=True)
+    # (heads FP8, cp_w8a8_min_rows, cp_bf16_min_rows): the bf16 copies (served from 128 rows)
+    # measured at 16 rows too; on the CPU (fp32 activations) they do not engage: weight-only
+    sides = [(True, 0, 0), (True, 16, 0), (False, 0, 0), (False, 16, 0), (False, 0, 16)]
+    for heads_fp8, rows, copies in sides:
+        plan = EnginePlan(num_slots=16, batch_buckets=(16,), max_len=512, max_text=256,
+                          prefill_buckets=(64, 128), codec_chunks=(1, 2), codec_ring=16,
+                          precision="fp8", code_predictor_fp8=True, w8a8_min_rows=16,
+                          cp_w8a8_min_rows=rows, cp_heads_fp8=heads_fp8,
+                          cp_bf16_min_rows=copies)  # fmt: skip
+        runtime = RuntimeLM.from_packed(models.cfg, {m: dict(t) for m, t in packed.items()},
+                                        sizes, dtype, device, plan.cp_heads_are_fp8)
+        cp = runtime.code_predictor
+        runtime.talker.set_linear_paths(plan, cp.stack, cp.heads)
+        cuda = device == "cuda"
+        takes = [d.takes_w8a8(16, dtype, cuda) for d in cp.stack.linears()]
+        heads = [(d.is_fp8, d.takes_w8a8(16, dtype, cuda)) for d in cp.heads]
+        held = [d.bf16_min_rows == copies and (d.bf16_weight is not None) == bool(copies)
+                for d in cp.stack.linears()]  # fmt: skip
+        if (takes != [bool(rows)] * len(takes) or not all(held)
+                or heads != [(heads_fp8, heads_fp8 and bool(rows))] * len(heads)):
+            print(f"cp_w8a8_min_rows={rows}, cp_heads_fp8={heads_fp8}, cp_bf16_min_rows="
+                  f"{copies}: the code predictor's linears and heads do not run as the plan "
+                  f"asks: FAIL", flush=True)  # fmt: skip
+            return False
+        r = measure_quality(models, runtime, items, {"unfused": 16}, reference_logits=ref)
+        got = r.code_predictor_paths["unfused"]
+        passed = r.code_predictor_passed  # (the one path measured: "unfused")
+        if not heads_fp8:
+            ok &= passed
+        layers = ("on bf16 copies" if copies and cuda else "W8A8 from 16 rows" if rows
+                  else "weight-only")  # fmt: skip
+        print(f"1.7b-customvoice bf16, FP8 code predictor layers {layers}, heads "
+              f"{'FP8' if heads_fp8 else 'bf16'}, calls of 16 rows, teacher forced against "
+              f"the bf16 model ({got['positions']} codes): top-1 {got['top1_agreement']:.4f}"
+              f", mean KL {got['mean_kl']:.5f} (gate {MIN_TOP1} / {MAX_KL}: "
+              f"{'passes' if passed else 'fails'})", flush=True)
+    print(f"the code predictor's FP8 layers with bf16 heads, weight-only, W8A8 and on bf16 "
+          f"copies, against the gate: {'PASS' if ok else 'FAIL'}", flush=True)
     return ok
 
 
