@@ -321,8 +321,12 @@ def test_weight_only_row_tiles_and_tuning_key_follow_their_switches(monkeypatch)
     pytest.importorskip("triton")
     from ttsbuild.plugins._tl import fp8_linear as tl_fp8
 
-    assert tl_fp8.WO_MAX_BLOCK_M == 64 and not tl_fp8.TUNE_BY_ROWS
-    assert "M" not in tl_fp8._KEY
+    # (as this process's environment set them: 64 and off unless a run asks otherwise)
+    want = int(os.environ.get("TTSBUILD_FP8_WO_MAX_BLOCK_M", "64"))
+    by_rows = os.environ.get("TTSBUILD_FP8_TUNE_BY_ROWS", "0") == "1"
+    assert tl_fp8.WO_MAX_BLOCK_M == want and tl_fp8.TUNE_BY_ROWS == by_rows
+    assert ("M" in tl_fp8._KEY) == by_rows
+    monkeypatch.setattr(tl_fp8, "WO_MAX_BLOCK_M", 64)
     assert [tl_fp8.m_bucket(m) for m in (1, 2, 16, 33, 64, 128, 256)] == [1, 16, 16, 64, 64, 64, 64]
     assert tl_fp8.m_bucket(256, a8=True) == 128
     monkeypatch.setattr(tl_fp8, "WO_MAX_BLOCK_M", 128)
