@@ -10,6 +10,8 @@ inspection. A group that names a missing file is a miss (Triton 3.x `get_group`)
 intermediates are dropped from the group's list as well as from disk. A 1.7B engine's cache
 came back at 45 MB compressed (2026-12-07), too big to carry beside `.whl` and the driver
 (64 MiB in all), and every session's first engine then compiled for ~5 min.
+A tool that reads a cached kernel's PTX (`benchmarks/codec/ptx_loads.py`) needs the kernel
+compiled again: run it with TRITON_ALWAYS_COMPILE=1 or its own TRITON_CACHE_DIR.
 Prints the bytes before and after.
 """
 
