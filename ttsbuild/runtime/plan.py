@@ -58,7 +58,9 @@ DEFAULT_CP_BF16_MIN_ROWS = 128
 # sampler in the head GEMV) on batch buckets up to this; the unfused path above. 16 since
 # 2026-12-07: with the unfused path weight-only again, bucket 16 on the fused kernels took
 # the code predictor 3.14 -> 2.84 ms a frame (H100 engine bench, benchmarks/runtime/
-# 2026-12-07-h100-cp-sides; W8A8 there 2.81). Was 8. Not yet timed on the H200, nor at 32.
+# 2026-12-07-h100-cp-sides; W8A8 there 2.81). Was 8. Past 16 they lose: at 64 rows 4.85
+# against 3.95 ms unfused (H100, benchmarks/runtime/2026-12-07-h100-cp-bf16); 32 not yet set
+# beside the unfused path in one run, nor any of it timed on the H200.
 DEFAULT_FUSED_CP_MAX_BATCH = 16
 
 
@@ -99,9 +101,10 @@ class EnginePlan(BaseModel):
     # benchmarks/quality/2026-12-07-h100-cp-w8a8): mean KL 0.0209 with FP8 heads, past the
     # gate's 0.02, and 0.0130 with bf16 heads (a bf16 code predictor: 0.0025). The heads'
     # logits have std 6, so FP8's ~2-4 % error per product is ~0.2 of a logit. bf16 heads
-    # hold 31 MiB more for 1.7B and read 2 MiB more a pass (~6 us a frame at HBM speed; not
-    # yet timed); the one-kernel frame (megaframe_code_predictor) takes FP8 heads only and
-    # then holds an FP8 copy of them (31 MiB, in memory_report's weights).
+    # hold 31 MiB more for 1.7B and read 2 MiB more a pass: no cost measured (H100 engine
+    # bench, within 0.05 ms of FP8 heads at 1-256 rows, benchmarks/runtime/
+    # 2026-12-07-h100-cp-bf16); the one-kernel frame (megaframe_code_predictor) takes FP8
+    # heads only and then holds an FP8 copy of them (31 MiB, in memory_report's weights).
     cp_heads_fp8: bool = False
     # The codec's compute precision (runtime.codec_engine; compile gates it at >= 45 dB SNR
     # against fp32). On the H200 fp16 (53.7 dB) and tf32 (57.8 dB) are 1.1-1.6x faster than
