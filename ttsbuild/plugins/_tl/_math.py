@@ -47,6 +47,32 @@ else:
         return libdevice.sin(x)
 
 
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+if interpret_mode():
+
+    @triton.jit
+    def e4m3_value(x, scale):
+        """x / scale clamped to e4m3's range and rounded to the nearest e4m3 value (ties to
+        even), as fp32: what `.to(tl.float8e4nv)` then stores exactly. Rounded here by hand:
+        the interpreter's fp32 -> e4m3 cast rounds values just under a power of two down a
+        binade (124.2 -> 64; fp8_w8a8.fp8_row_buffers)."""
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -E4M3_MAX), E4M3_MAX)
+        e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        quantum = ((tl.maximum(e, -6) + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+        # |v / quantum| < 16: adding and taking away 1.5 * 2^23 rounds it to an integer (RNE)
+        r = ((v / quantum + 12582912.0) - 12582912.0) * quantum
+        return tl.where(r == 0.0, v * 0.0, r)  # (zero keeps v's sign, as the cast's)
+
+else:
+
+    @triton.jit
+    def e4m3_value(x, scale):
+        """x / scale clamped to e4m3's range, as fp32: its `.to(tl.float8e4nv)` (the
+        hardware's round-to-nearest-even cast) is the e4m3 value stored."""
+        return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -E4M3_MAX), E4M3_MAX)
+
+
 # Programmatic dependent launch (Hopper+): a kernel launched with launch_pdl=True may start
 # while the kernel before it on the stream is still running (its programs become resident
 # and wait here), which hides the launch gap between the decode's many small kernels. Every

@@ -18,9 +18,10 @@ import triton.language as tl
 
 from ttsbuild.plugins._dispatch import interpret_mode, pdl_args, pdl_enabled
 from ttsbuild.plugins._tl._layout import check_qkv_caches
-from ttsbuild.plugins._tl._math import cos_f32, pdl_prologue, sin_f32
+from ttsbuild.plugins._tl._math import cos_f32, e4m3_value, pdl_prologue, sin_f32
 from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters
 from ttsbuild.plugins._tl.qk_norm_rope_attend import _norm_rope
+from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE, kv_cache_scales
 
 _LOG2E = 1.4426950408889634
 
@@ -42,10 +43,13 @@ def _online_step(qk, s_mask, v, m_i, l_i, acc):
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, out_ptr, po_ptr, pml_ptr,
     stride_qb, stride_qh, stride_cslot, stride_ch, stride_cs, stride_ob, stride_oh,
-    qk_scale, chunk,
+    qk_scale, v_scale, chunk,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLITS: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    SPLITS: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """KV_FP8: the caches hold e4m3 values: k's scale is folded into qk_scale, v's
+    (v_scale) multiplies the accumulator once at the end."""
     pdl_prologue(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -75,11 +79,13 @@ def _attn_split_kernel(
         kv_offs = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         k = tl.load(k_ptr + kv_offs, mask=s_mask[:, None], other=0.0)
         v = tl.load(v_ptr + kv_offs, mask=s_mask[:, None], other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        if DOT_F32 or KV_FP8:  # (e4m3 -> bf16 is exact)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_S], log2 units
         m_i, l_i, acc = _online_step(qk, s_mask, v, m_i, l_i, acc)
+    if KV_FP8:
+        acc = acc * v_scale
     if SPLITS == 1:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -147,9 +153,13 @@ def decode_attention_triton(
     max_len: int | None = None,
     scale: float | None = None,
     splits: int | None = None,
+    *,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> torch.Tensor:
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    ks, vs = kv_cache_scales(k_cache, v_cache, k_scale, v_scale)
     max_len = S if max_len is None else min(max_len, S)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("q and the caches need a contiguous head_dim; k/v the same layout")
@@ -166,10 +176,10 @@ def decode_attention_triton(
     _attn_split_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, slots, lengths, out, po, pml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), scale * _LOG2E, chunk,
+        out.stride(0), out.stride(1), scale * ks * _LOG2E, vs, chunk,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_S=block_s,
-        SPLITS=splits, DOT_F32=interpret_mode(), **pdl_args(pdl), num_warps=4,
-        num_stages=3,
+        SPLITS=splits, DOT_F32=interpret_mode(), KV_FP8=k_cache.dtype == KV_FP8_DTYPE,
+        **pdl_args(pdl), num_warps=4, num_stages=3,
     )  # fmt: skip
     if splits > 1:
         _attn_combine_kernel[(B, Hq)](
@@ -184,10 +194,11 @@ def decode_attention_triton(
 def _qk_attend_split_kernel(
     qkv_ptr, qw_ptr, kw_ptr, f_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr,
     pml_ptr, cnt_ptr, stride_row, stride_ob, stride_cslot, stride_ch, stride_cs, eps,
-    qk_scale, chunk,
+    qk_scale, k_scale, v_scale, chunk,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK_SP: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_SP: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """qk_norm_rope + the split kernel + the combine kernel above in one launch: program
     (row, KV head, split) normalises and rotates its GROUP query heads and its KV head's new
@@ -195,7 +206,9 @@ def _qk_attend_split_kernel(
     into the cache; every split attends its chunk of the positions below the position from
     the cache (written by earlier steps), the one holding the position adds the new token
     from registers (no store-to-load ordering needed); the last split of a (row, KV head)
-    to arrive (atomic counter, reset by it) merges the splits in split order."""
+    to arrive (atomic counter, reset by it) merges the splits in split order. KV_FP8: e4m3
+    caches, the new k and v stored divided by k_scale / v_scale (`e4m3_value`); k_scale is
+    folded into qk_scale, v_scale multiplies the accumulator at the end."""
     pdl_prologue(PDL)
     HALF: tl.constexpr = D // 2
     b = tl.program_id(0).to(tl.int64)
@@ -241,10 +254,10 @@ def _qk_attend_split_kernel(
         k1 = tl.load(kc_ptr + at + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         k2 = tl.load(kc_ptr + at + HALF + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + at + offs_full[None, :], mask=s_mask[:, None], other=0.0)
-        if DOT_F32:
-            k1 = k1.to(tl.float32)
-            k2 = k2.to(tl.float32)
-            v = v.to(tl.float32)
+        if DOT_F32 or KV_FP8:  # (e4m3 -> bf16 is exact)
+            k1 = k1.to(q1.dtype)
+            k2 = k2.to(q1.dtype)
+            v = v.to(q1.dtype)
         qk = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * qk_scale  # log2 units
         m_i, l_i, acc = _online_step(qk, s_mask, v, m_i, l_i, acc)
     if holds_pos:
@@ -254,8 +267,12 @@ def _qk_attend_split_kernel(
             tl.load(k_src).to(tl.float32), tl.load(k_src + HALF).to(tl.float32),
             kw_ptr, offs_d, c, s, eps, D,
         )  # fmt: skip
-        kn1, kn2 = kn1.to(cdt), kn2.to(cdt)
-        vn = tl.load(src + (HQ + HKV + kvh) * D + offs_full).to(cdt)
+        vn = tl.load(src + (HQ + HKV + kvh) * D + offs_full)
+        if KV_FP8:
+            kn1 = e4m3_value(kn1, k_scale)
+            kn2 = e4m3_value(kn2, k_scale)
+            vn = e4m3_value(vn.to(tl.float32), v_scale)
+        kn1, kn2, vn = kn1.to(cdt), kn2.to(cdt), vn.to(cdt)
         new_at = head + pos * stride_cs
         tl.store(kc_ptr + new_at + offs_d[None, :], kn1)
         tl.store(kc_ptr + new_at + HALF + offs_d[None, :], kn2)
@@ -269,6 +286,8 @@ def _qk_attend_split_kernel(
         l_i = l_i * alpha + p_new
         acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
         m_i = m_new
+    if KV_FP8:
+        acc = acc * v_scale
     heads = kvh * GROUP + offs_g
     if SPLITS == 1:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * D + offs_full[None, :]
@@ -317,11 +336,14 @@ def qk_norm_rope_decode_attention_triton(
     eps: float,
     scale: float,
     splits: int | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> torch.Tensor:
     """The attention output [R, Hq * D] (see `_qk_attend_split_kernel`)."""
     R = qkv.shape[0]
     S, D = k_cache.shape[-2], k_cache.shape[-1]
     check_qkv_caches(qkv, k_cache, v_cache, num_heads, num_kv_heads)
+    ks, vs = kv_cache_scales(k_cache, v_cache, k_scale, v_scale)
     max_len = min(max_len, S)
     group = num_heads // num_kv_heads
     out = torch.empty((R, num_heads * D), dtype=qkv.dtype, device=qkv.device)
@@ -338,10 +360,11 @@ def qk_norm_rope_decode_attention_triton(
     _qk_attend_split_kernel[(R, num_kv_heads, splits)](
         qkv, q_weight, k_weight, freqs, positions.reshape(-1), slots.reshape(-1), k_cache,
         v_cache, out, po, pml, _counters(qkv.device), qkv.stride(0), out.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, scale * _LOG2E, chunk,
-        HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, scale * ks * _LOG2E, ks,
+        vs, chunk, HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=block_s, SPLITS=splits,
         BLOCK_SP=triton.next_power_of_2(splits), DOT_F32=interpret_mode(),
+        KV_FP8=k_cache.dtype == KV_FP8_DTYPE,
         **pdl_args(pdl_enabled(qkv)), num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
