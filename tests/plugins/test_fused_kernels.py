@@ -1,8 +1,8 @@
 """fused_linear / qk_norm_rope_attend / norm_linear_attend: the references on CPU, the Triton
 kernels against a float32 reference on fresh random inputs (on CUDA, or on CPU under
 TRITON_INTERPRET=1; the last test here runs the kernel tests of this file, of
-tests/runtime/test_cp_fused.py, of tests/plugins/test_slot_writes.py, test_kv_copy.py, test_kv_fp8.py,
-test_spec_accept.py, test_spec_round.py, test_convnext.py,
+tests/runtime/test_cp_fused.py, of tests/plugins/test_slot_writes.py, test_kv_copy.py,
+test_kv_fp8.py, test_spec_accept.py, test_spec_round.py, test_convnext.py,
 test_prompt_embed.py and tests/runtime/test_graph_engine.py in a subprocess under the
 interpreter, so CPU CI checks the kernels too when triton is installed)."""
 

@@ -132,7 +132,8 @@ def test_cache_write_kernel(R, S):
         got, want = c[slots, :, pos], c_ref[slots, :, pos]
         same = (got.view(torch.uint8) == want.view(torch.uint8)).float().mean().item()
         assert same > 0.97, same  # (a tie or an fp32 ulp may round the other way)
-        assert _rel(dequantize_kv(got, s, torch.float32), dequantize_kv(want, s, torch.float32)) < 1e-2
+        f32 = torch.float32
+        assert _rel(dequantize_kv(got, s, f32), dequantize_kv(want, s, f32)) < 1e-2
         untouched = torch.ones(R + 2, S, dtype=torch.bool, device=KDEV)
         untouched[slots, pos] = False
         assert torch.equal(c.view(torch.uint8).transpose(1, 2)[untouched],
@@ -163,7 +164,8 @@ def test_decode_attention_kernel(R, S, splits):
 
 @needs_kernel
 @pytest.mark.parametrize("R,S,splits", kernel_cases(
-    [(1, 16, None), (3, 100, 1), (5, 300, 3), (2, 120, 3), (2, 300, 7)], [(3, 100, 1), (2, 120, 3)]))
+    [(1, 16, None), (3, 100, 1), (5, 300, 3), (2, 120, 3), (2, 300, 7)],
+    [(3, 100, 1), (2, 120, 3)]))
 def test_fused_decode_attention_kernel(R, S, splits):
     from ttsbuild.plugins._tl.decode_attention import qk_norm_rope_decode_attention_triton
     from ttsbuild.plugins.qk_norm_rope import inv_freq
