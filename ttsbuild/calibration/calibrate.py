@@ -125,6 +125,31 @@ def replay(model: nn.Module, kind: str, rec: InputRecorder, kv: KVRange, on_call
                 on_call()
 
 
+def measure_kv_scales(models, texts: list[str], *, seed: int = 0, max_frames: int = 32,
+                      batch_size: int = 8) -> list[tuple[float, float]]:  # fmt: skip
+    """Each talker layer's (k_scale, v_scale) for an FP8 KV cache as `compile --calib` sets
+    them from a calibration file (the layer's amax over the reference generation of `texts`,
+    / 448), measured without modelopt: for an engine built in memory (the engine benchmark's
+    stand-in, `GraphEngine(kv_scales=...)`). `models`: a `runtime.engine.Models` with its
+    decoder layers."""
+    from ttsbuild.calibration.corpus import generate_corpus
+    from ttsbuild.plugins.qk_norm_rope import KV_FP8_MAX
+
+    rec = InputRecorder()
+    hooks = rec.attach(models.talker, models.code_predictor)
+    try:
+        generate_corpus(models, texts, seed=seed, max_frames=max_frames, batch_size=batch_size)
+    finally:
+        for h in hooks:
+            h.remove()
+    kv = KVRange(models.cfg.talker.num_layers)
+    replay(models.talker, "talker", rec, kv)
+    if not (kv.k.min() > 0 and kv.v.min() > 0):
+        raise CalibrationError("a talker layer wrote no nonzero k or v: no scale to take")
+    return [(k / KV_FP8_MAX, v / KV_FP8_MAX) for k, v in zip(kv.k.tolist(), kv.v.tolist(),
+                                                             strict=True)]  # fmt: skip
+
+
 def fp8_config() -> dict:
     """modelopt's FP8_DEFAULT_CFG without its lm_head exclusion (every linear is measured)."""
     import modelopt.torch.quantization as mtq

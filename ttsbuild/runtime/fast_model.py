@@ -32,7 +32,7 @@ from ttsbuild.plugins.fp8_linear import (
 )
 from ttsbuild.plugins.fp8_w8a8 import fp8_linear_w8a8, w8a8_supported
 from ttsbuild.plugins.norm_act import add_rms_norm, rms_norm, silu_mul
-from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
+from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE, dequantize_kv, qk_norm_rope
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS, qk_norm_rope_attend
 
 # The decode step's attention (q/k norm + RoPE + cache write, flash-decoding splits, their
@@ -191,6 +191,10 @@ class PackedStack:
     cfg: DecoderStackConfig
     layers: list[PackedLayer]
     norm: torch.Tensor
+    # each layer's (k_scale, v_scale) for an FP8 KV cache (EnginePlan.talker_kv_fp8): the
+    # calibrated ones of a compiled engine (`from_packed`), else None. Read only where the
+    # cache a call is given is FP8 (`kv_cache_args`).
+    kv_scales: list[tuple[float, float]] | None = None
 
     @classmethod
     def from_module(cls, stack: DecoderStack, fp8: bool) -> PackedStack:
@@ -221,7 +225,7 @@ class PackedStack:
         def dense(name: str) -> Dense:
             return Dense(t[f"{name}.weight"], t.get(f"{name}.weight_scale"))
 
-        layers = []
+        layers, kv_scales = [], []
         for i in range(cfg.num_layers):
             pre = f"model.layers.{i}"
             layers.append(
@@ -236,7 +240,22 @@ class PackedStack:
                     down=dense(f"{pre}.mlp.down_proj"),
                 )
             )
-        return cls(cfg, layers, t["model.norm.weight"])
+            ks, vs = t.get(f"{pre}.self_attn.k_scale"), t.get(f"{pre}.self_attn.v_scale")
+            if ks is not None and vs is not None:
+                kv_scales.append((float(ks), float(vs)))
+        full = len(kv_scales) == cfg.num_layers  # (calibrated: every layer has both)
+        return cls(cfg, layers, t["model.norm.weight"], kv_scales if full else None)
+
+    def kv_cache_args(self, i: int, k_cache: torch.Tensor) -> dict:
+        """The scales layer i's cache kernels take: {} for a bf16 cache; k_scale and v_scale
+        for an FP8 one (ValueError where the stack has none: an uncalibrated engine)."""
+        if k_cache.dtype != KV_FP8_DTYPE:
+            return {}
+        if self.kv_scales is None:
+            raise ValueError("an FP8 KV cache needs each layer's k/v scales: compile the "
+                             "engine with a calibration (--calib)")  # fmt: skip
+        k_scale, v_scale = self.kv_scales[i]
+        return dict(k_scale=k_scale, v_scale=v_scale)
 
     @property
     def is_fp8(self) -> bool:
@@ -279,26 +298,33 @@ class PackedStack:
         for d in self.linears():
             d.w8a8_min_rows = rows
 
-    def _project_qk(self, p, qkv, positions, rows, k_cache, v_cache) -> torch.Tensor:
-        """q/k norm + RoPE of one layer's packed qkv [R, ...]; k and v go into the cache at
+    def _project_qk(self, i, p, qkv, positions, rows, k_cache, v_cache) -> torch.Tensor:
+        """q/k norm + RoPE of layer i's packed qkv [R, ...]; k and v go into the cache at
         (rows, positions). Returns q [R, Hq, D]."""
         c = self.cfg
         return qk_norm_rope(
             qkv, p.q_norm, p.k_norm, positions, rows, k_cache, v_cache,
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps,
-            theta=c.rope_theta,
+            theta=c.rope_theta, **self.kv_cache_args(i, k_cache),
         )  # fmt: skip
 
-    def attend_decode(self, p, qkv, positions, slots, k_cache, v_cache) -> torch.Tensor:
-        """One token per row: q/k norm + RoPE, k and v into the cache at (slots, positions),
-        attention over positions [0, position]: the attention output [R, Hq * D] in one
-        launch (`qk_norm_rope_decode_attention`)."""
+    def attend_decode(self, i, p, qkv, positions, slots, k_cache, v_cache) -> torch.Tensor:
+        """One token per row: q/k norm + RoPE, k and v into layer i's cache at (slots,
+        positions), attention over positions [0, position]: the attention output [R, Hq * D]
+        in one launch (`qk_norm_rope_decode_attention`)."""
         c = self.cfg
         return qk_norm_rope_decode_attention(
             qkv, p.q_norm, p.k_norm, positions, slots, k_cache, v_cache, k_cache.shape[2],
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps,
-            theta=c.rope_theta,
+            theta=c.rope_theta, **self.kv_cache_args(i, k_cache),
         )  # fmt: skip
+
+    def _cache_read(self, i: int, k: torch.Tensor, v: torch.Tensor, dtype) -> tuple:
+        """Layer i's gathered cache entries (the eager paths' SDPA) as values of dtype."""
+        kv = self.kv_cache_args(i, k)
+        if not kv:
+            return k, v
+        return dequantize_kv(k, kv["k_scale"], dtype), dequantize_kv(v, kv["v_scale"], dtype)
 
     @staticmethod
     def _mlp(p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
@@ -321,9 +347,9 @@ class PackedStack:
 
         def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
             qkv = p.qkv(h).reshape(B * T, -1)
-            q = self._project_qk(p, qkv, positions, rows, k_cache[i], v_cache[i])
-            return decode_attention(q, k_cache[i], v_cache[i], rows, lengths, keys).reshape(
-                B, T, -1)  # fmt: skip
+            q = self._project_qk(i, p, qkv, positions, rows, k_cache[i], v_cache[i])
+            return decode_attention(q, k_cache[i], v_cache[i], rows, lengths, keys,
+                                    **self.kv_cache_args(i, k_cache)).reshape(B, T, -1)
 
         return attend
 
@@ -369,7 +395,8 @@ class PackedStack:
         lengths = positions + 1
         max_len = k_cache.shape[3]
         c = self.cfg
-        short = SHORT_ATTEND_FUSED and max_len <= MAX_POSITIONS
+        # (the short caches' kernel: a floating cache only; the code predictor's)
+        short = SHORT_ATTEND_FUSED and max_len <= MAX_POSITIONS and k_cache.dtype != KV_FP8_DTYPE
 
         def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
             if short:
@@ -378,10 +405,11 @@ class PackedStack:
                                            num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps,
                                            theta=c.rope_theta)  # fmt: skip
             if TALKER_ATTEND_FUSED:
-                return self.attend_decode(p, p.qkv(h), positions, slots, k_cache[i],
+                return self.attend_decode(i, p, p.qkv(h), positions, slots, k_cache[i],
                                           v_cache[i])  # fmt: skip
-            q = self._project_qk(p, p.qkv(h), positions, slots, k_cache[i], v_cache[i])
-            attn = decode_attention(q, k_cache[i], v_cache[i], slots, lengths, max_len)
+            q = self._project_qk(i, p, p.qkv(h), positions, slots, k_cache[i], v_cache[i])
+            attn = decode_attention(q, k_cache[i], v_cache[i], slots, lengths, max_len,
+                                    **self.kv_cache_args(i, k_cache))  # fmt: skip
             return attn.reshape(h.shape[0], -1)
 
         return self._run_layers(x, attend)
@@ -420,9 +448,10 @@ class PackedStack:
 
         def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
             qkv = p.qkv(h).reshape(B * T, -1)
-            q = self._project_qk(p, qkv, positions, rows, k_cache[i], v_cache[i])
-            k = k_cache[i][slots, :, :keys]  # [B, Hkv, keys, D]
-            v = v_cache[i][slots, :, :keys]
+            q = self._project_qk(i, p, qkv, positions, rows, k_cache[i], v_cache[i])
+            # [B, Hkv, keys, D]
+            k, v = self._cache_read(i, k_cache[i][slots, :, :keys], v_cache[i][slots, :, :keys],
+                                    q.dtype)  # fmt: skip
             attn = F.scaled_dot_product_attention(
                 q.reshape(B, T, c.num_heads, D).transpose(1, 2),
                 k.repeat_interleave(rep, dim=1),
@@ -461,11 +490,12 @@ class PackedStack:
 
         def attend(i: int, p: PackedLayer, h: torch.Tensor) -> torch.Tensor:
             qkv = p.qkv(h).reshape(B * T, -1)
-            q = self._project_qk(p, qkv, positions.reshape(-1), rows, k_cache[i], v_cache[i])
+            q = self._project_qk(i, p, qkv, positions.reshape(-1), rows, k_cache[i], v_cache[i])
+            k, v = self._cache_read(i, k_cache[i][slots], v_cache[i][slots], q.dtype)
             attn = F.scaled_dot_product_attention(
                 q.reshape(B, T, c.num_heads, D).transpose(1, 2),
-                k_cache[i][slots].repeat_interleave(rep, dim=1),  # [B, Hq, S, D]
-                v_cache[i][slots].repeat_interleave(rep, dim=1),
+                k.repeat_interleave(rep, dim=1),  # [B, Hq, S, D]
+                v.repeat_interleave(rep, dim=1),
                 attn_mask=visible[:, None],
                 scale=D**-0.5,
             )  # [B, Hq, T, D]

@@ -67,6 +67,7 @@ from ttsbuild.generation.generate import codebook0_logits_mask
 from ttsbuild.generation.guards import GuardConfig, GuardState, frame_stop_codes, observe_audio
 from ttsbuild.generation.prompt import CODES, NO_CODE, PromptEmbedder
 from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty, draw_counter
+from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.plugins.slot_writes import SlotWrites
 from ttsbuild.runtime.codec_engine import CodecEngine
@@ -293,7 +294,11 @@ class GraphBackend:
         release_modules: bool = False,
         guards: GuardConfig | None = None,
         codec_stream: bool | None = None,
+        kv_scales: list[tuple[float, float]] | None = None,
     ):
+        """kv_scales: each talker layer's (k_scale, v_scale) for plan.talker_kv_fp8 where the
+        models carry no calibrated ones (a stand-in built in memory; `calibration.calibrate.
+        measure_kv_scales`); a compiled engine's own come first."""
         self.models, self.plan = models, plan
         self.guards = guards or GuardConfig()
         cfg = self.cfg = models.cfg
@@ -327,6 +332,13 @@ class GraphBackend:
             self.cp_stack = PackedStack.from_module(cp.model, plan.code_predictor_fp8)
         if release_modules:
             models.drop_decoder_layers()  # the packed stacks are the only copy from here on
+        if plan.talker_kv_fp8:
+            if self.talker_stack.kv_scales is None:
+                self.talker_stack.kv_scales = kv_scales
+            scales = self.talker_stack.kv_scales
+            if scales is None or len(scales) != cfg.talker.num_layers:
+                raise ValueError("plan.talker_kv_fp8 needs each talker layer's k/v scales: "
+                                 "compile the engine with a calibration (--calib)")
         self.codec_head = Dense(talker.codec_head.weight.detach())
         heads_fp8 = plan.cp_heads_are_fp8
         self.cp_heads = [Dense.make(h.weight.detach(), heads_fp8) for h in cp.lm_head]
@@ -407,8 +419,9 @@ class GraphBackend:
         # -- per-slot state ---------------------------------------------------------------
         t = cfg.talker
         kv_shape = (t.num_layers, S, t.num_kv_heads, plan.max_len, t.head_dim)
-        self.kv_k = torch.zeros(kv_shape, dtype=self.dtype, device=dev)
-        self.kv_v = torch.zeros(kv_shape, dtype=self.dtype, device=dev)
+        self.kv_dtype = KV_FP8_DTYPE if plan.talker_kv_fp8 else self.dtype
+        self.kv_k = torch.zeros(kv_shape, dtype=self.kv_dtype, device=dev)
+        self.kv_v = torch.zeros(kv_shape, dtype=self.kv_dtype, device=dev)
         c = cfg.code_predictor
         bmax = plan.max_batch
         cp_shape = (c.num_layers, bmax, c.num_kv_heads, G, c.head_dim)
@@ -468,7 +481,8 @@ class GraphBackend:
         )
         self.prefix = (
             PrefixPool(
-                cfg.talker, plan.prefix_pool, min(plan.max_prefix, plan.max_len), self.dtype, dev
+                cfg.talker, plan.prefix_pool, min(plan.max_prefix, plan.max_len), self.kv_dtype,
+                dev,
             )
             if plan.prefix_pool
             else None
@@ -1396,10 +1410,12 @@ class GraphEngine(EngineCore):
         keep_codes: bool = False,
         guards: GuardConfig | None = None,
         codec_stream: bool | None = None,
+        kv_scales: list[tuple[float, float]] | None = None,
     ):
         plan = plan or EnginePlan.default()
         guards = guards or GuardConfig()
-        backend = GraphBackend(models, plan, use_graphs, release_modules, guards, codec_stream)
+        backend = GraphBackend(models, plan, use_graphs, release_modules, guards, codec_stream,
+                               kv_scales)  # fmt: skip
         super().__init__(backend, plan, models, keep_codes, guards)
         self.device = backend.device
 

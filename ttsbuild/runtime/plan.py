@@ -211,6 +211,12 @@ class EnginePlan(BaseModel):
     # cooperative launch of a CTA per SM; each stage's weights prefetched into L2 ahead). A
     # prototype: off until timed in the engine (benchmarks/kernels/megatalker/).
     talker_megastep: bool = False
+    # The talker's KV cache in FP8 (e4m3, a k and a v scale per layer from the engine's
+    # calibration, `build.pack.calibrated_scales`): half the bytes a decode step's attention
+    # reads (at 256 rows and ~200 positions ~5.7 GB a step in bf16), and half the cache's
+    # memory. Needs a calibrated engine; the cache kernels of the default decode and prefill
+    # paths only (not talker_megastep's nor fused_talker's). Off until timed and gated.
+    talker_kv_fp8: bool = False
     # Batch buckets of the admission lane (graph backend on CUDA): new requests' prefill and
     # first frame run on a stream of their own (its own graphs, memory pool and code-predictor
     # cache) beside the frame step of the streams already running, so a new request's first
@@ -333,6 +339,9 @@ class EnginePlan(BaseModel):
                 # a green context of fewer SMs
                 raise ValueError("talker_megastep needs every SM at once: it cannot run with "
                                  "lane_reserved_sms")
+        if self.talker_kv_fp8 and (self.talker_megastep or self.fused_talker):
+            raise ValueError("talker_kv_fp8: the one-kernel talker step and the fused talker "
+                             "read a bf16 cache; turn talker_megastep and fused_talker off")
         if self.lane_frames > 1 and self.lane_frames not in self.codec_chunks:
             raise ValueError(f"lane_frames {self.lane_frames} must be one of the codec_chunks "
                              f"{self.codec_chunks}")
@@ -430,7 +439,8 @@ class EnginePlan(BaseModel):
         return (f"code predictor {'FP8' if self.code_predictor_fp8 else 'bf16'}, one-kernel "
                 f"frame {mega}, admission lane {list(self.admission_lane) or 'off'} with "
                 f"{self.lane_reserved_sms} reserved SMs, fused code predictor on "
-                f"{list(self.fused_code_predictor)}")
+                f"{list(self.fused_code_predictor)}, talker KV cache "
+                f"{'FP8' if self.talker_kv_fp8 else 'bf16'}")
 
     @property
     def max_chunk(self) -> int:

@@ -106,8 +106,10 @@ class PrefixPool:
             prefix_copy(k_cache, v_cache, self.k, self.v, slot, index, start)
             return
         n = self.max_prefix
-        k_cache[:, :, :, :n].index_copy_(1, slot, self.k.index_select(1, index))
-        v_cache[:, :, :, :n].index_copy_(1, slot, self.v.index_select(1, index))
+        for cache, pool in ((k_cache, self.k), (v_cache, self.v)):
+            if cache.element_size() == 1:  # an FP8 cache: as bytes (no fp8 index_copy_)
+                cache, pool = cache.view(torch.uint8), pool.view(torch.uint8)
+            cache[:, :, :, :n].index_copy_(1, slot, pool.index_select(1, index))
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
