@@ -71,6 +71,7 @@ def open_engine(
     code_predictor_fp8: bool | None = None,
     megaframe_code_predictor: bool | None = None,
     megaframe_regular: bool | None = None,
+    talker_kv_fp8: bool | None = None,
     fit_slots: bool = False,
 ):
     """Load `path` into an engine (or, for benchmarks, in-memory random weights of
@@ -110,6 +111,9 @@ def open_engine(
     for some (which the plan then refuses); None: the plan's. megaframe_regular (with the
     kernel): the regular bucket-1 step runs it too, False: the admission lane's first frames
     only (`EnginePlan.megaframe_regular`, needs the lane on bucket 1); None: the plan's.
+    talker_kv_fp8 (graph engines): the talker's KV cache in FP8 with the engine's calibrated
+    k/v scales (`EnginePlan.talker_kv_fp8`, allocated at load; a compiled engine without a
+    calibration is refused); None: the plan's.
     fit_slots (a CUDA device): fewer slots than asked for (or than compiled) where their KV
     cache would not fit in the device's free memory (`slots_that_fit`)."""
     if kind not in ENGINE_KINDS:
@@ -231,6 +235,10 @@ def open_engine(
     codec = {k: v for k, v in codec.items() if v is not None and v != getattr(plan, k)}
     if codec:
         plan = plan_update(plan, **codec)
+    if talker_kv_fp8 is not None and talker_kv_fp8 != plan.talker_kv_fp8:
+        if talker_kv_fp8 and not graph:
+            raise ValueError("an FP8 talker KV cache is the graph engine's (--engine graph)")
+        plan = plan_update(plan, talker_kv_fp8=talker_kv_fp8)
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 

@@ -183,6 +183,12 @@ def serve(
         "unfused path (0: never; 157 MiB for 1.7B where a batch bucket reaches it; default: "
         "the engine's plan, 128 for FP8)."
     ),  # fmt: skip
+    talker_kv_fp8: bool = typer.Option(
+        None, "--talker-kv-fp8/--talker-kv-bf16", help="Graph engines: the talker's KV cache "
+        "in FP8 (e4m3) with the engine's calibrated k/v scales: half the bytes decode "
+        "attention reads and half the cache (a compiled engine needs --calib; default: the "
+        "engine's plan, bf16)."
+    ),  # fmt: skip
     w8a8_min_rows: int = typer.Option(
         None, "--w8a8-min-rows", min=0, help="FP8 engines on a GPU: the talker's linears as "
         "W8A8 (activations quantised to FP8 per row, FP8 tensor-core tiles) from this many "
@@ -365,7 +371,7 @@ def serve(
             codec_channels_last=codec_channels_last, codec_fused_output=codec_fused_output,
             codec_fused_attention=codec_fused_attention, code_predictor_fp8=fp8_code_predictor,
             megaframe_code_predictor=megaframe_code_predictor,
-            megaframe_regular=megaframe_regular,
+            megaframe_regular=megaframe_regular, talker_kv_fp8=talker_kv_fp8,
         )
     except Exception as exc:  # a bad checkpoint is a message, not a traceback
         _err.print(f"[red]error:[/] cannot load {checkpoint or random}: {exc}")

@@ -1,0 +1,109 @@
+"""plan.talker_kv_fp8 in the graph engine (eager on CPU): the talker's cache and prefix pool
+in e4m3 with each layer's k/v scales, measured as a calibration takes them; the engine's
+talker states against the bf16 cache's, and refusals."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from engine_runs import finish
+
+from ttsbuild.calibration.calibrate import measure_kv_scales
+from ttsbuild.convert.checkpoint import load_checkpoint
+from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE, KV_FP8_MAX
+from ttsbuild.runtime.engine import Models
+from ttsbuild.runtime.graph_engine import GraphEngine
+from ttsbuild.runtime.plan import EnginePlan
+from ttsbuild.runtime.request import SynthesisRequest
+
+PLAN = dict(num_slots=3, max_len=256, max_text=64, batch_buckets=(1, 2), prefill_buckets=(32, 64),
+            codec_chunks=(1, 2), codec_ring=8)  # fmt: skip
+REQUESTS = [
+    SynthesisRequest(text="The birch canoe slid on the smooth planks.", voice="ryan", seed=1,
+                     max_frames=8),
+    SynthesisRequest(text="Rice is often served in round bowls.", voice="vivian", seed=3,
+                     max_frames=6),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint):
+    return Models.load(load_checkpoint(tiny_checkpoint), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def scales(models):
+    return measure_kv_scales(models, ["Glue the sheet to the dark blue background."],
+                             max_frames=6)  # fmt: skip
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _states(engine, requests):
+    """Each request's talker state after its prefill and after its third frame, then the
+    run to the end ((codes, pcm) per request)."""
+    slots = [engine.admit(r) for r in requests]
+    engine.prefill(slots)
+    b = engine.backend
+    states = [b.hidden[slots].clone()]
+    for _ in range(3):
+        engine.frames(slots)
+    states.append(b.hidden[slots].clone())
+    return states, finish(engine, slots, 2)
+
+
+def test_measured_scales_are_the_cache_amax(models, scales):
+    L = models.cfg.talker.num_layers
+    assert len(scales) == L
+    assert all(math.isfinite(k) and math.isfinite(v) and k > 0 and v > 0 for k, v in scales)
+    # the amax of k after its norm: per head, |k| <= |norm weight| * sqrt(head_dim)
+    D = models.cfg.talker.head_dim
+    for i, (k, _) in enumerate(scales):
+        bound = models.talker.model.layers[i].self_attn.k_norm.weight.detach().abs().max() * D**0.5
+        assert k * KV_FP8_MAX <= float(bound) * 1.001
+
+
+def test_fp8_cache_tracks_the_bf16_cache(models, scales):
+    """Same weights, same requests: the talker's states with the FP8 cache differ from the
+    exact cache's (the cache really is e4m3) by about e4m3's rounding, and with k scales 50x
+    too small (most keys clamped) by far more."""
+    exact = GraphEngine(models, EnginePlan(**PLAN), use_graphs=False)
+    fp8 = GraphEngine(models, EnginePlan(talker_kv_fp8=True, **PLAN), use_graphs=False,
+                      kv_scales=scales)  # fmt: skip
+    assert fp8.backend.kv_k.dtype == KV_FP8_DTYPE and fp8.backend.kv_v.dtype == KV_FP8_DTYPE
+    assert fp8.backend.memory_report()["kv_cache"] * 4 == exact.backend.memory_report()[
+        "kv_cache"]  # fmt: skip  (fp32 on the CPU: a quarter of the bytes)
+    want, want_runs = _states(exact, REQUESTS)
+    got, runs = _states(fp8, REQUESTS)
+    for w, g in zip(want, got, strict=True):
+        assert 1e-5 < _rel(g, w) < 1e-2, _rel(g, w)  # (measured 8e-4, 2e-4)
+    for (codes, pcm), (ref_codes, _) in zip(runs, want_runs, strict=True):
+        # (the three frames stepped before `finish` have their audio in pcm, not in codes)
+        assert codes.shape[1] == ref_codes.shape[1] and pcm.shape[0] % 1920 == 0
+        assert pcm.shape[0] > codes.shape[0] * 1920 and np.isfinite(pcm).all()
+    assert fp8.free_slots() == PLAN["num_slots"]
+    broken = GraphEngine(models, EnginePlan(talker_kv_fp8=True, **PLAN), use_graphs=False,
+                         kv_scales=[(k / 50, v) for k, v in scales])  # fmt: skip
+    bad, _ = _states(broken, REQUESTS)
+    assert _rel(bad[1], want[1]) > 3 * _rel(got[1], want[1])
+
+
+def test_fp8_cache_needs_scales_and_the_default_kernels(models, scales):
+    with pytest.raises(ValueError, match="compile the engine with a calibration"):
+        GraphEngine(models, EnginePlan(talker_kv_fp8=True, **PLAN), use_graphs=False)
+    with pytest.raises(ValueError, match="compile the engine with a calibration"):
+        GraphEngine(models, EnginePlan(talker_kv_fp8=True, **PLAN), use_graphs=False,
+                    kv_scales=scales[:-1])  # fmt: skip
+    for extra in ({"talker_megastep": True}, {"fused_talker": (1,)}):
+        with pytest.raises(ValueError, match="read a bf16 cache"):
+            EnginePlan(talker_kv_fp8=True, **extra, **PLAN)
+    # the cache kernels refuse an FP8 cache given without its scales
+    stack = GraphEngine(models, EnginePlan(**PLAN), use_graphs=False).backend.talker_stack
+    cache = torch.zeros(1, 1, 1, 4, 8, dtype=KV_FP8_DTYPE)
+    with pytest.raises(ValueError, match="compile the engine with a calibration"):
+        stack.kv_cache_args(0, cache)
