@@ -77,7 +77,9 @@ def test_fp8_engine_within_rounding(ckpt, fp8_engine):
     assert packed["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
     assert packed["model.layers.0.self_attn.qkv_proj.input_scale"].numel() == 1
     assert packed["model.layers.1.self_attn.k_scale"] > 0
-    assert art.manifest.calibration.runtime_use.startswith("none yet")  # recorded, not used
+    # recorded; k/v scales used where the plan has an FP8 talker cache (off here)
+    assert art.manifest.calibration.runtime_use.startswith("k/v_scale: the talker's FP8 KV")
+    assert not art.manifest.plan.talker_kv_fp8
     base, eng = _checkpoint_models(ckpt), models_from_engine(art)
     a, b = base.talker.state_dict(), eng.talker.state_dict()
     for k in a:
@@ -367,3 +369,29 @@ def test_the_one_kernel_code_predictor_plan(ckpt, tmp_path):
     with pytest.raises(ValueError, match="code predictor's shapes"):
         compile_engine_dir(ckpt, tmp_path / "e", cfg)
     assert not (tmp_path / "e").exists()
+
+
+def test_the_gate_measures_the_talker_on_its_fp8_cache(ckpt, tmp_path):
+    """compile --talker-kv-fp8 needs a calibration (refused before anything is written); the
+    gate's talker then runs on an FP8 cache with the stack's scales (RuntimeLM.kv_fp8): its
+    codebook-0 logits differ from the bf16 cache's by about e4m3's rounding, not more."""
+    from ttsbuild.build.quality import RuntimeLM, pack_models
+    from ttsbuild.calibration.calibrate import measure_kv_scales
+
+    out = tmp_path / "engine"
+    with pytest.raises(ValueError, match="give --calib"):
+        compile_engine_dir(ckpt, out, BuildConfig(talker_kv_fp8=True, **QUICK), None)
+    assert not out.exists()
+    assert BuildConfig(talker_kv_fp8=True).runtime_plan().talker_kv_fp8
+    base = _checkpoint_models(ckpt)
+    packed, sizes, _ = pack_models(base, BuildConfig().fp8_groups(), torch.device("cpu"))
+    rt = RuntimeLM.from_packed(base.cfg, packed, sizes, torch.float32, "cpu", False)
+    items = generate_corpus(base, TEXTS, seed=5, max_frames=8)
+    exact = rt.codebook0_logits(items, 0)
+    rt.kv_fp8 = True
+    with pytest.raises(ValueError, match="compile the engine with a calibration"):
+        rt.codebook0_logits(items, 0)  # (packed without a calibration: no scales)
+    rt.talker.kv_scales = measure_kv_scales(base, TEXTS, max_frames=6)
+    fp8 = rt.codebook0_logits(items, 0)
+    rel = ((fp8 - exact).norm() / exact.norm()).item()
+    assert 1e-5 < rel < 2e-2, rel

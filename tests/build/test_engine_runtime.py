@@ -219,3 +219,30 @@ def test_the_one_kernel_code_predictor_is_chosen_at_load_only_over_fp8_weights(f
     same = open_engine(fp8_engine, "cpu", kind="graph", code_predictor_fp8=False,
                        megaframe_code_predictor=False)  # fmt: skip
     assert not same.plan.megaframe_code_predictor and not same.backend.cp_mega
+
+
+def test_the_talker_kv_cache_in_fp8_at_load(fp8_engine, bf16_engine):
+    """open_engine(talker_kv_fp8=True) on an engine compiled with a calibration: the cache in
+    e4m3 with the calibration's k/v scales (as compiled into the engine), serving a request;
+    an engine compiled without one, or the eager engine, is refused clearly."""
+    import torch
+
+    from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE
+
+    engine = open_engine(fp8_engine, "cpu", kind="graph", talker_kv_fp8=True)
+    b = engine.backend
+    assert engine.plan.talker_kv_fp8 and b.kv_k.dtype == b.kv_v.dtype == KV_FP8_DTYPE
+    assert b.prefix.k.dtype == KV_FP8_DTYPE
+    packed = load_models(fp8_engine, "cpu").packed["talker"]
+    assert b.talker_stack.kv_scales == [
+        (float(packed[f"model.layers.{i}.self_attn.k_scale"]),
+         float(packed[f"model.layers.{i}.self_attn.v_scale"]))
+        for i in range(len(b.talker_stack.layers))
+    ]  # fmt: skip
+    pcm, stats = synthesize(engine, REQ)
+    assert stats["frames"] == 10 and np.isfinite(pcm).all() and np.abs(pcm).max() > 0
+    assert b.kv_k.view(torch.uint8).any()  # written
+    with pytest.raises(ValueError, match="compile the engine with a calibration"):
+        open_engine(bf16_engine, "cpu", kind="graph", talker_kv_fp8=True)
+    with pytest.raises(ValueError, match="the graph engine's"):
+        open_engine(fp8_engine, "cpu", kind="eager", talker_kv_fp8=True)

@@ -139,6 +139,11 @@ def compile_engine(
         "(dequantised at load, cuBLAS) from this many rows on its unfused path (0: never; "
         "held only where a batch bucket reaches it).",
     ),  # fmt: skip
+    talker_kv_fp8: bool = typer.Option(
+        False, "--talker-kv-fp8", help="The talker's KV cache in FP8 (e4m3) with the "
+        "calibration's k/v scales (needs --calib; the quality gate measures the talker on "
+        "it): half the bytes decode attention reads and half the cache's memory.",
+    ),  # fmt: skip
     bf16_min_rows: int = typer.Option(
         DEFAULT_BF16_MIN_ROWS, "--bf16-min-rows", min=0,
         help="FP8 engines: the talker's linears on bf16 copies of their weights (dequantised "
@@ -213,7 +218,7 @@ def compile_engine(
             persistent_cp_max_batch=persistent_cp_max_batch, w8a8_min_rows=w8a8_min_rows,
             cp_w8a8_min_rows=cp_w8a8_min_rows, cp_bf16_min_rows=cp_bf16_min_rows,
             bf16_min_rows=bf16_min_rows, lane_reserved_sms=lane_reserved_sms,
-            prefix_pool=prefix_pool, max_prefix=max_prefix,
+            talker_kv_fp8=talker_kv_fp8, prefix_pool=prefix_pool, max_prefix=max_prefix,
             quality_texts=quality_texts, quality_frames=quality_frames,
             force_quality=force_quality, onnx=onnx, codec_precision=codec_precision,
             speculative=_speculative(speculative) if speculative and speculative != "auto"

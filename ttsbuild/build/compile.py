@@ -72,10 +72,9 @@ from ttsbuild.runtime.plan import (
 LM_MODULES = ("talker", "code_predictor")
 # What the runtime does with a calibration file's scales (the manifest says it).
 CALIBRATION_RUNTIME_USE = (
-    "none yet: the runtime's FP8 linears are weight-only (bf16 activations) or, at the "
-    "plan's W8A8 rows, quantise activations with a scale per row computed at run time; its "
-    "KV cache is bf16; input_scale and k/v_scale are recorded for static activation scales "
-    "or an FP8 KV cache, which no runtime path has"
+    "k/v_scale: the talker's FP8 KV cache where the plan has it (talker_kv_fp8, "
+    "--talker-kv-fp8); input_scale: none yet (the runtime's FP8 linears are weight-only or, "
+    "at the plan's W8A8 rows, quantise activations with a scale per row computed at run time)"
 )
 
 
@@ -129,6 +128,9 @@ class BuildConfig:
     cp_bf16_min_rows: int = DEFAULT_CP_BF16_MIN_ROWS
     # FP8 talker linears on bf16 copies of their weights from this many rows; 0: never
     bf16_min_rows: int = DEFAULT_BF16_MIN_ROWS
+    # the talker's KV cache in FP8 with the calibration's k/v scales (needs a calibration;
+    # the quality gate measures the talker on it)
+    talker_kv_fp8: bool = False
     # SMs kept for the admission lane (regular steps in green contexts of the others; 0: off;
     # only with an admission lane)
     # (None: DEFAULT_LANE_RESERVED_SMS, 0 with megaframe_code_predictor)
@@ -227,6 +229,7 @@ class BuildConfig:
             cp_w8a8_min_rows=self.cp_w8a8_min_rows if self.precision == "fp8" else 0,
             cp_bf16_min_rows=self.cp_bf16_min_rows if self.precision == "fp8" else 0,
             bf16_min_rows=self.bf16_min_rows if self.precision == "fp8" else 0,
+            talker_kv_fp8=self.talker_kv_fp8,
             # the codec switches pinned as this host takes them: the gate measures them and
             # the engine directory serves them, whatever the deployment host's environment
             **{f"codec_{k}": v for k, v in default_switches(self.codec_precision).items()},
@@ -345,6 +348,9 @@ def compile_engine_dir(
                          "(its checkpoint manifest hash differs); re-run `ttsbuild calibrate`")
     if cfg.precision == "fp8" and calib is None:
         log("no calibration file: FP8 weights only, no activation or KV scales recorded")
+    if cfg.talker_kv_fp8 and calib is None:
+        raise ValueError("--talker-kv-fp8 takes its k/v scales from a calibration: give "
+                         "--calib (`ttsbuild calibrate` makes one)")  # fmt: skip
 
     # before the packing: a plan that cannot be met fails at once
     has_draft = DRAFT_FILE in ckpt.manifest["files"]
@@ -562,6 +568,7 @@ def check_quality(ckpt, packed, sizes, cfg: BuildConfig, device, log) -> dict:
     plan = cfg.runtime_plan()
     runtime = RuntimeLM.from_packed(reference.cfg, packed, sizes, dtype, device,
                                     plan.cp_heads_are_fp8)
+    runtime.kv_fp8 = plan.talker_kv_fp8  # the talker's cache as the plan serves it
     # the linears by rows as the plan serves them: W8A8, bf16 copies, weight-only
     runtime.talker.set_linear_paths(plan, runtime.code_predictor.stack,
                                     runtime.code_predictor.heads)  # fmt: skip

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from ttsbuild.generation.generate import codebook0_logits_mask
 from ttsbuild.generation.prompt import build_prompt
 from ttsbuild.model.layers import KVCache
+from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE
 
 MIN_TOP1 = 0.85
 MAX_KL = 0.02
@@ -179,6 +180,8 @@ class RuntimeLM:
     talker: object  # PackedStack
     codec_head: object  # Dense
     code_predictor: object  # FusedCodePredictor
+    # the talker's cache in FP8 with its stack's calibrated k/v scales (plan.talker_kv_fp8)
+    kv_fp8: bool = False
 
     @classmethod
     def from_packed(cls, cfg, packed: dict, sizes: dict, dtype, device,
@@ -217,7 +220,8 @@ class RuntimeLM:
         lengths = [pr.embeds.shape[0] for pr in prompts]
         c = cfg.talker
         shape = (c.num_layers, len(items), c.num_kv_heads, max(lengths) + max(frames), c.head_dim)
-        k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        k_cache = torch.zeros(shape, dtype=KV_FP8_DTYPE if self.kv_fp8 else p.dtype,
+                              device=p.device)  # fmt: skip
         v_cache = torch.zeros_like(k_cache)
         states: list[list[torch.Tensor]] = []
         for i, prompt in enumerate(prompts):
