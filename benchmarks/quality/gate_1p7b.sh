@@ -4,7 +4,8 @@
 #   fp8 WITHOUT --force-quality (the gate: the runtime's kernels on the packed FP8 weights
 #   against the eager bf16 model, codebook 0 and codebooks 1-15) -> the same gate on
 #   deliberately broken engines (one linear's scale x4, a zeroed channel) and on the old flat
-#   stand-in (benchmarks/quality/gate_sensitivity.py). No calibration (the runtime uses none).
+#   stand-in (benchmarks/quality/gate_sensitivity.py, with the talker's FP8 KV cache on k/v scales
+#   measured as a calibration takes them, and on broken ones). No calibration file.
 #   OUT=out bash benchmarks/quality/gate_1p7b.sh
 # Writes $OUT/gate_1p7b.log, $OUT/standin.json, $OUT/quality.json, $OUT/gate_sensitivity*.json.
 set -uo pipefail
@@ -29,7 +30,7 @@ cli() { python3 -m ttsbuild.cli "$@"; }
         echo "GATE: compile refused the engine"
     fi
     log "the gate on broken engines"
-    timeout 300 python3 benchmarks/quality/gate_sensitivity.py "$W/ckpt" --out "$OUT"
+    timeout 300 python3 benchmarks/quality/gate_sensitivity.py "$W/ckpt" --kv-fp8 --out "$OUT"
     log "the gate on the old flat stand-in (in memory)"
     timeout 200 python3 benchmarks/quality/gate_sensitivity.py --random 1.7b-customvoice --flat \
         --only-correct --out "$OUT"

@@ -6,11 +6,18 @@ weights against the eager bf16 model, teacher forced) is run on
   correct              the talker's FP8 layers as `compile` quantises them;
   L.<linear> x4        one packed linear (qkv, o, gate_up, down) of layer L with its
                        per-channel weight_scale multiplied by 4 (layers first, middle, last);
-  L.down ch0 zeroed    one output channel of layer L's down projection zeroed (scale 0).
+  L.down ch0 zeroed    one output channel of layer L's down projection zeroed (scale 0);
+with --kv-fp8 also
+  FP8 KV cache         the correct engine with the talker's cache in FP8 (plan talker_kv_fp8),
+                       its k/v scales measured as a calibration takes them (measure_kv_scales);
+  FP8 KV, k / 16       the same with every k scale 16x too small (most keys clamped);
+  FP8 KV, v / 16       the same for the v scales (a scale too large costs only precision:
+                       the cache is written and read with the same one).
 Prints a table and writes gate_sensitivity.json to --out.
 
     python benchmarks/quality/gate_sensitivity.py CKPT --out out        # a converted checkpoint
     python benchmarks/quality/gate_sensitivity.py --random 1.7b-customvoice --flat --only-correct
+    python benchmarks/quality/gate_sensitivity.py CKPT --only-correct --kv-fp8
 """
 
 from __future__ import annotations
@@ -48,9 +55,17 @@ def load(args, device):
     return Models.load(load_checkpoint(args.checkpoint), device=device, dtype=dtype)
 
 
-def variants(num_layers: int, only_correct: bool):
-    yield "correct", lambda packed: None
-    yield "bf16 weights", None  # no FP8 at all: the kernels' and bf16's own share
+def variants(num_layers: int, only_correct: bool, kv_fp8: bool):
+    """(name, what breaks the packed tensors or None for bf16 weights, the talker's FP8 KV
+    cache scales from the measured ones or None for a bf16 cache)."""
+    yield "correct", lambda packed: None, None
+    yield "bf16 weights", None, None  # no FP8 at all: the kernels' and bf16's own share
+    if kv_fp8:
+        yield "FP8 KV cache", lambda packed: None, lambda scales: scales
+        yield "FP8 KV, k / 16", lambda packed: None, lambda scales: [(k / 16, v)
+                                                                     for k, v in scales]
+        yield "FP8 KV, v / 16", lambda packed: None, lambda scales: [(k, v / 16)
+                                                                     for k, v in scales]
     if only_correct:
         return
     for layer in sorted({0, num_layers // 2, num_layers - 1}):
@@ -60,7 +75,7 @@ def variants(num_layers: int, only_correct: bool):
             def times4(packed, name=name):
                 packed["talker"][name] = packed["talker"][name] * 4
 
-            yield f"{layer}.{lin.split('.')[1]} x4", times4
+            yield f"{layer}.{lin.split('.')[1]} x4", times4, None
     mid = num_layers // 2
     name = f"model.layers.{mid}.mlp.down_proj.weight_scale"
 
@@ -68,7 +83,7 @@ def variants(num_layers: int, only_correct: bool):
         packed["talker"][name] = packed["talker"][name].clone()
         packed["talker"][name][0] = 0
 
-    yield f"{mid}.down ch0 zeroed", zero_channel
+    yield f"{mid}.down ch0 zeroed", zero_channel, None
 
 
 def main() -> None:
@@ -79,6 +94,8 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=4)
     ap.add_argument("--frames", type=int, default=32)
     ap.add_argument("--only-correct", action="store_true")
+    ap.add_argument("--kv-fp8", action="store_true",
+                    help="also the talker's FP8 KV cache, with its scales and broken ones")
     ap.add_argument("--reference", choices=("bf16", "fp32"), default="bf16",
                     help="the reference's compute dtype on a GPU (compile: bf16)")
     ap.add_argument("--gain", type=float, help="with --random: this residual gain")
@@ -101,10 +118,20 @@ def main() -> None:
           f"{' (flat)' if args.flat else ''}{f', gain {args.gain}' if args.gain else ''}, "
           f"reference {args.reference}, {len(items)} texts, "
           f"{sum(int(i.codes.shape[0]) for i in items)} frames, cp paths {paths}", flush=True)
+    kv_scales = None
+    if args.kv_fp8:
+        from ttsbuild.calibration.calibrate import measure_kv_scales
+
+        # calibration texts apart from the gate's corpus, as `ttsbuild calibrate` takes them
+        kv_scales = measure_kv_scales(ref, load_texts(None, args.texts + 4)[args.texts:],
+                                      max_frames=args.frames)  # fmt: skip
+        print(f"k/v scales measured: k {min(k for k, _ in kv_scales):.3e}.."
+              f"{max(k for k, _ in kv_scales):.3e}, v {min(v for _, v in kv_scales):.3e}.."
+              f"{max(v for _, v in kv_scales):.3e}", flush=True)
     rows = []
     print("| engine | c0 top-1 | c0 mean KL | cb1-15 top-1 | cb1-15 mean KL | gate |")
     print("|---|---|---|---|---|---|")
-    for name, breaks in variants(ref.cfg.talker.num_layers, args.only_correct):
+    for name, breaks, kv in variants(ref.cfg.talker.num_layers, args.only_correct, args.kv_fp8):
         packed = {m: dict(t) for m, t in (base if breaks else unquantised).items()}
         if breaks:
             breaks(packed)
@@ -115,6 +142,8 @@ def main() -> None:
         # 2026-12-04 this script ran every FP8 linear weight-only)
         runtime.talker.set_linear_paths(plan, runtime.code_predictor.stack,
                                         runtime.code_predictor.heads)  # fmt: skip
+        if kv is not None:
+            runtime.kv_fp8, runtime.talker.kv_scales = True, kv(kv_scales)
         r = measure_quality(ref, runtime, items, paths, reference_logits=ref_logits,
                             talker_paths=talker_decode_paths(plan))
         rows.append({"engine": name, "seconds": round(time.perf_counter() - t, 2),
