@@ -137,8 +137,10 @@ def open_engine(
     else:
         default_slots, default_len = 32, 2048  # a checkpoint's plan when not asked otherwise
     if fit_slots and device.type == "cuda":
+        fp8_kv = talker_kv_fp8 if talker_kv_fp8 is not None else bool(
+            compiled is not None and compiled.talker_kv_fp8)  # fmt: skip
         num_slots = _fit_slots(num_slots or default_slots, models, device,
-                               max_len or default_len)  # fmt: skip
+                               max_len or default_len, 1 if fp8_kv else 2)  # fmt: skip
         max_batch = None if max_batch is None else min(max_batch, num_slots)
     if compiled is not None:
         plan = plan_within(compiled, num_slots, max_len, path)
@@ -321,11 +323,13 @@ def slots_that_fit(wanted: int, per_slot: int, free: int, reserve: int = FIT_RES
     return max(1, fit - fit % 8 if fit >= 8 else fit)
 
 
-def _fit_slots(wanted: int, models, device: torch.device, max_len: int) -> int:
+def _fit_slots(wanted: int, models, device: torch.device, max_len: int,
+               kv_bytes: int = 2) -> int:  # fmt: skip
     """`slots_that_fit` on this CUDA device now (its weights loaded): the KV cache is
-    allocated at the engine's start, so slots that do not fit would fail it."""
+    allocated at the engine's start, so slots that do not fit would fail it. kv_bytes: a
+    cache entry's (1 for an FP8 cache)."""
     free, _ = torch.cuda.mem_get_info(device)
-    return slots_that_fit(wanted, slot_bytes(models.cfg.talker, max_len), free)
+    return slots_that_fit(wanted, slot_bytes(models.cfg.talker, max_len, kv_bytes), free)
 
 
 def plan_update(plan: EnginePlan, **fields) -> EnginePlan:
