@@ -123,6 +123,9 @@
 #         TTSBUILD_FP8_TUNE_BY_ROWS=1, and with that and TTSBUILD_FP8_WO_MAX_BLOCK_M=128; then
 #         the Triton cache stripped (strip_triton_cache.py) and the first run again in a new
 #         process: it should compile nothing (its wall time against the first's)
+# kvattn: benchmarks/kernels/kv_fp8_attention.py (the talker's decode attention and cache
+#         write on a bf16 cache against an FP8 one, plan talker_kv_fp8; 1-256 rows, 200 and 600
+#         positions of a 2048-position cache; $KVATTN_ARGS)
 # megatalker: benchmarks/kernels/megatalker/bench_talker_step.py (the talker's decode step at
 #         batch 1 as one persistent kernel, runtime/talker_megastep.py): against its fp32
 #         reference and the served step at three positions, then ms per step by prefetch
@@ -578,6 +581,11 @@ for step in $STEPS; do
         timeout -k 5 100 python3 -u benchmarks/kernels/cp_many_rows.py --tag stripped \
             > "$OUT/cp_many_rows_stripped.log" 2>&1
         echo "rc=$? ($((SECONDS - t0)) s on the stripped cache)"; grep "a frame" "$OUT/cp_many_rows_stripped.log" ;;
+    kvattn)  # the talker's decode attention and cache write, bf16 cache against FP8
+        log "decode attention on a bf16 against an FP8 talker cache (kv_fp8_attention.py)"
+        timeout -k 5 150 python3 -u benchmarks/kernels/kv_fp8_attention.py \
+            ${KVATTN_ARGS:-} > "$OUT/kv_fp8_attention.log" 2>&1
+        echo "rc=$?"; tail -12 "$OUT/kv_fp8_attention.log" ;;
     megatalker)  # the talker's decode step at batch 1 as one persistent kernel (prototype)
         log "one-kernel talker step (bench_talker_step.py): checks, then ms per step beside the served step"
         # MEGATALKER_ARGS: e.g. --dists 1,2 --positions 600 (the extension builds in ~1 min)

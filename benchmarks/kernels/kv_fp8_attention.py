@@ -1,0 +1,98 @@
+"""The talker's decode attention on a bf16 cache against an FP8 one (plan talker_kv_fp8).
+
+    PYTHONPATH=. python3 benchmarks/kernels/kv_fp8_attention.py [--rows 1,16,64,256]
+        [--lengths 200,600] [--max-len 2048]
+
+GPU only. For the 1.7B talker's heads (16 query, 8 KV, head_dim 128) and a cache of --max-len
+positions per slot (the engine's max_len: the kernel's splits are planned over it), each row
+attending to `length` positions: `decode_attention` as the talker's decode step calls it
+(split kernel + combine), on a bf16 cache and on an e4m3 cache with k/v scales, and the
+cache write (`qk_norm_rope`) of each. Median us per call over CUDA-graph replays
+(`bench_kernels.graph_time_us`); every result is checked against the float32 reference on the
+same cache (relative error <= 2e-2, else the run fails). The last columns: the cache bytes a
+call reads (k and v over the rows' lengths) per us, and the talker step's 28 layers' worth.
+Appends to $OUT/kv_fp8_attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import graph_time_us, rel_err  # noqa: E402
+
+from ttsbuild.plugins.decode_attention import (  # noqa: E402
+    decode_attention,
+    decode_attention_reference,
+)
+from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE, qk_norm_rope, quantize_kv  # noqa: E402
+
+HQ, HKV, D, LAYERS = 16, 8, 128, 28
+ATTN = dict(num_heads=HQ, num_kv_heads=HKV, eps=1e-6, theta=1e6)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,16,64,256")
+    ap.add_argument("--lengths", default="200,600")
+    ap.add_argument("--max-len", type=int, default=2048)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    S = args.max_len
+    results = []
+    print(f"{'rows':>5} {'len':>5} | {'bf16 us':>8} {'fp8 us':>8} {'x':>5} | {'bf16 GB/s':>9} "
+          f"{'fp8 GB/s':>9} | {'write bf16':>10} {'write fp8':>9} | step ms saved (x{LAYERS})")
+    for B in (int(v) for v in args.rows.split(",")):
+        # one cache pair per precision, B slots; k as the norm leaves it (~N(0, 1)), v wider
+        k = torch.randn(B, HKV, S, D, device=dev, generator=g)
+        v = torch.randn(B, HKV, S, D, device=dev, generator=g) * 2
+        ks, vs = float(k.abs().amax()) / 448, float(v.abs().amax()) / 448
+        caches = {"bf16": (k.bfloat16(), v.bfloat16(), {}),
+                  "fp8": (quantize_kv(k, ks, KV_FP8_DTYPE), quantize_kv(v, vs, KV_FP8_DTYPE),
+                          dict(k_scale=ks, v_scale=vs))}  # fmt: skip
+        del k, v
+        q = torch.randn(B, HQ, D, device=dev, generator=g).bfloat16()
+        qkv = torch.randn(B, (HQ + 2 * HKV) * D, device=dev, generator=g).bfloat16()
+        qw = torch.ones(D, device=dev, dtype=torch.bfloat16)
+        slots = torch.randperm(B, device=dev, generator=g)
+        for length in (int(v) for v in args.lengths.split(",")):
+            lengths = torch.full((B,), length, device=dev)
+            positions = lengths - 1
+            us, write = {}, {}
+            for name, (kc, vc, kv) in caches.items():
+                out = decode_attention(q, kc, vc, slots, lengths, S, **kv)
+                ref = decode_attention_reference(q.float(), kc, vc, slots, lengths, S, **kv)
+                err = rel_err(out, ref)
+                if not err <= 2e-2:
+                    raise SystemExit(f"{name} B={B} len={length}: rel err {err:.2e} > 2e-2")
+                us[name] = graph_time_us(
+                    [lambda kc=kc, vc=vc, kv=kv: decode_attention(q, kc, vc, slots, lengths, S,
+                                                                  **kv)])  # fmt: skip
+                write[name] = graph_time_us(
+                    [lambda kc=kc, vc=vc, kv=kv: qk_norm_rope(qkv, qw, qw, positions, slots, kc,
+                                                              vc, **ATTN, **kv)])  # fmt: skip
+            read = {n: B * length * HKV * D * 2 * (2 if n == "bf16" else 1) for n in us}
+            saved = (us["bf16"] + write["bf16"] - us["fp8"] - write["fp8"]) * LAYERS / 1e3
+            print(f"{B:>5} {length:>5} | {us['bf16']:8.1f} {us['fp8']:8.1f} "
+                  f"{us['bf16'] / us['fp8']:5.2f} | {read['bf16'] / us['bf16'] / 1e3:9.0f} "
+                  f"{read['fp8'] / us['fp8'] / 1e3:9.0f} | {write['bf16']:10.1f} "
+                  f"{write['fp8']:9.1f} | {saved:.3f}", flush=True)
+            results.append({"rows": B, "length": length, "max_len": S, "attn_us": us,
+                            "write_us": write, "step_ms_saved": round(saved, 4)})
+        del caches
+        torch.cuda.empty_cache()
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "kv_fp8_attention.json", "a") as f:
+        f.write(json.dumps({"device": torch.cuda.get_device_name(), "results": results}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
