@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -73,11 +74,9 @@ def main() -> None:
                 if not err <= 2e-2:
                     raise SystemExit(f"{name} B={B} len={length}: rel err {err:.2e} > 2e-2")
                 us[name] = graph_time_us(
-                    [lambda kc=kc, vc=vc, kv=kv: decode_attention(q, kc, vc, slots, lengths, S,
-                                                                  **kv)])  # fmt: skip
+                    [partial(decode_attention, q, kc, vc, slots, lengths, S, **kv)])
                 write[name] = graph_time_us(
-                    [lambda kc=kc, vc=vc, kv=kv: qk_norm_rope(qkv, qw, qw, positions, slots, kc,
-                                                              vc, **ATTN, **kv)])  # fmt: skip
+                    [partial(qk_norm_rope, qkv, qw, qw, positions, slots, kc, vc, **ATTN, **kv)])
             read = {n: B * length * HKV * D * 2 * (2 if n == "bf16" else 1) for n in us}
             saved = (us["bf16"] + write["bf16"] - us["fp8"] - write["fp8"]) * LAYERS / 1e3
             print(f"{B:>5} {length:>5} | {us['bf16']:8.1f} {us['fp8']:8.1f} "
