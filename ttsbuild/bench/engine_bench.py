@@ -264,7 +264,7 @@ def _profile_host(engine, be, log, n: int = 10) -> None:
 
 
 def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_modules=False,
-                    first_frames: int = 1):  # fmt: skip
+                    first_frames: int = 1, context: int = 0):  # fmt: skip
     from ttsbuild.runtime.graph_engine import GraphEngine, _capture
     from ttsbuild.runtime.request import SynthesisRequest
 
@@ -318,6 +318,10 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
     for b in batches:
         slots = [engine.admit(req) for _ in range(b)]
         engine.prefill(slots)
+        if context:
+            # mid-utterance: each row's next token at this position (the cache below it is
+            # read whatever it holds: the attention's bytes are a real step's)
+            be.position[slots] = context
         be.rows_in[:b] = torch.tensor(slots, device=be.device)
         be.codec_rows_in[:b] = be.rows_in[:b]
         rows = be.rows_in[:b]
@@ -569,6 +573,7 @@ def run_engine_bench(
     lane_reserved_sms: int | None = None,
     first_frames: int = 1,
     plan_set: dict | None = None,
+    context: int = 0,
 ) -> dict:
     """Random weights: one engine per precision, side by side. A compiled engine (`plan` from
     its manifest): that engine only, its weights as compiled and never kept twice."""
@@ -578,7 +583,7 @@ def run_engine_bench(
     if plan is not None:
         batches = tuple(b for b in batches if b <= plan.max_batch)
         results.append(bench_precision(models, plan, batches, iters, log, release_modules=True,
-                                       first_frames=first_frames))  # fmt: skip
+                                       first_frames=first_frames, context=context))  # fmt: skip
     for p in precisions if plan is None else ():
         p_plan = bench_plan(
             p, batches, fused_code_predictor, persistent_cp_max_batch, fused_talker_max_batch,
@@ -592,13 +597,14 @@ def run_engine_bench(
         # goes to host memory) as a served engine does, so its memory report is the served one.
         results.append(bench_precision(models, p_plan, batches, iters, log,
                                        release_modules=p == precisions[-1],
-                                       first_frames=first_frames))  # fmt: skip
+                                       first_frames=first_frames, context=context))  # fmt: skip
         torch.cuda.empty_cache()  # the engine (KV cache, graphs) is gone: return its memory
     report = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": _triton_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "context": context or "after the prompt",
         "results": [asdict(r) for r in results],
     }
     log(format_table(results))
@@ -694,6 +700,9 @@ def main() -> None:
                    help="the first chunk beside stepping rows: 1 frame, or 2 (a real "
                    "CustomVoice checkpoint's, its silent first frame dropped; the plan's "
                    "admission lane then makes both, plan.lane_frames 2)")
+    p.add_argument("--context", type=int, default=0,
+                   help="time the frames with each row at this position (mid-utterance: the "
+                        "talker attends to that many positions); 0: right after the prompt")
     p.add_argument("--plan-set", action="append", default=[], metavar="FIELD=VALUE",
                    help="an EnginePlan field for the random-weight engines, VALUE as JSON "
                         "(repeatable), e.g. codec_fused_attention=true")
@@ -727,6 +736,7 @@ def main() -> None:
         lane_reserved_sms=a.lane_reserved_sms,
         first_frames=a.first_frames,
         plan_set=parse_plan_set(a.plan_set),
+        context=a.context,
     )
 
 
