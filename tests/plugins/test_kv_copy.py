@@ -19,7 +19,7 @@ def _tensors(device, g, dtype=torch.bfloat16):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_prefix_copy_kernel_matches_the_reference(dtype):
     g = torch.Generator().manual_seed(2)
     k, v, pk, pv = _tensors(KDEV, g, dtype)
@@ -29,6 +29,8 @@ def test_prefix_copy_kernel_matches_the_reference(dtype):
     slots, entries, starts = (staged[:, i].to(KDEV) for i in range(3))
     prefix_copy(k, v, pk, pv, slots, entries, starts, use_triton=True)
     prefix_copy_reference(k2, v2, pk, pv, slots, entries, starts)
+    if dtype == torch.float8_e4m3fn:  # (the talker's FP8 cache: compared as bytes)
+        k, v, k2, v2, k0, pk = (t.view(torch.uint8) for t in (k, v, k2, v2, k0, pk))
     assert torch.equal(k, k2) and torch.equal(v, v2)
     assert torch.equal(k[:, 2, :, :P], pk[:, 3, :, :P])  # a start past P: all P positions
     assert torch.equal(k[:, 0, :, :7], pk[:, 3, :, :7])

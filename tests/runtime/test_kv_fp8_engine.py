@@ -87,6 +87,13 @@ def test_fp8_cache_tracks_the_bf16_cache(models, scales):
         assert codes.shape[1] == ref_codes.shape[1] and pcm.shape[0] % 1920 == 0
         assert pcm.shape[0] > codes.shape[0] * 1920 and np.isfinite(pcm).all()
     assert fp8.free_slots() == PLAN["num_slots"]
+    # again, in reverse order: the prompts' prefixes now come from the (FP8) prefix pool into
+    # other slots, and the talker states are those of the first round (after the prefill bit
+    # for bit; after three frames to fp32 rounding: the rows' order in the batch differs)
+    hits = fp8.backend.prefix.hits
+    again, _ = _states(fp8, REQUESTS[::-1])
+    assert fp8.backend.prefix.hits >= hits + len(REQUESTS)
+    assert torch.equal(again[0], got[0].flip(0)) and _rel(again[1], got[1].flip(0)) < 1e-6
     broken = GraphEngine(models, EnginePlan(talker_kv_fp8=True, **PLAN), use_graphs=False,
                          kv_scales=[(k / 50, v) for k, v in scales])  # fmt: skip
     bad, _ = _states(broken, REQUESTS)
