@@ -106,6 +106,10 @@ def test_fp8_cache_needs_scales_and_the_default_kernels(models, scales):
     with pytest.raises(ValueError, match="compile the engine with a calibration"):
         GraphEngine(models, EnginePlan(talker_kv_fp8=True, **PLAN), use_graphs=False,
                     kv_scales=scales[:-1])  # fmt: skip
+    from ttsbuild.runtime.engine import EagerEngine
+
+    with pytest.raises(ValueError, match="the graph engine's"):
+        EagerEngine(models, plan=EnginePlan(talker_kv_fp8=True, **PLAN))
     for extra in ({"talker_megastep": True}, {"fused_talker": (1,)}):
         with pytest.raises(ValueError, match="read a bf16 cache"):
             EnginePlan(talker_kv_fp8=True, **extra, **PLAN)

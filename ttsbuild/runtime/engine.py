@@ -268,6 +268,9 @@ class EagerEngine(EngineCore):
         guards: GuardConfig | None = None,
     ):
         plan = plan or EnginePlan.default(num_slots=num_slots, max_len=max_len)
+        if plan.talker_kv_fp8:
+            raise ValueError("an FP8 talker KV cache is the graph engine's: the eager engine "
+                             "keeps the reference model's cache")  # fmt: skip
         guards = guards or GuardConfig()
         ref = ReferenceModel(models.talker, models.code_predictor, plan.num_slots, plan.max_len)
         backend = EagerBackend(ref, models.codec, guards)
