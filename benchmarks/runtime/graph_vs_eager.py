@@ -15,6 +15,7 @@ Exit status 1 when an fp32 check fails. Usage (repo root, GPU host):
     python benchmarks/runtime/graph_vs_eager.py [--variant tiny|1.7b-customvoice] [--kernels]
         [--admission-lane 1,2 [--lane-reserved-sms 16] [--lane-frames 2] [--lane-switch]]
         [--speculative] [--megaframe] [--talker-megastep-only] [--cp-w8a8-only]
+        [--talker-kv-fp8-only]
 
 --megaframe (--megaframe-only: that check alone): batch bucket 1's code predictor as one
 kernel a frame (runtime.cp_megaframe, the 1.7B shapes, sm_90): the 1.7B stand-in in fp32 with
@@ -357,6 +358,49 @@ def check_talker_megastep(device: str) -> bool:
     return ok
 
 
+def check_talker_kv_fp8(device: str) -> bool:
+    """--talker-kv-fp8-only: the talker's FP8 KV cache (plan.talker_kv_fp8, k/v scales
+    measured as a calibration takes them) on the tiny stand-in in fp32, greedy and sampled,
+    each request alone, with batch buckets 1-8 and the admission lane on 1 and 2: the graph
+    engine (captured steps, the scales baked into them) against the same engine run eagerly
+    (the same kernels, uncaptured): codes identical, PCM within 1e-3. Also reported: the
+    frames whose codes equal the bf16 cache's (near-ties of random weights may part)."""
+    from ttsbuild.calibration.calibrate import measure_kv_scales
+
+    models = random_models("tiny", device=device, dtype=torch.float32)
+    scales = measure_kv_scales(models, TEXTS[:2], max_frames=12)
+    plan = EnginePlan(num_slots=8, batch_buckets=(1, 2, 4, 8), max_len=512, max_text=256,
+                      prefill_buckets=(32, 64, 128), codec_chunks=(1, 2, 4), codec_ring=16,
+                      admission_lane=(1, 2), talker_kv_fp8=True)  # fmt: skip
+    ok = True
+    for greedy in (True, False):
+        reqs = requests(greedy)
+        runs = {}
+        for name, p, graphs in (("graphs", plan, None), ("eager", plan, False),
+                                ("bf16 cache", plan_update(plan, talker_kv_fp8=False), None)):
+            engine = GraphEngine(models, p, use_graphs=graphs, keep_codes=True,
+                                 kv_scales=scales if p.talker_kv_fp8 else None)  # fmt: skip
+            runs[name] = run_alone(engine, reqs)
+            del engine
+        same = frames = bf16_same = 0
+        worst = 0.0
+        for (gc, gp), (ec, ep), (bc, _) in zip(runs["graphs"], runs["eager"],
+                                               runs["bf16 cache"], strict=True):  # fmt: skip
+            frames += len(gc)
+            if gc.shape == ec.shape:
+                same += int((gc == ec).all(dim=1).sum())
+                worst = max(worst, float(np.abs(gp - ep).max()))
+            n = min(len(gc), len(bc))
+            bf16_same += int((gc[:n] == bc[:n]).all(dim=1).sum())
+        passed = same == frames and worst <= 1e-3
+        ok = ok and passed
+        print(f"tiny fp32 {'greedy' if greedy else 'sampled'} (talker KV cache FP8, graphs "
+              f"against eager): {'PASS' if passed else 'FAIL'}; codes identical on "
+              f"{same}/{frames} frames, max |pcm diff| {worst:.2e}; {bf16_same}/{frames} "
+              f"frames equal the bf16 cache's", flush=True)
+    return ok
+
+
 def check_cp_w8a8(device: str) -> bool:
     """--cp-w8a8-only: an FP8 code predictor's paths on its unfused path against the bf16
     model, teacher forced as compile's quality gate measures (`build.quality`: the 1.7B
@@ -463,6 +507,9 @@ def main() -> int:
                    help="with --admission-lane: also check with a new row's first frames and "
                    "its first codec step of that many frames on the lane (2: a real "
                    "checkpoint's first chunk)")
+    p.add_argument("--talker-kv-fp8-only", action="store_true",
+                   help="only the check of the talker's FP8 KV cache: graphs against eager, "
+                   "with the scales measured as a calibration takes them")
     p.add_argument("--cp-w8a8-only", action="store_true",
                    help="only the check of an FP8 code predictor's layers (weight-only, W8A8 "
                    "from 16 rows) and heads (FP8, bf16) against the bf16 model, teacher forced")
@@ -477,6 +524,7 @@ def main() -> int:
     print(f"{where}, torch {torch.__version__}", flush=True)
     only = [check for flag, check in ((a.megaframe_only, check_megaframe),
                                       (a.talker_megastep_only, check_talker_megastep),
+                                      (a.talker_kv_fp8_only, check_talker_kv_fp8),
                                       (a.cp_w8a8_only, check_cp_w8a8)) if flag]  # fmt: skip
     if only:  # the -only checks asked for, each of them, and nothing else
         return 0 if all([check(a.device) for check in only]) else 1
