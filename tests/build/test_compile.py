@@ -104,6 +104,7 @@ def test_fp8_engine_within_rounding(ckpt, fp8_engine):
     q = art.manifest.quality
     assert q["passed"] and q["random_weights"] and q["codebook0_top1_agreement"] >= 0.9
     assert set(q["code_predictor_paths"]) == {"fused"}  # QUICK's buckets (<= 8) are all fused
+    assert q["talker_kv_cache"] == "bf16"  # the plan's cache, as measured
     assert q["code_predictor_passed"] and q["codebook0_passed"]
     assert "weight-only" in q["activations"]  # the calibrated scales are not used: said so
     assert 0.4 < q["reference_sharpness"]["codebook0"]["mean_top1_prob"] < 0.85  # peaked

@@ -246,3 +246,25 @@ def test_the_talker_kv_cache_in_fp8_at_load(fp8_engine, bf16_engine):
         open_engine(bf16_engine, "cpu", kind="graph", talker_kv_fp8=True)
     with pytest.raises(ValueError, match="the graph engine's"):
         open_engine(fp8_engine, "cpu", kind="eager", talker_kv_fp8=True)
+
+
+def test_an_engine_compiled_with_the_fp8_talker_cache(ckpt, calib_file, tmp_path):
+    """compile --talker-kv-fp8 --calib: the plan has it, the gate measured the talker on it
+    (and passed), and the engine opens with its cache in e4m3 without being asked."""
+    from ttsbuild.build.compile import BuildConfig, compile_engine_dir
+    from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE
+
+    from .conftest import QUICK
+
+    out = tmp_path / "engine"
+    manifest = compile_engine_dir(ckpt, out, BuildConfig(precision="fp8", talker_kv_fp8=True,
+                                                         **QUICK), calib_file)  # fmt: skip
+    assert manifest["plan"]["talker_kv_fp8"]
+    q = manifest["quality"]
+    assert q["talker_kv_cache"] == "fp8" and q["passed"]
+    engine = open_engine(out, "cpu", kind="graph")
+    assert engine.plan.talker_kv_fp8 and engine.backend.kv_k.dtype == KV_FP8_DTYPE
+    pcm, stats = synthesize(engine, REQ)
+    assert stats["frames"] == 10 and np.isfinite(pcm).all()
+    bf16 = open_engine(out, "cpu", kind="graph", talker_kv_fp8=False)  # at load: a runtime choice
+    assert bf16.backend.kv_k.dtype != KV_FP8_DTYPE

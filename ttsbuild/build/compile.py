@@ -582,7 +582,8 @@ def check_quality(ckpt, packed, sizes, cfg: BuildConfig, device, log) -> dict:
             f"FP8 quality below the gate: {report.summary()}; no engine written "
             "(--force-quality writes it anyway, recorded as failed)"
         )
-    return report.to_dict()
+    # what the talker's cache was in the measurement (the plan's: talker_kv_fp8)
+    return {**report.to_dict(), "talker_kv_cache": "fp8" if runtime.kv_fp8 else "bf16"}
 
 
 def talker_decode_paths(plan: EnginePlan) -> dict[str, int]:
