@@ -120,14 +120,12 @@ def main() -> None:
           f"{sum(int(i.codes.shape[0]) for i in items)} frames, cp paths {paths}", flush=True)
     kv_scales = None
     if args.kv_fp8:
-        from ttsbuild.calibration.calibrate import measure_kv_scales
+        from ttsbuild.calibration.calibrate import kv_scales_range, measure_kv_scales
 
         # calibration texts apart from the gate's corpus, as `ttsbuild calibrate` takes them
         kv_scales = measure_kv_scales(ref, load_texts(None, args.texts + 4)[args.texts:],
                                       max_frames=args.frames)  # fmt: skip
-        print(f"k/v scales measured: k {min(k for k, _ in kv_scales):.3e}.."
-              f"{max(k for k, _ in kv_scales):.3e}, v {min(v for _, v in kv_scales):.3e}.."
-              f"{max(v for _, v in kv_scales):.3e}", flush=True)
+        print(f"k/v scales measured: {kv_scales_range(kv_scales)}", flush=True)
     rows = []
     print("| engine | c0 top-1 | c0 mean KL | cb1-15 top-1 | cb1-15 mean KL | gate |")
     print("|---|---|---|---|---|---|")

@@ -273,12 +273,11 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
     if plan.talker_kv_fp8 and models.packed is None:
         # the stand-in's k/v scales as a calibration takes them (amax over a reference
         # generation, / 448), measured before the engine drops the decoder layers
-        from ttsbuild.calibration.calibrate import measure_kv_scales
+        from ttsbuild.calibration.calibrate import kv_scales_range, measure_kv_scales
 
         kv_scales = measure_kv_scales(models, [TEXT, TEXT[:80]], max_frames=32)
-        log(f"[{precision}] FP8 KV cache: k/v scales measured on the stand-in, k "
-            f"{min(k for k, _ in kv_scales):.2e}..{max(k for k, _ in kv_scales):.2e}, v "
-            f"{min(v for _, v in kv_scales):.2e}..{max(v for _, v in kv_scales):.2e}")
+        log(f"[{precision}] FP8 KV cache: k/v scales measured on the stand-in, "
+            f"{kv_scales_range(kv_scales)}")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()

@@ -150,6 +150,12 @@ def measure_kv_scales(models, texts: list[str], *, seed: int = 0, max_frames: in
                                                              strict=True)]  # fmt: skip
 
 
+def kv_scales_range(scales: list[tuple[float, float]]) -> str:
+    """'k LO..HI, v LO..HI' over the layers' (k_scale, v_scale), for a log line."""
+    ks, vs = [k for k, _ in scales], [v for _, v in scales]
+    return f"k {min(ks):.3e}..{max(ks):.3e}, v {min(vs):.3e}..{max(vs):.3e}"
+
+
 def fp8_config() -> dict:
     """modelopt's FP8_DEFAULT_CFG without its lm_head exclusion (every linear is measured)."""
     import modelopt.torch.quantization as mtq

@@ -22,37 +22,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
-def qk_norm_rope_reference(
-    qkv: torch.Tensor,  # [R, (Hq + 2 Hkv) * D]
-    q_weight: torch.Tensor,  # [D]
-    k_weight: torch.Tensor,  # [D]
-    positions: torch.Tensor,  # [R] int
-    slots: torch.Tensor,  # [R] int
-    k_cache: torch.Tensor,  # [slots, Hkv, S, D]
-    v_cache: torch.Tensor,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    eps: float,
-    theta: float,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-) -> torch.Tensor:
-    """The model's unfused ops (layers.Attention): returns q [R, Hq, D]; writes the caches
-    (an FP8 cache: k and v as rounded by the model, then quantised, `quantize_kv`)."""
-    ks, vs = kv_cache_scales(k_cache, v_cache, k_scale, v_scale)
-    R = qkv.shape[0]
-    D = k_cache.shape[-1]
-    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
-    q = _rms_norm(q.reshape(R, 1, num_heads, D), q_weight, eps)
-    k = _rms_norm(k.reshape(R, 1, num_kv_heads, D), k_weight, eps)
-    cos, sin = rope_cos_sin(positions.reshape(R, 1), D, theta, qkv.dtype)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache[slots, :, positions] = quantize_kv(k[:, 0], ks, k_cache.dtype)
-    v_cache[slots, :, positions] = quantize_kv(v.reshape(R, num_kv_heads, D), vs, v_cache.dtype)
-    return q[:, 0]
-
-
 # An FP8 KV cache (EnginePlan.talker_kv_fp8): e4m3 values with a scale per layer for k and
 # one for v (calibrated: the layer's amax / 448, `build.pack.calibrated_scales`); the kernels
 # store x / scale clamped to +-448 and read back value * scale.
@@ -91,6 +60,37 @@ def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Te
     if x.dtype != KV_FP8_DTYPE:
         return x.to(dtype)
     return (x.float() * scale).to(dtype)
+
+
+def qk_norm_rope_reference(
+    qkv: torch.Tensor,  # [R, (Hq + 2 Hkv) * D]
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    positions: torch.Tensor,  # [R] int
+    slots: torch.Tensor,  # [R] int
+    k_cache: torch.Tensor,  # [slots, Hkv, S, D]
+    v_cache: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    theta: float,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+) -> torch.Tensor:
+    """The model's unfused ops (layers.Attention): returns q [R, Hq, D]; writes the caches
+    (an FP8 cache: k and v as rounded by the model, then quantised, `quantize_kv`)."""
+    ks, vs = kv_cache_scales(k_cache, v_cache, k_scale, v_scale)
+    R = qkv.shape[0]
+    D = k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    q = _rms_norm(q.reshape(R, 1, num_heads, D), q_weight, eps)
+    k = _rms_norm(k.reshape(R, 1, num_kv_heads, D), k_weight, eps)
+    cos, sin = rope_cos_sin(positions.reshape(R, 1), D, theta, qkv.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache[slots, :, positions] = quantize_kv(k[:, 0], ks, k_cache.dtype)
+    v_cache[slots, :, positions] = quantize_kv(v.reshape(R, num_kv_heads, D), vs, v_cache.dtype)
+    return q[:, 0]
 
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
