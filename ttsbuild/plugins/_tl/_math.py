@@ -47,7 +47,7 @@ else:
         return libdevice.sin(x)
 
 
-E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+E4M3_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn (constexpr: read inside kernels)
 
 if interpret_mode():
 
