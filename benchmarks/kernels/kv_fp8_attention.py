@@ -1,7 +1,7 @@
 """The talker's decode attention on a bf16 cache against an FP8 one (plan talker_kv_fp8).
 
     PYTHONPATH=. python3 benchmarks/kernels/kv_fp8_attention.py [--rows 1,16,64,256]
-        [--lengths 200,600] [--max-len 2048]
+        [--lengths 200,600] [--max-len 2048] [--tiles "128,4,3;128,8,3;64,4,4"]
 
 GPU only. For the 1.7B talker's heads (16 query, 8 KV, head_dim 128) and a cache of --max-len
 positions per slot (the engine's max_len: the kernel's splits are planned over it), each row
@@ -11,6 +11,9 @@ cache write (`qk_norm_rope`) of each. Median us per call over CUDA-graph replays
 (`bench_kernels.graph_time_us`); every result is checked against the float32 reference on the
 same cache (relative error <= 2e-2, else the run fails). The last columns: the cache bytes a
 call reads (k and v over the rows' lengths) per us, and the talker step's 28 layers' worth.
+--tiles: the split kernel's other (BLOCK_S, num_warps, num_stages) for a long cache
+(`LONG_TILES` holds the served ones), each timed on both caches at each rows x length and
+checked the same way; a second table, the best of each cache marked.
 Appends to $OUT/kv_fp8_attention.json.
 """
 
@@ -28,6 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import graph_time_us, rel_err  # noqa: E402
 
+from ttsbuild.plugins._tl.decode_attention import (  # noqa: E402
+    LONG_TILES,
+    decode_attention_triton,
+)
 from ttsbuild.plugins.decode_attention import (  # noqa: E402
     decode_attention,
     decode_attention_reference,
@@ -43,7 +50,15 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64,256")
     ap.add_argument("--lengths", default="200,600")
     ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--tiles", default="", help="';'-separated BLOCK_S,num_warps,num_stages")
     args = ap.parse_args()
+    try:
+        tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"--tiles wants 'BLOCK_S,WARPS,STAGES;...', got {args.tiles!r}") from None
+    if any(len(t) != 3 for t in tiles):
+        raise SystemExit(f"--tiles wants three numbers a config, got {args.tiles!r}")
+    sweep = []
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     S = args.max_len
@@ -85,8 +100,28 @@ def main() -> None:
                   f"{write['fp8']:9.1f} | {saved:.3f}", flush=True)
             results.append({"rows": B, "length": length, "max_len": S, "attn_us": us,
                             "write_us": write, "step_ms_saved": round(saved, 4)})
+            for name, (kc, vc, kv) in caches.items() if tiles else ():
+                for t in [LONG_TILES[name == "fp8"], *tiles]:
+                    run = partial(decode_attention_triton, q, kc, vc, slots, lengths, S,
+                                  tiles=t, **kv)  # fmt: skip
+                    err = rel_err(run(), decode_attention_reference(
+                        q.float(), kc, vc, slots, lengths, S, **kv))  # fmt: skip
+                    if not err <= 2e-2:
+                        raise SystemExit(f"{name} tiles {t} B={B} len={length}: rel err "
+                                         f"{err:.2e} > 2e-2")  # fmt: skip
+                    t_us = graph_time_us([run])
+                    sweep.append((B, length, name, t, t_us, read[name]))
         del caches
         torch.cuda.empty_cache()
+    if tiles:
+        print(f"\ntiles sweep (first row of each cache: LONG_TILES's)\n{'rows':>5} {'len':>5} "
+              f"{'cache':>5} {'tiles':>12} {'us':>8} {'GB/s':>6}")
+        for B, length, name, t, t_us, nbytes in sweep:
+            best = min(u for b, n_, c, _, u, _ in sweep if (b, n_, c) == (B, length, name))
+            print(f"{B:>5} {length:>5} {name:>5} {str(t):>12} {t_us:8.1f} "
+                  f"{nbytes / t_us / 1e3:6.0f}{'  best' if t_us == best else ''}")
+        results.append({"tiles_sweep": [dict(rows=b, length=n_, cache=c, tiles=t, us=u)
+                                        for b, n_, c, t, u, _ in sweep]})  # fmt: skip
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "kv_fp8_attention.json", "a") as f:

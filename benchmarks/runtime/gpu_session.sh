@@ -125,7 +125,8 @@
 #         process: it should compile nothing (its wall time against the first's)
 # kvattn: benchmarks/kernels/kv_fp8_attention.py (the talker's decode attention and cache
 #         write on a bf16 cache against an FP8 one, plan talker_kv_fp8; 1-256 rows, 200 and 600
-#         positions of a 2048-position cache; $KVATTN_ARGS)
+#         positions of a 2048-position cache; $KVATTN_ARGS, e.g. --tiles "128,4,3;128,8,3"
+#         to sweep the split kernel's tiles; $KVATTN_TAIL lines of the log shown, default 12)
 # megatalker: benchmarks/kernels/megatalker/bench_talker_step.py (the talker's decode step at
 #         batch 1 as one persistent kernel, runtime/talker_megastep.py): against its fp32
 #         reference and the served step at three positions, then ms per step by prefetch
@@ -585,7 +586,7 @@ for step in $STEPS; do
         log "decode attention on a bf16 against an FP8 talker cache (kv_fp8_attention.py)"
         timeout -k 5 150 python3 -u benchmarks/kernels/kv_fp8_attention.py \
             ${KVATTN_ARGS:-} > "$OUT/kv_fp8_attention.log" 2>&1
-        echo "rc=$?"; tail -12 "$OUT/kv_fp8_attention.log" ;;
+        echo "rc=$?"; tail -"${KVATTN_TAIL:-12}" "$OUT/kv_fp8_attention.log" ;;
     megatalker)  # the talker's decode step at batch 1 as one persistent kernel (prototype)
         log "one-kernel talker step (bench_talker_step.py): checks, then ms per step beside the served step"
         # MEGATALKER_ARGS: e.g. --dists 1,2 --positions 600 (the extension builds in ~1 min)

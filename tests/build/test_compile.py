@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
-from ttsbuild.build.compile import BuildConfig, QualityError, compile_engine_dir
+from ttsbuild.build.compile import (
+    BuildConfig,
+    QualityError,
+    compile_engine_dir,
+    resolved_talker_kv_fp8,
+)
 from ttsbuild.build.engine_dir import load_engine_dir, models_from_engine
 from ttsbuild.build.quality import teacher_forced_logits
 from ttsbuild.calibration.corpus import generate_corpus
@@ -77,9 +84,9 @@ def test_fp8_engine_within_rounding(ckpt, fp8_engine):
     assert packed["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
     assert packed["model.layers.0.self_attn.qkv_proj.input_scale"].numel() == 1
     assert packed["model.layers.1.self_attn.k_scale"] > 0
-    # recorded; k/v scales used where the plan has an FP8 talker cache (off here)
+    # recorded, and used: a calibrated FP8 engine's talker cache is FP8 by default
     assert art.manifest.calibration.runtime_use.startswith("k/v_scale: the talker's FP8 KV")
-    assert not art.manifest.plan.talker_kv_fp8
+    assert art.manifest.plan.talker_kv_fp8
     base, eng = _checkpoint_models(ckpt), models_from_engine(art)
     a, b = base.talker.state_dict(), eng.talker.state_dict()
     for k in a:
@@ -104,7 +111,7 @@ def test_fp8_engine_within_rounding(ckpt, fp8_engine):
     q = art.manifest.quality
     assert q["passed"] and q["random_weights"] and q["codebook0_top1_agreement"] >= 0.9
     assert set(q["code_predictor_paths"]) == {"fused"}  # QUICK's buckets (<= 8) are all fused
-    assert q["talker_kv_cache"] == "bf16"  # the plan's cache, as measured
+    assert q["talker_kv_cache"] == "fp8"  # the plan's cache (the default), as measured
     assert q["code_predictor_passed"] and q["codebook0_passed"]
     assert "weight-only" in q["activations"]  # the calibrated scales are not used: said so
     assert 0.4 < q["reference_sharpness"]["codebook0"]["mean_top1_prob"] < 0.85  # peaked
@@ -372,6 +379,24 @@ def test_the_one_kernel_code_predictor_plan(ckpt, tmp_path):
     assert not (tmp_path / "e").exists()
 
 
+@pytest.mark.parametrize("flags, asked", [([], None), (["--talker-kv-fp8"], True),
+                                           (["--talker-kv-bf16"], False)])  # fmt: skip
+def test_cli_talker_kv_flags_reach_the_build(ckpt, tmp_path, monkeypatch, flags, asked):
+    """compile --talker-kv-fp8 / --talker-kv-bf16 reach the build settings (neither: None,
+    FP8 where a calibration gives the scales, `resolved_talker_kv_fp8`)."""
+    from typer.testing import CliRunner
+
+    import ttsbuild.build.compile as compile_mod
+    from ttsbuild.cli import app
+
+    seen = []
+    monkeypatch.setattr(compile_mod, "compile_engine_dir",
+                        lambda ckpt, out, cfg, *rest: seen.append(cfg) or {"quality": None})
+    result = CliRunner().invoke(app, ["compile", str(ckpt), "-o", str(tmp_path / "e"),
+                                      "--no-onnx", *flags])  # fmt: skip
+    assert seen and seen[0].talker_kv_fp8 is asked, result.output
+
+
 def test_the_gate_measures_the_talker_on_its_fp8_cache(ckpt, tmp_path):
     """compile --talker-kv-fp8 needs a calibration (refused before anything is written); the
     gate's talker then runs on an FP8 cache with the stack's scales (RuntimeLM.kv_fp8): its
@@ -384,6 +409,14 @@ def test_the_gate_measures_the_talker_on_its_fp8_cache(ckpt, tmp_path):
         compile_engine_dir(ckpt, out, BuildConfig(talker_kv_fp8=True, **QUICK), None)
     assert not out.exists()
     assert BuildConfig(talker_kv_fp8=True).runtime_plan().talker_kv_fp8
+    # the default (None): FP8 only for an FP8 engine with a calibration; asked, as asked
+    fp8, bf16 = BuildConfig(precision="fp8"), BuildConfig(precision="bf16")
+    assert resolved_talker_kv_fp8(fp8, calibrated=True)
+    assert not resolved_talker_kv_fp8(fp8, calibrated=False)
+    assert not resolved_talker_kv_fp8(bf16, calibrated=True)
+    assert not resolved_talker_kv_fp8(replace(fp8, talker_kv_fp8=False), calibrated=True)
+    assert resolved_talker_kv_fp8(replace(bf16, talker_kv_fp8=True), calibrated=True)
+    assert not fp8.runtime_plan().talker_kv_fp8  # unresolved: the plan's bf16 cache
     base = _checkpoint_models(ckpt)
     packed, sizes, _ = pack_models(base, BuildConfig().fp8_groups(), torch.device("cpu"))
     rt = RuntimeLM.from_packed(base.cfg, packed, sizes, torch.float32, "cpu", False)

@@ -250,7 +250,8 @@ def test_the_talker_kv_cache_in_fp8_at_load(fp8_engine, bf16_engine):
 
 def test_an_engine_compiled_with_the_fp8_talker_cache(ckpt, calib_file, tmp_path):
     """compile --talker-kv-fp8 --calib: the plan has it, the gate measured the talker on it
-    (and passed), and the engine opens with its cache in e4m3 without being asked."""
+    (and passed), and the engine opens with its cache in e4m3 without being asked;
+    --talker-kv-bf16 keeps a calibrated FP8 engine's cache bf16 (the default is FP8)."""
     from ttsbuild.build.compile import BuildConfig, compile_engine_dir
     from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE
 
@@ -268,3 +269,6 @@ def test_an_engine_compiled_with_the_fp8_talker_cache(ckpt, calib_file, tmp_path
     assert stats["frames"] == 10 and np.isfinite(pcm).all()
     bf16 = open_engine(out, "cpu", kind="graph", talker_kv_fp8=False)  # at load: a runtime choice
     assert bf16.backend.kv_k.dtype != KV_FP8_DTYPE
+    kept = compile_engine_dir(ckpt, tmp_path / "kept", BuildConfig(
+        precision="fp8", talker_kv_fp8=False, **QUICK), calib_file)  # fmt: skip
+    assert not kept["plan"]["talker_kv_fp8"] and kept["quality"]["talker_kv_cache"] == "bf16"

@@ -141,6 +141,31 @@ def test_cache_write_kernel(R, S):
 
 
 @needs_kernel
+@pytest.mark.parametrize("tiles", kernel_cases(
+    [(128, 4, 2), (128, 8, 3), (32, 4, 4)], [(128, 4, 2), (32, 4, 4)]))
+@pytest.mark.parametrize("fp8", [True, False])
+def test_decode_attention_kernel_tiles(tiles, fp8):
+    """The split kernel's other long-cache tiles (kv_fp8_attention.py --tiles sweeps them)
+    against the reference, on an FP8 and a bf16 cache, split and not."""
+    from ttsbuild.plugins._tl.decode_attention import decode_attention_triton
+
+    R, S = 3, 300
+    _, _, _, _, slots, kc, vc, ks, vs = _inputs(7 + tiles[0], R, S, KDEV)
+    kv = dict(k_scale=ks, v_scale=vs)
+    if not fp8:
+        bf16 = torch.bfloat16
+        kc, vc, kv = dequantize_kv(kc, ks, bf16), dequantize_kv(vc, vs, bf16), {}
+    g = torch.Generator(device=KDEV).manual_seed(tiles[0])
+    q = torch.randn(R, HQ, D, device=KDEV, generator=g).to(torch.bfloat16)
+    lengths = torch.tensor([S, 97, 1 + tiles[0]], device=KDEV)
+    ref = decode_attention_reference(q.float(), kc, vc, slots, lengths, S, **kv)
+    for splits in (1, 3):
+        out = decode_attention_triton(q, kc, vc, slots, lengths, S, splits=splits, tiles=tiles,
+                                      **kv)  # fmt: skip
+        assert _rel(out, ref) < BF16_TOL, (splits, _rel(out, ref))
+
+
+@needs_kernel
 @pytest.mark.parametrize("R,S,splits", kernel_cases(
     [(1, 16, None), (2, 100, 1), (3, 150, 3), (8, 300, None)], [(2, 100, 1), (3, 150, 3)]))
 def test_decode_attention_kernel(R, S, splits):

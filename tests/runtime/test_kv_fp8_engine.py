@@ -118,3 +118,23 @@ def test_fp8_cache_needs_scales_and_the_default_kernels(models, scales):
     cache = torch.zeros(1, 1, 1, 4, 8, dtype=KV_FP8_DTYPE)
     with pytest.raises(ValueError, match="compile the engine with a calibration"):
         stack.kv_cache_args(0, cache)
+
+
+def test_random_fp8_weights_serve_the_fp8_cache_with_measured_scales():
+    """open_engine on in-memory FP8 random weights (serve's and the sweeps' stand-in for a
+    compiled engine): the talker's cache is FP8 as compile's default for a calibrated FP8
+    engine, with k/v scales measured as a calibration's (positive, one pair a layer);
+    talker_kv_fp8=False and bf16 weights keep it bf16."""
+    from ttsbuild.runtime.loader import open_engine
+
+    kw = dict(device="cpu", kind="graph", random_variant="tiny", num_slots=2, max_len=256)
+    fp8 = open_engine(None, precision="fp8", **kw)
+    b = fp8.backend
+    assert fp8.plan.talker_kv_fp8 and b.kv_k.dtype == b.kv_v.dtype == KV_FP8_DTYPE
+    scales = b.talker_stack.kv_scales
+    assert len(scales) == len(b.talker_stack.layers)
+    assert all(k > 0 and v > 0 and math.isfinite(k + v) for k, v in scales)
+    assert len({k for k, _ in scales}) > 1  # measured per layer, not one constant
+    for engine in (open_engine(None, precision="fp8", talker_kv_fp8=False, **kw),
+                   open_engine(None, precision="bf16", **kw)):  # fmt: skip
+        assert not engine.plan.talker_kv_fp8 and engine.backend.kv_k.dtype != KV_FP8_DTYPE

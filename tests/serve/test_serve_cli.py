@@ -139,13 +139,15 @@ def test_serve_passes_the_code_predictor_choices_to_the_loader(monkeypatch, flag
 
 @pytest.mark.parametrize("flags, kv_fp8", [([], None), (["--talker-kv-fp8"], True),
                                            (["--talker-kv-bf16"], False)])  # fmt: skip
-def test_serve_passes_the_talker_kv_cache_choice_to_the_loader(monkeypatch, flags, kv_fp8):
-    """--talker-kv-fp8 / --talker-kv-bf16 reach open_engine (None: the engine's plan); on an
-    engine without k/v scales (random weights, no calibration) the FP8 cache is a message and
-    exit 1, not a traceback."""
+def test_serve_passes_the_talker_kv_cache_choice_to_the_loader(
+    monkeypatch, tiny_checkpoint, flags, kv_fp8
+):
+    """--talker-kv-fp8 / --talker-kv-bf16 reach open_engine (None: the engine's plan); on a
+    checkpoint without k/v scales (not compiled with a calibration; random weights measure
+    theirs) the FP8 cache is a message and exit 1, not a traceback."""
     assert _loader_arguments(monkeypatch, flags)["talker_kv_fp8"] is kv_fp8
     monkeypatch.undo()
-    bad = CliRunner().invoke(app, ["serve", "--random", "tiny", "--device", "cpu",
+    bad = CliRunner().invoke(app, ["serve", str(tiny_checkpoint), "--device", "cpu",
                                    "--engine", "graph", "--talker-kv-fp8"])  # fmt: skip
     assert bad.exit_code == 1, bad.output
     assert "compile the engine with a calibration" in " ".join(bad.output.split()), bad.output

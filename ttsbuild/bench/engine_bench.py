@@ -188,8 +188,10 @@ def bench_plan(
     DEFAULT_W8A8_MIN_ROWS for FP8, DEFAULT_LANE_RESERVED_SMS with a lane; the code
     predictor's W8A8 from DEFAULT_CP_W8A8_MIN_ROWS and its bf16 copies from
     DEFAULT_CP_BF16_MIN_ROWS for FP8), prefill_batches
-    None: as served (`default_prefill_batches`). plan_set: more EnginePlan fields, e.g.
-    {"codec_fused_output": True}."""
+    None: as served (`default_prefill_batches`). An FP8 plan has the talker's cache in FP8
+    as compile gives a calibrated FP8 engine (not beside the one-kernel talker paths, which
+    have none; {"talker_kv_fp8": False} in plan_set: bf16). plan_set: more EnginePlan fields,
+    e.g. {"codec_fused_output": True}."""
     num_slots = max(batches)
     if prefill_batches is None:
         prefill_batches = default_prefill_batches(num_slots)
@@ -223,6 +225,10 @@ def bench_plan(
         if lane_reserved_sms is None else lane_reserved_sms,
         bf16_min_rows=bf16_min_rows,
         lane_frames=lane_frames if lane else 1,
+        # the FP8 talker cache, as compile makes a calibrated FP8 engine (the stand-in's k/v
+        # scales measured in `bench_precision`); the one-kernel talker paths have none
+        talker_kv_fp8=precision == "fp8" and not fused_talker_max_batch
+        and not any((plan_set or {}).get(k) for k in ("talker_megastep", "fused_talker")),
     )
     return EnginePlan(**{**fields, **(plan_set or {})})  # plan_set overrides any field
 

@@ -140,9 +140,10 @@ def compile_engine(
         "held only where a batch bucket reaches it).",
     ),  # fmt: skip
     talker_kv_fp8: bool = typer.Option(
-        False, "--talker-kv-fp8", help="The talker's KV cache in FP8 (e4m3) with the "
-        "calibration's k/v scales (needs --calib; the quality gate measures the talker on "
-        "it): half the bytes decode attention reads and half the cache's memory.",
+        None, "--talker-kv-fp8/--talker-kv-bf16", help="The talker's KV cache in FP8 (e4m3) "
+        "with the calibration's k/v scales (needs --calib; the quality gate measures the "
+        "talker on it): half the bytes decode attention reads and half the cache's memory. "
+        "Default: FP8 for --precision fp8 with --calib, else bf16.",
     ),  # fmt: skip
     bf16_min_rows: int = typer.Option(
         DEFAULT_BF16_MIN_ROWS, "--bf16-min-rows", min=0,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -128,9 +128,12 @@ class BuildConfig:
     cp_bf16_min_rows: int = DEFAULT_CP_BF16_MIN_ROWS
     # FP8 talker linears on bf16 copies of their weights from this many rows; 0: never
     bf16_min_rows: int = DEFAULT_BF16_MIN_ROWS
-    # the talker's KV cache in FP8 with the calibration's k/v scales (needs a calibration;
-    # the quality gate measures the talker on it)
-    talker_kv_fp8: bool = False
+    # the talker's KV cache in FP8 with the calibration's k/v scales (True needs a
+    # calibration; the quality gate measures the talker on it). None: on for an FP8 engine
+    # compiled with a calibration, off otherwise (`resolved_talker_kv_fp8`; measured on an
+    # H100 2026-12-07: the talker at 256 rows 3.89 -> 3.29 ms, at 600 positions 7.55 -> 5.53;
+    # the 1.7B gate's codebook-0 KL 0.0120 -> 0.0136, benchmarks/runtime/RESULTS.md)
+    talker_kv_fp8: bool | None = None
     # SMs kept for the admission lane (regular steps in green contexts of the others; 0: off;
     # only with an admission lane)
     # (None: DEFAULT_LANE_RESERVED_SMS, 0 with megaframe_code_predictor)
@@ -229,7 +232,7 @@ class BuildConfig:
             cp_w8a8_min_rows=self.cp_w8a8_min_rows if self.precision == "fp8" else 0,
             cp_bf16_min_rows=self.cp_bf16_min_rows if self.precision == "fp8" else 0,
             bf16_min_rows=self.bf16_min_rows if self.precision == "fp8" else 0,
-            talker_kv_fp8=self.talker_kv_fp8,
+            talker_kv_fp8=bool(self.talker_kv_fp8),  # (None: compile resolves it first)
             # the codec switches pinned as this host takes them: the gate measures them and
             # the engine directory serves them, whatever the deployment host's environment
             **{f"codec_{k}": v for k, v in default_switches(self.codec_precision).items()},
@@ -323,6 +326,14 @@ def _tensor_groups(cfg: BuildConfig, calibrated: bool) -> dict[str, dict]:
     return groups
 
 
+def resolved_talker_kv_fp8(cfg: BuildConfig, calibrated: bool) -> bool:
+    """The talker's cache precision an engine is compiled with: as asked, else (None) FP8
+    for an FP8 engine whose calibration gives the k/v scales."""
+    if cfg.talker_kv_fp8 is not None:
+        return cfg.talker_kv_fp8
+    return cfg.precision == "fp8" and calibrated
+
+
 def compile_engine_dir(
     checkpoint: str | Path,
     output: str | Path,
@@ -351,6 +362,7 @@ def compile_engine_dir(
     if cfg.talker_kv_fp8 and calib is None:
         raise ValueError("--talker-kv-fp8 takes its k/v scales from a calibration: give "
                          "--calib (`ttsbuild calibrate` makes one)")  # fmt: skip
+    cfg = replace(cfg, talker_kv_fp8=resolved_talker_kv_fp8(cfg, calib is not None))
 
     # before the packing: a plan that cannot be met fails at once
     has_draft = DRAFT_FILE in ckpt.manifest["files"]
@@ -475,8 +487,6 @@ def compile_engine_dir(
 
 def _auto_speculative(cfg: BuildConfig, ckpt, has_draft: bool, log) -> BuildConfig:
     """cfg with `speculative` decided from the draft's recorded acceptance (batch 1 only)."""
-    from dataclasses import replace
-
     from ttsbuild.build.spec_choice import choose, draft_acceptance
 
     if not has_draft:

@@ -113,7 +113,9 @@ def open_engine(
     only (`EnginePlan.megaframe_regular`, needs the lane on bucket 1); None: the plan's.
     talker_kv_fp8 (graph engines): the talker's KV cache in FP8 with the engine's calibrated
     k/v scales (`EnginePlan.talker_kv_fp8`, allocated at load; a compiled engine without a
-    calibration is refused); None: the plan's.
+    calibration is refused; random weights measure theirs as a calibration does); None: the
+    plan's, and for FP8 random weights on the graph engine True (as compile's default for a
+    calibrated FP8 engine).
     fit_slots (a CUDA device): fewer slots than asked for (or than compiled) where their KV
     cache would not fit in the device's free memory (`slots_that_fit`)."""
     if kind not in ENGINE_KINDS:
@@ -124,6 +126,10 @@ def open_engine(
     if kind == "auto":
         kind = "graph" if device.type == "cuda" else "eager"
     graph = kind == "graph"
+    if talker_kv_fp8 is None and random_variant is not None and graph and precision == "fp8":
+        # random weights stand in for a compiled FP8 engine, whose talker cache is FP8 by
+        # default (compile --calib): their k/v scales are measured below as a calibration's
+        talker_kv_fp8 = True
     if random_variant is not None:
         from ttsbuild.runtime.engine import random_models
 
@@ -246,7 +252,15 @@ def open_engine(
 
     from ttsbuild.runtime.graph_engine import GraphEngine
 
-    return GraphEngine(models, plan, release_modules=True, guards=guards)
+    kv_scales = None
+    if plan.talker_kv_fp8 and random_variant is not None:
+        # in-memory weights have no calibration: the k/v scales as `calibrate` takes them
+        # (amax over a reference generation, / 448), before the engine drops the layers
+        from ttsbuild.calibration.calibrate import measure_kv_scales
+        from ttsbuild.calibration.corpus import load_texts
+
+        kv_scales = measure_kv_scales(models, load_texts(None, 2), max_frames=32)
+    return GraphEngine(models, plan, release_modules=True, guards=guards, kv_scales=kv_scales)
 
 
 def lane_kernel_why_not(plan: EnginePlan, cfg, device: torch.device,

@@ -187,7 +187,8 @@ def serve(
         None, "--talker-kv-fp8/--talker-kv-bf16", help="Graph engines: the talker's KV cache "
         "in FP8 (e4m3) with the engine's calibrated k/v scales: half the bytes decode "
         "attention reads and half the cache (a compiled engine needs --calib; default: the "
-        "engine's plan, bf16)."
+        "engine's plan, FP8 where compiled with --precision fp8 --calib; FP8 for --random "
+        "weights at --precision fp8, their scales measured as a calibration's)."
     ),  # fmt: skip
     w8a8_min_rows: int = typer.Option(
         None, "--w8a8-min-rows", min=0, help="FP8 engines on a GPU: the talker's linears as "

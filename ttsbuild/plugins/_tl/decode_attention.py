@@ -130,10 +130,18 @@ def plan_splits(batch: int, kv_heads: int, max_len: int, block_s: int, sms: int 
     return triton.cdiv(max_len, chunk), chunk
 
 
+# The split kernel's (BLOCK_S, num_warps, num_stages) for long caches (the talker's), by
+# whether the cache is FP8. 2026-12-07 on an H100 (benchmarks/kernels/kv_fp8_attention.py):
+# with these the FP8 cache read 1.8-2.4 TB/s where the bf16 one read 2.6-3.1 (256 rows), so
+# the FP8 kernel is not yet bandwidth-bound; `--tiles` there sweeps others.
+LONG_TILES = {False: (64, 4, 3), True: (64, 4, 3)}
+
+
 def _tiles(batch: int, kv_heads: int, max_len: int, device: torch.device,
-           splits: int | None) -> tuple[int, int, int]:  # fmt: skip
-    """(BLOCK_S, splits, chunk) of a launch: planned (`plan_splits`) or the given splits."""
-    block_s = 16 if max_len <= 16 else 64
+           splits: int | None, block_s: int | None = None) -> tuple[int, int, int]:  # fmt: skip
+    """(BLOCK_S, splits, chunk) of a launch: planned (`plan_splits`) or the given splits;
+    BLOCK_S 16 for a short cache (the code predictor's), else block_s (default 64)."""
+    block_s = 16 if max_len <= 16 else (block_s or 64)
     if splits is None:
         cuda = device.type == "cuda"
         sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
@@ -156,7 +164,10 @@ def decode_attention_triton(
     *,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    tiles: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
+    """tiles: (BLOCK_S, num_warps, num_stages) for a long cache; None: LONG_TILES's (a
+    short cache keeps BLOCK_S 16)."""
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     ks, vs = kv_cache_scales(k_cache, v_cache, k_scale, v_scale)
@@ -165,7 +176,11 @@ def decode_attention_triton(
         raise ValueError("q and the caches need a contiguous head_dim; k/v the same layout")
     group = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
-    block_s, splits, chunk = _tiles(B, Hkv, max_len, q.device, splits)
+    kv_fp8 = k_cache.dtype == KV_FP8_DTYPE
+    block_s, warps, stages = tiles or LONG_TILES[kv_fp8]
+    block_s, splits, chunk = _tiles(B, Hkv, max_len, q.device, splits, block_s)
+    if block_s == 16:  # a short cache: the tiles it was measured with
+        warps, stages = 4, 3
     out = torch.empty_like(q)
     if splits > 1:
         po = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
@@ -178,8 +193,8 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), scale * ks * _LOG2E, vs, chunk,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_S=block_s,
-        SPLITS=splits, DOT_F32=interpret_mode(), KV_FP8=k_cache.dtype == KV_FP8_DTYPE,
-        **pdl_args(pdl), num_warps=4, num_stages=3,
+        SPLITS=splits, DOT_F32=interpret_mode(), KV_FP8=kv_fp8,
+        **pdl_args(pdl), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _attn_combine_kernel[(B, Hq)](
