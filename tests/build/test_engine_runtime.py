@@ -269,6 +269,12 @@ def test_an_engine_compiled_with_the_fp8_talker_cache(ckpt, calib_file, tmp_path
     assert stats["frames"] == 10 and np.isfinite(pcm).all()
     bf16 = open_engine(out, "cpu", kind="graph", talker_kv_fp8=False)  # at load: a runtime choice
     assert bf16.backend.kv_k.dtype != KV_FP8_DTYPE
+    # the eager reference (a CPU's default engine) runs it on its own cache, unasked
+    eager = open_engine(out, "cpu")
+    assert type(eager).__name__ == "EagerEngine" and not eager.plan.talker_kv_fp8
+    assert synthesize(eager, REQ)[1]["frames"] == 10
+    with pytest.raises(ValueError, match="the graph engine's"):
+        open_engine(out, "cpu", kind="eager", talker_kv_fp8=True)
     kept = compile_engine_dir(ckpt, tmp_path / "kept", BuildConfig(
         precision="fp8", talker_kv_fp8=False, **QUICK), calib_file)  # fmt: skip
     assert not kept["plan"]["talker_kv_fp8"] and kept["quality"]["talker_kv_cache"] == "bf16"

@@ -243,10 +243,14 @@ def open_engine(
     codec = {k: v for k, v in codec.items() if v is not None and v != getattr(plan, k)}
     if codec:
         plan = plan_update(plan, **codec)
+    if talker_kv_fp8 and not graph:
+        raise ValueError("an FP8 talker KV cache is the graph engine's (--engine graph)")
     if talker_kv_fp8 is not None and talker_kv_fp8 != plan.talker_kv_fp8:
-        if talker_kv_fp8 and not graph:
-            raise ValueError("an FP8 talker KV cache is the graph engine's (--engine graph)")
         plan = plan_update(plan, talker_kv_fp8=talker_kv_fp8)
+    elif plan.talker_kv_fp8 and not graph:
+        # an engine compiled with the FP8 cache (compile's default with --calib) on the eager
+        # reference, which keeps its own cache in the model's dtype
+        plan = plan_update(plan, talker_kv_fp8=False)
     if not graph:
         return EagerEngine(models, plan=plan, guards=guards)
 
