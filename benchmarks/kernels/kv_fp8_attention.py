@@ -11,6 +11,8 @@ cache write (`qk_norm_rope`) of each. Median us per call over CUDA-graph replays
 (`bench_kernels.graph_time_us`); every result is checked against the float32 reference on the
 same cache (relative error <= 2e-2, else the run fails). The last columns: the cache bytes a
 call reads (k and v over the rows' lengths) per us, and the talker step's 28 layers' worth.
+Then the splits dividing each row's length against the capacity (`dynamic_chunk`,
+TTSBUILD_ATTN_DYNAMIC_CHUNK) on both caches, each checked the same way: a table of both.
 --tiles: the split kernel's other (BLOCK_S, num_warps, num_stages) for a long cache
 (`LONG_TILES` holds the served ones), each timed on both caches at each rows x length and
 checked the same way; a second table, the best of each cache marked.
@@ -58,7 +60,7 @@ def main() -> None:
         raise SystemExit(f"--tiles wants 'BLOCK_S,WARPS,STAGES;...', got {args.tiles!r}") from None
     if any(len(t) != 3 for t in tiles):
         raise SystemExit(f"--tiles wants three numbers a config, got {args.tiles!r}")
-    sweep = []
+    sweep, dynamic = [], []
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     S = args.max_len
@@ -100,6 +102,18 @@ def main() -> None:
                   f"{write['fp8']:9.1f} | {saved:.3f}", flush=True)
             results.append({"rows": B, "length": length, "max_len": S, "attn_us": us,
                             "write_us": write, "step_ms_saved": round(saved, 4)})
+            for name, (kc, vc, kv) in caches.items():
+                ref = decode_attention_reference(q.float(), kc, vc, slots, lengths, S, **kv)
+                times = []
+                for dyn in (False, True):
+                    run = partial(decode_attention_triton, q, kc, vc, slots, lengths, S,
+                                  dynamic_chunk=dyn, **kv)  # fmt: skip
+                    err = rel_err(run(), ref)
+                    if not err <= 2e-2:
+                        raise SystemExit(f"{name} dynamic={dyn} B={B} len={length}: rel err "
+                                         f"{err:.2e} > 2e-2")  # fmt: skip
+                    times.append(graph_time_us([run]))
+                dynamic.append((B, length, name, *times))
             for name, (kc, vc, kv) in caches.items() if tiles else ():
                 for t in [LONG_TILES[name == "fp8"], *tiles]:
                     run = partial(decode_attention_triton, q, kc, vc, slots, lengths, S,
@@ -113,6 +127,12 @@ def main() -> None:
                     sweep.append((B, length, name, t, t_us, read[name]))
         del caches
         torch.cuda.empty_cache()
+    print(f"\nsplits by capacity against by each row's length (dynamic_chunk)\n{'rows':>5} "
+          f"{'len':>5} {'cache':>5} {'static us':>9} {'dynamic us':>10} {'x':>5}")
+    for B, length, name, st, dy in dynamic:
+        print(f"{B:>5} {length:>5} {name:>5} {st:9.1f} {dy:10.1f} {st / dy:5.2f}")
+    results.append({"dynamic_chunk": [dict(rows=b, length=n_, cache=c, static_us=st,
+                                           dynamic_us=dy) for b, n_, c, st, dy in dynamic]})
     if tiles:
         print(f"\ntiles sweep (first row of each cache: LONG_TILES's)\n{'rows':>5} {'len':>5} "
               f"{'cache':>5} {'tiles':>12} {'us':>8} {'GB/s':>6}")

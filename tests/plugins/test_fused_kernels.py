@@ -2,9 +2,10 @@
 kernels against a float32 reference on fresh random inputs (on CUDA, or on CPU under
 TRITON_INTERPRET=1; the last test here runs the kernel tests of this file, of
 tests/runtime/test_cp_fused.py, of tests/plugins/test_slot_writes.py, test_kv_copy.py,
-test_kv_fp8.py, test_spec_accept.py, test_spec_round.py, test_convnext.py,
-test_prompt_embed.py and tests/runtime/test_graph_engine.py in a subprocess under the
-interpreter, so CPU CI checks the kernels too when triton is installed)."""
+test_kv_fp8.py, test_qk_decode_attention.py, test_spec_accept.py, test_spec_round.py,
+test_convnext.py, test_prompt_embed.py and tests/runtime/test_graph_engine.py in a
+subprocess under the interpreter, so CPU CI checks the kernels too when triton is
+installed)."""
 
 import os
 import subprocess
@@ -610,6 +611,7 @@ def test_kernels_under_the_interpreter():
            str(tests / "plugins" / "test_slot_writes.py"),
            str(tests / "plugins" / "test_kv_copy.py"),
            str(tests / "plugins" / "test_kv_fp8.py"),
+           str(tests / "plugins" / "test_qk_decode_attention.py"),
            str(tests / "plugins" / "test_spec_accept.py"),
            str(tests / "plugins" / "test_spec_round.py"),
            str(tests / "plugins" / "test_convnext.py"),

@@ -146,7 +146,8 @@ def test_cache_write_kernel(R, S):
 @pytest.mark.parametrize("fp8", [True, False])
 def test_decode_attention_kernel_tiles(tiles, fp8):
     """The split kernel's other long-cache tiles (kv_fp8_attention.py --tiles sweeps them)
-    against the reference, on an FP8 and a bf16 cache, split and not."""
+    against the reference, on an FP8 and a bf16 cache, split and not, the splits dividing
+    the capacity or each row's length (dynamic_chunk; rows of 300, 97 and a block + 1)."""
     from ttsbuild.plugins._tl.decode_attention import decode_attention_triton
 
     R, S = 3, 300
@@ -159,10 +160,10 @@ def test_decode_attention_kernel_tiles(tiles, fp8):
     q = torch.randn(R, HQ, D, device=KDEV, generator=g).to(torch.bfloat16)
     lengths = torch.tensor([S, 97, 1 + tiles[0]], device=KDEV)
     ref = decode_attention_reference(q.float(), kc, vc, slots, lengths, S, **kv)
-    for splits in (1, 3):
+    for splits, dynamic in ((1, False), (3, False), (3, True), (7, True)):
         out = decode_attention_triton(q, kc, vc, slots, lengths, S, splits=splits, tiles=tiles,
-                                      **kv)  # fmt: skip
-        assert _rel(out, ref) < BF16_TOL, (splits, _rel(out, ref))
+                                      dynamic_chunk=dynamic, **kv)  # fmt: skip
+        assert _rel(out, ref) < BF16_TOL, (splits, dynamic, _rel(out, ref))
 
 
 @needs_kernel

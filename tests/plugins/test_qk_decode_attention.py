@@ -49,9 +49,13 @@ def test_reference_is_the_two_ops():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("R,S,splits", [(1, 16, None), (1, 300, None), (3, 100, 1), (5, 300, 3),
-                                        (2, 300, 7)])  # fmt: skip
-def test_kernel_against_reference(R, S, splits, dtype):
+@pytest.mark.parametrize("R,S,splits,dynamic", [
+    (1, 16, None, False), (1, 300, None, False), (3, 100, 1, False), (5, 300, 3, False),
+    (2, 300, 7, False), (5, 300, 3, True), (4, 300, 7, True), (1, 300, None, True),
+])  # fmt: skip
+def test_kernel_against_reference(R, S, splits, dynamic, dtype):
+    """dynamic: the splits divide each row's pos + 1 positions (DYNAMIC_CHUNK), rows at the
+    cache's last position, at its first and in between."""
     from ttsbuild.plugins._tl.decode_attention import qk_norm_rope_decode_attention_triton
     from ttsbuild.plugins.qk_norm_rope import inv_freq
 
@@ -65,7 +69,7 @@ def test_kernel_against_reference(R, S, splits, dtype):
         kwargs = {k: v for k, v in a.items() if k != "theta"}
         out = qk_norm_rope_decode_attention_triton(
             qkv, qw, kw, inv_freq(32, theta, qkv.device), pos, slots, kc, vc, S,
-            scale=32**-0.5, splits=splits, **kwargs,
+            scale=32**-0.5, splits=splits, dynamic_chunk=dynamic, **kwargs,
         )  # fmt: skip
         q = qk_norm_rope_reference(qkv.float(), qw.float(), kw.float(), pos, slots, kc_ref,
                                    vc_ref, **a)  # fmt: skip

@@ -12,6 +12,8 @@ last split to arrive.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,14 @@ from ttsbuild.plugins._tl.qk_norm_rope_attend import _norm_rope
 from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE, kv_cache_scales
 
 _LOG2E = 1.4426950408889634
+# Each row's positions split by its own length (DYNAMIC: chunk = its length / SPLITS, whole
+# blocks) instead of by the cache's capacity. The splits are planned over the capacity (a
+# captured graph's grid is fixed), so a row 200 positions into a 2048-position cache had its
+# whole length in split 0 of 3 (16 rows): one program streamed all of it while the others
+# exited. Per row, no split gets more positions than before and the same positions are
+# covered. Off until timed on a GPU (TTSBUILD_ATTN_DYNAMIC_CHUNK=1 turns it on;
+# kv_fp8_attention.py times both).
+DYNAMIC_CHUNK = os.environ.get("TTSBUILD_ATTN_DYNAMIC_CHUNK", "0") == "1"
 
 
 @triton.jit
@@ -46,10 +56,11 @@ def _attn_split_kernel(
     qk_scale, v_scale, chunk,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     SPLITS: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, DYNAMIC: tl.constexpr = False,
 ):  # fmt: skip
     """KV_FP8: the caches hold e4m3 values: k's scale is folded into qk_scale, v's
-    (v_scale) multiplies the accumulator once at the end."""
+    (v_scale) multiplies the accumulator once at the end. DYNAMIC: the splits divide the
+    row's length, not the capacity (`chunk` ignored; DYNAMIC_CHUNK)."""
     pdl_prologue(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -68,6 +79,8 @@ def _attn_split_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
     base = slot * stride_cslot + kvh.to(tl.int64) * stride_ch
+    if DYNAMIC:
+        chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_S) * BLOCK_S
     start = sp * chunk
     end = tl.minimum(start + chunk, length)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
@@ -165,9 +178,11 @@ def decode_attention_triton(
     k_scale: float | None = None,
     v_scale: float | None = None,
     tiles: tuple[int, int, int] | None = None,
+    dynamic_chunk: bool | None = None,
 ) -> torch.Tensor:
     """tiles: (BLOCK_S, num_warps, num_stages) for a long cache; None: LONG_TILES's (a
-    short cache keeps BLOCK_S 16)."""
+    short cache keeps BLOCK_S 16). dynamic_chunk: splits by each row's length (None:
+    DYNAMIC_CHUNK)."""
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     ks, vs = kv_cache_scales(k_cache, v_cache, k_scale, v_scale)
@@ -194,6 +209,7 @@ def decode_attention_triton(
         out.stride(0), out.stride(1), scale * ks * _LOG2E, vs, chunk,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_S=block_s,
         SPLITS=splits, DOT_F32=interpret_mode(), KV_FP8=kv_fp8,
+        DYNAMIC=DYNAMIC_CHUNK if dynamic_chunk is None else dynamic_chunk,
         **pdl_args(pdl), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
@@ -213,7 +229,7 @@ def _qk_attend_split_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_SP: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, DYNAMIC: tl.constexpr = False,
 ):  # fmt: skip
     """qk_norm_rope + the split kernel + the combine kernel above in one launch: program
     (row, KV head, split) normalises and rotates its GROUP query heads and its KV head's new
@@ -223,7 +239,8 @@ def _qk_attend_split_kernel(
     from registers (no store-to-load ordering needed); the last split of a (row, KV head)
     to arrive (atomic counter, reset by it) merges the splits in split order. KV_FP8: e4m3
     caches, the new k and v stored divided by k_scale / v_scale (`e4m3_value`); k_scale is
-    folded into qk_scale, v_scale multiplies the accumulator at the end."""
+    folded into qk_scale, v_scale multiplies the accumulator at the end. DYNAMIC: the
+    splits divide the row's pos + 1 positions, not the capacity (DYNAMIC_CHUNK)."""
     pdl_prologue(PDL)
     HALF: tl.constexpr = D // 2
     b = tl.program_id(0).to(tl.int64)
@@ -256,6 +273,8 @@ def _qk_attend_split_kernel(
         q2 = q2.to(tl.float32)
 
     head = slot * stride_cslot + kvh.to(tl.int64) * stride_ch
+    if DYNAMIC:  # (every position 0..pos in exactly one split, pos in the last that works)
+        chunk = tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_S) * BLOCK_S
     start = sp * chunk
     holds_pos = (pos >= start) & (pos < start + chunk)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
@@ -353,8 +372,10 @@ def qk_norm_rope_decode_attention_triton(
     splits: int | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    dynamic_chunk: bool | None = None,
 ) -> torch.Tensor:
-    """The attention output [R, Hq * D] (see `_qk_attend_split_kernel`)."""
+    """The attention output [R, Hq * D] (see `_qk_attend_split_kernel`); dynamic_chunk as
+    `decode_attention_triton`'s."""
     R = qkv.shape[0]
     S, D = k_cache.shape[-2], k_cache.shape[-1]
     check_qkv_caches(qkv, k_cache, v_cache, num_heads, num_kv_heads)
@@ -380,6 +401,7 @@ def qk_norm_rope_decode_attention_triton(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=block_s, SPLITS=splits,
         BLOCK_SP=triton.next_power_of_2(splits), DOT_F32=interpret_mode(),
         KV_FP8=k_cache.dtype == KV_FP8_DTYPE,
+        DYNAMIC=DYNAMIC_CHUNK if dynamic_chunk is None else dynamic_chunk,
         **pdl_args(pdl_enabled(qkv)), num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
