@@ -12,7 +12,8 @@ cache write (`qk_norm_rope`) of each. Median us per call over CUDA-graph replays
 same cache (relative error <= 2e-2, else the run fails). The last columns: the cache bytes a
 call reads (k and v over the rows' lengths) per us, and the talker step's 28 layers' worth.
 Then the splits dividing each row's length against the capacity (`dynamic_chunk`,
-TTSBUILD_ATTN_DYNAMIC_CHUNK) on both caches, each checked the same way: a table of both.
+TTSBUILD_ATTN_DYNAMIC_CHUNK) on both caches, and the dynamic kind with 2x and 4x the planned
+splits, each checked the same way: a table of them.
 --tiles: the split kernel's other (BLOCK_S, num_warps, num_stages) for a long cache
 (`LONG_TILES` holds the served ones), each timed on both caches at each rows x length and
 checked the same way; a second table, the best of each cache marked.
@@ -35,6 +36,7 @@ from bench_kernels import graph_time_us, rel_err  # noqa: E402
 
 from ttsbuild.plugins._tl.decode_attention import (  # noqa: E402
     LONG_TILES,
+    _tiles,
     decode_attention_triton,
 )
 from ttsbuild.plugins.decode_attention import (  # noqa: E402
@@ -105,15 +107,19 @@ def main() -> None:
             for name, (kc, vc, kv) in caches.items():
                 ref = decode_attention_reference(q.float(), kc, vc, slots, lengths, S, **kv)
                 times = []
-                for dyn in (False, True):
+                planned = _tiles(B, HKV, S, dev, None)[1]
+                # static, dynamic, then dynamic with 2x and 4x the planned splits (with each
+                # row's length divided, more splits shorten the longest program)
+                for dyn, splits in ((False, None), (True, None), (True, min(64, 2 * planned)),
+                                    (True, min(64, 4 * planned))):  # fmt: skip
                     run = partial(decode_attention_triton, q, kc, vc, slots, lengths, S,
-                                  dynamic_chunk=dyn, **kv)  # fmt: skip
+                                  splits=splits, dynamic_chunk=dyn, **kv)  # fmt: skip
                     err = rel_err(run(), ref)
                     if not err <= 2e-2:
-                        raise SystemExit(f"{name} dynamic={dyn} B={B} len={length}: rel err "
-                                         f"{err:.2e} > 2e-2")  # fmt: skip
+                        raise SystemExit(f"{name} dynamic={dyn} splits={splits} B={B} "
+                                         f"len={length}: rel err {err:.2e} > 2e-2")  # fmt: skip
                     times.append(graph_time_us([run]))
-                dynamic.append((B, length, name, *times))
+                dynamic.append((B, length, name, planned, *times))
             for name, (kc, vc, kv) in caches.items() if tiles else ():
                 for t in [LONG_TILES[name == "fp8"], *tiles]:
                     run = partial(decode_attention_triton, q, kc, vc, slots, lengths, S,
@@ -127,12 +133,16 @@ def main() -> None:
                     sweep.append((B, length, name, t, t_us, read[name]))
         del caches
         torch.cuda.empty_cache()
-    print(f"\nsplits by capacity against by each row's length (dynamic_chunk)\n{'rows':>5} "
-          f"{'len':>5} {'cache':>5} {'static us':>9} {'dynamic us':>10} {'x':>5}")
-    for B, length, name, st, dy in dynamic:
-        print(f"{B:>5} {length:>5} {name:>5} {st:9.1f} {dy:10.1f} {st / dy:5.2f}")
-    results.append({"dynamic_chunk": [dict(rows=b, length=n_, cache=c, static_us=st,
-                                           dynamic_us=dy) for b, n_, c, st, dy in dynamic]})
+    print(f"\nsplits by capacity against by each row's length (dynamic_chunk), us\n{'rows':>5} "
+          f"{'len':>5} {'cache':>5} {'splits':>6} {'static':>8} {'dynamic':>8} {'x':>5} "
+          f"{'dyn 2x':>8} {'dyn 4x':>8}")
+    for B, length, name, planned, st, dy, dy2, dy4 in dynamic:
+        print(f"{B:>5} {length:>5} {name:>5} {planned:>6} {st:8.1f} {dy:8.1f} {st / dy:5.2f} "
+              f"{dy2:8.1f} {dy4:8.1f}")
+    results.append({"dynamic_chunk": [
+        dict(rows=b, length=n_, cache=c, splits=sp, static_us=st, dynamic_us=dy,
+             dynamic_2x_splits_us=d2, dynamic_4x_splits_us=d4)
+        for b, n_, c, sp, st, dy, d2, d4 in dynamic]})  # fmt: skip
     if tiles:
         print(f"\ntiles sweep (first row of each cache: LONG_TILES's)\n{'rows':>5} {'len':>5} "
               f"{'cache':>5} {'tiles':>12} {'us':>8} {'GB/s':>6}")
