@@ -13,6 +13,7 @@ import torch
 
 from ttsbuild.model.layers import apply_rope, rope_cos_sin
 from ttsbuild.plugins._dispatch import want_triton
+from ttsbuild.plugins.fp8_linear import FP8_DTYPE, FP8_MAX
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,11 +23,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
-# An FP8 KV cache (EnginePlan.talker_kv_fp8): e4m3 values with a scale per layer for k and
-# one for v (calibrated: the layer's amax / 448, `build.pack.calibrated_scales`); the kernels
-# store x / scale clamped to +-448 and read back value * scale.
-KV_FP8_DTYPE = torch.float8_e4m3fn
-KV_FP8_MAX = 448.0
+# An FP8 KV cache (EnginePlan.talker_kv_fp8): e4m3 values (the FP8 weights' format) with a
+# scale per layer for k and one for v (calibrated: the layer's amax / 448,
+# `build.pack.calibrated_scales`); the kernels store x / scale clamped to +-448 and read back
+# value * scale.
+KV_FP8_DTYPE, KV_FP8_MAX = FP8_DTYPE, FP8_MAX
 
 
 def kv_cache_scales(
