@@ -62,3 +62,20 @@ def test_the_plan_line_says_what_the_code_predictor_and_the_lane_run():
     lane = plan_update(bench_plan("fp8", (1, 64)), **LANE_KERNEL_PLAN).summary()
     assert "code predictor FP8, one-kernel frame on the admission lane only" in lane
     assert "admission lane [1, 2] with 0 reserved SMs" in lane
+
+
+def test_context_outside_the_cache_is_refused(monkeypatch, capsys):
+    """--context: a negative position is a usage error before any weights load; one past the
+    plan's cache a clear ValueError before the engine is built."""
+    import sys
+
+    from ttsbuild.bench import engine_bench
+
+    monkeypatch.setattr(sys, "argv", ["engine_bench", "--context", "-3"])
+    with pytest.raises(SystemExit) as exit_info:
+        engine_bench.main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--context must be a position >= 0" in err
+    plan = bench_plan("fp8", (1, 64))
+    with pytest.raises(ValueError, match="a position of the plan's cache"):
+        engine_bench.bench_precision(None, plan, (1,), 1, print, context=plan.max_len)

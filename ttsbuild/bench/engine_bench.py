@@ -275,6 +275,9 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
     from ttsbuild.runtime.request import SynthesisRequest
 
     precision = plan.precision
+    if not 0 <= context < plan.max_len:
+        raise ValueError(f"--context {context}: a position of the plan's cache, 0 (after the "
+                         f"prompt) to {plan.max_len - 1}")  # fmt: skip
     kv_scales = None
     if plan.talker_kv_fp8 and models.packed is None:
         # the stand-in's k/v scales as a calibration takes them (amax over a reference
@@ -712,6 +715,8 @@ def main() -> None:
                    help="an EnginePlan field for the random-weight engines, VALUE as JSON "
                         "(repeatable), e.g. codec_fused_attention=true")
     a = p.parse_args()
+    if a.context < 0:
+        p.error(f"--context must be a position >= 0, got {a.context}")
     t0 = time.perf_counter()
     plan = None
     if a.engine_dir is not None:
