@@ -330,6 +330,40 @@ def test_prefix_copy_of_its_own_positions_changes_nothing(models, monkeypatch):
     _assert_same_outputs(*outputs)
 
 
+def test_megaframe_reads_the_engines_own_bf16_heads(tiny_checkpoint, monkeypatch):
+    """The one-kernel code predictor beside bf16 heads (plan.cp_heads_fp8 off, a bf16 engine):
+    the kernel's packed heads are the engine's heads, held once (the Dense heads and the
+    modules' heads are views of the packed stack; no FP8 copy); an FP8-heads plan packs its
+    FP8 heads as they are."""
+    from ttsbuild.runtime import cp_megaframe
+
+    packs = []
+
+    class Stand:  # the kernel needs a Hopper GPU: record what it would be given
+        def __init__(self, m, eps, ctas=None, opts=0, like=None):
+            packs.append(m)
+
+    monkeypatch.setattr(cp_megaframe, "Megaframe", Stand)
+    models = Models.load(load_checkpoint(tiny_checkpoint), device="cpu", dtype=torch.bfloat16)
+    heads = models.code_predictor.lm_head
+    before = [h.weight.detach().clone() for h in heads]
+    plan = EnginePlan(precision="fp8", code_predictor_fp8=True, megaframe_code_predictor=True,
+                      megaframe_regular=False, admission_lane=(1,), **PLAN)
+    b = GraphEngine(models, plan, use_graphs=False).backend
+    (m,) = packs
+    whead = m["whead"]
+    assert whead.dtype == torch.bfloat16 and bool((m["shead"] == 1).all())
+    lo, hi = whead.data_ptr(), whead.data_ptr() + whead.numel() * whead.element_size()
+    for i, (dense, head) in enumerate(zip(b.cp_heads, heads, strict=True)):
+        assert not dense.is_fp8 and torch.equal(dense.weight, before[i])
+        assert lo <= dense.weight.data_ptr() < hi and lo <= head.weight.data_ptr() < hi
+        assert dense.weight.data_ptr() == head.weight.data_ptr()
+    packs.clear()
+    fp8 = GraphEngine(models, plan_update(plan, cp_heads_fp8=True), use_graphs=False).backend
+    assert packs[0]["whead"].dtype == torch.float8_e4m3fn
+    assert packs[0]["whead"].data_ptr() == fp8.cp_heads[0].weight.data_ptr()
+
+
 @pytest.mark.parametrize("regular", [True, False])
 def test_megaframe_runs_on_the_steps_the_plan_gives_it(models, monkeypatch, regular):
     """plan.megaframe_regular: the one-kernel code predictor (a stand-in that records its

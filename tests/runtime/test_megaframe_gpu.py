@@ -87,6 +87,45 @@ def test_codes_follow_the_reference(model, do_sample, top_p, opts):
     assert len(set(tokens.tolist())) > 3  # not one code over and over
 
 
+@pytest.fixture(scope="module")
+def bf16_heads(model):
+    """The same code predictor with its heads in bf16, as the engine holds them beside an FP8
+    code predictor (EnginePlan.cp_heads_fp8 off): the kernel reads them as they are."""
+    cp, _, x_in, _ = model
+    stack = cpm.PackedStack.from_module(cp.model, True)
+    heads = [cpm.Dense(h.weight.detach().to(torch.bfloat16)) for h in cp.lm_head]
+    embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
+    m = cpm.pack(stack, heads, cp.small_to_mtp_projection, embeddings)
+    assert m["whead"].dtype == torch.bfloat16 and cpm.unsupported(m) is None
+    return m, x_in
+
+
+@pytest.mark.parametrize("opts", [cpm.SERVED_OPTS | cpm.ENGINE_EXTRA, cpm.SERVED_OPTS,
+                                  cpm.SERVED_OPTS | cpm.GENERIC],
+                         ids=["engine-default", "served", "served-generic"])
+@pytest.mark.parametrize("do_sample, top_p", [(False, 1.0), (True, 1.0), (True, 0.8)])
+def test_bf16_heads_follow_the_reference(model, bf16_heads, do_sample, top_p, opts):
+    """bf16 heads (2 bytes a weight in the head stage's copy and GEMV): logits within 1e-4 of
+    the float32 reference on the same bf16 weights, codes its draws (a near-tie aside), and
+    apart from the FP8 heads' logits (the kernel did read the bf16 weights)."""
+    _, m_fp8, _, mf_fp8 = model
+    m, x_in = bf16_heads
+    mf = cpm.Megaframe(m, eps=mf_fp8.eps, opts=opts | cpm.COOPERATIVE)
+    batch, seeds, frames = _settings(do_sample, seed=123456789, frame=17, top_p=top_p)
+    tokens = mf.run(x_in, batch, seeds, frames).clone()
+    logits, _, _ = cpm.reference(m, x_in, tokens, eps=mf.eps)
+    fp8_logits, _, _ = cpm.reference(m_fp8, x_in, tokens, eps=mf.eps)
+    kernel_logits = mf.buffers["logits"]
+    want = cpm.reference_draws(logits, batch, seeds, frames)
+    for i in range(G - 1):
+        rel = float((kernel_logits[i] - logits[i]).norm() / logits[i].norm())
+        assert rel < 1e-4, (i, rel)
+        apart = float((kernel_logits[i] - fp8_logits[i]).norm() / fp8_logits[i].norm())
+        assert apart > 1e-3, (i, apart)
+        assert int(tokens[i]) == want[i] or cpm.near_tie(logits[i], batch, seeds, frames, i + 1), i
+    assert len(set(tokens.tolist())) > 3
+
+
 @pytest.mark.parametrize("opts", [cpm.SERVED_OPTS, cpm.SERVED_OPTS | cpm.TAGGED,
                                   cpm.SERVED_OPTS | cpm.TAGGED | cpm.TAGGED_QKV,
                                   cpm.SERVED_OPTS | cpm.ENGINE_EXTRA],

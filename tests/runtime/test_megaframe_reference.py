@@ -96,6 +96,42 @@ def test_unsupported_names_the_reason():
         cpm.Megaframe(cpm.pack_module(cp, fp8=True), eps=1e-6)
 
 
+def test_heads_fp8_or_bf16_as_held():
+    """The kernel takes FP8 linears and FP8 or bf16 heads: `pack` keeps a bf16 head's weights
+    as they are (scales of 1, the reference reads them so), `share_weights` makes the engine's
+    heads views of the packed stack and refuses heads that differ from it, and the kernel's
+    argument for bf16 heads is the bf16 tensor itself (the extension reads its element size)."""
+    real = _real_shapes()
+    real["whead"] = torch.empty(real["whead"].shape, dtype=torch.bfloat16, device="meta")
+    assert cpm.unsupported(real) is None
+    real["whead"] = torch.empty(real["whead"].shape, dtype=torch.float32, device="meta")
+    assert "heads" in cpm.unsupported(real)
+
+    cp, x_in, tokens, official_logits = _frame(seed=14)
+    stack = cpm.PackedStack.from_module(cp.model, True)
+    heads = [cpm.Dense(h.weight.detach().to(torch.bfloat16)) for h in cp.lm_head]
+    embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
+    m = cpm.pack(stack, heads, cp.small_to_mtp_projection, embeddings)
+    assert m["whead"].dtype == torch.bfloat16 and m["wqkv"].dtype == torch.float8_e4m3fn
+    assert bool((m["shead"] == 1).all())
+    eps = cp.cfg.code_predictor.rms_norm_eps
+    logits, _, _ = cpm.reference(m, x_in, tokens, eps=eps)
+    fp8_logits, _, _ = cpm.reference(cpm.pack_module(cp, fp8=True), x_in, tokens, eps=eps)
+    # bf16 heads round less than FP8 ones: nearer the official logits
+    assert rel_err(logits, official_logits) < rel_err(fp8_logits, official_logits)
+    cpm.share_weights(m, stack, heads)
+    for i, d in enumerate(heads):
+        assert d.weight.data_ptr() == m["whead"][i].data_ptr() and d.scale is None
+    other = [cpm.Dense(d.weight.clone()) for d in heads]
+    other[3].weight[0, 0] += 1.0
+    with pytest.raises(ValueError, match=r"head\[3\] differs"):
+        cpm.share_weights(m, stack, other)
+    real["whead"] = torch.empty(real["whead"].shape, dtype=torch.bfloat16, device="meta")
+    x = torch.empty(2, cpm.SHAPE["hidden"], device="meta")
+    args = cpm.kernel_tensors({**real, "x_in": x}, cpm.scratch("meta"))
+    assert args[cpm.ORDER.index("whead")] is real["whead"]  # bf16 as is, not a byte view
+
+
 def test_kernel_arguments_in_order_with_w_o_head_major():
     s = cpm.SHAPE
     m = _real_shapes(device="meta")

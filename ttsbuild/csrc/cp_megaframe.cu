@@ -165,6 +165,8 @@ struct Params {
     const uint8_t* wgu; const float* sgu;     // [L, 6144, 1024] gate rows then up rows
     const uint8_t* wd; const float* sd;       // [L, 1024, 3072], [L, 1024]
     const uint8_t* whead; const float* shead; // [15, 2048, 1024], [15, 2048]
+    int head_bytes;        // whead's bytes a weight: 1 (FP8) or 2 (bf16, shead all 1: the
+                           // engine's own bf16 heads, not an FP8 copy of them)
     const float* in_norm; const float* post_norm;  // [L, 1024]
     const float* q_norm; const float* k_norm;      // [L, 128]
     const float* final_norm;                       // [1024]
@@ -404,7 +406,9 @@ struct Seg { const uint8_t* src; size_t stride; int n, bytes; };
 __device__ Seg stage_segs(const Params& p, int pass, int r, int cta, int ctas, bool split) {
     const Rows w = stage_rows(r == 20 ? 4 : r % 4, cta, ctas);
     const int rows = w.r1 - w.r0;
-    if (r == 20) return {p.whead + ((size_t)(pass - 1) * V + w.r0) * H, 0, 1, rows * H};
+    if (r == 20)
+        return {p.whead + ((size_t)(pass - 1) * V + w.r0) * H * p.head_bytes, 0, 1,
+                rows * H * p.head_bytes};
     const int l = r / 4, kind = r % 4;
     if (kind == 0) return {p.wqkv + ((size_t)l * QKV + w.r0) * H, 0, 1, rows * H};
     if (kind == 1)  // W_o[r0:r1, h*128:(h+1)*128] of head h = cta % NH: one segment, W_o stored
@@ -611,16 +615,25 @@ __device__ __forceinline__ float xreduce(float (&s)[R], int lane) {
 // the weight words' bits as floats, unconverted (OPT_RAW, timing only)
 constexpr int GEMV_XR = 1, GEMV_RAW = 2;
 
+// Four consecutive bf16 weights (8 bytes) as floats: a bf16 is a float's upper 16 bits
+__device__ __forceinline__ float4 bf16x4_to_float4(const uint8_t* p) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                       __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+}
+
 // A lane's partial sums of rows r0 .. r0 + R - 1 (a missing row repeats the last) for T token
-// rows: columns 4 lane + 128 (KS j + kp), j = 0, 1, ... (gemv_tok below)
-template <int R, int T, int KS>
+// rows: columns 4 lane + 128 (KS j + kp), j = 0, 1, ... (gemv_tok below). BF16: the weights
+// are bf16 (2 bytes each; a lane's 4 columns one 8-byte word), else FP8 e4m3.
+template <int R, int T, int KS, bool BF16 = false>
 __device__ __forceinline__ void gemv_sums(const uint8_t* w, int rows, int K, const float* x,
                                           int xs, bool raw, int r0, int kp, int lane,
                                           float (&s)[T][R]) {
+    constexpr int WB = BF16 ? 2 : 1;  // bytes a weight
     const uint8_t* wr[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-        wr[i] = w + (size_t)min(r0 + i, rows - 1) * K;
+        wr[i] = w + (size_t)min(r0 + i, rows - 1) * K * WB;
 #pragma unroll
         for (int t = 0; t < T; ++t) s[t][i] = 0.f;
     }
@@ -631,11 +644,15 @@ __device__ __forceinline__ void gemv_sums(const uint8_t* w, int rows, int K, con
         for (int t = 0; t < T; ++t) a[t] = *reinterpret_cast<const float4*>(x + t * xs + k);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-            __nv_fp8x4_e4m3 q;
-            q.__x = *reinterpret_cast<const uint32_t*>(wr[i] + k);
-            const float raw_f = __uint_as_float(q.__x);
-            const float4 f = raw ? make_float4(raw_f, raw_f, raw_f, raw_f)
-                                 : static_cast<float4>(q);
+            float4 f;
+            if constexpr (BF16) {
+                f = bf16x4_to_float4(wr[i] + 2 * k);
+            } else {
+                __nv_fp8x4_e4m3 q;
+                q.__x = *reinterpret_cast<const uint32_t*>(wr[i] + k);
+                const float raw_f = __uint_as_float(q.__x);
+                f = raw ? make_float4(raw_f, raw_f, raw_f, raw_f) : static_cast<float4>(q);
+            }
 #pragma unroll
             for (int t = 0; t < T; ++t)
                 s[t][i] += f.x * a[t].x + f.y * a[t].y + f.z * a[t].z + f.w * a[t].w;
@@ -643,7 +660,8 @@ __device__ __forceinline__ void gemv_sums(const uint8_t* w, int rows, int K, con
     }
 }
 
-// rows x K FP8 weights in shared memory (row-major, K % 128 == 0) times x (shared, K floats):
+// rows x K FP8 (BF16: bf16) weights in shared memory (row-major, K % 128 == 0) times x
+// (shared, K floats):
 // R rows a warp at once, lane l on columns 4l + 128j (a 4-byte weight word and a float4 of x:
 // a warp's reads are contiguous, no bank conflicts; x is read once for the R rows). (The first
 // version gave a lane 16 consecutive columns: its x reads, 64 bytes apart across lanes, took 4x
@@ -656,7 +674,7 @@ __device__ __forceinline__ void gemv_sums(const uint8_t* w, int rows, int K, con
 // + part)); parts 1..KS-1 leave their sums in `part` (shared, (KS - 1) T rows floats), and part
 // 0 adds them (in part order) before out. Needs rows <= WARPS / KS * R (one round) and every
 // stage thread calling (a block sync inside).
-template <int R, int T, int KS = 1, typename Out>
+template <int R, int T, int KS = 1, bool BF16 = false, typename Out>
 __device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int xs, int how,
                          Out out, float* part = nullptr) {
     const int w_id = threadIdx.x / 32 / KS, kp = threadIdx.x / 32 % KS, lane = threadIdx.x % 32;
@@ -667,7 +685,7 @@ __device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int 
         const int r0 = w_id * R;
         float s[T][R];
         if (r0 < rows) {
-            gemv_sums<R, T, KS>(w, rows, K, x, xs, raw, r0, kp, lane, s);
+            gemv_sums<R, T, KS, BF16>(w, rows, K, x, xs, raw, r0, kp, lane, s);
 #pragma unroll
             for (int t = 0; t < T; ++t)
 #pragma unroll
@@ -695,7 +713,7 @@ __device__ void gemv_tok(const uint8_t* w, int rows, int K, const float* x, int 
     }
     for (int r0 = w_id * R; r0 < rows; r0 += GROUPS * R) {  // warp-uniform
         float s[T][R];
-        gemv_sums<R, T, 1>(w, rows, K, x, xs, raw, r0, 0, lane, s);
+        gemv_sums<R, T, 1, BF16>(w, rows, K, x, xs, raw, r0, 0, lane, s);
         if (xr) {
             constexpr int g = 32 / R;  // lanes holding a row's total; the first one writes it
 #pragma unroll
@@ -1286,8 +1304,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
             const float* s = side + H;
             float* y = p.logits + (size_t)(pass - 1) * V + r0;
             if (st) st[sid * NSTAMP + 4] = clock64();
-            gemv_tok<RH, 1>(wb, r1 - r0, H, xn, 0, how,
-                           [&](int, int i, float v) { __stcg(y + i, v * s[i]); });
+            const auto put = [&](int, int i, float v) { __stcg(y + i, v * s[i]); };
+            if (p.head_bytes == 2) gemv_tok<RH, 1, 1, true>(wb, r1 - r0, H, xn, 0, how, put);
+            else gemv_tok<RH, 1>(wb, r1 - r0, H, xn, 0, how, put);
             barrier();
             const float* lg = p.logits + (size_t)(pass - 1) * V;
             tok = MODE == 3 ? 0 : pick_token(lg, do_sample, top_k, top_p, temperature, seed,
@@ -1298,9 +1317,9 @@ __global__ void __launch_bounds__(BLOCK, 1) cp_megaframe_kernel(Params p) {
     if ((MODE == 0 || MODE == 3) && !producer) cp_wait<0>();
 }
 
-// The largest stage slice of one CTA, in bytes.
-inline int buf_bytes_for(int ctas) {
-    constexpr int row_bytes[5] = {H, HD, 2 * H, I, H};  // A, B, C (gate and up), D, H
+// The largest stage slice of one CTA, in bytes (head_bytes: the heads' bytes a weight).
+inline int buf_bytes_for(int ctas, int head_bytes = 1) {
+    const int row_bytes[5] = {H, HD, 2 * H, I, H * head_bytes};  // A, B, C (gate, up), D, H
     int b = 0;
     for (int cta = 0; cta < ctas; ++cta)
         for (int kind = 0; kind < 5; ++kind) {
@@ -1382,7 +1401,15 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     auto u8 = [&]() { return ws[i++].data_ptr<uint8_t>(); };
     auto f = [&]() { return ws[i++].data_ptr<float>(); };
     p.wqkv = u8(); p.sqkv = f(); p.wo = u8(); p.so = f(); p.wgu = u8(); p.sgu = f();
-    p.wd = u8(); p.sd = f(); p.whead = u8(); p.shead = f();
+    p.wd = u8(); p.sd = f();
+    // the heads: FP8 (a uint8 view) or the engine's bf16 heads as they are (scales of 1)
+    TORCH_CHECK(ws[i].scalar_type() == at::kByte || ws[i].scalar_type() == at::kBFloat16,
+                "whead: FP8 weights as a uint8 view, or bf16");
+    p.head_bytes = ws[i].scalar_type() == at::kBFloat16 ? 2 : 1;
+    TORCH_CHECK(ws[i].numel() * ws[i].element_size() ==
+                    (int64_t)(megaframe::G - 1) * megaframe::V * megaframe::H * p.head_bytes,
+                "whead: [G - 1, V, H] weights");
+    p.whead = static_cast<const uint8_t*>(ws[i++].data_ptr()); p.shead = f();
     p.in_norm = f(); p.post_norm = f(); p.q_norm = f(); p.k_norm = f(); p.final_norm = f();
     p.tables = f(); p.x_in = f(); p.rope_cos = f(); p.rope_sin = f();
     p.qkv = f(); p.o = f(); p.act = f(); p.d = f(); p.logits = f();
@@ -1440,7 +1467,7 @@ void run(std::vector<torch::Tensor> ws, int64_t mode, int64_t ctas, torch::Tenso
     int dev = ws[0].get_device(), sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     TORCH_CHECK(ctas >= 2 * megaframe::NH && ctas <= sms, "ctas must be in [32, SMs = ", sms, "]");
-    p.buf_bytes = megaframe::buf_bytes_for((int)ctas);
+    p.buf_bytes = megaframe::buf_bytes_for((int)ctas, p.head_bytes);
     size_t smem = megaframe::smem_bytes(p.buf_bytes, tt);
     TORCH_CHECK(smem <= 227 * 1024, "shared memory ", smem, " > 227 KiB: use more CTAs");
     for (int c = 0; (opts & megaframe::OPT_KV_AHEAD) && c < ctas; ++c)

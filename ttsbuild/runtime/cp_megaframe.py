@@ -17,8 +17,8 @@ batch bucket 1 runs it behind `EnginePlan.megaframe_code_predictor` (compile and
 - an idle request's first chunk took 4.81 -> 4.29 ms;
 - codes and PCM were identical to the same plan without the kernel (graph_vs_eager.py
   --megaframe, fp32, greedy and sampled).
-Off by default: serving under load with it has not been measured. Limits: batch 1, FP8
-weights, Hopper GPUs, and the shipped code predictor's shapes (0.6B and 1.7B alike).
+Limits: batch 1, FP8 linears (FP8 or bf16 heads: the engine's own, read as they are),
+Hopper GPUs, and the shipped code predictor's shapes (0.6B and 1.7B alike).
 """
 
 from __future__ import annotations
@@ -109,12 +109,16 @@ _WEIGHTS = ("wqkv", "sqkv", "wo", "so", "wgu", "sgu", "wd", "sd", "whead", "shea
             "post_norm", "q_norm", "k_norm", "final_norm", "tables", "rope_cos", "rope_sin",
             "wdt")
 
+# the heads' dtypes the kernel takes: FP8 (EnginePlan.cp_heads_fp8) or the engine's bf16 heads,
+# read as they are (no FP8 copy beside them)
+HEAD_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
+
 
 def _rows(dense: Dense) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight, scale a row): FP8 as held, else the float weight with scales of 1."""
+    """(weight, scale a row): FP8 as held, else the weight as held with scales of 1."""
     if dense.is_fp8:
         return dense.weight, dense.scale.float()
-    w = dense.weight.float()
+    w = dense.weight
     return w, torch.ones(w.shape[0], device=w.device)
 
 
@@ -131,7 +135,9 @@ def pack(stack: PackedStack, heads: list[Dense], project: Callable[[torch.Tensor
     head-major) from the code predictor as the engine holds it: its packed stack (qkv and
     gate/up rows concatenated), the heads of codebooks 1..G-1, small_to_mtp_projection
     (`project`), and the talker-width input embeddings of codebooks 1..G-1 ([G - 1, V, talker
-    hidden]), of which 1..G-2 are folded through the projection into lookup tables (float32)."""
+    hidden]), of which 1..G-2 are folded through the projection into lookup tables (float32).
+    Weights keep their dtype (FP8 with its scales; a float one with scales of 1): the kernel
+    takes FP8 linears and FP8 or bf16 heads."""
     out: dict[str, torch.Tensor] = {}
     for name, denses in _linears(stack, heads).items():
         ws, ss = zip(*(_rows(d) for d in denses), strict=True)
@@ -150,18 +156,23 @@ def pack(stack: PackedStack, heads: list[Dense], project: Callable[[torch.Tensor
 
 
 def share_weights(m: dict[str, torch.Tensor], stack: PackedStack, heads: list[Dense]) -> None:
-    """Make the code predictor's FP8 linears and heads views of `pack`'s stacked weights and
-    scales (the same values), so each weight is held once; float (non-FP8) ones, which `pack`
-    widens to float32, keep their own."""
+    """Make the code predictor's linears and heads views of `pack`'s stacked weights (and an
+    FP8 one's scales), the same values, so each weight is held once (a float head's module
+    weight must follow: `GraphEngine` points it at the view)."""
     for name, denses in _linears(stack, heads).items():
         for i, d in enumerate(denses):
+            w, s = m["w" + name][i], m["s" + name][i]
             if d.is_fp8:
-                w, s = m["w" + name][i], m["s" + name][i]
-                if not (torch.equal(w.view(torch.uint8), d.weight.view(torch.uint8))
-                        and torch.equal(s, d.scale.float())):  # fmt: skip
-                    raise ValueError(f"cp_megaframe: the packed {name}[{i}] differs from the "
-                                     f"stack's")  # fmt: skip
-                d.weight, d.scale = w, s
+                same = (torch.equal(w.view(torch.uint8), d.weight.view(torch.uint8))
+                        and torch.equal(s, d.scale.float()))  # fmt: skip
+            else:
+                same = w.dtype == d.weight.dtype and torch.equal(w, d.weight)
+            if not same:
+                raise ValueError(f"cp_megaframe: the packed {name}[{i}] differs from the "
+                                 f"stack's")  # fmt: skip
+            d.weight = w
+            if d.is_fp8:
+                d.scale = s
 
 
 def rope_tables(groups: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, ...]:
@@ -249,9 +260,11 @@ def unsupported(m: dict[str, torch.Tensor]) -> str | None:
     why = _mismatch(shape_of(m), "these weights'")
     if why:
         return why
-    if any(m["w" + k].dtype != torch.float8_e4m3fn for k in _LINEARS):
+    if any(m["w" + k].dtype != torch.float8_e4m3fn for k in _LINEARS if k != "head"):
         return ("the kernel takes FP8 e4m3 weights only (an engine compiled with an FP8 code "
                 "predictor)")
+    if m["whead"].dtype not in HEAD_DTYPES:
+        return f"the kernel takes FP8 e4m3 or bf16 heads, not {m['whead'].dtype}"
     return None
 
 

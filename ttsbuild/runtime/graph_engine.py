@@ -368,14 +368,19 @@ class GraphBackend:
         if plan.megaframe_code_predictor:
             from ttsbuild.runtime import cp_megaframe
 
-            # the kernel takes FP8 heads: with bf16 heads elsewhere (plan.cp_heads_fp8 off)
-            # it holds an FP8 copy of its own (counted in memory_report's weights)
-            mega_heads = self.cp_heads if heads_fp8 else [Dense.make(d.weight, True)
-                                                          for d in self.cp_heads]  # fmt: skip
+            # the kernel reads the engine's own heads, FP8 or bf16 (plan.cp_heads_fp8 off, a
+            # bf16 engine's); an fp32 engine's (tests) it takes as a bf16 copy (counted in
+            # memory_report's weights)
+            own = all(d.weight.dtype in cp_megaframe.HEAD_DTYPES for d in self.cp_heads)
+            mega_heads = self.cp_heads if own else [Dense(d.weight.to(torch.bfloat16))
+                                                    for d in self.cp_heads]  # fmt: skip
             packed = cp_megaframe.pack(self.cp_stack, mega_heads,
                                        lambda t: self.cp_fused._project(t, None),
                                        self.cp_embeddings)
             cp_megaframe.share_weights(packed, self.cp_stack, mega_heads)  # held once
+            for h, dense in zip(cp.lm_head, mega_heads, strict=True):
+                if own and not dense.is_fp8:  # the module's bf16 head: the same view
+                    h.weight = torch.nn.Parameter(dense.weight, requires_grad=False)
             eps = self.cp_stack.cfg.rms_norm_eps
             opts = cp_megaframe.engine_opts()
             first = None  # the instances share their re-laid-out weights

@@ -103,8 +103,8 @@ class EnginePlan(BaseModel):
     # logits have std 6, so FP8's ~2-4 % error per product is ~0.2 of a logit. bf16 heads
     # hold 31 MiB more for 1.7B and read 2 MiB more a pass: no cost measured (H100 engine
     # bench, within 0.05 ms of FP8 heads at 1-256 rows, benchmarks/runtime/
-    # 2026-12-07-h100-cp-bf16); the one-kernel frame (megaframe_code_predictor) takes FP8
-    # heads only and then holds an FP8 copy of them (31 MiB, in memory_report's weights).
+    # 2026-12-07-h100-cp-bf16); the one-kernel frame (megaframe_code_predictor) reads the
+    # same heads, FP8 or bf16 (no copy of its own).
     cp_heads_fp8: bool = False
     # The codec's compute precision (runtime.codec_engine; compile gates it at >= 45 dB SNR
     # against fp32). On the H200 fp16 (53.7 dB) and tf32 (57.8 dB) are 1.1-1.6x faster than
