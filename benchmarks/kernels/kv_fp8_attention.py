@@ -16,7 +16,8 @@ TTSBUILD_ATTN_DYNAMIC_CHUNK) on both caches, and the dynamic kind with 2x and 4x
 splits, each checked the same way: a table of them.
 --tiles: the split kernel's other (BLOCK_S, num_warps, num_stages) for a long cache
 (`LONG_TILES` holds the served ones), each timed on both caches at each rows x length and
-checked the same way; a second table, the best of each cache marked.
+checked the same way, the FP8 cache's with bf16 and with fp16 dots (`f16_dot`,
+TTSBUILD_ATTN_FP8_F16); a second table, the best of each marked.
 Appends to $OUT/kv_fp8_attention.json.
 """
 
@@ -121,16 +122,19 @@ def main() -> None:
                     times.append(graph_time_us([run]))
                 dynamic.append((B, length, name, planned, *times))
             for name, (kc, vc, kv) in caches.items() if tiles else ():
-                for t in [LONG_TILES[name == "fp8"], *tiles]:
+                # the FP8 cache's tiles with bf16 dots, then fp16 ones (f16_dot)
+                dots = (False, True) if name == "fp8" else (False,)
+                for f16, t in ((f, t) for f in dots for t in [LONG_TILES[name == "fp8"], *tiles]):
                     run = partial(decode_attention_triton, q, kc, vc, slots, lengths, S,
-                                  tiles=t, **kv)  # fmt: skip
+                                  tiles=t, f16_dot=f16, **kv)  # fmt: skip
                     err = rel_err(run(), decode_attention_reference(
                         q.float(), kc, vc, slots, lengths, S, **kv))  # fmt: skip
+                    label = f"{name}{'/f16' if f16 else ''}"
                     if not err <= 2e-2:
-                        raise SystemExit(f"{name} tiles {t} B={B} len={length}: rel err "
+                        raise SystemExit(f"{label} tiles {t} B={B} len={length}: rel err "
                                          f"{err:.2e} > 2e-2")  # fmt: skip
                     t_us = graph_time_us([run])
-                    sweep.append((B, length, name, t, t_us, read[name]))
+                    sweep.append((B, length, label, t, t_us, read[name]))
         del caches
         torch.cuda.empty_cache()
     print(f"\nsplits by capacity against by each row's length (dynamic_chunk), us\n{'rows':>5} "
@@ -144,11 +148,12 @@ def main() -> None:
              dynamic_2x_splits_us=d2, dynamic_4x_splits_us=d4)
         for b, n_, c, sp, st, dy, d2, d4 in dynamic]})  # fmt: skip
     if tiles:
-        print(f"\ntiles sweep (first row of each cache: LONG_TILES's)\n{'rows':>5} {'len':>5} "
-              f"{'cache':>5} {'tiles':>12} {'us':>8} {'GB/s':>6}")
+        print(f"\ntiles sweep (first row of each cache: LONG_TILES's; fp8/f16: the FP8 cache "
+              f"with fp16 dots)\n{'rows':>5} {'len':>5} {'cache':>8} {'tiles':>12} {'us':>8} "
+              f"{'GB/s':>6}")
         for B, length, name, t, t_us, nbytes in sweep:
             best = min(u for b, n_, c, _, u, _ in sweep if (b, n_, c) == (B, length, name))
-            print(f"{B:>5} {length:>5} {name:>5} {str(t):>12} {t_us:8.1f} "
+            print(f"{B:>5} {length:>5} {name:>8} {str(t):>12} {t_us:8.1f} "
                   f"{nbytes / t_us / 1e3:6.0f}{'  best' if t_us == best else ''}")
         results.append({"tiles_sweep": [dict(rows=b, length=n_, cache=c, tiles=t, us=u)
                                         for b, n_, c, t, u, _ in sweep]})  # fmt: skip

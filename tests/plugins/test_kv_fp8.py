@@ -177,11 +177,12 @@ def test_decode_attention_kernel(R, S, splits):
     q = torch.randn(R, HQ, D, device=KDEV, generator=g).to(torch.bfloat16)
     lengths = torch.randint(1, S + 1, (R,), device=KDEV, generator=g)
     lengths[0] = S
-    out = decode_attention_triton(q, kc, vc, slots, lengths, S, splits=splits, k_scale=ks,
-                                  v_scale=vs)  # fmt: skip
     ref = decode_attention_reference(q.float(), kc, vc, slots, lengths, S, k_scale=ks, v_scale=vs)
-    assert out.dtype == torch.bfloat16
-    assert _rel(out, ref) < BF16_TOL
+    for f16 in (True, False):  # the dots in fp16 (FP8_F16_DOT) or bf16
+        out = decode_attention_triton(q, kc, vc, slots, lengths, S, splits=splits, k_scale=ks,
+                                      v_scale=vs, f16_dot=f16)  # fmt: skip
+        assert out.dtype == torch.bfloat16
+        assert _rel(out, ref) < BF16_TOL, f16
     # the same cache read without its v scale is far off (the scale is applied)
     wrong = decode_attention_reference(q.float(), kc, vc, slots, lengths, S, k_scale=ks,
                                        v_scale=vs * 2)  # fmt: skip
@@ -199,15 +200,19 @@ def test_fused_decode_attention_kernel(R, S, splits):
     qkv, qw, kw, pos, slots, kc, vc, ks, vs = _inputs(R * 5 + S, R, S, KDEV)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     a = {k: v for k, v in ATTN.items() if k != "theta"}
-    out = qk_norm_rope_decode_attention_triton(
-        qkv, qw, kw, inv_freq(D, ATTN["theta"], qkv.device), pos, slots, kc, vc, S,
-        scale=D**-0.5, splits=splits, k_scale=ks, v_scale=vs, **a,
-    )  # fmt: skip
     q = qk_norm_rope_reference(qkv.float(), qw.float(), kw.float(), pos, slots, kc_ref, vc_ref,
                                **ATTN, k_scale=ks, v_scale=vs)  # fmt: skip
     ref = decode_attention_reference(q, kc_ref, vc_ref, slots, pos + 1, S, k_scale=ks,
                                      v_scale=vs).reshape(R, -1)  # fmt: skip
-    assert _rel(out, ref) < BF16_TOL
+    kc0, vc0 = kc.clone(), vc.clone()
+    for f16 in (True, False):  # the dots in fp16 (FP8_F16_DOT) or bf16, on the same caches
+        kc.copy_(kc0)
+        vc.copy_(vc0)
+        out = qk_norm_rope_decode_attention_triton(
+            qkv, qw, kw, inv_freq(D, ATTN["theta"], qkv.device), pos, slots, kc, vc, S,
+            scale=D**-0.5, splits=splits, k_scale=ks, v_scale=vs, f16_dot=f16, **a,
+        )  # fmt: skip
+        assert _rel(out, ref) < BF16_TOL, f16
     for c, c_ref in ((kc, kc_ref), (vc, vc_ref)):
         same = (c.view(torch.uint8) == c_ref.view(torch.uint8)).float().mean().item()
         assert same > 0.99, same

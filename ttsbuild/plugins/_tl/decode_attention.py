@@ -34,6 +34,14 @@ _LOG2E = 1.4426950408889634
 # covered. Off until timed on a GPU (TTSBUILD_ATTN_DYNAMIC_CHUNK=1 turns it on;
 # kv_fp8_attention.py times both).
 DYNAMIC_CHUNK = os.environ.get("TTSBUILD_ATTN_DYNAMIC_CHUNK", "0") == "1"
+# An FP8 cache's tiles widened to fp16 for the dot products (q and the softmax weights too)
+# instead of bf16: e4m3 -> fp16 is one conversion instruction a pair of values on Hopper
+# (cvt.rn.f16x2.e4m3x2), -> bf16 goes through fp16 and fp32 (two more a value), and the FP8
+# kernel was not bandwidth-bound (1.8-2.4 TB/s against the bf16 cache's 2.6-3.1, H100
+# 2026-12-07). Exact for the cache (e4m3 fits fp16) and q (normed, rounded to bf16 first);
+# the weights p round to 11 bits instead of 8. Off until timed on a GPU
+# (TTSBUILD_ATTN_FP8_F16=1; kv_fp8_attention.py --tiles times both).
+FP8_F16_DOT = os.environ.get("TTSBUILD_ATTN_FP8_F16", "0") == "1"
 
 
 @triton.jit
@@ -56,11 +64,12 @@ def _attn_split_kernel(
     qk_scale, v_scale, chunk,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     SPLITS: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr = False,
-    PDL: tl.constexpr = False, DYNAMIC: tl.constexpr = False,
+    PDL: tl.constexpr = False, DYNAMIC: tl.constexpr = False, F16: tl.constexpr = False,
 ):  # fmt: skip
     """KV_FP8: the caches hold e4m3 values: k's scale is folded into qk_scale, v's
     (v_scale) multiplies the accumulator once at the end. DYNAMIC: the splits divide the
-    row's length, not the capacity (`chunk` ignored; DYNAMIC_CHUNK)."""
+    row's length, not the capacity (`chunk` ignored; DYNAMIC_CHUNK). F16 (with KV_FP8):
+    the dots in fp16 (FP8_F16_DOT)."""
     pdl_prologue(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -76,7 +85,9 @@ def _attn_split_kernel(
         mask=g_mask[:, None],
         other=0.0,
     )
-    if DOT_F32:
+    if F16 and KV_FP8:  # (first: the interpreter runs this path too)
+        q = q.to(tl.float16)
+    elif DOT_F32:
         q = q.to(tl.float32)
     base = slot * stride_cslot + kvh.to(tl.int64) * stride_ch
     if DYNAMIC:
@@ -92,7 +103,7 @@ def _attn_split_kernel(
         kv_offs = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         k = tl.load(k_ptr + kv_offs, mask=s_mask[:, None], other=0.0)
         v = tl.load(v_ptr + kv_offs, mask=s_mask[:, None], other=0.0)
-        if DOT_F32 or KV_FP8:  # (e4m3 -> bf16 is exact)
+        if DOT_F32 or KV_FP8:  # (e4m3 -> bf16 / fp16 is exact)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_S], log2 units
@@ -179,10 +190,11 @@ def decode_attention_triton(
     v_scale: float | None = None,
     tiles: tuple[int, int, int] | None = None,
     dynamic_chunk: bool | None = None,
+    f16_dot: bool | None = None,
 ) -> torch.Tensor:
     """tiles: (BLOCK_S, num_warps, num_stages) for a long cache; None: LONG_TILES's (a
     short cache keeps BLOCK_S 16). dynamic_chunk: splits by each row's length (None:
-    DYNAMIC_CHUNK)."""
+    DYNAMIC_CHUNK). f16_dot: an FP8 cache's dots in fp16 (None: FP8_F16_DOT)."""
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     ks, vs = kv_cache_scales(k_cache, v_cache, k_scale, v_scale)
@@ -210,6 +222,7 @@ def decode_attention_triton(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_S=block_s,
         SPLITS=splits, DOT_F32=interpret_mode(), KV_FP8=kv_fp8,
         DYNAMIC=DYNAMIC_CHUNK if dynamic_chunk is None else dynamic_chunk,
+        F16=FP8_F16_DOT if f16_dot is None else f16_dot,
         **pdl_args(pdl), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
@@ -229,7 +242,7 @@ def _qk_attend_split_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_SP: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr = False,
-    PDL: tl.constexpr = False, DYNAMIC: tl.constexpr = False,
+    PDL: tl.constexpr = False, DYNAMIC: tl.constexpr = False, F16: tl.constexpr = False,
 ):  # fmt: skip
     """qk_norm_rope + the split kernel + the combine kernel above in one launch: program
     (row, KV head, split) normalises and rotates its GROUP query heads and its KV head's new
@@ -240,7 +253,8 @@ def _qk_attend_split_kernel(
     to arrive (atomic counter, reset by it) merges the splits in split order. KV_FP8: e4m3
     caches, the new k and v stored divided by k_scale / v_scale (`e4m3_value`); k_scale is
     folded into qk_scale, v_scale multiplies the accumulator at the end. DYNAMIC: the
-    splits divide the row's pos + 1 positions, not the capacity (DYNAMIC_CHUNK)."""
+    splits divide the row's pos + 1 positions, not the capacity (DYNAMIC_CHUNK). F16 (with
+    KV_FP8): the dots in fp16 (FP8_F16_DOT)."""
     pdl_prologue(PDL)
     HALF: tl.constexpr = D // 2
     b = tl.program_id(0).to(tl.int64)
@@ -268,7 +282,10 @@ def _qk_attend_split_kernel(
     )  # fmt: skip
     q1 = tl.where(g_mask, q1, 0.0).to(qdt)
     q2 = tl.where(g_mask, q2, 0.0).to(qdt)
-    if DOT_F32:
+    if F16 and KV_FP8:  # (first: the interpreter runs this path too)
+        q1 = q1.to(tl.float16)
+        q2 = q2.to(tl.float16)
+    elif DOT_F32:
         q1 = q1.to(tl.float32)
         q2 = q2.to(tl.float32)
 
@@ -288,7 +305,7 @@ def _qk_attend_split_kernel(
         k1 = tl.load(kc_ptr + at + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         k2 = tl.load(kc_ptr + at + HALF + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         v = tl.load(vc_ptr + at + offs_full[None, :], mask=s_mask[:, None], other=0.0)
-        if DOT_F32 or KV_FP8:  # (e4m3 -> bf16 is exact)
+        if DOT_F32 or KV_FP8:  # (e4m3 -> bf16 / fp16 is exact)
             k1 = k1.to(q1.dtype)
             k2 = k2.to(q1.dtype)
             v = v.to(q1.dtype)
@@ -373,9 +390,10 @@ def qk_norm_rope_decode_attention_triton(
     k_scale: float | None = None,
     v_scale: float | None = None,
     dynamic_chunk: bool | None = None,
+    f16_dot: bool | None = None,
 ) -> torch.Tensor:
-    """The attention output [R, Hq * D] (see `_qk_attend_split_kernel`); dynamic_chunk as
-    `decode_attention_triton`'s."""
+    """The attention output [R, Hq * D] (see `_qk_attend_split_kernel`); dynamic_chunk and
+    f16_dot as `decode_attention_triton`'s."""
     R = qkv.shape[0]
     S, D = k_cache.shape[-2], k_cache.shape[-1]
     check_qkv_caches(qkv, k_cache, v_cache, num_heads, num_kv_heads)
@@ -402,6 +420,7 @@ def qk_norm_rope_decode_attention_triton(
         BLOCK_SP=triton.next_power_of_2(splits), DOT_F32=interpret_mode(),
         KV_FP8=k_cache.dtype == KV_FP8_DTYPE,
         DYNAMIC=DYNAMIC_CHUNK if dynamic_chunk is None else dynamic_chunk,
+        F16=FP8_F16_DOT if f16_dot is None else f16_dot,
         **pdl_args(pdl_enabled(qkv)), num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
