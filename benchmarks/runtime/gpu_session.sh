@@ -584,7 +584,7 @@ for step in $STEPS; do
         echo "rc=$? ($((SECONDS - t0)) s on the stripped cache)"; grep "a frame" "$OUT/cp_many_rows_stripped.log" ;;
     kvattn)  # the talker's decode attention and cache write, bf16 cache against FP8
         log "decode attention on a bf16 against an FP8 talker cache (kv_fp8_attention.py)"
-        timeout -k 5 150 python3 -u benchmarks/kernels/kv_fp8_attention.py \
+        timeout -k 5 "${KVATTN_S:-150}" python3 -u benchmarks/kernels/kv_fp8_attention.py \
             ${KVATTN_ARGS:-} > "$OUT/kv_fp8_attention.log" 2>&1
         echo "rc=$?"; tail -"${KVATTN_TAIL:-12}" "$OUT/kv_fp8_attention.log" ;;
     megatalker)  # the talker's decode step at batch 1 as one persistent kernel (prototype)
