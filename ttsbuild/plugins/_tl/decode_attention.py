@@ -31,17 +31,23 @@ _LOG2E = 1.4426950408889634
 # captured graph's grid is fixed), so a row 200 positions into a 2048-position cache had its
 # whole length in split 0 of 3 (16 rows): one program streamed all of it while the others
 # exited. Per row, no split gets more positions than before and the same positions are
-# covered. Off until timed on a GPU (TTSBUILD_ATTN_DYNAMIC_CHUNK=1 turns it on;
-# kv_fp8_attention.py times both).
+# covered. Off (TTSBUILD_ATTN_DYNAMIC_CHUNK=1 turns it on; kv_fp8_attention.py times both).
+# H200 2026-12-07 (benchmarks/runtime/2026-12-07-h200-bf16-heads-f16): 1.1-1.7x faster where
+# the plan has several splits (16 rows: FP8 cache 23.8 -> 14.3 us at 600 positions), 0.8x
+# where it has one (64 rows: the constexpr path alone costs that), level at 256; the engine
+# at 1 / 64 / 256 rows level (talker 1.15 / 1.77 / 3.26 ms against 1.13 / 1.75 / 3.23).
+# Next: on only where splits > 1, timed in the engine at 16-32 rows.
 DYNAMIC_CHUNK = os.environ.get("TTSBUILD_ATTN_DYNAMIC_CHUNK", "0") == "1"
 # An FP8 cache's tiles widened to fp16 for the dot products (q and the softmax weights too)
 # instead of bf16: e4m3 -> fp16 is one conversion instruction a pair of values on Hopper
-# (cvt.rn.f16x2.e4m3x2), -> bf16 goes through fp16 and fp32 (two more a value), and the FP8
-# kernel was not bandwidth-bound (1.8-2.4 TB/s against the bf16 cache's 2.6-3.1, H100
-# 2026-12-07). Exact for the cache (e4m3 fits fp16) and q (normed, rounded to bf16 first);
-# the weights p round to 11 bits instead of 8. Off until timed on a GPU
-# (TTSBUILD_ATTN_FP8_F16=1; kv_fp8_attention.py --tiles times both).
-FP8_F16_DOT = os.environ.get("TTSBUILD_ATTN_FP8_F16", "0") == "1"
+# (cvt.rn.f16x2.e4m3x2), -> bf16 goes through fp16 and fp32 (two more a value). Exact for the
+# cache (e4m3 fits fp16) and q (normed, rounded to bf16 first); the weights p round to 11
+# bits instead of 8. Measured on an H200 (2026-12-07, benchmarks/runtime/2026-12-07-h200-bf16-
+# heads-f16): the split kernel on an FP8 cache 135.4 -> 101.4 us at 256 rows x 600 positions,
+# 58.8 -> 46.7 at 256 x 200, 39.0 -> 28.8 at 64 x 600 (2.0 -> 2.7 TB/s), 26.4 -> 19.0 at 16 x
+# 600; the engine's talker step 3.23 -> 2.99 ms at 256 rows, 1.75 -> 1.66 at 64, 1.13 -> 1.07
+# at 1. On by default; TTSBUILD_ATTN_FP8_F16=0 keeps bf16 dots.
+FP8_F16_DOT = os.environ.get("TTSBUILD_ATTN_FP8_F16", "1") == "1"
 
 
 @triton.jit
