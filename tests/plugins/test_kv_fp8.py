@@ -140,6 +140,19 @@ def test_cache_write_kernel(R, S):
                            c_ref.view(torch.uint8).transpose(1, 2)[untouched])
 
 
+def test_dynamic_splits_choice():
+    """dynamic_chunk: True / False as given, "auto" only where a launch has several splits
+    (one split holds the row's whole length either way), None the module's default; anything
+    else is refused."""
+    from ttsbuild.plugins._tl import decode_attention as da
+
+    assert da.dynamic_for(True, 1) and not da.dynamic_for(False, 8)
+    assert da.dynamic_for("auto", 3) and not da.dynamic_for("auto", 1)
+    assert da.dynamic_for(None, 3) == da.dynamic_for(da.DYNAMIC_CHUNK, 3)
+    with pytest.raises(ValueError, match="dynamic_chunk"):
+        da.dynamic_for("yes", 3)
+
+
 @needs_kernel
 @pytest.mark.parametrize("tiles", kernel_cases(
     [(128, 4, 2), (128, 8, 3), (32, 4, 4)], [(128, 4, 2), (32, 4, 4)]))

@@ -31,13 +31,30 @@ _LOG2E = 1.4426950408889634
 # captured graph's grid is fixed), so a row 200 positions into a 2048-position cache had its
 # whole length in split 0 of 3 (16 rows): one program streamed all of it while the others
 # exited. Per row, no split gets more positions than before and the same positions are
-# covered. Off (TTSBUILD_ATTN_DYNAMIC_CHUNK=1 turns it on; kv_fp8_attention.py times both).
+# covered. Off (TTSBUILD_ATTN_DYNAMIC_CHUNK=1 turns it on, =auto where a launch has more than
+# one split; kv_fp8_attention.py times them).
 # H200 2026-12-07 (benchmarks/runtime/2026-12-07-h200-bf16-heads-f16): 1.1-1.7x faster where
 # the plan has several splits (16 rows: FP8 cache 23.8 -> 14.3 us at 600 positions), 0.8x
 # where it has one (64 rows: the constexpr path alone costs that), level at 256; the engine
 # at 1 / 64 / 256 rows level (talker 1.15 / 1.77 / 3.26 ms against 1.13 / 1.75 / 3.23).
-# Next: on only where splits > 1, timed in the engine at 16-32 rows.
-DYNAMIC_CHUNK = os.environ.get("TTSBUILD_ATTN_DYNAMIC_CHUNK", "0") == "1"
+# Next: "auto" timed in the engine at 16-32 rows.
+DYNAMIC_CHOICES = {"0": False, "1": True, "auto": "auto"}
+_dynamic_env = os.environ.get("TTSBUILD_ATTN_DYNAMIC_CHUNK", "0").strip().lower()
+if _dynamic_env not in DYNAMIC_CHOICES:
+    raise ValueError(f"TTSBUILD_ATTN_DYNAMIC_CHUNK: one of {sorted(DYNAMIC_CHOICES)}, not "
+                     f"{_dynamic_env!r}")
+DYNAMIC_CHUNK: bool | str = DYNAMIC_CHOICES[_dynamic_env]
+
+
+def dynamic_for(choice: bool | str | None, splits: int) -> bool:
+    """Whether a launch of `splits` splits divides each row's length (the DYNAMIC constexpr):
+    choice True / False, "auto" (only with more than one split: with one, the row's whole
+    length is its split's anyway, and the dynamic path measured 0.8x there), None:
+    DYNAMIC_CHUNK's."""
+    choice = DYNAMIC_CHUNK if choice is None else choice
+    if choice not in (True, False, "auto"):
+        raise ValueError(f"dynamic_chunk: True, False or 'auto', not {choice!r}")
+    return bool(choice is True or (choice == "auto" and splits > 1))
 # An FP8 cache's tiles widened to fp16 for the dot products (q and the softmax weights too)
 # instead of bf16: e4m3 -> fp16 is one conversion instruction a pair of values on Hopper
 # (cvt.rn.f16x2.e4m3x2), -> bf16 goes through fp16 and fp32 (two more a value). Exact for the
@@ -195,12 +212,13 @@ def decode_attention_triton(
     k_scale: float | None = None,
     v_scale: float | None = None,
     tiles: tuple[int, int, int] | None = None,
-    dynamic_chunk: bool | None = None,
+    dynamic_chunk: bool | str | None = None,
     f16_dot: bool | None = None,
 ) -> torch.Tensor:
     """tiles: (BLOCK_S, num_warps, num_stages) for a long cache; None: LONG_TILES's (a
-    short cache keeps BLOCK_S 16). dynamic_chunk: splits by each row's length (None:
-    DYNAMIC_CHUNK). f16_dot: an FP8 cache's dots in fp16 (None: FP8_F16_DOT)."""
+    short cache keeps BLOCK_S 16). dynamic_chunk: splits by each row's length (True, False,
+    "auto": where there are several; None: DYNAMIC_CHUNK, `dynamic_for`). f16_dot: an FP8
+    cache's dots in fp16 (None: FP8_F16_DOT)."""
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     ks, vs = kv_cache_scales(k_cache, v_cache, k_scale, v_scale)
@@ -227,7 +245,7 @@ def decode_attention_triton(
         out.stride(0), out.stride(1), scale * ks * _LOG2E, vs, chunk,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_S=block_s,
         SPLITS=splits, DOT_F32=interpret_mode(), KV_FP8=kv_fp8,
-        DYNAMIC=DYNAMIC_CHUNK if dynamic_chunk is None else dynamic_chunk,
+        DYNAMIC=dynamic_for(dynamic_chunk, splits),
         F16=FP8_F16_DOT if f16_dot is None else f16_dot,
         **pdl_args(pdl), num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -395,7 +413,7 @@ def qk_norm_rope_decode_attention_triton(
     splits: int | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
-    dynamic_chunk: bool | None = None,
+    dynamic_chunk: bool | str | None = None,
     f16_dot: bool | None = None,
 ) -> torch.Tensor:
     """The attention output [R, Hq * D] (see `_qk_attend_split_kernel`); dynamic_chunk and
@@ -425,7 +443,7 @@ def qk_norm_rope_decode_attention_triton(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=block_s, SPLITS=splits,
         BLOCK_SP=triton.next_power_of_2(splits), DOT_F32=interpret_mode(),
         KV_FP8=k_cache.dtype == KV_FP8_DTYPE,
-        DYNAMIC=DYNAMIC_CHUNK if dynamic_chunk is None else dynamic_chunk,
+        DYNAMIC=dynamic_for(dynamic_chunk, splits),
         F16=FP8_F16_DOT if f16_dot is None else f16_dot,
         **pdl_args(pdl_enabled(qkv)), num_warps=4, num_stages=3,
     )  # fmt: skip
