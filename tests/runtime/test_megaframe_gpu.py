@@ -75,14 +75,27 @@ def test_codes_follow_the_reference(model, do_sample, top_p, opts):
     cp, m, x_in, mf = model
     if opts != cpm.SERVED_OPTS:
         mf = cpm.Megaframe(m, eps=mf.eps, opts=opts | cpm.COOPERATIVE)
-    batch, seeds, frames = _settings(do_sample, seed=-987654321, frame=41, top_p=top_p)
+    _check_frame(mf, m, x_in, _settings(do_sample, seed=-987654321, frame=41, top_p=top_p))
+
+
+def _check_frame(mf, m, x_in, settings, apart_from=None) -> None:
+    """One kernel frame against the float32 reference on the same weights m, teacher-forced
+    on the kernel's codes: logits within 1e-4, each code the reference's draw (a near-tie
+    aside), and not one code over and over. apart_from: other weights whose reference logits
+    the kernel's must differ from (by > 1e-3: the kernel read m's, not those)."""
+    batch, seeds, frames = settings
     tokens = mf.run(x_in, batch, seeds, frames).clone()
     logits, _, _ = cpm.reference(m, x_in, tokens, eps=mf.eps)
+    other = None if apart_from is None else cpm.reference(apart_from, x_in, tokens,
+                                                          eps=mf.eps)[0]  # fmt: skip
     kernel_logits = mf.buffers["logits"]
     want = cpm.reference_draws(logits, batch, seeds, frames)
     for i in range(G - 1):
         rel = float((kernel_logits[i] - logits[i]).norm() / logits[i].norm())
         assert rel < 1e-4, (i, rel)
+        if other is not None:
+            apart = float((kernel_logits[i] - other[i]).norm() / other[i].norm())
+            assert apart > 1e-3, (i, apart)
         assert int(tokens[i]) == want[i] or cpm.near_tie(logits[i], batch, seeds, frames, i + 1), i
     assert len(set(tokens.tolist())) > 3  # not one code over and over
 
@@ -111,19 +124,8 @@ def test_bf16_heads_follow_the_reference(model, bf16_heads, do_sample, top_p, op
     _, m_fp8, _, mf_fp8 = model
     m, x_in = bf16_heads
     mf = cpm.Megaframe(m, eps=mf_fp8.eps, opts=opts | cpm.COOPERATIVE)
-    batch, seeds, frames = _settings(do_sample, seed=123456789, frame=17, top_p=top_p)
-    tokens = mf.run(x_in, batch, seeds, frames).clone()
-    logits, _, _ = cpm.reference(m, x_in, tokens, eps=mf.eps)
-    fp8_logits, _, _ = cpm.reference(m_fp8, x_in, tokens, eps=mf.eps)
-    kernel_logits = mf.buffers["logits"]
-    want = cpm.reference_draws(logits, batch, seeds, frames)
-    for i in range(G - 1):
-        rel = float((kernel_logits[i] - logits[i]).norm() / logits[i].norm())
-        assert rel < 1e-4, (i, rel)
-        apart = float((kernel_logits[i] - fp8_logits[i]).norm() / fp8_logits[i].norm())
-        assert apart > 1e-3, (i, apart)
-        assert int(tokens[i]) == want[i] or cpm.near_tie(logits[i], batch, seeds, frames, i + 1), i
-    assert len(set(tokens.tolist())) > 3
+    _check_frame(mf, m, x_in, _settings(do_sample, seed=123456789, frame=17, top_p=top_p),
+                 apart_from=m_fp8)
 
 
 @pytest.mark.parametrize("opts", [cpm.SERVED_OPTS, cpm.SERVED_OPTS | cpm.TAGGED,
