@@ -125,8 +125,10 @@
 #         process: it should compile nothing (its wall time against the first's)
 # kvattn: benchmarks/kernels/kv_fp8_attention.py (the talker's decode attention and cache
 #         write on a bf16 cache against an FP8 one, plan talker_kv_fp8; 1-256 rows, 200 and 600
-#         positions of a 2048-position cache; $KVATTN_ARGS, e.g. --tiles "128,4,3;128,8,3"
-#         to sweep the split kernel's tiles; $KVATTN_TAIL lines of the log shown, default 12)
+#         positions of a 2048-position cache; $KVATTN_ARGS, e.g. --tiles 128,4,3;128,8,3
+#         to sweep the split kernel's tiles (no quotes: the words reach the script as they
+#         are, quotes included); $KVATTN_S its limit (default 150 s); $KVATTN_TAIL lines
+#         of the log shown, default 12)
 # megatalker: benchmarks/kernels/megatalker/bench_talker_step.py (the talker's decode step at
 #         batch 1 as one persistent kernel, runtime/talker_megastep.py): against its fp32
 #         reference and the served step at three positions, then ms per step by prefetch
