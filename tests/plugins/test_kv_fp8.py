@@ -140,10 +140,10 @@ def test_cache_write_kernel(R, S):
                            c_ref.view(torch.uint8).transpose(1, 2)[untouched])
 
 
-def test_dynamic_splits_choice():
+def test_dynamic_splits_and_f16_choices():
     """dynamic_chunk: True / False as given, "auto" only where a launch has several splits
     (one split holds the row's whole length either way), None the module's default; anything
-    else is refused."""
+    else is refused. f16_dot likewise, for bf16 / fp16 activations only."""
     from ttsbuild.plugins._tl import decode_attention as da
 
     assert da.dynamic_for(True, 1) and not da.dynamic_for(False, 8)
@@ -151,6 +151,10 @@ def test_dynamic_splits_choice():
     assert da.dynamic_for(None, 3) == da.dynamic_for(da.DYNAMIC_CHUNK, 3)
     with pytest.raises(ValueError, match="dynamic_chunk"):
         da.dynamic_for("yes", 3)
+    # fp16 dots as asked, for 16-bit activations only (an fp32 engine keeps fp32 dots)
+    assert da.f16_for(True, torch.bfloat16) and not da.f16_for(False, torch.bfloat16)
+    assert not da.f16_for(True, torch.float32)
+    assert da.f16_for(None, torch.bfloat16) == da.FP8_F16_DOT
 
 
 @needs_kernel

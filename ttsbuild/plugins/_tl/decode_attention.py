@@ -55,6 +55,8 @@ def dynamic_for(choice: bool | str | None, splits: int) -> bool:
     if choice not in (True, False, "auto"):
         raise ValueError(f"dynamic_chunk: True, False or 'auto', not {choice!r}")
     return bool(choice is True or (choice == "auto" and splits > 1))
+
+
 # An FP8 cache's tiles widened to fp16 for the dot products (q and the softmax weights too)
 # instead of bf16: e4m3 -> fp16 is one conversion instruction a pair of values on Hopper
 # (cvt.rn.f16x2.e4m3x2), -> bf16 goes through fp16 and fp32 (two more a value). Exact for the
@@ -63,8 +65,15 @@ def dynamic_for(choice: bool | str | None, splits: int) -> bool:
 # heads-f16): the split kernel on an FP8 cache 135.4 -> 101.4 us at 256 rows x 600 positions,
 # 58.8 -> 46.7 at 256 x 200, 39.0 -> 28.8 at 64 x 600 (2.0 -> 2.7 TB/s), 26.4 -> 19.0 at 16 x
 # 600; the engine's talker step 3.23 -> 2.99 ms at 256 rows, 1.75 -> 1.66 at 64, 1.13 -> 1.07
-# at 1. On by default; TTSBUILD_ATTN_FP8_F16=0 keeps bf16 dots.
+# at 1. On by default for bf16 / fp16 activations (an fp32 engine's q keeps fp32 dots);
+# TTSBUILD_ATTN_FP8_F16=0 keeps bf16 dots.
 FP8_F16_DOT = os.environ.get("TTSBUILD_ATTN_FP8_F16", "1") == "1"
+
+
+def f16_for(choice: bool | None, q_dtype: torch.dtype) -> bool:
+    """Whether an FP8 cache's launch takes fp16 dots (the F16 constexpr): choice (None:
+    FP8_F16_DOT) and q no wider than 16 bits (fp32 activations keep fp32 dots)."""
+    return bool((FP8_F16_DOT if choice is None else choice) and q_dtype != torch.float32)
 
 
 @triton.jit
@@ -218,7 +227,7 @@ def decode_attention_triton(
     """tiles: (BLOCK_S, num_warps, num_stages) for a long cache; None: LONG_TILES's (a
     short cache keeps BLOCK_S 16). dynamic_chunk: splits by each row's length (True, False,
     "auto": where there are several; None: DYNAMIC_CHUNK, `dynamic_for`). f16_dot: an FP8
-    cache's dots in fp16 (None: FP8_F16_DOT)."""
+    cache's dots in fp16 (None: FP8_F16_DOT; `f16_for`)."""
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     ks, vs = kv_cache_scales(k_cache, v_cache, k_scale, v_scale)
@@ -245,8 +254,7 @@ def decode_attention_triton(
         out.stride(0), out.stride(1), scale * ks * _LOG2E, vs, chunk,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_S=block_s,
         SPLITS=splits, DOT_F32=interpret_mode(), KV_FP8=kv_fp8,
-        DYNAMIC=dynamic_for(dynamic_chunk, splits),
-        F16=FP8_F16_DOT if f16_dot is None else f16_dot,
+        DYNAMIC=dynamic_for(dynamic_chunk, splits), F16=f16_for(f16_dot, q.dtype),
         **pdl_args(pdl), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
@@ -443,8 +451,7 @@ def qk_norm_rope_decode_attention_triton(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=block_s, SPLITS=splits,
         BLOCK_SP=triton.next_power_of_2(splits), DOT_F32=interpret_mode(),
         KV_FP8=k_cache.dtype == KV_FP8_DTYPE,
-        DYNAMIC=dynamic_for(dynamic_chunk, splits),
-        F16=FP8_F16_DOT if f16_dot is None else f16_dot,
+        DYNAMIC=dynamic_for(dynamic_chunk, splits), F16=f16_for(f16_dot, qkv.dtype),
         **pdl_args(pdl_enabled(qkv)), num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
