@@ -105,10 +105,7 @@ def bf16_heads(model):
     """The same code predictor with its heads in bf16, as the engine holds them beside an FP8
     code predictor (EnginePlan.cp_heads_fp8 off): the kernel reads them as they are."""
     cp, _, x_in, _ = model
-    stack = cpm.PackedStack.from_module(cp.model, True)
-    heads = [cpm.Dense(h.weight.detach().to(torch.bfloat16)) for h in cp.lm_head]
-    embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
-    m = cpm.pack(stack, heads, cp.small_to_mtp_projection, embeddings)
+    m = cpm.pack_module(cp, fp8=True, bf16_heads=True)
     assert m["whead"].dtype == torch.bfloat16 and cpm.unsupported(m) is None
     return m, x_in
 

@@ -114,6 +114,8 @@ def test_heads_fp8_or_bf16_as_held():
     m = cpm.pack(stack, heads, cp.small_to_mtp_projection, embeddings)
     assert m["whead"].dtype == torch.bfloat16 and m["wqkv"].dtype == torch.float8_e4m3fn
     assert bool((m["shead"] == 1).all())
+    for k, v in cpm.pack_module(cp, fp8=True, bf16_heads=True).items():  # the same packing
+        assert v.dtype == m[k].dtype and torch.equal(v.float(), m[k].float()), k
     eps = cp.cfg.code_predictor.rms_norm_eps
     logits, _, _ = cpm.reference(m, x_in, tokens, eps=eps)
     fp8_logits, _, _ = cpm.reference(cpm.pack_module(cp, fp8=True), x_in, tokens, eps=eps)

@@ -182,10 +182,12 @@ def rope_tables(groups: int, head_dim: int, theta: float, device) -> tuple[torch
     return cos[:, :head_dim // 2], sin[:, :head_dim // 2]
 
 
-def pack_module(cp, fp8: bool) -> dict[str, torch.Tensor]:
-    """`pack` of a `ttsbuild.model.talker.CodePredictor` (FP8 rows, or its float weights)."""
+def pack_module(cp, fp8: bool, bf16_heads: bool = False) -> dict[str, torch.Tensor]:
+    """`pack` of a `ttsbuild.model.talker.CodePredictor` (FP8 rows, or its float weights);
+    bf16_heads: its heads in bf16 instead (as an engine serves them beside FP8 layers)."""
     stack = PackedStack.from_module(cp.model, fp8)
-    heads = [Dense.make(h.weight.detach(), fp8) for h in cp.lm_head]
+    heads = [Dense(h.weight.detach().to(torch.bfloat16)) if bf16_heads
+             else Dense.make(h.weight.detach(), fp8) for h in cp.lm_head]  # fmt: skip
     embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
     return pack(stack, heads, cp.small_to_mtp_projection, embeddings)
 

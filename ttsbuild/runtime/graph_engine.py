@@ -378,9 +378,10 @@ class GraphBackend:
                                        lambda t: self.cp_fused._project(t, None),
                                        self.cp_embeddings)
             cp_megaframe.share_weights(packed, self.cp_stack, mega_heads)  # held once
-            for h, dense in zip(cp.lm_head, mega_heads, strict=True):
-                if own and not dense.is_fp8:  # the module's bf16 head: the same view
-                    h.weight = torch.nn.Parameter(dense.weight, requires_grad=False)
+            if own:  # the modules' bf16 heads: the same views
+                for h, dense in zip(cp.lm_head, mega_heads, strict=True):
+                    if not dense.is_fp8:
+                        h.weight = torch.nn.Parameter(dense.weight, requires_grad=False)
             eps = self.cp_stack.cfg.rms_norm_eps
             opts = cp_megaframe.engine_opts()
             first = None  # the instances share their re-laid-out weights
