@@ -1,7 +1,8 @@
 # ruff: noqa: B023  (the timed closures run before their loop variables change)
-"""A wide config sweep of the weight-only FP8 linear at the talker's shapes.
+"""A wide config sweep of the weight-only FP8 linear at the talker's (or code predictor's) shapes.
 
     PYTHONPATH=. python3 benchmarks/kernels/sweep_fp8.py [--ms 1,8,32,64] [--jobs 8] [--a8]
+    PYTHONPATH=. python3 benchmarks/kernels/sweep_fp8.py --shapes cp --ms 16,32,64
 
 GPU only. The autotuner picks from a few configs (`_tl.fp8_linear.GEMV_CONFIGS` /
 `GEMM_CONFIGS`); this times a few hundred, so the sets can be chosen by measurement. Kernels
@@ -38,6 +39,12 @@ SHAPES = {  # name: (K, N), the talker's linears (1.7B)
     "gate_up": (2048, 12288),
     "down": (6144, 2048),
 }
+CP_SHAPES = {  # the code predictor's (1.7B; gate_up runs as one plain linear, then silu_mul)
+    "qkv": (1024, 4096),
+    "o": (2048, 1024),
+    "gate_up": (1024, 6144),
+    "down": (3072, 1024),
+}
 
 
 def configs(m: int, a8: bool = False) -> list[dict]:
@@ -51,8 +58,8 @@ def configs(m: int, a8: bool = False) -> list[dict]:
         return cs
     elif m == 1:
         space = itertools.product((8, 16, 32), (256, 512, 1024), (1, 2, 4), (2, 4, 8), (1, 3))
-    else:
-        space = itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (4, 8), (3, 4, 6))
+    else:  # (split 8 too: the code predictor's N of 1024 makes 8-32 tiles)
+        space = itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3, 4))
     return [dict(BLOCK_N=n, BLOCK_K=k, SPLIT_K=s, num_warps=w, num_stages=st)
             for n, k, s, w, st in space]  # fmt: skip
 
@@ -73,15 +80,22 @@ def _runner(a8: bool):
             lambda xs, q, s, c=None: fp8_linear_a8_triton(xs[0], xs[1], q, s, c))  # fmt: skip
 
 
-def compile_slice(ms: list[int], part: int, parts: int, a8: bool) -> None:
-    """Compile (by running once) every config of the slice at every M's tile width."""
+def compile_slice(ms: list[int], part: int, parts: int, a8: bool, shapes: dict) -> None:
+    """Compile (by running once) every config of the slice at every M's tile width (every
+    config that fits is EVEN at every shape, so one shape's compiles serve them all)."""
     from ttsbuild.plugins.fp8_linear import quantize_weight_fp8
 
     prepare, run = _runner(a8)
-    K, N = SHAPES["gate_up"]
-    q, s = quantize_weight_fp8(torch.randn(N, K, device="cuda"))
-    jobs = [(m, c) for m in ms for c in configs(m, a8) if fits(c, K, N)]
-    for m, c in jobs[part::parts]:
+    weights = {KN: quantize_weight_fp8(torch.randn(KN[1], KN[0], device="cuda"))
+               for KN in shapes.values()}  # fmt: skip
+    jobs = []
+    for m in ms:
+        for c in configs(m, a8):
+            KN = next((KN for KN in shapes.values() if fits(c, *KN)), None)
+            if KN is not None:  # compiled at the first shape it fits
+                jobs.append((m, c, KN))
+    for m, c, (K, N) in jobs[part::parts]:
+        q, s = weights[(K, N)]
         x = prepare(torch.randn(m, K, device="cuda").bfloat16())
         try:
             run(x, q, s, c)
@@ -95,6 +109,7 @@ def main() -> int:
     ap.add_argument("--ms", default="1,8,32,64")
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--a8", action="store_true", help="sweep the FP8 x FP8 (W8A8) tiles")
+    ap.add_argument("--shapes", choices=("talker", "cp"), default="talker")
     ap.add_argument("--part", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     args = ap.parse_args()
@@ -102,11 +117,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    shapes = CP_SHAPES if args.shapes == "cp" else SHAPES
     if args.part >= 0:
-        compile_slice(ms, args.part, args.jobs, args.a8)
+        compile_slice(ms, args.part, args.jobs, args.a8, shapes)
         return 0
     cmd = [sys.executable, __file__, "--ms", args.ms, "--jobs", str(args.jobs),
-           *(["--a8"] if args.a8 else []), "--part"]  # fmt: skip
+           "--shapes", args.shapes, *(["--a8"] if args.a8 else []), "--part"]  # fmt: skip
     procs = [subprocess.Popen([*cmd, str(i)]) for i in range(args.jobs)]
     for p in procs:
         p.wait()
@@ -118,12 +134,13 @@ def main() -> int:
     from ttsbuild.plugins.fp8_w8a8 import fp8_linear_w8a8, quantize_rows, w8a8_supported
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "shapes": args.shapes, "results": []}  # fmt: skip
     print(f"{'shape':8s} {'M':>3s} {'auto us':>8s} {'TB/s':>5s} {'best us':>8s} {'TB/s':>5s} "
           f"{'cublas8':>8s} {'bf16 us':>8s} {'quant':>6s} {'a8 auto':>8s}  best config "
           f"({'A8 tiles, quantisation not included' if args.a8 else 'weight-only'})")  # fmt: skip
     prepare, run = _runner(args.a8)
-    for name, (K, N) in SHAPES.items():
+    for name, (K, N) in shapes.items():
         copies = max(2, math.ceil(L2_DEFEAT_BYTES / (N * K)))
         w = torch.randn(N, K, device="cuda", generator=g).mul_(0.02)
         q, s = quantize_weight_fp8(w)
@@ -182,7 +199,8 @@ def main() -> int:
         del qs, wb
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "sweep_a8.json" if args.a8 else "sweep_fp8.json"
+    name = ("sweep_a8" if args.a8 else "sweep_fp8") + ("_cp" if args.shapes == "cp" else "")
+    name += ".json"
     (args.out / name).write_text(json.dumps(report, indent=2))
     return 0
 

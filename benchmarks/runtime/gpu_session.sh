@@ -170,6 +170,10 @@
 #         `sweep_fp8.py --a8`
 # sides:  the engine microbenchmark once per side of $ENGINE_SIDES ("name|ENV=1 ...|flags;..."
 #         e.g. "copies|X=0|;nocopies|X=0|--bf16-min-rows 0"), batches $BATCHES, a process each
+# wosweep: `sweep_fp8.py` (the weight-only FP8 tiles, every config of its grid, against the
+#         autotuner's pick and cuBLAS on bf16) at the shapes $WO_SHAPES (default cp: the code
+#         predictor's, whose 16-64-row buckets run these tiles) and rows $WO_MS (default
+#         16,32,64), until the deadline
 # a8sweep: `sweep_fp8.py --a8` at rows $A8_MS (default 128,256,512): the A8 tiles' best config
 #         (256-row tiles too from 256 rows) against cuBLAS on bf16 copies and cuBLASLt W8A8
 # switches: kernel switches side by side in ONE process (bench_switches.py: a CUDA graph
@@ -332,6 +336,16 @@ for step in $STEPS; do
         engine_sides 130 "${sides[@]}" ;;
     a8sweep)
         a8_sweep "${A8_MS:-128,256,512}" ;;
+    wosweep)
+        if [ $((DEADLINE_S - SECONDS)) -lt 60 ]; then
+            log "skip the weight-only sweep: $((DEADLINE_S - SECONDS))s left"; continue
+        fi
+        log "weight-only FP8 tiles at the ${WO_SHAPES:-cp} shapes, rows ${WO_MS:-16,32,64}"
+        # (its own Triton cache: TC_SAVE brings back the served kernels, not the grid's)
+        TRITON_CACHE_DIR=/tmp/tc_sweep timeout -k 5 $((DEADLINE_S - SECONDS - 10)) \
+            python3 -u benchmarks/kernels/sweep_fp8.py --shapes "${WO_SHAPES:-cp}" --ms "${WO_MS:-16,32,64}" --jobs 16 --out "$OUT" \
+            > "$OUT/sweep_wo.log" 2>&1
+        echo "rc=$?"; grep -v "^  \|compile failed" "$OUT/sweep_wo.log" | tail -14 ;;
     switches)  # SWITCH_TESTS=0 skips the persistent pass's GPU tests, SWITCH_BARRIER=0 the barrier bench
         if [ "${SWITCH_TESTS:-1}" != 0 ]; then
             log "GPU tests: the persistent code-predictor pass (L2 prefetch, attention in qkv, counting barrier), the L2-ahead of the fused linears and the FP8 tiles"
