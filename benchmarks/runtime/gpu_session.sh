@@ -174,6 +174,9 @@
 #         autotuner's pick and cuBLAS on bf16) at the shapes $WO_SHAPES (default cp: the code
 #         predictor's, whose 16-64-row buckets run these tiles) and rows $WO_MS (default
 #         16,32,64), until the deadline
+# fusedsweep: benchmarks/kernels/sweep_fused_cp.py (the fused code predictor's four linears,
+#         each with its epilogue, over sweep_fp8's grid against the `plan` tiles) at rows
+#         $WO_MS (default 16,32,64), until the deadline
 # a8sweep: `sweep_fp8.py --a8` at rows $A8_MS (default 128,256,512): the A8 tiles' best config
 #         (256-row tiles too from 256 rows) against cuBLAS on bf16 copies and cuBLASLt W8A8
 # switches: kernel switches side by side in ONE process (bench_switches.py: a CUDA graph
@@ -346,6 +349,15 @@ for step in $STEPS; do
             python3 -u benchmarks/kernels/sweep_fp8.py --shapes "${WO_SHAPES:-cp}" --ms "${WO_MS:-16,32,64}" --jobs 16 --out "$OUT" \
             > "$OUT/sweep_wo.log" 2>&1
         echo "rc=$?"; grep -v "^  \|compile failed" "$OUT/sweep_wo.log" | tail -14 ;;
+    fusedsweep)
+        if [ $((DEADLINE_S - SECONDS)) -lt 60 ]; then
+            log "skip the fused sweep: $((DEADLINE_S - SECONDS))s left"; continue
+        fi
+        log "the fused code predictor's linears, tiles swept at rows ${WO_MS:-16,32,64}"
+        TRITON_CACHE_DIR=/tmp/tc_sweep timeout -k 5 $((DEADLINE_S - SECONDS - 10)) \
+            python3 -u benchmarks/kernels/sweep_fused_cp.py --ms "${WO_MS:-16,32,64}" --jobs 16 \
+            --out "$OUT" > "$OUT/sweep_fused_cp.log" 2>&1
+        echo "rc=$?"; grep -v "^  \|compile failed" "$OUT/sweep_fused_cp.log" | tail -14 ;;
     switches)  # SWITCH_TESTS=0 skips the persistent pass's GPU tests, SWITCH_BARRIER=0 the barrier bench
         if [ "${SWITCH_TESTS:-1}" != 0 ]; then
             log "GPU tests: the persistent code-predictor pass (L2 prefetch, attention in qkv, counting barrier), the L2-ahead of the fused linears and the FP8 tiles"

@@ -480,13 +480,16 @@ def _dot_f32(x: torch.Tensor, tf32: bool) -> bool:
 def _launch(x, M, N, K, gate_up, config, out, *, head_dim=None, groups=0, gemv_rows_f32=None,
             tf32=False):  # fmt: skip
     """How an [M, N] linear of x launches: the tile config (the per-shape `plan` unless given,
-    with gemv_rows_f32 as there), the grid, the split-K workspace, the arrival counters
-    (split-K's per tile, then `groups` more), PDL, and the K blocks loaded before the PDL
-    wait. head_dim: tiles narrowed to lie within one head of that many columns."""
+    with gemv_rows_f32 as there; num_warps and num_stages 4 and 3 unless it names them), the
+    grid, the split-K workspace, the arrival counters (split-K's per tile, then `groups`
+    more), PDL, and the K blocks loaded before the PDL wait. head_dim: tiles narrowed to lie
+    within one head of that many columns."""
     sms = _num_sms(x.device)
     c = (dict(config) if config is not None
          else plan(M, N, K, gate_up, sms, fp32=x.dtype == torch.float32,
                    gemv_rows_f32=gemv_rows_f32, tf32=tf32))  # fmt: skip
+    c.setdefault("num_warps", 4)
+    c.setdefault("num_stages", 3)
     if interpret_mode():
         c["BLOCK_N"] = min(c["BLOCK_N"], 32)  # the interpreter is slow on big tiles
     if head_dim is not None:
@@ -557,7 +560,7 @@ def fused_linear_triton(
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         GATE_UP=gate_up, DOT_F32=_dot_f32(x, tf32), PREFETCH=prefetch,
         RES_EARLY=residual is not None and residual_ready and prefetch > 0 and pdl_early_reads(),
-        L2_AHEAD=_l2_ahead(weight, c, pdl), **pdl_args(pdl), num_warps=4, num_stages=3,
+        L2_AHEAD=_l2_ahead(weight, c, pdl), **pdl_args(pdl),
     )  # fmt: skip
     return out
 
@@ -615,7 +618,7 @@ def norm_linear_attend_triton(
         **c, HAS_SCALE=scale is not None, DOT_F32=interpret_mode() or x.dtype == torch.float32,
         HQ=num_heads, HKV=num_kv_heads, D=D, GROUP=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(S),
-        PREFETCH=prefetch, **pdl_args(pdl), num_warps=4, num_stages=3,
+        PREFETCH=prefetch, **pdl_args(pdl),
     )  # fmt: skip
     return attn
 
@@ -697,7 +700,7 @@ def norm_linear_ring_attend_triton(
         **c, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         DOT_F32=_dot_f32(x, False), H=H, D=D,
         BLOCK_R=triton.next_power_of_2(R), MERGE=_ring.RING_MERGE and not chunk, CHUNK=chunk,
-        PREFETCH=prefetch, **pdl_args(pdl), num_warps=4, num_stages=3,
+        PREFETCH=prefetch, **pdl_args(pdl),
     )  # fmt: skip
     return attn
 
@@ -771,6 +774,6 @@ def norm_linear_sample_triton(
         M, N, K, x.stride(0), weight.stride(0), logits.stride(0), eps,
         **c, HAS_SCALE=scale is not None, DOT_F32=interpret_mode() or x.dtype == torch.float32,
         BLOCK_V=triton.next_power_of_2(N), RADIX_BITS=_sample_radix_bits(),
-        PREFETCH=prefetch, **pdl_args(pdl), num_warps=4, num_stages=3,
+        PREFETCH=prefetch, **pdl_args(pdl),
     )  # fmt: skip
     return tokens, logits
