@@ -137,7 +137,8 @@ def main() -> int:
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "shapes": args.shapes, "results": []}  # fmt: skip
     print(f"{'shape':8s} {'M':>3s} {'auto us':>8s} {'TB/s':>5s} {'best us':>8s} {'TB/s':>5s} "
-          f"{'cublas8':>8s} {'bf16 us':>8s} {'quant':>6s} {'a8 auto':>8s}  best config "
+          f"{'rule us':>8s} {'cublas8':>8s} {'bf16 us':>8s} {'quant':>6s} {'a8 auto':>8s}  "
+          f"best config "
           f"({'A8 tiles, quantisation not included' if args.a8 else 'weight-only'})")  # fmt: skip
     prepare, run = _runner(args.a8)
     for name, (K, N) in shapes.items():
@@ -187,12 +188,18 @@ def main() -> int:
                     print(f"  {name} M={m} {c}: {exc!r}"[:200], flush=True)
             timed.sort(key=lambda tc: tc[0])
             bt, bc = timed[0]
+            rule = float("nan")  # the weight-only rule (TTSBUILD_FP8_WO_RULE) at 16-64 rows
+            if not args.a8 and tl_fp8.m_bucket(m) > 1:
+                rc = tl_fp8.wo_config(m, N, K, tl_fp8._num_sms(x.device))
+                rule = graph_time_us([lambda q=q, s=s: run(xs, q, s, rc) for q, s in qs],
+                                     replays=5)  # fmt: skip
             print(f"{name:8s} {m:3d} {auto:8.2f} {tbs(auto):5.2f} {bt:8.2f} {tbs(bt):5.2f} "
-                  f"{cublas8:8.2f} {bf16:8.2f} {quant:6.2f} {a8_auto:8.2f}  {bc}",
+                  f"{rule:8.2f} {cublas8:8.2f} {bf16:8.2f} {quant:6.2f} {a8_auto:8.2f}  {bc}",
                   flush=True)  # fmt: skip
             report["results"].append({
                 "shape": name, "K": K, "N": N, "M": m, "auto_us": auto, "bf16_us": bf16,
                 "cublas_w8a8_us": cublas8, "quantize_us": quant, "a8_auto_us": a8_auto,
+                "rule_us": rule,
                 "auto_config": tl_fp8.best_config(m, N, K, args.a8),
                 "top": [{"us": t, **c} for t, c in timed[:5]],
             })  # fmt: skip

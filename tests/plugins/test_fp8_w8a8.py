@@ -385,3 +385,78 @@ for gate_up in (False, True):
                          timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split().count("ok") == 2
+
+
+# the talker's and the code predictor's linears (K, N) of the 1.7B CustomVoice model
+_WO_SHAPES = {"qkv": (2048, 4096), "o": (2048, 2048), "gate_up": (2048, 12288),
+              "down": (6144, 2048), "cp.qkv": (1024, 4096), "cp.o": (2048, 1024),
+              "cp.gate_up": (1024, 6144), "cp.down": (3072, 1024)}  # fmt: skip
+
+
+def test_weight_only_rule_fits_every_shape_and_splits_to_half_a_wave():
+    """wo_config (TTSBUILD_FP8_WO_RULE): for the 1.7B's linears at 16-64 rows the config
+    tiles K and N whole, splits K until the grid holds half the SMs' worth of programs (or K
+    allows no more), keeps gate_up's two weight tiles under `_prune`'s bound, and matches the
+    configs the H200 sweeps timed best at the talker's shapes (64 rows: qkv 64 x 256 split 2,
+    o and down 64 x 256 split 4, gate_up 64 x 128 unsplit, 4 warps, 3 stages)."""
+    pytest.importorskip("triton")
+    from ttsbuild.plugins._tl import fp8_linear as tl_fp8
+
+    for name, (K, N) in _WO_SHAPES.items():
+        for M in (16, 32, 64):
+            for gate_up in (False, True):
+                n = N // 2 if gate_up else N
+                c = tl_fp8.wo_config(M, n, K, 132, gate_up)
+                bn, bk, split = c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
+                assert n % bn == 0 and K % (bk * split) == 0 and bk <= K, (name, M, c)
+                programs = (n // bn) * split
+                more = split < tl_fp8._MAX_SPLIT and K % (bk * split * 2) == 0
+                assert programs >= 66 or not more, (name, M, c)
+                assert split == 1 or (n // bn) * split // 2 < 66, (name, M, c)  # the smallest
+                assert not gate_up or bn * bk <= 8192
+    want = {"qkv": (64, 256, 2), "o": (64, 256, 4), "gate_up": (64, 128, 1),
+            "down": (64, 256, 4)}  # fmt: skip
+    for name, tiles in want.items():
+        K, N = _WO_SHAPES[name]
+        c = tl_fp8.wo_config(64, N, K)
+        assert (c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]) == tiles, (name, c)
+        assert (c["num_warps"], c["num_stages"]) == (4, 3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [16, 40])
+def test_weight_only_rule_config_matches_the_reference(M):
+    """The weight-only kernel with the rule's config (split-K included) against the fp32
+    product, fresh random rows and weights (on CUDA, or under TRITON_INTERPRET=1)."""
+    from ttsbuild.plugins._tl.fp8_linear import fp8_linear_triton, wo_config
+    from ttsbuild.plugins.fp8_linear import fp8_linear_reference
+
+    g = torch.Generator().manual_seed(M)
+    K, N = 1024, 128
+    w, s = quantize_weight_fp8(torch.randn(N, K, generator=g) * K**-0.5)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    c = wo_config(M, N, K, sms=8)  # a small GPU's worth: 2 N tiles, split-K 2 for 4 programs
+    assert c["SPLIT_K"] == 2
+    w, s, x = w.to(KDEV), s.to(KDEV), x.to(KDEV)
+    for _ in range(2):  # twice: split-K's counters reset
+        out = fp8_linear_triton(x, w, s, config=c)
+        assert out.shape == (M, N) and _rel(out.float().cpu(), fp8_linear_reference(
+            x.cpu(), w.cpu(), s.cpu()).float()) < 2e-2  # fmt: skip
+
+
+def test_weight_only_rule_switch_is_read_at_import_and_reported(monkeypatch):
+    """TTSBUILD_FP8_WO_RULE=1 at import turns the rule on (off by default until timed in the
+    engine); best_config then reports the rule's config for 16-64 rows."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    from ttsbuild.plugins._tl import fp8_linear as tl_fp8
+
+    assert tl_fp8.WO_RULE == (os.environ.get("TTSBUILD_FP8_WO_RULE", "0") == "1")
+    monkeypatch.setattr(tl_fp8, "WO_RULE", True)
+    assert tl_fp8.best_config(64, 4096, 2048) == tl_fp8.wo_config(64, 4096, 2048)
+    code = "import ttsbuild.plugins._tl.fp8_linear as f; print(f.WO_RULE)"
+    env = {**os.environ, "TTSBUILD_FP8_WO_RULE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr

@@ -395,6 +395,33 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
     return config if bm == m_bucket(M, a8=True) else {**config, "BLOCK_M": bm}
 
 
+# The weight-only tiles of 16-64 rows (BLOCK_M 16-64) by rule (`wo_config`) instead of the
+# autotuner: TTSBUILD_FP8_WO_RULE=1. Off until timed in the engine (read at import).
+WO_RULE = os.environ.get("TTSBUILD_FP8_WO_RULE", "0") == "1"
+
+
+def wo_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> dict:
+    """The weight-only tiles' config for 16-64 rows (one BLOCK_M tile of rows), by rule.
+    Why: the autotuner's quick timings (25 ms, warm L2, one process) picked configs up to
+    12 % slower than the best of a 108-config sweep at the talker's four shapes on the H200,
+    and other picks in other sweeps of the same shapes (benchmarks/kernels/
+    2026-12-01-h200-session5 and 2026-12-04-h200-a8, sweep_fp8.json), so a plan's step time
+    moved between processes. What those sweeps' winners at 16-64 rows share:
+    - 64-column weight tiles, 4 warps, 3 stages;
+    - K blocks of 256 (128 where the N tiles alone fill the SMs: gate_up, N 12288);
+    - split-K to about half a wave of programs: the smallest split (1-8) whose grid holds
+      sms / 2 programs (qkv 2, o and down 4, gate_up 1 at 32-64 rows).
+    gate_up (two weight tiles a program): K blocks of at most 128 (`_prune`'s 8192 bound)."""
+    bn = 64
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, m_bucket(M))
+    bk = 128 if triton.cdiv(N, bn) >= sms or gate_up else 256
+    bk = min(bk, max(32, triton.next_power_of_2(K)))
+    split = 1
+    while tiles * split < sms // 2 and split < _MAX_SPLIT and K % (bk * split * 2) == 0:
+        split *= 2
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+
+
 def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     M, K = x.shape
     N = w.shape[0] // 2 if gate_up else w.shape[0]
@@ -409,6 +436,8 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     block_m = m_bucket(M, a8)
     if config is None and a8 and not interpret_mode():  # by rule (`a8_config`), no autotuner
         config = a8_config(M, N, K, _num_sms(x.device), gate_up)
+    if config is None and not a8 and block_m > 1 and WO_RULE and not interpret_mode():
+        config = wo_config(M, N, K, _num_sms(x.device), gate_up)
     if config is not None and "BLOCK_M" in config:  # a wider row tile (A8 only)
         config = dict(config)
         block_m = config.pop("BLOCK_M")
@@ -475,9 +504,12 @@ def fp8_linear_a8_triton(
 
 
 def best_config(M: int, N: int, K: int, a8: bool = False) -> dict | None:
-    """The autotuner's pick for this shape (after a call), for reports; A8: the rule's."""
+    """The autotuner's pick for this shape (after a call), for reports; A8 (and the
+    weight-only tiles under WO_RULE): the rule's."""
     if a8:
         return a8_config(M, N, K)
+    if WO_RULE and m_bucket(M) > 1:
+        return wo_config(M, N, K)
     tuner = _gemv if m_bucket(M) == 1 else _gemm
     for key, cfg in tuner.cache.items():
         if tuple(key[:3]) == (N, K, m_bucket(M, a8)) and (not TUNE_BY_ROWS or key[4] == M):
