@@ -628,3 +628,25 @@ def test_kernels_under_the_interpreter():
         assert returncode == 0, out[-4000:] + err[-2000:]
         last = out.splitlines()[-1]
         assert " passed" in last and "skipped" not in last and "deselected" in last, last
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")
+def test_plan_takes_the_weight_only_rule_for_16_to_64_half_rows_when_switched(monkeypatch):
+    """TTSBUILD_FUSED_WO_RULE: half-precision tiles of 16-64 rows take `wo_config`'s tiles,
+    warps and stages (the row tile stays plan's); fewer rows, fp32 activations and the
+    default keep plan's own."""
+    from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
+    from ttsbuild.plugins._tl.fp8_linear import wo_config
+
+    plan = tl_fused_linear.plan
+    base = {M: plan(M, 4096, 1024, False, 132) for M in (8, 16, 64)}
+    assert all("num_warps" not in c for c in base.values())  # (default: _launch's 4 / 3)
+    monkeypatch.setattr(tl_fused_linear, "FUSED_WO_RULE", True)
+    for M, bm in ((16, 16), (40, 64), (64, 64)):
+        for gate_up in (False, True):
+            got = plan(M, 3072 if gate_up else 4096, 1024, gate_up, 132)
+            assert got == {**wo_config(M, 3072 if gate_up else 4096, 1024, 132, gate_up),
+                           "BLOCK_M": bm}  # fmt: skip
+    assert plan(8, 4096, 1024, False, 132) == base[8]
+    fp32 = plan(16, 3072, 512, False, 132, fp32=True)  # the rule's K block would be 256
+    assert "num_warps" not in fp32 and fp32["BLOCK_K"] == 128

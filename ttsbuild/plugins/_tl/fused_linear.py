@@ -50,7 +50,7 @@ from ttsbuild.plugins._dispatch import (
 from ttsbuild.plugins._tl import sampling as _sampling
 from ttsbuild.plugins._tl._layout import check_qkv_caches
 from ttsbuild.plugins._tl._math import exp_f32, l2_prefetch_tile, pdl_prologue
-from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms
+from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms, wo_config
 from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_item, kv_group_of, old_kv
 from ttsbuild.plugins._tl.sampling import sample_row
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
@@ -106,6 +106,13 @@ GEMV_FEW_ROWS_MAX = 4
 # smaller block splits K further (up to 8 ways) at fewer registers. A sweep knob for the
 # GPU (TTSBUILD_GEMV_F32_BLOCK_K=128 or 256; not yet timed).
 GEMV_F32_BLOCK_K = int(os.environ.get("TTSBUILD_GEMV_F32_BLOCK_K", "0"))
+# Half-precision tiles of 16-64 rows on the weight-only FP8 tiles' rule (`fp8_linear.wo_config`:
+# 64 x 256 weight tiles, 128-wide K blocks where the N tiles fill the SMs or for gate/up,
+# split-K to half a wave, 4 warps, 3 stages) instead of `plan`'s 64 x 128 tiles split to a
+# full wave: TTSBUILD_FUSED_WO_RULE=1. The fused code predictor lost 0.9 ms a frame to the
+# unfused path at 64 rows (H100, benchmarks/runtime/2026-12-07-h100-cp-bf16); off until the
+# engine times it (read at import).
+FUSED_WO_RULE = os.environ.get("TTSBUILD_FUSED_WO_RULE", "0") == "1"
 
 
 @triton.jit
@@ -458,6 +465,8 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
     else:
         block_m = min(64, max(16, triton.next_power_of_2(M)))
         block_n, block_k = 64, 32 if fp32 and tf32 else 128
+        if FUSED_WO_RULE and not fp32 and 16 <= M <= 64:
+            return {**wo_config(M, N, K, sms, gate_up), "BLOCK_M": block_m}
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     split = 1
