@@ -188,8 +188,8 @@ def main() -> int:
                     print(f"  {name} M={m} {c}: {exc!r}"[:200], flush=True)
             timed.sort(key=lambda tc: tc[0])
             bt, bc = timed[0]
-            rule = float("nan")  # the weight-only rule (TTSBUILD_FP8_WO_RULE) at 16-64 rows
-            if not args.a8 and tl_fp8.m_bucket(m) > 1:
+            rule = float("nan")  # the weight-only rule (TTSBUILD_FP8_WO_RULE): 1, 16-64 rows
+            if not args.a8 and tl_fp8.wo_rule_rows(m):
                 rc = tl_fp8.wo_config(m, N, K, tl_fp8._num_sms(x.device))
                 rule = graph_time_us([lambda q=q, s=s: run(xs, q, s, rc) for q, s in qs],
                                      replays=5)  # fmt: skip

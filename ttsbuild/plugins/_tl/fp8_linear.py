@@ -395,23 +395,38 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
     return config if bm == m_bucket(M, a8=True) else {**config, "BLOCK_M": bm}
 
 
-# The weight-only tiles of 16-64 rows (BLOCK_M 16-64) by rule (`wo_config`) instead of the
-# autotuner: TTSBUILD_FP8_WO_RULE=1. Off until timed in the engine (read at import).
+# The weight-only kernel's configs at one row (the GEMV) and at 16-64 rows by rule
+# (`wo_config`) instead of the autotuner: TTSBUILD_FP8_WO_RULE=1. Off until timed in the
+# engine (read at import).
 WO_RULE = os.environ.get("TTSBUILD_FP8_WO_RULE", "0") == "1"
 
 
+def wo_rule_rows(M: int) -> bool:
+    """Whether `wo_config` covers M rows: one row, or 16-64 (what the sweeps behind it timed;
+    2-15 rows keep the autotuner)."""
+    return M == 1 or 16 <= M <= 64
+
+
 def wo_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> dict:
-    """The weight-only tiles' config for 16-64 rows (one BLOCK_M tile of rows), by rule.
-    Why: the autotuner's quick timings (25 ms, warm L2, one process) picked configs up to
-    12 % slower than the best of a 108-config sweep at the talker's four shapes on the H200,
-    and other picks in other sweeps of the same shapes (benchmarks/kernels/
-    2026-12-01-h200-session5 and 2026-12-04-h200-a8, sweep_fp8.json), so a plan's step time
-    moved between processes. What those sweeps' winners at 16-64 rows share:
-    - 64-column weight tiles, 4 warps, 3 stages;
-    - K blocks of 256 (128 where the N tiles alone fill the SMs: gate_up, N 12288);
-    - split-K to about half a wave of programs: the smallest split (1-8) whose grid holds
-      sms / 2 programs (qkv 2, o and down 4, gate_up 1 at 32-64 rows).
-    gate_up (two weight tiles a program): K blocks of at most 128 (`_prune`'s 8192 bound)."""
+    """The weight-only kernel's config for one row or 16-64 rows (one BLOCK_M tile), by rule.
+    Why: the autotuner's quick timings (25 ms, one process, and the weights warm in L2: a
+    talker linear's 4-25 MB fit the H200's 50 MB) picked configs up to 12 % slower at 16-64
+    rows, and up to 30 % at one row (down: 8.45 against 6.50 us), than the best of a sweep
+    timed with the weights rotated past L2 at the talker's four shapes on the H200, and other
+    picks in other sweeps of the same shapes (benchmarks/kernels/2026-12-01-h200-session5 and
+    2026-12-04-h200-a8, sweep_fp8.json), so a plan's step time moved between processes.
+    What the sweeps' winners share:
+    - one row (the GEMV): 8 weight rows a program, K blocks of 1024 (256 where those 8-row
+      programs fill eight waves: gate_up, N 12288), no split, 4 warps, 3 stages;
+    - 16-64 rows: 64-column weight tiles, 4 warps, 3 stages; K blocks of 256 (128 where the
+      N tiles alone fill the SMs: gate_up); split-K to about half a wave of programs: the
+      smallest split (1-8) whose grid holds sms / 2 programs (qkv 2, o and down 4, gate_up 1).
+    gate_up (two weight tiles a program): a tile of at most 8192 weights (`_prune`'s bound)."""
+    if M == 1:
+        bn = 8
+        bk = 256 if triton.cdiv(N, bn) >= 8 * sms else 1024
+        bk = min(bk, max(32, triton.next_power_of_2(K)))
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
     bn = 64
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, m_bucket(M))
     bk = 128 if triton.cdiv(N, bn) >= sms or gate_up else 256
@@ -436,7 +451,7 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     block_m = m_bucket(M, a8)
     if config is None and a8 and not interpret_mode():  # by rule (`a8_config`), no autotuner
         config = a8_config(M, N, K, _num_sms(x.device), gate_up)
-    if config is None and not a8 and block_m > 1 and WO_RULE and not interpret_mode():
+    if config is None and not a8 and WO_RULE and wo_rule_rows(M) and not interpret_mode():
         config = wo_config(M, N, K, _num_sms(x.device), gate_up)
     if config is not None and "BLOCK_M" in config:  # a wider row tile (A8 only)
         config = dict(config)
@@ -505,10 +520,10 @@ def fp8_linear_a8_triton(
 
 def best_config(M: int, N: int, K: int, a8: bool = False) -> dict | None:
     """The autotuner's pick for this shape (after a call), for reports; A8 (and the
-    weight-only tiles under WO_RULE): the rule's."""
+    weight-only kernel under WO_RULE, where it covers the rows): the rule's."""
     if a8:
         return a8_config(M, N, K)
-    if WO_RULE and m_bucket(M) > 1:
+    if WO_RULE and wo_rule_rows(M):
         return wo_config(M, N, K)
     tuner = _gemv if m_bucket(M) == 1 else _gemm
     for key, cfg in tuner.cache.items():
