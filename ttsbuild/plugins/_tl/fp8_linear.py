@@ -412,7 +412,7 @@ def wo_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
     Why: the autotuner's quick timings (25 ms in one process, each candidate as one launch at
     a time with L2 flushed) picked configs up to 12 % slower at 16-64 rows, and up to 30 % at
     one row (down: 8.45 against 6.50 us), than the best of a sweep timed as the engine runs
-    them (back to back in a CUDA graph under PDL, the weights rotated past L2) at the talker's
+    them (back to back in a CUDA graph, the weights rotated past L2) at the talker's
     four shapes on the H200, and other picks in other sweeps of the same shapes
     (benchmarks/kernels/2026-12-01-h200-session5 and 2026-12-04-h200-a8, sweep_fp8.json), so
     a plan's step time moved between processes.
