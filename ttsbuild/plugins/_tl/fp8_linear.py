@@ -326,10 +326,10 @@ _A8_SMEM = 200 * 1024  # of the H200's 227 KB a block may use: the stages' tiles
 
 
 def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> dict:
-    """The A8 tiles' config, by rule rather than the autotuner: its quick timings (warm L2,
-    no graph) picked configs up to 1.8x slower than the best of a 64-config sweep on the
-    H200 (benchmarks/kernels/2026-12-04-h200-a8/sweep_a8.log, the talker's four shapes at
-    16-128 rows). What the sweep's winners share:
+    """The A8 tiles' config, by rule rather than the autotuner: its quick timings (each
+    candidate launched alone, no graph) picked configs up to 1.8x slower than the best of a
+    64-config sweep on the H200 (benchmarks/kernels/2026-12-04-h200-a8/sweep_a8.log, the
+    talker's four shapes at 16-128 rows). What the sweep's winners share:
     - 64-row weight tiles and K blocks of 256 (K blocks of 128 where the N tiles alone fill
       the SMs from 64 rows: gate_up; 128 x 128 tiles from 128 rows where half do);
     - split-K only when each split still streams >= 1536 columns (down, K = 6144: 4 splits;
