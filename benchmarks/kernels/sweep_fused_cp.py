@@ -22,14 +22,13 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep_fp8 import configs, fits  # noqa: E402
+from sweep_fp8 import compile_in_processes, configs, fits  # noqa: E402
 
 # name: (K, N, mode), N the output columns (gate_up: the weight holds 2N rows)
 SHAPES = {
@@ -95,10 +94,8 @@ def main() -> int:
     if args.part >= 0:
         compile_slice(ms, args.part, args.jobs)
         return 0
-    cmd = [sys.executable, __file__, "--ms", args.ms, "--jobs", str(args.jobs), "--part"]
-    procs = [subprocess.Popen([*cmd, str(i)]) for i in range(args.jobs)]
-    for p in procs:
-        p.wait()
+    compile_in_processes([sys.executable, __file__, "--ms", args.ms, "--jobs", str(args.jobs)],
+                         args.jobs)  # fmt: skip
 
     from bench_kernels import L2_DEFEAT_BYTES, graph_time_us
 
