@@ -446,7 +446,8 @@ def _norm_linear_attend_kernel(
 
 def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
          gemv_rows_f32: int | None = None, tf32: bool = False) -> dict:  # fmt: skip
-    """Fixed tile config for a shape: BLOCK_M from M, split-K until ~one wave of programs.
+    """Fixed tile config for a shape: BLOCK_M from M, split-K until ~one wave of programs
+    (under FUSED_WO_RULE, half-precision 16-64 rows: `wo_config`'s tiles, warps and stages).
     fp32: the activations are fp32; then up to gemv_rows_f32 rows (default
     TTSBUILD_GEMV_ROWS_F32) run as GEMVs, a program per row and column tile; half precision:
     up to GEMV_FEW_ROWS_MAX rows where GEMV_FEW_ROWS is on. tf32: fp32 tiles on TF32 tensor
