@@ -346,8 +346,8 @@ for step in $STEPS; do
         log "weight-only FP8 tiles at the ${WO_SHAPES:-cp} shapes, rows ${WO_MS:-16,32,64}"
         # (its own Triton cache: TC_SAVE brings back the served kernels, not the grid's)
         TRITON_CACHE_DIR=/tmp/tc_sweep timeout -k 5 $((DEADLINE_S - SECONDS - 10)) \
-            python3 -u benchmarks/kernels/sweep_fp8.py --shapes "${WO_SHAPES:-cp}" --ms "${WO_MS:-16,32,64}" --jobs 16 --out "$OUT" \
-            > "$OUT/sweep_wo.log" 2>&1
+            python3 -u benchmarks/kernels/sweep_fp8.py --shapes "${WO_SHAPES:-cp}" \
+            --ms "${WO_MS:-16,32,64}" --jobs 16 --out "$OUT" > "$OUT/sweep_wo.log" 2>&1
         echo "rc=$?"; grep -v "^  \|compile failed" "$OUT/sweep_wo.log" | tail -14 ;;
     fusedsweep)
         if [ $((DEADLINE_S - SECONDS)) -lt 60 ]; then
