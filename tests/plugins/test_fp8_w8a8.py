@@ -398,7 +398,8 @@ def test_weight_only_rule_fits_every_shape_and_splits_to_half_a_wave():
     tiles K and N whole, splits K until the grid holds half the SMs' worth of programs (or K
     allows no more), keeps gate_up's two weight tiles under `_prune`'s bound, and matches the
     configs the H200 sweeps timed best at the talker's shapes (64 rows: qkv 64 x 256 split 2,
-    o and down 64 x 256 split 4, gate_up 64 x 128 unsplit, 4 warps, 3 stages)."""
+    o and down 64 x 256 split 4, gate_up 64 x 128 unsplit, 4 warps, 3 stages; one row, the
+    GEMV: 8 rows x 1024-wide K blocks, 256 for gate_up)."""
     pytest.importorskip("triton")
     from ttsbuild.plugins._tl import fp8_linear as tl_fp8
 
