@@ -112,18 +112,32 @@ def compile_in_processes(argv: list[str], jobs: int) -> None:
         p.wait()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ms", default="1,8,32,64")
-    ap.add_argument("--jobs", type=int, default=8)
-    ap.add_argument("--a8", action="store_true", help="sweep the FP8 x FP8 (W8A8) tiles")
-    ap.add_argument("--shapes", choices=("talker", "cp"), default="talker")
+def sweep_parser(doc: str, ms: str, jobs: int) -> argparse.ArgumentParser:
+    """A grid sweep's command line: --ms (row counts), --jobs (compile processes), --out, and
+    the hidden --part that `compile_in_processes` hands each compile process."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--ms", default=ms)
+    ap.add_argument("--jobs", type=int, default=jobs)
     ap.add_argument("--part", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    return ap
+
+
+def no_gpu() -> bool:
+    """True (and says so) where there is no CUDA GPU to sweep on."""
+    if torch.cuda.is_available():
+        return False
+    print("needs a CUDA GPU", file=sys.stderr)
+    return True
+
+
+def main() -> int:
+    ap = sweep_parser(__doc__, ms="1,8,32,64", jobs=8)
+    ap.add_argument("--a8", action="store_true", help="sweep the FP8 x FP8 (W8A8) tiles")
+    ap.add_argument("--shapes", choices=("talker", "cp"), default="talker")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if no_gpu():
         return 2
     shapes = CP_SHAPES if args.shapes == "cp" else SHAPES
     if args.part >= 0:

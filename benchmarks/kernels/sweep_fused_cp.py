@@ -18,17 +18,15 @@ count; writes $OUT/sweep_fused_cp.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep_fp8 import compile_in_processes, configs, fits  # noqa: E402
+from sweep_fp8 import compile_in_processes, configs, fits, no_gpu, sweep_parser  # noqa: E402
 
 # name: (K, N, mode), N the output columns (gate_up: the weight holds 2N rows)
 SHAPES = {
@@ -81,15 +79,9 @@ def compile_slice(ms: list[int], part: int, parts: int) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ms", default="16,32,64")
-    ap.add_argument("--jobs", type=int, default=16)
-    ap.add_argument("--part", type=int, default=-1, help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    args = ap.parse_args()
+    args = sweep_parser(__doc__, ms="16,32,64", jobs=16).parse_args()
     ms = [int(m) for m in args.ms.split(",")]
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if no_gpu():
         return 2
     if args.part >= 0:
         compile_slice(ms, args.part, args.jobs)

@@ -238,6 +238,20 @@ engine_sides() {
         ( export ${env:-X=0}; engine_bench "$name" $flags )
     done
 }
+# grid_sweep LABEL LOG SCRIPT ARGS...: a tile-grid sweep (compiled in 16 processes) at rows
+# $WO_MS (default 16,32,64), in its own Triton cache (TC_SAVE brings back the served kernels,
+# not the grid's), until the deadline; its table from $OUT/LOG.log
+grid_sweep() {
+    local label=$1 name=$2
+    shift 2
+    if [ $((DEADLINE_S - SECONDS)) -lt 60 ]; then
+        log "skip $label: $((DEADLINE_S - SECONDS))s left"; return
+    fi
+    log "$label, rows ${WO_MS:-16,32,64}"
+    TRITON_CACHE_DIR=/tmp/tc_sweep timeout -k 5 $((DEADLINE_S - SECONDS - 10)) \
+        python3 -u "$@" --ms "${WO_MS:-16,32,64}" --jobs 16 --out "$OUT" > "$OUT/$name.log" 2>&1
+    echo "rc=$?"; grep -v "^  \|compile failed" "$OUT/$name.log" | tail -14
+}
 # a8_sweep ROWS: sweep_fp8.py --a8 at the talker's shapes and those row counts, until the deadline
 a8_sweep() {
     if [ $((DEADLINE_S - SECONDS)) -lt 60 ]; then  # (timeout 0 would mean no limit at all)
@@ -340,24 +354,11 @@ for step in $STEPS; do
     a8sweep)
         a8_sweep "${A8_MS:-128,256,512}" ;;
     wosweep)
-        if [ $((DEADLINE_S - SECONDS)) -lt 60 ]; then
-            log "skip the weight-only sweep: $((DEADLINE_S - SECONDS))s left"; continue
-        fi
-        log "weight-only FP8 tiles at the ${WO_SHAPES:-cp} shapes, rows ${WO_MS:-16,32,64}"
-        # (its own Triton cache: TC_SAVE brings back the served kernels, not the grid's)
-        TRITON_CACHE_DIR=/tmp/tc_sweep timeout -k 5 $((DEADLINE_S - SECONDS - 10)) \
-            python3 -u benchmarks/kernels/sweep_fp8.py --shapes "${WO_SHAPES:-cp}" \
-            --ms "${WO_MS:-16,32,64}" --jobs 16 --out "$OUT" > "$OUT/sweep_wo.log" 2>&1
-        echo "rc=$?"; grep -v "^  \|compile failed" "$OUT/sweep_wo.log" | tail -14 ;;
+        grid_sweep "weight-only FP8 tiles at the ${WO_SHAPES:-cp} shapes" sweep_wo \
+            benchmarks/kernels/sweep_fp8.py --shapes "${WO_SHAPES:-cp}" ;;
     fusedsweep)
-        if [ $((DEADLINE_S - SECONDS)) -lt 60 ]; then
-            log "skip the fused sweep: $((DEADLINE_S - SECONDS))s left"; continue
-        fi
-        log "the fused code predictor's linears, tiles swept at rows ${WO_MS:-16,32,64}"
-        TRITON_CACHE_DIR=/tmp/tc_sweep timeout -k 5 $((DEADLINE_S - SECONDS - 10)) \
-            python3 -u benchmarks/kernels/sweep_fused_cp.py --ms "${WO_MS:-16,32,64}" --jobs 16 \
-            --out "$OUT" > "$OUT/sweep_fused_cp.log" 2>&1
-        echo "rc=$?"; grep -v "^  \|compile failed" "$OUT/sweep_fused_cp.log" | tail -14 ;;
+        grid_sweep "the fused code predictor's linears" sweep_fused_cp \
+            benchmarks/kernels/sweep_fused_cp.py ;;
     switches)  # SWITCH_TESTS=0 skips the persistent pass's GPU tests, SWITCH_BARRIER=0 the barrier bench
         if [ "${SWITCH_TESTS:-1}" != 0 ]; then
             log "GPU tests: the persistent code-predictor pass (L2 prefetch, attention in qkv, counting barrier), the L2-ahead of the fused linears and the FP8 tiles"
