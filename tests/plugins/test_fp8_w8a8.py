@@ -394,7 +394,7 @@ _WO_SHAPES = {"qkv": (2048, 4096), "o": (2048, 2048), "gate_up": (2048, 12288),
 
 
 def test_weight_only_rule_fits_every_shape_and_splits_to_half_a_wave():
-    """wo_config (TTSBUILD_FP8_WO_RULE): for the 1.7B's linears at 16-64 rows the config
+    """wo_config (TTSBUILD_FP8_WO_RULE): for the 1.7B's linears at 17-64 rows the config
     tiles K and N whole, splits K until the grid holds half the SMs' worth of programs (or K
     allows no more), keeps gate_up's two weight tiles under `_prune`'s bound, and matches the
     configs the H200 sweeps timed best at the talker's shapes (64 rows: qkv 64 x 256 split 2,
@@ -404,7 +404,7 @@ def test_weight_only_rule_fits_every_shape_and_splits_to_half_a_wave():
     from ttsbuild.plugins._tl import fp8_linear as tl_fp8
 
     for name, (K, N) in _WO_SHAPES.items():
-        for M in (16, 32, 64):
+        for M in (17, 32, 40, 64):
             for gate_up in (False, True):
                 n = N // 2 if gate_up else N
                 c = tl_fp8.wo_config(M, n, K, 132, gate_up)
@@ -455,7 +455,7 @@ def test_weight_only_rule_config_matches_the_reference(M):
 
 def test_weight_only_rule_switch_is_read_at_import_and_routes_its_rows(monkeypatch):
     """TTSBUILD_FP8_WO_RULE=1 at import turns the rule on (off by default until timed in the
-    engine). On, a launch of 1 or 16-64 rows takes the rule's config and no autotuner; 2-15
+    engine). On, a launch of 1 or 17-64 rows takes the rule's config and no autotuner; 2-16
     and 65+ rows (and every launch with it off) go to the autotuner; best_config reports the
     rule's config where it covers the rows. (The launches are recorded, not run: the GPU path
     without a GPU.)"""
@@ -466,6 +466,7 @@ def test_weight_only_rule_switch_is_read_at_import_and_routes_its_rows(monkeypat
     from ttsbuild.plugins._tl import fp8_linear as tl_fp8
 
     assert tl_fp8.WO_RULE == (os.environ.get("TTSBUILD_FP8_WO_RULE", "0") == "1")
+    assert [M for M in range(1, 130) if tl_fp8.wo_rule_rows(M)] == [1, *range(17, 65)]
     launched = []
 
     class Recorder:
@@ -481,7 +482,7 @@ def test_weight_only_rule_switch_is_read_at_import_and_routes_its_rows(monkeypat
     w, s = quantize_weight_fp8(torch.randn(256, 512))
     for rule in (True, False):
         monkeypatch.setattr(tl_fp8, "WO_RULE", rule)
-        for M in (1, 4, 16, 40, 64, 128):
+        for M in (1, 4, 16, 17, 40, 64, 128):
             launched.clear()
             tl_fp8.fp8_linear_triton(torch.randn(M, 512).bfloat16(), w, s)
             (name, kw), = launched

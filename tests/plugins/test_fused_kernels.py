@@ -315,6 +315,36 @@ def test_norm_linear_kernel(M, K, N, dtype, fp8, split):
 
 
 @needs_kernel
+@pytest.mark.parametrize("mode,K,N", [("norm", 2048, 64), ("residual", 768, 48),
+                                      ("gate_up", 512, 32)])  # fmt: skip
+def test_tile16_rule_kernel(mode, K, N, monkeypatch):
+    """TTSBUILD_FUSED_TILE16's tiles (plan's split, then 256-wide K blocks where each split's K
+    holds whole ones, else 32-column weight tiles) for a few rows of FP8 weights: the kernel
+    on them against the fp32 reference, each epilogue; the plan takes the rule's K block
+    where the split allows (2048 over 8 splits) and narrows the tile where not."""
+    from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
+
+    monkeypatch.setattr(tl_fused_linear, "FUSED_TILE16", True)
+    gate_up = mode == "gate_up"
+    c = tl_fused_linear.plan(5, N, K, gate_up, 132)
+    assert c["BLOCK_M"] == 16
+    assert (c["BLOCK_K"], c["BLOCK_N"]) == ((256, 64) if mode == "norm" else (128, 32)), c
+    g, x, w, s, w_ref = _linear_case(K + N, 5, K, N, torch.bfloat16, True, gate_up=gate_up)
+    kw, ref_kw = {}, {}
+    if mode == "residual":
+        kw["residual"] = ref_kw["residual"] = torch.randn(5, N, device=KDEV, generator=g).to(
+            torch.bfloat16)  # fmt: skip
+        ref_kw["residual"] = ref_kw["residual"].float()
+    else:
+        nw = (1 + 0.3 * torch.randn(K, device=KDEV, generator=g)).bfloat16()
+        kw.update(norm_weight=nw, eps=1e-6, gate_up=gate_up)
+        ref_kw.update(norm_weight=nw.float(), eps=1e-6, gate_up=gate_up)
+    out = fused_linear(x, w, s, use_triton=True, **kw)  # config None: plan's, under the rule
+    ref = fused_linear_reference(x.float(), w_ref, s, **ref_kw)
+    assert out.shape == (5, N) and _rel(out, ref) < _tol(torch.bfloat16)
+
+
+@needs_kernel
 @pytest.mark.parametrize("M,split", [(1, None), (1, _SPLIT2), (3, _ROWS)])
 def test_scaled_half_weight_gemv_kernel(M, split):
     # the codec pre-transformer's fused layers with TR_HALF_WEIGHTS: fp32 activations, fp16
@@ -631,10 +661,10 @@ def test_kernels_under_the_interpreter():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")
-def test_plan_takes_the_weight_only_rule_for_16_to_64_half_rows_when_switched(monkeypatch):
-    """TTSBUILD_FUSED_WO_RULE: half-precision tiles of 16-64 rows take `wo_config`'s tiles,
-    warps and stages (the row tile stays plan's); fewer rows, fp32 activations and the
-    default keep plan's own."""
+def test_plan_takes_the_weight_only_rule_for_17_to_64_half_rows_when_switched(monkeypatch):
+    """TTSBUILD_FUSED_WO_RULE: half-precision tiles of 17-64 rows take `wo_config`'s tiles,
+    warps and stages (the row tile stays plan's); 16 rows or fewer (split to a full wave, as
+    the sweeps' winners there), fp32 activations and the default keep plan's own."""
     from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
     from ttsbuild.plugins._tl.fp8_linear import wo_config
 
@@ -642,11 +672,49 @@ def test_plan_takes_the_weight_only_rule_for_16_to_64_half_rows_when_switched(mo
     base = {M: plan(M, 4096, 1024, False, 132) for M in (8, 16, 64)}
     assert all("num_warps" not in c for c in base.values())  # (default: _launch's 4 / 3)
     monkeypatch.setattr(tl_fused_linear, "FUSED_WO_RULE", True)
-    for M, bm in ((16, 16), (40, 64), (64, 64)):
+    for M, bm in ((17, 32), (40, 64), (64, 64)):
         for gate_up in (False, True):
             got = plan(M, 3072 if gate_up else 4096, 1024, gate_up, 132)
             assert got == {**wo_config(M, 3072 if gate_up else 4096, 1024, 132, gate_up),
                            "BLOCK_M": bm}  # fmt: skip
     assert plan(8, 4096, 1024, False, 132) == base[8]
-    fp32 = plan(16, 3072, 512, False, 132, fp32=True)  # the rule's K block would be 256
+    assert plan(16, 4096, 1024, False, 132) == base[16]
+    # two-byte weights keep plan's tiles: the rule's 64 x 256 tiles of them outgrow shared
+    # memory at 64 rows (the code predictor's bf16 input projection, 2048 -> 1024, crashed
+    # the engine's capture on the H100); the launch decides by the weight's dtype
+    bf16 = plan(64, 1024, 2048, False, 132, fp8_weight=False)
+    assert "num_warps" not in bf16 and bf16["BLOCK_K"] == 128
+    x = torch.randn(64, 2048).bfloat16()
+    out = torch.empty(64, 1024).bfloat16()
+    for w, fp8 in ((torch.randn(1024, 2048).bfloat16(), False),
+                   (torch.randn(1024, 2048).to(torch.float8_e4m3fn), True)):  # fmt: skip
+        c = tl_fused_linear._launch(x, w, 64, 1024, 2048, False, None, out)[0]
+        want = plan(64, 1024, 2048, False, tl_fused_linear._num_sms(x.device), fp8_weight=fp8)
+        assert {k: c[k] for k in want} == want and (c["BLOCK_K"] == 256) == fp8, (fp8, c)
+    fp32 = plan(32, 3072, 512, False, 132, fp32=True)  # the rule's K block would be 256
     assert "num_warps" not in fp32 and fp32["BLOCK_K"] == 128
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")
+def test_plan_takes_the_16_row_tile_rule_when_switched(monkeypatch):
+    """TTSBUILD_FUSED_TILE16: the 1.7B code predictor's four fused linears in 16-row tiles (2-16
+    rows) take the configs the H100 sweep timed best or within 4 % of it (qkv 64 x 256 split
+    4, o 64 x 256 split 8, gate/up 32 x 128 split 4, down 32 x 128 split 8); one row (the
+    GEMV), 17 rows and more, two-byte weights and the default keep plan's own."""
+    from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
+
+    plan = tl_fused_linear.plan
+    shapes = {"qkv": (1024, 4096, False), "o": (2048, 1024, False),
+              "gate_up": (1024, 3072, True), "down": (3072, 1024, False)}  # fmt: skip
+    base = {(n, M): plan(M, N, K, gu, 132) for n, (K, N, gu) in shapes.items()
+            for M in (1, 2, 16, 17)}  # fmt: skip
+    monkeypatch.setattr(tl_fused_linear, "FUSED_TILE16", True)
+    want = {"qkv": (64, 256, 4), "o": (64, 256, 8), "gate_up": (32, 128, 4), "down": (32, 128, 8)}
+    for name, (K, N, gate_up) in shapes.items():
+        for M in (2, 9, 16):
+            c = plan(M, N, K, gate_up, 132)
+            assert (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]) == (16, *want[name])
+            assert plan(M, N, K, gate_up, 132, fp8_weight=False) == base[(name, 2)]
+        assert plan(1, N, K, gate_up, 132) == base[(name, 1)]
+        assert plan(17, N, K, gate_up, 132) == base[(name, 17)]
+        assert base[(name, 16)] == base[(name, 2)] != plan(16, N, K, gate_up, 132)

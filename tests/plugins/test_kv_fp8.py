@@ -3,6 +3,10 @@ per layer. The references quantise and dequantise as `quantize_kv` / `dequantize
 Triton kernels (cache write, decode attention, the fused decode attention) against them on
 fresh random inputs (on CUDA, or on CPU under TRITON_INTERPRET=1)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from kernel_device import KDEV, kernel_cases, needs_kernel
@@ -151,6 +155,14 @@ def test_dynamic_splits_and_f16_choices():
     assert da.dynamic_for(None, 3) == da.dynamic_for(da.DYNAMIC_CHUNK, 3)
     with pytest.raises(ValueError, match="dynamic_chunk"):
         da.dynamic_for("yes", 3)
+    # the default (no TTSBUILD_ATTN_DYNAMIC_CHUNK) is "auto"; a bad value fails the import
+    code = "import ttsbuild.plugins._tl.decode_attention as d; print(d.DYNAMIC_CHUNK)"
+    env = {k: v for k, v in os.environ.items() if k != "TTSBUILD_ATTN_DYNAMIC_CHUNK"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["auto"], out.stderr
+    env["TTSBUILD_ATTN_DYNAMIC_CHUNK"] = "yes"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "TTSBUILD_ATTN_DYNAMIC_CHUNK" in out.stderr
     # fp16 dots as asked, for 16-bit activations only (an fp32 engine keeps fp32 dots)
     assert da.f16_for(True, torch.bfloat16) and not da.f16_for(False, torch.bfloat16)
     assert not da.f16_for(True, torch.float32)

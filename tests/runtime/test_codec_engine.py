@@ -604,11 +604,12 @@ def test_fused_linear_launch_takes_the_callers_gemv_rows():
     from ttsbuild.plugins._tl.fused_linear import _launch
 
     x = torch.randn(4, 512)
+    w = torch.randn(3072, 512)
     out = torch.empty(4, 3072)
-    as_gemv = _launch(x, 4, 3072, 512, False, None, out, gemv_rows_f32=8)[0]
-    tiled = _launch(x, 4, 3072, 512, False, None, out, gemv_rows_f32=0)[0]
+    as_gemv = _launch(x, w, 4, 3072, 512, False, None, out, gemv_rows_f32=8)[0]
+    tiled = _launch(x, w, 4, 3072, 512, False, None, out, gemv_rows_f32=0)[0]
     assert as_gemv["BLOCK_M"] == 1 and tiled["BLOCK_M"] == 16
-    half = _launch(x.half(), 4, 3072, 512, False, None, out, gemv_rows_f32=8)[0]
+    half = _launch(x.half(), w.half(), 4, 3072, 512, False, None, out, gemv_rows_f32=8)[0]
     assert half["BLOCK_M"] == 16  # fp32 activations only
 
 

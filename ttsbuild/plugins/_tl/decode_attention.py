@@ -31,15 +31,19 @@ _LOG2E = 1.4426950408889634
 # captured graph's grid is fixed), so a row 200 positions into a 2048-position cache had its
 # whole length in split 0 of 3 (16 rows): one program streamed all of it while the others
 # exited. Per row, no split gets more positions than before and the same positions are
-# covered. Off (TTSBUILD_ATTN_DYNAMIC_CHUNK=1 turns it on, =auto where a launch has more than
-# one split; kv_fp8_attention.py times them).
+# covered. By default ("auto") only where a launch has more than one split (the talker's
+# 1-32 rows; at one split a row's whole length is its split's anyway);
+# TTSBUILD_ATTN_DYNAMIC_CHUNK=0 turns it off, =1 on for every launch (kv_fp8_attention.py
+# times them).
 # H200 2026-12-07 (benchmarks/runtime/2026-12-07-h200-bf16-heads-f16): 1.1-1.7x faster where
 # the plan has several splits (16 rows: FP8 cache 23.8 -> 14.3 us at 600 positions), 0.8x
 # where it has one (64 rows: the constexpr path alone costs that), level at 256; the engine
 # at 1 / 64 / 256 rows level (talker 1.15 / 1.77 / 3.26 ms against 1.13 / 1.75 / 3.23).
-# Next: "auto" timed in the engine at 16-32 rows.
+# "auto", H100 2026-12-07 (benchmarks/runtime/2026-12-07-h100-rules, two processes a side):
+# talker 1.43-1.46 against 1.49-1.50 ms at 16 rows, 1.62-1.64 against 1.74-1.75 at 32; level
+# at 1 and 64 (1.09-1.10, 1.83-1.84 against 1.09-1.10, 1.82).
 DYNAMIC_CHOICES = {"0": False, "1": True, "auto": "auto"}
-_dynamic_env = os.environ.get("TTSBUILD_ATTN_DYNAMIC_CHUNK", "0").strip().lower()
+_dynamic_env = os.environ.get("TTSBUILD_ATTN_DYNAMIC_CHUNK", "auto").strip().lower()
 if _dynamic_env not in DYNAMIC_CHOICES:
     raise ValueError(f"TTSBUILD_ATTN_DYNAMIC_CHUNK: one of {sorted(DYNAMIC_CHOICES)}, not "
                      f"{_dynamic_env!r}")

@@ -395,16 +395,22 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
     return config if bm == m_bucket(M, a8=True) else {**config, "BLOCK_M": bm}
 
 
-# The weight-only kernel's configs at one row (the GEMV) and at 16-64 rows by rule
-# (`wo_config`) instead of the autotuner: TTSBUILD_FP8_WO_RULE=1. Off until timed in the
-# engine (read at import).
+# The weight-only kernel's configs at one row (the GEMV) and at 17-64 rows by rule
+# (`wo_config`) instead of the autotuner: TTSBUILD_FP8_WO_RULE=1 (read at import). Off: on
+# the H100 engine bench (benchmarks/runtime/2026-12-07-h100-rules) the talker at one row
+# 1.08 against 1.09-1.10 ms, the code predictor at 32 rows 3.53 against 3.35-3.36 (at its
+# shapes the rule's tiles are 3-17 % slower than the autotuner's picks).
 WO_RULE = os.environ.get("TTSBUILD_FP8_WO_RULE", "0") == "1"
 
 
 def wo_rule_rows(M: int) -> bool:
-    """Whether `wo_config` covers M rows: one row, or 16-64 (what the sweeps behind it timed;
-    2-15 rows keep the autotuner)."""
-    return M == 1 or 16 <= M <= 64
+    """Whether `wo_config` covers M rows: one row, or 17-64 (32- and 64-row tiles). 2-16 rows
+    keep the autotuner: there the sweeps' winners split K to a full wave or more, not half of
+    one (16 rows, benchmarks/kernels/2026-12-04-h200-a8: qkv 64 x 128 split 4 7.73 us,
+    gate_up 64 x 128 split 2 13.70; the rule's 64 x 256 split 2 and 64 x 128 unsplit outside
+    the best five, >= 8.36, and 15.10; the autotuner's 7.88 and 14.49; 8 rows alike in
+    2026-12-01-h200-session5)."""
+    return M == 1 or 17 <= M <= 64
 
 
 def wo_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> dict:

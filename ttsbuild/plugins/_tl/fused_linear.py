@@ -50,7 +50,13 @@ from ttsbuild.plugins._dispatch import (
 from ttsbuild.plugins._tl import sampling as _sampling
 from ttsbuild.plugins._tl._layout import check_qkv_caches
 from ttsbuild.plugins._tl._math import exp_f32, l2_prefetch_tile, pdl_prologue
-from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms, wo_config
+from ttsbuild.plugins._tl.fp8_linear import (
+    _MAX_TILES,
+    _counters,
+    _num_sms,
+    wo_config,
+    wo_rule_rows,
+)
 from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_item, kv_group_of, old_kv
 from ttsbuild.plugins._tl.sampling import sample_row
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
@@ -106,13 +112,24 @@ GEMV_FEW_ROWS_MAX = 4
 # smaller block splits K further (up to 8 ways) at fewer registers. A sweep knob for the
 # GPU (TTSBUILD_GEMV_F32_BLOCK_K=128 or 256; not yet timed).
 GEMV_F32_BLOCK_K = int(os.environ.get("TTSBUILD_GEMV_F32_BLOCK_K", "0"))
-# Half-precision tiles of 16-64 rows on the weight-only FP8 tiles' rule (`fp8_linear.wo_config`:
+# Half-precision tiles of 17-64 rows on the weight-only FP8 tiles' rule (`fp8_linear.wo_config`:
 # 64 x 256 weight tiles, 128-wide K blocks where the N tiles fill the SMs or for gate/up,
 # split-K to half a wave, 4 warps, 3 stages) instead of `plan`'s 64 x 128 tiles split to a
 # full wave: TTSBUILD_FUSED_WO_RULE=1. The fused code predictor lost 0.9 ms a frame to the
-# unfused path at 64 rows (H100, benchmarks/runtime/2026-12-07-h100-cp-bf16); off until the
-# engine times it (read at import).
+# unfused path at 64 rows (H100, benchmarks/runtime/2026-12-07-h100-cp-bf16); off (read at
+# import): the H100 sweep (benchmarks/runtime/2026-12-07-h100-rules) has the fused linears
+# slower than the plain weight-only ones past 16 rows whatever the tiles.
 FUSED_WO_RULE = os.environ.get("TTSBUILD_FUSED_WO_RULE", "0") == "1"
+# 16-row tiles (2-16 rows: the fused code predictor's default buckets past the GEMV) of FP8
+# weights and half-precision activations: `plan`'s split, then 256-wide K blocks where each
+# split's K holds whole ones (not gate/up), else 32-column weight tiles. An H100 sweep of the
+# code predictor's four fused linears at 16 rows (benchmarks/runtime/2026-12-07-h100-rules,
+# sweep_fused_cp.json; back to back in a graph, weights rotated past L2) timed these
+# 6.15 / 4.82 / 8.29 / 5.79 us (qkv 64 x 256 split 4, o 64 x 256 split 8, gate/up 32 x 128
+# split 4, down 32 x 128 split 8; each the best or within 4 % of it) against `plan`'s 64 x
+# 128 tiles' 7.33 / 5.31 / 8.79 / 6.13: 2.5 us a layer, ~0.19 ms of a frame's 75 layer
+# passes. TTSBUILD_FUSED_TILE16=1; off until the engine times it (read at import).
+FUSED_TILE16 = os.environ.get("TTSBUILD_FUSED_TILE16", "0") == "1"
 
 
 @triton.jit
@@ -445,9 +462,13 @@ def _norm_linear_attend_kernel(
 
 
 def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
-         gemv_rows_f32: int | None = None, tf32: bool = False) -> dict:  # fmt: skip
+         gemv_rows_f32: int | None = None, tf32: bool = False,
+         fp8_weight: bool = True) -> dict:  # fmt: skip
     """Fixed tile config for a shape: BLOCK_M from M, split-K until ~one wave of programs
-    (under FUSED_WO_RULE, half-precision 16-64 rows: `wo_config`'s tiles, warps and stages).
+    (under FUSED_WO_RULE, half-precision 17-64 rows of FP8 weights: `wo_config`'s tiles, warps
+    and stages; what the rule was timed on: its 64 x 256 tiles of two-byte weights outgrow
+    shared memory at 64 rows, 262144 bytes against the H100's 232448 for the code
+    predictor's bf16 input projection).
     fp32: the activations are fp32; then up to gemv_rows_f32 rows (default
     TTSBUILD_GEMV_ROWS_F32) run as GEMVs, a program per row and column tile; half precision:
     up to GEMV_FEW_ROWS_MAX rows where GEMV_FEW_ROWS is on. tf32: fp32 tiles on TF32 tensor
@@ -457,6 +478,7 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
         rows_as_gemv = _GEMV_ROWS_F32 if gemv_rows_f32 is None else gemv_rows_f32
     else:
         rows_as_gemv = GEMV_FEW_ROWS_MAX if GEMV_FEW_ROWS else 1
+    tile16 = False
     if M == 1 or M <= rows_as_gemv:
         block_m, block_n, block_k = 1, 16, 256 if gate_up else 512
         if fp32 and GEMV_F32_BLOCK_K:
@@ -466,8 +488,9 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
     else:
         block_m = min(64, max(16, triton.next_power_of_2(M)))
         block_n, block_k = 64, 32 if fp32 and tf32 else 128
-        if FUSED_WO_RULE and not fp32 and 16 <= M <= 64:
+        if FUSED_WO_RULE and fp8_weight and not fp32 and M > 1 and wo_rule_rows(M):
             return {**wo_config(M, N, K, sms, gate_up), "BLOCK_M": block_m}
+        tile16 = FUSED_TILE16 and block_m == 16 and fp8_weight and not fp32
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     split = 1
@@ -478,6 +501,11 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
         and tiles <= _MAX_TILES
     ):
         split *= 2
+    if tile16:  # (FUSED_TILE16, above)
+        if not gate_up and K % (256 * split) == 0:
+            block_k = 256
+        else:
+            block_n = 32
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
 
 
@@ -487,8 +515,8 @@ def _dot_f32(x: torch.Tensor, tf32: bool) -> bool:
     return interpret_mode() or (x.dtype == torch.float32 and not tf32)
 
 
-def _launch(x, M, N, K, gate_up, config, out, *, head_dim=None, groups=0, gemv_rows_f32=None,
-            tf32=False):  # fmt: skip
+def _launch(x, weight, M, N, K, gate_up, config, out, *, head_dim=None, groups=0,
+            gemv_rows_f32=None, tf32=False):  # fmt: skip
     """How an [M, N] linear of x launches: the tile config (the per-shape `plan` unless given,
     with gemv_rows_f32 as there; num_warps and num_stages 4 and 3 unless it names them), the
     grid, the split-K workspace, the arrival counters (split-K's per tile, then `groups`
@@ -497,7 +525,8 @@ def _launch(x, M, N, K, gate_up, config, out, *, head_dim=None, groups=0, gemv_r
     sms = _num_sms(x.device)
     c = (dict(config) if config is not None
          else plan(M, N, K, gate_up, sms, fp32=x.dtype == torch.float32,
-                   gemv_rows_f32=gemv_rows_f32, tf32=tf32))  # fmt: skip
+                   gemv_rows_f32=gemv_rows_f32, tf32=tf32,
+                   fp8_weight=weight.dtype == torch.float8_e4m3fn))  # fmt: skip
     c.setdefault("num_warps", 4)
     c.setdefault("num_stages", 3)
     if interpret_mode():
@@ -557,7 +586,7 @@ def fused_linear_triton(
         out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return out
-    c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, gate_up, config, out,
+    c, grid, ws, cnt, pdl, prefetch = _launch(x, weight, M, N, K, gate_up, config, out,
                                               gemv_rows_f32=gemv_rows_f32, tf32=tf32)  # fmt: skip
     dummy = out
     _fused_linear_kernel[grid](
@@ -616,7 +645,7 @@ def norm_linear_attend_triton(
     if R == 0:
         return attn
     c, grid, ws, cnt, pdl, prefetch = _launch(
-        x, R, N, K, False, config, qkv, head_dim=D, groups=num_kv_heads
+        x, weight, R, N, K, False, config, qkv, head_dim=D, groups=num_kv_heads
     )
     group = num_heads // num_kv_heads
     _norm_linear_attend_kernel[grid](
@@ -698,7 +727,7 @@ def norm_linear_ring_attend_triton(
     if M == 0:
         return attn
     qkv = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, False, config, qkv, head_dim=D,
+    c, grid, ws, cnt, pdl, prefetch = _launch(x, weight, M, N, K, False, config, qkv, head_dim=D,
                                               groups=H, gemv_rows_f32=gemv_rows_f32)  # fmt: skip
     chunk = _ring.RING_CHUNK if B >= _ring.RING_CHUNK_MIN_ROWS else 0  # (as ring_attention_rope)
     _norm_linear_ring_attend_kernel[grid](
@@ -774,7 +803,7 @@ def norm_linear_sample_triton(
     tokens = torch.empty(M, dtype=torch.int64, device=x.device)
     if M == 0:
         return tokens, logits
-    c, grid, ws, cnt, pdl, prefetch = _launch(x, M, N, K, False, config, logits, groups=1)
+    c, grid, ws, cnt, pdl, prefetch = _launch(x, weight, M, N, K, False, config, logits, groups=1)
     do_sample = batch.do_sample
     _norm_linear_sample_kernel[grid](
         x, norm_weight, weight, scale if scale is not None else logits, logits, ws, cnt,
