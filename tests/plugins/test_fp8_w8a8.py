@@ -394,7 +394,8 @@ _WO_SHAPES = {"qkv": (2048, 4096), "o": (2048, 2048), "gate_up": (2048, 12288),
 
 
 def test_weight_only_rule_fits_every_shape_and_splits_to_half_a_wave():
-    """wo_config (TTSBUILD_FP8_WO_RULE): for the 1.7B's linears at 17-64 rows the config
+    """wo_config (TTSBUILD_FP8_WO_RULE): for the 1.7B's linears at 2-16 rows as below, and at
+    17-64 rows the config
     tiles K and N whole, splits K until the grid holds half the SMs' worth of programs (or K
     allows no more), keeps gate_up's two weight tiles under `_prune`'s bound, and matches the
     configs the H200 sweeps timed best at the talker's shapes (64 rows: qkv 64 x 256 split 2,
@@ -415,6 +416,21 @@ def test_weight_only_rule_fits_every_shape_and_splits_to_half_a_wave():
                 assert programs >= 66 or not more, (name, M, c)
                 assert split == 1 or (n // bn) * split // 2 < 66, (name, M, c)  # the smallest
                 assert not gate_up or bn * bk <= 8192
+    # 2-16 rows: split to 1.25 waves while each split keeps 512 of K, 32-column tiles where
+    # the grid stays short; the talker's shapes get the H100 sweep's winners at every row count
+    # (benchmarks/runtime/2026-12-07-h100-rules/call3)
+    few = {"qkv": (64, 128, 4), "o": (32, 128, 4), "gate_up": (64, 128, 2), "down": (64, 128, 8)}
+    for name, (K, N) in _WO_SHAPES.items():
+        for gate_up in (False, True):
+            n = N // 2 if gate_up else N
+            for M in (2, 5, 8, 16):
+                c = tl_fp8.wo_config(M, n, K, 132, gate_up)
+                bn, bk, split = c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
+                assert bk == 128 and K % (bk * split) == 0 and K // split >= 512, (name, c)
+                assert n % bn == 0 and (c["num_warps"], c["num_stages"]) == (4, 3)
+                assert not gate_up or bn * bk <= 8192
+                if name in few and gate_up == (name == "gate_up"):
+                    assert (bn, bk, split) == few[name], (name, M, c)
     want = {"qkv": (64, 256, 2), "o": (64, 256, 4), "gate_up": (64, 128, 1),
             "down": (64, 256, 4)}  # fmt: skip
     # one row (the GEMV): the sweeps' winners, or within 2 % of them (qkv: stages 3, 4.32 us
@@ -433,7 +449,7 @@ def test_weight_only_rule_fits_every_shape_and_splits_to_half_a_wave():
 
 
 @needs_kernel
-@pytest.mark.parametrize("M", [16, 40])
+@pytest.mark.parametrize("M", [5, 16, 40])
 def test_weight_only_rule_config_matches_the_reference(M):
     """The weight-only kernel with the rule's config (split-K included) against the fp32
     product, fresh random rows and weights (on CUDA, or under TRITON_INTERPRET=1)."""
@@ -444,7 +460,7 @@ def test_weight_only_rule_config_matches_the_reference(M):
     K, N = 1024, 128
     w, s = quantize_weight_fp8(torch.randn(N, K, generator=g) * K**-0.5)
     x = torch.randn(M, K, generator=g).bfloat16()
-    c = wo_config(M, N, K, sms=8)  # a small GPU's worth: 2 N tiles, split-K 2 for 4 programs
+    c = wo_config(M, N, K, sms=8)  # a small GPU's worth (8 SMs): split-K 2
     assert c["SPLIT_K"] == 2
     w, s, x = w.to(KDEV), s.to(KDEV), x.to(KDEV)
     for _ in range(2):  # twice: split-K's counters reset
@@ -455,8 +471,8 @@ def test_weight_only_rule_config_matches_the_reference(M):
 
 def test_weight_only_rule_switch_is_read_at_import_and_routes_its_rows(monkeypatch):
     """TTSBUILD_FP8_WO_RULE=1 at import turns the rule on (off by default until timed in the
-    engine). On, a launch of 1 or 17-64 rows takes the rule's config and no autotuner; 2-16
-    and 65+ rows (and every launch with it off) go to the autotuner; best_config reports the
+    engine). On, a launch of 1-64 rows takes the rule's config and no autotuner; 65+ rows (and
+    every launch with it off) go to the autotuner; best_config reports the
     rule's config where it covers the rows. (The launches are recorded, not run: the GPU path
     without a GPU.)"""
     import subprocess
@@ -466,7 +482,7 @@ def test_weight_only_rule_switch_is_read_at_import_and_routes_its_rows(monkeypat
     from ttsbuild.plugins._tl import fp8_linear as tl_fp8
 
     assert tl_fp8.WO_RULE == (os.environ.get("TTSBUILD_FP8_WO_RULE", "0") == "1")
-    assert [M for M in range(1, 130) if tl_fp8.wo_rule_rows(M)] == [1, *range(17, 65)]
+    assert [M for M in range(1, 130) if tl_fp8.wo_rule_rows(M)] == list(range(1, 65))
     launched = []
 
     class Recorder:

@@ -395,45 +395,58 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
     return config if bm == m_bucket(M, a8=True) else {**config, "BLOCK_M": bm}
 
 
-# The weight-only kernel's configs at one row (the GEMV) and at 17-64 rows by rule
-# (`wo_config`) instead of the autotuner: TTSBUILD_FP8_WO_RULE=1 (read at import). Off: on
-# the H100 engine bench (benchmarks/runtime/2026-12-07-h100-rules) the talker at one row
-# 1.08 against 1.09-1.10 ms, the code predictor at 32 rows 3.53 against 3.35-3.36 (at its
-# shapes the rule's tiles are 3-17 % slower than the autotuner's picks).
+# The weight-only kernel's configs at 1-64 rows by rule (`wo_config`) instead of the
+# autotuner: TTSBUILD_FP8_WO_RULE=1 (read at import). Off: on the H100 engine bench
+# (benchmarks/runtime/2026-12-07-h100-rules; the rule then had no 2-16 row branch) the talker
+# at one row 1.08 against 1.09-1.10 ms, the code predictor at 32 rows 3.53 against 3.35-3.36
+# (at its shapes the rule's tiles are 3-17 % slower than the autotuner's picks). Next: the
+# talker at 2-8 rows (its weight-only buckets), where the sweeps put ~0.14 ms a step.
 WO_RULE = os.environ.get("TTSBUILD_FP8_WO_RULE", "0") == "1"
 
 
 def wo_rule_rows(M: int) -> bool:
-    """Whether `wo_config` covers M rows: one row, or 17-64 (32- and 64-row tiles). 2-16 rows
-    keep the autotuner: there the sweeps' winners split K to a full wave or more, not half of
-    one (16 rows, benchmarks/kernels/2026-12-04-h200-a8: qkv 64 x 128 split 4 7.73 us,
-    gate_up 64 x 128 split 2 13.70; the rule's 64 x 256 split 2 and 64 x 128 unsplit outside
-    the best five, >= 8.36, and 15.10; the autotuner's 7.88 and 14.49; 8 rows alike in
-    2026-12-01-h200-session5)."""
-    return M == 1 or 17 <= M <= 64
+    """Whether `wo_config` covers M rows: 1-64 (the GEMV, the 16-, 32- and 64-row tiles); the
+    autotuner takes more."""
+    return 1 <= M <= 64
 
 
 def wo_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> dict:
-    """The weight-only kernel's config for one row or 16-64 rows (one BLOCK_M tile), by rule.
+    """The weight-only kernel's config for 1-64 rows (one BLOCK_M tile), by rule.
     Why: the autotuner's quick timings (25 ms in one process, each candidate as one launch at
-    a time with L2 flushed) picked configs up to 12 % slower at 16-64 rows, and up to 30 % at
-    one row (down: 8.45 against 6.50 us), than the best of a sweep timed as the engine runs
-    them (back to back in a CUDA graph, the weights rotated past L2) at the talker's
-    four shapes on the H200, and other picks in other sweeps of the same shapes
-    (benchmarks/kernels/2026-12-01-h200-session5 and 2026-12-04-h200-a8, sweep_fp8.json), so
-    a plan's step time moved between processes.
-    What the sweeps' winners share:
+    a time with L2 flushed) picked configs up to 12 % slower at 17-64 rows, up to 30 % at one
+    row (down: 8.45 against 6.50 us) and up to 25 % at 2-16 (gate_up) than the best of a
+    sweep timed as the engine runs them (back to back in a CUDA graph, the weights rotated
+    past L2) at the talker's four shapes, and other picks in other sweeps of the same shapes
+    (H200: benchmarks/kernels/2026-12-01-h200-session5 and 2026-12-04-h200-a8; H100:
+    benchmarks/runtime/2026-12-07-h100-rules/call3; sweep_fp8.json), so a plan's step time
+    moved between processes.
+    What the sweeps' winners share, 4 warps and 3 stages throughout:
     - one row (the GEMV): 8 weight rows a program, K blocks of 1024 (256 where those 8-row
-      programs fill eight waves: gate_up, N 12288), no split, 4 warps, 3 stages;
-    - 16-64 rows: 64-column weight tiles, 4 warps, 3 stages; K blocks of 256 (128 where the
-      N tiles alone fill the SMs: gate_up); split-K to about half a wave of programs: the
-      smallest split (1-8) whose grid holds sms / 2 programs (qkv 2, o and down 4, gate_up 1).
+      programs fill eight waves: gate_up, N 12288), no split;
+    - 2-16 rows: K blocks of 128, 64-column weight tiles, split-K to 1.25 waves of programs
+      while each split keeps 512 of K; 32-column tiles where that split leaves the grid
+      short (o). The H100's winners at 2, 4, 8 and 16 rows alike: qkv 64 x 128 split 4, o 32
+      x 128 split 4, gate_up 64 x 128 split 2, down 64 x 128 split 8 (the H200's qkv, o and
+      gate_up alike or within 3 %; its down 64 x 256 split 4, the rule's >= 10 % slower);
+    - 17-64 rows: 64-column weight tiles; K blocks of 256 (128 where the N tiles alone fill
+      the SMs: gate_up); split-K to about half a wave of programs: the smallest split (1-8)
+      whose grid holds sms / 2 programs (qkv 2, o and down 4, gate_up 1).
     gate_up (two weight tiles a program): a tile of at most 8192 weights (`_prune`'s bound)."""
     if M == 1:
         bn = 8
         bk = 256 if triton.cdiv(N, bn) >= 8 * sms else 1024
         bk = min(bk, max(32, triton.next_power_of_2(K)))
         return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+    if M <= 16:
+        bn, bk = 64, min(128, max(32, triton.next_power_of_2(K)))
+        want = sms * 5 // 4
+        split = 1
+        while (triton.cdiv(N, bn) * split < want and split < _MAX_SPLIT
+               and K % (bk * split * 2) == 0 and K // (split * 2) >= 512):  # fmt: skip
+            split *= 2
+        if triton.cdiv(N, bn) * split < want:
+            bn = 32
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
     bn = 64
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, m_bucket(M))
     bk = 128 if triton.cdiv(N, bn) >= sms or gate_up else 256

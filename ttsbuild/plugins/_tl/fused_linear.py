@@ -50,13 +50,7 @@ from ttsbuild.plugins._dispatch import (
 from ttsbuild.plugins._tl import sampling as _sampling
 from ttsbuild.plugins._tl._layout import check_qkv_caches
 from ttsbuild.plugins._tl._math import exp_f32, l2_prefetch_tile, pdl_prologue
-from ttsbuild.plugins._tl.fp8_linear import (
-    _MAX_TILES,
-    _counters,
-    _num_sms,
-    wo_config,
-    wo_rule_rows,
-)
+from ttsbuild.plugins._tl.fp8_linear import _MAX_TILES, _counters, _num_sms, wo_config
 from ttsbuild.plugins._tl.qk_norm_rope_attend import _LOG2E, attend_item, kv_group_of, old_kv
 from ttsbuild.plugins._tl.sampling import sample_row
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS
@@ -488,7 +482,7 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
     else:
         block_m = min(64, max(16, triton.next_power_of_2(M)))
         block_n, block_k = 64, 32 if fp32 and tf32 else 128
-        if FUSED_WO_RULE and fp8_weight and not fp32 and M > 1 and wo_rule_rows(M):
+        if FUSED_WO_RULE and fp8_weight and not fp32 and 16 < M <= 64:
             return {**wo_config(M, N, K, sms, gate_up), "BLOCK_M": block_m}
         tile16 = FUSED_TILE16 and block_m == 16 and fp8_weight and not fp32
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
