@@ -17,6 +17,12 @@ Writes $OUT/sweep_fp8.json.
 adds the row quantisation alone ("quant") and the whole Triton W8A8 linear as served
 ("a8 auto": quantisation + the autotuned tiles); from 256 rows it also tries 256-row
 activation tiles (`BLOCK_M`, 8 warps) beside the served 128. Writes $OUT/sweep_a8.json.
+
+--table PATH (weight-only) also writes the winners as a config table
+(`ttsbuild.plugins._tl.wo_table`: per row tile and shape, the best config at the most rows
+swept in that tile), which TTSBUILD_FP8_WO_TABLE=PATH hands every launch of those shapes
+on this GPU model. Sweep the row counts the engine's buckets fill (e.g. --ms 1,8,32,64;
+2-16 rows share one tile) and both shape sets into two tables, or one `--shapes` at a time.
 """
 
 from __future__ import annotations
@@ -135,7 +141,11 @@ def main() -> int:
     ap = sweep_parser(__doc__, ms="1,8,32,64", jobs=8)
     ap.add_argument("--a8", action="store_true", help="sweep the FP8 x FP8 (W8A8) tiles")
     ap.add_argument("--shapes", choices=("talker", "cp"), default="talker")
+    ap.add_argument("--table", type=Path, default=None,
+                    help="also write the winners as a weight-only config table (JSON)")
     args = ap.parse_args()
+    if args.table is not None and args.a8:
+        ap.error("--table is for the weight-only kernel (the A8 tiles take a rule)")
     ms = [int(m) for m in args.ms.split(",")]
     if no_gpu():
         return 2
@@ -229,6 +239,14 @@ def main() -> int:
     name = ("sweep_a8" if args.a8 else "sweep_fp8") + ("_cp" if args.shapes == "cp" else "")
     name += ".json"
     (args.out / name).write_text(json.dumps(report, indent=2))
+    if args.table is not None:
+        from ttsbuild.plugins._tl import wo_table
+        from ttsbuild.plugins._tl.fp8_linear import m_bucket
+
+        table = wo_table.from_sweep(report, m_bucket)
+        args.table.parent.mkdir(parents=True, exist_ok=True)
+        args.table.write_text(json.dumps(table, indent=2))
+        print(f"{len(table['configs'])} configs -> {args.table}")
     return 0
 
 

@@ -173,7 +173,9 @@
 # wosweep: `sweep_fp8.py` (the weight-only FP8 tiles, every config of its grid, against the
 #         autotuner's pick and cuBLAS on bf16) at the shapes $WO_SHAPES (default cp: the code
 #         predictor's, whose 16-64-row buckets run these tiles) and rows $WO_MS (default
-#         16,32,64), until the deadline
+#         16,32,64), until the deadline; its winners also as a config table,
+#         $OUT/wo_table_$WO_SHAPES.json, for a later side's TTSBUILD_FP8_WO_TABLE (set
+#         ENGINE_SIDES in double quotes after OUT, so that $OUT expands in it)
 # fusedsweep: benchmarks/kernels/sweep_fused_cp.py (the fused code predictor's four linears,
 #         each with its epilogue, over sweep_fp8's grid against the `plan` tiles) at rows
 #         $WO_MS (default 16,32,64), until the deadline
@@ -355,7 +357,8 @@ for step in $STEPS; do
         a8_sweep "${A8_MS:-128,256,512}" ;;
     wosweep)
         grid_sweep "weight-only FP8 tiles at the ${WO_SHAPES:-cp} shapes" sweep_wo \
-            benchmarks/kernels/sweep_fp8.py --shapes "${WO_SHAPES:-cp}" ;;
+            benchmarks/kernels/sweep_fp8.py --shapes "${WO_SHAPES:-cp}" \
+            --table "$OUT/wo_table_${WO_SHAPES:-cp}.json" ;;
     fusedsweep)
         grid_sweep "the fused code predictor's linears" sweep_fused_cp \
             benchmarks/kernels/sweep_fused_cp.py ;;

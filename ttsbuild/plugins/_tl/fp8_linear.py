@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ttsbuild.plugins._dispatch import bulk_prefetchable, interpret_mode, pdl_args, pdl_enabled
+from ttsbuild.plugins._tl import wo_table
 from ttsbuild.plugins._tl._math import exp_f32, l2_prefetch_tile, pdl_prologue
 
 _NUM_SMS: dict[int, int] = {}
@@ -459,6 +460,23 @@ def wo_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
     return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
 
 
+# Weight-only configs measured on this GPU model, per launch shape (`wo_table`): a table a
+# sweep writes (benchmarks/kernels/sweep_fp8.py --table), TTSBUILD_FP8_WO_TABLE=PATH (read
+# at import; a bad file fails the import with what is wrong). Ahead of the rule and the
+# autotuner; a shape not in it keeps them.
+_TABLE_PATH = os.environ.get("TTSBUILD_FP8_WO_TABLE", "")
+WO_TABLE: wo_table.WoTable | None = wo_table.load(_TABLE_PATH) if _TABLE_PATH else None
+_DEVICE_NAMES: dict[int, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = _DEVICE_NAMES.get(index)
+    if name is None:
+        name = _DEVICE_NAMES[index] = torch.cuda.get_device_name(index)
+    return name
+
+
 def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     M, K = x.shape
     N = w.shape[0] // 2 if gate_up else w.shape[0]
@@ -473,6 +491,8 @@ def _launch(x, w, scale, sx, out_dtype, config, gate_up):
     block_m = m_bucket(M, a8)
     if config is None and a8 and not interpret_mode():  # by rule (`a8_config`), no autotuner
         config = a8_config(M, N, K, _num_sms(x.device), gate_up)
+    if config is None and not a8 and WO_TABLE is not None and not interpret_mode():
+        config = WO_TABLE.lookup(block_m, N, K, gate_up, _device_name(x.device))
     if config is None and not a8 and WO_RULE and wo_rule_rows(M) and not interpret_mode():
         config = wo_config(M, N, K, _num_sms(x.device), gate_up)
     if config is not None and "BLOCK_M" in config:  # a wider row tile (A8 only)
@@ -542,9 +562,14 @@ def fp8_linear_a8_triton(
 
 def best_config(M: int, N: int, K: int, a8: bool = False) -> dict | None:
     """The autotuner's pick for this shape (after a call), for reports; A8 (and the
-    weight-only kernel under WO_RULE, where it covers the rows): the rule's."""
+    weight-only kernel under WO_RULE, where it covers the rows): the rule's; a shape in
+    WO_TABLE (on the GPU it was measured on): the table's."""
     if a8:
         return a8_config(M, N, K)
+    if WO_TABLE is not None and torch.cuda.is_available():
+        c = WO_TABLE.lookup(m_bucket(M), N, K, False, _device_name(torch.device("cuda")))
+        if c is not None:
+            return c
     if WO_RULE and wo_rule_rows(M):
         return wo_config(M, N, K)
     tuner = _gemv if m_bucket(M) == 1 else _gemm
