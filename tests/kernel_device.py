@@ -28,3 +28,24 @@ def kernel_cases(full: list, interpreted: list) -> list:
     if missing:
         raise ValueError(f"interpreted cases {missing} are not among the full cases")
     return interpreted if KDEV == "cpu" else full
+
+
+def record_fp8_launches(monkeypatch) -> list:
+    """The weight-only FP8 kernel's launches recorded instead of run (the GPU path's choice of
+    kernel and config, without a GPU): a list that each launch appends (kernel name: _heur for
+    a given config, _gemv / _gemm for the autotuners; its keyword arguments) to."""
+    from ttsbuild.plugins._tl import fp8_linear as tl_fp8
+
+    launched = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((self.name, kw))
+
+    monkeypatch.setattr(tl_fp8, "interpret_mode", lambda: False)
+    for name in ("_heur", "_gemv", "_gemm"):
+        monkeypatch.setattr(tl_fp8, name, Recorder(name))
+    return launched

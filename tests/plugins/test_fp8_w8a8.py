@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from kernel_device import KDEV, needs_kernel
+from kernel_device import KDEV, needs_kernel, record_fp8_launches
 
 from ttsbuild.plugins import fp8_w8a8
 from ttsbuild.plugins.fp8_linear import FP8_MAX, fp8_linear, quantize_weight_fp8
@@ -483,18 +483,7 @@ def test_weight_only_rule_switch_is_read_at_import_and_routes_its_rows(monkeypat
 
     assert tl_fp8.WO_RULE == (os.environ.get("TTSBUILD_FP8_WO_RULE", "0") == "1")
     assert [M for M in range(1, 130) if tl_fp8.wo_rule_rows(M)] == list(range(1, 65))
-    launched = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append((self.name, kw))
-
-    monkeypatch.setattr(tl_fp8, "interpret_mode", lambda: False)
-    for name in ("_heur", "_gemv", "_gemm"):
-        monkeypatch.setattr(tl_fp8, name, Recorder(name))
+    launched = record_fp8_launches(monkeypatch)
     w, s = quantize_weight_fp8(torch.randn(256, 512))
     for rule in (True, False):
         monkeypatch.setattr(tl_fp8, "WO_RULE", rule)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from kernel_device import record_fp8_launches
 
 pytest.importorskip("triton")
 
@@ -98,18 +99,7 @@ def test_the_sweep_report_becomes_a_table_of_each_tiles_winner_at_its_most_rows(
 
 
 def test_launches_of_its_shapes_take_the_table_ahead_of_rule_and_autotuner(monkeypatch):
-    launched = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append((self.name, kw))
-
-    monkeypatch.setattr(tl_fp8, "interpret_mode", lambda: False)
-    for name in ("_heur", "_gemv", "_gemm"):
-        monkeypatch.setattr(tl_fp8, name, Recorder(name))
+    launched = record_fp8_launches(monkeypatch)
     device = {"name": GPU}
     monkeypatch.setattr(tl_fp8, "_device_name", lambda dev: device["name"])
     table = wo_table.parse({"gpu": GPU, "configs": [
