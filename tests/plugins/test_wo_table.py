@@ -153,3 +153,34 @@ def test_the_table_is_read_at_import_and_a_bad_one_fails_it_clearly(tmp_path):
     env["TTSBUILD_FP8_WO_TABLE"] = str(tmp_path / "missing.json")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "no file" in out.stderr
+
+
+def test_a_processs_autotuned_picks_are_listed_in_the_tables_form(monkeypatch):
+    """fp8_linear.autotuned: each tuning key's pick (the tuners' caches) as a table entry, so
+    the engine bench logs them and two processes of one plan compare pick by pick; the list
+    loads as a table."""
+    import triton
+
+    from ttsbuild.bench.engine_bench import _pick
+
+    class Tuner:
+        def __init__(self, cache):
+            self.cache = cache
+
+    dt = ("torch.bfloat16", "torch.float8_e4m3fn")
+    monkeypatch.setattr(tl_fp8, "_gemv", Tuner({
+        (4096, 2048, 1, False, *dt): triton.Config(
+            {"BLOCK_N": 8, "BLOCK_K": 1024, "SPLIT_K": 1}, num_warps=4, num_stages=1)}))
+    monkeypatch.setattr(tl_fp8, "_gemm", Tuner({
+        (2048, 6144, 16, False, *dt): triton.Config(
+            {"BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 4}, num_warps=4, num_stages=3),
+        (1024, 512, 16, True, *dt): triton.Config(
+            {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2}, num_warps=8, num_stages=4)}))
+    monkeypatch.setattr(tl_fp8, "TUNE_BY_ROWS", False)
+    picks = tl_fp8.autotuned()
+    assert [(e["rows"], e["N"], e["K"], e["gate_up"]) for e in picks] == [
+        (1, 4096, 2048, False), (16, 1024, 512, True), (16, 2048, 6144, False)]
+    assert picks[2]["config"] == _cfg(64, 256, 4, 4, 3)
+    t = wo_table.parse({"gpu": GPU, "configs": picks})
+    assert t.lookup(16, 1024, 512, True, GPU) == _cfg(32, 128, 2, 8, 4)
+    assert _pick(picks[1]) == "16 1024x512 gate_up: 32x128 s2 w8 st4"

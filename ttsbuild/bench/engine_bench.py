@@ -74,6 +74,9 @@ class PrecisionResult:
     # lengths, as a harness's own prompts bring them
     host_resolve_fresh_ms: float = 0.0
     memory: dict[str, float] = field(default_factory=dict)  # GiB by kind, measured
+    # the weight-only FP8 kernel's autotuned picks in this process (`fp8_linear.autotuned`:
+    # rows, N, K, gate_up, config), after the run: processes of one plan compared pick by pick
+    autotuned: list[dict] = field(default_factory=list)
     # "B" (and "B lane": the admission lane on, where the plan has one; timed in the same
     # engine) -> median / max ms from a new request to its first 1-frame PCM chunk while B
     # other rows step (`first_chunk_under_load`): what serving adds to the above
@@ -271,6 +274,7 @@ def _profile_host(engine, be, log, n: int = 10) -> None:
 
 def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_modules=False,
                     first_frames: int = 1, context: int = 0):  # fmt: skip
+    from ttsbuild.plugins._tl.fp8_linear import autotuned
     from ttsbuild.runtime.graph_engine import GraphEngine, _capture
     from ttsbuild.runtime.request import SynthesisRequest
 
@@ -454,7 +458,18 @@ def bench_precision(models, plan: EnginePlan, batches, iters: int, log, release_
                 f"{', admission lane' if lane else ''}: median {statistics.median(walls):.2f} "
                 f"ms, max {max(walls):.2f} ms")
     engine.backend.lane_on = bool(plan.admission_lane)
+    res.autotuned = autotuned()
+    if res.autotuned:
+        log(f"[{precision}] weight-only FP8 autotuned picks (rows N x K: BLOCK_N x BLOCK_K "
+            "split / warps / stages): " + "; ".join(_pick(e) for e in res.autotuned))
     return res
+
+
+def _pick(e: dict) -> str:
+    c = e["config"]
+    return (f"{e['rows']} {e['N']}x{e['K']}{' gate_up' if e['gate_up'] else ''}"
+            f"{' M ' + str(e['M']) if 'M' in e else ''}: {c['BLOCK_N']}x{c['BLOCK_K']} "
+            f"s{c['SPLIT_K']} w{c['num_warps']} st{c['num_stages']}")
 
 
 def _resolve_fresh_ms(engine, prompts: int = 200) -> float:

@@ -560,6 +560,24 @@ def fp8_linear_a8_triton(
     return _launch(xq, w, scale, sx, out_dtype, config, gate_up)
 
 
+def autotuned() -> list[dict]:
+    """The weight-only kernel's autotuned picks so far in this process, one per tuning key, in
+    `wo_table`'s entry form (rows: the row tile; "M" too under TUNE_BY_ROWS): what a run
+    logs, so processes of one plan can be compared pick by pick (and a run's picks kept as
+    a table)."""
+    picks = []
+    for tuner in (_gemv, _gemm):
+        for key, cfg in getattr(tuner, "cache", {}).items():
+            entry = {"rows": int(key[2]), "N": int(key[0]), "K": int(key[1]),
+                     "gate_up": bool(key[3])}  # fmt: skip
+            if TUNE_BY_ROWS:
+                entry["M"] = int(key[4])
+            entry["config"] = {**cfg.kwargs, "num_warps": cfg.num_warps,
+                               "num_stages": cfg.num_stages}  # fmt: skip
+            picks.append(entry)
+    return sorted(picks, key=lambda e: (e["rows"], e["N"], e["K"], e["gate_up"], e.get("M", 0)))
+
+
 def best_config(M: int, N: int, K: int, a8: bool = False) -> dict | None:
     """The autotuner's pick for this shape (after a call), for reports; A8 (and the
     weight-only kernel under WO_RULE, where it covers the rows): the rule's; a shape in
