@@ -395,12 +395,12 @@ _WO_SHAPES = {"qkv": (2048, 4096), "o": (2048, 2048), "gate_up": (2048, 12288),
 
 def test_weight_only_rule_fits_every_shape_and_splits_to_half_a_wave():
     """wo_config (TTSBUILD_FP8_WO_RULE): for the 1.7B's linears at 2-16 rows as below, and at
-    17-64 rows the config
-    tiles K and N whole, splits K until the grid holds half the SMs' worth of programs (or K
-    allows no more), keeps gate_up's two weight tiles under `_prune`'s bound, and matches the
-    configs the H200 sweeps timed best at the talker's shapes (64 rows: qkv 64 x 256 split 2,
-    o and down 64 x 256 split 4, gate_up 64 x 128 unsplit, 4 warps, 3 stages; one row, the
-    GEMV: 8 rows x 1024-wide K blocks, 256 for gate_up)."""
+    17-64 rows the config tiles K and N whole, splits K until the grid holds half the SMs'
+    worth of programs (or K allows no more), keeps gate_up's two weight tiles under
+    `_prune`'s bound, and matches the configs the H200 sweeps timed best at the talker's
+    shapes (64 rows: qkv 64 x 256 split 2, o and down 64 x 256 split 4, gate_up 64 x 128
+    unsplit, 4 warps, 3 stages; one row, the GEMV: 8 rows x 1024-wide K blocks, 256 for
+    gate_up)."""
     pytest.importorskip("triton")
     from ttsbuild.plugins._tl import fp8_linear as tl_fp8
 

@@ -38,6 +38,8 @@ _NUM_SMS: dict[int, int] = {}
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _MAX_TILES = 1 << 16
 _MAX_SPLIT = 8
+# weights in each of gate_up's two tiles a program: larger ones spill (`_prune`)
+GATE_UP_MAX_TILE = 8192
 # Under PDL a tile without split-K brings its FP8 weight rows into L2 before waiting for the
 # previous kernel (one `cp.async.bulk.prefetch.L2` from thread 0), so its K loop reads L2,
 # not HBM: the talker's GEMVs and W8A8 tiles. Off until timed on the GPU
@@ -126,7 +128,7 @@ def _prune(configs, named_args, **kwargs):
             continue
         if bk > k or k % (bk * split) != 0 and split > 1:
             continue
-        if gate_up and bn * bk > 8192:
+        if gate_up and bn * bk > GATE_UP_MAX_TILE:
             # two weight tiles (and for a GEMV two [BLOCK_N, BLOCK_K] accumulators) per
             # program: larger tiles spill (offline sm_90 compile: 64 x 256 at 16 rows, 1 KB)
             continue
@@ -560,6 +562,10 @@ def fp8_linear_a8_triton(
     return _launch(xq, w, scale, sx, out_dtype, config, gate_up)
 
 
+def _config_dict(cfg: triton.Config) -> dict:
+    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
 def autotuned() -> list[dict]:
     """The weight-only kernel's autotuned picks so far in this process, one per tuning key, in
     `wo_table`'s entry form (rows: the row tile; "M" too under TUNE_BY_ROWS): what a run
@@ -572,8 +578,7 @@ def autotuned() -> list[dict]:
                      "gate_up": bool(key[3])}  # fmt: skip
             if TUNE_BY_ROWS:
                 entry["M"] = int(key[4])
-            entry["config"] = {**cfg.kwargs, "num_warps": cfg.num_warps,
-                               "num_stages": cfg.num_stages}  # fmt: skip
+            entry["config"] = _config_dict(cfg)
             picks.append(entry)
     return sorted(picks, key=lambda e: (e["rows"], e["N"], e["K"], e["gate_up"], e.get("M", 0)))
 
@@ -593,5 +598,5 @@ def best_config(M: int, N: int, K: int, a8: bool = False) -> dict | None:
     tuner = _gemv if m_bucket(M) == 1 else _gemm
     for key, cfg in tuner.cache.items():
         if tuple(key[:3]) == (N, K, m_bucket(M, a8)) and (not TUNE_BY_ROWS or key[4] == M):
-            return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            return _config_dict(cfg)
     return None

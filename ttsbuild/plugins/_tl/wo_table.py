@@ -28,8 +28,6 @@ log = logging.getLogger(__name__)
 
 ROW_TILES = (1, 16, 32, 64, 128)
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
-MAX_SPLIT = 8  # fp8_linear._MAX_SPLIT: the split-K workspace's depth
-MAX_GATE_UP_TILE = 8192  # weights in each of gate_up's two tiles (fp8_linear._prune's bound)
 
 Key = tuple[int, int, int, bool]  # (rows, N, K, gate_up)
 
@@ -57,6 +55,11 @@ class WoTable:
 
 
 def _check_config(c: object, K: int, gate_up: bool, where: str) -> dict:
+    # the kernel's own bounds: the split-K workspace's depth, gate_up's tile (imported here:
+    # fp8_linear loads its table at import, after defining them)
+    from ttsbuild.plugins._tl.fp8_linear import _MAX_SPLIT as MAX_SPLIT
+    from ttsbuild.plugins._tl.fp8_linear import GATE_UP_MAX_TILE
+
     if not isinstance(c, dict) or set(c) != set(CONFIG_KEYS):
         raise ValueError(f"{where}: config needs exactly {', '.join(CONFIG_KEYS)}, got {c!r}")
     for k in CONFIG_KEYS:
@@ -71,8 +74,8 @@ def _check_config(c: object, K: int, gate_up: bool, where: str) -> dict:
     if K % (c["BLOCK_K"] * c["SPLIT_K"]):
         raise ValueError(f"{where}: K {K} is not a multiple of BLOCK_K x SPLIT_K "
                          f"({c['BLOCK_K']} x {c['SPLIT_K']})")  # fmt: skip
-    if gate_up and c["BLOCK_N"] * c["BLOCK_K"] > MAX_GATE_UP_TILE:
-        raise ValueError(f"{where}: gate_up tiles hold at most {MAX_GATE_UP_TILE} weights, got "
+    if gate_up and c["BLOCK_N"] * c["BLOCK_K"] > GATE_UP_MAX_TILE:
+        raise ValueError(f"{where}: gate_up tiles hold at most {GATE_UP_MAX_TILE} weights, got "
                          f"{c['BLOCK_N']} x {c['BLOCK_K']}")  # fmt: skip
     return dict(c)
 
@@ -121,17 +124,17 @@ def from_sweep(report: dict, row_tile) -> dict:
     "results", each with shape, M, N, K and its best configs first in "top"): per row tile
     and shape, the winner at the most rows swept in that tile (the engine's buckets fill it
     up to there). row_tile: rows -> the launch's row tile (`fp8_linear.m_bucket`)."""
-    best: dict[Key, tuple[int, dict]] = {}
+    best: dict[Key, dict] = {}
     for r in report["results"]:
         if not r.get("top"):
             continue
         key = (row_tile(r["M"]), r["N"], r["K"], bool(r.get("gate_up", False)))
-        if key not in best or r["M"] > best[key][0]:
+        if key not in best or r["M"] > best[key]["at_rows"]:
             top = r["top"][0]
-            best[key] = (r["M"], {"config": {k: top[k] for k in CONFIG_KEYS},
-                                  "us": round(top["us"], 3), "at_rows": r["M"]})  # fmt: skip
+            best[key] = {"config": {k: top[k] for k in CONFIG_KEYS}, "us": round(top["us"], 3),
+                         "at_rows": r["M"]}  # fmt: skip
     configs = [{"rows": k[0], "N": k[1], "K": k[2], "gate_up": k[3], **v}
-               for k, (_, v) in sorted(best.items())]  # fmt: skip
+               for k, v in sorted(best.items())]  # fmt: skip
     table = {"gpu": report["gpu"], "torch": report.get("torch"), "configs": configs}
     parse(table, "the sweep's table")  # what it writes, it can load
     return table
