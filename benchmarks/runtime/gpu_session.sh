@@ -96,6 +96,9 @@
 #         the qkv GEMV's last programs (TTSBUILD_CP_ATTEND_IN_QKV=1), the sampler run by the
 #         head GEMV's last program at batch 1 (TTSBUILD_CP_SAMPLE_IN_HEAD=1); the GPU tests
 #         of the sampler and the fused code-predictor kernels first
+# l2persist: benchmarks/kernels/l2_persist.py (the code predictor's fused frame with an L2
+#         set-aside and an access-policy window over its weights, against none; whether a
+#         capture records a stream's window), batches $L2_BATCHES (default 1,16)
 # talker: the talker's decode step (bench_talker.py, FP8, batches $TALKER_BATCHES default
 #         1,8,64,128), one process per variant: its attention as three launches or as one
 #         (TTSBUILD_TALKER_ATTEND_FUSED=1: qk_norm_rope_decode_attention), the FP8 gate/up
@@ -299,6 +302,12 @@ for step in $STEPS; do
             tests/runtime/test_graph_engine.py \
             -k "slot_writes or admission or prefix_copy or prefill_fork" 2>&1 \
             | tee "$OUT/gpu_tests_prefill_fork.log" | tail -3 ;;
+    l2persist)
+        log "the code predictor's frame with its weights persisting in L2"
+        timeout -k 5 $((DEADLINE_S - SECONDS > 60 ? DEADLINE_S - SECONDS - 10 : 50)) \
+            python3 benchmarks/kernels/l2_persist.py --batches "${L2_BATCHES:-1,16}" \
+            > "$OUT/l2_persist.log" 2>&1
+        echo "l2persist rc=$?"; tail -30 "$OUT/l2_persist.log" ;;
     cp)  # CP_TESTS=0 skips the GPU tests (2026-12-03: over 240 s on a cold Triton cache)
         if [ "${CP_TESTS:-1}" != 0 ]; then
             log "GPU tests: sampler, fused code-predictor kernels"

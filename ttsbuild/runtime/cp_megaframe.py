@@ -39,6 +39,7 @@ from ttsbuild.generation.sampling import (
     uniform_noise,
 )
 from ttsbuild.model.layers import rope_cos_sin
+from ttsbuild.runtime import l2_persist
 from ttsbuild.runtime.fast_model import Dense, PackedStack
 
 # The shapes compiled into the kernel (the 1.7B CustomVoice code predictor's)
@@ -142,6 +143,11 @@ def pack(stack: PackedStack, heads: list[Dense], project: Callable[[torch.Tensor
     for name, denses in _linears(stack, heads).items():
         ws, ss = zip(*(_rows(d) for d in denses), strict=True)
         out["w" + name], out["s" + name] = torch.stack(ws), torch.stack(ss)
+    # the stacked weights in one allocation, so one L2 access-policy window covers them all
+    # (runtime.l2_persist; `share_weights` makes the engine's linears and heads views of them)
+    stacked = ["w" + name for name in _LINEARS]
+    for k, v in zip(stacked, l2_persist.arena([out[k] for k in stacked]), strict=True):
+        out[k] = v
     with torch.no_grad():
         out["in_norm"] = torch.stack([layer.input_norm for layer in stack.layers]).float()
         out["post_norm"] = torch.stack([layer.post_norm for layer in stack.layers]).float()

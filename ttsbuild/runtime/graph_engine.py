@@ -70,6 +70,7 @@ from ttsbuild.generation.sampling import SamplingBatch, apply_repetition_penalty
 from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.plugins.slot_writes import SlotWrites
+from ttsbuild.runtime import l2_persist
 from ttsbuild.runtime.codec_engine import CodecEngine
 from ttsbuild.runtime.core import EngineCore, SlotPlan
 from ttsbuild.runtime.cp_fused import FusedCodePredictor, decode_fused
@@ -356,6 +357,14 @@ class GraphBackend:
             for h, dense in zip(cp.lm_head, self.cp_heads, strict=True):
                 if dense.is_fp8:
                     h.weight = torch.nn.Parameter(h.weight.new_empty(0), requires_grad=False)
+        # TTSBUILD_CP_L2_PERSIST: the code predictor's linears, read 15 times a frame, partly
+        # held in an L2 set-aside (runtime.l2_persist); a window covers one allocation, which
+        # cp_megaframe.pack makes where the kernel runs, else an arena made here
+        l2_share = l2_persist.env_share() if dev.type == "cuda" else 0.0
+        if l2_share and not plan.megaframe_code_predictor:
+            linears = _cp_linears(self.cp_stack)
+            for d, v in zip(linears, l2_persist.arena([d.weight for d in linears]), strict=True):
+                d.weight = v
         self.cp_fused = FusedCodePredictor(
             self.cp_stack, self.cp_heads, self.cp_proj, self.codec_embedding, self.cp_embeddings
         )
@@ -397,6 +406,20 @@ class GraphBackend:
         # benchmarks/runtime/2026-12-05-h100-megaframe-served): it takes the fused path then,
         # a graph captured beside (an "alternate"). path -> the last step that ran the kernel.
         self.mega_alternates = len(self.cp_mega) == 2
+        # (runtime, window) every captured graph's kernel nodes take (TTSBUILD_CP_L2_PERSIST)
+        self.l2: tuple[l2_persist.CudaRuntime, l2_persist.Window] | None = None
+        if l2_share:
+            rt = l2_persist.CudaRuntime()
+            most, max_window = rt.limits(dev.index if dev.index is not None else 0)
+            window = l2_persist.window_for([d.weight for d in _cp_linears(self.cp_stack)],
+                                           rt.set_aside(most), max_window, l2_share)  # fmt: skip
+            if window is None:
+                log.warning("TTSBUILD_CP_L2_PERSIST: no window (no L2 set-aside here, or the "
+                            "code predictor's linears are not in one allocation)")
+            else:
+                self.l2 = (rt, window)
+                log.info("code predictor linears persisting in L2: %.1f MiB window, hit ratio "
+                         "%.3f", window.num_bytes / 2**20, window.hit_ratio)
         # plan.talker_megastep: the regular step's talker at bucket 1 as one kernel (the
         # lane's steps run no talker but a second frame's, which keeps the kernels)
         self.talker_mega = None
@@ -856,7 +879,8 @@ class GraphBackend:
         t0 = time.perf_counter()
         for key, body, lane in self.graph_bodies():
             t = time.perf_counter()
-            self.graphs[key] = _capture(body, *where[lane])  # first captures JIT-compile kernels
+            # (first captures JIT-compile kernels)
+            self.graphs[key] = _capture(body, *where[lane], l2=self.l2)
             kind = spent.setdefault(key[0], [0, 0.0])
             kind[0], kind[1] = kind[0] + 1, kind[1] + time.perf_counter() - t
         self._reset_scratch()
@@ -1588,14 +1612,26 @@ def megaframe_free(lane: bool, tickets: dict[bool, int | None], ready) -> bool:
     return other is None or bool(ready(other))
 
 
-def _capture(fn, pool, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+def _capture(fn, pool, stream: torch.cuda.Stream | None = None,
+             l2: tuple | None = None) -> torch.cuda.CUDAGraph:  # fmt: skip
+    """fn's work as a CUDA graph on `stream` (after two warm-up runs); l2: (runtime, window),
+    the access-policy window put on every kernel node before the graph is instantiated."""
     stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):  # warm-up: allocator, Triton autotuning, cuBLAS handles
             fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True) if l2 else torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):  # (not torch's one shared stream)
         fn()
+    if l2:
+        rt, window = l2
+        rt.apply_to_graph(graph, window)
+        graph.instantiate()
     return graph
+
+
+def _cp_linears(stack: PackedStack) -> list[Dense]:
+    """The code predictor's linears, layer by layer (what its L2 window covers)."""
+    return [d for layer in stack.layers for d in (layer.qkv, layer.o, layer.gate_up, layer.down)]
