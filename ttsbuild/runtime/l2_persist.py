@@ -18,6 +18,11 @@ window is unchanged, so every kernel node may carry it.
 
 The CUDA runtime calls go through ctypes to the libcudart torch has loaded; off CUDA nothing
 here is called (`window_for` and `arena` are plain tensor arithmetic, tested on the CPU).
+
+Measured on an H100 (benchmarks/runtime/2026-12-08-h100-l2): no gain in the engine's frame at
+1 / 16 / 64 rows, while the set-aside (31.2 MiB there) slowed what streams past it (the codec
+at 64 streams 2.20 -> 2.96 ms, a 4 x 256-token prefill 7.72 -> 9.04): off by default
+(TTSBUILD_CP_L2_PERSIST, `env_share`).
 """
 
 from __future__ import annotations

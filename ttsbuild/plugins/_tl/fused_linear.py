@@ -122,7 +122,9 @@ FUSED_WO_RULE = os.environ.get("TTSBUILD_FUSED_WO_RULE", "0") == "1"
 # 6.15 / 4.82 / 8.29 / 5.79 us (qkv 64 x 256 split 4, o 64 x 256 split 8, gate/up 32 x 128
 # split 4, down 32 x 128 split 8; each the best or within 4 % of it) against `plan`'s 64 x
 # 128 tiles' 7.33 / 5.31 / 8.79 / 6.13: 2.5 us a layer, ~0.19 ms of a frame's 75 layer
-# passes. TTSBUILD_FUSED_TILE16=1; off until the engine times it (read at import).
+# passes. In the engine (H100, benchmarks/runtime/2026-12-08-h100-l2) the code predictor at
+# 16 rows took 3.24 ms a frame with them against 2.85 without: off. TTSBUILD_FUSED_TILE16=1
+# (read at import).
 FUSED_TILE16 = os.environ.get("TTSBUILD_FUSED_TILE16", "0") == "1"
 
 
