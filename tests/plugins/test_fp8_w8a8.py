@@ -497,7 +497,24 @@ def test_weight_only_rule_switch_is_read_at_import_and_routes_its_rows(monkeypat
                 assert tl_fp8.best_config(M, 256, 512) == want
             else:
                 assert name == ("_gemv" if M == 1 else "_gemm"), (rule, M, name)
-    code = "import ttsbuild.plugins._tl.fp8_linear as f; print(f.WO_RULE)"
+    code = "import ttsbuild.plugins._tl.fp8_linear as f; print(f.WO_RULE, f.WO_RULE_MAX_ROWS)"
     env = {**os.environ, "TTSBUILD_FP8_WO_RULE": "1"}
+    env.pop("TTSBUILD_FP8_WO_RULE_MAX_ROWS", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr
+    assert out.returncode == 0 and out.stdout.split() == ["True", "64"], out.stderr
+    env["TTSBUILD_FP8_WO_RULE_MAX_ROWS"] = "16"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["True", "16"], out.stderr
+    for bad in ("0", "65", "sixteen"):
+        env["TTSBUILD_FP8_WO_RULE_MAX_ROWS"] = bad
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode != 0 and "TTSBUILD_FP8_WO_RULE_MAX_ROWS" in out.stderr, bad
+    # the narrowed rule leaves 17-64 rows to the autotuner
+    monkeypatch.setattr(tl_fp8, "WO_RULE", True)
+    monkeypatch.setattr(tl_fp8, "WO_RULE_MAX_ROWS", 16)
+    assert [M for M in range(1, 130) if tl_fp8.wo_rule_rows(M)] == list(range(1, 17))
+    for M, rule in ((16, True), (17, False), (32, False)):
+        launched.clear()
+        tl_fp8.fp8_linear_triton(torch.randn(M, 512).bfloat16(), w, s)
+        (name, _), = launched
+        assert (name == "_heur") == rule, (M, name)

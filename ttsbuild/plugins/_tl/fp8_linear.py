@@ -405,13 +405,27 @@ def a8_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> 
 # (at its shapes the rule's tiles are 3-17 % slower than the autotuner's picks). Next: the
 # talker at 2-8 rows (its weight-only buckets): ~0.04 ms a step against that engine's own
 # autotuned picks (qkv and down 5-10 % slower than the sweep's winners).
+# 2026-12-08 (H100, benchmarks/runtime/2026-12-08-h100-l2): with the 2-16 row branch the
+# talker at 4 rows 1.55-1.56 against 1.60-1.63 ms, at 8 rows 1.75 against 1.64 / 1.87 (two
+# processes), the code predictor at 32 rows still 0.15-0.21 ms slower: the rule on at 1-16
+# rows only is TTSBUILD_FP8_WO_RULE_MAX_ROWS=16 (default 64), to time next.
 WO_RULE = os.environ.get("TTSBUILD_FP8_WO_RULE", "0") == "1"
 
 
+def _rule_max_rows() -> int:
+    raw = os.environ.get("TTSBUILD_FP8_WO_RULE_MAX_ROWS", "64")
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise ValueError(f"TTSBUILD_FP8_WO_RULE_MAX_ROWS={raw!r}: a number of rows from 1 to 64")
+    return int(raw)
+
+
+WO_RULE_MAX_ROWS = _rule_max_rows()
+
+
 def wo_rule_rows(M: int) -> bool:
-    """Whether `wo_config` covers M rows: 1-64 (the GEMV, the 16-, 32- and 64-row tiles); the
-    autotuner takes more."""
-    return 1 <= M <= 64
+    """Whether `wo_config` covers M rows: 1-64 (the GEMV, the 16-, 32- and 64-row tiles), or
+    up to WO_RULE_MAX_ROWS; the autotuner takes more."""
+    return 1 <= M <= WO_RULE_MAX_ROWS
 
 
 def wo_config(M: int, N: int, K: int, sms: int = 132, gate_up: bool = False) -> dict:
