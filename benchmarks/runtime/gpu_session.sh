@@ -99,6 +99,10 @@
 # l2persist: benchmarks/kernels/l2_persist.py (the code predictor's fused frame with an L2
 #         set-aside and an access-policy window over its weights, against none; whether a
 #         capture records a stream's window), batches $L2_BATCHES (default 1,16)
+# gemvrule: TTSBUILD_FUSED_GEMV_RULE (the fused one-row GEMVs on the weight-only GEMV rule's
+#         tiles): its kernel test, then bench_talker.py (unfused vs fused talker step) and
+#         bench_cp_fused.py (unfused vs fused code-predictor frame) at batch $TALKER_BATCHES
+#         (default 1), a process each with the rule off and on, two rounds
 # talker: the talker's decode step (bench_talker.py, FP8, batches $TALKER_BATCHES default
 #         1,8,64,128), one process per variant: its attention as three launches or as one
 #         (TTSBUILD_TALKER_ATTEND_FUSED=1: qk_norm_rope_decode_attention), the FP8 gate/up
@@ -344,6 +348,25 @@ for step in $STEPS; do
                 --batches "${TALKER_BATCHES:-1,8,64,128}" --precisions fp8 \
                 > "$OUT/bench_talker_a${ATT}_g${GU}.log" 2>&1
             echo "rc=$?"; tail -6 "$OUT/bench_talker_a${ATT}_g${GU}.log"
+        done ;;
+    gemvrule)  # TTSBUILD_FUSED_GEMV_RULE off and on, two rounds, a process each
+        log "GPU test: the fused GEMV rule's kernel against fp32"
+        TRITON_F32_DEFAULT=ieee timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider \
+            tests/plugins/test_fused_kernels.py -k "gemv_rule" 2>&1 \
+            | tee "$OUT/gpu_tests_gemvrule.log" | tail -2
+        for round in 1 2; do
+            for rule in 0 1; do
+                log "talker step and code-predictor frame, TTSBUILD_FUSED_GEMV_RULE=$rule (round $round)"
+                TTSBUILD_FUSED_GEMV_RULE=$rule timeout -k 5 200 python3 \
+                    benchmarks/kernels/bench_talker.py --batches "${TALKER_BATCHES:-1}" \
+                    --precisions fp8 > "$OUT/bench_talker_rule${rule}_r$round.log" 2>&1
+                echo "rc=$?"; tail -3 "$OUT/bench_talker_rule${rule}_r$round.log"
+                TTSBUILD_FUSED_GEMV_RULE=$rule timeout -k 5 200 python3 \
+                    benchmarks/kernels/bench_cp_fused.py --batches 1 --precisions fp8 \
+                    --paths unfused,fused --fp32-batches "" \
+                    > "$OUT/bench_cp_rule${rule}_r$round.log" 2>&1
+                echo "rc=$?"; tail -2 "$OUT/bench_cp_rule${rule}_r$round.log"
+            done
         done ;;
     a8)  # the FP8 x FP8 (W8A8) Triton tiles: GPU tests, engine benches side by side, sweep
         log "GPU tests: W8A8 (row quantisation, cuBLASLt, the A8 tiles, the norms' quantised rows)"

@@ -345,6 +345,35 @@ def test_tile16_rule_kernel(mode, K, N, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("mode,K,N", [("norm", 1024, 48), ("residual", 2048, 40),
+                                      ("gate_up", 1024, 32)])  # fmt: skip
+def test_gemv_rule_kernel(mode, K, N, monkeypatch):
+    """TTSBUILD_FUSED_GEMV_RULE's one-row tiles (8 weight rows a program, whole 1024-wide K
+    blocks, gate/up's at most 512, no split) on FP8 weights: the kernel on the config the plan
+    gives (on a device of few SMs, so these small N fill its wave) against the fp32 reference,
+    each epilogue."""
+    from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
+
+    monkeypatch.setattr(tl_fused_linear, "FUSED_GEMV_RULE", True)
+    gate_up = mode == "gate_up"
+    c = tl_fused_linear.plan(1, N, K, gate_up, 4)
+    assert (c["BLOCK_M"], c["BLOCK_N"], c["SPLIT_K"]) == (1, 8, 1)
+    assert c["BLOCK_K"] == (512 if gate_up else 1024), c
+    g, x, w, s, w_ref = _linear_case(K + N + 7, 1, K, N, torch.bfloat16, True, gate_up=gate_up)
+    kw, ref_kw = {}, {}
+    if mode == "residual":
+        r = torch.randn(1, N, device=KDEV, generator=g).to(torch.bfloat16)
+        kw["residual"], ref_kw["residual"] = r, r.float()
+    else:
+        nw = (1 + 0.3 * torch.randn(K, device=KDEV, generator=g)).bfloat16()
+        kw.update(norm_weight=nw, eps=1e-6, gate_up=gate_up)
+        ref_kw.update(norm_weight=nw.float(), eps=1e-6, gate_up=gate_up)
+    out = fused_linear(x, w, s, use_triton=True, config=c, **kw)
+    ref = fused_linear_reference(x.float(), w_ref, s, **ref_kw)
+    assert out.shape == (1, N) and _rel(out, ref) < _tol(torch.bfloat16)
+
+
+@needs_kernel
 @pytest.mark.parametrize("M,split", [(1, None), (1, _SPLIT2), (3, _ROWS)])
 def test_scaled_half_weight_gemv_kernel(M, split):
     # the codec pre-transformer's fused layers with TR_HALF_WEIGHTS: fp32 activations, fp16
@@ -695,6 +724,41 @@ def test_plan_takes_the_weight_only_rule_for_17_to_64_half_rows_when_switched(mo
         assert {k: c[k] for k in want} == want and (c["BLOCK_K"] == 256) == fp8, (fp8, c)
     fp32 = plan(32, 3072, 512, False, 132, fp32=True)  # the rule's K block would be 256
     assert "num_warps" not in fp32 and fp32["BLOCK_K"] == 128
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")
+def test_plan_takes_the_gemv_rule_for_one_row_when_switched(monkeypatch):
+    """TTSBUILD_FUSED_GEMV_RULE: one half-precision row of FP8 weights takes the weight-only
+    GEMV rule's tiles where its 8-row programs fill the SMs (the 1.7B talker's four linears
+    and the code predictor's qkv, gate/up and head); narrower outputs (the code predictor's o
+    and down), two rows, two-byte weights, fp32 activations and the default keep plan's own."""
+    from ttsbuild.plugins._tl import fused_linear as tl_fused_linear
+    from ttsbuild.plugins._tl.fp8_linear import wo_config
+
+    plan = tl_fused_linear.plan
+    talker = {"qkv": (2048, 4096, False), "o": (2048, 2048, False),
+              "gate_up": (2048, 6144, True), "down": (6144, 2048, False)}  # fmt: skip
+    cp = {"qkv": (1024, 4096, False), "o": (2048, 1024, False), "gate_up": (1024, 3072, True),
+          "down": (3072, 1024, False), "head": (1024, 2048, False)}  # fmt: skip
+    shapes = [*talker.values(), *cp.values()]
+    base = {(K, N, gu, M): plan(M, N, K, gu, 132) for K, N, gu in shapes for M in (1, 2)}
+    monkeypatch.setattr(tl_fused_linear, "FUSED_GEMV_RULE", True)
+    for K, N, gate_up in shapes:
+        c = plan(1, N, K, gate_up, 132)
+        if N // 8 >= 132:
+            want = wo_config(1, 2 * N if gate_up else N, K, 132)
+            want["BLOCK_K"] = min(want["BLOCK_K"], 512) if gate_up else want["BLOCK_K"]
+            assert c == {**want, "BLOCK_M": 1}, (K, N, c)
+            assert c["BLOCK_N"] == 8 and c["SPLIT_K"] == 1 and c["num_warps"] == 4
+        else:
+            assert c == base[(K, N, gate_up, 1)], (K, N, c)
+        assert plan(2, N, K, gate_up, 132) == base[(K, N, gate_up, 2)]
+        assert plan(1, N, K, gate_up, 132, fp8_weight=False) == base[(K, N, gate_up, 1)]
+        assert "num_warps" not in plan(1, N, K, gate_up, 132, fp32=True)
+    ruled = [name for name, (K, N, gu) in cp.items()
+             if plan(1, N, K, gu, 132) != base[(K, N, gu, 1)]]  # fmt: skip
+    assert ruled == ["qkv", "gate_up", "head"]
+    assert plan(1, 6144, 2048, True, 132)["BLOCK_K"] == 256  # the talker's gate/up: 12288 rows
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the plan imports it)")

@@ -126,6 +126,19 @@ FUSED_WO_RULE = os.environ.get("TTSBUILD_FUSED_WO_RULE", "0") == "1"
 # 16 rows took 3.24 ms a frame with them against 2.85 without: off. TTSBUILD_FUSED_TILE16=1
 # (read at import).
 FUSED_TILE16 = os.environ.get("TTSBUILD_FUSED_TILE16", "0") == "1"
+# One-row GEMVs of FP8 weights on the weight-only kernel's GEMV rule (`fp8_linear.wo_config`
+# at one row: 8 weight rows a program, K blocks of 1024 (256 where the programs fill eight
+# waves), no split, 4 warps, 3 stages: the configs the engine's own autotuner picks for the
+# talker's plain GEMVs) where those 8-row programs fill a wave, instead of `plan`'s 16 x 512
+# tiles split to a wave. Why: the fused talker step (`decode_fused`: ~4 launches a layer
+# fewer than the unfused path's) has been level with the unfused one since PDL (unfused /
+# fused 1.072 / 1.026 and 1.059 / 1.088 ms in two processes, benchmarks/kernels/RESULTS.md),
+# its GEMVs slower than `fp8_linear`'s at the talker's K of 2048-6144 (a step 1.46 against
+# 1.26 ms before PDL): on the plain GEMVs' tiles the ~110 launches a step it saves would show.
+# Gate/up (two 8-row weight tiles a program) keeps K blocks of at most 512 (the plain GEMV's
+# accumulator). TTSBUILD_FUSED_GEMV_RULE=1; off until timed (`bench_talker.py`, gpu_session
+# step `talker`; read at import).
+FUSED_GEMV_RULE = os.environ.get("TTSBUILD_FUSED_GEMV_RULE", "0") == "1"
 
 
 @triton.jit
@@ -461,7 +474,9 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
          gemv_rows_f32: int | None = None, tf32: bool = False,
          fp8_weight: bool = True) -> dict:  # fmt: skip
     """Fixed tile config for a shape: BLOCK_M from M, split-K until ~one wave of programs
-    (under FUSED_WO_RULE, half-precision 17-64 rows of FP8 weights: `wo_config`'s tiles, warps
+    (under FUSED_GEMV_RULE, one half-precision row of FP8 weights where 8-row programs fill a
+    wave: `wo_config`'s GEMV tiles; under FUSED_WO_RULE, half-precision 17-64 rows of FP8
+    weights: `wo_config`'s tiles, warps
     and stages; what the rule was timed on: its 64 x 256 tiles of two-byte weights outgrow
     shared memory at 64 rows, 262144 bytes against the H100's 232448 for the code
     predictor's bf16 input projection).
@@ -475,6 +490,12 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
     else:
         rows_as_gemv = GEMV_FEW_ROWS_MAX if GEMV_FEW_ROWS else 1
     tile16 = False
+    if (FUSED_GEMV_RULE and M == 1 and fp8_weight and not fp32
+            and triton.cdiv(N, 8) >= sms):  # fmt: skip
+        c = wo_config(1, 2 * N if gate_up else N, K, sms)
+        if gate_up:
+            c["BLOCK_K"] = min(c["BLOCK_K"], 512)
+        return {**c, "BLOCK_M": 1}
     if M == 1 or M <= rows_as_gemv:
         block_m, block_n, block_k = 1, 16, 256 if gate_up else 512
         if fp32 and GEMV_F32_BLOCK_K:
