@@ -25,11 +25,12 @@ def test_plan_set_fields_reach_the_plan_and_bad_ones_are_refused():
     assert mega.talker_megastep and mega.lane_reserved_sms == 0
     assert bench_plan("fp8", (1, 64)).lane_reserved_sms > 0
     # the talker's cache as compile makes a calibrated FP8 engine: FP8, but not beside the
-    # one-kernel talker paths (which have none) nor for bf16, and a side can turn it off
+    # one-kernel talker step (which has none) nor for bf16, and a side can turn it off; the
+    # fused talker reads it
     assert default.talker_kv_fp8
     assert not mega.talker_kv_fp8 and not bench_plan("bf16", (1, 64)).talker_kv_fp8
-    assert not bench_plan("fp8", (1, 64), fused_talker_max_batch=8).talker_kv_fp8
-    assert not bench_plan("fp8", (1, 64), plan_set={"fused_talker": [1]}).talker_kv_fp8
+    assert bench_plan("fp8", (1, 64), fused_talker_max_batch=8).talker_kv_fp8
+    assert bench_plan("fp8", (1, 64), plan_set={"fused_talker": [1]}).talker_kv_fp8
     assert not bench_plan("fp8", (1, 64), plan_set={"talker_kv_fp8": False}).talker_kv_fp8
     with pytest.raises(SystemExit, match="EnginePlan field"):
         parse_plan_set(["no_such_field=1"])

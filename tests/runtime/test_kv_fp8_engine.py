@@ -110,9 +110,8 @@ def test_fp8_cache_needs_scales_and_the_default_kernels(models, scales):
 
     with pytest.raises(ValueError, match="the graph engine's"):
         EagerEngine(models, plan=EnginePlan(talker_kv_fp8=True, **PLAN))
-    for extra in ({"talker_megastep": True}, {"fused_talker": (1,)}):
-        with pytest.raises(ValueError, match="read a bf16 cache"):
-            EnginePlan(talker_kv_fp8=True, **extra, **PLAN)
+    with pytest.raises(ValueError, match="reads a bf16 cache"):
+        EnginePlan(talker_kv_fp8=True, talker_megastep=True, **PLAN)
     # the cache kernels refuse an FP8 cache given without its scales
     stack = GraphEngine(models, EnginePlan(**PLAN), use_graphs=False).backend.talker_stack
     cache = torch.zeros(1, 1, 1, 4, 8, dtype=KV_FP8_DTYPE)
@@ -138,3 +137,29 @@ def test_random_fp8_weights_serve_the_fp8_cache_with_measured_scales():
     for engine in (open_engine(None, precision="fp8", talker_kv_fp8=False, **kw),
                    open_engine(None, precision="bf16", **kw)):  # fmt: skip
         assert not engine.plan.talker_kv_fp8 and engine.backend.kv_k.dtype != KV_FP8_DTYPE
+
+
+def test_the_fused_talker_reads_the_fp8_cache(models, scales):
+    """plan.fused_talker (`cp_fused.decode_fused`) beside talker_kv_fp8: its long-cache path
+    writes and reads the FP8 cache with the layers' scales, as the unfused step does: the
+    same talker states and codes (the CPU references of both paths), the same cache bytes;
+    a short FP8 cache is refused (its kernels read bf16 caches)."""
+    plain = GraphEngine(models, EnginePlan(talker_kv_fp8=True, **PLAN), use_graphs=False,
+                        kv_scales=scales)  # fmt: skip
+    fused = GraphEngine(models, EnginePlan(talker_kv_fp8=True, fused_talker=(1, 2), **PLAN),
+                        use_graphs=False, kv_scales=scales)  # fmt: skip
+    assert fused.backend.kv_k.dtype == KV_FP8_DTYPE
+    want, want_runs = _states(plain, REQUESTS)
+    got, runs = _states(fused, REQUESTS)
+    for w, g in zip(want, got, strict=True):
+        assert _rel(g, w) < 1e-6, _rel(g, w)
+    for (codes, _), (ref_codes, _) in zip(runs, want_runs, strict=True):
+        assert np.array_equal(codes, ref_codes)
+    assert torch.equal(fused.backend.kv_k.view(torch.uint8), plain.backend.kv_k.view(torch.uint8))
+    from ttsbuild.runtime.cp_fused import decode_fused
+
+    stack = fused.backend.talker_stack
+    short = torch.zeros(len(stack.layers), 2, 2, 8, 16, dtype=KV_FP8_DTYPE)
+    with pytest.raises(ValueError, match="FP8 cache takes decode_fused's long-cache path"):
+        decode_fused(stack, torch.zeros(1, stack.cfg.hidden_size), short, short.clone(),
+                     torch.tensor([0]), torch.tensor([0]))  # fmt: skip

@@ -229,9 +229,8 @@ def bench_plan(
         bf16_min_rows=bf16_min_rows,
         lane_frames=lane_frames if lane else 1,
         # the FP8 talker cache, as compile makes a calibrated FP8 engine (the stand-in's k/v
-        # scales measured in `bench_precision`); the one-kernel talker paths have none
-        talker_kv_fp8=precision == "fp8" and not fused_talker_max_batch
-        and not any((plan_set or {}).get(k) for k in ("talker_megastep", "fused_talker")),
+        # scales measured in `bench_precision`); the one-kernel talker step has none
+        talker_kv_fp8=precision == "fp8" and not (plan_set or {}).get("talker_megastep"),
     )
     return EnginePlan(**{**fields, **(plan_set or {})})  # plan_set overrides any field
 

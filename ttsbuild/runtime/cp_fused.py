@@ -40,7 +40,7 @@ from ttsbuild.plugins.fused_linear import (
     norm_linear_sample,
 )
 from ttsbuild.plugins.norm_act import rms_norm
-from ttsbuild.plugins.qk_norm_rope import qk_norm_rope
+from ttsbuild.plugins.qk_norm_rope import KV_FP8_DTYPE, qk_norm_rope
 from ttsbuild.plugins.qk_norm_rope_attend import MAX_POSITIONS, qk_norm_rope_attend
 from ttsbuild.plugins.sampling import fused_sample
 from ttsbuild.runtime.fast_model import Dense, PackedStack
@@ -94,11 +94,17 @@ def decode_fused(
     projection (qk_norm_rope_attend may then read them, and the cache, early).
     tokens: x holds that many consecutive tokens of the B rows of slots / positions, token by
     token ([tokens * B, hidden], token t of row i at position positions[i] + t), run as one
-    pass (`qk_norm_rope_attend(tokens=)`; short caches only)."""
+    pass (`qk_norm_rope_attend(tokens=)`; short caches only).
+    An FP8 cache (the talker's under EnginePlan.talker_kv_fp8) takes the long-cache path with
+    the stack's k/v scales, as `PackedStack.decode` does; the short-cache kernels read bf16
+    caches only."""
     c = stack.cfg
     eps = c.rms_norm_eps
     heads = dict(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=eps, theta=c.rope_theta)
     max_len = k_cache.shape[3]
+    if k_cache.dtype == KV_FP8_DTYPE and max_len <= MAX_POSITIONS:
+        raise ValueError(f"an FP8 cache takes decode_fused's long-cache path: more than "
+                         f"{MAX_POSITIONS} positions, not {max_len}")  # fmt: skip
     if tokens > 1 and max_len > MAX_POSITIONS:
         raise ValueError(f"several tokens per row in one pass need a cache of at most "
                          f"{MAX_POSITIONS} positions, not {max_len}")  # fmt: skip
@@ -131,8 +137,10 @@ def decode_fused(
                                            inputs_ready=inputs_ready, tokens=tokens,
                                            **heads)  # fmt: skip
             else:
-                q = qk_norm_rope(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc, **heads)
-                attn = decode_attention(q, kc, vc, slots, positions + 1, max_len)
+                kv = stack.kv_cache_args(i, kc)  # ({} for a bf16 cache)
+                q = qk_norm_rope(qkv, p.q_norm, p.k_norm, positions, slots, kc, vc, **heads,
+                                 **kv)  # fmt: skip
+                attn = decode_attention(q, kc, vc, slots, positions + 1, max_len, **kv)
                 attn = attn.reshape(x.shape[0], -1)
         if not attend_o:
             # Both residuals were written two or more launches back (the layer input before

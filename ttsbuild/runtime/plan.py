@@ -215,7 +215,7 @@ class EnginePlan(BaseModel):
     # calibration, `build.pack.calibrated_scales`): half the bytes a decode step's attention
     # reads (at 256 rows and ~200 positions ~5.7 GB a step in bf16), and half the cache's
     # memory. Needs a calibrated engine; the cache kernels of the default decode and prefill
-    # paths only (not talker_megastep's nor fused_talker's). Off in a plan without scales
+    # paths and fused_talker's (not talker_megastep's). Off in a plan without scales
     # (a checkpoint's); compile turns it on for a calibrated FP8 engine (H100 2026-12-07: the
     # talker at 256 rows 3.89 -> 3.29 ms, at 600 positions 7.55 -> 5.53; gate passed).
     talker_kv_fp8: bool = False
@@ -341,9 +341,9 @@ class EnginePlan(BaseModel):
                 # a green context of fewer SMs
                 raise ValueError("talker_megastep needs every SM at once: it cannot run with "
                                  "lane_reserved_sms")
-        if self.talker_kv_fp8 and (self.talker_megastep or self.fused_talker):
-            raise ValueError("talker_kv_fp8: the one-kernel talker step and the fused talker "
-                             "read a bf16 cache; turn talker_megastep and fused_talker off")
+        if self.talker_kv_fp8 and self.talker_megastep:
+            raise ValueError("talker_kv_fp8: the one-kernel talker step reads a bf16 cache; "
+                             "turn talker_megastep off")
         if self.lane_frames > 1 and self.lane_frames not in self.codec_chunks:
             raise ValueError(f"lane_frames {self.lane_frames} must be one of the codec_chunks "
                              f"{self.codec_chunks}")
