@@ -136,8 +136,8 @@ FUSED_TILE16 = os.environ.get("TTSBUILD_FUSED_TILE16", "0") == "1"
 # its GEMVs slower than `fp8_linear`'s at the talker's K of 2048-6144 (a step 1.46 against
 # 1.26 ms before PDL): on the plain GEMVs' tiles the ~110 launches a step it saves would show.
 # Gate/up (two 8-row weight tiles a program) keeps K blocks of at most 512 (the plain GEMV's
-# accumulator). TTSBUILD_FUSED_GEMV_RULE=1; off until timed (`bench_talker.py`, gpu_session
-# step `talker`; read at import).
+# accumulator). TTSBUILD_FUSED_GEMV_RULE=1; off until timed (`bench_talker.py` and
+# `bench_cp_fused.py`: gpu_session step `gemvrule`; read at import).
 FUSED_GEMV_RULE = os.environ.get("TTSBUILD_FUSED_GEMV_RULE", "0") == "1"
 
 
