@@ -130,11 +130,12 @@ FUSED_TILE16 = os.environ.get("TTSBUILD_FUSED_TILE16", "0") == "1"
 # at one row: 8 weight rows a program, K blocks of 1024 (256 where the programs fill eight
 # waves), no split, 4 warps, 3 stages: the configs the engine's own autotuner picks for the
 # talker's plain GEMVs) where those 8-row programs fill a wave, instead of `plan`'s 16 x 512
-# tiles split to a wave. Why: the fused talker step (`decode_fused`: ~4 launches a layer
-# fewer than the unfused path's) has been level with the unfused one since PDL (unfused /
-# fused 1.072 / 1.026 and 1.059 / 1.088 ms in two processes, benchmarks/kernels/RESULTS.md),
+# tiles split to a wave. Why: the fused talker step (`decode_fused`: the norms and residual
+# adds inside the linears, fewer launches a layer than the unfused path) has been level
+# with the unfused one since PDL (unfused / fused 1.072 / 1.026 and 1.059 / 1.088 ms in two
+# processes, benchmarks/kernels/RESULTS.md),
 # its GEMVs slower than `fp8_linear`'s at the talker's K of 2048-6144 (a step 1.46 against
-# 1.26 ms before PDL): on the plain GEMVs' tiles the ~110 launches a step it saves would show.
+# 1.26 ms before PDL): on the plain GEMVs' tiles the launches it saves would show.
 # Gate/up (two 8-row weight tiles a program) keeps K blocks of at most 512 (the plain GEMV's
 # accumulator). TTSBUILD_FUSED_GEMV_RULE=1; off until timed (`bench_talker.py` and
 # `bench_cp_fused.py`: gpu_session step `gemvrule`; read at import).
