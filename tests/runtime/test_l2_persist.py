@@ -92,17 +92,24 @@ def test_switch_reads_a_share_or_fails_clearly(monkeypatch):
 
 
 def test_pack_puts_the_linears_and_heads_in_one_window():
-    """The engine's window covers the code predictor's linears once `pack` has laid them out
-    and `share_weights` made the engine's linears views of them: their span is theirs alone."""
+    """The engine's window covers the code predictor's linears once `pack(one_allocation=True)`
+    (what the engine asks under TTSBUILD_CP_L2_PERSIST) has laid them out and `share_weights`
+    made the engine's linears views of them: their span is theirs alone. Without it pack
+    makes no second copy; the values are the same."""
     _, _, cp = build_pair(small_config(), seed=21, dtype=torch.float32)
     stack = PackedStack.from_module(cp.model, True)
     heads = [Dense.make(h.weight.detach(), True) for h in cp.lm_head]
     before = {k: getattr(layer, k).weight.clone() for layer in stack.layers[:1]
               for k in ("qkv", "o", "gate_up", "down")}  # fmt: skip
     embeddings = torch.stack([e.weight.detach() for e in cp.model.codec_embedding])
-    m = cpm.pack(stack, heads, cp.small_to_mtp_projection, embeddings)
+    apart = cpm.pack(stack, heads, cp.small_to_mtp_projection, embeddings)
+    m = cpm.pack(stack, heads, cp.small_to_mtp_projection, embeddings, one_allocation=True)
     stacked = [m["w" + k] for k in ("qkv", "o", "gu", "d", "head")]
     assert len({t.untyped_storage().data_ptr() for t in stacked}) == 1
+    assert len({apart["w" + k].untyped_storage().data_ptr() for k in ("qkv", "o")}) == 2
+    for k, v in apart.items():  # the same values either way
+        assert torch.equal(v.view(torch.uint8) if v.is_floating_point() else v,
+                           m[k].view(torch.uint8) if v.is_floating_point() else m[k]), k
     cpm.share_weights(m, stack, heads)
     linears = [d.weight for layer in stack.layers for d in (layer.qkv, layer.o, layer.gate_up,
                                                             layer.down)]  # fmt: skip

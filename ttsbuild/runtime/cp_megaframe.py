@@ -131,23 +131,24 @@ def _linears(stack: PackedStack, heads: list[Dense]) -> dict[str, list[Dense]]:
 
 
 def pack(stack: PackedStack, heads: list[Dense], project: Callable[[torch.Tensor], torch.Tensor],
-         embeddings: torch.Tensor) -> dict[str, torch.Tensor]:
+         embeddings: torch.Tensor, one_allocation: bool = False) -> dict[str, torch.Tensor]:
     """The kernel's weights (names as ORDER; W_o row-major, `kernel_tensors` stores it
     head-major) from the code predictor as the engine holds it: its packed stack (qkv and
     gate/up rows concatenated), the heads of codebooks 1..G-1, small_to_mtp_projection
     (`project`), and the talker-width input embeddings of codebooks 1..G-1 ([G - 1, V, talker
     hidden]), of which 1..G-2 are folded through the projection into lookup tables (float32).
     Weights keep their dtype (FP8 with its scales; a float one with scales of 1): the kernel
-    takes FP8 linears and FP8 or bf16 heads."""
+    takes FP8 linears and FP8 or bf16 heads. one_allocation: the stacked linears and heads
+    copied into one allocation (`l2_persist.arena`), so one L2 access-policy window covers
+    them (TTSBUILD_CP_L2_PERSIST; off, pack makes no second copy)."""
     out: dict[str, torch.Tensor] = {}
     for name, denses in _linears(stack, heads).items():
         ws, ss = zip(*(_rows(d) for d in denses), strict=True)
         out["w" + name], out["s" + name] = torch.stack(ws), torch.stack(ss)
-    # the stacked weights in one allocation, so one L2 access-policy window covers them all
-    # (runtime.l2_persist; `share_weights` makes the engine's linears and heads views of them)
-    stacked = ["w" + name for name in _LINEARS]
-    for k, v in zip(stacked, l2_persist.arena([out[k] for k in stacked]), strict=True):
-        out[k] = v
+    if one_allocation:  # (`share_weights` then makes the engine's linears views of it)
+        stacked = ["w" + name for name in _LINEARS]
+        for k, v in zip(stacked, l2_persist.arena([out[k] for k in stacked]), strict=True):
+            out[k] = v
     with torch.no_grad():
         out["in_norm"] = torch.stack([layer.input_norm for layer in stack.layers]).float()
         out["post_norm"] = torch.stack([layer.post_norm for layer in stack.layers]).float()

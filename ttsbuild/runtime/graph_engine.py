@@ -385,7 +385,7 @@ class GraphBackend:
                                                     for d in self.cp_heads]  # fmt: skip
             packed = cp_megaframe.pack(self.cp_stack, mega_heads,
                                        lambda t: self.cp_fused._project(t, None),
-                                       self.cp_embeddings)
+                                       self.cp_embeddings, one_allocation=bool(l2_share))
             cp_megaframe.share_weights(packed, self.cp_stack, mega_heads)  # held once
             if own:  # the modules' bf16 heads: the same views
                 for h, dense in zip(cp.lm_head, mega_heads, strict=True):
@@ -410,7 +410,8 @@ class GraphBackend:
         self.l2: tuple[l2_persist.CudaRuntime, l2_persist.Window] | None = None
         if l2_share:
             rt = l2_persist.CudaRuntime()
-            most, max_window = rt.limits(dev.index if dev.index is not None else 0)
+            most, max_window = rt.limits(dev.index if dev.index is not None
+                                         else torch.cuda.current_device())  # fmt: skip
             window = l2_persist.window_for([d.weight for d in _cp_linears(self.cp_stack)],
                                            rt.set_aside(most), max_window, l2_share)  # fmt: skip
             if window is None:

@@ -423,8 +423,8 @@ WO_RULE_MAX_ROWS = _rule_max_rows()
 
 
 def wo_rule_rows(M: int) -> bool:
-    """Whether `wo_config` covers M rows: 1-64 (the GEMV, the 16-, 32- and 64-row tiles), or
-    up to WO_RULE_MAX_ROWS; the autotuner takes more."""
+    """Whether `wo_config` covers M rows: 1 to WO_RULE_MAX_ROWS (default 64: the GEMV, the
+    16-, 32- and 64-row tiles); the autotuner takes more."""
     return 1 <= M <= WO_RULE_MAX_ROWS
 
 

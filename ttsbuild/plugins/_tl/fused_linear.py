@@ -133,12 +133,12 @@ FUSED_TILE16 = os.environ.get("TTSBUILD_FUSED_TILE16", "0") == "1"
 # tiles split to a wave. Why: the fused talker step (`decode_fused`: the norms and residual
 # adds inside the linears, fewer launches a layer than the unfused path) has been level
 # with the unfused one since PDL (unfused / fused 1.072 / 1.026 and 1.059 / 1.088 ms in two
-# processes, benchmarks/kernels/RESULTS.md),
-# its GEMVs slower than `fp8_linear`'s at the talker's K of 2048-6144 (a step 1.46 against
-# 1.26 ms before PDL): on the plain GEMVs' tiles the launches it saves would show.
-# Gate/up (two 8-row weight tiles a program) keeps K blocks of at most 512 (the plain GEMV's
-# accumulator). TTSBUILD_FUSED_GEMV_RULE=1; off until timed (`bench_talker.py` and
-# `bench_cp_fused.py`: gpu_session step `gemvrule`; read at import).
+# processes, benchmarks/kernels/RESULTS.md), its GEMVs slower than `fp8_linear`'s at the
+# talker's K of 2048-6144 (a step 1.46 against 1.26 ms before PDL): on the plain GEMVs'
+# tiles the launches it saves would show. Gate/up (two 8-row weight tiles a program) keeps K
+# blocks of at most 512 (the plain GEMV's accumulator). TTSBUILD_FUSED_GEMV_RULE=1; off
+# until timed (`bench_talker.py` and `bench_cp_fused.py`: gpu_session step `gemvrule`; read
+# at import).
 FUSED_GEMV_RULE = os.environ.get("TTSBUILD_FUSED_GEMV_RULE", "0") == "1"
 
 
@@ -477,10 +477,9 @@ def plan(M: int, N: int, K: int, gate_up: bool, sms: int, fp32: bool = False,
     """Fixed tile config for a shape: BLOCK_M from M, split-K until ~one wave of programs
     (under FUSED_GEMV_RULE, one half-precision row of FP8 weights where 8-row programs fill a
     wave: `wo_config`'s GEMV tiles; under FUSED_WO_RULE, half-precision 17-64 rows of FP8
-    weights: `wo_config`'s tiles, warps
-    and stages; what the rule was timed on: its 64 x 256 tiles of two-byte weights outgrow
-    shared memory at 64 rows, 262144 bytes against the H100's 232448 for the code
-    predictor's bf16 input projection).
+    weights: `wo_config`'s tiles, warps and stages, what the rule was timed on: its 64 x 256
+    tiles of two-byte weights outgrow shared memory at 64 rows, 262144 bytes against the
+    H100's 232448 for the code predictor's bf16 input projection).
     fp32: the activations are fp32; then up to gemv_rows_f32 rows (default
     TTSBUILD_GEMV_ROWS_F32) run as GEMVs, a program per row and column tile; half precision:
     up to GEMV_FEW_ROWS_MAX rows where GEMV_FEW_ROWS is on. tf32: fp32 tiles on TF32 tensor
